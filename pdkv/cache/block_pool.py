@@ -1,0 +1,133 @@
+"""Block pool: ref-counted KV blocks, an LRU free queue and the prefix-cache index (torch-free).
+
+Follows vLLM v1's design (docs/design/prefix_caching.md): a block is free when its ref count is
+0; free blocks sit in an LRU queue (least recently freed first) and keep their hash, so a later
+request can still hit them until they are popped for reuse, at which point the hash is evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pdkv.cache.hashing import BlockHash
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    """One block of the paged KV cache.
+
+    Attributes:
+        block_id: index into the KV cache tensor (0 .. num_blocks-1).
+        ref_cnt: requests (or connectors) currently holding the block.
+        block_hash: set while the block is in the prefix-cache index (it is full and its
+            content is final).
+    """
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+
+class BlockPool:
+    """Owns `num_blocks` blocks of one KV cache group.
+
+    Invariants: a block is in the free queue iff ref_cnt == 0; a hash maps to at most one block;
+    a block with a hash is in the index. Not thread-safe: called only from the engine loop.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        # LRU order: first = evicted first.
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[BlockHash, KVCacheBlock] = {}
+        # Counters (tokens are counted by the manager; these are blocks).
+        self.num_evictions = 0
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref_cnt 0 (cached or not): what can be allocated now."""
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by someone, in [0, 1]."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """The block holding this content, if it is still cached."""
+        return self._cached.get(block_hash)
+
+    # ----------------------------------------------------------------- changes
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Pop `n` free blocks (LRU first), evicting their cached hashes; ref_cnt becomes 1.
+
+        Raises:
+            ValueError: fewer than n blocks are free (callers check num_free_blocks first).
+        """
+        if n > len(self._free):
+            raise ValueError(f"cannot allocate {n} blocks: only {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            _, block = self._free.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference to blocks found by a prefix-cache hit (removing them from the free
+        queue when they were free)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks reaching 0 go to the tail of the free
+        queue in the given order (callers pass a request's blocks tail-first so its last
+        blocks are evicted first, as in vLLM)."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of block {block.block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Register a full block's hash so later requests can reuse it. When another block
+        already holds the same content the index keeps the older one."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+
+    def evict_hashes(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop blocks from the prefix-cache index (their content is invalid, e.g. a failed
+        KV load)."""
+        for block in blocks:
+            self._evict(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only allowed when no block is in use."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()
+        return True
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+                self.num_evictions += 1
+            block.block_hash = None

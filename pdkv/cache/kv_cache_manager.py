@@ -1,0 +1,180 @@
+"""KV cache manager: per-request block tables over every KV cache group (torch-free).
+
+The scheduler talks only to this class (vLLM's `KVCacheManager`): look up prefix hits, allocate
+slots for the tokens of a step, free a request, read block ids. Internally one
+`SingleTypeKVCacheManager` and one `BlockPool` per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdkv.cache.block_pool import BlockPool, KVCacheBlock
+from pdkv.cache.single_type_manager import SingleTypeKVCacheManager, get_manager_class
+from pdkv.cache.specs import KVCacheConfig
+from pdkv.request import Request
+
+
+@dataclass(frozen=True)
+class KVCacheBlocks:
+    """Blocks per group, opaque to the scheduler except for their ids."""
+
+    blocks: tuple[list[KVCacheBlock], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        """Block ids per group."""
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def __len__(self) -> int:
+        return len(self.blocks[0]) if self.blocks else 0
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups since start (tokens)."""
+
+    queries: int = 0
+    hits: int = 0
+    requests: int = 0
+
+
+class KVCacheManager:
+    """Allocates and frees the blocks of requests across all KV cache groups.
+
+    Args:
+        kv_cache_config: groups and blocks per group.
+        enable_caching: prefix caching on/off.
+        max_model_len: longest sequence in tokens.
+
+    Called only from the engine loop thread; no method blocks.
+    """
+
+    def __init__(
+        self, kv_cache_config: KVCacheConfig, enable_caching: bool, max_model_len: int
+    ) -> None:
+        self.config = kv_cache_config
+        self.enable_caching = enable_caching
+        self.max_model_len = max_model_len
+        self.block_size = kv_cache_config.groups[0].spec.block_size
+        if any(g.spec.block_size != self.block_size for g in kv_cache_config.groups):
+            raise ValueError("all KV cache groups must share one block size")
+        self.block_pools = [
+            BlockPool(kv_cache_config.num_blocks, enable_caching) for _ in kv_cache_config.groups
+        ]
+        self.managers: list[SingleTypeKVCacheManager] = [
+            get_manager_class(g.spec)(g.spec, pool, i)
+            for i, (g, pool) in enumerate(zip(kv_cache_config.groups, self.block_pools))
+        ]
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_groups(self) -> int:
+        return len(self.managers)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks of the most loaded group (what limits admission)."""
+        return min(p.num_free_blocks for p in self.block_pools)
+
+    @property
+    def usage(self) -> float:
+        """KV cache usage fraction in [0, 1] (max over groups)."""
+        return max(p.usage for p in self.block_pools)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table per group."""
+        return tuple(m.block_ids(request_id) for m in self.managers)
+
+    def empty_blocks(self) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple([] for _ in self.managers))
+
+    # ------------------------------------------------------------------ lookup
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Longest cached prefix of the request, in whole blocks.
+
+        At least one token is always left to compute (its logits give the next token), so the
+        hit is capped at num_tokens - 1. Side-effect free (may be called again next step).
+
+        Returns:
+            (blocks per group, number of computed tokens they cover).
+        """
+        if not self.enable_caching:
+            return self.empty_blocks(), 0
+        max_length = request.num_tokens - 1
+        hits = [m.find_longest_cache_hit(request.block_hashes, max_length) for m in self.managers]
+        # Every group must hold the prefix; with several groups take the common length.
+        num_blocks = min(len(h) for h in hits)
+        hits = [h[:num_blocks] for h in hits]
+        return KVCacheBlocks(tuple(hits)), num_blocks * self.block_size
+
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup in the prefix-cache statistics."""
+        if not self.enable_caching:
+            return
+        self.prefix_cache_stats.requests += 1
+        self.prefix_cache_stats.queries += num_query_tokens
+        self.prefix_cache_stats.hits += num_hit_tokens
+
+    # -------------------------------------------------------------- allocation
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_new_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+    ) -> KVCacheBlocks | None:
+        """Make room for `num_new_tokens` more tokens of the request.
+
+        Args:
+            request: the request (its num_computed_tokens are already in its blocks).
+            num_new_tokens: tokens to compute in this step.
+            new_computed_blocks: prefix-cache hits to attach (first scheduling only).
+            num_new_computed_tokens: tokens covered by those hits.
+            num_external_computed_tokens: tokens a KV connector will load into new blocks.
+
+        Returns:
+            The newly allocated blocks per group, or None when the pool is too small now
+            (nothing is changed in that case).
+        """
+        hits = new_computed_blocks.blocks if new_computed_blocks else tuple(
+            [] for _ in self.managers
+        )
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        total = min(
+            num_computed + num_external_computed_tokens + num_new_tokens, self.max_model_len
+        )
+        need = [
+            m.get_num_blocks_to_allocate(request.request_id, total, h)
+            for m, h in zip(self.managers, hits)
+        ]
+        if any(n > p.num_free_blocks for n, p in zip(need, self.block_pools)):
+            return None
+        new_blocks = []
+        for m, h in zip(self.managers, hits):
+            m.save_new_computed_blocks(request.request_id, h)
+            new_blocks.append(m.allocate_new_blocks(request.request_id, total))
+        if self.enable_caching:
+            # Blocks filled by this step's tokens are final once the step runs; tokens coming
+            # from a connector are cached only after their load completes.
+            num_final = min(num_computed + num_new_tokens, request.num_tokens)
+            if num_external_computed_tokens == 0:
+                self.cache_blocks(request, num_final)
+        return KVCacheBlocks(tuple(new_blocks))
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's full blocks within its first `num_tokens` tokens."""
+        if not self.enable_caching:
+            return
+        for m in self.managers:
+            m.cache_blocks(request.request_id, request.block_hashes, num_tokens)
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request (idempotent)."""
+        for m in self.managers:
+            m.free(request.request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached hashes; False when blocks are still in use."""
+        return all(p.reset_prefix_cache() for p in self.block_pools)

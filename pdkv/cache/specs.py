@@ -1,0 +1,82 @@
+"""KV cache specs and groups (torch-free).
+
+A model declares per layer what state it keeps; layers with an equal spec form a KV cache group
+and the manager allocates blocks per group (vLLM's `KVCacheSpec` / `KVCacheGroupSpec`,
+vllm/v1/kv_cache_interface.py). Llama needs only `FullAttentionSpec`; block tables, hashes and
+(later) kv_transfer_params are keyed by group so other specs slot in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Base spec: state kept per block of `block_size` tokens."""
+
+    block_size: int
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of one layer."""
+        raise NotImplementedError
+
+    @property
+    def kind(self) -> str:
+        """Short name used in fingerprints and logs."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(KVCacheSpec):
+    """K and V of every token, for causal attention over the whole context.
+
+    One block of one layer is K and V, each [block_size, num_kv_heads, head_size] of `dtype`:
+    page_size_bytes = 2 * block_size * num_kv_heads * head_size * dtype_bytes.
+    """
+
+    num_kv_heads: int = 1
+    head_size: int = 1
+    dtype: str = "float32"
+
+    @property
+    def page_size_bytes(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * DTYPE_BYTES[self.dtype]
+
+    @property
+    def kind(self) -> str:
+        return "full_attention"
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """Layers (by index) that share one spec and one block table per request."""
+
+    layer_indices: tuple[int, ...]
+    spec: KVCacheSpec
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """What the worker allocates: `num_blocks` blocks per group.
+
+    Each group's cache is one tensor [num_blocks, num_layers_in_group, 2, block_size,
+    num_kv_heads, head_size] ("cross-layer" layout), so a block is one contiguous run of
+    `block_bytes(group)` bytes: what P/D transfer and the pool move.
+    """
+
+    num_blocks: int
+    groups: tuple[KVCacheGroupSpec, ...]
+
+    def block_bytes(self, group_id: int = 0) -> int:
+        """Bytes of one block across all layers of a group."""
+        g = self.groups[group_id]
+        return g.spec.page_size_bytes * len(g.layer_indices)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the whole KV cache."""
+        return sum(self.block_bytes(i) for i in range(len(self.groups))) * self.num_blocks

@@ -1,0 +1,126 @@
+"""Frozen configuration, one dataclass per area (vLLM's names where they exist).
+
+Each component receives only its own config. Derived values are properties; nothing is mutated
+after start-up. `pdkv.engine.arg_utils.EngineArgs` is the one place where CLI flags and keyword
+arguments become these objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What model to run and how.
+
+    Attributes:
+        model: the name the user gave (an alias such as "smollm2" or a folder path).
+        path: resolved local HF-format folder (config.json + *.safetensors + tokenizer files).
+        dtype: "float32" | "float16" | "bfloat16" for weights and KV cache.
+        device: "cpu" or "cuda[:N]".
+        max_model_len: longest sequence (prompt + output) in tokens.
+        seed: base seed for random sampling of requests that give none.
+        served_model_name: the name reported to clients.
+    """
+
+    model: str
+    path: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int = 8192
+    seed: int = 0
+    served_model_name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache shape.
+
+    Attributes:
+        block_size: tokens per KV block.
+        num_kv_blocks: blocks in the pool (per KV cache group); None = derived from
+            kv_cache_memory_bytes by the worker.
+        kv_cache_memory_bytes: memory budget for the KV cache when num_kv_blocks is None.
+        enable_prefix_caching: reuse full blocks across requests by block hash.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits.
+
+    Attributes:
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one engine step (prefill chunks + decodes).
+        max_model_len: longest sequence in tokens (copied from ModelConfig).
+        enable_chunked_prefill: split a prompt over several steps when it exceeds the budget.
+    """
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Parallel layout (only size 1 is implemented so far).
+
+    Attributes:
+        tensor_parallel_size: TP ranks.
+        decode_context_parallel_size: DCP ranks sharing one request's KV.
+        cp_kv_cache_interleave_size: consecutive tokens placed on one DCP rank.
+    """
+
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    cp_kv_cache_interleave_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1 or self.decode_context_parallel_size != 1:
+            raise ValueError(
+                "tensor_parallel_size and decode_context_parallel_size > 1 are not supported yet"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine needs, grouped by area."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)

@@ -1,0 +1,132 @@
+"""EngineArgs: the one place where CLI flags / keyword arguments become frozen configs.
+
+Flag names mirror vLLM's (`--block-size`, `--max-num-seqs`, `--max-num-batched-tokens`,
+`--enable-prefix-caching`, `--max-model-len`, `--dtype`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+from pdkv.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pdkv.model.llama import LlamaArchConfig
+from pdkv.model.registry import resolve_model
+
+
+@dataclass
+class EngineArgs:
+    """Engine options with their defaults (see the config dataclasses for meanings)."""
+
+    model: str = "smollm2"
+    served_model_name: str | None = None
+    dtype: str = "float32"
+    device: str | None = None
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    num_threads: int | None = None
+
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve the model and build the configs.
+
+        Raises:
+            ValueError: unknown model, or an option out of range (message names it).
+        """
+        path = resolve_model(self.model)
+        arch = LlamaArchConfig.from_hf_folder(path)
+        max_len = self.max_model_len or arch.max_position_embeddings
+        if max_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                f"{arch.max_position_embeddings}"
+            )
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        batched = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill:
+            batched = max(batched, max_len)
+        return EngineConfig(
+            model_config=ModelConfig(
+                model=self.model,
+                path=path,
+                dtype=self.dtype,
+                device=device,
+                max_model_len=max_len,
+                seed=self.seed,
+                served_model_name=self.served_model_name or self.model,
+            ),
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                num_kv_blocks=self.num_kv_blocks,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=batched,
+                max_model_len=max_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                decode_context_parallel_size=self.decode_context_parallel_size,
+            ),
+        )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add the engine flags (vLLM names) to `parser`."""
+        d = EngineArgs()
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=d.model, help="alias (smollm2) or HF folder")
+        g.add_argument("--served-model-name", default=None)
+        g.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"])
+        g.add_argument("--device", default=None, help="cpu | cuda[:N] (default: cuda if present)")
+        g.add_argument("--seed", type=int, default=d.seed)
+        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--block-size", type=int, default=d.block_size)
+        g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-bytes)")
+        g.add_argument("--kv-cache-memory-bytes", type=int, default=d.kv_cache_memory_bytes)
+        g.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=d.enable_prefix_caching,
+        )
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+        g.add_argument(
+            "--enable-chunked-prefill",
+            action=argparse.BooleanOptionalAction,
+            default=d.enable_chunked_prefill,
+        )
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+        g.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
+        g.add_argument(
+            "--num-threads",
+            type=int,
+            default=None,
+            help="torch CPU threads (default: torch's choice, or $PDKV_NUM_THREADS)",
+        )
+        return parser
+
+    @staticmethod
+    def from_cli_args(args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in fields(EngineArgs)}
+        return EngineArgs(**{k: v for k, v in vars(args).items() if k in names})
+
+    def apply_threads(self) -> None:
+        """Set torch's CPU thread count when asked (flag or $PDKV_NUM_THREADS)."""
+        n = self.num_threads or int(os.environ.get("PDKV_NUM_THREADS", "0"))
+        if n > 0:
+            torch.set_num_threads(n)

@@ -1,0 +1,126 @@
+"""Offline API, compatible with vLLM's `LLM`: `LLM(model=...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pdkv.engine.arg_utils import EngineArgs
+from pdkv.engine.llm_engine import LLMEngine, PromptType
+from pdkv.outputs import RequestOutput
+from pdkv.sampling_params import SamplingParams
+
+ChatMessages = list[dict[str, str]]
+
+
+class LLM:
+    """Generate completions for a batch of prompts with continuous batching.
+
+    Keyword arguments are EngineArgs fields (model="smollm2", block_size=16,
+    enable_prefix_caching=True, max_num_seqs, max_num_batched_tokens, num_kv_blocks,
+    max_model_len, dtype, device, seed, ...).
+
+    Raises:
+        ValueError: unknown model or bad engine option.
+    """
+
+    def __init__(self, model: str = "smollm2", **kwargs: Any) -> None:
+        args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(args)
+
+    def get_tokenizer(self) -> Any:
+        """The transformers tokenizer of the model."""
+        return self.llm_engine.tokenizer.hf
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs are in prompt order.
+
+        Args:
+            prompts: a string, {"prompt_token_ids": [...]}, or a list of those.
+            sampling_params: one for all prompts or one per prompt (default SamplingParams()).
+            use_tqdm: show a progress bar.
+            cache_salt: prefix-cache salt applied to every prompt.
+
+        Raises:
+            ValueError: any invalid prompt or params; then no prompt of the batch is queued.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompt_list: list[PromptType] = [prompts]
+        elif prompts and all(isinstance(t, int) for t in prompts):
+            prompt_list = [list(prompts)]  # type: ignore[arg-type]
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
+                )
+        engine = self.llm_engine
+        made = [
+            engine.make_request(p, sp, cache_salt=cache_salt)
+            for p, sp in zip(prompt_list, params_list)
+        ]
+        for request, text in made:
+            engine.add_request(request, text)
+        return self._run([r.request_id for r, _ in made], use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render conversations with the model's chat template, then generate.
+
+        Args:
+            messages: one conversation ([{"role", "content"}, ...]) or a list of them.
+        """
+        convs: list[ChatMessages] = (
+            [messages]  # type: ignore[list-item]
+            if messages and isinstance(messages[0], dict)
+            else list(messages)  # type: ignore[arg-type]
+        )
+        tok = self.llm_engine.tokenizer
+        prompts: list[PromptType] = [
+            {"prompt_token_ids": tok.encode_chat(c, add_generation_prompt),
+             "prompt": tok.apply_chat_template(c, add_generation_prompt)}
+            for c in convs
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pending = set(request_ids)
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        final[out.request_id] = out
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request(list(pending))
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [final[r] for r in request_ids]

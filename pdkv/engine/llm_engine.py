@@ -1,0 +1,151 @@
+"""LLMEngine: input validation, then the step loop schedule -> execute -> update."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from pdkv.config import EngineConfig
+from pdkv.engine.arg_utils import EngineArgs
+from pdkv.engine.output_processor import OutputProcessor
+from pdkv.outputs import RequestOutput
+from pdkv.request import Request, RequestStatus
+from pdkv.sampling_params import SamplingParams
+from pdkv.sched.scheduler import Scheduler
+from pdkv.tokenizer import Tokenizer
+from pdkv.worker.model_runner import ModelRunner
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class LLMEngine:
+    """One engine: tokenizer, scheduler (with its KV cache manager) and model runner.
+
+    Not thread-safe: the owner calls add_request / abort_request / step from one thread.
+
+    Args:
+        config: engine configuration (see EngineArgs.create_engine_config).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer(config.model_config.path)
+        self.runner = ModelRunner(config.model_config, config.cache_config)
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, self.runner.kv_cache_config
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.vocab_size = self.runner.model.cfg.vocab_size
+        self.eos_token_id = self.runner.eos_token_id
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        args.apply_threads()
+        return cls(args.create_engine_config())
+
+    # ------------------------------------------------------------------ input
+    def make_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> tuple[Request, str | None]:
+        """Validate and tokenize one prompt without queuing it.
+
+        Args:
+            prompt: text, {"prompt_token_ids": [...]} / {"prompt": "..."}, or a token id list.
+
+        Returns:
+            (request, prompt text or None).
+
+        Raises:
+            ValueError: empty prompt, prompt too long for max_model_len, token ids outside the
+                vocabulary, or bad sampling params (message names the problem).
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        text: str | None = None
+        if isinstance(prompt, str):
+            text = prompt
+            token_ids = self.tokenizer.encode(prompt) if prompt else []
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            token_ids = list(prompt["prompt_token_ids"])
+            text = prompt.get("prompt")
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            text = prompt["prompt"]
+            if not isinstance(text, str):
+                raise ValueError("prompt must be a string")
+            token_ids = self.tokenizer.encode(text) if text else []
+        elif isinstance(prompt, list):
+            token_ids = list(prompt)
+        else:
+            raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
+            raise ValueError("prompt_token_ids must be integers")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        max_len = self.config.model_config.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens, longer than allowed: it must be shorter "
+                f"than max_model_len={max_len} to leave room for an output token"
+            )
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request = Request(
+            rid,
+            token_ids,
+            params,
+            block_size=self.config.cache_config.block_size,
+            eos_token_id=self.eos_token_id,
+            cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
+        )
+        return request, text
+
+    def add_request(self, request: Request, prompt_text: str | None = None) -> None:
+        """Queue a request made by make_request.
+
+        Raises:
+            ValueError: its id is already in use.
+        """
+        self.scheduler.add_request(request)
+        self.output_processor.add_request(request, prompt_text)
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Abort requests at any stage; their blocks are freed now. Unknown ids are ignored."""
+        outs = []
+        for req in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
+            out = self.output_processor.abort(req)
+            if out is not None:
+                outs.append(out)
+        return outs
+
+    # ------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns outputs of requests that produced tokens or finished."""
+        sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute_model(sched_out)
+        updates = self.scheduler.update_from_output(sched_out, runner_out)
+        self.num_steps += 1
+        outputs = []
+        for update in updates:
+            out, hit_stop = self.output_processor.process(update)
+            if hit_stop and not update.finished:
+                self.scheduler.finish_requests(
+                    [update.request.request_id], RequestStatus.FINISHED_STOPPED
+                )
+            outputs.append(out)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()

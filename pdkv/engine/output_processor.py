@@ -1,0 +1,175 @@
+"""Turns scheduler updates into RequestOutputs: incremental detokenization, stop strings,
+logprobs and timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pdkv.request import Request
+from pdkv.sched.scheduler import RequestUpdate
+from pdkv.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing token list, never emitting half a character.
+
+    Uses the prefix/read offset window of HF's TextStreamer and vLLM's
+    `detokenize_incrementally`: decode the tail starting a few tokens back and emit what
+    grew, holding back while the text ends in U+FFFD (an incomplete UTF-8 sequence).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append tokens; returns the newly completed text (maybe "")."""
+        self.token_ids.extend(token_ids)
+        prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset], self.skip)
+        full = self.tokenizer.decode(self.token_ids[self.prefix_offset :], self.skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+            return full[len(prefix) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back (called when the request finishes)."""
+        prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset], self.skip)
+        full = self.tokenizer.decode(self.token_ids[self.prefix_offset :], self.skip)
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        return full[len(prefix) :]
+
+
+@dataclass
+class _ReqState:
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    stop: tuple[str, ...]
+    min_tokens: int
+    full_text: str = ""
+    emitted: int = 0
+    searched: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+
+class OutputProcessor:
+    """Owns per-request text state. Called from the engine loop thread."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _ReqState] = {}
+
+    def add_request(self, request: Request, prompt: str | None) -> None:
+        p = request.sampling_params
+        self._states[request.request_id] = _ReqState(
+            prompt=prompt,
+            detok=IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens),
+            stop=p.stop,
+            min_tokens=p.min_tokens,
+            logprobs=[] if p.logprobs is not None else None,
+            cumulative_logprob=0.0 if p.logprobs is not None else None,
+        )
+
+    def process(self, update: RequestUpdate) -> tuple[RequestOutput, bool]:
+        """Build the RequestOutput of one update.
+
+        Returns:
+            (output, hit_stop_string): the second is True when a stop string ended the
+            request here (the caller must then finish it in the scheduler).
+        """
+        req = update.request
+        st = self._states[req.request_id]
+        st.token_ids.extend(update.new_token_ids)
+        if st.logprobs is not None and update.new_logprobs:
+            for entry in update.new_logprobs:
+                st.logprobs.append(dict(entry[1:]) | {entry[0][0]: entry[0][1]})
+                st.cumulative_logprob = (st.cumulative_logprob or 0.0) + entry[0][1]
+        st.full_text += st.detok.add(update.new_token_ids)
+        if update.finished:
+            st.full_text += st.detok.flush()
+        hit_stop = False
+        if st.stop and len(st.token_ids) >= st.min_tokens:
+            stop_str = self._truncate_at_stop(st)
+            if stop_str is not None:
+                hit_stop = True
+                req.stop_reason = stop_str
+        finished = update.finished or hit_stop
+        # While running, hold back a possible stop-string prefix so no delta is ever retracted.
+        hold = 0 if finished or not st.stop else max(len(s) for s in st.stop) - 1
+        upto = max(st.emitted, len(st.full_text) - hold)
+        delta = st.full_text[st.emitted : upto]
+        st.emitted = upto
+        out = self._make_output(req, st, delta, update.new_token_ids, finished, hit_stop)
+        if finished:
+            del self._states[req.request_id]
+        return out, hit_stop
+
+    def abort(self, request: Request) -> RequestOutput | None:
+        """Final output of a request finished from outside (abort)."""
+        st = self._states.pop(request.request_id, None)
+        if st is None:
+            return None
+        return self._make_output(request, st, "", [], True, False)
+
+    @staticmethod
+    def _truncate_at_stop(st: _ReqState) -> str | None:
+        """Cut full_text at the earliest stop string; returns that string or None."""
+        longest = max(len(s) for s in st.stop)
+        window = max(0, st.searched - longest + 1)
+        best: tuple[int, str] | None = None
+        for s in st.stop:
+            i = st.full_text.find(s, window)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        st.searched = len(st.full_text)
+        if best is None:
+            return None
+        st.full_text = st.full_text[: best[0]]
+        return best[1]
+
+    def _make_output(
+        self,
+        req: Request,
+        st: _ReqState,
+        delta: str,
+        delta_ids: list[int],
+        finished: bool,
+        hit_stop: bool,
+    ) -> RequestOutput:
+        reason = "stop" if hit_stop else (req.get_finished_reason() if finished else None)
+        t = req.times
+        comp = CompletionOutput(
+            index=0,
+            text=st.full_text[: st.emitted],
+            token_ids=list(st.token_ids),
+            finish_reason=reason,
+            stop_reason=req.stop_reason,
+            logprobs=list(st.logprobs) if st.logprobs is not None else None,
+            cumulative_logprob=st.cumulative_logprob,
+            delta_text=delta,
+            delta_token_ids=list(delta_ids),
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=st.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[comp],
+            finished=finished,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            metrics=RequestMetrics(
+                arrival_time=t.arrival,
+                first_scheduled_time=t.first_scheduled,
+                first_token_time=t.first_token,
+                last_token_time=t.last_token,
+                finished_time=t.finished,
+                num_preemptions=req.num_preemptions,
+            ),
+            kv_transfer_params=None,
+        )

@@ -1,0 +1,143 @@
+"""Paged attention in plain PyTorch: write new K/V into cache blocks, attend over block tables.
+
+KV cache of one layer (a view into the group's cross-layer tensor):
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size]  (0 = K, 1 = V)
+The token at position p of a request lives in block `block_table[p // block_size]` at offset
+`p % block_size` (its slot). A step's batch is flat: T tokens from several requests, each request
+a contiguous run of query tokens. Requests with one query token (decodes, or a one-token prefill
+remainder) are attended together; longer runs (prefill chunks) one by one.
+
+Per layer, the K/V of all T tokens are written first and attention runs after, so a request may
+read blocks another request fills in the same step (prefix-cache hits on blocks being computed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """One request's run of more than one query token.
+
+    Attributes:
+        start, end: its token range in the flat batch.
+        context_len: tokens already in the cache before this run (positions start there).
+        block_table: [num_blocks_needed] long, blocks covering context_len + (end - start).
+    """
+
+    start: int
+    end: int
+    context_len: int
+    block_table: torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs of paged attention (built by the model runner).
+
+    Attributes:
+        slot_block_ids: [T] long, block of each new token.
+        slot_offsets: [T] long, offset of each new token within its block.
+        prefills: runs of >1 query tokens.
+        decode_token_idx: [B] long, flat index of each single-query-token request.
+        decode_block_tables: [B, max_blocks] long (padded with 0).
+        decode_seq_lens: [B] long, context length including the new token.
+        decode_mask: [B, 1, 1, max_blocks*block_size] bool, True where a key is valid
+            (None when B == 1: the key range is sliced exactly instead).
+    """
+
+    slot_block_ids: torch.Tensor
+    slot_offsets: torch.Tensor
+    prefills: list[PrefillSeq]
+    decode_token_idx: torch.Tensor | None
+    decode_block_tables: torch.Tensor | None
+    decode_seq_lens: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+
+
+def write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    """Store new keys/values ([T, num_kv_heads, head_size]) into their slots."""
+    kv_cache[0, meta.slot_block_ids, meta.slot_offsets] = k
+    kv_cache[1, meta.slot_block_ids, meta.slot_offsets] = v
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the step's queries over their requests' cached context.
+
+    Args:
+        q: [T, num_heads, head_size] rotated queries.
+        k, v: [T, num_kv_heads, head_size] this step's keys (rotated) and values.
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size].
+        meta: slots and block tables of the step.
+        scale: softmax scale (1/sqrt(head_size)).
+
+    Returns:
+        [T, num_heads, head_size].
+    """
+    write_kv(kv_cache, k, v, meta)
+    out = torch.empty_like(q)
+    num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
+    for seq in meta.prefills:
+        qs = q[seq.start : seq.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        n = seq.end - seq.start
+        if seq.context_len == 0:
+            ks = k[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
+            vs = v[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            total = seq.context_len + n
+            ks = kv_cache[0, seq.block_table].reshape(-1, num_kv_heads, head_size)[:total]
+            vs = kv_cache[1, seq.block_table].reshape(-1, num_kv_heads, head_size)[:total]
+            q_pos = torch.arange(seq.context_len, total, device=q.device)
+            mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(
+                qs,
+                ks.transpose(0, 1).unsqueeze(0),
+                vs.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=True,
+            )
+        out[seq.start : seq.end] = o.squeeze(0).transpose(0, 1)
+    if meta.decode_token_idx is not None:
+        out[meta.decode_token_idx] = _decode_attention(q[meta.decode_token_idx], kv_cache, meta, scale)
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """One query token per request over its whole context. q: [B, H, D] -> [B, H, D]."""
+    assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+    bsz = q.shape[0]
+    num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
+    tables = meta.decode_block_tables
+    ks = kv_cache[0, tables].reshape(bsz, -1, num_kv_heads, head_size)
+    vs = kv_cache[1, tables].reshape(bsz, -1, num_kv_heads, head_size)
+    if meta.decode_mask is None:  # B == 1: slice the exact context, no mask needed
+        seq_len = int(meta.decode_seq_lens[0])
+        ks, vs = ks[:, :seq_len], vs[:, :seq_len]
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, H, 1, D]
+        ks.transpose(1, 2),
+        vs.transpose(1, 2),
+        attn_mask=meta.decode_mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o.squeeze(2)

@@ -1,0 +1,212 @@
+"""Llama-architecture decoder (Llama, SmolLM2, Qwen2-style qkv bias) over a paged KV cache.
+
+Numerics follow HF transformers' `LlamaForCausalLM` (RMSNorm in float32, rotate-half RoPE,
+residual order), with q/k/v and gate/up projections fused into one matmul each and logits
+computed only for the positions that are sampled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdkv.model.attention import AttentionMetadata, paged_attention
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class LlamaArchConfig:
+    """The parts of an HF config.json this model uses.
+
+    Raises (from `from_hf_folder`):
+        ValueError: unsupported architecture or rope scaling.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+
+    @staticmethod
+    def from_hf_folder(path: str) -> LlamaArchConfig:
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        arch = (cfg.get("architectures") or ["?"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r} in {path}; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "default":
+            raise ValueError(f"rope_scaling {rope_scaling} is not supported yet")
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM"):
+            raise ValueError("sliding-window attention is not supported yet")
+        num_heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0]
+        rope_params = cfg.get("rope_parameters") or {}
+        return LlamaArchConfig(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+
+def rope_cos_sin(
+    head_dim: int, theta: float, max_positions: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables as HF computes them: inv_freq = theta^(-2i/d), angles = pos * inv_freq,
+    duplicated to the full head dim. Returns (cos, sin), each [max_positions, head_dim] float32."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    )
+    pos = torch.arange(max_positions, device=device, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [T, heads, D]; cos/sin: [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaLayer(nn.Module):
+    """One decoder layer with fused projections (weights [out, in], as nn.Linear)."""
+
+    def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        q_size = cfg.num_heads * cfg.head_dim
+        kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.input_norm = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
+        self.post_attn_norm = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
+        self.qkv = nn.Parameter(torch.empty(q_size + 2 * kv_size, h, dtype=dtype), requires_grad=False)
+        self.qkv_bias = (
+            nn.Parameter(torch.empty(q_size + 2 * kv_size, dtype=dtype), requires_grad=False)
+            if cfg.qkv_bias
+            else None
+        )
+        self.o_proj = nn.Parameter(torch.empty(h, q_size, dtype=dtype), requires_grad=False)
+        self.gate_up = nn.Parameter(torch.empty(2 * i, h, dtype=dtype), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(h, i, dtype=dtype), requires_grad=False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """hidden: [T, hidden] -> [T, hidden]; kv_cache: this layer's [2, blocks, bs, kvh, D]."""
+        t = hidden.shape[0]
+        x = rms_norm(hidden, self.input_norm, self.eps)
+        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        attn = paged_attention(q, k, v, kv_cache, meta, self.head_dim**-0.5)
+        hidden = hidden + F.linear(attn.reshape(t, self.q_size), self.o_proj)
+        x = rms_norm(hidden, self.post_attn_norm, self.eps)
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, self.down)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale. x: [T, hidden]."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head (tied or not).
+
+    Args:
+        cfg: architecture.
+        dtype: parameter and activation dtype.
+        device: where tensors live.
+    """
+
+    def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.layers = nn.ModuleList(LlamaLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        )
+        cos, sin = rope_cos_sin(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device)
+        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the step.
+
+        Args:
+            input_ids: [T] long, the step's tokens (several requests, flattened).
+            positions: [T] long, their positions within their requests.
+            kv_caches: per layer [2, num_blocks, block_size, num_kv_heads, head_dim].
+            meta: paged-attention metadata.
+            logits_indices: [S] long, flat indices whose next-token logits are needed.
+
+        Returns:
+            [S, vocab_size] float32 logits.
+        """
+        hidden = self.embed[input_ids]
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        hidden = rms_norm(hidden[logits_indices], self.norm, self.cfg.rms_norm_eps)
+        head = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head).float()

@@ -1,0 +1,98 @@
+"""Outputs returned to users, with vLLM's names (`RequestOutput`, `CompletionOutput`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence.
+
+    Attributes:
+        index: position among the request's sequences (always 0: n=1).
+        text: generated text so far (stop string excluded).
+        token_ids: generated token ids so far.
+        finish_reason: None while running, then "stop" | "length" | "abort" | "error".
+        stop_reason: the stop string or stop token id that ended it, if any.
+        logprobs: per token, {token_id: logprob} (sampled token + top-N), or None.
+        cumulative_logprob: sum of sampled tokens' logprobs when logprobs were requested.
+        delta_text / delta_token_ids: what this step added (for streaming).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Milestones of a request, time.monotonic() seconds."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float | None
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token (s)."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        """Arrival to first scheduling (s)."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    def tpot(self, num_output_tokens: int) -> float | None:
+        """Mean time per output token after the first (s): (last - first) / (n - 1)."""
+        if num_output_tokens < 2 or self.first_token_time is None or self.last_token_time is None:
+            return None
+        return (self.last_token_time - self.first_token_time) / (num_output_tokens - 1)
+
+    @property
+    def e2el(self) -> float | None:
+        """End-to-end latency (s)."""
+        end = self.finished_time or self.last_token_time
+        return None if end is None else end - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step.
+
+    Attributes:
+        request_id: id.
+        prompt: prompt text (None when given as token ids).
+        prompt_token_ids: prompt tokens.
+        outputs: one CompletionOutput.
+        finished: True once the request ended.
+        num_cached_tokens: prompt tokens served from the prefix cache (or a KV connector).
+        metrics: timestamps.
+        kv_transfer_params: what the KV connector returns to the client (P/D), else None.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    kv_transfer_params: dict[str, Any] | None = None

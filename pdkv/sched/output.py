@@ -1,0 +1,88 @@
+"""What one scheduling step hands to the worker, and what the worker hands back (torch-free).
+
+Typed msgspec Structs so that the same objects can later cross a process boundary as msgpack
+(vLLM's `SchedulerOutput` / `ModelRunnerOutput`, simplified).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pdkv.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, kw_only=True):
+    """A request the worker has not seen (or must rebuild after preemption).
+
+    Attributes:
+        req_id: request id.
+        token_ids: all tokens known now (prompt + outputs so far).
+        num_prompt_tokens: how many of token_ids are prompt.
+        sampling_params: how to sample.
+        block_ids: block table per KV cache group.
+        num_computed_tokens: tokens whose KV is already in those blocks (prefix hit).
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, kw_only=True):
+    """Changes to a request the worker already tracks.
+
+    Attributes:
+        req_id: request id.
+        new_block_ids: blocks appended to its block table, per group.
+        num_computed_tokens: tokens with KV before this step.
+    """
+
+    req_id: str
+    new_block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct, kw_only=True):
+    """One step's plan.
+
+    Attributes:
+        scheduled_new_reqs: requests sent in full.
+        scheduled_cached_reqs: deltas for requests the worker knows.
+        num_scheduled_tokens: tokens to compute per request id.
+        total_num_scheduled_tokens: their sum (<= max_num_batched_tokens).
+        finished_req_ids: requests finished/preempted since the last step (worker drops state).
+        kv_connector_metadata: opaque per-step connector metadata (None without a connector).
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    kv_connector_metadata: Any = None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class ModelRunnerOutput(msgspec.Struct, kw_only=True):
+    """Tokens sampled in one step.
+
+    Attributes:
+        sampled_token_ids: req id -> new token ids (requests that reached the end of their
+            known tokens this step; prefill chunks that did not are absent).
+        logprobs: req id -> per new token, list of (token_id, logprob) with the sampled token
+            first and then the top-N; None when no request asked.
+    """
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[list[tuple[int, float]]]] | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(sampled_token_ids={})

@@ -1,0 +1,306 @@
+"""Continuous-batching scheduler (torch-free), after vLLM v1's unified scheduler.
+
+Every request carries `num_computed_tokens`; a step gives each scheduled request
+`num_tokens - num_computed_tokens` new tokens (a prefill chunk or one decode token) within the
+token budget. Running requests go first (FCFS); when the pool runs out of blocks the most
+recently admitted running request is preempted (its blocks are freed and it is recomputed
+later). Waiting requests are admitted only in steps without preemption.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pdkv.cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from pdkv.cache.specs import KVCacheConfig
+from pdkv.config import CacheConfig, SchedulerConfig
+from pdkv.request import Request, RequestStatus
+from pdkv.sched.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+@dataclass
+class RequestUpdate:
+    """What one step changed for one request (consumed by the engine's output processor).
+
+    Attributes:
+        request: the request (its state after the step).
+        new_token_ids: tokens appended this step.
+        new_logprobs: per new token, [(token_id, logprob), ...] or None.
+        finished: True when the request finished this step.
+    """
+
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list[list[tuple[int, float]]] | None
+    finished: bool
+
+
+@dataclass
+class SchedulerStats:
+    """Gauges read after every step (for metrics)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_preemptions: int
+
+
+class Scheduler:
+    """Decides, each step, which tokens of which requests run.
+
+    Args:
+        scheduler_config: budgets (max_num_seqs, max_num_batched_tokens, max_model_len).
+        cache_config: block size and prefix caching switch.
+        kv_cache_config: KV cache groups and block count (from the worker).
+
+    Called from the engine loop thread only; no method blocks.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config, cache_config.enable_prefix_caching, self.max_model_len
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Ids the worker must drop at its next step (finished, aborted or preempted).
+        self.finished_req_ids: set[str] = set()
+        # Ids whose state the worker holds (sent once in full, then as deltas).
+        self._worker_known: set[str] = set()
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request (FCFS).
+
+        Raises:
+            ValueError: the request id is already in use.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus
+    ) -> list[Request]:
+        """Finish requests from outside the step (abort, stop string); frees their blocks.
+
+        Unknown or already finished ids are ignored. Returns the requests finished.
+        """
+        done = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            done.append(request)
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_free_blocks=self.kv_cache_manager.num_free_blocks,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # ----------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step. Advances num_computed_tokens of scheduled requests as if the step ran
+        (the worker executes exactly this plan before the next call)."""
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted = False
+        now = time.monotonic()
+
+        # 1. Running requests, oldest first.
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            request = self.running[idx]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                idx += 1
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            self._add_scheduled(request, num_new, new_blocks, new_reqs, cached_reqs)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            idx += 1
+
+        # 2. Waiting requests, in order, while nothing was preempted this step.
+        while not preempted and self.waiting and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            hits, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            request.num_computed_tokens = 0
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, num_hit)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            if request.times.first_scheduled is None:
+                request.times.first_scheduled = now
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._add_scheduled(request, num_new, new_blocks, new_reqs, cached_reqs)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return output
+
+    def _add_scheduled(
+        self,
+        request: Request,
+        num_new: int,
+        new_blocks: KVCacheBlocks,
+        new_reqs: list[NewRequestData],
+        cached_reqs: list[CachedRequestData],
+    ) -> None:
+        req_id = request.request_id
+        if req_id in self._worker_known:
+            cached_reqs.append(
+                CachedRequestData(
+                    req_id=req_id,
+                    new_block_ids=new_blocks.get_block_ids(),
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+        else:
+            self._worker_known.add(req_id)
+            new_reqs.append(
+                NewRequestData(
+                    req_id=req_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv_cache_manager.get_block_ids(req_id),
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: free the blocks and requeue at the front."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._forget_in_worker(request.request_id)
+        self.waiting.appendleft(request)
+
+    # ------------------------------------------------------------------- update
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestUpdate]:
+        """Append sampled tokens, apply stop conditions, free finished requests.
+
+        Returns one RequestUpdate per request that got tokens this step.
+        """
+        updates = []
+        now = time.monotonic()
+        for req_id, token_ids in runner_output.sampled_token_ids.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            request.append_output_token_ids(token_ids)
+            if request.times.first_token is None:
+                request.times.first_token = now
+            request.times.last_token = now
+            finished = self._check_stop(request)
+            if finished:
+                self.running.remove(request)
+                self._free_request(request)
+            logprobs = runner_output.logprobs.get(req_id) if runner_output.logprobs else None
+            updates.append(RequestUpdate(request, token_ids, logprobs, finished))
+        return updates
+
+    def _check_stop(self, request: Request) -> bool:
+        """Stop conditions after appending a token (vLLM's check_stop); sets the status."""
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
+        if (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _free_request(self, request: Request) -> None:
+        request.times.finished = time.monotonic()
+        self.kv_cache_manager.free(request)
+        self._forget_in_worker(request.request_id)
+        del self.requests[request.request_id]
+
+    def _forget_in_worker(self, req_id: str) -> None:
+        if req_id in self._worker_known:
+            self._worker_known.discard(req_id)
+            self.finished_req_ids.add(req_id)

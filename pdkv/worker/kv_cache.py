@@ -1,0 +1,70 @@
+"""KV cache sizing and allocation for one worker."""
+
+from __future__ import annotations
+
+import torch
+
+from pdkv.cache.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from pdkv.config import CacheConfig
+from pdkv.model.llama import LlamaArchConfig
+
+
+def make_kv_cache_config(
+    arch: LlamaArchConfig, cache_config: CacheConfig, dtype: str, max_model_len: int
+) -> KVCacheConfig:
+    """One FullAttention group holding every layer; block count from the config or the memory
+    budget.
+
+    Raises:
+        ValueError: the pool cannot hold even one request of max_model_len tokens.
+    """
+    spec = FullAttentionSpec(
+        block_size=cache_config.block_size,
+        num_kv_heads=arch.num_kv_heads,
+        head_size=arch.head_dim,
+        dtype=dtype,
+    )
+    group = KVCacheGroupSpec(layer_indices=tuple(range(arch.num_layers)), spec=spec)
+    block_bytes = spec.page_size_bytes * arch.num_layers
+    num_blocks = cache_config.num_kv_blocks or cache_config.kv_cache_memory_bytes // block_bytes
+    needed = -(-max_model_len // cache_config.block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"KV cache of {num_blocks} blocks x {cache_config.block_size} tokens cannot hold one "
+            f"request of max_model_len={max_model_len} tokens ({needed} blocks): raise "
+            "num_kv_blocks / kv_cache_memory_bytes or lower max_model_len"
+        )
+    return KVCacheConfig(num_blocks=num_blocks, groups=(group,))
+
+
+def allocate_kv_cache(
+    kv_cache_config: KVCacheConfig, dtype: torch.dtype, device: torch.device
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Allocate one cross-layer tensor per group and per-layer views into it.
+
+    Returns:
+        (group tensors, each [num_blocks, num_layers_in_group, 2, block_size, num_kv_heads,
+        head_size]; per-layer views in model layer order, each [2, num_blocks, block_size,
+        num_kv_heads, head_size]).
+    """
+    groups = []
+    num_layers = sum(len(g.layer_indices) for g in kv_cache_config.groups)
+    layer_views: list[torch.Tensor | None] = [None] * num_layers
+    for g in kv_cache_config.groups:
+        spec = g.spec
+        assert isinstance(spec, FullAttentionSpec)
+        t = torch.zeros(
+            kv_cache_config.num_blocks,
+            len(g.layer_indices),
+            2,
+            spec.block_size,
+            spec.num_kv_heads,
+            spec.head_size,
+            dtype=dtype,
+            device=device,
+        )
+        groups.append(t)
+        for j, layer in enumerate(g.layer_indices):
+            layer_views[layer] = t[:, j].transpose(0, 1)
+    assert all(v is not None for v in layer_views)
+    return groups, [v for v in layer_views if v is not None]

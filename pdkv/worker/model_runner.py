@@ -1,0 +1,217 @@
+"""Model runner: turns a SchedulerOutput into tensors (positions, slot mapping, block tables),
+runs the model over the paged KV cache and samples.
+
+The runner keeps its own copy of each scheduled request's tokens and block table (vLLM's
+"cached request state"), updated from the scheduler's deltas, so that the same messages can later
+drive a worker in another process.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from pdkv.cache.specs import KVCacheConfig
+from pdkv.config import CacheConfig, ModelConfig
+from pdkv.model.attention import AttentionMetadata, PrefillSeq
+from pdkv.model.llama import LlamaForCausalLM
+from pdkv.model.loader import TORCH_DTYPES, load_model
+from pdkv.model.sampler import SamplingRow, sample
+from pdkv.sampling_params import SamplingParams
+from pdkv.sched.output import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from pdkv.worker.kv_cache import allocate_kv_cache, make_kv_cache_config
+
+
+@dataclass
+class CachedRequestState:
+    """The worker's view of one request."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+    generator: torch.Generator | None = None
+    stop_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+@dataclass
+class StepTimings:
+    """Seconds spent in the last execute_model call."""
+
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+
+
+class ModelRunner:
+    """Owns the model weights and the KV cache of one worker.
+
+    Args:
+        model_config: model path, dtype, device, max_model_len, seed.
+        cache_config: block size and KV cache budget.
+
+    Raises:
+        ValueError: max_model_len exceeds the model's positions, or the KV cache is too small.
+    """
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+        self.model_config = model_config
+        self.device = torch.device(model_config.device)
+        self.dtype = TORCH_DTYPES[model_config.dtype]
+        self.model: LlamaForCausalLM = load_model(
+            model_config.path, model_config.dtype, model_config.device
+        )
+        arch = self.model.cfg
+        if model_config.max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={model_config.max_model_len} exceeds the model's "
+                f"max_position_embeddings={arch.max_position_embeddings}"
+            )
+        self.eos_token_id = arch.eos_token_id
+        self.block_size = cache_config.block_size
+        self.kv_cache_config: KVCacheConfig = make_kv_cache_config(
+            arch, cache_config, model_config.dtype, model_config.max_model_len
+        )
+        self.kv_cache_groups, self.kv_caches = allocate_kv_cache(
+            self.kv_cache_config, self.dtype, self.device
+        )
+        self.requests: dict[str, CachedRequestState] = {}
+        self.timings = StepTimings()
+
+    # ------------------------------------------------------------------ state
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            params = new.sampling_params
+            gen = None
+            if not params.greedy:
+                seed = params.seed
+                if seed is None:
+                    seed = (self.model_config.seed << 32) ^ zlib.crc32(new.req_id.encode())
+                gen = torch.Generator(device=self.device).manual_seed(seed)
+            stop_ids = tuple(params.stop_token_ids)
+            if not params.ignore_eos and self.eos_token_id is not None:
+                stop_ids += (self.eos_token_id,)
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                sampling_params=params,
+                block_ids=tuple(list(b) for b in new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=gen,
+                stop_ids=stop_ids,
+            )
+        for cached in out.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            for blocks, new_ids in zip(state.block_ids, cached.new_block_ids):
+                blocks.extend(new_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # -------------------------------------------------------------- execution
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; returns the tokens sampled for requests that reached their end."""
+        t0 = time.perf_counter()
+        self._update_states(out)
+        if out.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        input_ids, positions, meta, logits_idx, sampled_reqs = self._prepare_inputs(out)
+        t1 = time.perf_counter()
+        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
+        t2 = time.perf_counter()
+        rows = []
+        for state in sampled_reqs:
+            num_out = len(state.token_ids) - state.num_prompt_tokens
+            mask = state.stop_ids if num_out < state.sampling_params.min_tokens else ()
+            rows.append(SamplingRow(state.sampling_params, state.generator, mask))
+        tokens, logprobs = sample(logits, rows)
+        result: dict[str, list[int]] = {}
+        lp_out: dict[str, list[list[tuple[int, float]]]] | None = (
+            {} if logprobs is not None else None
+        )
+        for i, state in enumerate(sampled_reqs):
+            state.token_ids.append(tokens[i])
+            result[state.req_id] = [tokens[i]]
+            if lp_out is not None and logprobs is not None and logprobs[i]:
+                lp_out[state.req_id] = [logprobs[i]]
+        for req_id, n in out.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        t3 = time.perf_counter()
+        self.timings = StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2)
+        return ModelRunnerOutput(sampled_token_ids=result, logprobs=lp_out or None)
+
+    def _prepare_inputs(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[CachedRequestState]]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
+        prefills: list[PrefillSeq] = []
+        dec_idx: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        logits_idx: list[int] = []
+        sampled: list[CachedRequestState] = []
+        for req_id, n in out.num_scheduled_tokens.items():
+            state = self.requests[req_id]
+            start = len(ids)
+            c = state.num_computed_tokens
+            table = state.block_ids[0]
+            ids.extend(state.token_ids[c : c + n])
+            rng = range(c, c + n)
+            pos.extend(rng)
+            slot_blocks.extend(table[p // bs] for p in rng)
+            slot_offsets.extend(p % bs for p in rng)
+            if n == 1:
+                dec_idx.append(start)
+                dec_tables.append(table[: c // bs + 1])
+                dec_lens.append(c + 1)
+            else:
+                nblocks = -(-(c + n) // bs)
+                prefills.append(
+                    PrefillSeq(start, start + n, c, torch.tensor(table[:nblocks], device=self.device))
+                )
+            if c + n == len(state.token_ids):
+                logits_idx.append(start + n - 1)
+                sampled.append(state)
+
+        dev = self.device
+        decode_token_idx = decode_tables = decode_lens = decode_mask = None
+        if dec_idx:
+            width = max(len(t) for t in dec_tables)
+            padded = [t + [0] * (width - len(t)) for t in dec_tables]
+            decode_token_idx = torch.tensor(dec_idx, device=dev)
+            decode_tables = torch.tensor(padded, device=dev)
+            decode_lens = torch.tensor(dec_lens, device=dev)
+            if len(dec_idx) > 1:
+                keys = torch.arange(width * bs, device=dev)
+                decode_mask = (keys[None, :] < decode_lens[:, None])[:, None, None, :]
+        meta = AttentionMetadata(
+            slot_block_ids=torch.tensor(slot_blocks, device=dev),
+            slot_offsets=torch.tensor(slot_offsets, device=dev),
+            prefills=prefills,
+            decode_token_idx=decode_token_idx,
+            decode_block_tables=decode_tables,
+            decode_seq_lens=decode_lens,
+            decode_mask=decode_mask,
+        )
+        return (
+            torch.tensor(ids, device=dev),
+            torch.tensor(pos, device=dev),
+            meta,
+            torch.tensor(logits_idx, device=dev),
+            sampled,
+        )
