@@ -52,6 +52,8 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)):
             prompt_list: list[PromptType] = [prompts]
+        elif not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"unsupported prompt type {type(prompts).__name__}")
         elif prompts and all(isinstance(t, int) for t in prompts):
             prompt_list = [list(prompts)]  # type: ignore[arg-type]
         else:

