@@ -48,6 +48,7 @@ class AttentionMetadata:
         decode_seq_lens: [B] long, context length including the new token.
         decode_mask: [B, 1, 1, max_blocks*block_size] bool, True where a key is valid
             (None when B == 1: the key range is sliced exactly instead).
+        all_decode: every token of the step is a decode, in order (decode_token_idx == arange).
     """
 
     slot_block_ids: torch.Tensor
@@ -57,6 +58,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None
     decode_seq_lens: torch.Tensor | None
     decode_mask: torch.Tensor | None
+    all_decode: bool = False
 
 
 def write_kv(
@@ -88,7 +90,7 @@ def paged_attention(
         [T, num_heads, head_size].
     """
     write_kv(kv_cache, k, v, meta)
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
     num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
     for seq in meta.prefills:
         qs = q[seq.start : seq.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -114,6 +116,8 @@ def paged_attention(
                 enable_gqa=True,
             )
         out[seq.start : seq.end] = o.squeeze(0).transpose(0, 1)
+    if meta.all_decode:
+        return _decode_attention(q, kv_cache, meta, scale)
     if meta.decode_token_idx is not None:
         out[meta.decode_token_idx] = _decode_attention(q[meta.decode_token_idx], kv_cache, meta, scale)
     return out
@@ -126,9 +130,8 @@ def _decode_attention(
     assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
     bsz = q.shape[0]
     num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
-    tables = meta.decode_block_tables
-    ks = kv_cache[0, tables].reshape(bsz, -1, num_kv_heads, head_size)
-    vs = kv_cache[1, tables].reshape(bsz, -1, num_kv_heads, head_size)
+    ks = kv_cache[0, meta.decode_block_tables].view(bsz, -1, num_kv_heads, head_size)
+    vs = kv_cache[1, meta.decode_block_tables].view(bsz, -1, num_kv_heads, head_size)
     if meta.decode_mask is None:  # B == 1: slice the exact context, no mask needed
         seq_len = int(meta.decode_seq_lens[0])
         ks, vs = ks[:, :seq_len], vs[:, :seq_len]

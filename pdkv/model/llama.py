@@ -86,21 +86,31 @@ def rope_cos_sin(
     head_dim: int, theta: float, max_positions: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary tables as HF computes them: inv_freq = theta^(-2i/d), angles = pos * inv_freq,
-    duplicated to the full head dim. Returns (cos, sin), each [max_positions, head_dim] float32."""
+    duplicated to the full head dim.
+
+    Returns:
+        (cos, signed_sin), each [max_positions, head_dim] float32; signed_sin has its first
+        half negated so that rotate_half(x) * sin == swap_halves(x) * signed_sin exactly.
+    """
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
     )
     pos = torch.arange(max_positions, device=device, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    sin = emb.sin()
+    half = head_dim // 2
+    return emb.cos(), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [T, heads, D]; cos/sin: [T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF's `x * cos + rotate_half(x) * sin`, bit for bit).
+
+    x: [T, heads, D]; cos / signed_sin: [T, 1, D] (see rope_cos_sin).
+    """
+    t, h, d = x.shape
+    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)
+    return x * cos + swapped * signed_sin
 
 
 class LlamaLayer(nn.Module):
@@ -138,10 +148,11 @@ class LlamaLayer(nn.Module):
         t = hidden.shape[0]
         x = rms_norm(hidden, self.input_norm, self.eps)
         qkv = F.linear(x, self.qkv, self.qkv_bias)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        # q and k heads are rotated together (one pass of elementwise ops).
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, -1)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv_cache, meta, self.head_dim**-0.5)
         hidden = hidden + F.linear(attn.reshape(t, self.q_size), self.o_proj)
         x = rms_norm(hidden, self.post_attn_norm, self.eps)
@@ -150,7 +161,13 @@ class LlamaLayer(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm: normalise in float32, cast back, then scale. x: [T, hidden]."""
+    """HF LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) * weight, normalised in float32.
+
+    x: [T, hidden]. In float32 the fused kernel equals HF's composite form bit for bit
+    (checked by tests/model/test_llama_ops.py); other dtypes use HF's form.
+    """
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -180,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
         )
         cos, sin = rope_cos_sin(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device)
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
-        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)  # signed, see above
 
     def forward(
         self,
@@ -206,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
+            hidden = layer.forward(hidden, cos, sin, kv_cache, meta)
         hidden = rms_norm(hidden[logits_indices], self.norm, self.cfg.rms_norm_eps)
         head = self.embed if self.lm_head is None else self.lm_head
         return F.linear(hidden, head).float()

@@ -207,6 +207,7 @@ class ModelRunner:
             decode_block_tables=decode_tables,
             decode_seq_lens=decode_lens,
             decode_mask=decode_mask,
+            all_decode=len(dec_idx) == len(ids),
         )
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),

@@ -1,0 +1,225 @@
+"""Prompts for `pdkv bench serve`: random, prefix-repetition and jsonl datasets.
+
+Token counts come from the server's own tokenizer when it has one: random token ids in
+[100, vocab_size) (ids < 100 are left out as likely special tokens) are turned into text with
+`POST /detokenize`, and the text is re-measured with `POST /tokenize` (vLLM and pdkv both serve
+these: `{"model", "prompt"} -> {"tokens", "count"}` and `{"model", "tokens"} -> {"prompt"}`).
+Because decode -> encode does not always round-trip, the token list is trimmed or topped up
+and re-decoded a few times until the count matches; the measured count is kept as prompt_len.
+Without `/tokenize`, `WordTokenizer` stands in: one common English word per "token".
+
+Lengths: each request's input/output length is drawn uniformly from the integers in
+[floor(len * (1 - r)), ceil(len * (1 + r))] (vLLM's random dataset; at least 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Sequence
+from typing import Protocol
+
+import httpx
+import numpy as np
+
+from pdkv.bench.serve.records import SampleRequest
+
+MIN_TOKEN_ID = 100
+_FIX_ROUNDS = 4
+
+_WORDS = (
+    "the of and to in is was for on are with as his they be at one have this from or had by "
+    "word but what some we can out other were all there when up use your how said an each she "
+    "which do their time if will way about many then them write would like so these her long "
+    "make thing see him two has look more day could go come did number sound no most people "
+    "my over know water than call first who may down side been now find any new work part "
+    "take get place made live where after back little only round man year came show every "
+    "good me give our under name very through just form sentence great think say help low "
+    "line differ turn cause much mean before move right boy old too same tell does set three "
+    "want air well also play small end put home read hand port large spell add even land here "
+    "must big high such follow act why ask men change went light kind off need house picture "
+    "try us again animal point mother world near build self earth father head stand own page "
+    "should country found answer school grow study still learn plant cover food sun four "
+    "between state keep eye never last let thought city tree cross farm hard start might story "
+    "saw far sea draw left late run while press close night real life few north open seem"
+).split()
+_WORD_INDEX = {w: i for i, w in enumerate(_WORDS)}
+
+
+class PromptTokenizer(Protocol):
+    """What the dataset builders need: text <-> token ids (async)."""
+
+    name: str
+
+    async def encode(self, text: str) -> list[int]:
+        """Token ids of `text`."""
+        ...
+
+    async def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids `ids`."""
+        ...
+
+
+class ServerTokenizer:
+    """The server's tokenizer through its `/tokenize` and `/detokenize` endpoints."""
+
+    name = "server"
+
+    def __init__(self, client: httpx.AsyncClient, base_url: str, model: str,
+                 headers: dict[str, str] | None = None, max_parallel: int = 32):
+        self.client = client
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.headers = headers or {}
+        self._sem = asyncio.Semaphore(max_parallel)
+
+    async def encode(self, text: str) -> list[int]:
+        """POST /tokenize; returns the token ids."""
+        async with self._sem:
+            r = await self.client.post(f"{self.base_url}/tokenize", headers=self.headers,
+                                       json={"model": self.model, "prompt": text})
+        r.raise_for_status()
+        return [int(t) for t in r.json()["tokens"]]
+
+    async def decode(self, ids: Sequence[int]) -> str:
+        """POST /detokenize; returns the text."""
+        async with self._sem:
+            r = await self.client.post(f"{self.base_url}/detokenize", headers=self.headers,
+                                       json={"model": self.model, "tokens": [int(i) for i in ids]})
+        r.raise_for_status()
+        return str(r.json()["prompt"])
+
+
+class WordTokenizer:
+    """Fallback when the server has no `/tokenize`: token id i <-> common English word i % N.
+
+    One word is roughly one token for English BPE vocabularies, so lengths are approximate.
+    """
+
+    name = "words"
+
+    async def encode(self, text: str) -> list[int]:
+        """One id per whitespace-separated word (known words keep their index)."""
+        return [_WORD_INDEX.get(w, len(_WORDS) + len(w)) for w in text.split()]
+
+    async def decode(self, ids: Sequence[int]) -> str:
+        """Words for ids, joined by spaces."""
+        return " ".join(_WORDS[int(i) % len(_WORDS)] for i in ids)
+
+
+async def server_tokenizer_or_words(
+    client: httpx.AsyncClient, base_url: str, model: str, headers: dict[str, str] | None = None
+) -> PromptTokenizer:
+    """`ServerTokenizer` if a probe `/tokenize` + `/detokenize` works, else `WordTokenizer`."""
+    tok = ServerTokenizer(client, base_url, model, headers)
+    try:
+        ids = await tok.encode("Hello world, this is a tokenizer probe.")
+        await tok.decode(ids)
+        if not ids:
+            raise ValueError("empty token list")
+        return tok
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, json.JSONDecodeError):
+        return WordTokenizer()
+
+
+def sample_lengths(rng: np.random.Generator, n: int, length: int, range_ratio: float) -> list[int]:
+    """n lengths uniform over the integers in [floor(length*(1-r)), ceil(length*(1+r))], >= 1."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"--range-ratio must be in [0, 1), got {range_ratio}")
+    low = max(1, math.floor(length * (1 - range_ratio)))
+    high = max(low, math.ceil(length * (1 + range_ratio)))
+    return [int(x) for x in rng.integers(low, high + 1, size=n)]
+
+
+def random_ids(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
+    """n token ids uniform in [100, vocab_size)."""
+    if vocab_size <= MIN_TOKEN_ID:
+        raise ValueError(f"--vocab-size must be > {MIN_TOKEN_ID}, got {vocab_size}")
+    return [int(x) for x in rng.integers(MIN_TOKEN_ID, vocab_size, size=n)]
+
+
+async def ids_to_prompt(tok: PromptTokenizer, ids: list[int], target_len: int,
+                        rng: np.random.Generator, vocab_size: int) -> tuple[str, int]:
+    """Decode `ids` to text whose re-encoded length is `target_len` when reachable.
+
+    Returns:
+        (text, measured token count of text).
+    """
+    text = await tok.decode(ids)
+    toks = await tok.encode(text)
+    for _ in range(_FIX_ROUNDS):
+        if len(toks) == target_len:
+            break
+        if len(toks) > target_len:
+            toks = toks[:target_len]
+        else:
+            toks = toks + random_ids(rng, target_len - len(toks), vocab_size)
+        text = await tok.decode(toks)
+        toks = await tok.encode(text)
+    return text, len(toks)
+
+
+async def random_dataset(tok: PromptTokenizer, num_prompts: int, input_len: int,
+                         output_len: int, range_ratio: float, vocab_size: int,
+                         seed: int) -> list[SampleRequest]:
+    """Random-token prompts of ~input_len tokens each (see the module doc)."""
+    rng = np.random.default_rng(seed)
+    in_lens = sample_lengths(rng, num_prompts, input_len, range_ratio)
+    out_lens = sample_lengths(rng, num_prompts, output_len, range_ratio)
+    id_lists = [random_ids(rng, n, vocab_size) for n in in_lens]
+    fix_rngs = [np.random.default_rng([seed, i]) for i in range(num_prompts)]
+    made = await asyncio.gather(*[ids_to_prompt(tok, ids, n, r, vocab_size)
+                                  for ids, n, r in zip(id_lists, in_lens, fix_rngs)])
+    return [SampleRequest(text, n, o) for (text, n), o in zip(made, out_lens)]
+
+
+async def prefix_repetition_dataset(tok: PromptTokenizer, num_prompts: int, prefix_len: int,
+                                    input_len: int, output_len: int, num_prefixes: int,
+                                    range_ratio: float, vocab_size: int,
+                                    seed: int) -> list[SampleRequest]:
+    """Prompts = one of `num_prefixes` shared prefixes (prefix_len tokens) + a random suffix.
+
+    Suffix lengths (input_len tokens) and output lengths vary by range_ratio; prefixes do not.
+    Prompt i uses prefix i % num_prefixes; the order is then shuffled (seeded), as in vLLM's
+    prefix_repetition dataset. Each prompt is decoded from prefix ids + suffix ids in one go,
+    so the prefix text is identical across the prompts that share it.
+    """
+    if num_prefixes < 1:
+        raise ValueError(f"--num-prefixes must be >= 1, got {num_prefixes}")
+    rng = np.random.default_rng(seed)
+    prefixes = [random_ids(rng, prefix_len, vocab_size) for _ in range(num_prefixes)]
+    suf_lens = sample_lengths(rng, num_prompts, input_len, range_ratio)
+    out_lens = sample_lengths(rng, num_prompts, output_len, range_ratio)
+    id_lists = [prefixes[i % num_prefixes] + random_ids(rng, n, vocab_size)
+                for i, n in enumerate(suf_lens)]
+    targets = [prefix_len + n for n in suf_lens]
+    fix_rngs = [np.random.default_rng([seed, i]) for i in range(num_prompts)]
+    made = await asyncio.gather(*[ids_to_prompt(tok, ids, n, r, vocab_size)
+                                  for ids, n, r in zip(id_lists, targets, fix_rngs)])
+    samples = [SampleRequest(text, n, o) for (text, n), o in zip(made, out_lens)]
+    order = rng.permutation(len(samples))
+    return [samples[int(i)] for i in order]
+
+
+async def jsonl_dataset(tok: PromptTokenizer, path: str, num_prompts: int,
+                        output_len: int) -> list[SampleRequest]:
+    """The first `num_prompts` lines of a jsonl file: {"prompt": str, "output_len": int?}.
+
+    Lines without "output_len" use `output_len`; prompt_len is measured with `tok`.
+    """
+    rows: list[tuple[str, int]] = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if len(rows) >= num_prompts:
+                break
+            obj = json.loads(line)
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise ValueError(f"{path}:{lineno}: expected {{\"prompt\": str, ...}}")
+            rows.append((obj["prompt"], int(obj.get("output_len") or output_len)))
+    if not rows:
+        raise ValueError(f"{path}: no prompts")
+    lens = await asyncio.gather(*[tok.encode(p) for p, _ in rows])
+    return [SampleRequest(p, len(ids), o) for (p, o), ids in zip(rows, lens)]
