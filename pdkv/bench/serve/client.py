@@ -58,13 +58,19 @@ def build_payload(
 
 
 def chunk_text(data: dict[str, Any], endpoint: str) -> str | None:
-    """The text a parsed chunk carries (None when it has no choices, e.g. the usage chunk)."""
+    """The text a parsed chunk carries (None when it has no choices, e.g. the usage chunk).
+
+    For chat this is `delta.content` (or `delta.reasoning_content` / `delta.reasoning`);
+    a role-only delta carries "" and so does not count as a token.
+    """
     choices = data.get("choices")
     if not choices:
         return None
     choice = choices[0]
     if endpoint == "chat":
-        return (choice.get("delta") or {}).get("content") or ""
+        delta = choice.get("delta") or {}
+        # Reasoning models stream their thinking in a separate field; it is output too.
+        return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
     return choice.get("text") or ""
 
 
@@ -125,7 +131,7 @@ async def send_request(
                 last_content = now
                 out.num_content_chunks += 1
                 texts.append(text)
-    except Exception as e:  # noqa: BLE001 - a failed request is data, not a crash
+    except Exception as e:  # a failed request is data, not a crash
         out.error = f"{type(e).__name__}: {e}"[:_MAX_ERROR_CHARS] or type(e).__name__
         return out
     out.latency = last_event - st

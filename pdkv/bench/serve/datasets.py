@@ -28,7 +28,7 @@ from pdkv.bench.serve.records import SampleRequest
 MIN_TOKEN_ID = 100
 _FIX_ROUNDS = 4
 
-_WORDS = (
+_WORD_TEXT = (
     "the of and to in is was for on are with as his they be at one have this from or had by "
     "word but what some we can out other were all there when up use your how said an each she "
     "which do their time if will way about many then them write would like so these her long "
@@ -43,7 +43,8 @@ _WORDS = (
     "should country found answer school grow study still learn plant cover food sun four "
     "between state keep eye never last let thought city tree cross farm hard start might story "
     "saw far sea draw left late run while press close night real life few north open seem"
-).split()
+)
+_WORDS = tuple(_WORD_TEXT.split())
 _WORD_INDEX = {w: i for i, w in enumerate(_WORDS)}
 
 
@@ -62,7 +63,12 @@ class PromptTokenizer(Protocol):
 
 
 class ServerTokenizer:
-    """The server's tokenizer through its `/tokenize` and `/detokenize` endpoints."""
+    """The server's tokenizer through its `/tokenize` and `/detokenize` endpoints.
+
+    `/tokenize` is asked for `add_special_tokens: false` (as vLLM's own benchmark does), so a
+    BOS token the server adds to every prompt is not part of the measured length; a server
+    that rejects the field (HTTP 400/422) is asked without it.
+    """
 
     name = "server"
 
@@ -72,13 +78,22 @@ class ServerTokenizer:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.headers = headers or {}
+        self.no_special_tokens = True
         self._sem = asyncio.Semaphore(max_parallel)
 
     async def encode(self, text: str) -> list[int]:
         """POST /tokenize; returns the token ids."""
+        body: dict[str, object] = {"model": self.model, "prompt": text}
+        if self.no_special_tokens:
+            body["add_special_tokens"] = False
         async with self._sem:
             r = await self.client.post(f"{self.base_url}/tokenize", headers=self.headers,
-                                       json={"model": self.model, "prompt": text})
+                                       json=body)
+            if r.status_code in (400, 422) and self.no_special_tokens:
+                self.no_special_tokens = False
+                del body["add_special_tokens"]
+                r = await self.client.post(f"{self.base_url}/tokenize", headers=self.headers,
+                                           json=body)
         r.raise_for_status()
         return [int(t) for t in r.json()["tokens"]]
 

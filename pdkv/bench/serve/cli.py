@@ -1,0 +1,118 @@
+"""`pdkv bench serve` flags and entry point (`add_cli_args` / `main`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from pdkv.bench.serve.client import parse_endpoint
+from pdkv.bench.serve.metrics import parse_goodput, parse_percentiles
+from pdkv.bench.serve.report import format_errors, format_result_table, write_result_json
+from pdkv.bench.serve.runner import DATASETS, BenchConfig, run_serve_bench
+
+
+def _endpoint(value: str) -> str:
+    try:
+        return parse_endpoint(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _percentiles(value: str) -> list[float]:
+    try:
+        return parse_percentiles(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `pdkv bench serve` flags to `parser` (lengths in tokens, SLOs in ms)."""
+    d = BenchConfig()
+    g = parser.add_argument_group("server")
+    g.add_argument("--base-url", default=d.base_url, help="server root, e.g. http://127.0.0.1:8000")
+    g.add_argument("--endpoint", type=_endpoint, default=d.endpoint,
+                   help="completions (/v1/completions) or chat (/v1/chat/completions)")
+    g.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
+    g.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                   help="seconds per request")
+    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="do not send vLLM's ignore_eos=true (outputs may end early)")
+    g.add_argument("--metrics-url", default=None,
+                   help="Prometheus text endpoint scraped before and after (default: "
+                        "BASE_URL/metrics)")
+    g.add_argument("--no-metrics", dest="scrape_metrics", action="store_false",
+                   help="do not scrape server metrics")
+
+    g = parser.add_argument_group("dataset")
+    g.add_argument("--dataset", choices=DATASETS, default=d.dataset)
+    g.add_argument("--dataset-path", default=None,
+                   help='jsonl file for --dataset jsonl: {"prompt": str, "output_len": int?}')
+    g.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    g.add_argument("--input-len", type=int, default=d.input_len,
+                   help="prompt tokens (random) or suffix tokens (prefix-repetition)")
+    g.add_argument("--output-len", type=int, default=d.output_len, help="max_tokens per request")
+    g.add_argument("--range-ratio", type=float, default=d.range_ratio,
+                   help="lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1")
+    g.add_argument("--prefix-len", type=int, default=d.prefix_len,
+                   help="shared prefix tokens (prefix-repetition)")
+    g.add_argument("--num-prefixes", type=int, default=d.num_prefixes,
+                   help="distinct shared prefixes (prefix-repetition)")
+    g.add_argument("--vocab-size", type=int, default=d.vocab_size,
+                   help="random token ids are drawn from [100, vocab-size)")
+    g.add_argument("--seed", type=int, default=d.seed)
+
+    g = parser.add_argument_group("load and report")
+    g.add_argument("--request-rate", type=float, default=d.request_rate,
+                   help="mean arrivals per second (Poisson); inf sends all at once")
+    g.add_argument("--burstiness", type=float, default=d.burstiness,
+                   help="Gamma shape of the arrival gaps; 1 = Poisson")
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight at once")
+    g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs, any of ttft:MS tpot:MS e2el:MS; good = meets all")
+    g.add_argument("--percentiles", type=_percentiles, default=list(d.percentiles),
+                   help="comma-separated percentiles to report, e.g. 50,90,99")
+    g.add_argument("--result-json", default=None, help="write the result dict to this file")
+    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """A `BenchConfig` from parsed `add_cli_args` flags (raises ValueError when invalid)."""
+    return BenchConfig(
+        base_url=args.base_url, endpoint=args.endpoint, model=args.model,
+        dataset=args.dataset, dataset_path=args.dataset_path, num_prompts=args.num_prompts,
+        input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
+        prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, vocab_size=args.vocab_size,
+        request_rate=args.request_rate, burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency, seed=args.seed,
+        goodput=parse_goodput(args.goodput), percentiles=list(args.percentiles),
+        api_key=args.api_key, metrics_url=args.metrics_url,
+        scrape_metrics=args.scrape_metrics, disable_tqdm=args.disable_tqdm,
+        ignore_eos=args.ignore_eos, request_timeout=args.request_timeout,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark, print vLLM's result table, write --result-json if given.
+
+    Returns:
+        Process exit code: 0, or 1 when no request succeeded or the server gave no model.
+    """
+    cfg = config_from_args(args)
+    try:
+        result = run_serve_bench(cfg)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    errors = format_errors(result)
+    if errors:
+        print(errors)
+    print(format_result_table(result))
+    if args.result_json:
+        write_result_json(result, args.result_json)
+        print(f"result written to {args.result_json}")
+    return 0 if result["completed"] > 0 else 1

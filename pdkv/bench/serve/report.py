@@ -1,0 +1,142 @@
+"""Output of `pdkv bench serve`: the result dict, its JSON file and vLLM's printed table.
+
+The result dict has vLLM's top-level keys (duration, completed, failed, total_input_tokens,
+..., mean_ttft_ms, p99_itl_ms, ...; per-request arrays `input_lens`, `output_lens`, `ttfts`,
+`itls`, `latencies`, `start_times`, `queue_times` in seconds, `errors`, `generated_texts`), so
+tools reading vLLM result files read it too, plus `tpots` (s, null for <= 1 output token),
+`usage_missing`, `config` (the run's settings, API key redacted) and `server_metrics` (the
+Prometheus counter deltas, or null).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from pdkv.bench.serve.metrics import percentile_key, request_tpot
+from pdkv.bench.serve.records import RequestResult
+
+_W = 50
+_METRIC_BLOCKS = (
+    ("ttft", "TTFT", "Time to First Token"),
+    ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+    ("itl", "ITL", "Inter-token Latency"),
+    ("e2el", "E2EL", "End-to-end Latency"),
+)
+
+
+def _jsonable(value: Any) -> Any:
+    """inf/nan floats -> strings, so the file stays strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def config_dict(cfg: Any) -> dict[str, Any]:
+    """The settings of a `BenchConfig` as plain JSON values, API key redacted."""
+    out = dataclasses.asdict(cfg)
+    if out.get("api_key"):
+        out["api_key"] = "<redacted>"
+    return _jsonable(out)
+
+
+def build_result(cfg: Any, model: str, tokenizer: str, metrics: dict[str, Any],
+                 results: Sequence[RequestResult],
+                 server_metrics: dict[str, Any] | None) -> dict[str, Any]:
+    """Assemble the result dict (see the module doc) from the metrics and per-request results."""
+    conf = config_dict(cfg)
+    conf.update(model=model, api_url=cfg.api_url, tokenizer=tokenizer)
+    result: dict[str, Any] = {"config": conf, **metrics}
+    result.update(
+        request_rate=_jsonable(cfg.request_rate),
+        max_concurrency=cfg.max_concurrency,
+        goodput_slos_ms=dict(cfg.goodput) or None,
+        percentiles=list(cfg.percentiles),
+        server_metrics=server_metrics,
+        input_lens=[r.prompt_tokens for r in results],
+        output_lens=[r.output_tokens if r.success else 0 for r in results],
+        ttfts=[r.ttft if r.success else None for r in results],
+        tpots=[request_tpot(r) if r.success else None for r in results],
+        itls=[list(r.itl) if r.success else [] for r in results],
+        latencies=[r.latency if r.success else None for r in results],
+        start_times=[r.start_time for r in results],
+        queue_times=[r.queue_time for r in results],
+        usage_missing=[r.usage_missing for r in results],
+        errors=[r.error for r in results],
+        generated_texts=[r.generated_text for r in results],
+    )
+    return result
+
+
+def write_result_json(result: dict[str, Any], path: str) -> None:
+    """Write `result` to `path` as strict JSON (inf as the string "inf")."""
+    with open(path, "w") as f:
+        json.dump(_jsonable(result), f, indent=2)
+        f.write("\n")
+
+
+def _row(label: str, value: Any, fmt: str = "") -> str:
+    return f"{label:<40} {format(value, fmt):<10}"
+
+
+def format_result_table(result: dict[str, Any]) -> str:
+    """vLLM's "Serving Benchmark Result" block for a result dict, as one string."""
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=_W, c="=")]
+    lines.append(_row("Successful requests:", result["completed"]))
+    lines.append(_row("Failed requests:", result["failed"]))
+    if result.get("max_concurrency") is not None:
+        lines.append(_row("Maximum request concurrency:", result["max_concurrency"]))
+    rate = result.get("request_rate")
+    if rate is not None and rate != "inf":
+        lines.append(_row("Request rate configured (RPS):", float(rate), ".2f"))
+    lines.append(_row("Benchmark duration (s):", result["duration"], ".2f"))
+    lines.append(_row("Total input tokens:", result["total_input_tokens"]))
+    lines.append(_row("Total generated tokens:", result["total_output_tokens"]))
+    lines.append(_row("Request throughput (req/s):", result["request_throughput"], ".2f"))
+    if result.get("request_goodput") is not None:
+        lines.append(_row("Request goodput (req/s):", result["request_goodput"], ".2f"))
+        lines.append(_row("Good requests:", result["good_requests"]))
+    lines.append(_row("Output token throughput (tok/s):", result["output_throughput"], ".2f"))
+    lines.append(_row("Peak output token throughput (tok/s):",
+                      result["max_output_tokens_per_s"], ".2f"))
+    lines.append(_row("Peak concurrent requests:", result["max_concurrent_requests"]))
+    lines.append(_row("Total token throughput (tok/s):", result["total_token_throughput"], ".2f"))
+    if result.get("num_usage_missing"):
+        lines.append(_row("Requests without usage (chunk-counted):", result["num_usage_missing"]))
+    for key, name, header in _METRIC_BLOCKS:
+        lines.append("{s:{c}^{n}}".format(s=header, n=_W, c="-"))
+        lines.append(_row(f"Mean {name} (ms):", result[f"mean_{key}_ms"], ".2f"))
+        lines.append(_row(f"Median {name} (ms):", result[f"median_{key}_ms"], ".2f"))
+        for p in result.get("percentiles", []):
+            word = percentile_key(p)
+            lines.append(_row(f"P{word} {name} (ms):", result[f"p{word}_{key}_ms"], ".2f"))
+    server = result.get("server_metrics")
+    if server:
+        lines.append("{s:{c}^{n}}".format(s="Server Counters (delta)", n=_W, c="-"))
+        if "prefix_cache_queries" in server:
+            lines.append(_row("Prefix cache queries (tokens):", server["prefix_cache_queries"], ".0f"))
+        if "prefix_cache_hits" in server:
+            lines.append(_row("Prefix cache hits (tokens):", server["prefix_cache_hits"], ".0f"))
+        if server.get("prefix_cache_hit_rate") is not None:
+            lines.append(_row("Prefix cache hit rate (%):",
+                              100.0 * server["prefix_cache_hit_rate"], ".2f"))
+        if "kv_transfer_bytes" in server:
+            lines.append(_row("KV transfer bytes:", server["kv_transfer_bytes"], ".0f"))
+    lines.append("=" * _W)
+    return "\n".join(lines)
+
+
+def format_errors(result: dict[str, Any], limit: int = 10) -> str:
+    """The first `limit` error messages of failed requests, one per line ("" when none)."""
+    errors = [e for e in result.get("errors", []) if e]
+    if not errors:
+        return ""
+    head = [f"Failed requests during benchmark run detected (capping to {limit}):"]
+    return "\n".join(head + [f"Error {i}: {e}" for i, e in enumerate(errors[:limit])])

@@ -1,0 +1,220 @@
+"""`pdkv bench serve` pure parts: compute_metrics on hand-made timings, arrivals, parsers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import numpy as np
+import pytest
+
+from pdkv.bench.serve.client import build_payload, chunk_text, parse_endpoint
+from pdkv.bench.serve.datasets import WordTokenizer, ids_to_prompt, sample_lengths
+from pdkv.bench.serve.metrics import compute_metrics, parse_goodput, parse_percentiles
+from pdkv.bench.serve.records import RequestResult, SampleRequest
+from pdkv.bench.serve.report import build_result, format_result_table, write_result_json
+from pdkv.bench.serve.runner import BenchConfig, arrival_times
+from pdkv.bench.serve.server_metrics import counter_deltas, parse_counters, select_counters
+
+
+def _ok(ttft, itl, latency, out, prompt=10, start=0.0, usage_missing=False):
+    return RequestResult(success=True, ttft=ttft, itl=list(itl), latency=latency,
+                         output_tokens=out, prompt_tokens=prompt, prompt_len=prompt,
+                         start_time=start, usage_missing=usage_missing,
+                         num_content_chunks=len(itl) + 1)
+
+
+def _failed(msg="HTTP 400: bad"):
+    return RequestResult(success=False, error=msg, prompt_tokens=7, prompt_len=7)
+
+
+def test_compute_metrics_hand_made():
+    results = [
+        _ok(0.100, [0.020, 0.030], 0.200, out=5, prompt=10, start=0.0),
+        _ok(0.300, [0.050], 0.500, out=3, prompt=20, start=0.5),
+        _ok(0.050, [], 0.050, out=1, prompt=30, start=1.0),  # 1 token: no TPOT
+        _failed(),
+    ]
+    m = compute_metrics(results, duration=2.0, selected_percentiles=[50, 99.9])
+    assert m["completed"] == 3 and m["failed"] == 1
+    assert m["total_input_tokens"] == 60  # the failed request's 7 is excluded
+    assert m["total_output_tokens"] == 9
+    assert m["request_throughput"] == pytest.approx(1.5)
+    assert m["output_throughput"] == pytest.approx(4.5)
+    assert m["total_token_throughput"] == pytest.approx(34.5)
+    assert m["request_goodput"] is None and m["good_requests"] is None
+    # TTFT: 100, 300, 50 ms.
+    assert m["mean_ttft_ms"] == pytest.approx(150.0)
+    assert m["median_ttft_ms"] == pytest.approx(100.0)
+    assert m["std_ttft_ms"] == pytest.approx(np.std([100, 300, 50]))
+    assert m["p50_ttft_ms"] == pytest.approx(100.0)
+    assert m["p99.9_ttft_ms"] == pytest.approx(np.percentile([100, 300, 50], 99.9))
+    # TPOT = (E2EL - TTFT) / (out - 1): (200-100)/4 = 25 ms, (500-300)/2 = 100 ms.
+    assert m["mean_tpot_ms"] == pytest.approx(62.5)
+    assert m["median_tpot_ms"] == pytest.approx(62.5)
+    # ITL pools the gaps of all requests: 20, 30, 50 ms.
+    assert m["mean_itl_ms"] == pytest.approx(100.0 / 3)
+    assert m["median_itl_ms"] == pytest.approx(30.0)
+    # E2EL: 200, 500, 50 ms.
+    assert m["mean_e2el_ms"] == pytest.approx(250.0)
+    assert m["p50_e2el_ms"] == pytest.approx(200.0)
+    # Intervals [0, .2), [.5, 1.0), [1.0, 1.05): never two at once.
+    assert m["max_concurrent_requests"] == 1
+    assert m["num_usage_missing"] == 0
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    results = [
+        _ok(0.100, [0.020], 0.200, out=5),  # tpot 25 ms
+        _ok(0.300, [0.050], 0.500, out=3),  # tpot 100 ms
+        _ok(0.050, [], 0.050, out=1),  # tpot counts as 0 for goodput (vLLM)
+        _failed(),
+    ]
+    assert compute_metrics(results, 2.0, [99], {"ttft": 200})["good_requests"] == 2
+    m = compute_metrics(results, 2.0, [99], {"ttft": 200, "tpot": 20})
+    assert m["good_requests"] == 1 and m["request_goodput"] == pytest.approx(0.5)
+    assert compute_metrics(results, 2.0, [99], {"e2el": 500})["good_requests"] == 3
+    # SLO boundary is inclusive: value <= SLO is good.
+    assert compute_metrics(results, 2.0, [99], {"tpot": 25})["good_requests"] == 2
+    assert compute_metrics(results, 2.0, [99], {"ttft": 10})["request_goodput"] == 0.0
+
+
+def test_no_success_gives_zero_stats_and_peak_concurrency_overlaps():
+    m = compute_metrics([_failed(), _failed()], 1.0, [50, 99])
+    assert m["completed"] == 0 and m["failed"] == 2
+    assert m["mean_ttft_ms"] == 0.0 and m["p99_itl_ms"] == 0.0 and m["total_input_tokens"] == 0
+    overlapping = [_ok(0.1, [0.1], 1.0, 3, start=s) for s in (0.0, 0.2, 0.4, 1.2)]
+    m = compute_metrics(overlapping, 3.0, [50])
+    assert m["max_concurrent_requests"] == 3
+    with pytest.raises(ValueError):
+        compute_metrics(overlapping, 0.0, [50])
+
+
+def test_usage_missing_is_counted():
+    m = compute_metrics([_ok(0.1, [0.1], 0.2, 2, usage_missing=True)], 1.0, [50])
+    assert m["num_usage_missing"] == 1
+
+
+def test_parsers():
+    assert parse_percentiles("50,90,99.9") == [50.0, 90.0, 99.9]
+    with pytest.raises(ValueError):
+        parse_percentiles("50,101")
+    assert parse_goodput(["ttft:500", "TPOT:50", "e2el:2000"]) == {
+        "ttft": 500.0, "tpot": 50.0, "e2el": 2000.0}
+    assert parse_goodput(None) == {}
+    for bad in (["itl:5"], ["ttft"], ["ttft:-1"], ["ttft:abc"]):
+        with pytest.raises(ValueError):
+            parse_goodput(bad)
+
+
+def test_poisson_arrivals_are_seeded_and_scaled():
+    a = arrival_times(200, request_rate=10.0, seed=3)
+    assert a == arrival_times(200, request_rate=10.0, seed=3)
+    assert a != arrival_times(200, request_rate=10.0, seed=4)
+    assert all(x < y for x, y in zip(a, a[1:]))
+    assert a[-1] == pytest.approx(200 / 10.0)  # vLLM rescales the last arrival to n / rate
+    gaps = np.diff([0.0] + a)
+    assert gaps.mean() == pytest.approx(0.1, rel=1e-9)
+    # Exponential gaps: coefficient of variation near 1 (0.1 would mean uniform spacing).
+    assert 0.7 < gaps.std() / gaps.mean() < 1.3
+    assert arrival_times(5, math.inf, seed=0) == [0.0] * 5
+    # Large burstiness: nearly constant gaps.
+    steady = np.diff(arrival_times(100, 10.0, seed=0, burstiness=1000.0))
+    assert steady.std() / steady.mean() < 0.1
+
+
+def test_sample_lengths_range():
+    rng = np.random.default_rng(0)
+    lens = sample_lengths(rng, 2000, 100, 0.25)
+    assert min(lens) == 75 and max(lens) == 125
+    assert sample_lengths(rng, 3, 10, 0.0) == [10, 10, 10]
+    with pytest.raises(ValueError):
+        sample_lengths(rng, 3, 10, 1.0)
+
+
+class _LossyTokenizer:
+    """Decode drops ids 100..109 (like bytes that vanish): re-encoding comes out short."""
+
+    name = "lossy"
+
+    async def encode(self, text):
+        return [int(w[1:]) for w in text.split()]
+
+    async def decode(self, ids):
+        return " ".join(f"w{i}" for i in ids if not 100 <= i < 110)
+
+
+def test_ids_to_prompt_tops_up_to_the_target_length():
+    rng = np.random.default_rng(0)
+    ids = [100, 101, 102, 500, 600, 103, 700, 800]
+    text, n = asyncio.run(ids_to_prompt(_LossyTokenizer(), ids, 8, rng, vocab_size=49152))
+    assert n == 8 and len(text.split()) == 8
+    assert text.startswith("w500 w600 w700 w800")
+
+
+def test_word_tokenizer_round_trips():
+    tok = WordTokenizer()
+    text = asyncio.run(tok.decode([100, 101, 5000]))
+    assert len(text.split()) == 3
+    assert asyncio.run(tok.decode(asyncio.run(tok.encode(text)))) == text
+
+
+def test_prometheus_parsing_and_deltas():
+    text = (
+        "# TYPE pdkv:prefix_cache_queries_total counter\n"
+        'pdkv:prefix_cache_queries_total{engine="0"} 100\n'
+        'pdkv:prefix_cache_queries_total{engine="1"} 50\n'
+        "pdkv:prefix_cache_hits_total 30\n"
+        "vllm:prefix_cache_hits_total 999\n"
+    )
+    picked = select_counters(parse_counters(text))
+    assert picked == {"prefix_cache_queries": 150.0, "prefix_cache_hits": 30.0}
+    vllm = select_counters(parse_counters(
+        "vllm:prefix_cache_queries_total 10\nvllm:prefix_cache_hits_total 5\n"))
+    assert vllm == {"prefix_cache_queries": 10.0, "prefix_cache_hits": 5.0}
+    after = {"prefix_cache_queries": 350.0, "prefix_cache_hits": 110.0, "kv_transfer_bytes": 8.0}
+    d = counter_deltas(picked, after)
+    assert d == {"prefix_cache_queries": 200.0, "prefix_cache_hits": 80.0,
+                 "prefix_cache_hit_rate": 0.4}  # kv bytes absent before: left out
+    assert counter_deltas(picked, picked)["prefix_cache_hit_rate"] is None
+    assert counter_deltas(None, after) is None
+    assert counter_deltas({}, {}) == {}
+
+
+def test_report_table_and_strict_json(tmp_path):
+    results = [_ok(0.1, [0.02, 0.03], 0.2, 4, start=0.0), _failed("HTTP 400: nope")]
+    cfg = BenchConfig(base_url="http://x:1/", num_prompts=2, request_rate=math.inf,
+                      api_key="secret", goodput={"ttft": 500})
+    metrics = compute_metrics(results, 1.0, cfg.percentiles, cfg.goodput)
+    result = build_result(cfg, "m", "server", metrics, results, {"prefix_cache_hit_rate": 0.5})
+    table = format_result_table(result)
+    assert "Serving Benchmark Result" in table and "P90 TTFT (ms):" in table
+    assert "Request goodput (req/s):" in table and "Prefix cache hit rate (%):" in table
+    path = tmp_path / "r.json"
+    write_result_json(result, str(path))
+
+    def no_constants(name):
+        raise AssertionError(f"non-strict JSON constant {name}")
+
+    data = json.loads(path.read_text(), parse_constant=no_constants)
+    assert data["config"]["api_key"] == "<redacted>" and data["request_rate"] == "inf"
+    assert data["config"]["api_url"] == "http://x:1/v1/completions"
+    assert data["errors"] == ["", "HTTP 400: nope"]
+    assert data["ttfts"] == [0.1, None] and data["output_lens"] == [4, 0]
+    assert data["tpots"][0] == pytest.approx((0.2 - 0.1) / 3)
+
+
+def test_chunk_text_and_payload():
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}
+    assert chunk_text(role, "chat") == ""
+    assert chunk_text({"choices": [{"delta": {"content": "hi"}}]}, "chat") == "hi"
+    assert chunk_text({"choices": [{"delta": {"reasoning_content": "hm"}}]}, "chat") == "hm"
+    assert chunk_text({"choices": [{"text": ""}]}, "completions") == ""
+    assert chunk_text({"choices": [], "usage": {"completion_tokens": 3}}, "completions") is None
+    assert parse_endpoint("/v1/chat/completions") == "chat"
+    assert parse_endpoint("completions") == "completions"
+    with pytest.raises(ValueError):
+        parse_endpoint("embeddings")
+    p = build_payload("completions", "m", SampleRequest("x y", 2, 9), ignore_eos=False)
+    assert p["prompt"] == "x y" and p["max_tokens"] == 9 and "ignore_eos" not in p
