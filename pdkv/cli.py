@@ -1,4 +1,4 @@
-"""`pdkv` command line: generate | bench offline (serve, proxy and up come with their issues)."""
+"""`pdkv` command line: serve | generate | bench offline | bench serve."""
 
 from __future__ import annotations
 
@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=_cmd_generate)
 
+    from pdkv.serve import api_server
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible server with Prometheus metrics")
+    api_server.add_cli_args(serve)
+    serve.set_defaults(func=api_server.main)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     offline = bench_sub.add_parser("offline", help="offline throughput: pdkv vs HF transformers")
@@ -95,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     offline_bench.add_cli_args(offline)
     offline.set_defaults(func=offline_bench.main)
+    from pdkv.bench import serve as serve_bench
+
+    serve_p = bench_sub.add_parser("serve", help="online serving benchmark against an OpenAI-compatible server")
+    serve_bench.add_cli_args(serve_p)
+    serve_p.set_defaults(func=serve_bench.main)
     return parser
 
 

@@ -52,6 +52,8 @@ class SchedulerStats:
     kv_cache_usage: float
     num_free_blocks: int
     num_preemptions: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class Scheduler:
@@ -132,6 +134,8 @@ class Scheduler:
             kv_cache_usage=self.kv_cache_manager.usage,
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.kv_cache_manager.prefix_cache_stats.queries,
+            prefix_cache_hits=self.kv_cache_manager.prefix_cache_stats.hits,
         )
 
     # ----------------------------------------------------------------- schedule

@@ -105,8 +105,8 @@ async def send_request(
                 return out
             async for line in resp.aiter_lines():
                 line = line.strip()
-                if not line or line.startswith(":") or not line.startswith("data:"):
-                    continue  # blank separator, SSE comment/ping, or event:/id: field
+                if not line.startswith("data:"):
+                    continue  # blank separator, ": ping" comment, or an event:/id: field
                 now = time.perf_counter()
                 last_event = now
                 body = line[len("data:"):].strip()
@@ -132,7 +132,7 @@ async def send_request(
                 out.num_content_chunks += 1
                 texts.append(text)
     except Exception as e:  # a failed request is data, not a crash
-        out.error = f"{type(e).__name__}: {e}"[:_MAX_ERROR_CHARS] or type(e).__name__
+        out.error = f"{type(e).__name__}: {e}"[:_MAX_ERROR_CHARS]
         return out
     out.latency = last_event - st
     out.generated_text = "".join(texts)

@@ -148,7 +148,7 @@ async def dispatch(client: httpx.AsyncClient, cfg: BenchConfig, model: str,
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     pbar = tqdm(total=len(samples), disable=cfg.disable_tqdm)
 
-    async def one(sample: SampleRequest) -> RequestResult:
+    async def _one(sample: SampleRequest) -> RequestResult:
         arrived = time.perf_counter()
         if sem is None:
             res = await send_request(client, cfg.api_url, cfg.endpoint, model, sample,
@@ -167,7 +167,7 @@ async def dispatch(client: httpx.AsyncClient, cfg: BenchConfig, model: str,
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(sample)))
+        tasks.append(asyncio.create_task(_one(sample)))
     results = list(await asyncio.gather(*tasks))
     duration = time.perf_counter() - start
     pbar.close()

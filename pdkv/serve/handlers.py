@@ -1,0 +1,299 @@
+"""Completions and chat completions: request → engine request, outputs → OpenAI JSON / SSE."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from pdkv.engine.async_llm import AsyncLLM
+from pdkv.outputs import RequestOutput
+from pdkv.sampling_params import SamplingParams
+from pdkv.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error JSON.
+
+    Args:
+        message: what is wrong (shown to the client).
+        status: HTTP status (400 bad input, 404, 500 internal, 503 engine down).
+        err_type: OpenAI error type name.
+    """
+
+    def __init__(self, message: str, status: int = 400, err_type: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.message, self.status, self.err_type = message, status, err_type
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.err_type, "param": None, "code": self.status}}
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request ready for the engine."""
+
+    request_id: str
+    created: int
+    model: str
+    prompt_ids: list[int]
+    prompt_text: str | None
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    chat: bool
+    kv_transfer_params: dict[str, Any] | None
+    cache_salt: str | None
+
+
+class OpenAIHandlers:
+    """Builds engine requests from OpenAI bodies and formats the outputs.
+
+    Args:
+        llm: the async engine.
+        served_model_name: the only accepted `model` value (None/absent is accepted too).
+    """
+
+    def __init__(self, llm: AsyncLLM, served_model_name: str) -> None:
+        self.llm = llm
+        self.model_name = served_model_name
+        self.tokenizer = llm.engine.tokenizer
+        self.max_model_len = llm.engine.config.model_config.max_model_len
+
+    # ------------------------------------------------------------------ input
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.")
+
+    def prepare_completion(self, req: CompletionRequest, request_id: str | None) -> PreparedRequest:
+        self.check_model(req.model)
+        prompt: Any = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError("batched prompts are not supported: send one prompt per request")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt) if prompt else []
+        else:
+            text, ids = None, list(prompt)
+        if req.echo:
+            raise APIError("echo is not supported")
+        return self._prepare(req, request_id, ids, text, req.max_tokens, req.logprobs, chat=False)
+
+    def prepare_chat(self, req: ChatCompletionRequest, request_id: str | None) -> PreparedRequest:
+        self.check_model(req.model)
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            text = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+        except ValueError as e:
+            raise APIError(str(e)) from None
+        ids = self.tokenizer.hf.encode(text, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return self._prepare(req, request_id, ids, text, max_tokens, logprobs, chat=True)
+
+    def _prepare(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        request_id: str | None,
+        ids: list[int],
+        text: str | None,
+        max_tokens: int | None,
+        logprobs: int | None,
+        chat: bool,
+    ) -> PreparedRequest:
+        if req.n != 1:
+            raise APIError("n must be 1 (several choices per request are not supported)")
+        if not ids:
+            raise APIError("prompt is empty: at least one token is needed")
+        if len(ids) >= self.max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {len(ids)} tokens, which leaves no room for output."
+            )
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(ids)
+        if max_tokens >= 1 and len(ids) + max_tokens > self.max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} "
+                "for the completion). Reduce the prompt or max_tokens."
+            )
+        try:
+            params = SamplingParams(
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                seed=req.seed,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                stop=req.stop or (),
+                stop_token_ids=req.stop_token_ids or (),
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except ValueError as e:
+            raise APIError(str(e)) from None
+        prefix = "chatcmpl" if chat else "cmpl"
+        return PreparedRequest(
+            request_id=request_id or f"{prefix}-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=self.model_name,
+            prompt_ids=ids,
+            prompt_text=text,
+            params=params,
+            stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            chat=chat,
+            kv_transfer_params=req.kv_transfer_params,
+            cache_salt=req.cache_salt,
+        )
+
+    # ---------------------------------------------------------------- running
+    def outputs(self, p: PreparedRequest) -> AsyncIterator[RequestOutput]:
+        """Validate in the engine and start generation.
+
+        Raises:
+            APIError: the engine rejected the request (400).
+        """
+        try:
+            request, text = self.llm.make_request(
+                {"prompt_token_ids": p.prompt_ids, "prompt": p.prompt_text},
+                p.params,
+                p.request_id,
+                kv_transfer_params=p.kv_transfer_params,
+                cache_salt=p.cache_salt,
+            )
+        except ValueError as e:
+            raise APIError(str(e)) from None
+        return self.llm.generate(request, text)
+
+    async def full_response(self, p: PreparedRequest, outputs: AsyncIterator[RequestOutput]) -> dict[str, Any]:
+        """Wait for the final output and build the non-streaming response body."""
+        final: RequestOutput | None = None
+        async for out in outputs:
+            final = out
+        assert final is not None
+        comp = final.outputs[0]
+        if p.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": comp.text},
+                "logprobs": self._chat_logprobs(comp.token_ids, comp.logprobs),
+                "finish_reason": comp.finish_reason,
+                "stop_reason": comp.stop_reason,
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": comp.text,
+                "logprobs": self._completion_logprobs(comp.token_ids, comp.logprobs),
+                "finish_reason": comp.finish_reason,
+                "stop_reason": comp.stop_reason,
+            }
+        return {
+            "id": p.request_id,
+            "object": "chat.completion" if p.chat else "text_completion",
+            "created": p.created,
+            "model": p.model,
+            "choices": [choice],
+            "usage": self._usage(final),
+            "kv_transfer_params": final.kv_transfer_params,
+        }
+
+    async def stream_response(self, p: PreparedRequest, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        """SSE events: content deltas, a final chunk with finish_reason, usage, then [DONE]."""
+        obj = "chat.completion.chunk" if p.chat else "text_completion"
+        head = {"id": p.request_id, "object": obj, "created": p.created, "model": p.model}
+        if p.chat:
+            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield _sse({**head, "choices": [first]})
+        final: RequestOutput | None = None
+        try:
+            async for out in outputs:
+                final = out
+                comp = out.outputs[0]
+                lps = comp.logprobs[len(comp.logprobs) - len(comp.delta_token_ids):] if comp.logprobs else None
+                if not comp.delta_text and not out.finished and not lps:
+                    continue
+                choice: dict[str, Any] = {"index": 0, "finish_reason": comp.finish_reason}
+                if p.chat:
+                    choice["delta"] = {"content": comp.delta_text} if comp.delta_text else {}
+                    choice["logprobs"] = self._chat_logprobs(comp.delta_token_ids, lps)
+                else:
+                    choice["text"] = comp.delta_text
+                    choice["logprobs"] = self._completion_logprobs(comp.delta_token_ids, lps)
+                if out.finished:
+                    choice["stop_reason"] = comp.stop_reason
+                chunk = {**head, "choices": [choice]}
+                if out.finished:
+                    chunk["kv_transfer_params"] = out.kv_transfer_params
+                yield _sse(chunk)
+        except APIError as e:
+            yield _sse(e.body())
+            yield "data: [DONE]\n\n"
+            return
+        except Exception as e:  # noqa: BLE001 - the stream already started: end it with an error event
+            yield _sse(APIError(f"internal error: {e}", 500, "InternalServerError").body())
+            yield "data: [DONE]\n\n"
+            return
+        if p.include_usage and final is not None:
+            yield _sse({**head, "choices": [], "usage": self._usage(final)})
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------- formatting
+    @staticmethod
+    def _usage(out: RequestOutput) -> dict[str, Any]:
+        n_prompt, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_out,
+            "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        }
+
+    def _token_str(self, tid: int) -> str:
+        return self.tokenizer.decode([tid], skip_special_tokens=False)
+
+    def _completion_logprobs(self, ids: list[int], lps: list[dict[int, float]] | None) -> dict[str, Any] | None:
+        if lps is None:
+            return None
+        tokens = [self._token_str(t) for t in ids]
+        offsets, pos = [], 0
+        for s in tokens:
+            offsets.append(pos)
+            pos += len(s)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.get(t) for t, lp in zip(ids, lps)],
+            "top_logprobs": [{self._token_str(k): v for k, v in lp.items()} for lp in lps],
+            "text_offset": offsets,
+        }
+
+    def _chat_logprobs(self, ids: list[int], lps: list[dict[int, float]] | None) -> dict[str, Any] | None:
+        if lps is None:
+            return None
+        content = []
+        for t, lp in zip(ids, lps):
+            s = self._token_str(t)
+            top = sorted(((k, v) for k, v in lp.items()), key=lambda kv: -kv[1])
+            content.append({
+                "token": s,
+                "logprob": lp.get(t),
+                "bytes": list(s.encode()),
+                "top_logprobs": [
+                    {"token": self._token_str(k), "logprob": v, "bytes": list(self._token_str(k).encode())}
+                    for k, v in top
+                    if k != t or len(top) > 0
+                ],
+            })
+        return {"content": content}
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"

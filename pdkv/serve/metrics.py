@@ -1,0 +1,126 @@
+"""Prometheus metrics of one server (prometheus-client, `pdkv:` prefix, own registry).
+
+Names follow vLLM's `vllm:` metrics where one exists (time_to_first_token_seconds,
+inter_token_latency_seconds, e2e_request_latency_seconds, request_queue_time_seconds,
+request_prefill_time_seconds, num_requests_running/waiting, kv_cache_usage_perc,
+prefix_cache_queries/hits, prompt_tokens, generation_tokens).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pdkv.outputs import RequestOutput
+from pdkv.sched.scheduler import SchedulerStats
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)
+
+
+class ServerMetrics:
+    """Collectors plus the per-request state needed to observe inter-token latency.
+
+    `observe_step` is the AsyncLLM step observer (engine loop thread); `render` is called by the
+    /metrics handler (event loop thread).
+
+    Args:
+        model_name: value of the `model_name` label.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.model_name = model_name
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, labels, registry=r, buckets=_LATENCY_BUCKETS).labels(model_name)
+
+        self.ttft = hist("pdkv:time_to_first_token_seconds", "Time to first token (s)")
+        self.itl = hist("pdkv:inter_token_latency_seconds", "Gap between output tokens (s)")
+        self.e2el = hist("pdkv:e2e_request_latency_seconds", "Request end-to-end latency (s)")
+        self.queue_time = hist("pdkv:request_queue_time_seconds", "Arrival to first scheduling (s)")
+        self.prefill_time = hist(
+            "pdkv:request_prefill_time_seconds", "First scheduling to first token (s)"
+        )
+        self.running = Gauge("pdkv:num_requests_running", "Requests running", labels, registry=r).labels(model_name)
+        self.waiting = Gauge("pdkv:num_requests_waiting", "Requests waiting", labels, registry=r).labels(model_name)
+        self.kv_usage = Gauge(
+            "pdkv:kv_cache_usage_perc", "KV cache usage (fraction of blocks in use)", labels, registry=r
+        ).labels(model_name)
+        self.free_blocks = Gauge(
+            "pdkv:num_free_blocks", "Free KV cache blocks", labels, registry=r
+        ).labels(model_name)
+        self.prefix_queries = Counter(
+            "pdkv:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels, registry=r
+        ).labels(model_name)
+        self.prefix_hits = Counter(
+            "pdkv:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=r
+        ).labels(model_name)
+        self.prompt_tokens = Counter(
+            "pdkv:prompt_tokens", "Prompt tokens of finished requests", labels, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "pdkv:generation_tokens", "Generated tokens", labels, registry=r
+        ).labels(model_name)
+        self.preemptions = Counter(
+            "pdkv:num_preemptions", "Requests preempted", labels, registry=r
+        ).labels(model_name)
+        self.request_success = Counter(
+            "pdkv:request_success", "Finished requests by reason", labels + ["finished_reason"], registry=r
+        )
+        self._last_token: dict[str, float] = {}
+        self._seen_prefix = (0, 0)
+        self._seen_preemptions = 0
+        self._lock = threading.Lock()
+
+    def observe_step(self, outputs: list[RequestOutput], stats: SchedulerStats, now: float) -> None:
+        """Record one engine step (called from the engine loop thread)."""
+        with self._lock:
+            self.running.set(stats.num_running)
+            self.waiting.set(stats.num_waiting)
+            self.kv_usage.set(stats.kv_cache_usage)
+            self.free_blocks.set(stats.num_free_blocks)
+            if stats.num_preemptions > self._seen_preemptions:
+                self.preemptions.inc(stats.num_preemptions - self._seen_preemptions)
+                self._seen_preemptions = stats.num_preemptions
+            queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+            if queries > self._seen_prefix[0]:
+                self.prefix_queries.inc(queries - self._seen_prefix[0])
+            if hits > self._seen_prefix[1]:
+                self.prefix_hits.inc(hits - self._seen_prefix[1])
+            self._seen_prefix = (queries, hits)
+            for out in outputs:
+                self._observe_output(out, now)
+
+    def _observe_output(self, out: RequestOutput, now: float) -> None:
+        rid = out.request_id
+        n_new = len(out.outputs[0].delta_token_ids)
+        m = out.metrics
+        if n_new:
+            self.generation_tokens.inc(n_new)
+            last = self._last_token.get(rid)
+            if last is None:
+                if m is not None and m.ttft is not None:
+                    self.ttft.observe(m.ttft)
+                    if m.queue_time is not None:
+                        self.queue_time.observe(m.queue_time)
+                    if m.first_scheduled_time is not None and m.first_token_time is not None:
+                        self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+            else:
+                self.itl.observe(now - last)
+            self._last_token[rid] = now
+        if out.finished:
+            self._last_token.pop(rid, None)
+            reason = out.outputs[0].finish_reason or "abort"
+            self.request_success.labels(self.model_name, reason).inc()
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            if m is not None and m.e2el is not None:
+                self.e2el.observe(m.e2el)
+
+    def render(self) -> bytes:
+        """Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,95 @@
+"""Start and stop `pdkv` server processes for tests (127.0.0.1, free ports, killed by PID)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RemoteServer:
+    """`python -m pdkv.cli <args> --host 127.0.0.1 --port P` as a child process.
+
+    Args:
+        args: CLI arguments after `pdkv` (e.g. ["serve", "--model", "smollm2"]).
+        health_path: polled until it answers 200.
+        timeout: seconds to wait for health.
+    """
+
+    def __init__(self, args: list[str], health_path: str = "/health", timeout: float = 180.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PDKV_NUM_THREADS=os.environ.get("PDKV_NUM_THREADS", "2"))
+        self.log = open(os.devnull, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdkv.cli", *args, "--host", "127.0.0.1", "--port", str(self.port),
+             "--log-level", "warning"],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {args}")
+            try:
+                if httpx.get(self.url + health_path, timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"server not healthy after {timeout} s: {args}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self.log.close()
+
+    def __enter__(self) -> RemoteServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples named `name` whose labels include `labels` (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def wait_for_metric(url: str, name: str, expected: float, timeout: float = 20.0) -> float:
+    """Poll /metrics until `name` equals `expected`; returns the last value seen."""
+    deadline = time.monotonic() + timeout
+    value = float("nan")
+    while time.monotonic() < deadline:
+        value = metric_value(httpx.get(url + "/metrics", timeout=5).text, name)
+        if value == expected:
+            return value
+        time.sleep(0.2)
+    return value

@@ -1,0 +1,100 @@
+"""Bad input gets a 400 with OpenAI's error JSON and the next request succeeds; clients that
+disconnect abort their requests and every block returns to the pool."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from conftest import MAX_MODEL_LEN, NUM_KV_BLOCKS
+from server_utils import metric_value, wait_for_metric
+
+pytestmark = pytest.mark.slow
+
+GOOD = {"prompt": "Hello, my name is", "max_tokens": 4, "temperature": 0}
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/v1/completions", {**GOOD, "prompt": ""}, "prompt is empty"),
+        ("/v1/completions", {**GOOD, "prompt": [1] * (MAX_MODEL_LEN + 3)}, "maximum context length"),
+        ("/v1/completions", {**GOOD, "prompt": [1] * 100, "max_tokens": MAX_MODEL_LEN}, "maximum context length"),
+        ("/v1/completions", {**GOOD, "max_tokens": 0}, "max_tokens must be at least 1"),
+        ("/v1/completions", {**GOOD, "top_p": 1.5}, "top_p must be in"),
+        ("/v1/completions", {**GOOD, "temperature": -0.5}, "temperature must be >= 0"),
+        ("/v1/completions", {**GOOD, "max_tokens": "many"}, "max_tokens"),
+        ("/v1/completions", {**GOOD, "prompt": {"not": "a prompt"}}, "prompt"),
+        ("/v1/completions", {"max_tokens": 4}, "prompt"),
+        ("/v1/completions", {**GOOD, "model": "gpt-4"}, "does not exist"),
+        ("/v1/completions", {**GOOD, "prompt": [1, 2, 10**9]}, "outside the vocabulary"),
+        ("/v1/completions", {**GOOD, "n": 2}, "n must be 1"),
+        ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, "max_tokens must be at least 1"),
+        ("/v1/chat/completions", {**CHAT, "model": "nope"}, "does not exist"),
+    ],
+)
+def test_bad_request_is_400_then_server_serves(server, path, body, message):
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert message in err["message"]
+    assert err["code"] == 400 and err["type"] == "BadRequestError"
+    ok = httpx.post(server.url + "/v1/completions", json=GOOD, timeout=60)
+    assert ok.status_code == 200
+    assert ok.json()["usage"]["completion_tokens"] == 4
+
+
+def test_malformed_json_is_400(server):
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    assert "error" in r.json()
+
+
+def _long_stream_body():
+    return {"prompt": "Tell me a very long story.", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+
+
+def test_streaming_disconnect_frees_blocks(server):
+    assert wait_for_metric(server.url, "pdkv:num_free_blocks", NUM_KV_BLOCKS) == NUM_KV_BLOCKS
+    with httpx.Client(timeout=60) as c, c.stream("POST", server.url + "/v1/completions",
+                                                  json=_long_stream_body()) as r:
+        assert r.status_code == 200
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"text"' in line:
+                got += 1
+            if got >= 3:
+                break  # leave mid-generation: closing the response drops the connection
+    assert wait_for_metric(server.url, "pdkv:num_requests_running", 0) == 0
+    assert wait_for_metric(server.url, "pdkv:num_free_blocks", NUM_KV_BLOCKS) == NUM_KV_BLOCKS
+    aborted = metric_value(httpx.get(server.url + "/metrics").text, "pdkv:request_success_total",
+                           finished_reason="abort")
+    assert aborted >= 1
+
+
+def test_non_streaming_disconnect_frees_blocks(server):
+    body = {**_long_stream_body(), "stream": False}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
+    time.sleep(0.5)
+    assert wait_for_metric(server.url, "pdkv:num_requests_running", 0) == 0
+    assert wait_for_metric(server.url, "pdkv:num_free_blocks", NUM_KV_BLOCKS) == NUM_KV_BLOCKS
+
+
+def test_api_key_required_when_configured():
+    from server_utils import RemoteServer
+
+    args = ["serve", "--model", "smollm2", "--num-kv-blocks", "64", "--max-model-len", "256",
+            "--api-key", "s3cret"]
+    with RemoteServer(args) as srv:
+        assert httpx.post(srv.url + "/v1/completions", json=GOOD, timeout=30).status_code == 401
+        ok = httpx.post(srv.url + "/v1/completions", json=GOOD, timeout=60,
+                        headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
