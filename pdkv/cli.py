@@ -51,7 +51,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(f"\n=== {out.request_id}: {prompt}")
         print(comp.text)
         ttft = m.ttft if m else None
-        tpot = m.tpot(len(comp.token_ids)) if m else None
+        tpot = m.tpot if m else None
         e2e = m.e2el if m else None
         print(
             f"--- prompt {len(out.prompt_token_ids)} tok (cached {out.num_cached_tokens}), "
@@ -72,38 +72,53 @@ def _ms(seconds: float | None) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from pdkv.engine.arg_utils import EngineArgs
 
-    parser = argparse.ArgumentParser(prog="pdkv", description=__doc__)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="pdkv", description=__doc__, formatter_class=fmt)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate completions offline and print timings")
+    gen = sub.add_parser(
+        "generate",
+        help="generate completions offline and print timings",
+        description="Generate completions offline and print per-request timings. Without "
+        "--prompt/--prompts-file, four built-in chat prompts are used.",
+        formatter_class=fmt,
+    )
     EngineArgs.add_cli_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--prompts-file", help="one prompt per line")
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = disabled")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of random sampling")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     gen.set_defaults(func=_cmd_generate)
 
     from pdkv.serve import api_server
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible server with Prometheus metrics")
+    serve = sub.add_parser(
+        "serve", help="OpenAI-compatible server with Prometheus metrics", formatter_class=fmt
+    )
     api_server.add_cli_args(serve)
     serve.set_defaults(func=api_server.main)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    offline = bench_sub.add_parser("offline", help="offline throughput: pdkv vs HF transformers")
+    offline = bench_sub.add_parser(
+        "offline", help="offline throughput: pdkv vs HF transformers", formatter_class=fmt
+    )
     from pdkv.bench import offline as offline_bench
 
     offline_bench.add_cli_args(offline)
     offline.set_defaults(func=offline_bench.main)
     from pdkv.bench import serve as serve_bench
 
-    serve_p = bench_sub.add_parser("serve", help="online serving benchmark against an OpenAI-compatible server")
+    serve_p = bench_sub.add_parser(
+        "serve",
+        help="online serving benchmark against an OpenAI-compatible server",
+        formatter_class=fmt,
+    )
     serve_bench.add_cli_args(serve_p)
     serve_p.set_defaults(func=serve_bench.main)
     return parser
@@ -114,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

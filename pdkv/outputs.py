@@ -37,7 +37,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Milestones of a request, time.monotonic() seconds."""
+    """Milestones of a request: time.monotonic() timestamps; every derived value (ttft,
+    queue_time, tpot, e2el) is in seconds."""
 
     arrival_time: float
     first_scheduled_time: float | None
@@ -45,6 +46,7 @@ class RequestMetrics:
     last_token_time: float | None
     finished_time: float | None
     num_preemptions: int = 0
+    num_output_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -60,11 +62,13 @@ class RequestMetrics:
             return None
         return self.first_scheduled_time - self.arrival_time
 
-    def tpot(self, num_output_tokens: int) -> float | None:
+    @property
+    def tpot(self) -> float | None:
         """Mean time per output token after the first (s): (last - first) / (n - 1)."""
-        if num_output_tokens < 2 or self.first_token_time is None or self.last_token_time is None:
+        n = self.num_output_tokens
+        if n < 2 or self.first_token_time is None or self.last_token_time is None:
             return None
-        return (self.last_token_time - self.first_token_time) / (num_output_tokens - 1)
+        return (self.last_token_time - self.first_token_time) / (n - 1)
 
     @property
     def e2el(self) -> float | None:

@@ -383,6 +383,7 @@ def _bench(
         # the same cores and distort CPU timings (a value near or above the core count is suspect).
         "host_load_avg_1m": [load_before, os.getloadavg()[0]],
         "host_cpu_count": os.cpu_count(),
+        "host_cpu": _cpu_description(),
     }
     result["table"] = format_table(result)
     if verbose:
@@ -394,6 +395,19 @@ def _fmt(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def _cpu_description() -> str:
+    """CPU model and its widest vector extensions, from /proc/cpuinfo ("unknown" elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown"
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    ext = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{model} ({', '.join(ext) or 'no avx2'})"
+
+
 def format_table(result: dict[str, Any]) -> str:
     """Plain-text report of a `run_offline_bench` result (throughputs in tokens per second)."""
     lines = [
@@ -402,6 +416,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"input_len={result['input_len']} tok  output_len={result['output_len']} tok  "
         f"torch={result['torch_version']}  transformers={result['transformers_version']}  "
         f"repeats={result['repeats']} (best)",
+        f"cpu: {result.get('host_cpu', 'unknown')}",
         "prefill tok/s = B*input_len / t(max_tokens=1);  "
         "decode tok/s = B*(output_len-1) / (t(output_len) - t(max_tokens=1))",
         "",

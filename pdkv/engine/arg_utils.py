@@ -53,9 +53,10 @@ class EngineArgs:
                 f"{arch.max_position_embeddings}"
             )
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        batched = self.max_num_batched_tokens
-        if not self.enable_chunked_prefill:
-            batched = max(batched, max_len)
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but this torch build has no CUDA device")
+        if device != "cpu" and not device.startswith("cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
         return EngineConfig(
             model_config=ModelConfig(
                 model=self.model,
@@ -74,7 +75,7 @@ class EngineArgs:
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=batched,
+                max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
             ),
@@ -90,28 +91,32 @@ class EngineArgs:
         d = EngineArgs()
         g = parser.add_argument_group("engine")
         g.add_argument("--model", default=d.model, help="alias (smollm2) or HF folder")
-        g.add_argument("--served-model-name", default=None)
-        g.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"])
+        g.add_argument("--served-model-name", default=None, help="model id for clients (default: --model)")
+        g.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"],
+                       help="weights, activations and KV cache")
         g.add_argument("--device", default=None, help="cpu | cuda[:N] (default: cuda if present)")
-        g.add_argument("--seed", type=int, default=d.seed)
-        g.add_argument("--max-model-len", type=int, default=None)
-        g.add_argument("--block-size", type=int, default=d.block_size)
+        g.add_argument("--seed", type=int, default=d.seed, help="engine seed for random sampling")
+        g.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output in tokens (default: the model's)")
+        g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
         g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-bytes)")
-        g.add_argument("--kv-cache-memory-bytes", type=int, default=d.kv_cache_memory_bytes)
+        g.add_argument("--kv-cache-memory-bytes", type=int, default=d.kv_cache_memory_bytes,
+                       help="KV cache budget when --num-kv-blocks is not given")
         g.add_argument(
             "--enable-prefix-caching",
             action=argparse.BooleanOptionalAction,
             default=d.enable_prefix_caching,
         )
-        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests running at once")
+        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                       help="token budget of one engine step")
         g.add_argument(
             "--enable-chunked-prefill",
             action=argparse.BooleanOptionalAction,
             default=d.enable_chunked_prefill,
         )
-        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-        g.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="(only 1 so far)")
+        g.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1, help="(only 1 so far)")
         g.add_argument(
             "--num-threads",
             type=int,

@@ -170,6 +170,7 @@ class OutputProcessor:
                 last_token_time=t.last_token,
                 finished_time=t.finished,
                 num_preemptions=req.num_preemptions,
+                num_output_tokens=len(st.token_ids),
             ),
             kv_transfer_params=None,
         )
