@@ -1,4 +1,4 @@
-"""`pdkv` command line: serve | generate | bench offline | bench serve."""
+"""`pdkv` command line: serve | proxy | up | generate | bench offline | bench serve."""
 
 from __future__ import annotations
 
@@ -102,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     api_server.add_cli_args(serve)
     serve.set_defaults(func=api_server.main)
+
+    from pdkv.router import launcher, proxy
+
+    proxy_p = sub.add_parser("proxy", help="P/D proxy (vLLM protocol) over prefill and decode engines",
+                             formatter_class=fmt)
+    proxy.add_cli_args(proxy_p)
+    proxy_p.set_defaults(func=proxy.main)
+    up = sub.add_parser("up", help="start a local colocated or P/D topology (engines + proxy)",
+                        formatter_class=fmt)
+    launcher.add_cli_args(up)
+    up.set_defaults(func=launcher.main)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

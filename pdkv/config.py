@@ -124,3 +124,72 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer_config: KVTransferConfig | None = None
+
+
+_KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """`--kv-transfer-config`, with vLLM's field names.
+
+    Attributes:
+        kv_connector: registered connector name (e.g. "P2PConnector").
+        kv_role: "kv_producer" (prefill), "kv_consumer" (decode) or "kv_both".
+        engine_id: this engine's id in kv_transfer_params (default: a random uuid4 hex).
+        kv_connector_extra_config: connector-specific settings (e.g. transfer, kv_port).
+        kv_load_failure_policy: "recompute" (rerun the prefill locally) or "fail".
+    """
+
+    kv_connector: str
+    kv_role: str
+    engine_id: str = ""
+    kv_connector_extra_config: dict[str, object] = field(default_factory=dict)
+    kv_load_failure_policy: str = "fail"
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in _KV_ROLES:
+            raise ValueError(f"kv_role must be one of {_KV_ROLES}, got {self.kv_role!r}")
+        if self.kv_load_failure_policy not in _LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_load_failure_policy must be one of {_LOAD_FAILURE_POLICIES}, "
+                f"got {self.kv_load_failure_policy!r}"
+            )
+        if not self.engine_id:
+            import uuid
+
+            object.__setattr__(self, "engine_id", uuid.uuid4().hex)
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @staticmethod
+    def from_json(text: str) -> KVTransferConfig:
+        """Parse the CLI's JSON.
+
+        Raises:
+            ValueError: invalid JSON, unknown fields or bad values (named).
+        """
+        import json
+
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError("--kv-transfer-config must be a JSON object")
+        known = {"kv_connector", "kv_role", "engine_id", "kv_connector_extra_config",
+                 "kv_load_failure_policy"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown --kv-transfer-config fields {unknown}; known: {sorted(known)}")
+        if "kv_connector" not in data or "kv_role" not in data:
+            raise ValueError("--kv-transfer-config needs kv_connector and kv_role")
+        return KVTransferConfig(**data)

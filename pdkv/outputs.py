@@ -90,6 +90,7 @@ class RequestOutput:
         num_cached_tokens: prompt tokens served from the prefix cache (or a KV connector).
         metrics: timestamps.
         kv_transfer_params: what the KV connector returns to the client (P/D), else None.
+        error: why the request failed (finish_reason "error"), else None.
     """
 
     request_id: str
@@ -100,3 +101,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None

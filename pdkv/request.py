@@ -97,6 +97,9 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        # kv_transfer_params the connector returns to the client when the request finishes.
+        self.output_kv_transfer_params: dict[str, Any] | None = None
         self.times = RequestTimes()
         self.block_hashes: list[BlockHash] = hash_request_tokens(
             self.all_token_ids, block_size, cache_salt

@@ -12,7 +12,14 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from pdkv.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pdkv.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from pdkv.model.llama import LlamaArchConfig
 from pdkv.model.registry import resolve_model
 
@@ -37,6 +44,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     num_threads: int | None = None
+    kv_transfer_config: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model and build the configs.
@@ -79,6 +87,9 @@ class EngineArgs:
                 max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
             ),
+            kv_transfer_config=(
+                KVTransferConfig.from_json(self.kv_transfer_config) if self.kv_transfer_config else None
+            ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 decode_context_parallel_size=self.decode_context_parallel_size,
@@ -117,6 +128,11 @@ class EngineArgs:
         )
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="(only 1 so far)")
         g.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1, help="(only 1 so far)")
+        g.add_argument(
+            "--kv-transfer-config",
+            default=None,
+            help='KV connector JSON, e.g. \'{"kv_connector": "P2PConnector", "kv_role": "kv_producer"}\'',
+        )
         g.add_argument(
             "--num-threads",
             type=int,

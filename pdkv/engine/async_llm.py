@@ -72,6 +72,7 @@ class AsyncLLM:
         self._commands.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout)
+        self.engine.shutdown()
 
     @property
     def is_running(self) -> bool:
@@ -145,9 +146,8 @@ class AsyncLLM:
         engine = self.engine
         try:
             while not self._stop.is_set():
-                block = not engine.has_unfinished_requests()
-                self._drain(block)
-                if not engine.has_unfinished_requests():
+                self._drain(block=not engine.has_work())
+                if not engine.has_work():
                     continue
                 try:
                     outputs = engine.step()
@@ -160,6 +160,8 @@ class AsyncLLM:
                     self._deliver(out.request_id, out)
                 if self.step_observer is not None:
                     self.step_observer(outputs, engine.scheduler.stats(), now)
+                if engine.last_num_scheduled_tokens == 0 and not outputs:
+                    time.sleep(0.001)  # only transfers in flight: do not spin
         except BaseException as e:  # pragma: no cover - defensive
             self.errored = e
             logger.exception("engine loop died")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,7 +114,10 @@ class LLM:
             bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
         try:
             while pending:
-                for out in engine.step():
+                outs = engine.step()
+                if not outs and engine.last_num_scheduled_tokens == 0:
+                    time.sleep(0.001)  # waiting for KV transfers only
+                for out in outs:
                     if out.finished and out.request_id in pending:
                         final[out.request_id] = out
                         pending.discard(out.request_id)

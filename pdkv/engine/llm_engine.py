@@ -8,6 +8,8 @@ from typing import Any
 from pdkv.config import EngineConfig
 from pdkv.engine.arg_utils import EngineArgs
 from pdkv.engine.output_processor import OutputProcessor
+from pdkv.kv_transfer.connector.base import KVConnectorRole
+from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.outputs import RequestOutput
 from pdkv.request import Request, RequestStatus
 from pdkv.sampling_params import SamplingParams
@@ -30,15 +32,27 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = Tokenizer(config.model_config.path)
-        self.runner = ModelRunner(config.model_config, config.cache_config)
+        kvt = config.kv_transfer_config
+        self.runner = ModelRunner(config.model_config, config.cache_config, kvt)
+        self.connector = None
+        if kvt is not None:
+            self.connector = create_connector(
+                kvt, KVConnectorRole.SCHEDULER, self.runner.kv_cache_config, self.runner.layout,
+                self.runner.connector_shared,
+            )
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, self.runner.kv_cache_config
+            config.scheduler_config,
+            config.cache_config,
+            self.runner.kv_cache_config,
+            connector=self.connector,
+            kv_load_failure_policy=kvt.kv_load_failure_policy if kvt else "fail",
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = self.runner.model.cfg.vocab_size
         self.eos_token_id = self.runner.eos_token_id
         self._ids = itertools.count()
         self.num_steps = 0
+        self.last_num_scheduled_tokens = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -105,8 +119,15 @@ class LLMEngine:
             block_size=self.config.cache_config.block_size,
             eos_token_id=self.eos_token_id,
             cache_salt=cache_salt,
-            kv_transfer_params=kv_transfer_params,
+            kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None,
         )
+        if request.kv_transfer_params:
+            if self.connector is None:
+                if request.kv_transfer_params.get("do_remote_prefill"):
+                    raise ValueError("kv_transfer_params.do_remote_prefill needs an engine with --kv-transfer-config")
+                request.kv_transfer_params = None  # nothing to hand over without a connector
+            else:
+                self.connector.validate_request(request)
         return request, text
 
     def add_request(self, request: Request, prompt_text: str | None = None) -> None:
@@ -131,6 +152,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns outputs of requests that produced tokens or finished."""
         sched_out = self.scheduler.schedule()
+        self.last_num_scheduled_tokens = sched_out.total_num_scheduled_tokens
         runner_out = self.runner.execute_model(sched_out)
         updates = self.scheduler.update_from_output(sched_out, runner_out)
         self.num_steps += 1
@@ -146,6 +168,13 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def has_work(self) -> bool:
+        """Requests to run or KV transfers/leases to progress."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_work()
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()

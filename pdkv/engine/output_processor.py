@@ -172,5 +172,6 @@ class OutputProcessor:
                 num_preemptions=req.num_preemptions,
                 num_output_tokens=len(st.token_ids),
             ),
-            kv_transfer_params=None,
+            kv_transfer_params=req.output_kv_transfer_params if finished else None,
+            error=req.error if finished else None,
         )

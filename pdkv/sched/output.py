@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from pdkv.kv_transfer.connector.base import KVConnectorOutput
 from pdkv.sampling_params import SamplingParams
 
 
@@ -79,10 +80,12 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
             known tokens this step; prefill chunks that did not are absent).
         logprobs: req id -> per new token, list of (token_id, logprob) with the sampled token
             first and then the top-N; None when no request asked.
+        kv_connector_output: the KV connector worker's report of this step.
     """
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[list[tuple[int, float]]]] | None = None
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(sampled_token_ids={})

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pdkv.cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pdkv.cache.specs import KVCacheConfig
 from pdkv.config import CacheConfig, SchedulerConfig
+from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorOutput
 from pdkv.request import Request, RequestStatus
 from pdkv.sched.output import (
     CachedRequestData,
@@ -54,6 +55,10 @@ class SchedulerStats:
     num_preemptions: int
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_waiting_for_remote_kv: int = 0
+    num_blocks_held_for_remote: int = 0
+    kv_transfer: dict[str, float] | None = None
+    transfer_seconds: list[float] | None = None
 
 
 class Scheduler:
@@ -63,6 +68,8 @@ class Scheduler:
         scheduler_config: budgets (max_num_seqs, max_num_batched_tokens, max_model_len).
         cache_config: block size and prefix caching switch.
         kv_cache_config: KV cache groups and block count (from the worker).
+        connector: scheduler half of a KV connector, or None.
+        kv_load_failure_policy: "recompute" or "fail" when a KV load fails.
 
     Called from the engine loop thread only; no method blocks.
     """
@@ -72,6 +79,8 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         kv_cache_config: KVCacheConfig,
+        connector: KVConnectorBase | None = None,
+        kv_load_failure_policy: str = "fail",
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
@@ -87,6 +96,17 @@ class Scheduler:
         # Ids whose state the worker holds (sent once in full, then as deltas).
         self._worker_known: set[str] = set()
         self.num_preemptions = 0
+        # KV connector state.
+        self.connector = connector
+        self.kv_load_failure_policy = kv_load_failure_policy
+        self.waiting_for_remote: dict[str, Request] = {}
+        self._finished_recving: set[str] = set()
+        self._invalid_blocks: set[int] = set()
+        self._load_errors: dict[str, str] = {}
+        self._delayed_free: dict[str, Request] = {}
+        self._finished_outside: list[Request] = []
+        self.kv_stats: dict[str, float] = {}
+        self.transfer_seconds: list[float] = []  # drained by the metrics observer
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -99,6 +119,8 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.connector is not None:
+            self.connector.on_new_request(request)
 
     def finish_requests(
         self, request_ids: Iterable[str], status: RequestStatus
@@ -116,16 +138,22 @@ class Scheduler:
                 self.running.remove(request)
             elif request in self.waiting:
                 self.waiting.remove(request)
+            self.waiting_for_remote.pop(req_id, None)
             request.status = status
             self._free_request(request)
             done.append(request)
         return done
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_remote)
+
+    def has_pending_kv_work(self) -> bool:
+        """Blocks held for a connector or transfers in flight: keep stepping."""
+        connector_busy = self.connector is not None and self.connector.has_pending_work()
+        return bool(self._delayed_free or self._finished_outside or connector_busy)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -136,7 +164,18 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_stats.queries,
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_stats.hits,
+            num_waiting_for_remote_kv=len(self.waiting_for_remote),
+            num_blocks_held_for_remote=sum(
+                len(b) for r in self._delayed_free.values()
+                for b in self.kv_cache_manager.get_block_ids(r.request_id)
+            ),
+            kv_transfer=dict(self.kv_stats),
+            transfer_seconds=self._drain_transfer_seconds(),
         )
+
+    def _drain_transfer_seconds(self) -> list[float]:
+        times, self.transfer_seconds = self.transfer_seconds, []
+        return times
 
     # ----------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -148,6 +187,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted = False
         now = time.monotonic()
+        self._update_waiting_for_remote_kv()
 
         # 1. Running requests, oldest first.
         idx = 0
@@ -174,31 +214,63 @@ class Scheduler:
             idx += 1
 
         # 2. Waiting requests, in order, while nothing was preempted this step.
+        skipped: list[Request] = []
         while not preempted and self.waiting and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
-            hits, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit
+            hits: KVCacheBlocks | None = None
+            num_hit = 0
+            num_external, load_async = 0, False
+            resumed_remote = request.num_computed_tokens > 0  # its KV was loaded by a connector
+            if not resumed_remote:
+                hits, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+                if self.connector is not None:
+                    ext, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
+                    if ext is None:  # not ready: ask again next step
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    num_external = ext
+            if load_async:
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, 0, hits, num_hit, num_external_computed_tokens=num_external
+                )
+                if new_blocks is None:
+                    break
+                self.waiting.popleft()
+                request.num_computed_tokens = num_hit
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                if request.times.first_scheduled is None:
+                    request.times.first_scheduled = now
+                self.waiting_for_remote[request.request_id] = request
+                assert self.connector is not None
+                self.connector.update_state_after_alloc(request, new_blocks, num_external)
+                continue
+            num_new = request.num_tokens - max(num_hit, request.num_computed_tokens)
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            request.num_computed_tokens = 0
+            if not resumed_remote:
+                request.num_computed_tokens = 0
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, num_hit)
             if new_blocks is None:
                 break
             self.waiting.popleft()
-            self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
-            request.num_computed_tokens = num_hit
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
+            if not resumed_remote:
+                self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
+                request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:  # local prefix hits + tokens loaded by a connector
+                request.num_cached_tokens = request.num_computed_tokens
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = now
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if self.connector is not None and not resumed_remote:
+                self.connector.update_state_after_alloc(request, new_blocks, 0)
             self._add_scheduled(request, num_new, new_blocks, new_reqs, cached_reqs)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -210,7 +282,42 @@ class Scheduler:
         self.finished_req_ids = set()
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
+
+    def _update_waiting_for_remote_kv(self) -> None:
+        """Requests whose KV load ended go back to the front of the queue (or fail)."""
+        for rid in [r for r in self.waiting_for_remote if r in self._finished_recving]:
+            self._finished_recving.discard(rid)
+            request = self.waiting_for_remote.pop(rid)
+            blocks = [b for g in self.kv_cache_manager.get_block_ids(rid) for b in g]
+            bad = [b for b in blocks if b in self._invalid_blocks]
+            error = self._load_errors.pop(rid, None)
+            if bad or error is not None:
+                self._invalid_blocks.difference_update(bad)
+                self._count("kv_load_failures_" + self.kv_load_failure_policy)
+                if self.kv_load_failure_policy == "recompute":
+                    # Drop every block of the request (their content is undefined) and prefill
+                    # locally; the connector already marked the transfer as consumed.
+                    self.kv_cache_manager.free(request)
+                    request.num_computed_tokens = 0
+                    request.status = RequestStatus.WAITING
+                    self.waiting.appendleft(request)
+                else:
+                    request.status = RequestStatus.FINISHED_ERROR
+                    request.error = f"KV load failed: {error or 'invalid blocks'}"
+                    self._free_request(request)
+                    self._finished_outside.append(request)
+                continue
+            # Every prompt token is loaded; recompute the last one to get its logits.
+            self.kv_cache_manager.cache_blocks(request, request.num_tokens)
+            request.num_computed_tokens = request.num_tokens - 1
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+
+    def _count(self, key: str, value: float = 1.0) -> None:
+        self.kv_stats[key] = self.kv_stats.get(key, 0.0) + value
 
     def _add_scheduled(
         self,
@@ -260,7 +367,10 @@ class Scheduler:
 
         Returns one RequestUpdate per request that got tokens this step.
         """
-        updates = []
+        updates = [RequestUpdate(r, [], None, True) for r in self._finished_outside]
+        self._finished_outside = []
+        if runner_output.kv_connector_output is not None:
+            self._update_from_kv_output(runner_output.kv_connector_output)
         now = time.monotonic()
         for req_id, token_ids in runner_output.sampled_token_ids.items():
             request = self.requests.get(req_id)
@@ -277,6 +387,26 @@ class Scheduler:
             logprobs = runner_output.logprobs.get(req_id) if runner_output.logprobs else None
             updates.append(RequestUpdate(request, token_ids, logprobs, finished))
         return updates
+
+    def _update_from_kv_output(self, out: KVConnectorOutput) -> None:
+        for key, value in out.stats.items():
+            self._count(key, value)
+        self.transfer_seconds.extend(out.transfer_seconds)
+        self._invalid_blocks.update(out.invalid_block_ids)
+        self._load_errors.update(out.load_errors)
+        for rid in out.finished_recving:
+            delayed = self._delayed_free.pop(rid, None)
+            if delayed is not None:  # finished (aborted) while its load was in flight
+                self.kv_cache_manager.free(delayed)
+                self._load_errors.pop(rid, None)
+            elif rid in self.waiting_for_remote:
+                self._finished_recving.add(rid)
+        for rid in out.finished_sending:
+            delayed = self._delayed_free.pop(rid, None)
+            if delayed is not None:
+                self.kv_cache_manager.free(delayed)
+        if self.connector is not None:
+            self.connector.update_connector_output(out)
 
     def _check_stop(self, request: Request) -> bool:
         """Stop conditions after appending a token (vLLM's check_stop); sets the status."""
@@ -300,7 +430,15 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         request.times.finished = time.monotonic()
-        self.kv_cache_manager.free(request)
+        delay = False
+        if self.connector is not None:
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            delay, params = self.connector.request_finished(request, block_ids)
+            request.output_kv_transfer_params = params
+        if delay:
+            self._delayed_free[request.request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
         self._forget_in_worker(request.request_id)
         del self.requests[request.request_id]
 

@@ -180,6 +180,8 @@ class OpenAIHandlers:
             final = out
         assert final is not None
         comp = final.outputs[0]
+        if comp.finish_reason == "error":
+            raise APIError(final.error or "request failed", 500, "InternalServerError")
         if p.chat:
             choice: dict[str, Any] = {
                 "index": 0,
@@ -218,6 +220,8 @@ class OpenAIHandlers:
             async for out in outputs:
                 final = out
                 comp = out.outputs[0]
+                if comp.finish_reason == "error":
+                    raise APIError(out.error or "request failed", 500, "InternalServerError")
                 lps = comp.logprobs[len(comp.logprobs) - len(comp.delta_token_ids):] if comp.logprobs else None
                 if not comp.delta_text and not out.finished and not lps:
                     continue

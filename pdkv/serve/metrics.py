@@ -69,6 +69,26 @@ class ServerMetrics:
         self.preemptions = Counter(
             "pdkv:num_preemptions", "Requests preempted", labels, registry=r
         ).labels(model_name)
+        self.kv_bytes_received = Counter(
+            "pdkv:kv_transfer_bytes_received", "KV bytes pulled from prefill engines", labels, registry=r
+        ).labels(model_name)
+        self.kv_bytes_sent = Counter(
+            "pdkv:kv_transfer_bytes_sent", "KV bytes read by decode engines", labels, registry=r
+        ).labels(model_name)
+        self.kv_transfer_time = hist("pdkv:kv_transfer_seconds", "Duration of one KV pull (s)")
+        self.waiting_remote = Gauge(
+            "pdkv:num_requests_waiting_for_remote_kv", "Requests waiting for remote KV", labels, registry=r
+        ).labels(model_name)
+        self.blocks_held = Gauge(
+            "pdkv:num_blocks_held_for_remote", "Blocks held until a remote engine reads them", labels, registry=r
+        ).labels(model_name)
+        self.lease_expirations = Counter(
+            "pdkv:kv_lease_expirations", "Held blocks freed because no consumer read them in time", labels, registry=r
+        ).labels(model_name)
+        self.load_failures = Counter(
+            "pdkv:kv_load_failures", "Failed KV loads by load-failure policy", labels + ["policy"], registry=r
+        )
+        self._seen_kv: dict[str, float] = {}
         self.request_success = Counter(
             "pdkv:request_success", "Finished requests by reason", labels + ["finished_reason"], registry=r
         )
@@ -93,8 +113,28 @@ class ServerMetrics:
             if hits > self._seen_prefix[1]:
                 self.prefix_hits.inc(hits - self._seen_prefix[1])
             self._seen_prefix = (queries, hits)
+            self._observe_kv(stats)
             for out in outputs:
                 self._observe_output(out, now)
+
+    def _observe_kv(self, stats: SchedulerStats) -> None:
+        self.waiting_remote.set(stats.num_waiting_for_remote_kv)
+        self.blocks_held.set(stats.num_blocks_held_for_remote)
+        for key, total in (stats.kv_transfer or {}).items():
+            delta = total - self._seen_kv.get(key, 0.0)
+            if delta <= 0:
+                continue
+            self._seen_kv[key] = total
+            if key == "kv_bytes_received":
+                self.kv_bytes_received.inc(delta)
+            elif key == "kv_bytes_sent":
+                self.kv_bytes_sent.inc(delta)
+            elif key == "lease_expirations":
+                self.lease_expirations.inc(delta)
+            elif key.startswith("kv_load_failures_"):
+                self.load_failures.labels(self.model_name, key.rsplit("_", 1)[1]).inc(delta)
+        for seconds in stats.transfer_seconds or ():
+            self.kv_transfer_time.observe(seconds)
 
     def _observe_output(self, out: RequestOutput, now: float) -> None:
         rid = out.request_id

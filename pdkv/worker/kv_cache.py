@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pdkv.cache.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -38,9 +40,16 @@ def make_kv_cache_config(
 
 
 def allocate_kv_cache(
-    kv_cache_config: KVCacheConfig, dtype: torch.dtype, device: torch.device
+    kv_cache_config: KVCacheConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    buffer_fn: Callable[[int, int], memoryview | None] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Allocate one cross-layer tensor per group and per-layer views into it.
+
+    Args:
+        buffer_fn: optional (group, nbytes) -> memory to build the group's tensor on (e.g.
+            shared memory for the shm transfer engine); None or a None result = torch.zeros.
 
     Returns:
         (group tensors, each [num_blocks, num_layers_in_group, 2, block_size, num_kv_heads,
@@ -53,16 +62,14 @@ def allocate_kv_cache(
     for g in kv_cache_config.groups:
         spec = g.spec
         assert isinstance(spec, FullAttentionSpec)
-        t = torch.zeros(
-            kv_cache_config.num_blocks,
-            len(g.layer_indices),
-            2,
-            spec.block_size,
-            spec.num_kv_heads,
-            spec.head_size,
-            dtype=dtype,
-            device=device,
-        )
+        shape = (kv_cache_config.num_blocks, len(g.layer_indices), 2, spec.block_size,
+                 spec.num_kv_heads, spec.head_size)
+        nbytes = kv_cache_config.block_bytes(len(groups)) * kv_cache_config.num_blocks
+        buf = buffer_fn(len(groups), nbytes) if buffer_fn is not None and device.type == "cpu" else None
+        if buf is not None:
+            t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+        else:
+            t = torch.zeros(shape, dtype=dtype, device=device)
         groups.append(t)
         for j, layer in enumerate(g.layer_indices):
             layer_views[layer] = t[:, j].transpose(0, 1)

@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pdkv.cache.specs import KVCacheConfig
-from pdkv.config import CacheConfig, ModelConfig
+from pdkv.config import CacheConfig, KVTransferConfig, ModelConfig
+from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
+from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.model.attention import AttentionMetadata, PrefillSeq
 from pdkv.model.llama import LlamaForCausalLM
-from pdkv.model.loader import TORCH_DTYPES, load_model
+from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
 from pdkv.model.sampler import SamplingRow, sample
 from pdkv.sampling_params import SamplingParams
 from pdkv.sched.output import (
@@ -58,12 +60,20 @@ class ModelRunner:
     Args:
         model_config: model path, dtype, device, max_model_len, seed.
         cache_config: block size and KV cache budget.
+        kv_transfer_config: when set, the worker half of that KV connector is built here.
 
     Raises:
         ValueError: max_model_len exceeds the model's positions, or the KV cache is too small.
     """
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+    KV_LAYOUT = "blocks_layers_kv_tokens_heads_dim"
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        kv_transfer_config: KVTransferConfig | None = None,
+    ) -> None:
         self.model_config = model_config
         self.device = torch.device(model_config.device)
         self.dtype = TORCH_DTYPES[model_config.dtype]
@@ -81,9 +91,29 @@ class ModelRunner:
         self.kv_cache_config: KVCacheConfig = make_kv_cache_config(
             arch, cache_config, model_config.dtype, model_config.max_model_len
         )
+        self.layout = {
+            "model_digest": model_digest(model_config.path),
+            "dtype": model_config.dtype,
+            "block_size": cache_config.block_size,
+            "num_layers": arch.num_layers,
+            "num_kv_heads": arch.num_kv_heads,
+            "head_size": arch.head_dim,
+            "kv_layout": self.KV_LAYOUT,
+        }
+        # Start-up values both connector halves of this engine share (control address).
+        self.connector_shared: list[object] = ["127.0.0.1", 0]
+        self.connector: KVConnectorBase | None = None
+        if kv_transfer_config is not None:
+            self.connector = create_connector(
+                kv_transfer_config, KVConnectorRole.WORKER, self.kv_cache_config, self.layout,
+                self.connector_shared,
+            )
         self.kv_cache_groups, self.kv_caches = allocate_kv_cache(
-            self.kv_cache_config, self.dtype, self.device
+            self.kv_cache_config, self.dtype, self.device,
+            self.connector.kv_cache_buffer if self.connector is not None else None,
         )
+        if self.connector is not None:
+            self.connector.register_kv_caches(self.kv_cache_groups)
         self.requests: dict[str, CachedRequestState] = {}
         self.timings = StepTimings()
 
@@ -124,8 +154,14 @@ class ModelRunner:
         """Run one step; returns the tokens sampled for requests that reached their end."""
         t0 = time.perf_counter()
         self._update_states(out)
+        conn = self.connector
+        if conn is not None:
+            conn.bind_connector_metadata(out.kv_connector_metadata)
+            conn.start_load_kv()
         if out.total_num_scheduled_tokens == 0:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            if conn is None:
+                return EMPTY_MODEL_RUNNER_OUTPUT
+            return ModelRunnerOutput(sampled_token_ids={}, kv_connector_output=self._connector_output(out))
         input_ids, positions, meta, logits_idx, sampled_reqs = self._prepare_inputs(out)
         t1 = time.perf_counter()
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
@@ -149,7 +185,26 @@ class ModelRunner:
             self.requests[req_id].num_computed_tokens += n
         t3 = time.perf_counter()
         self.timings = StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2)
-        return ModelRunnerOutput(sampled_token_ids=result, logprobs=lp_out or None)
+        kv_out = self._connector_output(out) if conn is not None else None
+        return ModelRunnerOutput(sampled_token_ids=result, logprobs=lp_out or None, kv_connector_output=kv_out)
+
+    def _connector_output(self, out: SchedulerOutput) -> KVConnectorOutput:
+        conn = self.connector
+        assert conn is not None
+        conn.wait_for_save()
+        sending, recving = conn.get_finished(out.finished_req_ids)
+        invalid = conn.get_block_ids_with_load_errors()
+        errors = conn.get_load_errors()
+        stats, times = conn.get_stats()
+        conn.clear_connector_metadata()
+        return KVConnectorOutput(
+            finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid,
+            load_errors=errors, stats=stats, transfer_seconds=times,
+        )
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
 
     def _prepare_inputs(
         self, out: SchedulerOutput

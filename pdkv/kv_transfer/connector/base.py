@@ -1,0 +1,183 @@
+"""KV connector API (vLLM v1's KVConnectorBase_V1 lifecycle).
+
+One connector class is instantiated twice: with role SCHEDULER inside the scheduler and with role
+WORKER inside the model runner. The two halves talk only through typed metadata: the scheduler
+half builds a `KVConnectorMetadata` each step (carried in `SchedulerOutput.kv_connector_metadata`),
+the worker half reports a `KVConnectorOutput` (carried in `ModelRunnerOutput`).
+
+Scheduler-half call order per request (all in the engine loop thread, none may block):
+`get_num_new_matched_tokens` (waiting request, after the local prefix-cache lookup) →
+`update_state_after_alloc` (after blocks are allocated) → `build_connector_meta` (end of every
+schedule) → ... `update_connector_output` (after every step) → `request_finished` (once, before
+the request's blocks are freed).
+
+Worker-half call order per step (engine loop thread; transfers run on the connector's own
+threads): `bind_connector_metadata` → `start_load_kv` → forward (`wait_for_layer_load` /
+`save_kv_layer` per layer) → `wait_for_save` → `get_finished` → `get_block_ids_with_load_errors`
+→ `clear_connector_metadata`. Steps that schedule no tokens still run this sequence so
+transfers keep progressing.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+if TYPE_CHECKING:
+    from pdkv.cache.kv_cache_manager import KVCacheBlocks
+    from pdkv.cache.specs import KVCacheConfig
+    from pdkv.config import KVTransferConfig
+    from pdkv.request import Request
+    from pdkv.sched.output import SchedulerOutput
+
+
+class KVConnectorRole(enum.IntEnum):
+    SCHEDULER = 0
+    WORKER = 1
+
+
+class KVConnectorMetadata(msgspec.Struct, kw_only=True):
+    """Base of per-step scheduler → worker metadata (connectors subclass it)."""
+
+
+class KVConnectorOutput(msgspec.Struct, kw_only=True):
+    """Worker → scheduler report of one step.
+
+    Attributes:
+        finished_sending: request ids whose blocks the connector no longer needs (read by the
+            peer, released, or lease expired): the scheduler may free them now.
+        finished_recving: request ids whose KV load ended (successfully or not).
+        invalid_block_ids: local block ids whose load failed.
+        load_errors: request id -> why its load failed.
+        stats: counter deltas since the last report (bytes, events).
+        transfer_seconds: duration of each transfer that completed.
+    """
+
+    finished_sending: set[str] = msgspec.field(default_factory=set)
+    finished_recving: set[str] = msgspec.field(default_factory=set)
+    invalid_block_ids: set[int] = msgspec.field(default_factory=set)
+    load_errors: dict[str, str] = msgspec.field(default_factory=dict)
+    stats: dict[str, float] = msgspec.field(default_factory=dict)
+    transfer_seconds: list[float] = msgspec.field(default_factory=list)
+
+
+class KVConnectorBase(ABC):
+    """Base class of every connector.
+
+    Args:
+        config: the engine's kv_transfer_config.
+        role: which half this instance is.
+        kv_cache_config: KV cache groups and block sizes of this engine.
+        layout: this engine's KV layout fingerprint (model digest, dtype, block size, layers,
+            KV heads, head size, layout name), compared with the peer's.
+    """
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+        layout: dict[str, Any],
+    ) -> None:
+        self.config = config
+        self.role = role
+        self.kv_cache_config = kv_cache_config
+        self.layout = layout
+        self._metadata: KVConnectorMetadata | None = None
+
+    # ================================================================ scheduler
+    def validate_request(self, request: Request) -> None:
+        """Called when a request is created, before it is queued (caller's thread).
+
+        Raises:
+            ValueError: its kv_transfer_params cannot be honoured (message names both values).
+        """
+
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond `num_computed_tokens` (local hits) that can be loaded from outside,
+        and whether the load is asynchronous. None = ask again next step. Side-effect free."""
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Blocks were allocated for the request; `blocks` are its new (unfilled) blocks."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's metadata for the worker; resets the per-step state."""
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Worker results of the last step (after the scheduler has used them)."""
+
+    @abstractmethod
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Called once when a request finishes, before its blocks are freed.
+
+        Returns:
+            (delay_free, kv_transfer_params): with delay_free the scheduler keeps the blocks
+            until the id shows up in finished_sending (or finished_recving for a request whose
+            load is still in flight); the params are returned to the client.
+        """
+
+    def has_pending_work(self) -> bool:
+        """True while the engine loop must keep stepping for this connector (sends to
+        register, leases to watch, loads in flight)."""
+        return False
+
+    # =================================================================== worker
+    def register_kv_caches(self, kv_caches: list[Any]) -> None:
+        """Once, after allocation: the per-group KV cache tensors
+        [num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]."""
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        self._metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._metadata = None
+
+    def start_load_kv(self) -> None:
+        """Before the forward pass: start (asynchronous) loads and other transfers."""
+
+    def wait_for_layer_load(self, layer_index: int) -> None:
+        """Inside the forward pass, before a layer reads its KV (layer-wise loads)."""
+
+    def save_kv_layer(self, layer_index: int) -> None:
+        """Inside the forward pass, after a layer wrote its KV (layer-wise saves)."""
+
+    def wait_for_save(self) -> None:
+        """After the forward pass: block until saves that read the paged buffer are done."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(finished_sending, finished_recving) since the last call."""
+        return set(), set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Local block ids whose load failed since the last call."""
+        return set()
+
+    def get_stats(self) -> tuple[dict[str, float], list[float]]:
+        """Counter deltas and transfer durations (s) since the last call."""
+        return {}, []
+
+    def get_load_errors(self) -> dict[str, str]:
+        """Request id -> failure message of loads that failed since the last call."""
+        return {}
+
+    def kv_cache_buffer(self, group: int, nbytes: int) -> memoryview | None:
+        """Memory to build group `group`'s KV cache on (e.g. shared memory), or None."""
+        return None
+
+    def on_new_request(self, request: Request) -> None:
+        """Scheduler half: a request was queued."""
+
+    def shutdown(self) -> None:
+        """Stop threads and close sockets."""

@@ -1,0 +1,112 @@
+"""P2PConnector: prefill engine → decode engine KV hand-off (pull) over a transfer engine.
+
+`--kv-transfer-config '{"kv_connector": "P2PConnector", "kv_role": "kv_producer",
+"kv_connector_extra_config": {"transfer": "tcp"}}'`. Extra config: transfer (tcp | shm),
+kv_host / kv_port (producer control server, default 127.0.0.1 / any free port),
+kv_lease_duration (s, default 30), transfer_timeout (s, default 30).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from pdkv.kv_transfer.connector.p2p_messages import P2PConnectorMetadata
+from pdkv.kv_transfer.connector.p2p_scheduler import P2PConnectorScheduler
+from pdkv.kv_transfer.connector.p2p_worker import P2PConnectorWorker
+
+if TYPE_CHECKING:
+    from pdkv.cache.kv_cache_manager import KVCacheBlocks
+    from pdkv.cache.specs import KVCacheConfig
+    from pdkv.config import KVTransferConfig
+    from pdkv.request import Request
+    from pdkv.sched.output import SchedulerOutput
+
+
+class P2PConnector(KVConnectorBase):
+    """Delegates to P2PConnectorScheduler or P2PConnectorWorker by role.
+
+    `control_address` is the producer's [host, port]; the worker half fills it when its control
+    server starts, the scheduler half puts it into kv_transfer_params. Both halves of one engine
+    are built with the same list (a start-up value, like vLLM's side-channel host/port).
+    """
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
+                 layout: dict[str, Any], control_address: list[Any] | None = None) -> None:
+        super().__init__(config, role, kv_cache_config, layout)
+        address = control_address if control_address is not None else ["127.0.0.1", 0]
+        block_size = kv_cache_config.groups[0].spec.block_size
+        self.scheduler = (
+            P2PConnectorScheduler(config, layout, block_size, address) if role == KVConnectorRole.SCHEDULER else None
+        )
+        self.worker = P2PConnectorWorker(config, layout, address) if role == KVConnectorRole.WORKER else None
+
+    # scheduler half
+    def validate_request(self, request: Request) -> None:
+        assert self.scheduler is not None
+        self.scheduler.validate_request(request)
+
+    def on_new_request(self, request: Request) -> None:
+        assert self.scheduler is not None
+        self.scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta()
+
+    def update_connector_output(self, output: Any) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_connector_output(output)
+
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    def has_pending_work(self) -> bool:
+        return self.scheduler.has_pending_work() if self.scheduler is not None else False
+
+    @property
+    def num_blocks_held(self) -> int:
+        return self.scheduler.num_blocks_held if self.scheduler is not None else 0
+
+    # worker half
+    def kv_cache_buffer(self, group: int, nbytes: int) -> memoryview | None:
+        assert self.worker is not None
+        return self.worker.kv_cache_buffer(group, nbytes)
+
+    def register_kv_caches(self, kv_caches: list[Any]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self) -> None:
+        assert self.worker is not None
+        if isinstance(self._metadata, P2PConnectorMetadata):
+            self.worker.start_load_kv(self._metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        assert self.worker is not None
+        return self.worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.worker is not None
+        return self.worker.get_block_ids_with_load_errors()
+
+    def get_load_errors(self) -> dict[str, str]:
+        assert self.worker is not None
+        return self.worker.get_load_errors()
+
+    def get_stats(self) -> tuple[dict[str, float], list[float]]:
+        assert self.worker is not None
+        return self.worker.get_stats()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()

@@ -1,0 +1,176 @@
+"""Scheduler half of the P2P connector (pull model, as vLLM's NixlConnector).
+
+Producer (kv_producer): a request that arrives with `do_remote_decode` runs its prefill (capped at
+max_tokens=1); when it finishes, its blocks are held (delay_free) and kv_transfer_params tell the
+consumer where to read them. Consumer (kv_consumer): a request with `do_remote_prefill` gets
+blocks for its whole prompt, waits in WAITING_FOR_REMOTE_KVS while the worker pulls the blocks,
+then recomputes only the last prompt token (which yields the first output token: D samples it;
+P's sampled token is dropped, as in vLLM).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from pdkv.kv_transfer.connector.base import KVConnectorOutput
+from pdkv.kv_transfer.connector.p2p_messages import (
+    NotifySpec,
+    P2PConnectorMetadata,
+    RecvSpec,
+    RemoteEngine,
+    SendSpec,
+    layout_mismatch,
+)
+from pdkv.request import RequestStatus
+
+if TYPE_CHECKING:
+    from pdkv.cache.kv_cache_manager import KVCacheBlocks
+    from pdkv.config import KVTransferConfig
+    from pdkv.request import Request
+
+REQUIRED_PARAMS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_port")
+
+
+class P2PConnectorScheduler:
+    """Args:
+        config: kv_transfer_config (extra: kv_host, kv_port, kv_lease_duration).
+        layout: this engine's layout fingerprint.
+        block_size: tokens per block.
+        control_address: (host, port) of this engine's control server (producer), filled in by
+            the worker half at start-up and read when building params.
+    """
+
+    def __init__(self, config: KVTransferConfig, layout: dict[str, Any], block_size: int,
+                 control_address: list[Any]) -> None:
+        self.config = config
+        self.layout = layout
+        self.block_size = block_size
+        self.control_address = control_address
+        extra = config.kv_connector_extra_config
+        self.lease_s = float(extra.get("kv_lease_duration", 30.0))  # type: ignore[arg-type]
+        self._to_send: list[SendSpec] = []
+        self._to_recv: list[RecvSpec] = []
+        self._notify: list[NotifySpec] = []
+        self._inflight_recv: set[str] = set()
+        self._held: dict[str, int] = {}  # producer: request id -> blocks held
+        self._waiting_remote: dict[str, NotifySpec] = {}  # consumer: queued, not yet pulling
+        self._last_renew = time.monotonic()
+
+    # ---------------------------------------------------------------- helpers
+    @staticmethod
+    def _wants_remote_prefill(request: Request) -> bool:
+        p = request.kv_transfer_params
+        return bool(p and p.get("do_remote_prefill"))
+
+    def validate_request(self, request: Request) -> None:
+        p = request.kv_transfer_params
+        if not p:
+            return
+        if p.get("do_remote_prefill"):
+            if not self.config.is_kv_consumer:
+                raise ValueError("kv_transfer_params.do_remote_prefill needs a kv_consumer engine")
+            missing = [k for k in REQUIRED_PARAMS if p.get(k) is None]
+            if missing:
+                raise ValueError(f"kv_transfer_params for a remote prefill lack {missing}")
+            mismatch = layout_mismatch(self.layout, dict(p.get("layout") or {}))
+            if mismatch:
+                raise ValueError(mismatch)
+            if int(p.get("num_tokens", request.num_prompt_tokens)) != request.num_prompt_tokens:
+                raise ValueError(
+                    f"kv_transfer_params cover {p.get('num_tokens')} tokens but the prompt has "
+                    f"{request.num_prompt_tokens}"
+                )
+        if p.get("do_remote_decode") and not self.config.is_kv_producer:
+            raise ValueError("kv_transfer_params.do_remote_decode needs a kv_producer engine")
+
+    def _remote(self, request: Request) -> tuple[RemoteEngine, str]:
+        p = request.kv_transfer_params or {}
+        remote = RemoteEngine(str(p["remote_engine_id"]), str(p["remote_host"]), int(p["remote_port"]))
+        return remote, str(p["remote_request_id"])
+
+    # ------------------------------------------------------------- lifecycle
+    def on_new_request(self, request: Request) -> None:
+        if self._wants_remote_prefill(request):
+            remote, rid = self._remote(request)
+            self._waiting_remote[request.request_id] = NotifySpec(remote, rid, "renew")
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self._wants_remote_prefill(request):
+            return 0, False
+        n = request.num_prompt_tokens - num_computed_tokens
+        return (n, True) if n > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if not self._wants_remote_prefill(request):
+            return
+        p = request.kv_transfer_params or {}
+        remote, remote_rid = self._remote(request)
+        self._waiting_remote.pop(request.request_id, None)
+        local = blocks.get_block_ids()
+        if num_external_tokens > 0:
+            first = request.num_computed_tokens // self.block_size
+            remote_ids = tuple(
+                list(g[first : first + len(lg)]) for g, lg in zip(p["remote_block_ids"], local)
+            )
+            self._to_recv.append(RecvSpec(request.request_id, remote, remote_rid, local, remote_ids,
+                                          dict(p.get("layout") or {})))
+            self._inflight_recv.add(request.request_id)
+        else:  # everything was local: the producer can let go
+            self._notify.append(NotifySpec(remote, remote_rid, "release"))
+        p["do_remote_prefill"] = False  # one transfer per request
+
+    def build_connector_meta(self) -> P2PConnectorMetadata:
+        now = time.monotonic()
+        if self._waiting_remote and now - self._last_renew > self.lease_s / 3:
+            self._notify.extend(self._waiting_remote.values())
+            self._last_renew = now
+        meta = P2PConnectorMetadata(reqs_to_send=self._to_send, reqs_to_recv=self._to_recv,
+                                    notifications=self._notify)
+        self._to_send, self._to_recv, self._notify = [], [], []
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self._inflight_recv -= output.finished_recving
+        for rid in output.finished_sending:
+            self._held.pop(rid, None)
+
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        p = request.kv_transfer_params or {}
+        if rid in self._inflight_recv:  # aborted during the pull: free after it ends
+            return True, None
+        if self._wants_remote_prefill(request):  # aborted before pulling: let P go
+            self._waiting_remote.pop(rid, None)
+            remote, remote_rid = self._remote(request)
+            self._notify.append(NotifySpec(remote, remote_rid, "release"))
+            return False, None
+        done_ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if not (p.get("do_remote_decode") and self.config.is_kv_producer and done_ok):
+            return False, None
+        if not any(block_ids):
+            return False, None
+        self._to_send.append(SendSpec(rid, block_ids, self.lease_s))
+        self._held[rid] = sum(len(g) for g in block_ids)
+        host, port = self.control_address
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.config.engine_id,
+            "remote_request_id": rid,
+            "remote_block_ids": [list(g) for g in block_ids],
+            "remote_host": host,
+            "remote_port": port,
+            "tp_size": 1,
+            "block_size": self.block_size,
+            "num_tokens": request.num_prompt_tokens,
+            "layout": dict(self.layout),
+        }
+
+    def has_pending_work(self) -> bool:
+        return bool(self._to_send or self._to_recv or self._notify or self._inflight_recv
+                    or self._held or self._waiting_remote)
+
+    @property
+    def num_blocks_held(self) -> int:
+        return sum(self._held.values())

@@ -1,0 +1,65 @@
+"""Transfer engine interface: the data plane that moves KV bytes between engines.
+
+The producer registers memory regions (its KV cache tensors) and serves reads; the consumer
+submits a batch of reads (region, offset, length -> local buffer) with a deadline. Engines are
+chosen by name (`tcp`, `shm`, `mooncake`); the control plane (handshake, notifications, leases)
+is the connector's and is the same for every engine.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ReadOp:
+    """Copy `length` bytes at `offset` of the peer's region `region` into `dest`."""
+
+    region: str
+    offset: int
+    length: int
+    dest: memoryview
+
+
+class TransferError(RuntimeError):
+    """A read failed or missed its deadline (the destination content is undefined)."""
+
+
+class TransferEngine(ABC):
+    """One engine instance per process and role.
+
+    Threading: `register_region`, `start` and `peer_info` are called once at start-up from the
+    engine loop thread; `read` is called from the connector's transfer threads and blocks until
+    every op is done or the deadline passes; servers run on their own threads.
+    """
+
+    name = "base"
+
+    @abstractmethod
+    def register_region(self, name: str, buffer: memoryview) -> None:
+        """Expose a byte buffer (a KV cache tensor) to peers under `name`."""
+
+    def start(self, host: str) -> None:
+        """Start serving registered regions (producer side)."""
+
+    @abstractmethod
+    def peer_info(self) -> dict[str, Any]:
+        """What a consumer needs to read this engine's regions (sent in the handshake)."""
+
+    @abstractmethod
+    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float) -> int:
+        """Perform the reads; returns bytes read.
+
+        Args:
+            peer: the producer's peer_info().
+            ops: reads, in any order.
+            deadline: time.monotonic() by which all must be done.
+
+        Raises:
+            TransferError: unreachable peer, bad region/offset, or deadline passed.
+        """
+
+    def close(self) -> None:
+        """Stop servers, release mappings."""

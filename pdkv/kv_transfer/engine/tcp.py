@@ -1,0 +1,164 @@
+"""`tcp` transfer engine: the producer serves byte ranges of its regions over a TCP socket;
+the consumer receives them straight into its KV cache blocks (recv_into, no extra copy)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+import msgspec
+
+from pdkv.kv_transfer.engine.base import ReadOp, TransferEngine, TransferError
+from pdkv.kv_transfer.wire import WireError, connect, recv_exact_into, recv_msg, send_msg
+
+logger = logging.getLogger(__name__)
+
+
+class _ReadRequest(msgspec.Struct):
+    region: str
+    ranges: list[tuple[int, int]]  # (offset, length)
+
+
+class _ReadReply(msgspec.Struct):
+    ok: bool
+    nbytes: int = 0
+    error: str = ""
+
+
+class TcpTransferEngine(TransferEngine):
+    """Args:
+        port: data port to listen on (0 = any free port), producer side.
+    """
+
+    name = "tcp"
+
+    def __init__(self, port: int = 0) -> None:
+        self._regions: dict[str, memoryview] = {}
+        self._port = port
+        self._server: socket.socket | None = None
+        self._host = "127.0.0.1"
+        self._closing = threading.Event()
+        self._conns: dict[tuple[str, int], socket.socket] = {}
+        self._conn_lock = threading.Lock()
+
+    def register_region(self, name: str, buffer: memoryview) -> None:
+        self._regions[name] = buffer.cast("B")
+
+    def start(self, host: str) -> None:
+        self._host = host
+        srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((host, self._port))
+        srv.listen(64)
+        self._server = srv
+        self._port = srv.getsockname()[1]
+        threading.Thread(target=self._accept, name="pdkv-tcp-transfer", daemon=True).start()
+
+    def peer_info(self) -> dict[str, Any]:
+        return {"host": self._host, "port": self._port}
+
+    # ---------------------------------------------------------------- server
+    def _accept(self) -> None:
+        assert self._server is not None
+        while not self._closing.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while True:
+                try:
+                    req = recv_msg(conn, _ReadRequest)
+                except (WireError, OSError):
+                    return
+                region = self._regions.get(req.region)
+                total = sum(n for _, n in req.ranges)
+                bad = region is None or any(o < 0 or n < 0 or o + n > len(region) for o, n in req.ranges)
+                try:
+                    if bad:
+                        send_msg(conn, _ReadReply(False, error=f"bad region or range in {req.region!r}"))
+                        continue
+                    assert region is not None
+                    send_msg(conn, _ReadReply(True, total))
+                    for off, n in req.ranges:
+                        conn.sendall(region[off : off + n])
+                except OSError:
+                    return
+
+    # ---------------------------------------------------------------- client
+    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float) -> int:
+        key = (str(peer["host"]), int(peer["port"]))
+        by_region: dict[str, list[ReadOp]] = {}
+        for op in ops:
+            by_region.setdefault(op.region, []).append(op)
+        total = 0
+        sock = self._connection(key, deadline)
+        try:
+            for region, region_ops in by_region.items():
+                self._set_timeout(sock, deadline)
+                send_msg(sock, _ReadRequest(region, [(op.offset, op.length) for op in region_ops]))
+                reply = recv_msg(sock, _ReadReply)
+                if not reply.ok:
+                    raise TransferError(f"peer {key[0]}:{key[1]} refused read: {reply.error}")
+                for op in region_ops:
+                    self._set_timeout(sock, deadline)
+                    recv_exact_into(sock, op.dest.cast("B"))
+                    total += op.length
+        except (OSError, WireError) as e:
+            self._drop(key)
+            raise TransferError(f"read from {key[0]}:{key[1]} failed: {e}") from None
+        except TransferError:
+            self._drop(key)
+            raise
+        self._release(key, sock)
+        return total
+
+    @staticmethod
+    def _set_timeout(sock: socket.socket, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferError("transfer deadline passed")
+        sock.settimeout(left)
+
+    def _connection(self, key: tuple[str, int], deadline: float) -> socket.socket:
+        with self._conn_lock:
+            sock = self._conns.pop(key, None)
+        if sock is not None:
+            return sock
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferError("transfer deadline passed")
+        try:
+            return connect(key[0], key[1], left)
+        except OSError as e:
+            raise TransferError(f"cannot connect to {key[0]}:{key[1]}: {e}") from None
+
+    def _release(self, key: tuple[str, int], sock: socket.socket) -> None:
+        with self._conn_lock:
+            old = self._conns.get(key)
+            if old is None:
+                self._conns[key] = sock
+                return
+        sock.close()
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        with self._conn_lock:
+            sock = self._conns.pop(key, None)
+        if sock is not None:
+            sock.close()
+
+    def close(self) -> None:
+        self._closing.set()
+        if self._server is not None:
+            self._server.close()
+        with self._conn_lock:
+            for sock in self._conns.values():
+                sock.close()
+            self._conns.clear()

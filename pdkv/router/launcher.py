@@ -1,0 +1,174 @@
+"""`pdkv up`: start a whole local topology (colocated, or P/D with a proxy) as processes on free
+ports, wait until healthy, print the endpoint, stop everything on Ctrl-C or when a child dies."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Child:
+    """One process of the topology."""
+
+    name: str
+    url: str
+    cmd: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: str = ""
+
+
+@dataclass
+class Topology:
+    """Processes to start; `endpoint` is what clients talk to."""
+
+    children: list[Child] = field(default_factory=list)
+    endpoint: str = ""
+
+    def start(self, log_dir: str) -> None:
+        os.makedirs(log_dir, exist_ok=True)
+        for c in self.children:
+            c.log_path = os.path.join(log_dir, f"{c.name}.log")
+            log = open(c.log_path, "wb")  # noqa: SIM115 - owned by the child process
+            c.proc = subprocess.Popen(c.cmd, stdout=log, stderr=subprocess.STDOUT, env=c.env,
+                                      start_new_session=True)
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Raises RuntimeError when a child dies or is not healthy in time (names it + its log)."""
+        deadline = time.monotonic() + timeout
+        pending = list(self.children)
+        while pending:
+            for c in list(pending):
+                assert c.proc is not None
+                if c.proc.poll() is not None:
+                    raise RuntimeError(f"{c.name} exited with {c.proc.returncode}; see {c.log_path}")
+                try:
+                    if httpx.get(c.url + "/health", timeout=2.0).status_code == 200:
+                        pending.remove(c)
+                except httpx.HTTPError:
+                    pass
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"not healthy after {timeout:.0f} s: {[c.name for c in pending]}")
+            if pending:
+                time.sleep(0.5)
+
+    def dead_child(self) -> Child | None:
+        for c in self.children:
+            if c.proc is not None and c.proc.poll() is not None:
+                return c
+        return None
+
+    def stop(self) -> None:
+        for c in reversed(self.children):
+            if c.proc is not None and c.proc.poll() is None:
+                os.killpg(c.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for c in self.children:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(c.proc.pid, signal.SIGKILL)
+                c.proc.wait(5)
+
+
+def build_topology(args: argparse.Namespace) -> Topology:
+    """Commands for the chosen mode; engine flags after `--` are passed to every engine."""
+    host = "127.0.0.1"
+    py = [sys.executable, "-m", "pdkv.cli"]
+    engine_flags = ["--model", args.model, *args.engine_args]
+    n_engines = 1 if args.mode == "colocated" else args.num_prefill + args.num_decode
+    threads = args.threads_per_engine or max(1, (os.cpu_count() or 1) // n_engines)
+    env = dict(os.environ, PDKV_NUM_THREADS=str(threads))
+    topo = Topology()
+    if args.mode == "colocated":
+        port = args.port or free_port()
+        topo.children.append(Child("engine", f"http://{host}:{port}",
+                                   py + ["serve", *engine_flags, "--host", host, "--port", str(port)], env))
+        topo.endpoint = f"http://{host}:{port}"
+        return topo
+    prefill_urls, decode_urls = [], []
+    for role, count, urls in (("kv_producer", args.num_prefill, prefill_urls),
+                              ("kv_consumer", args.num_decode, decode_urls)):
+        for i in range(count):
+            port = free_port()
+            cfg = {"kv_connector": "P2PConnector", "kv_role": role,
+                   "kv_load_failure_policy": args.kv_load_failure_policy,
+                   "kv_connector_extra_config": {"transfer": args.kv_transfer}}
+            name = ("prefill" if role == "kv_producer" else "decode") + str(i)
+            topo.children.append(Child(name, f"http://{host}:{port}", py + [
+                "serve", *engine_flags, "--host", host, "--port", str(port),
+                "--kv-transfer-config", json.dumps(cfg)], env))
+            urls.append(f"http://{host}:{port}")
+    port = args.port or free_port()
+    topo.children.append(Child("proxy", f"http://{host}:{port}", py + [
+        "proxy", "--prefill", ",".join(prefill_urls), "--decode", ",".join(decode_urls),
+        "--host", host, "--port", str(port), "--routing", args.routing], dict(os.environ)))
+    topo.endpoint = f"http://{host}:{port}"
+    return topo
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--mode", choices=["colocated", "pd"], default="pd")
+    parser.add_argument("--num-prefill", type=int, default=1)
+    parser.add_argument("--num-decode", type=int, default=1)
+    parser.add_argument("--kv-transfer", choices=["tcp", "shm", "mooncake"], default="tcp")
+    parser.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="fail")
+    parser.add_argument("--routing", choices=["round_robin", "least_loaded"], default="round_robin")
+    parser.add_argument("--port", type=int, default=0, help="the proxy's (pd) or the server's (colocated); 0 = free")
+    parser.add_argument("--threads-per-engine", type=int, default=0, help="0 = cores / engines")
+    parser.add_argument("--log-dir", default="pdkv-logs", help="one log file per process")
+    parser.add_argument("--health-timeout", type=float, default=300.0)
+    parser.add_argument("--demo", action="store_true",
+                        help="send demo chat prompts through the endpoint, print answers and timings, then stop")
+    parser.add_argument("engine_args", nargs=argparse.REMAINDER,
+                        help="after --: flags for every engine (e.g. -- --num-kv-blocks 512)")
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.num_prefill < 1 or args.num_decode < 1:
+        raise ValueError("--num-prefill and --num-decode must be >= 1")
+    args.engine_args = [a for a in args.engine_args if a != "--"]
+    topo = build_topology(args)
+    print(f"starting {len(topo.children)} processes: {[c.name for c in topo.children]} (logs in {args.log_dir}/)",
+          flush=True)
+    topo.start(args.log_dir)
+    try:
+        topo.wait_healthy(args.health_timeout)
+        print(f"ready: {topo.endpoint}  (OpenAI API at {topo.endpoint}/v1)", flush=True)
+        if args.demo:
+            from pdkv.router.demo import run_demo
+
+            run_demo(topo, args.model)
+            return 0
+        while True:
+            dead = topo.dead_child()
+            if dead is not None:
+                print(f"{dead.name} exited ({dead.proc.returncode if dead.proc else '?'}); stopping all; "
+                      f"see {dead.log_path}", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("stopping", flush=True)
+        return 0
+    finally:
+        topo.stop()
