@@ -1,0 +1,73 @@
+"""1P1D through the P2P connector gives token-for-token the colocated engine's greedy output,
+with every transfer engine, and moves exactly the prompt's blocks."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from pd_utils import decode, free_blocks, make_pd, prefill, settle, shutdown  # noqa: E402
+
+from pdkv import LLM, SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4  # layers x K/V x block tokens x KV heads x head dim x fp32
+
+
+@pytest.fixture(scope="module")
+def colocated_reference(parity_prompts):
+    llm = LLM("smollm2", num_kv_blocks=256, max_model_len=512)
+    outs = llm.generate([{"prompt_token_ids": p} for p in parity_prompts], GREEDY)
+    shutdown(llm)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("transfer", ["tcp", "shm"])
+def test_pd_matches_colocated_and_moves_prompt_blocks(transfer, parity_prompts, colocated_reference):
+    # D without prefix caching so every request pulls all of its prompt's blocks.
+    p, d = make_pd(transfer, d_prefix_caching=False)
+    try:
+        start_p, start_d = free_blocks(p), free_blocks(d)
+        prompts = [{"prompt_token_ids": ids} for ids in parity_prompts]
+        params = [prefill(p, pr).kv_transfer_params for pr in prompts]
+        for ids, prm in zip(parity_prompts, params):
+            assert prm["do_remote_prefill"] and prm["num_tokens"] == len(ids)
+            assert len(prm["remote_block_ids"][0]) == -(-len(ids) // 16)
+        before = d.llm_engine.scheduler.kv_stats.get("kv_bytes_received", 0.0)
+        outs = decode(p, d, prompts, params, GREEDY)
+        for i, (out, ref) in enumerate(zip(outs, colocated_reference)):
+            assert out.outputs[0].token_ids == ref, f"prompt {i} ({len(parity_prompts[i])} tokens)"
+            assert out.num_cached_tokens == len(parity_prompts[i]) - 1
+        received = d.llm_engine.scheduler.kv_stats["kv_bytes_received"] - before
+        expected = sum(-(-len(ids) // 16) for ids in parity_prompts) * BLOCK_BYTES
+        assert received == expected
+        assert d.llm_engine.runner.kv_cache_config.block_bytes(0) == BLOCK_BYTES
+        settle(p, d)
+        assert free_blocks(p) == start_p and free_blocks(d) == start_d
+        assert p.llm_engine.scheduler.kv_stats["kv_bytes_sent"] == expected
+    finally:
+        shutdown(p, d)
+
+
+def test_pd_local_prefix_hits_pull_only_the_rest(parity_prompts, colocated_reference):
+    p, d = make_pd("tcp", d_prefix_caching=True)
+    try:
+        ids = parity_prompts[0]
+        first = prefill(p, {"prompt_token_ids": ids}).kv_transfer_params
+        out1 = decode(p, d, [{"prompt_token_ids": ids}], [first], GREEDY)[0]
+        again = prefill(p, {"prompt_token_ids": ids}).kv_transfer_params
+        before = d.llm_engine.scheduler.kv_stats["kv_bytes_received"]
+        out2 = decode(p, d, [{"prompt_token_ids": ids}], [again], GREEDY)[0]
+        pulled = d.llm_engine.scheduler.kv_stats["kv_bytes_received"] - before
+        local_blocks = (len(ids) - 1) // 16
+        assert pulled == (-(-len(ids) // 16) - local_blocks) * BLOCK_BYTES
+        assert out1.outputs[0].token_ids == out2.outputs[0].token_ids == colocated_reference[0]
+        settle(p, d)
+    finally:
+        shutdown(p, d)
