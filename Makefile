@@ -1,5 +1,5 @@
 # One-command set-up and entry points. Everything lives in a local venv (.venv).
-#   make demo   - set up, then run real chat prompts through pdkv (main job)
+#   make demo   - set up, then run real chat prompts through a local 1P1D deployment (main job)
 #   make test   - set up, then run the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 demo: setup
-	$(VENV)/bin/pdkv generate --model smollm2 --chat --max-tokens 64
+	$(VENV)/bin/pdkv up --model smollm2 --mode pd --kv-transfer tcp --demo -- --num-kv-blocks 512 --max-model-len 2048
 
 test: setup
 	$(VENV)/bin/ruff check pdkv tests

@@ -1,4 +1,4 @@
-"""`pdkv` command line: serve | proxy | up | generate | bench offline | bench serve."""
+"""`pdkv` command line: serve | proxy | up | generate | bench offline | serve | transfer."""
 
 from __future__ import annotations
 
@@ -132,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_bench.add_cli_args(serve_p)
     serve_p.set_defaults(func=serve_bench.main)
+    from pdkv.bench import transfer as transfer_bench
+
+    transfer_p = bench_sub.add_parser(
+        "transfer", help="KV transfer engines vs raw socket and memcpy (GB/s)", formatter_class=fmt
+    )
+    transfer_bench.add_cli_args(transfer_p)
+    transfer_p.set_defaults(func=transfer_bench.main)
     return parser
 
 

@@ -1,7 +1,8 @@
 """Transfer microbenchmark: effective bandwidth of each KV transfer engine vs its ceiling.
 
 For each payload size (MiB) the consumer (this process) pulls the payload from a producer running
-in a separate process (multiprocessing 'spawn'), as in real P/D disaggregation:
+in a separate process (a `python -c` subprocess with its own multiprocessing resource
+tracker, like a separately launched prefill server), as in real P/D disaggregation:
 
 * ``tcp``: the producer registers a buffer with `TcpTransferEngine` and serves it; the consumer
   reads it with one `read()` of ReadOps shaped like KV blocks (737,280 bytes = one SmolLM2 fp32
@@ -19,7 +20,8 @@ and compares them with two peers measured in the same run, interleaved with the 
 Every method runs one untimed warm-up per size whose destination is poisoned first and then fully
 compared with the deterministic pattern; each timed repeat also checks the first and last 8 bytes
 of every block (poisoned before the read). Bandwidth is GB/s with GB = 1e9 bytes, from the
-wall-clock time of one `read()` (or recv loop / copy). Ratios use the best of the repeats.
+wall-clock time of one `read()` (or recv loop / copy). Ratios are given for the best and the
+median of the repeats; the targets are judged on the best.
 
 Usage::
 
@@ -35,10 +37,14 @@ import argparse
 import contextlib
 import functools
 import json
-import multiprocessing as mp
+import os
+import select
 import socket
 import statistics
 import struct
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -141,9 +147,11 @@ def block_read_ops(nbytes: int, dest: memoryview, block_bytes: int = BLOCK_BYTES
 
 
 # ---------------------------------------------------------------------------- producer processes
-def _producer_main(kind: str, nbytes: int, conn: Any) -> None:
-    """Producer process body: build the region of `nbytes` bytes, fill the pattern, serve it, send
-    {"ok": True, "peer": ...} on `conn`, then serve until "stop" (or the parent goes away)."""
+def _producer_main(kind: str, nbytes: int, send: Callable[[dict[str, Any]], None],
+                   wait_stop: Callable[[], None]) -> None:
+    """Producer body: build the region of `nbytes` bytes, fill the pattern, serve it, `send`
+    {"ok": True, "peer": peer_info} (or {"ok": False, "error": ...}), serve until `wait_stop`
+    returns, then close the engine (unlinking shared memory) and send {"closed": True}."""
     engine: TransferEngine | None = None
     raw_srv: socket.socket | None = None
     try:
@@ -172,29 +180,38 @@ def _producer_main(kind: str, nbytes: int, conn: Any) -> None:
             raw_srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             raw_srv.bind(("127.0.0.1", 0))
             raw_srv.listen(8)
-            import threading
-
             threading.Thread(target=_raw_serve, args=(raw_srv, memoryview(buf)), daemon=True).start()
             peer = {"host": "127.0.0.1", "port": raw_srv.getsockname()[1]}
         else:
             raise ValueError(f"unknown producer kind {kind!r}")
-        conn.send({"ok": True, "peer": peer})
     except Exception as e:  # report to the parent instead of dying silently
-        with contextlib.suppress(Exception):
-            conn.send({"ok": False, "error": f"{type(e).__name__}: {e}"})
         _close_quietly(engine, raw_srv)
+        send({"ok": False, "error": f"{type(e).__name__}: {e}"})
         return
     try:
-        while True:
-            msg = conn.recv()
-            if msg == "stop":
-                break
-    except (EOFError, OSError):
-        pass
+        send({"ok": True, "peer": peer})
+        wait_stop()
     finally:
         _close_quietly(engine, raw_srv)
-    with contextlib.suppress(Exception):
-        conn.send({"closed": True})
+    send({"closed": True})
+
+
+def _producer_stdio() -> None:
+    """Entry point of a producer subprocess: `python -c ... KIND NBYTES`; JSON lines on stdout,
+    "stop" (or EOF) on stdin ends it."""
+    kind, nbytes = sys.argv[1], int(sys.argv[2])
+
+    def send(msg: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):
+            sys.stdout.write(json.dumps(msg) + "\n")
+            sys.stdout.flush()
+
+    def wait_stop() -> None:
+        for line in sys.stdin:
+            if line.strip() == "stop":
+                return
+
+    _producer_main(kind, nbytes, send, wait_stop)
 
 
 def _close_quietly(engine: TransferEngine | None, srv: socket.socket | None) -> None:
@@ -240,57 +257,80 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
 
 
 class Producer:
-    """A producer process of kind "tcp", "shm" or "raw" serving `nbytes` of the pattern.
+    """A producer subprocess of kind "tcp", "shm" or "raw" serving `nbytes` bytes of the pattern.
 
-    Use as a context manager, or call `stop()`; `peer` is the peer_info (a plain dict).
+    A separate interpreter (not a multiprocessing child), like a separately launched prefill
+    server: it has its own multiprocessing resource tracker. Use as a context manager or call
+    `stop()`; `peer` is the producer's peer_info (a plain dict) after `wait_ready()`.
     """
 
     def __init__(self, kind: str, nbytes: int) -> None:
-        ctx = mp.get_context("spawn")
         self.kind = kind
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_producer_main, args=(kind, nbytes, child), daemon=True,
-                                 name=f"pdkv-bench-{kind}-producer")
-        self._proc.start()
-        child.close()
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", "from pdkv.bench.transfer import _producer_stdio; _producer_stdio()",
+             kind, str(nbytes)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
+        )
         self.peer: dict[str, Any] = {}
 
+    def _recv(self, timeout: float) -> dict[str, Any] | None:
+        assert self._proc.stdout is not None
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+        if not ready:
+            return None
+        line = self._proc.stdout.readline()
+        return json.loads(line) if line else None
+
     def wait_ready(self, timeout: float = _START_TIMEOUT_S) -> dict[str, Any]:
-        """Block until the producer serves (timeout in seconds); returns its peer_info."""
-        if not self._conn.poll(timeout):
+        """Block until the producer serves (timeout in seconds); returns its peer_info.
+
+        Raises:
+            RuntimeError: the producer failed or did not start in time (it is stopped).
+        """
+        msg = self._recv(timeout)
+        if msg is None or not msg.get("ok"):
             self.stop()
-            raise RuntimeError(f"{self.kind} producer did not start within {timeout:.0f} s")
-        msg = self._conn.recv()
-        if not msg.get("ok"):
-            self.stop()
-            raise RuntimeError(f"{self.kind} producer failed: {msg.get('error')}")
+            why = msg.get("error") if msg else f"no answer within {timeout:.0f} s or it exited"
+            raise RuntimeError(f"{self.kind} producer failed: {why}")
         self.peer = msg["peer"]
         return self.peer
 
     @property
-    def pid(self) -> int | None:
+    def pid(self) -> int:
         """The producer's process id."""
         return self._proc.pid
 
     def kill(self) -> None:
-        """Kill the producer process abruptly (SIGKILL) and reap it (for failure tests)."""
+        """Kill the producer abruptly (SIGKILL) and reap it (for failure tests)."""
         self._proc.kill()
-        self._proc.join(5)
+        self._proc.wait(5)
+        self._close_pipes()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Ask the producer to close its engine (unlinking shared memory) and exit; terminate it
-        if it does not exit within `timeout` seconds."""
-        if self._proc.is_alive():
-            with contextlib.suppress(OSError, BrokenPipeError):
-                self._conn.send("stop")
-            with contextlib.suppress(OSError, EOFError):
-                if self._conn.poll(timeout):
-                    self._conn.recv()
-            self._proc.join(timeout)
-            if self._proc.is_alive():
-                self._proc.terminate()
-                self._proc.join(5)
-        self._conn.close()
+        """Ask the producer to close its engine (unlinking shared memory) and exit; kill it if it
+        has not exited within `timeout` seconds."""
+        if self._proc.poll() is None:
+            assert self._proc.stdin is not None
+            with contextlib.suppress(OSError, ValueError):
+                self._proc.stdin.write("stop\n")
+                self._proc.stdin.flush()
+            with contextlib.suppress(OSError, ValueError):
+                self._recv(timeout)  # {"closed": true}
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(5)
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        for f in (self._proc.stdin, self._proc.stdout):
+            if f is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    f.close()
 
     def __enter__(self) -> Producer:
         return self
@@ -360,7 +400,8 @@ def run_transfer_bench(
         {"config": {...}, "sizes": [per size: {"size_mib", "nbytes", "num_ops", "repeats",
         "methods": {name: {"best_gbps", "median_gbps", "gbps", "seconds", "verified"}},
         "ratios": {"tcp/raw_socket": {"best", "median"}, "shm/memcpy": {...}},
-        "targets": {name: {"target", "ratio", "pass"}}}]}, bandwidths in GB/s (1e9 bytes/s),
+        "targets": {name: {"target", "ratio" (best), "applies", "pass" (None if the
+        size is below the target's range)}}}]}, bandwidths in GB/s (1e9 bytes/s),
         seconds per transfer; methods are the engines plus "raw_socket" and "memcpy".
 
     Raises:

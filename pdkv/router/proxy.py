@@ -78,6 +78,11 @@ def build_proxy_app(
 
     app = FastAPI(title="pdkv proxy", lifespan=lifespan)
 
+    @app.get("/ping")
+    async def ping() -> Response:
+        """Liveness of the proxy itself (/health also checks every backend)."""
+        return Response(status_code=200)
+
     @app.get("/health")
     async def health() -> Response:
         client = state["client"]

@@ -3,6 +3,7 @@ consumer's pull threads. Bytes move through a TransferEngine (tcp | shm)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -286,6 +287,8 @@ class P2PConnectorWorker:
     def shutdown(self) -> None:
         self._closing.set()
         if self._server is not None:
+            with contextlib.suppress(OSError):
+                self._server.shutdown(socket.SHUT_RDWR)
             self._server.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.engine.close()

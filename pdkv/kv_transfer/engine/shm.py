@@ -63,8 +63,10 @@ class ShmTransferEngine(TransferEngine):
                     raise TransferError(f"cannot map shared memory {seg_name!r}: {e}") from None
                 self._attached[seg_name] = shm
             assert shm.buf is not None
-            if op.offset < 0 or op.offset + op.length > len(shm.buf):
+            if op.offset < 0 or op.length < 0 or op.offset + op.length > len(shm.buf):
                 raise TransferError(f"range {op.offset}+{op.length} outside {seg_name!r}")
+            if len(op.dest.cast("B")) < op.length:
+                raise TransferError(f"destination of {len(op.dest)} bytes is shorter than {op.length}")
             op.dest.cast("B")[: op.length] = shm.buf[op.offset : op.offset + op.length]
             total += op.length
         return total
@@ -74,10 +76,10 @@ class ShmTransferEngine(TransferEngine):
             shm.close()
         self._attached.clear()
         for shm in self._owned:
-            try:
-                shm.close()
+            # Unlink first: close() fails while a tensor still views the buffer.
+            with contextlib.suppress(FileNotFoundError):
                 shm.unlink()
-            except (FileNotFoundError, BufferError):
-                pass
+            with contextlib.suppress(BufferError):
+                shm.close()
         self._owned.clear()
 

@@ -3,6 +3,7 @@ the consumer receives them straight into its KV cache blocks (recv_into, no extr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -109,13 +110,13 @@ class TcpTransferEngine(TransferEngine):
                     raise TransferError(f"peer {key[0]}:{key[1]} refused read: {reply.error}")
                 for op in region_ops:
                     self._set_timeout(sock, deadline)
-                    recv_exact_into(sock, op.dest.cast("B"))
+                    recv_exact_into(sock, op.dest.cast("B")[: op.length])
                     total += op.length
         except (OSError, WireError) as e:
-            self._drop(key)
+            sock.close()  # its stream position is unknown: never reuse it
             raise TransferError(f"read from {key[0]}:{key[1]} failed: {e}") from None
         except TransferError:
-            self._drop(key)
+            sock.close()
             raise
         self._release(key, sock)
         return total
@@ -148,15 +149,11 @@ class TcpTransferEngine(TransferEngine):
                 return
         sock.close()
 
-    def _drop(self, key: tuple[str, int]) -> None:
-        with self._conn_lock:
-            sock = self._conns.pop(key, None)
-        if sock is not None:
-            sock.close()
-
     def close(self) -> None:
         self._closing.set()
         if self._server is not None:
+            with contextlib.suppress(OSError):
+                self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept() thread on Linux
             self._server.close()
         with self._conn_lock:
             for sock in self._conns.values():
