@@ -149,6 +149,12 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--num-prefill and --num-decode must be >= 1")
     args.engine_args = [a for a in args.engine_args if a != "--"]
     topo = build_topology(args)
+
+    def _terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM/SIGINT (also when started in the background): stop all
+
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _terminate)
     print(f"starting {len(topo.children)} processes: {[c.name for c in topo.children]} (logs in {args.log_dir}/)",
           flush=True)
     topo.start(args.log_dir)

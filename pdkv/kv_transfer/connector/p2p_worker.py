@@ -257,8 +257,16 @@ class P2PConnectorWorker:
                 bb = self._block_bytes[g]
                 if peer.block_bytes[g] != bb:
                     raise TransferError(f"block bytes differ: producer {peer.block_bytes[g]}, consumer {bb}")
-                for lb, rb in zip(local, remote):
-                    ops.append(ReadOp(f"g{g}", rb * bb, bb, self._regions[g][lb * bb : (lb + 1) * bb]))
+                # One op per run of blocks consecutive on both sides (fewer, larger copies).
+                i = 0
+                while i < len(local):
+                    j = i + 1
+                    while j < len(local) and local[j] == local[j - 1] + 1 and remote[j] == remote[j - 1] + 1:
+                        j += 1
+                    n = (j - i) * bb
+                    dest = self._regions[g][local[i] * bb : local[i] * bb + n]
+                    ops.append(ReadOp(f"g{g}", remote[i] * bb, n, dest))
+                    i = j
             nbytes = self.engine.read(peer.peer_info, ops, deadline)
             ack = self._control(spec.remote, Notify(spec.remote_request_id, "done"), Ack, deadline)
             if not ack.ok:  # the producer may have reused the blocks: the data is not trustworthy
