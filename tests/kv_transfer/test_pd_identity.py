@@ -28,7 +28,19 @@ def colocated_reference(parity_prompts):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("transfer", ["tcp", "shm"])
+def _mooncake_available() -> bool:
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+TRANSFERS = ["tcp", "shm", pytest.param("mooncake", marks=pytest.mark.skipif(
+    not _mooncake_available(), reason="mooncake-transfer-engine-non-cuda / libibverbs1 not installed"))]
+
+
+@pytest.mark.parametrize("transfer", TRANSFERS)
 def test_pd_matches_colocated_and_moves_prompt_blocks(transfer, parity_prompts, colocated_reference):
     # D without prefix caching so every request pulls all of its prompt's blocks.
     p, d = make_pd(transfer, d_prefix_caching=False)

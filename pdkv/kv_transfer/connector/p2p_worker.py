@@ -98,6 +98,8 @@ class P2PConnectorWorker:
             self._block_bytes.append(len(view) // t.shape[0])
             if self.config.is_kv_producer:
                 self.engine.register_region(f"g{g}", view)
+            if self.config.is_kv_consumer:
+                self.engine.register_local(f"g{g}", view)
         if self.config.is_kv_producer:
             self.engine.start(self.host)
 

@@ -41,6 +41,9 @@ class TransferEngine(ABC):
     def register_region(self, name: str, buffer: memoryview) -> None:
         """Expose a byte buffer (a KV cache tensor) to peers under `name`."""
 
+    def register_local(self, name: str, buffer: memoryview) -> None:
+        """Consumer side: a buffer reads will land in (engines that must pin it)."""
+
     def start(self, host: str) -> None:
         """Start serving registered regions (producer side)."""
 

@@ -24,5 +24,8 @@ def create_transfer_engine(name: str, options: dict[str, Any]) -> TransferEngine
 
         return ShmTransferEngine()
     if name == "mooncake":
-        raise ValueError("transfer 'mooncake' is not available yet in this build; use 'tcp' or 'shm'")
+        from pdkv.kv_transfer.engine.mooncake import MooncakeTransferEngine
+
+        return MooncakeTransferEngine(str(options.get("kv_host", "127.0.0.1")),
+                                      str(options.get("mooncake_protocol", "tcp")))
     raise ValueError(f"unknown transfer engine {name!r}; known: {TRANSFER_ENGINES}")
