@@ -21,7 +21,7 @@ from pdkv.engine.llm_engine import LLMEngine, PromptType
 from pdkv.outputs import RequestOutput
 from pdkv.request import Request
 from pdkv.sampling_params import SamplingParams
-from pdkv.sched.scheduler import SchedulerStats
+from pdkv.sched.output import SchedulerStats
 
 logger = logging.getLogger(__name__)
 

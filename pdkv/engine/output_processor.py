@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from pdkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pdkv.request import Request
-from pdkv.sched.scheduler import RequestUpdate
+from pdkv.sched.output import RequestUpdate
 from pdkv.tokenizer import Tokenizer
 
 

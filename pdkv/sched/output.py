@@ -6,12 +6,16 @@ Typed msgspec Structs so that the same objects can later cross a process boundar
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from pdkv.kv_transfer.connector.base import KVConnectorOutput
 from pdkv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdkv.request import Request
 
 
 class NewRequestData(msgspec.Struct, kw_only=True):
@@ -89,3 +93,37 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(sampled_token_ids={})
+
+
+@dataclass
+class RequestUpdate:
+    """What one step changed for one request (consumed by the engine's output processor).
+
+    Attributes:
+        request: the request (its state after the step).
+        new_token_ids: tokens appended this step.
+        new_logprobs: per new token, [(token_id, logprob), ...] or None.
+        finished: True when the request finished this step.
+    """
+
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list[list[tuple[int, float]]] | None
+    finished: bool
+
+
+@dataclass
+class SchedulerStats:
+    """Gauges read after every step (for metrics)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_preemptions: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_waiting_for_remote_kv: int = 0
+    num_blocks_held_for_remote: int = 0
+    kv_transfer: dict[str, float] | None = None
+    transfer_seconds: list[float] | None = None

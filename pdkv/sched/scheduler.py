@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from pdkv.cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pdkv.cache.specs import KVCacheConfig
@@ -23,42 +22,10 @@ from pdkv.sched.output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
+    RequestUpdate,
     SchedulerOutput,
+    SchedulerStats,
 )
-
-
-@dataclass
-class RequestUpdate:
-    """What one step changed for one request (consumed by the engine's output processor).
-
-    Attributes:
-        request: the request (its state after the step).
-        new_token_ids: tokens appended this step.
-        new_logprobs: per new token, [(token_id, logprob), ...] or None.
-        finished: True when the request finished this step.
-    """
-
-    request: Request
-    new_token_ids: list[int]
-    new_logprobs: list[list[tuple[int, float]]] | None
-    finished: bool
-
-
-@dataclass
-class SchedulerStats:
-    """Gauges read after every step (for metrics)."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_preemptions: int
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_waiting_for_remote_kv: int = 0
-    num_blocks_held_for_remote: int = 0
-    kv_transfer: dict[str, float] | None = None
-    transfer_seconds: list[float] | None = None
 
 
 class Scheduler:
@@ -115,7 +82,7 @@ class Scheduler:
         Raises:
             ValueError: the request id is already in use.
         """
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self._delayed_free:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -138,7 +105,8 @@ class Scheduler:
                 self.running.remove(request)
             elif request in self.waiting:
                 self.waiting.remove(request)
-            self.waiting_for_remote.pop(req_id, None)
+            if self.waiting_for_remote.pop(req_id, None) is not None:
+                self._forget_load_result(request)
             request.status = status
             self._free_request(request)
             done.append(request)
@@ -397,8 +365,8 @@ class Scheduler:
         for rid in out.finished_recving:
             delayed = self._delayed_free.pop(rid, None)
             if delayed is not None:  # finished (aborted) while its load was in flight
+                self._forget_load_result(delayed)
                 self.kv_cache_manager.free(delayed)
-                self._load_errors.pop(rid, None)
             elif rid in self.waiting_for_remote:
                 self._finished_recving.add(rid)
         for rid in out.finished_sending:
@@ -407,6 +375,13 @@ class Scheduler:
                 self.kv_cache_manager.free(delayed)
         if self.connector is not None:
             self.connector.update_connector_output(out)
+
+    def _forget_load_result(self, request: Request) -> None:
+        """Drop what a finished request's load reported (its block ids will be reused)."""
+        self._finished_recving.discard(request.request_id)
+        self._load_errors.pop(request.request_id, None)
+        for group in self.kv_cache_manager.get_block_ids(request.request_id):
+            self._invalid_blocks.difference_update(group)
 
     def _check_stop(self, request: Request) -> bool:
         """Stop conditions after appending a token (vLLM's check_stop); sets the status."""

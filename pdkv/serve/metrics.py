@@ -13,7 +13,7 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdkv.outputs import RequestOutput
-from pdkv.sched.scheduler import SchedulerStats
+from pdkv.sched.output import SchedulerStats
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,

@@ -31,19 +31,90 @@ PROMPTS = [
 ]
 
 
+class _Stack:
+    """P, D and a proxy as processes, stopped in reverse order."""
+
+    def __init__(self, transfer: str, policy: str = "fail") -> None:
+        self.servers: list[RemoteServer] = []
+        try:
+            self.p = self._start(["serve", *ENGINE, "--kv-transfer-config", pd_config("kv_producer", transfer)])
+            self.d = self._start(["serve", *ENGINE, "--kv-transfer-config",
+                                  pd_config("kv_consumer", transfer, policy)])
+            self.proxy = self._start(["proxy", "--prefill", self.p.url, "--decode", self.d.url])
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, args: list[str]) -> RemoteServer:
+        srv = RemoteServer(args)
+        self.servers.append(srv)
+        return srv
+
+    def stop(self) -> None:
+        for srv in reversed(self.servers):
+            srv.stop()
+
+
 @pytest.fixture(scope="module")
 def pd_stack():
-    p = RemoteServer(["serve", *ENGINE, "--kv-transfer-config", pd_config("kv_producer", "tcp")])
+    stack = _Stack("tcp")
+    yield stack.p, stack.d, stack.proxy
+    stack.stop()
+
+
+def _mooncake_available() -> bool:
     try:
-        d = RemoteServer(["serve", *ENGINE, "--kv-transfer-config", pd_config("kv_consumer", "tcp")])
-        try:
-            proxy = RemoteServer(["proxy", "--prefill", p.url, "--decode", d.url])
-            yield p, d, proxy
-            proxy.stop()
-        finally:
-            d.stop()
+        import mooncake.engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("transfer", ["tcp", "shm", pytest.param("mooncake", marks=pytest.mark.skipif(
+    not _mooncake_available(), reason="mooncake-transfer-engine-non-cuda / libibverbs1 not installed"))])
+def test_parity_prompts_through_proxy_match_colocated(transfer, parity_prompts, reference):
+    """The ten block-boundary chat prompts (63..129 tokens) through a 1P1D proxy, per engine."""
+    refs = reference.generate([{"prompt_token_ids": ids} for ids in parity_prompts],
+                              SamplingParams(temperature=0, max_tokens=24))
+    stack = _Stack(transfer)
+    try:
+        client = openai.OpenAI(base_url=stack.proxy.url + "/v1", api_key="x", max_retries=0)
+        for ids, ref in zip(parity_prompts, refs):
+            out = client.completions.create(model="smollm2", prompt=ids, max_tokens=24, temperature=0)
+            assert out.choices[0].text == ref.outputs[0].text, f"{len(ids)}-token prompt via {transfer}"
+            assert out.usage.completion_tokens == len(ref.outputs[0].token_ids)
+            assert out.usage.prompt_tokens == len(ids)
+        received = metric_value(httpx.get(stack.d.url + "/metrics").text, "pdkv:kv_transfer_bytes_received_total")
+        assert received > 0
+        assert wait_for_metric(stack.p.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
+        assert wait_for_metric(stack.d.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
     finally:
-        p.stop()
+        stack.stop()
+
+
+def test_prefill_process_killed_after_params_recompute():
+    """P is SIGKILLed after answering the prefill leg; D (recompute policy) still answers right."""
+    import signal
+
+    stack = _Stack("tcp", policy="recompute")
+    try:
+        body = {"model": "smollm2", "prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0}
+        leg = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        params = httpx.post(stack.p.url + "/v1/completions", json=leg, timeout=60).json()["kv_transfer_params"]
+        os.killpg(stack.p.proc.pid, signal.SIGKILL)
+        stack.p.proc.wait(10)
+        t0 = time.monotonic()
+        r = httpx.post(stack.d.url + "/v1/completions", json={**body, "kv_transfer_params": params}, timeout=120)
+        assert time.monotonic() - t0 < 60
+        assert r.status_code == 200
+        ref = LLM("smollm2", num_kv_blocks=64, max_model_len=MAX_LEN).generate(
+            PROMPTS[0], SamplingParams(temperature=0, max_tokens=20))[0]
+        assert r.json()["choices"][0]["text"] == ref.outputs[0].text
+        text = httpx.get(stack.d.url + "/metrics").text
+        assert metric_value(text, "pdkv:kv_load_failures_total", policy="recompute") == 1
+        assert wait_for_metric(stack.d.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
+    finally:
+        stack.stop()
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,9 @@ class P2PConnector(KVConnectorBase):
         address = control_address if control_address is not None else ["127.0.0.1", 0]
         block_size = kv_cache_config.groups[0].spec.block_size
         self.scheduler = (
-            P2PConnectorScheduler(config, layout, block_size, address) if role == KVConnectorRole.SCHEDULER else None
+            P2PConnectorScheduler(config, layout, block_size, address, len(kv_cache_config.groups))
+            if role == KVConnectorRole.SCHEDULER
+            else None
         )
         self.worker = P2PConnectorWorker(config, layout, address) if role == KVConnectorRole.WORKER else None
 

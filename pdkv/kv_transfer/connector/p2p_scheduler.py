@@ -42,8 +42,9 @@ class P2PConnectorScheduler:
     """
 
     def __init__(self, config: KVTransferConfig, layout: dict[str, Any], block_size: int,
-                 control_address: list[Any]) -> None:
+                 control_address: list[Any], num_groups: int = 1) -> None:
         self.config = config
+        self.num_groups = num_groups
         self.layout = layout
         self.block_size = block_size
         self.control_address = control_address
@@ -73,6 +74,12 @@ class P2PConnectorScheduler:
             missing = [k for k in REQUIRED_PARAMS if p.get(k) is None]
             if missing:
                 raise ValueError(f"kv_transfer_params for a remote prefill lack {missing}")
+            groups = p.get("remote_block_ids")
+            if not isinstance(groups, list) or len(groups) != self.num_groups:
+                raise ValueError(
+                    f"kv_transfer_params.remote_block_ids must hold one block list per KV cache "
+                    f"group ({self.num_groups}), got {groups!r:.80}"
+                )
             mismatch = layout_mismatch(self.layout, dict(p.get("layout") or {}))
             if mismatch:
                 raise ValueError(mismatch)
