@@ -26,6 +26,7 @@ from pdkv.sched.output import (
     SchedulerOutput,
     SchedulerStats,
 )
+from pdkv.sched.utils import check_stop
 
 
 class Scheduler:
@@ -348,7 +349,7 @@ class Scheduler:
             if request.times.first_token is None:
                 request.times.first_token = now
             request.times.last_token = now
-            finished = self._check_stop(request)
+            finished = check_stop(request, self.max_model_len)
             if finished:
                 self.running.remove(request)
                 self._free_request(request)
@@ -382,26 +383,6 @@ class Scheduler:
         self._load_errors.pop(request.request_id, None)
         for group in self.kv_cache_manager.get_block_ids(request.request_id):
             self._invalid_blocks.difference_update(group)
-
-    def _check_stop(self, request: Request) -> bool:
-        """Stop conditions after appending a token (vLLM's check_stop); sets the status."""
-        params = request.sampling_params
-        last = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last == request.eos_token_id:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last
-                return True
-        if (
-            request.num_output_tokens >= params.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
 
     def _free_request(self, request: Request) -> None:
         request.times.finished = time.monotonic()
