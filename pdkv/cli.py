@@ -1,4 +1,4 @@
-"""`pdkv` command line: serve | proxy | up | generate | bench offline | serve | transfer."""
+"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer}."""
 
 from __future__ import annotations
 

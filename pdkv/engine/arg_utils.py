@@ -102,15 +102,15 @@ class EngineArgs:
         d = EngineArgs()
         g = parser.add_argument_group("engine")
         g.add_argument("--model", default=d.model, help="alias (smollm2) or HF folder")
-        g.add_argument("--served-model-name", default=None, help="model id for clients (default: --model)")
+        g.add_argument("--served-model-name", default=None, help="model id for clients (unset: the --model value)")
         g.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"],
                        help="weights, activations and KV cache")
-        g.add_argument("--device", default=None, help="cpu | cuda[:N] (default: cuda if present)")
+        g.add_argument("--device", default=None, help="cpu | cuda[:N] (unset: cuda if present)")
         g.add_argument("--seed", type=int, default=d.seed, help="engine seed for random sampling")
         g.add_argument("--max-model-len", type=int, default=None,
-                       help="longest prompt + output in tokens (default: the model's)")
+                       help="longest prompt + output in tokens (unset: the model's)")
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-        g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory-bytes)")
+        g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (unset: from --kv-cache-memory-bytes)")
         g.add_argument("--kv-cache-memory-bytes", type=int, default=d.kv_cache_memory_bytes,
                        help="KV cache budget when --num-kv-blocks is not given")
         g.add_argument(
@@ -137,7 +137,7 @@ class EngineArgs:
             "--num-threads",
             type=int,
             default=None,
-            help="torch CPU threads (default: torch's choice, or $PDKV_NUM_THREADS)",
+            help="torch CPU threads (unset: $PDKV_NUM_THREADS or torch's choice)",
         )
         return parser
 

@@ -16,10 +16,24 @@ from dataclasses import dataclass, field
 import httpx
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def free_port(taken: set[int], host: str = "127.0.0.1", low: int = 20000, high: int = 32000) -> int:
+    """A free TCP port below Linux's ephemeral range (32768+), so that outgoing connections of
+    other processes cannot grab it between this choice and the child's bind; `taken` collects
+    the ports already handed out."""
+    import random
+
+    for _ in range(200):
+        port = random.randint(low, high)
+        if port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        taken.add(port)
+        return port
+    raise RuntimeError(f"no free port in {low}-{high}")
 
 
 @dataclass
@@ -89,6 +103,14 @@ class Topology:
                 c.proc.wait(5)
 
 
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
 def build_topology(args: argparse.Namespace) -> Topology:
     """Commands for the chosen mode; engine flags after `--` are passed to every engine."""
     host = "127.0.0.1"
@@ -98,8 +120,9 @@ def build_topology(args: argparse.Namespace) -> Topology:
     threads = args.threads_per_engine or max(1, (os.cpu_count() or 1) // n_engines)
     env = dict(os.environ, PDKV_NUM_THREADS=str(threads))
     topo = Topology()
+    taken: set[int] = set()
     if args.mode == "colocated":
-        port = args.port or free_port()
+        port = args.port or free_port(taken)
         topo.children.append(Child("engine", f"http://{host}:{port}",
                                    py + ["serve", *engine_flags, "--host", host, "--port", str(port)], env))
         topo.endpoint = f"http://{host}:{port}"
@@ -108,16 +131,19 @@ def build_topology(args: argparse.Namespace) -> Topology:
     for role, count, urls in (("kv_producer", args.num_prefill, prefill_urls),
                               ("kv_consumer", args.num_decode, decode_urls)):
         for i in range(count):
-            port = free_port()
+            port = free_port(taken)
+            extra: dict[str, object] = {"transfer": args.kv_transfer}
+            if role == "kv_producer":  # every listening port is chosen here, none ephemeral
+                extra.update(kv_port=free_port(taken), transfer_port=free_port(taken))
             cfg = {"kv_connector": "P2PConnector", "kv_role": role,
                    "kv_load_failure_policy": args.kv_load_failure_policy,
-                   "kv_connector_extra_config": {"transfer": args.kv_transfer}}
+                   "kv_connector_extra_config": extra}
             name = ("prefill" if role == "kv_producer" else "decode") + str(i)
             topo.children.append(Child(name, f"http://{host}:{port}", py + [
                 "serve", *engine_flags, "--host", host, "--port", str(port),
                 "--kv-transfer-config", json.dumps(cfg)], env))
             urls.append(f"http://{host}:{port}")
-    port = args.port or free_port()
+    port = args.port or free_port(taken)
     topo.children.append(Child("proxy", f"http://{host}:{port}", py + [
         "proxy", "--prefill", ",".join(prefill_urls), "--decode", ",".join(decode_urls),
         "--host", host, "--port", str(port), "--routing", args.routing], dict(os.environ)))
@@ -126,13 +152,17 @@ def build_topology(args: argparse.Namespace) -> Topology:
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--mode", choices=["colocated", "pd"], default="pd")
-    parser.add_argument("--num-prefill", type=int, default=1)
-    parser.add_argument("--num-decode", type=int, default=1)
-    parser.add_argument("--kv-transfer", choices=["tcp", "shm", "mooncake"], default="tcp")
-    parser.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="fail")
-    parser.add_argument("--routing", choices=["round_robin", "least_loaded"], default="round_robin")
+    parser.add_argument("--model", default="smollm2", help="alias (smollm2) or HF folder")
+    parser.add_argument("--mode", choices=["colocated", "pd"], default="pd",
+                        help="one engine, or prefill + decode engines behind a proxy")
+    parser.add_argument("--num-prefill", type=int, default=1, help="prefill engines (pd)")
+    parser.add_argument("--num-decode", type=int, default=1, help="decode engines (pd)")
+    parser.add_argument("--kv-transfer", choices=["tcp", "shm", "mooncake"], default="tcp",
+                        help="transfer engine (mooncake needs the optional package and libibverbs1)")
+    parser.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="fail",
+                        help="what a decode engine does when a KV pull fails")
+    parser.add_argument("--routing", choices=["round_robin", "least_loaded"], default="round_robin",
+                        help="proxy routing within each pool")
     parser.add_argument("--port", type=int, default=0, help="the proxy's (pd) or the server's (colocated); 0 = free")
     parser.add_argument("--threads-per-engine", type=int, default=0, help="0 = cores / engines")
     parser.add_argument("--log-dir", default="pdkv-logs", help="one log file per process")
@@ -159,7 +189,14 @@ def main(args: argparse.Namespace) -> int:
           flush=True)
     topo.start(args.log_dir)
     try:
-        topo.wait_healthy(args.health_timeout)
+        try:
+            topo.wait_healthy(args.health_timeout)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            for c in topo.children:
+                if c.proc is not None and c.proc.poll() is not None:
+                    print(f"--- last lines of {c.log_path}:\n{_tail(c.log_path)}", file=sys.stderr)
+            return 1
         print(f"ready: {topo.endpoint}  (OpenAI API at {topo.endpoint}/v1)", flush=True)
         if args.demo:
             from pdkv.router.demo import run_demo

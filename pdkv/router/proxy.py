@@ -59,14 +59,21 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 def build_proxy_app(
     prefill_urls: list[str],
     decode_urls: list[str],
-    policy: RoutingPolicy,
+    routing: str = "round_robin",
     timeout: float = 600.0,
 ) -> FastAPI:
-    """The proxy app; one httpx.AsyncClient shared by all requests."""
+    """The proxy app; one httpx.AsyncClient shared by all requests and one routing policy
+    instance per pool (prefill, decode).
+
+    Raises:
+        ValueError: an empty pool or an unknown routing policy.
+    """
     if not prefill_urls or not decode_urls:
         raise ValueError("the proxy needs at least one prefill and one decode URL")
     prefills = [Backend(u.rstrip("/")) for u in prefill_urls]
     decodes = [Backend(u.rstrip("/")) for u in decode_urls]
+    prefill_policy: RoutingPolicy = make_policy(routing)
+    decode_policy: RoutingPolicy = make_policy(routing)
     state: dict[str, httpx.AsyncClient] = {}
 
     @asynccontextmanager
@@ -89,10 +96,11 @@ def build_proxy_app(
         for b in prefills + decodes:
             try:
                 r = await client.get(b.url + "/health", timeout=5.0)
-                if r.status_code != 200:
-                    return Response(status_code=503)
+                ok = r.status_code == 200
             except httpx.HTTPError:
-                return Response(status_code=503)
+                ok = False
+            if not ok:
+                return _error(f"backend {b.url} is not healthy", 503, "ServiceUnavailableError")
         return Response(status_code=200)
 
     @app.get("/v1/models")
@@ -135,7 +143,7 @@ def build_proxy_app(
 
     async def _legs(body: dict[str, Any], path: str, headers: dict[str, str]) -> Response:
         client = state["client"]
-        p = policy.choose(prefills)
+        p = prefill_policy.choose(prefills)
         p.inflight += 1
         try:
             r = await client.post(p.url + path, json=prefill_body(body), headers=headers)
@@ -146,27 +154,33 @@ def build_proxy_app(
         if r.status_code != 200:
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         decode = dict(body)
-        decode["kv_transfer_params"] = r.json().get("kv_transfer_params")
-        d = policy.choose(decodes)
+        params = r.json().get("kv_transfer_params")
+        decode["kv_transfer_params"] = params
+        d = decode_policy.choose(decodes)
         d.inflight += 1
         if not body.get("stream"):
             try:
                 r = await client.post(d.url + path, json=decode, headers=headers)
             except httpx.HTTPError as e:
+                await _release(params)
                 return _error(f"decode backend {d.url} unreachable: {e}", 502, "BadGateway")
             finally:
                 d.inflight -= 1
+            if r.status_code != 200:
+                await _release(params)
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         try:
             req = client.build_request("POST", d.url + path, json=decode, headers=headers)
             resp = await client.send(req, stream=True)
         except httpx.HTTPError as e:
             d.inflight -= 1
+            await _release(params)
             return _error(f"decode backend {d.url} unreachable: {e}", 502, "BadGateway")
         if resp.status_code != 200:
             content = await resp.aread()
             await resp.aclose()
             d.inflight -= 1
+            await _release(params)
             return Response(content, status_code=resp.status_code, media_type="application/json")
         return StreamingResponse(_relay(resp, d), media_type="text/event-stream",
                                  headers={"X-Request-Id": headers["X-Request-Id"]})
@@ -185,6 +199,17 @@ def build_proxy_app(
     return app
 
 
+async def _release(params: dict[str, Any] | None) -> None:
+    """The decode leg failed before D could pull: tell P to free the held blocks now instead of
+    at lease expiry (best effort; the lease still bounds the hold)."""
+    if not params or not params.get("remote_host"):
+        return
+    from pdkv.kv_transfer.connector.p2p_messages import send_release
+
+    await asyncio.to_thread(send_release, str(params["remote_host"]), int(params["remote_port"]),
+                            str(params["remote_request_id"]))
+
+
 async def _disconnected(raw: Request) -> None:
     while True:
         message = await raw.receive()
@@ -195,11 +220,12 @@ async def _disconnected(raw: Request) -> None:
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--prefill", required=True, help="prefill engine URL(s), comma-separated")
     parser.add_argument("--decode", required=True, help="decode engine URL(s), comma-separated")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--routing", default="round_robin", choices=["round_robin", "least_loaded"])
+    parser.add_argument("--host", default="127.0.0.1", help="bind address")
+    parser.add_argument("--port", type=int, default=8000, help="bind port")
+    parser.add_argument("--routing", default="round_robin", choices=["round_robin", "least_loaded"],
+                        help="policy within each pool")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-leg timeout (s)")
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--log-level", default="info", help="uvicorn log level (info logs each request)")
     return parser
 
 
@@ -208,7 +234,9 @@ def main(args: argparse.Namespace) -> int:
 
     app = build_proxy_app(
         [u for u in args.prefill.split(",") if u], [u for u in args.decode.split(",") if u],
-        make_policy(args.routing), args.timeout,
+        args.routing, args.timeout,
     )
+    print(f"pdkv proxy on http://{args.host}:{args.port}: prefill {args.prefill} decode {args.decode} "
+          f"({args.routing})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

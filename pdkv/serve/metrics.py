@@ -73,7 +73,7 @@ class ServerMetrics:
             "pdkv:kv_transfer_bytes_received", "KV bytes pulled from prefill engines", labels, registry=r
         ).labels(model_name)
         self.kv_bytes_sent = Counter(
-            "pdkv:kv_transfer_bytes_sent", "KV bytes read by decode engines", labels, registry=r
+            "pdkv:kv_transfer_bytes_sent", "KV bytes decode engines read from this engine (as they report)", labels, registry=r
         ).labels(model_name)
         self.kv_transfer_time = hist("pdkv:kv_transfer_seconds", "Duration of one KV pull (s)")
         self.waiting_remote = Gauge(
@@ -83,7 +83,7 @@ class ServerMetrics:
             "pdkv:num_blocks_held_for_remote", "Blocks held until a remote engine reads them", labels, registry=r
         ).labels(model_name)
         self.lease_expirations = Counter(
-            "pdkv:kv_lease_expirations", "Held blocks freed because no consumer read them in time", labels, registry=r
+            "pdkv:kv_lease_expirations", "Requests whose held blocks were freed at lease expiry (never read)", labels, registry=r
         ).labels(model_name)
         self.load_failures = Counter(
             "pdkv:kv_load_failures", "Failed KV loads by load-failure policy", labels + ["policy"], registry=r

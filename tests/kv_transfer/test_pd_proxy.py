@@ -163,6 +163,20 @@ def test_over_length_prompt_is_400_without_transfer(pd_stack):
     assert metric_value(httpx.get(p.url + "/metrics").text, "pdkv:num_blocks_held_for_remote") == 0
 
 
+def test_decode_rejection_releases_prefill_blocks_at_once(pd_stack):
+    """max_tokens=0 passes the prefill leg (forced to 1) but D rejects it: the proxy passes the
+    400 through and tells P to release, so nothing stays held until the lease expires."""
+    p, d, proxy = pd_stack
+    r = httpx.post(proxy.url + "/v1/completions", timeout=60,
+                   json={"model": "smollm2", "prompt": PROMPTS[1], "max_tokens": 0})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    t0 = time.monotonic()
+    assert wait_for_metric(p.url, "pdkv:num_blocks_held_for_remote", 0, timeout=10) == 0
+    assert wait_for_metric(p.url, "pdkv:num_free_blocks", BLOCKS, timeout=10) == BLOCKS
+    assert time.monotonic() - t0 < 10  # far below the 30 s lease
+    assert metric_value(httpx.get(p.url + "/metrics").text, "pdkv:kv_lease_expirations_total") == 0
+
+
 def test_client_disconnect_mid_stream_frees_both_sides(pd_stack):
     p, d, proxy = pd_stack
     body = {"model": "smollm2", "prompt": "Tell me a long story.", "max_tokens": 300,
@@ -190,13 +204,12 @@ def test_unreachable_decode_is_502(pd_stack):
         assert "unreachable" in r.json()["error"]["message"]
 
 
-def test_pdkv_up_demo_runs_real_prompts():
+def test_pdkv_up_demo_runs_real_prompts(tmp_path):
     """README's main job: `pdkv up --mode pd --demo` answers real chat prompts through the proxy."""
     t0 = time.monotonic()
     out = subprocess.run(
         [sys.executable, "-m", "pdkv.cli", "up", "--mode", "pd", "--demo", "--log-dir",
-         os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pdkv-up-test-{os.getpid()}"),
-         "--", "--num-kv-blocks", "256", "--max-model-len", "1024"],
+         str(tmp_path / "logs"), "--", "--num-kv-blocks", "256", "--max-model-len", "1024"],
         capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, out.stdout + out.stderr

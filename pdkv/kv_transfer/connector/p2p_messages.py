@@ -60,11 +60,12 @@ class Handshake(msgspec.Struct, tag="handshake"):
 
 
 class Notify(msgspec.Struct, tag="notify"):
-    """Consumer reports a request: "done" (read finished), "release" (will never read) or
-    "renew" (still waiting; extend the lease)."""
+    """Consumer reports a request: "done" (read finished; `nbytes` read), "release" (will never
+    read) or "renew" (still waiting; extend the lease)."""
 
     request_id: str
     kind: str
+    nbytes: int = 0
 
 
 ControlRequest = Handshake | Notify
@@ -98,3 +99,16 @@ def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
     if not diffs:
         return None
     return "KV layout mismatch between prefill and decode engines (" + "; ".join(diffs) + ")"
+
+
+def send_release(host: str, port: int, request_id: str, timeout: float = 5.0) -> bool:
+    """Tell a producer's control server that `request_id` will never be read (blocking; used by
+    the proxy when a decode leg fails). Returns whether the producer acknowledged."""
+    from pdkv.kv_transfer.wire import WireError, connect, recv_msg, send_msg
+
+    try:
+        with connect(host, port, timeout) as sock:
+            send_msg(sock, Notify(request_id, "release"))
+            return recv_msg(sock, Ack).ok
+    except (OSError, WireError):
+        return False

@@ -62,7 +62,8 @@ class P2PConnectorWorker:
         self._block_bytes: list[int] = []
         # producer state
         self._held: dict[str, _Held] = {}
-        self._early: dict[str, str] = {}  # notify that arrived before the request was registered
+        # Notifications that arrived before the request was registered: id -> (kind, nbytes).
+        self._early: dict[str, tuple[str, int]] = {}
         self._registered = threading.Condition(self._lock)
         # results for get_finished
         self._sent: set[str] = set()
@@ -111,8 +112,8 @@ class P2PConnectorWorker:
                 held = _Held(spec.block_ids, now + spec.lease_s)
                 self._held[spec.request_id] = held
                 early = self._early.pop(spec.request_id, None)
-                if early in ("done", "release"):
-                    self._finish_send(spec.request_id, early)
+                if early is not None:
+                    self._finish_send(spec.request_id, early[0], early[1])
             self._registered.notify_all()
         for spec in meta.reqs_to_recv:
             self._pool.submit(self._pull, spec)
@@ -153,14 +154,13 @@ class P2PConnectorWorker:
     def _count(self, key: str, value: float = 1.0) -> None:
         self._stats[key] = self._stats.get(key, 0.0) + value
 
-    def _finish_send(self, rid: str, how: str) -> None:
-        """Lock held. The request's blocks may be freed now."""
+    def _finish_send(self, rid: str, how: str, nbytes: int = 0) -> None:
+        """Lock held. The request's blocks may be freed now; `nbytes` = what the consumer read."""
         held = self._held.pop(rid, None)
         if held is None:
             return
         self._sent.add(rid)
         if how == "done":
-            nbytes = sum(len(ids) * bb for ids, bb in zip(held.block_ids, self._block_bytes))
             self._count("kv_bytes_sent", nbytes)
         elif how == "expired":
             self._count("lease_expirations")
@@ -214,13 +214,13 @@ class P2PConnectorWorker:
             held = self._held.get(msg.request_id)
             if held is None:
                 if msg.kind in ("done", "release"):
-                    self._early[msg.request_id] = msg.kind
+                    self._early[msg.request_id] = (msg.kind, msg.nbytes)
                 return Ack(False, error=f"unknown or expired request {msg.request_id!r}")
             if msg.kind == "renew":
                 held.deadline = max(held.deadline, time.monotonic() + self._lease_of(held))
                 return Ack(True)
             if msg.kind in ("done", "release"):
-                self._finish_send(msg.request_id, msg.kind)
+                self._finish_send(msg.request_id, msg.kind, msg.nbytes)
                 return Ack(True)
         return Ack(False, error=f"unknown notification {msg.kind!r}")
 
@@ -270,7 +270,7 @@ class P2PConnectorWorker:
                     ops.append(ReadOp(f"g{g}", remote[i] * bb, n, dest))
                     i = j
             nbytes = self.engine.read(peer.peer_info, ops, deadline)
-            ack = self._control(spec.remote, Notify(spec.remote_request_id, "done"), Ack, deadline)
+            ack = self._control(spec.remote, Notify(spec.remote_request_id, "done", nbytes), Ack, deadline)
             if not ack.ok:  # the producer may have reused the blocks: the data is not trustworthy
                 raise TransferError(f"producer did not confirm the read: {ack.error}")
             elapsed = time.monotonic() - t0

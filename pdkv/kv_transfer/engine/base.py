@@ -23,6 +23,43 @@ class ReadOp:
     dest: memoryview
 
 
+def buffer_address(view: memoryview) -> int:
+    """Address of a writable buffer's first byte."""
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(view.cast("B")))
+
+
+def coalesce(ops: list[ReadOp]) -> list[ReadOp]:
+    """Merge consecutive ops whose source ranges and destinations are both adjacent (one large
+    copy instead of many block-sized ones). Order is kept; nothing is merged across regions."""
+    import ctypes
+
+    out: list[ReadOp] = []
+    run_start: ReadOp | None = None
+    run_len = 0
+    run_addr = 0
+    for op in ops:
+        addr = buffer_address(op.dest)
+        if (run_start is not None and op.region == run_start.region
+                and op.offset == run_start.offset + run_len and addr == run_addr + run_len):
+            run_len += op.length
+            continue
+        if run_start is not None:
+            out.append(_merged(run_start, run_len, run_addr, ctypes))
+        run_start, run_len, run_addr = op, op.length, addr
+    if run_start is not None:
+        out.append(_merged(run_start, run_len, run_addr, ctypes))
+    return out
+
+
+def _merged(first: ReadOp, length: int, addr: int, ctypes: Any) -> ReadOp:
+    if length == first.length:
+        return first
+    dest = memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+    return ReadOp(first.region, first.offset, length, dest)
+
+
 class TransferError(RuntimeError):
     """A read failed or missed its deadline (the destination content is undefined)."""
 

@@ -8,17 +8,13 @@ batch_transfer_sync_read(session, local_addrs, remote_addrs, lengths) -> 0 | neg
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from typing import Any
 
-from pdkv.kv_transfer.engine.base import ReadOp, TransferEngine, TransferError
+from pdkv.kv_transfer.engine.base import ReadOp, TransferEngine, TransferError, buffer_address
 
-
-def _address(view: memoryview) -> int:
-    """Address of a writable buffer's first byte."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(view.cast("B")))
+_address = buffer_address
 
 
 class MooncakeTransferEngine(TransferEngine):

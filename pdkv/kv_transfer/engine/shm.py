@@ -8,7 +8,7 @@ import time
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
-from pdkv.kv_transfer.engine.base import ReadOp, TransferEngine, TransferError
+from pdkv.kv_transfer.engine.base import ReadOp, TransferEngine, TransferError, coalesce
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:
@@ -50,6 +50,9 @@ class ShmTransferEngine(TransferEngine):
         segments = peer.get("segments", {})
         total = 0
         for op in ops:
+            if len(op.dest.cast("B")) < op.length or op.length < 0:
+                raise TransferError(f"destination of {len(op.dest)} bytes is shorter than {op.length}")
+        for op in coalesce(ops):
             if time.monotonic() > deadline:
                 raise TransferError("transfer deadline passed")
             seg_name = segments.get(op.region)
@@ -63,10 +66,8 @@ class ShmTransferEngine(TransferEngine):
                     raise TransferError(f"cannot map shared memory {seg_name!r}: {e}") from None
                 self._attached[seg_name] = shm
             assert shm.buf is not None
-            if op.offset < 0 or op.length < 0 or op.offset + op.length > len(shm.buf):
+            if op.offset < 0 or op.offset + op.length > len(shm.buf):
                 raise TransferError(f"range {op.offset}+{op.length} outside {seg_name!r}")
-            if len(op.dest.cast("B")) < op.length:
-                raise TransferError(f"destination of {len(op.dest)} bytes is shorter than {op.length}")
             op.dest.cast("B")[: op.length] = shm.buf[op.offset : op.offset + op.length]
             total += op.length
         return total

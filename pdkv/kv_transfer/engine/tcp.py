@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from pdkv.kv_transfer.engine.base import ReadOp, TransferEngine, TransferError
+from pdkv.kv_transfer.engine.base import ReadOp, TransferEngine, TransferError, coalesce
 from pdkv.kv_transfer.wire import WireError, connect, recv_exact_into, recv_msg, send_msg
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class TcpTransferEngine(TransferEngine):
     def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float) -> int:
         key = (str(peer["host"]), int(peer["port"]))
         by_region: dict[str, list[ReadOp]] = {}
-        for op in ops:
+        for op in coalesce(ops):
             by_region.setdefault(op.region, []).append(op)
         total = 0
         sock = self._connection(key, deadline)
