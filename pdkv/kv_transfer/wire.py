@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
+import threading
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -62,3 +65,31 @@ def connect(host: str, port: int, timeout: float) -> socket.socket:
     sock = socket.create_connection((host, port), timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
+
+
+def start_server(host: str, port: int, handler: Callable[[socket.socket], None], name: str) -> socket.socket:
+    """Listen on host:port (0 = any free port) and run handler(conn) on a thread per connection
+    (TCP_NODELAY set). Returns the listening socket; stop it with stop_server."""
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((host, port))
+    srv.listen(64)
+
+    def accept_loop() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:  # closed by stop_server
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=handler, args=(conn,), name=name + "-conn", daemon=True).start()
+
+    threading.Thread(target=accept_loop, name=name, daemon=True).start()
+    return srv
+
+
+def stop_server(srv: socket.socket) -> None:
+    """Stop accepting (shutdown wakes a blocked accept() on Linux) and close."""
+    with contextlib.suppress(OSError):
+        srv.shutdown(socket.SHUT_RDWR)
+    srv.close()

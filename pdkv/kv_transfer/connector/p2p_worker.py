@@ -3,7 +3,6 @@ consumer's pull threads. Bytes move through a TransferEngine (tcp | shm)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 import threading
@@ -25,7 +24,7 @@ from pdkv.kv_transfer.connector.p2p_messages import (
 )
 from pdkv.kv_transfer.engine.base import ReadOp, TransferError
 from pdkv.kv_transfer.engine.factory import create_transfer_engine
-from pdkv.kv_transfer.wire import WireError, connect, recv_msg, send_msg
+from pdkv.kv_transfer.wire import WireError, connect, recv_msg, send_msg, start_server, stop_server
 
 if TYPE_CHECKING:
     from pdkv.config import KVTransferConfig
@@ -75,7 +74,6 @@ class P2PConnectorWorker:
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdkv-kv-pull")
         self._handshakes: dict[RemoteEngine, HandshakeReply] = {}
         self._server: socket.socket | None = None
-        self._closing = threading.Event()
         if config.is_kv_producer:
             self._start_control_server(int(extra.get("kv_port", 0)))  # type: ignore[arg-type]
 
@@ -169,22 +167,8 @@ class P2PConnectorWorker:
 
     # ---------------------------------------------------------- producer side
     def _start_control_server(self, port: int) -> None:
-        srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        srv.bind((self.host, port))
-        srv.listen(64)
-        self._server = srv
-        self.control_address[:] = [self.host, srv.getsockname()[1]]
-        threading.Thread(target=self._accept, name="pdkv-kv-control", daemon=True).start()
-
-    def _accept(self) -> None:
-        assert self._server is not None
-        while not self._closing.is_set():
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        self._server = start_server(self.host, port, self._serve, "pdkv-kv-control")
+        self.control_address[:] = [self.host, self._server.getsockname()[1]]
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
@@ -295,10 +279,7 @@ class P2PConnectorWorker:
             logger.info("notification %s for %s not delivered: %s", note.kind, note.remote_request_id, e)
 
     def shutdown(self) -> None:
-        self._closing.set()
         if self._server is not None:
-            with contextlib.suppress(OSError):
-                self._server.shutdown(socket.SHUT_RDWR)
-            self._server.close()
+            stop_server(self._server)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.engine.close()

@@ -3,7 +3,6 @@ the consumer receives them straight into its KV cache blocks (recv_into, no extr
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 import threading
@@ -13,7 +12,15 @@ from typing import Any
 import msgspec
 
 from pdkv.kv_transfer.engine.base import ReadOp, TransferEngine, TransferError, coalesce
-from pdkv.kv_transfer.wire import WireError, connect, recv_exact_into, recv_msg, send_msg
+from pdkv.kv_transfer.wire import (
+    WireError,
+    connect,
+    recv_exact_into,
+    recv_msg,
+    send_msg,
+    start_server,
+    stop_server,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +48,6 @@ class TcpTransferEngine(TransferEngine):
         self._port = port
         self._server: socket.socket | None = None
         self._host = "127.0.0.1"
-        self._closing = threading.Event()
         self._conns: dict[tuple[str, int], socket.socket] = {}
         self._conn_lock = threading.Lock()
 
@@ -50,28 +56,13 @@ class TcpTransferEngine(TransferEngine):
 
     def start(self, host: str) -> None:
         self._host = host
-        srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        srv.bind((host, self._port))
-        srv.listen(64)
-        self._server = srv
-        self._port = srv.getsockname()[1]
-        threading.Thread(target=self._accept, name="pdkv-tcp-transfer", daemon=True).start()
+        self._server = start_server(host, self._port, self._serve, "pdkv-tcp-transfer")
+        self._port = self._server.getsockname()[1]
 
     def peer_info(self) -> dict[str, Any]:
         return {"host": self._host, "port": self._port}
 
     # ---------------------------------------------------------------- server
-    def _accept(self) -> None:
-        assert self._server is not None
-        while not self._closing.is_set():
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             while True:
@@ -150,11 +141,8 @@ class TcpTransferEngine(TransferEngine):
         sock.close()
 
     def close(self) -> None:
-        self._closing.set()
         if self._server is not None:
-            with contextlib.suppress(OSError):
-                self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept() thread on Linux
-            self._server.close()
+            stop_server(self._server)
         with self._conn_lock:
             for sock in self._conns.values():
                 sock.close()
