@@ -24,6 +24,7 @@ class ModelConfig:
         max_model_len: longest sequence (prompt + output) in tokens.
         seed: base seed for random sampling of requests that give none.
         served_model_name: the name reported to clients.
+        cpu_linear: "onednn" (packed-weight oneDNN matmuls, float32 on CPU) or "torch" (BLAS).
     """
 
     model: str
@@ -33,8 +34,11 @@ class ModelConfig:
     max_model_len: int = 8192
     seed: int = 0
     served_model_name: str = ""
+    cpu_linear: str = "onednn"
 
     def __post_init__(self) -> None:
+        if self.cpu_linear not in ("onednn", "torch"):
+            raise ValueError(f"cpu_linear must be 'onednn' or 'torch', got {self.cpu_linear!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.max_model_len < 1:

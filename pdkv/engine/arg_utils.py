@@ -45,6 +45,7 @@ class EngineArgs:
     decode_context_parallel_size: int = 1
     num_threads: int | None = None
     kv_transfer_config: str | None = None
+    cpu_linear: str = "onednn"
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model and build the configs.
@@ -74,6 +75,7 @@ class EngineArgs:
                 max_model_len=max_len,
                 seed=self.seed,
                 served_model_name=self.served_model_name or self.model,
+                cpu_linear=self.cpu_linear,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -128,6 +130,8 @@ class EngineArgs:
         )
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="(only 1 so far)")
         g.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1, help="(only 1 so far)")
+        g.add_argument("--cpu-linear", default=d.cpu_linear, choices=["onednn", "torch"],
+                       help="float32 CPU matmuls: oneDNN packed weights, or torch's BLAS")
         g.add_argument(
             "--kv-transfer-config",
             default=None,

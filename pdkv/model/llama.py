@@ -135,6 +135,14 @@ class LlamaLayer(nn.Module):
         self.o_proj = nn.Parameter(torch.empty(h, q_size, dtype=dtype), requires_grad=False)
         self.gate_up = nn.Parameter(torch.empty(2 * i, h, dtype=dtype), requires_grad=False)
         self.down = nn.Parameter(torch.empty(h, i, dtype=dtype), requires_grad=False)
+        # oneDNN-packed copies (pack_cpu_weights); None = plain F.linear.
+        self.packed: dict[str, torch.Tensor | None] = {"qkv": None, "o_proj": None, "gate_up": None, "down": None}
+
+    def pack_cpu_weights(self) -> bool:
+        """Pack the four projection weights for oneDNN; True when done."""
+        for name in self.packed:
+            self.packed[name] = pack_linear_weight(getattr(self, name))
+        return all(p is not None for p in self.packed.values())
 
     def forward(
         self,
@@ -147,17 +155,34 @@ class LlamaLayer(nn.Module):
         """hidden: [T, hidden] -> [T, hidden]; kv_cache: this layer's [2, blocks, bs, kvh, D]."""
         t = hidden.shape[0]
         x = rms_norm(hidden, self.input_norm, self.eps)
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        pk = self.packed
+        qkv = linear(x, self.qkv, pk["qkv"], self.qkv_bias)
         # q and k heads are rotated together (one pass of elementwise ops).
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, -1)
         qk = apply_rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv_cache, meta, self.head_dim**-0.5)
-        hidden = hidden + F.linear(attn.reshape(t, self.q_size), self.o_proj)
+        hidden = hidden + linear(attn.reshape(t, self.q_size), self.o_proj, pk["o_proj"])
         x = rms_norm(hidden, self.post_attn_norm, self.eps)
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, self.down)
+        gate, up = linear(x, self.gate_up, pk["gate_up"]).chunk(2, dim=-1)
+        return hidden + linear(F.silu(gate) * up, self.down, pk["down"])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias. x: [T, in]; weight: [out, in]. With `packed` (a oneDNN-reordered copy
+    of weight, see pack_linear_weight) the CPU oneDNN kernel runs instead of the BLAS one."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A oneDNN-reordered copy of a float32 CPU weight [out, in], or None when unavailable."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -195,6 +220,7 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         )
+        self.head_packed: torch.Tensor | None = None
         cos, sin = rope_cos_sin(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device)
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)  # signed, see above
@@ -226,4 +252,12 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer.forward(hidden, cos, sin, kv_cache, meta)
         hidden = rms_norm(hidden[logits_indices], self.norm, self.cfg.rms_norm_eps)
         head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        return linear(hidden, head, self.head_packed).float()
+
+    def pack_cpu_weights(self) -> bool:
+        """Use oneDNN's packed-weight linear for every projection and the LM head (float32 on
+        CPU). On AVX-512 CPUs this halves matmul time at small batch; results differ from BLAS
+        only in the last bits (greedy parity with HF is tested). Returns True when packed."""
+        head = self.embed if self.lm_head is None else self.lm_head
+        self.head_packed = pack_linear_weight(head)
+        return self.head_packed is not None and all(layer.pack_cpu_weights() for layer in self.layers)

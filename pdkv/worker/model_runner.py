@@ -80,6 +80,8 @@ class ModelRunner:
         self.model: LlamaForCausalLM = load_model(
             model_config.path, model_config.dtype, model_config.device
         )
+        if model_config.cpu_linear == "onednn":
+            self.model.pack_cpu_weights()
         arch = self.model.cfg
         if model_config.max_model_len > arch.max_position_embeddings:
             raise ValueError(

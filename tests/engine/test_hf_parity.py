@@ -32,8 +32,14 @@ def test_prompt_lengths_cover_block_boundaries(parity_prompts):
         assert {16 * k - 1, 16 * k, 16 * k + 1} <= lengths
 
 
-def test_batch_matches_hf(parity_prompts, hf_reference):
-    llm = LLM("smollm2", block_size=16, num_kv_blocks=256, max_model_len=512)
+@pytest.mark.parametrize("cpu_linear", ["onednn", "torch"])
+def test_batch_matches_hf(parity_prompts, hf_reference, cpu_linear):
+    llm = LLM("smollm2", block_size=16, num_kv_blocks=256, max_model_len=512, cpu_linear=cpu_linear)
+    model = llm.llm_engine.runner.model
+    if cpu_linear == "torch":
+        assert model.head_packed is None
+    elif model.head_packed is None:
+        pytest.skip("oneDNN is not available in this torch build")
     outputs = _generate(llm, parity_prompts)
     _assert_matches(outputs, hf_reference)
     assert all(len(o.outputs[0].token_ids) >= 32 for o in outputs)
