@@ -29,12 +29,12 @@ or from the CLI (`add_cli_args` / `main`):
 from __future__ import annotations
 
 import argparse
-import json
 
 from pdkv.bench.offline_measure import TORCH_DTYPES
 from pdkv.bench.offline_prompts import build_prompts
 from pdkv.bench.offline_report import format_table
 from pdkv.bench.offline_runner import run_offline_bench
+from pdkv.bench.results import write_result_json
 
 __all__ = ["add_cli_args", "build_prompts", "format_table", "main", "run_offline_bench"]
 
@@ -87,9 +87,7 @@ def main(args: argparse.Namespace) -> int:
         repeats=args.repeats,
     )
     if args.result_json:
-        with open(args.result_json, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+        write_result_json(result, args.result_json)
     return 0
 
 

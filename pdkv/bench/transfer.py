@@ -38,8 +38,8 @@ or from the CLI: `pdkv bench transfer --sizes 1,16,256 --repeats 5 --engines tcp
 from __future__ import annotations
 
 import argparse
-import json
 
+from pdkv.bench.results import write_result_json
 from pdkv.bench.transfer_payload import (
     BLOCK_BYTES,
     MIB,
@@ -136,9 +136,7 @@ def main(args: argparse.Namespace) -> int:
         block_bytes=args.block_bytes,
     )
     if args.result_json:
-        with open(args.result_json, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+        write_result_json(result, args.result_json)
     return 0
 
 

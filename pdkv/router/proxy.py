@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdkv.router.policies import Backend, RoutingPolicy, make_policy
+from pdkv.serve.disconnect import ClientDisconnected, until_done_or_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -130,16 +131,10 @@ def build_proxy_app(
         headers = {"X-Request-Id": rid}
         if "authorization" in raw.headers:
             headers["Authorization"] = raw.headers["authorization"]
-        task = asyncio.ensure_future(_legs(body, path, headers))
-        watcher = asyncio.ensure_future(_disconnected(raw))
         try:
-            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-        if task not in done:  # client left during the prefill leg or a non-streamed decode
-            task.cancel()
+            return await until_done_or_disconnect(_legs(body, path, headers), raw)
+        except ClientDisconnected:  # during the prefill leg or a non-streamed decode leg
             return _error("client disconnected", 499, "ClientClosedRequest")
-        return task.result()
 
     async def _legs(body: dict[str, Any], path: str, headers: dict[str, str]) -> Response:
         client = state["client"]
@@ -208,13 +203,6 @@ async def _release(params: dict[str, Any] | None) -> None:
 
     await asyncio.to_thread(send_release, str(params["remote_host"]), int(params["remote_port"]),
                             str(params["remote_request_id"]))
-
-
-async def _disconnected(raw: Request) -> None:
-    while True:
-        message = await raw.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

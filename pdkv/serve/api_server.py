@@ -8,7 +8,6 @@ server keeps serving; a client that disconnects aborts its request.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdkv.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+from pdkv.serve.disconnect import ClientDisconnected, until_done_or_disconnect
 from pdkv.serve.handlers import APIError, OpenAIHandlers, PreparedRequest
 from pdkv.serve.metrics import ServerMetrics
 from pdkv.serve.protocol import (
@@ -161,26 +161,12 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
 
 
 async def _until_done_or_disconnect(coro: Any, raw: Request) -> dict[str, Any]:
-    """Await the response body; if the client disconnects first, cancel it (which aborts the
-    request in the engine) and answer nothing useful."""
-    task = asyncio.ensure_future(coro)
-
-    async def _disconnected() -> None:
-        while True:
-            message = await raw.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(_disconnected())
+    """Await the response body; a client that disconnects first cancels it (which aborts the
+    request in the engine)."""
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task not in done:
-        task.cancel()
-        raise APIError("client disconnected", 499, "ClientClosedRequest")
-    try:
-        result: dict[str, Any] = task.result()
+        result: dict[str, Any] = await until_done_or_disconnect(coro, raw)
+    except ClientDisconnected:
+        raise APIError("client disconnected", 499, "ClientClosedRequest") from None
     except (ValueError, RequestFailedError, EngineDeadError) as e:
         status = 400 if isinstance(e, ValueError) else 500
         raise APIError(str(e), status, "BadRequestError" if status == 400 else "InternalServerError") from None

@@ -9,6 +9,7 @@ prefix_cache_queries/hits, prompt_tokens, generation_tokens).
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -36,55 +37,39 @@ class ServerMetrics:
         r, labels = self.registry, ["model_name"]
         self.model_name = model_name
 
-        def hist(name: str, doc: str) -> Histogram:
+        def hist(name: str, doc: str) -> Any:
             return Histogram(name, doc, labels, registry=r, buckets=_LATENCY_BUCKETS).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
 
         self.ttft = hist("pdkv:time_to_first_token_seconds", "Time to first token (s)")
         self.itl = hist("pdkv:inter_token_latency_seconds", "Gap between output tokens (s)")
         self.e2el = hist("pdkv:e2e_request_latency_seconds", "Request end-to-end latency (s)")
         self.queue_time = hist("pdkv:request_queue_time_seconds", "Arrival to first scheduling (s)")
-        self.prefill_time = hist(
-            "pdkv:request_prefill_time_seconds", "First scheduling to first token (s)"
+        self.prefill_time = hist("pdkv:request_prefill_time_seconds", "First scheduling to first token (s)")
+        self.running = gauge("pdkv:num_requests_running", "Requests running")
+        self.waiting = gauge("pdkv:num_requests_waiting", "Requests waiting")
+        self.kv_usage = gauge("pdkv:kv_cache_usage_perc", "KV cache usage (fraction of blocks in use)")
+        self.free_blocks = gauge("pdkv:num_free_blocks", "Free KV cache blocks")
+        self.prefix_queries = counter("pdkv:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("pdkv:prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.prompt_tokens = counter("pdkv:prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("pdkv:generation_tokens", "Generated tokens")
+        self.preemptions = counter("pdkv:num_preemptions", "Requests preempted")
+        self.kv_bytes_received = counter("pdkv:kv_transfer_bytes_received", "KV bytes pulled from prefill engines")
+        self.kv_bytes_sent = counter(
+            "pdkv:kv_transfer_bytes_sent", "KV bytes decode engines read from this engine (as they report)"
         )
-        self.running = Gauge("pdkv:num_requests_running", "Requests running", labels, registry=r).labels(model_name)
-        self.waiting = Gauge("pdkv:num_requests_waiting", "Requests waiting", labels, registry=r).labels(model_name)
-        self.kv_usage = Gauge(
-            "pdkv:kv_cache_usage_perc", "KV cache usage (fraction of blocks in use)", labels, registry=r
-        ).labels(model_name)
-        self.free_blocks = Gauge(
-            "pdkv:num_free_blocks", "Free KV cache blocks", labels, registry=r
-        ).labels(model_name)
-        self.prefix_queries = Counter(
-            "pdkv:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels, registry=r
-        ).labels(model_name)
-        self.prefix_hits = Counter(
-            "pdkv:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=r
-        ).labels(model_name)
-        self.prompt_tokens = Counter(
-            "pdkv:prompt_tokens", "Prompt tokens of finished requests", labels, registry=r
-        ).labels(model_name)
-        self.generation_tokens = Counter(
-            "pdkv:generation_tokens", "Generated tokens", labels, registry=r
-        ).labels(model_name)
-        self.preemptions = Counter(
-            "pdkv:num_preemptions", "Requests preempted", labels, registry=r
-        ).labels(model_name)
-        self.kv_bytes_received = Counter(
-            "pdkv:kv_transfer_bytes_received", "KV bytes pulled from prefill engines", labels, registry=r
-        ).labels(model_name)
-        self.kv_bytes_sent = Counter(
-            "pdkv:kv_transfer_bytes_sent", "KV bytes decode engines read from this engine (as they report)", labels, registry=r
-        ).labels(model_name)
         self.kv_transfer_time = hist("pdkv:kv_transfer_seconds", "Duration of one KV pull (s)")
-        self.waiting_remote = Gauge(
-            "pdkv:num_requests_waiting_for_remote_kv", "Requests waiting for remote KV", labels, registry=r
-        ).labels(model_name)
-        self.blocks_held = Gauge(
-            "pdkv:num_blocks_held_for_remote", "Blocks held until a remote engine reads them", labels, registry=r
-        ).labels(model_name)
-        self.lease_expirations = Counter(
-            "pdkv:kv_lease_expirations", "Requests whose held blocks were freed at lease expiry (never read)", labels, registry=r
-        ).labels(model_name)
+        self.waiting_remote = gauge("pdkv:num_requests_waiting_for_remote_kv", "Requests waiting for remote KV")
+        self.blocks_held = gauge("pdkv:num_blocks_held_for_remote", "Blocks held until a remote engine reads them")
+        self.lease_expirations = counter(
+            "pdkv:kv_lease_expirations", "Requests whose held blocks were freed at lease expiry (never read)"
+        )
         self.load_failures = Counter(
             "pdkv:kv_load_failures", "Failed KV loads by load-failure policy", labels + ["policy"], registry=r
         )

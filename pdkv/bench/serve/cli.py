@@ -6,9 +6,10 @@ import argparse
 import os
 import sys
 
+from pdkv.bench.results import write_result_json
 from pdkv.bench.serve.client import parse_endpoint
 from pdkv.bench.serve.metrics import parse_goodput, parse_percentiles
-from pdkv.bench.serve.report import format_errors, format_result_table, write_result_json
+from pdkv.bench.serve.report import format_errors, format_result_table
 from pdkv.bench.serve.runner import DATASETS, BenchConfig, run_serve_bench
 
 

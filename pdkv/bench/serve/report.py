@@ -11,11 +11,10 @@ Prometheus counter deltas, or null).
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from collections.abc import Sequence
 from typing import Any
 
+from pdkv.bench.results import jsonable
 from pdkv.bench.serve.metrics import percentile_key, request_tpot
 from pdkv.bench.serve.records import RequestResult
 
@@ -28,23 +27,12 @@ _METRIC_BLOCKS = (
 )
 
 
-def _jsonable(value: Any) -> Any:
-    """inf/nan floats -> strings, so the file stays strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
 def config_dict(cfg: Any) -> dict[str, Any]:
     """The settings of a `BenchConfig` as plain JSON values, API key redacted."""
     out = dataclasses.asdict(cfg)
     if out.get("api_key"):
         out["api_key"] = "<redacted>"
-    return _jsonable(out)
+    return jsonable(out)
 
 
 def build_result(cfg: Any, model: str, tokenizer: str, metrics: dict[str, Any],
@@ -55,7 +43,7 @@ def build_result(cfg: Any, model: str, tokenizer: str, metrics: dict[str, Any],
     conf.update(model=model, api_url=cfg.api_url, tokenizer=tokenizer)
     result: dict[str, Any] = {"config": conf, **metrics}
     result.update(
-        request_rate=_jsonable(cfg.request_rate),
+        request_rate=jsonable(cfg.request_rate),
         max_concurrency=cfg.max_concurrency,
         goodput_slos_ms=dict(cfg.goodput) or None,
         percentiles=list(cfg.percentiles),
@@ -73,13 +61,6 @@ def build_result(cfg: Any, model: str, tokenizer: str, metrics: dict[str, Any],
         generated_texts=[r.generated_text for r in results],
     )
     return result
-
-
-def write_result_json(result: dict[str, Any], path: str) -> None:
-    """Write `result` to `path` as strict JSON (inf as the string "inf")."""
-    with open(path, "w") as f:
-        json.dump(_jsonable(result), f, indent=2)
-        f.write("\n")
 
 
 def _row(label: str, value: Any, fmt: str = "") -> str:

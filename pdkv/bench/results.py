@@ -1,0 +1,25 @@
+"""Writing benchmark results as strict JSON (shared by every `pdkv bench` command)."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+
+def jsonable(value: Any) -> Any:
+    """inf/nan floats -> strings, so the file stays strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def write_result_json(result: dict[str, Any], path: str) -> None:
+    """Write `result` to `path` as strict JSON (inf as the string "inf")."""
+    with open(path, "w") as f:
+        json.dump(jsonable(result), f, indent=2)
+        f.write("\n")
