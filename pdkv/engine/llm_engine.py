@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 from pdkv.config import EngineConfig
@@ -170,8 +171,27 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def has_work(self) -> bool:
-        """Requests to run or KV transfers/leases to progress."""
+        """Requests unfinished or KV transfers/leases unresolved (anything still open)."""
         return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_work()
+
+    def needs_step(self) -> bool:
+        """A step now would do something without waiting for an event: requests to schedule,
+        outputs to report, or connector metadata to hand to the worker. Requests waiting for
+        remote KV and held blocks do not count: their progress arrives as a connector wakeup
+        (see `set_wakeup`) or at `next_deadline()`."""
+        return self.scheduler.needs_step()
+
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None:
+        """Give the worker-half connector the callback that wakes the engine loop (any thread)."""
+        if self.runner.connector is not None:
+            self.runner.connector.set_wakeup(wakeup)
+
+    def next_deadline(self) -> float | None:
+        """Earliest time.monotonic() at which a connector needs a step (lease expiry or
+        renewal), or None."""
+        times = [c.next_deadline() for c in (self.connector, self.runner.connector) if c is not None]
+        found = [t for t in times if t is not None]
+        return min(found) if found else None
 
     def shutdown(self) -> None:
         self.runner.shutdown()

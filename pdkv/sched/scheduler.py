@@ -121,6 +121,13 @@ class Scheduler:
         connector_busy = self.connector is not None and self.connector.has_pending_work()
         return bool(self._delayed_free or self._finished_outside or connector_busy)
 
+    def needs_step(self) -> bool:
+        """Work a step does at once: requests to schedule, outputs of requests finished outside
+        a step, load results to apply, or connector metadata for the worker."""
+        connector_meta = self.connector is not None and self.connector.has_pending_metadata()
+        return bool(self.waiting or self.running or self._finished_outside
+                    or self._finished_recving or connector_meta)
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.waiting_for_remote)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -129,11 +130,30 @@ class KVConnectorBase(ABC):
         """
 
     def has_pending_work(self) -> bool:
-        """True while the engine loop must keep stepping for this connector (sends to
-        register, leases to watch, loads in flight)."""
+        """True while this connector still has something unfinished (sends to register, leases
+        to watch, loads in flight). The engine does not step for this alone: it steps on
+        `has_pending_metadata`, on a `wakeup()` from the worker half and at `next_deadline`."""
         return False
 
+    def has_pending_metadata(self) -> bool:
+        """Scheduler half (engine loop thread, non-blocking): True when the next
+        `build_connector_meta` would carry something for the worker (sends to register, loads to
+        start, notices to deliver), so the engine must step soon even with no tokens to run."""
+        return False
+
+    def next_deadline(self) -> float | None:
+        """Either half (engine loop thread, non-blocking): the earliest `time.monotonic()` at
+        which the engine must step for this connector even if nothing else happens (a lease
+        expiry, a lease renewal), or None when there is none."""
+        return None
+
     # =================================================================== worker
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None:
+        """Worker half; called once by the engine at start-up (engine loop thread). The
+        connector must call `wakeup()` (from any of its threads; it never blocks) whenever the
+        next step would see something new: a load or send finished, a load failed, a notice
+        arrived. The engine loop sleeps until a wakeup, a request, or `next_deadline`."""
+
     def register_kv_caches(self, kv_caches: list[Any]) -> None:
         """Once, after allocation: the per-group KV cache tensors
         [num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]."""

@@ -75,6 +75,9 @@ class P2PConnector(KVConnectorBase):
     def has_pending_work(self) -> bool:
         return self.scheduler.has_pending_work() if self.scheduler is not None else False
 
+    def has_pending_metadata(self) -> bool:
+        return self.scheduler.has_pending_metadata() if self.scheduler is not None else False
+
     @property
     def num_blocks_held(self) -> int:
         return self.scheduler.num_blocks_held if self.scheduler is not None else 0

@@ -174,6 +174,9 @@ class P2PConnectorScheduler:
             "layout": dict(self.layout),
         }
 
+    def has_pending_metadata(self) -> bool:
+        return bool(self._to_send or self._to_recv or self._notify)
+
     def has_pending_work(self) -> bool:
         return bool(self._to_send or self._to_recv or self._notify or self._inflight_recv
                     or self._held or self._waiting_remote)
