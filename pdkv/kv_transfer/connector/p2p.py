@@ -8,6 +8,7 @@ kv_lease_duration (s, default 30), transfer_timeout (s, default 30).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
@@ -78,11 +79,21 @@ class P2PConnector(KVConnectorBase):
     def has_pending_metadata(self) -> bool:
         return self.scheduler.has_pending_metadata() if self.scheduler is not None else False
 
+    def next_deadline(self) -> float | None:
+        if self.scheduler is not None:
+            return self.scheduler.next_deadline()
+        assert self.worker is not None
+        return self.worker.next_deadline()
+
     @property
     def num_blocks_held(self) -> int:
         return self.scheduler.num_blocks_held if self.scheduler is not None else 0
 
     # worker half
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None:
+        assert self.worker is not None
+        self.worker.set_wakeup(wakeup)
+
     def kv_cache_buffer(self, group: int, nbytes: int) -> memoryview | None:
         assert self.worker is not None
         return self.worker.kv_cache_buffer(group, nbytes)

@@ -174,6 +174,10 @@ class P2PConnectorScheduler:
             "layout": dict(self.layout),
         }
 
+    def next_deadline(self) -> float | None:
+        """When the next lease renewal for queued remote-prefill requests is due, or None."""
+        return self._last_renew + self.lease_s / 3 if self._waiting_remote else None
+
     def has_pending_metadata(self) -> bool:
         return bool(self._to_send or self._to_recv or self._notify)
 

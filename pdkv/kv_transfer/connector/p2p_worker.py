@@ -7,6 +7,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,7 @@ class P2PConnectorWorker:
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdkv-kv-pull")
         self._handshakes: dict[RemoteEngine, HandshakeReply] = {}
         self._server: socket.socket | None = None
+        self._wakeup: Callable[[], None] | None = None
         if config.is_kv_producer:
             self._start_control_server(int(extra.get("kv_port", 0)))  # type: ignore[arg-type]
 
@@ -101,6 +103,19 @@ class P2PConnectorWorker:
                 self.engine.register_local(f"g{g}", view)
         if self.config.is_kv_producer:
             self.engine.start(self.host)
+
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None:
+        """The engine loop's wake-up callback (called when sends or loads finish)."""
+        self._wakeup = wakeup
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup()
+
+    def next_deadline(self) -> float | None:
+        """Earliest lease expiry of the blocks held for consumers (time.monotonic()), or None."""
+        with self._lock:
+            return min((h.deadline for h in self._held.values()), default=None)
 
     # ------------------------------------------------------------ per step
     def start_load_kv(self, meta: P2PConnectorMetadata) -> None:
@@ -158,6 +173,7 @@ class P2PConnectorWorker:
         if held is None:
             return
         self._sent.add(rid)
+        self._wake()
         if how == "done":
             self._count("kv_bytes_sent", nbytes)
         elif how == "expired":
@@ -263,6 +279,7 @@ class P2PConnectorWorker:
                 self._count("kv_transfers")
                 self._transfer_times.append(elapsed)
                 self._recved.add(spec.request_id)
+            self._wake()
         except Exception as e:  # noqa: BLE001 - every failure ends the load by policy
             logger.warning("KV pull for %s failed: %s", spec.request_id, e)
             with self._lock:
@@ -270,6 +287,7 @@ class P2PConnectorWorker:
                 self._count("kv_load_failures")
                 self._bad_blocks.update(local_blocks)
                 self._recved.add(spec.request_id)
+            self._wake()
             self._notify_quietly(NotifySpec(spec.remote, spec.remote_request_id, "release"))
 
     def _notify_quietly(self, note: NotifySpec) -> None:
