@@ -16,8 +16,9 @@ from collections.abc import Iterable
 from pdkv.cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pdkv.cache.specs import KVCacheConfig
 from pdkv.config import CacheConfig, SchedulerConfig
-from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorOutput
+from pdkv.kv_transfer.connector.base import KVConnectorBase
 from pdkv.request import Request, RequestStatus
+from pdkv.sched.kv_connector_state import KVConnectorState
 from pdkv.sched.output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -64,17 +65,23 @@ class Scheduler:
         # Ids whose state the worker holds (sent once in full, then as deltas).
         self._worker_known: set[str] = set()
         self.num_preemptions = 0
-        # KV connector state.
         self.connector = connector
         self.kv_load_failure_policy = kv_load_failure_policy
-        self.waiting_for_remote: dict[str, Request] = {}
-        self._finished_recving: set[str] = set()
-        self._invalid_blocks: set[int] = set()
-        self._load_errors: dict[str, str] = {}
-        self._delayed_free: dict[str, Request] = {}
-        self._finished_outside: list[Request] = []
-        self.kv_stats: dict[str, float] = {}
-        self.transfer_seconds: list[float] = []  # drained by the metrics observer
+        self.kv_state = KVConnectorState(self.kv_cache_manager, connector, kv_load_failure_policy)
+
+    @property
+    def waiting_for_remote(self) -> dict[str, Request]:
+        """Request id -> request whose asynchronous KV load is in flight."""
+        return self.kv_state.waiting_for_remote
+
+    @property
+    def kv_stats(self) -> dict[str, float]:
+        """Cumulative KV transfer counters (bytes, events, kv_load_failures_<policy>)."""
+        return self.kv_state.stats
+
+    @property
+    def _delayed_free(self) -> dict[str, Request]:
+        return self.kv_state.delayed_free
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -83,7 +90,7 @@ class Scheduler:
         Raises:
             ValueError: the request id is already in use.
         """
-        if request.request_id in self.requests or request.request_id in self._delayed_free:
+        if request.request_id in self.requests or request.request_id in self.kv_state.delayed_free:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -106,8 +113,7 @@ class Scheduler:
                 self.running.remove(request)
             elif request in self.waiting:
                 self.waiting.remove(request)
-            if self.waiting_for_remote.pop(req_id, None) is not None:
-                self._forget_load_result(request)
+            self.kv_state.abandon_load(request)
             request.status = status
             self._free_request(request)
             done.append(request)
@@ -118,15 +124,12 @@ class Scheduler:
 
     def has_pending_kv_work(self) -> bool:
         """Blocks held for a connector or transfers in flight: keep stepping."""
-        connector_busy = self.connector is not None and self.connector.has_pending_work()
-        return bool(self._delayed_free or self._finished_outside or connector_busy)
+        return self.kv_state.has_pending_work()
 
     def needs_step(self) -> bool:
         """Work a step does at once: requests to schedule, outputs of requests finished outside
         a step, load results to apply, or connector metadata for the worker."""
-        connector_meta = self.connector is not None and self.connector.has_pending_metadata()
-        return bool(self.waiting or self.running or self._finished_outside
-                    or self._finished_recving or connector_meta)
+        return bool(self.waiting or self.running or self.kv_state.needs_step())
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.waiting_for_remote)
@@ -141,17 +144,10 @@ class Scheduler:
             prefix_cache_queries=self.kv_cache_manager.prefix_cache_stats.queries,
             prefix_cache_hits=self.kv_cache_manager.prefix_cache_stats.hits,
             num_waiting_for_remote_kv=len(self.waiting_for_remote),
-            num_blocks_held_for_remote=sum(
-                len(b) for r in self._delayed_free.values()
-                for b in self.kv_cache_manager.get_block_ids(r.request_id)
-            ),
-            kv_transfer=dict(self.kv_stats),
-            transfer_seconds=self._drain_transfer_seconds(),
+            num_blocks_held_for_remote=self.kv_state.num_blocks_held(),
+            kv_transfer=dict(self.kv_state.stats),
+            transfer_seconds=self.kv_state.drain_transfer_seconds(),
         )
-
-    def _drain_transfer_seconds(self) -> list[float]:
-        times, self.transfer_seconds = self.transfer_seconds, []
-        return times
 
     # ----------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -215,10 +211,9 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 request.num_computed_tokens = num_hit
-                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 if request.times.first_scheduled is None:
                     request.times.first_scheduled = now
-                self.waiting_for_remote[request.request_id] = request
+                self.kv_state.start_load(request)
                 assert self.connector is not None
                 self.connector.update_state_after_alloc(request, new_blocks, num_external)
                 continue
@@ -264,36 +259,12 @@ class Scheduler:
 
     def _update_waiting_for_remote_kv(self) -> None:
         """Requests whose KV load ended go back to the front of the queue (or fail)."""
-        for rid in [r for r in self.waiting_for_remote if r in self._finished_recving]:
-            self._finished_recving.discard(rid)
-            request = self.waiting_for_remote.pop(rid)
-            blocks = [b for g in self.kv_cache_manager.get_block_ids(rid) for b in g]
-            bad = [b for b in blocks if b in self._invalid_blocks]
-            error = self._load_errors.pop(rid, None)
-            if bad or error is not None:
-                self._invalid_blocks.difference_update(bad)
-                self._count("kv_load_failures_" + self.kv_load_failure_policy)
-                if self.kv_load_failure_policy == "recompute":
-                    # Drop every block of the request (their content is undefined) and prefill
-                    # locally; the connector already marked the transfer as consumed.
-                    self.kv_cache_manager.free(request)
-                    request.num_computed_tokens = 0
-                    request.status = RequestStatus.WAITING
-                    self.waiting.appendleft(request)
-                else:
-                    request.status = RequestStatus.FINISHED_ERROR
-                    request.error = f"KV load failed: {error or 'invalid blocks'}"
-                    self._free_request(request)
-                    self._finished_outside.append(request)
-                continue
-            # Every prompt token is loaded; recompute the last one to get its logits.
-            self.kv_cache_manager.cache_blocks(request, request.num_tokens)
-            request.num_computed_tokens = request.num_tokens - 1
-            request.status = RequestStatus.WAITING
+        to_resume, failed = self.kv_state.resolve_finished_loads()
+        for request in to_resume:
             self.waiting.appendleft(request)
-
-    def _count(self, key: str, value: float = 1.0) -> None:
-        self.kv_stats[key] = self.kv_stats.get(key, 0.0) + value
+        for request in failed:
+            self._free_request(request)
+            self.kv_state.finished_outside.append(request)
 
     def _add_scheduled(
         self,
@@ -343,10 +314,11 @@ class Scheduler:
 
         Returns one RequestUpdate per request that got tokens this step.
         """
-        updates = [RequestUpdate(r, [], None, True) for r in self._finished_outside]
-        self._finished_outside = []
+        state = self.kv_state
+        updates = [RequestUpdate(r, [], None, True) for r in state.finished_outside]
+        state.finished_outside = []
         if runner_output.kv_connector_output is not None:
-            self._update_from_kv_output(runner_output.kv_connector_output)
+            state.apply_output(runner_output.kv_connector_output)
         now = time.monotonic()
         for req_id, token_ids in runner_output.sampled_token_ids.items():
             request = self.requests.get(req_id)
@@ -364,44 +336,8 @@ class Scheduler:
             updates.append(RequestUpdate(request, token_ids, logprobs, finished))
         return updates
 
-    def _update_from_kv_output(self, out: KVConnectorOutput) -> None:
-        for key, value in out.stats.items():
-            self._count(key, value)
-        self.transfer_seconds.extend(out.transfer_seconds)
-        self._invalid_blocks.update(out.invalid_block_ids)
-        self._load_errors.update(out.load_errors)
-        for rid in out.finished_recving:
-            delayed = self._delayed_free.pop(rid, None)
-            if delayed is not None:  # finished (aborted) while its load was in flight
-                self._forget_load_result(delayed)
-                self.kv_cache_manager.free(delayed)
-            elif rid in self.waiting_for_remote:
-                self._finished_recving.add(rid)
-        for rid in out.finished_sending:
-            delayed = self._delayed_free.pop(rid, None)
-            if delayed is not None:
-                self.kv_cache_manager.free(delayed)
-        if self.connector is not None:
-            self.connector.update_connector_output(out)
-
-    def _forget_load_result(self, request: Request) -> None:
-        """Drop what a finished request's load reported (its block ids will be reused)."""
-        self._finished_recving.discard(request.request_id)
-        self._load_errors.pop(request.request_id, None)
-        for group in self.kv_cache_manager.get_block_ids(request.request_id):
-            self._invalid_blocks.difference_update(group)
-
     def _free_request(self, request: Request) -> None:
-        request.times.finished = time.monotonic()
-        delay = False
-        if self.connector is not None:
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-            delay, params = self.connector.request_finished(request, block_ids)
-            request.output_kv_transfer_params = params
-        if delay:
-            self._delayed_free[request.request_id] = request
-        else:
-            self.kv_cache_manager.free(request)
+        self.kv_state.release(request)
         self._forget_in_worker(request.request_id)
         del self.requests[request.request_id]
 

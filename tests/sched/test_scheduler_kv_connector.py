@@ -273,7 +273,7 @@ def assert_all_free(sched: Scheduler) -> None:
     assert kv.num_free_blocks == NUM_BLOCKS
     assert all(b.ref_cnt == 0 for b in kv.block_pools[0].blocks)
     assert not sched.requests and not sched.waiting and not sched.running
-    assert not sched.waiting_for_remote and not sched._delayed_free
+    assert not sched.waiting_for_remote and not sched.kv_state.delayed_free
     assert sched.stats().num_blocks_held_for_remote == 0
 
 
@@ -458,7 +458,7 @@ def test_load_failure_with_recompute_policy_prefills_from_scratch(failure):
     assert len(block_ids(sched, "r")) == 3  # the failed blocks were returned, not leaked
     assert sched.kv_cache_manager.num_free_blocks == NUM_BLOCKS - 3
     assert sched.kv_stats["kv_load_failures_recompute"] == 1
-    assert not sched._invalid_blocks and not sched._load_errors
+    assert not sched.kv_state.invalid_blocks and not sched.kv_state.load_errors
     # The connector is not asked for another remote load.
     assert conn.alloc_calls[-1] == ("r", (block_ids(sched, "r"),), 0)
     drain(sched, worker)  # the fake worker checks the recomputed KV at each sample
@@ -610,7 +610,7 @@ def test_abort_while_waiting_for_remote_kv_frees_blocks_after_finished_recving()
         assert block_ids(sched, "r") == table
     step(sched, worker, KVConnectorOutput(finished_recving={"r"}, load_errors={"r": "gone"}))
     assert_all_free(sched)
-    assert not sched._load_errors and not sched._finished_recving
+    assert not sched.kv_state.load_errors and not sched.kv_state.finished_recving
     assert not sched.has_pending_kv_work()
     out, _ = step(sched, worker)
     assert out.is_empty and r.status == RequestStatus.FINISHED_ABORTED
@@ -627,7 +627,7 @@ def test_abort_while_waiting_for_remote_kv_without_delay_frees_at_once():
     # A late finished_recving for it is ignored.
     step(sched, worker, KVConnectorOutput(finished_recving={"r"}))
     assert_all_free(sched)
-    assert not sched._finished_recving
+    assert not sched.kv_state.finished_recving
 
 
 def test_abort_before_admission_does_not_ask_to_delay():

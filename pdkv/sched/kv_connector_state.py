@@ -1,0 +1,173 @@
+"""The scheduler's KV connector bookkeeping (torch-free).
+
+What the scheduler tracks for a KV connector, apart from plain batching: requests waiting for a
+remote KV load (WAITING_FOR_REMOTE_KVS), the results the worker half reported (finished loads,
+invalid blocks, load errors), blocks whose free is delayed until the connector lets go, requests
+finished outside a step whose output is still owed, transfer counters, and the load-failure
+policy. The `Scheduler` owns one instance and calls it from the engine loop thread only; no
+method blocks.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pdkv.cache.kv_cache_manager import KVCacheManager
+from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorOutput
+from pdkv.request import Request, RequestStatus
+
+
+class KVConnectorState:
+    """Remote-KV state of one scheduler.
+
+    Args:
+        kv_cache_manager: the scheduler's block manager (blocks are freed through it).
+        connector: scheduler half of the KV connector, or None (then only stats stay empty).
+        kv_load_failure_policy: "recompute" (free the blocks, prefill locally) or "fail"
+            (finish the request with FINISHED_ERROR) when a load fails.
+
+    Attributes:
+        waiting_for_remote: request id -> request whose asynchronous load is in flight.
+        delayed_free: request id -> finished request whose blocks the connector still uses.
+        finished_outside: requests finished outside a step (failed loads) whose final output
+            is emitted by the next `update_from_output`.
+        stats: cumulative counters (bytes, events, `kv_load_failures_<policy>`).
+        transfer_seconds: durations of completed transfers, drained by the metrics reader.
+    """
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        connector: KVConnectorBase | None,
+        kv_load_failure_policy: str,
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.connector = connector
+        self.policy = kv_load_failure_policy
+        self.waiting_for_remote: dict[str, Request] = {}
+        self.finished_recving: set[str] = set()
+        self.invalid_blocks: set[int] = set()
+        self.load_errors: dict[str, str] = {}
+        self.delayed_free: dict[str, Request] = {}
+        self.finished_outside: list[Request] = []
+        self.stats: dict[str, float] = {}
+        self.transfer_seconds: list[float] = []
+
+    # ------------------------------------------------------------------ queries
+    def has_pending_work(self) -> bool:
+        """Blocks held for the connector, owed outputs, or connector work in flight."""
+        connector_busy = self.connector is not None and self.connector.has_pending_work()
+        return bool(self.delayed_free or self.finished_outside or connector_busy)
+
+    def needs_step(self) -> bool:
+        """Owed outputs, load results to apply, or connector metadata for the worker."""
+        connector_meta = self.connector is not None and self.connector.has_pending_metadata()
+        return bool(self.finished_outside or self.finished_recving or connector_meta)
+
+    def num_blocks_held(self) -> int:
+        """Blocks (all groups) of finished requests whose free is delayed."""
+        return sum(
+            len(b) for r in self.delayed_free.values()
+            for b in self.kv_cache_manager.get_block_ids(r.request_id)
+        )
+
+    def drain_transfer_seconds(self) -> list[float]:
+        """Transfer durations (s) reported since the last call."""
+        times, self.transfer_seconds = self.transfer_seconds, []
+        return times
+
+    def count(self, key: str, value: float = 1.0) -> None:
+        """Add `value` to the cumulative counter `key`."""
+        self.stats[key] = self.stats.get(key, 0.0) + value
+
+    # ------------------------------------------------------------- transitions
+    def start_load(self, request: Request) -> None:
+        """The request's blocks are allocated and its asynchronous load is queued."""
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote[request.request_id] = request
+
+    def abandon_load(self, request: Request) -> None:
+        """The request finishes (abort) while waiting for its load: forget the load."""
+        if self.waiting_for_remote.pop(request.request_id, None) is not None:
+            self.forget_load_result(request)
+
+    def resolve_finished_loads(self) -> tuple[list[Request], list[Request]]:
+        """Apply the policy to every request whose load ended.
+
+        Returns:
+            (to_resume, failed): `to_resume` go back to the front of the waiting queue, in
+            this order of `appendleft` calls (their num_computed_tokens are set: all prompt
+            tokens but the last after a good load, 0 after a failure under "recompute");
+            `failed` are FINISHED_ERROR (policy "fail") and must be freed by the caller.
+        """
+        to_resume: list[Request] = []
+        failed: list[Request] = []
+        for rid in [r for r in self.waiting_for_remote if r in self.finished_recving]:
+            self.finished_recving.discard(rid)
+            request = self.waiting_for_remote.pop(rid)
+            blocks = [b for g in self.kv_cache_manager.get_block_ids(rid) for b in g]
+            bad = [b for b in blocks if b in self.invalid_blocks]
+            error = self.load_errors.pop(rid, None)
+            if bad or error is not None:
+                self.invalid_blocks.difference_update(bad)
+                self.count("kv_load_failures_" + self.policy)
+                if self.policy == "recompute":
+                    # Drop every block of the request (their content is undefined) and prefill
+                    # locally; the connector already marked the transfer as consumed.
+                    self.kv_cache_manager.free(request)
+                    request.num_computed_tokens = 0
+                    request.status = RequestStatus.WAITING
+                    to_resume.append(request)
+                else:
+                    request.status = RequestStatus.FINISHED_ERROR
+                    request.error = f"KV load failed: {error or 'invalid blocks'}"
+                    failed.append(request)
+                continue
+            # Every prompt token is loaded; recompute the last one to get its logits.
+            self.kv_cache_manager.cache_blocks(request, request.num_tokens)
+            request.num_computed_tokens = request.num_tokens - 1
+            request.status = RequestStatus.WAITING
+            to_resume.append(request)
+        return to_resume, failed
+
+    def apply_output(self, out: KVConnectorOutput) -> None:
+        """Take in the worker half's report of one step (before the connector sees it)."""
+        for key, value in out.stats.items():
+            self.count(key, value)
+        self.transfer_seconds.extend(out.transfer_seconds)
+        self.invalid_blocks.update(out.invalid_block_ids)
+        self.load_errors.update(out.load_errors)
+        for rid in out.finished_recving:
+            delayed = self.delayed_free.pop(rid, None)
+            if delayed is not None:  # finished (aborted) while its load was in flight
+                self.forget_load_result(delayed)
+                self.kv_cache_manager.free(delayed)
+            elif rid in self.waiting_for_remote:
+                self.finished_recving.add(rid)
+        for rid in out.finished_sending:
+            delayed = self.delayed_free.pop(rid, None)
+            if delayed is not None:
+                self.kv_cache_manager.free(delayed)
+        if self.connector is not None:
+            self.connector.update_connector_output(out)
+
+    def forget_load_result(self, request: Request) -> None:
+        """Drop what a finished request's load reported (its block ids will be reused)."""
+        self.finished_recving.discard(request.request_id)
+        self.load_errors.pop(request.request_id, None)
+        for group in self.kv_cache_manager.get_block_ids(request.request_id):
+            self.invalid_blocks.difference_update(group)
+
+    def release(self, request: Request) -> None:
+        """A request finished: ask the connector (which may return kv_transfer_params for the
+        client and delay the free), then free its blocks now or when the connector lets go."""
+        request.times.finished = time.monotonic()
+        delay = False
+        if self.connector is not None:
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            delay, params = self.connector.request_finished(request, block_ids)
+            request.output_kv_transfer_params = params
+        if delay:
+            self.delayed_free[request.request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
