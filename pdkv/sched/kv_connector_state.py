@@ -46,7 +46,7 @@ class KVConnectorState:
         self.policy = kv_load_failure_policy
         self.waiting_for_remote: dict[str, Request] = {}
         self.finished_recving: set[str] = set()
-        self.invalid_blocks: set[int] = set()
+        self.invalid_blocks: set[tuple[int, int]] = set()  # (group index, block id)
         self.load_errors: dict[str, str] = {}
         self.delayed_free: dict[str, Request] = {}
         self.finished_outside: list[Request] = []
@@ -105,8 +105,7 @@ class KVConnectorState:
         for rid in [r for r in self.waiting_for_remote if r in self.finished_recving]:
             self.finished_recving.discard(rid)
             request = self.waiting_for_remote.pop(rid)
-            blocks = [b for g in self.kv_cache_manager.get_block_ids(rid) for b in g]
-            bad = [b for b in blocks if b in self.invalid_blocks]
+            bad = [b for b in self._group_blocks(request) if b in self.invalid_blocks]
             error = self.load_errors.pop(rid, None)
             if bad or error is not None:
                 self.invalid_blocks.difference_update(bad)
@@ -155,8 +154,15 @@ class KVConnectorState:
         """Drop what a finished request's load reported (its block ids will be reused)."""
         self.finished_recving.discard(request.request_id)
         self.load_errors.pop(request.request_id, None)
-        for group in self.kv_cache_manager.get_block_ids(request.request_id):
-            self.invalid_blocks.difference_update(group)
+        self.invalid_blocks.difference_update(self._group_blocks(request))
+
+    def _group_blocks(self, request: Request) -> list[tuple[int, int]]:
+        """(group index, block id) of every block the request holds."""
+        return [
+            (g, b)
+            for g, ids in enumerate(self.kv_cache_manager.get_block_ids(request.request_id))
+            for b in ids
+        ]
 
     def release(self, request: Request) -> None:
         """A request finished: ask the connector (which may return kv_transfer_params for the

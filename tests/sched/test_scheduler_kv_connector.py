@@ -215,9 +215,11 @@ def make_scheduler(
     num_blocks: int = NUM_BLOCKS,
     max_num_batched_tokens: int = 64,
     delay_inflight: bool = True,
+    num_groups: int = 1,
 ) -> tuple[Scheduler, FakeConnector]:
+    spec = FullAttentionSpec(BS, num_kv_heads=1, head_size=8)
     kv_config = KVCacheConfig(
-        num_blocks, (KVCacheGroupSpec((0,), FullAttentionSpec(BS, num_kv_heads=1, head_size=8)),)
+        num_blocks, tuple(KVCacheGroupSpec((g,), spec) for g in range(num_groups))
     )
     conn = FakeConnector(kv_config, delay_inflight=delay_inflight)
     sched = Scheduler(
@@ -262,6 +264,11 @@ def drain(sched: Scheduler, worker: FakeWorker, max_steps: int = 200) -> None:
             return
         step(sched, worker)
     pytest.fail("requests did not finish")
+
+
+def in_group0(blocks: list[int]) -> set[tuple[int, int]]:
+    """KVConnectorOutput.invalid_block_ids for these block ids of KV cache group 0."""
+    return {(0, b) for b in blocks}
 
 
 def block_ids(sched: Scheduler, rid: str) -> list[int]:
@@ -444,8 +451,8 @@ def test_load_failure_with_recompute_policy_prefills_from_scratch(failure):
     step(sched, worker)
     table = block_ids(sched, "r")
     worker.load(sched, r, garbage=True)  # whatever landed in the blocks is wrong
-    invalid = {"invalid_blocks": set(table), "load_error": set(), "both": set(table),
-               "one_block": {table[1]}}[failure]
+    invalid = {"invalid_blocks": in_group0(table), "load_error": set(), "both": in_group0(table),
+               "one_block": {(0, table[1])}}[failure]
     errors = {} if failure in ("invalid_blocks", "one_block") else {"r": "peer went away"}
     step(sched, worker, KVConnectorOutput(finished_recving={"r"}, invalid_block_ids=invalid,
                                           load_errors=errors))
@@ -476,7 +483,7 @@ def test_load_failure_with_fail_policy_finishes_the_request_with_an_error(failur
     sched.add_request(other)
     step(sched, worker)
     table = block_ids(sched, "r")
-    kv_out = (KVConnectorOutput(finished_recving={"r"}, invalid_block_ids=set(table))
+    kv_out = (KVConnectorOutput(finished_recving={"r"}, invalid_block_ids=in_group0(table))
               if failure == "invalid_blocks"
               else KVConnectorOutput(finished_recving={"r"}, load_errors={"r": "peer went away"}))
     step(sched, worker, kv_out)
@@ -517,7 +524,7 @@ def test_invalid_blocks_only_fail_the_request_that_owns_them():
     step(sched, worker)
     worker.load(sched, good)
     step(sched, worker, KVConnectorOutput(finished_recving={"bad", "good"},
-                                          invalid_block_ids={block_ids(sched, "bad")[0]}))
+                                          invalid_block_ids={(0, block_ids(sched, "bad")[0])}))
     out, _ = step(sched, worker)
     assert bad.status == RequestStatus.FINISHED_ERROR
     assert out.num_scheduled_tokens == {"good": 1}
@@ -780,7 +787,7 @@ def test_invalid_blocks_of_an_aborted_load_do_not_poison_later_loads():
     table = block_ids(sched, "a")
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     # Its pull then fails: the worker reports it as received, with its blocks invalid.
-    step(sched, worker, KVConnectorOutput(finished_recving={"a"}, invalid_block_ids=set(table),
+    step(sched, worker, KVConnectorOutput(finished_recving={"a"}, invalid_block_ids=in_group0(table),
                                           load_errors={"a": "timeout"}))
     assert sched.kv_cache_manager.num_free_blocks == 3
     b = remote_req("b", prompt_of(51, 12))

@@ -51,7 +51,9 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
         finished_sending: request ids whose blocks the connector no longer needs (read by the
             peer, released, or lease expired): the scheduler may free them now.
         finished_recving: request ids whose KV load ended (successfully or not).
-        invalid_block_ids: local block ids whose load failed.
+        invalid_block_ids: (KV cache group index, local block id) of every block whose load
+            failed. Block ids are per group (each group has its own pool), so the group is part
+            of the id: a failure in group 0 never touches block 3 of group 1.
         load_errors: request id -> why its load failed.
         stats: counter deltas since the last report (bytes, events).
         transfer_seconds: duration of each transfer that completed.
@@ -59,7 +61,7 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
 
     finished_sending: set[str] = msgspec.field(default_factory=set)
     finished_recving: set[str] = msgspec.field(default_factory=set)
-    invalid_block_ids: set[int] = msgspec.field(default_factory=set)
+    invalid_block_ids: set[tuple[int, int]] = msgspec.field(default_factory=set)
     load_errors: dict[str, str] = msgspec.field(default_factory=dict)
     stats: dict[str, float] = msgspec.field(default_factory=dict)
     transfer_seconds: list[float] = msgspec.field(default_factory=list)
@@ -180,8 +182,8 @@ class KVConnectorBase(ABC):
         """(finished_sending, finished_recving) since the last call."""
         return set(), set()
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        """Local block ids whose load failed since the last call."""
+    def get_block_ids_with_load_errors(self) -> set[tuple[int, int]]:
+        """(group index, local block id) of blocks whose load failed since the last call."""
         return set()
 
     def get_stats(self) -> tuple[dict[str, float], list[float]]:

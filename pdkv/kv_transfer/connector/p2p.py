@@ -111,7 +111,7 @@ class P2PConnector(KVConnectorBase):
         assert self.worker is not None
         return self.worker.get_finished()
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
+    def get_block_ids_with_load_errors(self) -> set[tuple[int, int]]:
         assert self.worker is not None
         return self.worker.get_block_ids_with_load_errors()
 

@@ -68,7 +68,7 @@ class P2PConnectorWorker:
         # results for get_finished
         self._sent: set[str] = set()
         self._recved: set[str] = set()
-        self._bad_blocks: set[int] = set()
+        self._bad_blocks: set[tuple[int, int]] = set()  # (group, block id)
         self._errors: dict[str, str] = {}
         self._stats: dict[str, float] = {}
         self._transfer_times: list[float] = []
@@ -144,7 +144,7 @@ class P2PConnectorWorker:
             self._sent, self._recved = set(), set()
         return sent, recved
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
+    def get_block_ids_with_load_errors(self) -> set[tuple[int, int]]:
         with self._lock:
             bad, self._bad_blocks = self._bad_blocks, set()
         return bad
@@ -251,7 +251,7 @@ class P2PConnectorWorker:
     def _pull(self, spec: RecvSpec) -> None:
         t0 = time.monotonic()
         deadline = t0 + self.timeout
-        local_blocks = [b for g in spec.local_block_ids for b in g]
+        local_blocks = [(g, b) for g, ids in enumerate(spec.local_block_ids) for b in ids]
         try:
             peer = self._handshake(spec.remote, deadline)
             ops = []
