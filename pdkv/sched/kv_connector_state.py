@@ -31,7 +31,9 @@ class KVConnectorState:
         delayed_free: request id -> finished request whose blocks the connector still uses.
         finished_outside: requests finished outside a step (failed loads) whose final output
             is emitted by the next `update_from_output`.
-        stats: cumulative counters (bytes, events, `kv_load_failures_<policy>`).
+        stats: cumulative counters (bytes, events, `kv_load_failures_<policy>`: every failed
+            load once, including a load whose request was aborted before the failure came
+            back; it is counted under the policy in force although no policy applies to it).
         transfer_seconds: durations of completed transfers, drained by the metrics reader.
     """
 
@@ -105,7 +107,7 @@ class KVConnectorState:
         for rid in [r for r in self.waiting_for_remote if r in self.finished_recving]:
             self.finished_recving.discard(rid)
             request = self.waiting_for_remote.pop(rid)
-            bad = [b for b in self._group_blocks(request) if b in self.invalid_blocks]
+            bad = self._bad_blocks_of(request)
             error = self.load_errors.pop(rid, None)
             if bad or error is not None:
                 self.invalid_blocks.difference_update(bad)
@@ -135,10 +137,17 @@ class KVConnectorState:
             self.count(key, value)
         self.transfer_seconds.extend(out.transfer_seconds)
         self.invalid_blocks.update(out.invalid_block_ids)
-        self.load_errors.update(out.load_errors)
+        for rid, error in out.load_errors.items():
+            if rid in self.waiting_for_remote or rid in self.delayed_free:
+                self.load_errors[rid] = error
+            else:  # its request is gone (aborted without delaying the free): count it here
+                self.count("kv_load_failures_" + self.policy)
         for rid in out.finished_recving:
             delayed = self.delayed_free.pop(rid, None)
             if delayed is not None:  # finished (aborted) while its load was in flight
+                if rid in self.load_errors or self._bad_blocks_of(delayed):
+                    # The pull failed although nobody waits for it any more: still a failure.
+                    self.count("kv_load_failures_" + self.policy)
                 self.forget_load_result(delayed)
                 self.kv_cache_manager.free(delayed)
             elif rid in self.waiting_for_remote:
@@ -155,6 +164,10 @@ class KVConnectorState:
         self.finished_recving.discard(request.request_id)
         self.load_errors.pop(request.request_id, None)
         self.invalid_blocks.difference_update(self._group_blocks(request))
+
+    def _bad_blocks_of(self, request: Request) -> list[tuple[int, int]]:
+        """The request's blocks reported invalid, as (group index, block id)."""
+        return [b for b in self._group_blocks(request) if b in self.invalid_blocks]
 
     def _group_blocks(self, request: Request) -> list[tuple[int, int]]:
         """(group index, block id) of every block the request holds."""

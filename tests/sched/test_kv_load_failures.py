@@ -5,6 +5,7 @@ the load-failure counters. Torch-free; fakes from test_scheduler_kv_connector.""
 from __future__ import annotations
 
 import msgspec
+import pytest
 from test_scheduler_kv_connector import (
     NUM_BLOCKS,
     FakeWorker,
@@ -55,3 +56,53 @@ def test_invalid_block_of_one_group_fails_only_the_request_that_owns_it_in_that_
     assert_all_free(sched)
     assert kv.block_pools[1].num_free_blocks == NUM_BLOCKS
 
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+@pytest.mark.parametrize("report", ["load_error", "invalid_blocks", "success"])
+def test_failed_pull_of_a_request_aborted_during_its_load_is_counted(policy, report):
+    sched, conn = make_scheduler(policy=policy)
+    worker = FakeWorker()
+    r = remote_req("r", prompt_of(64, 10))
+    sched.add_request(r)
+    step(sched, worker)
+    table = sched.kv_cache_manager.get_block_ids("r")[0]
+    sched.finish_requests(["r"], RequestStatus.FINISHED_ABORTED)
+    assert "r" in sched.kv_state.delayed_free  # the pull is still writing into its blocks
+    kv_out = KVConnectorOutput(finished_recving={"r"}, stats={"kv_load_failures": 1.0})
+    if report == "load_error":
+        kv_out.load_errors["r"] = "peer went away"
+    elif report == "invalid_blocks":
+        kv_out.invalid_block_ids.update((0, b) for b in table)
+    else:
+        kv_out.stats.clear()
+    step(sched, worker, kv_out)
+    failures = sched.kv_stats.get("kv_load_failures_" + policy, 0.0)
+    assert failures == (0.0 if report == "success" else 1.0)
+    step(sched, worker)  # counted once only
+    assert sched.kv_stats.get("kv_load_failures_" + policy, 0.0) == failures
+    assert not sched.kv_state.load_errors and not sched.kv_state.invalid_blocks
+    assert_all_free(sched)
+
+
+def test_late_load_error_of_a_freed_request_is_counted_and_does_not_fail_a_reused_id():
+    sched, conn = make_scheduler(policy="fail", delay_inflight=False)
+    worker = FakeWorker()
+    first = remote_req("x", prompt_of(65, 10))
+    sched.add_request(first)
+    step(sched, worker)
+    sched.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)  # blocks freed at once
+    # The first load's failure arrives later, for a request that is gone.
+    step(sched, worker, KVConnectorOutput(load_errors={"x": "peer went away"}))
+    assert sched.kv_stats["kv_load_failures_fail"] == 1
+    assert not sched.kv_state.load_errors
+    again = remote_req("x", prompt_of(66, 10))  # then the id is reused (e.g. X-Request-Id)
+    sched.add_request(again)
+    step(sched, worker)
+    assert again.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    worker.load(sched, again)
+    step(sched, worker, KVConnectorOutput(finished_recving={"x"}))  # the new load succeeded
+    out, _ = step(sched, worker)
+    assert again.status == RequestStatus.RUNNING and again.error is None
+    assert out.num_scheduled_tokens == {"x": 1}
+    assert sched.kv_stats["kv_load_failures_fail"] == 1
