@@ -819,22 +819,34 @@ def test_reused_request_id_does_not_inherit_a_stale_finished_recving():
     assert again.num_computed_tokens == 0
 
 
-def test_reusing_the_id_of_a_request_whose_blocks_are_held_is_safe():
+def test_reusing_the_id_of_a_request_whose_blocks_are_held_is_refused_until_released():
+    """The connector names held blocks by request id, so a second request with that id is
+    refused while the first one's blocks are held, and accepted once they are released."""
     sched, conn = make_scheduler()
     worker = FakeWorker()
     prompt = prompt_of(54, 12)
     p = local_req("same", prompt, max_tokens=1, do_remote_decode=True)
     sched.add_request(p)
     step(sched, worker)
+    assert p.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    held = block_ids(sched, "same")
     assert sched.stats().num_blocks_held_for_remote == 3
     again = local_req("same", list(prompt), max_tokens=1, do_remote_decode=True)
-    try:
+    with pytest.raises(ValueError, match="already in use"):
         sched.add_request(again)
-    except ValueError:
-        return  # refusing the id while its blocks are held is correct too
-    step(sched, worker)
+    # The refused request left no trace: nothing queued, the held blocks untouched.
+    assert not sched.requests and not sched.waiting and conn.new_requests == ["same"]
+    out, _ = step(sched, worker)
+    assert out.num_scheduled_tokens == {}
+    assert block_ids(sched, "same") == held
+    assert sched.stats().num_blocks_held_for_remote == 3
+
     step(sched, worker, KVConnectorOutput(finished_sending={"same"}))  # the first one's release
+    assert sched.stats().num_blocks_held_for_remote == 0
+    sched.add_request(again)  # the id is free now
+    step(sched, worker)
     assert again.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert again.output_kv_transfer_params is not None
     assert sched.stats().num_blocks_held_for_remote == 3  # the second one's blocks
     step(sched, worker, KVConnectorOutput(finished_sending={"same"}))
     assert_all_free(sched)
