@@ -203,7 +203,11 @@ class Scheduler:
                         skipped.append(self.waiting.popleft())
                         continue
                     num_external = ext
-            if load_async:
+                    if not load_async:
+                        # Loaded by the worker before this step's forward pass. The last
+                        # token is always computed here (its logits give the next token).
+                        num_external = max(0, min(num_external, request.num_tokens - 1 - num_hit))
+            if load_async and num_external > 0:
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request, 0, hits, num_hit, num_external_computed_tokens=num_external
                 )
@@ -217,27 +221,34 @@ class Scheduler:
                 assert self.connector is not None
                 self.connector.update_state_after_alloc(request, new_blocks, num_external)
                 continue
-            num_new = request.num_tokens - max(num_hit, request.num_computed_tokens)
+            num_computed = (request.num_computed_tokens if resumed_remote
+                            else num_hit + num_external)
+            num_new = request.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
             if not resumed_remote:
                 request.num_computed_tokens = 0
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hits, num_hit)
+            # Slots for the synchronously loaded tokens too; their blocks are final (and
+            # cached) once this step ran, like the computed ones.
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_external + num_new, hits, num_hit
+            )
             if new_blocks is None:
                 break
             self.waiting.popleft()
             if not resumed_remote:
                 self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
                 request.num_computed_tokens = num_hit
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(request, new_blocks, num_external)
+                request.num_computed_tokens += num_external
             if request.num_cached_tokens < 0:  # local prefix hits + tokens loaded by a connector
                 request.num_cached_tokens = request.num_computed_tokens
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = now
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            if self.connector is not None and not resumed_remote:
-                self.connector.update_state_after_alloc(request, new_blocks, 0)
             self._add_scheduled(request, num_new, new_blocks, new_reqs, cached_reqs)
             num_scheduled[request.request_id] = num_new
             budget -= num_new

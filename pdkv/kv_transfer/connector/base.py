@@ -104,13 +104,24 @@ class KVConnectorBase(ABC):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Tokens beyond `num_computed_tokens` (local hits) that can be loaded from outside,
-        and whether the load is asynchronous. None = ask again next step. Side-effect free."""
+        and whether the load is asynchronous. None = ask again next step. Side-effect free.
+
+        Asynchronous (True): the request gets blocks for them and waits in
+        WAITING_FOR_REMOTE_KVS until the worker half reports it in `finished_recving`; then the
+        last prompt token is recomputed. Synchronous (False): the worker half loads them in
+        `start_load_kv` / `wait_for_layer_load` of the step that schedules the request; the
+        scheduler counts them as computed (and cached) and schedules only the tokens after
+        them. The scheduler caps a synchronous count so that the last token is computed:
+        `update_state_after_alloc` receives the count actually used."""
 
     @abstractmethod
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        """Blocks were allocated for the request; `blocks` are its new (unfilled) blocks."""
+        """Blocks were allocated for the request; `blocks` are its new (unfilled) blocks.
+
+        Called once per admission, with `request.num_computed_tokens` = its local prefix hits:
+        the `num_external_tokens` to load start right after them (0 = load nothing)."""
 
     @abstractmethod
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
