@@ -78,14 +78,20 @@ class SchedulerConfig:
         max_num_batched_tokens: token budget of one engine step (prefill chunks + decodes).
         max_model_len: longest sequence in tokens (copied from ModelConfig).
         enable_chunked_prefill: split a prompt over several steps when it exceeds the budget.
+        remote_kv_watermark: fraction of the KV blocks that must stay free after admitting an
+            asynchronous (remote) KV load, on top of one block per running or loading request
+            (their next decode block), so a burst of decode legs cannot cause preemptions.
     """
 
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
+    remote_kv_watermark: float = 0.01
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.remote_kv_watermark < 1.0:
+            raise ValueError(f"remote_kv_watermark must be in [0, 1), got {self.remote_kv_watermark}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -124,6 +124,7 @@ class KVCacheManager:
         new_computed_blocks: KVCacheBlocks | None = None,
         num_new_computed_tokens: int = 0,
         num_external_computed_tokens: int = 0,
+        num_reserved_blocks: int = 0,
     ) -> KVCacheBlocks | None:
         """Make room for `num_new_tokens` more tokens of the request.
 
@@ -133,10 +134,11 @@ class KVCacheManager:
             new_computed_blocks: prefix-cache hits to attach (first scheduling only).
             num_new_computed_tokens: tokens covered by those hits.
             num_external_computed_tokens: tokens a KV connector will load into new blocks.
+            num_reserved_blocks: blocks of every group that must stay free afterwards.
 
         Returns:
-            The newly allocated blocks per group, or None when the pool is too small now
-            (nothing is changed in that case).
+            The newly allocated blocks per group, or None when the pool is too small now, or
+            would keep fewer than `num_reserved_blocks` free (nothing is changed then).
         """
         hits = new_computed_blocks.blocks if new_computed_blocks else tuple(
             [] for _ in self.managers
@@ -149,7 +151,8 @@ class KVCacheManager:
             m.get_num_blocks_to_allocate(request.request_id, total, h)
             for m, h in zip(self.managers, hits)
         ]
-        if any(n > p.num_free_blocks for n, p in zip(need, self.block_pools)):
+        if any(n + num_reserved_blocks > p.num_free_blocks
+               for n, p in zip(need, self.block_pools)):
             return None
         new_blocks = []
         for m, h in zip(self.managers, hits):

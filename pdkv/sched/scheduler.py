@@ -4,11 +4,15 @@ Every request carries `num_computed_tokens`; a step gives each scheduled request
 `num_tokens - num_computed_tokens` new tokens (a prefill chunk or one decode token) within the
 token budget. Running requests go first (FCFS); when the pool runs out of blocks the most
 recently admitted running request is preempted (its blocks are freed and it is recomputed
-later). Waiting requests are admitted only in steps without preemption.
+later). Waiting requests are admitted only in steps without preemption. An asynchronous
+(remote) KV load is admitted only when the blocks left free still cover the
+`remote_kv_watermark` plus one next-decode block per running or loading request; a load held
+back holds the later loads (FCFS) but not the other requests behind it.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -54,6 +58,7 @@ class Scheduler:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
+        self.num_blocks = kv_cache_config.num_blocks
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config, cache_config.enable_prefix_caching, self.max_model_len
         )
@@ -187,6 +192,7 @@ class Scheduler:
 
         # 2. Waiting requests, in order, while nothing was preempted this step.
         skipped: list[Request] = []
+        loads_blocked = False
         while not preempted and self.waiting and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
@@ -208,11 +214,16 @@ class Scheduler:
                         # token is always computed here (its logits give the next token).
                         num_external = max(0, min(num_external, request.num_tokens - 1 - num_hit))
             if load_async and num_external > 0:
-                new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, 0, hits, num_hit, num_external_computed_tokens=num_external
+                new_blocks = None if loads_blocked else self.kv_cache_manager.allocate_slots(
+                    request, 0, hits, num_hit, num_external_computed_tokens=num_external,
+                    num_reserved_blocks=self._remote_load_reserve(),
                 )
                 if new_blocks is None:
-                    break
+                    # Not now; later remote loads wait too (FCFS among them), other requests
+                    # behind it may still start.
+                    loads_blocked = True
+                    skipped.append(self.waiting.popleft())
+                    continue
                 self.waiting.popleft()
                 request.num_computed_tokens = num_hit
                 if request.times.first_scheduled is None:
@@ -267,6 +278,15 @@ class Scheduler:
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
+
+    def _remote_load_reserve(self) -> int:
+        """Blocks that must stay free after admitting an asynchronous load: the watermark plus
+        one next-decode block per running or loading request, this one included. None when
+        nothing runs or loads, so a load always starts once the pool can hold it."""
+        if not self.running and not self.kv_state.waiting_for_remote:
+            return 0
+        watermark = math.ceil(self.config.remote_kv_watermark * self.num_blocks)
+        return watermark + len(self.running) + len(self.kv_state.waiting_for_remote) + 1
 
     def _update_waiting_for_remote_kv(self) -> None:
         """Requests whose KV load ended go back to the front of the queue (or fail)."""
