@@ -4,6 +4,8 @@ consumer side (pulls, notices; p2p_consumer.py), which report through one Worker
 
 from __future__ import annotations
 
+import logging
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -16,11 +18,37 @@ from pdkv.kv_transfer.engine.factory import create_transfer_engine
 if TYPE_CHECKING:
     from pdkv.config import KVTransferConfig
 
+logger = logging.getLogger(__name__)
+
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def advertised_host(bind_host: str, configured: str | None) -> str:
+    """The host consumers are told to connect to: `configured` (kv_advertise_host) when set,
+    else the bind host, else (a wildcard bind) this machine's resolved host name, falling back
+    to 127.0.0.1; never a wildcard address."""
+    if configured:
+        if configured in WILDCARD_HOSTS:
+            raise ValueError(f"kv_advertise_host must be an address peers can connect to, not {configured!r}")
+        return configured
+    if bind_host not in WILDCARD_HOSTS:
+        return bind_host
+    try:
+        host = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        host = "127.0.0.1"
+    if host in WILDCARD_HOSTS:
+        host = "127.0.0.1"
+    logger.warning("kv_host %r is a wildcard: advertising %s to consumers (set kv_advertise_host "
+                   "in kv_connector_extra_config to choose)", bind_host, host)
+    return host
+
 
 class P2PConnectorWorker:
     """Args:
-        config: kv_transfer_config (extra: transfer, kv_host, kv_port, transfer_timeout,
-            kv_lease_duration).
+        config: kv_transfer_config (extra: transfer, kv_host (bind), kv_advertise_host (what
+            consumers connect to; default kv_host, never a wildcard), kv_port, transfer_timeout,
+            kv_lease_duration, and the bounds read by the producer and consumer sides).
         layout: this engine's layout fingerprint.
         control_address: shared [host, port] list the scheduler half reads (filled here).
     """
@@ -32,6 +60,7 @@ class P2PConnectorWorker:
         self.transfer_name = str(extra.get("transfer", "tcp"))
         self.engine = create_transfer_engine(self.transfer_name, dict(extra))
         self.host = str(extra.get("kv_host", "127.0.0.1"))
+        self.advertise_host = advertised_host(self.host, str(extra.get("kv_advertise_host") or "") or None)
         self.control_address = control_address
         self._regions: list[memoryview] = []
         self._block_bytes: list[int] = []
@@ -41,7 +70,8 @@ class P2PConnectorWorker:
         self.consumer = ConsumerSide(config, layout, self.engine, self.results, self._regions,
                                      self._block_bytes)
         if config.is_kv_producer:
-            self.control_address[:] = self.producer.start(self.host, int(extra.get("kv_port", 0)))  # type: ignore[arg-type]
+            self.control_address[:] = self.producer.start(self.host, int(extra.get("kv_port", 0)),  # type: ignore[call-overload]
+                                                          self.advertise_host)
 
     # ---------------------------------------------------------------- memory
     def kv_cache_buffer(self, group: int, nbytes: int) -> memoryview | None:
@@ -54,8 +84,20 @@ class P2PConnectorWorker:
         return None
 
     def register_kv_caches(self, kv_caches: list[Any]) -> None:
+        """Expose (producer) or pin (consumer) the per-group KV cache tensors.
+
+        Raises:
+            ValueError: a tensor is not in CPU memory (the transfer engines read and write host
+                memory only; a device KV cache is refused at start-up, not at the first pull).
+        """
         import torch
 
+        for g, t in enumerate(kv_caches):
+            if t.device.type != "cpu":
+                raise ValueError(
+                    f"P2PConnector transfers need the KV cache in CPU memory, but group {g} is on "
+                    f"{t.device}: run this engine with a CPU KV cache or without --kv-transfer-config"
+                )
         for g, t in enumerate(kv_caches):
             flat = t.view(-1).view(torch.uint8)
             view = memoryview(flat.numpy())
@@ -66,15 +108,17 @@ class P2PConnectorWorker:
             if self.config.is_kv_consumer:
                 self.engine.register_local(f"g{g}", view)
         if self.config.is_kv_producer:
-            self.engine.start(self.host)
+            self.engine.start(self.host, self.advertise_host)
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
         """The engine loop's wake-up callback (called when sends or loads finish)."""
         self._wakeup = wakeup
 
     def next_deadline(self) -> float | None:
-        """Earliest lease expiry of the blocks held for consumers (time.monotonic()), or None."""
-        return self.producer.next_deadline()
+        """Earliest time.monotonic() the engine must step for this half: a lease expiry of
+        blocks held for consumers, a renewal or deadline of a pull not yet reading; or None."""
+        times = [t for t in (self.producer.next_deadline(), self.consumer.next_deadline()) if t is not None]
+        return min(times, default=None)
 
     # ------------------------------------------------------------ per step
     def start_load_kv(self, meta: P2PConnectorMetadata) -> None:
@@ -83,6 +127,7 @@ class P2PConnectorWorker:
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         self.producer.expire()
+        self.consumer.tick()
         return self.results.take_finished()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -12,7 +12,13 @@ import threading
 import time
 from typing import Any
 
-from pdkv.kv_transfer.engine.base import ReadOp, TransferEngine, TransferError, buffer_address
+from pdkv.kv_transfer.engine.base import (
+    Grant,
+    ReadOp,
+    TransferEngine,
+    TransferError,
+    buffer_address,
+)
 
 _address = buffer_address
 
@@ -60,11 +66,15 @@ class MooncakeTransferEngine(TransferEngine):
     def register_local(self, name: str, buffer: memoryview) -> None:
         self._register("local:" + name, buffer)
 
+    def start(self, host: str, advertise_host: str | None = None) -> None:
+        if advertise_host:
+            self._host = advertise_host
+
     def peer_info(self) -> dict[str, Any]:
         return {"session": f"{self._host}:{self._te.get_rpc_port()}",
                 "regions": {k: list(v) for k, v in self._regions.items() if not k.startswith("local:")}}
 
-    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float) -> int:
+    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None) -> int:
         regions = peer.get("regions", {})
         locals_, remotes, lengths = [], [], []
         for op in ops:

@@ -8,7 +8,7 @@ import time
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
-from pdkv.kv_transfer.engine.base import ReadOp, TransferEngine, TransferError, coalesce
+from pdkv.kv_transfer.engine.base import Grant, ReadOp, TransferEngine, TransferError, coalesce
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:
@@ -46,7 +46,7 @@ class ShmTransferEngine(TransferEngine):
     def peer_info(self) -> dict[str, Any]:
         return {"segments": dict(self._names)}
 
-    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float) -> int:
+    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None) -> int:
         segments = peer.get("segments", {})
         total = 0
         for op in ops:
