@@ -456,3 +456,40 @@ def test_renewal_interval_follows_the_configured_lease(monkeypatch):
 def test_default_lease_is_thirty_seconds():
     cfg = KVTransferConfig("P2PConnector", "kv_producer", engine_id="e")
     assert P2PConnectorScheduler(cfg, dict(LAYOUT), BS, list(PRODUCER_ADDR)).lease_s == 30.0
+
+
+# --------------------------------------------------------------------------- identity
+def test_params_of_another_prompt_become_a_load_error_without_contacting_the_producer():
+    cons = make("kv_consumer")
+    other = prompt_digest(list(range(21, 31)), None)  # another prompt of the same length
+    r = req("r", 10, remote_params(prompt_digest=other))
+    cons.validate_request(r)  # not a 400: handled by kv_load_failure_policy
+    cons.on_new_request(r)
+    assert not cons.has_pending_work()  # no renewals of a grant that is not this prompt's
+    cons.update_state_after_alloc(r, blocks([1, 2, 3]), 10)
+    meta = cons.build_connector_meta()
+    (spec,) = meta.reqs_to_recv
+    assert "prompt_digest does not match" in spec.error and meta.notifications == []
+    # The same prompt under another cache_salt is another prompt too.
+    salted = Request("s", list(range(20, 30)), SamplingParams(max_tokens=8), BS, cache_salt="tenant-b",
+                     kv_transfer_params=remote_params())
+    cons.update_state_after_alloc(salted, blocks([4, 5, 6]), 10)
+    assert "prompt_digest does not match" in cons.build_connector_meta().reqs_to_recv[0].error
+
+
+def test_aborting_a_request_with_foreign_params_releases_nothing():
+    cons = make("kv_consumer")
+    r = req("r", 10, remote_params(prompt_digest="0" * 64))
+    cons.on_new_request(r)
+    r.status = RequestStatus.FINISHED_ABORTED
+    assert cons.request_finished(r, ([],)) == (False, None)
+    assert empty_meta(cons.build_connector_meta())
+
+
+def test_matching_params_carry_the_nonce_and_the_consumer_digest():
+    cons = make("kv_consumer")
+    r = req("r", 10, remote_params())
+    cons.update_state_after_alloc(r, blocks([1, 2, 3]), 10)
+    (spec,) = cons.build_connector_meta().reqs_to_recv
+    assert spec.error == "" and spec.remote_nonce == "nonce-10"
+    assert spec.prompt_digest == prompt_digest(r.prompt_token_ids, None)
