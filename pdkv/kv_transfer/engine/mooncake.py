@@ -4,6 +4,9 @@
 issues one batch of synchronous reads. API as documented by Mooncake's Python bindings:
 initialize(host, "P2PHANDSHAKE", protocol, device), register_memory(addr, n),
 batch_transfer_sync_read(session, local_addrs, remote_addrs, lengths) -> 0 | negative.
+Reads are one-sided (registered memory): anyone who reaches the endpoint can read all of the
+producer's KV cache, so this engine is for trusted cluster networks (grants are checked on the
+control plane only).
 """
 
 from __future__ import annotations
