@@ -94,7 +94,7 @@ class ConsumerSide:
         now = time.monotonic()
         for spec in pulls:
             if spec.error:  # refused before contacting anyone: nothing to read, nothing to tell
-                self.results.load_failed(spec.request_id, spec.error, [b for g in spec.local_block_ids for b in g])
+                self.results.load_failed(spec.request_id, spec.error, spec.local_block_ids)
                 continue
             pull = _Pull(spec, now + self.timeout, now + self.renew_every)
             with self._lock:
@@ -236,7 +236,7 @@ class ConsumerSide:
 
     def _failed(self, spec: RecvSpec, error: Exception) -> None:
         logger.warning("KV pull for %s failed: %s", spec.request_id, error)
-        self.results.load_failed(spec.request_id, str(error), [b for g in spec.local_block_ids for b in g])
+        self.results.load_failed(spec.request_id, str(error), spec.local_block_ids)
         if isinstance(error, _Refused):
             return
         self._forget(spec.remote)

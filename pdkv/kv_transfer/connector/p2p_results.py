@@ -56,12 +56,12 @@ class WorkerResults:
             self.recved.add(rid)
         self.wake()
 
-    def load_failed(self, rid: str, error: str, local_blocks: list[int]) -> None:
-        """A pull ended in error; its local blocks hold undefined data."""
+    def load_failed(self, rid: str, error: str, local_block_ids: tuple[list[int], ...]) -> None:
+        """A pull ended in error; its local blocks (per KV cache group) hold undefined data."""
         with self.lock:
             self.errors[rid] = error
             self.count("kv_load_failures")
-            self.bad_blocks.update(local_blocks)
+            self.bad_blocks.update(b for group in local_block_ids for b in group)
             self.recved.add(rid)
         self.wake()
 
