@@ -6,6 +6,7 @@ import contextlib
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -27,33 +28,41 @@ def send_msg(sock: socket.socket, obj: Any) -> None:
     sock.sendall(_LEN.pack(len(payload)) + payload)
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` from the socket.
+def recv_exact_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view` from the socket, all of it by `deadline` (time.monotonic(); None = only the
+    socket's own per-call timeout applies), however slowly the peer trickles bytes.
 
     Raises:
         WireError: the peer closed early.
+        TimeoutError: the deadline passed (or the socket's timeout expired).
     """
     got, n = 0, len(view)
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"deadline passed after {got} of {n} bytes")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise WireError(f"connection closed after {got} of {n} bytes")
         got += k
 
 
-def recv_msg(sock: socket.socket, typ: type[T]) -> T:
-    """Receive one framed message decoded as `typ`.
+def recv_msg(sock: socket.socket, typ: type[T], deadline: float | None = None) -> T:
+    """Receive one framed message decoded as `typ`, whole by `deadline` (see recv_exact_into).
 
     Raises:
         WireError: closed connection or a frame that does not decode as `typ`.
+        TimeoutError: the deadline passed.
     """
     head = bytearray(_LEN.size)
-    recv_exact_into(sock, memoryview(head))
+    recv_exact_into(sock, memoryview(head), deadline)
     (n,) = _LEN.unpack(head)
     if n > MAX_MESSAGE:
         raise WireError(f"frame of {n} bytes exceeds the {MAX_MESSAGE} byte limit")
     buf = bytearray(n)
-    recv_exact_into(sock, memoryview(buf))
+    recv_exact_into(sock, memoryview(buf), deadline)
     try:
         return msgspec.msgpack.decode(bytes(buf), type=typ)
     except msgspec.DecodeError as e:
@@ -67,13 +76,25 @@ def connect(host: str, port: int, timeout: float) -> socket.socket:
     return sock
 
 
-def start_server(host: str, port: int, handler: Callable[[socket.socket], None], name: str) -> socket.socket:
+def start_server(host: str, port: int, handler: Callable[[socket.socket], None], name: str,
+                 max_connections: int = 64, idle_timeout: float = 60.0) -> socket.socket:
     """Listen on host:port (0 = any free port) and run handler(conn) on a thread per connection
-    (TCP_NODELAY set). Returns the listening socket; stop it with stop_server."""
+    (TCP_NODELAY set, socket timeout `idle_timeout` seconds so idle or stalled peers are dropped).
+    At most `max_connections` connections are served at once; one more is closed at accept.
+    The handler owns `conn` and closes it. Returns the listening socket; stop it with
+    stop_server."""
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind((host, port))
     srv.listen(64)
+    slots = threading.BoundedSemaphore(max_connections)
+
+    def serve(conn: socket.socket) -> None:
+        try:
+            handler(conn)
+        finally:
+            conn.close()
+            slots.release()
 
     def accept_loop() -> None:
         while True:
@@ -81,8 +102,12 @@ def start_server(host: str, port: int, handler: Callable[[socket.socket], None],
                 conn, _ = srv.accept()
             except OSError:  # closed by stop_server
                 return
+            if not slots.acquire(blocking=False):  # over the bound: refuse by closing
+                conn.close()
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=handler, args=(conn,), name=name + "-conn", daemon=True).start()
+            conn.settimeout(idle_timeout)
+            threading.Thread(target=serve, args=(conn,), name=name + "-conn", daemon=True).start()
 
     threading.Thread(target=accept_loop, name=name, daemon=True).start()
     return srv

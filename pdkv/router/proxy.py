@@ -202,7 +202,7 @@ async def _release(params: dict[str, Any] | None) -> None:
     from pdkv.kv_transfer.connector.p2p_messages import send_release
 
     await asyncio.to_thread(send_release, str(params["remote_host"]), int(params["remote_port"]),
-                            str(params["remote_request_id"]))
+                            str(params["remote_request_id"]), 5.0, str(params.get("remote_nonce", "")))
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -20,6 +20,13 @@ from pdkv.bench.transfer import (
     pattern_bytes,
     run_transfer_bench,
 )
+from pdkv.bench.transfer_report import (
+    SHM_TARGET,
+    TCP_TARGET,
+    TCP_TARGET_MIN_MIB,
+    format_table,
+    size_result,
+)
 from pdkv.kv_transfer.engine.base import ReadOp, TransferError
 from pdkv.kv_transfer.engine.shm import ShmTransferEngine
 from pdkv.kv_transfer.engine.tcp import TcpTransferEngine
@@ -68,7 +75,35 @@ def test_small_run_reports_verified_positive_bandwidths():
         assert size["targets"][key]["ratio"] == r["best"]
     # 1 MiB is below the tcp target's range; the shm target applies at every size.
     assert size["targets"]["tcp/raw_socket"]["pass"] is None
-    assert size["targets"]["shm/memcpy"]["pass"] in (True, False)
+    shm = size["targets"]["shm/memcpy"]
+    assert shm["applies"] is True and shm["target"] == SHM_TARGET
+    assert shm["pass"] is (shm["ratio"] >= SHM_TARGET)
+
+
+def _method(best: float, median: float) -> dict:
+    return {"best_gbps": best, "median_gbps": median, "gbps": [best, median], "seconds": [1.0, 1.0],
+            "verified": True}
+
+
+def test_targets_and_ratios_from_known_numbers():
+    methods = {"tcp": _method(8.0, 6.0), "raw_socket": _method(10.0, 10.0),
+               "shm": _method(4.0, 3.0), "memcpy": _method(10.0, 4.0)}
+    big = size_result(16, 16 << 20, 4, 3, methods)
+    assert big["ratios"]["tcp/raw_socket"] == {"best": 0.8, "median": 0.6}
+    assert big["ratios"]["shm/memcpy"] == {"best": 0.4, "median": 0.75}
+    assert big["targets"]["tcp/raw_socket"] == {"target": TCP_TARGET, "ratio": 0.8, "applies": True, "pass": True}
+    assert big["targets"]["shm/memcpy"] == {"target": SHM_TARGET, "ratio": 0.4, "applies": True, "pass": False}
+    # Below TCP_TARGET_MIN_MIB the tcp target does not apply; the shm one always does.
+    small = size_result(TCP_TARGET_MIN_MIB - 1, 1 << 20, 1, 3, methods)
+    assert small["targets"]["tcp/raw_socket"]["applies"] is False
+    assert small["targets"]["tcp/raw_socket"]["pass"] is None
+    methods["tcp"] = _method(7.9, 7.9)  # just under 80% of raw
+    assert size_result(16, 16 << 20, 4, 3, methods)["targets"]["tcp/raw_socket"]["pass"] is False
+    methods["raw_socket"] = _method(0.0, 0.0)  # a peer that measured nothing: no ratio
+    assert math.isnan(size_result(16, 16 << 20, 4, 3, methods)["ratios"]["tcp/raw_socket"]["best"])
+    text = format_table({"sizes": [big], "config": {"block_bytes": 4096}})
+    assert "tcp >= 80% of raw socket at >= 16 MiB" in text and "80% -> PASS" in text
+    assert "shm >= 50% of memcpy" in text and "40% -> FAIL" in text
 
 
 @pytest.mark.parametrize("kind", ["tcp", "shm"])

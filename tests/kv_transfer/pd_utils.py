@@ -91,3 +91,35 @@ def settle(p: LLM, d: LLM, timeout: float = 30.0) -> None:
 def shutdown(*llms: LLM) -> None:
     for llm in llms:
         llm.llm_engine.shutdown()
+
+
+class PausedEngine:
+    """Wraps a transfer engine: every `read` announces itself on `entered` and then blocks until
+    the test sets `gate` (at most `max_wait` s), so a pull is reliably in flight."""
+
+    def __init__(self, inner: Any, max_wait: float = 30.0) -> None:
+        import threading
+
+        self.inner = inner
+        self.name = inner.name
+        self.max_wait = max_wait
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.inner, attr)
+
+    def read(self, peer: Any, ops: Any, deadline: float, grant: Any = None) -> int:
+        self.entered.set()
+        self.gate.wait(self.max_wait)
+        return int(self.inner.read(peer, ops, deadline, grant))
+
+
+def pause_pulls(llm_or_worker: Any) -> PausedEngine:
+    """Make the consumer's pulls block in `read` until the returned engine's gate is set."""
+    engine = getattr(llm_or_worker, "llm_engine", None)
+    worker = engine.runner.connector.worker if engine is not None else llm_or_worker
+    paused = PausedEngine(worker.engine)
+    worker.engine = paused
+    worker.consumer.engine = paused
+    return paused

@@ -24,6 +24,7 @@ from pdkv.kv_transfer.connector.p2p_messages import (
     RecvSpec,
     RemoteEngine,
     SendSpec,
+    prompt_digest,
 )
 from pdkv.kv_transfer.connector.p2p_scheduler import REQUIRED_PARAMS, P2PConnectorScheduler
 from pdkv.request import Request, RequestStatus
@@ -70,6 +71,8 @@ def remote_params(n: int = 10, remote_block_ids: list[list[int]] | None = None,
         "remote_block_ids": remote_block_ids or [[50, 51, 52]],
         "remote_host": "10.1.2.3",
         "remote_port": 47001,
+        "remote_nonce": "nonce-" + str(n),
+        "prompt_digest": prompt_digest(list(range(20, 20 + n)), None),  # the prompt of req(.., n)
         "tp_size": 1,
         "block_size": BS,
         "num_tokens": n,
@@ -107,6 +110,10 @@ def test_producer_request_finished_holds_blocks_and_returns_full_params(status):
     assert not prod.has_pending_work()
     delay, params = prod.request_finished(r, block_ids)
     assert delay is True
+    assert params is not None
+    nonce = params.pop("remote_nonce")
+    assert isinstance(nonce, str) and len(nonce) == 32  # 128 random bits, hex
+    assert params.pop("prompt_digest") == prompt_digest(r.prompt_token_ids, None)
     assert params == {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -120,7 +127,7 @@ def test_producer_request_finished_holds_blocks_and_returns_full_params(status):
         "num_tokens": 10,
         "layout": LAYOUT,
     }
-    assert all(params[k] is not None for k in REQUIRED_PARAMS)
+    assert all(params[k] is not None for k in REQUIRED_PARAMS if k not in ("remote_nonce", "prompt_digest"))
     # Copies, not aliases of the scheduler's lists or of the connector's layout.
     block_ids[0].append(99)
     assert params["remote_block_ids"][0] == [3, 4, 5]
@@ -131,7 +138,7 @@ def test_producer_request_finished_holds_blocks_and_returns_full_params(status):
     assert prod.has_pending_work()
     meta = prod.build_connector_meta()
     assert isinstance(meta, P2PConnectorMetadata)
-    assert meta.reqs_to_send == [SendSpec("r1", block_ids, LEASE)]
+    assert meta.reqs_to_send == [SendSpec("r1", block_ids, LEASE, nonce, prompt_digest(r.prompt_token_ids, None))]
     assert meta.reqs_to_recv == [] and meta.notifications == []
     assert empty_meta(prod.build_connector_meta())  # reset after one step
     # Still held until the worker reports the send finished.
@@ -140,6 +147,9 @@ def test_producer_request_finished_holds_blocks_and_returns_full_params(status):
     assert prod.num_blocks_held == 6
     prod.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
     assert prod.num_blocks_held == 0 and not prod.has_pending_work()
+    # The same request id held again gets a new nonce (its notices can never apply to the old).
+    _, again = prod.request_finished(r, ([6],))
+    assert again is not None and again["remote_nonce"] != nonce
 
 
 def test_producer_params_are_accepted_by_a_consumer_with_the_same_layout():
@@ -230,7 +240,8 @@ def test_update_state_after_alloc_with_local_prefix_hits_maps_remote_blocks_from
     assert cons.get_num_new_matched_tokens(r, num_hit) == (0, False)
     meta = cons.build_connector_meta()
     assert meta.reqs_to_recv == [
-        RecvSpec("r", REMOTE, "p-r", ([12, 13],), ([51, 52],), LAYOUT)
+        RecvSpec("r", REMOTE, "p-r", ([12, 13],), ([51, 52],), LAYOUT, "nonce-11",
+                 prompt_digest(r.prompt_token_ids, None), remote_first_block=1)
     ]
     assert meta.notifications == [] and meta.reqs_to_send == []
     assert empty_meta(cons.build_connector_meta())
@@ -265,7 +276,7 @@ def test_zero_external_tokens_releases_the_producer_blocks():
     assert params["do_remote_prefill"] is False
     meta = cons.build_connector_meta()
     assert meta.reqs_to_recv == []
-    assert meta.notifications == [NotifySpec(REMOTE, "p-z", "release")]
+    assert meta.notifications == [NotifySpec(REMOTE, "p-z", "release", "nonce-8")]
     assert not cons.has_pending_work()
     # Finishing later asks for nothing more.
     r.status = RequestStatus.FINISHED_STOPPED
@@ -305,7 +316,7 @@ def test_request_finished_before_pulling_releases_the_producer():
     r.status = RequestStatus.FINISHED_ABORTED
     assert cons.request_finished(r, ([],)) == (False, None)
     meta = cons.build_connector_meta()
-    assert meta.notifications == [NotifySpec(REMOTE, "p-never", "release")]
+    assert meta.notifications == [NotifySpec(REMOTE, "p-never", "release", "nonce-10")]
     assert meta.reqs_to_recv == []
     assert not cons.has_pending_work()  # no more renewals for it
 
@@ -406,8 +417,8 @@ def test_renewals_are_sent_for_queued_requests_every_third_of_the_lease(monkeypa
     assert empty_meta(cons.build_connector_meta())  # before lease/3
     clock.now += 0.2  # 10.1 s after the start
     meta = cons.build_connector_meta()
-    assert meta.notifications == [NotifySpec(REMOTE, "p-a", "renew"),
-                                  NotifySpec(REMOTE, "p-b", "renew")]
+    assert meta.notifications == [NotifySpec(REMOTE, "p-a", "renew", "nonce-10"),
+                                  NotifySpec(REMOTE, "p-b", "renew", "nonce-10")]
     clock.now += 5.0
     assert empty_meta(cons.build_connector_meta())  # the timer restarted
     # a starts pulling: no more renewals for it (its transfer is on its way).
@@ -415,13 +426,13 @@ def test_renewals_are_sent_for_queued_requests_every_third_of_the_lease(monkeypa
     clock.now += 5.1
     meta = cons.build_connector_meta()
     assert len(meta.reqs_to_recv) == 1
-    assert meta.notifications == [NotifySpec(REMOTE, "p-b", "renew")]
+    assert meta.notifications == [NotifySpec(REMOTE, "p-b", "renew", "nonce-10")]
     # b is aborted while queued: one release, then nothing.
     b.status = RequestStatus.FINISHED_ABORTED
     assert cons.request_finished(b, ([],)) == (False, None)
     clock.now += 11.0
     meta = cons.build_connector_meta()
-    assert meta.notifications == [NotifySpec(REMOTE, "p-b", "release")]
+    assert meta.notifications == [NotifySpec(REMOTE, "p-b", "release", "nonce-10")]
     clock.now += 11.0
     assert empty_meta(cons.build_connector_meta())
 
@@ -445,3 +456,40 @@ def test_renewal_interval_follows_the_configured_lease(monkeypatch):
 def test_default_lease_is_thirty_seconds():
     cfg = KVTransferConfig("P2PConnector", "kv_producer", engine_id="e")
     assert P2PConnectorScheduler(cfg, dict(LAYOUT), BS, list(PRODUCER_ADDR)).lease_s == 30.0
+
+
+# --------------------------------------------------------------------------- identity
+def test_params_of_another_prompt_become_a_load_error_without_contacting_the_producer():
+    cons = make("kv_consumer")
+    other = prompt_digest(list(range(21, 31)), None)  # another prompt of the same length
+    r = req("r", 10, remote_params(prompt_digest=other))
+    cons.validate_request(r)  # not a 400: handled by kv_load_failure_policy
+    cons.on_new_request(r)
+    assert not cons.has_pending_work()  # no renewals of a grant that is not this prompt's
+    cons.update_state_after_alloc(r, blocks([1, 2, 3]), 10)
+    meta = cons.build_connector_meta()
+    (spec,) = meta.reqs_to_recv
+    assert "prompt_digest does not match" in spec.error and meta.notifications == []
+    # The same prompt under another cache_salt is another prompt too.
+    salted = Request("s", list(range(20, 30)), SamplingParams(max_tokens=8), BS, cache_salt="tenant-b",
+                     kv_transfer_params=remote_params())
+    cons.update_state_after_alloc(salted, blocks([4, 5, 6]), 10)
+    assert "prompt_digest does not match" in cons.build_connector_meta().reqs_to_recv[0].error
+
+
+def test_aborting_a_request_with_foreign_params_releases_nothing():
+    cons = make("kv_consumer")
+    r = req("r", 10, remote_params(prompt_digest="0" * 64))
+    cons.on_new_request(r)
+    r.status = RequestStatus.FINISHED_ABORTED
+    assert cons.request_finished(r, ([],)) == (False, None)
+    assert empty_meta(cons.build_connector_meta())
+
+
+def test_matching_params_carry_the_nonce_and_the_consumer_digest():
+    cons = make("kv_consumer")
+    r = req("r", 10, remote_params())
+    cons.update_state_after_alloc(r, blocks([1, 2, 3]), 10)
+    (spec,) = cons.build_connector_meta().reqs_to_recv
+    assert spec.error == "" and spec.remote_nonce == "nonce-10"
+    assert spec.prompt_digest == prompt_digest(r.prompt_token_ids, None)

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from pd_utils import decode, free_blocks, make_pd, prefill, pump, settle, shutdown  # noqa: E402
+from pd_utils import decode, free_blocks, make_pd, pause_pulls, prefill, pump, settle, shutdown  # noqa: E402
 
 from pdkv import LLM, SamplingParams  # noqa: E402
 from pdkv.request import RequestStatus  # noqa: E402
@@ -117,17 +117,22 @@ def test_abort_during_pull_frees_after_pull(pd):
     p, d = pd
     start_p, start_d = free_blocks(p), free_blocks(d)
     params = prefill(p, PROMPT).kv_transfer_params
+    paused = pause_pulls(d)  # D's read blocks until the test opens the gate
     eng = d.llm_engine
     req, text = eng.make_request(PROMPT, GREEDY, kv_transfer_params=params)
     eng.add_request(req, text)
     eng.step()  # allocates and starts the pull
+    pump([p], paused.entered.is_set, 30)  # P registers the grant; the pull is inside its read now
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    inflight = req.request_id in eng.connector.scheduler._inflight_recv
     eng.abort_request([req.request_id])
-    if inflight:  # the pull may still write into these blocks: they stay held until it ends
-        assert free_blocks(d) < start_d and req.request_id in eng.scheduler._delayed_free
+    for _ in range(5):  # steps while the read is blocked: the blocks stay held
+        eng.step()
+        p.llm_engine.step()
+    assert free_blocks(d) < start_d and req.request_id in eng.scheduler._delayed_free
+    paused.gate.set()
     settle(p, d)
     assert free_blocks(p) == start_p and free_blocks(d) == start_d
+    assert req.request_id not in eng.scheduler._delayed_free
 
 
 def test_abort_during_decode(pd):

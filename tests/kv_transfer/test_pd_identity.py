@@ -42,8 +42,9 @@ TRANSFERS = ["tcp", "shm", pytest.param("mooncake", marks=pytest.mark.skipif(
 
 @pytest.mark.parametrize("transfer", TRANSFERS)
 def test_pd_matches_colocated_and_moves_prompt_blocks(transfer, parity_prompts, colocated_reference):
-    # D without prefix caching so every request pulls all of its prompt's blocks.
-    p, d = make_pd(transfer, d_prefix_caching=False)
+    # D without prefix caching so every request pulls all of its prompt's blocks. Every prompt is
+    # prefilled before the first pull: a long lease keeps a slow machine from expiring them.
+    p, d = make_pd(transfer, d_prefix_caching=False, p_extra={"kv_lease_duration": 600.0})
     try:
         start_p, start_d = free_blocks(p), free_blocks(d)
         prompts = [{"prompt_token_ids": ids} for ids in parity_prompts]

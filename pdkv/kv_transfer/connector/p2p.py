@@ -1,9 +1,13 @@
 """P2PConnector: prefill engine → decode engine KV hand-off (pull) over a transfer engine.
 
 `--kv-transfer-config '{"kv_connector": "P2PConnector", "kv_role": "kv_producer",
-"kv_connector_extra_config": {"transfer": "tcp"}}'`. Extra config: transfer (tcp | shm),
-kv_host / kv_port (producer control server, default 127.0.0.1 / any free port),
-kv_lease_duration (s, default 30), transfer_timeout (s, default 30).
+"kv_connector_extra_config": {"transfer": "tcp"}}'`. Extra config: transfer (tcp | shm |
+mooncake), kv_host / kv_port (producer control server bind address, default 127.0.0.1 / any free
+port), kv_advertise_host (the host put into kv_transfer_params; default kv_host, never a wildcard),
+transfer_port (tcp data port), kv_lease_duration (s, default 30), transfer_timeout (s per pull,
+from submit, default 30), kv_pulls_per_peer (2), kv_pull_threads (16), kv_server_max_connections
+(64), kv_server_idle_timeout (s, 60). See p2p_messages.py for grants (request id, nonce, prompt
+digest) and README's P/D section for the threat model.
 """
 
 from __future__ import annotations

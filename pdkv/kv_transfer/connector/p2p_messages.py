@@ -1,7 +1,17 @@
-"""Typed messages of the P2P connector: scheduler → worker metadata and the P/D control plane."""
+"""Typed messages of the P2P connector: scheduler → worker metadata and the P/D control plane.
+
+A producer holds a request's blocks under a *grant* identified by (engine id, request id, nonce):
+the nonce is random per held request and travels in kv_transfer_params (`remote_nonce`), so a
+notice or read can only ever apply to the grant it was issued for, never to a later request that
+reuses the id. `prompt_digest` (sha256 over the prompt's token ids and cache_salt) binds the grant
+to its prompt: the consumer compares it with its own prompt's digest, and the producer checks the
+consumer's digest again before any byte is read.
+"""
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -18,11 +28,14 @@ class RemoteEngine(msgspec.Struct, frozen=True):
 
 
 class SendSpec(msgspec.Struct):
-    """Producer: hold these blocks for `lease_s` seconds (renewable) until the consumer is done."""
+    """Producer: hold these blocks for `lease_s` seconds (renewable) until the consumer is done,
+    under the grant (request_id, nonce) for the prompt whose digest is `prompt_digest`."""
 
     request_id: str
     block_ids: tuple[list[int], ...]
     lease_s: float
+    nonce: str = ""
+    prompt_digest: str = ""
 
 
 class RecvSpec(msgspec.Struct):
@@ -35,6 +48,10 @@ class RecvSpec(msgspec.Struct):
     local_block_ids: tuple[list[int], ...]
     remote_block_ids: tuple[list[int], ...]
     remote_layout: dict[str, Any]
+    remote_nonce: str = ""
+    prompt_digest: str = ""  # this (consumer) engine's own digest of the request's prompt
+    remote_first_block: int = 0  # index of remote_block_ids[g][0] in the producer's grant
+    error: str = ""  # set: refuse the load without contacting the producer (a load error)
 
 
 class NotifySpec(msgspec.Struct):
@@ -43,6 +60,7 @@ class NotifySpec(msgspec.Struct):
     remote: RemoteEngine
     remote_request_id: str
     kind: str
+    remote_nonce: str = ""
 
 
 class P2PConnectorMetadata(KVConnectorMetadata, kw_only=True):
@@ -60,15 +78,28 @@ class Handshake(msgspec.Struct, tag="handshake"):
 
 
 class Notify(msgspec.Struct, tag="notify"):
-    """Consumer reports a request: "done" (read finished; `nbytes` read), "release" (will never
-    read) or "renew" (still waiting; extend the lease)."""
+    """Consumer reports on grant (request_id, nonce): "done" (read finished; `nbytes` read),
+    "release" (will never read) or "renew" (still waiting; extend the lease). `engine_id` is the
+    producer the consumer means (a restarted producer with another id refuses)."""
 
     request_id: str
     kind: str
     nbytes: int = 0
+    nonce: str = ""
+    engine_id: str = ""
 
 
-ControlRequest = Handshake | Notify
+class Claim(msgspec.Struct, tag="claim"):
+    """Consumer is about to read grant (request_id, nonce) for the prompt whose digest is
+    `prompt_digest`: the producer checks both, renews the lease and opens the grant to reads."""
+
+    request_id: str
+    nonce: str
+    prompt_digest: str
+    engine_id: str = ""
+
+
+ControlRequest = Handshake | Notify | Claim
 
 
 class HandshakeReply(msgspec.Struct):
@@ -79,6 +110,14 @@ class HandshakeReply(msgspec.Struct):
     transfer: str = ""
     peer_info: dict[str, Any] = msgspec.field(default_factory=dict)
     block_bytes: list[int] = msgspec.field(default_factory=list)
+    incarnation: str = ""  # random per producer start: a change means handshake again
+
+
+class ClaimReply(msgspec.Struct):
+    ok: bool
+    error: str = ""
+    block_ids: list[list[int]] = msgspec.field(default_factory=list)  # the grant's, per group
+    incarnation: str = ""
 
 
 class Ack(msgspec.Struct):
@@ -101,14 +140,26 @@ def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
     return "KV layout mismatch between prefill and decode engines (" + "; ".join(diffs) + ")"
 
 
-def send_release(host: str, port: int, request_id: str, timeout: float = 5.0) -> bool:
-    """Tell a producer's control server that `request_id` will never be read (blocking; used by
-    the proxy when a decode leg fails). Returns whether the producer acknowledged."""
+_digest_encoder = msgspec.msgpack.Encoder()
+
+
+def prompt_digest(token_ids: Sequence[int], cache_salt: str | None) -> str:
+    """Hex sha256 over a canonical msgpack of (token ids, cache_salt): what a grant's KV was
+    computed from. Pure; equal on every engine for the same prompt and salt, whatever the block
+    size."""
+    payload = _digest_encoder.encode(["pdkv.prompt.v1", list(token_ids), cache_salt or ""])
+    return hashlib.sha256(payload).hexdigest()
+
+
+def send_release(host: str, port: int, request_id: str, timeout: float = 5.0, nonce: str = "") -> bool:
+    """Tell a producer's control server that grant (`request_id`, `nonce`) will never be read
+    (blocking; used by the proxy when a decode leg fails). Returns whether the producer
+    acknowledged (a wrong or missing nonce is refused: the lease then bounds the hold)."""
     from pdkv.kv_transfer.wire import WireError, connect, recv_msg, send_msg
 
     try:
         with connect(host, port, timeout) as sock:
-            send_msg(sock, Notify(request_id, "release"))
+            send_msg(sock, Notify(request_id, "release", nonce=nonce))
             return recv_msg(sock, Ack).ok
     except (OSError, WireError):
         return False

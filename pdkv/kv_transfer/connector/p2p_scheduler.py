@@ -6,10 +6,15 @@ consumer where to read them. Consumer (kv_consumer): a request with `do_remote_p
 blocks for its whole prompt, waits in WAITING_FOR_REMOTE_KVS while the worker pulls the blocks,
 then recomputes only the last prompt token (which yields the first output token: D samples it;
 P's sampled token is dropped, as in vLLM).
+
+Identity: P issues every held request a random `remote_nonce` and the `prompt_digest` of its
+prompt (token ids + cache_salt); D compares that digest with its own prompt's before pulling, and
+a mismatch is a load error handled by kv_load_failure_policy (nothing is read, P is not told).
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +26,7 @@ from pdkv.kv_transfer.connector.p2p_messages import (
     RemoteEngine,
     SendSpec,
     layout_mismatch,
+    prompt_digest,
 )
 from pdkv.request import RequestStatus
 
@@ -29,7 +35,8 @@ if TYPE_CHECKING:
     from pdkv.config import KVTransferConfig
     from pdkv.request import Request
 
-REQUIRED_PARAMS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_port")
+REQUIRED_PARAMS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_port",
+                   "remote_nonce", "prompt_digest")
 
 
 class P2PConnectorScheduler:
@@ -96,11 +103,25 @@ class P2PConnectorScheduler:
         remote = RemoteEngine(str(p["remote_engine_id"]), str(p["remote_host"]), int(p["remote_port"]))
         return remote, str(p["remote_request_id"])
 
+    @staticmethod
+    def _digest_error(request: Request) -> str:
+        """Why the params' prompt_digest does not describe this request's prompt, or ""."""
+        p = request.kv_transfer_params or {}
+        mine = prompt_digest(request.prompt_token_ids, request.cache_salt)
+        if str(p.get("prompt_digest")) == mine:
+            return ""
+        return ("kv_transfer_params.prompt_digest does not match this request's prompt and "
+                "cache_salt: the remote KV belongs to another prompt")
+
+    def _notice(self, request: Request, kind: str) -> NotifySpec:
+        remote, rid = self._remote(request)
+        nonce = str((request.kv_transfer_params or {}).get("remote_nonce", ""))
+        return NotifySpec(remote, rid, kind, nonce)
+
     # ------------------------------------------------------------- lifecycle
     def on_new_request(self, request: Request) -> None:
-        if self._wants_remote_prefill(request):
-            remote, rid = self._remote(request)
-            self._waiting_remote[request.request_id] = NotifySpec(remote, rid, "renew")
+        if self._wants_remote_prefill(request) and not self._digest_error(request):
+            self._waiting_remote[request.request_id] = self._notice(request, "renew")
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._wants_remote_prefill(request):
@@ -115,16 +136,20 @@ class P2PConnectorScheduler:
         remote, remote_rid = self._remote(request)
         self._waiting_remote.pop(request.request_id, None)
         local = blocks.get_block_ids()
-        if num_external_tokens > 0:
+        error = self._digest_error(request)
+        if num_external_tokens > 0 or error:
             first = request.num_computed_tokens // self.block_size
             remote_ids = tuple(
                 list(g[first : first + len(lg)]) for g, lg in zip(p["remote_block_ids"], local)
             )
-            self._to_recv.append(RecvSpec(request.request_id, remote, remote_rid, local, remote_ids,
-                                          dict(p.get("layout") or {})))
+            self._to_recv.append(RecvSpec(
+                request.request_id, remote, remote_rid, local, remote_ids, dict(p.get("layout") or {}),
+                remote_nonce=str(p.get("remote_nonce", "")),
+                prompt_digest=prompt_digest(request.prompt_token_ids, request.cache_salt),
+                remote_first_block=first, error=error))
             self._inflight_recv.add(request.request_id)
         else:  # everything was local: the producer can let go
-            self._notify.append(NotifySpec(remote, remote_rid, "release"))
+            self._notify.append(self._notice(request, "release"))
         p["do_remote_prefill"] = False  # one transfer per request
 
     def build_connector_meta(self) -> P2PConnectorMetadata:
@@ -148,16 +173,17 @@ class P2PConnectorScheduler:
         if rid in self._inflight_recv:  # aborted during the pull: free after it ends
             return True, None
         if self._wants_remote_prefill(request):  # aborted before pulling: let P go
-            self._waiting_remote.pop(rid, None)
-            remote, remote_rid = self._remote(request)
-            self._notify.append(NotifySpec(remote, remote_rid, "release"))
+            if self._waiting_remote.pop(rid, None) is not None:  # (never for another prompt's grant)
+                self._notify.append(self._notice(request, "release"))
             return False, None
         done_ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         if not (p.get("do_remote_decode") and self.config.is_kv_producer and done_ok):
             return False, None
         if not any(block_ids):
             return False, None
-        self._to_send.append(SendSpec(rid, block_ids, self.lease_s))
+        nonce = secrets.token_hex(16)
+        digest = prompt_digest(request.prompt_token_ids, request.cache_salt)
+        self._to_send.append(SendSpec(rid, block_ids, self.lease_s, nonce, digest))
         self._held[rid] = sum(len(g) for g in block_ids)
         host, port = self.control_address
         return True, {
@@ -168,6 +194,8 @@ class P2PConnectorScheduler:
             "remote_block_ids": [list(g) for g in block_ids],
             "remote_host": host,
             "remote_port": port,
+            "remote_nonce": nonce,
+            "prompt_digest": digest,
             "tp_size": 1,
             "block_size": self.block_size,
             "num_tokens": request.num_prompt_tokens,

@@ -9,8 +9,15 @@ is the connector's and is the same for every engine.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+Grant = tuple[str, str]
+"""(request id, nonce) of the producer's grant a read belongs to."""
+
+Authorizer = Callable[[Grant | None, str, list[tuple[int, int]]], str | None]
+"""Producer side: (grant, region, [(offset, length)]) -> None to serve the ranges, or why not."""
 
 
 @dataclass(frozen=True)
@@ -81,21 +88,33 @@ class TransferEngine(ABC):
     def register_local(self, name: str, buffer: memoryview) -> None:
         """Consumer side: a buffer reads will land in (engines that must pin it)."""
 
-    def start(self, host: str) -> None:
-        """Start serving registered regions (producer side)."""
+    def start(self, host: str, advertise_host: str | None = None) -> None:
+        """Start serving registered regions (producer side) on `host`; peer_info names
+        `advertise_host` (default: `host`), the address consumers connect to."""
+
+    def set_authorizer(self, authorizer: Authorizer) -> None:
+        """Producer side, before `start`: engines that serve reads themselves (tcp) ask
+        `authorizer` before serving each read and refuse it when it returns a reason. One-sided
+        engines (shm, mooncake) cannot: they are for same-host / trusted networks only."""
+
+    def forget_peer(self, peer: dict[str, Any]) -> None:
+        """Consumer side, any thread: drop cached connections or mappings to `peer` (after a
+        failure, e.g. the producer restarted)."""
 
     @abstractmethod
     def peer_info(self) -> dict[str, Any]:
         """What a consumer needs to read this engine's regions (sent in the handshake)."""
 
     @abstractmethod
-    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float) -> int:
+    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None) -> int:
         """Perform the reads; returns bytes read.
 
         Args:
             peer: the producer's peer_info().
             ops: reads, in any order.
-            deadline: time.monotonic() by which all must be done.
+            deadline: time.monotonic() by which all must be done (the whole read, not each
+                network call).
+            grant: the producer grant the reads belong to (sent to engines that check it).
 
         Raises:
             TransferError: unreachable peer, bad region/offset, or deadline passed.

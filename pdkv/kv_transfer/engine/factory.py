@@ -18,7 +18,9 @@ def create_transfer_engine(name: str, options: dict[str, Any]) -> TransferEngine
     if name == "tcp":
         from pdkv.kv_transfer.engine.tcp import TcpTransferEngine
 
-        return TcpTransferEngine(port=int(options.get("transfer_port", 0)))
+        return TcpTransferEngine(port=int(options.get("transfer_port", 0)),
+                                 max_connections=int(options.get("kv_server_max_connections", 64)),
+                                 idle_timeout=float(options.get("kv_server_idle_timeout", 60.0)))
     if name == "shm":
         from pdkv.kv_transfer.engine.shm import ShmTransferEngine
 

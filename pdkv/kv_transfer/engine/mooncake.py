@@ -4,6 +4,9 @@
 issues one batch of synchronous reads. API as documented by Mooncake's Python bindings:
 initialize(host, "P2PHANDSHAKE", protocol, device), register_memory(addr, n),
 batch_transfer_sync_read(session, local_addrs, remote_addrs, lengths) -> 0 | negative.
+Reads are one-sided (registered memory): anyone who reaches the endpoint can read all of the
+producer's KV cache, so this engine is for trusted cluster networks (grants are checked on the
+control plane only).
 """
 
 from __future__ import annotations
@@ -12,7 +15,13 @@ import threading
 import time
 from typing import Any
 
-from pdkv.kv_transfer.engine.base import ReadOp, TransferEngine, TransferError, buffer_address
+from pdkv.kv_transfer.engine.base import (
+    Grant,
+    ReadOp,
+    TransferEngine,
+    TransferError,
+    buffer_address,
+)
 
 _address = buffer_address
 
@@ -60,11 +69,15 @@ class MooncakeTransferEngine(TransferEngine):
     def register_local(self, name: str, buffer: memoryview) -> None:
         self._register("local:" + name, buffer)
 
+    def start(self, host: str, advertise_host: str | None = None) -> None:
+        if advertise_host:
+            self._host = advertise_host
+
     def peer_info(self) -> dict[str, Any]:
         return {"session": f"{self._host}:{self._te.get_rpc_port()}",
                 "regions": {k: list(v) for k, v in self._regions.items() if not k.startswith("local:")}}
 
-    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float) -> int:
+    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None) -> int:
         regions = peer.get("regions", {})
         locals_, remotes, lengths = [], [], []
         for op in ops:

@@ -1,5 +1,7 @@
 """`shm` transfer engine (same host): the producer's KV cache lives in named shared memory and the
-consumer copies blocks straight out of it (one memcpy per run of bytes)."""
+consumer copies blocks straight out of it (one memcpy per run of bytes). Reads are one-sided: any
+process of the same user that learns a segment name can map all of the producer's KV cache, so
+this engine is for a single trusted host (grants are checked on the control plane only)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import time
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
-from pdkv.kv_transfer.engine.base import ReadOp, TransferEngine, TransferError, coalesce
+from pdkv.kv_transfer.engine.base import Grant, ReadOp, TransferEngine, TransferError, coalesce
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:
@@ -46,7 +48,7 @@ class ShmTransferEngine(TransferEngine):
     def peer_info(self) -> dict[str, Any]:
         return {"segments": dict(self._names)}
 
-    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float) -> int:
+    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None) -> int:
         segments = peer.get("segments", {})
         total = 0
         for op in ops:
@@ -71,6 +73,13 @@ class ShmTransferEngine(TransferEngine):
             op.dest.cast("B")[: op.length] = shm.buf[op.offset : op.offset + op.length]
             total += op.length
         return total
+
+    def forget_peer(self, peer: dict[str, Any]) -> None:
+        for seg_name in dict(peer.get("segments", {})).values():
+            shm = self._attached.pop(seg_name, None)
+            if shm is not None:
+                with contextlib.suppress(BufferError):
+                    shm.close()
 
     def close(self) -> None:
         for shm in self._attached.values():

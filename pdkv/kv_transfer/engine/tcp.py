@@ -1,5 +1,10 @@
 """`tcp` transfer engine: the producer serves byte ranges of its regions over a TCP socket;
-the consumer receives them straight into its KV cache blocks (recv_into, no extra copy)."""
+the consumer receives them straight into its KV cache blocks (recv_into, no extra copy).
+
+Every read names the producer grant it belongs to; with an authorizer set (the P2P connector
+always sets one) the server serves only ranges inside the blocks held for that grant. Server
+connections are bounded in number and dropped when idle; a consumer read has one deadline for
+the whole transfer, however slowly the peer sends."""
 
 from __future__ import annotations
 
@@ -11,7 +16,14 @@ from typing import Any
 
 import msgspec
 
-from pdkv.kv_transfer.engine.base import ReadOp, TransferEngine, TransferError, coalesce
+from pdkv.kv_transfer.engine.base import (
+    Authorizer,
+    Grant,
+    ReadOp,
+    TransferEngine,
+    TransferError,
+    coalesce,
+)
 from pdkv.kv_transfer.wire import (
     WireError,
     connect,
@@ -28,6 +40,8 @@ logger = logging.getLogger(__name__)
 class _ReadRequest(msgspec.Struct):
     region: str
     ranges: list[tuple[int, int]]  # (offset, length)
+    request_id: str = ""
+    nonce: str = ""
 
 
 class _ReadReply(msgspec.Struct):
@@ -39,54 +53,70 @@ class _ReadReply(msgspec.Struct):
 class TcpTransferEngine(TransferEngine):
     """Args:
         port: data port to listen on (0 = any free port), producer side.
+        max_connections: connections the data server serves at once (more are closed).
+        idle_timeout: seconds a server connection may wait for a request or stall a send.
     """
 
     name = "tcp"
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, max_connections: int = 64, idle_timeout: float = 60.0) -> None:
         self._regions: dict[str, memoryview] = {}
         self._port = port
+        self._max_connections = max_connections
+        self._idle_timeout = idle_timeout
         self._server: socket.socket | None = None
         self._host = "127.0.0.1"
+        self._authorizer: Authorizer | None = None
         self._conns: dict[tuple[str, int], socket.socket] = {}
         self._conn_lock = threading.Lock()
 
     def register_region(self, name: str, buffer: memoryview) -> None:
         self._regions[name] = buffer.cast("B")
 
-    def start(self, host: str) -> None:
-        self._host = host
-        self._server = start_server(host, self._port, self._serve, "pdkv-tcp-transfer")
+    def set_authorizer(self, authorizer: Authorizer) -> None:
+        self._authorizer = authorizer
+
+    def start(self, host: str, advertise_host: str | None = None) -> None:
+        self._host = advertise_host or host
+        self._server = start_server(host, self._port, self._serve, "pdkv-tcp-transfer",
+                                    self._max_connections, self._idle_timeout)
         self._port = self._server.getsockname()[1]
 
     def peer_info(self) -> dict[str, Any]:
         return {"host": self._host, "port": self._port}
 
     # ---------------------------------------------------------------- server
+    def _refusal(self, req: _ReadRequest) -> str | None:
+        region = self._regions.get(req.region)
+        if region is None or any(o < 0 or n < 0 or o + n > len(region) for o, n in req.ranges):
+            return f"bad region or range in {req.region!r}"
+        if self._authorizer is not None:
+            grant = (req.request_id, req.nonce) if req.request_id else None
+            return self._authorizer(grant, req.region, req.ranges)
+        return None
+
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            while True:
-                try:
-                    req = recv_msg(conn, _ReadRequest)
-                except (WireError, OSError):
-                    return
-                region = self._regions.get(req.region)
-                total = sum(n for _, n in req.ranges)
-                bad = region is None or any(o < 0 or n < 0 or o + n > len(region) for o, n in req.ranges)
-                try:
-                    if bad:
-                        send_msg(conn, _ReadReply(False, error=f"bad region or range in {req.region!r}"))
-                        continue
-                    assert region is not None
-                    send_msg(conn, _ReadReply(True, total))
-                    for off, n in req.ranges:
-                        conn.sendall(region[off : off + n])
-                except OSError:
-                    return
+        while True:
+            try:
+                req = recv_msg(conn, _ReadRequest)
+            except (WireError, OSError):
+                return
+            try:
+                error = self._refusal(req)
+                if error is not None:
+                    send_msg(conn, _ReadReply(False, error=error))
+                    continue
+                region = self._regions[req.region]
+                send_msg(conn, _ReadReply(True, sum(n for _, n in req.ranges)))
+                for off, n in req.ranges:
+                    conn.sendall(region[off : off + n])
+            except OSError:
+                return
 
     # ---------------------------------------------------------------- client
-    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float) -> int:
+    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None) -> int:
         key = (str(peer["host"]), int(peer["port"]))
+        rid, nonce = grant if grant is not None else ("", "")
         by_region: dict[str, list[ReadOp]] = {}
         for op in coalesce(ops):
             by_region.setdefault(op.region, []).append(op)
@@ -95,17 +125,17 @@ class TcpTransferEngine(TransferEngine):
         try:
             for region, region_ops in by_region.items():
                 self._set_timeout(sock, deadline)
-                send_msg(sock, _ReadRequest(region, [(op.offset, op.length) for op in region_ops]))
-                reply = recv_msg(sock, _ReadReply)
+                send_msg(sock, _ReadRequest(region, [(op.offset, op.length) for op in region_ops], rid, nonce))
+                reply = recv_msg(sock, _ReadReply, deadline)
                 if not reply.ok:
                     raise TransferError(f"peer {key[0]}:{key[1]} refused read: {reply.error}")
                 for op in region_ops:
-                    self._set_timeout(sock, deadline)
-                    recv_exact_into(sock, op.dest.cast("B")[: op.length])
+                    recv_exact_into(sock, op.dest.cast("B")[: op.length], deadline)
                     total += op.length
         except (OSError, WireError) as e:
             sock.close()  # its stream position is unknown: never reuse it
-            raise TransferError(f"read from {key[0]}:{key[1]} failed: {e}") from None
+            why = "transfer deadline passed" if isinstance(e, TimeoutError) else str(e)
+            raise TransferError(f"read from {key[0]}:{key[1]} failed: {why}") from None
         except TransferError:
             sock.close()
             raise
@@ -139,6 +169,12 @@ class TcpTransferEngine(TransferEngine):
                 self._conns[key] = sock
                 return
         sock.close()
+
+    def forget_peer(self, peer: dict[str, Any]) -> None:
+        with self._conn_lock:
+            sock = self._conns.pop((str(peer.get("host")), int(peer.get("port", 0))), None)
+        if sock is not None:
+            sock.close()
 
     def close(self) -> None:
         if self._server is not None:

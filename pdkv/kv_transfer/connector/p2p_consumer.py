@@ -1,0 +1,247 @@
+"""Consumer side of the P2P worker half: pulls of remote blocks into local ones and the notices
+(renew, release, done) sent to producers' control servers.
+
+Pulls and notices run on separate thread pools, each with bounded concurrency per producer, so
+an unreachable producer stalls only its own work. A pull's deadline is stamped when it is
+submitted; until its read begins (the producer accepts its claim) its lease keeps being renewed.
+A pull first claims its grant: the producer checks the nonce and the prompt digest, and returns
+the grant's block ids, which must match the ones in kv_transfer_params. A failure, or a producer
+whose incarnation changed (restart), drops the cached handshake and connections to it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from pdkv.kv_transfer.connector.p2p_messages import (
+    Ack,
+    Claim,
+    ClaimReply,
+    Handshake,
+    HandshakeReply,
+    Notify,
+    NotifySpec,
+    RecvSpec,
+    RemoteEngine,
+)
+from pdkv.kv_transfer.connector.p2p_peer_queue import PeerQueues
+from pdkv.kv_transfer.connector.p2p_results import WorkerResults
+from pdkv.kv_transfer.engine.base import ReadOp, TransferEngine, TransferError
+from pdkv.kv_transfer.wire import WireError, connect, recv_msg, send_msg
+
+if TYPE_CHECKING:
+    from pdkv.config import KVTransferConfig
+
+logger = logging.getLogger(__name__)
+
+NOTICE_TIMEOUT_S = 5.0
+
+
+class _Pull:
+    """A submitted pull: its deadline (stamped at submit) and renewal state."""
+
+    def __init__(self, spec: RecvSpec, deadline: float, next_renew: float) -> None:
+        self.spec = spec
+        self.deadline = deadline
+        self.next_renew = next_renew
+        self.started = False  # a pull thread took it
+        self.cancelled = False  # failed while still queued
+        self.claimed = False  # the producer accepted the claim: the read begins
+
+
+class _Refused(TransferError):
+    """The producer refused the claim: the grant is not this request's, so never release it."""
+
+
+class ConsumerSide:
+    """Args:
+        config: kv_transfer_config (extra: transfer_timeout, kv_lease_duration,
+            kv_pulls_per_peer, kv_pull_threads).
+        layout: this engine's layout fingerprint (sent in handshakes).
+        engine: the transfer engine reads go through.
+        results: where finished loads are reported.
+        regions: this engine's KV cache bytes per group (filled at register_kv_caches).
+        block_bytes: bytes per block of each group (filled at register_kv_caches).
+    """
+
+    def __init__(self, config: KVTransferConfig, layout: dict[str, Any], engine: TransferEngine,
+                 results: WorkerResults, regions: list[memoryview], block_bytes: list[int]) -> None:
+        extra = config.kv_connector_extra_config
+        self.config = config
+        self.layout = layout
+        self.engine = engine
+        self.results = results
+        self.regions = regions
+        self.block_bytes = block_bytes
+        self.timeout = float(extra.get("transfer_timeout", 30.0))  # type: ignore[arg-type]
+        self.renew_every = float(extra.get("kv_lease_duration", 30.0)) / 3  # type: ignore[arg-type]
+        per_peer = int(extra.get("kv_pulls_per_peer", 2))  # type: ignore[call-overload]
+        threads = int(extra.get("kv_pull_threads", 16))  # type: ignore[call-overload]
+        self._pull_pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pdkv-kv-pull")
+        self._notice_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdkv-kv-notice")
+        self._pulls = PeerQueues(self._pull_pool, per_peer)
+        self._notices = PeerQueues(self._notice_pool, 1, max_queued=256)
+        self._lock = threading.Lock()
+        self._unclaimed: dict[str, _Pull] = {}  # request id -> pull whose read has not begun
+        self._handshakes: dict[RemoteEngine, HandshakeReply] = {}
+
+    # ----------------------------------------------------------- engine loop
+    def submit(self, pulls: list[RecvSpec], notices: list[NotifySpec]) -> None:
+        """Engine loop: start these pulls and send these notices (never blocks)."""
+        now = time.monotonic()
+        for spec in pulls:
+            if spec.error:  # refused before contacting anyone: nothing to read, nothing to tell
+                self.results.load_failed(spec.request_id, spec.error, spec.local_block_ids)
+                continue
+            pull = _Pull(spec, now + self.timeout, now + self.renew_every)
+            with self._lock:
+                self._unclaimed[spec.request_id] = pull
+            self._pulls.submit(spec.remote, lambda pull=pull: self._run(pull))  # type: ignore[misc]
+        for note in notices:
+            self._send_notice(note)
+
+    def tick(self) -> None:
+        """Engine loop (each step): renew the leases of pulls whose read has not begun; fail
+        queued pulls whose deadline passed."""
+        now = time.monotonic()
+        renew, late = [], []
+        with self._lock:
+            for pull in self._unclaimed.values():
+                if not pull.started and now > pull.deadline:
+                    pull.cancelled = True
+                    late.append(pull)
+                elif now >= pull.next_renew:
+                    pull.next_renew = now + self.renew_every
+                    renew.append(pull.spec)
+            for pull in late:
+                del self._unclaimed[pull.spec.request_id]
+        for spec in renew:
+            self._send_notice(NotifySpec(spec.remote, spec.remote_request_id, "renew", spec.remote_nonce))
+        for pull in late:
+            self._failed(pull.spec, TransferError("transfer deadline passed while waiting for the producer"))
+
+    def next_deadline(self) -> float | None:
+        """When `tick` must next run (a renewal or a queued pull's deadline), or None."""
+        with self._lock:
+            times = [min(p.next_renew, p.deadline) for p in self._unclaimed.values()]
+        return min(times, default=None)
+
+    # ---------------------------------------------------------------- notices
+    def _send_notice(self, note: NotifySpec) -> None:
+        if not self._notices.submit(note.remote, lambda: self._notify_quietly(note)):
+            logger.info("notice queue to %s full: %s for %s dropped", note.remote, note.kind, note.remote_request_id)
+
+    def _notify_quietly(self, note: NotifySpec) -> None:
+        msg = Notify(note.remote_request_id, note.kind, nonce=note.remote_nonce, engine_id=note.remote.engine_id)
+        try:
+            self._control(note.remote, msg, Ack, time.monotonic() + NOTICE_TIMEOUT_S)
+        except TransferError as e:
+            logger.info("notification %s for %s not delivered: %s", note.kind, note.remote_request_id, e)
+
+    # ------------------------------------------------------------------ pulls
+    def _control(self, remote: RemoteEngine, msg: Handshake | Notify | Claim, reply_type: type,
+                 deadline: float) -> Any:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferError("deadline passed before contacting the producer")
+        try:
+            with connect(remote.host, remote.port, left) as sock:
+                send_msg(sock, msg)
+                return recv_msg(sock, reply_type, deadline)
+        except (OSError, WireError) as e:
+            raise TransferError(f"producer {remote.host}:{remote.port} unreachable: {e}") from None
+
+    def _handshake(self, remote: RemoteEngine, deadline: float) -> HandshakeReply:
+        with self._lock:
+            reply = self._handshakes.get(remote)
+        if reply is None:
+            reply = self._control(remote, Handshake(self.config.engine_id, self.layout), HandshakeReply, deadline)
+            if not reply.ok:
+                raise TransferError(reply.error)
+            with self._lock:
+                self._handshakes[remote] = reply
+        return reply
+
+    def _forget(self, remote: RemoteEngine) -> None:
+        """Drop the cached handshake of `remote` and the transfer engine's connections to it."""
+        with self._lock:
+            reply = self._handshakes.pop(remote, None)
+        if reply is not None:
+            self.engine.forget_peer(reply.peer_info)
+
+    def _read_ops(self, spec: RecvSpec, peer: HandshakeReply) -> list[ReadOp]:
+        ops = []
+        for g, (local, remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
+            bb = self.block_bytes[g]
+            if peer.block_bytes[g] != bb:
+                raise TransferError(f"block bytes differ: producer {peer.block_bytes[g]}, consumer {bb}")
+            # One op per run of blocks consecutive on both sides (fewer, larger copies).
+            i = 0
+            while i < len(local):
+                j = i + 1
+                while j < len(local) and local[j] == local[j - 1] + 1 and remote[j] == remote[j - 1] + 1:
+                    j += 1
+                n = (j - i) * bb
+                dest = self.regions[g][local[i] * bb : local[i] * bb + n]
+                ops.append(ReadOp(f"g{g}", remote[i] * bb, n, dest))
+                i = j
+        return ops
+
+    def _claim(self, spec: RecvSpec, pull: _Pull) -> HandshakeReply:
+        """Handshake (cached) and claim the grant; returns the producer's handshake."""
+        remote = spec.remote
+        peer = self._handshake(remote, pull.deadline)
+        claim = Claim(spec.remote_request_id, spec.remote_nonce, spec.prompt_digest, remote.engine_id)
+        reply: ClaimReply = self._control(remote, claim, ClaimReply, pull.deadline)
+        if reply.incarnation and reply.incarnation != peer.incarnation:  # the producer restarted
+            self._forget(remote)
+            peer = self._handshake(remote, pull.deadline)
+        if not reply.ok:
+            raise _Refused(f"producer refused the read: {reply.error}")
+        with self._lock:
+            pull.claimed = True
+            self._unclaimed.pop(spec.request_id, None)
+        first = spec.remote_first_block
+        for g, remote_ids in enumerate(spec.remote_block_ids):
+            held = reply.block_ids[g][first : first + len(remote_ids)] if g < len(reply.block_ids) else []
+            if held != list(remote_ids):
+                raise TransferError(f"kv_transfer_params.remote_block_ids (group {g}) are not the blocks "
+                                    "the producer holds for this request")
+        return peer
+
+    def _run(self, pull: _Pull) -> None:
+        with self._lock:
+            if pull.cancelled:
+                return
+            pull.started = True
+        spec = pull.spec
+        t0 = time.monotonic()
+        try:
+            peer = self._claim(spec, pull)
+            grant = (spec.remote_request_id, spec.remote_nonce)
+            nbytes = self.engine.read(peer.peer_info, self._read_ops(spec, peer), pull.deadline, grant)
+            done = Notify(spec.remote_request_id, "done", nbytes, spec.remote_nonce, spec.remote.engine_id)
+            ack = self._control(spec.remote, done, Ack, pull.deadline)
+            if not ack.ok:  # the producer may have reused the blocks: the data is not trustworthy
+                raise TransferError(f"producer did not confirm the read: {ack.error}")
+            self.results.load_succeeded(spec.request_id, nbytes, time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - every failure ends the load by policy
+            self._failed(spec, e)
+        finally:
+            with self._lock:
+                self._unclaimed.pop(spec.request_id, None)
+
+    def _failed(self, spec: RecvSpec, error: Exception) -> None:
+        logger.warning("KV pull for %s failed: %s", spec.request_id, error)
+        self.results.load_failed(spec.request_id, str(error), spec.local_block_ids)
+        if isinstance(error, _Refused):
+            return
+        self._forget(spec.remote)
+        self._send_notice(NotifySpec(spec.remote, spec.remote_request_id, "release", spec.remote_nonce))
+
+    def shutdown(self) -> None:
+        self._pull_pool.shutdown(wait=False, cancel_futures=True)
+        self._notice_pool.shutdown(wait=False, cancel_futures=True)
