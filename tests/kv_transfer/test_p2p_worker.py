@@ -179,7 +179,7 @@ def test_a_spec_refused_by_the_scheduler_fails_without_contacting_anyone(workers
     nowhere = RemoteEngine("P", "127.0.0.1", free_port())
     refused = RecvSpec("d", nowhere, "r", ([0],), ([1],), dict(LAYOUT), "n", "x", error="digest differs")
     assert pull(cons, [refused], timeout=5) == {"d": "digest differs"}
-    assert cons.get_block_ids_with_load_errors() == {0}
+    assert cons.get_block_ids_with_load_errors() == {(0, 0)}
 
 
 def _notify(prod: P2PConnectorWorker, msg: Notify) -> Ack:

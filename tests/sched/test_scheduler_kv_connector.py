@@ -26,7 +26,7 @@ from pdkv.kv_transfer.connector.base import (
     KVConnectorRole,
 )
 from pdkv.kv_transfer.connector.p2p import P2PConnector
-from pdkv.kv_transfer.connector.p2p_messages import P2PConnectorMetadata
+from pdkv.kv_transfer.connector.p2p_messages import P2PConnectorMetadata, prompt_digest
 from pdkv.request import Request, RequestStatus
 from pdkv.sampling_params import SamplingParams
 from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -743,7 +743,8 @@ def test_real_p2p_connector_scheduler_half_drives_a_remote_prefill():
     prompt = prompt_of(40, 10)
     params = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_request_id": "p-r",
               "remote_block_ids": [[20, 21, 22]], "remote_host": "10.0.0.2", "remote_port": 7,
-              "block_size": BS, "num_tokens": 10, "layout": dict(layout)}
+              "block_size": BS, "num_tokens": 10, "layout": dict(layout),
+              "remote_nonce": "n0", "prompt_digest": prompt_digest(prompt, None)}
     r = Request("r", prompt, SamplingParams(max_tokens=2), BS, kv_transfer_params=params)
     conn.validate_request(r)
     sched.add_request(r)
