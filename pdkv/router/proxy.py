@@ -249,7 +249,10 @@ def build_proxy_app(
             p.inflight -= 1
         if r.status_code != 200:
             return Response(r.content, status_code=r.status_code, media_type="application/json")
-        params = r.json().get("kv_transfer_params")
+        try:
+            params = r.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            return _error(f"prefill backend {p.url} answered 200 without a JSON object", 502, "BadGateway")
         decode = dict(body)
         decode["kv_transfer_params"] = params
         sent = False

@@ -122,6 +122,10 @@ def test_over_length_is_400_without_a_prefill_leg(stack):
     assert stack.d.hits["tokenize"] == 1  # a short text fits by its byte count alone
     assert _post(stack.url, json={"prompt": "word " * 100, "max_tokens": 412}).status_code == 200
     assert stack.p.hits["prefill"] == 2
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 512}
+    r = httpx.post(stack.url + "/v1/chat/completions", json=chat, timeout=10)
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    assert stack.d.hits["tokenize"] == 3 and stack.p.hits["prefill"] == 2
 
 
 def test_layout_mismatch_is_503_on_health_and_requests():
