@@ -221,14 +221,14 @@ def build_proxy_app(
         if count is None and length.upper_bound is not None and length.fits(length.upper_bound, max_len) is None:
             return None
         if count is None and length.tokenize_body is not None:
+            # D's own count; when D cannot tell, D still enforces the limit on the decode leg.
             try:
                 r = await client.post(d.url + "/tokenize", json=length.tokenize_body, headers=headers, timeout=30.0)
-            except httpx.HTTPError:
-                return None  # D enforces it anyway
-            if r.status_code != 200:
-                return Response(r.content, status_code=r.status_code, media_type="application/json") \
-                    if 400 <= r.status_code < 500 and r.status_code != 404 else None
-            count = int(r.json().get("count", 0))
+                if 400 <= r.status_code < 500 and r.status_code != 404:  # P would reject it too
+                    return Response(r.content, status_code=r.status_code, media_type="application/json")
+                count = int(r.json()["count"]) if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                count = None
         why = length.fits(count, max_len) if count is not None else None
         return _error(why, 400, "BadRequestError") if why else None
 
