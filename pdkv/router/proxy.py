@@ -128,6 +128,11 @@ def build_proxy_app(
 
     app = FastAPI(title="pdkv proxy", lifespan=lifespan)
 
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("proxy error")
+        return _error(f"proxy error: {type(e).__name__}: {e}", 500, "InternalServerError")
+
     def release_soon(params: Any) -> None:
         """Release P's blocks in the background (survives the request's cancellation)."""
         if not _releasable(params):
@@ -261,7 +266,7 @@ def build_proxy_app(
                 await before_decode(params)
             sent = True
             return await _decode_leg(d, path, decode, headers, params, bool(body.get("stream")))
-        except asyncio.CancelledError:
+        except BaseException:  # the client left (cancellation) or a bug
             if not sent:  # D never saw the request: nobody else will release P's blocks
                 release_soon(params)
             raise

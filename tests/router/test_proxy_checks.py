@@ -205,3 +205,17 @@ def test_no_release_when_decode_answers(stack):
     assert _post(stack.url, json={"prompt": "x", "max_tokens": 4}).status_code == 200
     assert not stack.control.got.wait(0.5)
     assert stack.control.notices == []
+
+
+def test_an_unexpected_proxy_error_is_500_json_not_text():
+    async def boom(params):
+        raise RuntimeError("hook failed")
+
+    s = _Stack(before_decode=boom)
+    try:
+        r = _post(s.url, json={"prompt": "x", "max_tokens": 4})
+        assert r.status_code == 500
+        assert r.json()["error"]["type"] == "InternalServerError" and "hook failed" in r.json()["error"]["message"]
+        assert s.control.got.wait(10) and s.control.notices[0][1] == "release"
+    finally:
+        s.stop()
