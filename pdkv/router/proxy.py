@@ -10,8 +10,9 @@ JSON or that D would reject after the prefill (pdkv.router.validate), and 503 wh
 and D have incompatible KV layouts (pdkv.router.backend_info; `/health` reports the same). A
 4xx/5xx from either leg reaches the client with its body (a layout mismatch D reports becomes a
 503); an unreachable backend is a 502; a failure after streaming started ends the stream with an
-error event; a client that disconnects aborts both legs, and one that disconnects after P answered
-and before the decode leg was sent makes the proxy tell P to release the held blocks.
+error event; a client that disconnects aborts both legs, and one that disconnects before the
+decode leg was sent makes the proxy tell P to release the held blocks (P may have finished the
+prefill already).
 (Protocol: vllm tests/v1/kv_connector/nixl_integration/toy_proxy_server.py.)
 """
 
@@ -116,6 +117,7 @@ def build_proxy_app(
     infos = BackendInfos(info_ttl)
     state: dict[str, httpx.AsyncClient] = {}
     releases: set[asyncio.Task[bool]] = set()
+    controls: dict[str, dict[str, Any]] = {}  # prefill URL -> its control address, from its last params
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -249,7 +251,15 @@ def build_proxy_app(
             r = await client.post(p.url + path, json=prefill_body(body), headers=headers)
         except httpx.HTTPError as e:
             infos.forget(p.url)
+            controls.pop(p.url, None)
             return _error(f"prefill backend {p.url} unreachable: {e}", 502, "BadGateway")
+        except BaseException:
+            # The client left during the prefill leg. P may have finished already and hold the
+            # blocks for an answer nobody reads: release by request id (P's request id is the
+            # X-Request-Id) at P's control address as its last answer gave it.
+            if p.url in controls:
+                release_soon({**controls[p.url], "remote_request_id": headers["X-Request-Id"]})
+            raise
         finally:
             p.inflight -= 1
         if r.status_code != 200:
@@ -258,6 +268,8 @@ def build_proxy_app(
             params = r.json().get("kv_transfer_params")
         except (ValueError, AttributeError):
             return _error(f"prefill backend {p.url} answered 200 without a JSON object", 502, "BadGateway")
+        if _releasable(params):
+            controls[p.url] = {"remote_host": params["remote_host"], "remote_port": params["remote_port"]}
         decode = dict(body)
         decode["kv_transfer_params"] = params
         sent = False

@@ -73,6 +73,7 @@ class FakeEngine:
         role, layout: what GET /kv_layout reports (role None: 404, no connector).
         decode_error: (status, message) D answers the decode leg with, if set.
         control_port: where the params say P's control server is (0: none).
+        prefill_hold: when set, prefill answers wait until it is set (prefill_reached tells).
     """
 
     def __init__(self, role: str | None, layout: dict[str, Any] | None = None, max_model_len: int = 512,
@@ -83,7 +84,8 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.decode_error: tuple[int, str] | None = None
         self.control_port = 0
-        self.decode_gate: asyncio.Event | None = None
+        self.prefill_hold: threading.Event | None = None  # set: prefill answers wait for it
+        self.prefill_reached = threading.Event()
         app = FastAPI()
 
         @app.post("/v1/completions")
@@ -93,6 +95,9 @@ class FakeEngine:
             params = body.get("kv_transfer_params") or {}
             if params.get("do_remote_decode"):
                 self.hits["prefill"] += 1
+                if self.prefill_hold is not None:
+                    self.prefill_reached.set()
+                    await asyncio.to_thread(self.prefill_hold.wait, 30)
                 return {"choices": [{"text": "x"}], "kv_transfer_params": {
                     "do_remote_prefill": True, "remote_request_id": "r-" + req.headers["X-Request-Id"],
                     "remote_host": "127.0.0.1" if self.control_port else None, "remote_port": self.control_port}}

@@ -201,6 +201,24 @@ def test_client_gone_between_the_legs_releases_prefill_blocks():
         s.stop()
 
 
+def test_client_gone_during_the_prefill_leg_releases_by_request_id(stack):
+    """P may have finished and hold blocks for an answer the proxy will never read: the proxy
+    releases the request id at the control address P's earlier answer gave."""
+    assert _post(stack.url, json={"prompt": "x", "max_tokens": 4}).status_code == 200  # learn the address
+    stack.p.prefill_hold = threading.Event()
+    try:
+        body = b'{"prompt": "x", "max_tokens": 4}'
+        with socket.create_connection(("127.0.0.1", stack.proxy.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: gone-2\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert stack.p.prefill_reached.wait(10)
+        assert stack.control.got.wait(10)
+        assert stack.control.notices == [("gone-2", "release")]
+        assert stack.d.hits["decode"] == 1
+    finally:
+        stack.p.prefill_hold.set()
+
+
 def test_no_release_when_decode_answers(stack):
     assert _post(stack.url, json={"prompt": "x", "max_tokens": 4}).status_code == 200
     assert not stack.control.got.wait(0.5)
