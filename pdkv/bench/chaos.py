@@ -192,6 +192,7 @@ async def _no_restart() -> tuple[float, float]:
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`pdkv bench chaos` flags (defaults: the full run; CI: --num-requests 50 --lease 3)."""
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--num-requests", type=int, default=500)
     parser.add_argument("--concurrency", type=int, default=4)
@@ -216,6 +217,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Start the topology, run, stop every process; 0 passed, 1 a check failed, 2 no start."""
     topo = build_chaos_topology(args)
     print(f"chaos run: {args.num_requests} requests, lease {args.lease} s, seed {args.seed}; "
           f"logs in {args.log_dir}/", flush=True)

@@ -109,6 +109,7 @@ class LoadResult:
     first_after_restart: Outcome | None = None
 
     def in_window(self, o: Outcome) -> bool:
+        """Whether `o` was in flight at some point of the restart window."""
         lo, hi = self.window
         return o.start <= hi and o.end >= lo
 
