@@ -31,7 +31,7 @@ def test_only_failures_overlapping_the_restart_window_are_excused():
 
 def test_chaos_short_form(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "pdkv.cli", "bench", "chaos", "--num-requests", "50", "--lease", "3",
+        [sys.executable, "-m", "pdkv.cli", "bench", "chaos", "--num-requests", "50", "--lease", "3", "--max-tokens", "8",
          "--seed", "0", "--log-dir", str(tmp_path / "logs")],
         capture_output=True, text=True, timeout=300,
     )
