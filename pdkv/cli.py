@@ -1,4 +1,4 @@
-"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer}."""
+"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos}."""
 
 from __future__ import annotations
 
@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     transfer_bench.add_cli_args(transfer_p)
     transfer_p.set_defaults(func=transfer_bench.main)
+    from pdkv.bench import chaos as chaos_bench
+
+    chaos_p = bench_sub.add_parser(
+        "chaos", help="1P1D through the proxy under client cancels and a prefill restart", formatter_class=fmt
+    )
+    chaos_bench.add_cli_args(chaos_p)
+    chaos_p.set_defaults(func=chaos_bench.main)
     return parser
 
 

@@ -3,9 +3,16 @@
 Prefill leg: a copy of the body with max_tokens=1 (and max_completion_tokens=1), stream off,
 stream_options/min_tokens removed and kv_transfer_params.do_remote_decode=true, sent to a prefill
 engine; its response's kv_transfer_params are copied into the original body, which goes to a
-decode engine (streamed when the client streams). Both legs carry the same X-Request-Id. A 4xx/5xx
-from either leg reaches the client with its body; an unreachable backend is a 502; a failure after
-streaming started ends the stream with an error event; a client that disconnects aborts both legs.
+decode engine (streamed when the client streams). Both legs carry the same X-Request-Id.
+
+Before the prefill leg the proxy answers, without contacting P: 400 for a body that is not strict
+JSON or that D would reject after the prefill (pdkv.router.validate), and 503 when the chosen P
+and D have incompatible KV layouts (pdkv.router.backend_info; `/health` reports the same). A
+4xx/5xx from either leg reaches the client with its body (a layout mismatch D reports becomes a
+503); an unreachable backend is a 502; a failure after streaming started ends the stream with an
+error event; a client that disconnects aborts both legs, and one that disconnects before the
+decode leg was sent makes the proxy tell P to release the held blocks (P may have finished the
+prefill already).
 (Protocol: vllm tests/v1/kv_connector/nixl_integration/toy_proxy_server.py.)
 """
 
@@ -17,7 +24,7 @@ import copy
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -25,7 +32,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdkv.router.backend_info import BackendInfos, pair_mismatch
 from pdkv.router.policies import Backend, RoutingPolicy, make_policy
+from pdkv.router.validate import BadRequest, LengthCheck, check_body, parse_body
 from pdkv.serve.disconnect import ClientDisconnected, until_done_or_disconnect
 
 logger = logging.getLogger(__name__)
@@ -57,15 +66,46 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return p
 
 
+def release_prefill(params: dict[str, Any]) -> bool:
+    """Tell the prefill engine named in `params` (P's kv_transfer_params) that its held blocks
+    will never be read (blocking, best effort; the lease still bounds the hold). The one place
+    that maps the params onto the connector's release helper. Returns whether P acknowledged."""
+    from pdkv.kv_transfer.connector.p2p_messages import send_release
+
+    return send_release(host=str(params["remote_host"]), port=int(params["remote_port"]),
+                        request_id=str(params["remote_request_id"]),
+                        nonce=str(params.get("remote_nonce", "")))
+
+
+def _releasable(params: Any) -> bool:
+    return isinstance(params, dict) and bool(params.get("remote_host")) and "remote_request_id" in params
+
+
+def _is_layout_error(content: bytes) -> bool:
+    return b"KV layout mismatch" in content
+
+
+BeforeDecodeHook = Callable[[dict[str, Any]], Awaitable[None]]
+
+
 def build_proxy_app(
     prefill_urls: list[str],
     decode_urls: list[str],
     routing: str = "round_robin",
     timeout: float = 600.0,
+    info_ttl: float = 5.0,
+    before_decode: BeforeDecodeHook | None = None,
 ) -> FastAPI:
     """The proxy app; one httpx.AsyncClient shared by all requests and one routing policy
     instance per pool (prefill, decode).
 
+    Args:
+        prefill_urls, decode_urls: engine base URLs.
+        routing: policy name within each pool.
+        timeout: per-leg timeout (s).
+        info_ttl: seconds a backend's layout / max_model_len stay trusted before a request
+            refetches them (every /health probe refetches them too).
+        before_decode: test seam, awaited with P's kv_transfer_params between the legs.
     Raises:
         ValueError: an empty pool or an unknown routing policy.
     """
@@ -75,16 +115,41 @@ def build_proxy_app(
     decodes = [Backend(u.rstrip("/")) for u in decode_urls]
     prefill_policy: RoutingPolicy = make_policy(routing)
     decode_policy: RoutingPolicy = make_policy(routing)
+    infos = BackendInfos(info_ttl)
     state: dict[str, httpx.AsyncClient] = {}
+    releases: set[asyncio.Task[bool]] = set()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
         state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), limits=limits)
         yield
+        if releases:
+            await asyncio.wait(releases, timeout=10.0)
         await state["client"].aclose()
 
     app = FastAPI(title="pdkv proxy", lifespan=lifespan)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("proxy error")
+        return _error(f"proxy error: {type(e).__name__}: {e}", 500, "InternalServerError")
+
+    def release_soon(params: Any) -> None:
+        """Release P's blocks in the background (survives the request's cancellation)."""
+        if not _releasable(params):
+            return
+        task = asyncio.ensure_future(asyncio.to_thread(release_prefill, params))
+        releases.add(task)
+        task.add_done_callback(releases.discard)
+
+    def first_mismatch() -> str | None:
+        for p in prefills:
+            for d in decodes:
+                why = pair_mismatch(p.url, infos.get(p.url), d.url, infos.get(d.url))
+                if why:
+                    return why
+        return None
 
     @app.get("/ping")
     async def ping() -> Response:
@@ -93,15 +158,28 @@ def build_proxy_app(
 
     @app.get("/health")
     async def health() -> Response:
+        """200 when every backend is healthy and every (P, D) pair's KV layouts agree; else 503
+        naming the backend or both layout values."""
         client = state["client"]
-        for b in prefills + decodes:
+
+        async def probe(b: Backend) -> bool:
             try:
-                r = await client.get(b.url + "/health", timeout=5.0)
-                ok = r.status_code == 200
+                ok = (await client.get(b.url + "/health", timeout=5.0)).status_code == 200
             except httpx.HTTPError:
                 ok = False
+            if ok:
+                await infos.refresh(client, b.url)
+            else:
+                infos.forget(b.url)
+            return ok
+
+        backends = prefills + decodes
+        for b, ok in zip(backends, await asyncio.gather(*(probe(b) for b in backends))):
             if not ok:
                 return _error(f"backend {b.url} is not healthy", 503, "ServiceUnavailableError")
+        why = first_mismatch()
+        if why:
+            return _error(why, 503, "ServiceUnavailableError")
         return Response(status_code=200)
 
     @app.get("/v1/models")
@@ -122,63 +200,128 @@ def build_proxy_app(
 
     async def _route(raw: Request, path: str) -> Response:
         try:
-            body = await raw.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error("request body is not valid JSON", 400, "BadRequestError")
-        if not isinstance(body, dict):
-            return _error("request body must be a JSON object", 400, "BadRequestError")
+            body = parse_body(await raw.body())
+            length = check_body(body, chat=path.endswith("chat/completions"))
+        except BadRequest as e:
+            return _error(str(e), 400, "BadRequestError")
         rid = raw.headers.get("X-Request-Id") or f"pd-{uuid.uuid4().hex}"
         headers = {"X-Request-Id": rid}
         if "authorization" in raw.headers:
             headers["Authorization"] = raw.headers["authorization"]
         try:
-            return await until_done_or_disconnect(_legs(body, path, headers), raw)
+            return await until_done_or_disconnect(_legs(body, path, headers, length), raw)
         except ClientDisconnected:  # during the prefill leg or a non-streamed decode leg
             return _error("client disconnected", 499, "ClientClosedRequest")
 
-    async def _legs(body: dict[str, Any], path: str, headers: dict[str, str]) -> Response:
+    async def _precheck(p: Backend, d: Backend, length: LengthCheck, headers: dict[str, str]) -> Response | None:
+        """The layout and prompt-length checks, before anything reaches P."""
+        client = state["client"]
+        await infos.ensure(client, [p.url, d.url])
+        why = pair_mismatch(p.url, infos.get(p.url), d.url, infos.get(d.url))
+        if why:
+            return _error(why, 503, "ServiceUnavailableError")
+        d_info = infos.get(d.url)
+        max_len = d_info.max_model_len if d_info else None
+        if length.max_tokens is None or max_len is None:
+            return None
+        count = length.prompt_ids
+        if count is None and length.upper_bound is not None and length.fits(length.upper_bound, max_len) is None:
+            return None
+        if count is None and length.tokenize_body is not None:
+            # D's own count; when D cannot tell, D still enforces the limit on the decode leg.
+            try:
+                r = await client.post(d.url + "/tokenize", json=length.tokenize_body, headers=headers, timeout=30.0)
+                if 400 <= r.status_code < 500 and r.status_code != 404:  # P would reject it too
+                    return Response(r.content, status_code=r.status_code, media_type="application/json")
+                count = int(r.json()["count"]) if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                count = None
+        why = length.fits(count, max_len) if count is not None else None
+        return _error(why, 400, "BadRequestError") if why else None
+
+    async def _legs(body: dict[str, Any], path: str, headers: dict[str, str], length: LengthCheck) -> Response:
         client = state["client"]
         p = prefill_policy.choose(prefills)
+        d = decode_policy.choose(decodes)
+        refused = await _precheck(p, d, length, headers)
+        if refused is not None:
+            return refused
         p.inflight += 1
         try:
             r = await client.post(p.url + path, json=prefill_body(body), headers=headers)
         except httpx.HTTPError as e:
+            infos.forget(p.url)
             return _error(f"prefill backend {p.url} unreachable: {e}", 502, "BadGateway")
         finally:
             p.inflight -= 1
         if r.status_code != 200:
             return Response(r.content, status_code=r.status_code, media_type="application/json")
+        try:
+            params = r.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            return _error(f"prefill backend {p.url} answered 200 without a JSON object", 502, "BadGateway")
         decode = dict(body)
-        params = r.json().get("kv_transfer_params")
         decode["kv_transfer_params"] = params
-        d = decode_policy.choose(decodes)
+        sent = False
+        try:
+            if before_decode is not None:
+                await before_decode(params)
+            sent = True
+            return await _decode_leg(d, path, decode, headers, params, bool(body.get("stream")))
+        except BaseException:  # the client left (cancellation) or a bug
+            if not sent:  # D never saw the request: nobody else will release P's blocks
+                release_soon(params)
+            raise
+
+    async def _decode_leg(d: Backend, path: str, decode: dict[str, Any], headers: dict[str, str],
+                          params: Any, stream: bool) -> Response:
+        client = state["client"]
         d.inflight += 1
-        if not body.get("stream"):
+        if not stream:
             try:
                 r = await client.post(d.url + path, json=decode, headers=headers)
             except httpx.HTTPError as e:
-                await _release(params)
+                infos.forget(d.url)
+                release_soon(params)
                 return _error(f"decode backend {d.url} unreachable: {e}", 502, "BadGateway")
             finally:
                 d.inflight -= 1
             if r.status_code != 200:
-                await _release(params)
+                release_soon(params)
+                return _backend_error(d, r.status_code, r.content)
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         try:
             req = client.build_request("POST", d.url + path, json=decode, headers=headers)
             resp = await client.send(req, stream=True)
-        except httpx.HTTPError as e:
+        except BaseException as e:
             d.inflight -= 1
-            await _release(params)
+            if not isinstance(e, httpx.HTTPError):
+                raise
+            infos.forget(d.url)
+            release_soon(params)
             return _error(f"decode backend {d.url} unreachable: {e}", 502, "BadGateway")
         if resp.status_code != 200:
-            content = await resp.aread()
-            await resp.aclose()
-            d.inflight -= 1
-            await _release(params)
-            return Response(content, status_code=resp.status_code, media_type="application/json")
+            try:
+                content = await resp.aread()
+            finally:
+                await resp.aclose()
+                d.inflight -= 1
+            release_soon(params)
+            return _backend_error(d, resp.status_code, content)
         return StreamingResponse(_relay(resp, d), media_type="text/event-stream",
                                  headers={"X-Request-Id": headers["X-Request-Id"]})
+
+    def _backend_error(d: Backend, status: int, content: bytes) -> Response:
+        """D's error, passed through; a layout mismatch is the deployment's fault (503), not the
+        client's, and what the proxy knew about the layouts is stale."""
+        if status == 400 and _is_layout_error(content):
+            infos.forget(d.url)
+            try:
+                message = str(json.loads(content)["error"]["message"])
+            except (ValueError, KeyError, TypeError):
+                message = content.decode("utf-8", "replace")
+            return _error(message, 503, "ServiceUnavailableError")
+        return Response(content, status_code=status, media_type="application/json")
 
     async def _relay(resp: httpx.Response, d: Backend) -> AsyncIterator[bytes]:
         try:
@@ -192,17 +335,6 @@ def build_proxy_app(
             await resp.aclose()
 
     return app
-
-
-async def _release(params: dict[str, Any] | None) -> None:
-    """The decode leg failed before D could pull: tell P to free the held blocks now instead of
-    at lease expiry (best effort; the lease still bounds the hold)."""
-    if not params or not params.get("remote_host"):
-        return
-    from pdkv.kv_transfer.connector.p2p_messages import send_release
-
-    await asyncio.to_thread(send_release, str(params["remote_host"]), int(params["remote_port"]),
-                            str(params["remote_request_id"]), 5.0, str(params.get("remote_nonce", "")))
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -1,7 +1,7 @@
 """`pdkv serve`: OpenAI-compatible HTTP server (FastAPI + uvicorn) over an AsyncLLM.
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions (stream or not), /tokenize,
-/detokenize, /health, /metrics. Errors use OpenAI's error JSON; a bad request gets 400 and the
+/detokenize, /kv_layout, /health, /metrics. Errors use OpenAI's error JSON; a bad request gets 400 and the
 server keeps serving; a client that disconnects aborts its request.
 """
 
@@ -109,6 +109,15 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
             "max_model_len": max_model_len,
         }
         return {"object": "list", "data": [card]}
+
+    @app.get("/kv_layout")
+    async def kv_layout() -> dict[str, Any]:
+        """This engine's KV role, engine id and cache layout (what a P/D peer must agree on);
+        404 when no kv connector is configured."""
+        kvt = llm.engine.config.kv_transfer_config
+        if kvt is None:
+            raise APIError("this engine has no kv connector (no --kv-transfer-config)", 404, "NotFoundError")
+        return {"kv_role": kvt.kv_role, "engine_id": kvt.engine_id, "layout": dict(llm.engine.runner.layout)}
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:

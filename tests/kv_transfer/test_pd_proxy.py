@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -13,11 +17,14 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "serve"))
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "router"))
 
+from fake_engines import ServerThread  # noqa: E402
 from pd_utils import pd_config  # noqa: E402
 from server_utils import RemoteServer, free_port, metric_value, wait_for_metric  # noqa: E402
 
 from pdkv import LLM, SamplingParams  # noqa: E402
+from pdkv.router.proxy import build_proxy_app  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -58,6 +65,11 @@ class _Stack:
 @pytest.fixture(scope="module")
 def pd_stack():
     stack = _Stack("tcp")
+    # One request first: the engines' gauges (free blocks, held blocks) are set from their steps.
+    r = httpx.post(stack.proxy.url + "/v1/completions", timeout=120,
+                   json={"model": "smollm2", "prompt": "Hello", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert wait_for_metric(stack.p.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
     yield stack.p, stack.d, stack.proxy
     stack.stop()
 
@@ -163,23 +175,76 @@ def test_over_length_prompt_is_400_without_transfer(pd_stack):
     assert metric_value(httpx.get(p.url + "/metrics").text, "pdkv:num_blocks_held_for_remote") == 0
 
 
-def test_decode_rejection_releases_prefill_blocks_at_once(pd_stack):
-    """max_tokens=0 passes the prefill leg (forced to 1) but D rejects it: the proxy passes the
-    400 through and tells P to release, so nothing stays held until the lease expires."""
-    p, d, proxy = pd_stack
-    r = httpx.post(proxy.url + "/v1/completions", timeout=60,
-                   json={"model": "smollm2", "prompt": PROMPTS[1], "max_tokens": 0})
-    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
-    t0 = time.monotonic()
-    assert wait_for_metric(p.url, "pdkv:num_blocks_held_for_remote", 0, timeout=10) == 0
-    assert wait_for_metric(p.url, "pdkv:num_free_blocks", BLOCKS, timeout=10) == BLOCKS
-    assert time.monotonic() - t0 < 10  # far below the 30 s lease
-    assert metric_value(httpx.get(p.url + "/metrics").text, "pdkv:kv_lease_expirations_total") == 0
+def _counters(url: str) -> tuple[float, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return metric_value(text, "pdkv:prompt_tokens_total"), metric_value(text, "pdkv:request_success_total")
 
 
-def test_client_disconnect_mid_stream_frees_both_sides(pd_stack):
+@pytest.mark.parametrize("body", [
+    {"prompt": PROMPTS[1], "max_tokens": 0},
+    {"prompt": PROMPTS[1], "max_tokens": 2, "min_tokens": 3},
+    {"prompt": [7] * (MAX_LEN - 20), "max_tokens": 40},
+    {"prompt": "word " * (MAX_LEN - 40), "max_tokens": 60},
+    {"prompt": PROMPTS[1], "max_tokens": 4, "temperature": float("nan")},
+], ids=["max_tokens_0", "min_over_max", "ids_over_length", "text_over_length", "nan"])
+def test_what_decode_would_reject_is_400_before_any_prefill(pd_stack, body):
+    """The proxy answers 400 without a prefill leg: P's prompt-token and request counters stay."""
     p, d, proxy = pd_stack
-    body = {"model": "smollm2", "prompt": "Tell me a long story.", "max_tokens": 300,
+    before = _counters(p.url)
+    content = json.dumps(body, allow_nan=True).encode()
+    r = httpx.post(proxy.url + "/v1/completions", content=content, timeout=60,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "BadRequestError"
+    assert _counters(p.url) == before
+    assert metric_value(httpx.get(p.url + "/metrics").text, "pdkv:num_blocks_held_for_remote") == 0
+
+
+def _send_raw(port: int, body: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+
+
+def test_client_gone_after_prefill_releases_p_blocks_before_the_lease(pd_stack):
+    """Forced order: the proxy (in-process, with its test hook) holds between the legs until the
+    client has disconnected; P's held blocks come back far sooner than the 30 s lease."""
+    p, d, proxy = pd_stack
+    reached = threading.Event()
+
+    async def hold(params):
+        reached.set()
+        await asyncio.sleep(60)  # cancelled by the disconnect
+
+    expirations = metric_value(httpx.get(p.url + "/metrics").text, "pdkv:kv_lease_expirations_total")
+    server = ServerThread(build_proxy_app([p.url], [d.url], before_decode=hold))
+    try:
+        body = json.dumps({"model": "smollm2", "prompt": PROMPTS[2], "max_tokens": 8}).encode()
+        with _send_raw(server.port, body):
+            assert reached.wait(60)
+        t0 = time.monotonic()
+        assert wait_for_metric(p.url, "pdkv:num_blocks_held_for_remote", 0, timeout=10) == 0
+        assert wait_for_metric(p.url, "pdkv:num_free_blocks", BLOCKS, timeout=10) == BLOCKS
+        assert time.monotonic() - t0 < 15  # the lease is 30 s
+        text = httpx.get(p.url + "/metrics").text
+        assert metric_value(text, "pdkv:kv_lease_expirations_total") == expirations
+        assert metric_value(httpx.get(d.url + "/metrics").text, "pdkv:num_requests_waiting_for_remote_kv") == 0
+    finally:
+        server.stop()
+
+
+def _reasons(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {r: metric_value(text, "pdkv:request_success_total", finished_reason=r) for r in ("abort", "length")}
+
+
+def test_client_disconnect_mid_stream_aborts_decode_and_frees_both_sides(pd_stack):
+    """A ~490-token generation cannot finish before the client leaves after 3 chunks: D counts
+    an abort (not a length finish) and both engines get all their blocks back."""
+    p, d, proxy = pd_stack
+    before = _reasons(d.url)
+    body = {"model": "smollm2", "prompt": "Tell me a long story.", "max_tokens": MAX_LEN - 20,
             "ignore_eos": True, "stream": True, "temperature": 0}
     with httpx.Client(timeout=60) as c, c.stream("POST", proxy.url + "/v1/completions", json=body) as r:
         assert r.status_code == 200
@@ -189,8 +254,46 @@ def test_client_disconnect_mid_stream_frees_both_sides(pd_stack):
             if n >= 3:
                 break
     assert wait_for_metric(d.url, "pdkv:num_requests_running", 0) == 0
+    after = _reasons(d.url)
+    assert after["abort"] == before["abort"] + 1 and after["length"] == before["length"]
     assert wait_for_metric(d.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
     assert wait_for_metric(p.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
+    assert metric_value(httpx.get(p.url + "/metrics").text, "pdkv:num_blocks_held_for_remote") == 0
+
+
+def test_client_disconnect_during_non_streamed_decode_aborts_it(pd_stack):
+    """The client leaves once D is running its request (seen on D's metrics, not timed)."""
+    p, d, proxy = pd_stack
+    before = _reasons(d.url)
+    body = json.dumps({"model": "smollm2", "prompt": "Tell me a long story.", "max_tokens": MAX_LEN - 20,
+                       "ignore_eos": True, "temperature": 0}).encode()
+    with _send_raw(int(proxy.url.rsplit(":", 1)[1]), body):
+        assert wait_for_metric(d.url, "pdkv:num_requests_running", 1, timeout=60) == 1
+    assert wait_for_metric(d.url, "pdkv:num_requests_running", 0) == 0
+    after = _reasons(d.url)
+    assert after["abort"] == before["abort"] + 1 and after["length"] == before["length"]
+    assert wait_for_metric(d.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
+    assert wait_for_metric(p.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
+
+
+def test_layout_mismatch_is_503_on_health_and_requests(pd_stack):
+    """A D with another block size behind the proxy: /health is 503 naming both values, and a
+    request is a 503 (the deployment's fault, not the client's) that never reaches P."""
+    p, _, _ = pd_stack
+    with RemoteServer(["serve", *ENGINE, "--block-size", "32", "--kv-transfer-config",
+                       pd_config("kv_consumer", "tcp")]) as d32, \
+            RemoteServer(["proxy", "--prefill", p.url, "--decode", d32.url], health_path="/ping") as proxy:
+        h = httpx.get(proxy.url + "/health", timeout=30)
+        assert h.status_code == 503
+        assert "block_size: producer=16 consumer=32" in h.json()["error"]["message"]
+        before = _counters(p.url)
+        r = httpx.post(proxy.url + "/v1/completions", timeout=60,
+                       json={"model": "smollm2", "prompt": PROMPTS[0], "max_tokens": 4})
+        assert r.status_code == 503
+        assert "block_size: producer=16 consumer=32" in r.json()["error"]["message"]
+        assert _counters(p.url) == before
+        layout = httpx.get(d32.url + "/kv_layout", timeout=10).json()
+        assert layout["kv_role"] == "kv_consumer" and layout["layout"]["block_size"] == 32
 
 
 def test_unreachable_decode_is_502(pd_stack):

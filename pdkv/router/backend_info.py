@@ -1,0 +1,113 @@
+"""What the proxy knows about each engine: KV role, engine id and layout (GET /kv_layout) and
+max_model_len (GET /v1/models), refreshed when the engine (re)becomes healthy, and the pair check
+that asks the connector whether a prefill and a decode engine can exchange KV."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from pdkv.kv_transfer.connector.p2p_messages import layout_mismatch
+
+PRODUCER_ROLES = ("kv_producer", "kv_both")
+CONSUMER_ROLES = ("kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """One engine's answers.
+
+    Attributes:
+        kv_role: its kv_role, or None when it has no kv connector (GET /kv_layout is 404).
+        engine_id: its kv engine id (None without a connector).
+        layout: its KV cache layout dict (None without a connector).
+        max_model_len: from /v1/models (None when not reported).
+        fetched_at: time.monotonic() of the fetch.
+    """
+
+    kv_role: str | None
+    engine_id: str | None
+    layout: dict[str, Any] | None
+    max_model_len: int | None
+    fetched_at: float
+
+
+async def fetch_info(client: httpx.AsyncClient, url: str, timeout: float = 5.0) -> BackendInfo | None:
+    """GET url/kv_layout and url/v1/models; None when the engine is unreachable or answers
+    anything unexpected (then nothing is known and the caller asks again later)."""
+    try:
+        lay, models = await asyncio.gather(client.get(url + "/kv_layout", timeout=timeout),
+                                           client.get(url + "/v1/models", timeout=timeout))
+    except httpx.HTTPError:
+        return None
+    if lay.status_code == 404:
+        role, engine_id, layout = None, None, None
+    elif lay.status_code == 200:
+        try:
+            data = lay.json()
+            role, engine_id, layout = str(data["kv_role"]), str(data["engine_id"]), dict(data["layout"])
+        except (ValueError, KeyError, TypeError):
+            return None
+    else:
+        return None
+    max_len = None
+    if models.status_code == 200:
+        try:
+            max_len = int(models.json()["data"][0]["max_model_len"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            max_len = None
+    return BackendInfo(role, engine_id, layout, max_len, time.monotonic())
+
+
+def pair_mismatch(p_url: str, p: BackendInfo | None, d_url: str, d: BackendInfo | None) -> str | None:
+    """Why prefill engine `p` and decode engine `d` cannot work together, naming both values
+    (the connector's own layout check), or None when they can or not enough is known."""
+    if p is None or d is None:
+        return None
+    if p.kv_role is not None and p.kv_role not in PRODUCER_ROLES:
+        return f"prefill backend {p_url} has kv_role={p.kv_role!r}, not a producer"
+    if d.kv_role is not None and d.kv_role not in CONSUMER_ROLES:
+        return f"decode backend {d_url} has kv_role={d.kv_role!r}, not a consumer"
+    if p.layout is None or d.layout is None:
+        return None
+    message = layout_mismatch(d.layout, p.layout)
+    if message is None:
+        return None
+    return f"{message}; prefill {p_url}, decode {d_url}"
+
+
+class BackendInfos:
+    """Per-URL BackendInfo, refreshed lazily (unknown or older than `ttl` seconds) and on every
+    health probe. Used from the proxy's event loop only."""
+
+    def __init__(self, ttl: float = 5.0) -> None:
+        self.ttl = ttl
+        self._infos: dict[str, BackendInfo] = {}
+
+    def get(self, url: str) -> BackendInfo | None:
+        """What is known about `url` (None: nothing yet)."""
+        return self._infos.get(url)
+
+    def forget(self, url: str) -> None:
+        """Drop what is known (the engine went away or answered unexpectedly)."""
+        self._infos.pop(url, None)
+
+    async def refresh(self, client: httpx.AsyncClient, url: str) -> BackendInfo | None:
+        """Fetch now; an unreachable engine is forgotten."""
+        info = await fetch_info(client, url)
+        if info is None:
+            self.forget(url)
+        else:
+            self._infos[url] = info
+        return info
+
+    async def ensure(self, client: httpx.AsyncClient, urls: list[str]) -> None:
+        """Refresh the ones that are unknown or stale (concurrently)."""
+        now = time.monotonic()
+        stale = [u for u in urls if (i := self._infos.get(u)) is None or now - i.fetched_at > self.ttl]
+        if stale:
+            await asyncio.gather(*(self.refresh(client, u) for u in stale))

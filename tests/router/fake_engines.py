@@ -1,0 +1,137 @@
+"""Fake P/D engines and a fake P control server for proxy tests (no model; threads on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from pdkv.kv_transfer.connector.p2p_messages import Ack, Notify
+from pdkv.kv_transfer.wire import WireError, recv_msg, send_msg, start_server, stop_server
+from pdkv.router.launcher import free_port
+
+LAYOUT = {"model_digest": "abc", "dtype": "float32", "block_size": 16, "num_layers": 30,
+          "num_kv_heads": 3, "head_size": 64, "kv_layout": "NHD"}
+
+
+class ServerThread:
+    """A uvicorn server for `app` on a thread; `port` 0 = a free one."""
+
+    def __init__(self, app: FastAPI, port: int = 0) -> None:
+        self.port = port or free_port(set())
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(5)
+
+
+class FakeControl:
+    """P's control server: acknowledges notices and records them as (request_id, kind)."""
+
+    def __init__(self) -> None:
+        self.notices: list[tuple[str, str]] = []
+        self.got = threading.Event()
+        self.srv = start_server("127.0.0.1", 0, self._serve, "fake-control")
+        self.port = self.srv.getsockname()[1]
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while True:
+                try:
+                    msg = recv_msg(conn, Notify)
+                except (WireError, OSError):
+                    return
+                self.notices.append((msg.request_id, msg.kind))
+                self.got.set()
+                send_msg(conn, Ack(True))
+
+    def stop(self) -> None:
+        stop_server(self.srv)
+
+
+class FakeEngine:
+    """Answers like a P (kv_transfer_params) or a D (text) and counts each route it served.
+
+    Attributes:
+        hits: route name -> calls ("prefill", "decode", "tokenize", "kv_layout").
+        role, layout: what GET /kv_layout reports (role None: 404, no connector).
+        decode_error: (status, message) D answers the decode leg with, if set.
+        control_port: where the params say P's control server is (0: none).
+        prefill_hold: when set, prefill answers wait until it is set (prefill_reached tells).
+    """
+
+    def __init__(self, role: str | None, layout: dict[str, Any] | None = None, max_model_len: int = 512,
+                 port: int = 0) -> None:
+        self.hits: Counter[str] = Counter()
+        self.role = role
+        self.layout = dict(layout or LAYOUT)
+        self.max_model_len = max_model_len
+        self.decode_error: tuple[int, str] | None = None
+        self.control_port = 0
+        self.prefill_hold: threading.Event | None = None  # set: prefill answers wait for it
+        self.prefill_reached = threading.Event()
+        app = FastAPI()
+
+        @app.post("/v1/completions")
+        @app.post("/v1/chat/completions")
+        async def completions(req: Request) -> Any:
+            body = await req.json()
+            params = body.get("kv_transfer_params") or {}
+            if params.get("do_remote_decode"):
+                self.hits["prefill"] += 1
+                if self.prefill_hold is not None:
+                    self.prefill_reached.set()
+                    await asyncio.to_thread(self.prefill_hold.wait, 30)
+                return {"choices": [{"text": "x"}], "kv_transfer_params": {
+                    "do_remote_prefill": True, "remote_request_id": "r-" + req.headers["X-Request-Id"],
+                    "remote_host": "127.0.0.1" if self.control_port else None, "remote_port": self.control_port}}
+            self.hits["decode"] += 1
+            if self.decode_error:
+                status, message = self.decode_error
+                return JSONResponse({"error": {"message": message, "type": "BadRequestError", "param": None,
+                                               "code": status}}, status_code=status)
+            return {"choices": [{"text": "decoded"}]}
+
+        @app.post("/tokenize")
+        async def tokenize(req: Request) -> Any:
+            body = await req.json()
+            self.hits["tokenize"] += 1
+            n = len(str(body.get("prompt") or body.get("messages")).split())
+            return {"count": n, "max_model_len": self.max_model_len}
+
+        @app.get("/kv_layout")
+        async def kv_layout() -> Any:
+            self.hits["kv_layout"] += 1
+            if self.role is None:
+                return JSONResponse({"error": {"message": "no kv connector"}}, status_code=404)
+            return {"kv_role": self.role, "engine_id": "e-" + self.role, "layout": self.layout}
+
+        @app.get("/v1/models")
+        async def models() -> Any:
+            return {"object": "list", "data": [{"id": "smollm2", "max_model_len": self.max_model_len}]}
+
+        @app.get("/health")
+        async def health() -> Any:
+            return {}
+
+        self.server = ServerThread(app, port)
+        self.url = self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()

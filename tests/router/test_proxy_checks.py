@@ -1,0 +1,221 @@
+"""What the proxy answers before the prefill leg (strict JSON, fields D would reject, prompt
+length, KV layout mismatch) and the release it sends P when a client leaves between the legs.
+Fake engines, no model."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import httpx
+import pytest
+from fake_engines import LAYOUT, FakeControl, FakeEngine, ServerThread
+
+from pdkv.router.launcher import free_port
+from pdkv.router.proxy import build_proxy_app
+from pdkv.router.validate import BadRequest, check_body, parse_body
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"prompt": "x", "temperature": NaN}',
+    b'{"prompt": "x", "temperature": Infinity}',
+    b'{"prompt": "x", "temperature": -Infinity}',
+    b'{"prompt": "x", "temperature": 1e400}',
+    b'{"prompt": "\\ud800"}',
+    b'{"prompt": "x", "stop": ["\\udfff"]}',
+    b'{"\\ud800": 1}',
+    b'{"prompt": "\xff"}',
+    b'[1, 2]',
+    b'{"prompt": ',
+])
+def test_parse_body_rejects_what_is_not_strict_json(raw):
+    with pytest.raises(BadRequest):
+        parse_body(raw)
+
+
+def test_parse_body_keeps_valid_unicode_and_numbers():
+    body = parse_body('{"prompt": "café \\ud83d\\ude00", "temperature": 0.5, "n": 1}'.encode())
+    assert body == {"prompt": "café \U0001F600", "temperature": 0.5, "n": 1}
+
+
+@pytest.mark.parametrize("body, chat, match", [
+    ({"prompt": "x", "max_tokens": 0}, False, "max_tokens must be at least 1, got 0"),
+    ({"prompt": "x", "max_tokens": -3}, False, "at least 1"),
+    ({"prompt": "x", "max_tokens": "many"}, False, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 2.5}, False, "max_tokens"),
+    ({"prompt": "x", "max_tokens": True}, False, "must be an integer"),
+    ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, False, "min_tokens"),
+    ({"prompt": "x", "min_tokens": -1}, False, "min_tokens"),
+    ({"prompt": "x", "stream_options": "yes"}, False, "stream_options"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, True,
+     "max_completion_tokens must be at least 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, True, "max_tokens must be at least 1"),
+])
+def test_check_body_rejects_what_the_prefill_leg_would_hide(body, chat, match):
+    with pytest.raises(BadRequest, match=match):
+        check_body(body, chat)
+
+
+def test_check_body_length_inputs():
+    assert check_body({"prompt": [1, 2, 3], "max_tokens": 5}, False).prompt_ids == 3
+    assert check_body({"prompt": "abc"}, False).max_tokens == 16  # the completions default
+    assert check_body({"messages": [{"role": "user", "content": "x"}]}, True).max_tokens is None
+    text = check_body({"prompt": "héllo"}, False)
+    assert text.upper_bound == 6 + 4 and text.tokenize_body == {"model": None, "prompt": "héllo"}
+    assert text.fits(500, 512) is not None and text.fits(496, 512) is None
+
+
+class _Stack:
+    """A fake P (with a fake control server), a fake D and an in-process proxy."""
+
+    def __init__(self, d_layout=None, before_decode=None, start_d=True, d_port=0, info_ttl=5.0) -> None:
+        self.control = FakeControl()
+        self.p = FakeEngine("kv_producer")
+        self.p.control_port = self.control.port
+        self.d_port = d_port or free_port(set())
+        self.d_layout = d_layout
+        self.d = FakeEngine("kv_consumer", d_layout, port=self.d_port) if start_d else None
+        self.proxy = ServerThread(build_proxy_app([self.p.url], [f"http://127.0.0.1:{self.d_port}"],
+                                                  before_decode=before_decode, info_ttl=info_ttl))
+        self.url = self.proxy.url
+
+    def stop(self) -> None:
+        self.proxy.stop()
+        for e in (self.p, self.d):
+            if e is not None:
+                e.stop()
+        self.control.stop()
+
+
+@pytest.fixture
+def stack():
+    s = _Stack()
+    yield s
+    s.stop()
+
+
+def _post(url: str, content: bytes | None = None, **kw) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", content=content, timeout=10, **kw)
+
+
+def test_bad_json_and_bodies_are_400_json_without_a_prefill_leg(stack):
+    for raw in (b'{"prompt": "x", "max_tokens": 4, "temperature": NaN}', b'{"prompt": "\\ud800", "max_tokens": 4}',
+                b'{"prompt": "x", "top_p": 1e400}', b'{"prompt": "x", "max_tokens": 0}'):
+        r = _post(stack.url, raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, raw
+        assert r.json()["error"]["type"] == "BadRequestError" and r.json()["error"]["code"] == 400
+    assert stack.p.hits["prefill"] == 0 and stack.d.hits["decode"] == 0
+    assert _post(stack.url, json={"prompt": "x", "max_tokens": 4}).json()["choices"][0]["text"] == "decoded"
+    assert stack.p.hits["prefill"] == 1
+
+
+def test_over_length_is_400_without_a_prefill_leg(stack):
+    r = _post(stack.url, json={"prompt": [5] * 500, "max_tokens": 13})  # 513 > 512
+    assert r.status_code == 400 and "maximum context length is 512" in r.json()["error"]["message"]
+    assert stack.d.hits["tokenize"] == 0  # token ids: counted, not tokenized
+    r = _post(stack.url, json={"prompt": "word " * 100, "max_tokens": 413})  # fake D: 100 tokens
+    assert r.status_code == 400 and "(100 in the prompt, 413 for the completion)" in r.json()["error"]["message"]
+    assert stack.d.hits["tokenize"] == 1
+    assert stack.p.hits["prefill"] == 0
+    assert _post(stack.url, json={"prompt": "short", "max_tokens": 8}).status_code == 200
+    assert stack.d.hits["tokenize"] == 1  # a short text fits by its byte count alone
+    assert _post(stack.url, json={"prompt": "word " * 100, "max_tokens": 412}).status_code == 200
+    assert stack.p.hits["prefill"] == 2
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 512}
+    r = httpx.post(stack.url + "/v1/chat/completions", json=chat, timeout=10)
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    assert stack.d.hits["tokenize"] == 3 and stack.p.hits["prefill"] == 2
+
+
+def test_layout_mismatch_is_503_on_health_and_requests():
+    s = _Stack(d_layout={**LAYOUT, "block_size": 32})
+    try:
+        h = httpx.get(s.url + "/health", timeout=10)
+        assert h.status_code == 503
+        message = h.json()["error"]["message"]
+        assert "block_size: producer=16 consumer=32" in message and s.p.url in message and s.d.url in message
+        r = _post(s.url, json={"prompt": "x", "max_tokens": 4})
+        assert r.status_code == 503 and "block_size: producer=16 consumer=32" in r.json()["error"]["message"]
+        assert s.p.hits["prefill"] == 0
+        s.d.layout = dict(LAYOUT)  # D "restarts" with P's layout: the next probe sees it
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+        assert _post(s.url, json={"prompt": "x", "max_tokens": 4}).status_code == 200
+    finally:
+        s.stop()
+
+
+def test_a_decode_engine_that_starts_after_the_proxy_is_checked():
+    s = _Stack(start_d=False)
+    try:
+        r = _post(s.url, json={"prompt": "x", "max_tokens": 4})
+        assert r.status_code == 502  # D not up yet; P was asked
+        s.control.got.wait(10)
+        assert s.control.notices and s.control.notices[0][1] == "release"
+        s.d = FakeEngine("kv_consumer", {**LAYOUT, "dtype": "bfloat16"}, port=s.d_port)
+        before = s.p.hits["prefill"]
+        r = _post(s.url, json={"prompt": "x", "max_tokens": 4})
+        assert r.status_code == 503 and "dtype: producer='float32' consumer='bfloat16'" in r.json()["error"]["message"]
+        assert s.p.hits["prefill"] == before
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 503
+    finally:
+        s.stop()
+
+
+def test_a_wrong_role_is_503(stack):
+    stack.d.role = "kv_producer"
+    h = httpx.get(stack.url + "/health", timeout=10)
+    assert h.status_code == 503 and "not a consumer" in h.json()["error"]["message"]
+
+
+def test_a_layout_mismatch_reported_by_decode_is_503_and_releases(stack):
+    """Layouts changed within the proxy's cache window: D's 400 becomes a 503."""
+    stack.d.decode_error = (400, "KV layout mismatch between prefill and decode engines (dtype: ...)")
+    r = _post(stack.url, json={"prompt": "x", "max_tokens": 4})
+    assert r.status_code == 503 and "KV layout mismatch" in r.json()["error"]["message"]
+    assert stack.control.got.wait(10) and stack.control.notices[0][1] == "release"
+    stack.d.decode_error = (400, "some other client error")
+    assert _post(stack.url, json={"prompt": "x", "max_tokens": 4}).status_code == 400
+
+
+def test_client_gone_between_the_legs_releases_prefill_blocks():
+    """The client disconnects after P answered and before the decode leg: P gets a release for
+    exactly that request and D never sees it (forced order: the hook holds the proxy there)."""
+    reached = threading.Event()
+
+    async def hold(params):
+        reached.set()
+        await asyncio.sleep(60)  # cancelled by the disconnect
+
+    s = _Stack(before_decode=hold)
+    try:
+        body = b'{"prompt": "x", "max_tokens": 4}'
+        with socket.create_connection(("127.0.0.1", s.proxy.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: gone-1\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert reached.wait(10)
+        assert s.control.got.wait(10)
+        assert s.control.notices == [("r-gone-1", "release")]
+        assert s.d.hits["decode"] == 0
+    finally:
+        s.stop()
+
+
+def test_no_release_when_decode_answers(stack):
+    assert _post(stack.url, json={"prompt": "x", "max_tokens": 4}).status_code == 200
+    assert not stack.control.got.wait(0.5)
+    assert stack.control.notices == []
+
+
+def test_an_unexpected_proxy_error_is_500_json_not_text():
+    async def boom(params):
+        raise RuntimeError("hook failed")
+
+    s = _Stack(before_decode=boom)
+    try:
+        r = _post(s.url, json={"prompt": "x", "max_tokens": 4})
+        assert r.status_code == 500
+        assert r.json()["error"]["type"] == "InternalServerError" and "hook failed" in r.json()["error"]["message"]
+        assert s.control.got.wait(10) and s.control.notices[0][1] == "release"
+    finally:
+        s.stop()
