@@ -10,6 +10,7 @@ server exits with status 1.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -77,6 +78,9 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not llm.is_running:
             llm.start()
+        # Gauges (free blocks, ...) are right before the first request, too.
+        stats = await asyncio.to_thread(llm.call, lambda engine: engine.scheduler.stats())
+        metrics.observe_step([], stats, time.monotonic())
         yield
         tokenizers.shutdown()
         llm.shutdown()
