@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 
 # The loop steps this long after a connector deadline, so that the deadline has passed.
 _DEADLINE_SLACK_S = 0.001
+# Requests waiting for blocks that nobody will free before an event (blocks held for remote
+# reads): after two steps in a row that ran nothing and output nothing, the loop backs off from
+# this pause, doubling up to the cap; any command or wakeup ends the pause at once.
+_BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.001, 0.1
 
 
 class EngineDeadError(RuntimeError):
@@ -65,6 +69,7 @@ class AsyncLLM:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._engine_shut = False
+        self._empty_steps = 0  # steps in a row that ran no tokens and output nothing
         self._dead_callbacks: list[Callable[[BaseException], None]] = []
         self.errored: BaseException | None = None
 
@@ -170,7 +175,7 @@ class AsyncLLM:
             engine.set_wakeup(self._wake)
             while not self._stop.is_set():
                 if engine.needs_step():
-                    self._drain(timeout=0.0)
+                    self._drain(timeout=self._backoff_timeout())
                 else:
                     self._drain(timeout=self._idle_timeout())
                 if self._stop.is_set():
@@ -192,9 +197,20 @@ class AsyncLLM:
             return None
         return max(0.0, deadline - time.monotonic()) + _DEADLINE_SLACK_S
 
+    def _backoff_timeout(self) -> float:
+        """0 while steps make progress; a growing pause (capped by the next deadline) while
+        requests wait for blocks that only an event can free."""
+        if self._empty_steps < 2:  # the first empty step may just have moved requests on
+            return 0.0
+        pause = min(_BACKOFF_MAX_S, _BACKOFF_MIN_S * 2 ** min(self._empty_steps - 2, 16))
+        idle = self._idle_timeout()
+        return pause if idle is None else min(pause, idle)
+
     def _step(self) -> None:
         engine = self.engine
         outputs = engine.step()
+        empty = not outputs and engine.last_num_scheduled_tokens == 0
+        self._empty_steps = self._empty_steps + 1 if empty else 0
         now = time.monotonic()
         for out in outputs:
             self._deliver(out.request_id, out)
@@ -207,7 +223,7 @@ class AsyncLLM:
 
     def _drain(self, timeout: float | None) -> None:
         """Handle every queued command; wait up to `timeout` s for the first (None: forever,
-        0: do not wait)."""
+        0: do not wait). A command or wakeup may unblock waiting requests: no pause after it."""
         try:
             if timeout == 0.0:
                 cmd, arg = self._commands.get_nowait()
@@ -215,6 +231,7 @@ class AsyncLLM:
                 cmd, arg = self._commands.get(timeout=timeout)
         except queue.Empty:
             return
+        self._empty_steps = 0
         while True:
             self._handle(cmd, arg)
             try:

@@ -165,3 +165,33 @@ def test_decode_resumes_on_pull_wakeup_not_at_deadline():
     finally:
         consumer.shutdown()
         producer.shutdown()
+
+
+def test_request_starved_of_blocks_backs_off_then_runs_at_lease_expiry():
+    # 10 blocks of 16 tokens: the first prefill leg holds 7 of them for a consumer that never
+    # comes, so a second one must wait for the lease (3 s) to expire.
+    engine = LLM("smollm2", num_kv_blocks=10, max_model_len=128,
+                 kv_transfer_config=_kv_config("kv_producer", 3.0)).llm_engine
+    llm = AsyncLLM(engine)
+    llm.start()
+    prompt = {"prompt_token_ids": list(range(1000, 1100))}
+    one = SamplingParams(temperature=0, max_tokens=1)
+    try:
+        async def main() -> tuple[int, Any]:
+            await _run(llm, prompt, one, PREFILL_LEG)
+            second = asyncio.ensure_future(_run(llm, prompt | {"prompt_token_ids": list(range(2000, 2100))},
+                                                one, PREFILL_LEG))
+            await asyncio.sleep(0.3)
+            held, waiting, steps0 = await asyncio.to_thread(llm.call, lambda e: (
+                e.scheduler.stats().num_blocks_held_for_remote, e.scheduler.stats().num_waiting, e.num_steps))
+            assert held > 0 and waiting == 1, "the second leg should be waiting for blocks"
+            await asyncio.sleep(1.0)
+            steps1 = await asyncio.to_thread(llm.call, lambda e: e.num_steps)
+            return steps1 - steps0, await second
+
+        steps, second = asyncio.run(asyncio.wait_for(main(), 60))
+        # Without the back-off this loop runs thousands of empty steps per second.
+        assert steps < 60, f"{steps} steps in 1 s while starved"
+        assert second.finished and second.kv_transfer_params is not None
+    finally:
+        llm.shutdown()
