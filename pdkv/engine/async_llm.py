@@ -101,6 +101,7 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
+        """The loop thread is alive and the engine has not died."""
         return self._thread is not None and self._thread.is_alive() and self.errored is None
 
     # ----------------------------------------------------------------- requests
