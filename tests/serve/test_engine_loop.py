@@ -41,6 +41,7 @@ def test_idle_producer_holding_blocks_sleeps_and_lease_still_expires():
         assert r.json()["kv_transfer_params"]["remote_block_ids"]
         assert _metric(srv.url, "pdkv:num_blocks_held_for_remote") > 0
         # Nobody pulls: the process must sleep until the lease deadline, not spin steps.
+        time.sleep(0.5)  # let the request's own work (response, thread pools) settle
         c0, t0 = cpu_seconds(srv.proc.pid), time.monotonic()
         time.sleep(3.0)
         c1, t1 = cpu_seconds(srv.proc.pid), time.monotonic()
