@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pdkv.engine.async_llm import AsyncLLM
+from pdkv.engine.async_llm import AsyncLLM, EngineDeadError
 from pdkv.outputs import RequestOutput
 from pdkv.sampling_params import SamplingParams
 from pdkv.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -265,6 +265,10 @@ class OpenAIHandlers:
                 yield _sse(chunk)
         except APIError as e:
             yield _sse(e.body())
+            yield "data: [DONE]\n\n"
+            return
+        except EngineDeadError as e:
+            yield _sse(APIError(str(e), 503, "ServiceUnavailableError").body())
             yield "data: [DONE]\n\n"
             return
         except Exception as e:  # noqa: BLE001 - the stream already started: end it with an error event
