@@ -49,6 +49,7 @@ class ServeConfig:
         port: TCP port.
         api_key: when set, /v1 routes need `Authorization: Bearer <api_key>`.
         served_model_name: the model id clients use.
+        tokenizer_threads: threads (each with its own tokenizer) that tokenize prompts.
     """
 
     host: str = "127.0.0.1"
@@ -67,7 +68,7 @@ class SafeJSONResponse(JSONResponse):
     surrogate) can make rendering fail."""
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> FastAPI:

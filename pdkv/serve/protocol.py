@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 def find_lone_surrogate(data: Any) -> str | None:
-    """The JSON path ("messages.0.content") of the first string in `data` (nested dicts and
+    """The JSON path ("messages.0.content") of a string in `data` (nested dicts and
     lists, keys included) that is not valid Unicode (a lone surrogate), or None."""
     stack: list[tuple[str, Any]] = [("", data)]
     while stack:
