@@ -203,7 +203,7 @@ class AsyncLLM:
         requests wait for blocks that only an event can free."""
         if self._empty_steps < 2:  # the first empty step may just have moved requests on
             return 0.0
-        pause = min(_BACKOFF_MAX_S, _BACKOFF_MIN_S * 2 ** min(self._empty_steps - 2, 16))
+        pause = min(_BACKOFF_MAX_S, _BACKOFF_MIN_S * 2.0 ** min(self._empty_steps - 2, 16))
         idle = self._idle_timeout()
         return pause if idle is None else min(pause, idle)
 
