@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# A seed must fit a signed 64-bit integer (as vLLM's API checks; torch takes it as int64).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# Most stop strings / stop token ids per request.
+MAX_STOP = 256
 
 
 @dataclass(frozen=True)
@@ -15,15 +20,21 @@ class SamplingParams:
         temperature: 0 means greedy (argmax); must be >= 0.
         top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens; 0 or -1 disables.
-        seed: per-request seed for reproducible random sampling (None: engine seed + request).
+        seed: per-request seed for reproducible random sampling (None: engine seed + request);
+            a signed 64-bit integer.
         max_tokens: most tokens to generate (>= 1).
         min_tokens: EOS and stop_token_ids are masked until this many tokens were generated.
-        stop: strings that end generation; the matched string is not part of the output text.
-        stop_token_ids: token ids that end generation (besides EOS, unless ignore_eos).
+        stop: strings that end generation (at most MAX_STOP); the matched string is not part of
+            the output text unless include_stop_str_in_output.
+        stop_token_ids: token ids that end generation (besides EOS, unless ignore_eos; at most
+            MAX_STOP). The token stays in the output token ids; its text (and EOS's) is not part
+            of the output text unless include_stop_str_in_output, as in vLLM.
         ignore_eos: keep generating past EOS.
         logprobs: also return this many top log-probabilities per output token (plus the
             sampled token's); None: none.
         skip_special_tokens: drop special tokens from the output text.
+        include_stop_str_in_output: keep the matched stop string, or the text of the stop token
+            (stop_token_ids, EOS), in the output text.
 
     Raises:
         ValueError: naming the field and the value when a field is out of range.
@@ -40,6 +51,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists and single strings the way vLLM does, store tuples (hashable, frozen).
@@ -52,8 +64,14 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        for name in ("max_tokens", "min_tokens", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
@@ -68,11 +86,20 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+            or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or self.logprobs < 0
+        ):
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs!r}")
+        if len(self.stop) > MAX_STOP or len(self.stop_token_ids) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings and {MAX_STOP} stop_token_ids are allowed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}")
 
     @property

@@ -1,8 +1,14 @@
-"""Tokenizer and chat template of a model folder (transformers' fast tokenizer)."""
+"""Tokenizer and chat template of a model folder (transformers' fast tokenizer), and a pool that
+runs tokenizer work on worker threads, one instance per thread."""
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class Tokenizer:
@@ -29,6 +35,7 @@ class Tokenizer:
         return list(self._tok.encode(text))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids` (special tokens dropped unless skip_special_tokens is False)."""
         return str(self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
@@ -54,3 +61,39 @@ class Tokenizer:
         """Token ids of the rendered chat (the template carries its own special tokens)."""
         text = self.apply_chat_template(messages, add_generation_prompt)
         return list(self._tok.encode(text, add_special_tokens=False))
+
+
+class TokenizerPool:
+    """Tokenizer work off the caller's thread, with one Tokenizer instance per worker thread.
+
+    A fast (Rust) tokenizer must not be used by two threads at once ("Already borrowed"), and
+    long prompts must not stall an asyncio event loop: the server submits encode/decode work
+    here, while the engine loop keeps its own instance for detokenization.
+
+    Args:
+        path: HF model folder (as for Tokenizer).
+        num_threads: worker threads, each loading its own instance on first use.
+    """
+
+    def __init__(self, path: str, num_threads: int = 2) -> None:
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        self.path = path
+        self._local = threading.local()
+        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="pdkv-tokenize")
+
+    def _tokenizer(self) -> Tokenizer:
+        tok: Tokenizer | None = getattr(self._local, "tok", None)
+        if tok is None:
+            tok = Tokenizer(self.path)
+            self._local.tok = tok
+        return tok
+
+    def submit(self, fn: Callable[[Tokenizer], T]) -> Future[T]:
+        """Run `fn(tokenizer)` on a worker thread with that thread's own instance; the future
+        carries its result or exception."""
+        return self._executor.submit(lambda: fn(self._tokenizer()))
+
+    def shutdown(self) -> None:
+        """Stop the workers (queued work is cancelled)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,14 +1,18 @@
 """AsyncLLM: an LLMEngine stepped by a background thread, consumed from asyncio.
 
-The engine loop thread owns the engine: it drains a command queue (add / abort), runs
-`engine.step()` while requests are unfinished, and hands each RequestOutput to the asyncio loop
-of the request's consumer (`loop.call_soon_threadsafe`). Validation and tokenization happen in the
-caller (`make_request`), so bad input fails before anything is queued.
+The engine loop thread owns the engine: it drains a command queue (add / abort / wake), runs
+`engine.step()` while a step has work now (`engine.needs_step()`), and otherwise sleeps on the
+queue until a command, a connector wakeup (a transfer finished) or the connector's next deadline
+(lease expiry / renewal). Each RequestOutput goes to the asyncio loop of the request's consumer
+(`loop.call_soon_threadsafe`). Validation happens in the caller (`make_request`), so bad input
+fails before anything is queued. A step that raises kills the engine (EngineDeadError), as in
+vLLM: its state can no longer be trusted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -26,12 +30,16 @@ from pdkv.sched.output import SchedulerStats
 logger = logging.getLogger(__name__)
 
 
+# The loop steps this long after a connector deadline, so that the deadline has passed.
+_DEADLINE_SLACK_S = 0.001
+# Requests waiting for blocks that nobody will free before an event (blocks held for remote
+# reads): after two steps in a row that ran nothing and output nothing, the loop backs off from
+# this pause, doubling up to the cap; any command or wakeup ends the pause at once.
+_BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.001, 0.1
+
+
 class EngineDeadError(RuntimeError):
-    """The engine loop stopped; no request can be served."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed while running this request (internal error)."""
+    """The engine loop stopped (a step raised, or it was shut down); no request can be served."""
 
 
 @dataclass
@@ -60,22 +68,40 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._engine_shut = False
+        self._empty_steps = 0  # steps in a row that ran no tokens and output nothing
+        self._dead_callbacks: list[Callable[[BaseException], None]] = []
         self.errored: BaseException | None = None
 
     # --------------------------------------------------------------- lifecycle
     def start(self) -> None:
+        """Start the engine loop thread."""
         self._thread = threading.Thread(target=self._run, name="pdkv-engine-loop", daemon=True)
         self._thread.start()
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the loop (waits up to `timeout` s for it) and shut the engine down."""
         self._stop.set()
         self._commands.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout)
+        self._shutdown_engine()
+
+    def _shutdown_engine(self) -> None:
+        with self._lock:
+            if self._engine_shut:
+                return
+            self._engine_shut = True
         self.engine.shutdown()
+
+    def add_dead_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """Call `callback(error)` (from the loop thread) when a failure kills the engine."""
+        with self._lock:
+            self._dead_callbacks.append(callback)
 
     @property
     def is_running(self) -> bool:
+        """The loop thread is alive and the engine has not died."""
         return self._thread is not None and self._thread.is_alive() and self.errored is None
 
     # ----------------------------------------------------------------- requests
@@ -99,14 +125,13 @@ class AsyncLLM:
 
         Raises:
             ValueError: the request id is already in flight.
-            EngineDeadError: the engine loop is not running.
-            RequestFailedError: the engine failed while running the request.
+            EngineDeadError: the engine is not running or died while running the request.
         """
-        if not self.is_running:
-            raise EngineDeadError("engine loop is not running")
         rid = request.request_id
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
+        with self._lock:  # _die marks errored under this lock: no stream is left unanswered
+            if not self.is_running:
+                raise EngineDeadError("engine is not running")
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._streams[rid] = stream
@@ -143,38 +168,71 @@ class AsyncLLM:
 
     # ---------------------------------------------------------------- the loop
     def _run(self) -> None:
+        """Event-driven: step while a step has work now; otherwise sleep on the command queue
+        until a command, a connector wakeup or the connector's next deadline, then step once
+        (an empty step still runs the connector sequence and collects its results)."""
         engine = self.engine
         try:
+            engine.set_wakeup(self._wake)
             while not self._stop.is_set():
-                self._drain(block=not engine.has_work())
-                if not engine.has_work():
-                    continue
-                try:
-                    outputs = engine.step()
-                except Exception as e:  # noqa: BLE001 - fail the in-flight requests, keep serving
-                    logger.exception("engine step failed")
-                    self._fail_all(e)
-                    continue
-                now = time.monotonic()
-                for out in outputs:
-                    self._deliver(out.request_id, out)
-                if self.step_observer is not None:
-                    self.step_observer(outputs, engine.scheduler.stats(), now)
-                if engine.last_num_scheduled_tokens == 0 and not outputs:
-                    time.sleep(0.001)  # only transfers in flight: do not spin
-        except BaseException as e:  # pragma: no cover - defensive
-            self.errored = e
-            logger.exception("engine loop died")
-            with self._lock:
-                rids = list(self._streams)
-            for rid in rids:
-                self._deliver(rid, EngineDeadError(str(e)))
+                if engine.needs_step():
+                    self._drain(timeout=self._backoff_timeout())
+                else:
+                    self._drain(timeout=self._idle_timeout())
+                if self._stop.is_set():
+                    break
+                self._step()
+        except BaseException as e:  # noqa: BLE001 - any failure ends the engine (EngineDeadError)
+            self._die(e)
+            return
+        with self._lock:
+            rids = list(self._streams)
+        for rid in rids:  # shut down with requests in flight: end their streams too
+            self._deliver(rid, EngineDeadError("engine shut down"))
 
-    def _drain(self, block: bool) -> None:
+    def _idle_timeout(self) -> float | None:
+        """Seconds to sleep with nothing to step: until the next connector deadline (plus a
+        millisecond, so the deadline has passed when the step runs), or None (no deadline)."""
+        deadline = self.engine.next_deadline()
+        if deadline is None:
+            return None
+        return max(0.0, deadline - time.monotonic()) + _DEADLINE_SLACK_S
+
+    def _backoff_timeout(self) -> float:
+        """0 while steps make progress; a growing pause (capped by the next deadline) while
+        requests wait for blocks that only an event can free."""
+        if self._empty_steps < 2:  # the first empty step may just have moved requests on
+            return 0.0
+        pause = min(_BACKOFF_MAX_S, _BACKOFF_MIN_S * 2.0 ** min(self._empty_steps - 2, 16))
+        idle = self._idle_timeout()
+        return pause if idle is None else min(pause, idle)
+
+    def _step(self) -> None:
+        engine = self.engine
+        outputs = engine.step()
+        empty = not outputs and engine.last_num_scheduled_tokens == 0
+        self._empty_steps = self._empty_steps + 1 if empty else 0
+        now = time.monotonic()
+        for out in outputs:
+            self._deliver(out.request_id, out)
+        if self.step_observer is not None:
+            self.step_observer(outputs, engine.scheduler.stats(), now)
+
+    def _wake(self) -> None:
+        # Connector threads call this; Queue.put on an unbounded queue never blocks.
+        self._commands.put(("wake", None))
+
+    def _drain(self, timeout: float | None) -> None:
+        """Handle every queued command; wait up to `timeout` s for the first (None: forever,
+        0: do not wait). A command or wakeup may unblock waiting requests: no pause after it."""
         try:
-            cmd, arg = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            if timeout == 0.0:
+                cmd, arg = self._commands.get_nowait()
+            else:
+                cmd, arg = self._commands.get(timeout=timeout)
         except queue.Empty:
             return
+        self._empty_steps = 0
         while True:
             self._handle(cmd, arg)
             try:
@@ -207,15 +265,29 @@ class AsyncLLM:
             except Exception as e:  # noqa: BLE001
                 done.put((False, e))
 
-    def _fail_all(self, error: Exception) -> None:
-        engine = self.engine
-        unfinished = list(engine.scheduler.requests)
-        engine.abort_request(unfinished)
-        for rid in unfinished:
-            self._deliver(rid, RequestFailedError(f"internal engine error: {error}"))
+    def _die(self, error: BaseException) -> None:
+        """The engine failed: its state (scheduler, held blocks, connector reports of the
+        failed step) can no longer be trusted, so it serves nothing more. Every in-flight
+        request and every later one gets EngineDeadError; the dead callbacks run (the server
+        exits); the engine is shut down so remote peers see its transfer endpoints close."""
+        logger.error("engine step failed; the engine is dead", exc_info=error)
+        with self._lock:
+            self.errored = error
+            rids = list(self._streams)
+            callbacks = list(self._dead_callbacks)
+        for rid in rids:
+            self._deliver(rid, EngineDeadError(f"engine died: {type(error).__name__}: {error}"))
+        try:
+            self._shutdown_engine()
+        except Exception:  # noqa: BLE001 - best effort on an engine that already failed
+            logger.exception("engine shutdown after failure failed")
+        for cb in callbacks:
+            cb(error)
 
     def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
         with self._lock:
             stream = self._streams.get(rid)
-        if stream is not None:
+        if stream is None:
+            return
+        with contextlib.suppress(RuntimeError):  # a closed consumer loop: nobody is listening
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

@@ -20,6 +20,9 @@ from pdkv.worker.model_runner import ModelRunner
 
 PromptType = str | dict[str, Any] | list[int]
 
+# Most top log-probabilities a request may ask for (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+
 
 class LLMEngine:
     """One engine: tokenizer, scheduler (with its KV cache manager) and model runner.
@@ -79,10 +82,17 @@ class LLMEngine:
 
         Raises:
             ValueError: empty prompt, prompt too long for max_model_len, token ids outside the
-                vocabulary, or bad sampling params (message names the problem).
+                vocabulary, or bad sampling params: out of range for this model too
+                (stop_token_ids outside the vocabulary, logprobs > MAX_LOGPROBS); the message
+                names the problem.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}")
         text: str | None = None
         if isinstance(prompt, str):
             text = prompt

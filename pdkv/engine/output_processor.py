@@ -1,12 +1,17 @@
 """Turns scheduler updates into RequestOutputs: incremental detokenization, stop strings,
-logprobs and timings."""
+logprobs and timings.
+
+As in vLLM, the text of the token that stopped a request (EOS or one of stop_token_ids) and a
+matched stop string are left out of the output text unless include_stop_str_in_output; the token
+ids always include the stop token.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from pdkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pdkv.request import Request
+from pdkv.request import Request, RequestStatus
 from pdkv.sched.output import RequestUpdate
 from pdkv.tokenizer import Tokenizer
 
@@ -51,6 +56,7 @@ class _ReqState:
     detok: IncrementalDetokenizer
     stop: tuple[str, ...]
     min_tokens: int
+    include_stop: bool
     full_text: str = ""
     emitted: int = 0
     searched: int = 0
@@ -73,6 +79,7 @@ class OutputProcessor:
             detok=IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens),
             stop=p.stop,
             min_tokens=p.min_tokens,
+            include_stop=p.include_stop_str_in_output,
             logprobs=[] if p.logprobs is not None else None,
             cumulative_logprob=0.0 if p.logprobs is not None else None,
         )
@@ -91,7 +98,11 @@ class OutputProcessor:
             for entry in update.new_logprobs:
                 st.logprobs.append(dict(entry[1:]) | {entry[0][0]: entry[0][1]})
                 st.cumulative_logprob = (st.cumulative_logprob or 0.0) + entry[0][1]
-        st.full_text += st.detok.add(update.new_token_ids)
+        text_ids = update.new_token_ids
+        stop_token = update.finished and req.status == RequestStatus.FINISHED_STOPPED
+        if stop_token and text_ids and not st.include_stop:
+            text_ids = text_ids[:-1]  # the stop token's text is not output (vLLM)
+        st.full_text += st.detok.add(text_ids)
         if update.finished:
             st.full_text += st.detok.flush()
         hit_stop = False
@@ -102,7 +113,7 @@ class OutputProcessor:
                 req.stop_reason = stop_str
         finished = update.finished or hit_stop
         # While running, hold back a possible stop-string prefix so no delta is ever retracted.
-        hold = 0 if finished or not st.stop else max(len(s) for s in st.stop) - 1
+        hold = 0 if finished or not st.stop or st.include_stop else max(len(s) for s in st.stop) - 1
         upto = max(st.emitted, len(st.full_text) - hold)
         delta = st.full_text[st.emitted : upto]
         st.emitted = upto
@@ -131,7 +142,7 @@ class OutputProcessor:
         st.searched = len(st.full_text)
         if best is None:
             return None
-        st.full_text = st.full_text[: best[0]]
+        st.full_text = st.full_text[: best[0] + (len(best[1]) if st.include_stop else 0)]
         return best[1]
 
     def _make_output(

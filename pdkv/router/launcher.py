@@ -127,7 +127,8 @@ def build_topology(args: argparse.Namespace) -> Topology:
                                    py + ["serve", *engine_flags, "--host", host, "--port", str(port)], env))
         topo.endpoint = f"http://{host}:{port}"
         return topo
-    prefill_urls, decode_urls = [], []
+    prefill_urls: list[str] = []
+    decode_urls: list[str] = []
     for role, count, urls in (("kv_producer", args.num_prefill, prefill_urls),
                               ("kv_consumer", args.num_decode, decode_urls)):
         for i in range(count):

@@ -2,13 +2,18 @@
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions (stream or not), /tokenize,
 /detokenize, /kv_layout, /health, /metrics. Errors use OpenAI's error JSON; a bad request gets 400 and the
-server keeps serving; a client that disconnects aborts its request.
+server keeps serving; a client that disconnects aborts its request. When the engine dies (a step
+raised), /health and every request answer 503, in-flight requests end with an error, and the
+server exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,8 +23,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdkv.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+from pdkv.engine.async_llm import AsyncLLM, EngineDeadError
 from pdkv.serve.disconnect import ClientDisconnected, until_done_or_disconnect
 from pdkv.serve.handlers import APIError, OpenAIHandlers, PreparedRequest
 from pdkv.serve.metrics import ServerMetrics
@@ -29,6 +35,7 @@ from pdkv.serve.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pdkv.tokenizer import TokenizerPool
 
 logger = logging.getLogger(__name__)
 
@@ -42,51 +49,79 @@ class ServeConfig:
         port: TCP port.
         api_key: when set, /v1 routes need `Authorization: Bearer <api_key>`.
         served_model_name: the model id clients use.
+        tokenizer_threads: threads (each with its own tokenizer) that tokenize prompts.
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
     served_model_name: str = "smollm2"
+    tokenizer_threads: int = 2
+
+
+# Test-only fault injection: the engine step numbered N (1-based) raises.
+FAULT_STEP_ENV = "PDKV_FAULT_STEP_RAISE_AT"
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSONResponse that escapes non-ASCII, so no string (not even one holding a lone
+    surrogate) can make rendering fail."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> FastAPI:
     """The FastAPI app. Starts the engine loop on startup and stops it on shutdown."""
+    tokenizers = TokenizerPool(llm.engine.config.model_config.path, config.tokenizer_threads)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not llm.is_running:
             llm.start()
+        # Gauges (free blocks, ...) are right before the first request, too.
+        stats = await asyncio.to_thread(llm.call, lambda engine: engine.scheduler.stats())
+        metrics.observe_step([], stats, time.monotonic())
         yield
+        tokenizers.shutdown()
         llm.shutdown()
 
-    app = FastAPI(title="pdkv", lifespan=lifespan)
-    handlers = OpenAIHandlers(llm, config.served_model_name)
+    app = FastAPI(title="pdkv", lifespan=lifespan, default_response_class=SafeJSONResponse)
+    handlers = OpenAIHandlers(llm, config.served_model_name, tokenizers)
     max_model_len = handlers.max_model_len
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return SafeJSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         parts = []
         for err in e.errors():
             loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-            parts.append(f"{loc}: {err.get('msg')}")
-        return JSONResponse(APIError("; ".join(parts) or "invalid request").body(), status_code=400)
+            msg = str(err.get("msg", "")).removeprefix("Value error, ")
+            parts.append(f"{loc}: {msg}" if loc else msg)
+        return SafeJSONResponse(APIError("; ".join(parts) or "invalid request").body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        # Unparsable bodies (e.g. invalid UTF-8), unknown routes, wrong methods: OpenAI's JSON.
+        err_type = "BadRequestError" if e.status_code == 400 else "HTTPError"
+        body = APIError(str(e.detail), e.status_code, err_type).body()
+        return SafeJSONResponse(body, status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, e: Exception) -> JSONResponse:
         logger.exception("internal error")
-        return JSONResponse(APIError(f"internal error: {e}", 500, "InternalServerError").body(), status_code=500)
+        body = APIError(f"internal error: {e}", 500, "InternalServerError").body()
+        return SafeJSONResponse(body, status_code=500)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:
         needs_key = config.api_key and request.url.path.startswith("/v1")
         if needs_key and request.headers.get("Authorization") != f"Bearer {config.api_key}":
             err = APIError("invalid or missing API key", 401, "AuthenticationError")
-            return JSONResponse(err.body(), status_code=401)
+            return SafeJSONResponse(err.body(), status_code=401)
         response: Response = await call_next(request)
         return response
 
@@ -122,15 +157,15 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         handlers.check_model(req.model)
-        tok = llm.engine.tokenizer
         if req.messages is not None:
             try:
                 msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-                ids = tok.encode_chat(msgs, req.add_generation_prompt)
             except ValueError as e:
                 raise APIError(str(e)) from None
+            ids = await handlers.tokenize(lambda tok: tok.encode_chat(msgs, req.add_generation_prompt))
         elif req.prompt is not None:
-            ids = tok.encode(req.prompt)
+            prompt = req.prompt
+            ids = await handlers.tokenize(lambda tok: tok.encode(prompt))
         else:
             raise APIError("give either prompt or messages")
         return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
@@ -142,16 +177,18 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        return {"prompt": llm.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        tokens = req.tokens
+        text = await handlers.tokenize(lambda tok: tok.decode(tokens, skip_special_tokens=False))
+        return {"prompt": text}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        prepared = handlers.prepare_completion(body, raw.headers.get("X-Request-Id"))
+        prepared = await handlers.prepare_completion(body, raw.headers.get("X-Request-Id"))
         return await _serve(prepared, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        prepared = handlers.prepare_chat(body, raw.headers.get("X-Request-Id"))
+        prepared = await handlers.prepare_chat(body, raw.headers.get("X-Request-Id"))
         return await _serve(prepared, raw)
 
     async def _serve(p: PreparedRequest, raw: Request) -> Response:
@@ -164,7 +201,7 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
                 handlers.stream_response(p, outputs), media_type="text/event-stream", headers=headers
             )
         body = await _until_done_or_disconnect(handlers.full_response(p, outputs), raw)
-        return JSONResponse(body, headers=headers)
+        return SafeJSONResponse(body, headers=headers)
 
     return app
 
@@ -176,9 +213,10 @@ async def _until_done_or_disconnect(coro: Any, raw: Request) -> dict[str, Any]:
         result: dict[str, Any] = await until_done_or_disconnect(coro, raw)
     except ClientDisconnected:
         raise APIError("client disconnected", 499, "ClientClosedRequest") from None
-    except (ValueError, RequestFailedError, EngineDeadError) as e:
-        status = 400 if isinstance(e, ValueError) else 500
-        raise APIError(str(e), status, "BadRequestError" if status == 400 else "InternalServerError") from None
+    except ValueError as e:
+        raise APIError(str(e)) from None
+    except EngineDeadError as e:
+        raise APIError(str(e), 503, "ServiceUnavailableError") from None
     return result
 
 
@@ -194,8 +232,21 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def inject_step_fault(engine: Any, at_step: int) -> None:
+    """Test-only: make the model step of engine step number `at_step` (1-based) raise once
+    (after scheduling, with the connector's metadata already bound), as a device fault would."""
+    execute = engine.runner.execute_model
+
+    def faulty(sched_out: Any) -> Any:
+        if engine.num_steps + 1 == at_step:
+            raise RuntimeError(f"injected fault at engine step {at_step} ({FAULT_STEP_ENV})")
+        return execute(sched_out)
+
+    engine.runner.execute_model = faulty
+
+
 def main(args: argparse.Namespace) -> int:
-    """Build the engine and run the server until interrupted."""
+    """Build the engine and run the server until interrupted (0) or until the engine dies (1)."""
     import uvicorn
 
     from pdkv.engine.arg_utils import EngineArgs
@@ -204,11 +255,25 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args = EngineArgs.from_cli_args(args)
     engine = LLMEngine.from_engine_args(engine_args)
+    fault_at = os.environ.get(FAULT_STEP_ENV)
+    if fault_at:
+        logger.warning("%s=%s: the engine will fail on purpose (tests only)", FAULT_STEP_ENV, fault_at)
+        inject_step_fault(engine, int(fault_at))
     name = engine.config.model_config.served_model_name
     metrics = ServerMetrics(name)
     llm = AsyncLLM(engine, metrics.observe_step)
     config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name)
     app = build_app(llm, config, metrics)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=10))
+
+    def on_engine_dead(error: BaseException) -> None:
+        server.should_exit = True  # uvicorn polls this flag: stop serving, then main returns 1
+
+    llm.add_dead_callback(on_engine_dead)
     logger.info("serving %s on http://%s:%d", name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server.run()
+    if llm.errored is not None:
+        logger.error("exiting: the engine died (%s: %s)", type(llm.errored).__name__, llm.errored)
+        return 1
     return 0

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from pdkv.engine.async_llm import AsyncLLM
+from pdkv.engine.async_llm import AsyncLLM, EngineDeadError
 from pdkv.outputs import RequestOutput
 from pdkv.sampling_params import SamplingParams
 from pdkv.serve.protocol import ChatCompletionRequest, CompletionRequest
+from pdkv.tokenizer import Tokenizer, TokenizerPool
+
+T = TypeVar("T")
 
 
 class APIError(Exception):
@@ -52,46 +56,66 @@ class PreparedRequest:
 class OpenAIHandlers:
     """Builds engine requests from OpenAI bodies and formats the outputs.
 
+    Prompts are tokenized on the pool's threads (never on the event loop, never with the engine
+    loop's instance); the event loop thread has its own instance for the cheap per-token decodes
+    of logprobs.
+
     Args:
         llm: the async engine.
         served_model_name: the only accepted `model` value (None/absent is accepted too).
+        tokenizers: where prompts are tokenized.
     """
 
-    def __init__(self, llm: AsyncLLM, served_model_name: str) -> None:
+    def __init__(self, llm: AsyncLLM, served_model_name: str, tokenizers: TokenizerPool) -> None:
         self.llm = llm
         self.model_name = served_model_name
-        self.tokenizer = llm.engine.tokenizer
+        self.tokenizers = tokenizers
+        self.tokenizer = Tokenizer(tokenizers.path)  # event loop thread only
         self.max_model_len = llm.engine.config.model_config.max_model_len
 
     # ------------------------------------------------------------------ input
     def check_model(self, model: str | None) -> None:
+        """Raises APIError (400) when `model` is given and is not the served model."""
         if model is not None and model != self.model_name:
             raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.")
 
-    def prepare_completion(self, req: CompletionRequest, request_id: str | None) -> PreparedRequest:
+    async def tokenize(self, fn: Callable[[Tokenizer], T]) -> T:
+        """`fn(tokenizer)` on a tokenizer pool thread; a ValueError becomes APIError (400)."""
+        try:
+            return await asyncio.wrap_future(self.tokenizers.submit(fn))
+        except ValueError as e:
+            raise APIError(str(e)) from None
+
+    async def prepare_completion(self, req: CompletionRequest, request_id: str | None) -> PreparedRequest:
+        """Validate and tokenize a completion body. Raises APIError (400) on bad input."""
         self.check_model(req.model)
         prompt: Any = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise APIError("batched prompts are not supported: send one prompt per request")
             prompt = prompt[0]
-        if isinstance(prompt, str):
-            text: str | None = prompt
-            ids = self.tokenizer.encode(prompt) if prompt else []
-        else:
-            text, ids = None, list(prompt)
         if req.echo:
             raise APIError("echo is not supported")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = await self.tokenize(lambda tok: tok.encode(prompt)) if prompt else []
+        else:
+            text, ids = None, list(prompt)
         return self._prepare(req, request_id, ids, text, req.max_tokens, req.logprobs, chat=False)
 
-    def prepare_chat(self, req: ChatCompletionRequest, request_id: str | None) -> PreparedRequest:
+    async def prepare_chat(self, req: ChatCompletionRequest, request_id: str | None) -> PreparedRequest:
+        """Validate, render and tokenize a chat body. Raises APIError (400) on bad input."""
         self.check_model(req.model)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            text = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
         except ValueError as e:
             raise APIError(str(e)) from None
-        ids = self.tokenizer.hf.encode(text, add_special_tokens=False)
+
+        def render(tok: Tokenizer) -> tuple[str, list[int]]:
+            text = tok.apply_chat_template(messages, req.add_generation_prompt)
+            return text, list(tok.hf.encode(text, add_special_tokens=False))
+
+        text, ids = await self.tokenize(render)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return self._prepare(req, request_id, ids, text, max_tokens, logprobs, chat=True)
@@ -131,11 +155,12 @@ class OpenAIHandlers:
                 seed=req.seed,
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
-                stop=req.stop or (),
-                stop_token_ids=req.stop_token_ids or (),
+                stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
+                stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output,
             )
         except ValueError as e:
             raise APIError(str(e)) from None
@@ -240,6 +265,10 @@ class OpenAIHandlers:
                 yield _sse(chunk)
         except APIError as e:
             yield _sse(e.body())
+            yield "data: [DONE]\n\n"
+            return
+        except EngineDeadError as e:
+            yield _sse(APIError(str(e), 503, "ServiceUnavailableError").body())
             yield "data: [DONE]\n\n"
             return
         except Exception as e:  # noqa: BLE001 - the stream already started: end it with an error event

@@ -1,19 +1,56 @@
 """OpenAI-compatible request schemas (pydantic, as FastAPI needs) with vLLM's extensions
-(top_k, min_tokens, ignore_eos, stop_token_ids, kv_transfer_params, cache_salt)."""
+(top_k, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, kv_transfer_params,
+cache_salt).
+
+Every body rejects (400) NaN / Infinity (also 1e400, which JSON parsing turns into inf) in float
+fields and any string holding a lone UTF-16 surrogate (e.g. "\ud800", valid JSON but not
+Unicode); value ranges are checked by SamplingParams and the engine.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
-class StreamOptions(BaseModel):
+def find_lone_surrogate(data: Any) -> str | None:
+    """The JSON path ("messages.0.content") of a string in `data` (nested dicts and
+    lists, keys included) that is not valid Unicode (a lone surrogate), or None."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                stack.append((f"{path}.{k}" if path else str(k), k))
+                stack.append((f"{path}.{k}" if path else str(k), v))
+        elif isinstance(item, list):
+            stack.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(item))
+    return None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = find_lone_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where} is not valid Unicode (a lone UTF-16 surrogate)")
+        return data
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _SamplingFields(_Body):
 
     model: str | None = None
     temperature: float | None = None
@@ -28,6 +65,7 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None
     user: str | None = None
@@ -42,8 +80,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(_Body):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
@@ -77,8 +114,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(_Body):
+    """POST /tokenize body: a prompt or chat messages."""
 
     model: str | None = None
     prompt: str | None = None
@@ -86,8 +123,8 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class DetokenizeRequest(_Body):
+    """POST /detokenize body."""
 
     model: str | None = None
     tokens: list[int]

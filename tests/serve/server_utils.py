@@ -25,12 +25,14 @@ class RemoteServer:
         args: CLI arguments after `pdkv` (e.g. ["serve", "--model", "smollm2"]).
         health_path: polled until it answers 200.
         timeout: seconds to wait for health.
+        env: extra environment variables for the child.
     """
 
-    def __init__(self, args: list[str], health_path: str = "/health", timeout: float = 180.0) -> None:
+    def __init__(self, args: list[str], health_path: str = "/health", timeout: float = 180.0,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PDKV_NUM_THREADS=os.environ.get("PDKV_NUM_THREADS", "2"))
+        env = dict(os.environ, PDKV_NUM_THREADS=os.environ.get("PDKV_NUM_THREADS", "2"), **(env or {}))
         self.log = open(os.devnull, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdkv.cli", *args, "--host", "127.0.0.1", "--port", str(self.port),
@@ -93,3 +95,11 @@ def wait_for_metric(url: str, name: str, expected: float, timeout: float = 20.0)
             return value
         time.sleep(0.2)
     return value
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) a process has used so far, from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    # After the ")" closing the command name, utime and stime are the 12th and 13th fields.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -135,3 +135,22 @@ def test_metrics_exposed(server, client):
         "pdkv:generation_tokens_total",
     ):
         assert name in text, name
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_token_text_follows_include_stop_str_in_output(client, reference_llm, include, stream):
+    full = _greedy(reference_llm, PROMPT).outputs[0].token_ids
+    k = next(i for i in range(2, len(full)) if full[i] not in full[:i])
+    params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[full[k]],
+                            include_stop_str_in_output=include)
+    ref = reference_llm.generate(PROMPT, params)[0].outputs[0]
+    extra = {"stop_token_ids": [full[k]], "include_stop_str_in_output": include}
+    out = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=24, temperature=0,
+                                    stream=stream, extra_body=extra)
+    chunks = list(out) if stream else [out]
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == ref.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    tok = reference_llm.llm_engine.tokenizer
+    assert text == tok.decode(full[: k + 1] if include else full[:k])

@@ -3,8 +3,6 @@ disconnect abort their requests and every block returns to the pool."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 from conftest import MAX_MODEL_LEN, NUM_KV_BLOCKS
@@ -55,13 +53,33 @@ def test_malformed_json_is_400(server):
     assert "error" in r.json()
 
 
+# Far more tokens than can be generated while the tests below wait: if abort were broken the
+# request would still be running (or would finish as "length"), never counted as "abort".
+LONG_MAX_TOKENS = MAX_MODEL_LEN - 32
+
+
 def _long_stream_body():
-    return {"prompt": "Tell me a very long story.", "max_tokens": 400, "temperature": 0,
+    return {"prompt": "Tell me a very long story.", "max_tokens": LONG_MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "stream": True}
 
 
-def test_streaming_disconnect_frees_blocks(server):
+def _counters(url: str) -> tuple[float, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    aborted = metric_value(text, "pdkv:request_success_total", finished_reason="abort")
+    return aborted, metric_value(text, "pdkv:generation_tokens_total")
+
+
+def _assert_aborted_early(url: str, before: tuple[float, float]) -> None:
+    assert wait_for_metric(url, "pdkv:num_requests_running", 0) == 0
+    assert wait_for_metric(url, "pdkv:num_free_blocks", NUM_KV_BLOCKS) == NUM_KV_BLOCKS
+    aborted, generated = _counters(url)
+    assert aborted == before[0] + 1, "the request was not aborted"
+    assert generated - before[1] < LONG_MAX_TOKENS / 2, "the generation ran on after the disconnect"
+
+
+def test_streaming_disconnect_aborts_and_frees_blocks(server):
     assert wait_for_metric(server.url, "pdkv:num_free_blocks", NUM_KV_BLOCKS) == NUM_KV_BLOCKS
+    before = _counters(server.url)
     with httpx.Client(timeout=60) as c, c.stream("POST", server.url + "/v1/completions",
                                                   json=_long_stream_body()) as r:
         assert r.status_code == 200
@@ -71,20 +89,16 @@ def test_streaming_disconnect_frees_blocks(server):
                 got += 1
             if got >= 3:
                 break  # leave mid-generation: closing the response drops the connection
-    assert wait_for_metric(server.url, "pdkv:num_requests_running", 0) == 0
+    _assert_aborted_early(server.url, before)
+
+
+def test_non_streaming_disconnect_aborts_and_frees_blocks(server):
     assert wait_for_metric(server.url, "pdkv:num_free_blocks", NUM_KV_BLOCKS) == NUM_KV_BLOCKS
-    aborted = metric_value(httpx.get(server.url + "/metrics").text, "pdkv:request_success_total",
-                           finished_reason="abort")
-    assert aborted >= 1
-
-
-def test_non_streaming_disconnect_frees_blocks(server):
+    before = _counters(server.url)
     body = {**_long_stream_body(), "stream": False}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
-    time.sleep(0.5)
-    assert wait_for_metric(server.url, "pdkv:num_requests_running", 0) == 0
-    assert wait_for_metric(server.url, "pdkv:num_free_blocks", NUM_KV_BLOCKS) == NUM_KV_BLOCKS
+    _assert_aborted_early(server.url, before)
 
 
 def test_api_key_required_when_configured():
