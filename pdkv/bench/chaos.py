@@ -193,10 +193,10 @@ async def _no_restart() -> tuple[float, float]:
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """`pdkv bench chaos` flags (defaults: the full run; CI: --num-requests 50 --lease 3)."""
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--num-requests", type=int, default=500)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="smollm2", help="model name or folder")
+    parser.add_argument("--num-requests", type=int, default=500, help="requests sent through the proxy")
+    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight at once")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the request plan (lengths, cancels)")
     parser.add_argument("--cancel-fraction", type=float, default=0.3, help="requests the client cancels")
     parser.add_argument("--cancel-window-ms", type=float, default=50.0,
                         help="cancels land uniformly in a window this wide around the prefill's completion")
@@ -206,12 +206,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--restart-at", type=float, default=0.5, help="restart P when this fraction was sent")
     parser.add_argument("--restart-timeout", type=float, default=120.0, help="P must be healthy again in (s)")
     parser.add_argument("--request-timeout", type=float, default=120.0, help="per request (s)")
-    parser.add_argument("--num-kv-blocks", type=int, default=256)
-    parser.add_argument("--max-model-len", type=int, default=512)
-    parser.add_argument("--threads-per-engine", type=int, default=1)
+    parser.add_argument("--num-kv-blocks", type=int, default=256, help="KV blocks per engine")
+    parser.add_argument("--max-model-len", type=int, default=512, help="per engine")
+    parser.add_argument("--threads-per-engine", type=int, default=1, help="torch threads per engine")
     parser.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="fail",
                         help="D's policy (fail: a failed pull shows as an error)")
-    parser.add_argument("--health-timeout", type=float, default=180.0)
+    parser.add_argument("--health-timeout", type=float, default=180.0, help="start-up deadline (s)")
     parser.add_argument("--log-dir", default="pdkv-logs/chaos", help="one log file per process")
     return parser
 

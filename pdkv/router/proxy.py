@@ -242,7 +242,10 @@ def build_proxy_app(
     async def _legs(body: dict[str, Any], path: str, headers: dict[str, str], length: LengthCheck) -> Response:
         client = state["client"]
         p = prefill_policy.choose(prefills)
-        d = decode_policy.choose(decodes)
+        # Prefer decode engines known to fit this P; when none does, the check below names why.
+        await infos.ensure(client, [p.url] + [b.url for b in decodes])
+        fits = [b for b in decodes if pair_mismatch(p.url, infos.get(p.url), b.url, infos.get(b.url)) is None]
+        d = decode_policy.choose(fits or decodes)
         refused = await _precheck(p, d, length, headers)
         if refused is not None:
             return refused

@@ -145,6 +145,27 @@ def test_layout_mismatch_is_503_on_health_and_requests():
         s.stop()
 
 
+def test_a_mixed_decode_pool_routes_only_to_engines_that_fit():
+    """One good and one mismatched D behind the proxy: /health names the mismatch, but every
+    request goes to the D that fits P (none to the other, and no prefill leg is wasted)."""
+    control = FakeControl()
+    p = FakeEngine("kv_producer")
+    p.control_port = control.port
+    good = FakeEngine("kv_consumer")
+    bad = FakeEngine("kv_consumer", {**LAYOUT, "block_size": 32})
+    proxy = ServerThread(build_proxy_app([p.url], [bad.url, good.url]))
+    try:
+        assert httpx.get(proxy.url + "/health", timeout=10).status_code == 503
+        codes = [_post(proxy.url, json={"prompt": "x", "max_tokens": 4}).status_code for _ in range(4)]
+        assert codes == [200] * 4
+        assert good.hits["decode"] == 4 and bad.hits["decode"] == 0 and p.hits["prefill"] == 4
+    finally:
+        proxy.stop()
+        for e in (p, good, bad):
+            e.stop()
+        control.stop()
+
+
 def test_a_decode_engine_that_starts_after_the_proxy_is_checked():
     s = _Stack(start_d=False)
     try:
