@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pdkv.serve.protocol import ChatCompletionRequest, CompletionRequest
+from pdkv.serve.protocol import ChatCompletionRequest, CompletionRequest, find_lone_surrogate
 
 
 class BadRequest(ValueError):
@@ -32,24 +32,6 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise BadRequest(f"number {text[:40]} is out of range (numbers must be finite)")
     return value
-
-
-def _check_strings(value: Any) -> None:
-    """Raise BadRequest for a string (or key) that is not valid Unicode (a lone surrogate from a
-    `\\ud800` escape cannot be encoded as UTF-8 for the backends)."""
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                raise BadRequest("request body contains a lone surrogate (invalid Unicode) in a string") from None
-        elif isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -71,7 +53,9 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    _check_strings(body)
+    where = find_lone_surrogate(body)
+    if where is not None:
+        raise BadRequest(f"request body contains a lone surrogate (invalid Unicode) in a string ({where})")
     return body
 
 
