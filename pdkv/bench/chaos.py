@@ -221,12 +221,8 @@ def main(args: argparse.Namespace) -> int:
     topo = build_chaos_topology(args)
     print(f"chaos run: {args.num_requests} requests, lease {args.lease} s, seed {args.seed}; "
           f"logs in {args.log_dir}/", flush=True)
-    topo.start(args.log_dir)
     try:
-        try:
-            topo.wait_healthy(args.health_timeout)
-        except RuntimeError as e:
-            print(f"error: {e}", file=sys.stderr)
+        if not topo.start_healthy(args.log_dir, args.health_timeout):
             return 2
         return run(args, topo)
     finally:

@@ -82,6 +82,21 @@ class Topology:
             if pending:
                 time.sleep(0.5)
 
+    def start_healthy(self, log_dir: str, timeout: float) -> bool:
+        """Start every child and wait until all are healthy. On failure print why (and the last
+        lines of each dead child's log) to stderr and return False; the caller still stops the
+        rest with stop()."""
+        self.start(log_dir)
+        try:
+            self.wait_healthy(timeout)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            for c in self.children:
+                if c.proc is not None and c.proc.poll() is not None:
+                    print(f"--- last lines of {c.log_path}:\n{_tail(c.log_path)}", file=sys.stderr)
+            return False
+        return True
+
     def dead_child(self) -> Child | None:
         for c in self.children:
             if c.proc is not None and c.proc.poll() is not None:
@@ -188,15 +203,8 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _terminate)
     print(f"starting {len(topo.children)} processes: {[c.name for c in topo.children]} (logs in {args.log_dir}/)",
           flush=True)
-    topo.start(args.log_dir)
     try:
-        try:
-            topo.wait_healthy(args.health_timeout)
-        except RuntimeError as e:
-            print(f"error: {e}", file=sys.stderr)
-            for c in topo.children:
-                if c.proc is not None and c.proc.poll() is not None:
-                    print(f"--- last lines of {c.log_path}:\n{_tail(c.log_path)}", file=sys.stderr)
+        if not topo.start_healthy(args.log_dir, args.health_timeout):
             return 1
         print(f"ready: {topo.endpoint}  (OpenAI API at {topo.endpoint}/v1)", flush=True)
         if args.demo:
