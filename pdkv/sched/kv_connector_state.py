@@ -35,6 +35,8 @@ class KVConnectorState:
             load once, including a load whose request was aborted before the failure came
             back; it is counted under the policy in force although no policy applies to it).
         transfer_seconds: durations of completed transfers, drained by the metrics reader.
+        observations: histogram samples by metric key (e.g. "pool:disk:load_seconds"), drained
+            by the metrics reader.
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class KVConnectorState:
         self.finished_outside: list[Request] = []
         self.stats: dict[str, float] = {}
         self.transfer_seconds: list[float] = []
+        self.observations: dict[str, list[float]] = {}
 
     # ------------------------------------------------------------------ queries
     def has_pending_work(self) -> bool:
@@ -77,6 +80,11 @@ class KVConnectorState:
         """Transfer durations (s) reported since the last call."""
         times, self.transfer_seconds = self.transfer_seconds, []
         return times
+
+    def drain_observations(self) -> dict[str, list[float]]:
+        """Histogram samples reported since the last call."""
+        obs, self.observations = self.observations, {}
+        return obs
 
     def count(self, key: str, value: float = 1.0) -> None:
         """Add `value` to the cumulative counter `key`."""
@@ -136,6 +144,8 @@ class KVConnectorState:
         for key, value in out.stats.items():
             self.count(key, value)
         self.transfer_seconds.extend(out.transfer_seconds)
+        for key, samples in out.observations.items():
+            self.observations.setdefault(key, []).extend(samples)
         self.invalid_blocks.update(out.invalid_block_ids)
         for rid, error in out.load_errors.items():
             if rid in self.waiting_for_remote or rid in self.delayed_free:

@@ -127,3 +127,4 @@ class SchedulerStats:
     num_blocks_held_for_remote: int = 0
     kv_transfer: dict[str, float] | None = None
     transfer_seconds: list[float] | None = None
+    kv_observations: dict[str, list[float]] | None = None

@@ -152,6 +152,7 @@ class Scheduler:
             num_blocks_held_for_remote=self.kv_state.num_blocks_held(),
             kv_transfer=dict(self.kv_state.stats),
             transfer_seconds=self.kv_state.drain_transfer_seconds(),
+            kv_observations=self.kv_state.drain_observations(),
         )
 
     # ----------------------------------------------------------------- schedule

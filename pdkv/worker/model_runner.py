@@ -202,6 +202,7 @@ class ModelRunner:
         return KVConnectorOutput(
             finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid,
             load_errors=errors, stats=stats, transfer_seconds=times,
+            observations=conn.get_observations(),
         )
 
     def shutdown(self) -> None:

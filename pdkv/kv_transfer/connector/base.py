@@ -57,6 +57,8 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
         load_errors: request id -> why its load failed.
         stats: counter deltas since the last report (bytes, events).
         transfer_seconds: duration of each transfer that completed.
+        observations: histogram samples by metric key since the last report (e.g.
+            "pool:dram:load_seconds" -> [seconds, ...]).
     """
 
     finished_sending: set[str] = msgspec.field(default_factory=set)
@@ -65,6 +67,7 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
     load_errors: dict[str, str] = msgspec.field(default_factory=dict)
     stats: dict[str, float] = msgspec.field(default_factory=dict)
     transfer_seconds: list[float] = msgspec.field(default_factory=list)
+    observations: dict[str, list[float]] = msgspec.field(default_factory=dict)
 
 
 class KVConnectorBase(ABC):
@@ -200,6 +203,10 @@ class KVConnectorBase(ABC):
     def get_stats(self) -> tuple[dict[str, float], list[float]]:
         """Counter deltas and transfer durations (s) since the last call."""
         return {}, []
+
+    def get_observations(self) -> dict[str, list[float]]:
+        """Histogram samples by metric key since the last call (worker half)."""
+        return {}
 
     def get_load_errors(self) -> dict[str, str]:
         """Request id -> failure message of loads that failed since the last call."""
