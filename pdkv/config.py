@@ -139,6 +139,8 @@ class EngineConfig:
 
 _KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 _LOAD_FAILURE_POLICIES = ("recompute", "fail")
+POOL_CONNECTORS = ("KVPoolConnector",)
+"""Connectors whose loads are best effort (default load-failure policy "recompute")."""
 
 
 @dataclass(frozen=True)
@@ -150,19 +152,20 @@ class KVTransferConfig:
         kv_role: "kv_producer" (prefill), "kv_consumer" (decode) or "kv_both".
         engine_id: this engine's id in kv_transfer_params (default: a random uuid4 hex).
         kv_connector_extra_config: connector-specific settings (e.g. transfer, kv_port).
-        kv_load_failure_policy: "recompute" (rerun the prefill locally) or "fail".
+        kv_load_failure_policy: "recompute" (rerun the prefill locally) or "fail"; "" (unset)
+            means the connector's default, see `load_failure_policy`.
     """
 
     kv_connector: str
     kv_role: str
     engine_id: str = ""
     kv_connector_extra_config: dict[str, object] = field(default_factory=dict)
-    kv_load_failure_policy: str = "fail"
+    kv_load_failure_policy: str = ""
 
     def __post_init__(self) -> None:
         if self.kv_role not in _KV_ROLES:
             raise ValueError(f"kv_role must be one of {_KV_ROLES}, got {self.kv_role!r}")
-        if self.kv_load_failure_policy not in _LOAD_FAILURE_POLICIES:
+        if self.kv_load_failure_policy not in ("", *_LOAD_FAILURE_POLICIES):
             raise ValueError(
                 f"kv_load_failure_policy must be one of {_LOAD_FAILURE_POLICIES}, "
                 f"got {self.kv_load_failure_policy!r}"
@@ -171,6 +174,15 @@ class KVTransferConfig:
             import uuid
 
             object.__setattr__(self, "engine_id", uuid.uuid4().hex)
+
+    @property
+    def load_failure_policy(self) -> str:
+        """The policy in force: the configured one, else "recompute" for a KV pool connector
+        (a pool never guarantees a hit, so a lost entry is recomputed) and "fail" for P/D
+        connectors (vLLM's default for a decode engine)."""
+        if self.kv_load_failure_policy:
+            return self.kv_load_failure_policy
+        return "recompute" if self.kv_connector in POOL_CONNECTORS else "fail"
 
     @property
     def is_kv_producer(self) -> bool:

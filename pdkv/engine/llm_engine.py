@@ -49,7 +49,7 @@ class LLMEngine:
             config.cache_config,
             self.runner.kv_cache_config,
             connector=self.connector,
-            kv_load_failure_policy=kvt.kv_load_failure_policy if kvt else "fail",
+            kv_load_failure_policy=kvt.load_failure_policy if kvt else "fail",
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = self.runner.model.cfg.vocab_size
@@ -192,9 +192,10 @@ class LLMEngine:
         return self.scheduler.needs_step()
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
-        """Give the worker-half connector the callback that wakes the engine loop (any thread)."""
-        if self.runner.connector is not None:
-            self.runner.connector.set_wakeup(wakeup)
+        """Give both connector halves the callback that wakes the engine loop (any thread)."""
+        for connector in (self.connector, self.runner.connector):
+            if connector is not None:
+                connector.set_wakeup(wakeup)
 
     def next_deadline(self) -> float | None:
         """Earliest time.monotonic() at which a connector needs a step (lease expiry or

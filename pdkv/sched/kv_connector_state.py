@@ -49,6 +49,8 @@ class KVConnectorState:
         self.connector = connector
         self.policy = kv_load_failure_policy
         self.waiting_for_remote: dict[str, Request] = {}
+        # request id -> token count the request has once its load is done (local hits + load)
+        self.load_end: dict[str, int] = {}
         self.finished_recving: set[str] = set()
         self.invalid_blocks: set[tuple[int, int]] = set()  # (group index, block id)
         self.load_errors: dict[str, str] = {}
@@ -91,23 +93,34 @@ class KVConnectorState:
         self.stats[key] = self.stats.get(key, 0.0) + value
 
     # ------------------------------------------------------------- transitions
-    def start_load(self, request: Request) -> None:
-        """The request's blocks are allocated and its asynchronous load is queued."""
+    def start_load(self, request: Request, num_external_tokens: int) -> None:
+        """The request's blocks are allocated and its asynchronous load of
+        `num_external_tokens` tokens, right after its `num_computed_tokens` local hits, is
+        queued. A load may cover a prefix of the prompt (a KV pool: whole chunks) or all of it
+        (P/D); the scheduler resumes the request after the loaded tokens."""
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.waiting_for_remote[request.request_id] = request
+        self.load_end[request.request_id] = request.num_computed_tokens + num_external_tokens
 
     def abandon_load(self, request: Request) -> None:
         """The request finishes (abort) while waiting for its load: forget the load."""
         if self.waiting_for_remote.pop(request.request_id, None) is not None:
+            self.load_end.pop(request.request_id, None)
             self.forget_load_result(request)
 
     def resolve_finished_loads(self) -> tuple[list[Request], list[Request]]:
         """Apply the policy to every request whose load ended.
 
+        A good load leaves the request with `load_end` tokens computed (its local hits plus the
+        loaded tokens), but never all of them: when the load reached the last token, that token
+        is recomputed to get its logits. A failed load under "recompute" keeps the loaded blocks
+        before the first invalid one (as vLLM does) and recomputes from there; with nothing
+        valid the request starts over (its blocks freed, the connector asked again, which must
+        not offer the same load twice). Under "fail" the request ends with FINISHED_ERROR.
+
         Returns:
             (to_resume, failed): `to_resume` go back to the front of the waiting queue, in
-            this order of `appendleft` calls (their num_computed_tokens are set: all prompt
-            tokens but the last after a good load, 0 after a failure under "recompute");
+            this order of `appendleft` calls (their num_computed_tokens are set);
             `failed` are FINISHED_ERROR (policy "fail") and must be freed by the caller.
         """
         to_resume: list[Request] = []
@@ -115,29 +128,39 @@ class KVConnectorState:
         for rid in [r for r in self.waiting_for_remote if r in self.finished_recving]:
             self.finished_recving.discard(rid)
             request = self.waiting_for_remote.pop(rid)
+            load_end = self.load_end.pop(rid, request.num_tokens)
             bad = self._bad_blocks_of(request)
             error = self.load_errors.pop(rid, None)
+            valid_end = load_end
             if bad or error is not None:
                 self.invalid_blocks.difference_update(bad)
                 self.count("kv_load_failures_" + self.policy)
-                if self.policy == "recompute":
-                    # Drop every block of the request (their content is undefined) and prefill
-                    # locally; the connector already marked the transfer as consumed.
-                    self.kv_cache_manager.free(request)
-                    request.num_computed_tokens = 0
-                    request.status = RequestStatus.WAITING
-                    to_resume.append(request)
-                else:
+                if self.policy == "fail":
                     request.status = RequestStatus.FINISHED_ERROR
                     request.error = f"KV load failed: {error or 'invalid blocks'}"
                     failed.append(request)
-                continue
-            # Every prompt token is loaded; recompute the last one to get its logits.
-            self.kv_cache_manager.cache_blocks(request, request.num_tokens)
-            request.num_computed_tokens = request.num_tokens - 1
+                    continue
+                valid_end = self._valid_prefix(request, bad, request.num_computed_tokens)
             request.status = RequestStatus.WAITING
             to_resume.append(request)
+            if valid_end <= 0:
+                # Nothing usable: drop every block (their content is undefined), prefill locally.
+                self.kv_cache_manager.free(request)
+                request.num_computed_tokens = 0
+                continue
+            self.kv_cache_manager.cache_blocks(request, valid_end)
+            request.num_computed_tokens = min(valid_end, request.num_tokens - 1)
         return to_resume, failed
+
+    def _valid_prefix(self, request: Request, bad: list[tuple[int, int]], load_start: int) -> int:
+        """Tokens with valid KV after a failed load: those before the first invalid block, and
+        at least the `load_start` local hits (a load never touches them); `load_start` when no
+        block is named (the whole load failed)."""
+        if not bad:
+            return load_start
+        tables = self.kv_cache_manager.get_block_ids(request.request_id)
+        first_bad = min(tables[g].index(b) for g, b in bad)
+        return max(load_start, first_bad * self.kv_cache_manager.block_size)
 
     def apply_output(self, out: KVConnectorOutput) -> None:
         """Take in the worker half's report of one step (before the connector sees it)."""
@@ -168,6 +191,8 @@ class KVConnectorState:
                 self.kv_cache_manager.free(delayed)
         if self.connector is not None:
             self.connector.update_connector_output(out)
+            for key, value in self.connector.take_scheduler_stats().items():
+                self.count(key, value)
 
     def forget_load_result(self, request: Request) -> None:
         """Drop what a finished request's load reported (its block ids will be reused)."""

@@ -229,7 +229,7 @@ class Scheduler:
                 request.num_computed_tokens = num_hit
                 if request.times.first_scheduled is None:
                     request.times.first_scheduled = now
-                self.kv_state.start_load(request)
+                self.kv_state.start_load(request, num_external)
                 assert self.connector is not None
                 self.connector.update_state_after_alloc(request, new_blocks, num_external)
                 continue

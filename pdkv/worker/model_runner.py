@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -102,8 +103,8 @@ class ModelRunner:
             "head_size": arch.head_dim,
             "kv_layout": self.KV_LAYOUT,
         }
-        # Start-up values both connector halves of this engine share (control address).
-        self.connector_shared: list[object] = ["127.0.0.1", 0]
+        # Start-up values both connector halves of this engine share, by name (see the factory).
+        self.connector_shared: dict[str, Any] = {}
         self.connector: KVConnectorBase | None = None
         if kv_transfer_config is not None:
             self.connector = create_connector(

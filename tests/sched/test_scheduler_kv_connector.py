@@ -452,7 +452,7 @@ def test_load_failure_with_recompute_policy_prefills_from_scratch(failure):
     table = block_ids(sched, "r")
     worker.load(sched, r, garbage=True)  # whatever landed in the blocks is wrong
     invalid = {"invalid_blocks": in_group0(table), "load_error": set(), "both": in_group0(table),
-               "one_block": {(0, table[1])}}[failure]
+               "one_block": {(0, table[0])}}[failure]
     errors = {} if failure in ("invalid_blocks", "one_block") else {"r": "peer went away"}
     step(sched, worker, KVConnectorOutput(finished_recving={"r"}, invalid_block_ids=invalid,
                                           load_errors=errors))
@@ -470,6 +470,29 @@ def test_load_failure_with_recompute_policy_prefills_from_scratch(failure):
     assert conn.alloc_calls[-1] == ("r", (block_ids(sched, "r"),), 0)
     drain(sched, worker)  # the fake worker checks the recomputed KV at each sample
     assert r.num_output_tokens == 3 and r.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert_all_free(sched)
+
+
+def test_load_failure_under_recompute_keeps_the_blocks_before_the_first_invalid_one():
+    """vLLM's recompute semantics: blocks the connector did not report stay valid, so the
+    request resumes at the first invalid block instead of prefilling from scratch."""
+    sched, conn = make_scheduler(policy="recompute")
+    worker = FakeWorker()
+    prompt = prompt_of(9, 11)  # blocks of 4: [0..3] [4..7] [8..10]
+    r = remote_req("r", prompt, max_tokens=3)
+    sched.add_request(r)
+    step(sched, worker)
+    table = block_ids(sched, "r")
+    worker.load(sched, r)  # block 0 landed; block 1 (and what follows) is reported invalid
+    for p in range(BS, len(prompt)):
+        worker.kv[table[p // BS]][p % BS] = (-1,)
+    step(sched, worker, KVConnectorOutput(finished_recving={"r"}, invalid_block_ids={(0, table[1])}))
+    out, _ = step(sched, worker)
+    assert out.num_scheduled_tokens == {"r": 11 - BS}  # recomputed from block 1 on
+    assert r.num_cached_tokens == BS and block_ids(sched, "r") == table  # blocks kept
+    assert sched.kv_stats["kv_load_failures_recompute"] == 1
+    drain(sched, worker)  # the fake worker checks every position's KV at each sample
+    assert r.num_output_tokens == 3
     assert_all_free(sched)
 
 

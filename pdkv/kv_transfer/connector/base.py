@@ -145,6 +145,11 @@ class KVConnectorBase(ABC):
             load is still in flight); the params are returned to the client.
         """
 
+    def take_scheduler_stats(self) -> dict[str, float]:
+        """Scheduler half: counter deltas of its own since the last call (e.g. pool lookup and
+        hit tokens), added to the engine's cumulative KV counters."""
+        return {}
+
     def has_pending_work(self) -> bool:
         """True while this connector still has something unfinished (sends to register, leases
         to watch, loads in flight). The engine does not step for this alone: it steps on
@@ -165,10 +170,11 @@ class KVConnectorBase(ABC):
 
     # =================================================================== worker
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
-        """Worker half; called once by the engine at start-up (engine loop thread). The
+        """Either half; called once by the engine at start-up (engine loop thread). The
         connector must call `wakeup()` (from any of its threads; it never blocks) whenever the
         next step would see something new: a load or send finished, a load failed, a notice
-        arrived. The engine loop sleeps until a wakeup, a request, or `next_deadline`."""
+        arrived, a remote lookup answered. The engine loop sleeps until a wakeup, a request, or
+        `next_deadline`."""
 
     def register_kv_caches(self, kv_caches: list[Any]) -> None:
         """Once, after allocation: the per-group KV cache tensors

@@ -8,21 +8,28 @@ from pdkv.cache.specs import KVCacheConfig
 from pdkv.config import KVTransferConfig
 from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorRole
 
-CONNECTORS = ("P2PConnector",)
+CONNECTORS = ("P2PConnector", "KVPoolConnector")
 
 
 def create_connector(config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
-                     layout: dict[str, Any], shared: list[Any]) -> KVConnectorBase:
+                     layout: dict[str, Any], shared: dict[str, Any]) -> KVConnectorBase:
     """Build one half of the connector named in `config`.
 
     Args:
-        shared: start-up values both halves of one engine see (e.g. the control address).
+        shared: start-up values both halves of one engine see, by name: "control_address"
+            (P2P: the producer's [host, port], filled in by the worker half) and "pool_store"
+            (KVPoolConnector: the store, created by the worker half, which is built first).
 
     Raises:
-        ValueError: unknown connector name.
+        ValueError: unknown connector name or invalid connector settings.
     """
     if config.kv_connector == "P2PConnector":
         from pdkv.kv_transfer.connector.p2p import P2PConnector
 
-        return P2PConnector(config, role, kv_cache_config, layout, shared)
+        address = shared.setdefault("control_address", ["127.0.0.1", 0])
+        return P2PConnector(config, role, kv_cache_config, layout, address)
+    if config.kv_connector == "KVPoolConnector":
+        from pdkv.kv_transfer.connector.pool import KVPoolConnector
+
+        return KVPoolConnector(config, role, kv_cache_config, layout, shared)
     raise ValueError(f"unknown kv_connector {config.kv_connector!r}; known: {CONNECTORS}")

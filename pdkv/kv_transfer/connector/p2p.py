@@ -95,8 +95,8 @@ class P2PConnector(KVConnectorBase):
 
     # worker half
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
-        assert self.worker is not None
-        self.worker.set_wakeup(wakeup)
+        if self.worker is not None:  # the scheduler half never needs one
+            self.worker.set_wakeup(wakeup)
 
     def kv_cache_buffer(self, group: int, nbytes: int) -> memoryview | None:
         assert self.worker is not None

@@ -1,0 +1,169 @@
+"""KVPoolConnector: KV reuse across requests and instances through a tiered pool.
+
+`--kv-transfer-config '{"kv_connector": "KVPoolConnector", "kv_role": "kv_both",
+"kv_connector_extra_config": {"chunk_size": 256, "tiers": [{"name": "dram", "capacity_bytes":
+1073741824}, {"name": "disk", "capacity_bytes": 4294967296}, {"name": "redis", "url":
+"redis://127.0.0.1:6379/0"}]}}'` (the role of vLLM-Ascend's AscendStoreConnector and of LMCache's
+LMCacheConnectorV1). kv_producer saves only, kv_consumer loads only, kv_both does both. Settings:
+`pool_config.PoolConnectorConfig`. Keys: `pdkv.kvpool.keys` (chained chunk hash + a fingerprint
+of everything that changes KV); values: `pdkv.kvpool.codec` (typed header + checksum).
+
+Both halves of one engine use one `KVPoolStore`, created by whichever half is built first and
+shared through the factory's `shared` dict ("pool_store"); the worker half closes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from pdkv.kv_transfer.connector.base import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+)
+from pdkv.kv_transfer.connector.pool_config import PoolConnectorConfig
+from pdkv.kv_transfer.connector.pool_messages import PoolConnectorMetadata
+from pdkv.kv_transfer.connector.pool_scheduler import PoolConnectorScheduler
+from pdkv.kvpool.keys import PoolNamespace
+from pdkv.kvpool.store import KVPoolStore
+from pdkv.kvpool.tiers.factory import create_tier
+
+if TYPE_CHECKING:
+    from pdkv.cache.kv_cache_manager import KVCacheBlocks
+    from pdkv.cache.specs import KVCacheConfig
+    from pdkv.config import KVTransferConfig
+    from pdkv.request import Request
+    from pdkv.sched.output import SchedulerOutput
+
+
+def build_store(pool: PoolConnectorConfig) -> KVPoolStore:
+    """The store over the configured tiers, fastest first.
+
+    Raises:
+        ValueError: a bad tier spec (named), or a tier that cannot start (e.g. no redis client).
+    """
+    tiers = []
+    try:
+        for spec in pool.tiers:
+            tiers.append(create_tier(spec, pool.default_dir))
+    except Exception:
+        for t in tiers:
+            t.close()
+        raise
+    return KVPoolStore(tiers, save_queue_size=pool.save_queue_size,
+                       retry_after_s=pool.tier_retry_after_s)
+
+
+class KVPoolConnector(KVConnectorBase):
+    """Delegates to PoolConnectorScheduler or PoolConnectorWorker by role.
+
+    Raises:
+        ValueError: bad settings (unknown keys, chunk size not a multiple of the block size,
+            bad tier specs).
+    """
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
+                 layout: dict[str, Any], shared: dict[str, Any]) -> None:
+        super().__init__(config, role, kv_cache_config, layout)
+        block_size = kv_cache_config.groups[0].spec.block_size
+        self.pool = PoolConnectorConfig.from_extra(config.kv_connector_extra_config, block_size)
+        store = shared.get("pool_store")
+        if store is None:
+            store = shared["pool_store"] = build_store(self.pool)
+        self.store: KVPoolStore = store
+        self.namespace = PoolNamespace.from_layout(layout, kv_cache_config, self.pool.chunk_size)
+        self.scheduler = None
+        self.worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = PoolConnectorScheduler(config, self.pool, store, self.namespace.fingerprint,
+                                                    block_size, len(kv_cache_config.groups))
+        else:
+            from pdkv.kv_transfer.connector.pool_worker import PoolConnectorWorker
+
+            self.worker = PoolConnectorWorker(self.pool, store, block_size)
+
+    # ---------------------------------------------------------------- scheduler
+    def on_new_request(self, request: Request) -> None:
+        assert self.scheduler is not None
+        self.scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_connector_output(output)
+
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    def take_scheduler_stats(self) -> dict[str, float]:
+        return self.scheduler.take_scheduler_stats() if self.scheduler is not None else {}
+
+    def has_pending_work(self) -> bool:
+        return self.scheduler.has_pending_work() if self.scheduler is not None else False
+
+    def has_pending_metadata(self) -> bool:
+        return self.scheduler.has_pending_metadata() if self.scheduler is not None else False
+
+    def next_deadline(self) -> float | None:
+        return self.scheduler.next_deadline() if self.scheduler is not None else None
+
+    # ------------------------------------------------------------------- worker
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None:
+        if self.scheduler is not None:
+            self.scheduler.set_wakeup(wakeup)
+        if self.worker is not None:
+            self.worker.set_wakeup(wakeup)
+
+    def register_kv_caches(self, kv_caches: list[Any]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self) -> None:
+        assert self.worker is not None
+        if isinstance(self._metadata, PoolConnectorMetadata):
+            self.worker.start_load_kv(self._metadata)
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        if isinstance(self._metadata, PoolConnectorMetadata):
+            self.worker.wait_for_save(self._metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        assert self.worker is not None
+        return set(), self.worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[tuple[int, int]]:
+        assert self.worker is not None
+        return self.worker.get_block_ids_with_load_errors()
+
+    def get_load_errors(self) -> dict[str, str]:
+        assert self.worker is not None
+        return self.worker.get_load_errors()
+
+    def get_stats(self) -> tuple[dict[str, float], list[float]]:
+        assert self.worker is not None
+        return self.worker.get_stats(), []
+
+    def get_observations(self) -> dict[str, list[float]]:
+        assert self.worker is not None
+        return self.worker.get_observations()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()

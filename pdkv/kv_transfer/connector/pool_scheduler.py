@@ -1,0 +1,229 @@
+"""Scheduler half of the KVPoolConnector (torch-free).
+
+Lookups: a waiting request's loadable chunks (whole chunks before its last token, from the first
+chunk not fully in the local prefix cache) are looked up in the pool; the answer is the longest
+run of consecutive hits. With in-process tiers only (dram, disk) the lookup runs inline; with a
+remote tier (redis, mooncake) it runs on a thread and `get_num_new_matched_tokens` answers None
+("ask again") until it is in, at most `lookup_timeout_s` (then a miss). Loads: the hit chunks
+beyond the local prefix cache are loaded asynchronously into the request's new blocks
+(one PoolLoadSpec). Saves: every step, each scheduled request's chunks that became fully computed
+(prompt only unless save_decode_tokens) and were not loaded from the pool are sent to the worker
+half, which copies them out after the forward pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pdkv.kv_transfer.connector.base import KVConnectorOutput
+from pdkv.kv_transfer.connector.pool_config import PoolConnectorConfig
+from pdkv.kv_transfer.connector.pool_messages import (
+    ChunkRef,
+    PoolConnectorMetadata,
+    PoolLoadSpec,
+    PoolSaveSpec,
+)
+from pdkv.kvpool.keys import chunk_hashes, chunk_key, max_loadable_tokens
+from pdkv.kvpool.store import KVPoolStore
+
+if TYPE_CHECKING:
+    from pdkv.cache.kv_cache_manager import KVCacheBlocks
+    from pdkv.config import KVTransferConfig
+    from pdkv.request import Request
+    from pdkv.sched.output import SchedulerOutput
+
+
+@dataclass
+class _Lookup:
+    first_chunk: int
+    deadline: float
+    future: Future[int] | None = None
+    hits: int | None = None
+
+
+class PoolConnectorScheduler:
+    """Args:
+        config: kv_transfer_config (role: kv_producer saves only, kv_consumer loads only).
+        pool: parsed KVPoolConnector settings.
+        store: the engine's pool store (shared with the worker half).
+        fingerprint: the pool namespace fingerprint of this engine (keys carry it).
+        block_size: tokens per block.
+        num_groups: KV cache groups.
+    """
+
+    def __init__(self, config: KVTransferConfig, pool: PoolConnectorConfig, store: KVPoolStore,
+                 fingerprint: str, block_size: int, num_groups: int) -> None:
+        self.config = config
+        self.pool = pool
+        self.store = store
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+        self.num_groups = num_groups
+        self.chunk = pool.chunk_size
+        self.blocks_per_chunk = pool.chunk_size // block_size
+        self._requests: dict[str, Request] = {}
+        self._tables: dict[str, list[list[int]]] = {}
+        self._saved_chunks: dict[str, int] = {}
+        self._lookups: dict[str, _Lookup] = {}
+        self._failed: set[str] = set()
+        self._loading: set[str] = set()
+        self._to_load: list[PoolLoadSpec] = []
+        self._stats: dict[str, float] = {}
+        self._wakeup: Callable[[], None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ helpers
+    def _count(self, key: str, value: float) -> None:
+        self._stats[key] = self._stats.get(key, 0.0) + value
+
+    def _keys(self, request: Request, first_chunk: int, end_chunk: int) -> list[str]:
+        hashes = chunk_hashes(request.block_hashes, self.block_size, self.chunk, end_chunk * self.chunk)
+        return [chunk_key(self.fingerprint, h) for h in hashes[first_chunk:end_chunk]]
+
+    def _lookup(self, request: Request, first_chunk: int, keys: list[str]) -> int | None:
+        """Leading hits among `keys`, or None while a remote lookup is in flight."""
+        rid = request.request_id
+        entry = self._lookups.get(rid)
+        if entry is None or entry.first_chunk != first_chunk:
+            entry = _Lookup(first_chunk, time.monotonic() + self.pool.lookup_timeout_s)
+            self._lookups[rid] = entry
+            if self.store.all_local:
+                entry.hits = self.store.lookup(keys)
+            else:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(2, thread_name_prefix="pdkv-pool-lookup")
+                entry.future = self._executor.submit(self.store.lookup, keys)
+                if self._wakeup is not None:
+                    wake = self._wakeup
+                    entry.future.add_done_callback(lambda _f: wake())
+        if entry.hits is None and entry.future is not None:
+            if entry.future.done():
+                try:
+                    entry.hits = entry.future.result()
+                except Exception:  # the store counts tier failures; here it is a miss
+                    entry.hits = 0
+            elif time.monotonic() >= entry.deadline:
+                self._count("pool:all:lookup_timeouts", 1)
+                entry.hits = 0
+            else:
+                return None
+        return entry.hits
+
+    # ---------------------------------------------------------------- lifecycle
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None:
+        self._wakeup = wakeup
+
+    def on_new_request(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        rid = request.request_id
+        if not self.config.is_kv_consumer or rid in self._failed:
+            return 0, False
+        end_chunk = max_loadable_tokens(request.num_tokens, self.chunk) // self.chunk
+        first_chunk = num_computed_tokens // self.chunk
+        if first_chunk >= end_chunk:
+            return 0, False
+        keys = self._keys(request, first_chunk, end_chunk)
+        hits = self._lookup(request, first_chunk, keys)
+        if hits is None:
+            return None, False
+        num_external = (first_chunk + hits) * self.chunk - num_computed_tokens
+        return (num_external, True) if num_external > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        rid = request.request_id
+        entry = self._lookups.pop(rid, None)
+        if entry is not None and entry.hits is not None:
+            asked = max_loadable_tokens(request.num_tokens, self.chunk) - entry.first_chunk * self.chunk
+            self._count("pool:all:lookup_tokens", asked)
+            self._count("pool:all:hit_tokens", num_external_tokens)
+        if num_external_tokens <= 0:
+            return
+        start = request.num_computed_tokens  # local prefix hits, block-aligned
+        end = start + num_external_tokens  # chunk-aligned
+        first_block = start // self.block_size
+        new_ids = blocks.get_block_ids()
+        first_chunk, end_chunk = start // self.chunk, end // self.chunk
+        keys = self._keys(request, first_chunk, end_chunk)
+        chunks = []
+        for j, key in zip(range(first_chunk, end_chunk), keys):
+            lo = max(j * self.blocks_per_chunk, first_block)
+            hi = (j + 1) * self.blocks_per_chunk
+            ids = tuple(tuple(g[lo - first_block : hi - first_block]) for g in new_ids)
+            chunks.append(ChunkRef(key, ids, lo - j * self.blocks_per_chunk))
+        self._to_load.append(PoolLoadSpec(rid, tuple(chunks), num_external_tokens))
+        self._loading.add(rid)
+        self._saved_chunks[rid] = max(self._saved_chunks.get(rid, 0), end_chunk)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PoolConnectorMetadata:
+        for new in scheduler_output.scheduled_new_reqs:
+            self._tables[new.req_id] = [list(g) for g in new.block_ids]
+        for cached in scheduler_output.scheduled_cached_reqs:
+            table = self._tables.get(cached.req_id)
+            if table is not None:
+                for g, ids in zip(table, cached.new_block_ids):
+                    g.extend(ids)
+        saves = self._saves(scheduler_output) if self.config.is_kv_producer else []
+        meta = PoolConnectorMetadata(loads=self._to_load, saves=saves)
+        self._to_load = []
+        return meta
+
+    def _saves(self, scheduler_output: SchedulerOutput) -> list[PoolSaveSpec]:
+        saves = []
+        for rid in scheduler_output.num_scheduled_tokens:
+            request, table = self._requests.get(rid), self._tables.get(rid)
+            if request is None or table is None:
+                continue
+            done = request.num_computed_tokens  # already advanced past this step
+            if not self.pool.save_decode_tokens:
+                done = min(done, request.num_prompt_tokens)
+            end_chunk, start = done // self.chunk, self._saved_chunks.get(rid, 0)
+            if end_chunk <= start:
+                continue
+            keys = self._keys(request, start, end_chunk)
+            chunks = tuple(
+                ChunkRef(key, tuple(tuple(g[j * self.blocks_per_chunk : (j + 1) * self.blocks_per_chunk])
+                                    for g in table))
+                for j, key in zip(range(start, end_chunk), keys)
+            )
+            saves.append(PoolSaveSpec(rid, chunks))
+            self._saved_chunks[rid] = end_chunk
+        return saves
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        failed = set(output.load_errors)
+        for rid in output.finished_recving:
+            self._loading.discard(rid)
+            if rid in failed:
+                self._failed.add(rid)  # recomputed: never offered the same load again
+
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        for table in (self._requests, self._tables, self._saved_chunks, self._lookups):
+            table.pop(rid, None)  # type: ignore[attr-defined]
+        self._failed.discard(rid)
+        # A load still writing into the blocks: free them only when it ends.
+        return rid in self._loading, None
+
+    def take_scheduler_stats(self) -> dict[str, float]:
+        stats, self._stats = self._stats, {}
+        return stats
+
+    def next_deadline(self) -> float | None:
+        pending = [e.deadline for e in self._lookups.values() if e.hits is None]
+        return min(pending) if pending else None
+
+    def has_pending_metadata(self) -> bool:
+        return bool(self._to_load)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._to_load or self._loading)
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,155 @@
+"""Worker half of the KVPoolConnector: copies chunks between the paged KV cache and the pool.
+
+Saves run on the engine thread right after the forward pass (`wait_for_save`): the chunk's
+blocks are gathered (one copy, so the blocks may be reused at once), encoded with a checksum and
+handed to the store's bounded queue; the store writes them to every tier on its own thread, and
+a full queue skips the save (counted) instead of stalling the step. Loads run on `load_threads`
+threads: each chunk is read (fastest tier first), verified, and copied into the request's
+blocks, which nobody else reads until the scheduler resumes the request. A chunk that is missing
+or corrupt ends the load there: its blocks and every later one are reported invalid with a load
+error, and the scheduler keeps the chunks before it (kv_load_failure_policy, default recompute).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from pdkv.kv_transfer.connector.pool_config import PoolConnectorConfig
+from pdkv.kv_transfer.connector.pool_messages import PoolConnectorMetadata, PoolLoadSpec
+from pdkv.kvpool.codec import encode_chunk
+from pdkv.kvpool.store import KVPoolStore
+
+
+class PoolConnectorWorker:
+    """Args:
+        pool: parsed KVPoolConnector settings.
+        store: the engine's pool store (shared with the scheduler half; closed here).
+        block_size: tokens per block.
+    """
+
+    def __init__(self, pool: PoolConnectorConfig, store: KVPoolStore, block_size: int) -> None:
+        self.pool = pool
+        self.store = store
+        self.block_size = block_size
+        self.blocks_per_chunk = pool.chunk_size // block_size
+        self._caches: list[torch.Tensor] = []  # per group [num_blocks, block_bytes] uint8 views
+        self._lock = threading.Lock()
+        self._finished: set[str] = set()
+        self._invalid: set[tuple[int, int]] = set()
+        self._errors: dict[str, str] = {}
+        self._stats: dict[str, float] = {}
+        self._seen_store: dict[str, float] = {}
+        self._wakeup: Callable[[], None] = lambda: None
+        self._executor = ThreadPoolExecutor(pool.load_threads, thread_name_prefix="pdkv-pool-load")
+
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None:
+        self._wakeup = wakeup
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Per-group caches [num_blocks, num_layers, 2, block_size, heads, head_size]; a block
+        is one contiguous row of bytes (the cross-layer layout)."""
+        if any(t.device.type != "cpu" for t in kv_caches):
+            raise ValueError("KVPoolConnector supports a CPU KV cache only so far")
+        self._caches = [t.view(torch.uint8).view(t.shape[0], -1) for t in kv_caches]
+
+    @property
+    def _chunk_group_bytes(self) -> list[int]:
+        return [c.shape[1] * self.blocks_per_chunk for c in self._caches]
+
+    # -------------------------------------------------------------------- loads
+    def start_load_kv(self, meta: PoolConnectorMetadata) -> None:
+        for spec in meta.loads:
+            deadline = time.monotonic() + self.pool.load_timeout_s
+            self._executor.submit(self._load, spec, deadline)
+
+    def _load(self, spec: PoolLoadSpec, deadline: float) -> None:
+        error = ""
+        failed_at = len(spec.chunks)
+        for i, chunk in enumerate(spec.chunks):
+            try:
+                if time.monotonic() > deadline:
+                    error = f"pool load passed its deadline ({self.pool.load_timeout_s:g} s)"
+                else:
+                    payloads = self.store.get(chunk.key, self.pool.chunk_size, self._chunk_group_bytes)
+                    if payloads is None:
+                        error = f"pool entry {chunk.key} is gone (evicted, expired or corrupt)"
+                    else:
+                        for g, (ids, payload) in enumerate(zip(chunk.block_ids, payloads)):
+                            src = _as_blocks(payload, self._caches[g].shape[1])[chunk.first_block:]
+                            index = torch.tensor(ids, dtype=torch.long)
+                            self._caches[g].index_copy_(0, index, src[: len(ids)])
+            except Exception as e:  # a broken tier or a bad value must not kill the loader
+                error = f"pool load failed: {type(e).__name__}: {e}"
+            if error:
+                failed_at = i
+                break
+        with self._lock:
+            if error:
+                self._errors[spec.request_id] = error
+                for chunk in spec.chunks[failed_at:]:
+                    self._invalid.update((g, b) for g, ids in enumerate(chunk.block_ids) for b in ids)
+                self._stats["pool:all:load_failures"] = self._stats.get("pool:all:load_failures", 0.0) + 1
+            self._finished.add(spec.request_id)
+        self._wakeup()
+
+    # -------------------------------------------------------------------- saves
+    def wait_for_save(self, meta: PoolConnectorMetadata) -> None:
+        """Copy out this step's full chunks and queue them (never waits for the pool)."""
+        for spec in meta.saves:
+            for chunk in spec.chunks:
+                groups = [
+                    self._caches[g].index_select(0, torch.tensor(ids, dtype=torch.long)).numpy()
+                    for g, ids in enumerate(chunk.block_ids)
+                ]
+                value = encode_chunk(chunk.key, self.pool.chunk_size, [memoryview(a).cast("B") for a in groups])
+                self.store.save(chunk.key, value)
+
+    # ------------------------------------------------------------------ reports
+    def get_finished(self) -> set[str]:
+        with self._lock:
+            done, self._finished = self._finished, set()
+        return done
+
+    def get_block_ids_with_load_errors(self) -> set[tuple[int, int]]:
+        with self._lock:
+            bad, self._invalid = self._invalid, set()
+        return bad
+
+    def get_load_errors(self) -> dict[str, str]:
+        with self._lock:
+            errors, self._errors = self._errors, {}
+        return errors
+
+    def get_stats(self) -> dict[str, float]:
+        """Deltas since the last call of the store's cumulative counters (gauges included, so
+        their running sum is the current value) and of this half's own counters."""
+        with self._lock:
+            out, self._stats = self._stats, {}
+        for key, total in self.store.stats().items():
+            delta = total - self._seen_store.get(key, 0.0)
+            if delta:
+                out[key] = out.get(key, 0.0) + delta
+                self._seen_store[key] = total
+        return out
+
+    def get_observations(self) -> dict[str, list[float]]:
+        return self.store.take_observations()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.store.close()
+
+
+# Pool values are immutable bytes; the views below are only read (copied into the KV cache).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+def _as_blocks(payload: memoryview, block_bytes: int) -> torch.Tensor:
+    """A chunk's group payload as [blocks, block_bytes] uint8 without a copy (read-only)."""
+    return torch.frombuffer(payload, dtype=torch.uint8).view(-1, block_bytes)
