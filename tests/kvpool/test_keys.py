@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+import pdkv
 from pdkv.cache.hashing import hash_request_tokens
 from pdkv.cache.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from pdkv.kvpool.keys import (
@@ -18,6 +19,8 @@ from pdkv.kvpool.keys import (
     describe_group,
     max_loadable_tokens,
 )
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(pdkv.__file__)))
 
 BASE = PoolNamespace(
     model_digest="abc123", dtype="float32", block_size=16, kv_layout="cross_layer",
@@ -39,7 +42,7 @@ print(" ".join(chunk_key(ns.fingerprint, h) for h in chunk_hashes(bh, 16, 64, le
 def test_keys_reproducible_across_processes() -> None:
     out = []
     for seed in ("1", "98765"):
-        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=os.getcwd())
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=REPO_ROOT)
         res = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
                              text=True, timeout=60, check=True)
         out.append(res.stdout.split())

@@ -144,6 +144,8 @@ def test_save_queue_full_drops_and_never_blocks() -> None:
     store = KVPoolStore([tier], save_queue_size=2)
     assert store.save("k0", b"0")
     assert tier.put_entered.wait(WAIT_S)  # the save thread is now stuck inside put
+    assert store.flush(0.01) is False  # queue empty, but k0 not yet written
+    assert store.stats()["pool:all:save_queue_depth"] == 1
     assert store.save("k1", b"1") and store.save("k2", b"2")
     assert store.save("k3", b"3") is False  # queue full: dropped, returned at once
     s = store.stats()
