@@ -154,3 +154,19 @@ def test_identical_prompt_hits_before_reset_and_misses_after(server):
     assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert _prefix_hits(server.url) == hits1
     assert after["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def test_offline_llm_reset_prefix_cache(reference_llm):
+    from pdkv import SamplingParams
+
+    prompt = f"[{uuid.uuid4().hex}] " + " ".join(f"Item {i} is a small red box." for i in range(10))
+    params = SamplingParams(temperature=0, max_tokens=2)
+    first = reference_llm.generate(prompt, params)[0]
+    n = len(first.prompt_token_ids)
+    assert reference_llm.generate(prompt, params)[0].num_cached_tokens == (n - 1) // 16 * 16 > 0
+    free = reference_llm.llm_engine.scheduler.kv_cache_manager.num_free_blocks
+    assert reference_llm.reset_prefix_cache() is True
+    assert reference_llm.llm_engine.scheduler.kv_cache_manager.num_free_blocks == free
+    after = reference_llm.generate(prompt, params)[0]
+    assert after.num_cached_tokens == 0
+    assert after.outputs[0].token_ids == first.outputs[0].token_ids
