@@ -7,11 +7,14 @@ request can still hit them until they are popped for reuse, at which point the h
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdkv.cache.hashing import BlockHash
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -59,6 +62,11 @@ class BlockPool:
     def usage(self) -> float:
         """Fraction of blocks held by someone, in [0, 1]."""
         return 1.0 - len(self._free) / self.num_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks with ref_cnt > 0 (held by requests or connectors)."""
+        return self.num_blocks - len(self._free)
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The block holding this content, if it is still cached."""
@@ -117,8 +125,21 @@ class BlockPool:
             self._evict(block)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; only allowed when no block is in use."""
-        if len(self._free) != self.num_blocks:
+        """Forget every cached hash, so that no later lookup hits a block cached so far.
+
+        vLLM's semantics (BlockPool.reset_prefix_cache): refused while any block is in use
+        (ref_cnt > 0: a running request, a KV load in flight, blocks held for a remote
+        reader), because those blocks will be cached again or read by their holders; then
+        nothing changes and the result is False. On success the free queue (count and LRU
+        order) is untouched; evictions are not counted (nothing was reused).
+
+        Returns:
+            True when the index was cleared, False when blocks are in use.
+        """
+        if self.num_used_blocks:
+            logger.warning(
+                "not resetting the prefix cache: %d blocks are still in use", self.num_used_blocks
+            )
             return False
         for block in self.blocks:
             block.block_hash = None

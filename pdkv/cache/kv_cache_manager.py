@@ -7,12 +7,15 @@ slots for the tokens of a step, free a request, read block ids. Internally one
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from pdkv.cache.block_pool import BlockPool, KVCacheBlock
 from pdkv.cache.single_type_manager import SingleTypeKVCacheManager, get_manager_class
 from pdkv.cache.specs import KVCacheConfig
 from pdkv.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -179,5 +182,11 @@ class KVCacheManager:
             m.free(request.request_id)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached hashes; False when blocks are still in use."""
-        return all(p.reset_prefix_cache() for p in self.block_pools)
+        """Forget every cached hash in every group (vLLM's semantics, see
+        BlockPool.reset_prefix_cache): all or nothing, refused (False, nothing changed) while
+        any group has a block in use. The prefix-cache statistics stay cumulative."""
+        if any(p.num_used_blocks for p in self.block_pools):
+            used = max(p.num_used_blocks for p in self.block_pools)
+            logger.warning("not resetting the prefix cache: %d blocks are still in use", used)
+            return False
+        return all([p.reset_prefix_cache() for p in self.block_pools])

@@ -1,12 +1,13 @@
 """AsyncLLM: an LLMEngine stepped by a background thread, consumed from asyncio.
 
-The engine loop thread owns the engine: it drains a command queue (add / abort / wake), runs
-`engine.step()` while a step has work now (`engine.needs_step()`), and otherwise sleeps on the
-queue until a command, a connector wakeup (a transfer finished) or the connector's next deadline
-(lease expiry / renewal). Each RequestOutput goes to the asyncio loop of the request's consumer
-(`loop.call_soon_threadsafe`). Validation happens in the caller (`make_request`), so bad input
-fails before anything is queued. A step that raises kills the engine (EngineDeadError), as in
-vLLM: its state can no longer be trusted.
+The engine loop thread owns the engine: it drains a command queue (add / abort / wake / calls
+such as reset_prefix_cache), runs `engine.step()` while a step has work now
+(`engine.needs_step()`), and otherwise sleeps on the queue until a command, a connector wakeup
+(a transfer finished) or the connector's next deadline (lease expiry / renewal). Each
+RequestOutput goes to the asyncio loop of the request's consumer (`loop.call_soon_threadsafe`).
+Validation happens in the caller (`make_request`), so bad input fails before anything is queued.
+A step that raises kills the engine (EngineDeadError), as in vLLM: its state can no longer be
+trusted.
 """
 
 from __future__ import annotations
@@ -157,6 +158,42 @@ class AsyncLLM:
         """Abort a request at any stage (thread-safe, asynchronous)."""
         self._commands.put(("abort", request_id))
 
+    async def reset_prefix_cache(self, timeout_s: float = 10.0) -> bool:
+        """Reset the engine's prefix cache on the loop thread (LLMEngine.reset_prefix_cache).
+
+        Returns:
+            True when reset; False when KV cache blocks were in use (nothing changed).
+
+        Raises:
+            EngineDeadError: the engine is not running.
+            TimeoutError: the loop did not run the command within `timeout_s` seconds (it may
+                still run it later).
+        """
+        return bool(await self._call_async(lambda engine: engine.reset_prefix_cache(), timeout_s))
+
+    async def _call_async(self, fn: Callable[[LLMEngine], Any], timeout_s: float) -> Any:
+        """Run fn(engine) as a command on the loop thread; await its result for at most
+        `timeout_s` seconds (TimeoutError). fn's exception is raised here."""
+        if not self.is_running:
+            raise EngineDeadError("engine is not running")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def settle(ok: bool, value: Any) -> None:  # runs on `loop`
+            if future.done():  # the caller gave up (timeout, cancellation)
+                return
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+        def reply(ok: bool, value: Any) -> None:  # runs on the engine loop thread
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed
+                loop.call_soon_threadsafe(settle, ok, value)
+
+        self._commands.put(("call_async", (fn, reply)))
+        return await asyncio.wait_for(future, timeout_s)
+
     def call(self, fn: Callable[[LLMEngine], Any], timeout: float = 10.0) -> Any:
         """Run fn(engine) in the loop thread and return its result (for stats in tests)."""
         done: queue.Queue[Any] = queue.Queue()
@@ -264,6 +301,14 @@ class AsyncLLM:
                 done.put((True, fn(engine)))
             except Exception as e:  # noqa: BLE001
                 done.put((False, e))
+        elif cmd == "call_async":
+            fn, reply = arg
+            try:
+                result = fn(engine)
+            except Exception as e:  # noqa: BLE001 - the caller gets it
+                reply(False, e)
+            else:
+                reply(True, result)
 
     def _die(self, error: BaseException) -> None:
         """The engine failed: its state (scheduler, held blocks, connector reports of the

@@ -103,6 +103,12 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the engine's prefix cache (vLLM's `LLM.reset_prefix_cache`): the next
+        identical prompt is computed again. Between generate calls no block is in use, so this
+        returns True; False means blocks were still held (nothing was changed)."""
+        return self.llm_engine.reset_prefix_cache()
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         pending = set(request_ids)

@@ -177,6 +177,13 @@ class LLMEngine:
             outputs.append(out)
         return outputs
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every hash of the engine's prefix cache, so the next identical prompt is
+        computed again (or loaded by a KV connector). vLLM's semantics: refused (False,
+        nothing changed) while any KV cache block is in use; see Scheduler.reset_prefix_cache.
+        Call it from the thread that steps the engine."""
+        return self.scheduler.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -377,3 +377,14 @@ class Scheduler:
         if req_id in self._worker_known:
             self._worker_known.discard(req_id)
             self.finished_req_ids.add(req_id)
+
+    # --------------------------------------------------------------- prefix cache
+    def reset_prefix_cache(self) -> bool:
+        """Forget the engine's prefix cache (vLLM's Scheduler.reset_prefix_cache without
+        reset_running_requests): refused, with nothing changed, while any KV cache block is in
+        use (running requests, KV loads in flight, blocks held for a remote reader).
+
+        Returns:
+            True when every cached hash was dropped, else False.
+        """
+        return self.kv_cache_manager.reset_prefix_cache()

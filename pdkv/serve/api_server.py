@@ -1,10 +1,10 @@
 """`pdkv serve`: OpenAI-compatible HTTP server (FastAPI + uvicorn) over an AsyncLLM.
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions (stream or not), /tokenize,
-/detokenize, /kv_layout, /health, /metrics. Errors use OpenAI's error JSON; a bad request gets 400 and the
-server keeps serving; a client that disconnects aborts its request. When the engine dies (a step
-raised), /health and every request answer 503, in-flight requests end with an error, and the
-server exits with status 1.
+/detokenize, /kv_layout, /health, /metrics, POST /reset_prefix_cache. Errors use OpenAI's error
+JSON; a bad request gets 400 and the server keeps serving; a client that disconnects aborts its
+request. When the engine dies (a step raised), /health and every request answer 503, in-flight
+requests end with an error, and the server exits with status 1.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class ServeConfig:
     Attributes:
         host: bind address (loopback by default).
         port: TCP port.
-        api_key: when set, /v1 routes need `Authorization: Bearer <api_key>`.
+        api_key: when set, /v1 routes and /reset_prefix_cache need
+            `Authorization: Bearer <api_key>`.
         served_model_name: the model id clients use.
         tokenizer_threads: threads (each with its own tokenizer) that tokenize prompts.
     """
@@ -58,6 +59,12 @@ class ServeConfig:
     served_model_name: str = "smollm2"
     tokenizer_threads: int = 2
 
+
+# Paths outside /v1 that change engine state: they need the API key too, when one is set.
+_KEYED_PATHS = frozenset({"/reset_prefix_cache"})
+
+# Longest wait (s) for the engine loop to run a reset_prefix_cache command.
+RESET_PREFIX_CACHE_TIMEOUT_S = 10.0
 
 # Test-only fault injection: the engine step numbered N (1-based) raises.
 FAULT_STEP_ENV = "PDKV_FAULT_STEP_RAISE_AT"
@@ -118,7 +125,8 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:
-        needs_key = config.api_key and request.url.path.startswith("/v1")
+        path = request.url.path
+        needs_key = config.api_key and (path.startswith("/v1") or path in _KEYED_PATHS)
         if needs_key and request.headers.get("Authorization") != f"Bearer {config.api_key}":
             err = APIError("invalid or missing API key", 401, "AuthenticationError")
             return SafeJSONResponse(err.body(), status_code=401)
@@ -153,6 +161,30 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
         if kvt is None:
             raise APIError("this engine has no kv connector (no --kv-transfer-config)", 404, "NotFoundError")
         return {"kv_role": kvt.kv_role, "engine_id": kvt.engine_id, "layout": dict(llm.engine.runner.layout)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """vLLM's route: forget the engine's prefix cache so the next identical prompt is
+        computed again (or served by a KV pool). 200 (empty body) when reset; unlike vLLM,
+        which answers 200 without checking, a refusal is an error: 409 while KV cache blocks
+        are in use (running requests, KV transfers; nothing changed, retry when idle), 503
+        when the engine is dead, 504 when the engine loop did not answer in time."""
+        try:
+            ok = await llm.reset_prefix_cache(RESET_PREFIX_CACHE_TIMEOUT_S)
+        except EngineDeadError as e:
+            raise APIError(str(e), 503, "ServiceUnavailableError") from None
+        except TimeoutError:
+            raise APIError(
+                f"the engine did not reset its prefix cache within {RESET_PREFIX_CACHE_TIMEOUT_S:g} s",
+                504, "GatewayTimeoutError",
+            ) from None
+        if not ok:
+            raise APIError(
+                "prefix cache not reset: KV cache blocks are in use (running requests or KV "
+                "transfers); nothing was changed, retry when the engine is idle",
+                409, "ConflictError",
+            )
+        return Response(status_code=200)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:

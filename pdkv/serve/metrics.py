@@ -4,10 +4,21 @@ Names follow vLLM's `vllm:` metrics where one exists (time_to_first_token_second
 inter_token_latency_seconds, e2e_request_latency_seconds, request_queue_time_seconds,
 request_prefill_time_seconds, num_requests_running/waiting, kv_cache_usage_perc,
 prefix_cache_queries/hits, prompt_tokens, generation_tokens).
+
+KV pool (pdkv/kvpool, through the connector's reports): the engine's cumulative dict
+`SchedulerStats.kv_transfer` carries keys "pool:<tier>:<name>" and `kv_observations` carries
+histogram samples "pool:<tier>:load_seconds" / "pool:<tier>:save_seconds". They are exported as
+`pdkv:kv_pool_<name>{tier}` counters (POOL_COUNTERS), gauges (POOL_GAUGES: the cumulative sum of
+deltas is the current value, so they may go down), `pdkv:kv_pool_failures{tier,kind}` for
+"failures_<kind>", and histograms `pdkv:kv_pool_load_seconds{tier}` /
+`pdkv:kv_pool_save_seconds{tier}`. A pool key with another name is not exported (logged once at
+debug level): a counter cannot carry a value that may go down, and a name with unknown meaning
+gets no metric until it is added here.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -15,6 +26,31 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from pdkv.outputs import RequestOutput
 from pdkv.sched.output import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+# KV pool counters by name (`pdkv:kv_pool_<name>`, exposed with the `_total` suffix).
+POOL_COUNTERS: dict[str, str] = {
+    "lookups": "Chunk keys looked up in the KV pool",
+    "hits": "Chunk keys found in the KV pool",
+    "chunks_read": "Chunks read from the KV pool",
+    "bytes_read": "Bytes read from the KV pool",
+    "chunks_written": "Chunks written to the KV pool",
+    "bytes_written": "Bytes written to the KV pool",
+    "evictions": "Chunks evicted from the KV pool",
+    "skipped": "KV pool accesses skipped while a tier is down",
+    "save_drops": "KV pool saves dropped (save queue full)",
+    "saves": "KV pool saves accepted",
+    "hit_tokens": "Prompt tokens found in the KV pool",
+    "lookup_tokens": "Prompt tokens looked up in the KV pool",
+}
+# KV pool gauges by name (`pdkv:kv_pool_<name>`).
+POOL_GAUGES: dict[str, str] = {
+    "bytes_in_use": "Bytes the KV pool holds",
+    "save_queue_depth": "KV pool saves queued, not yet written",
+}
+_POOL_FAILURE_PREFIX = "failures_"
+_POOL_HISTOGRAMS = {"load_seconds": "load", "save_seconds": "save"}
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -74,6 +110,24 @@ class ServerMetrics:
             "pdkv:kv_load_failures", "Failed KV loads by load-failure policy", labels + ["policy"], registry=r
         )
         self._seen_kv: dict[str, float] = {}
+        pool_labels = labels + ["tier"]
+        self.pool_counters = {
+            name: Counter(f"pdkv:kv_pool_{name}", doc, pool_labels, registry=r)
+            for name, doc in POOL_COUNTERS.items()
+        }
+        self.pool_gauges = {
+            name: Gauge(f"pdkv:kv_pool_{name}", doc, pool_labels, registry=r)
+            for name, doc in POOL_GAUGES.items()
+        }
+        self.pool_failures = Counter(
+            "pdkv:kv_pool_failures", "KV pool failures by kind", pool_labels + ["kind"], registry=r
+        )
+        self.pool_histograms = {
+            key: Histogram(f"pdkv:kv_pool_{key}", f"Duration of one KV pool chunk {verb} (s)",
+                           pool_labels, registry=r, buckets=_LATENCY_BUCKETS)
+            for key, verb in _POOL_HISTOGRAMS.items()
+        }
+        self._ignored_pool_keys: set[str] = set()
         self.request_success = Counter(
             "pdkv:request_success", "Finished requests by reason", labels + ["finished_reason"], registry=r
         )
@@ -106,6 +160,9 @@ class ServerMetrics:
         self.waiting_remote.set(stats.num_waiting_for_remote_kv)
         self.blocks_held.set(stats.num_blocks_held_for_remote)
         for key, total in (stats.kv_transfer or {}).items():
+            if key.startswith("pool:"):
+                self._observe_pool_value(key, total)
+                continue
             delta = total - self._seen_kv.get(key, 0.0)
             if delta <= 0:
                 continue
@@ -120,6 +177,44 @@ class ServerMetrics:
                 self.load_failures.labels(self.model_name, key.rsplit("_", 1)[1]).inc(delta)
         for seconds in stats.transfer_seconds or ():
             self.kv_transfer_time.observe(seconds)
+        for key, samples in (stats.kv_observations or {}).items():
+            parts = key.split(":")
+            hist = self.pool_histograms.get(parts[2]) if len(parts) == 3 and parts[0] == "pool" else None
+            if hist is None:
+                self._ignore_pool_key(key)
+                continue
+            child = hist.labels(self.model_name, parts[1])
+            for seconds in samples:
+                child.observe(seconds)
+
+    def _observe_pool_value(self, key: str, total: float) -> None:
+        """One cumulative "pool:<tier>:<name>" value: a gauge is set to it, a counter grows by
+        its increase since the last step."""
+        parts = key.split(":")
+        if len(parts) != 3 or not parts[1] or not parts[2]:
+            self._ignore_pool_key(key)
+            return
+        _, tier, name = parts
+        if name in POOL_GAUGES:
+            self.pool_gauges[name].labels(self.model_name, tier).set(total)
+            return
+        if name in POOL_COUNTERS:
+            child = self.pool_counters[name].labels(self.model_name, tier)
+        elif name.startswith(_POOL_FAILURE_PREFIX) and len(name) > len(_POOL_FAILURE_PREFIX):
+            child = self.pool_failures.labels(self.model_name, tier, name[len(_POOL_FAILURE_PREFIX):])
+        else:
+            self._ignore_pool_key(key)
+            return
+        delta = total - self._seen_kv.get(key, 0.0)
+        if delta <= 0:
+            return
+        self._seen_kv[key] = total
+        child.inc(delta)
+
+    def _ignore_pool_key(self, key: str) -> None:
+        if key not in self._ignored_pool_keys:
+            self._ignored_pool_keys.add(key)
+            logger.debug("KV pool metric %r is not exported (unknown name)", key)
 
     def _observe_output(self, out: RequestOutput, now: float) -> None:
         rid = out.request_id

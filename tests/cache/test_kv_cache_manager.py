@@ -407,3 +407,59 @@ def test_hit_with_two_groups_is_the_common_prefix():
     hits, num_hit = mgr.get_computed_blocks(make_request("b", prompt))
     assert num_hit == 32
     assert [len(g) for g in hits.blocks] == [2, 2]
+
+
+def test_reset_prefix_cache_turns_a_hit_into_a_miss_and_keeps_the_free_blocks():
+    mgr = make_manager(num_blocks=8, num_groups=2)
+    prompt = list(range(40))
+    a = make_request("a", prompt)
+    admit(mgr, a)
+    mgr.free(a)
+    assert mgr.get_computed_blocks(make_request("b", prompt))[1] == 32  # hit
+    free_before = [p.num_free_blocks for p in mgr.block_pools]
+    assert free_before == [8, 8]
+    assert mgr.reset_prefix_cache() is True
+    assert [p.num_free_blocks for p in mgr.block_pools] == free_before
+    assert all(blk.block_hash is None for p in mgr.block_pools for blk in p.blocks)
+    c = make_request("c", prompt)
+    assert mgr.get_computed_blocks(c)[1] == 0  # miss
+    admit(mgr, c)  # the freed blocks are allocatable as before
+    assert mgr.num_free_blocks == 8 - 3
+    mgr.free(c)
+    assert mgr.num_free_blocks == 8
+
+
+def test_reset_prefix_cache_changes_nothing_while_blocks_are_in_use():
+    mgr = make_manager(num_blocks=12, num_groups=2)
+    running, done = list(range(40)), list(range(100, 140))
+    a = make_request("a", running)
+    admit(mgr, a)
+    d = make_request("d", done)
+    admit(mgr, d)
+    mgr.free(d)  # cached and free
+    table = mgr.get_block_ids("a")
+    free = mgr.num_free_blocks
+    assert mgr.reset_prefix_cache() is False
+    # vLLM's semantics: all or nothing; the free blocks keep their hashes too.
+    assert mgr.get_block_ids("a") == table
+    assert mgr.num_free_blocks == free
+    assert mgr.get_computed_blocks(make_request("x", running))[1] == 32
+    assert mgr.get_computed_blocks(make_request("y", done))[1] == 32
+    mgr.free(a)
+    assert mgr.reset_prefix_cache() is True
+    assert mgr.get_computed_blocks(make_request("x", running))[1] == 0
+    assert mgr.num_free_blocks == 12
+
+
+def test_reset_prefix_cache_is_all_or_nothing_across_groups():
+    mgr = make_manager(num_blocks=8, num_groups=2)
+    prompt = list(range(40))
+    a = make_request("a", prompt)
+    admit(mgr, a)
+    mgr.free(a)
+    held = mgr.block_pools[1].get_new_blocks(1)  # only the second group has a block in use
+    assert mgr.reset_prefix_cache() is False
+    assert mgr.get_computed_blocks(make_request("b", prompt))[1] == 32
+    mgr.block_pools[1].free_blocks(held)
+    assert mgr.reset_prefix_cache() is True
+    assert mgr.get_computed_blocks(make_request("b", prompt))[1] == 0

@@ -112,3 +112,8 @@ def test_api_key_required_when_configured():
                         headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200
         assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
+        # State-changing routes outside /v1 need the key too.
+        assert httpx.post(srv.url + "/reset_prefix_cache", timeout=30).status_code == 401
+        reset = httpx.post(srv.url + "/reset_prefix_cache", timeout=30,
+                           headers={"Authorization": "Bearer s3cret"})
+        assert reset.status_code == 200, reset.text
