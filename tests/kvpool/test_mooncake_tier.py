@@ -204,3 +204,30 @@ def test_unanswered_call_times_out_and_dead_master_is_refused_without_a_call(mon
         _HangingStore.release.set()
         listener.close()
         t.close()
+
+
+def test_concurrent_threads_small_and_large(tier, request):
+    values = {
+        _key(request, str(i)): os.urandom((64 << 10) if i % 2 else (2 * SMALL_BUFFER))
+        for i in range(12)
+    }
+    errors: list[BaseException] = []
+
+    def work(items):
+        try:
+            for k, v in items:
+                tier.put(k, v)
+                assert tier.get(k) == v
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    items = list(values.items())
+    threads = [threading.Thread(target=work, args=(items[i::4],)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors, errors
+    assert tier.contains_many(list(values)) == [True] * len(values)
+    for k in values:
+        tier.remove(k)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -158,6 +159,14 @@ def test_server_that_never_answers_times_out():
             t.contains_many(["k"])
         assert ei.value.kind == "timeout"
         assert time.monotonic() - start < 5.0
+        # one connection per call: no client-side retries multiplying the wait
+        listener.setblocking(False)
+        attempts = 0
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                listener.accept()[0].close()
+                attempts += 1
+        assert attempts == 1
     finally:
         t.close()
         listener.close()
