@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import openai
@@ -82,26 +84,38 @@ def _mooncake_available() -> bool:
     return True
 
 
+@pytest.fixture(scope="module")
+def parity_refs(parity_prompts, reference):
+    return reference.generate([{"prompt_token_ids": ids} for ids in parity_prompts],
+                              SamplingParams(temperature=0, max_tokens=24))
+
+
 @pytest.mark.parametrize("transfer", ["tcp", "shm", pytest.param("mooncake", marks=pytest.mark.skipif(
     not _mooncake_available(), reason="mooncake-transfer-engine-non-cuda / libibverbs1 not installed"))])
-def test_parity_prompts_through_proxy_match_colocated(transfer, parity_prompts, reference):
-    """The ten block-boundary chat prompts (63..129 tokens) through a 1P1D proxy, per engine."""
-    refs = reference.generate([{"prompt_token_ids": ids} for ids in parity_prompts],
-                              SamplingParams(temperature=0, max_tokens=24))
-    stack = _Stack(transfer)
+def test_parity_prompts_through_proxy_match_colocated(transfer, parity_prompts, parity_refs, request):
+    """The ten block-boundary chat prompts (63..129 tokens) through a 1P1D proxy, per engine,
+    five at a time (the engines batch them). tcp uses the module's stack."""
+    own = None if transfer == "tcp" else _Stack(transfer)
+    p, d, proxy = request.getfixturevalue("pd_stack") if own is None else (own.p, own.d, own.proxy)
     try:
-        client = openai.OpenAI(base_url=stack.proxy.url + "/v1", api_key="x", max_retries=0)
-        for ids, ref in zip(parity_prompts, refs):
-            out = client.completions.create(model="smollm2", prompt=ids, max_tokens=24, temperature=0)
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
+
+        def one(ids: list[int]) -> Any:
+            return client.completions.create(model="smollm2", prompt=ids, max_tokens=24, temperature=0)
+
+        with ThreadPoolExecutor(5) as pool:
+            outs = list(pool.map(one, parity_prompts))
+        for ids, ref, out in zip(parity_prompts, parity_refs, outs):
             assert out.choices[0].text == ref.outputs[0].text, f"{len(ids)}-token prompt via {transfer}"
             assert out.usage.completion_tokens == len(ref.outputs[0].token_ids)
             assert out.usage.prompt_tokens == len(ids)
-        received = metric_value(httpx.get(stack.d.url + "/metrics").text, "pdkv:kv_transfer_bytes_received_total")
+        received = metric_value(httpx.get(d.url + "/metrics").text, "pdkv:kv_transfer_bytes_received_total")
         assert received > 0
-        assert wait_for_metric(stack.p.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
-        assert wait_for_metric(stack.d.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
+        assert wait_for_metric(p.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
+        assert wait_for_metric(d.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
     finally:
-        stack.stop()
+        if own is not None:
+            own.stop()
 
 
 def test_prefill_process_killed_after_params_recompute():
