@@ -139,7 +139,8 @@ class PoolConnectorScheduler:
         rid = request.request_id
         entry = self._lookups.pop(rid, None)
         if entry is not None and entry.hits is not None:
-            asked = max_loadable_tokens(request.num_tokens, self.chunk) - entry.first_chunk * self.chunk
+            # Tokens the pool could have served beyond the local prefix cache, and those it did.
+            asked = max_loadable_tokens(request.num_tokens, self.chunk) - request.num_computed_tokens
             self._count("pool:all:lookup_tokens", asked)
             self._count("pool:all:hit_tokens", num_external_tokens)
         if num_external_tokens <= 0:
