@@ -1,0 +1,117 @@
+"""Redis tier: chunks as raw-bytes string values on a redis-server (shared across processes).
+
+Protocol: one `SET key value [EX ttl]` per put, `GET` per get, one pipeline of `EXISTS` per
+`contains_many`, `DEL` per remove (redis-py 8, RESP2, no client-side retries). Every socket
+operation and connect is bounded by `timeout_s`, so a killed server costs one fast `TierError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from pdkv.kvpool.tiers.base import Tier, TierError
+
+_T = TypeVar("_T")
+
+
+class RedisTier(Tier):
+    """A pool tier on a redis-server reached through `url`.
+
+    Args:
+        url: "redis://HOST:PORT/DB" (also rediss:// and unix://, as redis-py accepts).
+        ttl_s: expire entries this many seconds after their put (rounded up to whole
+            seconds, at least 1); None keeps them until redis evicts them (maxmemory policy).
+        timeout_s: socket connect and read/write timeout in seconds for every call.
+
+    Raises:
+        ValueError: bad url, ttl_s or timeout_s.
+
+    Thread-safe: redis-py's connection pool hands each thread its own connection. No round trip
+    happens at construction; the first call to a dead server raises `TierError`.
+    """
+
+    name = "redis"
+    local_index = False
+
+    def __init__(self, url: str, ttl_s: float | None = None, timeout_s: float = 1.0) -> None:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(
+                f"redis url must start with redis://, rediss:// or unix://, got {url!r}"
+            )
+        if ttl_s is not None and not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self._url = url
+        self._ex = None if ttl_s is None else max(1, math.ceil(ttl_s))
+        self._redis_mod = redis
+        # retries=0: a refused connection or a timeout surfaces at once (redis-py 6+ retries 3
+        # times with exponential backoff by default, which would turn a dead server into a stall).
+        self._client: Any = redis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            decode_responses=False,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=0,
+        )
+
+    def _call(self, what: str, fn: Callable[[], _T]) -> _T:
+        exc = self._redis_mod.exceptions
+        try:
+            return fn()
+        except exc.TimeoutError as e:
+            raise TierError(f"redis {what} at {self._url} timed out: {e}", "timeout") from e
+        except exc.ConnectionError as e:
+            raise TierError(f"redis {what} at {self._url} unavailable: {e}", "unavailable") from e
+        except exc.RedisError as e:
+            raise TierError(f"redis {what} at {self._url} failed: {e}", "other") from e
+        except TimeoutError as e:  # socket.timeout outside redis-py's own wrapping
+            raise TierError(f"redis {what} at {self._url} timed out: {e}", "timeout") from e
+        except OSError as e:
+            raise TierError(f"redis {what} at {self._url} unavailable: {e}", "unavailable") from e
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """One pipelined round trip of EXISTS per key (no MULTI). Raises TierError."""
+        if not keys:
+            return []
+
+        def run() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(k)
+            return list(pipe.execute())
+
+        return [bool(n) for n in self._call("EXISTS", run)]
+
+    def get(self, key: str) -> bytes | None:
+        """GET; None on a miss (absent or expired). Raises TierError."""
+        value = self._call("GET", lambda: self._client.get(key))
+        return None if value is None else bytes(value)
+
+    def put(self, key: str, value: bytes) -> None:
+        """SET (with EX when a ttl is set). Raises TierError ("full" when redis answers OOM)."""
+        try:
+            self._call("SET", lambda: self._client.set(key, value, ex=self._ex))
+        except TierError as e:
+            if "OOM" in str(e):
+                raise TierError(str(e), "full") from e.__cause__
+            raise
+
+    def remove(self, key: str) -> None:
+        """DEL. Raises TierError when the server cannot answer."""
+        self._call("DEL", lambda: self._client.delete(key))
+
+    def close(self) -> None:
+        """Close the connection pool (no round trip)."""
+        with contextlib.suppress(Exception):  # sockets of a dead server: nothing to release
+            self._client.close()
