@@ -1,4 +1,4 @@
-"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos}."""
+"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool}."""
 
 from __future__ import annotations
 
@@ -146,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chaos_bench.add_cli_args(chaos_p)
     chaos_p.set_defaults(func=chaos_bench.main)
+    from pdkv.bench import pool as pool_bench
+
+    pool_p = bench_sub.add_parser(
+        "pool", help="KV pool: TTFT of a long prompt cold vs hot per tier, load GB/s", formatter_class=fmt
+    )
+    pool_bench.add_cli_args(pool_p)
+    pool_p.set_defaults(func=pool_bench.main)
     return parser
 
 

@@ -1,5 +1,7 @@
 """`pdkv up`: start a whole local topology (colocated, or P/D with a proxy) as processes on free
-ports, wait until healthy, print the endpoint, stop everything on Ctrl-C or when a child dies."""
+ports, wait until healthy, print the endpoint, stop everything on Ctrl-C or when a child dies.
+With `--pool TIER` (colocated) the engine gets a KVPoolConnector and the server the tier needs
+(redis-server, or mooncake_master plus its store process) is started first and stopped last."""
 
 from __future__ import annotations
 
@@ -14,6 +16,15 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from pdkv.router.pool_topology import (
+    DEFAULT_CHUNK_SIZE,
+    POOL_TIERS,
+    PoolServer,
+    pool_kv_transfer_config,
+    pool_tier_spec,
+    start_pool_server,
+)
 
 
 def free_port(taken: set[int], host: str = "127.0.0.1", low: int = 20000, high: int = 32000) -> int:
@@ -50,10 +61,12 @@ class Child:
 
 @dataclass
 class Topology:
-    """Processes to start; `endpoint` is what clients talk to."""
+    """Processes to start; `endpoint` is what clients talk to; `services` are servers started
+    before the children (a pool tier's), stopped after them."""
 
     children: list[Child] = field(default_factory=list)
     endpoint: str = ""
+    services: list[PoolServer] = field(default_factory=list)
 
     def start(self, log_dir: str) -> None:
         os.makedirs(log_dir, exist_ok=True)
@@ -103,7 +116,19 @@ class Topology:
                 return c
         return None
 
+    def dead_service(self) -> PoolServer | None:
+        return next((s for s in self.services if not s.alive()), None)
+
     def stop(self) -> None:
+        """Stop the children (SIGTERM to each process group, SIGKILL after 15 s), then the
+        services (each with its own deadline)."""
+        try:
+            self._stop_children()
+        finally:
+            for svc in reversed(self.services):
+                svc.stop(5.0)
+
+    def _stop_children(self) -> None:
         for c in reversed(self.children):
             if c.proc is not None and c.proc.poll() is None:
                 os.killpg(c.proc.pid, signal.SIGTERM)
@@ -126,8 +151,9 @@ def _tail(path: str, lines: int = 15) -> str:
         return "(no log)"
 
 
-def build_topology(args: argparse.Namespace) -> Topology:
-    """Commands for the chosen mode; engine flags after `--` are passed to every engine."""
+def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = None) -> Topology:
+    """Commands for the chosen mode; engine flags after `--` are passed to every engine;
+    `kv_transfer_config` (colocated only: the pool's) is passed to the engine."""
     host = "127.0.0.1"
     py = [sys.executable, "-m", "pdkv.cli"]
     engine_flags = ["--model", args.model, *args.engine_args]
@@ -138,8 +164,9 @@ def build_topology(args: argparse.Namespace) -> Topology:
     taken: set[int] = set()
     if args.mode == "colocated":
         port = args.port or free_port(taken)
+        kv = ["--kv-transfer-config", kv_transfer_config] if kv_transfer_config else []
         topo.children.append(Child("engine", f"http://{host}:{port}",
-                                   py + ["serve", *engine_flags, "--host", host, "--port", str(port)], env))
+                                   py + ["serve", *engine_flags, "--host", host, "--port", str(port), *kv], env))
         topo.endpoint = f"http://{host}:{port}"
         return topo
     prefill_urls: list[str] = []
@@ -177,6 +204,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="transfer engine (mooncake needs the optional package and libibverbs1)")
     parser.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="fail",
                         help="what a decode engine does when a KV pull fails")
+    parser.add_argument("--pool", choices=POOL_TIERS, default=None,
+                        help="colocated: a KV pool (KVPoolConnector, kv_both) with this tier: dram 1 GiB; "
+                             "disk 4 GiB under $PDKV_CACHE/kvpool; redis / mooncake (1 GiB) start their "
+                             "server on a free loopback port, stopped with the rest")
+    parser.add_argument("--pool-chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
+                        help="pool chunk in tokens (a multiple of the block size)")
     parser.add_argument("--routing", choices=["round_robin", "least_loaded"], default="round_robin",
                         help="proxy routing within each pool")
     parser.add_argument("--port", type=int, default=0, help="the proxy's (pd) or the server's (colocated); 0 = free")
@@ -193,17 +226,36 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     if args.num_prefill < 1 or args.num_decode < 1:
         raise ValueError("--num-prefill and --num-decode must be >= 1")
+    if args.pool is not None and args.mode != "colocated":
+        raise ValueError("--pool works with --mode colocated for now; a pool under P/D comes with "
+                         "MultiConnector (issue 9)")
     args.engine_args = [a for a in args.engine_args if a != "--"]
-    topo = build_topology(args)
 
     def _terminate(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM/SIGINT (also when started in the background): stop all
 
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGINT, _terminate)
-    print(f"starting {len(topo.children)} processes: {[c.name for c in topo.children]} (logs in {args.log_dir}/)",
-          flush=True)
+    services: list[PoolServer] = []
+    topo = Topology(services=services)  # until the real one is built: stops what started so far
     try:
+        kv_config = None
+        if args.pool is not None:
+            os.makedirs(args.log_dir, exist_ok=True)
+            try:
+                server = start_pool_server(args.pool, args.log_dir)
+            except RuntimeError as e:
+                print(f"error: pool server for {args.pool}: {e}", file=sys.stderr)
+                return 1
+            if server is not None:
+                services.append(server)
+            kv_config = pool_kv_transfer_config(pool_tier_spec(args.pool, server), args.pool_chunk_size)
+            print(f"pool: {args.pool}" + (f" at {server.address} (pids {server.pids})" if server else "")
+                  + f", chunk {args.pool_chunk_size} tokens", flush=True)
+        topo = build_topology(args, kv_config)
+        topo.services = services
+        print(f"starting {len(topo.children)} processes: {[c.name for c in topo.children]} "
+              f"(logs in {args.log_dir}/)", flush=True)
         if not topo.start_healthy(args.log_dir, args.health_timeout):
             return 1
         print(f"ready: {topo.endpoint}  (OpenAI API at {topo.endpoint}/v1)", flush=True)
@@ -217,6 +269,10 @@ def main(args: argparse.Namespace) -> int:
             if dead is not None:
                 print(f"{dead.name} exited ({dead.proc.returncode if dead.proc else '?'}); stopping all; "
                       f"see {dead.log_path}", file=sys.stderr)
+                return 1
+            dead_svc = topo.dead_service()
+            if dead_svc is not None:
+                print(f"pool server {dead_svc.address} exited; stopping all", file=sys.stderr)
                 return 1
             time.sleep(0.5)
     except KeyboardInterrupt:

@@ -1,0 +1,80 @@
+"""The KV pool part of `pdkv up --pool`: the tier's spec with its stated defaults, the server it
+needs (redis-server; mooncake_master plus its store process) started on free loopback ports, and
+the engines' `--kv-transfer-config` (KVPoolConnector, kv_both).
+
+Defaults: dram 1 GiB in each engine's process; disk 4 GiB under `$PDKV_CACHE/kvpool` (kept
+across runs: hits survive a restart); redis: a redis-server without persistence; mooncake: a
+master plus a store process mounting 1 GiB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Protocol
+
+from pdkv.model.registry import cache_dir
+
+POOL_TIERS = ("dram", "disk", "redis", "mooncake")
+DRAM_CAPACITY_BYTES = 1 << 30
+DISK_CAPACITY_BYTES = 4 << 30
+MOONCAKE_SEGMENT_BYTES = 1 << 30
+DEFAULT_CHUNK_SIZE = 256
+
+
+class PoolServer(Protocol):
+    """What the launcher needs of a started server (`pdkv.kvpool.services.Service`)."""
+
+    address: str
+
+    @property
+    def pids(self) -> list[int]: ...
+
+    def alive(self) -> bool: ...
+
+    def stop(self, timeout_s: float = 5.0) -> None: ...
+
+
+def start_pool_server(tier: str, log_dir: str) -> PoolServer | None:
+    """Start the server `tier` needs (None for dram and disk), logging under `log_dir`.
+
+    Raises:
+        ValueError: unknown tier.
+        RuntimeError: the server's binary or package is missing (the message says what to
+            install) or it did not become ready in time.
+    """
+    if tier not in POOL_TIERS:
+        raise ValueError(f"unknown pool tier {tier!r}; known: {', '.join(POOL_TIERS)}")
+    if tier in ("dram", "disk"):
+        return None
+    from pdkv.kvpool import services
+
+    if tier == "redis":
+        return services.start_redis(log_dir=log_dir)
+    return services.start_mooncake(segment_bytes=MOONCAKE_SEGMENT_BYTES, log_dir=log_dir)
+
+
+def pool_tier_spec(tier: str, server: PoolServer | None) -> dict[str, Any]:
+    """The tier's spec for `kv_connector_extra_config["tiers"]` with the stated defaults.
+
+    Raises:
+        ValueError: unknown tier, or redis/mooncake without its server.
+    """
+    if tier == "dram":
+        return {"name": "dram", "capacity_bytes": DRAM_CAPACITY_BYTES}
+    if tier == "disk":
+        return {"name": "disk", "path": os.path.join(cache_dir(), "kvpool"),
+                "capacity_bytes": DISK_CAPACITY_BYTES}
+    if tier not in ("redis", "mooncake"):
+        raise ValueError(f"unknown pool tier {tier!r}; known: {', '.join(POOL_TIERS)}")
+    if server is None:
+        raise ValueError(f"the {tier} tier needs its server started first")
+    if tier == "redis":
+        return {"name": "redis", "url": server.address}
+    return {"name": "mooncake", "master": server.address}
+
+
+def pool_kv_transfer_config(spec: dict[str, Any], chunk_size: int = DEFAULT_CHUNK_SIZE) -> str:
+    """`--kv-transfer-config` JSON of a kv_both KVPoolConnector with one tier."""
+    return json.dumps({"kv_connector": "KVPoolConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": {"chunk_size": chunk_size, "tiers": [spec]}})
