@@ -211,9 +211,9 @@ def start_redis(
             _wait_ready(
                 proc, log, partial(_redis_ping, host, p, 0.5), f"redis-server on {p}", timeout_s
             )
-        except RuntimeError:
+        except BaseException as e:  # a failed start or Ctrl-C: never leave redis-server behind
             Service("redis", "", [proc], logs, False).stop(1.0)
-            if attempt + 1 == attempts:
+            if not isinstance(e, RuntimeError) or attempt + 1 == attempts:
                 if owns:
                     shutil.rmtree(logs, ignore_errors=True)
                 raise

@@ -120,3 +120,15 @@ def test_a_producer_never_looks_up_and_a_failed_load_is_not_offered_again():
     sched.on_new_request(req)
     sched.update_connector_output(KVConnectorOutput(finished_recving={"r"}, load_errors={"r": "gone"}))
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_a_disk_tier_without_a_path_lives_under_pdkv_cache_kvpool(tmp_path, monkeypatch):
+    from pdkv.kv_transfer.connector.pool import build_store
+
+    monkeypatch.setenv("PDKV_CACHE", str(tmp_path))
+    cfg = PoolConnectorConfig.from_extra({"tiers": [{"name": "disk"}]}, block_size=16)
+    store = build_store(cfg)
+    try:
+        assert store.tiers[0].path == str(tmp_path / "kvpool")  # type: ignore[attr-defined]
+    finally:
+        store.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +29,8 @@ class PoolConnectorConfig:
         save_decode_tokens: also store full chunks of generated tokens (default: prompt only).
         load_threads: threads that read chunks from the pool into blocks.
         tier_retry_after_s: how long a tier that failed as unavailable is skipped (s).
-        default_dir: where a disk tier without "path" puts its files ($PDKV_CACHE/kvpool).
+        default_dir: base directory of a disk tier without "path" ($PDKV_CACHE; the files go to
+            $PDKV_CACHE/kvpool).
     """
 
     chunk_size: int = 256
@@ -70,7 +70,7 @@ class PoolConnectorConfig:
                 raise ValueError("KVPoolConnector 'tiers' must be a non-empty list of objects "
                                  'such as {"name": "dram", "capacity_bytes": 1073741824}')
             kw["tiers"] = tuple(dict(t) for t in tiers)
-        cfg = PoolConnectorConfig(**kw, default_dir=os.path.join(cache_dir(), "kvpool"))
+        cfg = PoolConnectorConfig(**kw, default_dir=cache_dir())
         if cfg.chunk_size % block_size:
             raise ValueError(f"KVPoolConnector chunk_size {cfg.chunk_size} must be a multiple of "
                              f"the block size {block_size}")
