@@ -54,6 +54,8 @@ class KVConnectorState:
         self.finished_recving: set[str] = set()
         self.invalid_blocks: set[tuple[int, int]] = set()  # (group index, block id)
         self.load_errors: dict[str, str] = {}
+        # request id -> policy for its failed load when the connector chose one (else self.policy)
+        self.failure_policy: dict[str, str] = {}
         self.delayed_free: dict[str, Request] = {}
         self.finished_outside: list[Request] = []
         self.stats: dict[str, float] = {}
@@ -132,10 +134,11 @@ class KVConnectorState:
             bad = self._bad_blocks_of(request)
             error = self.load_errors.pop(rid, None)
             valid_end = load_end
+            policy = self.failure_policy.pop(rid, self.policy)
             if bad or error is not None:
                 self.invalid_blocks.difference_update(bad)
-                self.count("kv_load_failures_" + self.policy)
-                if self.policy == "fail":
+                self.count("kv_load_failures_" + policy)
+                if policy == "fail":
                     request.status = RequestStatus.FINISHED_ERROR
                     request.error = f"KV load failed: {error or 'invalid blocks'}"
                     failed.append(request)
@@ -171,16 +174,18 @@ class KVConnectorState:
             self.observations.setdefault(key, []).extend(samples)
         self.invalid_blocks.update(out.invalid_block_ids)
         for rid, error in out.load_errors.items():
+            policy = out.load_failure_policies.get(rid, self.policy)
             if rid in self.waiting_for_remote or rid in self.delayed_free:
                 self.load_errors[rid] = error
+                self.failure_policy[rid] = policy
             else:  # its request is gone (aborted without delaying the free): count it here
-                self.count("kv_load_failures_" + self.policy)
+                self.count("kv_load_failures_" + policy)
         for rid in out.finished_recving:
             delayed = self.delayed_free.pop(rid, None)
             if delayed is not None:  # finished (aborted) while its load was in flight
                 if rid in self.load_errors or self._bad_blocks_of(delayed):
                     # The pull failed although nobody waits for it any more: still a failure.
-                    self.count("kv_load_failures_" + self.policy)
+                    self.count("kv_load_failures_" + self.failure_policy.get(rid, self.policy))
                 self.forget_load_result(delayed)
                 self.kv_cache_manager.free(delayed)
             elif rid in self.waiting_for_remote:
@@ -198,6 +203,7 @@ class KVConnectorState:
         """Drop what a finished request's load reported (its block ids will be reused)."""
         self.finished_recving.discard(request.request_id)
         self.load_errors.pop(request.request_id, None)
+        self.failure_policy.pop(request.request_id, None)
         self.invalid_blocks.difference_update(self._group_blocks(request))
 
     def _bad_blocks_of(self, request: Request) -> list[tuple[int, int]]:

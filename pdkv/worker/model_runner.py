@@ -198,12 +198,13 @@ class ModelRunner:
         sending, recving = conn.get_finished(out.finished_req_ids)
         invalid = conn.get_block_ids_with_load_errors()
         errors = conn.get_load_errors()
+        policies = conn.get_load_failure_policies()
         stats, times = conn.get_stats()
         conn.clear_connector_metadata()
         return KVConnectorOutput(
             finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid,
             load_errors=errors, stats=stats, transfer_seconds=times,
-            observations=conn.get_observations(),
+            observations=conn.get_observations(), load_failure_policies=policies,
         )
 
     def shutdown(self) -> None:

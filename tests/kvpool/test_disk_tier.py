@@ -167,3 +167,14 @@ def test_damaged_file_falls_through_to_next_tier(tmp_path) -> None:
     assert s["pool:disk:failures_corrupt"] == 1 and s["pool:dram:chunks_read"] == 1
     assert file.read_bytes() == value  # promoted back into disk, intact
     store.close()
+
+
+def test_an_entry_another_process_wrote_into_the_directory_is_found_and_adopted(tmp_path):
+    reader = DiskTier(str(tmp_path), 1 << 20)  # started first: its start-up index is empty
+    writer = DiskTier(str(tmp_path), 1 << 20)
+    writer.put("pdkv:f:01", b"x" * 100)
+    assert reader.contains_many(["pdkv:f:01", "pdkv:f:02"]) == [True, False]
+    assert reader.get("pdkv:f:01") == b"x" * 100
+    assert reader.bytes_in_use() == 100
+    other = DiskTier(str(tmp_path / "sub"), 1 << 20)
+    assert other.get("pdkv:f:01") is None

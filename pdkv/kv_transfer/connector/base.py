@@ -57,6 +57,9 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
         load_errors: request id -> why its load failed.
         stats: counter deltas since the last report (bytes, events).
         transfer_seconds: duration of each transfer that completed.
+        load_failure_policies: request id -> the kv_load_failure_policy for its failed load,
+            when the connector decides it per request (a MultiConnector child's own policy);
+            absent: the engine's policy.
         observations: histogram samples by metric key since the last report (e.g.
             "pool:dram:load_seconds" -> [seconds, ...]).
     """
@@ -68,6 +71,7 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
     stats: dict[str, float] = msgspec.field(default_factory=dict)
     transfer_seconds: list[float] = msgspec.field(default_factory=list)
     observations: dict[str, list[float]] = msgspec.field(default_factory=dict)
+    load_failure_policies: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class KVConnectorBase(ABC):
@@ -212,6 +216,11 @@ class KVConnectorBase(ABC):
 
     def get_observations(self) -> dict[str, list[float]]:
         """Histogram samples by metric key since the last call (worker half)."""
+        return {}
+
+    def get_load_failure_policies(self) -> dict[str, str]:
+        """Request id -> policy for loads that failed since the last `get_load_errors` (worker
+        half, called right after it); {} = the engine's policy for all."""
         return {}
 
     def get_load_errors(self) -> dict[str, str]:

@@ -115,10 +115,29 @@ class DiskTier(Tier):
             os.unlink(self._file(name))
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        """Presence of each key in the in-memory index; no LRU touch, no I/O."""
+        """Presence of each key: the in-memory index first, then (for keys it lacks) one stat of
+        the file, so entries another process wrote into a shared directory are found and
+        adopted into the index (its capacity accounting then covers them too). No LRU touch."""
         names = [key_to_filename(k) for k in keys]
         with self._lock:
-            return [n in self._index for n in names]
+            found = [n in self._index for n in names]
+        for i, name in enumerate(names):
+            if not found[i]:
+                found[i] = self._adopt(name)
+        return found
+
+    def _adopt(self, name: str) -> bool:
+        """Index a complete file written by another process (renamed into place: never partial)."""
+        try:
+            size = os.stat(self._file(name)).st_size
+        except OSError:
+            return False
+        with self._lock:
+            if name not in self._index:
+                self._evict_locked(size)
+                self._index[name] = size
+                self._used += size
+        return True
 
     def get(self, key: str) -> bytes | None:
         """The whole file as written (the store verifies it), or None when absent or the file
@@ -129,9 +148,11 @@ class DiskTier(Tier):
         """
         name = key_to_filename(key)
         with self._lock:
-            if name not in self._index:
-                return None
-            self._index.move_to_end(name)
+            known = name in self._index
+            if known:
+                self._index.move_to_end(name)
+        if not known and not self._adopt(name):
+            return None
         try:
             with open(self._file(name), "rb") as f:
                 data = f.read()

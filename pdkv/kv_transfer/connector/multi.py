@@ -1,0 +1,352 @@
+"""MultiConnector (vLLM's name): several connectors under one engine, e.g. P/D plus a KV pool.
+
+`{"kv_connector": "MultiConnector", "kv_role": ..., "kv_connector_extra_config": {"connectors":
+[{"kv_connector": "P2PConnector", ...}, {"kv_connector": "KVPoolConnector", ...}]}}`; a child's
+kv_role defaults to the parent's, its engine_id is the parent's.
+
+Semantics (vLLM's, plus one deliberate extension):
+- Saves go to every child; `request_finished` asks every child and the first kv_transfer_params
+  returned win; the free is delayed until every child that asked for a delay reported the
+  request in finished_sending (counted per child: the first child's report never frees blocks
+  another child still reads).
+- Loads: vLLM lets the first child that reports matched tokens load them. pdkv **chains** loads:
+  child 0 is asked after the local prefix hits, child 1 after child 0's tokens, and so on; the
+  scheduler sees one asynchronous load of the sum, and the request is reported in
+  finished_recving only when every child that loads a part is done. D = [pool consumer, P2P
+  consumer] therefore loads what the pool has and pulls only the rest from P. A later child's
+  part that would cover only the last prompt token is dropped (that token is recomputed anyway),
+  so a prompt the pool holds whole pulls nothing from P (P is told to release).
+- A synchronous answer (load_async=False) is taken only from the first child that answers, and
+  ends the chain.
+- Load failures: each child's kv_load_failure_policy (unset: its connector's default) applies
+  to its own part; when several parts fail, "fail" wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from pdkv.config import KVTransferConfig
+from pdkv.kv_transfer.connector.base import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+)
+
+if TYPE_CHECKING:
+    from pdkv.cache.kv_cache_manager import KVCacheBlocks
+    from pdkv.cache.specs import KVCacheConfig
+    from pdkv.request import Request
+    from pdkv.sched.output import SchedulerOutput
+
+
+class MultiConnectorMetadata(KVConnectorMetadata, kw_only=True):
+    """Each child's metadata, plus which children a request's load / delayed free waits for.
+
+    Attributes:
+        children: one metadata per child, in child order.
+        expect_recv: request id -> children loading a part of it (announced with the loads).
+        expect_send: request id -> children that delayed its free (announced the step after
+            request_finished, with the children's own send registrations).
+    """
+
+    children: list[KVConnectorMetadata] = msgspec.field(default_factory=list)
+    expect_recv: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    expect_send: dict[str, list[int]] = msgspec.field(default_factory=dict)
+
+
+class _ChunkOfBlocks:
+    """A per-group slice of an allocation's new blocks (what a child's part maps to)."""
+
+    def __init__(self, groups: tuple[list[int], ...]) -> None:
+        self._groups = groups
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return self._groups
+
+
+def child_configs(config: KVTransferConfig) -> list[KVTransferConfig]:
+    """The children's configs.
+
+    Raises:
+        ValueError: no children, a child that is not an object, a nested MultiConnector, or an
+            unknown field (named).
+    """
+    specs = config.kv_connector_extra_config.get("connectors")
+    if not isinstance(specs, list) or not specs or not all(isinstance(s, dict) for s in specs):
+        raise ValueError('MultiConnector needs kv_connector_extra_config.connectors: a non-empty '
+                         'list of connector configs such as {"kv_connector": "KVPoolConnector", ...}')
+    unknown = sorted(set(config.kv_connector_extra_config) - {"connectors"})
+    if unknown:
+        raise ValueError(f"unknown MultiConnector settings {unknown}; known: ['connectors']")
+    out = []
+    for spec in specs:
+        known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_load_failure_policy"}
+        bad = sorted(set(spec) - known)
+        if bad:
+            raise ValueError(f"unknown fields {bad} in a MultiConnector child; known: {sorted(known)}")
+        if spec.get("kv_connector") in (None, "MultiConnector"):
+            raise ValueError("each MultiConnector child needs a kv_connector other than MultiConnector")
+        out.append(KVTransferConfig(
+            kv_connector=str(spec["kv_connector"]), kv_role=str(spec.get("kv_role", config.kv_role)),
+            engine_id=config.engine_id,
+            kv_connector_extra_config=dict(spec.get("kv_connector_extra_config") or {}),
+            kv_load_failure_policy=str(spec.get("kv_load_failure_policy", ""))))
+    return out
+
+
+class MultiConnector(KVConnectorBase):
+    """Both halves: fans calls out to the children and aggregates their answers (see module doc).
+
+    Raises:
+        ValueError: bad child configs (see `child_configs`) or a child's own settings.
+    """
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
+                 layout: dict[str, Any], shared: dict[str, Any]) -> None:
+        from pdkv.kv_transfer.connector.factory import create_connector
+
+        super().__init__(config, role, kv_cache_config, layout)
+        self.child_configs = child_configs(config)
+        self.children = [create_connector(c, role, kv_cache_config, layout, shared)
+                         for c in self.child_configs]
+        self.block_size = kv_cache_config.groups[0].spec.block_size
+        # scheduler half
+        self._plans: dict[str, list[tuple[int, int, int]]] = {}  # rid -> (child, start, tokens)
+        self._loading: dict[str, list[int]] = {}
+        self._expect_recv: dict[str, list[int]] = {}
+        self._expect_send: dict[str, list[int]] = {}
+        # worker half
+        self._pending_recv: dict[str, set[int]] = {}
+        self._pending_send: dict[str, set[int]] = {}
+        self._early_send: dict[str, set[int]] = {}
+        self._failed_by: dict[str, set[int]] = {}
+        self._ready_send: set[str] = set()
+
+    # ================================================================ scheduler
+    def validate_request(self, request: Request) -> None:
+        for c in self.children:
+            c.validate_request(request)
+
+    def on_new_request(self, request: Request) -> None:
+        for c in self.children:
+            c.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        computed, plan = num_computed_tokens, []
+        for i, child in enumerate(self.children):
+            n, load_async = child.get_num_new_matched_tokens(request, computed)
+            if n is None:
+                return None, False
+            if n <= 0:
+                continue
+            if not load_async:
+                if plan:
+                    break  # a synchronous part never follows an asynchronous one
+                self._plans[request.request_id] = [(i, computed, n)]
+                return n, False
+            if plan and computed >= request.num_tokens - 1:
+                continue  # only the last token would be loaded: it is recomputed anyway
+            plan.append((i, computed, n))
+            computed += n
+        self._plans[request.request_id] = plan
+        total = computed - num_computed_tokens
+        return (total, True) if total > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        rid = request.request_id
+        plan = self._plans.pop(rid, [])
+        if num_external_tokens <= 0:
+            plan = []
+        local_hits = request.num_computed_tokens
+        new_ids = blocks.get_block_ids()
+        parts = {i: (start, n) for i, start, n in plan}
+        loading = []
+        for i, child in enumerate(self.children):
+            if i not in parts:
+                child.update_state_after_alloc(request, _ChunkOfBlocks(tuple([] for _ in new_ids)), 0)
+                continue
+            start, n = parts[i]
+            lo = (start - local_hits) // self.block_size
+            hi = -(-(start + n - local_hits) // self.block_size)
+            request.num_computed_tokens = start  # a child's part starts after the earlier ones
+            try:
+                child.update_state_after_alloc(
+                    request, _ChunkOfBlocks(tuple(list(g[lo:hi]) for g in new_ids)), n)
+            finally:
+                request.num_computed_tokens = local_hits
+            loading.append(i)
+        if loading:
+            self._loading[rid] = loading
+            self._expect_recv[rid] = loading
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = MultiConnectorMetadata(
+            children=[c.build_connector_meta(scheduler_output) for c in self.children],
+            expect_recv=self._expect_recv, expect_send=self._expect_send)
+        self._expect_recv, self._expect_send = {}, {}
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for rid in output.finished_recving:
+            self._loading.pop(rid, None)
+        for c in self.children:
+            c.update_connector_output(output)
+
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._plans.pop(rid, None)
+        delaying, params = [], None
+        for i, c in enumerate(self.children):
+            delay, p = c.request_finished(request, block_ids)
+            if delay:
+                delaying.append(i)
+            if params is None and p is not None:
+                params = p
+        if rid in self._loading:
+            # Aborted during a load: the free waits for the (aggregated) finished_recving.
+            return True, params
+        if delaying:
+            self._expect_send[rid] = delaying
+        return bool(delaying), params
+
+    def take_scheduler_stats(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for c in self.children:
+            for k, v in c.take_scheduler_stats().items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    def has_pending_work(self) -> bool:
+        return any(c.has_pending_work() for c in self.children)
+
+    def has_pending_metadata(self) -> bool:
+        return bool(self._expect_send) or any(c.has_pending_metadata() for c in self.children)
+
+    def next_deadline(self) -> float | None:
+        times = [t for t in (c.next_deadline() for c in self.children) if t is not None]
+        return min(times) if times else None
+
+    # =================================================================== worker
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None:
+        for c in self.children:
+            c.set_wakeup(wakeup)
+
+    def kv_cache_buffer(self, group: int, nbytes: int) -> memoryview | None:
+        for c in self.children:
+            buf = c.kv_cache_buffer(group, nbytes)
+            if buf is not None:
+                return buf
+        return None
+
+    def register_kv_caches(self, kv_caches: list[Any]) -> None:
+        for c in self.children:
+            c.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(metadata)
+        assert isinstance(metadata, MultiConnectorMetadata)
+        for rid, kids in metadata.expect_recv.items():
+            self._pending_recv.setdefault(rid, set()).update(kids)
+        for rid, kids in metadata.expect_send.items():
+            pending = set(kids) - self._early_send.pop(rid, set())
+            if pending:
+                self._pending_send[rid] = pending
+            else:
+                self._ready_send.add(rid)
+        for c, m in zip(self.children, metadata.children):
+            c.bind_connector_metadata(m)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        for c in self.children:
+            c.clear_connector_metadata()
+
+    def start_load_kv(self) -> None:
+        for c in self.children:
+            c.start_load_kv()
+
+    def wait_for_layer_load(self, layer_index: int) -> None:
+        for c in self.children:
+            c.wait_for_layer_load(layer_index)
+
+    def save_kv_layer(self, layer_index: int) -> None:
+        for c in self.children:
+            c.save_kv_layer(layer_index)
+
+    def wait_for_save(self) -> None:
+        for c in self.children:
+            c.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        sending, recving = set(self._ready_send), set()
+        self._ready_send = set()
+        for i, c in enumerate(self.children):
+            s, r = c.get_finished(finished_req_ids)
+            for rid in s:
+                pending = self._pending_send.get(rid)
+                if pending is None:  # reported before its expectation arrived
+                    self._early_send.setdefault(rid, set()).add(i)
+                    continue
+                pending.discard(i)
+                if not pending:
+                    del self._pending_send[rid]
+                    sending.add(rid)
+            for rid in r:
+                pending = self._pending_recv.get(rid)
+                if pending is None:
+                    recving.add(rid)
+                    continue
+                pending.discard(i)
+                if not pending:
+                    del self._pending_recv[rid]
+                    recving.add(rid)
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[tuple[int, int]]:
+        bad: set[tuple[int, int]] = set()
+        for c in self.children:
+            bad |= c.get_block_ids_with_load_errors()
+        return bad
+
+    def get_load_errors(self) -> dict[str, str]:
+        errors: dict[str, str] = {}
+        for i, c in enumerate(self.children):
+            for rid, msg in c.get_load_errors().items():
+                self._failed_by.setdefault(rid, set()).add(i)
+                name = self.child_configs[i].kv_connector
+                errors[rid] = f"{errors[rid]}; {name}: {msg}" if rid in errors else f"{name}: {msg}"
+        return errors
+
+    def get_load_failure_policies(self) -> dict[str, str]:
+        policies = {}
+        for rid, kids in self._failed_by.items():
+            chosen = {self.child_configs[i].load_failure_policy for i in kids}
+            policies[rid] = "fail" if "fail" in chosen else "recompute"
+        self._failed_by = {}
+        return policies
+
+    def get_stats(self) -> tuple[dict[str, float], list[float]]:
+        stats: dict[str, float] = {}
+        times: list[float] = []
+        for c in self.children:
+            s, t = c.get_stats()
+            for k, v in s.items():
+                stats[k] = stats.get(k, 0.0) + v
+            times.extend(t)
+        return stats, times
+
+    def get_observations(self) -> dict[str, list[float]]:
+        obs: dict[str, list[float]] = {}
+        for c in self.children:
+            for k, v in c.get_observations().items():
+                obs.setdefault(k, []).extend(v)
+        return obs
+
+    def shutdown(self) -> None:
+        for c in self.children:
+            c.shutdown()
