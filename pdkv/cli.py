@@ -1,4 +1,4 @@
-"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool}."""
+"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool} | plan."""
 
 from __future__ import annotations
 
@@ -67,6 +67,24 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _ms(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from pdkv.plan import cli as plan_cli
+
+    plan_p = sub.add_parser(
+        "plan", help="cost model: KV bytes, handoff time, recompute vs reload, P:D ratio (no torch)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    plan_cli.add_cli_args(plan_p)
+    plan_p.set_defaults(func=plan_cli.main)
+
+
+def build_plan_parser() -> argparse.ArgumentParser:
+    """A parser with only `plan`: `pdkv plan` runs without importing torch."""
+    parser = argparse.ArgumentParser(prog="pdkv", description=__doc__)
+    _add_plan(parser.add_subparsers(dest="command", required=True))
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,11 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pool_bench.add_cli_args(pool_p)
     pool_p.set_defaults(func=pool_bench.main)
+    _add_plan(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_plan_parser() if argv[:1] == ["plan"] else build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -127,7 +127,11 @@ class KVPoolStore:
             key = f"failures_{kind}"
             st.counters[key] = st.counters.get(key, 0.0) + 1
             if kind in DOWN_KINDS:
-                st.down_until = self._clock() + self.retry_after_s
+                now = self._clock()
+                if st.down_until <= now:  # once per down period, not per call
+                    logger.warning("pool tier %s is %s: skipped (misses) for %.1f s, then retried",
+                                   st.tier.name, kind, self.retry_after_s)
+                st.down_until = now + self.retry_after_s
 
     def _add(self, st: _TierState, **deltas: float) -> None:
         with self._lock:

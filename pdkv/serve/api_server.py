@@ -304,7 +304,10 @@ def main(args: argparse.Namespace) -> int:
 
     llm.add_dead_callback(on_engine_dead)
     logger.info("serving %s on http://%s:%d", name, args.host, args.port)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # a second Ctrl-C during the graceful shutdown
+        return 130
     if llm.errored is not None:
         logger.error("exiting: the engine died (%s: %s)", type(llm.errored).__name__, llm.errored)
         return 1

@@ -94,6 +94,8 @@ def test_cold_then_hot_is_token_identical_and_hits_whole_chunks(tier, tmp_path, 
     assert [o.num_cached_tokens for o in hot] == [hits(len(p)) for p in prompts] == [192, 128, 0]
     stats = llm.llm_engine.scheduler.kv_stats
     assert stats["pool:all:hit_tokens"] == 192 + 128
+    # Every request's prefix-cache lookup is counted, pool-loaded ones too (vLLM's counters).
+    assert llm.llm_engine.scheduler.kv_cache_manager.prefix_cache_stats.queries == 2 * sum(map(len, prompts))
     assert stats[f"pool:{tier}:chunks_read"] == 3 + 2
     assert_baseline(llm)
     llm.llm_engine.shutdown()

@@ -14,6 +14,7 @@ shared through the factory's `shared` dict ("pool_store"); the worker half close
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,8 @@ from pdkv.kv_transfer.connector.pool_scheduler import PoolConnectorScheduler
 from pdkv.kvpool.keys import PoolNamespace
 from pdkv.kvpool.store import KVPoolStore
 from pdkv.kvpool.tiers.factory import create_tier
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from pdkv.cache.kv_cache_manager import KVCacheBlocks
@@ -56,6 +59,13 @@ def build_store(pool: PoolConnectorConfig) -> KVPoolStore:
                        retry_after_s=pool.tier_retry_after_s)
 
 
+def _describe(spec: Any) -> str:
+    """A tier spec for the start-up log line (name and where it lives, no secrets in URLs)."""
+    where = spec.get("path") or spec.get("master") or str(spec.get("url", "")).split("@")[-1]
+    size = spec.get("capacity_bytes")
+    return spec["name"] + (f" {where}" if where else "") + (f" {size / 2**30:g} GiB" if size else "")
+
+
 class KVPoolConnector(KVConnectorBase):
     """Delegates to PoolConnectorScheduler or PoolConnectorWorker by role.
 
@@ -72,6 +82,8 @@ class KVPoolConnector(KVConnectorBase):
         store = shared.get("pool_store")
         if store is None:
             store = shared["pool_store"] = build_store(self.pool)
+            logger.info("KV pool (%s): chunk %d tokens, tiers %s", config.kv_role, self.pool.chunk_size,
+                        ", ".join(_describe(t) for t in self.pool.tiers))
         self.store: KVPoolStore = store
         self.namespace = PoolNamespace.from_layout(layout, kv_cache_config, self.pool.chunk_size)
         self.scheduler = None

@@ -133,7 +133,7 @@ class PoolConnectorWorker:
             out, self._stats = self._stats, {}
         for key, total in self.store.stats().items():
             delta = total - self._seen_store.get(key, 0.0)
-            if delta:
+            if delta or key not in self._seen_store:  # first report: zeros too (series at 0)
                 out[key] = out.get(key, 0.0) + delta
                 self._seen_store[key] = total
         return out

@@ -1,0 +1,229 @@
+"""Assemble a plan: every figure with its unit and the assumption it rests on (torch-free)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pdkv.plan import afd, capacity, costs
+from pdkv.plan.dtypes import ElementType, element_type
+from pdkv.plan.groups import MLA, FullAttention, LinearState, SlidingWindow
+from pdkv.plan.links import Link
+from pdkv.plan.model import ModelSpec
+
+Value = float | int | str | None
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One printed number: `value` in `unit` (B, s, tokens, ratio, ...), and why."""
+
+    key: str
+    section: str
+    label: str
+    value: Value
+    unit: str
+    assumption: str
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything `make_plan` reads. Give `model` or `kv_bytes` (bytes one link carries)."""
+
+    link: Link
+    model: ModelSpec | None = None
+    model_source: str = ""
+    kv_bytes: float | None = None
+    prompt_len: int | None = None
+    output_len: int = 128
+    kv_dtype: str = "auto"
+    tp: int = 1
+    dcp: int = 1
+    fixed: costs.FixedCosts = costs.FixedCosts()
+    prefill_tps: float | None = None
+    decode_tps: float | None = None
+    target_ttft: float | None = None
+    target_tpot: float | None = None
+    act_dtype: str = "bf16"
+
+
+def check_parallel(model: ModelSpec | None, tp: int, dcp: int) -> None:
+    """Validate tp/dcp as vLLM does (ANCHORS §3.1, §3.5).
+
+    Raises:
+        ValueError: tp or dcp < 1; tp % dcp != 0 (DCP reuses the TP ranks); dcp larger than the
+            KV-head replication tp / kv_heads (GQA) or than tp (MLA).
+    """
+    if tp < 1 or dcp < 1:
+        raise ValueError("tp and dcp must be >= 1")
+    if tp % dcp:
+        raise ValueError(f"dcp={dcp} must divide tp={tp} (DCP splits a TP group)")
+    if model is not None and dcp > 1 and model.num_kv_heads:
+        limit = max(1, tp // model.num_kv_heads)
+        if dcp > limit:
+            raise ValueError(
+                f"dcp={dcp} exceeds tp/kv_heads = {tp}/{model.num_kv_heads} = {limit}: DCP shards "
+                "tokens over the ranks that would otherwise hold replicated KV heads")
+
+
+def _kv_type(inp: PlanInputs) -> tuple[ElementType, ElementType]:
+    model_dt = element_type(inp.model.dtype) if inp.model else element_type("bf16")
+    kv = model_dt if inp.kv_dtype == "auto" else element_type(inp.kv_dtype)
+    return kv, model_dt
+
+
+def make_plan(inp: PlanInputs) -> list[Figure]:
+    """All figures for `inp`, in print order.
+
+    Raises:
+        ValueError: neither model nor kv_bytes, invalid tp/dcp, or bad numbers.
+    """
+    if inp.model is None and inp.kv_bytes is None:
+        raise ValueError("give --model or --kv-bytes")
+    check_parallel(inp.model, inp.tp, inp.dcp)
+    figs: list[Figure] = []
+    add = figs.append
+    T = inp.prompt_len
+    L = inp.model.num_layers if inp.model else 1
+    link = inp.link
+
+    # --- state size -------------------------------------------------------------------------
+    if inp.model is not None:
+        m = inp.model
+        kv, st = _kv_type(inp)
+        dtype_note = f"KV dtype {kv.name}" + (
+            " (the config's dtype)" if inp.kv_dtype == "auto" else "")
+        for g in m.groups:
+            if isinstance(g, LinearState):
+                add(Figure(f"state_bytes_per_request.{g.kind}", "state", f"{g.variant} state per request",
+                           g.request_bytes(st, 1), "B",
+                           g.formula(st, 1) + f"; state dtype {st.name} (the model's), not token-sharded"))
+            else:
+                label = {FullAttention: "full attention", SlidingWindow: "sliding window",
+                         MLA: "MLA latent"}[type(g)]
+                add(Figure(f"bytes_per_token.{g.kind}", "state", f"{label} KV per token",
+                           g.token_bytes(kv, 1), "B", f"{g.formula(kv, 1)}; {dtype_note}"))
+        per_token = sum(g.token_bytes(kv, 1) for g in m.groups)
+        add(Figure("bytes_per_token", "state", "KV per token, all groups", per_token, "B",
+                   "sum of the token-sized groups, whole model (tp=1)"))
+        rank_tok = sum(g.token_bytes(kv, inp.tp) for g in m.groups)
+        rank_req = sum(g.request_bytes(st, inp.tp) for g in m.groups)
+        b_eff = rank_tok / inp.dcp
+        moved: float | None = None
+        if T:
+            total_bytes = sum(g.token_bytes(kv, 1) * g.tokens_held(T) for g in m.groups) + sum(
+                g.request_bytes(st, 1) for g in m.groups)
+            add(Figure("request_bytes", "state", f"KV of a {T}-token prompt, whole model",
+                       total_bytes, "B", "bytes per token × tokens held + per-request state, tp=1"))
+        add(Figure("rank_bytes_per_token", "rank", "KV per token on one rank", rank_tok, "B",
+                   "; ".join(g.formula(kv, inp.tp) for g in m.groups
+                                                if not isinstance(g, LinearState))))
+        if rank_req:
+            add(Figure("rank_state_bytes", "rank", "state per request on one rank", rank_req, "B",
+                       f"tp={inp.tp}: split over heads; the same on every DCP rank"))
+        if T:
+            rank_tokens = math.ceil(T / inp.dcp)
+            held = sum(g.token_bytes(kv, inp.tp) * g.tokens_held(rank_tokens) for g in m.groups)
+            moved = held + rank_req
+            add(Figure("rank_tokens", "rank", "tokens on one rank", rank_tokens, "tokens",
+                       f"ceil({T} / dcp={inp.dcp}); DCP puts token t on rank (t // I) % dcp"))
+            add(Figure("rank_bytes", "rank", "KV of the prompt on one rank", moved, "B",
+                       f"{rank_tok} B × {rank_tokens} tokens held" + (f" + {rank_req} B state" if rank_req else "")
+                       + f"; tp={inp.tp}, dcp={inp.dcp}"))
+            add(Figure("cluster_bytes", "rank", f"KV moved by the {inp.tp} rank(s) of one instance",
+                       moved * inp.tp, "B",
+                       "ranks × per-rank bytes: each D rank pulls its own shard or replica"))
+    else:
+        moved = inp.kv_bytes
+        rank_req = 0
+        b_eff = (inp.kv_bytes / T) if (inp.kv_bytes is not None and T) else 0.0
+
+    # --- handoff ----------------------------------------------------------------------------
+    add(Figure("link_bandwidth", "handoff", f"link {link.name}", link.bandwidth, "B/s", link.note))
+    if moved is not None:
+        prefill_s = T / inp.prefill_tps if (T and inp.prefill_tps) else None
+        h = costs.handoff(moved, link, inp.fixed)
+        scope = "one rank's bytes over its own link; ranks move in parallel" if inp.model else \
+            "--kv-bytes over one link"
+        add(Figure("handoff_bytes", "handoff", "bytes per link", moved, "B", scope))
+        add(Figure("wire_s", "handoff", "wire time", h.wire, "s",
+                   f"{moved:.4g} B / {link.bandwidth:.4g} B/s"))
+        add(Figure("handshake_s", "handoff", "handshake", inp.fixed.handshake(link), "s",
+                   f"{inp.fixed.handshake_rtts:g} round trip × 2 × {link.latency:g} s latency"))
+        add(Figure("scheduling_s", "handoff", "scheduling", inp.fixed.scheduling, "s",
+                   "D starts the pull on one scheduler step and sees it finished on another "
+                   "(assumed; --sched-overhead)"))
+        add(Figure("layout_s", "handoff", "layout conversion", inp.fixed.layout, "s",
+                   "0: P and D share tp, block size and dtype (--layout-overhead otherwise)"))
+        add(Figure("handoff_s", "handoff", "handoff time", h.total, "s",
+                   "wire + handshake + scheduling + layout; KV published once prefill ends "
+                   "(pdkv's connectors today): nothing hidden"))
+        if prefill_s is not None:
+            hl = costs.handoff(moved, link, inp.fixed, L, prefill_s)
+            add(Figure("prefill_s", "handoff", "prefill compute", prefill_s, "s",
+                       f"{T} tokens / {inp.prefill_tps:g} tok/s (--prefill-tps)"))
+            add(Figure("overlap_hidden_s", "handoff", "hidden by layer-wise publishing", hl.hidden, "s",
+                       f"(L−1)/L · min(wire, prefill) with L={L} layers"))
+            add(Figure("handoff_layerwise_s", "handoff", "handoff with layer-wise overlap", hl.total,
+                       "s", "handoff time − hidden: the exposed part after prefill ends"))
+            add(Figure("handoff_share_of_ttft", "handoff", "handoff / (prefill + handoff)",
+                        h.total / (prefill_s + h.total), "ratio",
+                        "share of an unloaded P/D TTFT spent moving KV (no queueing, no overlap)"))
+
+    # --- recompute vs reload ----------------------------------------------------------------
+    if inp.prefill_tps and b_eff:
+        n_star = costs.breakeven_tokens(b_eff, rank_req, inp.prefill_tps, link, inp.fixed)
+        why = (f"n* = (F + S/W) / (1/P − b/W): F={inp.fixed.total(link):.3g} s fixed, "
+               f"S={rank_req} B state, b={b_eff:.6g} B/token per link, W={link.bandwidth:.4g} B/s, "
+               f"P={inp.prefill_tps:g} tok/s; recompute taken as linear in n (no n² attention term)")
+        add(Figure("breakeven_tokens", "reload", "reload beats recompute above",
+                   None if n_star is None else math.ceil(n_star), "tokens",
+                   why if n_star is not None else
+                   f"never: loading a token ({b_eff:.4g} B / {link.bandwidth:.4g} B/s) is slower than "
+                   f"computing it (1/{inp.prefill_tps:g} s)"))
+        if T:
+            hr = costs.pool_breakeven_hit_rate(T, b_eff, rank_req, inp.prefill_tps, link, inp.fixed)
+            note = ("h* = (F + S/W) / (n · (1/P − b/W)) for the prompt length n; above 1: a pool "
+                    "does not pay at this length") if hr is not None else "no hit rate pays on this link"
+            add(Figure("pool_breakeven_hit_rate", "reload", f"pool pays above this hit rate (n={T})",
+                       hr, "ratio", note))
+
+    # --- P:D ratio --------------------------------------------------------------------------
+    if T and inp.prefill_tps and inp.decode_tps:
+        hs = costs.handoff(moved or 0.0, link, inp.fixed).total
+        r = capacity.pd_ratio(T, inp.output_len, inp.prefill_tps, inp.decode_tps, hs,
+                              inp.target_ttft, inp.target_tpot)
+        ttft = (f"target TTFT {inp.target_ttft:g} s → P utilisation ρ = 2B/(s+2B), B = TTFT − s − "
+                f"handoff (M/D/1 mean wait)" if inp.target_ttft is not None else "no TTFT target: ρ = 1")
+        add(Figure("pd_ratio", "pd", "prefill instances per decode instance", r.p_per_d, "ratio",
+                   f"P:D = (D/n_out) / (ρ·P/n_in), n_in={T}, n_out={inp.output_len}, "
+                   f"P={inp.prefill_tps:g}, D={inp.decode_tps:g} tok/s; {ttft}"
+                   + (f"; rounded {r.rounded()}" if r.p_per_d is not None else
+                      "; TTFT target below prefill + handoff: no ratio meets it")))
+        if r.utilisation is not None:
+            add(Figure("prefill_utilisation", "pd", "prefill utilisation allowed", r.utilisation,
+                       "ratio", "the load at which the mean queue wait fits the TTFT budget"))
+        if r.d_streams is not None:
+            add(Figure("decode_streams", "pd", "streams per decode instance at target TPOT",
+                       r.d_streams, "streams",
+                       f"D · TPOT = {inp.decode_tps:g} tok/s × {inp.target_tpot:g} s; holds if D "
+                       "was measured at a batch at least this large"))
+
+    # --- attention-FFN disaggregation (paper estimate) ---------------------------------------
+    if inp.model is not None:
+        act = element_type(inp.act_dtype)
+        tokens = T or 1
+        t = afd.activation_traffic(inp.model.hidden_size, tokens, L, act.bytes,
+                                   inp.model.experts_per_token)
+        base = f"hidden {inp.model.hidden_size} · {tokens} tokens · {act.bytes} B ({act.name})"
+        add(Figure("afd_layer_direction", "afd", "per layer, per direction", t.per_layer_direction,
+                   "B", base + "; paper estimate, not a pdkv feature"))
+        add(Figure("afd_layer_both", "afd", "per layer, both directions", t.per_layer_both, "B",
+                   "2 · " + base))
+        add(Figure("afd_model_both", "afd", f"all {L} layers, both directions", t.model_both, "B",
+                   f"2 · {L} layers · " + base))
+        if inp.model.experts_per_token > 1:
+            add(Figure("afd_moe_dispatch", "afd", "per layer to FFN, MoE dispatch upper bound",
+                       t.moe_dispatch_upper, "B",
+                       f"× top-k {inp.model.experts_per_token} when every chosen expert is on another node"))
+    return figs
