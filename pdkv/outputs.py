@@ -88,6 +88,8 @@ class RequestOutput:
         outputs: one CompletionOutput.
         finished: True once the request ended.
         num_cached_tokens: prompt tokens served from the prefix cache (or a KV connector).
+        kv_load_bytes: bytes of the prompt's KV loaded by KV connectors, by path ("p2p":
+            pulled from a prefill engine, "pool": read from the KV pool); empty when none.
         metrics: timestamps.
         kv_transfer_params: what the KV connector returns to the client (P/D), else None.
         error: why the request failed (finish_reason "error"), else None.
@@ -99,6 +101,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    kv_load_bytes: dict[str, int] = field(default_factory=dict)
     metrics: RequestMetrics | None = None
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None

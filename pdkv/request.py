@@ -95,6 +95,8 @@ class Request:
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache (or loaded) when first scheduled; -1 = not yet.
         self.num_cached_tokens = -1
+        # Bytes of this request's KV loaded by connectors, by path ("p2p", "pool").
+        self.kv_load_bytes: dict[str, int] = {}
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.error: str | None = None

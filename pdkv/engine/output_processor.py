@@ -174,6 +174,7 @@ class OutputProcessor:
             outputs=[comp],
             finished=finished,
             num_cached_tokens=max(req.num_cached_tokens, 0),
+            kv_load_bytes=dict(req.kv_load_bytes),
             metrics=RequestMetrics(
                 arrival_time=t.arrival,
                 first_scheduled_time=t.first_scheduled,

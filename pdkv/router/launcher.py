@@ -153,7 +153,9 @@ def _tail(path: str, lines: int = 15) -> str:
 
 def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = None) -> Topology:
     """Commands for the chosen mode; engine flags after `--` are passed to every engine;
-    `kv_transfer_config` (colocated only: the pool's) is passed to the engine."""
+    `kv_transfer_config` (a KV pool's) goes to the engine (colocated) or, under P/D, into a
+    MultiConnector on every engine: P = [P2P producer, pool producer], D = [pool consumer, P2P
+    consumer]."""
     host = "127.0.0.1"
     py = [sys.executable, "-m", "pdkv.cli"]
     engine_flags = ["--model", args.model, *args.engine_args]
@@ -178,9 +180,14 @@ def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = No
             extra: dict[str, object] = {"transfer": args.kv_transfer}
             if role == "kv_producer":  # every listening port is chosen here, none ephemeral
                 extra.update(kv_port=free_port(taken), transfer_port=free_port(taken))
-            cfg = {"kv_connector": "P2PConnector", "kv_role": role,
-                   "kv_load_failure_policy": args.kv_load_failure_policy,
-                   "kv_connector_extra_config": extra}
+            cfg: dict[str, object] = {"kv_connector": "P2PConnector", "kv_role": role,
+                                      "kv_load_failure_policy": args.kv_load_failure_policy,
+                                      "kv_connector_extra_config": extra}
+            if kv_transfer_config:  # P/D + pool: P saves into the pool, D loads from it first
+                pool = dict(json.loads(kv_transfer_config), kv_role=role)
+                children = [cfg, pool] if role == "kv_producer" else [pool, cfg]
+                cfg = {"kv_connector": "MultiConnector", "kv_role": role,
+                       "kv_connector_extra_config": {"connectors": children}}
             name = ("prefill" if role == "kv_producer" else "decode") + str(i)
             topo.children.append(Child(name, f"http://{host}:{port}", py + [
                 "serve", *engine_flags, "--host", host, "--port", str(port),
@@ -226,9 +233,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     if args.num_prefill < 1 or args.num_decode < 1:
         raise ValueError("--num-prefill and --num-decode must be >= 1")
-    if args.pool is not None and args.mode != "colocated":
-        raise ValueError("--pool works with --mode colocated for now; a pool under P/D comes with "
-                         "MultiConnector (issue 9)")
+    if args.pool == "dram" and args.mode == "pd":
+        raise ValueError("--pool dram lives inside one process; P and D are separate processes: "
+                         "use --pool disk, redis or mooncake with --mode pd")
     args.engine_args = [a for a in args.engine_args if a != "--"]
 
     def _terminate(signum: int, frame: object) -> None:

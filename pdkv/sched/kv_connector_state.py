@@ -173,6 +173,11 @@ class KVConnectorState:
         for key, samples in out.observations.items():
             self.observations.setdefault(key, []).extend(samples)
         self.invalid_blocks.update(out.invalid_block_ids)
+        for rid, paths in out.request_bytes.items():
+            loading = self.waiting_for_remote.get(rid)
+            if loading is not None:
+                for path, n in paths.items():
+                    loading.kv_load_bytes[path] = loading.kv_load_bytes.get(path, 0) + int(n)
         for rid, error in out.load_errors.items():
             policy = out.load_failure_policies.get(rid, self.policy)
             if rid in self.waiting_for_remote or rid in self.delayed_free:

@@ -287,7 +287,10 @@ class OpenAIHandlers:
             "prompt_tokens": n_prompt,
             "completion_tokens": n_out,
             "total_tokens": n_prompt + n_out,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+            # cached_tokens: OpenAI's; kv_load_bytes (pdkv): bytes of that KV loaded by connectors
+            # per path ("p2p": pulled from a prefill engine, "pool": read from the KV pool).
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens,
+                                      "kv_load_bytes": out.kv_load_bytes},
         }
 
     def _token_str(self, tid: int) -> str:

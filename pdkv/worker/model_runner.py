@@ -205,6 +205,7 @@ class ModelRunner:
             finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid,
             load_errors=errors, stats=stats, transfer_seconds=times,
             observations=conn.get_observations(), load_failure_policies=policies,
+            request_bytes=conn.get_request_bytes(),
         )
 
     def shutdown(self) -> None:

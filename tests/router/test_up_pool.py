@@ -133,11 +133,23 @@ def test_up_pool_redis_is_stopped_when_the_engine_fails_to_start(tmp_path):
     assert _wait_gone(pids) == [], f"redis-server left running: {pids}"
 
 
-def test_up_pd_with_a_pool_is_a_clear_error():
+def test_up_pd_with_a_dram_pool_is_a_clear_error_and_other_tiers_get_a_multiconnector():
     import argparse
+    import json
 
     from pdkv.router import launcher
+    from pdkv.router.pool_topology import pool_kv_transfer_config, pool_tier_spec
 
-    args = launcher.add_cli_args(argparse.ArgumentParser()).parse_args(["--mode", "pd", "--pool", "dram"])
-    with pytest.raises(ValueError, match=r"MultiConnector \(issue 9\)"):
-        launcher.main(args)
+    parser = launcher.add_cli_args(argparse.ArgumentParser())
+    with pytest.raises(ValueError, match=r"use --pool disk, redis or mooncake"):
+        launcher.main(parser.parse_args(["--mode", "pd", "--pool", "dram"]))
+    args = parser.parse_args(["--mode", "pd", "--pool", "disk"])
+    topo = launcher.build_topology(args, pool_kv_transfer_config(pool_tier_spec("disk", None)))
+    configs = {c.name: json.loads(c.cmd[c.cmd.index("--kv-transfer-config") + 1])
+               for c in topo.children if "--kv-transfer-config" in c.cmd}
+    p, d = configs["prefill0"], configs["decode0"]
+    assert p["kv_connector"] == d["kv_connector"] == "MultiConnector"
+    assert [(c["kv_connector"], c["kv_role"]) for c in p["kv_connector_extra_config"]["connectors"]] == [
+        ("P2PConnector", "kv_producer"), ("KVPoolConnector", "kv_producer")]
+    assert [(c["kv_connector"], c["kv_role"]) for c in d["kv_connector_extra_config"]["connectors"]] == [
+        ("KVPoolConnector", "kv_consumer"), ("P2PConnector", "kv_consumer")]

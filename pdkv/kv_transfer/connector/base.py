@@ -57,6 +57,8 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
         load_errors: request id -> why its load failed.
         stats: counter deltas since the last report (bytes, events).
         transfer_seconds: duration of each transfer that completed.
+        request_bytes: request id -> {path: bytes} its loads moved since the last report
+            ("p2p": pulled from a prefill engine, "pool": read from the KV pool).
         load_failure_policies: request id -> the kv_load_failure_policy for its failed load,
             when the connector decides it per request (a MultiConnector child's own policy);
             absent: the engine's policy.
@@ -72,6 +74,7 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
     transfer_seconds: list[float] = msgspec.field(default_factory=list)
     observations: dict[str, list[float]] = msgspec.field(default_factory=dict)
     load_failure_policies: dict[str, str] = msgspec.field(default_factory=dict)
+    request_bytes: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
 
 
 class KVConnectorBase(ABC):
@@ -216,6 +219,10 @@ class KVConnectorBase(ABC):
 
     def get_observations(self) -> dict[str, list[float]]:
         """Histogram samples by metric key since the last call (worker half)."""
+        return {}
+
+    def get_request_bytes(self) -> dict[str, dict[str, float]]:
+        """Worker half: request id -> {path: bytes loaded} since the last call."""
         return {}
 
     def get_load_failure_policies(self) -> dict[str, str]:

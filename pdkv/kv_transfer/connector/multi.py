@@ -322,6 +322,15 @@ class MultiConnector(KVConnectorBase):
                 errors[rid] = f"{errors[rid]}; {name}: {msg}" if rid in errors else f"{name}: {msg}"
         return errors
 
+    def get_request_bytes(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for c in self.children:
+            for rid, paths in c.get_request_bytes().items():
+                mine = out.setdefault(rid, {})
+                for path, n in paths.items():
+                    mine[path] = mine.get(path, 0.0) + n
+        return out
+
     def get_load_failure_policies(self) -> dict[str, str]:
         policies = {}
         for rid, kids in self._failed_by.items():

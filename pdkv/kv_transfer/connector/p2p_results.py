@@ -23,6 +23,7 @@ class WorkerResults:
         self.bad_blocks: set[tuple[int, int]] = set()  # (KV cache group, block id)
         self.errors: dict[str, str] = {}
         self.stats: dict[str, float] = {}
+        self.request_bytes: dict[str, dict[str, float]] = {}
         self.transfer_times: list[float] = []
 
     def wake(self) -> None:
@@ -51,6 +52,7 @@ class WorkerResults:
         """A pull of `nbytes` ended well after `seconds`."""
         with self.lock:
             self.count("kv_bytes_received", nbytes)
+            self.request_bytes[rid] = {"p2p": float(nbytes)}
             self.count("kv_transfers")
             self.transfer_times.append(seconds)
             self.recved.add(rid)
@@ -76,6 +78,11 @@ class WorkerResults:
         with self.lock:
             bad, self.bad_blocks = self.bad_blocks, set()
         return bad
+
+    def take_request_bytes(self) -> dict[str, dict[str, float]]:
+        with self.lock:
+            out, self.request_bytes = self.request_bytes, {}
+        return out
 
     def take_errors(self) -> dict[str, str]:
         with self.lock:

@@ -139,6 +139,9 @@ class P2PConnectorWorker:
     def get_stats(self) -> tuple[dict[str, float], list[float]]:
         return self.results.take_stats()
 
+    def get_request_bytes(self) -> dict[str, dict[str, float]]:
+        return self.results.take_request_bytes()
+
     def has_pending(self) -> bool:
         return self.producer.has_pending()
 

@@ -166,6 +166,10 @@ class KVPoolConnector(KVConnectorBase):
         assert self.worker is not None
         return self.worker.get_load_errors()
 
+    def get_request_bytes(self) -> dict[str, dict[str, float]]:
+        assert self.worker is not None
+        return self.worker.get_request_bytes()
+
     def get_stats(self) -> tuple[dict[str, float], list[float]]:
         assert self.worker is not None
         return self.worker.get_stats(), []

@@ -43,6 +43,7 @@ class PoolConnectorWorker:
         self._finished: set[str] = set()
         self._invalid: set[tuple[int, int]] = set()
         self._errors: dict[str, str] = {}
+        self._request_bytes: dict[str, dict[str, float]] = {}
         self._stats: dict[str, float] = {}
         self._seen_store: dict[str, float] = {}
         self._wakeup: Callable[[], None] = lambda: None
@@ -71,6 +72,7 @@ class PoolConnectorWorker:
     def _load(self, spec: PoolLoadSpec, deadline: float) -> None:
         error = ""
         failed_at = len(spec.chunks)
+        nbytes = 0
         for i, chunk in enumerate(spec.chunks):
             try:
                 if time.monotonic() > deadline:
@@ -84,6 +86,7 @@ class PoolConnectorWorker:
                             src = _as_blocks(payload, self._caches[g].shape[1])[chunk.first_block:]
                             index = torch.tensor(ids, dtype=torch.long)
                             self._caches[g].index_copy_(0, index, src[: len(ids)])
+                            nbytes += len(ids) * self._caches[g].shape[1]
             except Exception as e:  # a broken tier or a bad value must not kill the loader
                 error = f"pool load failed: {type(e).__name__}: {e}"
             if error:
@@ -96,6 +99,7 @@ class PoolConnectorWorker:
                     self._invalid.update((g, b) for g, ids in enumerate(chunk.block_ids) for b in ids)
                 self._stats["pool:all:load_failures"] = self._stats.get("pool:all:load_failures", 0.0) + 1
             self._finished.add(spec.request_id)
+            self._request_bytes[spec.request_id] = {"pool": float(nbytes)}
         self._wakeup()
 
     # -------------------------------------------------------------------- saves
@@ -125,6 +129,11 @@ class PoolConnectorWorker:
         with self._lock:
             errors, self._errors = self._errors, {}
         return errors
+
+    def get_request_bytes(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            out, self._request_bytes = self._request_bytes, {}
+        return out
 
     def get_stats(self) -> dict[str, float]:
         """Deltas since the last call of the store's cumulative counters (gauges included, so
