@@ -1,4 +1,4 @@
-"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool} | plan."""
+"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool} | compare | plan."""
 
 from __future__ import annotations
 
@@ -171,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pool_bench.add_cli_args(pool_p)
     pool_p.set_defaults(func=pool_bench.main)
+    from pdkv.bench import compare
+
+    compare_p = sub.add_parser(
+        "compare", help="one workload on colocated, P/D, P/D + pool, ...: cold and hot, one report",
+        formatter_class=fmt,
+    )
+    compare.add_cli_args(compare_p)
+    compare_p.set_defaults(func=compare.main)
     _add_plan(sub)
     return parser
 

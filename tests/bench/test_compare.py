@@ -1,0 +1,133 @@
+"""`pdkv compare`: the pure parts (topology names, counter deltas, summary rows, Markdown table,
+report paths) and one end-to-end `pdkv compare --quick` run on the real model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pdkv.bench.compare import (
+    TopologySpec,
+    parse_topologies,
+    report_paths,
+    unsupported_reason,
+)
+from pdkv.bench.compare_report import (
+    counter_deltas,
+    engine_counters,
+    format_bytes,
+    markdown_table,
+    summarize_run,
+)
+
+METRICS = """# TYPE pdkv:kv_transfer_bytes_received_total counter
+pdkv:kv_transfer_bytes_received_total{model_name="smollm2"} 1000.0
+# TYPE pdkv:kv_pool_bytes_read_total counter
+pdkv:kv_pool_bytes_read_total{model_name="smollm2",tier="disk"} 300.0
+pdkv:kv_pool_bytes_read_total{model_name="smollm2",tier="redis"} 200.0
+# TYPE pdkv:prefix_cache_queries_total counter
+pdkv:prefix_cache_queries_total{model_name="smollm2"} 512.0
+# TYPE pdkv:prefix_cache_hits_total counter
+pdkv:prefix_cache_hits_total{model_name="smollm2"} 128.0
+# TYPE pdkv:kv_pool_save_queue_depth gauge
+pdkv:kv_pool_save_queue_depth{model_name="smollm2",tier="all"} 3.0
+"""
+
+RESULT = {"completed": 6, "failed": 0, "mean_ttft_ms": 1234.4, "p99_ttft_ms": 2000.0,
+          "mean_tpot_ms": 150.25, "p99_itl_ms": 300.0, "mean_e2el_ms": 4000.0,
+          "request_throughput": 0.5}
+
+
+def test_parse_topologies_names_modes_pools_and_instances():
+    specs = parse_topologies("colocated, pd,pd+pool,colocated+pool,colocated2+pool")
+    assert specs == [TopologySpec("colocated", "colocated", False), TopologySpec("pd", "pd", False),
+                     TopologySpec("pd+pool", "pd", True), TopologySpec("colocated+pool", "colocated", True),
+                     TopologySpec("colocated2+pool", "colocated", True, 2)]
+    for bad in ("pdd", "pd2", "colocated,colocated", "", "colocated0"):
+        with pytest.raises(ValueError):
+            parse_topologies(bad)
+
+
+def test_unsupported_topologies_are_named_with_a_reason():
+    two = TopologySpec("colocated2+pool", "colocated", True, 2)
+    assert "--num-instances" in (unsupported_reason(two, "disk", instances_ok=False) or "")
+    assert unsupported_reason(two, "disk", instances_ok=True) is None
+    assert "dram" in (unsupported_reason(TopologySpec("pd+pool", "pd", True), "dram", True) or "")
+    assert unsupported_reason(TopologySpec("colocated+pool", "colocated", True), "dram", False) is None
+
+
+def test_engine_counters_sum_label_sets_and_read_the_save_queue():
+    c = engine_counters(METRICS)
+    assert c == {"p2p_bytes": 1000.0, "pool_bytes_read": 500.0, "prefix_queries": 512.0,
+                 "prefix_hits": 128.0, "save_queue_depth": 3.0}
+
+
+def test_counter_deltas_take_a_series_missing_before_as_zero():
+    before = {"d": {"p2p_bytes": 100.0}, "p": {}}
+    after = {"d": {"p2p_bytes": 350.0, "pool_hit_tokens": 64.0, "save_queue_depth": 2.0}, "p": {}}
+    assert counter_deltas(before, after) == {"d": {"p2p_bytes": 250.0, "pool_hit_tokens": 64.0}, "p": {}}
+
+
+def test_summarize_run_sums_paths_over_engines_and_keeps_hit_rates_per_engine():
+    deltas = {"prefill0": {"p2p_bytes": 0.0, "pool_bytes_written": 4096.0, "prefix_queries": 512.0,
+                           "prefix_hits": 128.0},
+              "decode0": {"p2p_bytes": 2048.0, "pool_bytes_read": 1024.0, "pool_hit_tokens": 384.0,
+                          "prefix_queries": 0.0}}
+    row = summarize_run("pd+pool", "hot", RESULT, deltas)
+    assert row["p2p_bytes"] == 2048.0 and row["pool_bytes_read"] == 1024.0
+    assert row["pool_bytes_written"] == 4096.0 and row["pool_hit_tokens"] == 384.0
+    assert row["pool_lookup_tokens"] is None  # no engine exported it
+    assert row["prefix_hit_rates"] == {"prefill0": 0.25, "decode0": None}
+    assert row["mean_ttft_ms"] == 1234.4 and row["completed"] == 6
+
+
+def test_markdown_table_has_a_header_and_one_line_per_row():
+    rows = [summarize_run("colocated", "cold", RESULT, {"engine": {"p2p_bytes": 0.0}}),
+            summarize_run("pd", "hot", RESULT, {"prefill0": {"prefix_queries": 10.0, "prefix_hits": 5.0},
+                                                "decode0": {"p2p_bytes": 3.0 * 2**20}})]
+    lines = markdown_table(rows).splitlines()
+    assert len(lines) == 4 and lines[0].startswith("| topology | cache |")
+    cells = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert cells[:4] == ["pd", "hot", "6", "1234"]
+    assert "3.0 MiB" in cells and "prefill0 50%" in cells
+    assert cells[-1] == "prefill0 50%"  # decode0 had no query: not listed
+    assert format_bytes(None) == "-" and format_bytes(512) == "512 B" and format_bytes(1536) == "1.5 KiB"
+
+
+def test_report_paths_for_a_file_and_a_folder():
+    assert report_paths("docs/COMPARE.md") == ("docs/COMPARE.md", "docs/compare", "docs/compare/compare.json")
+    assert report_paths("out") == ("out/COMPARE.md", "out", "out/compare.json")
+
+
+@pytest.mark.slow
+def test_compare_quick_end_to_end(tmp_path):
+    out = tmp_path / "report"
+    cmd = [sys.executable, "-m", "pdkv.cli", "compare", "--quick", "--disable-tqdm",
+           "--out", str(out), "--log-dir", str(tmp_path / "logs")]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = (out / "COMPARE.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| topology")]
+    assert [tuple(c.strip() for c in r.strip("|").split("|")[:3]) for r in rows] == [
+        ("colocated", "cold", "2"), ("colocated", "hot", "2"), ("pd", "cold", "2"), ("pd", "hot", "2")]
+    data = json.loads((out / "compare.json").read_text())
+    by = {(r["topology"], r["cache"]): r for r in data["rows"]}
+    # P/D moves the prompt's KV from P to D in both runs (P's prefix cache is reset for hot too).
+    assert by[("pd", "cold")]["p2p_bytes"] > 0 and by[("pd", "hot")]["p2p_bytes"] > 0
+    assert by[("colocated", "cold")]["p2p_bytes"] == 0
+    assert "pdkv compare --quick" in text and "CPUs" in text
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in text
+    else:
+        assert (out / "compare_latency.png").stat().st_size > 0
+    print(f"pdkv compare --quick took {elapsed:.0f} s")
