@@ -302,6 +302,8 @@ def main(args: argparse.Namespace) -> int:
               f"(logs in {args.log_dir}/)", flush=True)
         if not topo.start_healthy(args.log_dir, args.health_timeout):
             return 1
+        for c in topo.children:
+            print(f"  {c.name}: {c.url}", flush=True)
         print(f"ready: {topo.endpoint}  (OpenAI API at {topo.endpoint}/v1)", flush=True)
         if args.demo:
             from pdkv.router.demo import run_demo

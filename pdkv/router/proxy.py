@@ -235,6 +235,18 @@ def build_proxy_app(
             return _error(f"decode backend unreachable: {e}", 502, "BadGateway")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
+    @app.post("/tokenize")
+    @app.post("/detokenize")
+    async def tokens(raw: Request) -> Response:
+        """Passed to the first decode engine (or instance): every engine serves one model."""
+        headers = {"Authorization": raw.headers["authorization"]} if "authorization" in raw.headers else {}
+        try:
+            r = await state["client"].post((decodes or colocated)[0].url + raw.url.path, content=await raw.body(),
+                                           headers={"Content-Type": "application/json", **headers}, timeout=30.0)
+        except httpx.HTTPError as e:
+            return _error(f"backend unreachable: {e}", 502, "BadGateway")
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
         return await _route(raw, "/v1/completions")
