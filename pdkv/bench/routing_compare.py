@@ -5,8 +5,9 @@ the instances' prefix-cache and pool hits read from their /metrics.
     python -m pdkv.bench.routing_compare --routing round_robin prefix_aware
 
 Each policy gets a fresh topology (its own pool server, empty caches). Hit rate = (prefix-cache
-hit tokens + pool hit tokens) / prompt tokens looked up, summed over the instances
-(`pdkv:prefix_cache_hits`, `pdkv:kv_pool_hit_tokens{tier="all"}`, `pdkv:prefix_cache_queries`).
+hit tokens + pool hit tokens) / prompt tokens, summed over the instances
+(`pdkv:prefix_cache_hits`, `pdkv:kv_pool_hit_tokens{tier="all"}` (tokens beyond the local prefix
+hit), `pdkv:prompt_tokens`).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def run_policy(routing: str, args: argparse.Namespace, log_dir: str) -> dict[str
         per = {}
         for name, url in sorted(engines.items()):
             m = scrape(url)
-            per[name] = {"prompt_tokens": total(m, "pdkv:prefix_cache_queries_total"),
+            per[name] = {"prompt_tokens": total(m, "pdkv:prompt_tokens_total"),
                          "prefix_hits": total(m, "pdkv:prefix_cache_hits_total"),
                          "pool_hits": total(m, "pdkv:kv_pool_hit_tokens_total", tier="all")}
         pm = scrape(urls["proxy"])
