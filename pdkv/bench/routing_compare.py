@@ -42,9 +42,9 @@ def total(samples: dict[str, float], name: str, **labels: str) -> float:
     """Sum of `name`'s samples whose labels include `labels`."""
     got = 0.0
     for key, value in samples.items():
-        if key == name or key.startswith(name + "{"):
-            if all(f'{k}="{v}"' in key for k, v in labels.items()):
-                got += value
+        named = key == name or key.startswith(name + "{")
+        if named and all(f'{k}="{v}"' in key for k, v in labels.items()):
+            got += value
     return got
 
 

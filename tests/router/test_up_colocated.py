@@ -46,3 +46,14 @@ def test_one_instance_has_no_proxy():
 def test_refused_combinations(argv, match):
     with pytest.raises(ValueError, match=match):
         launcher.check_args(_args(*argv))
+
+
+def test_routing_compare_reads_counters_by_label():
+    from pdkv.bench.routing_compare import total
+
+    samples = {'pdkv:kv_pool_hit_tokens_total{model_name="m",tier="all"}': 64.0,
+               'pdkv:kv_pool_hit_tokens_total{model_name="m",tier="redis"}': 64.0,
+               'pdkv:prompt_tokens_total{model_name="m"}': 100.0}
+    assert total(samples, "pdkv:kv_pool_hit_tokens_total", tier="all") == 64
+    assert total(samples, "pdkv:kv_pool_hit_tokens_total") == 128
+    assert total(samples, "pdkv:prompt_tokens_total") == 100
