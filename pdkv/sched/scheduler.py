@@ -226,6 +226,7 @@ class Scheduler:
                     skipped.append(self.waiting.popleft())
                     continue
                 self.waiting.popleft()
+                # Counted once, at this first admission (its resumption skips the count).
                 self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
                 request.num_computed_tokens = num_hit
                 if request.times.first_scheduled is None:
