@@ -73,6 +73,8 @@ class Scheduler:
         self.connector = connector
         self.kv_load_failure_policy = kv_load_failure_policy
         self.kv_state = KVConnectorState(self.kv_cache_manager, connector, kv_load_failure_policy)
+        if connector is not None:
+            connector.bind_kv_cache_manager(self.kv_cache_manager)
 
     @property
     def waiting_for_remote(self) -> dict[str, Request]:
