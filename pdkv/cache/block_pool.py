@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pdkv.cache.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
+
+# Called with (block hash, block id) of a cached block about to be reused for other content.
+EvictionHook = Callable[[BlockHash, int], None]
 
 
 @dataclass(eq=False)
@@ -51,6 +54,7 @@ class BlockPool:
         self._cached: dict[BlockHash, KVCacheBlock] = {}
         # Counters (tokens are counted by the manager; these are blocks).
         self.num_evictions = 0
+        self.eviction_hook: EvictionHook | None = None
 
     # ----------------------------------------------------------------- queries
     @property
@@ -73,8 +77,18 @@ class BlockPool:
         return self._cached.get(block_hash)
 
     # ----------------------------------------------------------------- changes
+    def set_eviction_hook(self, hook: EvictionHook | None) -> None:
+        """Call `hook(block_hash, block_id)` whenever a cached block is popped for reuse, before
+        its hash leaves the index and before `get_new_blocks` returns it (so before anything can
+        be scheduled to overwrite it). The block's content is still that of `block_hash` then; a
+        hook that saves it (CPU offload) must finish its copy, or queue one that completes,
+        before the next forward pass writes the block. Only reuse calls it: `evict_hashes`
+        (invalid content) and `reset_prefix_cache` do not. None removes the hook."""
+        self.eviction_hook = hook
+
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        """Pop `n` free blocks (LRU first), evicting their cached hashes; ref_cnt becomes 1.
+        """Pop `n` free blocks (LRU first), evicting their cached hashes (the eviction hook, if
+        set, sees each evicted (hash, id) first); ref_cnt becomes 1.
 
         Raises:
             ValueError: fewer than n blocks are free (callers check num_free_blocks first).
@@ -84,6 +98,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self._free.popitem(last=False)
+            if block.block_hash is not None and self.eviction_hook is not None:
+                self.eviction_hook(block.block_hash, block.block_id)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)

@@ -8,9 +8,11 @@ slots for the tokens of a step, free a request, read block ids. Internally one
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdkv.cache.block_pool import BlockPool, KVCacheBlock
+from pdkv.cache.hashing import BlockHash
 from pdkv.cache.single_type_manager import SingleTypeKVCacheManager, get_manager_class
 from pdkv.cache.specs import KVCacheConfig
 from pdkv.request import Request
@@ -181,6 +183,12 @@ class KVCacheManager:
         for m in self.managers:
             m.free(request.request_id)
 
+    def set_eviction_hook(self, hook: Callable[[int, BlockHash, int], None] | None) -> None:
+        """Call `hook(group index, block hash, block id)` whenever a cached block of any group is
+        popped for reuse (see `BlockPool.set_eviction_hook`); None removes it."""
+        for g, pool in enumerate(self.block_pools):
+            pool.set_eviction_hook(None if hook is None else _group_hook(hook, g))
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash in every group (vLLM's semantics, see
         BlockPool.reset_prefix_cache): all or nothing, refused (False, nothing changed) while
@@ -190,3 +198,10 @@ class KVCacheManager:
             logger.warning("not resetting the prefix cache: %d blocks are still in use", used)
             return False
         return all([p.reset_prefix_cache() for p in self.block_pools])
+
+
+def _group_hook(
+    hook: Callable[[int, BlockHash, int], None], group: int
+) -> Callable[[BlockHash, int], None]:
+    """`hook` with its group index bound (one pool per group)."""
+    return lambda block_hash, block_id: hook(group, block_hash, block_id)

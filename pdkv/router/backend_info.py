@@ -1,6 +1,7 @@
-"""What the proxy knows about each engine: KV role, engine id and layout (GET /kv_layout) and
-max_model_len (GET /v1/models), refreshed when the engine (re)becomes healthy, and the pair check
-that asks the connector whether a prefill and a decode engine can exchange KV."""
+"""What the proxy knows about each engine: KV role, engine id, layout and pool chunk size
+(GET /kv_layout) and max_model_len (GET /v1/models), refreshed when the engine (re)becomes
+healthy, and the pair check that asks the connector whether a prefill and a decode engine can
+exchange KV."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class BackendInfo:
         layout: its KV cache layout dict (None without a connector).
         max_model_len: from /v1/models (None when not reported).
         fetched_at: time.monotonic() of the fetch.
+        pool_chunk_size: tokens per KV pool chunk (None: no pool, or not reported).
     """
 
     kv_role: str | None
@@ -34,6 +36,15 @@ class BackendInfo:
     layout: dict[str, Any] | None
     max_model_len: int | None
     fetched_at: float
+    pool_chunk_size: int | None = None
+
+    @property
+    def block_size(self) -> int | None:
+        """Tokens per KV block from the layout (None when unknown)."""
+        try:
+            return int(self.layout["block_size"]) if self.layout else None
+        except (KeyError, TypeError, ValueError):
+            return None
 
 
 async def fetch_info(client: httpx.AsyncClient, url: str, timeout: float = 5.0) -> BackendInfo | None:
@@ -44,13 +55,16 @@ async def fetch_info(client: httpx.AsyncClient, url: str, timeout: float = 5.0) 
                                            client.get(url + "/v1/models", timeout=timeout))
     except httpx.HTTPError:
         return None
+    chunk: int | None = None
     if lay.status_code == 404:
         role, engine_id, layout = None, None, None
     elif lay.status_code == 200:
         try:
             data = lay.json()
             role, engine_id, layout = str(data["kv_role"]), str(data["engine_id"]), dict(data["layout"])
-        except (ValueError, KeyError, TypeError):
+            raw_chunk = data.get("pool_chunk_size")
+            chunk = int(raw_chunk) if raw_chunk is not None else None
+        except (ValueError, KeyError, TypeError, AttributeError):
             return None
     else:
         return None
@@ -60,7 +74,7 @@ async def fetch_info(client: httpx.AsyncClient, url: str, timeout: float = 5.0) 
             max_len = int(models.json()["data"][0]["max_model_len"])
         except (ValueError, KeyError, IndexError, TypeError):
             max_len = None
-    return BackendInfo(role, engine_id, layout, max_len, time.monotonic())
+    return BackendInfo(role, engine_id, layout, max_len, time.monotonic(), chunk)
 
 
 def pair_mismatch(p_url: str, p: BackendInfo | None, d_url: str, d: BackendInfo | None) -> str | None:

@@ -1,7 +1,9 @@
 """`pdkv up`: start a whole local topology (colocated, or P/D with a proxy) as processes on free
 ports, wait until healthy, print the endpoint, stop everything on Ctrl-C or when a child dies.
 With `--pool TIER` (colocated) the engine gets a KVPoolConnector and the server the tier needs
-(redis-server, or mooncake_master plus its store process) is started first and stopped last."""
+(redis-server, or mooncake_master plus its store process) is started first and stopped last.
+`--mode colocated --num-instances N` (N > 1) starts N kv_both instances (sharing the pool, if any)
+behind a proxy in colocated mode that routes with `--routing`."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pdkv.router.policies import DEFAULT_MAX_IMBALANCE, POLICIES
 from pdkv.router.pool_topology import (
     DEFAULT_CHUNK_SIZE,
     POOL_TIERS,
@@ -159,16 +162,29 @@ def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = No
     host = "127.0.0.1"
     py = [sys.executable, "-m", "pdkv.cli"]
     engine_flags = ["--model", args.model, *args.engine_args]
-    n_engines = 1 if args.mode == "colocated" else args.num_prefill + args.num_decode
+    n_engines = args.num_instances if args.mode == "colocated" else args.num_prefill + args.num_decode
     threads = args.threads_per_engine or max(1, (os.cpu_count() or 1) // n_engines)
     env = dict(os.environ, PDKV_NUM_THREADS=str(threads))
     topo = Topology()
     taken: set[int] = set()
     if args.mode == "colocated":
-        port = args.port or free_port(taken)
         kv = ["--kv-transfer-config", kv_transfer_config] if kv_transfer_config else []
-        topo.children.append(Child("engine", f"http://{host}:{port}",
-                                   py + ["serve", *engine_flags, "--host", host, "--port", str(port), *kv], env))
+        if args.num_instances == 1:
+            port = args.port or free_port(taken)
+            topo.children.append(Child("engine", f"http://{host}:{port}", py + [
+                "serve", *engine_flags, "--host", host, "--port", str(port), *kv], env))
+            topo.endpoint = f"http://{host}:{port}"
+            return topo
+        urls = []
+        for i in range(args.num_instances):
+            port = free_port(taken)
+            urls.append(f"http://{host}:{port}")
+            topo.children.append(Child(f"engine{i}", urls[-1], py + [
+                "serve", *engine_flags, "--host", host, "--port", str(port), *kv], env))
+        port = args.port or free_port(taken)
+        topo.children.append(Child("proxy", f"http://{host}:{port}", py + [
+            "proxy", "--backends", ",".join(urls), "--host", host, "--port", str(port),
+            *_routing_flags(args)], dict(os.environ)))
         topo.endpoint = f"http://{host}:{port}"
         return topo
     prefill_urls: list[str] = []
@@ -196,9 +212,34 @@ def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = No
     port = args.port or free_port(taken)
     topo.children.append(Child("proxy", f"http://{host}:{port}", py + [
         "proxy", "--prefill", ",".join(prefill_urls), "--decode", ",".join(decode_urls),
-        "--host", host, "--port", str(port), "--routing", args.routing], dict(os.environ)))
+        "--host", host, "--port", str(port), *_routing_flags(args)], dict(os.environ)))
     topo.endpoint = f"http://{host}:{port}"
     return topo
+
+
+def _routing_flags(args: argparse.Namespace) -> list[str]:
+    """The proxy's routing flags; prefix_aware gets the engines' model as its tokenizer."""
+    flags = ["--routing", args.routing]
+    if args.routing == "prefix_aware":
+        flags += ["--tokenizer", args.model,
+                  "--prefix-aware-max-imbalance", str(args.prefix_aware_max_imbalance)]
+    return flags
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Raises ValueError for a combination `pdkv up` cannot start (naming what can)."""
+    if args.num_prefill < 1 or args.num_decode < 1:
+        raise ValueError("--num-prefill and --num-decode must be >= 1")
+    if args.num_instances < 1:
+        raise ValueError("--num-instances must be >= 1")
+    if args.num_instances > 1 and args.mode != "colocated":
+        raise ValueError("--num-instances is for --mode colocated (P/D: --num-prefill / --num-decode)")
+    if args.pool == "dram" and args.mode == "pd":
+        raise ValueError("--pool dram lives inside one process; P and D are separate processes: "
+                         "use --pool disk, redis or mooncake with --mode pd")
+    if args.pool == "dram" and args.num_instances > 1:
+        raise ValueError("a dram pool lives inside one engine process and cannot be shared by "
+                         f"{args.num_instances} instances: use --pool disk, redis or mooncake")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -207,6 +248,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="one engine, or prefill + decode engines behind a proxy")
     parser.add_argument("--num-prefill", type=int, default=1, help="prefill engines (pd)")
     parser.add_argument("--num-decode", type=int, default=1, help="decode engines (pd)")
+    parser.add_argument("--num-instances", type=int, default=1,
+                        help="colocated: kv_both instances; more than 1 puts a proxy in front (--routing) and "
+                             "shares the --pool among them")
     parser.add_argument("--kv-transfer", choices=["tcp", "shm", "mooncake"], default="tcp",
                         help="transfer engine (mooncake needs the optional package and libibverbs1)")
     parser.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="fail",
@@ -217,9 +261,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "server on a free loopback port, stopped with the rest")
     parser.add_argument("--pool-chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
                         help="pool chunk in tokens (a multiple of the block size)")
-    parser.add_argument("--routing", choices=["round_robin", "least_loaded"], default="round_robin",
-                        help="proxy routing within each pool")
-    parser.add_argument("--port", type=int, default=0, help="the proxy's (pd) or the server's (colocated); 0 = free")
+    parser.add_argument("--routing", choices=sorted(POLICIES), default="round_robin",
+                        help="proxy routing within each pool (prefix_aware: the instance whose prefix the proxy "
+                             "routed there before, bounded by load)")
+    parser.add_argument("--prefix-aware-max-imbalance", type=float, default=DEFAULT_MAX_IMBALANCE,
+                        help="prefix_aware: most in-flight share above the mean an instance takes for its prefix")
+    parser.add_argument("--port", type=int, default=0,
+                        help="the proxy's (pd, colocated with N > 1) or the server's (colocated); 0 = free")
     parser.add_argument("--threads-per-engine", type=int, default=0, help="0 = cores / engines")
     parser.add_argument("--log-dir", default="pdkv-logs", help="one log file per process")
     parser.add_argument("--health-timeout", type=float, default=300.0)
@@ -231,11 +279,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.num_prefill < 1 or args.num_decode < 1:
-        raise ValueError("--num-prefill and --num-decode must be >= 1")
-    if args.pool == "dram" and args.mode == "pd":
-        raise ValueError("--pool dram lives inside one process; P and D are separate processes: "
-                         "use --pool disk, redis or mooncake with --mode pd")
+    check_args(args)
     args.engine_args = [a for a in args.engine_args if a != "--"]
 
     def _terminate(signum: int, frame: object) -> None:
@@ -265,6 +309,8 @@ def main(args: argparse.Namespace) -> int:
               f"(logs in {args.log_dir}/)", flush=True)
         if not topo.start_healthy(args.log_dir, args.health_timeout):
             return 1
+        for c in topo.children:
+            print(f"  {c.name}: {c.url}", flush=True)
         print(f"ready: {topo.endpoint}  (OpenAI API at {topo.endpoint}/v1)", flush=True)
         if args.demo:
             from pdkv.router.demo import run_demo

@@ -14,6 +14,14 @@ error event; a client that disconnects aborts both legs, and one that disconnect
 decode leg was sent makes the proxy tell P to release the held blocks (P may have finished the
 prefill already).
 (Protocol: vllm tests/v1/kv_connector/nixl_integration/toy_proxy_server.py.)
+
+Colocated mode (`--backends URL,...`, like vLLM's and SGLang's routers' worker URLs): each request
+goes whole, unchanged, to one kv_both (or connector-less) instance chosen by the routing policy,
+with the same validation, streaming, error pass-through and disconnect handling as the decode leg
+above (the same code). prefix_aware computes the request's chunk hashes
+(`pdkv.router.prefix_keys`) with each instance's block and pool chunk size (GET /kv_layout).
+
+GET /metrics: the proxy's own counters (`pdkv.router.proxy_metrics`).
 """
 
 from __future__ import annotations
@@ -21,8 +29,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import dataclasses
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -33,7 +43,24 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdkv.router.backend_info import BackendInfos, pair_mismatch
-from pdkv.router.policies import Backend, RoutingPolicy, make_policy
+from pdkv.router.policies import (
+    DEFAULT_MAX_ENTRIES,
+    DEFAULT_MAX_IMBALANCE,
+    POLICIES,
+    Backend,
+    Decision,
+    PrefixAwareConfig,
+    RoutingPolicy,
+    make_policy,
+)
+from pdkv.router.prefix_keys import (
+    DEFAULT_BLOCK_SIZE,
+    Granularity,
+    KeysUnavailable,
+    RequestKeyer,
+    request_chunk_hashes,
+)
+from pdkv.router.proxy_metrics import ProxyMetrics
 from pdkv.router.validate import BadRequest, LengthCheck, check_body, parse_body
 from pdkv.serve.disconnect import ClientDisconnected, until_done_or_disconnect
 
@@ -95,27 +122,40 @@ def build_proxy_app(
     timeout: float = 600.0,
     info_ttl: float = 5.0,
     before_decode: BeforeDecodeHook | None = None,
+    backend_urls: list[str] | None = None,
+    tokenizer: str | None = None,
+    prefix_aware: PrefixAwareConfig | None = None,
 ) -> FastAPI:
     """The proxy app; one httpx.AsyncClient shared by all requests and one routing policy
-    instance per pool (prefill, decode).
+    instance per pool (prefill, decode; or the colocated instances).
 
     Args:
-        prefill_urls, decode_urls: engine base URLs.
-        routing: policy name within each pool.
+        prefill_urls, decode_urls: engine base URLs (P/D mode; empty in colocated mode).
+        routing: policy name within each pool (`pdkv.router.policies.POLICIES`).
         timeout: per-leg timeout (s).
         info_ttl: seconds a backend's layout / max_model_len stay trusted before a request
             refetches them (every /health probe refetches them too).
         before_decode: test seam, awaited with P's kv_transfer_params between the legs.
+        backend_urls: colocated mode: the instances each request goes to whole.
+        tokenizer: model folder or alias whose tokenizer and chat template prefix_aware uses
+            (None: only prompts given as token ids get chunk hashes).
+        prefix_aware: prefix_aware's bounds.
     Raises:
-        ValueError: an empty pool or an unknown routing policy.
+        ValueError: an empty pool, both modes at once, or an unknown routing policy.
     """
-    if not prefill_urls or not decode_urls:
-        raise ValueError("the proxy needs at least one prefill and one decode URL")
+    colocated = [Backend(u.rstrip("/")) for u in backend_urls or []]
+    if colocated and (prefill_urls or decode_urls):
+        raise ValueError("give either --backends (colocated) or --prefill and --decode (P/D), not both")
+    if not colocated and (not prefill_urls or not decode_urls):
+        raise ValueError("the proxy needs at least one prefill and one decode URL, or --backends")
     prefills = [Backend(u.rstrip("/")) for u in prefill_urls]
     decodes = [Backend(u.rstrip("/")) for u in decode_urls]
-    prefill_policy: RoutingPolicy = make_policy(routing)
-    decode_policy: RoutingPolicy = make_policy(routing)
+    prefill_policy: RoutingPolicy = make_policy(routing, prefix_aware)
+    decode_policy: RoutingPolicy = make_policy(routing, prefix_aware)
+    whole_policy: RoutingPolicy = make_policy(routing, prefix_aware)
     infos = BackendInfos(info_ttl)
+    keyer = RequestKeyer(tokenizer)
+    metrics = ProxyMetrics()
     state: dict[str, httpx.AsyncClient] = {}
     releases: set[asyncio.Task[bool]] = set()
 
@@ -151,6 +191,11 @@ def build_proxy_app(
                     return why
         return None
 
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        """The proxy's own metrics (Prometheus text)."""
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/ping")
     async def ping() -> Response:
         """Liveness of the proxy itself (/health also checks every backend)."""
@@ -173,7 +218,7 @@ def build_proxy_app(
                 infos.forget(b.url)
             return ok
 
-        backends = prefills + decodes
+        backends = prefills + decodes + colocated
         for b, ok in zip(backends, await asyncio.gather(*(probe(b) for b in backends))):
             if not ok:
                 return _error(f"backend {b.url} is not healthy", 503, "ServiceUnavailableError")
@@ -185,9 +230,21 @@ def build_proxy_app(
     @app.get("/v1/models")
     async def models() -> Response:
         try:
-            r = await state["client"].get(decodes[0].url + "/v1/models", timeout=10.0)
+            r = await state["client"].get((decodes or colocated)[0].url + "/v1/models", timeout=10.0)
         except httpx.HTTPError as e:
             return _error(f"decode backend unreachable: {e}", 502, "BadGateway")
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    @app.post("/tokenize")
+    @app.post("/detokenize")
+    async def tokens(raw: Request) -> Response:
+        """Passed to the first decode engine (or instance): every engine serves one model."""
+        headers = {"Authorization": raw.headers["authorization"]} if "authorization" in raw.headers else {}
+        try:
+            r = await state["client"].post((decodes or colocated)[0].url + raw.url.path, content=await raw.body(),
+                                           headers={"Content-Type": "application/json", **headers}, timeout=30.0)
+        except httpx.HTTPError as e:
+            return _error(f"backend unreachable: {e}", 502, "BadGateway")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     @app.post("/v1/completions")
@@ -208,8 +265,10 @@ def build_proxy_app(
         headers = {"X-Request-Id": rid}
         if "authorization" in raw.headers:
             headers["Authorization"] = raw.headers["authorization"]
+        chat = path.endswith("chat/completions")
+        work = _whole(body, path, headers, length, chat) if colocated else _legs(body, path, headers, length, chat)
         try:
-            return await until_done_or_disconnect(_legs(body, path, headers, length), raw)
+            return await until_done_or_disconnect(work, raw)
         except ClientDisconnected:  # during the prefill leg or a non-streamed decode leg
             return _error("client disconnected", 499, "ClientClosedRequest")
 
@@ -220,6 +279,11 @@ def build_proxy_app(
         why = pair_mismatch(p.url, infos.get(p.url), d.url, infos.get(d.url))
         if why:
             return _error(why, 503, "ServiceUnavailableError")
+        return await _length_check(d, length, headers)
+
+    async def _length_check(d: Backend, length: LengthCheck, headers: dict[str, str]) -> Response | None:
+        """400 when prompt + max_tokens does not fit `d`'s max_model_len (D's own message)."""
+        client = state["client"]
         d_info = infos.get(d.url)
         max_len = d_info.max_model_len if d_info else None
         if length.max_tokens is None or max_len is None:
@@ -239,29 +303,92 @@ def build_proxy_app(
         why = length.fits(count, max_len) if count is not None else None
         return _error(why, 400, "BadRequestError") if why else None
 
-    async def _legs(body: dict[str, Any], path: str, headers: dict[str, str], length: LengthCheck) -> Response:
+    async def _token_ids(body: dict[str, Any], chat: bool) -> list[int] | None:
+        """The prompt's token ids as the engines will see them, or None (routing then falls back)."""
+        try:
+            return await asyncio.to_thread(keyer.token_ids, body, chat)
+        except KeysUnavailable as e:
+            logger.debug("no chunk hashes: %s", e)
+            return None
+
+    def _hashes(ids: list[int], body: dict[str, Any], pool: list[Backend]) -> dict[str, list[bytes]]:
+        """Each backend's chunk hashes of `ids` (its own block / pool chunk size; one hashing per
+        distinct size)."""
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        by_gran: dict[Granularity, list[bytes]] = {}
+        out: dict[str, list[bytes]] = {}
+        for b in pool:
+            info = infos.get(b.url)
+            block = (info.block_size if info else None) or DEFAULT_BLOCK_SIZE
+            gran = Granularity(block, (info.pool_chunk_size if info else None) or block)
+            if gran not in by_gran:
+                by_gran[gran] = request_chunk_hashes(ids, gran, salt)
+            out[b.url] = by_gran[gran]
+        return out
+
+    async def _decide(policy: RoutingPolicy, pool: list[Backend], leg: str, body: dict[str, Any], chat: bool,
+                      length: LengthCheck) -> tuple[Decision, LengthCheck]:
+        """The policy's choice within `pool` (chunk hashes computed when it wants them), counted;
+        the length check learns the prompt's token count when the proxy tokenized it."""
+        hashes = None
+        if policy.wants_hashes:
+            await infos.ensure(state["client"], [b.url for b in pool])
+            ids = await _token_ids(body, chat)
+            if ids is not None:
+                hashes = await asyncio.to_thread(_hashes, ids, body, pool)
+                if length.prompt_ids is None:
+                    length = dataclasses.replace(length, prompt_ids=len(ids))
+        decision = policy.decide(pool, hashes)
+        metrics.decisions.labels(policy.name, decision.reason, leg).inc()
+        if decision.matched_chunks and hashes is not None:
+            info = infos.get(decision.backend.url)
+            block = (info.block_size if info else None) or DEFAULT_BLOCK_SIZE
+            chunk = (info.pool_chunk_size if info else None) or block
+            metrics.matched_tokens.labels(decision.backend.url).inc(decision.matched_chunks * chunk)
+        return decision, length
+
+    async def _whole(body: dict[str, Any], path: str, headers: dict[str, str], length: LengthCheck,
+                     chat: bool) -> Response:
+        """Colocated mode: the whole request to one instance."""
+        decision, length = await _decide(whole_policy, colocated, "whole", body, chat, length)
+        b = decision.backend
+        await infos.ensure(state["client"], [b.url])
+        refused = await _length_check(b, length, headers)
+        if refused is not None:
+            return refused
+        return await _decode_leg(b, path, body, headers, None, bool(body.get("stream")), leg="whole")
+
+    async def _legs(body: dict[str, Any], path: str, headers: dict[str, str], length: LengthCheck,
+                    chat: bool) -> Response:
         client = state["client"]
-        p = prefill_policy.choose(prefills)
+        p = (await _decide(prefill_policy, prefills, "prefill", body, chat, length))[0].backend
         # Prefer decode engines known to fit this P; when none does, the check below names why.
         await infos.ensure(client, [p.url] + [b.url for b in decodes])
         fits = [b for b in decodes if pair_mismatch(p.url, infos.get(p.url), b.url, infos.get(b.url)) is None]
-        d = decode_policy.choose(fits or decodes)
+        decision, length = await _decide(decode_policy, fits or decodes, "decode", body, chat, length)
+        d = decision.backend
         refused = await _precheck(p, d, length, headers)
         if refused is not None:
             return refused
         p.inflight += 1
+        metrics.requests.labels(p.url, "prefill").inc()
+        started = time.monotonic()
         try:
             r = await client.post(p.url + path, json=prefill_body(body), headers=headers)
         except httpx.HTTPError as e:
             infos.forget(p.url)
+            metrics.errors.labels("prefill", "unreachable").inc()
             return _error(f"prefill backend {p.url} unreachable: {e}", 502, "BadGateway")
         finally:
             p.inflight -= 1
+            metrics.latency.labels("prefill").observe(time.monotonic() - started)
         if r.status_code != 200:
+            metrics.errors.labels("prefill", "status").inc()
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         try:
             params = r.json().get("kv_transfer_params")
         except (ValueError, AttributeError):
+            metrics.errors.labels("prefill", "bad_response").inc()
             return _error(f"prefill backend {p.url} answered 200 without a JSON object", 502, "BadGateway")
         decode = dict(body)
         decode["kv_transfer_params"] = params
@@ -277,20 +404,27 @@ def build_proxy_app(
             raise
 
     async def _decode_leg(d: Backend, path: str, decode: dict[str, Any], headers: dict[str, str],
-                          params: Any, stream: bool) -> Response:
+                          params: Any, stream: bool, leg: str = "decode") -> Response:
+        """The decode leg (P/D) or the whole request (colocated, `leg` "whole", params None)."""
         client = state["client"]
+        what = "decode backend" if leg == "decode" else "backend"
         d.inflight += 1
+        metrics.requests.labels(d.url, leg).inc()
+        started = time.monotonic()
         if not stream:
             try:
                 r = await client.post(d.url + path, json=decode, headers=headers)
             except httpx.HTTPError as e:
                 infos.forget(d.url)
                 release_soon(params)
-                return _error(f"decode backend {d.url} unreachable: {e}", 502, "BadGateway")
+                metrics.errors.labels(leg, "unreachable").inc()
+                return _error(f"{what} {d.url} unreachable: {e}", 502, "BadGateway")
             finally:
                 d.inflight -= 1
+                metrics.latency.labels(leg).observe(time.monotonic() - started)
             if r.status_code != 200:
                 release_soon(params)
+                metrics.errors.labels(leg, "status").inc()
                 return _backend_error(d, r.status_code, r.content)
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         try:
@@ -298,20 +432,24 @@ def build_proxy_app(
             resp = await client.send(req, stream=True)
         except BaseException as e:
             d.inflight -= 1
+            metrics.latency.labels(leg).observe(time.monotonic() - started)
             if not isinstance(e, httpx.HTTPError):
                 raise
             infos.forget(d.url)
             release_soon(params)
-            return _error(f"decode backend {d.url} unreachable: {e}", 502, "BadGateway")
+            metrics.errors.labels(leg, "unreachable").inc()
+            return _error(f"{what} {d.url} unreachable: {e}", 502, "BadGateway")
         if resp.status_code != 200:
             try:
                 content = await resp.aread()
             finally:
                 await resp.aclose()
                 d.inflight -= 1
+                metrics.latency.labels(leg).observe(time.monotonic() - started)
             release_soon(params)
+            metrics.errors.labels(leg, "status").inc()
             return _backend_error(d, resp.status_code, content)
-        return StreamingResponse(_relay(resp, d), media_type="text/event-stream",
+        return StreamingResponse(_relay(resp, d, leg, started), media_type="text/event-stream",
                                  headers={"X-Request-Id": headers["X-Request-Id"]})
 
     def _backend_error(d: Backend, status: int, content: bytes) -> Response:
@@ -326,27 +464,40 @@ def build_proxy_app(
             return _error(message, 503, "ServiceUnavailableError")
         return Response(content, status_code=status, media_type="application/json")
 
-    async def _relay(resp: httpx.Response, d: Backend) -> AsyncIterator[bytes]:
+    async def _relay(resp: httpx.Response, d: Backend, leg: str, started: float) -> AsyncIterator[bytes]:
         try:
             async for chunk in resp.aiter_raw():
                 yield chunk
         except httpx.HTTPError as e:
-            err = {"error": {"message": f"decode stream failed: {e}", "type": "BadGateway", "param": None, "code": 502}}
+            metrics.errors.labels(leg, "stream").inc()
+            what = "decode stream" if leg == "decode" else "stream"
+            err = {"error": {"message": f"{what} failed: {e}", "type": "BadGateway", "param": None, "code": 502}}
             yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
         finally:
             d.inflight -= 1
+            metrics.latency.labels(leg).observe(time.monotonic() - started)
             await resp.aclose()
 
     return app
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--prefill", required=True, help="prefill engine URL(s), comma-separated")
-    parser.add_argument("--decode", required=True, help="decode engine URL(s), comma-separated")
+    parser.add_argument("--prefill", default="", help="P/D: prefill engine URL(s), comma-separated")
+    parser.add_argument("--decode", default="", help="P/D: decode engine URL(s), comma-separated")
+    parser.add_argument("--backends", default="",
+                        help="colocated: kv_both instance URL(s), comma-separated; each request goes whole to one")
     parser.add_argument("--host", default="127.0.0.1", help="bind address")
     parser.add_argument("--port", type=int, default=8000, help="bind port")
-    parser.add_argument("--routing", default="round_robin", choices=["round_robin", "least_loaded"],
+    parser.add_argument("--routing", default="round_robin", choices=sorted(POLICIES),
                         help="policy within each pool")
+    parser.add_argument("--tokenizer", default=None,
+                        help="prefix_aware: model folder or alias whose tokenizer and chat template the proxy "
+                             "uses to compute chunk hashes (without it only token-id prompts have them)")
+    parser.add_argument("--prefix-aware-max-imbalance", type=float, default=DEFAULT_MAX_IMBALANCE,
+                        help="prefix_aware: an instance takes a request for its prefix only while its in-flight "
+                             "count stays within (1 + this) x the mean (or is 1)")
+    parser.add_argument("--prefix-aware-max-entries", type=int, default=DEFAULT_MAX_ENTRIES,
+                        help="prefix_aware: most (instance, chunk hash) pairs remembered (LRU; ~200 B each)")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-leg timeout (s)")
     parser.add_argument("--log-level", default="info", help="uvicorn log level (info logs each request)")
     return parser
@@ -355,11 +506,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
+    def urls(value: str) -> list[str]:
+        return [u for u in value.split(",") if u]
+
     app = build_proxy_app(
-        [u for u in args.prefill.split(",") if u], [u for u in args.decode.split(",") if u],
-        args.routing, args.timeout,
+        urls(args.prefill), urls(args.decode), args.routing, args.timeout, backend_urls=urls(args.backends),
+        tokenizer=args.tokenizer,
+        prefix_aware=PrefixAwareConfig(args.prefix_aware_max_imbalance, args.prefix_aware_max_entries),
     )
-    print(f"pdkv proxy on http://{args.host}:{args.port}: prefill {args.prefill} decode {args.decode} "
-          f"({args.routing})", flush=True)
+    where = (f"backends {args.backends}" if args.backends else f"prefill {args.prefill} decode {args.decode}")
+    print(f"pdkv proxy on http://{args.host}:{args.port}: {where} ({args.routing})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

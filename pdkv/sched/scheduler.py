@@ -73,6 +73,8 @@ class Scheduler:
         self.connector = connector
         self.kv_load_failure_policy = kv_load_failure_policy
         self.kv_state = KVConnectorState(self.kv_cache_manager, connector, kv_load_failure_policy)
+        if connector is not None:
+            connector.bind_kv_cache_manager(self.kv_cache_manager)
 
     @property
     def waiting_for_remote(self) -> dict[str, Request]:
@@ -226,6 +228,7 @@ class Scheduler:
                     skipped.append(self.waiting.popleft())
                     continue
                 self.waiting.popleft()
+                # Counted once, at this first admission (its resumption skips the count).
                 self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
                 request.num_computed_tokens = num_hit
                 if request.times.first_scheduled is None:

@@ -78,6 +78,24 @@ class SafeJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
+def pool_chunk_size(kv_connector: str, extra: Any) -> int | None:
+    """Tokens per KV pool chunk of a connector config (a KVPoolConnector, or one among a
+    MultiConnector's `connectors`), None when there is no pool; the proxy cuts prompts the same
+    way (GET /kv_layout's `pool_chunk_size`)."""
+    from pdkv.kv_transfer.connector.pool_config import PoolConnectorConfig
+
+    todo: list[tuple[Any, Any]] = [(kv_connector, extra)]
+    while todo:
+        name, ex = todo.pop(0)
+        ex = ex if isinstance(ex, dict) else {}
+        if name == "KVPoolConnector":
+            return int(ex.get("chunk_size", PoolConnectorConfig.chunk_size))
+        if name == "MultiConnector":
+            todo += [(c.get("kv_connector"), c.get("kv_connector_extra_config"))
+                     for c in ex.get("connectors", []) if isinstance(c, dict)]
+    return None
+
+
 def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> FastAPI:
     """The FastAPI app. Starts the engine loop on startup and stops it on shutdown."""
     tokenizers = TokenizerPool(llm.engine.config.model_config.path, config.tokenizer_threads)
@@ -155,12 +173,13 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
 
     @app.get("/kv_layout")
     async def kv_layout() -> dict[str, Any]:
-        """This engine's KV role, engine id and cache layout (what a P/D peer must agree on);
-        404 when no kv connector is configured."""
+        """This engine's KV role, engine id and cache layout (what a P/D peer must agree on) and
+        its KV pool's chunk size (None without a pool); 404 when no kv connector is configured."""
         kvt = llm.engine.config.kv_transfer_config
         if kvt is None:
             raise APIError("this engine has no kv connector (no --kv-transfer-config)", 404, "NotFoundError")
-        return {"kv_role": kvt.kv_role, "engine_id": kvt.engine_id, "layout": dict(llm.engine.runner.layout)}
+        return {"kv_role": kvt.kv_role, "engine_id": kvt.engine_id, "layout": dict(llm.engine.runner.layout),
+                "pool_chunk_size": pool_chunk_size(kvt.kv_connector, kvt.kv_connector_extra_config)}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:

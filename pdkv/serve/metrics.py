@@ -14,6 +14,10 @@ deltas is the current value, so they may go down), `pdkv:kv_pool_failures{tier,k
 `pdkv:kv_pool_save_seconds{tier}`. A pool key with another name is not exported (logged once at
 debug level): a counter cannot carry a value that may go down, and a name with unknown meaning
 gets no metric until it is added here.
+
+CPU offload (OffloadingConnector): keys "offload:<name>" in `SchedulerStats.kv_transfer` are
+exported as `pdkv:kv_offload_<name>` counters (OFFLOAD_COUNTERS) and gauges (OFFLOAD_GAUGES, the
+cumulative sum of deltas is the current value); other "offload:" names are not exported.
 """
 
 from __future__ import annotations
@@ -48,6 +52,23 @@ POOL_COUNTERS: dict[str, str] = {
 POOL_GAUGES: dict[str, str] = {
     "bytes_in_use": "Bytes the KV pool holds",
     "save_queue_depth": "KV pool saves queued, not yet written",
+}
+# CPU offload counters by name (`pdkv:kv_offload_<name>`, exposed with the `_total` suffix).
+OFFLOAD_COUNTERS: dict[str, str] = {
+    "bytes_d2h": "Bytes copied from the KV cache to the host store (device to host)",
+    "bytes_h2d": "Bytes copied from the host store into the KV cache (host to device)",
+    "copies_d2h": "Blocks copied to the host store",
+    "copies_h2d": "Blocks copied back from the host store",
+    "exposed_wait_seconds": "Time steps waited for offload copies before their forward pass (s)",
+    "recompute_tokens_avoided": "Tokens loaded from the host store instead of recomputed",
+    "hits": "Blocks found in the host store and loaded",
+    "reuse_skips": "Evicted blocks not copied because the host store already held them (mode reuse)",
+    "store_skips": "Evicted blocks not copied for lack of a free host slot",
+    "host_evictions": "Blocks dropped from the host store (LRU)",
+}
+# CPU offload gauges by name (`pdkv:kv_offload_<name>`).
+OFFLOAD_GAUGES: dict[str, str] = {
+    "queue_depth": "Offload block copies queued for the last step",
 }
 _POOL_FAILURE_PREFIX = "failures_"
 _POOL_HISTOGRAMS = {"load_seconds": "load", "save_seconds": "save"}
@@ -128,6 +149,10 @@ class ServerMetrics:
             for key, verb in _POOL_HISTOGRAMS.items()
         }
         self._ignored_pool_keys: set[str] = set()
+        self.offload_metrics: dict[str, Any] = {
+            **{name: counter(f"pdkv:kv_offload_{name}", doc) for name, doc in OFFLOAD_COUNTERS.items()},
+            **{name: gauge(f"pdkv:kv_offload_{name}", doc) for name, doc in OFFLOAD_GAUGES.items()},
+        }
         self.request_success = Counter(
             "pdkv:request_success", "Finished requests by reason", labels + ["finished_reason"], registry=r
         )
@@ -162,6 +187,9 @@ class ServerMetrics:
         for key, total in (stats.kv_transfer or {}).items():
             if key.startswith("pool:"):
                 self._observe_pool_value(key, total)
+                continue
+            if key.startswith("offload:"):
+                self._observe_offload_value(key, total)
                 continue
             delta = total - self._seen_kv.get(key, 0.0)
             if delta <= 0:
@@ -210,6 +238,23 @@ class ServerMetrics:
             return
         self._seen_kv[key] = total
         child.inc(delta)
+
+    def _observe_offload_value(self, key: str, total: float) -> None:
+        """One cumulative "offload:<name>" value: a gauge is set to it, a counter grows by its
+        increase since the last step."""
+        name = key[len("offload:"):]
+        metric = self.offload_metrics.get(name)
+        if metric is None:
+            self._ignore_pool_key(key)
+            return
+        if name in OFFLOAD_GAUGES:
+            metric.set(total)
+            return
+        delta = total - self._seen_kv.get(key, 0.0)
+        if delta <= 0:
+            return
+        self._seen_kv[key] = total
+        metric.inc(delta)
 
     def _ignore_pool_key(self, key: str) -> None:
         if key not in self._ignored_pool_keys:

@@ -273,3 +273,30 @@ def test_cli_main_fails_when_nothing_succeeds(capsys):
     assert "--model not given" in capsys.readouterr().err
     with pytest.raises(ValueError):
         BenchConfig(dataset="jsonl")
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_multi_turn_conversations_extend_turn_by_turn(mock, endpoint):
+    r = _run(mock, dataset="multi-turn", endpoint=endpoint, num_prompts=3, num_turns=3, input_len=5,
+             output_len=4, max_concurrency=1)
+    assert r["completed"] == 9
+    sent = mock.state.payloads
+    assert len(sent) == 9
+    for c in range(3):  # turn-major order: request t*3 + c is conversation c's turn t
+        turns = [sent[t * 3 + c] for t in range(3)]
+        if endpoint == "chat":
+            msgs = [p["messages"] for p in turns]
+            assert [len(m) for m in msgs] == [1, 3, 5]
+            for t in (1, 2):
+                assert msgs[t][: len(msgs[t - 1])] == msgs[t - 1]  # the earlier turns, unchanged
+                assert msgs[t][-2]["role"] == "assistant" and msgs[t][-1]["role"] == "user"
+                assert len(msgs[t][-2]["content"].split()) == 4 and len(msgs[t][-1]["content"].split()) == 5
+        else:
+            prompts = [p["prompt"] for p in turns]
+            assert prompts[1].startswith(prompts[0]) and prompts[2].startswith(prompts[1])
+            assert prompts[0].endswith("Assistant:")
+    first = [str(p.get("messages") or p.get("prompt")) for p in sent]
+    mock.state.reset()
+    _run(mock, dataset="multi-turn", endpoint=endpoint, num_prompts=3, num_turns=3, input_len=5,
+         output_len=4, max_concurrency=1)
+    assert [str(p.get("messages") or p.get("prompt")) for p in mock.state.payloads] == first  # seeded, same order

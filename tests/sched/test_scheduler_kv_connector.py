@@ -387,7 +387,11 @@ def test_remote_prefill_after_local_prefix_hit_loads_only_the_rest():
 
     r = remote_req("r", shared + [70, 71, 72, 73, 74, 75, 76])  # 15 tokens, 8 hit locally
     sched.add_request(r)
+    stats = sched.kv_cache_manager.prefix_cache_stats
+    queries, hits = stats.queries, stats.hits
     out, _ = step(sched, worker)
+    # The local prefix lookup counts for a request that goes on to load the rest.
+    assert (stats.queries - queries, stats.hits - hits) == (15, 8)
     assert out.num_scheduled_tokens == {}
     assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert ("r", 8) in conn.matched_calls
@@ -404,6 +408,7 @@ def test_remote_prefill_after_local_prefix_hit_loads_only_the_rest():
     assert r.num_cached_tokens == 14
     drain(sched, worker)
     assert_all_free(sched)
+    assert (stats.queries - queries, stats.hits - hits) == (15, 8)  # not again when it resumed
 
 
 def test_connector_not_ready_skips_the_request_and_asks_again():

@@ -51,9 +51,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dataset", choices=DATASETS, default=d.dataset)
     g.add_argument("--dataset-path", default=None,
                    help='jsonl file for --dataset jsonl: {"prompt": str, "output_len": int?}')
-    g.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    g.add_argument("--num-prompts", type=int, default=d.num_prompts,
+                   help="requests; multi-turn: conversations (requests = conversations x turns)")
+    g.add_argument("--num-turns", type=int, default=d.num_turns,
+                   help="multi-turn: turns per conversation; turn t's prompt = turns before it + a new "
+                        "question of --input-len tokens (earlier answers: --output-len tokens)")
     g.add_argument("--input-len", type=int, default=d.input_len,
-                   help="prompt tokens (random) or suffix tokens (prefix-repetition)")
+                   help="prompt tokens (random), suffix tokens (prefix-repetition) or new question "
+                        "tokens per turn (multi-turn)")
     g.add_argument("--output-len", type=int, default=d.output_len, help="max_tokens per request")
     g.add_argument("--range-ratio", type=float, default=d.range_ratio,
                    help="lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1")
@@ -88,6 +93,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         dataset=args.dataset, dataset_path=args.dataset_path, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
         prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, vocab_size=args.vocab_size,
+        num_turns=args.num_turns,
         request_rate=args.request_rate, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, seed=args.seed,
         goodput=parse_goodput(args.goodput), percentiles=list(args.percentiles),

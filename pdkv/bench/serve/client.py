@@ -43,7 +43,7 @@ def build_payload(
     """The JSON body of one streamed request for `endpoint` ("completions" or "chat")."""
     payload: dict[str, Any] = {"model": model}
     if endpoint == "chat":
-        payload["messages"] = [{"role": "user", "content": sample.prompt}]
+        payload["messages"] = sample.messages or [{"role": "user", "content": sample.prompt}]
     else:
         payload["prompt"] = sample.prompt
     payload.update(

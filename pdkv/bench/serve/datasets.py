@@ -1,4 +1,4 @@
-"""Prompts for `pdkv bench serve`: random, prefix-repetition and jsonl datasets.
+"""Prompts for `pdkv bench serve`: random, prefix-repetition, multi-turn and jsonl datasets.
 
 Token counts come from the server's own tokenizer when it has one: random token ids in
 [100, vocab_size) (ids < 100 are left out as likely special tokens) are turned into text with
@@ -215,6 +215,51 @@ async def prefix_repetition_dataset(tok: PromptTokenizer, num_prompts: int, pref
     samples = [SampleRequest(text, n, o) for (text, n), o in zip(made, out_lens)]
     order = rng.permutation(len(samples))
     return [samples[int(i)] for i in order]
+
+
+def transcript(messages: Sequence[dict[str, str]]) -> str:
+    """A conversation as one completions prompt: "User: ...\n\nAssistant: ...\n\n...Assistant:"
+    (ends with the assistant's cue when the last message is the user's)."""
+    names = {"user": "User", "assistant": "Assistant", "system": "System"}
+    text = "\n\n".join(f"{names.get(m['role'], m['role'])}: {m['content']}" for m in messages)
+    return text + ("\n\nAssistant:" if messages and messages[-1]["role"] == "user" else "")
+
+
+async def multi_turn_dataset(tok: PromptTokenizer, num_conversations: int, num_turns: int,
+                             input_len: int, output_len: int, vocab_size: int,
+                             seed: int) -> list[SampleRequest]:
+    """`num_conversations` conversations of `num_turns` turns each; turn t's prompt is the turns
+    before it (question and answer each) plus a new question, so each turn's prompt extends the
+    previous turn's.
+
+    Questions are random text of ~input_len tokens, answers of ~output_len tokens; the answers
+    in later prompts are these synthetic ones, not the model's outputs, so every prompt is fixed
+    before the run. Order: turn-major — turn 0 of every conversation, then turn 1 of every
+    conversation, ... (users taking turns); with --max-concurrency 1 the requests go one at a time
+    in this order, so a router sees the same sequence every run. Each sample carries its chat
+    `messages`; its `prompt` is their `transcript` (completions endpoint).
+    """
+    if num_conversations < 1 or num_turns < 1:
+        raise ValueError(f"multi-turn needs >= 1 conversation and turn, got {num_conversations} x {num_turns}")
+    rng = np.random.default_rng(seed)
+    pieces = [[(random_ids(rng, input_len, vocab_size), random_ids(rng, output_len, vocab_size))
+               for _ in range(num_turns)] for _ in range(num_conversations)]
+    fix = np.random.default_rng([seed, 2])
+
+    async def text(ids: list[int]) -> str:
+        return (await ids_to_prompt(tok, ids, len(ids), fix, vocab_size))[0].strip()
+
+    qa = [[(await text(q), await text(a)) for q, a in conv] for conv in pieces]
+    samples = []
+    for t in range(num_turns):
+        for conv in qa:
+            messages: list[dict[str, str]] = []
+            for q, a in conv[:t]:
+                messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+            messages.append({"role": "user", "content": conv[t][0]})
+            prompt = transcript(messages)
+            samples.append(SampleRequest(prompt, len(await tok.encode(prompt)), output_len, messages))
+    return samples
 
 
 async def jsonl_dataset(tok: PromptTokenizer, path: str, num_prompts: int,

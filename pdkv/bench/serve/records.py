@@ -14,11 +14,15 @@ class SampleRequest:
         prompt_len: prompt length in tokens as measured client-side (server `/tokenize` or the
             word fallback); the server's `usage.prompt_tokens` replaces it when reported.
         output_len: requested output tokens (`max_tokens`).
+        messages: the chat messages when the sample is a conversation (multi-turn): sent as
+            `messages` to chat instead of one user message; `prompt` is their transcript, sent to
+            completions.
     """
 
     prompt: str
     prompt_len: int
     output_len: int
+    messages: list[dict[str, str]] | None = None
 
 
 @dataclass

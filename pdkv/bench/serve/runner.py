@@ -33,7 +33,7 @@ from pdkv.bench.serve.records import RequestResult, SampleRequest
 from pdkv.bench.serve.report import build_result
 from pdkv.bench.serve.server_metrics import counter_deltas, scrape_counters
 
-DATASETS = ("random", "prefix-repetition", "jsonl")
+DATASETS = ("random", "prefix-repetition", "multi-turn", "jsonl")
 
 
 @dataclass
@@ -51,6 +51,7 @@ class BenchConfig:
     range_ratio: float = 0.0
     prefix_len: int = 256
     num_prefixes: int = 4
+    num_turns: int = 4
     vocab_size: int = 49152
     request_rate: float = math.inf
     burstiness: float = 1.0
@@ -79,6 +80,8 @@ class BenchConfig:
             raise ValueError("--request-rate must be > 0 (or inf)")
         if not self.burstiness > 0:
             raise ValueError("--burstiness must be > 0")
+        if self.num_turns < 1:
+            raise ValueError("--num-turns must be >= 1")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("--max-concurrency must be >= 1")
         self.base_url = self.base_url.rstrip("/")
@@ -127,6 +130,9 @@ async def build_dataset(cfg: BenchConfig, tok: datasets.PromptTokenizer) -> list
     if cfg.dataset == "random":
         return await datasets.random_dataset(tok, cfg.num_prompts, cfg.input_len, cfg.output_len,
                                              cfg.range_ratio, cfg.vocab_size, cfg.seed)
+    if cfg.dataset == "multi-turn":  # --num-prompts conversations of --num-turns turns
+        return await datasets.multi_turn_dataset(tok, cfg.num_prompts, cfg.num_turns, cfg.input_len,
+                                                 cfg.output_len, cfg.vocab_size, cfg.seed)
     if cfg.dataset == "prefix-repetition":
         return await datasets.prefix_repetition_dataset(
             tok, cfg.num_prompts, cfg.prefix_len, cfg.input_len, cfg.output_len,

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 if TYPE_CHECKING:
-    from pdkv.cache.kv_cache_manager import KVCacheBlocks
+    from pdkv.cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from pdkv.cache.specs import KVCacheConfig
     from pdkv.config import KVTransferConfig
     from pdkv.request import Request
@@ -102,6 +102,10 @@ class KVConnectorBase(ABC):
         self._metadata: KVConnectorMetadata | None = None
 
     # ================================================================ scheduler
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        """Scheduler half, once at start-up (vLLM's `bind_gpu_block_pool`): the scheduler's
+        block manager, e.g. to install an eviction hook (CPU offload). Default: unused."""
+
     def validate_request(self, request: Request) -> None:
         """Called when a request is created, before it is queued (caller's thread).
 

@@ -8,7 +8,7 @@ from pdkv.cache.specs import KVCacheConfig
 from pdkv.config import KVTransferConfig
 from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorRole
 
-CONNECTORS = ("P2PConnector", "KVPoolConnector", "MultiConnector")
+CONNECTORS = ("P2PConnector", "KVPoolConnector", "MultiConnector", "OffloadingConnector")
 
 
 def create_connector(config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
@@ -36,4 +36,8 @@ def create_connector(config: KVTransferConfig, role: KVConnectorRole, kv_cache_c
         from pdkv.kv_transfer.connector.multi import MultiConnector
 
         return MultiConnector(config, role, kv_cache_config, layout, shared)
+    if config.kv_connector == "OffloadingConnector":
+        from pdkv.kv_transfer.connector.offload import OffloadingConnector
+
+        return OffloadingConnector(config, role, kv_cache_config, layout)
     raise ValueError(f"unknown kv_connector {config.kv_connector!r}; known: {CONNECTORS}")

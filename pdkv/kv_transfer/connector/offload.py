@@ -1,0 +1,105 @@
+"""OffloadingConnector: a host-side block store under one engine (vLLM's OffloadingConnector role).
+
+`--kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+"kv_connector_extra_config": {"cpu_bytes_to_use": 1073741824, "eviction_mode": "reuse"}}'`.
+Blocks the engine evicts from its prefix cache (including a preempted request's blocks once they
+are reused) are copied to a host buffer (D2H, by `eviction_mode`); a later request whose next
+blocks after its local prefix hits are on the host gets them copied back into its new blocks
+(H2D) instead of recomputing them, and so does a preempted request when it resumes (swap-in: at
+most one block of tokens is recomputed). The host store is LRU, `cpu_bytes_to_use` bytes, keyed
+by (group, block hash). Settings: `offload_config.OffloadConfig`; scheduler half:
+`offload_scheduler`; worker half: `offload_worker`. Counters: "offload:<name>" in
+KVConnectorOutput.stats / take_scheduler_stats, exported as `pdkv:kv_offload_*`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pdkv.kv_transfer.connector.base import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+)
+from pdkv.kv_transfer.connector.offload_config import OffloadConfig
+from pdkv.kv_transfer.connector.offload_messages import OffloadConnectorMetadata
+from pdkv.kv_transfer.connector.offload_scheduler import OffloadConnectorScheduler
+
+if TYPE_CHECKING:
+    from pdkv.cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from pdkv.cache.specs import KVCacheConfig
+    from pdkv.config import KVTransferConfig
+    from pdkv.request import Request
+    from pdkv.sched.output import SchedulerOutput
+
+
+class OffloadingConnector(KVConnectorBase):
+    """Delegates to OffloadConnectorScheduler or OffloadConnectorWorker by role.
+
+    Raises:
+        ValueError: kv_role other than kv_both, or bad settings (unknown keys, bad mode).
+    """
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
+                 layout: dict[str, Any]) -> None:
+        super().__init__(config, role, kv_cache_config, layout)
+        if config.kv_role != "kv_both":
+            raise ValueError(f"OffloadingConnector needs kv_role 'kv_both', got {config.kv_role!r}")
+        self.offload = OffloadConfig.from_extra(config.kv_connector_extra_config)
+        self.num_host_slots = self.offload.num_host_slots(kv_cache_config)
+        self.scheduler: OffloadConnectorScheduler | None = None
+        self.worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            block_size = kv_cache_config.groups[0].spec.block_size
+            self.scheduler = OffloadConnectorScheduler(self.offload, self.num_host_slots, block_size,
+                                                       len(kv_cache_config.groups))
+        else:
+            from pdkv.kv_transfer.connector.offload_worker import OffloadConnectorWorker
+
+            self.worker = OffloadConnectorWorker(self.num_host_slots)
+
+    # ---------------------------------------------------------------- scheduler
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        assert self.scheduler is not None
+        self.scheduler.bind(kv_cache_manager)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_connector_output(output)
+
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    def take_scheduler_stats(self) -> dict[str, float]:
+        return self.scheduler.take_scheduler_stats() if self.scheduler is not None else {}
+
+    def has_pending_metadata(self) -> bool:
+        return self.scheduler.has_pending_metadata() if self.scheduler is not None else False
+
+    # ------------------------------------------------------------------- worker
+    def register_kv_caches(self, kv_caches: list[Any]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self) -> None:
+        assert self.worker is not None
+        if isinstance(self._metadata, OffloadConnectorMetadata):
+            self.worker.start_load_kv(self._metadata)
+
+    def get_stats(self) -> tuple[dict[str, float], list[float]]:
+        assert self.worker is not None
+        return self.worker.get_stats(), []

@@ -1,0 +1,61 @@
+"""Typed settings of the OffloadingConnector (`kv_connector_extra_config`), parsed once."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdkv.cache.specs import KVCacheConfig
+
+_KNOWN = ("cpu_bytes_to_use", "eviction_mode")
+EVICTION_MODES = ("drop", "reuse", "save_on_evict")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """OffloadingConnector settings (vLLM's names where vLLM has one).
+
+    Attributes:
+        cpu_bytes_to_use: bytes of host memory for offloaded blocks (vLLM's `cpu_bytes_to_use`;
+            here per engine). Every KV cache group gets `num_host_slots` slots.
+        eviction_mode: what happens to a cached block the engine evicts from its prefix cache
+            (or a preempted request's blocks when they are reused):
+            "drop": no host copy (the tokens are recomputed later); 0 copies.
+            "reuse": copy it unless the host store already holds that block hash (then only its
+            LRU position is refreshed): one copy per hash while it stays on the host.
+            "save_on_evict": copy it at every eviction, the first and any later one of a hash
+            that was loaded back and evicted again: one copy per eviction.
+    """
+
+    cpu_bytes_to_use: int = 1 << 30
+    eviction_mode: str = "reuse"
+
+    def num_host_slots(self, kv_cache_config: KVCacheConfig) -> int:
+        """Host blocks per group: cpu_bytes_to_use // (bytes of one block summed over groups)."""
+        per_block = sum(kv_cache_config.block_bytes(g) for g in range(len(kv_cache_config.groups)))
+        return self.cpu_bytes_to_use // per_block
+
+    @staticmethod
+    def from_extra(extra: Mapping[str, Any]) -> OffloadConfig:
+        """Parse and check `kv_connector_extra_config`.
+
+        Raises:
+            ValueError: unknown keys, a negative or non-integer byte count, or an unknown
+                eviction mode (the message names the key and the allowed values).
+        """
+        unknown = sorted(set(extra) - set(_KNOWN))
+        if unknown:
+            raise ValueError(f"unknown OffloadingConnector settings {unknown}; known: {sorted(_KNOWN)}")
+        kw: dict[str, Any] = {}
+        if "cpu_bytes_to_use" in extra:
+            value = extra["cpu_bytes_to_use"]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"OffloadingConnector cpu_bytes_to_use must be an integer >= 0, got {value!r}")
+            kw["cpu_bytes_to_use"] = value
+        if "eviction_mode" in extra:
+            mode = extra["eviction_mode"]
+            if mode not in EVICTION_MODES:
+                raise ValueError(f"OffloadingConnector eviction_mode must be one of {EVICTION_MODES}, got {mode!r}")
+            kw["eviction_mode"] = mode
+        return OffloadConfig(**kw)

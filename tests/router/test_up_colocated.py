@@ -1,0 +1,59 @@
+"""`pdkv up --mode colocated --num-instances N`: the processes it would start (no model)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pdkv.router import launcher
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    args = launcher.add_cli_args(argparse.ArgumentParser()).parse_args(list(argv))
+    args.engine_args = [a for a in args.engine_args if a != "--"]
+    return args
+
+
+def test_n_instances_share_the_pool_behind_a_prefix_aware_proxy():
+    args = _args("--mode", "colocated", "--num-instances", "3", "--routing", "prefix_aware",
+                 "--prefix-aware-max-imbalance", "0.25", "--threads-per-engine", "1")
+    launcher.check_args(args)
+    topo = launcher.build_topology(args, '{"kv_connector": "KVPoolConnector"}')
+    names = [c.name for c in topo.children]
+    assert names == ["engine0", "engine1", "engine2", "proxy"]
+    engines, proxy = topo.children[:3], topo.children[3]
+    for e in engines:  # every instance gets the same pool config
+        assert e.cmd[e.cmd.index("--kv-transfer-config") + 1] == '{"kv_connector": "KVPoolConnector"}'
+    backends = proxy.cmd[proxy.cmd.index("--backends") + 1].split(",")
+    assert backends == [e.url for e in engines]
+    assert proxy.cmd[proxy.cmd.index("--routing") + 1] == "prefix_aware"
+    assert proxy.cmd[proxy.cmd.index("--tokenizer") + 1] == "smollm2"
+    assert proxy.cmd[proxy.cmd.index("--prefix-aware-max-imbalance") + 1] == "0.25"
+    assert topo.endpoint == proxy.url
+
+
+def test_one_instance_has_no_proxy():
+    args = _args("--mode", "colocated")
+    assert [c.name for c in launcher.build_topology(args).children] == ["engine"]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (("--mode", "colocated", "--num-instances", "2", "--pool", "dram"), "disk, redis or mooncake"),
+    (("--mode", "pd", "--num-instances", "2"), "--num-instances is for --mode colocated"),
+    (("--mode", "colocated", "--num-instances", "0"), ">= 1"),
+])
+def test_refused_combinations(argv, match):
+    with pytest.raises(ValueError, match=match):
+        launcher.check_args(_args(*argv))
+
+
+def test_routing_compare_reads_counters_by_label():
+    from pdkv.bench.routing_compare import total
+
+    samples = {'pdkv:kv_pool_hit_tokens_total{model_name="m",tier="all"}': 64.0,
+               'pdkv:kv_pool_hit_tokens_total{model_name="m",tier="redis"}': 64.0,
+               'pdkv:prompt_tokens_total{model_name="m"}': 100.0}
+    assert total(samples, "pdkv:kv_pool_hit_tokens_total", tier="all") == 64
+    assert total(samples, "pdkv:kv_pool_hit_tokens_total") == 128
+    assert total(samples, "pdkv:prompt_tokens_total") == 100
