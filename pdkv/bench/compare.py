@@ -123,7 +123,7 @@ def launcher_args(spec: TopologySpec, args: argparse.Namespace, log_dir: str) ->
     argv = ["--mode", spec.mode, "--model", args.model, "--kv-transfer", args.kv_transfer,
             "--log-dir", log_dir, "--threads-per-engine", str(args.threads_per_engine)]
     if spec.instances > 1:
-        argv += ["--num-instances", str(spec.instances)]
+        argv += ["--num-instances", str(spec.instances), "--routing", args.routing]
     ns = launcher.add_cli_args(argparse.ArgumentParser()).parse_args(argv)
     ns.engine_args = list(args.engine_args)
     return ns
@@ -306,6 +306,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--pool-chunk-size", type=int, default=128, help="pool chunk in tokens")
     parser.add_argument("--kv-transfer", choices=["tcp", "shm", "mooncake"], default="tcp",
                         help="P/D transfer engine")
+    parser.add_argument("--routing", default="round_robin",
+                        help="proxy routing of the colocatedN topologies (as `pdkv up --routing`)")
     parser.add_argument("--threads-per-engine", type=int, default=0, help="0 = cores / engines")
     parser.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 1024)")
     parser.add_argument("--output-len", type=int, default=None, help="max_tokens (default 16)")
