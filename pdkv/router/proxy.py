@@ -53,6 +53,8 @@ from pdkv.router.policies import (
     RoutingPolicy,
     make_policy,
 )
+from pdkv.router.pool_record import DEFAULT_MAX_ENTRIES as POOL_RECORD_ENTRIES
+from pdkv.router.pool_record import PoolRecord, loadable_chunks
 from pdkv.router.prefix_keys import (
     DEFAULT_BLOCK_SIZE,
     Granularity,
@@ -125,6 +127,8 @@ def build_proxy_app(
     backend_urls: list[str] | None = None,
     tokenizer: str | None = None,
     prefix_aware: PrefixAwareConfig | None = None,
+    skip_prefill_on_pool_hit: bool = False,
+    pool_record_entries: int = POOL_RECORD_ENTRIES,
 ) -> FastAPI:
     """The proxy app; one httpx.AsyncClient shared by all requests and one routing policy
     instance per pool (prefill, decode; or the colocated instances).
@@ -140,8 +144,13 @@ def build_proxy_app(
         tokenizer: model folder or alias whose tokenizer and chat template prefix_aware uses
             (None: only prompts given as token ids get chunk hashes).
         prefix_aware: prefix_aware's bounds.
+        skip_prefill_on_pool_hit: P/D with a shared KV pool: send a request straight to D when
+            the proxy's record (`pdkv.router.pool_record`) says the pool holds every loadable
+            chunk of its prompt (needs chunk hashes: a tokenizer, or token-id prompts).
+        pool_record_entries: chunk hashes that record remembers.
     Raises:
-        ValueError: an empty pool, both modes at once, or an unknown routing policy.
+        ValueError: an empty pool, both modes at once, an unknown routing policy, or
+            skip_prefill_on_pool_hit in colocated mode.
     """
     colocated = [Backend(u.rstrip("/")) for u in backend_urls or []]
     if colocated and (prefill_urls or decode_urls):
@@ -153,6 +162,9 @@ def build_proxy_app(
     prefill_policy: RoutingPolicy = make_policy(routing, prefix_aware)
     decode_policy: RoutingPolicy = make_policy(routing, prefix_aware)
     whole_policy: RoutingPolicy = make_policy(routing, prefix_aware)
+    if skip_prefill_on_pool_hit and colocated:
+        raise ValueError("--skip-prefill-on-pool-hit is for P/D (--prefill/--decode) with a shared pool")
+    pool_record = PoolRecord(pool_record_entries) if skip_prefill_on_pool_hit else None
     infos = BackendInfos(info_ttl)
     keyer = RequestKeyer(tokenizer)
     metrics = ProxyMetrics()
@@ -326,6 +338,24 @@ def build_proxy_app(
             out[b.url] = by_gran[gran]
         return out
 
+    async def _pool_chunks(p: Backend, d: Backend, body: dict[str, Any],
+                           chat: bool) -> tuple[int, int, list[bytes]] | None:
+        """(prompt tokens, chunk size, the prompt's full-chunk hashes) when P and D use one pool
+        chunking, else None (then nothing is skipped or recorded)."""
+        ip, idd = infos.get(p.url), infos.get(d.url)
+        if ip is None or idd is None or not ip.pool_chunk_size or ip.pool_chunk_size != idd.pool_chunk_size:
+            return None
+        block = ip.block_size or DEFAULT_BLOCK_SIZE
+        if (idd.block_size or DEFAULT_BLOCK_SIZE) != block:
+            return None
+        ids = await _token_ids(body, chat)
+        if ids is None:
+            return None
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        gran = Granularity(block, ip.pool_chunk_size)
+        hashes = await asyncio.to_thread(request_chunk_hashes, ids, gran, salt)
+        return len(ids), ip.pool_chunk_size, hashes
+
     async def _decide(policy: RoutingPolicy, pool: list[Backend], leg: str, body: dict[str, Any], chat: bool,
                       length: LengthCheck) -> tuple[Decision, LengthCheck]:
         """The policy's choice within `pool` (chunk hashes computed when it wants them), counted;
@@ -370,6 +400,13 @@ def build_proxy_app(
         refused = await _precheck(p, d, length, headers)
         if refused is not None:
             return refused
+        pool_chunks = await _pool_chunks(p, d, body, chat) if pool_record is not None else None
+        if pool_chunks and pool_record is not None:
+            n_tokens, chunk, hashes = pool_chunks
+            if pool_record.covers(hashes[: loadable_chunks(n_tokens, chunk)]):
+                # The pool holds the prompt (as far as the proxy knows): D loads it, no P leg.
+                metrics.prefill_skipped.inc()
+                return await _decode_leg(d, path, body, headers, None, bool(body.get("stream")))
         p.inflight += 1
         metrics.requests.labels(p.url, "prefill").inc()
         started = time.monotonic()
@@ -390,6 +427,8 @@ def build_proxy_app(
         except (ValueError, AttributeError):
             metrics.errors.labels("prefill", "bad_response").inc()
             return _error(f"prefill backend {p.url} answered 200 without a JSON object", 502, "BadGateway")
+        if pool_chunks and pool_record is not None:
+            pool_record.add(pool_chunks[2])  # P saved the prompt's full chunks into the pool
         decode = dict(body)
         decode["kv_transfer_params"] = params
         sent = False
@@ -498,6 +537,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "count stays within (1 + this) x the mean (or is 1)")
     parser.add_argument("--prefix-aware-max-entries", type=int, default=DEFAULT_MAX_ENTRIES,
                         help="prefix_aware: most (instance, chunk hash) pairs remembered (LRU; ~200 B each)")
+    parser.add_argument("--skip-prefill-on-pool-hit", action="store_true",
+                        help="P/D with a shared KV pool: send a request straight to D when the proxy's record "
+                             "says the pool holds every loadable chunk of its prompt (needs --tokenizer for "
+                             "text prompts); a wrong belief only costs D a local prefill")
+    parser.add_argument("--pool-record-entries", type=int, default=POOL_RECORD_ENTRIES,
+                        help="chunk hashes the proxy remembers for --skip-prefill-on-pool-hit (LRU)")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-leg timeout (s)")
     parser.add_argument("--log-level", default="info", help="uvicorn log level (info logs each request)")
     return parser
@@ -513,6 +558,7 @@ def main(args: argparse.Namespace) -> int:
         urls(args.prefill), urls(args.decode), args.routing, args.timeout, backend_urls=urls(args.backends),
         tokenizer=args.tokenizer,
         prefix_aware=PrefixAwareConfig(args.prefix_aware_max_imbalance, args.prefix_aware_max_entries),
+        skip_prefill_on_pool_hit=args.skip_prefill_on_pool_hit, pool_record_entries=args.pool_record_entries,
     )
     where = (f"backends {args.backends}" if args.backends else f"prefill {args.prefill} decode {args.decode}")
     print(f"pdkv proxy on http://{args.host}:{args.port}: {where} ({args.routing})", flush=True)

@@ -77,7 +77,7 @@ class FakeEngine:
     """
 
     def __init__(self, role: str | None, layout: dict[str, Any] | None = None, max_model_len: int = 512,
-                 port: int = 0) -> None:
+                 port: int = 0, pool_chunk_size: int | None = None) -> None:
         self.hits: Counter[str] = Counter()
         self.role = role
         self.layout = dict(layout or LAYOUT)
@@ -86,6 +86,8 @@ class FakeEngine:
         self.control_port = 0
         self.prefill_hold: threading.Event | None = None  # set: prefill answers wait for it
         self.prefill_reached = threading.Event()
+        self.pool_chunk_size = pool_chunk_size
+        self.decode_params: list[Any] = []  # kv_transfer_params of every decode request, in order
         app = FastAPI()
 
         @app.post("/v1/completions")
@@ -102,6 +104,7 @@ class FakeEngine:
                     "do_remote_prefill": True, "remote_request_id": "r-" + req.headers["X-Request-Id"],
                     "remote_host": "127.0.0.1" if self.control_port else None, "remote_port": self.control_port}}
             self.hits["decode"] += 1
+            self.decode_params.append(body.get("kv_transfer_params"))
             if self.decode_error:
                 status, message = self.decode_error
                 return JSONResponse({"error": {"message": message, "type": "BadRequestError", "param": None,
@@ -120,7 +123,8 @@ class FakeEngine:
             self.hits["kv_layout"] += 1
             if self.role is None:
                 return JSONResponse({"error": {"message": "no kv connector"}}, status_code=404)
-            return {"kv_role": self.role, "engine_id": "e-" + self.role, "layout": self.layout}
+            return {"kv_role": self.role, "engine_id": "e-" + self.role, "layout": self.layout,
+                    "pool_chunk_size": self.pool_chunk_size}
 
         @app.get("/v1/models")
         async def models() -> Any:
