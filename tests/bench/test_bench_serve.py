@@ -224,9 +224,9 @@ def test_word_fallback_without_tokenize(mock):
 
 def test_metrics_scrape_delta(mock):
     r = _run(mock, num_prompts=5)
-    assert r["server_metrics"] == {
-        "prefix_cache_queries": 50.0, "prefix_cache_hits": 20.0, "kv_transfer_bytes": 5000.0,
-        "prefix_cache_hit_rate": 0.4}
+    totals = {"prefix_cache_queries": 50.0, "prefix_cache_hits": 20.0, "kv_p2p_bytes_received": 5000.0,
+              "prefix_cache_hit_rate": 0.4}
+    assert r["server_metrics"] == {**totals, "sources": {mock.base_url + "/metrics": totals}}
     mock.state.metrics = False
     assert _run(mock, num_prompts=1)["server_metrics"] is None
     mock.state.metrics = True

@@ -174,7 +174,7 @@ def test_prometheus_parsing_and_deltas():
     vllm = select_counters(parse_counters(
         "vllm:prefix_cache_queries_total 10\nvllm:prefix_cache_hits_total 5\n"))
     assert vllm == {"prefix_cache_queries": 10.0, "prefix_cache_hits": 5.0}
-    after = {"prefix_cache_queries": 350.0, "prefix_cache_hits": 110.0, "kv_transfer_bytes": 8.0}
+    after = {"prefix_cache_queries": 350.0, "prefix_cache_hits": 110.0, "kv_p2p_bytes_received": 8.0}
     d = counter_deltas(picked, after)
     assert d == {"prefix_cache_queries": 200.0, "prefix_cache_hits": 80.0,
                  "prefix_cache_hit_rate": 0.4}  # kv bytes absent before: left out
