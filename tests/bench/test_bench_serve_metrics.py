@@ -13,10 +13,10 @@ from pdkv.bench.results import write_result_json
 from pdkv.bench.serve.client import build_payload, chunk_text, parse_endpoint
 from pdkv.bench.serve.datasets import WordTokenizer, ids_to_prompt, sample_lengths
 from pdkv.bench.serve.metrics import compute_metrics, parse_goodput, parse_percentiles
+from pdkv.bench.serve.phases import ttft_phases
 from pdkv.bench.serve.records import RequestResult, SampleRequest
 from pdkv.bench.serve.report import build_result, format_result_table
 from pdkv.bench.serve.runner import BenchConfig, arrival_times
-from pdkv.bench.serve.phases import ttft_phases
 from pdkv.bench.serve.server_metrics import (
     combine_deltas,
     counter_deltas,
@@ -183,8 +183,8 @@ def test_prometheus_parsing_and_deltas():
     assert vllm == {"prefix_cache_queries": 10.0, "prefix_cache_hits": 5.0}
     after = {"prefix_cache_queries": 350.0, "prefix_cache_hits": 110.0, "kv_p2p_bytes_received": 8.0}
     d = counter_deltas(picked, after)
-    assert d == {"prefix_cache_queries": 200.0, "prefix_cache_hits": 80.0,
-                 "prefix_cache_hit_rate": 0.4}  # kv bytes absent before: left out
+    assert d == {"prefix_cache_queries": 200.0, "prefix_cache_hits": 80.0, "kv_p2p_bytes_received": 8.0,
+                 "prefix_cache_hit_rate": 0.4}  # kv bytes absent before: counted from 0
     assert counter_deltas(picked, picked)["prefix_cache_hit_rate"] is None
     assert counter_deltas(None, after) is None
     assert counter_deltas({}, {}) == {}

@@ -150,8 +150,8 @@ class FakeEngine:
         self.url = self.server.url
 
     async def _stream(self) -> Any:
-        yield 'data: {"choices": [{"index": 0, "text": "", "finish_reason": null}]}\n\n'.encode()
-        yield 'data: {"choices": [{"index": 0, "text": "decoded", "finish_reason": null}]}\n\n'.encode()
+        yield b'data: {"choices": [{"index": 0, "text": "", "finish_reason": null}]}\n\n'
+        yield b'data: {"choices": [{"index": 0, "text": "decoded", "finish_reason": null}]}\n\n'
         final: dict[str, Any] = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
         if self.timings is not None:
             final["pdkv_timings"] = self.timings

@@ -10,7 +10,13 @@ import pytest
 
 from pdkv.outputs import RequestMetrics
 from pdkv.router.proxy import build_proxy_app
-from pdkv.router.timings import COLOCATED_PHASES, PD_PHASES, RequestClock, StreamStitcher, stitch_response
+from pdkv.router.timings import (
+    COLOCATED_PHASES,
+    PD_PHASES,
+    RequestClock,
+    StreamStitcher,
+    stitch_response,
+)
 from pdkv.serve.timings import ENGINE_PHASES, engine_timings
 from tests.router.fake_engines import FakeEngine, ServerThread
 

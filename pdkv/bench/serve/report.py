@@ -116,8 +116,8 @@ def format_result_table(result: dict[str, Any]) -> str:
         if server.get("prefix_cache_hit_rate") is not None:
             lines.append(_row("Prefix cache hit rate (%):",
                               100.0 * server["prefix_cache_hit_rate"], ".2f"))
-        for key, label in SERVER_ROWS:
-            if server.get(key) is not None:
+        for key, label in SERVER_ROWS:  # zeros left out, except the P -> D bytes
+            if server.get(key) or (key == "kv_p2p_bytes_received" and key in server):
                 lines.append(_row(label, server[key], ".0f"))
     lines.append("=" * _W)
     return "\n".join(lines)

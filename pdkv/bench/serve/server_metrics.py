@@ -100,8 +100,8 @@ def select_counters(samples: Samples | dict[str, float]) -> dict[str, float]:
 
 def counter_deltas(before: dict[str, float] | None,
                    after: dict[str, float] | None) -> dict[str, Any] | None:
-    """Deltas of the counters present in both scrapes of one target, plus the prefix cache
-    hit rate.
+    """Deltas of the counters present after the run on one target (a counter absent before
+    it started at 0), plus the prefix cache hit rate.
 
     Returns:
         None when either scrape failed; otherwise e.g. {"prefix_cache_queries": 640.0,
@@ -112,8 +112,8 @@ def counter_deltas(before: dict[str, float] | None,
         return None
     out: dict[str, Any] = {}
     for key in COUNTERS:
-        if key in before and key in after:
-            out[key] = after[key] - before[key]
+        if key in after:  # a labelled counter has no sample before its first increment: 0
+            out[key] = after[key] - before.get(key, 0.0)
     _hit_rate(out)
     return out
 
