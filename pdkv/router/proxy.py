@@ -21,7 +21,11 @@ with the same validation, streaming, error pass-through and disconnect handling 
 above (the same code). prefix_aware computes the request's chunk hashes
 (`pdkv.router.prefix_keys`) with each instance's block and pool chunk size (GET /kv_layout).
 
-GET /metrics: the proxy's own counters (`pdkv.router.proxy_metrics`).
+GET /metrics: the proxy's own counters (`pdkv.router.proxy_metrics`). GET /backends: the engine URLs
+it routes to by role (`pdkv bench serve` scrapes their /metrics too).
+
+Every response (or the final chunk of a stream) carries the stitched `pdkv_timings`
+(`pdkv.router.timings`): the proxy's own time, each engine's phases and the HTTP residuals.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from pdkv.router.prefix_keys import (
     request_chunk_hashes,
 )
 from pdkv.router.proxy_metrics import ProxyMetrics
+from pdkv.router.timings import RequestClock, StreamStitcher, stitch_response
 from pdkv.router.validate import BadRequest, LengthCheck, check_body, parse_body
 from pdkv.serve.disconnect import ClientDisconnected, until_done_or_disconnect
 
@@ -208,6 +213,13 @@ def build_proxy_app(
         """The proxy's own metrics (Prometheus text)."""
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/backends")
+    async def backends() -> dict[str, list[str]]:
+        """The engine URLs this proxy routes to, by role (P/D: prefill, decode; colocated:
+        backends)."""
+        return {"prefill": [b.url for b in prefills], "decode": [b.url for b in decodes],
+                "backends": [b.url for b in colocated]}
+
     @app.get("/ping")
     async def ping() -> Response:
         """Liveness of the proxy itself (/health also checks every backend)."""
@@ -268,6 +280,7 @@ def build_proxy_app(
         return await _route(raw, "/v1/chat/completions")
 
     async def _route(raw: Request, path: str) -> Response:
+        clock = RequestClock(mode="colocated" if colocated else "pd")
         try:
             body = parse_body(await raw.body())
             length = check_body(body, chat=path.endswith("chat/completions"))
@@ -278,7 +291,8 @@ def build_proxy_app(
         if "authorization" in raw.headers:
             headers["Authorization"] = raw.headers["authorization"]
         chat = path.endswith("chat/completions")
-        work = _whole(body, path, headers, length, chat) if colocated else _legs(body, path, headers, length, chat)
+        work = (_whole(body, path, headers, length, chat, clock) if colocated
+                else _legs(body, path, headers, length, chat, clock))
         try:
             return await until_done_or_disconnect(work, raw)
         except ClientDisconnected:  # during the prefill leg or a non-streamed decode leg
@@ -378,7 +392,7 @@ def build_proxy_app(
         return decision, length
 
     async def _whole(body: dict[str, Any], path: str, headers: dict[str, str], length: LengthCheck,
-                     chat: bool) -> Response:
+                     chat: bool, clock: RequestClock) -> Response:
         """Colocated mode: the whole request to one instance."""
         decision, length = await _decide(whole_policy, colocated, "whole", body, chat, length)
         b = decision.backend
@@ -386,10 +400,10 @@ def build_proxy_app(
         refused = await _length_check(b, length, headers)
         if refused is not None:
             return refused
-        return await _decode_leg(b, path, body, headers, None, bool(body.get("stream")), leg="whole")
+        return await _decode_leg(b, path, body, headers, None, bool(body.get("stream")), clock, leg="whole")
 
     async def _legs(body: dict[str, Any], path: str, headers: dict[str, str], length: LengthCheck,
-                    chat: bool) -> Response:
+                    chat: bool, clock: RequestClock) -> Response:
         client = state["client"]
         p = (await _decide(prefill_policy, prefills, "prefill", body, chat, length))[0].backend
         # Prefer decode engines known to fit this P; when none does, the check below names why.
@@ -406,10 +420,11 @@ def build_proxy_app(
             if pool_record.covers(hashes[: loadable_chunks(n_tokens, chunk)]):
                 # The pool holds the prompt (as far as the proxy knows): D loads it, no P leg.
                 metrics.prefill_skipped.inc()
-                return await _decode_leg(d, path, body, headers, None, bool(body.get("stream")))
+                clock.mode = "pd_skip_prefill"
+                return await _decode_leg(d, path, body, headers, None, bool(body.get("stream")), clock)
         p.inflight += 1
         metrics.requests.labels(p.url, "prefill").inc()
-        started = time.monotonic()
+        started = clock.p_sent = time.monotonic()
         try:
             r = await client.post(p.url + path, json=prefill_body(body), headers=headers)
         except httpx.HTTPError as e:
@@ -417,13 +432,16 @@ def build_proxy_app(
             metrics.errors.labels("prefill", "unreachable").inc()
             return _error(f"prefill backend {p.url} unreachable: {e}", 502, "BadGateway")
         finally:
+            clock.p_done = time.monotonic()
             p.inflight -= 1
-            metrics.latency.labels("prefill").observe(time.monotonic() - started)
+            metrics.latency.labels("prefill").observe(clock.p_done - started)
         if r.status_code != 200:
             metrics.errors.labels("prefill", "status").inc()
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         try:
-            params = r.json().get("kv_transfer_params")
+            answer = r.json()
+            params = answer.get("kv_transfer_params")
+            clock.p_timings = answer.get("pdkv_timings")
         except (ValueError, AttributeError):
             metrics.errors.labels("prefill", "bad_response").inc()
             return _error(f"prefill backend {p.url} answered 200 without a JSON object", 502, "BadGateway")
@@ -436,20 +454,20 @@ def build_proxy_app(
             if before_decode is not None:
                 await before_decode(params)
             sent = True
-            return await _decode_leg(d, path, decode, headers, params, bool(body.get("stream")))
+            return await _decode_leg(d, path, decode, headers, params, bool(body.get("stream")), clock)
         except BaseException:  # the client left (cancellation) or a bug
             if not sent:  # D never saw the request: nobody else will release P's blocks
                 release_soon(params)
             raise
 
     async def _decode_leg(d: Backend, path: str, decode: dict[str, Any], headers: dict[str, str],
-                          params: Any, stream: bool, leg: str = "decode") -> Response:
+                          params: Any, stream: bool, clock: RequestClock, leg: str = "decode") -> Response:
         """The decode leg (P/D) or the whole request (colocated, `leg` "whole", params None)."""
         client = state["client"]
         what = "decode backend" if leg == "decode" else "backend"
         d.inflight += 1
         metrics.requests.labels(d.url, leg).inc()
-        started = time.monotonic()
+        started = clock.d_sent = time.monotonic()
         if not stream:
             try:
                 r = await client.post(d.url + path, json=decode, headers=headers)
@@ -465,7 +483,8 @@ def build_proxy_app(
                 release_soon(params)
                 metrics.errors.labels(leg, "status").inc()
                 return _backend_error(d, r.status_code, r.content)
-            return Response(r.content, status_code=r.status_code, media_type="application/json")
+            return Response(stitch_response(clock, r.content), status_code=r.status_code,
+                            media_type="application/json")
         try:
             req = client.build_request("POST", d.url + path, json=decode, headers=headers)
             resp = await client.send(req, stream=True)
@@ -488,7 +507,7 @@ def build_proxy_app(
             release_soon(params)
             metrics.errors.labels(leg, "status").inc()
             return _backend_error(d, resp.status_code, content)
-        return StreamingResponse(_relay(resp, d, leg, started), media_type="text/event-stream",
+        return StreamingResponse(_relay(resp, d, leg, started, StreamStitcher(clock)), media_type="text/event-stream",
                                  headers={"X-Request-Id": headers["X-Request-Id"]})
 
     def _backend_error(d: Backend, status: int, content: bytes) -> Response:
@@ -503,10 +522,18 @@ def build_proxy_app(
             return _error(message, 503, "ServiceUnavailableError")
         return Response(content, status_code=status, media_type="application/json")
 
-    async def _relay(resp: httpx.Response, d: Backend, leg: str, started: float) -> AsyncIterator[bytes]:
+    async def _relay(resp: httpx.Response, d: Backend, leg: str, started: float,
+                     stitcher: StreamStitcher) -> AsyncIterator[bytes]:
+        # An encoded (compressed) stream is relayed as it comes: its events cannot be read.
+        plain = not resp.headers.get("content-encoding")
         try:
             async for chunk in resp.aiter_raw():
-                yield chunk
+                out = stitcher.feed(chunk) if plain else chunk
+                if out:
+                    yield out
+            rest = stitcher.flush()
+            if rest:
+                yield rest
         except httpx.HTTPError as e:
             metrics.errors.labels(leg, "stream").inc()
             what = "decode stream" if leg == "decode" else "stream"
