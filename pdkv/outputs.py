@@ -38,7 +38,7 @@ class CompletionOutput:
 @dataclass
 class RequestMetrics:
     """Milestones of a request: time.monotonic() timestamps; every derived value (ttft,
-    queue_time, tpot, e2el) is in seconds."""
+    queue_time, prefill_time, tpot, e2el) and kv_wait_time are in seconds."""
 
     arrival_time: float
     first_scheduled_time: float | None
@@ -47,6 +47,9 @@ class RequestMetrics:
     finished_time: float | None
     num_preemptions: int = 0
     num_output_tokens: int = 0
+    kv_wait_time: float = 0.0
+    """Seconds spent waiting for an asynchronous KV load (WAITING_FOR_REMOTE_KVS: a pull from a
+    prefill engine and/or a pool load); 0 when none."""
 
     @property
     def ttft(self) -> float | None:
@@ -61,6 +64,14 @@ class RequestMetrics:
         if self.first_scheduled_time is None:
             return None
         return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        """First scheduling to first token, minus the KV wait (s): the engine's own compute of
+        the prompt (steps it was scheduled in, and waits between them)."""
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        return max(0.0, self.first_token_time - self.first_scheduled_time - self.kv_wait_time)
 
     @property
     def tpot(self) -> float | None:

@@ -45,10 +45,18 @@ _FINISH_REASONS = {
 
 @dataclass
 class RequestTimes:
-    """Monotonic timestamps (seconds, time.monotonic) of one request's milestones."""
+    """Monotonic timestamps (seconds, time.monotonic) of one request's milestones.
+
+    `first_scheduled` is the first admission: a request whose KV a connector loads
+    asynchronously is admitted when its load starts. `kv_wait` is the total time (s) it spent
+    in WAITING_FOR_REMOTE_KVS (load admitted → load result applied by the scheduler);
+    `kv_wait_started` is set while it waits.
+    """
 
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None
+    kv_wait_started: float | None = None
+    kv_wait: float = 0.0
     first_token: float | None = None
     last_token: float | None = None
     finished: float | None = None

@@ -183,6 +183,7 @@ class OutputProcessor:
                 finished_time=t.finished,
                 num_preemptions=req.num_preemptions,
                 num_output_tokens=len(st.token_ids),
+                kv_wait_time=t.kv_wait,
             ),
             kv_transfer_params=req.output_kv_transfer_params if finished else None,
             error=req.error if finished else None,

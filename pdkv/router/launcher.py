@@ -212,9 +212,17 @@ def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = No
     port = args.port or free_port(taken)
     topo.children.append(Child("proxy", f"http://{host}:{port}", py + [
         "proxy", "--prefill", ",".join(prefill_urls), "--decode", ",".join(decode_urls),
-        "--host", host, "--port", str(port), *_routing_flags(args)], dict(os.environ)))
+        "--host", host, "--port", str(port), *_routing_flags(args), *_skip_flags(args)], dict(os.environ)))
     topo.endpoint = f"http://{host}:{port}"
     return topo
+
+
+def _skip_flags(args: argparse.Namespace) -> list[str]:
+    """--skip-prefill-on-pool-hit for the P/D proxy (with the model as its tokenizer)."""
+    if not getattr(args, "skip_prefill_on_pool_hit", False):
+        return []
+    flags = ["--skip-prefill-on-pool-hit"]
+    return flags if args.routing == "prefix_aware" else flags + ["--tokenizer", args.model]
 
 
 def _routing_flags(args: argparse.Namespace) -> list[str]:
@@ -234,6 +242,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--num-instances must be >= 1")
     if args.num_instances > 1 and args.mode != "colocated":
         raise ValueError("--num-instances is for --mode colocated (P/D: --num-prefill / --num-decode)")
+    if getattr(args, "skip_prefill_on_pool_hit", False) and (args.mode != "pd" or args.pool is None):
+        raise ValueError("--skip-prefill-on-pool-hit needs --mode pd with --pool disk|redis|mooncake")
     if args.pool == "dram" and args.mode == "pd":
         raise ValueError("--pool dram lives inside one process; P and D are separate processes: "
                          "use --pool disk, redis or mooncake with --mode pd")
@@ -248,6 +258,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="one engine, or prefill + decode engines behind a proxy")
     parser.add_argument("--num-prefill", type=int, default=1, help="prefill engines (pd)")
     parser.add_argument("--num-decode", type=int, default=1, help="decode engines (pd)")
+    parser.add_argument("--skip-prefill-on-pool-hit", action="store_true",
+                        help="pd with --pool: the proxy sends a prompt straight to D when (by its record) the "
+                             "pool holds every loadable chunk of it")
     parser.add_argument("--num-instances", type=int, default=1,
                         help="colocated: kv_both instances; more than 1 puts a proxy in front (--routing) and "
                              "shares the --pool among them")

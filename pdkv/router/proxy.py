@@ -21,7 +21,11 @@ with the same validation, streaming, error pass-through and disconnect handling 
 above (the same code). prefix_aware computes the request's chunk hashes
 (`pdkv.router.prefix_keys`) with each instance's block and pool chunk size (GET /kv_layout).
 
-GET /metrics: the proxy's own counters (`pdkv.router.proxy_metrics`).
+GET /metrics: the proxy's own counters (`pdkv.router.proxy_metrics`). GET /backends: the engine URLs
+it routes to by role (`pdkv bench serve` scrapes their /metrics too).
+
+Every response (or the final chunk of a stream) carries the stitched `pdkv_timings`
+(`pdkv.router.timings`): the proxy's own time, each engine's phases and the HTTP residuals.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ from pdkv.router.policies import (
     RoutingPolicy,
     make_policy,
 )
+from pdkv.router.pool_record import DEFAULT_MAX_ENTRIES as POOL_RECORD_ENTRIES
+from pdkv.router.pool_record import PoolRecord, loadable_chunks
 from pdkv.router.prefix_keys import (
     DEFAULT_BLOCK_SIZE,
     Granularity,
@@ -61,6 +67,7 @@ from pdkv.router.prefix_keys import (
     request_chunk_hashes,
 )
 from pdkv.router.proxy_metrics import ProxyMetrics
+from pdkv.router.timings import RequestClock, StreamStitcher, stitch_response
 from pdkv.router.validate import BadRequest, LengthCheck, check_body, parse_body
 from pdkv.serve.disconnect import ClientDisconnected, until_done_or_disconnect
 
@@ -125,6 +132,8 @@ def build_proxy_app(
     backend_urls: list[str] | None = None,
     tokenizer: str | None = None,
     prefix_aware: PrefixAwareConfig | None = None,
+    skip_prefill_on_pool_hit: bool = False,
+    pool_record_entries: int = POOL_RECORD_ENTRIES,
 ) -> FastAPI:
     """The proxy app; one httpx.AsyncClient shared by all requests and one routing policy
     instance per pool (prefill, decode; or the colocated instances).
@@ -140,8 +149,13 @@ def build_proxy_app(
         tokenizer: model folder or alias whose tokenizer and chat template prefix_aware uses
             (None: only prompts given as token ids get chunk hashes).
         prefix_aware: prefix_aware's bounds.
+        skip_prefill_on_pool_hit: P/D with a shared KV pool: send a request straight to D when
+            the proxy's record (`pdkv.router.pool_record`) says the pool holds every loadable
+            chunk of its prompt (needs chunk hashes: a tokenizer, or token-id prompts).
+        pool_record_entries: chunk hashes that record remembers.
     Raises:
-        ValueError: an empty pool, both modes at once, or an unknown routing policy.
+        ValueError: an empty pool, both modes at once, an unknown routing policy, or
+            skip_prefill_on_pool_hit in colocated mode.
     """
     colocated = [Backend(u.rstrip("/")) for u in backend_urls or []]
     if colocated and (prefill_urls or decode_urls):
@@ -153,6 +167,9 @@ def build_proxy_app(
     prefill_policy: RoutingPolicy = make_policy(routing, prefix_aware)
     decode_policy: RoutingPolicy = make_policy(routing, prefix_aware)
     whole_policy: RoutingPolicy = make_policy(routing, prefix_aware)
+    if skip_prefill_on_pool_hit and colocated:
+        raise ValueError("--skip-prefill-on-pool-hit is for P/D (--prefill/--decode) with a shared pool")
+    pool_record = PoolRecord(pool_record_entries) if skip_prefill_on_pool_hit else None
     infos = BackendInfos(info_ttl)
     keyer = RequestKeyer(tokenizer)
     metrics = ProxyMetrics()
@@ -195,6 +212,13 @@ def build_proxy_app(
     async def prometheus() -> Response:
         """The proxy's own metrics (Prometheus text)."""
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/backends")
+    async def backends() -> dict[str, list[str]]:
+        """The engine URLs this proxy routes to, by role (P/D: prefill, decode; colocated:
+        backends)."""
+        return {"prefill": [b.url for b in prefills], "decode": [b.url for b in decodes],
+                "backends": [b.url for b in colocated]}
 
     @app.get("/ping")
     async def ping() -> Response:
@@ -256,6 +280,7 @@ def build_proxy_app(
         return await _route(raw, "/v1/chat/completions")
 
     async def _route(raw: Request, path: str) -> Response:
+        clock = RequestClock(mode="colocated" if colocated else "pd")
         try:
             body = parse_body(await raw.body())
             length = check_body(body, chat=path.endswith("chat/completions"))
@@ -266,7 +291,8 @@ def build_proxy_app(
         if "authorization" in raw.headers:
             headers["Authorization"] = raw.headers["authorization"]
         chat = path.endswith("chat/completions")
-        work = _whole(body, path, headers, length, chat) if colocated else _legs(body, path, headers, length, chat)
+        work = (_whole(body, path, headers, length, chat, clock) if colocated
+                else _legs(body, path, headers, length, chat, clock))
         try:
             return await until_done_or_disconnect(work, raw)
         except ClientDisconnected:  # during the prefill leg or a non-streamed decode leg
@@ -326,6 +352,24 @@ def build_proxy_app(
             out[b.url] = by_gran[gran]
         return out
 
+    async def _pool_chunks(p: Backend, d: Backend, body: dict[str, Any],
+                           chat: bool) -> tuple[int, int, list[bytes]] | None:
+        """(prompt tokens, chunk size, the prompt's full-chunk hashes) when P and D use one pool
+        chunking, else None (then nothing is skipped or recorded)."""
+        ip, idd = infos.get(p.url), infos.get(d.url)
+        if ip is None or idd is None or not ip.pool_chunk_size or ip.pool_chunk_size != idd.pool_chunk_size:
+            return None
+        block = ip.block_size or DEFAULT_BLOCK_SIZE
+        if (idd.block_size or DEFAULT_BLOCK_SIZE) != block:
+            return None
+        ids = await _token_ids(body, chat)
+        if ids is None:
+            return None
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        gran = Granularity(block, ip.pool_chunk_size)
+        hashes = await asyncio.to_thread(request_chunk_hashes, ids, gran, salt)
+        return len(ids), ip.pool_chunk_size, hashes
+
     async def _decide(policy: RoutingPolicy, pool: list[Backend], leg: str, body: dict[str, Any], chat: bool,
                       length: LengthCheck) -> tuple[Decision, LengthCheck]:
         """The policy's choice within `pool` (chunk hashes computed when it wants them), counted;
@@ -348,7 +392,7 @@ def build_proxy_app(
         return decision, length
 
     async def _whole(body: dict[str, Any], path: str, headers: dict[str, str], length: LengthCheck,
-                     chat: bool) -> Response:
+                     chat: bool, clock: RequestClock) -> Response:
         """Colocated mode: the whole request to one instance."""
         decision, length = await _decide(whole_policy, colocated, "whole", body, chat, length)
         b = decision.backend
@@ -356,10 +400,10 @@ def build_proxy_app(
         refused = await _length_check(b, length, headers)
         if refused is not None:
             return refused
-        return await _decode_leg(b, path, body, headers, None, bool(body.get("stream")), leg="whole")
+        return await _decode_leg(b, path, body, headers, None, bool(body.get("stream")), clock, leg="whole")
 
     async def _legs(body: dict[str, Any], path: str, headers: dict[str, str], length: LengthCheck,
-                    chat: bool) -> Response:
+                    chat: bool, clock: RequestClock) -> Response:
         client = state["client"]
         p = (await _decide(prefill_policy, prefills, "prefill", body, chat, length))[0].backend
         # Prefer decode engines known to fit this P; when none does, the check below names why.
@@ -370,9 +414,17 @@ def build_proxy_app(
         refused = await _precheck(p, d, length, headers)
         if refused is not None:
             return refused
+        pool_chunks = await _pool_chunks(p, d, body, chat) if pool_record is not None else None
+        if pool_chunks and pool_record is not None:
+            n_tokens, chunk, hashes = pool_chunks
+            if pool_record.covers(hashes[: loadable_chunks(n_tokens, chunk)]):
+                # The pool holds the prompt (as far as the proxy knows): D loads it, no P leg.
+                metrics.prefill_skipped.inc()
+                clock.mode = "pd_skip_prefill"
+                return await _decode_leg(d, path, body, headers, None, bool(body.get("stream")), clock)
         p.inflight += 1
         metrics.requests.labels(p.url, "prefill").inc()
-        started = time.monotonic()
+        started = clock.p_sent = time.monotonic()
         try:
             r = await client.post(p.url + path, json=prefill_body(body), headers=headers)
         except httpx.HTTPError as e:
@@ -380,16 +432,21 @@ def build_proxy_app(
             metrics.errors.labels("prefill", "unreachable").inc()
             return _error(f"prefill backend {p.url} unreachable: {e}", 502, "BadGateway")
         finally:
+            clock.p_done = time.monotonic()
             p.inflight -= 1
-            metrics.latency.labels("prefill").observe(time.monotonic() - started)
+            metrics.latency.labels("prefill").observe(clock.p_done - started)
         if r.status_code != 200:
             metrics.errors.labels("prefill", "status").inc()
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         try:
-            params = r.json().get("kv_transfer_params")
+            answer = r.json()
+            params = answer.get("kv_transfer_params")
+            clock.p_timings = answer.get("pdkv_timings")
         except (ValueError, AttributeError):
             metrics.errors.labels("prefill", "bad_response").inc()
             return _error(f"prefill backend {p.url} answered 200 without a JSON object", 502, "BadGateway")
+        if pool_chunks and pool_record is not None:
+            pool_record.add(pool_chunks[2])  # P saved the prompt's full chunks into the pool
         decode = dict(body)
         decode["kv_transfer_params"] = params
         sent = False
@@ -397,20 +454,20 @@ def build_proxy_app(
             if before_decode is not None:
                 await before_decode(params)
             sent = True
-            return await _decode_leg(d, path, decode, headers, params, bool(body.get("stream")))
+            return await _decode_leg(d, path, decode, headers, params, bool(body.get("stream")), clock)
         except BaseException:  # the client left (cancellation) or a bug
             if not sent:  # D never saw the request: nobody else will release P's blocks
                 release_soon(params)
             raise
 
     async def _decode_leg(d: Backend, path: str, decode: dict[str, Any], headers: dict[str, str],
-                          params: Any, stream: bool, leg: str = "decode") -> Response:
+                          params: Any, stream: bool, clock: RequestClock, leg: str = "decode") -> Response:
         """The decode leg (P/D) or the whole request (colocated, `leg` "whole", params None)."""
         client = state["client"]
         what = "decode backend" if leg == "decode" else "backend"
         d.inflight += 1
         metrics.requests.labels(d.url, leg).inc()
-        started = time.monotonic()
+        started = clock.d_sent = time.monotonic()
         if not stream:
             try:
                 r = await client.post(d.url + path, json=decode, headers=headers)
@@ -426,7 +483,8 @@ def build_proxy_app(
                 release_soon(params)
                 metrics.errors.labels(leg, "status").inc()
                 return _backend_error(d, r.status_code, r.content)
-            return Response(r.content, status_code=r.status_code, media_type="application/json")
+            return Response(stitch_response(clock, r.content), status_code=r.status_code,
+                            media_type="application/json")
         try:
             req = client.build_request("POST", d.url + path, json=decode, headers=headers)
             resp = await client.send(req, stream=True)
@@ -449,7 +507,7 @@ def build_proxy_app(
             release_soon(params)
             metrics.errors.labels(leg, "status").inc()
             return _backend_error(d, resp.status_code, content)
-        return StreamingResponse(_relay(resp, d, leg, started), media_type="text/event-stream",
+        return StreamingResponse(_relay(resp, d, leg, started, StreamStitcher(clock)), media_type="text/event-stream",
                                  headers={"X-Request-Id": headers["X-Request-Id"]})
 
     def _backend_error(d: Backend, status: int, content: bytes) -> Response:
@@ -464,10 +522,18 @@ def build_proxy_app(
             return _error(message, 503, "ServiceUnavailableError")
         return Response(content, status_code=status, media_type="application/json")
 
-    async def _relay(resp: httpx.Response, d: Backend, leg: str, started: float) -> AsyncIterator[bytes]:
+    async def _relay(resp: httpx.Response, d: Backend, leg: str, started: float,
+                     stitcher: StreamStitcher) -> AsyncIterator[bytes]:
+        # An encoded (compressed) stream is relayed as it comes: its events cannot be read.
+        plain = not resp.headers.get("content-encoding")
         try:
             async for chunk in resp.aiter_raw():
-                yield chunk
+                out = stitcher.feed(chunk) if plain else chunk
+                if out:
+                    yield out
+            rest = stitcher.flush()
+            if rest:
+                yield rest
         except httpx.HTTPError as e:
             metrics.errors.labels(leg, "stream").inc()
             what = "decode stream" if leg == "decode" else "stream"
@@ -498,6 +564,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "count stays within (1 + this) x the mean (or is 1)")
     parser.add_argument("--prefix-aware-max-entries", type=int, default=DEFAULT_MAX_ENTRIES,
                         help="prefix_aware: most (instance, chunk hash) pairs remembered (LRU; ~200 B each)")
+    parser.add_argument("--skip-prefill-on-pool-hit", action="store_true",
+                        help="P/D with a shared KV pool: send a request straight to D when the proxy's record "
+                             "says the pool holds every loadable chunk of its prompt (needs --tokenizer for "
+                             "text prompts); a wrong belief only costs D a local prefill")
+    parser.add_argument("--pool-record-entries", type=int, default=POOL_RECORD_ENTRIES,
+                        help="chunk hashes the proxy remembers for --skip-prefill-on-pool-hit (LRU)")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-leg timeout (s)")
     parser.add_argument("--log-level", default="info", help="uvicorn log level (info logs each request)")
     return parser
@@ -513,6 +585,7 @@ def main(args: argparse.Namespace) -> int:
         urls(args.prefill), urls(args.decode), args.routing, args.timeout, backend_urls=urls(args.backends),
         tokenizer=args.tokenizer,
         prefix_aware=PrefixAwareConfig(args.prefix_aware_max_imbalance, args.prefix_aware_max_entries),
+        skip_prefill_on_pool_hit=args.skip_prefill_on_pool_hit, pool_record_entries=args.pool_record_entries,
     )
     where = (f"backends {args.backends}" if args.backends else f"prefill {args.prefill} decode {args.decode}")
     print(f"pdkv proxy on http://{args.host}:{args.port}: {where} ({args.routing})", flush=True)

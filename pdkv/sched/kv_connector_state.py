@@ -101,12 +101,14 @@ class KVConnectorState:
         queued. A load may cover a prefix of the prompt (a KV pool: whole chunks) or all of it
         (P/D); the scheduler resumes the request after the loaded tokens."""
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.times.kv_wait_started = time.monotonic()
         self.waiting_for_remote[request.request_id] = request
         self.load_end[request.request_id] = request.num_computed_tokens + num_external_tokens
 
     def abandon_load(self, request: Request) -> None:
         """The request finishes (abort) while waiting for its load: forget the load."""
         if self.waiting_for_remote.pop(request.request_id, None) is not None:
+            _end_kv_wait(request, time.monotonic())
             self.load_end.pop(request.request_id, None)
             self.forget_load_result(request)
 
@@ -127,9 +129,11 @@ class KVConnectorState:
         """
         to_resume: list[Request] = []
         failed: list[Request] = []
+        now = time.monotonic()
         for rid in [r for r in self.waiting_for_remote if r in self.finished_recving]:
             self.finished_recving.discard(rid)
             request = self.waiting_for_remote.pop(rid)
+            _end_kv_wait(request, now)
             load_end = self.load_end.pop(rid, request.num_tokens)
             bad = self._bad_blocks_of(request)
             error = self.load_errors.pop(rid, None)
@@ -236,3 +240,11 @@ class KVConnectorState:
             self.delayed_free[request.request_id] = request
         else:
             self.kv_cache_manager.free(request)
+
+
+def _end_kv_wait(request: Request, now: float) -> None:
+    """Add the wait since `start_load` to `request.times.kv_wait` (seconds)."""
+    started = request.times.kv_wait_started
+    if started is not None:
+        request.times.kv_wait += max(0.0, now - started)
+        request.times.kv_wait_started = None

@@ -14,6 +14,7 @@ from pdkv.engine.async_llm import AsyncLLM, EngineDeadError
 from pdkv.outputs import RequestOutput
 from pdkv.sampling_params import SamplingParams
 from pdkv.serve.protocol import ChatCompletionRequest, CompletionRequest
+from pdkv.serve.timings import engine_timings
 from pdkv.tokenizer import Tokenizer, TokenizerPool
 
 T = TypeVar("T")
@@ -51,6 +52,7 @@ class PreparedRequest:
     chat: bool
     kv_transfer_params: dict[str, Any] | None
     cache_salt: str | None
+    received: float = 0.0  # time.monotonic() when the handler started on it (s)
 
 
 class OpenAIHandlers:
@@ -88,6 +90,7 @@ class OpenAIHandlers:
 
     async def prepare_completion(self, req: CompletionRequest, request_id: str | None) -> PreparedRequest:
         """Validate and tokenize a completion body. Raises APIError (400) on bad input."""
+        received = time.monotonic()
         self.check_model(req.model)
         prompt: Any = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -101,10 +104,12 @@ class OpenAIHandlers:
             ids = await self.tokenize(lambda tok: tok.encode(prompt)) if prompt else []
         else:
             text, ids = None, list(prompt)
-        return self._prepare(req, request_id, ids, text, req.max_tokens, req.logprobs, chat=False)
+        return self._prepare(req, request_id, ids, text, req.max_tokens, req.logprobs, chat=False,
+                             received=received)
 
     async def prepare_chat(self, req: ChatCompletionRequest, request_id: str | None) -> PreparedRequest:
         """Validate, render and tokenize a chat body. Raises APIError (400) on bad input."""
+        received = time.monotonic()
         self.check_model(req.model)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -118,7 +123,7 @@ class OpenAIHandlers:
         text, ids = await self.tokenize(render)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return self._prepare(req, request_id, ids, text, max_tokens, logprobs, chat=True)
+        return self._prepare(req, request_id, ids, text, max_tokens, logprobs, chat=True, received=received)
 
     def _prepare(
         self,
@@ -129,6 +134,7 @@ class OpenAIHandlers:
         max_tokens: int | None,
         logprobs: int | None,
         chat: bool,
+        received: float | None = None,
     ) -> PreparedRequest:
         if req.n != 1:
             raise APIError("n must be 1 (several choices per request are not supported)")
@@ -177,6 +183,7 @@ class OpenAIHandlers:
             chat=chat,
             kv_transfer_params=req.kv_transfer_params,
             cache_salt=req.cache_salt,
+            received=time.monotonic() if received is None else received,
         )
 
     # ---------------------------------------------------------------- running
@@ -199,7 +206,8 @@ class OpenAIHandlers:
         return self.llm.generate(request, text)
 
     async def full_response(self, p: PreparedRequest, outputs: AsyncIterator[RequestOutput]) -> dict[str, Any]:
-        """Wait for the final output and build the non-streaming response body."""
+        """Wait for the final output and build the non-streaming response body (with
+        `pdkv_timings`, pdkv.serve.timings)."""
         final: RequestOutput | None = None
         async for out in outputs:
             final = out
@@ -231,16 +239,19 @@ class OpenAIHandlers:
             "choices": [choice],
             "usage": self._usage(final),
             "kv_transfer_params": final.kv_transfer_params,
+            "pdkv_timings": engine_timings(p.received, final.metrics, time.monotonic()),
         }
 
     async def stream_response(self, p: PreparedRequest, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
-        """SSE events: content deltas, a final chunk with finish_reason, usage, then [DONE]."""
+        """SSE events: content deltas, a final chunk with finish_reason (and kv_transfer_params,
+        `pdkv_timings`: pdkv.serve.timings), usage, then [DONE]."""
         obj = "chat.completion.chunk" if p.chat else "text_completion"
         head = {"id": p.request_id, "object": obj, "created": p.created, "model": p.model}
         if p.chat:
             first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             yield _sse({**head, "choices": [first]})
         final: RequestOutput | None = None
+        first_text: float | None = None  # when the first chunk carrying text was built
         try:
             async for out in outputs:
                 final = out
@@ -259,9 +270,13 @@ class OpenAIHandlers:
                     choice["logprobs"] = self._completion_logprobs(comp.delta_token_ids, lps)
                 if out.finished:
                     choice["stop_reason"] = comp.stop_reason
+                if first_text is None and comp.delta_text:
+                    first_text = time.monotonic()
                 chunk = {**head, "choices": [choice]}
                 if out.finished:
                     chunk["kv_transfer_params"] = out.kv_transfer_params
+                    chunk["pdkv_timings"] = engine_timings(
+                        p.received, out.metrics, first_text if first_text is not None else time.monotonic())
                 yield _sse(chunk)
         except APIError as e:
             yield _sse(e.body())

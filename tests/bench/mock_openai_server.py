@@ -8,10 +8,13 @@ Every generation request (completions or chat) streams, with known gaps:
     wait  60 ms -> content "d"
     usage chunk (completion_tokens=4, prompt_tokens = whitespace words of the prompt), [DONE]
 
+The "d" chunk carries `pdkv_timings` (TIMINGS: phases queue 20 ms + prefill 100 ms, total
+120 ms) unless `MockState.timings` is off.
+
 so TTFT ≈ 150 ms, ITL ≈ [40, 60] ms, E2EL ≈ 250 ms, output tokens 4 (from usage; 3 chunks).
 A prompt containing "FAIL" gets HTTP 400. `/tokenize` / `/detokenize` treat each whitespace
 word as a token ("w123" <-> id 123; ids >= `vocab_size` are rejected); `/metrics` serves Prometheus counters that grow by 10
-queries, 4 hits and 1000 KV bytes per finished request; `/v1/models` lists "mock-model".
+queries, 4 hits and 1000 KV bytes pulled (`pdkv:kv_transfer_bytes_received_total`) per finished request; `/v1/models` lists "mock-model".
 `MockState` switches parts off (tokenize, metrics, usage) and records what came in.
 """
 
@@ -36,6 +39,7 @@ GAPS_S = (0.100, 0.050, 0.040, 0.060)
 CONTENT = ("a", "bc", "d")
 COMPLETION_TOKENS = 4
 MODEL = "mock-model"
+TIMINGS = {"source": "engine", "unit": "s", "total": 0.12, "phases": {"queue": 0.02, "prefill": 0.1}}
 
 
 @dataclass
@@ -47,6 +51,7 @@ class MockState:
     vocab_size: int = 50000  # /detokenize answers 400 for ids at or above it
     metrics: bool = True
     usage: bool = True
+    timings: bool = True
     in_flight: int = 0
     max_in_flight: int = 0
     finished: int = 0
@@ -56,7 +61,7 @@ class MockState:
 
     def reset(self) -> None:
         """Back to the defaults, records cleared (counters behind /metrics keep growing)."""
-        self.tokenize = self.metrics = self.usage = True
+        self.tokenize = self.metrics = self.usage = self.timings = True
         self.strict_tokenize = False
         self.vocab_size = 50000
         self.tokenize_bodies.clear()
@@ -109,7 +114,10 @@ def create_app(state: MockState) -> Starlette:
                 await asyncio.sleep(GAPS_S[2])
                 yield _sse(chunk(CONTENT[1]))
                 await asyncio.sleep(GAPS_S[3])
-                yield _sse(chunk(CONTENT[2]))
+                last = chunk(CONTENT[2])
+                if state.timings:
+                    last["pdkv_timings"] = TIMINGS
+                yield _sse(last)
                 if state.usage:
                     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": COMPLETION_TOKENS,
                              "total_tokens": prompt_tokens + COMPLETION_TOKENS}
@@ -154,8 +162,8 @@ def create_app(state: MockState) -> Starlette:
             f'pdkv:prefix_cache_queries_total{{model_name="{MODEL}"}} {10.0 * n + 5}\n'
             "# TYPE pdkv:prefix_cache_hits_total counter\n"
             f'pdkv:prefix_cache_hits_total{{model_name="{MODEL}"}} {4.0 * n + 1}\n'
-            "# TYPE pdkv:kv_transfer_bytes_total counter\n"
-            f"pdkv:kv_transfer_bytes_total {1000.0 * n}\n"
+            "# TYPE pdkv:kv_transfer_bytes_received_total counter\n"
+            f"pdkv:kv_transfer_bytes_received_total {1000.0 * n}\n"
             "# TYPE pdkv:num_requests_running gauge\n"
             "pdkv:num_requests_running 0\n"
         )

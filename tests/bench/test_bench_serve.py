@@ -224,9 +224,9 @@ def test_word_fallback_without_tokenize(mock):
 
 def test_metrics_scrape_delta(mock):
     r = _run(mock, num_prompts=5)
-    assert r["server_metrics"] == {
-        "prefix_cache_queries": 50.0, "prefix_cache_hits": 20.0, "kv_transfer_bytes": 5000.0,
-        "prefix_cache_hit_rate": 0.4}
+    totals = {"prefix_cache_queries": 50.0, "prefix_cache_hits": 20.0, "kv_p2p_bytes_received": 5000.0,
+              "prefix_cache_hit_rate": 0.4}
+    assert r["server_metrics"] == {**totals, "sources": {mock.base_url + "/metrics": totals}}
     mock.state.metrics = False
     assert _run(mock, num_prompts=1)["server_metrics"] is None
     mock.state.metrics = True
@@ -262,6 +262,11 @@ def test_cli_main_end_to_end(mock, tmp_path, capsys):
     assert data["request_rate"] == "inf" and data["max_concurrency"] == 2
     assert len(data["itls"]) == 4 and all(len(x) == 2 for x in data["itls"])
     assert math.isclose(data["server_metrics"]["prefix_cache_hit_rate"], 0.4)
+    assert "TTFT Phases" in printed and "client_residual" in printed
+    phases = data["ttft_phases"]  # the mock's timings: queue 20 + prefill 100 = 120 ms
+    assert phases["num_requests"] == 4 and phases["mean_phase_sum_ms"] == pytest.approx(120.0)
+    assert phases["phases"]["prefill"]["mean_ms"] == pytest.approx(100.0)
+    assert data["pdkv_timings"][0]["phases"] == {"queue": 0.02, "prefill": 0.1}
     assert mock.state.max_in_flight == 2
 
 

@@ -13,10 +13,17 @@ from pdkv.bench.results import write_result_json
 from pdkv.bench.serve.client import build_payload, chunk_text, parse_endpoint
 from pdkv.bench.serve.datasets import WordTokenizer, ids_to_prompt, sample_lengths
 from pdkv.bench.serve.metrics import compute_metrics, parse_goodput, parse_percentiles
+from pdkv.bench.serve.phases import ttft_phases
 from pdkv.bench.serve.records import RequestResult, SampleRequest
 from pdkv.bench.serve.report import build_result, format_result_table
 from pdkv.bench.serve.runner import BenchConfig, arrival_times
-from pdkv.bench.serve.server_metrics import counter_deltas, parse_counters, select_counters
+from pdkv.bench.serve.server_metrics import (
+    combine_deltas,
+    counter_deltas,
+    parse_counters,
+    parse_samples,
+    select_counters,
+)
 
 
 def _ok(ttft, itl, latency, out, prompt=10, start=0.0, usage_missing=False):
@@ -174,10 +181,10 @@ def test_prometheus_parsing_and_deltas():
     vllm = select_counters(parse_counters(
         "vllm:prefix_cache_queries_total 10\nvllm:prefix_cache_hits_total 5\n"))
     assert vllm == {"prefix_cache_queries": 10.0, "prefix_cache_hits": 5.0}
-    after = {"prefix_cache_queries": 350.0, "prefix_cache_hits": 110.0, "kv_transfer_bytes": 8.0}
+    after = {"prefix_cache_queries": 350.0, "prefix_cache_hits": 110.0, "kv_p2p_bytes_received": 8.0}
     d = counter_deltas(picked, after)
-    assert d == {"prefix_cache_queries": 200.0, "prefix_cache_hits": 80.0,
-                 "prefix_cache_hit_rate": 0.4}  # kv bytes absent before: left out
+    assert d == {"prefix_cache_queries": 200.0, "prefix_cache_hits": 80.0, "kv_p2p_bytes_received": 8.0,
+                 "prefix_cache_hit_rate": 0.4}  # kv bytes absent before: counted from 0
     assert counter_deltas(picked, picked)["prefix_cache_hit_rate"] is None
     assert counter_deltas(None, after) is None
     assert counter_deltas({}, {}) == {}
@@ -219,3 +226,62 @@ def test_chunk_text_and_payload():
         parse_endpoint("embeddings")
     p = build_payload("completions", "m", SampleRequest("x y", 2, 9), ignore_eos=False)
     assert p["prompt"] == "x y" and p["max_tokens"] == 9 and "ignore_eos" not in p
+
+
+def _timed(ttft, timings):
+    r = _ok(ttft, [], ttft, 1)
+    r.pdkv_timings = timings
+    return r
+
+
+def test_ttft_phases_mean_p99_and_sum_against_client_ttft():
+    pd = {"mode": "pd", "total": 0.9, "phases": {"proxy": 0.1, "p_prefill": 0.5, "transfer": 0.3}}
+    skip = {"mode": "pd_skip_prefill", "total": 0.4, "phases": {"proxy": 0.1, "transfer": 0.3}}
+    results = [_timed(1.0, pd), _timed(0.5, skip), _ok(0.2, [], 0.2, 1), _failed()]
+    ph = ttft_phases(results)
+    assert ph["num_requests"] == 2 and ph["modes"] == ["pd", "pd_skip_prefill"]
+    assert list(ph["phases"]) == ["proxy", "p_prefill", "transfer", "client_residual"]
+    assert ph["phases"]["p_prefill"]["mean_ms"] == pytest.approx(250.0)  # absent counts as 0
+    assert ph["phases"]["p_prefill"]["p99_ms"] == pytest.approx(np.percentile([500, 0], 99))
+    assert ph["phases"]["client_residual"]["mean_ms"] == pytest.approx(100.0)
+    assert ph["mean_phase_sum_ms"] == pytest.approx(650.0)
+    assert ph["mean_client_ttft_ms"] == pytest.approx(750.0)
+    assert sum(v["mean_ms"] for v in ph["phases"].values()) == pytest.approx(750.0)
+    assert ph["sum_over_ttft"] == pytest.approx({"mean": 0.85, "min": 0.8, "max": 0.9})
+    assert ttft_phases([_ok(0.2, [], 0.2, 1)]) is None
+    cfg = BenchConfig(num_prompts=2)
+    result = build_result(cfg, "m", "server", compute_metrics(results, 1.0, cfg.percentiles), results, None)
+    assert result["ttft_phases"] == ph and result["pdkv_timings"][:3] == [pd, skip, None]
+    table = format_result_table(result)
+    assert "TTFT Phases" in table and "client_residual" in table and "Sum / client TTFT, mean (%):" in table
+
+
+PD_METRICS = """\
+# TYPE pdkv:kv_transfer_bytes_received counter
+pdkv:kv_transfer_bytes_received_total{model_name="m"} 4096.0
+pdkv:kv_transfer_bytes_received_created{model_name="m"} 1.7e9
+# TYPE pdkv:kv_pool_bytes_read counter
+pdkv:kv_pool_bytes_read_total{model_name="m",tier="dram"} 100.0
+pdkv:kv_pool_bytes_read_total{model_name="m",tier="disk"} 20.0
+# TYPE pdkv:proxy_requests counter
+pdkv:proxy_requests_total{backend="http://p",leg="prefill"} 3.0
+pdkv:proxy_requests_total{backend="http://d",leg="decode"} 5.0
+"""
+
+
+def test_real_kv_byte_names_proxy_legs_and_several_targets():
+    picked = select_counters(parse_samples(PD_METRICS))
+    assert picked == {"kv_p2p_bytes_received": 4096.0, "kv_pool_bytes_read": 120.0,
+                      "proxy_prefill_legs": 3.0, "proxy_decode_legs": 5.0, "proxy_whole_legs": 0.0}
+    before = {"a": {"kv_p2p_bytes_received": 100.0, "proxy_decode_legs": 1.0},
+              "b": {"kv_p2p_bytes_received": 0.0, "prefix_cache_queries": 10.0, "prefix_cache_hits": 0.0},
+              "c": None}
+    after = {"a": {"kv_p2p_bytes_received": 300.0, "proxy_decode_legs": 3.0},
+             "b": {"kv_p2p_bytes_received": 50.0, "prefix_cache_queries": 30.0, "prefix_cache_hits": 5.0},
+             "c": {"kv_p2p_bytes_received": 1e9}}
+    d = combine_deltas(before, after)
+    assert d["kv_p2p_bytes_received"] == 250.0 and d["proxy_decode_legs"] == 2.0
+    assert d["prefix_cache_hit_rate"] == pytest.approx(0.25)
+    assert d["sources"]["c"] is None and d["sources"]["a"] == {"kv_p2p_bytes_received": 200.0,
+                                                               "proxy_decode_legs": 2.0}
+    assert combine_deltas({"a": None}, {"a": {}}) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -11,7 +12,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdkv.kv_transfer.connector.p2p_messages import Ack, Notify
 from pdkv.kv_transfer.wire import WireError, recv_msg, send_msg, start_server, stop_server
@@ -74,10 +75,12 @@ class FakeEngine:
         decode_error: (status, message) D answers the decode leg with, if set.
         control_port: where the params say P's control server is (0: none).
         prefill_hold: when set, prefill answers wait until it is set (prefill_reached tells).
+        timings: the `pdkv_timings` object its answers carry (None: no such field); a streamed
+            decode answer sends "decoded" then a final chunk carrying it.
     """
 
     def __init__(self, role: str | None, layout: dict[str, Any] | None = None, max_model_len: int = 512,
-                 port: int = 0) -> None:
+                 port: int = 0, pool_chunk_size: int | None = None) -> None:
         self.hits: Counter[str] = Counter()
         self.role = role
         self.layout = dict(layout or LAYOUT)
@@ -86,6 +89,9 @@ class FakeEngine:
         self.control_port = 0
         self.prefill_hold: threading.Event | None = None  # set: prefill answers wait for it
         self.prefill_reached = threading.Event()
+        self.pool_chunk_size = pool_chunk_size
+        self.decode_params: list[Any] = []  # kv_transfer_params of every decode request, in order
+        self.timings: dict[str, Any] | None = None
         app = FastAPI()
 
         @app.post("/v1/completions")
@@ -98,15 +104,24 @@ class FakeEngine:
                 if self.prefill_hold is not None:
                     self.prefill_reached.set()
                     await asyncio.to_thread(self.prefill_hold.wait, 30)
-                return {"choices": [{"text": "x"}], "kv_transfer_params": {
+                answer = {"choices": [{"text": "x"}], "kv_transfer_params": {
                     "do_remote_prefill": True, "remote_request_id": "r-" + req.headers["X-Request-Id"],
                     "remote_host": "127.0.0.1" if self.control_port else None, "remote_port": self.control_port}}
+                if self.timings is not None:
+                    answer["pdkv_timings"] = self.timings
+                return answer
             self.hits["decode"] += 1
+            self.decode_params.append(body.get("kv_transfer_params"))
             if self.decode_error:
                 status, message = self.decode_error
                 return JSONResponse({"error": {"message": message, "type": "BadRequestError", "param": None,
                                                "code": status}}, status_code=status)
-            return {"choices": [{"text": "decoded"}]}
+            if body.get("stream"):
+                return StreamingResponse(self._stream(), media_type="text/event-stream")
+            answer = {"choices": [{"text": "decoded"}]}
+            if self.timings is not None:
+                answer["pdkv_timings"] = self.timings
+            return answer
 
         @app.post("/tokenize")
         async def tokenize(req: Request) -> Any:
@@ -120,7 +135,8 @@ class FakeEngine:
             self.hits["kv_layout"] += 1
             if self.role is None:
                 return JSONResponse({"error": {"message": "no kv connector"}}, status_code=404)
-            return {"kv_role": self.role, "engine_id": "e-" + self.role, "layout": self.layout}
+            return {"kv_role": self.role, "engine_id": "e-" + self.role, "layout": self.layout,
+                    "pool_chunk_size": self.pool_chunk_size}
 
         @app.get("/v1/models")
         async def models() -> Any:
@@ -132,6 +148,16 @@ class FakeEngine:
 
         self.server = ServerThread(app, port)
         self.url = self.server.url
+
+    async def _stream(self) -> Any:
+        yield b'data: {"choices": [{"index": 0, "text": "", "finish_reason": null}]}\n\n'
+        yield b'data: {"choices": [{"index": 0, "text": "decoded", "finish_reason": null}]}\n\n'
+        final: dict[str, Any] = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+        if self.timings is not None:
+            final["pdkv_timings"] = self.timings
+        text = f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n"
+        yield text[:20].encode()  # an event split across two reads
+        yield text[20:].encode()
 
     def stop(self) -> None:
         self.server.stop()

@@ -42,8 +42,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send vLLM's ignore_eos=true (outputs may end early)")
     g.add_argument("--metrics-url", default=None,
-                   help="Prometheus text endpoint scraped before and after (default: "
-                        "BASE_URL/metrics)")
+                   help="Prometheus text endpoint(s), comma-separated, scraped before and after "
+                        "(default: BASE_URL/metrics, plus every engine's when BASE_URL is a pdkv proxy)")
     g.add_argument("--no-metrics", dest="scrape_metrics", action="store_false",
                    help="do not scrape server metrics")
 

@@ -3,7 +3,8 @@
 Any OpenAI-compatible server works (pdkv, vLLM, ...). Each request is a streaming POST
 (`stream: true`, `stream_options.include_usage: true`, `temperature: 0`, `max_tokens` = the
 requested output length, and vLLM's `ignore_eos` extension unless disabled) read as Server-Sent
-Events: `data: {json}` lines until `data: [DONE]`. Timing rules: see `RequestResult`.
+Events: `data: {json}` lines until `data: [DONE]`. Timing rules: see `RequestResult`. A pdkv
+server's or proxy's `pdkv_timings` (in the final chunk) is kept per request.
 """
 
 from __future__ import annotations
@@ -115,6 +116,9 @@ async def send_request(
                 data = json.loads(body)
                 if "error" in data and not data.get("choices"):
                     raise RuntimeError(f"error event in stream: {data['error']}")
+                timings = data.get("pdkv_timings")
+                if isinstance(timings, dict):
+                    out.pdkv_timings = timings
                 usage = data.get("usage")
                 if usage:
                     if usage.get("completion_tokens") is not None:

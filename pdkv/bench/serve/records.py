@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -39,7 +40,9 @@ class RequestResult:
       the last event if the server closes without it);
     * `output_tokens`: `usage.completion_tokens` of the final usage chunk; when the server sends
       no usage it falls back to the number of content chunks and `usage_missing` is set;
-    * `prompt_tokens`: `usage.prompt_tokens`, else the client-side `prompt_len`.
+    * `prompt_tokens`: `usage.prompt_tokens`, else the client-side `prompt_len`;
+    * `pdkv_timings`: the server's TTFT phases (a pdkv engine's or proxy's `pdkv_timings`, read
+      from the chunk that carries it), None when the server sends none.
     """
 
     success: bool = False
@@ -55,3 +58,4 @@ class RequestResult:
     generated_text: str = ""
     start_time: float = 0.0
     queue_time: float = 0.0
+    pdkv_timings: dict[str, Any] | None = None

@@ -4,8 +4,10 @@ The result dict has vLLM's top-level keys (duration, completed, failed, total_in
 ..., mean_ttft_ms, p99_itl_ms, ...; per-request arrays `input_lens`, `output_lens`, `ttfts`,
 `itls`, `latencies`, `start_times`, `queue_times` in seconds, `errors`, `generated_texts`), so
 tools reading vLLM result files read it too, plus `tpots` (s, null for <= 1 output token),
-`usage_missing`, `config` (the run's settings, API key redacted) and `server_metrics` (the
-Prometheus counter deltas, or null).
+`usage_missing`, `config` (the run's settings, API key redacted), `server_metrics` (the
+Prometheus counter deltas, or null), `pdkv_timings` (per request: the server's TTFT phases, or
+null) and `ttft_phases` (their aggregate, pdkv.bench.serve.phases, or null when the server sent
+none).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from pdkv.bench.results import jsonable
 from pdkv.bench.serve.metrics import percentile_key, request_tpot
+from pdkv.bench.serve.phases import ttft_phases
 from pdkv.bench.serve.records import RequestResult
 
 _W = 50
@@ -48,6 +51,7 @@ def build_result(cfg: Any, model: str, tokenizer: str, metrics: dict[str, Any],
         goodput_slos_ms=dict(cfg.goodput) or None,
         percentiles=list(cfg.percentiles),
         server_metrics=server_metrics,
+        ttft_phases=ttft_phases(results),
         input_lens=[r.prompt_tokens for r in results],
         output_lens=[r.output_tokens if r.success else 0 for r in results],
         ttfts=[r.ttft if r.success else None for r in results],
@@ -59,6 +63,7 @@ def build_result(cfg: Any, model: str, tokenizer: str, metrics: dict[str, Any],
         usage_missing=[r.usage_missing for r in results],
         errors=[r.error for r in results],
         generated_texts=[r.generated_text for r in results],
+        pdkv_timings=[r.pdkv_timings if r.success else None for r in results],
     )
     return result
 
@@ -98,6 +103,9 @@ def format_result_table(result: dict[str, Any]) -> str:
         for p in result.get("percentiles", []):
             word = percentile_key(p)
             lines.append(_row(f"P{word} {name} (ms):", result[f"p{word}_{key}_ms"], ".2f"))
+    phases = result.get("ttft_phases")
+    if phases:
+        lines.extend(format_phases(phases))
     server = result.get("server_metrics")
     if server:
         lines.append("{s:{c}^{n}}".format(s="Server Counters (delta)", n=_W, c="-"))
@@ -108,10 +116,44 @@ def format_result_table(result: dict[str, Any]) -> str:
         if server.get("prefix_cache_hit_rate") is not None:
             lines.append(_row("Prefix cache hit rate (%):",
                               100.0 * server["prefix_cache_hit_rate"], ".2f"))
-        if "kv_transfer_bytes" in server:
-            lines.append(_row("KV transfer bytes:", server["kv_transfer_bytes"], ".0f"))
+        for key, label in SERVER_ROWS:  # zeros left out, except the P -> D bytes
+            if server.get(key) or (key == "kv_p2p_bytes_received" and key in server):
+                lines.append(_row(label, server[key], ".0f"))
     lines.append("=" * _W)
     return "\n".join(lines)
+
+
+SERVER_ROWS = (
+    ("kv_p2p_bytes_received", "KV bytes pulled P -> D:"),
+    ("kv_p2p_bytes_sent", "KV bytes read from P (as D reports):"),
+    ("kv_pool_bytes_read", "KV pool bytes read (loads):"),
+    ("kv_pool_bytes_written", "KV pool bytes written (saves):"),
+    ("kv_offload_bytes_h2d", "KV offload bytes host -> device:"),
+    ("kv_offload_bytes_d2h", "KV offload bytes device -> host:"),
+    ("kv_load_failures", "KV load failures:"),
+    ("proxy_prefill_legs", "Proxy prefill legs:"),
+    ("proxy_decode_legs", "Proxy decode legs:"),
+    ("proxy_whole_legs", "Proxy whole-request legs (colocated):"),
+    ("proxy_prefill_legs_skipped", "Proxy prefill legs skipped (pool hit):"),
+    ("proxy_errors", "Proxy errors:"),
+)
+"""(server_metrics key, printed label) of the counters in the table, in order."""
+
+
+def format_phases(phases: dict[str, Any]) -> list[str]:
+    """The "TTFT Phases" block: mean and p99 per phase (ms), the sum against client TTFT."""
+    lines = ["{s:{c}^{n}}".format(s="TTFT Phases (server pdkv_timings)", n=_W, c="-")]
+    lines.append(f"{'Phase (requests: ' + str(phases['num_requests']) + ')':<30} {'mean ms':>9} {'p99 ms':>9}")
+    for name, v in phases["phases"].items():
+        lines.append(f"{name:<30} {v['mean_ms']:>9.2f} {v['p99_ms']:>9.2f}")
+    lines.append(_row("Mean sum of server phases (ms):", phases["mean_phase_sum_ms"], ".2f"))
+    lines.append(_row("Mean client TTFT (ms):", phases["mean_client_ttft_ms"], ".2f"))
+    ratio = phases["sum_over_ttft"]
+    if ratio.get("mean") is not None:
+        lines.append(_row("Sum / client TTFT, mean (%):", 100.0 * ratio["mean"], ".1f"))
+        lines.append(_row("Sum / client TTFT, min..max (%):",
+                          f"{100.0 * ratio['min']:.1f}..{100.0 * ratio['max']:.1f}"))
+    return lines
 
 
 def format_errors(result: dict[str, Any], limit: int = 10) -> str:

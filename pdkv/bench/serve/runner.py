@@ -31,7 +31,7 @@ from pdkv.bench.serve.client import ENDPOINT_PATHS, auth_headers, send_request
 from pdkv.bench.serve.metrics import compute_metrics
 from pdkv.bench.serve.records import RequestResult, SampleRequest
 from pdkv.bench.serve.report import build_result
-from pdkv.bench.serve.server_metrics import counter_deltas, scrape_counters
+from pdkv.bench.serve.server_metrics import combine_deltas, metrics_targets, scrape_all
 
 DATASETS = ("random", "prefix-repetition", "multi-turn", "jsonl")
 
@@ -92,11 +92,12 @@ class BenchConfig:
         return self.base_url + ENDPOINT_PATHS[self.endpoint]
 
     @property
-    def resolved_metrics_url(self) -> str | None:
-        """The Prometheus URL to scrape, or None when scraping is off."""
-        if not self.scrape_metrics:
+    def metrics_urls(self) -> list[str] | None:
+        """The Prometheus URLs given (`metrics_url`, comma-separated), None when not given (then
+        BASE_URL/metrics and, behind a pdkv proxy, its engines': server_metrics.metrics_targets)."""
+        if not self.metrics_url:
             return None
-        return self.metrics_url or self.base_url + "/metrics"
+        return [u.strip() for u in self.metrics_url.split(",") if u.strip()]
 
 
 def arrival_times(n: int, request_rate: float, seed: int, burstiness: float = 1.0) -> list[float]:
@@ -198,17 +199,19 @@ async def run_benchmark(cfg: BenchConfig, log: Callable[[str], Any] = print) -> 
             raise RuntimeError(
                 f"building prompts with the server tokenizer failed ({e}); is --vocab-size "
                 f"({cfg.vocab_size}) larger than the model's vocabulary?") from e
-        metrics_url = cfg.resolved_metrics_url
-        before = await scrape_counters(client, metrics_url, headers) if metrics_url else None
+        urls: list[str] = []
+        if cfg.scrape_metrics:
+            urls = cfg.metrics_urls or await metrics_targets(client, cfg.base_url, headers)
+        before = await scrape_all(client, urls, headers)
         log(f"Traffic request rate: {cfg.request_rate}")
         log(f"Burstiness factor: {cfg.burstiness}"
             f" ({'Poisson process' if cfg.burstiness == 1.0 else 'Gamma distribution'})")
         log(f"Maximum request concurrency: {cfg.max_concurrency}")
         results, duration = await dispatch(client, cfg, model, samples, headers)
-        after = await scrape_counters(client, metrics_url, headers) if metrics_url else None
+        after = await scrape_all(client, urls, headers)
     metrics = compute_metrics(results, duration, cfg.percentiles, cfg.goodput)
     return build_result(cfg, model, tok.name, metrics, results,
-                        counter_deltas(before, after) if metrics_url else None)
+                        combine_deltas(before, after) if urls else None)
 
 
 def run_serve_bench(cfg: BenchConfig, log: Callable[[str], Any] = print) -> dict[str, Any]:

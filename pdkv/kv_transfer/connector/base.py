@@ -247,3 +247,43 @@ class KVConnectorBase(ABC):
 
     def shutdown(self) -> None:
         """Stop threads and close sockets."""
+
+
+class RoleDelegatingConnector(KVConnectorBase):
+    """A connector built from two objects, one per half: `self.scheduler` (role SCHEDULER) and
+    `self.worker` (role WORKER); exactly one is set. The scheduler-half calls every such
+    connector has are forwarded here (the halves implement the same method names); subclasses
+    forward their worker-half calls, whose metadata types differ."""
+
+    scheduler: Any = None
+    worker: Any = None
+
+    def _sched(self) -> Any:
+        assert self.scheduler is not None, "a scheduler-half call on the worker half"
+        return self.scheduler
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)  # type: ignore[no-any-return]
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched().build_connector_meta(scheduler_output)  # type: ignore[no-any-return]
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self._sched().update_connector_output(output)
+
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids)  # type: ignore[no-any-return]
+
+    def take_scheduler_stats(self) -> dict[str, float]:
+        take = getattr(self.scheduler, "take_scheduler_stats", None)
+        return take() if take is not None else {}  # type: ignore[no-any-return]
+
+    def has_pending_metadata(self) -> bool:
+        return bool(self.scheduler is not None and self.scheduler.has_pending_metadata())
+
+    def has_pending_work(self) -> bool:
+        check = getattr(self.scheduler, "has_pending_work", None)
+        return bool(check()) if check is not None else False

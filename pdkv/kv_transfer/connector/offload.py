@@ -17,24 +17,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pdkv.kv_transfer.connector.base import (
-    KVConnectorBase,
-    KVConnectorMetadata,
-    KVConnectorOutput,
     KVConnectorRole,
+    RoleDelegatingConnector,
 )
 from pdkv.kv_transfer.connector.offload_config import OffloadConfig
 from pdkv.kv_transfer.connector.offload_messages import OffloadConnectorMetadata
 from pdkv.kv_transfer.connector.offload_scheduler import OffloadConnectorScheduler
 
 if TYPE_CHECKING:
-    from pdkv.cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from pdkv.cache.kv_cache_manager import KVCacheManager
     from pdkv.cache.specs import KVCacheConfig
     from pdkv.config import KVTransferConfig
-    from pdkv.request import Request
-    from pdkv.sched.output import SchedulerOutput
 
 
-class OffloadingConnector(KVConnectorBase):
+class OffloadingConnector(RoleDelegatingConnector):
     """Delegates to OffloadConnectorScheduler or OffloadConnectorWorker by role.
 
     Raises:
@@ -63,32 +59,6 @@ class OffloadingConnector(KVConnectorBase):
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         assert self.scheduler is not None
         self.scheduler.bind(kv_cache_manager)
-
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self.scheduler is not None
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        assert self.scheduler is not None
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self.scheduler is not None
-        return self.scheduler.build_connector_meta(scheduler_output)
-
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
-        assert self.scheduler is not None
-        self.scheduler.update_connector_output(output)
-
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        assert self.scheduler is not None
-        return self.scheduler.request_finished(request, block_ids)
-
-    def take_scheduler_stats(self) -> dict[str, float]:
-        return self.scheduler.take_scheduler_stats() if self.scheduler is not None else {}
-
-    def has_pending_metadata(self) -> bool:
-        return self.scheduler.has_pending_metadata() if self.scheduler is not None else False
 
     # ------------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches: list[Any]) -> None:

@@ -19,10 +19,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pdkv.kv_transfer.connector.base import (
-    KVConnectorBase,
-    KVConnectorMetadata,
-    KVConnectorOutput,
     KVConnectorRole,
+    RoleDelegatingConnector,
 )
 from pdkv.kv_transfer.connector.pool_config import PoolConnectorConfig
 from pdkv.kv_transfer.connector.pool_messages import PoolConnectorMetadata
@@ -34,11 +32,9 @@ from pdkv.kvpool.tiers.factory import create_tier
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from pdkv.cache.kv_cache_manager import KVCacheBlocks
     from pdkv.cache.specs import KVCacheConfig
     from pdkv.config import KVTransferConfig
     from pdkv.request import Request
-    from pdkv.sched.output import SchedulerOutput
 
 
 def build_store(pool: PoolConnectorConfig) -> KVPoolStore:
@@ -66,7 +62,7 @@ def _describe(spec: Any) -> str:
     return spec["name"] + (f" {where}" if where else "") + (f" {size / 2**30:g} GiB" if size else "")
 
 
-class KVPoolConnector(KVConnectorBase):
+class KVPoolConnector(RoleDelegatingConnector):
     """Delegates to PoolConnectorScheduler or PoolConnectorWorker by role.
 
     Raises:
@@ -100,35 +96,6 @@ class KVPoolConnector(KVConnectorBase):
     def on_new_request(self, request: Request) -> None:
         assert self.scheduler is not None
         self.scheduler.on_new_request(request)
-
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self.scheduler is not None
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        assert self.scheduler is not None
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self.scheduler is not None
-        return self.scheduler.build_connector_meta(scheduler_output)
-
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
-        assert self.scheduler is not None
-        self.scheduler.update_connector_output(output)
-
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        assert self.scheduler is not None
-        return self.scheduler.request_finished(request, block_ids)
-
-    def take_scheduler_stats(self) -> dict[str, float]:
-        return self.scheduler.take_scheduler_stats() if self.scheduler is not None else {}
-
-    def has_pending_work(self) -> bool:
-        return self.scheduler.has_pending_work() if self.scheduler is not None else False
-
-    def has_pending_metadata(self) -> bool:
-        return self.scheduler.has_pending_metadata() if self.scheduler is not None else False
 
     def next_deadline(self) -> float | None:
         return self.scheduler.next_deadline() if self.scheduler is not None else None

@@ -1,0 +1,85 @@
+"""TTFT decomposition of `pdkv bench serve`: the servers' `pdkv_timings` against client TTFT.
+
+Pure arithmetic over the per-request results. For each successful request whose server sent
+`pdkv_timings` (an engine's, pdkv.serve.timings, or a proxy's stitched one, pdkv.router.timings):
+
+* each phase's value in seconds; a phase a request lacks (e.g. the p_* phases of a request whose
+  prefill leg the proxy skipped) counts as 0, so the means of the phases add up to the mean of
+  the sums;
+* `client_residual` = client TTFT − the server's `total` (client ↔ server HTTP, SSE parsing,
+  the client's own scheduling);
+* sum / client TTFT = the server's `total` / client TTFT (the phases add up to `total`).
+
+Reported per phase: mean and p99 in ms (numpy's linear interpolation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pdkv.bench.serve.records import RequestResult
+
+MS_PER_S = 1000.0
+CLIENT_RESIDUAL = "client_residual"
+
+
+def _phases(timings: dict[str, Any]) -> dict[str, float]:
+    raw = timings.get("phases")
+    if not isinstance(raw, dict):
+        return {}
+    return {str(k): float(v) for k, v in raw.items() if isinstance(v, (int, float))}
+
+
+def _total(timings: dict[str, Any], phases: dict[str, float]) -> float:
+    total = timings.get("total")
+    return float(total) if isinstance(total, (int, float)) else sum(phases.values())
+
+
+def ttft_phases(results: Sequence[RequestResult]) -> dict[str, Any] | None:
+    """Aggregate the TTFT phases (see the module doc).
+
+    Returns:
+        None when no successful request carried `pdkv_timings`; else {"num_requests",
+        "modes" (sorted), "phases": {name: {"mean_ms", "p99_ms"}} in request order then
+        "client_residual", "mean_phase_sum_ms", "mean_client_ttft_ms", "sum_over_ttft":
+        {"mean", "min", "max"} (fractions)}.
+    """
+    rows = [(r, r.pdkv_timings) for r in results if r.success and isinstance(r.pdkv_timings, dict)]
+    if not rows:
+        return None
+    names: list[str] = []
+    per_request: list[dict[str, float]] = []
+    sums: list[float] = []
+    ttfts: list[float] = []
+    modes: set[str] = set()
+    for r, t in rows:
+        phases = _phases(t)
+        for name in phases:
+            if name not in names:
+                names.append(name)
+        total = _total(t, phases)
+        phases[CLIENT_RESIDUAL] = r.ttft - total
+        per_request.append(phases)
+        sums.append(total)
+        ttfts.append(r.ttft)
+        modes.add(str(t.get("mode") or t.get("source") or "engine"))
+    names.append(CLIENT_RESIDUAL)
+    out_phases: dict[str, dict[str, float]] = {}
+    for name in names:
+        values = np.asarray([p.get(name, 0.0) for p in per_request], dtype=np.float64)
+        out_phases[name] = {"mean_ms": float(values.mean()) * MS_PER_S,
+                            "p99_ms": float(np.percentile(values, 99)) * MS_PER_S}
+    ratios = [s / t for s, t in zip(sums, ttfts) if t > 0]
+    return {
+        "num_requests": len(rows),
+        "modes": sorted(modes),
+        "phases": out_phases,
+        "mean_phase_sum_ms": float(np.mean(sums)) * MS_PER_S,
+        "mean_client_ttft_ms": float(np.mean(ttfts)) * MS_PER_S,
+        "sum_over_ttft": {"mean": float(np.mean(ratios)) if ratios else None,
+                          "min": min(ratios) if ratios else None,
+                          "max": max(ratios) if ratios else None},
+    }
