@@ -1,7 +1,8 @@
 """`pdkv compare`: one workload against several local topologies, cold then hot; one report.
 
-For each topology (`colocated`, `pd`, `pd+pool`, `colocated+pool`, `colocatedN+pool` / `colocatedN`
-for N >= 2 instances behind the routing proxy, when the launcher has `--num-instances`) it builds
+For each topology (`colocated`, `pd`, `pd+pool`, `pd+pool+skip` (the proxy's
+`--skip-prefill-on-pool-hit`), `colocated+pool`, `colocatedN+pool` / `colocatedN` for N >= 2
+instances behind the routing proxy, when the launcher has `--num-instances`) it builds
 the processes with `pdkv.router.launcher.build_topology` (the same as `pdkv up`), starts them
 with `Topology.start_healthy`, runs `pdkv bench serve`'s `run_serve_bench` twice on the same
 random prompts, and stops everything:
@@ -56,7 +57,7 @@ from pdkv.router.pool_topology import (
     start_pool_server,
 )
 
-DEFAULT_TOPOLOGIES = "colocated,pd,pd+pool,colocated+pool,colocated2+pool"
+DEFAULT_TOPOLOGIES = "colocated,pd,pd+pool,pd+pool+skip,colocated+pool,colocated2+pool"
 QUICK_TOPOLOGIES = "colocated,pd"
 DEFAULT_ENGINE_ARGS = ("--num-kv-blocks", "512", "--max-model-len", "2048")
 QUICK_ENGINE_ARGS = ("--num-kv-blocks", "128", "--max-model-len", "512")
@@ -64,18 +65,20 @@ DRAIN_TIMEOUT_S = 60.0
 RESET_TIMEOUT_S = 60.0
 PROBE_PROMPT = "Hi"
 
-_TOPOLOGY_RE = re.compile(r"^(colocated|pd)(\d*)(\+pool)?$")
+_TOPOLOGY_RE = re.compile(r"^(colocated|pd)(\d*)(\+pool)?(\+skip)?$")
 
 
 @dataclass(frozen=True)
 class TopologySpec:
     """One topology to compare: `mode` as in `pdkv up --mode`, `pool` whether engines get the KV
-    pool, `instances` colocated engines behind the proxy (1 = a single engine, no proxy)."""
+    pool, `instances` colocated engines behind the proxy (1 = a single engine, no proxy),
+    `skip_prefill` the proxy's `--skip-prefill-on-pool-hit` (P/D + pool only)."""
 
     name: str
     mode: str
     pool: bool
     instances: int = 1
+    skip_prefill: bool = False
 
 
 def parse_topologies(text: str) -> list[TopologySpec]:
@@ -87,32 +90,39 @@ def parse_topologies(text: str) -> list[TopologySpec]:
             continue
         m = _TOPOLOGY_RE.match(name)
         if m is None:
-            raise ValueError(f"unknown topology {name!r}: use colocated, pd, pd+pool, colocated+pool "
-                             "or colocatedN[+pool] (N instances behind the routing proxy)")
-        mode, count, pool = m.group(1), m.group(2), bool(m.group(3))
+            raise ValueError(f"unknown topology {name!r}: use colocated, pd, pd+pool, pd+pool+skip "
+                             "(the proxy skips P on a pool hit), colocated+pool or colocatedN[+pool] "
+                             "(N instances behind the routing proxy)")
+        mode, count, pool, skip = m.group(1), m.group(2), bool(m.group(3)), bool(m.group(4))
         if mode == "pd" and count:
             raise ValueError(f"topology {name!r}: pd is 1P1D here; no instance count")
+        if skip and not (mode == "pd" and pool):
+            raise ValueError(f"topology {name!r}: +skip (skip P on a pool hit) is for pd+pool only")
         instances = int(count) if count else 1
         if instances < 1:
             raise ValueError(f"topology {name!r}: at least 1 instance")
         if any(s.name == name for s in specs):
             raise ValueError(f"topology {name!r} given twice")
-        specs.append(TopologySpec(name, mode, pool, instances))
+        specs.append(TopologySpec(name, mode, pool, instances, skip))
     if not specs:
         raise ValueError("--topologies is empty")
     return specs
 
 
-def launcher_supports_instances() -> bool:
-    """Whether `pdkv up` has `--num-instances` (PD-colocated: N engines behind the proxy)."""
-    return hasattr(launcher.add_cli_args(argparse.ArgumentParser()).parse_args([]), "num_instances")
+def launcher_has(dest: str) -> bool:
+    """Whether `pdkv up` has the flag stored as `dest` (e.g. "num_instances")."""
+    return hasattr(launcher.add_cli_args(argparse.ArgumentParser()).parse_args([]), dest)
 
 
-def unsupported_reason(spec: TopologySpec, pool_tier: str, instances_ok: bool) -> str | None:
-    """Why `spec` cannot run here (None when it can)."""
+def unsupported_reason(spec: TopologySpec, pool_tier: str, instances_ok: bool,
+                       skip_ok: bool = True) -> str | None:
+    """Why `spec` cannot run here (None when it can); `instances_ok` / `skip_ok`: whether the
+    launcher has `--num-instances` / `--skip-prefill-on-pool-hit`."""
     if spec.instances > 1 and not instances_ok:
         return ("needs `pdkv up --mode colocated --num-instances N` (N engines behind the routing "
                 "proxy), which this launcher does not have yet")
+    if spec.skip_prefill and not skip_ok:
+        return "needs `pdkv up --skip-prefill-on-pool-hit`, which this launcher does not have yet"
     if spec.pool and pool_tier == "dram" and (spec.mode == "pd" or spec.instances > 1):
         return "a dram pool lives inside one process; use --pool-tier disk, redis or mooncake"
     return None
@@ -124,6 +134,8 @@ def launcher_args(spec: TopologySpec, args: argparse.Namespace, log_dir: str) ->
             "--log-dir", log_dir, "--threads-per-engine", str(args.threads_per_engine)]
     if spec.instances > 1:
         argv += ["--num-instances", str(spec.instances), "--routing", args.routing]
+    if spec.skip_prefill:
+        argv += ["--skip-prefill-on-pool-hit"]
     ns = launcher.add_cli_args(argparse.ArgumentParser()).parse_args(argv)
     ns.engine_args = list(args.engine_args)
     return ns
@@ -353,13 +365,14 @@ def main(args: argparse.Namespace) -> int:
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     machine = machine_text()
     bench = bench_config(args)
-    instances_ok = launcher_supports_instances()
+    instances_ok = launcher_has("num_instances")
+    skip_ok = launcher_has("skip_prefill_on_pool_hit")
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     failed = False
     t0 = time.monotonic()
     for i, spec in enumerate(specs, 1):
-        reason = unsupported_reason(spec, args.pool_tier, instances_ok)
+        reason = unsupported_reason(spec, args.pool_tier, instances_ok, skip_ok)
         if reason is not None:
             print(f"[{i}/{len(specs)}] skip {spec.name}: {reason}", flush=True)
             skipped[spec.name] = reason

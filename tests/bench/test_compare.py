@@ -44,11 +44,12 @@ RESULT = {"completed": 6, "failed": 0, "mean_ttft_ms": 1234.4, "p99_ttft_ms": 20
 
 
 def test_parse_topologies_names_modes_pools_and_instances():
-    specs = parse_topologies("colocated, pd,pd+pool,colocated+pool,colocated2+pool")
+    specs = parse_topologies("colocated, pd,pd+pool,pd+pool+skip,colocated+pool,colocated2+pool")
     assert specs == [TopologySpec("colocated", "colocated", False), TopologySpec("pd", "pd", False),
-                     TopologySpec("pd+pool", "pd", True), TopologySpec("colocated+pool", "colocated", True),
+                     TopologySpec("pd+pool", "pd", True), TopologySpec("pd+pool+skip", "pd", True, 1, True),
+                     TopologySpec("colocated+pool", "colocated", True),
                      TopologySpec("colocated2+pool", "colocated", True, 2)]
-    for bad in ("pdd", "pd2", "colocated,colocated", "", "colocated0"):
+    for bad in ("pdd", "pd2", "colocated,colocated", "", "colocated0", "pd+skip", "colocated+pool+skip"):
         with pytest.raises(ValueError):
             parse_topologies(bad)
 
@@ -57,6 +58,8 @@ def test_unsupported_topologies_are_named_with_a_reason():
     two = TopologySpec("colocated2+pool", "colocated", True, 2)
     assert "--num-instances" in (unsupported_reason(two, "disk", instances_ok=False) or "")
     assert unsupported_reason(two, "disk", instances_ok=True) is None
+    skip = TopologySpec("pd+pool+skip", "pd", True, 1, True)
+    assert "--skip-prefill-on-pool-hit" in (unsupported_reason(skip, "disk", True, skip_ok=False) or "")
     assert "dram" in (unsupported_reason(TopologySpec("pd+pool", "pd", True), "dram", True) or "")
     assert unsupported_reason(TopologySpec("colocated+pool", "colocated", True), "dram", False) is None
 
