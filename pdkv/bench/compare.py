@@ -8,7 +8,8 @@ with `Topology.start_healthy`, runs `pdkv bench serve`'s `run_serve_bench` twice
 random prompts, and stops everything:
 
 * cold: fresh engines and a fresh, empty pool (a disk tier gets its own folder under the log
-  directory; a redis / mooncake tier its own server), so nothing is cached anywhere;
+  directory, deleted when the topology stops; a redis / mooncake tier its own server), so
+  nothing is cached anywhere;
 * hot: the same prompts again after `POST /reset_prefix_cache` on **every** engine (P included),
   so only the pool can serve them. Without a pool, hot is cold again by construction (a control
   row for the noise); in P/D + pool D loads the pool's whole chunks and pulls the rest from P.
@@ -257,6 +258,7 @@ def run_topology(spec: TopologySpec, args: argparse.Namespace, bench: BenchConfi
         raise RuntimeError(f"{spec.name}: {e}") from e
     finally:
         topo.stop()
+        shutil.rmtree(os.path.join(log_dir, "kvpool"), ignore_errors=True)  # a disk pool: ~KV of the run
 
 
 def bench_config(args: argparse.Namespace) -> BenchConfig:
