@@ -25,7 +25,7 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check pdkv tests
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 bench: setup
 	$(VENV)/bin/pdkv bench offline

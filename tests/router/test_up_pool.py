@@ -78,7 +78,7 @@ def _complete(url: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tier", ["dram", pytest.param("redis", marks=needs_redis)])
+@pytest.mark.parametrize("tier", [pytest.param("redis", marks=needs_redis)])  # dram: test_pool_engine
 def test_up_colocated_pool_serves_a_repeated_prompt_from_the_pool(tmp_path, tier):
     port = free_port(set())
     url = f"http://127.0.0.1:{port}"
