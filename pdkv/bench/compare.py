@@ -66,7 +66,11 @@ DRAIN_TIMEOUT_S = 60.0
 RESET_TIMEOUT_S = 60.0
 PROBE_PROMPT = "Hi"
 
-_TOPOLOGY_RE = re.compile(r"^(colocated|pd)(\d*)(\+pool)?(\+skip)?$")
+_TOPOLOGY_RE = re.compile(r"^(colocated|pd)(\d*)(\+pool)?(\+skip)?(\+offload)?$")
+# colocated+offload: the engine's KV cache is cut to this many blocks so the workload's prompts
+# (6 x 1024 tokens = 384 blocks by default) do not fit and the host store serves the hot run.
+OFFLOAD_NUM_KV_BLOCKS = 160
+OFFLOAD_CPU_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,7 @@ class TopologySpec:
     pool: bool
     instances: int = 1
     skip_prefill: bool = False
+    offload: bool = False
 
 
 def parse_topologies(text: str) -> list[TopologySpec]:
@@ -95,6 +100,9 @@ def parse_topologies(text: str) -> list[TopologySpec]:
                              "(the proxy skips P on a pool hit), colocated+pool or colocatedN[+pool] "
                              "(N instances behind the routing proxy)")
         mode, count, pool, skip = m.group(1), m.group(2), bool(m.group(3)), bool(m.group(4))
+        offload = bool(m.group(5))
+        if offload and (mode != "colocated" or count or pool or skip):
+            raise ValueError(f"topology {name!r}: +offload is for one colocated engine (colocated+offload)")
         if mode == "pd" and count:
             raise ValueError(f"topology {name!r}: pd is 1P1D here; no instance count")
         if skip and not (mode == "pd" and pool):
@@ -104,7 +112,7 @@ def parse_topologies(text: str) -> list[TopologySpec]:
             raise ValueError(f"topology {name!r}: at least 1 instance")
         if any(s.name == name for s in specs):
             raise ValueError(f"topology {name!r} given twice")
-        specs.append(TopologySpec(name, mode, pool, instances, skip))
+        specs.append(TopologySpec(name, mode, pool, instances, skip, offload))
     if not specs:
         raise ValueError("--topologies is empty")
     return specs
@@ -205,6 +213,20 @@ def engine_urls(topo: launcher.Topology) -> dict[str, str]:
     return {c.name: c.url for c in topo.children if c.name != "proxy"}
 
 
+def _with_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    """`argv` with `flag value` set (replacing an earlier value)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == flag:
+            skip = True
+            continue
+        out.append(a)
+    return out + [flag, value]
+
+
 def _pool_config(args: argparse.Namespace, log_dir: str,
                  services: list[PoolServer]) -> str:
     """A fresh, empty pool for one topology; a started server is appended to `services`."""
@@ -229,7 +251,12 @@ def run_topology(spec: TopologySpec, args: argparse.Namespace, bench: BenchConfi
     topo = launcher.Topology(services=services)
     try:
         kv_config = _pool_config(args, log_dir, services) if spec.pool else None
-        topo = launcher.build_topology(launcher_args(spec, args, log_dir), kv_config)
+        up_args = launcher_args(spec, args, log_dir)
+        if spec.offload:  # a KV cache smaller than the working set; evicted blocks go to the host
+            kv_config = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                    "kv_connector_extra_config": {"cpu_bytes_to_use": OFFLOAD_CPU_BYTES}})
+            up_args.engine_args = _with_flag(up_args.engine_args, "--num-kv-blocks", str(OFFLOAD_NUM_KV_BLOCKS))
+        topo = launcher.build_topology(up_args, kv_config)
         topo.services = services
         log(f"[{spec.name}] starting {[c.name for c in topo.children]} (logs in {log_dir}/)")
         if not topo.start_healthy(log_dir, args.health_timeout):

@@ -11,7 +11,10 @@ topology around one `run_serve_bench` run):
 * `pool_hit_tokens` / `pool_lookup_tokens`: `pdkv:kv_pool_hit_tokens_total` /
   `pdkv:kv_pool_lookup_tokens_total` (prompt tokens found in / looked up in the pool);
 * `prefix_hits` / `prefix_queries`: `pdkv:prefix_cache_hits_total` /
-  `pdkv:prefix_cache_queries_total` (prompt tokens, the engine's own prefix cache).
+  `pdkv:prefix_cache_queries_total` (prompt tokens, the engine's own prefix cache);
+* `offload_bytes_h2d` / `offload_bytes_d2h` / `offload_wait_s`: the CPU offload's copies each
+  way and the time steps waited for them (`pdkv:kv_offload_*`); the wait's share of the run is
+  `offload_wait_s` / the run's duration (one engine, busy throughout at this concurrency).
 
 The prefix cache hit rate of a run is per engine: hits / queries of that engine (None when it
 had no query), shown as e.g. "prefill0 0% / decode0 0%".
@@ -33,6 +36,9 @@ ENGINE_COUNTERS: dict[str, str] = {
     "pool_lookup_tokens": "pdkv:kv_pool_lookup_tokens_total",
     "prefix_hits": "pdkv:prefix_cache_hits_total",
     "prefix_queries": "pdkv:prefix_cache_queries_total",
+    "offload_bytes_h2d": "pdkv:kv_offload_bytes_h2d_total",
+    "offload_bytes_d2h": "pdkv:kv_offload_bytes_d2h_total",
+    "offload_wait_s": "pdkv:kv_offload_exposed_wait_seconds_total",
 }
 SAVE_QUEUE_GAUGE = "pdkv:kv_pool_save_queue_depth"
 
@@ -51,6 +57,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("pool_bytes_written", "pool bytes written", "bytes"),
     ("pool_hit_tokens", "pool hit tokens", "tokens"),
     ("prefix_hit_rates", "prefix cache hit rate", "rates"),
+    ("offload_bytes_h2d", "offload H2D", "bytes"),
+    ("offload_wait_share", "offload wait share", "share"),
 )
 
 
@@ -92,7 +100,7 @@ def summarize_run(topology: str, cache: str, result: Mapping[str, Any],
                 "request_throughput"):
         row[key] = float(result[key])
     for key in ("p2p_bytes", "pool_bytes_read", "pool_bytes_written", "pool_hit_tokens",
-                "pool_lookup_tokens"):
+                "pool_lookup_tokens", "offload_bytes_h2d", "offload_bytes_d2h", "offload_wait_s"):
         values = [d[key] for d in deltas.values() if key in d]
         row[key] = sum(values) if values else None
     rates: dict[str, float | None] = {}
@@ -101,6 +109,9 @@ def summarize_run(topology: str, cache: str, result: Mapping[str, Any],
         if q is not None:
             rates[engine] = d.get("prefix_hits", 0.0) / q if q > 0 else None
     row["prefix_hit_rates"] = rates
+    duration = float(result.get("duration", 0.0) or 0.0)
+    wait = row["offload_wait_s"]
+    row["offload_wait_share"] = wait / duration if wait is not None and duration > 0 else None
     row["per_engine"] = {k: dict(v) for k, v in deltas.items()}
     return row
 
@@ -122,6 +133,8 @@ def _cell(value: Any, fmt: str) -> str:
         return format_bytes(value)
     if fmt == "tokens":
         return "-" if value is None else f"{value:.0f}"
+    if fmt == "share":
+        return "-" if value is None else f"{100 * value:.2f}%"
     if fmt == "rates":
         if not value:
             return "-"

@@ -98,7 +98,7 @@ def test_markdown_table_has_a_header_and_one_line_per_row():
     cells = [c.strip() for c in lines[3].strip("|").split("|")]
     assert cells[:4] == ["pd", "hot", "6", "1234"]
     assert "3.0 MiB" in cells and "prefill0 50%" in cells
-    assert cells[-1] == "prefill0 50%"  # decode0 had no query: not listed
+    assert cells[-3] == "prefill0 50%"  # decode0 had no query: not listed
     assert format_bytes(None) == "-" and format_bytes(512) == "512 B" and format_bytes(1536) == "1.5 KiB"
 
 
@@ -134,3 +134,21 @@ def test_compare_quick_end_to_end(tmp_path):
     else:
         assert (out / "compare_latency.png").stat().st_size > 0
     print(f"pdkv compare --quick took {elapsed:.0f} s")
+
+
+def test_offload_topology_and_its_exposed_wait_share():
+    from pdkv.bench.compare import _with_flag
+
+    (spec,) = parse_topologies("colocated+offload")
+    assert (spec.mode, spec.offload, spec.pool, spec.instances) == ("colocated", True, False, 1)
+    for bad in ("pd+offload", "colocated2+offload", "colocated+pool+offload"):
+        with pytest.raises(ValueError):
+            parse_topologies(bad)
+    assert _with_flag(["--num-kv-blocks", "512", "--x"], "--num-kv-blocks", "160") == [
+        "--x", "--num-kv-blocks", "160"]
+    result = dict(RESULT, duration=20.0)
+    row = summarize_run("colocated+offload", "hot", result,
+                        {"engine": {"offload_wait_s": 0.5, "offload_bytes_h2d": 1024.0}})
+    assert row["offload_wait_share"] == pytest.approx(0.025) and row["offload_bytes_h2d"] == 1024.0
+    assert "2.50%" in markdown_table([row])
+    assert summarize_run("colocated", "hot", result, {"engine": {}})["offload_wait_share"] is None

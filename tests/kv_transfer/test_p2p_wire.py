@@ -120,6 +120,26 @@ def test_server_drops_idle_connections():
         eng.close()
 
 
+def test_a_kept_connection_the_producer_dropped_is_replaced_not_a_failed_read():
+    """A D idle longer than P's idle timeout finds its kept data connection closed: the read is
+    sent again on a fresh connection instead of failing (it has no side effect on P)."""
+    data = bytes(range(256)) * 4
+    p = TcpTransferEngine(idle_timeout=0.3)
+    p.register_region("g0", memoryview(bytearray(data)))
+    p.start("127.0.0.1")
+    d = TcpTransferEngine()
+    try:
+        for _ in range(2):
+            dest = bytearray(64)
+            n = d.read(p.peer_info(), [ReadOp("g0", 10, 64, memoryview(dest))], time.monotonic() + 10)
+            assert n == 64 and bytes(dest) == data[10:74]
+            (kept,) = d._conns.values()
+            assert _closed_by_peer(kept)  # P dropped it after its idle timeout
+    finally:
+        d.close()
+        p.close()
+
+
 class Ledger:
     """An authorizer that allows bytes [0, 100) of g0 to grant ("r", "n") only."""
 

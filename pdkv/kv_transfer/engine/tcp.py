@@ -50,6 +50,10 @@ class _ReadReply(msgspec.Struct):
     error: str = ""
 
 
+class _StaleConnection(Exception):
+    """A kept connection failed before any reply: the peer had closed it (idle)."""
+
+
 class TcpTransferEngine(TransferEngine):
     """Args:
         port: data port to listen on (0 = any free port), producer side.
@@ -115,18 +119,42 @@ class TcpTransferEngine(TransferEngine):
 
     # ---------------------------------------------------------------- client
     def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None) -> int:
+        """Read `ops` from the peer's registered regions into their destinations.
+
+        A connection kept from an earlier read may have been closed by the peer meanwhile (its
+        server drops idle connections after `idle_timeout`): when such a reused connection fails
+        before any reply arrived, the read is sent once more on a fresh connection (a read has
+        no side effect on the producer; its grant ends only with "done").
+
+        Raises:
+            TransferError: refused, unreachable, a broken stream, or the deadline passed.
+        """
         key = (str(peer["host"]), int(peer["port"]))
         rid, nonce = grant if grant is not None else ("", "")
         by_region: dict[str, list[ReadOp]] = {}
         for op in coalesce(ops):
             by_region.setdefault(op.region, []).append(op)
+        sock, reused = self._connection(key, deadline)
+        try:
+            total = self._read_on(sock, key, by_region, rid, nonce, deadline, stale_ok=reused)
+        except _StaleConnection:
+            sock, _ = self._connection(key, deadline, fresh=True)
+            total = self._read_on(sock, key, by_region, rid, nonce, deadline, stale_ok=False)
+        self._release(key, sock)
+        return total
+
+    def _read_on(self, sock: socket.socket, key: tuple[str, int], by_region: dict[str, list[ReadOp]],
+                 rid: str, nonce: str, deadline: float, stale_ok: bool) -> int:
+        """One attempt on `sock` (closed on any failure). Raises _StaleConnection instead of
+        TransferError when `stale_ok` and nothing was received yet."""
         total = 0
-        sock = self._connection(key, deadline)
+        replied = False
         try:
             for region, region_ops in by_region.items():
                 self._set_timeout(sock, deadline)
                 send_msg(sock, _ReadRequest(region, [(op.offset, op.length) for op in region_ops], rid, nonce))
                 reply = recv_msg(sock, _ReadReply, deadline)
+                replied = True
                 if not reply.ok:
                     raise TransferError(f"peer {key[0]}:{key[1]} refused read: {reply.error}")
                 for op in region_ops:
@@ -134,12 +162,13 @@ class TcpTransferEngine(TransferEngine):
                     total += op.length
         except (OSError, WireError) as e:
             sock.close()  # its stream position is unknown: never reuse it
+            if stale_ok and not replied and not isinstance(e, TimeoutError):
+                raise _StaleConnection() from None
             why = "transfer deadline passed" if isinstance(e, TimeoutError) else str(e)
             raise TransferError(f"read from {key[0]}:{key[1]} failed: {why}") from None
         except TransferError:
             sock.close()
             raise
-        self._release(key, sock)
         return total
 
     @staticmethod
@@ -149,16 +178,18 @@ class TcpTransferEngine(TransferEngine):
             raise TransferError("transfer deadline passed")
         sock.settimeout(left)
 
-    def _connection(self, key: tuple[str, int], deadline: float) -> socket.socket:
-        with self._conn_lock:
-            sock = self._conns.pop(key, None)
-        if sock is not None:
-            return sock
+    def _connection(self, key: tuple[str, int], deadline: float, fresh: bool = False) -> tuple[socket.socket, bool]:
+        """(a connection to `key`, whether it was kept from an earlier read)."""
+        if not fresh:
+            with self._conn_lock:
+                sock = self._conns.pop(key, None)
+            if sock is not None:
+                return sock, True
         left = deadline - time.monotonic()
         if left <= 0:
             raise TransferError("transfer deadline passed")
         try:
-            return connect(key[0], key[1], left)
+            return connect(key[0], key[1], left), False
         except OSError as e:
             raise TransferError(f"cannot connect to {key[0]}:{key[1]}: {e}") from None
 
