@@ -71,3 +71,14 @@ def test_link_choice_and_rates():
     assert capped_lengths([1024, 8192, 8191]) == [1024, 8191]
     with pytest.raises(ValueError):
         capped_lengths([])
+
+
+def test_link_rate_without_root_skips_with_a_message(monkeypatch, capsys):
+    from pdkv.bench import handoff, netns
+
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    result = handoff.run_handoff_bench(["tcp"], [16], link_rate="1gbit")
+    assert result == {"skipped": "needs root (network namespaces and tc qdiscs)"}
+    assert "skipped: needs root" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="only --transfer tcp"):
+        handoff.run_handoff_bench(["tcp", "shm"], [16], link_rate="1gbit")
