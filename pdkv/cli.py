@@ -1,4 +1,4 @@
-"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool} | compare | plan."""
+"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff} | compare | plan."""
 
 from __future__ import annotations
 
@@ -171,6 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pool_bench.add_cli_args(pool_p)
     pool_p.set_defaults(func=pool_bench.main)
+    from pdkv.bench import handoff as handoff_bench
+
+    handoff_p = bench_sub.add_parser(
+        "handoff", help="P→D KV handoff time of one request, measured vs `pdkv plan` (optionally over "
+        "a tbf-capped link between two network namespaces)", formatter_class=fmt
+    )
+    handoff_bench.add_cli_args(handoff_p)
+    handoff_p.set_defaults(func=handoff_bench.main)
+
     from pdkv.bench import compare
 
     compare_p = sub.add_parser(
