@@ -332,6 +332,9 @@ def report_notes(args: argparse.Namespace) -> list[str]:
         f"threads per engine: {args.threads_per_engine or 'CPUs / engines of the topology'}; "
         f"engine flags: `{' '.join(args.engine_args)}`; before the cold run one unmeasured "
         "warm-up request (a prompt shorter than one pool chunk) goes through the endpoint.",
+        f"colocated+offload: the engine's KV cache is cut to {OFFLOAD_NUM_KV_BLOCKS} blocks (the "
+        "prompts do not fit) with an OffloadingConnector host store; offload wait share = the "
+        "copies' exposed wait / the run's duration.",
     ]
 
 
