@@ -341,7 +341,8 @@ def report_notes(args: argparse.Namespace) -> list[str]:
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `pdkv compare` flags (lengths in tokens, rates in req/s)."""
     parser.add_argument("--topologies", default=None,
-                        help=f"comma-separated (default {DEFAULT_TOPOLOGIES}; --quick: {QUICK_TOPOLOGIES})")
+                        help=f"comma-separated (default {DEFAULT_TOPOLOGIES}; --quick: {QUICK_TOPOLOGIES}; "
+                             "also colocated+offload)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes for CI: input 256, 2 prompts, 4 output tokens, colocated,pd")
     parser.add_argument("--model", default="smollm2", help="alias (smollm2) or HF folder")

@@ -277,7 +277,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--transfer", type=lambda s: _parse_list(s, str), default=None,
                         help="comma-separated transfer engines from tcp,shm (default tcp,shm; tcp "
                              "with --link-rate)")
-    parser.add_argument("--prompt-lens", type=lambda s: _parse_list(s, int), default=list(DEFAULT_PROMPT_LENS),
+    parser.add_argument("--prompt-lens", type=lambda s: _parse_list(s, int), default=",".join(map(str, DEFAULT_PROMPT_LENS)),
                         help="comma-separated prompt lengths in tokens (8192 runs as 8191)")
     parser.add_argument("--link-rate", default=None,
                         help="cap the P→D link with tbf at this rate (e.g. 1gbit): P and D in two "

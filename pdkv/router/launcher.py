@@ -269,9 +269,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="fail",
                         help="what a decode engine does when a KV pull fails")
     parser.add_argument("--pool", choices=POOL_TIERS, default=None,
-                        help="colocated: a KV pool (KVPoolConnector, kv_both) with this tier: dram 1 GiB; "
-                             "disk 4 GiB under $PDKV_CACHE/kvpool; redis / mooncake (1 GiB) start their "
-                             "server on a free loopback port, stopped with the rest")
+                        help="a KV pool with this tier (colocated: KVPoolConnector kv_both; pd: a MultiConnector "
+                             "on P and D, not dram): dram 1 GiB; disk 4 GiB under $PDKV_CACHE/kvpool, kept "
+                             "across runs; redis / mooncake (1 GiB) start their server on a free loopback port, "
+                             "stopped with the rest")
     parser.add_argument("--pool-chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
                         help="pool chunk in tokens (a multiple of the block size)")
     parser.add_argument("--routing", choices=sorted(POLICIES), default="round_robin",
