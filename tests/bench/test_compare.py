@@ -11,12 +11,7 @@ import time
 
 import pytest
 
-from pdkv.bench.compare import (
-    TopologySpec,
-    parse_topologies,
-    report_paths,
-    unsupported_reason,
-)
+from pdkv.bench.compare import report_paths
 from pdkv.bench.compare_report import (
     counter_deltas,
     engine_counters,
@@ -24,6 +19,7 @@ from pdkv.bench.compare_report import (
     markdown_table,
     summarize_run,
 )
+from pdkv.bench.compare_topologies import TopologySpec, parse_topologies, unsupported_reason
 
 METRICS = """# TYPE pdkv:kv_transfer_bytes_received_total counter
 pdkv:kv_transfer_bytes_received_total{model_name="smollm2"} 1000.0
@@ -137,14 +133,14 @@ def test_compare_quick_end_to_end(tmp_path):
 
 
 def test_offload_topology_and_its_exposed_wait_share():
-    from pdkv.bench.compare import _with_flag
+    from pdkv.bench.compare_topologies import with_flag
 
     (spec,) = parse_topologies("colocated+offload")
     assert (spec.mode, spec.offload, spec.pool, spec.instances) == ("colocated", True, False, 1)
     for bad in ("pd+offload", "colocated2+offload", "colocated+pool+offload"):
         with pytest.raises(ValueError):
             parse_topologies(bad)
-    assert _with_flag(["--num-kv-blocks", "512", "--x"], "--num-kv-blocks", "160") == [
+    assert with_flag(["--num-kv-blocks", "512", "--x"], "--num-kv-blocks", "160") == [
         "--x", "--num-kv-blocks", "160"]
     result = dict(RESULT, duration=20.0)
     row = summarize_run("colocated+offload", "hot", result,
