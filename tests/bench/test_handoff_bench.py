@@ -19,13 +19,13 @@ KV_BYTES = PROMPT * 46_080  # SmolLM2 fp32: 30 layers x K/V x 3 heads x 64 x 4 B
 def test_1k_tcp_handoff_within_2x_of_plan():
     bench = run_transfer_bench(sizes_mib=(45,), repeats=3, engines=("tcp",), print_table=False)
     bandwidth = bench["sizes"][0]["methods"]["tcp"]["median_gbps"] * 1e9
-    # No fixed cost in the prediction: one calibrated from the probe pull shares the measured
-    # clock and would absorb a scaled measurement; a pull's fixed cost here (~5 ms) is well
-    # inside 2× of the 1k wire time (~40 ms at ~1.2 GB/s).
-    result = run_handoff_bench(["tcp"], [PROMPT], bandwidths={"tcp": bandwidth}, fixed_s=0.0,
+    # The prediction includes the per-pull fixed cost (claim, "done") measured by a one-block
+    # probe: without it a fast box's 1k wire time (~20 ms at 2 GB/s) is as small as that fixed
+    # cost and the ratio sits at the 2× edge by luck.
+    result = run_handoff_bench(["tcp"], [PROMPT], bandwidths={"tcp": bandwidth}, fixed_s=None,
                                tolerance=1.0, print_table=False)
     (row,) = result["rows"]
     assert row["nbytes"] == KV_BYTES  # every block of the prompt, nothing else
-    assert row["bandwidth"] == bandwidth and row["fixed_s"] == 0.0
+    assert row["bandwidth"] == bandwidth and row["fixed_s"] > 0
     assert result["probes"]["tcp"]["seconds"] > 0
     assert 0.5 <= row["ratio"] <= 2.0, row
