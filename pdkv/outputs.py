@@ -50,6 +50,12 @@ class RequestMetrics:
     kv_wait_time: float = 0.0
     """Seconds spent waiting for an asynchronous KV load (WAITING_FOR_REMOTE_KVS: a pull from a
     prefill engine and/or a pool load); 0 when none."""
+    num_external_tokens: int = 0
+    """Prompt tokens whose KV a KV connector loaded (P/D pull, KV pool, host offload) instead of
+    this engine computing them; part of RequestOutput.num_cached_tokens (the rest are local
+    prefix-cache hits)."""
+    max_tokens_param: int | None = None
+    """The request's max_tokens sampling parameter (tokens)."""
 
     @property
     def ttft(self) -> float | None:

@@ -103,6 +103,10 @@ class Request:
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache (or loaded) when first scheduled; -1 = not yet.
         self.num_cached_tokens = -1
+        # Of those, the tokens a KV connector loaded (P/D pull, KV pool, host offload); the rest
+        # were local prefix-cache hits (`num_local_hit_tokens`, from the latest lookup).
+        self.num_external_tokens = 0
+        self.num_local_hit_tokens = 0
         # Bytes of this request's KV loaded by connectors, by path ("p2p", "pool").
         self.kv_load_bytes: dict[str, int] = {}
         self.num_preemptions = 0

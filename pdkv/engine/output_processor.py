@@ -184,6 +184,8 @@ class OutputProcessor:
                 num_preemptions=req.num_preemptions,
                 num_output_tokens=len(st.token_ids),
                 kv_wait_time=t.kv_wait,
+                num_external_tokens=req.num_external_tokens,
+                max_tokens_param=req.sampling_params.max_tokens,
             ),
             kv_transfer_params=req.output_kv_transfer_params if finished else None,
             error=req.error if finished else None,

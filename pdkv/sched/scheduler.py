@@ -230,6 +230,7 @@ class Scheduler:
                 self.waiting.popleft()
                 # Counted once, at this first admission (its resumption skips the count).
                 self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
+                request.num_local_hit_tokens = num_hit
                 request.num_computed_tokens = num_hit
                 if request.times.first_scheduled is None:
                     request.times.first_scheduled = now
@@ -255,12 +256,14 @@ class Scheduler:
             self.waiting.popleft()
             if not resumed_remote:
                 self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
+                request.num_local_hit_tokens = num_hit
                 request.num_computed_tokens = num_hit
                 if self.connector is not None:
                     self.connector.update_state_after_alloc(request, new_blocks, num_external)
                 request.num_computed_tokens += num_external
             if request.num_cached_tokens < 0:  # local prefix hits + tokens loaded by a connector
                 request.num_cached_tokens = request.num_computed_tokens
+                request.num_external_tokens = request.num_computed_tokens - request.num_local_hit_tokens
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = now
             request.status = RequestStatus.RUNNING

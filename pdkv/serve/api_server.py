@@ -311,7 +311,7 @@ def main(args: argparse.Namespace) -> int:
         logger.warning("%s=%s: the engine will fail on purpose (tests only)", FAULT_STEP_ENV, fault_at)
         inject_step_fault(engine, int(fault_at))
     name = engine.config.model_config.served_model_name
-    metrics = ServerMetrics(name)
+    metrics = ServerMetrics(name, max_model_len=engine.config.model_config.max_model_len)
     llm = AsyncLLM(engine, metrics.observe_step)
     config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name)
     app = build_app(llm, config, metrics)

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "serve"))
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "router"))
 
+from dashboard_check import load, problems  # noqa: E402
 from fake_engines import ServerThread  # noqa: E402
 from pd_utils import pd_config  # noqa: E402
 from server_utils import RemoteServer, free_port, metric_value, wait_for_metric  # noqa: E402
@@ -174,6 +175,44 @@ def test_proxy_outputs_match_colocated(pd_stack, reference):
     assert received > 0
     assert wait_for_metric(p.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
     assert wait_for_metric(d.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
+
+
+def _sources(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {s: metric_value(text, "pdkv:prompt_tokens_by_source_total", source=s)
+           for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    return {**out, "queries": metric_value(text, "pdkv:prefix_cache_queries_total")}
+
+
+def test_pd_prompt_token_counts_sum_and_grafana_pd_panels_are_live(pd_stack):
+    """One new prompt through 1P1D: D counts it in its prefix-cache queries and its pulled
+    tokens as external, not computed (it computes only the last one), so local_compute summed
+    over P and D is the prompt plus one. Then the dashboard check (tests/serve/dashboard_check)
+    over both engines' /metrics, with the "Always live (P/D)" panels too."""
+    p, d, proxy = pd_stack
+    assert wait_for_metric(d.url, "pdkv:num_requests_running", 0) == 0
+    p0, d0 = _sources(p.url), _sources(d.url)
+    body = {"model": "smollm2", "prompt": "A field guide to the mosses of the northern forest, part two:",
+            "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    n = r.json()["usage"]["prompt_tokens"]
+    deadline = time.monotonic() + 30
+    while True:
+        p1, d1 = _sources(p.url), _sources(d.url)
+        dp = {k: p1[k] - p0[k] for k in p1}
+        dd = {k: d1[k] - d0[k] for k in d1}
+        text = [httpx.get(u + "/metrics", timeout=10).text for u in (p.url, d.url)]
+        found = problems(load(), text, {"any deployment", "P/D"})
+        if (dd["queries"] and not found) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert found == []
+    assert dp["local_compute"] + dp["local_cache_hit"] == n and dp["external_kv_transfer"] == 0
+    assert dd["queries"] == n  # the P/D request was looked up in D's prefix cache
+    assert dd["local_compute"] == 1  # the last prompt token, for its logits
+    assert dd["external_kv_transfer"] + dd["local_cache_hit"] == n - 1
+    assert dd["external_kv_transfer"] > 0
 
 
 def test_over_length_prompt_is_400_without_transfer(pd_stack):

@@ -160,6 +160,7 @@ def test_synchronous_load_after_local_prefix_hits_loads_only_the_rest():
     assert new.num_computed_tokens == 12
     assert out.kv_connector_metadata.to_load == [LoadSpec("r", new.block_ids[0][2:], 8, 4)]
     assert r.num_cached_tokens == 12
+    assert (r.num_local_hit_tokens, r.num_external_tokens) == (8, 4)  # the split metrics export
     assert sched.kv_cache_manager.prefix_cache_stats.hits == 8  # local hits only
     run_step(sched, worker, {"r": prompt})
     assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED

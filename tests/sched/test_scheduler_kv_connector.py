@@ -406,6 +406,8 @@ def test_remote_prefill_after_local_prefix_hit_loads_only_the_rest():
     out, _ = step(sched, worker)
     assert out.num_scheduled_tokens == {"r": 1}
     assert r.num_cached_tokens == 14
+    # 8 local hits, 6 pulled; the last prompt token is computed here (metrics: local_compute).
+    assert (r.num_local_hit_tokens, r.num_external_tokens) == (8, 6)
     drain(sched, worker)
     assert_all_free(sched)
     assert (stats.queries - queries, stats.hits - hits) == (15, 8)  # not again when it resumed
@@ -467,6 +469,7 @@ def test_load_failure_with_recompute_policy_prefills_from_scratch(failure):
     new = out.scheduled_new_reqs[0]
     assert new.req_id == "r" and new.num_computed_tokens == 0
     assert r.status == RequestStatus.RUNNING and r.num_cached_tokens == 0
+    assert r.num_external_tokens == 0  # nothing loaded counts as pulled
     assert len(block_ids(sched, "r")) == 3  # the failed blocks were returned, not leaked
     assert sched.kv_cache_manager.num_free_blocks == NUM_BLOCKS - 3
     assert sched.kv_stats["kv_load_failures_recompute"] == 1
@@ -495,6 +498,7 @@ def test_load_failure_under_recompute_keeps_the_blocks_before_the_first_invalid_
     out, _ = step(sched, worker)
     assert out.num_scheduled_tokens == {"r": 11 - BS}  # recomputed from block 1 on
     assert r.num_cached_tokens == BS and block_ids(sched, "r") == table  # blocks kept
+    assert r.num_external_tokens == BS  # only the valid block counts as pulled
     assert sched.kv_stats["kv_load_failures_recompute"] == 1
     drain(sched, worker)  # the fake worker checks every position's KV at each sample
     assert r.num_output_tokens == 3

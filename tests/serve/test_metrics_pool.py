@@ -21,7 +21,7 @@ def _samples(m: ServerMetrics) -> dict[tuple[str, frozenset[tuple[str, str]]], f
     out = {}
     for family in text_string_to_metric_families(m.render().decode()):
         for s in family.samples:
-            labels = {k: v for k, v in s.labels.items() if k != "model_name"}
+            labels = {k: v for k, v in s.labels.items() if k not in ("model_name", "engine")}
             out[(s.name, frozenset(labels.items()))] = s.value
     return out
 
