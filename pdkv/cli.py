@@ -121,12 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     api_server.add_cli_args(serve)
     serve.set_defaults(func=api_server.main)
 
-    from pdkv.router import launcher, proxy
+    from pdkv.router import launcher, proxy_cli
 
     proxy_p = sub.add_parser("proxy", help="P/D proxy (vLLM protocol) over prefill and decode engines",
                              formatter_class=fmt)
-    proxy.add_cli_args(proxy_p)
-    proxy_p.set_defaults(func=proxy.main)
+    proxy_cli.add_cli_args(proxy_p)
+    proxy_p.set_defaults(func=proxy_cli.main)
     up = sub.add_parser("up", help="start a local colocated or P/D topology (engines + proxy)",
                         formatter_class=fmt)
     launcher.add_cli_args(up)
