@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from pdkv.cli_parser import PdkvArgumentParser
+
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Explain in two sentences why the sky is blue.",
@@ -82,7 +84,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
 
 def build_plan_parser() -> argparse.ArgumentParser:
     """A parser with only `plan`: `pdkv plan` runs without importing torch."""
-    parser = argparse.ArgumentParser(prog="pdkv", description=__doc__)
+    parser = PdkvArgumentParser(prog="pdkv", description=__doc__)
     _add_plan(parser.add_subparsers(dest="command", required=True))
     return parser
 
@@ -91,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pdkv.engine.arg_utils import EngineArgs
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(prog="pdkv", description=__doc__, formatter_class=fmt)
+    parser = PdkvArgumentParser(prog="pdkv", description=__doc__, formatter_class=fmt)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser(
