@@ -162,10 +162,19 @@ class EngineArgs:
 
     @staticmethod
     def from_cli_args(args: argparse.Namespace) -> EngineArgs:
+        """EngineArgs from parsed flags: `pdkv serve MODEL` (model_tag) sets the model, a list of
+        served model names keeps its first (the reported one).
+
+        Raises:
+            ValueError: MODEL and a different --model both given.
+        """
         names = {f.name for f in fields(EngineArgs)}
         kwargs = {k: v for k, v in vars(args).items() if k in names}
-        if getattr(args, "model_tag", None):  # `pdkv serve MODEL`
-            kwargs["model"] = args.model_tag
+        tag = getattr(args, "model_tag", None)
+        if tag:  # `pdkv serve MODEL`
+            if kwargs.get("model") not in (None, EngineArgs.model, tag):
+                raise ValueError(f"two models given: MODEL {tag!r} and --model {kwargs['model']!r}; give one")
+            kwargs["model"] = tag
         if isinstance(kwargs.get("served_model_name"), list):  # several names: the first is reported
             kwargs["served_model_name"] = kwargs["served_model_name"][0]
         return EngineArgs(**kwargs)

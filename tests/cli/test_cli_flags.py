@@ -33,6 +33,8 @@ def test_serve_takes_the_model_positionally_or_as_flag(parser):
     assert EngineArgs.from_cli_args(args).model == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert EngineArgs.from_cli_args(parser.parse_args(["serve", "--model", "m2"])).model == "m2"
     assert EngineArgs.from_cli_args(parser.parse_args(["serve"])).model == "smollm2"
+    with pytest.raises(ValueError, match="two models given"):
+        EngineArgs.from_cli_args(parser.parse_args(["serve", "m1", "--model", "m2"]))
 
 
 def test_vllm_engine_flags(parser):
