@@ -70,12 +70,14 @@ def suggestion(parser: argparse.ArgumentParser, argv: list[str], message: str) -
     if "unrecognized arguments:" not in message and "ambiguous option" not in message:
         return ""
     known = [s for p in _scope(parser, argv) for a in p._actions for s in a.option_strings]
-    hints = []
+    close_flags = []
     for word in message.split(":", 1)[1].replace(",", " ").split():
         if not word.startswith("--"):
             continue
         flag = word.split("=", 1)[0]
         close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
         if close and close[0] != flag:
-            hints.append(f"did you mean {close[0]}? (for {flag})" if len(hints) else f"did you mean {close[0]}?")
-    return " ".join(hints)
+            close_flags.append((flag, close[0]))
+    if len(close_flags) == 1:
+        return f"did you mean {close_flags[0][1]}?"
+    return " ".join(f"did you mean {good} (for {bad})?" for bad, good in close_flags)
