@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from pdkv.cli_parser import PdkvArgumentParser
+
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Explain in two sentences why the sky is blue.",
@@ -82,7 +84,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
 
 def build_plan_parser() -> argparse.ArgumentParser:
     """A parser with only `plan`: `pdkv plan` runs without importing torch."""
-    parser = argparse.ArgumentParser(prog="pdkv", description=__doc__)
+    parser = PdkvArgumentParser(prog="pdkv", description=__doc__)
     _add_plan(parser.add_subparsers(dest="command", required=True))
     return parser
 
@@ -91,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pdkv.engine.arg_utils import EngineArgs
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(prog="pdkv", description=__doc__, formatter_class=fmt)
+    parser = PdkvArgumentParser(prog="pdkv", description=__doc__, formatter_class=fmt)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser(
@@ -121,12 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     api_server.add_cli_args(serve)
     serve.set_defaults(func=api_server.main)
 
-    from pdkv.router import launcher, proxy
+    from pdkv.router import launcher, proxy_cli
 
     proxy_p = sub.add_parser("proxy", help="P/D proxy (vLLM protocol) over prefill and decode engines",
                              formatter_class=fmt)
-    proxy.add_cli_args(proxy_p)
-    proxy_p.set_defaults(func=proxy.main)
+    proxy_cli.add_cli_args(proxy_p)
+    proxy_p.set_defaults(func=proxy_cli.main)
     up = sub.add_parser("up", help="start a local colocated or P/D topology (engines + proxy)",
                         formatter_class=fmt)
     launcher.add_cli_args(up)

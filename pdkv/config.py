@@ -55,18 +55,25 @@ class CacheConfig:
             kv_cache_memory_bytes by the worker.
         kv_cache_memory_bytes: memory budget for the KV cache when num_kv_blocks is None.
         enable_prefix_caching: reuse full blocks across requests by block hash.
+        gpu_memory_utilization: when set and num_kv_blocks is None, the KV cache budget is this
+            fraction of the memory free once the weights are loaded (GPU: free device memory;
+            CPU: available RAM), replacing kv_cache_memory_bytes.
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        util = self.gpu_memory_utilization
+        if util is not None and not 0.0 < util <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}")
 
 
 @dataclass(frozen=True)

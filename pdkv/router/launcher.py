@@ -52,7 +52,8 @@ def free_port(taken: set[int], host: str = "127.0.0.1", low: int = 20000, high: 
 
 @dataclass
 class Child:
-    """One process of the topology."""
+    """One process of the topology: `role` says what it does (prefill / decode / colocated
+    engine / proxy), `threads` its torch CPU threads (0: not an engine)."""
 
     name: str
     url: str
@@ -60,6 +61,13 @@ class Child:
     env: dict[str, str]
     proc: subprocess.Popen[bytes] | None = None
     log_path: str = ""
+    role: str = ""
+    threads: int = 0
+
+    def describe(self) -> str:
+        """One line for `pdkv up`'s listing: name, role, URL, threads, log file."""
+        threads = f"{self.threads} threads" if self.threads else "-"
+        return f"{self.name}: {self.role}, {self.url}, {threads}, log {self.log_path or '-'}"
 
 
 @dataclass
@@ -162,6 +170,8 @@ def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = No
     host = "127.0.0.1"
     py = [sys.executable, "-m", "pdkv.cli"]
     engine_flags = ["--model", args.model, *args.engine_args]
+    if getattr(args, "disable_log_requests", False):
+        engine_flags.append("--disable-log-requests")
     n_engines = args.num_instances if args.mode == "colocated" else args.num_prefill + args.num_decode
     threads = args.threads_per_engine or max(1, (os.cpu_count() or 1) // n_engines)
     env = dict(os.environ, PDKV_NUM_THREADS=str(threads))
@@ -172,7 +182,8 @@ def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = No
         if args.num_instances == 1:
             port = args.port or free_port(taken)
             topo.children.append(Child("engine", f"http://{host}:{port}", py + [
-                "serve", *engine_flags, "--host", host, "--port", str(port), *kv], env))
+                "serve", *engine_flags, "--host", host, "--port", str(port), *kv], env,
+                role="colocated engine" + (" (kv_both, pool)" if kv else ""), threads=threads))
             topo.endpoint = f"http://{host}:{port}"
             return topo
         urls = []
@@ -180,11 +191,12 @@ def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = No
             port = free_port(taken)
             urls.append(f"http://{host}:{port}")
             topo.children.append(Child(f"engine{i}", urls[-1], py + [
-                "serve", *engine_flags, "--host", host, "--port", str(port), *kv], env))
+                "serve", *engine_flags, "--host", host, "--port", str(port), *kv], env,
+                role="colocated engine" + (" (kv_both, pool)" if kv else ""), threads=threads))
         port = args.port or free_port(taken)
         topo.children.append(Child("proxy", f"http://{host}:{port}", py + [
             "proxy", "--backends", ",".join(urls), "--host", host, "--port", str(port),
-            *_routing_flags(args)], dict(os.environ)))
+            *_routing_flags(args)], dict(os.environ), role=f"proxy (colocated, {args.routing})"))
         topo.endpoint = f"http://{host}:{port}"
         return topo
     prefill_urls: list[str] = []
@@ -205,14 +217,17 @@ def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = No
                 cfg = {"kv_connector": "MultiConnector", "kv_role": role,
                        "kv_connector_extra_config": {"connectors": children}}
             name = ("prefill" if role == "kv_producer" else "decode") + str(i)
+            what = "prefill (kv_producer)" if role == "kv_producer" else "decode (kv_consumer)"
             topo.children.append(Child(name, f"http://{host}:{port}", py + [
                 "serve", *engine_flags, "--host", host, "--port", str(port),
-                "--kv-transfer-config", json.dumps(cfg)], env))
+                "--kv-transfer-config", json.dumps(cfg)], env,
+                role=what + (", pool" if kv_transfer_config else ""), threads=threads))
             urls.append(f"http://{host}:{port}")
     port = args.port or free_port(taken)
     topo.children.append(Child("proxy", f"http://{host}:{port}", py + [
         "proxy", "--prefill", ",".join(prefill_urls), "--decode", ",".join(decode_urls),
-        "--host", host, "--port", str(port), *_routing_flags(args), *_skip_flags(args)], dict(os.environ)))
+        "--host", host, "--port", str(port), *_routing_flags(args), *_skip_flags(args)], dict(os.environ),
+        role=f"proxy (P/D, {args.routing})"))
     topo.endpoint = f"http://{host}:{port}"
     return topo
 
@@ -284,6 +299,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="the proxy's (pd, colocated with N > 1) or the server's (colocated); 0 = free")
     parser.add_argument("--threads-per-engine", type=int, default=0, help="0 = cores / engines")
     parser.add_argument("--log-dir", default="pdkv-logs", help="one log file per process")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="engines write no line per finished request")
     parser.add_argument("--health-timeout", type=float, default=300.0)
     parser.add_argument("--demo", action="store_true",
                         help="send demo chat prompts through the endpoint, print answers and timings, then stop")
@@ -324,7 +341,7 @@ def main(args: argparse.Namespace) -> int:
         if not topo.start_healthy(args.log_dir, args.health_timeout):
             return 1
         for c in topo.children:
-            print(f"  {c.name}: {c.url}", flush=True)
+            print(f"  {c.describe()}", flush=True)
         print(f"ready: {topo.endpoint}  (OpenAI API at {topo.endpoint}/v1)", flush=True)
         if args.demo:
             from pdkv.router.demo import run_demo

@@ -30,9 +30,7 @@ Every response (or the final chunk of a stream) carries the stitched `pdkv_timin
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import copy
 import dataclasses
 import json
 import logging
@@ -48,9 +46,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdkv.router.backend_info import BackendInfos, pair_mismatch
 from pdkv.router.policies import (
-    DEFAULT_MAX_ENTRIES,
-    DEFAULT_MAX_IMBALANCE,
-    POLICIES,
     Backend,
     Decision,
     PrefixAwareConfig,
@@ -67,56 +62,18 @@ from pdkv.router.prefix_keys import (
     request_chunk_hashes,
 )
 from pdkv.router.proxy_metrics import ProxyMetrics
+from pdkv.router.proxy_protocol import (
+    error_response,
+    is_layout_error,
+    prefill_body,
+    releasable,
+    release_prefill,
+)
 from pdkv.router.timings import RequestClock, StreamStitcher, stitch_response
 from pdkv.router.validate import BadRequest, LengthCheck, check_body, parse_body
 from pdkv.serve.disconnect import ClientDisconnected, until_done_or_disconnect
 
 logger = logging.getLogger(__name__)
-
-
-def _error(message: str, status: int, err_type: str) -> JSONResponse:
-    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
-    return JSONResponse(body, status_code=status)
-
-
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg's body (see module docstring)."""
-    p = copy.deepcopy(body)
-    p["max_tokens"] = 1
-    if "max_completion_tokens" in p:
-        p["max_completion_tokens"] = 1
-    p["stream"] = False
-    p.pop("stream_options", None)
-    p.pop("min_tokens", None)
-    p.pop("min_completion_tokens", None)
-    p["kv_transfer_params"] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
-    return p
-
-
-def release_prefill(params: dict[str, Any]) -> bool:
-    """Tell the prefill engine named in `params` (P's kv_transfer_params) that its held blocks
-    will never be read (blocking, best effort; the lease still bounds the hold). The one place
-    that maps the params onto the connector's release helper. Returns whether P acknowledged."""
-    from pdkv.kv_transfer.connector.p2p_messages import send_release
-
-    return send_release(host=str(params["remote_host"]), port=int(params["remote_port"]),
-                        request_id=str(params["remote_request_id"]),
-                        nonce=str(params.get("remote_nonce", "")))
-
-
-def _releasable(params: Any) -> bool:
-    return isinstance(params, dict) and bool(params.get("remote_host")) and "remote_request_id" in params
-
-
-def _is_layout_error(content: bytes) -> bool:
-    return b"KV layout mismatch" in content
 
 
 BeforeDecodeHook = Callable[[dict[str, Any]], Awaitable[None]]
@@ -190,11 +147,11 @@ def build_proxy_app(
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, e: Exception) -> JSONResponse:
         logger.exception("proxy error")
-        return _error(f"proxy error: {type(e).__name__}: {e}", 500, "InternalServerError")
+        return error_response(f"proxy error: {type(e).__name__}: {e}", 500, "InternalServerError")
 
     def release_soon(params: Any) -> None:
         """Release P's blocks in the background (survives the request's cancellation)."""
-        if not _releasable(params):
+        if not releasable(params):
             return
         task = asyncio.ensure_future(asyncio.to_thread(release_prefill, params))
         releases.add(task)
@@ -245,10 +202,10 @@ def build_proxy_app(
         backends = prefills + decodes + colocated
         for b, ok in zip(backends, await asyncio.gather(*(probe(b) for b in backends))):
             if not ok:
-                return _error(f"backend {b.url} is not healthy", 503, "ServiceUnavailableError")
+                return error_response(f"backend {b.url} is not healthy", 503, "ServiceUnavailableError")
         why = first_mismatch()
         if why:
-            return _error(why, 503, "ServiceUnavailableError")
+            return error_response(why, 503, "ServiceUnavailableError")
         return Response(status_code=200)
 
     @app.get("/v1/models")
@@ -256,7 +213,7 @@ def build_proxy_app(
         try:
             r = await state["client"].get((decodes or colocated)[0].url + "/v1/models", timeout=10.0)
         except httpx.HTTPError as e:
-            return _error(f"decode backend unreachable: {e}", 502, "BadGateway")
+            return error_response(f"decode backend unreachable: {e}", 502, "BadGateway")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     @app.post("/tokenize")
@@ -268,7 +225,7 @@ def build_proxy_app(
             r = await state["client"].post((decodes or colocated)[0].url + raw.url.path, content=await raw.body(),
                                            headers={"Content-Type": "application/json", **headers}, timeout=30.0)
         except httpx.HTTPError as e:
-            return _error(f"backend unreachable: {e}", 502, "BadGateway")
+            return error_response(f"backend unreachable: {e}", 502, "BadGateway")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     @app.post("/v1/completions")
@@ -285,7 +242,7 @@ def build_proxy_app(
             body = parse_body(await raw.body())
             length = check_body(body, chat=path.endswith("chat/completions"))
         except BadRequest as e:
-            return _error(str(e), 400, "BadRequestError")
+            return error_response(str(e), 400, "BadRequestError")
         rid = raw.headers.get("X-Request-Id") or f"pd-{uuid.uuid4().hex}"
         headers = {"X-Request-Id": rid}
         if "authorization" in raw.headers:
@@ -296,7 +253,7 @@ def build_proxy_app(
         try:
             return await until_done_or_disconnect(work, raw)
         except ClientDisconnected:  # during the prefill leg or a non-streamed decode leg
-            return _error("client disconnected", 499, "ClientClosedRequest")
+            return error_response("client disconnected", 499, "ClientClosedRequest")
 
     async def _precheck(p: Backend, d: Backend, length: LengthCheck, headers: dict[str, str]) -> Response | None:
         """The layout and prompt-length checks, before anything reaches P."""
@@ -304,7 +261,7 @@ def build_proxy_app(
         await infos.ensure(client, [p.url, d.url])
         why = pair_mismatch(p.url, infos.get(p.url), d.url, infos.get(d.url))
         if why:
-            return _error(why, 503, "ServiceUnavailableError")
+            return error_response(why, 503, "ServiceUnavailableError")
         return await _length_check(d, length, headers)
 
     async def _length_check(d: Backend, length: LengthCheck, headers: dict[str, str]) -> Response | None:
@@ -327,7 +284,7 @@ def build_proxy_app(
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 count = None
         why = length.fits(count, max_len) if count is not None else None
-        return _error(why, 400, "BadRequestError") if why else None
+        return error_response(why, 400, "BadRequestError") if why else None
 
     async def _token_ids(body: dict[str, Any], chat: bool) -> list[int] | None:
         """The prompt's token ids as the engines will see them, or None (routing then falls back)."""
@@ -430,7 +387,7 @@ def build_proxy_app(
         except httpx.HTTPError as e:
             infos.forget(p.url)
             metrics.errors.labels("prefill", "unreachable").inc()
-            return _error(f"prefill backend {p.url} unreachable: {e}", 502, "BadGateway")
+            return error_response(f"prefill backend {p.url} unreachable: {e}", 502, "BadGateway")
         finally:
             clock.p_done = time.monotonic()
             p.inflight -= 1
@@ -444,7 +401,7 @@ def build_proxy_app(
             clock.p_timings = answer.get("pdkv_timings")
         except (ValueError, AttributeError):
             metrics.errors.labels("prefill", "bad_response").inc()
-            return _error(f"prefill backend {p.url} answered 200 without a JSON object", 502, "BadGateway")
+            return error_response(f"prefill backend {p.url} answered 200 without a JSON object", 502, "BadGateway")
         if pool_chunks and pool_record is not None:
             pool_record.add(pool_chunks[2])  # P saved the prompt's full chunks into the pool
         decode = dict(body)
@@ -475,14 +432,14 @@ def build_proxy_app(
                 infos.forget(d.url)
                 release_soon(params)
                 metrics.errors.labels(leg, "unreachable").inc()
-                return _error(f"{what} {d.url} unreachable: {e}", 502, "BadGateway")
+                return error_response(f"{what} {d.url} unreachable: {e}", 502, "BadGateway")
             finally:
                 d.inflight -= 1
                 metrics.latency.labels(leg).observe(time.monotonic() - started)
             if r.status_code != 200:
                 release_soon(params)
                 metrics.errors.labels(leg, "status").inc()
-                return _backend_error(d, r.status_code, r.content)
+                return _backenderror_response(d, r.status_code, r.content)
             return Response(stitch_response(clock, r.content), status_code=r.status_code,
                             media_type="application/json")
         try:
@@ -496,7 +453,7 @@ def build_proxy_app(
             infos.forget(d.url)
             release_soon(params)
             metrics.errors.labels(leg, "unreachable").inc()
-            return _error(f"{what} {d.url} unreachable: {e}", 502, "BadGateway")
+            return error_response(f"{what} {d.url} unreachable: {e}", 502, "BadGateway")
         if resp.status_code != 200:
             try:
                 content = await resp.aread()
@@ -506,20 +463,20 @@ def build_proxy_app(
                 metrics.latency.labels(leg).observe(time.monotonic() - started)
             release_soon(params)
             metrics.errors.labels(leg, "status").inc()
-            return _backend_error(d, resp.status_code, content)
+            return _backenderror_response(d, resp.status_code, content)
         return StreamingResponse(_relay(resp, d, leg, started, StreamStitcher(clock)), media_type="text/event-stream",
                                  headers={"X-Request-Id": headers["X-Request-Id"]})
 
-    def _backend_error(d: Backend, status: int, content: bytes) -> Response:
+    def _backenderror_response(d: Backend, status: int, content: bytes) -> Response:
         """D's error, passed through; a layout mismatch is the deployment's fault (503), not the
         client's, and what the proxy knew about the layouts is stale."""
-        if status == 400 and _is_layout_error(content):
+        if status == 400 and is_layout_error(content):
             infos.forget(d.url)
             try:
                 message = str(json.loads(content)["error"]["message"])
             except (ValueError, KeyError, TypeError):
                 message = content.decode("utf-8", "replace")
-            return _error(message, 503, "ServiceUnavailableError")
+            return error_response(message, 503, "ServiceUnavailableError")
         return Response(content, status_code=status, media_type="application/json")
 
     async def _relay(resp: httpx.Response, d: Backend, leg: str, started: float,
@@ -545,49 +502,3 @@ def build_proxy_app(
             await resp.aclose()
 
     return app
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--prefill", default="", help="P/D: prefill engine URL(s), comma-separated")
-    parser.add_argument("--decode", default="", help="P/D: decode engine URL(s), comma-separated")
-    parser.add_argument("--backends", default="",
-                        help="colocated: kv_both instance URL(s), comma-separated; each request goes whole to one")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address")
-    parser.add_argument("--port", type=int, default=8000, help="bind port")
-    parser.add_argument("--routing", default="round_robin", choices=sorted(POLICIES),
-                        help="policy within each pool")
-    parser.add_argument("--tokenizer", default=None,
-                        help="prefix_aware: model folder or alias whose tokenizer and chat template the proxy "
-                             "uses to compute chunk hashes (without it only token-id prompts have them)")
-    parser.add_argument("--prefix-aware-max-imbalance", type=float, default=DEFAULT_MAX_IMBALANCE,
-                        help="prefix_aware: an instance takes a request for its prefix only while its in-flight "
-                             "count stays within (1 + this) x the mean (or is 1)")
-    parser.add_argument("--prefix-aware-max-entries", type=int, default=DEFAULT_MAX_ENTRIES,
-                        help="prefix_aware: most (instance, chunk hash) pairs remembered (LRU; ~200 B each)")
-    parser.add_argument("--skip-prefill-on-pool-hit", action="store_true",
-                        help="P/D with a shared KV pool: send a request straight to D when the proxy's record "
-                             "says the pool holds every loadable chunk of its prompt (needs --tokenizer for "
-                             "text prompts); a wrong belief only costs D a local prefill")
-    parser.add_argument("--pool-record-entries", type=int, default=POOL_RECORD_ENTRIES,
-                        help="chunk hashes the proxy remembers for --skip-prefill-on-pool-hit (LRU)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="per-leg timeout (s)")
-    parser.add_argument("--log-level", default="info", help="uvicorn log level (info logs each request)")
-    return parser
-
-
-def main(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    def urls(value: str) -> list[str]:
-        return [u for u in value.split(",") if u]
-
-    app = build_proxy_app(
-        urls(args.prefill), urls(args.decode), args.routing, args.timeout, backend_urls=urls(args.backends),
-        tokenizer=args.tokenizer,
-        prefix_aware=PrefixAwareConfig(args.prefix_aware_max_imbalance, args.prefix_aware_max_entries),
-        skip_prefill_on_pool_hit=args.skip_prefill_on_pool_hit, pool_record_entries=args.pool_record_entries,
-    )
-    where = (f"backends {args.backends}" if args.backends else f"prefill {args.prefill} decode {args.decode}")
-    print(f"pdkv proxy on http://{args.host}:{args.port}: {where} ({args.routing})", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0

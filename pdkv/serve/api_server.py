@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -35,6 +36,7 @@ from pdkv.serve.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pdkv.serve.stats_log import DEFAULT_STATS_INTERVAL_S, RequestLogger, StatsLogger
 from pdkv.tokenizer import TokenizerPool
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,8 @@ class ServeConfig:
         port: TCP port.
         api_key: when set, /v1 routes and /reset_prefix_cache need
             `Authorization: Bearer <api_key>`.
-        served_model_name: the model id clients use.
+        served_model_name: the model id clients use (the one reported).
+        extra_model_names: more ids requests may name (`--served-model-name A B ...`).
         tokenizer_threads: threads (each with its own tokenizer) that tokenize prompts.
     """
 
@@ -58,6 +61,7 @@ class ServeConfig:
     api_key: str | None = None
     served_model_name: str = "smollm2"
     tokenizer_threads: int = 2
+    extra_model_names: tuple[str, ...] = ()
 
 
 # Paths outside /v1 that change engine state: they need the API key too, when one is set.
@@ -112,7 +116,7 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
         llm.shutdown()
 
     app = FastAPI(title="pdkv", lifespan=lifespan, default_response_class=SafeJSONResponse)
-    handlers = OpenAIHandlers(llm, config.served_model_name, tokenizers)
+    handlers = OpenAIHandlers(llm, config.served_model_name, tokenizers, aliases=config.extra_model_names)
     max_model_len = handlers.max_model_len
 
     @app.exception_handler(APIError)
@@ -161,15 +165,16 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {
-            "id": config.served_model_name,
+        """One card per served name, the reported one first."""
+        cards = [{
+            "id": name,
             "object": "model",
             "created": int(time.time()),
             "owned_by": "pdkv",
             "root": llm.engine.config.model_config.path,
             "max_model_len": max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        } for name in (config.served_model_name, *config.extra_model_names)]
+        return {"object": "list", "data": cards}
 
     @app.get("/kv_layout")
     async def kv_layout() -> dict[str, Any]:
@@ -272,15 +277,61 @@ async def _until_done_or_disconnect(coro: Any, raw: Request) -> dict[str, Any]:
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add `pdkv serve`'s flags: MODEL (positional, or --model), the engine flags, the server's."""
     from pdkv.engine.arg_utils import EngineArgs
 
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="alias (smollm2), HF id or model folder (same as --model, which it overrides)")
     EngineArgs.add_cli_args(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None)
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per finished request")
+    g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
+    g.add_argument("--log-stats-interval", type=float, default=DEFAULT_STATS_INTERVAL_S,
+                   help="seconds between stats lines while busy")
     return parser
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), not yet listening (uvicorn listens on it once the
+    model is loaded), so a busy port fails before the model loads.
+
+    Raises:
+        OSError: the address cannot be bound (message names it and what to do).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}; is another server using "
+                      "it? choose another --port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def step_observer(metrics: ServerMetrics, engine: Any, args: argparse.Namespace) -> Any:
+    """The engine loop's step observer: Prometheus metrics, then (unless disabled) the stats
+    line every --log-stats-interval s and one line per finished request."""
+    observers = [metrics.observe_step]
+    if not getattr(args, "disable_log_stats", False):
+        observers.append(StatsLogger(getattr(args, "log_stats_interval", DEFAULT_STATS_INTERVAL_S)).observe)
+    if not getattr(args, "disable_log_requests", False):
+        kv = engine.runner.kv_cache_config
+        per_token = sum(kv.block_bytes(i) for i in range(len(kv.groups))) // engine.config.cache_config.block_size
+        observers.append(RequestLogger(per_token).observe)
+
+    def observe(outputs: Any, stats: Any, now: float) -> None:
+        for fn in observers:
+            fn(outputs, stats, now)
+
+    return observe
 
 
 def inject_step_fault(engine: Any, at_step: int) -> None:
@@ -305,15 +356,30 @@ def main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args = EngineArgs.from_cli_args(args)
-    engine = LLMEngine.from_engine_args(engine_args)
+    sock = bind_socket(args.host, args.port)
+    logger.info("engine args: %s", engine_args.summary())
+    t0 = time.monotonic()
+    try:
+        engine = LLMEngine.from_engine_args(engine_args)
+    except BaseException:
+        sock.close()
+        raise
+    kv = engine.runner.kv_cache_config
+    logger.info("model loaded in %.1f s: %s (%s) on %s", time.monotonic() - t0,
+                engine.config.model_config.model, engine.config.model_config.path,
+                engine.config.model_config.device)
+    logger.info("resolved config: %s", engine.config)
+    logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", kv.num_blocks,
+                engine.config.cache_config.block_size, kv.total_bytes / 2**20)
     fault_at = os.environ.get(FAULT_STEP_ENV)
     if fault_at:
         logger.warning("%s=%s: the engine will fail on purpose (tests only)", FAULT_STEP_ENV, fault_at)
         inject_step_fault(engine, int(fault_at))
     name = engine.config.model_config.served_model_name
     metrics = ServerMetrics(name, max_model_len=engine.config.model_config.max_model_len)
-    llm = AsyncLLM(engine, metrics.observe_step)
-    config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name)
+    llm = AsyncLLM(engine, step_observer(metrics, engine, args))
+    config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,
+                         extra_model_names=tuple((args.served_model_name or [])[1:]))
     app = build_app(llm, config, metrics)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=10))
@@ -324,7 +390,7 @@ def main(args: argparse.Namespace) -> int:
     llm.add_dead_callback(on_engine_dead)
     logger.info("serving %s on http://%s:%d", name, args.host, args.port)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # a second Ctrl-C during the graceful shutdown
         return 130
     if llm.errored is not None:

@@ -68,9 +68,11 @@ class OpenAIHandlers:
         tokenizers: where prompts are tokenized.
     """
 
-    def __init__(self, llm: AsyncLLM, served_model_name: str, tokenizers: TokenizerPool) -> None:
+    def __init__(self, llm: AsyncLLM, served_model_name: str, tokenizers: TokenizerPool,
+                 aliases: tuple[str, ...] = ()) -> None:
         self.llm = llm
         self.model_name = served_model_name
+        self.model_aliases = aliases  # more accepted `model` values (--served-model-name A B ...)
         self.tokenizers = tokenizers
         self.tokenizer = Tokenizer(tokenizers.path)  # event loop thread only
         self.max_model_len = llm.engine.config.model_config.max_model_len
@@ -78,7 +80,7 @@ class OpenAIHandlers:
     # ------------------------------------------------------------------ input
     def check_model(self, model: str | None) -> None:
         """Raises APIError (400) when `model` is given and is not the served model."""
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.model_aliases:
             raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.")
 
     async def tokenize(self, fn: Callable[[Tokenizer], T]) -> T:

@@ -8,6 +8,7 @@ drive a worker in another process.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -91,6 +92,11 @@ class ModelRunner:
             )
         self.eos_token_id = arch.eos_token_id
         self.block_size = cache_config.block_size
+        if cache_config.num_kv_blocks is None and cache_config.gpu_memory_utilization is not None:
+            from pdkv.worker.memory import free_memory_bytes, kv_budget_bytes
+
+            budget = kv_budget_bytes(free_memory_bytes(self.device), cache_config.gpu_memory_utilization)
+            cache_config = dataclasses.replace(cache_config, kv_cache_memory_bytes=budget)
         self.kv_cache_config: KVCacheConfig = make_kv_cache_config(
             arch, cache_config, model_config.dtype, model_config.max_model_len
         )

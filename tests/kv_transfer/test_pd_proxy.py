@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -360,15 +361,78 @@ def test_unreachable_decode_is_502(pd_stack):
         assert "unreachable" in r.json()["error"]["message"]
 
 
-def test_pdkv_up_demo_runs_real_prompts(tmp_path):
-    """README's main job: `pdkv up --mode pd --demo` answers real chat prompts through the proxy."""
-    t0 = time.monotonic()
-    out = subprocess.run(
-        [sys.executable, "-m", "pdkv.cli", "up", "--mode", "pd", "--demo", "--log-dir",
-         str(tmp_path / "logs"), "--", "--num-kv-blocks", "256", "--max-model-len", "1024"],
-        capture_output=True, text=True, timeout=600,
+def _read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> list[str]:
+    """Lines of `proc`'s stdout up to the one starting with `marker` (raises on exit or timeout)."""
+    import queue
+
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        assert line is not None, "pdkv up exited:\n" + "".join(seen)
+        seen.append(line)
+        if line.startswith(marker):
+            return seen
+
+
+def test_pdkv_up_pd_demo_bench_serve_and_request_logs(tmp_path, capsys):
+    """README's main job, in one 1P1D `pdkv up --mode pd`: it lists each process (role, URL,
+    threads, log file); the demo answers real chat prompts through the proxy; `pdkv bench serve`
+    with vLLM's flag names runs through the proxy and counts input tokens with the model's
+    tokenizer (the proxy forwards /v1/models, /tokenize and /detokenize to D); each engine logs
+    one line per finished request (D's name the pulled tokens and bytes) and stats lines."""
+    from pdkv.router.demo import run_demo
+    from pdkv.router.launcher import Child, Topology
+
+    logs = tmp_path / "logs"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pdkv.cli", "up", "--mode", "pd", "--log-dir", str(logs), "--",
+         "--num-kv-blocks", "256", "--max-model-len", "1024", "--log-stats-interval", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "Paris" in out.stdout
-    assert out.stdout.count("KV moved P->D") == 4
-    assert time.monotonic() - t0 < 600
+    try:
+        listing = "".join(_read_until(up, "ready: ", timeout=400))
+        endpoint = listing.split("ready: ")[1].split()[0]
+        for name, role in (("prefill0", "prefill (kv_producer)"), ("decode0", "decode (kv_consumer)")):
+            assert f"  {name}: {role}, http://127.0.0.1:" in listing
+            assert f" threads, log {logs / name}.log" in listing
+        assert "  proxy: proxy (P/D, round_robin), " + endpoint in listing
+        d_url = listing.split("  decode0: decode (kv_consumer), ")[1].split(",")[0]
+
+        run_demo(Topology([Child("decode0", d_url, [], {})], endpoint), "smollm2")
+        demo = capsys.readouterr().out
+        assert "Paris" in demo
+        assert demo.count("KV moved P->D") == 4
+
+        from pdkv.cli import main as pdkv_main
+
+        t0 = time.monotonic()
+        rc = pdkv_main(["bench", "serve", "--base-url", endpoint, "--backend", "openai", "--dataset-name", "random",
+                        "--random-input-len", "32", "--random-output-len", "4", "--num-prompts", "2", "--save-result",
+                        "--result-dir", str(tmp_path), "--result-filename", "bench.json", "--disable-tqdm"])
+        print(f"bench serve took {time.monotonic() - t0:.1f} s")
+        assert rc == 0, capsys.readouterr().out
+        result = json.loads((tmp_path / "bench.json").read_text())
+        assert result["completed"] == 2 and result["config"]["endpoint"] == "completions"
+        assert result["config"]["tokenizer"] == "server"  # the model's tokenizer, through the proxy
+        assert result["input_lens"] == [32, 32]
+    finally:
+        os.killpg(up.pid, signal.SIGTERM)
+        up.wait(60)
+    d_log = (logs / "decode0.log").read_text()
+    p_log = (logs / "prefill0.log").read_text()
+    finished = [line for line in d_log.splitlines() if "finished request " in line]
+    assert len(finished) == 6  # 4 demo prompts + 2 bench requests
+    assert all("kv_bytes=0 " not in line and "pulled_tokens=0 " not in line and "(p2p=" in line
+               for line in finished)
+    assert p_log.count("finished request ") == 6
+    assert "Avg prompt throughput: " in p_log and "Avg generation throughput: " in d_log

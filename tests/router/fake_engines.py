@@ -70,7 +70,7 @@ class FakeEngine:
     """Answers like a P (kv_transfer_params) or a D (text) and counts each route it served.
 
     Attributes:
-        hits: route name -> calls ("prefill", "decode", "tokenize", "kv_layout").
+        hits: route name -> calls ("prefill", "decode", "tokenize", "detokenize", "kv_layout").
         role, layout: what GET /kv_layout reports (role None: 404, no connector).
         decode_error: (status, message) D answers the decode leg with, if set.
         control_port: where the params say P's control server is (0: none).
@@ -129,6 +129,12 @@ class FakeEngine:
             self.hits["tokenize"] += 1
             n = len(str(body.get("prompt") or body.get("messages")).split())
             return {"count": n, "max_model_len": self.max_model_len}
+
+        @app.post("/detokenize")
+        async def detokenize(req: Request) -> Any:
+            body = await req.json()
+            self.hits["detokenize"] += 1
+            return {"prompt": " ".join(f"t{t}" for t in body.get("tokens", []))}
 
         @app.get("/kv_layout")
         async def kv_layout() -> Any:

@@ -240,3 +240,14 @@ def test_an_unexpected_proxy_error_is_500_json_not_text():
         assert s.control.got.wait(10) and s.control.notices[0][1] == "release"
     finally:
         s.stop()
+
+
+def test_models_tokenize_detokenize_are_forwarded_to_decode(stack):
+    models = httpx.get(stack.url + "/v1/models", timeout=10)
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "smollm2"
+    tok = httpx.post(stack.url + "/tokenize", json={"prompt": "a b c"}, timeout=10)
+    assert tok.status_code == 200 and tok.json()["count"] == 3
+    detok = httpx.post(stack.url + "/detokenize", json={"tokens": [5, 7]}, timeout=10)
+    assert detok.status_code == 200 and detok.json() == {"prompt": "t5 t7"}
+    assert stack.d.hits["tokenize"] == 1 and stack.d.hits["detokenize"] == 1
+    assert stack.p.hits["tokenize"] == 0 and stack.p.hits["detokenize"] == 0

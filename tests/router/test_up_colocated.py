@@ -57,3 +57,15 @@ def test_routing_compare_reads_counters_by_label():
     assert total(samples, "pdkv:kv_pool_hit_tokens_total", tier="all") == 64
     assert total(samples, "pdkv:kv_pool_hit_tokens_total") == 128
     assert total(samples, "pdkv:prompt_tokens_total") == 100
+
+
+def test_pd_listing_names_role_url_threads_log_and_forwards_disable_log_requests():
+    args = _args("--mode", "pd", "--threads-per-engine", "3", "--disable-log-requests")
+    topo = launcher.build_topology(args)
+    p, d, proxy = topo.children
+    p.log_path = "logs/prefill0.log"
+    assert p.describe() == f"prefill0: prefill (kv_producer), {p.url}, 3 threads, log logs/prefill0.log"
+    assert d.describe().startswith(f"decode0: decode (kv_consumer), {d.url}, 3 threads, log ")
+    assert proxy.describe().startswith(f"proxy: proxy (P/D, round_robin), {proxy.url}, -, log ")
+    assert "--disable-log-requests" in p.cmd and "--disable-log-requests" in d.cmd
+    assert "--disable-log-requests" not in launcher.build_topology(_args("--mode", "pd")).children[0].cmd

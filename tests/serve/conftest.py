@@ -18,7 +18,8 @@ MAX_MODEL_LEN = 1024
 @pytest.fixture(scope="session")
 def server():
     args = ["serve", "--model", "smollm2", "--num-kv-blocks", str(NUM_KV_BLOCKS),
-            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "128"]
+            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "128",
+            "--served-model-name", "smollm2", "pdkv-alias"]
     with RemoteServer(args) as srv:
         yield srv
 

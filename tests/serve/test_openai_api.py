@@ -29,7 +29,11 @@ def _greedy(reference_llm, prompt=None, messages=None, n=24):
 
 def test_models_lists_served_model(client):
     models = client.models.list()
-    assert [m.id for m in models.data] == ["smollm2"]
+    assert [m.id for m in models.data] == ["smollm2", "pdkv-alias"]  # --served-model-name smollm2 pdkv-alias
+    out = client.completions.create(model="pdkv-alias", prompt=PROMPT, max_tokens=1)
+    assert out.model == "smollm2"  # every name is accepted, the first is reported
+    with pytest.raises(openai.BadRequestError, match="does not exist"):
+        client.completions.create(model="pdkv-alias-2", prompt=PROMPT, max_tokens=1)
 
 
 def test_completion_matches_offline(client, reference_llm):

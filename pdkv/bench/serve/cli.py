@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from typing import Any
 
 from pdkv.bench.results import write_result_json
 from pdkv.bench.serve.client import parse_endpoint
@@ -34,6 +36,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--base-url", default=d.base_url, help="server root, e.g. http://127.0.0.1:8000")
     g.add_argument("--endpoint", type=_endpoint, default=d.endpoint,
                    help="completions (/v1/completions) or chat (/v1/chat/completions)")
+    g.add_argument("--backend", choices=sorted(BACKENDS), default=None,
+                   help="vLLM's name for the endpoint: openai / vllm = completions, openai-chat = chat "
+                        "(overrides --endpoint)")
+    g.add_argument("--tokenizer", default=None,
+                   help="when the server has no /tokenize: count tokens with this model's tokenizer "
+                        "(alias, HF id in the local cache, or folder; default: the model)")
     g.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
@@ -48,19 +56,23 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="do not scrape server metrics")
 
     g = parser.add_argument_group("dataset")
-    g.add_argument("--dataset", choices=DATASETS, default=d.dataset)
+    g.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default=d.dataset)
     g.add_argument("--dataset-path", default=None,
-                   help='jsonl file for --dataset jsonl: {"prompt": str, "output_len": int?}')
+                   help='jsonl: lines {"prompt": str, "output_len": int?}; sharegpt: ShareGPT\'s JSON list of '
+                        '{"conversations": [{"from", "value"}, ...]} (a local file)')
+    g.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="sharegpt: max_tokens of every request (default: the second turn's length)")
     g.add_argument("--num-prompts", type=int, default=d.num_prompts,
                    help="requests; multi-turn: conversations (requests = conversations x turns)")
     g.add_argument("--num-turns", type=int, default=d.num_turns,
                    help="multi-turn: turns per conversation; turn t's prompt = turns before it + a new "
                         "question of --input-len tokens (earlier answers: --output-len tokens)")
-    g.add_argument("--input-len", type=int, default=d.input_len,
+    g.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=d.input_len,
                    help="prompt tokens (random), suffix tokens (prefix-repetition) or new question "
                         "tokens per turn (multi-turn)")
-    g.add_argument("--output-len", type=int, default=d.output_len, help="max_tokens per request")
-    g.add_argument("--range-ratio", type=float, default=d.range_ratio,
+    g.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=d.output_len,
+                   help="max_tokens per request")
+    g.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=d.range_ratio,
                    help="lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1")
     g.add_argument("--prefix-len", type=int, default=d.prefix_len,
                    help="shared prefix tokens (prefix-repetition)")
@@ -82,14 +94,24 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--percentiles", type=_percentiles, default=list(d.percentiles),
                    help="comma-separated percentiles to report, e.g. 50,90,99")
     g.add_argument("--result-json", default=None, help="write the result dict to this file")
+    g.add_argument("--save-result", action="store_true",
+                   help="vLLM's: write the result dict to --result-dir/--result-filename")
+    g.add_argument("--result-dir", default=".", help="--save-result: folder")
+    g.add_argument("--result-filename", default=None,
+                   help="--save-result: file name (default: pdkv-<endpoint>-<rate>qps-<model>-<time>.json)")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     return parser
 
 
+# vLLM's --backend values -> our endpoint.
+BACKENDS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat"}
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """A `BenchConfig` from parsed `add_cli_args` flags (raises ValueError when invalid)."""
+    endpoint = BACKENDS[args.backend] if getattr(args, "backend", None) else args.endpoint
     return BenchConfig(
-        base_url=args.base_url, endpoint=args.endpoint, model=args.model,
+        base_url=args.base_url, endpoint=endpoint, model=args.model,
         dataset=args.dataset, dataset_path=args.dataset_path, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
         prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, vocab_size=args.vocab_size,
@@ -100,7 +122,24 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         api_key=args.api_key, metrics_url=args.metrics_url,
         scrape_metrics=args.scrape_metrics, disable_tqdm=args.disable_tqdm,
         ignore_eos=args.ignore_eos, request_timeout=args.request_timeout,
+        tokenizer=getattr(args, "tokenizer", None), sharegpt_output_len=getattr(args, "sharegpt_output_len", None),
     )
+
+
+def result_path(args: argparse.Namespace, result: dict[str, Any]) -> str | None:
+    """Where to write the result: --result-json, else with --save-result
+    --result-dir/--result-filename (default name as vLLM's, with pdkv's endpoint), else None."""
+    if args.result_json:
+        return str(args.result_json)
+    if not getattr(args, "save_result", False):
+        return None
+    name = args.result_filename
+    if not name:
+        model = str(result.get("config", {}).get("model") or "model").replace("/", "_")
+        rate = result.get("request_rate")
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        name = f"pdkv-{result.get('config', {}).get('endpoint', 'completions')}-{rate}qps-{model}-{stamp}.json"
+    return os.path.join(args.result_dir, name)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -119,7 +158,10 @@ def main(args: argparse.Namespace) -> int:
     if errors:
         print(errors)
     print(format_result_table(result))
-    if args.result_json:
-        write_result_json(result, args.result_json)
-        print(f"result written to {args.result_json}")
+    path = result_path(args, result)
+    if path:
+        if os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_result_json(result, path)
+        print(f"result written to {path}")
     return 0 if result["completed"] > 0 else 1

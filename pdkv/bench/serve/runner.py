@@ -28,12 +28,14 @@ from tqdm import tqdm
 
 from pdkv.bench.serve import datasets
 from pdkv.bench.serve.client import ENDPOINT_PATHS, auth_headers, send_request
+from pdkv.bench.serve.local_tokenizer import load_local_tokenizer_async
 from pdkv.bench.serve.metrics import compute_metrics
 from pdkv.bench.serve.records import RequestResult, SampleRequest
 from pdkv.bench.serve.report import build_result
 from pdkv.bench.serve.server_metrics import combine_deltas, metrics_targets, scrape_all
+from pdkv.bench.serve.sharegpt import sharegpt_dataset
 
-DATASETS = ("random", "prefix-repetition", "multi-turn", "jsonl")
+DATASETS = ("random", "prefix-repetition", "multi-turn", "jsonl", "sharegpt")
 
 
 @dataclass
@@ -65,13 +67,17 @@ class BenchConfig:
     disable_tqdm: bool = False
     ignore_eos: bool = True
     request_timeout: float = 6 * 3600.0
+    tokenizer: str | None = None
+    """Local tokenizer (alias, HF id, folder) used when the server has no /tokenize (None: the
+    model name)."""
+    sharegpt_output_len: int | None = None
 
     def __post_init__(self) -> None:
         """Validate the settings that would otherwise fail late."""
         if self.dataset not in DATASETS:
             raise ValueError(f"unknown dataset {self.dataset!r}: use one of {DATASETS}")
-        if self.dataset == "jsonl" and not self.dataset_path:
-            raise ValueError("--dataset jsonl needs --dataset-path FILE")
+        if self.dataset in ("jsonl", "sharegpt") and not self.dataset_path:
+            raise ValueError(f"--dataset {self.dataset} needs --dataset-path FILE")
         if self.endpoint not in ENDPOINT_PATHS:
             raise ValueError(f"unknown endpoint {self.endpoint!r}")
         if self.num_prompts < 1:
@@ -139,6 +145,8 @@ async def build_dataset(cfg: BenchConfig, tok: datasets.PromptTokenizer) -> list
             tok, cfg.num_prompts, cfg.prefix_len, cfg.input_len, cfg.output_len,
             cfg.num_prefixes, cfg.range_ratio, cfg.vocab_size, cfg.seed)
     assert cfg.dataset_path is not None
+    if cfg.dataset == "sharegpt":
+        return await sharegpt_dataset(tok, cfg.dataset_path, cfg.num_prompts, cfg.seed, cfg.sharegpt_output_len)
     return await datasets.jsonl_dataset(tok, cfg.dataset_path, cfg.num_prompts, cfg.output_len)
 
 
@@ -190,9 +198,7 @@ async def run_benchmark(cfg: BenchConfig, log: Callable[[str], Any] = print) -> 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         model = cfg.model or await first_model(client, cfg.base_url, headers)
-        tok = await datasets.server_tokenizer_or_words(client, cfg.base_url, model, headers)
-        if tok.name != "server":
-            log("WARNING: the server has no /tokenize; prompt lengths are counted in words")
+        tok = await pick_tokenizer(client, cfg, model, headers, log)
         try:
             samples = await build_dataset(cfg, tok)
         except httpx.HTTPStatusError as e:
@@ -212,6 +218,25 @@ async def run_benchmark(cfg: BenchConfig, log: Callable[[str], Any] = print) -> 
     metrics = compute_metrics(results, duration, cfg.percentiles, cfg.goodput)
     return build_result(cfg, model, tok.name, metrics, results,
                         combine_deltas(before, after) if urls else None)
+
+
+async def pick_tokenizer(client: httpx.AsyncClient, cfg: BenchConfig, model: str,
+                         headers: dict[str, str], log: Callable[[str], Any]) -> datasets.PromptTokenizer:
+    """The server's tokenizer (/tokenize + /detokenize); without them the model's own loaded
+    locally (`cfg.tokenizer`, else the model name: an alias, HF id in the local cache or
+    folder); failing that, one word per token (with a warning)."""
+    tok = await datasets.server_tokenizer_or_words(client, cfg.base_url, model, headers)
+    if tok.name == "server":
+        return tok
+    name = cfg.tokenizer or model
+    try:
+        local = await load_local_tokenizer_async(name)
+    except (ValueError, OSError) as e:
+        log(f"WARNING: the server has no /tokenize and no local tokenizer for {name!r} ({e}); "
+            "prompt lengths are counted in words (give --tokenizer)")
+        return tok
+    log(f"the server has no /tokenize; counting tokens with the tokenizer of {name!r} ({local.source})")
+    return local
 
 
 def run_serve_bench(cfg: BenchConfig, log: Callable[[str], Any] = print) -> dict[str, Any]:

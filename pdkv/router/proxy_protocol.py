@@ -1,0 +1,58 @@
+"""The vLLM P/D proxy protocol's pieces that need no app state: the prefill leg's body, the
+error JSON, and releasing a prefill engine's held blocks (see `pdkv.router.proxy`).
+(Protocol: vllm tests/v1/kv_connector/nixl_integration/toy_proxy_server.py.)"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+
+def error_response(message: str, status: int, err_type: str) -> JSONResponse:
+    """OpenAI's error JSON with HTTP status `status`."""
+    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg's body (see module docstring)."""
+    p = copy.deepcopy(body)
+    p["max_tokens"] = 1
+    if "max_completion_tokens" in p:
+        p["max_completion_tokens"] = 1
+    p["stream"] = False
+    p.pop("stream_options", None)
+    p.pop("min_tokens", None)
+    p.pop("min_completion_tokens", None)
+    p["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    return p
+
+
+def release_prefill(params: dict[str, Any]) -> bool:
+    """Tell the prefill engine named in `params` (P's kv_transfer_params) that its held blocks
+    will never be read (blocking, best effort; the lease still bounds the hold). The one place
+    that maps the params onto the connector's release helper. Returns whether P acknowledged."""
+    from pdkv.kv_transfer.connector.p2p_messages import send_release
+
+    return send_release(host=str(params["remote_host"]), port=int(params["remote_port"]),
+                        request_id=str(params["remote_request_id"]),
+                        nonce=str(params.get("remote_nonce", "")))
+
+
+def releasable(params: Any) -> bool:
+    """Whether P's kv_transfer_params name blocks that can be released."""
+    return isinstance(params, dict) and bool(params.get("remote_host")) and "remote_request_id" in params
+
+
+def is_layout_error(content: bytes) -> bool:
+    """Whether an engine's error body reports a KV layout mismatch."""
+    return b"KV layout mismatch" in content
