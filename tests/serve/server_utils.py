@@ -33,7 +33,7 @@ class RemoteServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PDKV_NUM_THREADS=os.environ.get("PDKV_NUM_THREADS", "2"), **(env or {}))
-        self.log = open(os.devnull, "w")  # noqa: SIM115 - closed in stop()
+        self.log = open(os.environ.get("PDKV_TEST_SERVER_LOG", os.devnull), "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdkv.cli", *args, "--host", "127.0.0.1", "--port", str(self.port),
              "--log-level", "warning"],
