@@ -185,7 +185,7 @@ def run_topology(spec: TopologySpec, args: argparse.Namespace, points: Sequence[
             warm_up(client, topo.endpoint, model, args.pool_chunk_size)
             for point in points:
                 bench = bench_config(args, point)
-                for cache in ("cold", "hot"):
+                for cache in point.caches:
                     step(f"{spec.name} {point.input_len} tok c{point.max_concurrency or 'inf'} {cache}")
                     if cache == "hot":
                         reset_prefix_caches(client, engines)
@@ -266,7 +266,7 @@ def main(args: argparse.Namespace) -> int:
             skipped[capped_name(args.link_rate)] = f"skipped: {reason}"
     command = "pdkv compare " + shlex.join(strip_inner(after))
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    points = sweep(args.input_lens, args.max_concurrency, args.seed)
+    points = sweep(args.input_lens, args.max_concurrency, args.seed, hot_longest_only=args.quick)
     instances_ok = launcher_has("num_instances")
     skip_ok = launcher_has("skip_prefill_on_pool_hit")
     runnable = []
@@ -280,7 +280,7 @@ def main(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     failed = False
     t0 = time.monotonic()
-    progress = _Progress(2 * len(points) * len(runnable), args.disable_tqdm)
+    progress = _Progress(sum(len(p.caches) for p in points) * len(runnable), args.disable_tqdm)
     try:
         for i, spec in enumerate(runnable, 1):
             progress.write(f"[{i}/{len(runnable)}] {spec.name} ({time.monotonic() - t0:.0f} s so far)")

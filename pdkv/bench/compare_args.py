@@ -19,7 +19,7 @@ from pdkv.router.pool_topology import POOL_TIERS
 
 DEFAULT_ENGINE_ARGS = ("--num-kv-blocks", "512", "--max-model-len", "2048")
 QUICK_ENGINE_ARGS = ("--num-kv-blocks", "128", "--max-model-len", "512")
-DEFAULT_INPUT_LENS = "128,1024"
+DEFAULT_INPUT_LENS = "128,512"
 QUICK_INPUT_LENS = "16,64"
 DEFAULT_CONCURRENCY = "1,2"
 QUICK_CONCURRENCY = "2"
@@ -28,11 +28,13 @@ QUICK_CONCURRENCY = "2"
 @dataclass(frozen=True)
 class RunPoint:
     """One point of the sweep: prompt tokens, max concurrency (0 = unbounded) and the seed of
-    its random prompts (a different seed per point, so every point's cold run sees new prompts)."""
+    its random prompts (a different seed per point, so every point's cold run sees new prompts);
+    `caches` the runs made at this point, in order."""
 
     input_len: int
     max_concurrency: int
     seed: int
+    caches: tuple[str, ...] = ("cold", "hot")
 
 
 def parse_int_list(text: str, name: str, minimum: int) -> list[int]:
@@ -50,10 +52,14 @@ def parse_int_list(text: str, name: str, minimum: int) -> list[int]:
     return list(dict.fromkeys(vals))
 
 
-def sweep(input_lens: list[int], concurrencies: list[int], seed: int) -> list[RunPoint]:
-    """Every (prompt length, concurrency) pair, lengths outer, seeds seed, seed+1, ..."""
+def sweep(input_lens: list[int], concurrencies: list[int], seed: int,
+          hot_longest_only: bool = False) -> list[RunPoint]:
+    """Every (prompt length, concurrency) pair, lengths outer, seeds seed, seed+1, ...; cold then
+    hot at each, or (`hot_longest_only`, --quick) hot only at the longest prompt."""
     pairs = [(n, c) for n in input_lens for c in concurrencies]
-    return [RunPoint(n, c, seed + i) for i, (n, c) in enumerate(pairs)]
+    longest = max(input_lens)
+    return [RunPoint(n, c, seed + i, ("cold", "hot") if n == longest or not hot_longest_only else ("cold",))
+            for i, (n, c) in enumerate(pairs)]
 
 
 def bench_config(args: argparse.Namespace, point: RunPoint) -> BenchConfig:
@@ -117,8 +123,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help=f"comma-separated (default {DEFAULT_TOPOLOGIES}; --quick: {QUICK_TOPOLOGIES}; "
                              "also colocated+offload, colocated2+pool)")
     parser.add_argument("--quick", action="store_true",
-                        help=f"tiny sizes for CI: prompts of {QUICK_INPUT_LENS} tokens, concurrency "
-                             f"{QUICK_CONCURRENCY}, 2 prompts, 4 output tokens, {QUICK_TOPOLOGIES}")
+                        help=f"tiny sizes for CI: prompts of {QUICK_INPUT_LENS} tokens (hot only for the "
+                             f"longest), concurrency {QUICK_CONCURRENCY}, 2 prompts, 4 output tokens, "
+                             f"{QUICK_TOPOLOGIES}")
     parser.add_argument("--model", default="smollm2", help="alias (smollm2) or HF folder")
     parser.add_argument("--pool-tier", choices=POOL_TIERS, default="disk",
                         help="tier of the +pool topologies (P and D are separate processes: not dram)")

@@ -45,6 +45,9 @@ def test_sweep_lists_give_every_point_its_own_seed_and_quick_is_small():
     points = sweep([128, 1024], [1, 4], seed=7)
     assert [(p.input_len, p.max_concurrency, p.seed) for p in points] == [
         (128, 1, 7), (128, 4, 8), (1024, 1, 9), (1024, 4, 10)]
+    assert all(p.caches == ("cold", "hot") for p in points)
+    quick = sweep([16, 64], [2], seed=0, hot_longest_only=True)
+    assert [(p.input_len, p.caches) for p in quick] == [(16, ("cold",)), (64, ("cold", "hot"))]
     args = resolve_args(add_cli_args(argparse.ArgumentParser()).parse_args(["--quick"]))
     assert args.input_lens == [16, 64] and args.max_concurrency == [2] and args.num_prompts == 2
     args = resolve_args(add_cli_args(argparse.ArgumentParser()).parse_args(
