@@ -49,7 +49,7 @@ from pdkv.bench.compare_netns import (
     run_inside,
     strip_inner,
 )
-from pdkv.bench.compare_output import write_report
+from pdkv.bench.compare_output import rerender, write_report
 from pdkv.bench.compare_phases import latency_samples, phase_groups, raw_phase_means
 from pdkv.bench.compare_report import counter_deltas, engine_counters, summarize_run
 from pdkv.bench.compare_topologies import (
@@ -253,6 +253,10 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop children, namespaces
     args = resolve_args(args)
     after = _argv_after_compare()
+    if args.from_json:
+        text = rerender(args, args.from_json, ("pdkv compare " + shlex.join(after)).strip())
+        print(text)
+        return 0
     specs = parse_topologies(args.topologies)
     skipped: dict[str, str] = {}
     if args.link_rate:
@@ -264,7 +268,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             print(f"pdkv compare --link-rate {args.link_rate}: skipped the capped link: {reason}", flush=True)
             skipped[capped_name(args.link_rate)] = f"skipped: {reason}"
-    command = "pdkv compare " + shlex.join(strip_inner(after))
+    command = ("pdkv compare " + shlex.join(strip_inner(after))).strip()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     points = sweep(args.input_lens, args.max_concurrency, args.seed, hot_longest_only=args.quick)
     instances_ok = launcher_has("num_instances")

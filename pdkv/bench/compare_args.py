@@ -150,6 +150,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "1gbit): network namespaces + tbf, root and iproute2 needed (skipped "
                              "with a message otherwise)")
     parser.add_argument("--netns-inner", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--from-json", default=None,
+                        help="run nothing: rewrite the report (--out) from this compare.json, e.g. "
+                             "after a change to the report code; give the measured run's flags")
     parser.add_argument("--out", default="docs/COMPARE.md",
                         help="report: a .md file (plots beside it in a folder) or a folder")
     parser.add_argument("--log-dir", default="pdkv-logs/compare", help="one folder of logs per topology")

@@ -11,8 +11,9 @@ the report says what this run measured, not what is expected:
 * a capped link (pd over `--link-rate` vs pd over loopback and colocated), with the plan's
   handoff prediction beside the measured one.
 
-A difference within `NOISE` of the baseline is called "no clear difference" (runs on a shared box
-move by this much between repeats).
+A difference within the run's own noise is called "no clear difference": the largest |hot / cold
+− 1| of mean TTFT over the topologies without a pool (where hot repeats cold: a control), never
+below `NOISE` (`measured_noise`).
 """
 
 from __future__ import annotations
@@ -30,15 +31,26 @@ def pool_hit_rate(row: Row) -> float | None:
     return None if hits is None or n <= 0 else float(hits) / n
 
 
+def measured_noise(rows: Sequence[Row]) -> float:
+    """The largest relative TTFT gap between a control topology's hot and cold runs at the same
+    point (no pool, no offload, no capped link: hot repeats cold), at least `NOISE`."""
+    idx = _index(rows)
+    gaps = [abs(hot["mean_ttft_ms"] / cold["mean_ttft_ms"] - 1)
+            for (topo, n, c, cache), cold in idx.items()
+            if cache == "cold" and "+" not in topo and not cold.get("link_rate")
+            and (hot := idx.get((topo, n, c, "hot"))) is not None and cold["mean_ttft_ms"] > 0]
+    return max([NOISE, *gaps])
+
+
 def _index(rows: Sequence[Row]) -> dict[tuple[str, int, int, str], Row]:
     return {(r["topology"], int(r["input_len"]), int(r["max_concurrency"] or 0), r["cache"]): r
             for r in rows}
 
 
-def _verdict(new: float, base: float) -> str:
-    """"+35% slower" / "-20% faster" / "no clear difference (+4%)"."""
+def _verdict(new: float, base: float, noise: float = NOISE) -> str:
+    """"+35% slower" / "-20% faster" / "no clear difference (+4%)" (within `noise`)."""
     change = new / base - 1 if base > 0 else 0.0
-    if abs(change) <= NOISE:
+    if abs(change) <= noise:
         return f"no clear difference ({change:+.0%})"
     return f"{change:+.0%}, {'slower' if change > 0 else 'faster'}"
 
@@ -51,7 +63,7 @@ def _group(r: Row, name: str) -> float:
     return float((r.get("phase_groups") or {}).get(name, 0.0))
 
 
-def explain_pd(rows: Sequence[Row]) -> list[str]:
+def explain_pd(rows: Sequence[Row], noise: float = NOISE) -> list[str]:
     """P/D vs colocated, cold runs, one line per (prompt length, concurrency) both ran."""
     idx, out = _index(rows), []
     for (topo, n, c, cache), colo in sorted(idx.items(), key=lambda kv: (kv[0][1], kv[0][2])):
@@ -59,20 +71,20 @@ def explain_pd(rows: Sequence[Row]) -> list[str]:
         if topo != "colocated" or cache != "cold" or pd is None:
             continue
         added = _group(pd, "hold") + _group(pd, "transfer") + _group(pd, "d_first_step")
-        pays = pd["mean_ttft_ms"] < colo["mean_ttft_ms"] * (1 - NOISE)
+        pays = pd["mean_ttft_ms"] < colo["mean_ttft_ms"] * (1 - noise)
         out.append(
             f"{n}-token prompts, concurrency {c}: P/D TTFT {_ms(pd['mean_ttft_ms'])} vs colocated "
-            f"{_ms(colo['mean_ttft_ms'])} ({_verdict(pd['mean_ttft_ms'], colo['mean_ttft_ms'])}); "
+            f"{_ms(colo['mean_ttft_ms'])} ({_verdict(pd['mean_ttft_ms'], colo['mean_ttft_ms'], noise)}); "
             f"P/D adds hold + transfer + D first step = {added:.0f} ms per request; TPOT "
             f"{pd['mean_tpot_ms']:.0f} vs {colo['mean_tpot_ms']:.0f} ms "
-            f"({_verdict(pd['mean_tpot_ms'], colo['mean_tpot_ms'])}). "
+            f"({_verdict(pd['mean_tpot_ms'], colo['mean_tpot_ms'], noise)}). "
             + ("P/D pays on TTFT here." if pays else "P/D does not pay on TTFT here"
                + (" (it may on TPOT: decode no longer waits behind prefills)."
-                  if pd["mean_tpot_ms"] < colo["mean_tpot_ms"] * (1 - NOISE) else ".")))
+                  if pd["mean_tpot_ms"] < colo["mean_tpot_ms"] * (1 - noise) else ".")))
     return out
 
 
-def explain_pool(rows: Sequence[Row]) -> list[str]:
+def explain_pool(rows: Sequence[Row], noise: float = NOISE) -> list[str]:
     """Each `X+pool...` topology against `X` (same prompt length and concurrency)."""
     idx, out = _index(rows), []
     for (topo, n, c, cache), r in sorted(idx.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
@@ -85,21 +97,22 @@ def explain_pool(rows: Sequence[Row]) -> list[str]:
             continue
         h = pool_hit_rate(hot)
         rate = "-" if h is None else f"{h:.0%}"
-        pays = hot["mean_ttft_ms"] < base["mean_ttft_ms"] * (1 - NOISE)
-        line = (f"`{topo}`, {n}-token prompts, concurrency {c}: cold (hit rate 0) TTFT "
-                f"{_ms(r['mean_ttft_ms'])} vs `{base_name}` {_ms(base['mean_ttft_ms'])} "
-                f"({_verdict(r['mean_ttft_ms'], base['mean_ttft_ms'])}: the saves' cost); hot (pool hit "
+        pays = hot["mean_ttft_ms"] < base["mean_ttft_ms"] * (1 - noise)
+        line = (f"`{topo}`, {n}-token prompts, concurrency {c}: cold (hit rate 0: the pool only costs "
+                f"its saves) TTFT {_ms(r['mean_ttft_ms'])} vs `{base_name}` {_ms(base['mean_ttft_ms'])} "
+                f"({_verdict(r['mean_ttft_ms'], base['mean_ttft_ms'], noise)}); hot (pool hit "
                 f"rate {rate}) TTFT {_ms(hot['mean_ttft_ms'])} "
-                f"({_verdict(hot['mean_ttft_ms'], base['mean_ttft_ms'])} vs `{base_name}` cold). ")
-        if h is not None and h == 0:
-            line += "No whole chunk of these prompts fits in the pool: it cannot pay at this length."
+                f"({_verdict(hot['mean_ttft_ms'], base['mean_ttft_ms'], noise)} vs `{base_name}` cold). ")
+        if not h:
+            line += ("The pool served no token of these prompts (a prompt must span more than one "
+                     "whole chunk): it cannot pay at this length.")
         else:
             line += "The pool pays here." if pays else "The pool does not pay here."
         out.append(line)
     return out
 
 
-def explain_offload(rows: Sequence[Row]) -> list[str]:
+def explain_offload(rows: Sequence[Row], noise: float = NOISE) -> list[str]:
     """colocated+offload (hot: served from the host store) vs colocated hot."""
     idx, out = _index(rows), []
     for (topo, n, c, cache), r in sorted(idx.items(), key=lambda kv: (kv[0][1], kv[0][2])):
@@ -108,14 +121,14 @@ def explain_offload(rows: Sequence[Row]) -> list[str]:
             continue
         share = r.get("offload_wait_share")
         out.append(f"CPU offload, {n}-token prompts, concurrency {c}: hot TTFT {_ms(r['mean_ttft_ms'])} vs "
-                   f"colocated {_ms(base['mean_ttft_ms'])} ({_verdict(r['mean_ttft_ms'], base['mean_ttft_ms'])})"
+                   f"colocated {_ms(base['mean_ttft_ms'])} ({_verdict(r['mean_ttft_ms'], base['mean_ttft_ms'], noise)})"
                    + ("" if share is None else f"; copies' exposed wait {share:.1%} of the run") + ". "
-                   + ("Offload pays here." if r["mean_ttft_ms"] < base["mean_ttft_ms"] * (1 - NOISE)
+                   + ("Offload pays here." if r["mean_ttft_ms"] < base["mean_ttft_ms"] * (1 - noise)
                       else "Offload does not pay here."))
     return out
 
 
-def explain_link(rows: Sequence[Row]) -> list[str]:
+def explain_link(rows: Sequence[Row], noise: float = NOISE) -> list[str]:
     """pd over the capped link vs pd over loopback and colocated, cold, per prompt length."""
     idx, out = _index(rows), []
     for (topo, n, c, cache), r in sorted(idx.items(), key=lambda kv: (kv[0][1], kv[0][2])):
@@ -124,21 +137,28 @@ def explain_link(rows: Sequence[Row]) -> list[str]:
         pd, colo = idx.get(("pd", n, c, "cold")), idx.get(("colocated", n, c, "cold"))
         parts = [f"`{topo}` ({r['link_rate']}), {n}-token prompts, concurrency {c}: TTFT {_ms(r['mean_ttft_ms'])}"]
         if pd is not None:
-            parts.append(f"pd over loopback {_ms(pd['mean_ttft_ms'])} ({_verdict(r['mean_ttft_ms'], pd['mean_ttft_ms'])})")
+            parts.append(f"pd over loopback {_ms(pd['mean_ttft_ms'])} ({_verdict(r['mean_ttft_ms'], pd['mean_ttft_ms'], noise)})")
         if colo is not None:
-            parts.append(f"colocated {_ms(colo['mean_ttft_ms'])} ({_verdict(r['mean_ttft_ms'], colo['mean_ttft_ms'])})")
+            parts.append(f"colocated {_ms(colo['mean_ttft_ms'])} ({_verdict(r['mean_ttft_ms'], colo['mean_ttft_ms'], noise)})")
         line = "; ".join(parts) + (f"; handoff measured {_ms(r.get('meas_handoff_ms'))}, plan "
                                    f"{_ms(r.get('pred_handoff_ms'))}. ")
         if pd is not None:
             line += (f"The capped link adds {r['mean_ttft_ms'] - pd['mean_ttft_ms']:+.0f} ms to TTFT "
                      f"({_group(r, 'transfer') - _group(pd, 'transfer'):+.0f} ms in the transfer phase). ")
         if colo is not None:
-            line += ("P/D over this link still pays on TTFT." if r["mean_ttft_ms"] < colo["mean_ttft_ms"] * (1 - NOISE)
+            line += ("P/D over this link still pays on TTFT." if r["mean_ttft_ms"] < colo["mean_ttft_ms"] * (1 - noise)
                      else "P/D over this link does not pay on TTFT.")
         out.append(line)
     return out
 
 
 def explain(rows: Sequence[Row]) -> list[str]:
-    """All generated statements (Markdown bullets' text), P/D, pool, offload, link in order."""
-    return explain_pd(rows) + explain_pool(rows) + explain_offload(rows) + explain_link(rows)
+    """All generated statements (Markdown bullets' text): the noise threshold, then P/D, pool,
+    offload, link in order."""
+    noise = measured_noise(rows)
+    head = [f"Differences within ±{noise:.0%} are called no clear difference: the largest gap between "
+            "hot and cold mean TTFT of a topology without a pool (hot repeats cold there) in this run, "
+            f"at least {NOISE:.0%}."]
+    body = (explain_pd(rows, noise) + explain_pool(rows, noise) + explain_offload(rows, noise)
+            + explain_link(rows, noise))
+    return head + body if body else []

@@ -27,6 +27,22 @@ from pdkv.plan.model import ModelSpec, spec_from_hf_config
 from pdkv.plan.resolve import load_config
 
 
+def rerender(args: argparse.Namespace, path: str, rendered_by: str) -> str:
+    """Rewrite the report under `args.out` from a compare.json (no runs: after a change to the
+    report code); the rows, command, date, machine and workload are the measured run's.
+
+    Raises:
+        OSError / ValueError: unreadable file or not a compare.json.
+    """
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise ValueError(f"{path} is not a pdkv compare.json")
+    return write_report(data["rows"], args, command=data.get("command", "?"), date=data.get("date", "?"),
+                        skipped=data.get("skipped", {}), total_s=0.0, machine=data.get("machine"),
+                        workload=data.get("workload"), rendered_by=rendered_by)
+
+
 def plan_model(name: str) -> ModelSpec | None:
     """The planner's model spec for `name` (None when no config.json is found)."""
     try:
@@ -47,9 +63,14 @@ def workload_text(args: argparse.Namespace, total_s: float) -> str:
 
 
 def write_report(rows: list[dict[str, Any]], args: argparse.Namespace, *, command: str, date: str,
-                 skipped: Mapping[str, str], total_s: float) -> str:
+                 skipped: Mapping[str, str], total_s: float, machine: str | None = None,
+                 workload: str | None = None, rendered_by: str | None = None) -> str:
     """Add the predictions to `rows` (in place), write the Markdown report, its plots and
-    compare.json under `args.out`; returns the report text."""
+    compare.json under `args.out`; returns the report text. `machine` / `workload`: the measured
+    run's (when re-rendering from its compare.json; default this machine now and `args`);
+    `rendered_by`: the command that re-rendered it."""
+    machine = machine or machine_text()
+    workload = workload or workload_text(args, total_s)
     ctx = PlanContext(args.kv_transfer, args.pool_tier, args.link_rate, args.link_rate_bps)
     for r in rows:  # measured handoffs first: the fixed cost is calibrated on them
         r["raw_phases"] = r.get("raw_phases") or {}
@@ -82,8 +103,10 @@ def write_report(rows: list[dict[str, Any]], args: argparse.Namespace, *, comman
         ("When it does not pay (generated from the rows above)", explain(rows)),
     ]
     sections = [(t, lines) for t, lines in sections if lines and lines[0]]
-    text = render_report(rows, command=command, date=date, machine=machine_text(),
-                         workload=workload_text(args, total_s),
+    if rendered_by:
+        workload += f"; report re-rendered from its compare.json by `{rendered_by}`"
+    text = render_report(rows, command=command, date=date, machine=machine,
+                         workload=workload,
                          notes=report_notes(args) + plan_assumptions(ctx, fixed), skipped=skipped,
                          plots=plots, plot_note=plot_note, sections=sections)
     os.makedirs(os.path.dirname(md_path) or ".", exist_ok=True)
@@ -91,6 +114,7 @@ def write_report(rows: list[dict[str, Any]], args: argparse.Namespace, *, comman
     with open(md_path, "w") as f:
         f.write(text)
     with open(json_path, "w") as f:
-        json.dump({"command": command, "date": date, "machine": machine_text(), "rows": rows,
+        json.dump({"command": command, "date": date, "machine": machine,
+                   "workload": workload.split("; report re-rendered")[0], "rows": rows,
                    "skipped": dict(skipped)}, f, indent=1, default=str)
     return text

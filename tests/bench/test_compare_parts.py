@@ -10,7 +10,7 @@ import json
 import pytest
 
 from pdkv.bench.compare_args import add_cli_args, parse_int_list, resolve_args, sweep
-from pdkv.bench.compare_explain import explain, pool_hit_rate
+from pdkv.bench.compare_explain import explain, measured_noise, pool_hit_rate
 from pdkv.bench.compare_netns import cap_topology, inner_argv, strip_inner
 from pdkv.bench.compare_phases import PHASE_GROUPS, latency_samples, phase_groups
 from pdkv.bench.compare_plan import (
@@ -132,7 +132,14 @@ def test_explanations_follow_the_measured_rows():
     assert "hit rate 88%" in pool_long and "The pool pays here." in pool_long
     assert pool_hit_rate(rows[-1]) == pytest.approx(0.875)
     flipped = explain([_row("colocated", 1024, "cold", 5000.0), _row("pd", 1024, "cold", 5200.0)])
-    assert "no clear difference" in flipped[0] and "does not pay" in flipped[0]
+    assert "±10%" in flipped[0]
+    assert "no clear difference" in flipped[1] and "does not pay" in flipped[1]
+    # the threshold is the run's own noise: a control topology's hot vs cold gap (30% here)
+    noisy = [_row("colocated", 1024, "cold", 5000.0), _row("colocated", 1024, "hot", 6500.0),
+             _row("pd", 1024, "cold", 4000.0)]
+    assert measured_noise(noisy) == pytest.approx(0.30)
+    text = explain(noisy)
+    assert "±30%" in text[0] and "no clear difference (-20%)" in text[1]
     weak = explain([_row("colocated", 1024, "cold", 5000.0), _row("pd", 1024, "cold", 4000.0),
                     _row("pd@1gbit", 1024, "cold", 6000.0, link_rate="1gbit", meas_handoff_ms=400.0,
                          pred_handoff_ms=380.0)])
