@@ -96,7 +96,7 @@ def explain_pool(rows: Sequence[Row], noise: float = NOISE) -> list[str]:
         if base is None or hot is None:
             continue
         h = pool_hit_rate(hot)
-        rate = "-" if h is None else f"{h:.0%}"
+        rate = f"{h or 0.0:.0%}"
         pays = hot["mean_ttft_ms"] < base["mean_ttft_ms"] * (1 - noise)
         line = (f"`{topo}`, {n}-token prompts, concurrency {c}: cold (hit rate 0: the pool only costs "
                 f"its saves) TTFT {_ms(r['mean_ttft_ms'])} vs `{base_name}` {_ms(base['mean_ttft_ms'])} "
