@@ -45,6 +45,8 @@ SAVE_QUEUE_GAUGE = "pdkv:kv_pool_save_queue_depth"
 # (row key, column header, format) of the Markdown table, in order.
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("topology", "topology", "s"),
+    ("input_len", "prompt", "d"),
+    ("max_concurrency", "conc", "conc"),
     ("cache", "cache", "s"),
     ("completed", "ok", "d"),
     ("mean_ttft_ms", "TTFT mean (ms)", ".0f"),
@@ -133,6 +135,8 @@ def _cell(value: Any, fmt: str) -> str:
         return format_bytes(value)
     if fmt == "tokens":
         return "-" if value is None else f"{value:.0f}"
+    if fmt == "conc":
+        return "-" if value is None else (str(value) if value else "inf")
     if fmt == "share":
         return "-" if value is None else f"{100 * value:.2f}%"
     if fmt == "rates":
@@ -155,14 +159,22 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 def render_report(rows: Sequence[Mapping[str, Any]], *, command: str, date: str, machine: str,
                   workload: str, notes: Sequence[str], skipped: Mapping[str, str],
-                  plots: Sequence[str], plot_note: str | None) -> str:
-    """The whole Markdown report: how it was made, the table, skipped topologies, plots."""
+                  plots: Sequence[str], plot_note: str | None,
+                  sections: Sequence[tuple[str, Sequence[str]]] = ()) -> str:
+    """The whole Markdown report: how it was made, the table, skipped topologies, `sections`
+    (title, bullet lines or one preformatted block starting with "|"), notes, plots."""
     out = ["# pdkv compare", "",
            f"- command: `{command}`", f"- date: {date}", f"- machine: {machine}",
            f"- workload: {workload}", "", markdown_table(rows), ""]
     if skipped:
         out.append("Skipped topologies:")
         out += [f"- `{name}`: {why}" for name, why in skipped.items()]
+        out.append("")
+    for title, lines in sections:
+        if not lines:
+            continue
+        out += [f"## {title}", ""]
+        out += list(lines) if lines[0].startswith("|") else [f"- {x}" for x in lines]
         out.append("")
     if notes:
         out.append("How to read it:")
@@ -173,41 +185,3 @@ def render_report(rows: Sequence[Mapping[str, Any]], *, command: str, date: str,
     for path in plots:
         out += [f"![{path}]({path})", ""]
     return "\n".join(out)
-
-
-def write_plots(rows: Sequence[Mapping[str, Any]], folder: str, prefix: str) -> list[str]:
-    """PNG bar charts (TTFT mean/p99, TPOT mean and ITL p99, KV bytes per path) into `folder`;
-    returns their file names. Raises ImportError when matplotlib is not installed."""
-    import os
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['topology']}\n{r['cache']}" for r in rows]
-    charts = (
-        ("latency", "ms", (("mean_ttft_ms", "TTFT mean"), ("p99_ttft_ms", "TTFT p99"),
-                           ("mean_tpot_ms", "TPOT mean"), ("p99_itl_ms", "ITL p99"))),
-        ("bytes", "MiB", (("p2p_bytes", "P2P"), ("pool_bytes_read", "pool read"),
-                          ("pool_bytes_written", "pool written"))),
-    )
-    names = []
-    os.makedirs(folder, exist_ok=True)
-    for name, unit, series in charts:
-        fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(rows)), 4.0))
-        width = 0.8 / len(series)
-        for i, (key, label) in enumerate(series):
-            scale = 1.0 / (1 << 20) if unit == "MiB" else 1.0
-            values = [(r.get(key) or 0.0) * scale for r in rows]
-            ax.bar([x + i * width for x in range(len(rows))], values, width, label=label)
-        ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(rows))], labels, fontsize=8)
-        ax.set_ylabel(unit)
-        ax.legend(fontsize=8)
-        ax.set_title(f"pdkv compare: {name}")
-        fig.tight_layout()
-        fname = f"{prefix}{name}.png"
-        fig.savefig(os.path.join(folder, fname), dpi=90)
-        plt.close(fig)
-        names.append(fname)
-    return names

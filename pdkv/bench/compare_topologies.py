@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pdkv.router import launcher
 
-DEFAULT_TOPOLOGIES = "colocated,pd,pd+pool,pd+pool+skip,colocated+pool,colocated2+pool"
+DEFAULT_TOPOLOGIES = "colocated,pd,pd+pool,pd+pool+skip,colocated+pool"
 QUICK_TOPOLOGIES = "colocated,pd"
 
 _TOPOLOGY_RE = re.compile(r"^(colocated|pd)(\d*)(\+pool)?(\+skip)?(\+offload)?$")
@@ -22,7 +22,8 @@ OFFLOAD_CPU_BYTES = 4 << 30
 class TopologySpec:
     """One topology to compare: `mode` as in `pdkv up --mode`, `pool` whether engines get the KV
     pool, `instances` colocated engines behind the proxy (1 = a single engine, no proxy),
-    `skip_prefill` the proxy's `--skip-prefill-on-pool-hit` (P/D + pool only)."""
+    `skip_prefill` the proxy's `--skip-prefill-on-pool-hit` (P/D + pool only), `offload` a CPU
+    offload host store, `link_rate` (tc syntax) P behind a capped link (pdkv.bench.compare_netns)."""
 
     name: str
     mode: str
@@ -30,6 +31,7 @@ class TopologySpec:
     instances: int = 1
     skip_prefill: bool = False
     offload: bool = False
+    link_rate: str | None = None
 
 
 def parse_topologies(text: str) -> list[TopologySpec]:

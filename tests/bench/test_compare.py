@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from pdkv.bench.compare import report_paths
+from pdkv.bench.compare_args import report_paths
 from pdkv.bench.compare_report import (
     counter_deltas,
     engine_counters,
@@ -90,9 +90,9 @@ def test_markdown_table_has_a_header_and_one_line_per_row():
             summarize_run("pd", "hot", RESULT, {"prefill0": {"prefix_queries": 10.0, "prefix_hits": 5.0},
                                                 "decode0": {"p2p_bytes": 3.0 * 2**20}})]
     lines = markdown_table(rows).splitlines()
-    assert len(lines) == 4 and lines[0].startswith("| topology | cache |")
+    assert len(lines) == 4 and lines[0].startswith("| topology | prompt | conc | cache |")
     cells = [c.strip() for c in lines[3].strip("|").split("|")]
-    assert cells[:4] == ["pd", "hot", "6", "1234"]
+    assert cells[:6] == ["pd", "-", "-", "hot", "6", "1234"]
     assert "3.0 MiB" in cells and "prefill0 50%" in cells
     assert cells[-3] == "prefill0 50%"  # decode0 had no query: not listed
     assert format_bytes(None) == "-" and format_bytes(512) == "512 B" and format_bytes(1536) == "1.5 KiB"
@@ -115,20 +115,30 @@ def test_compare_quick_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = (out / "COMPARE.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| topology")]
-    assert [tuple(c.strip() for c in r.strip("|").split("|")[:3]) for r in rows] == [
-        ("colocated", "cold", "2"), ("colocated", "hot", "2"), ("pd", "cold", "2"), ("pd", "hot", "2")]
+    table = [tuple(c.strip() for c in r.strip("|").split("|")[:5]) for r in rows[:6]]
+    assert table == [(t, n, "2", cache, "2") for t in ("colocated", "pd")
+                     for n, cache in (("16", "cold"), ("64", "cold"), ("64", "hot"))]
     data = json.loads((out / "compare.json").read_text())
-    by = {(r["topology"], r["cache"]): r for r in data["rows"]}
+    by = {(r["topology"], r["input_len"], r["cache"]): r for r in data["rows"]}
     # P/D moves the prompt's KV from P to D in both runs (P's prefix cache is reset for hot too).
-    assert by[("pd", "cold")]["p2p_bytes"] > 0 and by[("pd", "hot")]["p2p_bytes"] > 0
-    assert by[("colocated", "cold")]["p2p_bytes"] == 0
+    assert by[("pd", 64, "cold")]["p2p_bytes"] > 0 and by[("pd", 64, "hot")]["p2p_bytes"] > 0
+    assert by[("colocated", 64, "cold")]["p2p_bytes"] == 0
+    # the phases came back from the servers and the plan's prediction sits beside the measurement
+    pd = by[("pd", 64, "cold")]
+    assert pd["phase_groups"]["prefill"] > 0 and pd["phase_groups"]["transfer"] > 0
+    assert pd["pred_handoff_ms"] > 0 and pd["meas_handoff_ms"] > 0
+    assert len(pd["tpots_ms"]) == 2 and pd["itls_ms"]
+    for section in ("## TTFT phases", "## Plan vs measured", "## Break-even", "## When it does not pay",
+                    "P/D TTFT"):
+        assert section in text
     assert "pdkv compare --quick" in text and "CPUs" in text
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         assert "matplotlib is not installed" in text
     else:
-        assert (out / "compare_latency.png").stat().st_size > 0
+        for name in ("phases", "tpot_itl", "bytes", "hit_rates"):
+            assert (out / f"compare_{name}.png").stat().st_size > 0
     print(f"pdkv compare --quick took {elapsed:.0f} s")
 
 
