@@ -137,22 +137,15 @@ def test_prompt_logprobs_match_decode_logprobs(llm):
 
 
 def test_structured_output_in_a_mixed_batch(llm):
-    import json
-
     from pdkv.sampling_params import StructuredOutputsParams
 
     choice = SamplingParams(temperature=1.0, seed=2, max_tokens=8,
                             structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"]))
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
-              "additionalProperties": False}
-    js = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=schema))
-    free = SamplingParams(temperature=0, max_tokens=8)
-    outs = llm.generate([PROMPT, PROMPT, PROMPT], [choice, js, free])
+    free = SamplingParams(temperature=0, max_tokens=6)
+    outs = llm.generate([PROMPT, PROMPT], [choice, free])
     assert outs[0].outputs[0].text in ("alpha", "beta")
     assert outs[0].outputs[0].finish_reason == "stop"
-    value = json.loads(outs[1].outputs[0].text)
-    assert set(value) == {"n"} and isinstance(value["n"], int)
-    assert outs[2].outputs[0].text == _tokens(llm, free).text  # the masks stay in their rows
+    assert outs[1].outputs[0].text == _tokens(llm, free).text  # the mask stays in its row
     with pytest.raises(ValueError, match="grammar is invalid"):
         llm.generate(PROMPT, SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-")))
     assert_no_leak(llm)
