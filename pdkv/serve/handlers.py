@@ -65,8 +65,9 @@ def unsupported_field(req: CompletionRequest | ChatCompletionRequest) -> tuple[s
             return "best_of", "best_of is not supported (vLLM V1 has no best_of)"
         if req.suffix is not None:
             return "suffix", "suffix is not supported"
-        if req.echo and req.logprobs is not None:
-            return "echo", "echo with logprobs is not supported (ask for prompt_logprobs instead)"
+        if req.echo and req.logprobs is not None and (req.stream or req.kv_transfer_params):
+            return "echo", ("echo with logprobs is not supported when streaming or with "
+                            "kv_transfer_params (P/D); ask for prompt_logprobs instead")
     if req.n > 1 and req.kv_transfer_params:
         return "n", "n > 1 is not supported with kv_transfer_params (P/D): send n requests"
     return None
@@ -215,7 +216,7 @@ class OpenAIHandlers:
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 min_p=req.min_p or 0.0,
                 logit_bias=req.logit_bias,
-                prompt_logprobs=req.prompt_logprobs,
+                prompt_logprobs=_prompt_logprobs_wanted(req),
                 structured_outputs=structured_outputs(req),
             )
             if params.structured_outputs is not None:
@@ -286,10 +287,14 @@ class OpenAIHandlers:
                     "stop_reason": comp.stop_reason,
                 }
             else:
+                ids, lps = comp.token_ids, comp.logprobs
+                if p.echo and lps is not None and final.prompt_logprobs is not None:
+                    ids = final.prompt_token_ids + ids  # echo: the prompt's logprobs first
+                    lps = final.prompt_logprobs + lps
                 choice = {
                     "index": i,
                     "text": (p.prompt_text or "") + comp.text if p.echo else comp.text,
-                    "logprobs": self._completion_logprobs(comp.token_ids, comp.logprobs),
+                    "logprobs": self._completion_logprobs(ids, lps),
                     "finish_reason": comp.finish_reason,
                     "stop_reason": comp.stop_reason,
                     "prompt_logprobs": _prompt_logprobs(final),
@@ -389,7 +394,9 @@ class OpenAIHandlers:
     def _token_str(self, tid: int) -> str:
         return self.tokenizer.decode([tid], skip_special_tokens=False)
 
-    def _completion_logprobs(self, ids: list[int], lps: list[dict[int, Logprob]] | None) -> dict[str, Any] | None:
+    def _completion_logprobs(self, ids: list[int], lps: list[dict[int, Logprob] | None] | None) -> dict[str, Any] | None:
+        """OpenAI's completion logprobs; a None entry (the first prompt token of an echo) has
+        no logprob."""
         if lps is None:
             return None
         tokens = [self._token_str(t) for t in ids]
@@ -399,8 +406,9 @@ class OpenAIHandlers:
             pos += len(s)
         return {
             "tokens": tokens,
-            "token_logprobs": [lp[t].logprob if t in lp else None for t, lp in zip(ids, lps)],
-            "top_logprobs": [{self._token_str(k): v.logprob for k, v in lp.items()} for lp in lps],
+            "token_logprobs": [lp[t].logprob if lp and t in lp else None for t, lp in zip(ids, lps)],
+            "top_logprobs": [None if lp is None else {self._token_str(k): v.logprob for k, v in lp.items()}
+                             for lp in lps],
             "text_offset": offsets,
         }
 
@@ -456,6 +464,14 @@ def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> Struct
     if len(found) > 1:
         raise ValueError(f"only one kind of structured output per request, got {[f for f, _ in found]}")
     return found[0][1] if found else None
+
+
+def _prompt_logprobs_wanted(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """prompt_logprobs to ask the engine for: the request's, raised to `logprobs` for a
+    completion with echo (its logprobs start with the prompt's, as in vLLM)."""
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        return max(req.logprobs, req.prompt_logprobs or 0)
+    return req.prompt_logprobs
 
 
 def _structured_field(req: CompletionRequest | ChatCompletionRequest) -> str:

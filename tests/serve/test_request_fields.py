@@ -114,6 +114,12 @@ def test_structured_output_follows_the_grammar(client):
 def test_echo_prepends_the_prompt(client):
     plain = _complete(client, temperature=0).choices[0].text
     assert _complete(client, temperature=0, echo=True).choices[0].text == PROMPT + plain
+    out = _complete(client, temperature=0, echo=True, logprobs=1, max_tokens=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == out.usage.prompt_tokens + out.usage.completion_tokens
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
@@ -126,7 +132,7 @@ def test_echo_prepends_the_prompt(client):
     ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
     ({"best_of": 2}, "best_of"),
     ({"suffix": "end"}, "suffix"),
-    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"echo": True, "logprobs": 1, "stream": True}, "echo"),
     ({"frequency_penalty": 2.5}, "frequency_penalty"),
     ({"extra_body": {"min_p": 2}}, "min_p"),
     ({"logit_bias": {"999999": 5}}, "logit_bias"),
