@@ -13,8 +13,16 @@ from typing import Any, TypeVar
 from pdkv.engine.async_llm import AsyncLLM, EngineDeadError
 from pdkv.model.structured import compile_grammar
 from pdkv.outputs import Logprob, RequestOutput
-from pdkv.sampling_params import SamplingParams, StructuredOutputsParams
+from pdkv.sampling_params import SamplingParams
 from pdkv.serve.fanout import merge_streams
+from pdkv.serve.fields import (
+    MAX_N,
+    field_in,
+    prompt_logprobs_wanted,
+    structured_field,
+    structured_outputs,
+    unsupported_field,
+)
 from pdkv.serve.protocol import ChatCompletionRequest, CompletionRequest
 from pdkv.serve.timings import engine_timings
 from pdkv.tokenizer import Tokenizer, TokenizerPool
@@ -39,38 +47,6 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
                           "code": self.status}}
-
-
-# Most sequences one request may ask for (n).
-MAX_N = 64
-
-
-def unsupported_field(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, str] | None:
-    """(field, why) of the first field in `req` that this server cannot honour, or None."""
-    if req.tools:
-        return "tools", "tool calling is not supported"
-    if req.tool_choice not in (None, "none"):
-        return "tool_choice", "tool calling is not supported (only tool_choice=none)"
-    if req.functions:
-        return "functions", "function calling is not supported"
-    if req.function_call not in (None, "none"):
-        return "function_call", "function calling is not supported"
-    rf = req.response_format
-    if rf is not None and rf.get("type", "text") not in ("text", "json_object", "json_schema"):
-        return "response_format", f"response_format type {rf.get('type')!r} is not supported"
-    if req.prompt_logprobs is not None and req.kv_transfer_params:
-        return "prompt_logprobs", "prompt_logprobs is not supported with kv_transfer_params (P/D)"
-    if isinstance(req, CompletionRequest):
-        if req.best_of is not None and req.best_of != 1:
-            return "best_of", "best_of is not supported (vLLM V1 has no best_of)"
-        if req.suffix is not None:
-            return "suffix", "suffix is not supported"
-        if req.echo and req.logprobs is not None and (req.stream or req.kv_transfer_params):
-            return "echo", ("echo with logprobs is not supported when streaming or with "
-                            "kv_transfer_params (P/D); ask for prompt_logprobs instead")
-    if req.n > 1 and req.kv_transfer_params:
-        return "n", "n > 1 is not supported with kv_transfer_params (P/D): send n requests"
-    return None
 
 
 @dataclass
@@ -216,7 +192,7 @@ class OpenAIHandlers:
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 min_p=req.min_p or 0.0,
                 logit_bias=req.logit_bias,
-                prompt_logprobs=_prompt_logprobs_wanted(req),
+                prompt_logprobs=prompt_logprobs_wanted(req),
                 structured_outputs=structured_outputs(req),
             )
             if params.structured_outputs is not None:
@@ -224,9 +200,9 @@ class OpenAIHandlers:
         except ValueError as e:
             msg = str(e)
             if msg.startswith("structured output grammar"):
-                field = _structured_field(req)
+                field = structured_field(req)
                 raise APIError(f"{field}: {msg}", param=field) from None
-            raise APIError(msg, param=_field_in(msg)) from None
+            raise APIError(msg, param=field_in(msg)) from None
         prefix = "chatcmpl" if chat else "cmpl"
         return PreparedRequest(
             request_id=request_id or f"{prefix}-{uuid.uuid4().hex}",
@@ -263,7 +239,7 @@ class OpenAIHandlers:
                     cache_salt=p.cache_salt,
                 ))
         except ValueError as e:
-            raise APIError(str(e), param=_field_in(str(e))) from None
+            raise APIError(str(e), param=field_in(str(e))) from None
         return merge_streams([self.llm.generate(request, text) for request, text in made])
 
     async def full_response(self, p: PreparedRequest, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> dict[str, Any]:
@@ -432,55 +408,6 @@ class OpenAIHandlers:
         return {"content": content}
 
 
-def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
-    """The grammar a body asks for: response_format json_object / json_schema (OpenAI),
-    guided_json / guided_regex / guided_choice / guided_grammar or structured_outputs (vLLM).
-
-    Raises:
-        ValueError: several of them, or a malformed one (the message names the field).
-    """
-    found: list[tuple[str, StructuredOutputsParams]] = []
-    rf = req.response_format
-    if rf is not None and rf.get("type") == "json_object":
-        found.append(("response_format", StructuredOutputsParams(json_object=True)))
-    elif rf is not None and rf.get("type") == "json_schema":
-        schema = (rf.get("json_schema") or {}).get("schema")
-        if not isinstance(schema, dict):
-            raise ValueError("response_format: json_schema.schema must be a JSON schema object")
-        found.append(("response_format", StructuredOutputsParams(json=schema)))
-    if req.guided_json is not None:
-        found.append(("guided_json", StructuredOutputsParams(json=req.guided_json)))
-    if req.guided_regex is not None:
-        found.append(("guided_regex", StructuredOutputsParams(regex=req.guided_regex)))
-    if req.guided_choice is not None:
-        found.append(("guided_choice", StructuredOutputsParams(choice=tuple(req.guided_choice))))
-    if req.guided_grammar is not None:
-        found.append(("guided_grammar", StructuredOutputsParams(grammar=req.guided_grammar)))
-    if req.structured_outputs is not None:
-        try:
-            found.append(("structured_outputs", StructuredOutputsParams(**req.structured_outputs)))
-        except TypeError as e:
-            raise ValueError(f"structured_outputs: {e}") from None
-    if len(found) > 1:
-        raise ValueError(f"only one kind of structured output per request, got {[f for f, _ in found]}")
-    return found[0][1] if found else None
-
-
-def _prompt_logprobs_wanted(req: CompletionRequest | ChatCompletionRequest) -> int | None:
-    """prompt_logprobs to ask the engine for: the request's, raised to `logprobs` for a
-    completion with echo (its logprobs start with the prompt's, as in vLLM)."""
-    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
-        return max(req.logprobs, req.prompt_logprobs or 0)
-    return req.prompt_logprobs
-
-
-def _structured_field(req: CompletionRequest | ChatCompletionRequest) -> str:
-    for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-        if getattr(req, name) is not None:
-            return name
-    return "structured_outputs"
-
-
 def _prompt_logprobs(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
     """vLLM's JSON of prompt_logprobs: per prompt token None (the first) or
     {token_id: {"logprob", "rank", "decoded_token"}}."""
@@ -489,17 +416,6 @@ def _prompt_logprobs(out: RequestOutput) -> list[dict[str, dict[str, Any]] | Non
     return [None if d is None else {str(t): {"logprob": v.logprob, "rank": v.rank,
                                              "decoded_token": v.decoded_token} for t, v in d.items()}
             for d in out.prompt_logprobs]
-
-
-def _field_in(message: str) -> str | None:
-    """The request field a validation message starts with or names ("min_p must be ...")."""
-    for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                 "structured_outputs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                 "logit_bias", "prompt_logprobs", "logprobs", "temperature", "top_p", "top_k",
-                 "seed", "max_tokens", "min_tokens", "stop_token_ids", "stop", "n"):
-        if message.startswith(name + " ") or f" {name} " in message:
-            return name
-    return None
 
 
 def _sse(obj: dict[str, Any]) -> str:
