@@ -7,16 +7,34 @@ from typing import Any
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability, as vLLM's `Logprob`.
+
+    Attributes:
+        logprob: natural-log probability under the raw model distribution.
+        rank: 1 + the number of tokens more likely than this one.
+        decoded_token: the token's text (special tokens kept).
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence.
 
     Attributes:
-        index: position among the request's sequences (always 0: n=1).
+        index: position among the request's sequences (0 .. n-1).
         text: generated text so far (stop string excluded).
         token_ids: generated token ids so far.
         finish_reason: None while running, then "stop" | "length" | "abort" | "error".
         stop_reason: the stop string or stop token id that ended it, if any.
-        logprobs: per token, {token_id: logprob} (sampled token + top-N), or None.
+        logprobs: per token, {token_id: Logprob} (sampled token + top-N), or None.
         cumulative_logprob: sum of sampled tokens' logprobs when logprobs were requested.
         delta_text / delta_token_ids: what this step added (for streaming).
     """
@@ -26,7 +44,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
@@ -102,7 +120,9 @@ class RequestOutput:
         request_id: id.
         prompt: prompt text (None when given as token ids).
         prompt_token_ids: prompt tokens.
-        outputs: one CompletionOutput.
+        outputs: one CompletionOutput per sequence (n of them).
+        prompt_logprobs: per prompt token, {token_id: Logprob} (None for the first token), when
+            prompt_logprobs was asked; else None.
         finished: True once the request ended.
         num_cached_tokens: prompt tokens served from the prefix cache (or a KV connector).
         kv_load_bytes: bytes of the prompt's KV loaded by KV connectors, by path ("p2p":
@@ -122,3 +142,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -99,12 +99,14 @@ class KVCacheManager:
         """Longest cached prefix of the request, in whole blocks.
 
         At least one token is always left to compute (its logits give the next token), so the
-        hit is capped at num_tokens - 1. Side-effect free (may be called again next step).
+        hit is capped at num_tokens - 1. A request asking for prompt_logprobs gets no hit (every
+        prompt position's logits are needed; vLLM skips the cache read too). Side-effect free
+        (may be called again next step).
 
         Returns:
             (blocks per group, number of computed tokens they cover).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return self.empty_blocks(), 0
         max_length = request.num_tokens - 1
         hits = [m.find_longest_cache_hit(request.block_hashes, max_length) for m in self.managers]

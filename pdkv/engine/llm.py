@@ -14,6 +14,25 @@ from pdkv.sampling_params import SamplingParams
 ChatMessages = list[dict[str, str]]
 
 
+def merge_children(outs: list[RequestOutput], sizes: list[int]) -> list[RequestOutput]:
+    """Group consecutive outputs (`sizes[k]` of them for prompt k) into one RequestOutput per
+    prompt with outputs indexed 0 .. n-1 (the first child's id and metrics)."""
+    merged, at = [], 0
+    for size in sizes:
+        group = outs[at : at + size]
+        at += size
+        first = group[0]
+        comps = []
+        for i, out in enumerate(group):
+            comp = out.outputs[0]
+            comp.index = i
+            comps.append(comp)
+        first.outputs = comps
+        first.finished = all(o.finished for o in group)
+        merged.append(first)
+    return merged
+
+
 class LLM:
     """Generate completions for a batch of prompts with continuous batching.
 
@@ -73,13 +92,17 @@ class LLM:
                     f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
                 )
         engine = self.llm_engine
+        # n > 1: one engine request per sequence (they share the prompt's blocks through the
+        # prefix cache), merged back into one RequestOutput per prompt.
         made = [
-            engine.make_request(p, sp, cache_salt=cache_salt)
+            [engine.make_request(p, sp.child(i), cache_salt=cache_salt) for i in range(sp.n)]
             for p, sp in zip(prompt_list, params_list)
         ]
-        for request, text in made:
-            engine.add_request(request, text)
-        return self._run([r.request_id for r, _ in made], use_tqdm)
+        for group in made:
+            for request, text in group:
+                engine.add_request(request, text)
+        outs = self._run([r.request_id for group in made for r, _ in group], use_tqdm)
+        return merge_children(outs, [len(group) for group in made])
 
     def chat(
         self,

@@ -11,6 +11,7 @@ from pdkv.engine.arg_utils import EngineArgs
 from pdkv.engine.output_processor import OutputProcessor
 from pdkv.kv_transfer.connector.base import KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
+from pdkv.model.structured import compile_grammar
 from pdkv.outputs import RequestOutput
 from pdkv.request import Request, RequestStatus
 from pdkv.sampling_params import SamplingParams
@@ -93,6 +94,19 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})")
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be at most {MAX_LOGPROBS}, got {params.prompt_logprobs}")
+        bad_bias = [t for t in params.logit_bias or {} if t >= self.vocab_size]
+        if bad_bias:
+            raise ValueError(
+                f"token_id(s) {bad_bias} in logit_bias contain out-of-vocab token ids. "
+                f"Vocabulary size: {self.vocab_size}"
+            )
+        if params.structured_outputs is not None:
+            compile_grammar(params.structured_outputs)  # ValueError naming what is wrong
+        if params.n != 1:
+            raise ValueError("n must be 1 for one engine request: LLM.generate and the server "
+                             "run n > 1 as n requests (SamplingParams.child)")
         text: str | None = None
         if isinstance(prompt, str):
             text = prompt
@@ -132,6 +146,9 @@ class LLMEngine:
             cache_salt=cache_salt,
             kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None,
         )
+        if request.kv_transfer_params and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported with kv_transfer_params (P/D): the "
+                             "prompt's KV is computed on another engine")
         if request.kv_transfer_params:
             if self.connector is None:
                 if request.kv_transfer_params.get("do_remote_prefill"):

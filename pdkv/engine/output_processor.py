@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pdkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pdkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pdkv.request import Request, RequestStatus
 from pdkv.sched.output import RequestUpdate
 from pdkv.tokenizer import Tokenizer
@@ -62,8 +62,9 @@ class _ReqState:
     emitted: int = 0
     searched: int = 0
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class OutputProcessor:
@@ -97,8 +98,10 @@ class OutputProcessor:
         st.token_ids.extend(update.new_token_ids)
         if st.logprobs is not None and update.new_logprobs:
             for entry in update.new_logprobs:
-                st.logprobs.append(dict(entry[1:]) | {entry[0][0]: entry[0][1]})
+                st.logprobs.append(self._logprob_dict(entry))
                 st.cumulative_logprob = (st.cumulative_logprob or 0.0) + entry[0][1]
+        if update.prompt_logprobs is not None and st.prompt_logprobs is None:
+            st.prompt_logprobs = [None if e is None else self._logprob_dict(e) for e in update.prompt_logprobs]
         text_ids = update.new_token_ids
         stop_token = update.finished and req.status == RequestStatus.FINISHED_STOPPED
         if stop_token and text_ids and not st.include_stop:
@@ -129,6 +132,14 @@ class OutputProcessor:
         if st is None:
             return None
         return self._make_output(request, st, "", [], True, False)
+
+    def _logprob_dict(self, entry: list[tuple[int, float, int]]) -> dict[int, Logprob]:
+        """{token_id: Logprob} of one position: the top-N, then the sampled token (vLLM's
+        order is by token; ours keeps the top-N order with the sampled token last)."""
+        out: dict[int, Logprob] = {}
+        for tid, lp, rank in entry[1:] + entry[:1]:
+            out[tid] = Logprob(lp, rank, self.tokenizer.decode([tid], skip_special_tokens=False))
+        return out
 
     @staticmethod
     def _truncate_at_stop(st: _ReqState) -> str | None:
@@ -192,4 +203,5 @@ class OutputProcessor:
             ),
             kv_transfer_params=req.output_kv_transfer_params if finished else None,
             error=req.error if finished else None,
+            prompt_logprobs=st.prompt_logprobs,
         )

@@ -82,14 +82,18 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     Attributes:
         sampled_token_ids: req id -> new token ids (requests that reached the end of their
             known tokens this step; prefill chunks that did not are absent).
-        logprobs: req id -> per new token, list of (token_id, logprob) with the sampled token
-            first and then the top-N; None when no request asked.
+        logprobs: req id -> per new token, list of (token_id, logprob, rank) with the sampled
+            token first and then the top-N; None when no request asked.
         kv_connector_output: the KV connector worker's report of this step.
+        prompt_logprobs: req id -> per prompt position, (token_id, logprob, rank) of the prompt
+            token then the top-N (None for position 0); sent with a request's first sampled
+            token, only for requests that asked.
     """
 
     sampled_token_ids: dict[str, list[int]]
-    logprobs: dict[str, list[list[tuple[int, float]]]] | None = None
+    logprobs: dict[str, list[list[tuple[int, float, int]]]] | None = None
     kv_connector_output: KVConnectorOutput | None = None
+    prompt_logprobs: dict[str, list[list[tuple[int, float, int]] | None]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(sampled_token_ids={})
@@ -102,14 +106,17 @@ class RequestUpdate:
     Attributes:
         request: the request (its state after the step).
         new_token_ids: tokens appended this step.
-        new_logprobs: per new token, [(token_id, logprob), ...] or None.
+        new_logprobs: per new token, [(token_id, logprob, rank), ...] or None.
         finished: True when the request finished this step.
+        prompt_logprobs: per prompt position, [(token_id, logprob, rank), ...] (None for
+            position 0), on the request's first token when it asked for prompt_logprobs.
     """
 
     request: Request
     new_token_ids: list[int]
-    new_logprobs: list[list[tuple[int, float]]] | None
+    new_logprobs: list[list[tuple[int, float, int]]] | None
     finished: bool
+    prompt_logprobs: list[list[tuple[int, float, int]] | None] | None = None
 
 
 @dataclass

@@ -212,6 +212,9 @@ class Scheduler:
                         skipped.append(self.waiting.popleft())
                         continue
                     num_external = ext
+                    if request.sampling_params.prompt_logprobs is not None:
+                        # Every prompt position is computed here: its logits are the output.
+                        num_external, load_async = 0, False
                     if not load_async:
                         # Loaded by the worker before this step's forward pass. The last
                         # token is always computed here (its logits give the next token).
@@ -372,7 +375,8 @@ class Scheduler:
                 self.running.remove(request)
                 self._free_request(request)
             logprobs = runner_output.logprobs.get(req_id) if runner_output.logprobs else None
-            updates.append(RequestUpdate(request, token_ids, logprobs, finished))
+            prompt_lps = runner_output.prompt_logprobs.get(req_id) if runner_output.prompt_logprobs else None
+            updates.append(RequestUpdate(request, token_ids, logprobs, finished, prompt_lps))
         return updates
 
     def _free_request(self, request: Request) -> None:

@@ -11,8 +11,18 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pdkv.engine.async_llm import AsyncLLM, EngineDeadError
-from pdkv.outputs import RequestOutput
+from pdkv.model.structured import compile_grammar
+from pdkv.outputs import Logprob, RequestOutput
 from pdkv.sampling_params import SamplingParams
+from pdkv.serve.fanout import merge_streams
+from pdkv.serve.fields import (
+    MAX_N,
+    field_in,
+    prompt_logprobs_wanted,
+    structured_field,
+    structured_outputs,
+    unsupported_field,
+)
 from pdkv.serve.protocol import ChatCompletionRequest, CompletionRequest
 from pdkv.serve.timings import engine_timings
 from pdkv.tokenizer import Tokenizer, TokenizerPool
@@ -29,12 +39,14 @@ class APIError(Exception):
         err_type: OpenAI error type name.
     """
 
-    def __init__(self, message: str, status: int = 400, err_type: str = "BadRequestError") -> None:
+    def __init__(self, message: str, status: int = 400, err_type: str = "BadRequestError",
+                 param: str | None = None) -> None:
         super().__init__(message)
-        self.message, self.status, self.err_type = message, status, err_type
+        self.message, self.status, self.err_type, self.param = message, status, err_type, param
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.err_type, "param": None, "code": self.status}}
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
+                          "code": self.status}}
 
 
 @dataclass
@@ -53,6 +65,7 @@ class PreparedRequest:
     kv_transfer_params: dict[str, Any] | None
     cache_salt: str | None
     received: float = 0.0  # time.monotonic() when the handler started on it (s)
+    echo: bool = False  # completions: the prompt text starts the output text
 
 
 class OpenAIHandlers:
@@ -99,15 +112,18 @@ class OpenAIHandlers:
             if len(prompt) != 1:
                 raise APIError("batched prompts are not supported: send one prompt per request")
             prompt = prompt[0]
-        if req.echo:
-            raise APIError("echo is not supported")
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = await self.tokenize(lambda tok: tok.encode(prompt)) if prompt else []
         else:
             text, ids = None, list(prompt)
-        return self._prepare(req, request_id, ids, text, req.max_tokens, req.logprobs, chat=False,
-                             received=received)
+        prepared = self._prepare(req, request_id, ids, text, req.max_tokens, req.logprobs,
+                                 chat=False, received=received)
+        if req.echo:
+            prepared.echo = True
+            if prepared.prompt_text is None:
+                prepared.prompt_text = await self.tokenize(lambda tok: tok.decode(ids, skip_special_tokens=False))
+        return prepared
 
     async def prepare_chat(self, req: ChatCompletionRequest, request_id: str | None) -> PreparedRequest:
         """Validate, render and tokenize a chat body. Raises APIError (400) on bad input."""
@@ -138,8 +154,11 @@ class OpenAIHandlers:
         chat: bool,
         received: float | None = None,
     ) -> PreparedRequest:
-        if req.n != 1:
-            raise APIError("n must be 1 (several choices per request are not supported)")
+        bad = unsupported_field(req)
+        if bad is not None:
+            raise APIError(f"{bad[0]}: {bad[1]}", param=bad[0])
+        if req.n > MAX_N:
+            raise APIError(f"n must be at most {MAX_N}, got {req.n}", param="n")
         if not ids:
             raise APIError("prompt is empty: at least one token is needed")
         if len(ids) >= self.max_model_len:
@@ -169,9 +188,23 @@ class OpenAIHandlers:
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                n=req.n,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                min_p=req.min_p or 0.0,
+                logit_bias=req.logit_bias,
+                prompt_logprobs=prompt_logprobs_wanted(req),
+                structured_outputs=structured_outputs(req),
             )
+            if params.structured_outputs is not None:
+                compile_grammar(params.structured_outputs)
         except ValueError as e:
-            raise APIError(str(e)) from None
+            msg = str(e)
+            if msg.startswith("structured output grammar"):
+                field = structured_field(req)
+                raise APIError(f"{field}: {msg}", param=field) from None
+            raise APIError(msg, param=field_in(msg)) from None
         prefix = "chatcmpl" if chat else "cmpl"
         return PreparedRequest(
             request_id=request_id or f"{prefix}-{uuid.uuid4().hex}",
@@ -189,81 +222,102 @@ class OpenAIHandlers:
         )
 
     # ---------------------------------------------------------------- running
-    def outputs(self, p: PreparedRequest) -> AsyncIterator[RequestOutput]:
-        """Validate in the engine and start generation.
+    def outputs(self, p: PreparedRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Validate in the engine and start generation: (sequence index, output) pairs; n > 1
+        runs one engine request per sequence (ids `<id>-<i>`, pdkv.serve.fanout).
 
         Raises:
             APIError: the engine rejected the request (400).
         """
+        n = p.params.n
+        made = []
         try:
-            request, text = self.llm.make_request(
-                {"prompt_token_ids": p.prompt_ids, "prompt": p.prompt_text},
-                p.params,
-                p.request_id,
-                kv_transfer_params=p.kv_transfer_params,
-                cache_salt=p.cache_salt,
-            )
+            for i in range(n):
+                made.append(self.llm.make_request(
+                    {"prompt_token_ids": p.prompt_ids, "prompt": p.prompt_text},
+                    p.params.child(i),
+                    p.request_id if n == 1 else f"{p.request_id}-{i}",
+                    kv_transfer_params=p.kv_transfer_params,
+                    cache_salt=p.cache_salt,
+                ))
         except ValueError as e:
-            raise APIError(str(e)) from None
-        return self.llm.generate(request, text)
+            raise APIError(str(e), param=field_in(str(e))) from None
+        return merge_streams([self.llm.generate(request, text) for request, text in made])
 
-    async def full_response(self, p: PreparedRequest, outputs: AsyncIterator[RequestOutput]) -> dict[str, Any]:
-        """Wait for the final output and build the non-streaming response body (with
-        `pdkv_timings`, pdkv.serve.timings)."""
-        final: RequestOutput | None = None
-        async for out in outputs:
-            final = out
-        assert final is not None
-        comp = final.outputs[0]
-        if comp.finish_reason == "error":
-            raise APIError(final.error or "request failed", 500, "InternalServerError")
-        if p.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": comp.text},
-                "logprobs": self._chat_logprobs(comp.token_ids, comp.logprobs),
-                "finish_reason": comp.finish_reason,
-                "stop_reason": comp.stop_reason,
-            }
-        else:
-            choice = {
-                "index": 0,
-                "text": comp.text,
-                "logprobs": self._completion_logprobs(comp.token_ids, comp.logprobs),
-                "finish_reason": comp.finish_reason,
-                "stop_reason": comp.stop_reason,
-            }
+    async def full_response(self, p: PreparedRequest, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> dict[str, Any]:
+        """Wait for the final outputs and build the non-streaming response body (one choice per
+        sequence; `pdkv_timings` of sequence 0, pdkv.serve.timings)."""
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in outputs:
+            finals[i] = out
+        choices = []
+        for i in sorted(finals):
+            final = finals[i]
+            comp = final.outputs[0]
+            if comp.finish_reason == "error":
+                raise APIError(final.error or "request failed", 500, "InternalServerError")
+            if p.chat:
+                choice: dict[str, Any] = {
+                    "index": i,
+                    "message": {"role": "assistant", "content": comp.text},
+                    "logprobs": self._chat_logprobs(comp.token_ids, comp.logprobs),
+                    "finish_reason": comp.finish_reason,
+                    "stop_reason": comp.stop_reason,
+                }
+            else:
+                ids, lps = comp.token_ids, comp.logprobs
+                if p.echo and lps is not None and final.prompt_logprobs is not None:
+                    ids = final.prompt_token_ids + ids  # echo: the prompt's logprobs first
+                    lps = final.prompt_logprobs + lps
+                choice = {
+                    "index": i,
+                    "text": (p.prompt_text or "") + comp.text if p.echo else comp.text,
+                    "logprobs": self._completion_logprobs(ids, lps),
+                    "finish_reason": comp.finish_reason,
+                    "stop_reason": comp.stop_reason,
+                    "prompt_logprobs": _prompt_logprobs(final),
+                }
+            choices.append(choice)
+        first = finals[0]
+        extra = {"prompt_logprobs": _prompt_logprobs(first)} if p.chat else {}
         return {
+            **extra,
             "id": p.request_id,
             "object": "chat.completion" if p.chat else "text_completion",
             "created": p.created,
             "model": p.model,
-            "choices": [choice],
-            "usage": self._usage(final),
-            "kv_transfer_params": final.kv_transfer_params,
-            "pdkv_timings": engine_timings(p.received, final.metrics, time.monotonic()),
+            "choices": choices,
+            "usage": self._usage(list(finals.values())),
+            "kv_transfer_params": first.kv_transfer_params,
+            "pdkv_timings": engine_timings(p.received, first.metrics, time.monotonic()),
         }
 
-    async def stream_response(self, p: PreparedRequest, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
-        """SSE events: content deltas, a final chunk with finish_reason (and kv_transfer_params,
-        `pdkv_timings`: pdkv.serve.timings), usage, then [DONE]."""
+    async def stream_response(self, p: PreparedRequest, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+        """SSE events: content deltas (choice index = sequence), a final chunk per sequence with
+        finish_reason (and kv_transfer_params, `pdkv_timings`: pdkv.serve.timings), usage, then
+        [DONE]. With echo, each sequence starts with the prompt text."""
         obj = "chat.completion.chunk" if p.chat else "text_completion"
         head = {"id": p.request_id, "object": obj, "created": p.created, "model": p.model}
-        if p.chat:
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            yield _sse({**head, "choices": [first]})
-        final: RequestOutput | None = None
+        for i in range(p.params.n):
+            if p.chat:
+                first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                yield _sse({**head, "choices": [first]})
+            elif p.echo:
+                echo = {"index": i, "text": p.prompt_text or "", "logprobs": None, "finish_reason": None}
+                yield _sse({**head, "choices": [echo]})
+        finals: dict[int, RequestOutput] = {}
         first_text: float | None = None  # when the first chunk carrying text was built
+        prompt_lp_sent: set[int] = set()
         try:
-            async for out in outputs:
-                final = out
+            async for index, out in outputs:
+                finals[index] = out
                 comp = out.outputs[0]
                 if comp.finish_reason == "error":
                     raise APIError(out.error or "request failed", 500, "InternalServerError")
                 lps = comp.logprobs[len(comp.logprobs) - len(comp.delta_token_ids):] if comp.logprobs else None
                 if not comp.delta_text and not out.finished and not lps:
                     continue
-                choice: dict[str, Any] = {"index": 0, "finish_reason": comp.finish_reason}
+                choice: dict[str, Any] = {"index": index, "finish_reason": comp.finish_reason}
                 if p.chat:
                     choice["delta"] = {"content": comp.delta_text} if comp.delta_text else {}
                     choice["logprobs"] = self._chat_logprobs(comp.delta_token_ids, lps)
@@ -272,6 +326,9 @@ class OpenAIHandlers:
                     choice["logprobs"] = self._completion_logprobs(comp.delta_token_ids, lps)
                 if out.finished:
                     choice["stop_reason"] = comp.stop_reason
+                if out.prompt_logprobs is not None and index not in prompt_lp_sent:
+                    prompt_lp_sent.add(index)  # with the sequence's first chunk, as vLLM
+                    choice["prompt_logprobs"] = _prompt_logprobs(out)
                 if first_text is None and comp.delta_text:
                     first_text = time.monotonic()
                 chunk = {**head, "choices": [choice]}
@@ -292,14 +349,16 @@ class OpenAIHandlers:
             yield _sse(APIError(f"internal error: {e}", 500, "InternalServerError").body())
             yield "data: [DONE]\n\n"
             return
-        if p.include_usage and final is not None:
-            yield _sse({**head, "choices": [], "usage": self._usage(final)})
+        if p.include_usage and finals:
+            yield _sse({**head, "choices": [], "usage": self._usage(list(finals.values()))})
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------- formatting
     @staticmethod
-    def _usage(out: RequestOutput) -> dict[str, Any]:
-        n_prompt, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    def _usage(outs: list[RequestOutput]) -> dict[str, Any]:
+        """Usage of one request: the prompt once, the tokens of every sequence."""
+        out = outs[0]
+        n_prompt, n_out = len(out.prompt_token_ids), sum(len(o.outputs[0].token_ids) for o in outs)
         return {
             "prompt_tokens": n_prompt,
             "completion_tokens": n_out,
@@ -313,7 +372,9 @@ class OpenAIHandlers:
     def _token_str(self, tid: int) -> str:
         return self.tokenizer.decode([tid], skip_special_tokens=False)
 
-    def _completion_logprobs(self, ids: list[int], lps: list[dict[int, float]] | None) -> dict[str, Any] | None:
+    def _completion_logprobs(self, ids: list[int], lps: list[dict[int, Logprob] | None] | None) -> dict[str, Any] | None:
+        """OpenAI's completion logprobs; a None entry (the first prompt token of an echo) has
+        no logprob."""
         if lps is None:
             return None
         tokens = [self._token_str(t) for t in ids]
@@ -323,21 +384,22 @@ class OpenAIHandlers:
             pos += len(s)
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.get(t) for t, lp in zip(ids, lps)],
-            "top_logprobs": [{self._token_str(k): v for k, v in lp.items()} for lp in lps],
+            "token_logprobs": [lp[t].logprob if lp and t in lp else None for t, lp in zip(ids, lps)],
+            "top_logprobs": [None if lp is None else {self._token_str(k): v.logprob for k, v in lp.items()}
+                             for lp in lps],
             "text_offset": offsets,
         }
 
-    def _chat_logprobs(self, ids: list[int], lps: list[dict[int, float]] | None) -> dict[str, Any] | None:
+    def _chat_logprobs(self, ids: list[int], lps: list[dict[int, Logprob]] | None) -> dict[str, Any] | None:
         if lps is None:
             return None
         content = []
         for t, lp in zip(ids, lps):
             s = self._token_str(t)
-            top = sorted(((k, v) for k, v in lp.items()), key=lambda kv: -kv[1])
+            top = sorted(((k, v.logprob) for k, v in lp.items()), key=lambda kv: -kv[1])
             content.append({
                 "token": s,
-                "logprob": lp.get(t),
+                "logprob": lp[t].logprob if t in lp else None,
                 "bytes": list(s.encode()),
                 "top_logprobs": [
                     {"token": self._token_str(k), "logprob": v, "bytes": list(self._token_str(k).encode())}
@@ -346,6 +408,16 @@ class OpenAIHandlers:
                 ],
             })
         return {"content": content}
+
+
+def _prompt_logprobs(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's JSON of prompt_logprobs: per prompt token None (the first) or
+    {token_id: {"logprob", "rank", "decoded_token"}}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if d is None else {str(t): {"logprob": v.logprob, "rank": v.rank,
+                                             "decoded_token": v.decoded_token} for t, v in d.items()}
+            for d in out.prompt_logprobs]
 
 
 def _sse(obj: dict[str, Any]) -> str:

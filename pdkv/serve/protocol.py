@@ -1,6 +1,10 @@
 """OpenAI-compatible request schemas (pydantic, as FastAPI needs) with vLLM's extensions
-(top_k, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, kv_transfer_params,
-cache_salt).
+(top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, prompt_logprobs,
+include_stop_str_in_output, guided_*, kv_transfer_params, cache_salt).
+
+Every OpenAI / vLLM field is declared, so none is dropped silently: the handlers either apply it
+or answer 400 naming it (tools, structured output, ...). A field no schema knows is ignored with
+a warning in the log, as vLLM does.
 
 Every body rejects (400) NaN / Infinity (also 1e400, which JSON parsing turns into inf) in float
 fields and any string holding a lone UTF-16 surrogate (e.g. "\ud800", valid JSON but not
@@ -9,9 +13,12 @@ Unicode); value ranges are checked by SamplingParams and the engine.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger(__name__)
 
 
 def find_lone_surrogate(data: Any) -> str | None:
@@ -45,6 +52,16 @@ class _Body(BaseModel):
             raise ValueError(f"{where} is not valid Unicode (a lone UTF-16 surrogate)")
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_unknown(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(str(k) for k in data if k not in cls.model_fields)
+            if unknown:
+                logger.warning("The following fields were present in the request but ignored: %s",
+                               unknown)
+        return data
+
 
 class StreamOptions(_Body):
     include_usage: bool = False
@@ -57,6 +74,12 @@ class _SamplingFields(_Body):
     top_p: float | None = None
     top_k: int | None = None
     n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -69,6 +92,19 @@ class _SamplingFields(_Body):
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None
     user: str | None = None
+    # Structured output (OpenAI's response_format, vLLM's guided_* / structured_outputs) and
+    # tool calling: declared so that the handlers can answer 400 naming them.
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -78,6 +114,8 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class ChatMessage(_Body):

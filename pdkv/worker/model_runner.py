@@ -23,13 +23,15 @@ from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.model.attention import AttentionMetadata, PrefillSeq
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
-from pdkv.model.sampler import SamplingRow, sample
+from pdkv.model.sampler import LogprobEntry, SamplingRow, sample
+from pdkv.model.structured import GrammarMatchers
 from pdkv.sampling_params import SamplingParams
 from pdkv.sched.output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from pdkv.tokenizer import Tokenizer
 from pdkv.worker.kv_cache import allocate_kv_cache, make_kv_cache_config
 
 
@@ -45,6 +47,9 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None = None
     stop_ids: tuple[int, ...] = field(default_factory=tuple)
+    # prompt_logprobs requests: entry of each prompt position computed so far ([0] is None).
+    prompt_logprobs: list[list[LogprobEntry] | None] | None = None
+    matcher: Any = None  # structured output: the request's llguidance LLMatcher
 
 
 @dataclass
@@ -125,6 +130,7 @@ class ModelRunner:
             self.connector.register_kv_caches(self.kv_cache_groups)
         self.requests: dict[str, CachedRequestState] = {}
         self.timings = StepTimings()
+        self._grammars: GrammarMatchers | None = None  # built by the first structured request
 
     # ------------------------------------------------------------------ state
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -150,12 +156,22 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 generator=gen,
                 stop_ids=stop_ids,
+                prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                matcher=self._matcher(params, new.token_ids[new.num_prompt_tokens:]),
             )
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             for blocks, new_ids in zip(state.block_ids, cached.new_block_ids):
                 blocks.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def _matcher(self, params: SamplingParams, output_ids: list[int]) -> Any:
+        if params.structured_outputs is None:
+            return None
+        if self._grammars is None:
+            self._grammars = GrammarMatchers(
+                Tokenizer(self.model_config.path).hf, self.model.cfg.vocab_size, self.eos_token_id)
+        return self._grammars.matcher(params.structured_outputs, list(output_ids))
 
     # -------------------------------------------------------------- execution
     @torch.inference_mode()
@@ -171,31 +187,63 @@ class ModelRunner:
             if conn is None:
                 return EMPTY_MODEL_RUNNER_OUTPUT
             return ModelRunnerOutput(sampled_token_ids={}, kv_connector_output=self._connector_output(out))
-        input_ids, positions, meta, logits_idx, sampled_reqs = self._prepare_inputs(out)
+        input_ids, positions, meta, logits_idx, sampled_reqs, prompt_rows = self._prepare_inputs(out)
         t1 = time.perf_counter()
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
         t2 = time.perf_counter()
+        if prompt_rows:
+            self._prompt_logprobs(logits[len(sampled_reqs):], prompt_rows)
+            logits = logits[: len(sampled_reqs)]
         rows = []
         for state in sampled_reqs:
             num_out = len(state.token_ids) - state.num_prompt_tokens
             mask = state.stop_ids if num_out < state.sampling_params.min_tokens else ()
-            rows.append(SamplingRow(state.sampling_params, state.generator, mask))
+            rows.append(SamplingRow(state.sampling_params, state.generator, mask, state.token_ids,
+                                    state.num_prompt_tokens, state.matcher))
         tokens, logprobs = sample(logits, rows) if rows else ([], None)
         result: dict[str, list[int]] = {}
-        lp_out: dict[str, list[list[tuple[int, float]]]] | None = (
+        lp_out: dict[str, list[list[LogprobEntry]]] | None = (
             {} if logprobs is not None else None
         )
+        prompt_lp: dict[str, list[list[LogprobEntry] | None]] = {}
         for i, state in enumerate(sampled_reqs):
             state.token_ids.append(tokens[i])
+            if state.matcher is not None:
+                state.matcher.consume_token(tokens[i])
             result[state.req_id] = [tokens[i]]
             if lp_out is not None and logprobs is not None and logprobs[i]:
                 lp_out[state.req_id] = [logprobs[i]]
+            if state.prompt_logprobs is not None:
+                prompt_lp[state.req_id] = state.prompt_logprobs
+                state.prompt_logprobs = None  # sent once, with the first sampled token
         for req_id, n in out.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
         t3 = time.perf_counter()
         self.timings = StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2)
         kv_out = self._connector_output(out) if conn is not None else None
-        return ModelRunnerOutput(sampled_token_ids=result, logprobs=lp_out or None, kv_connector_output=kv_out)
+        return ModelRunnerOutput(sampled_token_ids=result, logprobs=lp_out or None, kv_connector_output=kv_out,
+                                 prompt_logprobs=prompt_lp or None)
+
+    def _prompt_logprobs(self, logits: torch.Tensor,
+                         rows: list[tuple[CachedRequestState, int, int]]) -> None:
+        """Append prompt logprob entries: for each (state, first position, count), the logits
+        rows of positions p .. p+count-1 give the logprob of prompt token p+1 (batched)."""
+        lps = torch.log_softmax(logits, dim=-1)
+        at = 0
+        for state, first, count in rows:
+            part = lps[at : at + count]
+            at += count
+            targets = torch.tensor(state.token_ids[first + 1 : first + 1 + count], device=lps.device)
+            target_lp = part.gather(1, targets[:, None])
+            ranks = ((part > target_lp).sum(-1) + 1).tolist()
+            k = state.sampling_params.prompt_logprobs or 0
+            top = torch.topk(part, k, dim=-1) if k else None
+            top_ids = top.indices.tolist() if top is not None else [[]] * count
+            top_lps = top.values.tolist() if top is not None else [[]] * count
+            assert state.prompt_logprobs is not None
+            for j, (t, lp, rank) in enumerate(zip(targets.tolist(), target_lp[:, 0].tolist(), ranks)):
+                state.prompt_logprobs.append(
+                    [(t, lp, rank)] + [(i, v, r + 1) for r, (i, v) in enumerate(zip(top_ids[j], top_lps[j]))])
 
     def _connector_output(self, out: SchedulerOutput) -> KVConnectorOutput:
         conn = self.connector
@@ -220,7 +268,8 @@ class ModelRunner:
 
     def _prepare_inputs(
         self, out: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[CachedRequestState]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[CachedRequestState],
+               list[tuple[CachedRequestState, int, int]]]:
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -232,6 +281,8 @@ class ModelRunner:
         dec_lens: list[int] = []
         logits_idx: list[int] = []
         sampled: list[CachedRequestState] = []
+        prompt_idx: list[int] = []
+        prompt_rows: list[tuple[CachedRequestState, int, int]] = []
         for req_id, n in out.num_scheduled_tokens.items():
             state = self.requests[req_id]
             start = len(ids)
@@ -254,6 +305,13 @@ class ModelRunner:
             if c + n == len(state.token_ids):
                 logits_idx.append(start + n - 1)
                 sampled.append(state)
+            if state.prompt_logprobs is not None:
+                # Positions c .. c+n-1 predict prompt tokens c+1 ..; the last prompt token
+                # predicts the first output token (sampled above), not a prompt token.
+                count = min(c + n, state.num_prompt_tokens - 1) - c
+                if count > 0 and len(state.prompt_logprobs) == c + 1:
+                    prompt_idx.extend(range(start, start + count))
+                    prompt_rows.append((state, c, count))
 
         dev = self.device
         decode_token_idx = decode_tables = decode_lens = decode_mask = None
@@ -280,6 +338,7 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),
             meta,
-            torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            torch.tensor(logits_idx + prompt_idx, dtype=torch.long, device=dev),
             sampled,
+            prompt_rows,
         )

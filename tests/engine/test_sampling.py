@@ -74,11 +74,14 @@ def test_logprobs_greedy_token_is_top(llm):
     out = _tokens(llm, SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True))
     assert len(out.logprobs) == 6
     total = 0.0
+    tok_hf = llm.get_tokenizer()
     for tok, lp in zip(out.token_ids, out.logprobs):
         assert tok in lp
-        assert lp[tok] == pytest.approx(max(lp.values()))
-        assert all(v <= 0 for v in lp.values()) and len(lp) >= 3
-        total += lp[tok]
+        assert lp[tok].logprob == pytest.approx(max(v.logprob for v in lp.values()))
+        assert all(v.logprob <= 0 for v in lp.values()) and len(lp) >= 3
+        assert lp[tok].rank == 1 and sorted(v.rank for v in lp.values()) == [1, 2, 3]
+        assert lp[tok].decoded_token == tok_hf.decode([tok])
+        total += lp[tok].logprob
     assert math.isclose(out.cumulative_logprob, total, rel_tol=1e-6)
 
 
@@ -87,3 +90,62 @@ def test_max_model_len_caps_output(llm):
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
     assert out.outputs[0].finish_reason == "length"
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 256
+
+
+def test_penalties_and_bias_change_greedy_output(llm):
+    song = "Sing along: la la la la la la la la"
+    base = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = _tokens(llm, base, song).token_ids
+    freq = _tokens(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                       frequency_penalty=2.0), song).token_ids
+    assert freq != plain
+    # A frequency penalty of 2 makes repeats rarer than in the plain greedy output.
+    assert len(freq) - len(set(freq)) < len(plain) - len(set(plain))
+    banned = plain[0]
+    out = _tokens(llm, SamplingParams(temperature=0, max_tokens=4, logit_bias={banned: -100}))
+    assert banned not in out.token_ids
+
+
+def test_n_sequences_share_prompt_and_seed_reproduces(llm):
+    p = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    a = llm.generate(PROMPT, p)[0]
+    b = llm.generate(PROMPT, p)[0]
+    assert [c.index for c in a.outputs] == [0, 1]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert a.outputs[0].token_ids != a.outputs[1].token_ids
+    # Sequence 1 is the request with seed + 1.
+    one = _tokens(llm, SamplingParams(temperature=1.0, seed=6, max_tokens=8, ignore_eos=True))
+    assert one.token_ids == a.outputs[1].token_ids
+    assert_no_leak(llm)
+
+
+def test_prompt_logprobs_match_decode_logprobs(llm):
+    greedy = _tokens(llm, SamplingParams(temperature=0, max_tokens=4, logprobs=0, ignore_eos=True))
+    ids = llm.get_tokenizer().encode(PROMPT) + greedy.token_ids
+    p = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    for _ in range(2):  # the second run would hit the prefix cache: it is not read for these
+        out = llm.generate({"prompt_token_ids": ids}, p)[0]
+        plp = out.prompt_logprobs
+        assert len(plp) == len(ids) and plp[0] is None
+        assert all(ids[i] in plp[i] and len(plp[i]) >= 2 for i in range(1, len(ids)))
+        n = len(greedy.token_ids)
+        for tok, pos, lp in zip(greedy.token_ids, range(len(ids) - n, len(ids)), greedy.logprobs):
+            assert plp[pos][tok].rank == 1
+            assert plp[pos][tok].logprob == pytest.approx(lp[tok].logprob, abs=2e-3)
+            assert plp[pos][tok].decoded_token == lp[tok].decoded_token
+    assert_no_leak(llm)
+
+
+def test_structured_output_in_a_mixed_batch(llm):
+    from pdkv.sampling_params import StructuredOutputsParams
+
+    choice = SamplingParams(temperature=1.0, seed=2, max_tokens=8,
+                            structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"]))
+    free = SamplingParams(temperature=0, max_tokens=6)
+    outs = llm.generate([PROMPT, PROMPT], [choice, free])
+    assert outs[0].outputs[0].text in ("alpha", "beta")
+    assert outs[0].outputs[0].finish_reason == "stop"
+    assert outs[1].outputs[0].text == _tokens(llm, free).text  # the mask stays in its row
+    with pytest.raises(ValueError, match="grammar is invalid"):
+        llm.generate(PROMPT, SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-")))
+    assert_no_leak(llm)

@@ -216,6 +216,27 @@ def test_pd_prompt_token_counts_sum_and_grafana_pd_panels_are_live(pd_stack):
     assert dd["external_kv_transfer"] > 0
 
 
+def test_sampling_options_carried_to_decode_match_colocated(pd_stack, reference):
+    """The decode leg carries every sampling option: P/D text equals the colocated engine's;
+    n > 1 and prompt_logprobs get a 400 naming them."""
+    _, _, proxy = pd_stack
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
+    prompt = PROMPTS[0]
+    options = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.3,
+               "min_p": 0.2, "seed": 4, "temperature": 0.8, "logit_bias": {13: -100}}
+    ref = reference.generate(prompt, SamplingParams(max_tokens=8, **options))[0].outputs[0]
+    plain = reference.generate(prompt, SamplingParams(max_tokens=8, seed=4, temperature=0.8))[0]
+    assert ref.text != plain.outputs[0].text
+    extra = {k: options[k] for k in ("repetition_penalty", "min_p")}
+    std = {k: v for k, v in options.items() if k not in extra}
+    std["logit_bias"] = {"13": -100}
+    out = client.completions.create(model="smollm2", prompt=prompt, max_tokens=8, extra_body=extra, **std)
+    assert out.choices[0].text == ref.text
+    for field, kw in (("n", {"n": 2}), ("prompt_logprobs", {"extra_body": {"prompt_logprobs": 1}})):
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.completions.create(model="smollm2", prompt=prompt, max_tokens=2, **kw)
+
+
 def test_over_length_prompt_is_400_without_transfer(pd_stack):
     p, d, proxy = pd_stack
     before = metric_value(httpx.get(d.url + "/metrics").text, "pdkv:kv_transfer_bytes_received_total")
