@@ -55,14 +55,24 @@ class CacheConfig:
             kv_cache_memory_bytes by the worker.
         kv_cache_memory_bytes: memory budget for the KV cache when num_kv_blocks is None.
         enable_prefix_caching: reuse full blocks across requests by block hash.
+        cache_dtype: vLLM's `--kv-cache-dtype`; only "auto" (the model dtype) so far.
+
+    Raises:
+        ValueError: an option out of range, or a quantized cache_dtype (not built yet).
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype != "auto":
+            raise ValueError(
+                f"kv_cache_dtype={self.cache_dtype!r} is not supported yet: the KV cache is kept "
+                "in the model dtype ('auto'); quantized KV with its scales is issue 12"
+            )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -122,7 +132,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1 or self.decode_context_parallel_size != 1:
             raise ValueError(
-                "tensor_parallel_size and decode_context_parallel_size > 1 are not supported yet"
+                f"tensor_parallel_size={self.tensor_parallel_size} and decode_context_parallel_size="
+                f"{self.decode_context_parallel_size}: sizes > 1 are not supported yet (TP and DCP: "
+                "issue 10)"
             )
 
 

@@ -38,6 +38,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
@@ -82,6 +83,7 @@ class EngineArgs:
                 num_kv_blocks=self.num_kv_blocks,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 enable_prefix_caching=self.enable_prefix_caching,
+                cache_dtype=self.kv_cache_dtype,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -120,6 +122,8 @@ class EngineArgs:
             action=argparse.BooleanOptionalAction,
             default=d.enable_prefix_caching,
         )
+        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                       help="KV cache dtype: only auto (the model dtype) so far")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests running at once")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help="token budget of one engine step")
