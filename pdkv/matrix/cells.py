@@ -26,7 +26,7 @@ from pdkv.matrix.catalog import (
 
 
 @dataclass(frozen=True)
-class TestOutcome:
+class CheckOutcome:
     """One test's result as the plugin reported it.
 
     Attributes:
@@ -71,7 +71,7 @@ class Cell:
         return "python -m pytest -q " + " ".join(shlex.quote(t) for t in self.tests)
 
 
-def cell_status(expect: str, outcomes: list[TestOutcome | None], nodeids: list[str]) -> tuple[str, str]:
+def cell_status(expect: str, outcomes: list[CheckOutcome | None], nodeids: list[str]) -> tuple[str, str]:
     """(status, detail) of one cell from its tests' outcomes (None: the test never reported).
 
     Raises:
@@ -93,7 +93,7 @@ def cell_status(expect: str, outcomes: list[TestOutcome | None], nodeids: list[s
     return SKIPPED, "; ".join(reasons)
 
 
-def build_cells(items: Iterable[dict[str, object]], results: dict[str, TestOutcome]) -> list[Cell]:
+def build_cells(items: Iterable[dict[str, object]], results: dict[str, CheckOutcome]) -> list[Cell]:
     """Cells in catalog order (features, then models) from the plugin's collected items
     (`{"nodeid", "tags": [[model, feature, expect]], "slow"}`) and the outcomes by node id.
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdkv.matrix.cells import Cell, TestOutcome, build_cells
+from pdkv.matrix.cells import Cell, CheckOutcome, build_cells
 
 MARKER_TEXT = "mark.matrix("
 
@@ -80,7 +80,7 @@ def pytest_command(opts: MatrixOptions, report: str, untagged: list[str]) -> lis
 @dataclass
 class _Progress:
     items: list[dict[str, Any]] = field(default_factory=list)
-    results: dict[str, TestOutcome] = field(default_factory=dict)
+    results: dict[str, CheckOutcome] = field(default_factory=dict)
     collected: bool = False
     announced: set[tuple[str, str]] = field(default_factory=set)
 
@@ -97,8 +97,7 @@ def run_matrix(opts: MatrixOptions, say: Callable[[str], None] = print) -> list[
         raise RuntimeError(f"no test file under {opts.tests} mentions {MARKER_TEXT!r}")
     with tempfile.TemporaryDirectory(prefix="pdkv-matrix-") as tmp:
         report, log_path = os.path.join(tmp, "report.jsonl"), os.path.join(tmp, "pytest.log")
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(x for x in (opts.root, env.get("PYTHONPATH", "")) if x)
+        env = _env(opts)
         state = _Progress()
         say(f"pdkv matrix: running the tagged tests of {len(files)} files (log: pytest -q)")
         t0 = time.monotonic()
@@ -133,6 +132,35 @@ def run_matrix(opts: MatrixOptions, say: Callable[[str], None] = print) -> list[
     return build_cells(state.items, state.results)
 
 
+def _env(opts: MatrixOptions) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (opts.root, env.get("PYTHONPATH", "")) if x)
+    return env
+
+
+def collect(opts: MatrixOptions) -> list[dict[str, Any]]:
+    """The tagged tests pytest collects now (`--collect-only`, nothing runs), as the plugin lists
+    them: `{"nodeid", "tags": [[model, feature, expect]], "slow"}`.
+
+    Raises:
+        RuntimeError: collection failed or passed `opts.timeout_s` (pytest's output in the message).
+    """
+    _, untagged = test_files(opts.root, opts.tests)
+    with tempfile.TemporaryDirectory(prefix="pdkv-matrix-") as tmp:
+        report = os.path.join(tmp, "report.jsonl")
+        try:
+            proc = subprocess.run(pytest_command(opts, report, untagged) + ["--collect-only"],
+                                  cwd=opts.root, env=_env(opts), capture_output=True, text=True,
+                                  timeout=opts.timeout_s)
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"collection passed its deadline of {opts.timeout_s} s") from e
+        lines = Path(report).read_text().splitlines() if os.path.exists(report) else []
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"pytest --collect-only exited {proc.returncode}:\n{proc.stdout[-3000:]}")
+        items: list[dict[str, Any]] = json.loads(lines[0])["items"]
+        return items
+
+
 def _read_events(path: str, offset: int, state: _Progress, say: Callable[[str], None], t0: float) -> int:
     if not os.path.exists(path):
         return offset
@@ -149,7 +177,7 @@ def _read_events(path: str, offset: int, state: _Progress, say: Callable[[str], 
                 cells = {(m, f_) for it in state.items for m, f_, _ in it["tags"]}
                 say(f"{len(cells)} cells, {len(state.items)} tests")
             else:
-                state.results[event["nodeid"]] = TestOutcome(
+                state.results[event["nodeid"]] = CheckOutcome(
                     event["nodeid"], event["outcome"], event["message"], event["detail"], event["seconds"])
                 _announce(state, say, t0)
     return offset
