@@ -32,6 +32,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--features", nargs="+", help=f"feature ids (default all: {', '.join(FEATURE_IDS)})")
     parser.add_argument("--tests", nargs="+", default=["tests"], help="where the tagged tests are")
     parser.add_argument("--timeout", type=float, default=3600.0, help="deadline of the whole run (s)")
+    parser.add_argument("--test-timeout", type=float, default=None,
+                        help="per-test limit (s) for pytest-timeout (unset: the project's)")
     return parser
 
 
@@ -58,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
     opts = MatrixOptions(
         root=root, tests=tuple(args.tests), models=_ids(args.models, MODEL_IDS, "models"),
         features=_ids(args.features, FEATURE_IDS, "features"), quick=args.quick,
-        timeout_s=args.timeout, python=sys.executable)
+        timeout_s=args.timeout, test_timeout_s=args.test_timeout, python=sys.executable)
     try:
         cells = run_matrix(opts)
     except RuntimeError as e:

@@ -36,6 +36,8 @@ class MatrixOptions:
         quick: leave out tests marked `slow` (those that load SmolLM2 or HF's model).
         timeout_s: deadline of the whole pytest run in seconds; tests still unreported then
             make their cells "failed".
+        test_timeout_s: pytest-timeout's limit per test (setup included) in seconds; None keeps
+            the project's (pyproject `timeout`). A slow or busy machine may need more.
         python: interpreter that runs pytest.
     """
 
@@ -45,6 +47,7 @@ class MatrixOptions:
     features: tuple[str, ...] = ()
     quick: bool = False
     timeout_s: float = 3600.0
+    test_timeout_s: float | None = None
     python: str = field(default_factory=lambda: sys.executable)
 
 
@@ -74,6 +77,8 @@ def pytest_command(opts: MatrixOptions, report: str, untagged: list[str]) -> lis
         cmd += ["--matrix-features", ",".join(opts.features)]
     if opts.quick:
         cmd.append("--matrix-quick")
+    if opts.test_timeout_s is not None:
+        cmd += ["-o", f"timeout={opts.test_timeout_s:g}"]
     return cmd + [f"--ignore={f}" for f in untagged] + list(opts.tests)
 
 
