@@ -62,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
         features=_ids(args.features, FEATURE_IDS, "features"), quick=args.quick,
         timeout_s=args.timeout, test_timeout_s=args.test_timeout, python=sys.executable)
     try:
-        cells = run_matrix(opts)
+        cells, tagged = run_matrix(opts)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -72,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
     if opts.features:
         command += " --features " + " ".join(opts.features)
     today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    write(args.out, to_data(cells, today, command, _commit(root)))
+    write(args.out, to_data(cells, today, command, _commit(root), tagged))
     failed = [c for c in cells if c.status == FAILED]
     print(f"wrote {args.out} and {json_path(args.out)}: {len(cells)} cells, {len(failed)} failed")
     for c in failed:

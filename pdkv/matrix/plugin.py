@@ -3,7 +3,8 @@
 With `--matrix-report`, it keeps only the tests tagged `@pytest.mark.matrix(...)` (narrowed by
 `--matrix-models`, `--matrix-features` and `--matrix-quick`: no `slow` marker) and appends JSON
 lines to PATH, flushed as they happen:
-  {"event": "collected", "items": [{"nodeid", "tags": [[model, feature, expect], ...], "slow"}]}
+  {"event": "collected", "items": [{"nodeid", "tags": [[model, feature, expect], ...], "slow"}],
+   "tagged": {"model/feature": [nodeid, ...]}}   (tagged: every tagged test, selected or not)
   {"event": "result", "nodeid", "outcome": passed|failed|skipped, "message", "detail", "seconds"}
 Without the option it does nothing. Marker ids are checked against `pdkv.matrix.catalog`.
 """
@@ -74,8 +75,12 @@ class MatrixReporter:
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         keep: list[pytest.Item] = []
         listed: list[dict[str, Any]] = []
+        tagged: dict[str, list[str]] = {}
         for item in items:
-            tags = [t for t in item_tags(item) if self._wanted(t)]
+            every = item_tags(item)
+            for model, feature, _ in every:
+                tagged.setdefault(f"{model}/{feature}", []).append(item.nodeid)
+            tags = [t for t in every if self._wanted(t)]
             slow = item.get_closest_marker("slow") is not None
             if tags and not (self.quick and slow):
                 keep.append(item)
@@ -84,7 +89,7 @@ class MatrixReporter:
         if dropped:
             config.hook.pytest_deselected(items=dropped)
         items[:] = keep
-        self._write({"event": "collected", "items": listed})
+        self._write({"event": "collected", "items": listed, "tagged": tagged})
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         rec = self._results.setdefault(report.nodeid, {

@@ -18,13 +18,16 @@ SYMBOLS = {VERIFIED: "✅ verified", FAILED: "❌ failed", NOT_SUPPORTED: "⛔ n
            SKIPPED: "⏭ skipped"}
 
 
-def to_data(cells: list[Cell], generated: str, command: str, commit: str) -> dict[str, Any]:
-    """The JSON document: when and how it was made, and every cell with its command."""
+def to_data(cells: list[Cell], generated: str, command: str, commit: str,
+            tagged: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """The JSON document: when and how it was made, every cell with its command, and every
+    tagged test the run collected ("model/feature" → node ids, also those a subset left out)."""
     return {
         "generated": generated,
         "command": command,
         "commit": commit,
         "cells": [{**asdict(c), "tests": list(c.tests), "command": c.command} for c in cells],
+        "tagged": dict(sorted((tagged or {}).items())),
     }
 
 

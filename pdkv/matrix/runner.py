@@ -87,11 +87,13 @@ class _Progress:
     items: list[dict[str, Any]] = field(default_factory=list)
     results: dict[str, CheckOutcome] = field(default_factory=dict)
     collected: bool = False
+    tagged: dict[str, list[str]] = field(default_factory=dict)
     announced: set[tuple[str, str]] = field(default_factory=set)
 
 
-def run_matrix(opts: MatrixOptions, say: Callable[[str], None] = print) -> list[Cell]:
-    """Run the checks and return the cells (catalog order).
+def run_matrix(opts: MatrixOptions, say: Callable[[str], None] = print) -> tuple[list[Cell], dict[str, list[str]]]:
+    """Run the checks; return the cells (catalog order) and every tagged test collected, selected
+    or not, by "model/feature" (what a full run would check).
 
     Raises:
         RuntimeError: no tagged test file, or pytest ended without collecting (the error and
@@ -134,36 +136,13 @@ def run_matrix(opts: MatrixOptions, say: Callable[[str], None] = print) -> list[
             raise RuntimeError(f"pytest exited {proc.returncode} before collecting:\n{tail}")
         if any(it["nodeid"] not in state.results for it in state.items):
             say(f"some tests never reported (pytest exit {proc.returncode}); its output ends:\n{tail}")
-    return build_cells(state.items, state.results)
+    return build_cells(state.items, state.results), state.tagged
 
 
 def _env(opts: MatrixOptions) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(x for x in (opts.root, env.get("PYTHONPATH", "")) if x)
     return env
-
-
-def collect(opts: MatrixOptions) -> list[dict[str, Any]]:
-    """The tagged tests pytest collects now (`--collect-only`, nothing runs), as the plugin lists
-    them: `{"nodeid", "tags": [[model, feature, expect]], "slow"}`.
-
-    Raises:
-        RuntimeError: collection failed or passed `opts.timeout_s` (pytest's output in the message).
-    """
-    _, untagged = test_files(opts.root, opts.tests)
-    with tempfile.TemporaryDirectory(prefix="pdkv-matrix-") as tmp:
-        report = os.path.join(tmp, "report.jsonl")
-        try:
-            proc = subprocess.run(pytest_command(opts, report, untagged) + ["--collect-only"],
-                                  cwd=opts.root, env=_env(opts), capture_output=True, text=True,
-                                  timeout=opts.timeout_s)
-        except subprocess.TimeoutExpired as e:
-            raise RuntimeError(f"collection passed its deadline of {opts.timeout_s} s") from e
-        lines = Path(report).read_text().splitlines() if os.path.exists(report) else []
-        if proc.returncode != 0 or not lines:
-            raise RuntimeError(f"pytest --collect-only exited {proc.returncode}:\n{proc.stdout[-3000:]}")
-        items: list[dict[str, Any]] = json.loads(lines[0])["items"]
-        return items
 
 
 def _read_events(path: str, offset: int, state: _Progress, say: Callable[[str], None], t0: float) -> int:
@@ -178,7 +157,7 @@ def _read_events(path: str, offset: int, state: _Progress, say: Callable[[str], 
             offset += len(line)
             event = json.loads(line)
             if event["event"] == "collected":
-                state.items, state.collected = event["items"], True
+                state.items, state.collected, state.tagged = event["items"], True, event["tagged"]
                 cells = {(m, f_) for it in state.items for m, f_, _ in it["tags"]}
                 say(f"{len(cells)} cells, {len(state.items)} tests")
             else:

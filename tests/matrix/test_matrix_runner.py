@@ -109,7 +109,7 @@ def test_runner_and_plugin_on_a_fake_tree(tmp_path):
     (tmp_path / "tests" / "test_fake.py").write_text(textwrap.dedent(FAKE_TESTS))
     (tmp_path / "tests" / "test_other.py").write_text("def test_x():\n    raise SystemExit(1)\n")
     lines: list[str] = []
-    cells = run_matrix(MatrixOptions(root=os.fspath(tmp_path), timeout_s=120), lines.append)
+    cells, _ = run_matrix(MatrixOptions(root=os.fspath(tmp_path), timeout_s=120), lines.append)
     got = {(c.feature, c.model): (c.status, c.detail, c.quick) for c in cells}
     assert got == {
         ("colocated", "tiny-llama"): (VERIFIED, "1 of 1 checks passed", True),
@@ -121,6 +121,10 @@ def test_runner_and_plugin_on_a_fake_tree(tmp_path):
     }
     assert lines[1] == "5 cells, 6 tests"
     assert sum(line.startswith("[") for line in lines) == 5  # one progress line per cell
-    quick = run_matrix(MatrixOptions(root=os.fspath(tmp_path), quick=True, features=("pool-dram", "tp"),
+    quick, tagged = run_matrix(MatrixOptions(root=os.fspath(tmp_path), quick=True, features=("pool-dram", "tp"),
                                      timeout_s=120), lines.append)
     assert [(c.feature, c.status) for c in quick] == [("tp", NOT_SUPPORTED)]
+    # Every tagged test is listed, also those the subset left out (the slow one, other features).
+    assert tagged["tiny-llama/pool-dram"] == ["tests/test_fake.py::test_slow"]
+    assert tagged["tiny-llama/pd-tcp"] == ["tests/test_fake.py::test_tokens_differ",
+                                          "tests/test_fake.py::test_ok_too"]
