@@ -1,4 +1,4 @@
-"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff} | compare | plan."""
+"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff} | compare | plan | matrix."""
 
 from __future__ import annotations
 
@@ -86,6 +86,24 @@ def build_plan_parser() -> argparse.ArgumentParser:
     """A parser with only `plan`: `pdkv plan` runs without importing torch."""
     parser = PdkvArgumentParser(prog="pdkv", description=__doc__)
     _add_plan(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def _add_matrix(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from pdkv.matrix import cli as matrix_cli
+
+    matrix_p = sub.add_parser(
+        "matrix", help="support matrix: run the tagged acceptance tests, write docs/SUPPORT_MATRIX.md",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    matrix_cli.add_cli_args(matrix_p)
+    matrix_p.set_defaults(func=matrix_cli.main)
+
+
+def build_matrix_parser() -> argparse.ArgumentParser:
+    """A parser with only `matrix` (no torch import here: the checks run in a subprocess)."""
+    parser = argparse.ArgumentParser(prog="pdkv", description=__doc__)
+    _add_matrix(parser.add_subparsers(dest="command", required=True))
     return parser
 
 
@@ -191,12 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_cli_args(compare_p)
     compare_p.set_defaults(func=compare.main)
     _add_plan(sub)
+    _add_matrix(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_plan_parser() if argv[:1] == ["plan"] else build_parser()
+    light = {"plan": build_plan_parser, "matrix": build_matrix_parser}.get(argv[0] if argv else "")
+    parser = light() if light else build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -58,6 +58,10 @@ class CacheConfig:
         gpu_memory_utilization: when set and num_kv_blocks is None, the KV cache budget is this
             fraction of the memory free once the weights are loaded (GPU: free device memory;
             CPU: available RAM), replacing kv_cache_memory_bytes.
+        cache_dtype: vLLM's `--kv-cache-dtype`; only "auto" (the model dtype) so far.
+
+    Raises:
+        ValueError: an option out of range, or a quantized cache_dtype (not built yet).
     """
 
     block_size: int = 16
@@ -65,8 +69,14 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float | None = None
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype != "auto":
+            raise ValueError(
+                f"kv_cache_dtype={self.cache_dtype!r} is not supported yet: the KV cache is kept "
+                "in the model dtype ('auto'); quantized KV with its scales is issue 12"
+            )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -129,7 +139,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1 or self.decode_context_parallel_size != 1:
             raise ValueError(
-                "tensor_parallel_size and decode_context_parallel_size > 1 are not supported yet"
+                f"tensor_parallel_size={self.tensor_parallel_size} and decode_context_parallel_size="
+                f"{self.decode_context_parallel_size}: sizes > 1 are not supported yet (TP and DCP: "
+                "issue 10)"
             )
 
 

@@ -88,6 +88,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 enable_prefix_caching=self.enable_prefix_caching,
                 gpu_memory_utilization=self.gpu_memory_utilization,
+                cache_dtype="auto" if self.kv_cache_dtype in ("auto", self.dtype) else self.kv_cache_dtype,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -195,7 +196,7 @@ def check_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> None:
     cache is stored in the model dtype (quantized KV, fp8 / int8 with scales: issue 12)."""
     if kv_cache_dtype not in ("auto", dtype):
         raise ValueError(
-            f"--kv-cache-dtype {kv_cache_dtype!r} is not supported yet: the KV cache uses the model "
+            f"kv_cache_dtype={kv_cache_dtype!r} (--kv-cache-dtype) is not supported yet: the KV cache uses the model "
             f"dtype ({dtype}); use 'auto'. Quantized KV (fp8/int8 with scales) is open issue 12 "
             "(heterogeneous P/D)"
         )

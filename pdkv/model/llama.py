@@ -49,6 +49,13 @@ class LlamaArchConfig:
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)
         arch = (cfg.get("architectures") or ["?"])[0]
+        hybrid = hybrid_state_kinds(cfg)
+        if hybrid:
+            raise ValueError(
+                f"{arch} in {path} keeps {' + '.join(hybrid)} state: hybrid state groups (sliding "
+                "window, MLA, linear attention) are not supported yet (issue 11); supported: "
+                f"full-attention {SUPPORTED_ARCHITECTURES}"
+            )
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch!r} in {path}; supported: {SUPPORTED_ARCHITECTURES}"
@@ -57,7 +64,7 @@ class LlamaArchConfig:
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "default":
             raise ValueError(f"rope_scaling {rope_scaling} is not supported yet")
         if cfg.get("sliding_window") and cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM"):
-            raise ValueError("sliding-window attention is not supported yet")
+            raise ValueError("sliding-window attention is not supported yet (issue 11)")
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         if isinstance(eos, list):
@@ -80,6 +87,19 @@ class LlamaArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
         )
+
+
+def hybrid_state_kinds(cfg: dict[str, object]) -> list[str]:
+    """The non-full-attention state kinds an HF config.json declares ("sliding_window", "mla",
+    "linear_state"), read by the cost model's parser (`pdkv.plan.model`); [] for a dense model
+    or a config that parser cannot read."""
+    from pdkv.plan.model import spec_from_hf_config
+
+    try:
+        spec = spec_from_hf_config(dict(cfg))
+    except (ValueError, KeyError, TypeError):
+        return []
+    return [g.kind for g in spec.groups if g.kind != "full_attention"]
 
 
 def rope_cos_sin(

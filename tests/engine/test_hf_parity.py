@@ -32,6 +32,7 @@ def test_prompt_lengths_cover_block_boundaries(parity_prompts):
         assert {16 * k - 1, 16 * k, 16 * k + 1} <= lengths
 
 
+@pytest.mark.matrix("colocated")
 @pytest.mark.parametrize("cpu_linear", ["onednn", "torch"])
 def test_batch_matches_hf(parity_prompts, hf_reference, cpu_linear):
     llm = LLM("smollm2", block_size=16, num_kv_blocks=256, max_model_len=512, cpu_linear=cpu_linear)
@@ -47,6 +48,7 @@ def test_batch_matches_hf(parity_prompts, hf_reference, cpu_linear):
     assert_no_leak(llm)
 
 
+@pytest.mark.matrix("chunked-prefill")
 def test_chunked_prefill_matches_hf(parity_prompts, hf_reference):
     budget = 48
     assert budget < max(len(p) for p in parity_prompts)
@@ -71,6 +73,7 @@ def test_chunked_prefill_matches_hf(parity_prompts, hf_reference):
     assert_no_leak(llm)
 
 
+@pytest.mark.matrix("preemption")
 def test_preemption_matches_hf(parity_prompts, hf_reference):
     # 20 blocks x 16 tokens = 320 tokens of KV for ten requests of ~100-170 tokens each.
     llm = LLM("smollm2", num_kv_blocks=20, max_model_len=256)
@@ -81,6 +84,7 @@ def test_preemption_matches_hf(parity_prompts, hf_reference):
     assert_no_leak(llm)
 
 
+@pytest.mark.matrix("prefix-caching")
 def test_prefix_cache_hit_matches_hf(parity_prompts, hf_reference):
     llm = LLM("smollm2", num_kv_blocks=256, max_model_len=512, enable_prefix_caching=True)
     first = _generate(llm, parity_prompts)

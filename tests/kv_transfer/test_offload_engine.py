@@ -124,6 +124,7 @@ def offloaded(request, prompts, reference) -> Any:
     llm.llm_engine.shutdown()
 
 
+@pytest.mark.matrix("offload")
 def test_resent_prompt_is_served_from_host_blocks(offloaded, prompts, reference):
     mode, seq = offloaded["mode"], offloaded["seq"]
     assert [o.outputs[0].token_ids for o in seq] == reference["sequence"]

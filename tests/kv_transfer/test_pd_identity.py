@@ -36,8 +36,12 @@ def _mooncake_available() -> bool:
     return True
 
 
-TRANSFERS = ["tcp", "shm", pytest.param("mooncake", marks=pytest.mark.skipif(
-    not _mooncake_available(), reason="mooncake-transfer-engine-non-cuda / libibverbs1 not installed"))]
+TRANSFERS = [
+    pytest.param("tcp", marks=pytest.mark.matrix("pd-tcp")),
+    pytest.param("shm", marks=pytest.mark.matrix("pd-shm")),
+    pytest.param("mooncake", marks=[pytest.mark.matrix("pd-mooncake"), pytest.mark.skipif(
+        not _mooncake_available(), reason="mooncake-transfer-engine-non-cuda / libibverbs1 not installed")]),
+]
 
 
 @pytest.mark.parametrize("transfer", TRANSFERS)

@@ -30,6 +30,7 @@ def multi(role: str, pool_dir: str) -> str:
 BLOCK_BYTES = 737_280  # SmolLM2 fp32, block 16: 30 layers · 2 · 16 · 3 heads · 64 · 4 B
 
 
+@pytest.mark.matrix("pd-pool")
 def test_pd_with_a_pool_matches_colocated_and_pulls_from_p_only_what_the_pool_lacks(tmp_path):
     plain = LLM("smollm2", num_kv_blocks=128, max_model_len=1024)
     tok = plain.get_tokenizer()

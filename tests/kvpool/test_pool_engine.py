@@ -79,7 +79,8 @@ def hits(n: int) -> int:
     return (n - 1) // CHUNK * CHUNK
 
 
-@pytest.mark.parametrize("tier", ["dram", "disk"])
+@pytest.mark.parametrize("tier", [pytest.param("dram", marks=pytest.mark.matrix("pool-dram")),
+                                  pytest.param("disk", marks=pytest.mark.matrix("pool-disk"))])
 def test_cold_then_hot_is_token_identical_and_hits_whole_chunks(tier, tmp_path, prompts, reference):
     spec = {"name": "dram", "capacity_bytes": 1 << 30} if tier == "dram" else \
         {"name": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}
@@ -222,6 +223,7 @@ def test_abort_during_a_load_frees_blocks_only_after_the_load_ends(monkeypatch, 
     eng.shutdown()
 
 
+@pytest.mark.matrix("pd-colocated-pool")
 def test_chunked_prefill_stores_every_full_chunk_and_another_instance_loads_them(tmp_path, plain, reference, prompts):
     spec = {"name": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}
     long_prompt = prompt_ids(plain, 400, 7)
@@ -230,6 +232,7 @@ def test_chunked_prefill_stores_every_full_chunk_and_another_instance_loads_them
     assert run(a, [long_prompt])[0].outputs[0].token_ids == want
     assert store_of(a).flush(30.0)
     assert a.llm_engine.scheduler.kv_stats["pool:disk:chunks_written"] == 400 // CHUNK
+    assert_baseline(a)
     a.llm_engine.shutdown()
     b = make_llm([spec], max_num_batched_tokens=48)
     out = run(b, [long_prompt])[0]

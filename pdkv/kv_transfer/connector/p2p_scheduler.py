@@ -90,6 +90,11 @@ class P2PConnectorScheduler:
             mismatch = layout_mismatch(self.layout, dict(p.get("layout") or {}))
             if mismatch:
                 raise ValueError(mismatch)
+            if p.get("tp_size", 1) != 1:  # this engine runs TP 1: re-sharding is issue 12
+                raise ValueError(
+                    f"heterogeneous TP between P and D (producer tp_size={p.get('tp_size')!r}, "
+                    "consumer tp_size=1) is not supported yet (issue 12)"
+                )
             if int(p.get("num_tokens", request.num_prompt_tokens)) != request.num_prompt_tokens:
                 raise ValueError(
                     f"kv_transfer_params cover {p.get('num_tokens')} tokens but the prompt has "

@@ -1,0 +1,69 @@
+"""The support matrix's axes: features (rows of the grid) and models (its columns), in order.
+
+A test joins the matrix with `@pytest.mark.matrix(*features, model="smollm2",
+expect="verified")`; the ids used there must be listed here (the pytest plugin refuses others).
+`expect="verified"` tests check that the output equals the reference and that blocks return to
+baseline; `expect="unsupported"` tests check that pdkv refuses the feature with a clear error
+(recorded with `record_property("matrix_detail", text)`). Pure data, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One feature or model: its id (used in markers and on the command line) and a title."""
+
+    id: str
+    title: str
+
+
+FEATURES: tuple[Axis, ...] = (
+    Axis("colocated", "colocated engine, greedy output = HF transformers"),
+    Axis("prefix-caching", "prefix caching (a re-sent prompt hits whole blocks)"),
+    Axis("chunked-prefill", "chunked prefill (prompt split over steps)"),
+    Axis("preemption", "preemption by recompute"),
+    Axis("pd-tcp", "P/D, tcp transfer engine"),
+    Axis("pd-shm", "P/D, shm transfer engine"),
+    Axis("pd-mooncake", "P/D, Mooncake transfer engine"),
+    Axis("pool-dram", "KV pool, DRAM tier (cold then hot)"),
+    Axis("pool-disk", "KV pool, disk tier (cold then hot)"),
+    Axis("pool-redis", "KV pool, redis tier (cold then hot)"),
+    Axis("pool-mooncake", "KV pool, Mooncake Store tier (cold then hot)"),
+    Axis("offload", "CPU offload (evicted blocks come back from host)"),
+    Axis("pd-pool", "P/D + pool (MultiConnector: pool prefix, then P's rest)"),
+    Axis("pd-colocated-pool", "PD-colocated + pool (kv_both instances sharing one pool)"),
+    Axis("tp", "tensor parallelism (--tensor-parallel-size 2)"),
+    Axis("dcp", "decode context parallelism (--decode-context-parallel-size 2)"),
+    Axis("hetero-tp", "heterogeneous TP between P and D"),
+    Axis("quantized-kv", "quantized KV cache (--kv-cache-dtype fp8)"),
+    Axis("hybrid-sliding-window", "hybrid state: sliding-window attention"),
+    Axis("hybrid-mla", "hybrid state: MLA latents"),
+    Axis("hybrid-linear", "hybrid state: linear attention (conv + recurrent state)"),
+)
+
+MODELS: tuple[Axis, ...] = (
+    Axis("smollm2", "SmolLM2-135M-Instruct (real weights)"),
+    Axis("tiny-llama", "random 2-layer Llama, SmolLM2 tokenizer (made by the test)"),
+    Axis("mistral-sw", "Mistral config with sliding_window (config.json only)"),
+    Axis("deepseek-v3", "DeepSeek-V3 config.json (MLA), pdkv/plan/configs"),
+    Axis("qwen3-next", "Qwen3-Next-80B-A3B config.json (Gated DeltaNet + full attention)"),
+    Axis("kimi-linear", "Kimi-Linear-48B-A3B config.json (KDA + MLA)"),
+)
+
+FEATURE_IDS = tuple(a.id for a in FEATURES)
+MODEL_IDS = tuple(a.id for a in MODELS)
+
+VERIFIED = "verified"
+FAILED = "failed"
+NOT_SUPPORTED = "not supported"
+SKIPPED = "skipped"
+STATUSES = (VERIFIED, FAILED, NOT_SUPPORTED, SKIPPED)
+
+EXPECT_VERIFIED = "verified"
+EXPECT_UNSUPPORTED = "unsupported"
+
+DETAIL_PROPERTY = "matrix_detail"
+"""`record_property` name under which an `expect="unsupported"` test leaves the error text."""

@@ -1,0 +1,80 @@
+"""`pdkv matrix`: run the tagged acceptance tests and write docs/SUPPORT_MATRIX.md (+ .json)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+
+from pdkv.matrix.catalog import FAILED, FEATURE_IDS, MODEL_IDS
+from pdkv.matrix.report import json_path, to_data, write
+from pdkv.matrix.runner import MatrixOptions, run_matrix
+
+DEFAULT_OUT = os.path.join("docs", "SUPPORT_MATRIX.md")
+
+
+def _ids(values: list[str] | None, known: tuple[str, ...], what: str) -> tuple[str, ...]:
+    ids = tuple(x for v in values or [] for x in v.split(",") if x)
+    unknown = [x for x in ids if x not in known]
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown}; known: {list(known)}")
+    return ids
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Flags of `pdkv matrix`."""
+    parser.add_argument("--quick", action="store_true",
+                        help="only the checks that load neither SmolLM2 nor HF's model (seconds)")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="Markdown path; the JSON goes beside it")
+    parser.add_argument("--models", nargs="+", help=f"model ids to check (default all: {', '.join(MODEL_IDS)})")
+    parser.add_argument("--features", nargs="+", help=f"feature ids (default all: {', '.join(FEATURE_IDS)})")
+    parser.add_argument("--tests", nargs="+", default=["tests"], help="where the tagged tests are")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="deadline of the whole run (s)")
+    parser.add_argument("--test-timeout", type=float, default=None,
+                        help="per-test limit (s) for pytest-timeout (unset: the project's)")
+    return parser
+
+
+def _repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _commit(root: str) -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the matrix; exit 0 when no cell failed, 1 otherwise.
+
+    Raises:
+        ValueError: an unknown model or feature id.
+    """
+    root = _repo_root()
+    opts = MatrixOptions(
+        root=root, tests=tuple(args.tests), models=_ids(args.models, MODEL_IDS, "models"),
+        features=_ids(args.features, FEATURE_IDS, "features"), quick=args.quick,
+        timeout_s=args.timeout, test_timeout_s=args.test_timeout, python=sys.executable)
+    try:
+        cells, tagged = run_matrix(opts)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    command = "pdkv matrix" + (" --quick" if args.quick else "")
+    if opts.models:
+        command += " --models " + " ".join(opts.models)
+    if opts.features:
+        command += " --features " + " ".join(opts.features)
+    today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    write(args.out, to_data(cells, today, command, _commit(root), tagged))
+    failed = [c for c in cells if c.status == FAILED]
+    print(f"wrote {args.out} and {json_path(args.out)}: {len(cells)} cells, {len(failed)} failed")
+    for c in failed:
+        print(f"  failed: {c.feature} × {c.model}: {c.detail}")
+    return 1 if failed else 0

@@ -1,0 +1,132 @@
+"""What pdkv does not build yet is refused with an error naming the issue that builds it, never
+silently accepted: TP and DCP (issue 10), quantized KV and heterogeneous TP (issue 12), hybrid
+state groups (issue 11). These are the matrix's "not supported" cells; each records the error
+text it saw (`matrix_detail`). No model weights are loaded: the refusals come first."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from pdkv.cli import main
+from pdkv.matrix.catalog import DETAIL_PROPERTY
+
+PLAN_CONFIGS = Path(__file__).resolve().parents[2] / "pdkv" / "plan" / "configs"
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, model_path) -> dict[str, str]:
+    """A model folder per row: SmolLM2's, and for tiny-llama a copy of SmolLM2's config.json with
+    the tiny sizes (the refusals read only config.json)."""
+    tiny = tmp_path_factory.mktemp("tiny-config")
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    (tiny / "config.json").write_text(json.dumps(cfg))
+    return {"smollm2": model_path, "tiny-llama": str(tiny)}
+
+
+def refused(capsys, argv: list[str]) -> str:
+    """Run `pdkv generate ARGV`; it must exit 2 with "error: ..." on stderr; returns the message."""
+    assert main(["generate", "--prompt", "hi", "--max-tokens", "1", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: "), err
+    return err.removeprefix("error: ")
+
+
+def per_model(feature: str) -> list:
+    return [pytest.param(m, id=m, marks=pytest.mark.matrix(feature, model=m, expect="unsupported"))
+            for m in ("smollm2", "tiny-llama")]
+
+
+@pytest.mark.parametrize("model", per_model("tp"))
+def test_tensor_parallel_is_refused(model, folders, capsys, record_property):
+    msg = refused(capsys, ["--model", folders[model], "--tensor-parallel-size", "2"])
+    assert "tensor_parallel_size=2" in msg and "issue 10" in msg
+    record_property(DETAIL_PROPERTY, msg)
+
+
+@pytest.mark.parametrize("model", per_model("dcp"))
+def test_decode_context_parallel_is_refused(model, folders, capsys, record_property):
+    msg = refused(capsys, ["--model", folders[model], "--decode-context-parallel-size", "2"])
+    assert "decode_context_parallel_size=2" in msg and "issue 10" in msg
+    record_property(DETAIL_PROPERTY, msg)
+
+
+@pytest.mark.parametrize("model", per_model("quantized-kv"))
+def test_fp8_kv_cache_is_refused(model, folders, capsys, record_property):
+    msg = refused(capsys, ["--model", folders[model], "--kv-cache-dtype", "fp8"])
+    assert "kv_cache_dtype='fp8'" in msg and "issue 12" in msg
+    record_property(DETAIL_PROPERTY, msg)
+
+
+def test_kv_cache_dtype_auto_is_the_default():
+    from pdkv.config import CacheConfig
+    from pdkv.engine.arg_utils import EngineArgs
+
+    assert EngineArgs().kv_cache_dtype == CacheConfig().cache_dtype == "auto"
+
+
+@pytest.mark.matrix("hetero-tp", model="smollm2", expect="unsupported")
+@pytest.mark.matrix("hetero-tp", model="tiny-llama", expect="unsupported")
+def test_decode_refuses_kv_from_a_prefill_of_another_tp_size(record_property):
+    """D's P2P scheduler half refuses params whose producer ran another TP size (every engine
+    is TP 1 today, so a tp_size of 2 can only come from a future or foreign P)."""
+    from pdkv.config import KVTransferConfig
+    from pdkv.kv_transfer.connector.p2p_messages import LAYOUT_KEYS, prompt_digest
+    from pdkv.kv_transfer.connector.p2p_scheduler import P2PConnectorScheduler
+    from pdkv.request import Request
+    from pdkv.sampling_params import SamplingParams
+
+    layout = {k: 1 for k in LAYOUT_KEYS}
+    cons = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"), layout, 16,
+                                 ["127.0.0.1", 1])
+    prompt = list(range(20, 40))
+    params = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r",
+              "remote_block_ids": [[1, 2]], "remote_host": "127.0.0.1", "remote_port": 1,
+              "remote_nonce": "n", "prompt_digest": prompt_digest(prompt, None),
+              "num_tokens": len(prompt), "layout": dict(layout)}
+    cons.validate_request(Request("ok", prompt, SamplingParams(max_tokens=4), 16,
+                                  kv_transfer_params={**params, "tp_size": 1}))
+    with pytest.raises(ValueError, match="issue 12") as e:
+        cons.validate_request(Request("d", prompt, SamplingParams(max_tokens=4), 16,
+                                      kv_transfer_params={**params, "tp_size": 2}))
+    assert "tp_size=2" in str(e.value)
+    record_property(DETAIL_PROPERTY, str(e.value))
+
+
+def _mistral_sliding_window() -> dict:
+    from transformers import MistralConfig
+
+    cfg = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        sliding_window=64).to_dict()
+    cfg["architectures"] = ["MistralForCausalLM"]
+    return cfg
+
+
+HYBRIDS = [
+    pytest.param("mistral-sw", "sliding_window", id="mistral-sw", marks=pytest.mark.matrix(
+        "colocated", "hybrid-sliding-window", model="mistral-sw", expect="unsupported")),
+    pytest.param("deepseek-v3", "mla", id="deepseek-v3", marks=pytest.mark.matrix(
+        "colocated", "hybrid-mla", model="deepseek-v3", expect="unsupported")),
+    pytest.param("qwen3-next-80b-a3b", "linear_state", id="qwen3-next", marks=pytest.mark.matrix(
+        "colocated", "hybrid-linear", model="qwen3-next", expect="unsupported")),
+    pytest.param("kimi-linear-48b-a3b", "mla + linear_state", id="kimi-linear", marks=pytest.mark.matrix(
+        "colocated", "hybrid-mla", "hybrid-linear", model="kimi-linear", expect="unsupported")),
+]
+
+
+@pytest.mark.parametrize("name, kinds", HYBRIDS)
+def test_hybrid_state_configs_are_refused_naming_their_state(name, kinds, tmp_path, capsys, record_property):
+    if name == "mistral-sw":
+        cfg = _mistral_sliding_window()
+    else:
+        cfg = json.loads((PLAN_CONFIGS / f"{name}.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    msg = refused(capsys, ["--model", os.fspath(tmp_path)])
+    assert f"keeps {kinds} state" in msg and "issue 11" in msg
+    record_property(DETAIL_PROPERTY, msg.replace(os.fspath(tmp_path), "<folder>"))
