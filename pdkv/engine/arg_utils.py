@@ -196,7 +196,6 @@ def check_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> None:
     cache is stored in the model dtype (quantized KV, fp8 / int8 with scales: issue 12)."""
     if kv_cache_dtype not in ("auto", dtype):
         raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} (--kv-cache-dtype) is not supported yet: the KV cache uses the model "
-            f"dtype ({dtype}); use 'auto'. Quantized KV (fp8/int8 with scales) is open issue 12 "
-            "(heterogeneous P/D)"
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported yet: the KV cache is kept in the "
+            "model dtype ('auto'); quantized KV with its scales is issue 12"
         )
