@@ -71,39 +71,29 @@ def _ms(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
-def _add_plan(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from pdkv.plan import cli as plan_cli
-
-    plan_p = sub.add_parser(
-        "plan", help="cost model: KV bytes, handoff time, recompute vs reload, P:D ratio (no torch)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    plan_cli.add_cli_args(plan_p)
-    plan_p.set_defaults(func=plan_cli.main)
+# Commands that parse and run without importing torch: name -> (module, help).
+_LIGHT_COMMANDS = {
+    "plan": ("pdkv.plan.cli", "cost model: KV bytes, handoff time, recompute vs reload, P:D ratio (no torch)"),
+    "matrix": ("pdkv.matrix.cli", "support matrix: run the tagged acceptance tests, write docs/SUPPORT_MATRIX.md"),
+}
 
 
-def build_plan_parser() -> argparse.ArgumentParser:
-    """A parser with only `plan`: `pdkv plan` runs without importing torch."""
+def _add_light(sub: argparse._SubParsersAction, name: str) -> None:  # type: ignore[type-arg]
+    """Add the torch-free subcommand `name`: its module's `add_cli_args` and `main`."""
+    import importlib
+
+    module_name, help_text = _LIGHT_COMMANDS[name]
+    module = importlib.import_module(module_name)
+    p = sub.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    module.add_cli_args(p)
+    p.set_defaults(func=module.main)
+
+
+def build_light_parser(name: str) -> argparse.ArgumentParser:
+    """A parser with only the torch-free subcommand `name` (`plan`, `matrix`): those run without
+    importing torch (matrix runs its checks in a pytest subprocess)."""
     parser = PdkvArgumentParser(prog="pdkv", description=__doc__)
-    _add_plan(parser.add_subparsers(dest="command", required=True))
-    return parser
-
-
-def _add_matrix(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from pdkv.matrix import cli as matrix_cli
-
-    matrix_p = sub.add_parser(
-        "matrix", help="support matrix: run the tagged acceptance tests, write docs/SUPPORT_MATRIX.md",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    matrix_cli.add_cli_args(matrix_p)
-    matrix_p.set_defaults(func=matrix_cli.main)
-
-
-def build_matrix_parser() -> argparse.ArgumentParser:
-    """A parser with only `matrix` (no torch import here: the checks run in a subprocess)."""
-    parser = argparse.ArgumentParser(prog="pdkv", description=__doc__)
-    _add_matrix(parser.add_subparsers(dest="command", required=True))
+    _add_light(parser.add_subparsers(dest="command", required=True), name)
     return parser
 
 
@@ -208,15 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_cli_args(compare_p)
     compare_p.set_defaults(func=compare.main)
-    _add_plan(sub)
-    _add_matrix(sub)
+    for name in _LIGHT_COMMANDS:
+        _add_light(sub, name)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    light = {"plan": build_plan_parser, "matrix": build_matrix_parser}.get(argv[0] if argv else "")
-    parser = light() if light else build_parser()
+    light = argv[0] if argv and argv[0] in _LIGHT_COMMANDS else None
+    parser = build_light_parser(light) if light else build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from typing import Any
 import httpx
 
 from pdkv.bench.serve.runner import BenchConfig, run_serve_bench
+from pdkv.procgroup import stop_process_group
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -89,13 +89,7 @@ def run_policy(routing: str, args: argparse.Namespace, log_dir: str) -> dict[str
         return {"routing": routing, "completed": bench["completed"], "instances": per, "decisions": decisions,
                 "hit_rate": hits / queried if queried else 0.0}
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_process_group(proc, 60, 10)
 
 
 def format_report(results: list[dict[str, Any]]) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pdkv.matrix.cells import Cell, CheckOutcome, build_cells
+from pdkv.procgroup import stop_process_group
 
 MARKER_TEXT = "mark.matrix("
 
@@ -123,13 +123,7 @@ def run_matrix(opts: MatrixOptions, say: Callable[[str], None] = print) -> tuple
                     break
                 time.sleep(0.5)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(30)
+            stop_process_group(proc, 30, 30)
         with open(log_path, errors="replace") as f:
             tail = f.read()[-3000:]
         if not state.collected:
