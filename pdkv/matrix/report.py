@@ -74,7 +74,8 @@ def render_markdown(data: dict[str, Any]) -> str:
         "- **not supported**: pdkv refuses the feature with an error naming the issue that builds it "
         "(the error text is below);",
         "- **failed**: a check failed; **skipped**: its dependency is missing here; "
-        "`·`: no check tagged.",
+        "`·`: no check tagged for the cell, or not selected by this run (`--quick`, `--models`, "
+        "`--features`).",
         "",
         "Totals: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ". "
         "`pdkv matrix --quick` re-runs the cells marked *quick* (checks not marked `slow`: no "

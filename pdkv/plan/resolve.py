@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from pdkv.model.registry import ALIASES, cache_dir
+from pdkv.model.registry import ALIASES, HF_IDS, cache_dir
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -45,6 +45,7 @@ def _find(model: str) -> str:
         if os.path.isfile(path):
             return path
         raise ValueError(f"{model} has no config.json")
+    model = HF_IDS.get(model.lower(), model)  # HuggingFaceTB/SmolLM2-135M-Instruct -> smollm2
     if model in ALIASES:
         path = os.path.join(cache_dir(), "models", ALIASES[model].folder_name, "config.json")
         if os.path.isfile(path):

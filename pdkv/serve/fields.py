@@ -69,7 +69,8 @@ def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> Struct
         except TypeError as e:
             raise ValueError(f"structured_outputs: {e}") from None
     if len(found) > 1:
-        raise ValueError(f"only one kind of structured output per request, got {[f for f, _ in found]}")
+        raise ValueError(f"{found[1][0]}: only one kind of structured output per request, got "
+                         f"{[f for f, _ in found]}")
     return found[0][1] if found else None
 
 
@@ -94,6 +95,6 @@ def field_in(message: str) -> str | None:
                  "structured_outputs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
                  "logit_bias", "prompt_logprobs", "logprobs", "temperature", "top_p", "top_k",
                  "seed", "max_tokens", "min_tokens", "stop_token_ids", "stop", "n"):
-        if message.startswith(name + " ") or f" {name} " in message:
+        if message.startswith((name + " ", name + ":")) or f" {name} " in message:
             return name
     return None

@@ -94,7 +94,8 @@ class OpenAIHandlers:
     def check_model(self, model: str | None) -> None:
         """Raises APIError (400) when `model` is given and is not the served model."""
         if model is not None and model != self.model_name and model not in self.model_aliases:
-            raise APIError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.")
+            served = ", ".join(f"`{n}`" for n in (self.model_name, *self.model_aliases))
+            raise APIError(f"The model `{model}` does not exist; this server serves {served}.")
 
     async def tokenize(self, fn: Callable[[Tokenizer], T]) -> T:
         """`fn(tokenizer)` on a tokenizer pool thread; a ValueError becomes APIError (400)."""

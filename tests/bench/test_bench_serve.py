@@ -63,6 +63,9 @@ def _run(mock, log=None, **kw) -> dict:
 def test_request_timings_match_the_mock(mock, endpoint):
     r = _run(mock, endpoint=endpoint, num_prompts=1)
     assert r["completed"] == 1 and r["failed"] == 0, r["errors"]
+    # vLLM's top-level keys of a --save-result file
+    assert r["backend"] == ("openai-chat" if endpoint == "chat" else "openai") and r["num_prompts"] == 1
+    assert r["model_id"] == r["config"]["model"] and r["tokenizer_id"] and len(r["date"]) == 15
     ttft_ms, e2el_ms = r["ttfts"][0] * 1000, r["latencies"][0] * 1000
     itl_ms = [g * 1000 for g in r["itls"][0]]
     assert _near(ttft_ms, TTFT_MS), ttft_ms

@@ -33,6 +33,9 @@ def test_vllm_flag_names_are_aliases(tmp_path):
     cfg = config_from_args(args)
     assert (cfg.endpoint, cfg.dataset, cfg.input_len, cfg.output_len, cfg.range_ratio) == ("chat", "random", 32, 8, 0.1)
     assert config_from_args(build_parser().parse_args(["bench", "serve", "--backend", "openai"])).endpoint == "completions"
+    # --ignore-eos (vLLM's flag) and pdkv's default are on; --no-ignore-eos turns it off
+    assert cfg.ignore_eos and config_from_args(build_parser().parse_args(["bench", "serve", "--ignore-eos"])).ignore_eos
+    assert not config_from_args(build_parser().parse_args(["bench", "serve", "--no-ignore-eos"])).ignore_eos
     path = result_path(args, {"config": {"model": "org/m", "endpoint": "chat"}, "request_rate": "inf"})
     assert path is not None and path.startswith(str(tmp_path / "pdkv-chat-infqps-org_m-")) and path.endswith(".json")
     args.result_filename = "r.json"

@@ -113,6 +113,8 @@ def test_alias_reads_converted_folder_when_present(tmp_path, monkeypatch):
     _, path = load_config("smollm2")
     assert path == os.path.join(str(folder), "config.json")
     assert spec("smollm2").num_layers == 2
+    # the Hugging Face id resolves as `pdkv serve` resolves it
+    assert load_config("HuggingFaceTB/SmolLM2-135M-Instruct")[1] == path
 
 
 def test_unknown_model_and_missing_field():

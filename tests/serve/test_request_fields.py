@@ -122,6 +122,11 @@ def test_echo_prepends_the_prompt(client):
     assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
 
 
+def message_fields(message: str) -> list[str]:
+    """The request field names a 400's message mentions (words with letters and underscores)."""
+    return re.findall(r"[a-z_]+", message)
+
+
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
     ({"extra_body": {"tool_choice": "required"}}, "tool_choice"),
@@ -142,6 +147,7 @@ def test_unsupported_or_invalid_field_is_a_400_naming_it(client, kwargs, field):
     with pytest.raises(openai.BadRequestError) as e:
         _complete(client, **kwargs)
     assert field in e.value.message
+    assert e.value.body["param"] in message_fields(e.value.message)  # error.param names a field of the message
 
 
 def test_chat_rejects_tools_and_ignores_unknown_fields(client):

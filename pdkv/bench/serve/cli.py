@@ -47,8 +47,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
     g.add_argument("--request-timeout", type=float, default=d.request_timeout,
                    help="seconds per request")
-    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="do not send vLLM's ignore_eos=true (outputs may end early)")
+    g.add_argument("--ignore-eos", dest="ignore_eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="send vLLM's ignore_eos=true so every request generates exactly its output length "
+                        "(pdkv's default; `vllm bench serve` defaults to off: --no-ignore-eos)")
     g.add_argument("--metrics-url", default=None,
                    help="Prometheus text endpoint(s), comma-separated, scraped before and after "
                         "(default: BASE_URL/metrics, plus every engine's when BASE_URL is a pdkv proxy)")
@@ -98,7 +99,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="vLLM's: write the result dict to --result-dir/--result-filename")
     g.add_argument("--result-dir", default=".", help="--save-result: folder")
     g.add_argument("--result-filename", default=None,
-                   help="--save-result: file name (default: pdkv-<endpoint>-<rate>qps-<model>-<time>.json)")
+                   help="--save-result: file name (unset: pdkv-<endpoint>-<rate>qps-<model>-<time>.json)")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     return parser
 

@@ -1,6 +1,7 @@
 """Output of `pdkv bench serve`: the result dict, its JSON file and vLLM's printed table.
 
-The result dict has vLLM's top-level keys (duration, completed, failed, total_input_tokens,
+The result dict has vLLM's top-level keys (date, backend, model_id, tokenizer_id, num_prompts,
+duration, completed, failed, total_input_tokens,
 ..., mean_ttft_ms, p99_itl_ms, ...; per-request arrays `input_lens`, `output_lens`, `ttfts`,
 `itls`, `latencies`, `start_times`, `queue_times` in seconds, `errors`, `generated_texts`), so
 tools reading vLLM result files read it too, plus `tpots` (s, null for <= 1 output token),
@@ -13,6 +14,7 @@ none).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +48,12 @@ def build_result(cfg: Any, model: str, tokenizer: str, metrics: dict[str, Any],
     conf.update(model=model, api_url=cfg.api_url, tokenizer=tokenizer)
     result: dict[str, Any] = {"config": conf, **metrics}
     result.update(
+        # vLLM's top-level keys of `vllm bench serve --save-result` (scripts read these)
+        date=time.strftime("%Y%m%d-%H%M%S"),
+        backend="openai-chat" if cfg.endpoint == "chat" else "openai",
+        model_id=model,
+        tokenizer_id=tokenizer,
+        num_prompts=len(results),
         request_rate=jsonable(cfg.request_rate),
         max_concurrency=cfg.max_concurrency,
         goodput_slos_ms=dict(cfg.goodput) or None,
