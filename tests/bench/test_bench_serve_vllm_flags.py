@@ -36,6 +36,7 @@ def test_vllm_flag_names_are_aliases(tmp_path):
     # --ignore-eos (vLLM's flag) and pdkv's default are on; --no-ignore-eos turns it off
     assert cfg.ignore_eos and config_from_args(build_parser().parse_args(["bench", "serve", "--ignore-eos"])).ignore_eos
     assert not config_from_args(build_parser().parse_args(["bench", "serve", "--no-ignore-eos"])).ignore_eos
+    assert config_from_args(build_parser().parse_args(["bench", "serve", "--metric-percentiles", "25,75"])).percentiles == [25.0, 75.0]
     path = result_path(args, {"config": {"model": "org/m", "endpoint": "chat"}, "request_rate": "inf"})
     assert path is not None and path.startswith(str(tmp_path / "pdkv-chat-infqps-org_m-")) and path.endswith(".json")
     args.result_filename = "r.json"

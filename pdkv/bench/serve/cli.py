@@ -92,8 +92,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="most requests in flight at once")
     g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs, any of ttft:MS tpot:MS e2el:MS; good = meets all")
-    g.add_argument("--percentiles", type=_percentiles, default=list(d.percentiles),
-                   help="comma-separated percentiles to report, e.g. 50,90,99")
+    g.add_argument("--percentiles", "--metric-percentiles", dest="percentiles", type=_percentiles,
+                   default=list(d.percentiles),
+                   help="comma-separated percentiles to report, e.g. 50,90,99 (vLLM: --metric-percentiles)")
     g.add_argument("--result-json", default=None, help="write the result dict to this file")
     g.add_argument("--save-result", action="store_true",
                    help="vLLM's: write the result dict to --result-dir/--result-filename")
