@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from pdkv.engine.async_llm import AsyncLLM, EngineDeadError
 from pdkv.model.structured import compile_grammar
-from pdkv.outputs import Logprob, RequestOutput
+from pdkv.outputs import RequestOutput
 from pdkv.sampling_params import SamplingParams
 from pdkv.serve.fanout import merge_streams
 from pdkv.serve.fields import (
@@ -24,6 +24,12 @@ from pdkv.serve.fields import (
     unsupported_field,
 )
 from pdkv.serve.protocol import ChatCompletionRequest, CompletionRequest
+from pdkv.serve.response_json import (
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_json,
+    usage_json,
+)
 from pdkv.serve.timings import engine_timings
 from pdkv.tokenizer import Tokenizer, TokenizerPool
 
@@ -261,7 +267,7 @@ class OpenAIHandlers:
                 choice: dict[str, Any] = {
                     "index": i,
                     "message": {"role": "assistant", "content": comp.text},
-                    "logprobs": self._chat_logprobs(comp.token_ids, comp.logprobs),
+                    "logprobs": chat_logprobs(comp.token_ids, comp.logprobs, self._token_str),
                     "finish_reason": comp.finish_reason,
                     "stop_reason": comp.stop_reason,
                 }
@@ -273,14 +279,14 @@ class OpenAIHandlers:
                 choice = {
                     "index": i,
                     "text": (p.prompt_text or "") + comp.text if p.echo else comp.text,
-                    "logprobs": self._completion_logprobs(ids, lps),
+                    "logprobs": completion_logprobs(ids, lps, self._token_str),
                     "finish_reason": comp.finish_reason,
                     "stop_reason": comp.stop_reason,
-                    "prompt_logprobs": _prompt_logprobs(final),
+                    "prompt_logprobs": prompt_logprobs_json(final),
                 }
             choices.append(choice)
         first = finals[0]
-        extra = {"prompt_logprobs": _prompt_logprobs(first)} if p.chat else {}
+        extra = {"prompt_logprobs": prompt_logprobs_json(first)} if p.chat else {}
         return {
             **extra,
             "id": p.request_id,
@@ -288,7 +294,7 @@ class OpenAIHandlers:
             "created": p.created,
             "model": p.model,
             "choices": choices,
-            "usage": self._usage(list(finals.values())),
+            "usage": usage_json(list(finals.values())),
             "kv_transfer_params": first.kv_transfer_params,
             "pdkv_timings": engine_timings(p.received, first.metrics, time.monotonic()),
         }
@@ -321,15 +327,15 @@ class OpenAIHandlers:
                 choice: dict[str, Any] = {"index": index, "finish_reason": comp.finish_reason}
                 if p.chat:
                     choice["delta"] = {"content": comp.delta_text} if comp.delta_text else {}
-                    choice["logprobs"] = self._chat_logprobs(comp.delta_token_ids, lps)
+                    choice["logprobs"] = chat_logprobs(comp.delta_token_ids, lps, self._token_str)
                 else:
                     choice["text"] = comp.delta_text
-                    choice["logprobs"] = self._completion_logprobs(comp.delta_token_ids, lps)
+                    choice["logprobs"] = completion_logprobs(comp.delta_token_ids, lps, self._token_str)
                 if out.finished:
                     choice["stop_reason"] = comp.stop_reason
                 if out.prompt_logprobs is not None and index not in prompt_lp_sent:
                     prompt_lp_sent.add(index)  # with the sequence's first chunk, as vLLM
-                    choice["prompt_logprobs"] = _prompt_logprobs(out)
+                    choice["prompt_logprobs"] = prompt_logprobs_json(out)
                 if first_text is None and comp.delta_text:
                     first_text = time.monotonic()
                 chunk = {**head, "choices": [choice]}
@@ -351,74 +357,11 @@ class OpenAIHandlers:
             yield "data: [DONE]\n\n"
             return
         if p.include_usage and finals:
-            yield _sse({**head, "choices": [], "usage": self._usage(list(finals.values()))})
+            yield _sse({**head, "choices": [], "usage": usage_json(list(finals.values()))})
         yield "data: [DONE]\n\n"
-
-    # ------------------------------------------------------------- formatting
-    @staticmethod
-    def _usage(outs: list[RequestOutput]) -> dict[str, Any]:
-        """Usage of one request: the prompt once, the tokens of every sequence."""
-        out = outs[0]
-        n_prompt, n_out = len(out.prompt_token_ids), sum(len(o.outputs[0].token_ids) for o in outs)
-        return {
-            "prompt_tokens": n_prompt,
-            "completion_tokens": n_out,
-            "total_tokens": n_prompt + n_out,
-            # cached_tokens: OpenAI's; kv_load_bytes (pdkv): bytes of that KV loaded by connectors
-            # per path ("p2p": pulled from a prefill engine, "pool": read from the KV pool).
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens,
-                                      "kv_load_bytes": out.kv_load_bytes},
-        }
 
     def _token_str(self, tid: int) -> str:
         return self.tokenizer.decode([tid], skip_special_tokens=False)
-
-    def _completion_logprobs(self, ids: list[int], lps: list[dict[int, Logprob] | None] | None) -> dict[str, Any] | None:
-        """OpenAI's completion logprobs; a None entry (the first prompt token of an echo) has
-        no logprob."""
-        if lps is None:
-            return None
-        tokens = [self._token_str(t) for t in ids]
-        offsets, pos = [], 0
-        for s in tokens:
-            offsets.append(pos)
-            pos += len(s)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp[t].logprob if lp and t in lp else None for t, lp in zip(ids, lps)],
-            "top_logprobs": [None if lp is None else {self._token_str(k): v.logprob for k, v in lp.items()}
-                             for lp in lps],
-            "text_offset": offsets,
-        }
-
-    def _chat_logprobs(self, ids: list[int], lps: list[dict[int, Logprob]] | None) -> dict[str, Any] | None:
-        if lps is None:
-            return None
-        content = []
-        for t, lp in zip(ids, lps):
-            s = self._token_str(t)
-            top = sorted(((k, v.logprob) for k, v in lp.items()), key=lambda kv: -kv[1])
-            content.append({
-                "token": s,
-                "logprob": lp[t].logprob if t in lp else None,
-                "bytes": list(s.encode()),
-                "top_logprobs": [
-                    {"token": self._token_str(k), "logprob": v, "bytes": list(self._token_str(k).encode())}
-                    for k, v in top
-                    if k != t or len(top) > 0
-                ],
-            })
-        return {"content": content}
-
-
-def _prompt_logprobs(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
-    """vLLM's JSON of prompt_logprobs: per prompt token None (the first) or
-    {token_id: {"logprob", "rank", "decoded_token"}}."""
-    if out.prompt_logprobs is None:
-        return None
-    return [None if d is None else {str(t): {"logprob": v.logprob, "rank": v.rank,
-                                             "decoded_token": v.decoded_token} for t, v in d.items()}
-            for d in out.prompt_logprobs]
 
 
 def _sse(obj: dict[str, Any]) -> str:
