@@ -316,16 +316,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def step_observer(metrics: ServerMetrics, engine: Any, args: argparse.Namespace) -> Any:
+def step_observer(metrics: ServerMetrics, args: argparse.Namespace) -> Any:
     """The engine loop's step observer: Prometheus metrics, then (unless disabled) the stats
     line every --log-stats-interval s and one line per finished request."""
     observers = [metrics.observe_step]
     if not getattr(args, "disable_log_stats", False):
         observers.append(StatsLogger(getattr(args, "log_stats_interval", DEFAULT_STATS_INTERVAL_S)).observe)
     if not getattr(args, "disable_log_requests", False):
-        kv = engine.runner.kv_cache_config
-        per_token = sum(kv.block_bytes(i) for i in range(len(kv.groups))) // engine.config.cache_config.block_size
-        observers.append(RequestLogger(per_token).observe)
+        observers.append(RequestLogger().observe)
 
     def observe(outputs: Any, stats: Any, now: float) -> None:
         for fn in observers:
@@ -377,7 +375,7 @@ def main(args: argparse.Namespace) -> int:
         inject_step_fault(engine, int(fault_at))
     name = engine.config.model_config.served_model_name
     metrics = ServerMetrics(name, max_model_len=engine.config.model_config.max_model_len)
-    llm = AsyncLLM(engine, step_observer(metrics, engine, args))
+    llm = AsyncLLM(engine, step_observer(metrics, args))
     config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,
                          extra_model_names=tuple((args.served_model_name or [])[1:]))
     app = build_app(llm, config, metrics)

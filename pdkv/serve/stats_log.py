@@ -90,12 +90,11 @@ class RequestLogger:
     (p2p=.., pool=..) pull_ms=X ttft_ms=Y output_tokens=O finish_reason=R"
 
     cached_tokens: prompt tokens not computed here (local prefix cache hits plus tokens loaded by
-    a KV connector); pulled_tokens: the loaded share, kv_bytes / `kv_bytes_per_token` (whole
-    blocks, so capped at cached_tokens); pull_ms: time waiting for an asynchronous KV load
+    a KV connector); pulled_tokens: the loaded share (metrics.num_external_tokens, counted by the
+    scheduler); pull_ms: time waiting for an asynchronous KV load
     (metrics.kv_wait_time); ttft_ms: arrival to first token in this engine.
     """
 
-    kv_bytes_per_token: int
     log: Callable[[str], None] = logger.info
 
     def observe(self, outputs: list[RequestOutput], stats: SchedulerStats, now: float) -> None:
@@ -106,9 +105,9 @@ class RequestLogger:
     def line(self, out: RequestOutput) -> str:
         """The line for the final output `out`."""
         kv_bytes = sum(out.kv_load_bytes.values())
-        pulled = min(out.num_cached_tokens, kv_bytes // max(1, self.kv_bytes_per_token))
         paths = ", ".join(f"{k}={v}" for k, v in sorted(out.kv_load_bytes.items()))
         m = out.metrics
+        pulled = m.num_external_tokens if m is not None else 0
         ttft = m.ttft if m is not None else None
         pull_ms = 1000.0 * m.kv_wait_time if m is not None else 0.0
         comp = out.outputs[0] if out.outputs else None

@@ -8,11 +8,12 @@ from pdkv.serve.stats_log import RequestLogger, StatsLogger
 
 
 def _out(rid: str, prompt: int, cached: int, tokens: int, new: int, finished: bool = False,
-         kv: dict[str, int] | None = None) -> RequestOutput:
+         kv: dict[str, int] | None = None, external: int = 0) -> RequestOutput:
     comp = CompletionOutput(0, "", list(range(tokens)), "length" if finished else None,
                             delta_token_ids=list(range(new)))
     m = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.1, first_token_time=10.25, last_token_time=11.0,
-                       finished_time=11.0 if finished else None, num_output_tokens=tokens, kv_wait_time=0.040)
+                       finished_time=11.0 if finished else None, num_output_tokens=tokens, kv_wait_time=0.040,
+                       num_external_tokens=external)
     return RequestOutput(rid, None, list(range(prompt)), [comp], finished, num_cached_tokens=cached,
                          kv_load_bytes=kv or {}, metrics=m)
 
@@ -43,9 +44,9 @@ def test_stats_line_every_interval_while_busy():
 
 def test_request_line_names_cached_pulled_bytes_pull_time_ttft():
     lines: list[str] = []
-    log = RequestLogger(kv_bytes_per_token=1000, log=lines.append)
+    log = RequestLogger(log=lines.append)
     log.observe([_out("r1", 100, 40, 5, 5)], _stats(1), 0.0)
     assert lines == []  # not finished
-    log.observe([_out("r1", 100, 48, 8, 3, finished=True, kv={"p2p": 32_000})], _stats(0), 1.0)
+    log.observe([_out("r1", 100, 48, 8, 3, finished=True, kv={"p2p": 32_000}, external=32)], _stats(0), 1.0)
     assert lines == ["finished request r1: prompt_tokens=100 cached_tokens=48 pulled_tokens=32 kv_bytes=32000 "
                      "(p2p=32000) pull_ms=40.0 ttft_ms=250.0 output_tokens=8 finish_reason=length"]
