@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdkv.parallel.layout import ParallelLayout
+
 _DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -124,25 +126,55 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Parallel layout (only size 1 is implemented so far).
+    """Parallel layout of one engine: TP and DCP sizes (vLLM's flags and constraints).
 
     Attributes:
-        tensor_parallel_size: TP ranks.
-        decode_context_parallel_size: DCP ranks sharing one request's KV.
-        cp_kv_cache_interleave_size: consecutive tokens placed on one DCP rank.
+        tensor_parallel_size: TP ranks (weights and attention heads sharded).
+        decode_context_parallel_size: DCP ranks sharing one request's KV (tokens sharded).
+        cp_kv_cache_interleave_size: consecutive tokens placed on one DCP rank (I).
+        dcp_replicate_weights: DCP ranks each hold a whole TP shard of the weights (world size
+            tp × dcp) instead of DCP being carved out of TP (vLLM's mode, world size tp). None =
+            replicated when tensor_parallel_size is 1 (vLLM's rule cannot apply there).
+        distributed_init_port: 127.0.0.1 port of torch.distributed's rendezvous (0 = a free one).
+        worker_timeout_s: deadline of one worker reply (start-up: model load; then one step).
+
+    Raises:
+        ValueError: a size below 1, DCP not dividing TP in vLLM mode, an interleave that does not
+            divide the block size (checked in EngineConfig).
     """
 
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     cp_kv_cache_interleave_size: int = 1
+    dcp_replicate_weights: bool | None = None
+    distributed_init_port: int = 0
+    worker_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1 or self.decode_context_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} and decode_context_parallel_size="
-                f"{self.decode_context_parallel_size}: sizes > 1 are not supported yet (TP and DCP: "
-                "issue 10)"
-            )
+        self.layout()  # raises ValueError on bad sizes
+        if self.worker_timeout_s <= 0:
+            raise ValueError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s}")
+
+    @property
+    def dcp_replicated(self) -> bool:
+        """Replicated-weights DCP (see dcp_replicate_weights)."""
+        if self.dcp_replicate_weights is None:
+            return self.tensor_parallel_size == 1 and self.decode_context_parallel_size > 1
+        return self.dcp_replicate_weights
+
+    def layout(self) -> ParallelLayout:
+        """The rank mapping (pdkv.parallel.layout)."""
+        return ParallelLayout(
+            tp_size=self.tensor_parallel_size,
+            dcp_size=self.decode_context_parallel_size,
+            interleave=self.cp_kv_cache_interleave_size,
+            dcp_replicated=self.dcp_replicated,
+        )
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes (1 = the model runs in the engine process)."""
+        return self.layout().world_size
 
 
 @dataclass(frozen=True)
@@ -154,6 +186,28 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer_config: KVTransferConfig | None = None
+
+    @property
+    def scheduler_block_size(self) -> int:
+        """Tokens per logical block (block hashing, allocation): block_size × DCP size."""
+        return self.cache_config.block_size * self.parallel_config.decode_context_parallel_size
+
+    def __post_init__(self) -> None:
+        par, bs = self.parallel_config, self.cache_config.block_size
+        interleave = par.cp_kv_cache_interleave_size
+        if par.decode_context_parallel_size > 1:
+            if bs % interleave:
+                raise ValueError(
+                    f"cp_kv_cache_interleave_size={interleave} must divide block_size={bs} (each rank's "
+                    "share of a logical block fills whole physical blocks)"
+                )
+            if self.kv_transfer_config is not None and interleave != bs:
+                raise ValueError(
+                    f"cp_kv_cache_interleave_size={interleave} must equal block_size={bs} when a KV "
+                    "connector is configured (vLLM's rule: each transferred block then lies whole on "
+                    "one DCP rank); pass --cp-kv-cache-interleave-size "
+                    f"{bs}"
+                )
 
 
 _KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")

@@ -43,6 +43,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1
+    cp_kv_cache_interleave_size: int = 1
+    dcp_replicate_weights: bool | None = None
+    distributed_init_port: int = 0
     num_threads: int | None = None
     kv_transfer_config: str | None = None
     cpu_linear: str = "onednn"
@@ -66,6 +69,12 @@ class EngineArgs:
                 f"max_model_len={max_len} exceeds the model's max_position_embeddings="
                 f"{arch.max_position_embeddings}"
             )
+        ParallelConfig(  # vLLM's head constraints, before any process starts
+            tensor_parallel_size=self.tensor_parallel_size,
+            decode_context_parallel_size=self.decode_context_parallel_size,
+            cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size,
+            dcp_replicate_weights=self.dcp_replicate_weights,
+        ).layout().check_heads(arch.num_heads, arch.num_kv_heads)
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} requested but this torch build has no CUDA device")
@@ -102,6 +111,9 @@ class EngineArgs:
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 decode_context_parallel_size=self.decode_context_parallel_size,
+                cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size,
+                dcp_replicate_weights=self.dcp_replicate_weights,
+                distributed_init_port=self.distributed_init_port,
             ),
         )
 
@@ -144,8 +156,19 @@ class EngineArgs:
             action=argparse.BooleanOptionalAction,
             default=d.enable_chunked_prefill,
         )
-        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="(only 1 so far)")
-        g.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1, help="(only 1 so far)")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="TP ranks: one worker process each (torch.distributed, gloo on CPU)")
+        g.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1,
+                       help="DCP ranks sharing each request's KV; carved out of TP (vLLM) when tp > 1, "
+                            "ranks that replicate the weights when tp is 1")
+        g.add_argument("--cp-kv-cache-interleave-size", type=int, default=d.cp_kv_cache_interleave_size,
+                       help="consecutive tokens stored on one DCP rank (must equal --block-size with a "
+                            "KV connector)")
+        g.add_argument("--dcp-replicate-weights", action=argparse.BooleanOptionalAction, default=None,
+                       help="DCP ranks each hold a whole TP shard (world size tp x dcp); default: only "
+                            "when tp is 1")
+        g.add_argument("--distributed-init-port", type=int, default=d.distributed_init_port,
+                       help="127.0.0.1 port of the workers' torch.distributed rendezvous (0: a free one)")
         g.add_argument("--cpu-linear", default=d.cpu_linear, choices=["onednn", "torch"],
                        help="float32 CPU matmuls: oneDNN packed weights, or torch's BLAS")
         g.add_argument(

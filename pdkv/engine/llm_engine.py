@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from typing import Any
 
 from pdkv.config import EngineConfig
 from pdkv.engine.arg_utils import EngineArgs
+from pdkv.executor.multiproc import MultiprocExecutor
 from pdkv.engine.output_processor import OutputProcessor
 from pdkv.kv_transfer.connector.base import KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
@@ -38,7 +40,13 @@ class LLMEngine:
         self.config = config
         self.tokenizer = Tokenizer(config.model_config.path)
         kvt = config.kv_transfer_config
-        self.runner = ModelRunner(config.model_config, config.cache_config, kvt)
+        self.runner: ModelRunner | MultiprocExecutor
+        if config.parallel_config.world_size > 1:  # one worker process per TP/DCP rank
+            import torch
+
+            self.runner = MultiprocExecutor(config, num_threads=torch.get_num_threads())
+        else:
+            self.runner = ModelRunner(config.model_config, config.cache_config, kvt)
         self.connector = None
         if kvt is not None:
             self.connector = create_connector(
@@ -47,13 +55,13 @@ class LLMEngine:
             )
         self.scheduler = Scheduler(
             config.scheduler_config,
-            config.cache_config,
+            dataclasses.replace(config.cache_config, block_size=config.scheduler_block_size),
             self.runner.kv_cache_config,
             connector=self.connector,
             kv_load_failure_policy=kvt.load_failure_policy if kvt else "fail",
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.vocab_size = self.runner.model.cfg.vocab_size
+        self.vocab_size = self.runner.vocab_size
         self.eos_token_id = self.runner.eos_token_id
         self._ids = itertools.count()
         self.num_steps = 0
@@ -141,7 +149,7 @@ class LLMEngine:
             rid,
             token_ids,
             params,
-            block_size=self.config.cache_config.block_size,
+            block_size=self.config.scheduler_block_size,
             eos_token_id=self.eos_token_id,
             cache_salt=cache_salt,
             kv_transfer_params=dict(kv_transfer_params) if kv_transfer_params else None,

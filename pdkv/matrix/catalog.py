@@ -35,8 +35,9 @@ FEATURES: tuple[Axis, ...] = (
     Axis("offload", "CPU offload (evicted blocks come back from host)"),
     Axis("pd-pool", "P/D + pool (MultiConnector: pool prefix, then P's rest)"),
     Axis("pd-colocated-pool", "PD-colocated + pool (kv_both instances sharing one pool)"),
-    Axis("tp", "tensor parallelism (--tensor-parallel-size 2)"),
-    Axis("dcp", "decode context parallelism (--decode-context-parallel-size 2)"),
+    Axis("tp", "tensor parallelism (--tensor-parallel-size 2; 3 on SmolLM2)"),
+    Axis("dcp", "decode context parallelism (--decode-context-parallel-size 2; vLLM mode at tp 2, "
+                "replicated weights at tp 1)"),
     Axis("hetero-tp", "heterogeneous TP between P and D"),
     Axis("quantized-kv", "quantized KV cache (--kv-cache-dtype fp8)"),
     Axis("hybrid-sliding-window", "hybrid state: sliding-window attention"),
@@ -47,6 +48,8 @@ FEATURES: tuple[Axis, ...] = (
 MODELS: tuple[Axis, ...] = (
     Axis("smollm2", "SmolLM2-135M-Instruct (real weights)"),
     Axis("tiny-llama", "random 2-layer Llama, SmolLM2 tokenizer (made by the test)"),
+    Axis("tiny-llama-kv1", "random 4-layer Llama, 4 query heads, 1 KV head (`--model tiny-llama-kv1`)"),
+    Axis("tiny-llama-kv2", "random 4-layer Llama, 4 query heads, 2 KV heads (`--model tiny-llama-kv2`)"),
     Axis("mistral-sw", "Mistral config with sliding_window (config.json only)"),
     Axis("deepseek-v3", "DeepSeek-V3 config.json (MLA), pdkv/plan/configs"),
     Axis("qwen3-next", "Qwen3-Next-80B-A3B config.json (Gated DeltaNet + full attention)"),

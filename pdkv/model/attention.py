@@ -14,6 +14,7 @@ read blocks another request fills in the same step (prefix-cache hits on blocks 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,8 @@ class AttentionMetadata:
         decode_mask: [B, 1, 1, max_blocks*block_size] bool, True where a key is valid
             (None when B == 1: the key range is sliced exactly instead).
         all_decode: every token of the step is a decode, in order (decode_token_idx == arange).
+        dcp: with decode context parallelism, this rank's slots and token shard
+            (pdkv.parallel.dcp_attention.DCPMetadata); the other fields are then unused.
     """
 
     slot_block_ids: torch.Tensor
@@ -59,6 +62,7 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None
     decode_mask: torch.Tensor | None
     all_decode: bool = False
+    dcp: Any = None
 
 
 def write_kv(
@@ -89,6 +93,10 @@ def paged_attention(
     Returns:
         [T, num_heads, head_size].
     """
+    if meta.dcp is not None:
+        from pdkv.parallel.dcp_attention import dcp_attention
+
+        return dcp_attention(q, k, v, kv_cache, meta.dcp, scale)
     write_kv(kv_cache, k, v, meta)
     out = q.new_empty(q.shape)
     num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]

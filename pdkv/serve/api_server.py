@@ -367,8 +367,12 @@ def main(args: argparse.Namespace) -> int:
                 engine.config.model_config.model, engine.config.model_config.path,
                 engine.config.model_config.device)
     logger.info("resolved config: %s", engine.config)
-    logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", kv.num_blocks,
-                engine.config.cache_config.block_size, kv.total_bytes / 2**20)
+    par = engine.config.parallel_config
+    dcp = par.decode_context_parallel_size
+    logger.info("KV cache: %d blocks x %d tokens (%.1f MiB per rank%s)", kv.num_blocks,
+                engine.config.scheduler_block_size, kv.total_bytes / dcp / 2**20,
+                f"; tp {par.tensor_parallel_size}, dcp {dcp}: each rank stores 1/{dcp} of every request's "
+                "KV" if par.world_size > 1 else "")
     fault_at = os.environ.get(FAULT_STEP_ENV)
     if fault_at:
         logger.warning("%s=%s: the engine will fail on purpose (tests only)", FAULT_STEP_ENV, fault_at)

@@ -12,27 +12,37 @@ from pdkv.model.llama import LlamaArchConfig
 
 
 def make_kv_cache_config(
-    arch: LlamaArchConfig, cache_config: CacheConfig, dtype: str, max_model_len: int
+    arch: LlamaArchConfig, cache_config: CacheConfig, dtype: str, max_model_len: int,
+    num_kv_heads: int | None = None, dcp_size: int = 1, logical: bool = False,
 ) -> KVCacheConfig:
     """One FullAttention group holding every layer; block count from the config or the memory
-    budget.
+    budget (per rank).
+
+    Args:
+        num_kv_heads: KV heads this rank stores (TP shards them; default: all of the model's).
+        dcp_size: DCP ranks; one logical block of block_size × dcp_size tokens is one physical
+            block of block_size tokens on each of them.
+        logical: describe the scheduler's view (spec block_size = block_size × dcp_size, so a
+            block's bytes are those of the whole DCP group) instead of one rank's tensors.
 
     Raises:
         ValueError: the pool cannot hold even one request of max_model_len tokens.
     """
+    block_size = cache_config.block_size
     spec = FullAttentionSpec(
-        block_size=cache_config.block_size,
-        num_kv_heads=arch.num_kv_heads,
+        block_size=block_size * dcp_size if logical else block_size,
+        num_kv_heads=num_kv_heads or arch.num_kv_heads,
         head_size=arch.head_dim,
         dtype=dtype,
     )
     group = KVCacheGroupSpec(layer_indices=tuple(range(arch.num_layers)), spec=spec)
-    block_bytes = spec.page_size_bytes * arch.num_layers
-    num_blocks = cache_config.num_kv_blocks or cache_config.kv_cache_memory_bytes // block_bytes
-    needed = -(-max_model_len // cache_config.block_size)
+    physical_block_bytes = spec.page_size_bytes * arch.num_layers // (dcp_size if logical else 1)
+    num_blocks = cache_config.num_kv_blocks or cache_config.kv_cache_memory_bytes // physical_block_bytes
+    needed = -(-max_model_len // (block_size * dcp_size))
     if num_blocks < needed:
+        dcp = f" x {dcp_size} DCP ranks" if dcp_size > 1 else ""
         raise ValueError(
-            f"KV cache of {num_blocks} blocks x {cache_config.block_size} tokens cannot hold one "
+            f"KV cache of {num_blocks} blocks x {block_size} tokens{dcp} cannot hold one "
             f"request of max_model_len={max_model_len} tokens ({needed} blocks): raise "
             "num_kv_blocks / kv_cache_memory_bytes or lower max_model_len"
         )

@@ -12,7 +12,7 @@ import dataclasses
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from pdkv.sched.output import (
 )
 from pdkv.tokenizer import Tokenizer
 from pdkv.worker.kv_cache import allocate_kv_cache, make_kv_cache_config
+
+if TYPE_CHECKING:
+    from pdkv.parallel.context import ParallelContext
 
 
 @dataclass
@@ -68,6 +71,9 @@ class ModelRunner:
         model_config: model path, dtype, device, max_model_len, seed.
         cache_config: block size and KV cache budget.
         kv_transfer_config: when set, the worker half of that KV connector is built here.
+        parallel: this rank's TP/DCP context (None: one process holds the whole model). With DCP
+            the block tables are logical (block_size × dcp tokens per block id) and this rank
+            stores the K/V of the tokens it owns (pdkv.parallel.layout).
 
     Raises:
         ValueError: max_model_len exceeds the model's positions, or the KV cache is too small.
@@ -80,12 +86,14 @@ class ModelRunner:
         model_config: ModelConfig,
         cache_config: CacheConfig,
         kv_transfer_config: KVTransferConfig | None = None,
+        parallel: ParallelContext | None = None,
     ) -> None:
         self.model_config = model_config
+        self.parallel = parallel
         self.device = torch.device(model_config.device)
         self.dtype = TORCH_DTYPES[model_config.dtype]
         self.model: LlamaForCausalLM = load_model(
-            model_config.path, model_config.dtype, model_config.device
+            model_config.path, model_config.dtype, model_config.device, parallel
         )
         if model_config.cpu_linear == "onednn":
             self.model.pack_cpu_weights()
@@ -102,8 +110,10 @@ class ModelRunner:
 
             budget = kv_budget_bytes(free_memory_bytes(self.device), cache_config.gpu_memory_utilization)
             cache_config = dataclasses.replace(cache_config, kv_cache_memory_bytes=budget)
+        dcp = parallel.dcp_size if parallel is not None else 1
         self.kv_cache_config: KVCacheConfig = make_kv_cache_config(
-            arch, cache_config, model_config.dtype, model_config.max_model_len
+            arch, cache_config, model_config.dtype, model_config.max_model_len,
+            num_kv_heads=self.model.num_local_kv_heads, dcp_size=dcp,
         )
         self.layout = {
             "model_digest": model_digest(model_config.path),
@@ -114,6 +124,10 @@ class ModelRunner:
             "head_size": arch.head_dim,
             "kv_layout": self.KV_LAYOUT,
         }
+        if parallel is not None and parallel.layout.world_size > 1:
+            lay = parallel.layout
+            self.layout.update(tp_size=lay.tp_size, dcp_size=lay.dcp_size, interleave=lay.interleave,
+                               dcp_replicated=lay.dcp_replicated, num_local_kv_heads=self.model.num_local_kv_heads)
         # Start-up values both connector halves of this engine share, by name (see the factory).
         self.connector_shared: dict[str, Any] = {}
         self.connector: KVConnectorBase | None = None
@@ -131,6 +145,11 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.timings = StepTimings()
         self._grammars: GrammarMatchers | None = None  # built by the first structured request
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size."""
+        return self.model.cfg.vocab_size
 
     # ------------------------------------------------------------------ state
     def _update_states(self, out: SchedulerOutput) -> None:
@@ -283,6 +302,9 @@ class ModelRunner:
         sampled: list[CachedRequestState] = []
         prompt_idx: list[int] = []
         prompt_rows: list[tuple[CachedRequestState, int, int]] = []
+        par = self.parallel
+        dcp = par is not None and par.dcp_size > 1
+        shard_reqs: list[tuple[int, int, int, list[int]]] = []
         for req_id, n in out.num_scheduled_tokens.items():
             state = self.requests[req_id]
             start = len(ids)
@@ -291,13 +313,17 @@ class ModelRunner:
             ids.extend(state.token_ids[c : c + n])
             rng = range(c, c + n)
             pos.extend(rng)
-            slot_blocks.extend(table[p // bs] for p in rng)
-            slot_offsets.extend(p % bs for p in rng)
-            if n == 1:
+            if dcp:  # slots and block tables per rank: build_dcp_metadata below
+                shard_reqs.append((start, n, c, table))
+            elif n == 1:
+                slot_blocks.extend(table[p // bs] for p in rng)
+                slot_offsets.extend(p % bs for p in rng)
                 dec_idx.append(start)
                 dec_tables.append(table[: c // bs + 1])
                 dec_lens.append(c + 1)
             else:
+                slot_blocks.extend(table[p // bs] for p in rng)
+                slot_offsets.extend(p % bs for p in rng)
                 nblocks = -(-(c + n) // bs)
                 prefills.append(
                     PrefillSeq(start, start + n, c, torch.tensor(table[:nblocks], device=self.device))
@@ -324,7 +350,14 @@ class ModelRunner:
             if len(dec_idx) > 1:
                 keys = torch.arange(width * bs, device=dev)
                 decode_mask = (keys[None, :] < decode_lens[:, None])[:, None, None, :]
+        # With DCP this rank writes and attends only the tokens it stores (its shard).
+        dcp_meta = None
+        if dcp and par is not None:
+            from pdkv.parallel.dcp_attention import build_dcp_metadata
+
+            dcp_meta = build_dcp_metadata(par, bs, shard_reqs, dev)
         meta = AttentionMetadata(
+            dcp=dcp_meta,
             slot_block_ids=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
             slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=dev),
             prefills=prefills,

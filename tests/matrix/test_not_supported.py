@@ -1,7 +1,7 @@
 """What pdkv does not build yet is refused with an error naming the issue that builds it, never
-silently accepted: TP and DCP (issue 10), quantized KV and heterogeneous TP (issue 12), hybrid
-state groups (issue 11). These are the matrix's "not supported" cells; each records the error
-text it saw (`matrix_detail`). No model weights are loaded: the refusals come first."""
+silently accepted: quantized KV and heterogeneous TP (issue 12), hybrid state groups (issue 11);
+so are TP/DCP sizes the model's heads do not allow. These are the matrix's "not supported" cells;
+each records the error text it saw (`matrix_detail`). No model weights are loaded: the refusals come first."""
 
 from __future__ import annotations
 
@@ -42,18 +42,14 @@ def per_model(feature: str) -> list:
             for m in ("smollm2", "tiny-llama")]
 
 
-@pytest.mark.parametrize("model", per_model("tp"))
-def test_tensor_parallel_is_refused(model, folders, capsys, record_property):
-    msg = refused(capsys, ["--model", folders[model], "--tensor-parallel-size", "2"])
-    assert "tensor_parallel_size=2" in msg and "issue 10" in msg
-    record_property(DETAIL_PROPERTY, msg)
-
-
-@pytest.mark.parametrize("model", per_model("dcp"))
-def test_decode_context_parallel_is_refused(model, folders, capsys, record_property):
-    msg = refused(capsys, ["--model", folders[model], "--decode-context-parallel-size", "2"])
-    assert "decode_context_parallel_size=2" in msg and "issue 10" in msg
-    record_property(DETAIL_PROPERTY, msg)
+def test_tp_and_dcp_sizes_the_heads_do_not_allow_are_refused(folders, capsys):
+    """SmolLM2 has 9 query and 3 KV heads: tp 2 does not divide them, and vLLM-style DCP at
+    tp 3 would need tp / KV heads (1) to be a multiple of dcp; both are refused before any
+    worker starts, naming the values (tp 3, and dcp with tp 1, are verified in tests/parallel)."""
+    msg = refused(capsys, ["--model", folders["smollm2"], "--tensor-parallel-size", "2"])
+    assert "tensor_parallel_size=2 must divide the model's 9 attention heads" in msg
+    msg = refused(capsys, ["--model", folders["smollm2"], "-tp", "3", "-dcp", "3"])
+    assert "decode_context_parallel_size=3 (vLLM mode)" in msg and "3 KV heads" in msg
 
 
 @pytest.mark.parametrize("model", per_model("quantized-kv"))

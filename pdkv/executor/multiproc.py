@@ -1,0 +1,211 @@
+"""MultiprocExecutor: one worker process per rank, driven by the engine process.
+
+The scheduler stays in the engine process. Each step its output goes to every rank (msgpack over
+a pipe per rank); all ranks run the forward pass together (their collectives meet in
+torch.distributed) and sample the same tokens from the same logits, so every rank's request state
+stays in step without a broadcast; rank 0's output is returned. Every wait has a deadline
+(`ParallelConfig.worker_timeout_s`) and watches every worker's process sentinel, so a dead worker
+ends the step with an error naming the rank and its exit code instead of a hang (vLLM's
+MultiprocExecutor plays the same role; its message queue is shared memory, ours a pipe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import socket
+import time
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+
+import msgspec
+
+from pdkv.cache.specs import KVCacheConfig
+from pdkv.config import EngineConfig
+from pdkv.executor.messages import (
+    ExecuteModel,
+    FromWorker,
+    Shutdown,
+    StepResult,
+    WorkerFailed,
+    WorkerInit,
+    WorkerReady,
+)
+from pdkv.executor.worker_proc import run_worker
+from pdkv.kv_transfer.connector.base import KVConnectorBase
+from pdkv.model.llama import LlamaArchConfig
+from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput
+from pdkv.worker.kv_cache import make_kv_cache_config
+from pdkv.worker.model_runner import StepTimings
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process exited or failed; the engine cannot continue."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MultiprocExecutor:
+    """Runs the model on `parallel_config.world_size` worker processes.
+
+    Presents what the engine needs of a ModelRunner: `kv_cache_config` (the scheduler's logical
+    view: blocks of block_size × DCP tokens), `layout`, `connector_shared`, `vocab_size`,
+    `eos_token_id`, `execute_model`, `timings`, `connector` (None: connector halves live in the
+    workers) and `shutdown`.
+
+    Args:
+        config: the engine's configuration (world size > 1).
+        num_threads: torch CPU threads in all; each worker gets an equal share (at least 1).
+
+    Raises:
+        WorkerDiedError: a worker failed or exited during start-up (its traceback in the message).
+        TimeoutError: a worker did not report ready within worker_timeout_s.
+        ValueError: the model's heads do not fit the layout (named), or ranks disagree on the
+            KV block count.
+    """
+
+    def __init__(self, config: EngineConfig, num_threads: int) -> None:
+        par = config.parallel_config
+        self.layout_ = par.layout()
+        arch = LlamaArchConfig.from_hf_folder(config.model_config.path)
+        self.layout_.check_heads(arch.num_heads, arch.num_kv_heads)
+        self.world_size = par.world_size
+        self.timeout_s = par.worker_timeout_s
+        self.connector: KVConnectorBase | None = None
+        self.connector_shared: dict[str, object] = {}
+        self.timings = StepTimings()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FromWorker)
+        self._closed = False
+        ctx = mp.get_context("spawn")
+        port = par.distributed_init_port or _free_port()
+        threads = max(1, num_threads // self.world_size)
+        self._conns: list[Connection] = []
+        self._procs: list[BaseProcess] = []
+        try:
+            for rank in range(self.world_size):
+                parent, child = ctx.Pipe(duplex=True)
+                proc = ctx.Process(target=run_worker, args=(child,), name=f"pdkv-worker-{rank}", daemon=True)
+                proc.start()
+                child.close()
+                self._conns.append(parent)
+                self._procs.append(proc)
+                self._send(rank, WorkerInit(
+                    rank=rank, model_config=config.model_config, cache_config=config.cache_config,
+                    parallel_config=par, kv_transfer_config=config.kv_transfer_config,
+                    init_method=f"tcp://127.0.0.1:{port}", num_threads=threads))
+            readies = [self._recv(rank, time.monotonic() + self.timeout_s, "start-up") for rank in range(self.world_size)]
+        except BaseException:
+            self.shutdown()
+            raise
+        ready = [r for r in readies if isinstance(r, WorkerReady)]
+        blocks = {r.num_blocks for r in ready}
+        if len(blocks) != 1:
+            self.shutdown()
+            raise ValueError(f"worker ranks allocated different KV block counts {sorted(blocks)}: set --num-kv-blocks")
+        head = ready[0]
+        self.num_blocks = head.num_blocks
+        self.kv_cache_bytes_per_rank = head.kv_cache_bytes
+        self.layout = dict(head.layout)
+        self.vocab_size = head.vocab_size
+        self.eos_token_id = head.eos_token_id
+        cache = dataclasses.replace(config.cache_config, num_kv_blocks=self.num_blocks)
+        self.kv_cache_config: KVCacheConfig = make_kv_cache_config(
+            arch, cache, config.model_config.dtype, config.model_config.max_model_len,
+            num_kv_heads=self.layout_.kv_heads_per_rank(arch.num_kv_heads), dcp_size=self.layout_.dcp_size,
+            logical=True)
+        logger.info("%d worker processes (tp %d, dcp %d, %s): pids %s", self.world_size, par.tensor_parallel_size,
+                    par.decode_context_parallel_size, "replicated weights" if par.dcp_replicated else "vLLM mode",
+                    [p.pid for p in self._procs])
+
+    @property
+    def pids(self) -> list[int | None]:
+        """Worker process ids, by rank."""
+        return [p.pid for p in self._procs]
+
+    def _send(self, rank: int, msg: WorkerInit | ExecuteModel | Shutdown) -> None:
+        try:
+            self._conns[rank].send_bytes(self._encoder.encode(msg))
+        except (BrokenPipeError, ConnectionResetError, OSError) as e:
+            raise self._died(rank, f"pipe closed ({e})") from None
+
+    def _died(self, rank: int, what: str) -> WorkerDiedError:
+        proc = self._procs[rank]
+        return WorkerDiedError(f"worker rank {rank} (pid {proc.pid}) {what}; exit code {proc.exitcode}")
+
+    def _recv(self, rank: int, deadline: float, what: str) -> WorkerReady | StepResult:
+        """The next message of `rank`, watching every worker's sentinel until `deadline`."""
+        conn = self._conns[rank]
+        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"worker rank {rank} sent nothing within {self.timeout_s:.0f} s ({what})")
+            ready = wait([conn, *sentinels], timeout=left)
+            if conn in ready:
+                try:
+                    msg = self._decoder.decode(conn.recv_bytes())
+                except EOFError:
+                    self._procs[rank].join(1.0)
+                    raise self._died(rank, f"closed its pipe during {what}") from None
+                if isinstance(msg, WorkerFailed):
+                    self._procs[rank].join(5.0)
+                    raise WorkerDiedError(f"worker rank {rank} failed during {what}:\n{msg.error}")
+                return msg
+            for s in ready:
+                if s in sentinels:
+                    dead = sentinels[s]
+                    if dead == rank and conn.poll():
+                        break  # its last words (WorkerFailed) are in the pipe: read them
+                    raise self._died(dead, f"exited during {what}")
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every rank; rank 0's output.
+
+        Raises:
+            WorkerDiedError: a rank failed or exited (the engine is dead after this).
+            TimeoutError: a rank did not answer within worker_timeout_s.
+        """
+        if self._closed:
+            raise WorkerDiedError("the executor is shut down")
+        t0 = time.perf_counter()
+        msg = ExecuteModel(scheduler_output=scheduler_output)
+        for rank in range(self.world_size):
+            self._send(rank, msg)
+        deadline = time.monotonic() + self.timeout_s
+        results = [self._recv(rank, deadline, "a step") for rank in range(self.world_size)]
+        steps = [r for r in results if isinstance(r, StepResult)]
+        forward = steps[0].forward_s if steps else 0.0
+        self.timings = StepTimings(forward=forward, sample=max(0.0, time.perf_counter() - t0 - forward))
+        return steps[0].output
+
+    def shutdown(self) -> None:
+        """Ask every worker to stop, then end the ones still alive after a grace period."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self._conns:
+            try:
+                conn.send_bytes(self._encoder.encode(Shutdown()))
+            except OSError:
+                pass
+        deadline = time.monotonic() + 10.0
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5.0)
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, 9)
+                proc.join(1.0)
+        for conn in self._conns:
+            conn.close()

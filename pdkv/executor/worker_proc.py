@@ -1,0 +1,84 @@
+"""Entry point of one worker process: join torch.distributed, load this rank's shard, run steps.
+
+Started by `MultiprocExecutor` (multiprocessing "spawn" context) with one end of a pipe; every
+message on the pipe is msgpack (pdkv.executor.messages), never pickle.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from multiprocessing.connection import Connection
+
+import msgspec
+
+from pdkv.executor.messages import (
+    ExecuteModel,
+    FromWorker,
+    Shutdown,
+    StepResult,
+    ToWorker,
+    WorkerFailed,
+    WorkerInit,
+    WorkerReady,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def run_worker(conn: Connection) -> None:
+    """Serve one rank until Shutdown, EOF on the pipe (the engine is gone) or an error.
+
+    The first message must be WorkerInit. An exception is reported as WorkerFailed (with its
+    traceback) before the process exits with code 1.
+    """
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(ToWorker)
+    rank = -1
+
+    def send(msg: FromWorker) -> None:
+        conn.send_bytes(encoder.encode(msg))
+
+    ctx = runner = None
+    try:
+        init = decoder.decode(conn.recv_bytes())
+        if not isinstance(init, WorkerInit):
+            raise RuntimeError(f"first message must be WorkerInit, got {type(init).__name__}")
+        rank = init.rank
+        import torch
+
+        torch.set_num_threads(init.num_threads)
+        from pdkv.parallel.context import init_distributed
+        from pdkv.worker.model_runner import ModelRunner
+
+        par = init.parallel_config
+        ctx = init_distributed(par.layout(), rank, init.init_method,
+                               backend="nccl" if init.model_config.device.startswith("cuda") else "gloo",
+                               timeout_s=par.worker_timeout_s)
+        runner = ModelRunner(init.model_config, init.cache_config, init.kv_transfer_config, parallel=ctx)
+        kv = runner.kv_cache_config
+        send(WorkerReady(rank=rank, num_blocks=kv.num_blocks, kv_cache_bytes=kv.total_bytes,
+                         layout=dict(runner.layout), vocab_size=runner.vocab_size,
+                         eos_token_id=runner.eos_token_id))
+        while True:
+            try:
+                msg = decoder.decode(conn.recv_bytes())
+            except EOFError:
+                return
+            if isinstance(msg, Shutdown):
+                return
+            if not isinstance(msg, ExecuteModel):
+                raise RuntimeError(f"unexpected message {type(msg).__name__}")
+            out = runner.execute_model(msg.scheduler_output)
+            send(StepResult(rank=rank, output=out, forward_s=runner.timings.forward))
+    except BaseException as e:  # reported to the engine, then the process ends
+        try:
+            send(WorkerFailed(rank=rank, error="".join(traceback.format_exception(e))))
+        except (OSError, ValueError):
+            pass
+        raise SystemExit(1) from None
+    finally:
+        if runner is not None:
+            runner.shutdown()
+        if ctx is not None:
+            ctx.destroy()

@@ -1,0 +1,53 @@
+"""Start-up checks of TP/DCP configurations (issue 10, acceptance 5): with any KV connector the
+DCP interleave must equal the block size; the interleave must divide the block size; vLLM-mode
+DCP must divide TP. Refused before any weight loads or worker starts, naming the values."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdkv.cli import main
+from pdkv.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig
+
+P2P = {"kv_connector": "P2PConnector", "kv_role": "kv_consumer"}
+POOL = {"kv_connector": "KVPoolConnector", "kv_role": "kv_both"}
+
+
+def refused(capsys, argv: list[str]) -> str:
+    assert main(["generate", "--prompt", "hi", "--max-tokens", "1", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: "), err
+    return err
+
+
+@pytest.mark.parametrize("connector", [P2P, POOL], ids=["p2p", "pool"])
+def test_interleave_other_than_block_size_with_a_connector_is_refused(capsys, model_path, connector):
+    err = refused(capsys, ["--model", model_path, "-dcp", "2", "--block-size", "16",
+                           "--kv-transfer-config", json.dumps(connector)])
+    assert "cp_kv_cache_interleave_size=1 must equal block_size=16" in err
+    assert "--cp-kv-cache-interleave-size 16" in err
+
+
+def test_interleave_equal_to_block_size_with_a_connector_is_accepted():
+    cfg = EngineConfig(ModelConfig(model="m", path="/m"), CacheConfig(block_size=16),
+                       parallel_config=ParallelConfig(decode_context_parallel_size=2, cp_kv_cache_interleave_size=16),
+                       kv_transfer_config=KVTransferConfig(**P2P))
+    assert cfg.scheduler_block_size == 32 and cfg.parallel_config.world_size == 2
+
+
+def test_interleave_must_divide_the_block_size():
+    with pytest.raises(ValueError, match="cp_kv_cache_interleave_size=5 must divide block_size=16"):
+        EngineConfig(ModelConfig(model="m", path="/m"), CacheConfig(block_size=16),
+                     parallel_config=ParallelConfig(decode_context_parallel_size=2, cp_kv_cache_interleave_size=5))
+
+
+def test_dcp_mode_and_world_size():
+    assert ParallelConfig(decode_context_parallel_size=2).dcp_replicated  # tp 1: replicated weights
+    vllm = ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2)
+    assert not vllm.dcp_replicated and vllm.world_size == 2
+    both = ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2, dcp_replicate_weights=True)
+    assert both.world_size == 4
+    with pytest.raises(ValueError, match="must divide tensor_parallel_size=3"):
+        ParallelConfig(tensor_parallel_size=3, decode_context_parallel_size=2)
