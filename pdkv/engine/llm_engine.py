@@ -9,8 +9,8 @@ from typing import Any
 
 from pdkv.config import EngineConfig
 from pdkv.engine.arg_utils import EngineArgs
-from pdkv.executor.multiproc import MultiprocExecutor
 from pdkv.engine.output_processor import OutputProcessor
+from pdkv.executor.multiproc import MultiprocExecutor
 from pdkv.kv_transfer.connector.base import KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.model.structured import compile_grammar

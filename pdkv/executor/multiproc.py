@@ -11,6 +11,7 @@ MultiprocExecutor plays the same role; its message queue is shared memory, ours 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -193,10 +194,8 @@ class MultiprocExecutor:
             return
         self._closed = True
         for conn in self._conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send_bytes(self._encoder.encode(Shutdown()))
-            except OSError:
-                pass
         deadline = time.monotonic() + 10.0
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))

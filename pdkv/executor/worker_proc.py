@@ -6,6 +6,7 @@ message on the pipe is msgpack (pdkv.executor.messages), never pickle.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import traceback
 from multiprocessing.connection import Connection
@@ -72,10 +73,8 @@ def run_worker(conn: Connection) -> None:
             out = runner.execute_model(msg.scheduler_output)
             send(StepResult(rank=rank, output=out, forward_s=runner.timings.forward))
     except BaseException as e:  # reported to the engine, then the process ends
-        try:
+        with contextlib.suppress(OSError, ValueError):
             send(WorkerFailed(rank=rank, error="".join(traceback.format_exception(e))))
-        except (OSError, ValueError):
-            pass
         raise SystemExit(1) from None
     finally:
         if runner is not None:
