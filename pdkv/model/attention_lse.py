@@ -177,7 +177,8 @@ def merge_attn_states(
     for i in range(lses.shape[0]):
         total = total + weights[i]
     lse = peak + torch.log(total)  # log(0) = -inf where no rank has a key
-    scale = torch.where(total > 0, weights / torch.where(total > 0, total, 1.0), 0.0)
+    # total >= 1 wherever some rank is finite (its peak weighs exp(0)); clamping only avoids 0/0.
+    scale = weights / total.clamp_min(1.0)
     out = torch.zeros(outs.shape[1:], dtype=torch.float32, device=outs.device)
     for i in range(outs.shape[0]):
         # where, not a product: an empty rank's out may be garbage (even NaN); it adds exactly 0.
