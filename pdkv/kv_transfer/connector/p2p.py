@@ -48,6 +48,10 @@ class P2PConnector(KVConnectorBase):
         )
         self.worker = P2PConnectorWorker(config, layout, address) if role == KVConnectorRole.WORKER else None
 
+    @classmethod
+    def metadata_type(cls) -> type[KVConnectorMetadata]:
+        return P2PConnectorMetadata
+
     # scheduler half
     def validate_request(self, request: Request) -> None:
         assert self.scheduler is not None
