@@ -74,17 +74,25 @@ def _run(model: LlamaForCausalLM, next_token: int | None = None) -> tuple[torch.
     return prefill, decode, tok
 
 
-def _worker(rank: int, init_method: str, paths: list[str], out_dir: str) -> None:
-    """Child process: tp 2 rank `rank`; writes its logits per model as safetensors."""
+def _worker(rank: int, init_methods: list[str], paths: list[str], out_dir: str) -> None:
+    """Child process, rank `rank` of two: tp 2 logits per model, then (a fresh world) dcp 2 with
+    replicated weights gathering [rank, rank] rows; writes its results as safetensors."""
     from safetensors.torch import save_file
 
     torch.set_num_threads(1)
-    ctx = init_distributed(ParallelLayout(tp_size=2), rank, init_method, timeout_s=60)
+    ctx = init_distributed(ParallelLayout(tp_size=2), rank, init_methods[0], timeout_s=60)
     try:
         for i, path in enumerate(paths):
             prefill, decode, tok = _run(load_model(path, "float32", "cpu", ctx))
             save_file({"prefill": prefill, "decode": decode, "token": torch.tensor([tok])},
                       os.path.join(out_dir, f"m{i}_r{rank}.safetensors"))
+    finally:
+        ctx.destroy()
+    ctx = init_distributed(ParallelLayout(dcp_size=2, dcp_replicated=True), rank, init_methods[1], timeout_s=60)
+    try:
+        x = torch.full((1, 2), float(ctx.dcp_rank))
+        out = {"gathered": ctx.all_gather_dcp(x, dim=0), "reduced": ctx.all_reduce_tp(x.clone())}
+        save_file(out, os.path.join(out_dir, f"dcp_r{rank}.safetensors"))
     finally:
         ctx.destroy()
 
@@ -96,12 +104,14 @@ def _free_port() -> int:
 
 
 def test_tp2_logits_match_single_rank(tiny_models, tmp_path):
+    """Two gloo processes at tp 2 give the single-rank logits (prefill and decode) for 1 and 2 KV
+    heads; the same two processes then check all_gather_dcp at dcp 2."""
     from safetensors.torch import load_file
 
     paths = [tiny_models[1], tiny_models[2]]
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_methods = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(2)]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, init_method, paths, str(tmp_path))) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, init_methods, paths, str(tmp_path))) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -125,6 +135,10 @@ def test_tp2_logits_match_single_rank(tiny_models, tmp_path):
             assert int(got["token"]) == tok
             torch.testing.assert_close(got["decode"], decode, atol=1e-4, rtol=0)
             assert int(got["decode"].argmax()) == int(decode.argmax())
+    for r in range(2):
+        got = load_file(str(tmp_path / f"dcp_r{r}.safetensors"))
+        assert torch.equal(got["gathered"], torch.tensor([[0.0, 0.0], [1.0, 1.0]]))  # DCP-rank order
+        assert torch.equal(got["reduced"], torch.full((1, 2), float(r)))  # tp 1: identity
 
 
 @pytest.mark.parametrize("kvh", [1, 2])
