@@ -167,12 +167,16 @@ def test_each_rank_reads_its_shard(tiny_models, kvh):
         assert torch.equal(m.embed, full.embed) and m.lm_head is not None and torch.equal(m.lm_head, full.lm_head)
 
 
-def test_head_constraint_error_reaches_load_model(tmp_path):
-    """check_heads runs before any weight is read: a config.json alone is enough."""
+@pytest.mark.parametrize("heads,inter,message", [
+    (3, INTER, "tensor_parallel_size=2 must divide the model's 3 attention heads"),
+    (4, 129, "tensor_parallel_size=2 must divide the model's intermediate_size=129"),
+])
+def test_layout_error_reaches_load_model(tmp_path, heads, inter, message):
+    """The layout checks run before any weight is read: a config.json alone is enough."""
     import json
 
-    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 3 * HEAD_DIM,
-           "intermediate_size": INTER, "num_hidden_layers": 1, "num_attention_heads": 3, "num_key_value_heads": 1}
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": heads * HEAD_DIM,
+           "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": 1}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 must divide the model's 3 attention heads"):
+    with pytest.raises(ValueError, match=message):
         load_model(str(tmp_path), "float32", "cpu", ParallelContext(ParallelLayout(tp_size=2), 0))
