@@ -17,11 +17,11 @@ import pytest
 from pdkv import LLM, SamplingParams
 
 BLOCK = 16
-NEW_TOKENS = 10
+NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 # Lengths around the logical block (32 tokens at dcp 2) and the interleave (16), plus longer ones
 # that chunk at max_num_batched_tokens=24.
-PROMPT_LENS = (5, 16, 17, 33, 70)
+PROMPT_LENS = (15, 16, 17, 33, 60)
 
 
 def prompts() -> list[list[int]]:
