@@ -80,11 +80,13 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
 
     Attributes:
         forward_s: seconds of this rank's forward pass.
+        dcp_comm_s: of which DCP all-gathers and merge.
     """
 
     rank: int
     output: ModelRunnerOutput
     forward_s: float = 0.0
+    dcp_comm_s: float = 0.0
 
 
 class WorkerFailed(msgspec.Struct, tag=True, kw_only=True):

@@ -191,7 +191,8 @@ class MultiprocExecutor:
         results = [self._recv(rank, deadline, "a step") for rank in range(self.world_size)]
         steps = [r for r in results if isinstance(r, StepResult)]
         forward = steps[0].forward_s if steps else 0.0
-        self.timings = StepTimings(forward=forward, sample=max(0.0, time.perf_counter() - t0 - forward))
+        self.timings = StepTimings(forward=forward, sample=max(0.0, time.perf_counter() - t0 - forward),
+                                   dcp_comm=steps[0].dcp_comm_s if steps else 0.0)
         out = steps[0].output
         out.kv_connector_output = self._kv_outputs.aggregate([s.output.kv_connector_output for s in steps])
         return out

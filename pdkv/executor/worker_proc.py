@@ -83,7 +83,8 @@ def run_worker(conn: Connection) -> None:
                 # Sent as a plain map (the field is untyped): rebuild the connector's own type.
                 sched_out.kv_connector_metadata = msgspec.convert(meta, type(runner.connector).metadata_type())
             out = runner.execute_model(sched_out)
-            send(StepResult(rank=rank, output=out, forward_s=runner.timings.forward))
+            send(StepResult(rank=rank, output=out, forward_s=runner.timings.forward,
+                            dcp_comm_s=runner.timings.dcp_comm))
     except BaseException as e:  # reported to the engine, then the process ends
         with contextlib.suppress(OSError, ValueError):
             send(WorkerFailed(rank=rank, error="".join(traceback.format_exception(e))))

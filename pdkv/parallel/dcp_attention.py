@@ -15,6 +15,7 @@ Per layer and step, on every rank of a DCP group (vLLM's DCP, ../shared/referenc
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,8 @@ class DCPMetadata:
         write_idx: [W] long, flat indices of the step's tokens this rank stores.
         slot_block_ids, slot_offsets: [W] long, their physical block and offset here.
         seqs: per request, its queries and this rank's keys (pdkv.model.attention_lse).
+        comm_seconds: time this step spent in the DCP all-gathers and the merge, summed over
+            layers (filled by dcp_attention; the benchmark's "all-gather/merge share").
     """
 
     parallel: ParallelContext
@@ -41,6 +44,7 @@ class DCPMetadata:
     slot_block_ids: torch.Tensor
     slot_offsets: torch.Tensor
     seqs: list[ShardSeq]
+    comm_seconds: float = 0.0
 
 
 def build_dcp_metadata(
@@ -99,11 +103,15 @@ def dcp_attention(
     kv_cache[1, meta.slot_block_ids, meta.slot_offsets] = v[meta.write_idx]
     par = meta.parallel
     replicated = par.layout.dcp_replicated
+    t0 = time.perf_counter()
     q_all = q if replicated else par.all_gather_dcp(q.contiguous(), dim=1)
+    t1 = time.perf_counter()
     out, lse = shard_attention(q_all, kv_cache, meta.seqs, scale)
+    t2 = time.perf_counter()
     outs = par.all_gather_dcp(out.unsqueeze(0).contiguous(), dim=0)
     lses = par.all_gather_dcp(lse.unsqueeze(0).contiguous(), dim=0)
     merged, _ = merge_attn_states(outs, lses)
+    meta.comm_seconds += (t1 - t0) + (time.perf_counter() - t2)
     if replicated:
         return merged
     h = q.shape[1]

@@ -62,6 +62,7 @@ class StepTimings:
     prepare: float = 0.0
     forward: float = 0.0
     sample: float = 0.0
+    dcp_comm: float = 0.0  # DCP all-gathers + LSE merge inside forward (0 without DCP)
 
 
 class ModelRunner:
@@ -238,7 +239,8 @@ class ModelRunner:
         for req_id, n in out.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
         t3 = time.perf_counter()
-        self.timings = StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2)
+        self.timings = StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2,
+                                   dcp_comm=meta.dcp.comm_seconds if meta.dcp is not None else 0.0)
         kv_out = self._connector_output(out) if conn is not None else None
         return ModelRunnerOutput(sampled_token_ids=result, logprobs=lp_out or None, kv_connector_output=kv_out,
                                  prompt_logprobs=prompt_lp or None)
