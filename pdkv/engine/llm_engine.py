@@ -244,6 +244,10 @@ class LLMEngine:
             found.append(time.monotonic() + MULTIPROC_POLL_S)
         return min(found) if found else None
 
+    def workers_alive(self) -> bool:
+        """False once a worker process of a TP/DCP engine has exited (always True in-process)."""
+        return not isinstance(self.runner, MultiprocExecutor) or not self.runner.dead_workers()
+
     def shutdown(self) -> None:
         self.runner.shutdown()
 

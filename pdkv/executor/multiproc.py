@@ -138,6 +138,10 @@ class MultiprocExecutor:
         """Worker process ids, by rank."""
         return [p.pid for p in self._procs]
 
+    def dead_workers(self) -> list[int]:
+        """Ranks whose process has exited (a cheap check any thread may make: /health)."""
+        return [rank for rank, p in enumerate(self._procs) if not p.is_alive()]
+
     def _send(self, rank: int, msg: ToWorker) -> None:
         try:
             self._conns[rank].send_bytes(self._encoder.encode(msg))

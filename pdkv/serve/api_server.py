@@ -157,7 +157,7 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if llm.is_running else 503)
+        return Response(status_code=200 if llm.is_running and llm.engine.workers_alive() else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
