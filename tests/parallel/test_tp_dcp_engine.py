@@ -16,6 +16,8 @@ import pytest
 
 from pdkv import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # worker processes: `pdkv matrix --quick` leaves these to the suite
+
 BLOCK = 16
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
