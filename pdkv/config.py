@@ -194,20 +194,24 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         par, bs = self.parallel_config, self.cache_config.block_size
-        interleave = par.cp_kv_cache_interleave_size
-        if par.decode_context_parallel_size > 1:
-            if bs % interleave:
-                raise ValueError(
-                    f"cp_kv_cache_interleave_size={interleave} must divide block_size={bs} (each rank's "
-                    "share of a logical block fills whole physical blocks)"
-                )
-            if self.kv_transfer_config is not None and interleave != bs:
-                raise ValueError(
-                    f"cp_kv_cache_interleave_size={interleave} must equal block_size={bs} when a KV "
-                    "connector is configured (vLLM's rule: each transferred block then lies whole on "
-                    "one DCP rank); pass --cp-kv-cache-interleave-size "
-                    f"{bs}"
-                )
+        interleave, kvt = par.cp_kv_cache_interleave_size, self.kv_transfer_config
+        if par.decode_context_parallel_size > 1 and bs % interleave:
+            raise ValueError(
+                f"cp_kv_cache_interleave_size={interleave} must divide block_size={bs} (each rank's "
+                "share of a logical block fills whole physical blocks)"
+            )
+        if par.decode_context_parallel_size > 1 and kvt is not None and interleave != bs:
+            raise ValueError(
+                f"cp_kv_cache_interleave_size={interleave} must equal block_size={bs} when a KV "
+                "connector is configured (vLLM's rule: each transferred block then lies whole on "
+                f"one DCP rank); pass --cp-kv-cache-interleave-size {bs}"
+            )
+        if par.world_size > 1 and kvt is not None and kvt.kv_connector != "P2PConnector":
+            raise ValueError(
+                f"{kvt.kv_connector} with tensor_parallel_size={par.tensor_parallel_size} / "
+                f"decode_context_parallel_size={par.decode_context_parallel_size} is not supported yet: "
+                "with worker processes only P2PConnector (P/D into TP/DCP) is"
+            )
 
 
 _KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")

@@ -68,3 +68,33 @@ def assert_no_leak(llm) -> None:
         assert pool.num_free_blocks == pool.num_blocks, "blocks leaked"
         assert all(b.ref_cnt == 0 for b in pool.blocks)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_cache(tmp_path_factory, model_path) -> str:
+    """A session-private $PDKV_CACHE holding the tiny Llamas (the user's cache is left alone);
+    smollm2's converted folder is linked in, so building them copies its tokenizer, not converts."""
+    cache = tmp_path_factory.mktemp("pdkv-cache")
+    (cache / "models").mkdir()
+    (cache / "models" / os.path.basename(model_path)).symlink_to(model_path)
+    return str(cache)
+
+
+def _build_tiny(cache: str, name: str) -> str:
+    from pdkv.model.registry import resolve_model
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PDKV_CACHE", cache)
+        return resolve_model(name)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_kv1(tiny_llama_cache) -> str:
+    """Folder of `tiny-llama-kv1` (4 q heads, 1 KV head; pdkv/model/tiny.py), built once per session."""
+    return _build_tiny(tiny_llama_cache, "tiny-llama-kv1")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_kv2(tiny_llama_cache) -> str:
+    """Folder of `tiny-llama-kv2` (4 q heads, 2 KV heads; pdkv/model/tiny.py), built once per session."""
+    return _build_tiny(tiny_llama_cache, "tiny-llama-kv2")

@@ -123,7 +123,8 @@ class EngineArgs:
         d = EngineArgs()
         g = parser.add_argument_group("engine")
         g.add_argument("--model", default=d.model,
-                       help="alias (smollm2), HF id (resolved offline: the HF cache) or HF folder")
+                       help="alias (smollm2; tiny-llama-kv1, tiny-llama-kv2: random tiny Llamas for "
+                            "tp/dcp tests), HF id (resolved offline: the HF cache) or HF folder")
         g.add_argument("--served-model-name", nargs="+", default=None,
                        help="model id(s) clients may use; the first is reported (unset: the model value)")
         g.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,9 @@ from pdkv.tokenizer import Tokenizer
 from pdkv.worker.model_runner import ModelRunner
 
 PromptType = str | dict[str, Any] | list[int]
+
+# How often the engine steps while worker processes' connector halves have loads in flight.
+MULTIPROC_POLL_S = 0.005
 
 # Most top log-probabilities a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
@@ -234,6 +238,10 @@ class LLMEngine:
         renewal), or None."""
         times = [c.next_deadline() for c in (self.connector, self.runner.connector) if c is not None]
         found = [t for t in times if t is not None]
+        if isinstance(self.runner, MultiprocExecutor) and self.connector is not None and (
+                self.scheduler.waiting_for_remote or self.connector.has_pending_work()):
+            # The worker halves live in other processes and cannot wake this loop: poll.
+            found.append(time.monotonic() + MULTIPROC_POLL_S)
         return min(found) if found else None
 
     def shutdown(self) -> None:

@@ -55,6 +55,22 @@ class ExecuteModel(msgspec.Struct, tag=True, kw_only=True):
     scheduler_output: SchedulerOutput
 
 
+class ReadKVBlocks(msgspec.Struct, tag=True, kw_only=True):
+    """Inspection (tests, debugging): send back these blocks of KV cache group 0."""
+
+    block_ids: list[int]
+
+
+class KVBlocks(msgspec.Struct, tag=True, kw_only=True):
+    """A rank's copy of the blocks asked for: raw bytes of a tensor [len(block_ids), layers, 2,
+    block_size, local KV heads, head_size] of `dtype` (a torch dtype name)."""
+
+    rank: int
+    data: bytes
+    shape: list[int]
+    dtype: str
+
+
 class Shutdown(msgspec.Struct, tag=True):
     """Stop the worker loop and tear down torch.distributed."""
 
@@ -78,5 +94,5 @@ class WorkerFailed(msgspec.Struct, tag=True, kw_only=True):
     error: str
 
 
-ToWorker = WorkerInit | ExecuteModel | Shutdown
-FromWorker = WorkerReady | StepResult | WorkerFailed
+ToWorker = WorkerInit | ExecuteModel | ReadKVBlocks | Shutdown
+FromWorker = WorkerReady | StepResult | KVBlocks | WorkerFailed

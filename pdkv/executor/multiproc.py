@@ -20,16 +20,21 @@ import socket
 import time
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import msgspec
 
 from pdkv.cache.specs import KVCacheConfig
 from pdkv.config import EngineConfig
+from pdkv.executor.aggregate import KVOutputAggregator
 from pdkv.executor.messages import (
     ExecuteModel,
     FromWorker,
+    KVBlocks,
+    ReadKVBlocks,
     Shutdown,
     StepResult,
+    ToWorker,
     WorkerFailed,
     WorkerInit,
     WorkerReady,
@@ -86,6 +91,7 @@ class MultiprocExecutor:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromWorker)
         self._closed = False
+        self._kv_outputs = KVOutputAggregator(self.world_size)
         ctx = mp.get_context("spawn")
         port = par.distributed_init_port or _free_port()
         threads = max(1, num_threads // self.world_size)
@@ -132,7 +138,7 @@ class MultiprocExecutor:
         """Worker process ids, by rank."""
         return [p.pid for p in self._procs]
 
-    def _send(self, rank: int, msg: WorkerInit | ExecuteModel | Shutdown) -> None:
+    def _send(self, rank: int, msg: ToWorker) -> None:
         try:
             self._conns[rank].send_bytes(self._encoder.encode(msg))
         except (BrokenPipeError, ConnectionResetError, OSError) as e:
@@ -142,7 +148,7 @@ class MultiprocExecutor:
         proc = self._procs[rank]
         return WorkerDiedError(f"worker rank {rank} (pid {proc.pid}) {what}; exit code {proc.exitcode}")
 
-    def _recv(self, rank: int, deadline: float, what: str) -> WorkerReady | StepResult:
+    def _recv(self, rank: int, deadline: float, what: str) -> WorkerReady | StepResult | KVBlocks:
         """The next message of `rank`, watching every worker's sentinel until `deadline`."""
         conn = self._conns[rank]
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
@@ -186,7 +192,30 @@ class MultiprocExecutor:
         steps = [r for r in results if isinstance(r, StepResult)]
         forward = steps[0].forward_s if steps else 0.0
         self.timings = StepTimings(forward=forward, sample=max(0.0, time.perf_counter() - t0 - forward))
-        return steps[0].output
+        out = steps[0].output
+        out.kv_connector_output = self._kv_outputs.aggregate([s.output.kv_connector_output for s in steps])
+        return out
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[Any]:
+        """Every rank's copy of these blocks of KV cache group 0 (inspection: tests compare a
+        DCP shard with the producer's KV). Returns per rank a torch tensor [len(block_ids), layers,
+        2, block_size, local KV heads, head_size].
+
+        Raises:
+            WorkerDiedError / TimeoutError: as execute_model.
+        """
+        import torch
+
+        for rank in range(self.world_size):
+            self._send(rank, ReadKVBlocks(block_ids=list(block_ids)))
+        deadline = time.monotonic() + self.timeout_s
+        out = []
+        for rank in range(self.world_size):
+            msg = self._recv(rank, deadline, "a KV read")
+            assert isinstance(msg, KVBlocks)
+            dtype = getattr(torch, msg.dtype)
+            out.append(torch.frombuffer(bytearray(msg.data), dtype=torch.uint8).view(dtype).view(msg.shape))
+        return out
 
     def shutdown(self) -> None:
         """Ask every worker to stop, then end the ones still alive after a grace period."""

@@ -16,6 +16,8 @@ import msgspec
 from pdkv.executor.messages import (
     ExecuteModel,
     FromWorker,
+    KVBlocks,
+    ReadKVBlocks,
     Shutdown,
     StepResult,
     ToWorker,
@@ -68,9 +70,19 @@ def run_worker(conn: Connection) -> None:
                 return
             if isinstance(msg, Shutdown):
                 return
+            if isinstance(msg, ReadKVBlocks):
+                t = runner.kv_cache_groups[0][torch.tensor(msg.block_ids, dtype=torch.long)].contiguous().cpu()
+                send(KVBlocks(rank=rank, data=t.view(torch.uint8).numpy().tobytes(), shape=list(t.shape),
+                              dtype=str(t.dtype).removeprefix("torch.")))
+                continue
             if not isinstance(msg, ExecuteModel):
                 raise RuntimeError(f"unexpected message {type(msg).__name__}")
-            out = runner.execute_model(msg.scheduler_output)
+            sched_out = msg.scheduler_output
+            meta = sched_out.kv_connector_metadata
+            if meta is not None and runner.connector is not None:
+                # Sent as a plain map (the field is untyped): rebuild the connector's own type.
+                sched_out.kv_connector_metadata = msgspec.convert(meta, type(runner.connector).metadata_type())
+            out = runner.execute_model(sched_out)
             send(StepResult(rank=rank, output=out, forward_s=runner.timings.forward))
     except BaseException as e:  # reported to the engine, then the process ends
         with contextlib.suppress(OSError, ValueError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,8 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdkv.model.attention import AttentionMetadata, paged_attention
+from pdkv.parallel.context import ParallelContext
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+# (q [T, H, D], k [T, KVH, D], v [T, KVH, D], kv_cache, meta, scale) -> [T, H, D]; the layer's
+# one attention call (paged_attention today; a DCP variant plugs in here).
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -134,16 +140,38 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 class LlamaLayer(nn.Module):
-    """One decoder layer with fused projections (weights [out, in], as nn.Linear)."""
+    """One decoder layer with fused projections (weights [out, in], as nn.Linear).
 
-    def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype) -> None:
+    With tensor parallelism the layer holds this rank's shard (Megatron / vLLM split): qkv and
+    gate_up are column-parallel (its q heads, its KV heads, its slice of the intermediate size),
+    o_proj and down are row-parallel, their partial outputs summed over the TP group before the
+    residual add.
+    """
+
+    def __init__(
+        self,
+        cfg: LlamaArchConfig,
+        dtype: torch.dtype,
+        parallel: ParallelContext | None = None,
+        attention: AttentionFn = paged_attention,
+    ) -> None:
         super().__init__()
-        q_size = cfg.num_heads * cfg.head_dim
-        kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.parallel = parallel or ParallelContext.single()
+        self.attention = attention
+        tp = self.parallel.tp_size
+        self.parallel.layout.check_heads(cfg.num_heads, cfg.num_kv_heads)
+        if cfg.intermediate_size % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} must divide the model's intermediate_size={cfg.intermediate_size}"
+            )
+        self.num_heads = cfg.num_heads // tp
+        self.num_kv_heads = self.parallel.layout.kv_heads_per_rank(cfg.num_kv_heads)
+        self.head_dim = cfg.head_dim
+        q_size = self.num_heads * cfg.head_dim
+        kv_size = self.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q_size, kv_size
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
-        h, i = cfg.hidden_size, cfg.intermediate_size
+        h, i = cfg.hidden_size, cfg.intermediate_size // tp
         self.input_norm = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
         self.post_attn_norm = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
         self.qkv = nn.Parameter(torch.empty(q_size + 2 * kv_size, h, dtype=dtype), requires_grad=False)
@@ -182,11 +210,12 @@ class LlamaLayer(nn.Module):
         qk = apply_rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, k, v, kv_cache, meta, self.head_dim**-0.5)
-        hidden = hidden + linear(attn.reshape(t, self.q_size), self.o_proj, pk["o_proj"])
+        attn = self.attention(q, k, v, kv_cache, meta, self.head_dim**-0.5)
+        tp = self.parallel
+        hidden = hidden + tp.all_reduce_tp(linear(attn.reshape(t, self.q_size), self.o_proj, pk["o_proj"]))
         x = rms_norm(hidden, self.post_attn_norm, self.eps)
         gate, up = linear(x, self.gate_up, pk["gate_up"]).chunk(2, dim=-1)
-        return hidden + linear(F.silu(gate) * up, self.down, pk["down"])
+        return hidden + tp.all_reduce_tp(linear(F.silu(gate) * up, self.down, pk["down"]))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
@@ -225,15 +254,28 @@ class LlamaForCausalLM(nn.Module):
         cfg: architecture.
         dtype: parameter and activation dtype.
         device: where tensors live.
+        parallel: this rank's TP / DCP context (None: one process). Layers hold the rank's shard;
+            embedding, norms and LM head are replicated, so every rank returns the full logits.
+
+    Raises:
+        ValueError: the layout does not fit the model's heads or intermediate size (the message
+            names the values; see ParallelLayout.check_heads).
     """
 
-    def __init__(self, cfg: LlamaArchConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        cfg: LlamaArchConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        parallel: ParallelContext | None = None,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
+        self.parallel = parallel or ParallelContext.single()
         self.embed = nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
         )
-        self.layers = nn.ModuleList(LlamaLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaLayer(cfg, dtype, self.parallel) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = (
             None
@@ -244,6 +286,11 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device)
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)  # signed, see above
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank stores per layer (size its KV cache for these)."""
+        return self.parallel.layout.kv_heads_per_rank(self.cfg.num_kv_heads)
 
     def forward(
         self,
@@ -258,7 +305,7 @@ class LlamaForCausalLM(nn.Module):
         Args:
             input_ids: [T] long, the step's tokens (several requests, flattened).
             positions: [T] long, their positions within their requests.
-            kv_caches: per layer [2, num_blocks, block_size, num_kv_heads, head_dim].
+            kv_caches: per layer [2, num_blocks, block_size, num_local_kv_heads, head_dim].
             meta: paged-attention metadata.
             logits_indices: [S] long, flat indices whose next-token logits are needed.
 

@@ -1,4 +1,10 @@
-"""Load an HF-format safetensors folder into `LlamaForCausalLM` (fusing q/k/v and gate/up)."""
+"""Load an HF-format safetensors folder into `LlamaForCausalLM` (fusing q/k/v and gate/up).
+
+With tensor parallelism each rank reads only its shard through safetensors' lazy slices
+(`get_slice(name)[rows]`, `[:, cols]`), as vLLM's weight loaders do: q rows of its heads, k / v
+rows of its KV heads (replicated when tp exceeds them), o_proj columns of its heads, gate / up rows
+and down columns of its slice of the intermediate size; embedding, norms and LM head whole.
+"""
 
 from __future__ import annotations
 
@@ -6,73 +12,121 @@ import glob
 import hashlib
 import json
 import os
+from contextlib import ExitStack
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from pdkv.model.llama import LlamaArchConfig, LlamaForCausalLM
+from pdkv.parallel.context import ParallelContext
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def load_model(path: str, dtype: str, device: str) -> LlamaForCausalLM:
-    """Build the model from `path` (config.json + *.safetensors) in `dtype` on `device`.
+def load_model(path: str, dtype: str, device: str, parallel: ParallelContext | None = None) -> LlamaForCausalLM:
+    """Build the model (this rank's shard of it) from `path` (config.json + *.safetensors) in
+    `dtype` on `device`.
+
+    Args:
+        parallel: this rank's TP / DCP context; None for one process (the whole model).
 
     Raises:
-        ValueError: unsupported architecture, or a missing / mis-shaped weight (named).
+        ValueError: unsupported architecture; a layout that does not fit the model's heads or
+            intermediate size (ParallelLayout.check_heads, named values); a missing / mis-shaped
+            weight (named).
     """
     cfg = LlamaArchConfig.from_hf_folder(path)
+    ctx = parallel or ParallelContext.single()
+    ctx.layout.check_heads(cfg.num_heads, cfg.num_kv_heads)
     tdtype = TORCH_DTYPES[dtype]
     dev = torch.device(device)
-    model = LlamaForCausalLM(cfg, tdtype, dev)
-    tensors = _read_safetensors(path)
-
-    def take(name: str) -> torch.Tensor:
-        try:
-            return tensors.pop(name)
-        except KeyError:
-            raise ValueError(f"weight {name!r} missing from {path}") from None
+    model = LlamaForCausalLM(cfg, tdtype, dev, ctx)
+    tp, tp_rank, d = ctx.tp_size, ctx.tp_rank, cfg.head_dim
+    heads = cfg.num_heads // tp
+    q_rows = slice(tp_rank * heads * d, (tp_rank + 1) * heads * d)
+    kv_start = ctx.layout.kv_head_start(ctx.rank, cfg.num_kv_heads)
+    kv_rows = slice(kv_start * d, (kv_start + model.num_local_kv_heads) * d)
+    inter = cfg.intermediate_size // tp
+    i_rows = slice(tp_rank * inter, (tp_rank + 1) * inter)
 
     def put(param: torch.nn.Parameter, value: torch.Tensor, name: str) -> None:
         if tuple(param.shape) != tuple(value.shape):
             raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
         param.data.copy_(value.to(tdtype))
 
-    put(model.embed, take("model.embed_tokens.weight"), "embed_tokens")
-    put(model.norm, take("model.norm.weight"), "norm")
-    if model.lm_head is not None:
-        put(model.lm_head, take("lm_head.weight"), "lm_head")
-    else:
-        tensors.pop("lm_head.weight", None)
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        put(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm")
-        put(layer.post_attn_norm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
-        qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-        put(layer.qkv, qkv, p + "qkv")
-        if layer.qkv_bias is not None:
-            bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-            put(layer.qkv_bias, bias, p + "qkv_bias")
-        put(layer.o_proj, take(p + "self_attn.o_proj.weight"), p + "o_proj")
-        gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-        put(layer.gate_up, gate_up, p + "gate_up")
-        put(layer.down, take(p + "mlp.down_proj.weight"), p + "down_proj")
-    leftovers = [k for k in tensors if "rotary_emb" not in k]
+    with _ShardReader(path) as r:
+        put(model.embed, r.whole("model.embed_tokens.weight"), "embed_tokens")
+        put(model.norm, r.whole("model.norm.weight"), "norm")
+        if model.lm_head is not None:
+            put(model.lm_head, r.whole("lm_head.weight"), "lm_head")
+        else:
+            r.skip("lm_head.weight")
+        for i, layer in enumerate(model.layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            put(layer.input_norm, r.whole(p + "input_layernorm.weight"), p + "input_layernorm")
+            put(layer.post_attn_norm, r.whole(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
+            rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
+            put(layer.qkv, torch.cat([r.rows(a + f"{n}_proj.weight", rows[n]) for n in "qkv"]), p + "qkv")
+            if layer.qkv_bias is not None:
+                bias = torch.cat([r.rows(a + f"{n}_proj.bias", rows[n]) for n in "qkv"])
+                put(layer.qkv_bias, bias, p + "qkv_bias")
+            put(layer.o_proj, r.cols(a + "o_proj.weight", q_rows), p + "o_proj")
+            m = p + "mlp."
+            gate_up = torch.cat([r.rows(m + "gate_proj.weight", i_rows), r.rows(m + "up_proj.weight", i_rows)])
+            put(layer.gate_up, gate_up, p + "gate_up")
+            put(layer.down, r.cols(m + "down_proj.weight", i_rows), p + "down_proj")
+        leftovers = [k for k in r.unread() if "rotary_emb" not in k]
     if leftovers:
         raise ValueError(f"unexpected weights in {path}: {leftovers[:5]}")
     return model.to(dev).eval()
 
 
-def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {path}")
-    out: dict[str, torch.Tensor] = {}
-    for fname in files:
-        with safe_open(fname, framework="pt") as f:
+class _ShardReader:
+    """Lazy reads from every *.safetensors file of a folder: whole tensors, row ranges or column
+    ranges (only those bytes are read); remembers which names were not read."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not self.files:
+            raise ValueError(f"no *.safetensors files in {path}")
+        self._stack = ExitStack()
+        self._where: dict[str, Any] = {}
+
+    def __enter__(self) -> _ShardReader:
+        for fname in self.files:
+            f = self._stack.enter_context(safe_open(fname, framework="pt"))
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                out[key] = f.get_tensor(key)
-    return out
+                self._where[key] = f
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _handle(self, name: str) -> Any:
+        try:
+            return self._where.pop(name)
+        except KeyError:
+            raise ValueError(f"weight {name!r} missing from {self.path}") from None
+
+    def whole(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)  # type: ignore[no-any-return]
+
+    def rows(self, name: str, rows: slice) -> torch.Tensor:
+        """Rows `rows` of a weight [out, in] (or entries of a bias [out])."""
+        return self._handle(name).get_slice(name)[rows]  # type: ignore[no-any-return]
+
+    def cols(self, name: str, cols: slice) -> torch.Tensor:
+        """Columns `cols` of a weight [out, in]."""
+        return self._handle(name).get_slice(name)[:, cols]  # type: ignore[no-any-return]
+
+    def skip(self, name: str) -> None:
+        self._where.pop(name, None)
+
+    def unread(self) -> list[str]:
+        return list(self._where)
 
 
 def model_digest(path: str) -> str:

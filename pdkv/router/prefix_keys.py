@@ -174,10 +174,12 @@ def model_folder(name: str) -> str:
     """
     if os.path.isdir(name):
         return os.path.abspath(name)
-    from pdkv.model.registry import ALIASES, cache_dir
+    from pdkv.model.registry import ALIASES, TINY_MODELS, cache_dir
 
     if name in ALIASES:
         return os.path.join(cache_dir(), "models", ALIASES[name].folder_name)
+    if name in TINY_MODELS:
+        return os.path.join(cache_dir(), "models", name)
     raise KeysUnavailable(f"unknown model {name!r} for the proxy's tokenizer")
 
 

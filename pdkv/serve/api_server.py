@@ -281,7 +281,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from pdkv.engine.arg_utils import EngineArgs
 
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="alias (smollm2), HF id or model folder (same as --model, which it overrides)")
+                        help="alias (smollm2; tiny-llama-kv1, tiny-llama-kv2), HF id or model folder "
+                             "(same as --model, which it overrides)")
     EngineArgs.add_cli_args(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")

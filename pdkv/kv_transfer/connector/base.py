@@ -191,6 +191,12 @@ class KVConnectorBase(ABC):
         """Once, after allocation: the per-group KV cache tensors
         [num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]."""
 
+    @classmethod
+    def metadata_type(cls) -> type[KVConnectorMetadata]:
+        """The class of this connector's per-step metadata (a worker in another process rebuilds
+        it from msgpack with it)."""
+        return KVConnectorMetadata
+
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         self._metadata = metadata
 

@@ -51,6 +51,10 @@ class P2PConnector(KVConnectorBase):
         self.worker = (P2PConnectorWorker(config, layout, address, dcp_rank, dcp_size) if role == KVConnectorRole.WORKER
                        else None)
 
+    @classmethod
+    def metadata_type(cls) -> type[KVConnectorMetadata]:
+        return P2PConnectorMetadata
+
     # scheduler half
     def validate_request(self, request: Request) -> None:
         assert self.scheduler is not None

@@ -1,0 +1,98 @@
+"""Tiny random-weight Llama checkpoints for tensor-parallel and DCP tests.
+
+`tiny-llama-kv1` and `tiny-llama-kv2` are Llama-architecture HF folders (config.json,
+model.safetensors, SmolLM2's tokenizer files) built with transformers' `LlamaConfig` +
+`LlamaForCausalLM` from a fixed seed; `pdkv.model.registry.resolve_model` builds them on first use
+under `$PDKV_CACHE/models/<name>` and reuses them after.
+
+Why these sizes:
+- 4 query heads of head_dim 32 (hidden 128): tp 2 gives 2 query heads per rank; the model is
+  small enough that tp 2 / dcp 2 run as two processes on a two-core box.
+- `tiny-llama-kv1` has 1 KV head: at tp 2 that head is replicated on both ranks, so tp / kv heads
+  = 2 >= dcp 2 and vLLM-style DCP 2 (DCP carved out of TP) is allowed.
+- `tiny-llama-kv2` has 2 KV heads: tp 2 gives one KV head per rank (no replication), the plain
+  tensor-parallel case; DCP on it uses replicated-weight ranks.
+- 4 layers, intermediate 256: enough depth that a per-layer sharding bug shows in the output,
+  still 6.9M parameters (27 MB of float32 safetensors; 6.3M of them the 49152 x 128 tied
+  embedding of SmolLM2's vocabulary).
+- max_position_embeddings 8192: the DCP benchmark runs 8k-token contexts; rope_theta 10000.
+- initializer_range 0.5 (transformers' default is 0.02): random weights give near-uniform logits,
+  and tp / dcp sum in a different order than one rank, so a thin top-1/top-2 margin would flip a
+  greedy token. At 0.2 (the matrix's tiny-llama) the margin test fails (smallest margin over its
+  10 greedy runs 7e-4); at 0.5 the smallest is 0.0101, 40x the largest |fp32 - fp64| logit
+  difference on the same run (2.5e-4, a stand-in for reduction-order rounding).
+  tests/model/test_tiny_models.py asserts margin >= 5e-3 and >= 20x that difference at every
+  step: `python -m pytest -q tests/model/test_tiny_models.py -k margins`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TinyLlamaSpec:
+    """Shape of one tiny random Llama; sizes in elements, lengths in tokens."""
+
+    name: str
+    num_key_value_heads: int
+    vocab_size: int = 49152  # SmolLM2's tokenizer
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    max_position_embeddings: int = 8192
+    rope_theta: float = 10000.0
+    initializer_range: float = 0.5
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width: hidden_size / num_attention_heads."""
+        return self.hidden_size // self.num_attention_heads
+
+
+TINY_MODELS: dict[str, TinyLlamaSpec] = {
+    "tiny-llama-kv1": TinyLlamaSpec(name="tiny-llama-kv1", num_key_value_heads=1),
+    "tiny-llama-kv2": TinyLlamaSpec(name="tiny-llama-kv2", num_key_value_heads=2),
+}
+
+# Tokenizer files copied from the SmolLM2 folder (those that exist there).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def build_tiny_llama(spec: TinyLlamaSpec, out_dir: str, tokenizer_dir: str) -> None:
+    """Write the HF folder of `spec` into `out_dir` (which must exist): config.json,
+    generation_config.json, model.safetensors (float32) and the tokenizer files of `tokenizer_dir`.
+
+    Deterministic: the weights depend only on `spec` (seeded with `spec.seed` in a forked RNG, so
+    the caller's torch RNG state is untouched).
+
+    Raises:
+        FileNotFoundError: `tokenizer_dir` has no tokenizer.json.
+    """
+    if not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+        raise FileNotFoundError(f"no tokenizer.json in {tokenizer_dir}")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings,
+        rope_theta=spec.rope_theta, tie_word_embeddings=True, initializer_range=spec.initializer_range,
+        bos_token_id=spec.bos_token_id, eos_token_id=spec.eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        src = os.path.join(tokenizer_dir, name)
+        if os.path.isfile(src):
+            shutil.copy(src, out_dir)
