@@ -22,6 +22,7 @@ from pdkv.kv_transfer.connector.p2p_messages import (
     Claim,
     ClaimReply,
     Notify,
+    NotifySpec,
     RecvSpec,
     RemoteEngine,
     SendSpec,
@@ -369,3 +370,26 @@ def test_kv_rebuilt_from_the_ranks_shards_equals_p_position_by_position(p_prefix
         assert torch.equal(got, prod.kv[p_blocks[pos // BS], :, :, pos % BS]), f"position {pos}"
     for _, kv, _ in ranks:  # D's own prefix block is never written
         assert not kv[d_hit[0]].any()
+
+
+def test_only_dcp_rank_0_sends_the_schedulers_notices():
+    peers: dict[str, FakeEngine] = {}
+    prod = Producer(peers)
+    sent: list[tuple[int, Any]] = []
+    ranks = []
+    for r in range(N):
+        side, _, _ = consumer(prod, peers, r)
+        side._control = lambda remote, msg, reply_type, deadline, r=r: sent.append((r, msg)) or prod.side._handle(msg)  # type: ignore[method-assign]
+        ranks.append(side)
+    nonce, _ = prod.hold("x", [1, 2], list(range(8)))
+    try:
+        for side in ranks:  # every rank gets the same metadata
+            side.submit([], [NotifySpec(REMOTE, "x", "release", nonce)])
+        deadline = time.monotonic() + 10
+        while prod.pending():
+            assert time.monotonic() < deadline, "the release was not delivered"
+            time.sleep(0.005)
+    finally:
+        for side in ranks:
+            side.shutdown()
+    assert [(r, m.kind) for r, m in sent] == [(0, "release")]
