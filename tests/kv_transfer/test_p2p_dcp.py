@@ -216,14 +216,17 @@ def test_scheduler_at_dcp_1_pairs_blocks_one_to_one():
     ({**D_LAYOUT, "num_kv_heads": 2, "num_local_kv_heads": 1}, {"num_kv_heads": 2},
      ["stores 1 KV head", "hold 2", "issue 12"]),
     # P with tp 2.
-    (D_LAYOUT, {"tp_size": 2}, ["producer tp_size=2", "consumer tp_size=2 dcp_size=2", "issue 12"]),
+    (D_LAYOUT, {"tp_size": 2}, ["producer tp_size=2, consumer tp_size=2", "issue 12"]),
+    # P with dcp 2.
+    (D_LAYOUT, {"dcp_size": 2}, ["producer dcp_size=2, consumer dcp_size=2", "issue 12"]),
     # D tp 2, dcp 1 on a 1-KV-head model: both ranks hold the same shard.
     ({**D_LAYOUT, "dcp_size": 1}, {}, ["lives on 2 ranks", "tp_size=2", "issue 12"]),
 ])
 def test_layouts_that_need_resharding_are_refused_naming_the_values(layout, over, words):
     params = p_params(10, [5, 6, 7])
-    if "tp_size" in over:
-        params["tp_size"] = over.pop("tp_size")
+    for key in ("tp_size", "dcp_size"):
+        if key in over:
+            params[key] = over.pop(key)
     params["layout"].update(over)
     sched = d_scheduler(layout)
     with pytest.raises(ValueError) as e:

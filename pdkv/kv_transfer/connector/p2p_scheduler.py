@@ -115,10 +115,12 @@ class P2PConnectorScheduler:
         hold its own DCP shard alone), or ""."""
         mine, theirs = self.layout, dict(p.get("layout") or {})
         my_tp, my_dcp = int(mine.get("tp_size", 1)), int(mine.get("dcp_size", 1))
-        if p.get("tp_size", 1) != 1 or p.get("dcp_size", 1) != 1:
-            return (f"heterogeneous TP between P and D (producer tp_size={p.get('tp_size')!r} "
-                    f"dcp_size={p.get('dcp_size', 1)!r}, consumer tp_size={my_tp} dcp_size={my_dcp}) "
-                    "is not supported yet (issue 12)")
+        if p.get("tp_size", 1) != 1:
+            return (f"heterogeneous TP between P and D (producer tp_size={p.get('tp_size')!r}, "
+                    f"consumer tp_size={my_tp}) is not supported yet (issue 12)")
+        if p.get("dcp_size", 1) != 1:
+            return (f"a producer with DCP (producer dcp_size={p.get('dcp_size')!r}, consumer "
+                    f"dcp_size={my_dcp}) is not supported yet (issue 12)")
         my_heads = mine.get("num_local_kv_heads", mine.get("num_kv_heads"))
         if my_heads != theirs.get("num_kv_heads"):
             return (f"each decode rank stores {my_heads} KV head(s) (num_local_kv_heads, tp_size={my_tp}) "
