@@ -291,6 +291,11 @@ def test_early_done_notices_count_per_reader(fast_registration):
     prod.side.hold([SendSpec("b", ([3, 4],), 30.0, "n-b", digest)])
     assert prod.results.take_finished()[0] == {"b"}
     assert prod.side._held.keys() == {("a", "n-a")}
+    # A release and a done, both early: the release ends the grant, the done finds nothing.
+    assert not prod.notify(request_id="c", kind="release", nonce="n-c", reader=1, readers=2)
+    assert not prod.notify(request_id="c", kind="done", nonce="n-c", reader=0, readers=2)
+    prod.side.hold([SendSpec("c", ([5],), 30.0, "n-c", digest)])
+    assert prod.results.take_finished()[0] == {"c"}
 
 
 # ------------------------------------------------------------------------- consumer

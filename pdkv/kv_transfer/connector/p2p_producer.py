@@ -109,7 +109,9 @@ class ProducerSide:
                 self._held[grant] = _Held(spec.block_ids, now + spec.lease_s, spec.prompt_digest)
                 early = self._early.pop(grant, None)
                 for note in early[0] if early is not None else []:
-                    self._apply(grant, self._held[grant], note)
+                    held = self._held.get(grant)
+                    if held is not None:  # (an earlier notice may have ended it)
+                        self._apply(grant, held, note)
             self._registered.notify_all()
 
     def expire(self) -> None:
