@@ -131,6 +131,8 @@ class ModelRunner:
                                dcp_replicated=lay.dcp_replicated, num_local_kv_heads=self.model.num_local_kv_heads)
         # Start-up values both connector halves of this engine share, by name (see the factory).
         self.connector_shared: dict[str, Any] = {}
+        if parallel is not None:
+            self.connector_shared.update(dcp_rank=parallel.dcp_rank, dcp_size=parallel.dcp_size)
         self.connector: KVConnectorBase | None = None
         if kv_transfer_config is not None:
             self.connector = create_connector(

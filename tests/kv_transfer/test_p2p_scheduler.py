@@ -123,6 +123,8 @@ def test_producer_request_finished_holds_blocks_and_returns_full_params(status):
         "remote_host": "10.1.2.3",
         "remote_port": 47001,
         "tp_size": 1,
+        "dcp_size": 1,
+        "endpoints": [["10.1.2.3", 47001]],
         "block_size": BS,
         "num_tokens": 10,
         "layout": LAYOUT,

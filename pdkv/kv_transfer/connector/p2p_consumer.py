@@ -6,7 +6,13 @@ an unreachable producer stalls only its own work. A pull's deadline is stamped w
 submitted; until its read begins (the producer accepts its claim) its lease keeps being renewed.
 A pull first claims its grant: the producer checks the nonce and the prompt digest, and returns
 the grant's block ids, which must match the ones in kv_transfer_params. A failure, or a producer
-whose incarnation changed (restart), drops the cached handshake and connections to it."""
+whose incarnation changed (restart), drops the cached handshake and connections to it.
+
+DCP (P/D into DCP): this side belongs to DCP rank r of N. With the interleave equal to the block
+size, producer block k of a request holds tokens [k·bs, (k+1)·bs), all stored on rank k % N in
+logical block k // N, so rank r reads only the pairs whose producer block index (counted from the
+grant's first block) is ≡ r mod N. Every rank claims the grant (Claim.readers = N, reader = r) and
+says "done", even one with nothing to read, so the producer frees the blocks after the last rank."""
 
 from __future__ import annotations
 
@@ -65,11 +71,20 @@ class ConsumerSide:
         results: where finished loads are reported.
         regions: this engine's KV cache bytes per group (filled at register_kv_caches).
         block_bytes: bytes per block of each group (filled at register_kv_caches).
+        dcp_rank, dcp_size: this worker's DCP rank and the DCP size (which blocks it reads).
+
+    Raises:
+        ValueError: dcp_rank outside [0, dcp_size).
     """
 
     def __init__(self, config: KVTransferConfig, layout: dict[str, Any], engine: TransferEngine,
-                 results: WorkerResults, regions: list[memoryview], block_bytes: list[int]) -> None:
+                 results: WorkerResults, regions: list[memoryview], block_bytes: list[int],
+                 dcp_rank: int = 0, dcp_size: int = 1) -> None:
+        if not 0 <= dcp_rank < dcp_size:
+            raise ValueError(f"dcp_rank={dcp_rank} must lie in [0, dcp_size={dcp_size})")
         extra = config.kv_connector_extra_config
+        self.dcp_rank = dcp_rank
+        self.dcp_size = dcp_size
         self.config = config
         self.layout = layout
         self.engine = engine
@@ -90,7 +105,8 @@ class ConsumerSide:
 
     # ----------------------------------------------------------- engine loop
     def submit(self, pulls: list[RecvSpec], notices: list[NotifySpec]) -> None:
-        """Engine loop: start these pulls and send these notices (never blocks)."""
+        """Engine loop: start these pulls and send these notices (never blocks; DCP rank 0 alone
+        sends the scheduler's notices)."""
         now = time.monotonic()
         for spec in pulls:
             if spec.error:  # refused before contacting anyone: nothing to read, nothing to tell
@@ -100,8 +116,9 @@ class ConsumerSide:
             with self._lock:
                 self._unclaimed[spec.request_id] = pull
             self._pulls.submit(spec.remote, lambda pull=pull: self._run(pull))  # type: ignore[misc]
-        for note in notices:
-            self._send_notice(note)
+        if self.dcp_rank == 0:  # the scheduler's notices reach every rank: one sends them
+            for note in notices:
+                self._send_notice(note)
 
     def tick(self) -> None:
         """Engine loop (each step): renew the leases of pulls whose read has not begun; fail
@@ -173,11 +190,21 @@ class ConsumerSide:
             self.engine.forget_peer(reply.peer_info)
 
     def _read_ops(self, spec: RecvSpec, peer: HandshakeReply) -> list[ReadOp]:
+        """The reads of this DCP rank's pairs (remote_first_block + i ≡ dcp_rank mod dcp_size);
+        all pairs at dcp_size 1.
+
+        Raises:
+            TransferError: the producer's block bytes differ from this engine's.
+        """
         ops = []
-        for g, (local, remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
+        n, r, first = self.dcp_size, self.dcp_rank, spec.remote_first_block
+        for g, (all_local, all_remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
             bb = self.block_bytes[g]
             if peer.block_bytes[g] != bb:
                 raise TransferError(f"block bytes differ: producer {peer.block_bytes[g]}, consumer {bb}")
+            mine = [i for i in range(len(all_local)) if (first + i) % n == r]
+            local = [all_local[i] for i in mine]
+            remote = [all_remote[i] for i in mine]
             # One op per run of blocks consecutive on both sides (fewer, larger copies).
             i = 0
             while i < len(local):
@@ -194,7 +221,8 @@ class ConsumerSide:
         """Handshake (cached) and claim the grant; returns the producer's handshake."""
         remote = spec.remote
         peer = self._handshake(remote, pull.deadline)
-        claim = Claim(spec.remote_request_id, spec.remote_nonce, spec.prompt_digest, remote.engine_id)
+        claim = Claim(spec.remote_request_id, spec.remote_nonce, spec.prompt_digest, remote.engine_id,
+                      readers=self.dcp_size, reader=self.dcp_rank)
         reply: ClaimReply = self._control(remote, claim, ClaimReply, pull.deadline)
         if reply.incarnation and reply.incarnation != peer.incarnation:  # the producer restarted
             self._forget(remote)
@@ -222,8 +250,10 @@ class ConsumerSide:
         try:
             peer = self._claim(spec, pull)
             grant = (spec.remote_request_id, spec.remote_nonce)
-            nbytes = self.engine.read(peer.peer_info, self._read_ops(spec, peer), pull.deadline, grant)
-            done = Notify(spec.remote_request_id, "done", nbytes, spec.remote_nonce, spec.remote.engine_id)
+            ops = self._read_ops(spec, peer)
+            nbytes = self.engine.read(peer.peer_info, ops, pull.deadline, grant) if ops else 0
+            done = Notify(spec.remote_request_id, "done", nbytes, spec.remote_nonce, spec.remote.engine_id,
+                          reader=self.dcp_rank, readers=self.dcp_size)
             ack = self._control(spec.remote, done, Ack, pull.deadline)
             if not ack.ok:  # the producer may have reused the blocks: the data is not trustworthy
                 raise TransferError(f"producer did not confirm the read: {ack.error}")

@@ -6,6 +6,11 @@ notice or read can only ever apply to the grant it was issued for, never to a la
 reuses the id. `prompt_digest` (sha256 over the prompt's token ids and cache_salt) binds the grant
 to its prompt: the consumer compares it with its own prompt's digest, and the producer checks the
 consumer's digest again before any byte is read.
+
+DCP consumers (P/D into DCP): every DCP rank of the decode engine pulls only the producer blocks
+its shard holds (block k on rank k % N when the interleave equals the block size), so a grant has
+`readers` = N readers; each claims it and says "done" with its `reader` index, and the producer
+frees the blocks only when all N readers said "done" (or any one said "release").
 """
 
 from __future__ import annotations
@@ -80,23 +85,30 @@ class Handshake(msgspec.Struct, tag="handshake"):
 class Notify(msgspec.Struct, tag="notify"):
     """Consumer reports on grant (request_id, nonce): "done" (read finished; `nbytes` read),
     "release" (will never read) or "renew" (still waiting; extend the lease). `engine_id` is the
-    producer the consumer means (a restarted producer with another id refuses)."""
+    producer the consumer means (a restarted producer with another id refuses). A "done" names its
+    `reader` (the consumer's DCP rank) of `readers` (the consumer's DCP size)."""
 
     request_id: str
     kind: str
     nbytes: int = 0
     nonce: str = ""
     engine_id: str = ""
+    reader: int = 0
+    readers: int = 1
 
 
 class Claim(msgspec.Struct, tag="claim"):
     """Consumer is about to read grant (request_id, nonce) for the prompt whose digest is
-    `prompt_digest`: the producer checks both, renews the lease and opens the grant to reads."""
+    `prompt_digest`: the producer checks both, renews the lease and opens the grant to reads.
+    `readers`: how many consumer ranks read this grant (the consumer's DCP size; the grant ends
+    after "done" from each), `reader`: which one this is (its DCP rank)."""
 
     request_id: str
     nonce: str
     prompt_digest: str
     engine_id: str = ""
+    readers: int = 1
+    reader: int = 0
 
 
 ControlRequest = Handshake | Notify | Claim

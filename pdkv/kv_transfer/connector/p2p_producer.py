@@ -1,7 +1,11 @@
 """Producer side of the P2P worker half: the ledger of blocks held for consumers (one grant per
 held request, keyed by (request id, nonce), under a renewable lease) and the control server
 consumers talk to (handshake, claim, notices). The tcp data server asks `authorize` before
-serving a read, so only a claimed grant's own blocks ever leave this engine."""
+serving a read, so only a claimed grant's own blocks ever leave this engine.
+
+A grant may have several readers (the DCP ranks of a decode engine, each pulling its shard of the
+blocks; Claim.readers): it stays open to reads, and its blocks stay held, until "done" came from
+every distinct reader, or "release" from any one of them."""
 
 from __future__ import annotations
 
@@ -44,6 +48,17 @@ class _Held:
         self.deadline = deadline
         self.digest = digest
         self.claimed = False
+        self.readers = 1  # consumer ranks that read this grant (the largest count announced)
+        self.done: set[int] = set()  # readers that said "done"
+        self.nbytes = 0  # bytes those readers read, in all
+
+    def reader_done(self, reader: int, readers: int, nbytes: int) -> bool:
+        """Record "done" from `reader` of `readers`; True when every reader is done."""
+        self.readers = max(self.readers, readers)
+        if reader not in self.done:
+            self.done.add(reader)
+            self.nbytes += nbytes
+        return len(self.done) >= self.readers
 
 
 class ProducerSide:
@@ -70,9 +85,9 @@ class ProducerSide:
         self.incarnation = secrets.token_hex(8)
         self._lock = results.lock
         self._held: dict[Grant, _Held] = {}
-        # "done"/"release" that arrived before their grant was registered: grant -> (kind,
-        # nbytes, forget-at). They apply to that grant only, and expire after one lease.
-        self._early: dict[Grant, tuple[str, int, float]] = {}
+        # "done"/"release" that arrived before their grant was registered: grant -> notices (in
+        # arrival order) and forget-at. They apply to that grant only, and expire after one lease.
+        self._early: dict[Grant, tuple[list[Notify], float]] = {}
         self._registered = threading.Condition(self._lock)
         self._server: socket.socket | None = None
         engine.set_authorizer(self.authorize)
@@ -93,8 +108,10 @@ class ProducerSide:
                 grant = (spec.request_id, spec.nonce)
                 self._held[grant] = _Held(spec.block_ids, now + spec.lease_s, spec.prompt_digest)
                 early = self._early.pop(grant, None)
-                if early is not None:
-                    self._finish_send(grant, early[0], early[1])
+                for note in early[0] if early is not None else []:
+                    held = self._held.get(grant)
+                    if held is not None:  # (an earlier notice may have ended it)
+                        self._apply(grant, held, note)
             self._registered.notify_all()
 
     def expire(self) -> None:
@@ -104,7 +121,7 @@ class ProducerSide:
             for grant in [g for g, h in self._held.items() if now > h.deadline]:
                 logger.warning("KV lease of request %s expired before the consumer read it", grant[0])
                 self._finish_send(grant, "expired")
-            for grant in [g for g, e in self._early.items() if now > e[2]]:
+            for grant in [g for g, e in self._early.items() if now > e[1]]:
                 del self._early[grant]
 
     def next_deadline(self) -> float | None:
@@ -179,15 +196,28 @@ class ProducerSide:
             if isinstance(msg, Claim):
                 return self._claim(grant, held, msg)
             if held is None:
-                if msg.kind in ("done", "release") and len(self._early) < MAX_EARLY_NOTICES:
-                    self._early[grant] = (msg.kind, msg.nbytes, time.monotonic() + self.lease_s)
+                if msg.kind in ("done", "release"):
+                    early = self._early.get(grant)
+                    if early is not None and len(early[0]) < MAX_EARLY_NOTICES:
+                        early[0].append(msg)
+                    elif early is None and len(self._early) < MAX_EARLY_NOTICES:
+                        self._early[grant] = ([msg], time.monotonic() + self.lease_s)
                 return Ack(False, error=f"unknown or expired request {msg.request_id!r}")
-            if msg.kind == "renew":
-                held.deadline = max(held.deadline, time.monotonic() + self.lease_s)
-                return Ack(True)
-            if msg.kind in ("done", "release"):
-                self._finish_send(grant, msg.kind, msg.nbytes)
-                return Ack(True)
+            return self._apply(grant, held, msg)
+
+    def _apply(self, grant: Grant, held: _Held, msg: Notify) -> Ack:
+        """Lock held. Apply a notice to its registered grant: "renew" extends the lease,
+        "release" ends the grant, "done" ends it once every reader said so."""
+        if msg.kind == "renew":
+            held.deadline = max(held.deadline, time.monotonic() + self.lease_s)
+            return Ack(True)
+        if msg.kind == "release":
+            self._finish_send(grant, "release", held.nbytes)
+            return Ack(True)
+        if msg.kind == "done":
+            if held.reader_done(msg.reader, msg.readers, msg.nbytes):
+                self._finish_send(grant, "done", held.nbytes)
+            return Ack(True)
         return Ack(False, error=f"unknown notification {msg.kind!r}")
 
     def _claim(self, grant: Grant, held: _Held | None, msg: Claim) -> ClaimReply:
@@ -199,6 +229,7 @@ class ProducerSide:
             return ClaimReply(False, error="prompt digest mismatch: the held KV belongs to another prompt",
                               incarnation=self.incarnation)
         held.claimed = True
+        held.readers = max(held.readers, msg.readers)
         held.deadline = max(held.deadline, time.monotonic() + self.lease_s)
         return ClaimReply(True, block_ids=[list(g) for g in held.block_ids], incarnation=self.incarnation)
 

@@ -10,6 +10,14 @@ P's sampled token is dropped, as in vLLM).
 Identity: P issues every held request a random `remote_nonce` and the `prompt_digest` of its
 prompt (token ids + cache_salt); D compares that digest with its own prompt's before pulling, and
 a mismatch is a load error handled by kv_load_failure_policy (nothing is read, P is not told).
+
+P/D into DCP: a consumer with decode context parallelism N (layout "dcp_size") has logical blocks
+of block_size × N tokens (this half's `block_size`), each stored as N physical blocks of P's block
+size under the same block id, one per DCP rank (interleave = block size). The RecvSpec maps P's
+block K0 + i (K0 = num_computed_tokens // P's block size) to the logical block holding it,
+D_block_table[(K0 + i) // N]; each DCP rank's worker half reads the blocks of its shard. P must be
+tp 1, dcp 1, and every D rank must store all of P's KV heads in blocks of P's size (re-sharding
+is issue 12).
 """
 
 from __future__ import annotations
@@ -90,11 +98,9 @@ class P2PConnectorScheduler:
             mismatch = layout_mismatch(self.layout, dict(p.get("layout") or {}))
             if mismatch:
                 raise ValueError(mismatch)
-            if p.get("tp_size", 1) != 1:  # this engine runs TP 1: re-sharding is issue 12
-                raise ValueError(
-                    f"heterogeneous TP between P and D (producer tp_size={p.get('tp_size')!r}, "
-                    "consumer tp_size=1) is not supported yet (issue 12)"
-                )
+            error = self._shard_error(p)
+            if error:
+                raise ValueError(error)
             if int(p.get("num_tokens", request.num_prompt_tokens)) != request.num_prompt_tokens:
                 raise ValueError(
                     f"kv_transfer_params cover {p.get('num_tokens')} tokens but the prompt has "
@@ -102,6 +108,32 @@ class P2PConnectorScheduler:
                 )
         if p.get("do_remote_decode") and not self.config.is_kv_producer:
             raise ValueError("kv_transfer_params.do_remote_decode needs a kv_producer engine")
+
+    def _shard_error(self, p: dict[str, Any]) -> str:
+        """Why this engine cannot take the producer's blocks as they are (P must be tp 1, dcp 1;
+        each of this engine's ranks must store exactly P's KV heads, in blocks of P's size, and
+        hold its own DCP shard alone), or ""."""
+        mine, theirs = self.layout, dict(p.get("layout") or {})
+        my_tp, my_dcp = int(mine.get("tp_size", 1)), int(mine.get("dcp_size", 1))
+        if p.get("tp_size", 1) != 1:
+            return (f"heterogeneous TP between P and D (producer tp_size={p.get('tp_size')!r}, "
+                    f"consumer tp_size={my_tp}) is not supported yet (issue 12)")
+        if p.get("dcp_size", 1) != 1:
+            return (f"a producer with DCP (producer dcp_size={p.get('dcp_size')!r}, consumer "
+                    f"dcp_size={my_dcp}) is not supported yet (issue 12)")
+        my_heads = mine.get("num_local_kv_heads", mine.get("num_kv_heads"))
+        if my_heads != theirs.get("num_kv_heads"):
+            return (f"each decode rank stores {my_heads} KV head(s) (num_local_kv_heads, tp_size={my_tp}) "
+                    f"but the producer's blocks hold {theirs.get('num_kv_heads')}: re-sharding KV heads "
+                    "between P and D is not supported yet (issue 12)")
+        if mine.get("block_size") != theirs.get("block_size"):
+            return (f"decode block_size={mine.get('block_size')} (per rank) differs from the producer's "
+                    f"block_size={theirs.get('block_size')}: re-laying blocks is not supported yet (issue 12)")
+        world = my_tp * (my_dcp if mine.get("dcp_replicated") else 1)
+        if world > my_dcp:  # several ranks per DCP shard (KV heads replicated over TP ranks)
+            return (f"each DCP shard of this engine lives on {world // my_dcp} ranks (tp_size={my_tp}, "
+                    f"dcp_size={my_dcp}): pulls into replicated KV heads are not supported yet (issue 12)")
+        return ""
 
     def _remote(self, request: Request) -> tuple[RemoteEngine, str]:
         p = request.kv_transfer_params or {}
@@ -143,12 +175,9 @@ class P2PConnectorScheduler:
         local = blocks.get_block_ids()
         error = self._digest_error(request)
         if num_external_tokens > 0 or error:
-            first = request.num_computed_tokens // self.block_size
-            remote_ids = tuple(
-                list(g[first : first + len(lg)]) for g, lg in zip(p["remote_block_ids"], local)
-            )
+            first, local_ids, remote_ids = self._block_map(request, local)
             self._to_recv.append(RecvSpec(
-                request.request_id, remote, remote_rid, local, remote_ids, dict(p.get("layout") or {}),
+                request.request_id, remote, remote_rid, local_ids, remote_ids, dict(p.get("layout") or {}),
                 remote_nonce=str(p.get("remote_nonce", "")),
                 prompt_digest=prompt_digest(request.prompt_token_ids, request.cache_salt),
                 remote_first_block=first, error=error))
@@ -156,6 +185,27 @@ class P2PConnectorScheduler:
         else:  # everything was local: the producer can let go
             self._notify.append(self._notice(request, "release"))
         p["do_remote_prefill"] = False  # one transfer per request
+
+    def _block_map(self, request: Request, new_blocks: tuple[list[int], ...]
+                   ) -> tuple[int, tuple[list[int], ...], tuple[list[int], ...]]:
+        """(K0, local ids, remote ids) per group: P's blocks from K0 = num_computed_tokens // P's
+        block size on, each paired with the logical block that holds its tokens,
+        D_block_table[(K0 + i) // N] (N = this engine's DCP size; the same id repeats N times).
+        `new_blocks` are the request's blocks after its num_computed_tokens // block_size
+        computed (prefix-hit) ones."""
+        p = request.kv_transfer_params or {}
+        n = int(self.layout.get("dcp_size", 1))
+        p_bs = int(dict(p.get("layout") or {}).get("block_size", self.block_size))
+        k0 = request.num_computed_tokens // p_bs
+        if n == 1:  # one block of P per block of D
+            return k0, new_blocks, tuple(list(g[k0 : k0 + len(lg)]) for g, lg in zip(p["remote_block_ids"], new_blocks))
+        hit = request.num_computed_tokens // self.block_size  # logical blocks not in new_blocks
+        local_ids, remote_ids = [], []
+        for g, lg in zip(p["remote_block_ids"], new_blocks):
+            rg = list(g[k0 : (hit + len(lg)) * n])
+            remote_ids.append(rg)
+            local_ids.append([lg[(k0 + i) // n - hit] for i in range(len(rg))])
+        return k0, tuple(local_ids), tuple(remote_ids)
 
     def build_connector_meta(self) -> P2PConnectorMetadata:
         now = time.monotonic()
@@ -201,7 +251,9 @@ class P2PConnectorScheduler:
             "remote_port": port,
             "remote_nonce": nonce,
             "prompt_digest": digest,
-            "tp_size": 1,
+            "tp_size": int(self.layout.get("tp_size", 1)),
+            "dcp_size": int(self.layout.get("dcp_size", 1)),
+            "endpoints": [[host, port]],  # control address per rank (one: this engine is tp 1)
             "block_size": self.block_size,
             "num_tokens": request.num_prompt_tokens,
             "layout": dict(self.layout),

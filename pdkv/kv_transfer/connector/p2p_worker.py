@@ -51,9 +51,12 @@ class P2PConnectorWorker:
             kv_lease_duration, and the bounds read by the producer and consumer sides).
         layout: this engine's layout fingerprint.
         control_address: shared [host, port] list the scheduler half reads (filled here).
+        dcp_rank, dcp_size: this worker's DCP rank and size (a consumer rank pulls only the
+            blocks of its shard; p2p_consumer.py).
     """
 
-    def __init__(self, config: KVTransferConfig, layout: dict[str, Any], control_address: list[Any]) -> None:
+    def __init__(self, config: KVTransferConfig, layout: dict[str, Any], control_address: list[Any],
+                 dcp_rank: int = 0, dcp_size: int = 1) -> None:
         extra = config.kv_connector_extra_config
         self.config = config
         self.layout = layout
@@ -68,7 +71,7 @@ class P2PConnectorWorker:
         self.results = WorkerResults(lambda: self._wakeup)
         self.producer = ProducerSide(config, layout, self.engine, self.results, self._block_bytes)
         self.consumer = ConsumerSide(config, layout, self.engine, self.results, self._regions,
-                                     self._block_bytes)
+                                     self._block_bytes, dcp_rank, dcp_size)
         if config.is_kv_producer:
             self.control_address[:] = self.producer.start(self.host, int(extra.get("kv_port", 0)),  # type: ignore[call-overload]
                                                           self.advertise_host)
