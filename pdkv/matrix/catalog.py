@@ -38,7 +38,8 @@ FEATURES: tuple[Axis, ...] = (
     Axis("tp", "tensor parallelism (--tensor-parallel-size 2; 3 on SmolLM2)"),
     Axis("dcp", "decode context parallelism (--decode-context-parallel-size 2; vLLM mode at tp 2, "
                 "replicated weights at tp 1)"),
-    Axis("hetero-tp", "heterogeneous TP between P and D"),
+    Axis("pd-dcp", "P/D into DCP: P tp 1 → D tp 2 + dcp 2, each D rank pulls its shard (tcp)"),
+    Axis("hetero-tp", "heterogeneous TP between P and D (head re-sharding)"),
     Axis("quantized-kv", "quantized KV cache (--kv-cache-dtype fp8)"),
     Axis("hybrid-sliding-window", "hybrid state: sliding-window attention"),
     Axis("hybrid-mla", "hybrid state: MLA latents"),

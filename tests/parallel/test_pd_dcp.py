@@ -12,9 +12,12 @@ import json
 import time
 from typing import Any
 
+import pytest
 import torch
 
 from pdkv import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow  # worker processes: `pdkv matrix --quick` leaves it to the suite
 
 BLOCK = 16
 NEW_TOKENS = 6
@@ -78,6 +81,7 @@ def decode(p: LLM, d: LLM, prompt: list[int], params: dict[str, Any]) -> tuple[l
     return list(out[0].outputs[0].token_ids), table, shards, req.num_local_hit_tokens
 
 
+@pytest.mark.matrix("pd-dcp", model="tiny-llama-kv1")
 def test_pd_into_dcp_matches_colocated_and_rebuilds_p_kv(tiny_llama_kv1):
     base = [(i * 7919 + 13) % 30000 + 100 for i in range(70)]
     prompts = [base, [(i * 31 + 7) % 30000 + 200 for i in range(45)],
