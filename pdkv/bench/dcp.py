@@ -11,8 +11,10 @@ merge seconds in it. After the last decode step the KV the request holds is read
 (blocks × physical block bytes per rank) beside the figure computed from the model config and the
 DCP placement (pdkv.bench.dcp_report); then the request is aborted.
 
-On a CPU box with few cores the worker processes of dcp 2 compete for the same cores, so its
-decode time is not a speed-up measurement: the KV bytes per rank are the point.
+On a CPU box with few cores the worker processes of dcp 2 compete for the same cores, every step
+crosses a pipe, and dcp 1 runs the single-rank SDPA attention while DCP runs the reference
+(out, lse) path (pdkv/model/attention_lse.py), so the decode time is not a speed-up measurement:
+the KV bytes per rank are the point.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pdkv.bench.dcp_report import (
     step_stats,
 )
 from pdkv.bench.results import write_result_json
+from pdkv.parallel.layout import ParallelLayout
 
 BLOCK_TOKENS = 16
 DEFAULT_CONTEXT_LENS = (1024, 4096, 8192)
@@ -74,7 +77,7 @@ DEFAULT_CONFIGS = ("dcp1", "dcp2")
 
 def note(configs: Sequence[BenchConfig]) -> str:
     """The caveat printed with the table: cores vs worker processes."""
-    procs = max(c.tp * (c.dcp if c.tp == 1 else 1) for c in configs)
+    procs = max(ParallelLayout(c.tp, c.dcp, dcp_replicated=c.tp == 1).world_size for c in configs)
     return (f"Note: this machine has {os.cpu_count()} CPU cores; the {procs} worker processes of the "
             "largest config compete for them (and with any other load), so decode time at dcp 2 here is "
             "not a speed-up measurement: the KV bytes per rank are the point.")
