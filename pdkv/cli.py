@@ -1,4 +1,4 @@
-"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff} | compare | plan | matrix."""
+"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff, dcp} | compare | plan | matrix."""
 
 from __future__ import annotations
 
@@ -189,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     handoff_bench.add_cli_args(handoff_p)
     handoff_p.set_defaults(func=handoff_bench.main)
+    from pdkv.bench import dcp as dcp_bench
+
+    dcp_p = bench_sub.add_parser(
+        "dcp", help="DCP: KV bytes per rank and decode step time vs dcp 1 at long contexts (tiny model)",
+        formatter_class=fmt,
+    )
+    dcp_bench.add_cli_args(dcp_p)
+    dcp_p.set_defaults(func=dcp_bench.main)
 
     from pdkv.bench import compare
 
