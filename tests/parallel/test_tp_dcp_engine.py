@@ -100,6 +100,9 @@ TINY_CASES = [
                  marks=pytest.mark.matrix("dcp", model="tiny-llama-kv2")),
     pytest.param("kv2", {"decode_context_parallel_size": 2, "cp_kv_cache_interleave_size": BLOCK},
                  id="kv2-dcp2-replicated-i16"),
+    # Replicated DCP at tp 2: four processes, DCP groups {0, 2} and {1, 3} (one per TP shard).
+    pytest.param("kv2", {"tensor_parallel_size": 2, "decode_context_parallel_size": 2,
+                         "dcp_replicate_weights": True}, id="kv2-tp2-dcp2-replicated"),
 ]
 
 
