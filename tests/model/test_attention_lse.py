@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_batch import paged_batch
 
-from pdkv.model.attention import AttentionMetadata, PrefillSeq, paged_attention
+from pdkv.model.attention import paged_attention
 from pdkv.model.attention_lse import (
     ShardSeq,
     attention_with_lse,
@@ -111,52 +112,17 @@ def test_single_shard_equals_paged_attention():
     lse equals the dense logsumexp."""
     torch.manual_seed(0)
     bs, nblocks = 4, 32
-    cache = torch.zeros(2, nblocks, bs, KVH, D)
-    perm = torch.randperm(nblocks).tolist()
     reqs = [(0, 7), (9, 5), (13, 1), (4, 1), (0, 1)]  # (context_len, new tokens)
-    qs, ks, vs, blk, off, prefills, seqs, full = [], [], [], [], [], [], [], []
-    dec_idx, dec_tables, dec_lens = [], [], []
-    start = 0
-    for ctx, n in reqs:
-        table = [perm.pop() for _ in range(-(-(ctx + n) // bs))]
-        kk, vv = torch.randn(ctx + n, KVH, D), torch.randn(ctx + n, KVH, D)
-        full.append((kk, vv))
-        for p in range(ctx + n):
-            if p < ctx:  # the cached prefix is already in its slots
-                cache[0, table[p // bs], p % bs] = kk[p]
-                cache[1, table[p // bs], p % bs] = vv[p]
-            else:  # this step's tokens: paged_attention writes them
-                blk.append(table[p // bs])
-                off.append(p % bs)
-        qs.append(torch.randn(n, H, D))
-        ks.append(kk[ctx:])
-        vs.append(vv[ctx:])
-        if n == 1:
-            dec_idx.append(start)
-            dec_tables.append(table)
-            dec_lens.append(ctx + 1)
-        else:
-            prefills.append(PrefillSeq(start, start + n, ctx, torch.tensor(table)))
-        seqs.append(
-            ShardSeq(start, start + n, torch.arange(ctx, ctx + n), torch.tensor(table), torch.arange(ctx + n))
-        )
+    batch = paged_batch(reqs, bs, nblocks, KVH, H, D)
+    seqs, start = [], 0
+    for (ctx, n), table in zip(reqs, batch.tables):
+        seqs.append(ShardSeq(start, start + n, torch.arange(ctx, ctx + n), torch.tensor(table), torch.arange(ctx + n)))
         start += n
-    width = max(len(t) for t in dec_tables)
-    lens = torch.tensor(dec_lens)
-    meta = AttentionMetadata(
-        slot_block_ids=torch.tensor(blk),
-        slot_offsets=torch.tensor(off),
-        prefills=prefills,
-        decode_token_idx=torch.tensor(dec_idx),
-        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in dec_tables]),
-        decode_seq_lens=lens,
-        decode_mask=(torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :],
-    )
-    q = torch.cat(qs)
-    sdpa = paged_attention(q, torch.cat(ks), torch.cat(vs), cache, meta, SCALE)
-    out, lse = shard_attention(q, cache, seqs, SCALE)
+    q = batch.q
+    sdpa = paged_attention(q, batch.k, batch.v, batch.cache, batch.meta, SCALE)
+    out, lse = shard_attention(q, batch.cache, seqs, SCALE)
     torch.testing.assert_close(out, sdpa, rtol=0, atol=1e-5)
-    for seq, (ctx, n), (kk, vv) in zip(seqs, reqs, full):
+    for seq, (ctx, n), (kk, vv) in zip(seqs, reqs, batch.full):
         visible = torch.arange(ctx + n)[None, :] <= torch.arange(ctx, ctx + n)[:, None]
         _, ref_lse = _dense(q[seq.start : seq.end], kk, vv, visible)
         torch.testing.assert_close(lse[seq.start : seq.end].double(), ref_lse, rtol=0, atol=1e-5)

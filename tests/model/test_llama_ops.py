@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
+from paged_batch import paged_batch
 
-from pdkv.model.attention import AttentionMetadata, PrefillSeq, paged_attention
+from pdkv.model.attention import paged_attention
 from pdkv.model.llama import apply_rope, rms_norm, rope_cos_sin
 
 
@@ -58,55 +59,15 @@ def test_paged_attention_matches_dense_reference():
     two decodes, over scattered (shuffled) blocks."""
     torch.manual_seed(0)
     bs, nblocks, kvh, h, d = 4, 32, 2, 6, 16
-    cache = torch.zeros(2, nblocks, bs, kvh, d)
-    perm = torch.randperm(nblocks).tolist()
-    # (context_len, new tokens) per request
-    reqs = [(0, 7), (9, 5), (13, 1), (4, 1)]
-    tables, full_k, full_v = [], [], []
-    for ctx, n in reqs:
-        need = -(-(ctx + n) // bs)
-        table = [perm.pop() for _ in range(need)]
-        tables.append(table)
-        kk, vv = torch.randn(ctx + n, kvh, d), torch.randn(ctx + n, kvh, d)
-        full_k.append(kk)
-        full_v.append(vv)
-        for p in range(ctx):  # the cached prefix is already in its slots
-            cache[0, table[p // bs], p % bs] = kk[p]
-            cache[1, table[p // bs], p % bs] = vv[p]
-    qs, ks, vs, blk, off, prefills = [], [], [], [], [], []
-    dec_idx, dec_tables, dec_lens = [], [], []
+    reqs = [(0, 7), (9, 5), (13, 1), (4, 1)]  # (context_len, new tokens) per request
+    batch = paged_batch(reqs, bs, nblocks, kvh, h, d)
+    cache, meta = batch.cache, batch.meta
+    out = paged_attention(batch.q, batch.k, batch.v, cache, meta, d**-0.5)
     start = 0
-    for (ctx, n), table, kk, vv in zip(reqs, tables, full_k, full_v):
-        qs.append(torch.randn(n, h, d))
-        ks.append(kk[ctx:])
-        vs.append(vv[ctx:])
-        for p in range(ctx, ctx + n):
-            blk.append(table[p // bs])
-            off.append(p % bs)
-        if n == 1:
-            dec_idx.append(start)
-            dec_tables.append(table)
-            dec_lens.append(ctx + 1)
-        else:
-            prefills.append(PrefillSeq(start, start + n, ctx, torch.tensor(table)))
-        start += n
-    width = max(len(t) for t in dec_tables)
-    lens = torch.tensor(dec_lens)
-    meta = AttentionMetadata(
-        slot_block_ids=torch.tensor(blk),
-        slot_offsets=torch.tensor(off),
-        prefills=prefills,
-        decode_token_idx=torch.tensor(dec_idx),
-        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in dec_tables]),
-        decode_seq_lens=lens,
-        decode_mask=(torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :],
-    )
-    out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, d**-0.5)
-    start = 0
-    for (ctx, n), q, kk, vv in zip(reqs, qs, full_k, full_v):
-        ref = _dense_causal(q, kk, vv, ctx)
+    for (ctx, n), (kk, vv) in zip(reqs, batch.full):
+        ref = _dense_causal(batch.q[start : start + n], kk, vv, ctx)
         torch.testing.assert_close(out[start : start + n], ref, rtol=1e-4, atol=1e-5)
         start += n
     # The new tokens' K/V landed in their slots.
-    for i, (b, o) in enumerate(zip(blk, off)):
-        assert torch.equal(cache[0, b, o], torch.cat(ks)[i])
+    for i, (b, o) in enumerate(zip(meta.slot_block_ids.tolist(), meta.slot_offsets.tolist())):
+        assert torch.equal(cache[0, b, o], batch.k[i])
