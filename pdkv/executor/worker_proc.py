@@ -7,6 +7,7 @@ message on the pipe is msgpack (pdkv.executor.messages), never pickle.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import traceback
 from multiprocessing.connection import Connection
@@ -54,11 +55,14 @@ def run_worker(conn: Connection) -> None:
         from pdkv.parallel.context import init_distributed
         from pdkv.worker.model_runner import ModelRunner
 
-        par = init.parallel_config
-        ctx = init_distributed(par.layout(), rank, init.init_method,
-                               backend="nccl" if init.model_config.device.startswith("cuda") else "gloo",
+        par, model_config = init.parallel_config, init.model_config
+        cuda = model_config.device.startswith("cuda")
+        if model_config.device == "cuda":  # one GPU per rank (nccl needs distinct devices)
+            model_config = dataclasses.replace(model_config, device=f"cuda:{rank % torch.cuda.device_count()}")
+            torch.cuda.set_device(torch.device(model_config.device))
+        ctx = init_distributed(par.layout(), rank, init.init_method, backend="nccl" if cuda else "gloo",
                                timeout_s=par.worker_timeout_s)
-        runner = ModelRunner(init.model_config, init.cache_config, init.kv_transfer_config, parallel=ctx)
+        runner = ModelRunner(model_config, init.cache_config, init.kv_transfer_config, parallel=ctx)
         kv = runner.kv_cache_config
         send(WorkerReady(rank=rank, num_blocks=kv.num_blocks, kv_cache_bytes=kv.total_bytes,
                          layout=dict(runner.layout), vocab_size=runner.vocab_size,
