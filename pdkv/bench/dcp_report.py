@@ -93,8 +93,8 @@ def format_table(result: dict[str, Any]) -> str:
     lines += [
         "context: prompt tokens asked for; KV tok: prompt (capped to the model's length) + decode tokens held. "
         "KV/rank: tokens on the fullest rank x layers x 2 x local KV heads x head_size x dtype bytes; "
-        "measured: blocks the request holds x physical block bytes per rank. Ratios vs "
-        + ", ".join(f"{c} -> {b}" for c, b in result["baselines"].items() if b) + ".",
+        "measured: blocks the request holds x physical block bytes per rank. Ratios: "
+        + ", ".join(f"{c} relative to {b}" for c, b in result["baselines"].items() if b) + ".",
         "comm: DCP all-gathers + LSE merge per decode step (rank 0), % of the forward pass.",
         result["note"],
     ]

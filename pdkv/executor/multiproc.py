@@ -83,6 +83,13 @@ class MultiprocExecutor:
         self.layout_ = par.layout()
         arch = LlamaArchConfig.from_hf_folder(config.model_config.path)
         self.layout_.check_heads(arch.num_heads, arch.num_kv_heads)
+        if config.cache_config.gpu_memory_utilization is None or config.cache_config.num_kv_blocks:
+            # The ranks would size their caches the same way: a pool too small for one request
+            # is refused here, before any process starts (ValueError naming the values).
+            make_kv_cache_config(arch, config.cache_config, config.model_config.dtype,
+                                 config.model_config.max_model_len,
+                                 num_kv_heads=self.layout_.kv_heads_per_rank(arch.num_kv_heads),
+                                 dcp_size=self.layout_.dcp_size)
         self.world_size = par.world_size
         self.timeout_s = par.worker_timeout_s
         self.connector: KVConnectorBase | None = None

@@ -50,8 +50,8 @@ class ParallelLayout:
         if not self.dcp_replicated and self.tp_size % self.dcp_size:
             raise ValueError(
                 f"decode_context_parallel_size={self.dcp_size} must divide tensor_parallel_size="
-                f"{self.tp_size} (vLLM carves DCP out of TP); with tensor_parallel_size=1, DCP ranks "
-                "replicate the weights instead"
+                f"{self.tp_size} (vLLM carves DCP out of TP); with tensor_parallel_size=1 or "
+                "--dcp-replicate-weights, DCP ranks replicate the weights instead (world size tp x dcp)"
             )
 
     @property

@@ -216,7 +216,7 @@ def test_scheduler_at_dcp_1_pairs_blocks_one_to_one():
     ({**D_LAYOUT, "num_kv_heads": 2, "num_local_kv_heads": 1}, {"num_kv_heads": 2},
      ["stores 1 KV head", "hold 2", "issue 12"]),
     # P with tp 2.
-    (D_LAYOUT, {"tp_size": 2}, ["producer tp_size=2, consumer tp_size=2", "issue 12"]),
+    (D_LAYOUT, {"tp_size": 2}, ["a prefill engine at tp_size=2", "P must run tp 1", "issue 12"]),
     # P with dcp 2.
     (D_LAYOUT, {"dcp_size": 2}, ["producer dcp_size=2, consumer dcp_size=2", "issue 12"]),
     # D tp 2, dcp 1 on a 1-KV-head model: both ranks hold the same shard.

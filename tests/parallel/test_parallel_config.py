@@ -51,3 +51,9 @@ def test_dcp_mode_and_world_size():
     assert both.world_size == 4
     with pytest.raises(ValueError, match="must divide tensor_parallel_size=3"):
         ParallelConfig(tensor_parallel_size=3, decode_context_parallel_size=2)
+
+
+def test_a_dcp_pool_too_small_for_one_request_is_refused_before_workers_start(capsys, tiny_llama_kv2):
+    err = refused(capsys, ["--model", tiny_llama_kv2, "-dcp", "2", "--num-kv-blocks", "8", "--max-model-len", "512"])
+    assert "KV cache of 8 blocks x 16 tokens x 2 DCP ranks cannot hold one request of max_model_len=512" in err
+    assert "Traceback" not in err and "WorkerDiedError" not in err

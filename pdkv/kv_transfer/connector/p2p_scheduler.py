@@ -115,6 +115,9 @@ class P2PConnectorScheduler:
         hold its own DCP shard alone), or ""."""
         mine, theirs = self.layout, dict(p.get("layout") or {})
         my_tp, my_dcp = int(mine.get("tp_size", 1)), int(mine.get("dcp_size", 1))
+        if p.get("tp_size", 1) != 1 and p.get("tp_size") == my_tp:
+            return (f"a prefill engine at tp_size={my_tp} is not supported yet: P must run tp 1, "
+                    "whatever D's TP/DCP (splitting each rank's KV across D's ranks is issue 12)")
         if p.get("tp_size", 1) != 1:
             return (f"heterogeneous TP between P and D (producer tp_size={p.get('tp_size')!r}, "
                     f"consumer tp_size={my_tp}) is not supported yet (issue 12)")
