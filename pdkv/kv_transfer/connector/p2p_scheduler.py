@@ -188,7 +188,7 @@ class P2PConnectorScheduler:
         if num_external_tokens > 0 or error:
             p_bs = int(dict(p.get("layout") or {}).get("block_size", self.block_size))
             reblock: dict[str, int] = {}
-            if p_bs != self.block_size:
+            if p_bs != int(self.layout.get("block_size", self.block_size)):  # (per rank under DCP)
                 first, local_ids, remote_ids = self._reblock_map(request, local, p_bs)
                 reblock = {"remote_block_size": p_bs, "first_token": request.num_computed_tokens,
                            "end_token": request.num_prompt_tokens}
