@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from pdkv.kv_transfer.connector.p2p_messages import layout_mismatch
+from pdkv.kv_transfer.connector.p2p_messages import conversion_error, layout_mismatch
 
 PRODUCER_ROLES = ("kv_producer", "kv_both")
 CONSUMER_ROLES = ("kv_consumer", "kv_both")
@@ -88,7 +88,7 @@ def pair_mismatch(p_url: str, p: BackendInfo | None, d_url: str, d: BackendInfo 
         return f"decode backend {d_url} has kv_role={d.kv_role!r}, not a consumer"
     if p.layout is None or d.layout is None:
         return None
-    message = layout_mismatch(d.layout, p.layout)
+    message = layout_mismatch(d.layout, p.layout) or conversion_error(d.layout, p.layout)
     if message is None:
         return None
     return f"{message}; prefill {p_url}, decode {d_url}"

@@ -21,8 +21,8 @@ def pd_config(role: str, transfer: str, policy: str = "fail", **extra: Any) -> s
 
 def make_pd(transfer: str, policy: str = "fail", num_kv_blocks: int = 256, max_model_len: int = 512,
             d_prefix_caching: bool = True, p_extra: dict[str, Any] | None = None,
-            d_block_size: int = 16) -> tuple[LLM, LLM]:
-    p = LLM("smollm2", num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
+            d_block_size: int = 16, p_block_size: int = 16) -> tuple[LLM, LLM]:
+    p = LLM("smollm2", num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, block_size=p_block_size,
             kv_transfer_config=pd_config("kv_producer", transfer, **(p_extra or {})))
     d = LLM("smollm2", num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
             enable_prefix_caching=d_prefix_caching, block_size=d_block_size,

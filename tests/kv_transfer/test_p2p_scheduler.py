@@ -346,7 +346,7 @@ def test_validate_accepts_good_params_and_requests_without_params():
 
 
 @pytest.mark.parametrize(("key", "theirs", "mine"), [
-    ("block_size", 16, BS),
+    ("head_size", 16, 8),
     ("dtype", "bfloat16", "float16"),
     ("num_kv_heads", 8, 2),
     ("model_digest", "sha-other", "sha-abc"),
@@ -360,6 +360,44 @@ def test_validate_rejects_a_layout_mismatch_naming_both_values(key, theirs, mine
     assert key in msg and repr(theirs) in msg and repr(mine) in msg
     assert f"producer={theirs!r}" in msg and f"consumer={mine!r}" in msg
     assert [k for k in LAYOUT_KEYS if f"{k}:" in msg] == [key]  # only the differing field
+
+
+@pytest.mark.parametrize(("hit", "first_block", "remote", "local"), [
+    (0, 0, [50, 51, 52, 53, 54], [12, 13, 14]),  # 18 tokens: P blocks of 4, D blocks of 8
+    (8, 2, [52, 53, 54], [13, 14]),  # a local hit of one D block: from P block 2 on
+])
+def test_a_producer_with_another_block_size_is_re_blocked_by_token(hit, first_block, remote, local):
+    cons = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"), dict(LAYOUT, block_size=8),
+                                 8, list(PRODUCER_ADDR))
+    params = remote_params(18, [[50, 51, 52, 53, 54]], layout=dict(LAYOUT))  # P: block_size 4
+    r = req("r", 18, params)
+    cons.validate_request(r)  # block_size is converted: accepted
+    r.num_computed_tokens = hit
+    ext, _ = cons.get_num_new_matched_tokens(r, hit)
+    cons.update_state_after_alloc(r, blocks([12, 13, 14][hit // 8 :]), ext)
+    (spec,) = cons.build_connector_meta().reqs_to_recv
+    assert (spec.remote_block_size, spec.first_token, spec.end_token) == (4, hit, 18)
+    assert spec.remote_first_block == first_block
+    assert spec.remote_block_ids == (remote,) and spec.local_block_ids == (local,)
+
+
+def test_same_block_size_leaves_the_re_blocking_fields_unset():
+    cons = make("kv_consumer")
+    r = req("r", 10, remote_params())
+    cons.update_state_after_alloc(r, blocks([1, 2, 3]), 10)
+    (spec,) = cons.build_connector_meta().reqs_to_recv
+    assert (spec.remote_block_size, spec.first_token, spec.end_token) == (0, 0, 0)
+
+
+def test_re_blocking_into_dcp_or_several_groups_is_refused_naming_both_sizes():
+    dcp = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"),
+                                dict(LAYOUT, block_size=8, dcp_size=2, tp_size=2), 16, list(PRODUCER_ADDR))
+    with pytest.raises(ValueError, match="block_size=8 .*dcp_size=2.*block_size=4"):
+        dcp.validate_request(req("r", 10, remote_params()))
+    groups = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"), dict(LAYOUT, block_size=8),
+                                   8, list(PRODUCER_ADDR), num_groups=2)
+    with pytest.raises(ValueError, match="block_size=8 .*block_size=4.*one KV cache group"):
+        groups.validate_request(req("r", 10, remote_params(remote_block_ids=[[1, 2, 3], [4, 5, 6]])))
 
 
 def test_validate_rejects_params_without_a_layout():

@@ -355,23 +355,24 @@ def test_client_disconnect_during_non_streamed_decode_aborts_it(pd_stack):
 
 
 def test_layout_mismatch_is_503_on_health_and_requests(pd_stack):
-    """A D with another block size behind the proxy: /health is 503 naming both values, and a
-    request is a 503 (the deployment's fault, not the client's) that never reaches P."""
+    """A D with another dtype (an identity field; a block size differing is converted) behind
+    the proxy: /health is 503 naming both values, and a request is a 503 (the deployment's fault,
+    not the client's) that never reaches P."""
     p, _, _ = pd_stack
-    with RemoteServer(["serve", *ENGINE, "--block-size", "32", "--kv-transfer-config",
-                       pd_config("kv_consumer", "tcp")]) as d32, \
-            RemoteServer(["proxy", "--prefill", p.url, "--decode", d32.url], health_path="/ping") as proxy:
+    with RemoteServer(["serve", *ENGINE, "--dtype", "bfloat16", "--kv-transfer-config",
+                       pd_config("kv_consumer", "tcp")]) as dbf16, \
+            RemoteServer(["proxy", "--prefill", p.url, "--decode", dbf16.url], health_path="/ping") as proxy:
         h = httpx.get(proxy.url + "/health", timeout=30)
         assert h.status_code == 503
-        assert "block_size: producer=16 consumer=32" in h.json()["error"]["message"]
+        assert "dtype: producer='float32' consumer='bfloat16'" in h.json()["error"]["message"]
         before = _counters(p.url)
         r = httpx.post(proxy.url + "/v1/completions", timeout=60,
                        json={"model": "smollm2", "prompt": PROMPTS[0], "max_tokens": 4})
         assert r.status_code == 503
-        assert "block_size: producer=16 consumer=32" in r.json()["error"]["message"]
+        assert "dtype: producer='float32' consumer='bfloat16'" in r.json()["error"]["message"]
         assert _counters(p.url) == before
-        layout = httpx.get(d32.url + "/kv_layout", timeout=10).json()
-        assert layout["kv_role"] == "kv_consumer" and layout["layout"]["block_size"] == 32
+        layout = httpx.get(dbf16.url + "/kv_layout", timeout=10).json()
+        assert layout["kv_role"] == "kv_consumer" and layout["layout"]["dtype"] == "bfloat16"
 
 
 def test_unreachable_decode_is_502(pd_stack):

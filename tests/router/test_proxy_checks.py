@@ -129,14 +129,14 @@ def test_over_length_is_400_without_a_prefill_leg(stack):
 
 
 def test_layout_mismatch_is_503_on_health_and_requests():
-    s = _Stack(d_layout={**LAYOUT, "block_size": 32})
+    s = _Stack(d_layout={**LAYOUT, "head_size": 32})
     try:
         h = httpx.get(s.url + "/health", timeout=10)
         assert h.status_code == 503
         message = h.json()["error"]["message"]
-        assert "block_size: producer=16 consumer=32" in message and s.p.url in message and s.d.url in message
+        assert "head_size: producer=64 consumer=32" in message and s.p.url in message and s.d.url in message
         r = _post(s.url, json={"prompt": "x", "max_tokens": 4})
-        assert r.status_code == 503 and "block_size: producer=16 consumer=32" in r.json()["error"]["message"]
+        assert r.status_code == 503 and "head_size: producer=64 consumer=32" in r.json()["error"]["message"]
         assert s.p.hits["prefill"] == 0
         s.d.layout = dict(LAYOUT)  # D "restarts" with P's layout: the next probe sees it
         assert httpx.get(s.url + "/health", timeout=10).status_code == 200
@@ -152,7 +152,7 @@ def test_a_mixed_decode_pool_routes_only_to_engines_that_fit():
     p = FakeEngine("kv_producer")
     p.control_port = control.port
     good = FakeEngine("kv_consumer")
-    bad = FakeEngine("kv_consumer", {**LAYOUT, "block_size": 32})
+    bad = FakeEngine("kv_consumer", {**LAYOUT, "head_size": 32})
     proxy = ServerThread(build_proxy_app([p.url], [bad.url, good.url]))
     try:
         assert httpx.get(proxy.url + "/health", timeout=10).status_code == 503
@@ -251,3 +251,17 @@ def test_models_tokenize_detokenize_are_forwarded_to_decode(stack):
     assert detok.status_code == 200 and detok.json() == {"prompt": "t5 t7"}
     assert stack.d.hits["tokenize"] == 1 and stack.d.hits["detokenize"] == 1
     assert stack.p.hits["tokenize"] == 0 and stack.p.hits["detokenize"] == 0
+
+
+def test_a_block_size_difference_pairs_unless_decode_has_dcp():
+    """Block size is converted by the P2P connector (re-blocking): P 16 and D 32 pair; a DCP
+    decode engine cannot convert it, and the message names both values."""
+    from pdkv.router.backend_info import BackendInfo, pair_mismatch
+
+    def info(role: str, **layout: object) -> BackendInfo:
+        return BackendInfo(role, "e", {**LAYOUT, **layout}, 512, 0.0, None)
+
+    assert pair_mismatch("p", info("kv_producer"), "d", info("kv_consumer", block_size=32)) is None
+    msg = pair_mismatch("p", info("kv_producer"), "d", info("kv_consumer", block_size=32, dcp_size=2))
+    assert msg is not None and "block_size=32" in msg and "block_size=16" in msg and "dcp_size=2" in msg
+    assert pair_mismatch("p", info("kv_producer"), "d", info("kv_consumer", dcp_size=2)) is None

@@ -36,6 +36,7 @@ from pdkv.kv_transfer.connector.p2p_messages import (
 from pdkv.kv_transfer.connector.p2p_peer_queue import PeerQueues
 from pdkv.kv_transfer.connector.p2p_results import WorkerResults
 from pdkv.kv_transfer.engine.base import ReadOp, TransferEngine, TransferError
+from pdkv.kv_transfer.reblock import plan_reblock
 from pdkv.kv_transfer.wire import WireError, connect, recv_msg, send_msg
 
 if TYPE_CHECKING:
@@ -196,6 +197,8 @@ class ConsumerSide:
         Raises:
             TransferError: the producer's block bytes differ from this engine's.
         """
+        if spec.remote_block_size and spec.remote_block_size != int(self.layout.get("block_size", 0)):
+            return self._reblock_ops(spec, peer)
         ops = []
         n, r, first = self.dcp_size, self.dcp_rank, spec.remote_first_block
         for g, (all_local, all_remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
@@ -215,6 +218,33 @@ class ConsumerSide:
                 dest = self.regions[g][local[i] * bb : local[i] * bb + n]
                 ops.append(ReadOp(f"g{g}", remote[i] * bb, n, dest))
                 i = j
+        return ops
+
+    def _reblock_ops(self, spec: RecvSpec, peer: HandshakeReply) -> list[ReadOp]:
+        """Re-blocking reads (the producer's block size differs from this engine's): one ReadOp
+        per copy of the planner, per group.
+
+        Raises:
+            TransferError: the bytes per token row differ between the engines, or the blocks do
+                not cover the token range.
+        """
+        d_bs, p_bs = int(self.layout["block_size"]), spec.remote_block_size
+        layers = int(self.layout["num_layers"])
+        ops = []
+        for g, (local, remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
+            bb, p_bb = self.block_bytes[g], peer.block_bytes[g]
+            row, rest = divmod(bb, layers * 2 * d_bs)
+            if rest or not row or p_bb != layers * 2 * p_bs * row:
+                raise TransferError(f"block bytes do not re-block: producer {p_bb} for block_size {p_bs}, "
+                                    f"consumer {bb} for block_size {d_bs}, {layers} layers")
+            try:
+                copies = plan_reblock(remote, p_bs, local, d_bs, layers, row, spec.first_token, spec.end_token,
+                                      spec.remote_first_block, spec.first_token // d_bs)
+            except ValueError as e:
+                raise TransferError(f"re-blocking plan: {e}") from None
+            region = self.regions[g]
+            ops.extend(ReadOp(f"g{g}", c.remote_offset, c.nbytes, region[c.local_offset : c.local_offset + c.nbytes])
+                       for c in copies)
         return ops
 
     def _claim(self, spec: RecvSpec, pull: _Pull) -> HandshakeReply:

@@ -45,7 +45,11 @@ class SendSpec(msgspec.Struct):
 
 class RecvSpec(msgspec.Struct):
     """Consumer: pull the producer's `remote_block_ids` into `local_block_ids` (same length per
-    group), then tell the producer."""
+    group), then tell the producer. Re-blocking: when `remote_block_size` (tokens per producer
+    block; 0 = the same as this engine's) differs, the lists pair nothing: they are the producer's
+    and this engine's blocks covering tokens [first_token, end_token), whose first blocks have
+    indices `remote_first_block` and first_token // this engine's block size, and the worker plans
+    per-token copies (pdkv/kv_transfer/reblock.py)."""
 
     request_id: str
     remote: RemoteEngine
@@ -57,6 +61,9 @@ class RecvSpec(msgspec.Struct):
     prompt_digest: str = ""  # this (consumer) engine's own digest of the request's prompt
     remote_first_block: int = 0  # index of remote_block_ids[g][0] in the producer's grant
     error: str = ""  # set: refuse the load without contacting the producer (a load error)
+    remote_block_size: int = 0  # the producer's block size when it differs from this engine's
+    first_token: int = 0  # re-blocking: the token range to move
+    end_token: int = 0
 
 
 class NotifySpec(msgspec.Struct):
@@ -138,18 +145,36 @@ class Ack(msgspec.Struct):
 
 
 LAYOUT_KEYS = ("model_digest", "dtype", "block_size", "num_layers", "num_kv_heads", "head_size", "kv_layout")
+CONVERTIBLE_KEYS = ("block_size",)
+"""Layout fields the P2P connector converts (re-blocking); every other LAYOUT_KEYS field is
+identity: a difference refuses (docs/ARCHITECTURE.md, "Three decisions" §3)."""
 
 
-def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
-    """A message naming every differing layout field (producer's value vs consumer's), or None."""
+def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any],
+                    convertible: tuple[str, ...] = CONVERTIBLE_KEYS) -> str | None:
+    """A message naming every differing layout field (producer's value vs consumer's) except the
+    `convertible` ones, or None. See `conversion_error` for what converting needs."""
     diffs = [
         f"{k}: producer={theirs.get(k)!r} consumer={mine.get(k)!r}"
         for k in LAYOUT_KEYS
-        if mine.get(k) != theirs.get(k)
+        if k not in convertible and mine.get(k) != theirs.get(k)
     ]
     if not diffs:
         return None
     return "KV layout mismatch between prefill and decode engines (" + "; ".join(diffs) + ")"
+
+
+def conversion_error(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+    """Why the consumer (`mine`) cannot convert the producer's (`theirs`) block size, naming both
+    values, or None (equal sizes, or a consumer without DCP: re-blocking maps by token)."""
+    if mine.get("block_size") == theirs.get("block_size"):
+        return None
+    dcp = int(mine.get("dcp_size", 1))
+    if dcp > 1:
+        return (f"decode block_size={mine.get('block_size')} (per rank, dcp_size={dcp}) differs from "
+                f"the producer's block_size={theirs.get('block_size')}: re-blocking into a DCP decode "
+                "engine is not supported")
+    return None
 
 
 _digest_encoder = msgspec.msgpack.Encoder()

@@ -18,6 +18,12 @@ block K0 + i (K0 = num_computed_tokens // P's block size) to the logical block h
 D_block_table[(K0 + i) // N]; each DCP rank's worker half reads the blocks of its shard. P must be
 tp 1, dcp 1, and every D rank must store all of P's KV heads in blocks of P's size (re-sharding
 is issue 12).
+
+Re-blocking: a producer whose block size differs (a convertible layout field; every identity
+field still refuses) is accepted when this engine has no DCP and one KV cache group: the RecvSpec
+carries P's blocks covering [F, prompt end) (F = this engine's local hits, a multiple of its
+block size), this engine's blocks for that range, the token range and P's block size; the worker
+half plans per-token copies by absolute token position (pdkv/kv_transfer/reblock.py).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from pdkv.kv_transfer.connector.p2p_messages import (
     RecvSpec,
     RemoteEngine,
     SendSpec,
+    conversion_error,
     layout_mismatch,
     prompt_digest,
 )
@@ -129,9 +136,13 @@ class P2PConnectorScheduler:
             return (f"each decode rank stores {my_heads} KV head(s) (num_local_kv_heads, tp_size={my_tp}) "
                     f"but the producer's blocks hold {theirs.get('num_kv_heads')}: re-sharding KV heads "
                     "between P and D is not supported yet (issue 12)")
-        if mine.get("block_size") != theirs.get("block_size"):
-            return (f"decode block_size={mine.get('block_size')} (per rank) differs from the producer's "
-                    f"block_size={theirs.get('block_size')}: re-laying blocks is not supported yet (issue 12)")
+        error = conversion_error(mine, theirs)
+        if error:
+            return error
+        if mine.get("block_size") != theirs.get("block_size") and self.num_groups != 1:
+            return (f"decode block_size={mine.get('block_size')} differs from the producer's "
+                    f"block_size={theirs.get('block_size')}: re-blocking needs one KV cache group "
+                    f"(this engine has {self.num_groups})")
         world = my_tp * (my_dcp if mine.get("dcp_replicated") else 1)
         if world > my_dcp:  # several ranks per DCP shard (KV heads replicated over TP ranks)
             return (f"each DCP shard of this engine lives on {world // my_dcp} ranks (tp_size={my_tp}, "
@@ -178,12 +189,19 @@ class P2PConnectorScheduler:
         local = blocks.get_block_ids()
         error = self._digest_error(request)
         if num_external_tokens > 0 or error:
-            first, local_ids, remote_ids = self._block_map(request, local)
+            p_bs = int(dict(p.get("layout") or {}).get("block_size", self.block_size))
+            reblock: dict[str, int] = {}
+            if p_bs != int(self.layout.get("block_size", self.block_size)):  # (per rank under DCP)
+                first, local_ids, remote_ids = self._reblock_map(request, local, p_bs)
+                reblock = {"remote_block_size": p_bs, "first_token": request.num_computed_tokens,
+                           "end_token": request.num_prompt_tokens}
+            else:
+                first, local_ids, remote_ids = self._block_map(request, local)
             self._to_recv.append(RecvSpec(
                 request.request_id, remote, remote_rid, local_ids, remote_ids, dict(p.get("layout") or {}),
                 remote_nonce=str(p.get("remote_nonce", "")),
                 prompt_digest=prompt_digest(request.prompt_token_ids, request.cache_salt),
-                remote_first_block=first, error=error))
+                remote_first_block=first, error=error, **reblock))
             self._inflight_recv.add(request.request_id)
         else:  # everything was local: the producer can let go
             self._notify.append(self._notice(request, "release"))
@@ -209,6 +227,20 @@ class P2PConnectorScheduler:
             remote_ids.append(rg)
             local_ids.append([lg[(k0 + i) // n - hit] for i in range(len(rg))])
         return k0, tuple(local_ids), tuple(remote_ids)
+
+    def _reblock_map(self, request: Request, new_blocks: tuple[list[int], ...], p_bs: int
+                     ) -> tuple[int, tuple[list[int], ...], tuple[list[int], ...]]:
+        """Re-blocking (P's block size `p_bs` differs from this engine's, no DCP): (K0, local ids,
+        remote ids) per group for tokens [F, prompt end), F = num_computed_tokens (this engine's
+        local hits, a multiple of its block size): P's blocks K0 = F // p_bs .. ceil(end / p_bs)
+        and this engine's blocks holding those tokens (`new_blocks` start at block F // block
+        size)."""
+        p = request.kv_transfer_params or {}
+        first, end = request.num_computed_tokens, request.num_prompt_tokens
+        k0, k_end = first // p_bs, -(-end // p_bs)
+        n_local = -(-end // self.block_size) - first // self.block_size
+        return (k0, tuple(list(lg[:n_local]) for lg in new_blocks),
+                tuple(list(g[k0:k_end]) for g in p["remote_block_ids"]))
 
     def build_connector_meta(self) -> P2PConnectorMetadata:
         now = time.monotonic()

@@ -1,0 +1,108 @@
+"""Re-blocking planner (pdkv/kv_transfer/reblock.py): copies applied to a byte-array "P cache" with a
+distinct marker per (layer, K/V, token) land every token row of the range at D's (block, layer,
+K/V, slot) and write nothing else. Torch-free."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+
+from pdkv.kv_transfer.reblock import Copy, plan_reblock
+
+LAYERS = 3
+ROW = 8  # bytes per token row: two int32, both the marker
+EMPTY = b"\xee" * ROW
+
+
+def marker(layer: int, kv: int, token: int) -> bytes:
+    return struct.pack("<ii", 1 + (layer * 2 + kv) * 100_000 + token, -(1 + token))
+
+
+def row_at(block_id: int, block_size: int, layer: int, kv: int, slot: int) -> int:
+    return block_id * LAYERS * 2 * block_size * ROW + ((layer * 2 + kv) * block_size + slot) * ROW
+
+
+def p_cache(ids: list[int], bs: int, num_blocks: int, first_block: int = 0) -> bytearray:
+    buf = bytearray(EMPTY * (num_blocks * LAYERS * 2 * bs))
+    for i, b in enumerate(ids):
+        for slot in range(bs):
+            t = (first_block + i) * bs + slot
+            for layer in range(LAYERS):
+                for kv in range(2):
+                    off = row_at(b, bs, layer, kv, slot)
+                    buf[off : off + ROW] = marker(layer, kv, t)
+    return buf
+
+
+def apply(copies: list[Copy], src: bytearray, dst: bytearray) -> None:
+    for c in copies:
+        assert c.nbytes > 0 and c.nbytes % ROW == 0
+        dst[c.local_offset : c.local_offset + c.nbytes] = src[c.remote_offset : c.remote_offset + c.nbytes]
+
+
+def run_case(rng: random.Random, p_bs: int, d_bs: int, first: int, end: int) -> tuple[list[Copy], bytearray, dict]:
+    """Random P and D block tables covering [first, end) (from the blocks holding `first`)."""
+    nblocks = 24
+    p_first, d_first = first // p_bs, first // d_bs
+    p_ids = rng.sample(range(nblocks), -(-end // p_bs) - p_first)
+    d_ids = rng.sample(range(nblocks), -(-end // d_bs) - d_first)
+    src = p_cache(p_ids, p_bs, nblocks, p_first)
+    dst = bytearray(EMPTY * (nblocks * LAYERS * 2 * d_bs))
+    copies = plan_reblock(p_ids, p_bs, d_ids, d_bs, LAYERS, ROW, first, end, p_first, d_first)
+    apply(copies, src, dst)
+    expected = {}  # D row offset -> marker, for every token of the range
+    for t in range(first, end):
+        b = d_ids[t // d_bs - d_first]
+        for layer in range(LAYERS):
+            for kv in range(2):
+                expected[row_at(b, d_bs, layer, kv, t % d_bs)] = marker(layer, kv, t)
+    return copies, dst, {"expected": expected, "d_ids": d_ids, "d_first": d_first, "src": src,
+                         "p_ids": p_ids, "p_first": p_first}
+
+
+SIZES = [(16, 32), (32, 16), (16, 16), (32, 32), (16, 48), (48, 32)]
+
+
+@pytest.mark.parametrize(("p_bs", "d_bs"), SIZES)
+def test_every_token_row_lands_in_place_and_nothing_else_is_written(p_bs, d_bs):
+    rng = random.Random(p_bs * 1000 + d_bs)
+    for _ in range(12):
+        end = rng.randint(1, 150)
+        # D's local prefix hit ends at one of its block boundaries; also arbitrary starts.
+        first = rng.choice([(end - 1) // d_bs * d_bs * rng.randint(0, 1), rng.randrange(end)])
+        copies, dst, info = run_case(rng, p_bs, d_bs, first, end)
+        for off, m in info["expected"].items():
+            assert dst[off : off + ROW] == m, f"row at {off} of [{first}, {end}) {p_bs}->{d_bs}"
+        whole = p_bs == d_bs and first % p_bs == 0
+        for off in range(0, len(dst), ROW):
+            if off in info["expected"]:
+                continue
+            if whole and off // (LAYERS * 2 * d_bs * ROW) in info["d_ids"]:
+                continue  # whole-block copies: the last block's slots past `end` come along
+            assert dst[off : off + ROW] == EMPTY, f"row at {off} outside [{first}, {end}) was written"
+
+
+@pytest.mark.parametrize("bs", [16, 32])
+def test_equal_block_sizes_copy_whole_blocks(bs):
+    bb = LAYERS * 2 * bs * ROW
+    copies = plan_reblock([7, 3, 4, 9], bs, [1, 2, 3, 8], bs, LAYERS, ROW, 0, 3 * bs + 5)
+    # blocks (3, 4) -> (2, 3) are consecutive on both sides: one copy
+    assert copies == [Copy(7 * bb, 1 * bb, bb), Copy(3 * bb, 2 * bb, 2 * bb), Copy(9 * bb, 8 * bb, bb)]
+    tail = plan_reblock([3, 4], bs, [5, 6], bs, LAYERS, ROW, 2 * bs, 3 * bs + 1, p_first_block=2, d_first_block=2)
+    assert tail == [Copy(3 * bb, 5 * bb, 2 * bb)]  # mid-table start, last block partial
+
+
+def test_sixteen_to_thirty_two_is_one_copy_per_layer_kv_and_p_block():
+    copies = plan_reblock([5, 9, 1], 16, [2, 7], 32, LAYERS, ROW, 0, 40)
+    assert len(copies) == 3 * LAYERS * 2
+    assert sum(c.nbytes for c in copies) == 40 * LAYERS * 2 * ROW
+
+
+@pytest.mark.parametrize(("first", "end", "pf", "df", "np_", "nd"), [
+    (0, 0, 0, 0, 1, 1), (5, 3, 0, 0, 1, 1), (0, 40, 0, 0, 2, 2), (0, 40, 0, 0, 3, 1), (16, 20, 2, 0, 1, 1),
+])
+def test_ranges_the_blocks_do_not_cover_are_refused(first, end, pf, df, np_, nd):
+    with pytest.raises(ValueError):
+        plan_reblock(list(range(np_)), 16, list(range(nd)), 32, LAYERS, ROW, first, end, pf, df)
