@@ -132,7 +132,8 @@ class ModelRunner:
         # Start-up values both connector halves of this engine share, by name (see the factory).
         self.connector_shared: dict[str, Any] = {}
         if parallel is not None:
-            self.connector_shared.update(dcp_rank=parallel.dcp_rank, dcp_size=parallel.dcp_size)
+            self.connector_shared.update(dcp_rank=parallel.dcp_rank, dcp_size=parallel.dcp_size,
+                                         rank=parallel.rank, world_size=parallel.layout.world_size)
         self.connector: KVConnectorBase | None = None
         if kv_transfer_config is not None:
             self.connector = create_connector(

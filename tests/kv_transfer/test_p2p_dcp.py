@@ -212,15 +212,17 @@ def test_scheduler_at_dcp_1_pairs_blocks_one_to_one():
 
 
 @pytest.mark.parametrize(("layout", "over", "words"), [
-    # D tp 2 on a 2-KV-head model: each rank stores 1 of P's 2 heads.
+    # D tp 2, dcp 2 on a 2-KV-head model: each rank stores 1 of P's 2 heads, and DCP.
     ({**D_LAYOUT, "num_kv_heads": 2, "num_local_kv_heads": 1}, {"num_kv_heads": 2},
-     ["stores 1 KV head", "hold 2", "issue 12"]),
+     ["stores 1 of the producer's 2 KV heads", "decode_context_parallel_size=2", "issue 12"]),
+    # D tp 2, dcp 1 on a 2-KV-head model with another block size: head slicing and re-blocking.
+    ({**D_LAYOUT, "dcp_size": 1, "num_kv_heads": 2, "num_local_kv_heads": 1, "block_size": 2 * BS},
+     {"num_kv_heads": 2}, ["stores 1 of the producer's 2 KV heads", f"block_size={2 * BS}",
+                           f"block_size={BS}", "issue 12"]),
     # P with tp 2.
     (D_LAYOUT, {"tp_size": 2}, ["a prefill engine at tp_size=2", "P must run tp 1", "issue 12"]),
     # P with dcp 2.
     (D_LAYOUT, {"dcp_size": 2}, ["producer dcp_size=2, consumer dcp_size=2", "issue 12"]),
-    # D tp 2, dcp 1 on a 1-KV-head model: both ranks hold the same shard.
-    ({**D_LAYOUT, "dcp_size": 1}, {}, ["lives on 2 ranks", "tp_size=2", "issue 12"]),
 ])
 def test_layouts_that_need_resharding_are_refused_naming_the_values(layout, over, words):
     params = p_params(10, [5, 6, 7])
@@ -237,6 +239,17 @@ def test_layouts_that_need_resharding_are_refused_naming_the_values(layout, over
 
 def test_the_target_layout_is_accepted():
     d_scheduler().validate_request(d_request(10, p_params(10, [5, 6, 7])))
+
+
+@pytest.mark.parametrize(("layout", "heads"), [
+    ({**D_LAYOUT, "dcp_size": 1}, 1),  # D tp 2 on 1 KV head: replicated on both ranks
+    ({**D_LAYOUT, "dcp_size": 1, "num_kv_heads": 2}, 2),  # D tp 2 on 2 KV heads: one each
+    ({**D_LAYOUT, "tp_size": 4}, 1),  # vLLM-mode DCP 2 at tp 4: each DCP shard on 2 ranks
+])
+def test_re_sharding_layouts_are_accepted(layout, heads):
+    params = p_params(10, [5, 6, 7])
+    params["layout"]["num_kv_heads"] = heads
+    d_scheduler(layout, logical_bs=BS * layout["dcp_size"]).validate_request(d_request(10, params))
 
 
 # ------------------------------------------------------------------------- producer

@@ -34,12 +34,14 @@ class P2PConnector(KVConnectorBase):
     `control_address` is the producer's [host, port]; the worker half fills it when its control
     server starts, the scheduler half puts it into kv_transfer_params. Both halves of one engine
     are built with the same list (a start-up value, like vLLM's side-channel host/port).
-    `dcp_rank` / `dcp_size`: the worker half's DCP rank and size (P/D into DCP; 0 / 1 otherwise).
+    `dcp_rank` / `dcp_size`: the worker half's DCP rank and size (P/D into DCP; 0 / 1 otherwise);
+    `rank` / `world_size`: its global rank and the engine's worker count (default: the DCP ones).
     """
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
                  layout: dict[str, Any], control_address: list[Any] | None = None,
-                 dcp_rank: int = 0, dcp_size: int = 1) -> None:
+                 dcp_rank: int = 0, dcp_size: int = 1, rank: int | None = None,
+                 world_size: int | None = None) -> None:
         super().__init__(config, role, kv_cache_config, layout)
         address = control_address if control_address is not None else ["127.0.0.1", 0]
         block_size = kv_cache_config.groups[0].spec.block_size
@@ -48,7 +50,7 @@ class P2PConnector(KVConnectorBase):
             if role == KVConnectorRole.SCHEDULER
             else None
         )
-        self.worker = (P2PConnectorWorker(config, layout, address, dcp_rank, dcp_size) if role == KVConnectorRole.WORKER
+        self.worker = (P2PConnectorWorker(config, layout, address, dcp_rank, dcp_size, rank, world_size) if role == KVConnectorRole.WORKER
                        else None)
 
     @classmethod

@@ -11,7 +11,13 @@ whose incarnation changed (restart), drops the cached handshake and connections 
 DCP (P/D into DCP): this side belongs to DCP rank r of N. With the interleave equal to the block
 size, producer block k of a request holds tokens [k·bs, (k+1)·bs), all stored on rank k % N in
 logical block k // N, so rank r reads only the pairs whose producer block index (counted from the
-grant's first block) is ≡ r mod N. Every rank claims the grant (Claim.readers = N, reader = r) and
+grant's first block) is ≡ r mod N.
+
+Re-sharding (P tp 1 → D tp > 1, dcp 1): a rank whose KV heads are a subset of P's reads only its
+heads, per (block, layer, K/V, token) (pdkv/kv_transfer/reshard.py); a rank holding all of P's
+heads (replicated over D's TP ranks) reads whole blocks, as every rank does when heads are equal.
+
+Every rank of the engine claims the grant (Claim.readers = world size, reader = global rank) and
 says "done", even one with nothing to read, so the producer frees the blocks after the last rank."""
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ from pdkv.kv_transfer.connector.p2p_peer_queue import PeerQueues
 from pdkv.kv_transfer.connector.p2p_results import WorkerResults
 from pdkv.kv_transfer.engine.base import ReadOp, TransferEngine, TransferError
 from pdkv.kv_transfer.reblock import plan_reblock
+from pdkv.kv_transfer.reshard import plan_head_copies, plan_head_reads
 from pdkv.kv_transfer.wire import WireError, connect, recv_msg, send_msg
+from pdkv.parallel.layout import ParallelLayout
 
 if TYPE_CHECKING:
     from pdkv.config import KVTransferConfig
@@ -73,16 +81,23 @@ class ConsumerSide:
         regions: this engine's KV cache bytes per group (filled at register_kv_caches).
         block_bytes: bytes per block of each group (filled at register_kv_caches).
         dcp_rank, dcp_size: this worker's DCP rank and the DCP size (which blocks it reads).
+        rank, world_size: this worker's global rank and the engine's worker count (reader and
+            readers of every grant; TP rank for re-sharding); default dcp_rank / dcp_size.
 
     Raises:
-        ValueError: dcp_rank outside [0, dcp_size).
+        ValueError: dcp_rank outside [0, dcp_size) or rank outside [0, world_size).
     """
 
     def __init__(self, config: KVTransferConfig, layout: dict[str, Any], engine: TransferEngine,
                  results: WorkerResults, regions: list[memoryview], block_bytes: list[int],
-                 dcp_rank: int = 0, dcp_size: int = 1) -> None:
+                 dcp_rank: int = 0, dcp_size: int = 1, rank: int | None = None,
+                 world_size: int | None = None) -> None:
         if not 0 <= dcp_rank < dcp_size:
             raise ValueError(f"dcp_rank={dcp_rank} must lie in [0, dcp_size={dcp_size})")
+        self.rank = dcp_rank if rank is None else rank
+        self.world_size = dcp_size if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank={self.rank} must lie in [0, world_size={self.world_size})")
         extra = config.kv_connector_extra_config
         self.dcp_rank = dcp_rank
         self.dcp_size = dcp_size
@@ -117,7 +132,7 @@ class ConsumerSide:
             with self._lock:
                 self._unclaimed[spec.request_id] = pull
             self._pulls.submit(spec.remote, lambda pull=pull: self._run(pull))  # type: ignore[misc]
-        if self.dcp_rank == 0:  # the scheduler's notices reach every rank: one sends them
+        if self.rank == 0:  # the scheduler's notices reach every rank: one sends them
             for note in notices:
                 self._send_notice(note)
 
@@ -199,6 +214,10 @@ class ConsumerSide:
         """
         if spec.remote_block_size and spec.remote_block_size != int(self.layout.get("block_size", 0)):
             return self._reblock_ops(spec, peer)
+        p_heads = int(spec.remote_layout.get("num_kv_heads", 0))
+        d_heads = int(self.layout.get("num_local_kv_heads", self.layout.get("num_kv_heads", 0)))
+        if p_heads and d_heads and p_heads != d_heads:
+            return self._head_ops(spec, peer, p_heads, d_heads)
         ops = []
         n, r, first = self.dcp_size, self.dcp_rank, spec.remote_first_block
         for g, (all_local, all_remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
@@ -247,12 +266,41 @@ class ConsumerSide:
                        for c in copies)
         return ops
 
+    def _head_ops(self, spec: RecvSpec, peer: HandshakeReply, p_heads: int, d_heads: int) -> list[ReadOp]:
+        """Re-sharding reads (this rank stores `d_heads` of the producer's `p_heads` KV heads; P tp
+        1, dcp 1, equal block sizes): one ReadOp per copy of plan_head_copies, per group.
+
+        Raises:
+            TransferError: the block bytes do not split into the heads of both sides, or a
+                layout the planner refuses.
+        """
+        tp = int(self.layout.get("tp_size", 1))
+        lay = ParallelLayout(tp_size=tp, dcp_size=int(self.layout.get("dcp_size", 1)),
+                             dcp_replicated=bool(self.layout.get("dcp_replicated", False)))
+        bs, layers = int(self.layout["block_size"]), int(self.layout["num_layers"])
+        try:
+            reads = plan_head_reads(1, tp, p_heads)[lay.tp_rank(self.rank)]
+        except ValueError as e:
+            raise TransferError(f"re-sharding plan: {e}") from None
+        ops = []
+        for g, (local, remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
+            bb, p_bb = self.block_bytes[g], peer.block_bytes[g]
+            head, rest = divmod(bb, layers * 2 * bs * d_heads)
+            if rest or not head or p_bb != layers * 2 * bs * p_heads * head:
+                raise TransferError(f"block bytes do not re-shard: producer {p_bb} for {p_heads} KV heads, "
+                                    f"consumer {bb} for {d_heads}, block_size {bs}, {layers} layers")
+            region = self.regions[g]
+            copies = plan_head_copies(remote, local, bs, layers, head, p_heads, d_heads, reads)
+            ops.extend(ReadOp(f"g{g}", c.remote_offset, c.nbytes, region[c.local_offset : c.local_offset + c.nbytes])
+                       for c in copies)
+        return ops
+
     def _claim(self, spec: RecvSpec, pull: _Pull) -> HandshakeReply:
         """Handshake (cached) and claim the grant; returns the producer's handshake."""
         remote = spec.remote
         peer = self._handshake(remote, pull.deadline)
         claim = Claim(spec.remote_request_id, spec.remote_nonce, spec.prompt_digest, remote.engine_id,
-                      readers=self.dcp_size, reader=self.dcp_rank)
+                      readers=self.world_size, reader=self.rank)
         reply: ClaimReply = self._control(remote, claim, ClaimReply, pull.deadline)
         if reply.incarnation and reply.incarnation != peer.incarnation:  # the producer restarted
             self._forget(remote)
@@ -283,7 +331,7 @@ class ConsumerSide:
             ops = self._read_ops(spec, peer)
             nbytes = self.engine.read(peer.peer_info, ops, pull.deadline, grant) if ops else 0
             done = Notify(spec.remote_request_id, "done", nbytes, spec.remote_nonce, spec.remote.engine_id,
-                          reader=self.dcp_rank, readers=self.dcp_size)
+                          reader=self.rank, readers=self.world_size)
             ack = self._control(spec.remote, done, Ack, pull.deadline)
             if not ack.ok:  # the producer may have reused the blocks: the data is not trustworthy
                 raise TransferError(f"producer did not confirm the read: {ack.error}")

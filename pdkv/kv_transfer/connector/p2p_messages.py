@@ -7,10 +7,11 @@ reuses the id. `prompt_digest` (sha256 over the prompt's token ids and cache_sal
 to its prompt: the consumer compares it with its own prompt's digest, and the producer checks the
 consumer's digest again before any byte is read.
 
-DCP consumers (P/D into DCP): every DCP rank of the decode engine pulls only the producer blocks
-its shard holds (block k on rank k % N when the interleave equals the block size), so a grant has
-`readers` = N readers; each claims it and says "done" with its `reader` index, and the producer
-frees the blocks only when all N readers said "done" (or any one said "release").
+Consumers with several ranks: every rank of the decode engine pulls what it stores (under DCP the
+producer blocks of its shard, block k on DCP rank k % N when the interleave equals the block size;
+under TP its KV heads), so a grant has `readers` = the consumer's world size; each rank claims it
+and says "done" with its global rank as `reader`, and the producer frees the blocks only when all
+readers said "done" (or any one said "release").
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class Notify(msgspec.Struct, tag="notify"):
     """Consumer reports on grant (request_id, nonce): "done" (read finished; `nbytes` read),
     "release" (will never read) or "renew" (still waiting; extend the lease). `engine_id` is the
     producer the consumer means (a restarted producer with another id refuses). A "done" names its
-    `reader` (the consumer's DCP rank) of `readers` (the consumer's DCP size)."""
+    `reader` (the consumer's global rank) of `readers` (the consumer's world size)."""
 
     request_id: str
     kind: str
@@ -107,8 +108,8 @@ class Notify(msgspec.Struct, tag="notify"):
 class Claim(msgspec.Struct, tag="claim"):
     """Consumer is about to read grant (request_id, nonce) for the prompt whose digest is
     `prompt_digest`: the producer checks both, renews the lease and opens the grant to reads.
-    `readers`: how many consumer ranks read this grant (the consumer's DCP size; the grant ends
-    after "done" from each), `reader`: which one this is (its DCP rank)."""
+    `readers`: how many consumer ranks read this grant (the consumer's world size; the grant ends
+    after "done" from each), `reader`: which one this is (its global rank)."""
 
     request_id: str
     nonce: str

@@ -16,8 +16,12 @@ of block_size × N tokens (this half's `block_size`), each stored as N physical 
 size under the same block id, one per DCP rank (interleave = block size). The RecvSpec maps P's
 block K0 + i (K0 = num_computed_tokens // P's block size) to the logical block holding it,
 D_block_table[(K0 + i) // N]; each DCP rank's worker half reads the blocks of its shard. P must be
-tp 1, dcp 1, and every D rank must store all of P's KV heads in blocks of P's size (re-sharding
-is issue 12).
+tp 1, dcp 1, and every D rank must store all of P's KV heads in blocks of P's size.
+
+Re-sharding (issue 12): a consumer at tp > 1 without DCP whose ranks each store a subset of P's
+KV heads (tp 1) gets the same one-to-one block map; each rank's worker half reads only its heads
+(pdkv/kv_transfer/reshard.py). Ranks storing all of P's heads (KV replicated over TP) read whole
+blocks. Re-sharding combined with DCP or with a block size change is refused, naming both.
 
 Re-blocking: a producer whose block size differs (a convertible layout field; every identity
 field still refuses) is accepted when this engine has no DCP and one KV cache group: the RecvSpec
@@ -117,9 +121,10 @@ class P2PConnectorScheduler:
             raise ValueError("kv_transfer_params.do_remote_decode needs a kv_producer engine")
 
     def _shard_error(self, p: dict[str, Any]) -> str:
-        """Why this engine cannot take the producer's blocks as they are (P must be tp 1, dcp 1;
-        each of this engine's ranks must store exactly P's KV heads, in blocks of P's size, and
-        hold its own DCP shard alone), or ""."""
+        """Why this engine cannot take the producer's blocks, or "". P must be tp 1, dcp 1. Each of
+        this engine's ranks stores either exactly P's KV heads (whole blocks; with DCP, block size
+        conversion, or KV replicated over TP ranks) or a subset of them (re-sharding, issue 12:
+        each rank reads its heads; not combined with DCP or a block size change)."""
         mine, theirs = self.layout, dict(p.get("layout") or {})
         my_tp, my_dcp = int(mine.get("tp_size", 1)), int(mine.get("dcp_size", 1))
         if p.get("tp_size", 1) != 1 and p.get("tp_size") == my_tp:
@@ -127,15 +132,22 @@ class P2PConnectorScheduler:
                     "whatever D's TP/DCP (splitting each rank's KV across D's ranks is issue 12)")
         if p.get("tp_size", 1) != 1:
             return (f"heterogeneous TP between P and D (producer tp_size={p.get('tp_size')!r}, "
-                    f"consumer tp_size={my_tp}) is not supported yet (issue 12)")
+                    f"consumer tp_size={my_tp}) is not supported yet: P must run tp 1 (issue 12)")
         if p.get("dcp_size", 1) != 1:
             return (f"a producer with DCP (producer dcp_size={p.get('dcp_size')!r}, consumer "
                     f"dcp_size={my_dcp}) is not supported yet (issue 12)")
         my_heads = mine.get("num_local_kv_heads", mine.get("num_kv_heads"))
-        if my_heads != theirs.get("num_kv_heads"):
-            return (f"each decode rank stores {my_heads} KV head(s) (num_local_kv_heads, tp_size={my_tp}) "
-                    f"but the producer's blocks hold {theirs.get('num_kv_heads')}: re-sharding KV heads "
-                    "between P and D is not supported yet (issue 12)")
+        if my_heads != theirs.get("num_kv_heads"):  # this rank stores a subset of P's heads
+            if my_dcp > 1:
+                return (f"each decode rank stores {my_heads} of the producer's {theirs.get('num_kv_heads')} KV "
+                        f"heads (tp_size={my_tp}) and decode_context_parallel_size={my_dcp}: re-sharding KV "
+                        "heads into a DCP decode engine is not supported (issue 12)")
+            if mine.get("block_size") != theirs.get("block_size"):
+                return (f"each decode rank stores {my_heads} of the producer's {theirs.get('num_kv_heads')} KV "
+                        f"heads (tp_size={my_tp}) and decode block_size={mine.get('block_size')} differs from "
+                        f"the producer's block_size={theirs.get('block_size')}: re-sharding and re-blocking "
+                        "at once is not supported (issue 12)")
+            return ""
         error = conversion_error(mine, theirs)
         if error:
             return error
@@ -143,10 +155,6 @@ class P2PConnectorScheduler:
             return (f"decode block_size={mine.get('block_size')} differs from the producer's "
                     f"block_size={theirs.get('block_size')}: re-blocking needs one KV cache group "
                     f"(this engine has {self.num_groups})")
-        world = my_tp * (my_dcp if mine.get("dcp_replicated") else 1)
-        if world > my_dcp:  # several ranks per DCP shard (KV heads replicated over TP ranks)
-            return (f"each DCP shard of this engine lives on {world // my_dcp} ranks (tp_size={my_tp}, "
-                    f"dcp_size={my_dcp}): pulls into replicated KV heads are not supported yet (issue 12)")
         return ""
 
     def _remote(self, request: Request) -> tuple[RemoteEngine, str]:

@@ -53,10 +53,13 @@ class P2PConnectorWorker:
         control_address: shared [host, port] list the scheduler half reads (filled here).
         dcp_rank, dcp_size: this worker's DCP rank and size (a consumer rank pulls only the
             blocks of its shard; p2p_consumer.py).
+        rank, world_size: this worker's global rank and the engine's worker count (every rank
+            reads a grant; default dcp_rank / dcp_size).
     """
 
     def __init__(self, config: KVTransferConfig, layout: dict[str, Any], control_address: list[Any],
-                 dcp_rank: int = 0, dcp_size: int = 1) -> None:
+                 dcp_rank: int = 0, dcp_size: int = 1, rank: int | None = None,
+                 world_size: int | None = None) -> None:
         extra = config.kv_connector_extra_config
         self.config = config
         self.layout = layout
@@ -71,7 +74,7 @@ class P2PConnectorWorker:
         self.results = WorkerResults(lambda: self._wakeup)
         self.producer = ProducerSide(config, layout, self.engine, self.results, self._block_bytes)
         self.consumer = ConsumerSide(config, layout, self.engine, self.results, self._regions,
-                                     self._block_bytes, dcp_rank, dcp_size)
+                                     self._block_bytes, dcp_rank, dcp_size, rank, world_size)
         if config.is_kv_producer:
             self.control_address[:] = self.producer.start(self.host, int(extra.get("kv_port", 0)),  # type: ignore[call-overload]
                                                           self.advertise_host)
