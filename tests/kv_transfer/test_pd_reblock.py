@@ -38,6 +38,7 @@ def engines(parity_prompts):
         shutdown(*llms.values())
 
 
+@pytest.mark.matrix("pd-reblock", model="smollm2")
 @pytest.mark.parametrize(("p_bs", "d_bs"), [(16, 32), (32, 16)])
 def test_reblocked_pd_matches_colocated_including_a_local_prefix_hit(p_bs, d_bs, engines, parity_prompts):
     llms, refs = engines

@@ -8,52 +8,15 @@ Issue 10, acceptance 4. One D start-up (two worker processes), small prompts."""
 
 from __future__ import annotations
 
-import json
-import time
 from typing import Any
 
 import pytest
 import torch
+from pd_tp_utils import BLOCK, GREEDY, engine, kv_config, prefill, step_until
 
-from pdkv import LLM, SamplingParams
+from pdkv import LLM
 
 pytestmark = pytest.mark.slow  # worker processes: `pdkv matrix --quick` leaves it to the suite
-
-BLOCK = 16
-NEW_TOKENS = 6
-GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-
-
-def kv_config(role: str) -> str:
-    return json.dumps({"kv_connector": "P2PConnector", "kv_role": role,
-                       "kv_connector_extra_config": {"transfer": "tcp"}})
-
-
-def engine(model: str, **kw: Any) -> LLM:
-    return LLM(model, cpu_linear="torch", block_size=BLOCK, num_kv_blocks=48, max_model_len=256, **kw)
-
-
-def step_until(engines: list[LLM], done: Any, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, "engines did not reach the expected state"
-        for e in engines:
-            e.llm_engine.step()
-        time.sleep(0.001)
-
-
-def prefill(p: LLM, prompt: list[int]) -> tuple[dict[str, Any], int]:
-    """P's leg (max_tokens 1, do_remote_decode): (kv_transfer_params, P's cached prompt tokens)."""
-    eng = p.llm_engine
-    req, text = eng.make_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1),
-                                 kv_transfer_params={"do_remote_decode": True})
-    eng.add_request(req, text)
-    out: list[Any] = []
-    step_until([], lambda: out or any(o.finished and out.append(o) for o in eng.step()))
-    params = out[0].kv_transfer_params
-    assert params is not None and params["tp_size"] == 1 and params["dcp_size"] == 1
-    return params, out[0].num_cached_tokens
-
 
 def decode(p: LLM, d: LLM, prompt: list[int], params: dict[str, Any]) -> tuple[list[int], list[int], list[torch.Tensor], int]:
     """D's leg: (tokens, D's block table, each rank's copy of those blocks, D's local prefix-hit

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
+from pd_tp_utils import BLOCK, GREEDY, engine, kv_config, prefill, step_until
 
 from pdkv import LLM
-from tests.parallel.test_pd_dcp import BLOCK, GREEDY, engine, kv_config, prefill, step_until
 
 pytestmark = pytest.mark.slow  # worker processes: `pdkv matrix --quick` leaves it to the suite
 
@@ -79,10 +79,12 @@ def check(model: str, prompts: list[list[int]], heads: int) -> None:
         p.llm_engine.shutdown()
 
 
+@pytest.mark.matrix("pd-reshard", model="tiny-llama-kv2")
 def test_p_tp1_to_d_tp2_splits_kv2_heads_and_matches_colocated(tiny_llama_kv2):
     prompts = [[(i * 7919 + 13) % 30000 + 100 for i in range(70)], [(i * 31 + 7) % 30000 + 200 for i in range(21)]]
     check(tiny_llama_kv2, prompts, heads=2)
 
 
+@pytest.mark.matrix("pd-reshard", model="tiny-llama-kv1")
 def test_p_tp1_to_d_tp2_replicates_the_kv1_head_and_matches_colocated(tiny_llama_kv1):
     check(tiny_llama_kv1, [[(i * 17 + 3) % 30000 + 300 for i in range(40)]], heads=1)
