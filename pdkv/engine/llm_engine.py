@@ -244,6 +244,16 @@ class LLMEngine:
             found.append(time.monotonic() + MULTIPROC_POLL_S)
         return min(found) if found else None
 
+    def kv_cache_summary(self) -> str:
+        """One line for the start-up log: logical blocks x tokens and MiB per rank (with DCP each
+        rank stores 1/dcp of every request's KV)."""
+        par, kv = self.config.parallel_config, self.runner.kv_cache_config
+        dcp = par.decode_context_parallel_size
+        split = (f"; tp {par.tensor_parallel_size}, dcp {dcp}: each rank stores 1/{dcp} of every request's KV"
+                 if par.world_size > 1 else "")
+        return (f"{kv.num_blocks} blocks x {self.config.scheduler_block_size} tokens "
+                f"({kv.total_bytes / dcp / 2**20:.1f} MiB per rank{split})")
+
     def workers_alive(self) -> bool:
         """False once a worker process of a TP/DCP engine has exited (always True in-process)."""
         return not isinstance(self.runner, MultiprocExecutor) or not self.runner.dead_workers()

@@ -363,17 +363,11 @@ def main(args: argparse.Namespace) -> int:
     except BaseException:
         sock.close()
         raise
-    kv = engine.runner.kv_cache_config
     logger.info("model loaded in %.1f s: %s (%s) on %s", time.monotonic() - t0,
                 engine.config.model_config.model, engine.config.model_config.path,
                 engine.config.model_config.device)
     logger.info("resolved config: %s", engine.config)
-    par = engine.config.parallel_config
-    dcp = par.decode_context_parallel_size
-    logger.info("KV cache: %d blocks x %d tokens (%.1f MiB per rank%s)", kv.num_blocks,
-                engine.config.scheduler_block_size, kv.total_bytes / dcp / 2**20,
-                f"; tp {par.tensor_parallel_size}, dcp {dcp}: each rank stores 1/{dcp} of every request's "
-                "KV" if par.world_size > 1 else "")
+    logger.info("KV cache: %s", engine.kv_cache_summary())
     fault_at = os.environ.get(FAULT_STEP_ENV)
     if fault_at:
         logger.warning("%s=%s: the engine will fail on purpose (tests only)", FAULT_STEP_ENV, fault_at)

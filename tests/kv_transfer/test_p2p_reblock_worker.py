@@ -7,20 +7,18 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any
 
 import pytest
 import torch
+from fake_transfer import FakeEngine, cfg
 
 from pdkv.cache.block_pool import KVCacheBlock
 from pdkv.cache.kv_cache_manager import KVCacheBlocks
-from pdkv.config import KVTransferConfig
 from pdkv.kv_transfer.connector.p2p_consumer import ConsumerSide
 from pdkv.kv_transfer.connector.p2p_messages import Claim, ClaimReply, SendSpec, prompt_digest
 from pdkv.kv_transfer.connector.p2p_producer import ProducerSide
 from pdkv.kv_transfer.connector.p2p_results import WorkerResults
 from pdkv.kv_transfer.connector.p2p_scheduler import P2PConnectorScheduler
-from pdkv.kv_transfer.engine.base import Grant, ReadOp, TransferEngine, TransferError
 from pdkv.request import Request, RequestStatus
 from pdkv.sampling_params import SamplingParams
 
@@ -28,41 +26,6 @@ LAYERS, HEADS, HEAD = 2, 1, 8
 BASE = {"model_digest": "m", "dtype": "float32", "num_layers": LAYERS, "num_kv_heads": HEADS,
         "head_size": HEAD, "kv_layout": "cross_layer"}
 NBLOCKS = 24
-
-
-class FakeEngine(TransferEngine):
-    """Reads ask the producer's authorizer, then copy from its region."""
-
-    name = "fake"
-
-    def __init__(self) -> None:
-        self.regions: dict[str, memoryview] = {}
-        self.authorizer: Any = None
-        self.source: FakeEngine | None = None
-
-    def register_region(self, name: str, buffer: memoryview) -> None:
-        self.regions[name] = buffer
-
-    def set_authorizer(self, authorizer: Any) -> None:
-        self.authorizer = authorizer
-
-    def peer_info(self) -> dict[str, Any]:
-        return {}
-
-    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None) -> int:
-        src = self.source
-        assert src is not None
-        for op in ops:
-            why = src.authorizer(grant, op.region, [(op.offset, op.length)])
-            if why:
-                raise TransferError(why)
-            op.dest[:] = src.regions[op.region][op.offset : op.offset + op.length]
-        return sum(op.length for op in ops)
-
-
-def cfg(role: str, engine_id: str) -> KVTransferConfig:
-    return KVTransferConfig("P2PConnector", role, engine_id=engine_id,
-                            kv_connector_extra_config={"transfer_timeout": 10.0})
 
 
 def kv_cache(bs: int, fill: bool) -> torch.Tensor:

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+from fake_transfer import FakeEngine, cfg
 
 from pdkv.cache.block_pool import KVCacheBlock
 from pdkv.cache.kv_cache_manager import KVCacheBlocks
-from pdkv.config import KVTransferConfig
 from pdkv.kv_transfer.connector.p2p_consumer import ConsumerSide
 from pdkv.kv_transfer.connector.p2p_messages import (
     NotifySpec,
@@ -26,47 +26,11 @@ from pdkv.kv_transfer.connector.p2p_messages import (
 from pdkv.kv_transfer.connector.p2p_producer import ProducerSide
 from pdkv.kv_transfer.connector.p2p_results import WorkerResults
 from pdkv.kv_transfer.connector.p2p_scheduler import P2PConnectorScheduler
-from pdkv.kv_transfer.engine.base import Grant, ReadOp, TransferEngine, TransferError
 from pdkv.request import Request, RequestStatus
 from pdkv.sampling_params import SamplingParams
 
 BS, LAYERS, HEAD, NBLOCKS, TP = 4, 2, 8, 24, 2
 REMOTE = RemoteEngine("P", "127.0.0.1", 1)
-
-
-class FakeEngine(TransferEngine):
-    """Reads ask the producer's authorizer, then copy from its region."""
-
-    name = "fake"
-
-    def __init__(self, source: FakeEngine | None = None) -> None:
-        self.regions: dict[str, memoryview] = {}
-        self.authorizer: Any = None
-        self.source = source
-
-    def register_region(self, name: str, buffer: memoryview) -> None:
-        self.regions[name] = buffer
-
-    def set_authorizer(self, authorizer: Any) -> None:
-        self.authorizer = authorizer
-
-    def peer_info(self) -> dict[str, Any]:
-        return {}
-
-    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None) -> int:
-        src = self.source
-        assert src is not None
-        for op in ops:
-            why = src.authorizer(grant, op.region, [(op.offset, op.length)])
-            if why:
-                raise TransferError(why)
-            op.dest[:] = src.regions[op.region][op.offset : op.offset + op.length]
-        return sum(op.length for op in ops)
-
-
-def cfg(role: str, engine_id: str) -> KVTransferConfig:
-    return KVTransferConfig("P2PConnector", role, engine_id=engine_id,
-                            kv_connector_extra_config={"transfer_timeout": 10.0})
 
 
 def view(kv: torch.Tensor) -> memoryview:

@@ -43,3 +43,30 @@ def prefill(p: LLM, prompt: list[int]) -> tuple[dict[str, Any], int]:
     params = out[0].kv_transfer_params
     assert params is not None and params["tp_size"] == 1 and params["dcp_size"] == 1
     return params, out[0].num_cached_tokens
+
+
+def decode(p: LLM, d: LLM, prompt: list[int], params: dict[str, Any]) -> tuple[Any, list[int], list[Any], int]:
+    """D's leg (P is stepped too: it serves the reads): (D's finished output, D's block table,
+    each rank's copy of those blocks as torch tensors, D's local prefix-hit tokens). The blocks
+    are read once the pull ended and the request runs."""
+    eng = d.llm_engine
+    req, text = eng.make_request({"prompt_token_ids": prompt}, GREEDY, kv_transfer_params=params)
+    eng.add_request(req, text)
+    rid = req.request_id
+    out: list[Any] = []
+
+    def step() -> bool:
+        out.extend(o for o in eng.step() if o.finished and o.request_id == rid)
+        p.llm_engine.step()
+        return bool(out)
+
+    def pulled() -> bool:
+        running = any(r.request_id == rid for r in eng.scheduler.running)
+        return step() or (running and req.num_computed_tokens >= len(prompt))
+
+    step_until([], pulled)
+    assert not out, f"the request ended before its KV was inspected: {out[0].outputs[0].finish_reason}"
+    table = list(eng.scheduler.kv_cache_manager.get_block_ids(rid)[0])
+    shards = eng.runner.read_kv_blocks(table)
+    step_until([], step)
+    return out[0], table, shards, req.num_local_hit_tokens

@@ -8,41 +8,11 @@ Issue 10, acceptance 4. One D start-up (two worker processes), small prompts."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
-from pd_tp_utils import BLOCK, GREEDY, engine, kv_config, prefill, step_until
-
-from pdkv import LLM
+from pd_tp_utils import BLOCK, GREEDY, decode, engine, kv_config, prefill
 
 pytestmark = pytest.mark.slow  # worker processes: `pdkv matrix --quick` leaves it to the suite
-
-def decode(p: LLM, d: LLM, prompt: list[int], params: dict[str, Any]) -> tuple[list[int], list[int], list[torch.Tensor], int]:
-    """D's leg: (tokens, D's block table, each rank's copy of those blocks, D's local prefix-hit
-    tokens). The blocks are read once the pull ended and the request runs."""
-    eng = d.llm_engine
-    req, text = eng.make_request({"prompt_token_ids": prompt}, GREEDY, kv_transfer_params=params)
-    eng.add_request(req, text)
-    rid = req.request_id
-    out: list[Any] = []
-
-    def step() -> bool:
-        out.extend(o for o in eng.step() if o.finished and o.request_id == rid)
-        p.llm_engine.step()
-        return bool(out)
-
-    def pulled() -> bool:
-        running = any(r.request_id == rid for r in eng.scheduler.running)
-        return step() or (running and req.num_computed_tokens >= len(prompt))
-
-    step_until([], pulled)
-    assert not out, f"the request ended before its KV was inspected: {out[0].outputs[0].finish_reason}"
-    table = list(eng.scheduler.kv_cache_manager.get_block_ids(rid)[0])
-    shards = eng.runner.read_kv_blocks(table)
-    step_until([], step)
-    return list(out[0].outputs[0].token_ids), table, shards, req.num_local_hit_tokens
-
 
 @pytest.mark.matrix("pd-dcp", model="tiny-llama-kv1")
 def test_pd_into_dcp_matches_colocated_and_rebuilds_p_kv(tiny_llama_kv1):
@@ -65,7 +35,8 @@ def test_pd_into_dcp_matches_colocated_and_rebuilds_p_kv(tiny_llama_kv1):
             params, p_cached = prefill(p, prompt)
             p_blocks = params["remote_block_ids"][0]
             p_kv = p_cache[torch.tensor(p_blocks)].clone()  # P holds them until D is done
-            got, table, shards, d_hit = decode(p, d, prompt, params)
+            out, table, shards, d_hit = decode(p, d, prompt, params)
+            got = list(out.outputs[0].token_ids)
             assert got == expect
             by_dcp = {lay.dcp_rank(rank): shard for rank, shard in enumerate(shards)}
             # D recomputes the last prompt token itself; every other position came from P.

@@ -10,40 +10,13 @@ worker processes each), small prompts."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
-from pd_tp_utils import BLOCK, GREEDY, engine, kv_config, prefill, step_until
+from pd_tp_utils import BLOCK, GREEDY, decode, engine, kv_config, prefill
 
 from pdkv import LLM
 
 pytestmark = pytest.mark.slow  # worker processes: `pdkv matrix --quick` leaves it to the suite
-
-
-def decode(p: LLM, d: LLM, prompt: list[int], params: dict[str, Any]) -> tuple[Any, list[torch.Tensor]]:
-    """D's leg: (its finished output, each rank's copy of the request's blocks, read once the
-    pull ended and the request runs)."""
-    eng = d.llm_engine
-    req, text = eng.make_request({"prompt_token_ids": prompt}, GREEDY, kv_transfer_params=params)
-    eng.add_request(req, text)
-    rid = req.request_id
-    out: list[Any] = []
-
-    def step() -> bool:
-        out.extend(o for o in eng.step() if o.finished and o.request_id == rid)
-        p.llm_engine.step()
-        return bool(out)
-
-    def pulled() -> bool:
-        running = any(r.request_id == rid for r in eng.scheduler.running)
-        return step() or (running and req.num_computed_tokens >= len(prompt))
-
-    step_until([], pulled)
-    assert not out, f"the request ended before its KV was inspected: {out[0].outputs[0].finish_reason}"
-    shards = eng.runner.read_kv_blocks(list(eng.scheduler.kv_cache_manager.get_block_ids(rid)[0]))
-    step_until([], step)
-    return out[0], shards
 
 
 def check(model: str, prompts: list[list[int]], heads: int) -> None:
@@ -60,7 +33,7 @@ def check(model: str, prompts: list[list[int]], heads: int) -> None:
             params, _ = prefill(p, prompt)
             p_blocks = params["remote_block_ids"][0]
             p_kv = p_cache[torch.tensor(p_blocks)].clone()  # P holds them until D is done
-            out, shards = decode(p, d, prompt, params)
+            out, _, shards, _ = decode(p, d, prompt, params)
             assert list(out.outputs[0].token_ids) == expect
             # Bytes moved = what D stores: each rank its heads of every block P sent.
             copies = max(1, 2 // heads)
