@@ -1,5 +1,5 @@
 """A transfer engine for P2P worker-half tests: reads ask the producer's authorizer, then copy
-from the producer engine's registered regions (no sockets)."""
+from the producer engine's registered regions (no sockets); every op is recorded."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ class FakeEngine(TransferEngine):
         self.regions: dict[str, memoryview] = {}
         self.authorizer: Any = None
         self.source = source
+        self.ops: list[tuple[Grant | None, ReadOp]] = []  # every read op, with its grant
 
     def register_region(self, name: str, buffer: memoryview) -> None:
         self.regions[name] = buffer
@@ -40,6 +41,7 @@ class FakeEngine(TransferEngine):
             if why:
                 raise TransferError(why)
             op.dest[:] = src.regions[op.region][op.offset : op.offset + op.length]
+            self.ops.append((grant, op))
         return sum(op.length for op in ops)
 
 

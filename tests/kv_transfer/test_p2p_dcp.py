@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+from fake_transfer import FakeEngine, cfg
 
 from pdkv.cache.block_pool import KVCacheBlock
 from pdkv.cache.kv_cache_manager import KVCacheBlocks
-from pdkv.config import KVTransferConfig
 from pdkv.kv_transfer.connector import p2p_producer
 from pdkv.kv_transfer.connector.p2p_consumer import ConsumerSide
 from pdkv.kv_transfer.connector.p2p_messages import (
@@ -31,7 +31,6 @@ from pdkv.kv_transfer.connector.p2p_messages import (
 from pdkv.kv_transfer.connector.p2p_producer import ProducerSide
 from pdkv.kv_transfer.connector.p2p_results import WorkerResults
 from pdkv.kv_transfer.connector.p2p_scheduler import P2PConnectorScheduler
-from pdkv.kv_transfer.engine.base import Grant, ReadOp, TransferEngine, TransferError
 from pdkv.request import Request, RequestStatus
 from pdkv.sampling_params import SamplingParams
 
@@ -47,45 +46,6 @@ REMOTE = RemoteEngine("P", "127.0.0.1", 1)
 
 
 # ----------------------------------------------------------------------------- fakes
-class FakeEngine(TransferEngine):
-    """In-process transfer engine: a read asks the producer's authorizer, then copies bytes from
-    the producer's registered region; every op is recorded."""
-
-    name = "fake"
-
-    def __init__(self, peers: dict[str, FakeEngine]) -> None:
-        self.peers = peers
-        self.regions: dict[str, memoryview] = {}
-        self.authorizer: Any = None
-        self.ops: list[tuple[Grant | None, ReadOp]] = []
-
-    def register_region(self, name: str, buffer: memoryview) -> None:
-        self.regions[name] = buffer
-
-    def set_authorizer(self, authorizer: Any) -> None:
-        self.authorizer = authorizer
-
-    def peer_info(self) -> dict[str, Any]:
-        return {"id": "P"}
-
-    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None) -> int:
-        src = self.peers[peer["id"]]
-        total = 0
-        for op in ops:
-            why = src.authorizer(grant, op.region, [(op.offset, op.length)])
-            if why:
-                raise TransferError(why)
-            op.dest[:] = src.regions[op.region][op.offset : op.offset + op.length]
-            self.ops.append((grant, op))
-            total += op.length
-        return total
-
-
-def config(role: str, engine_id: str) -> KVTransferConfig:
-    return KVTransferConfig("P2PConnector", role, engine_id=engine_id,
-                            kv_connector_extra_config={"transfer_timeout": 10.0})
-
-
 def view(kv: torch.Tensor) -> memoryview:
     return memoryview(kv.view(-1).view(torch.uint8).numpy())
 
@@ -94,11 +54,11 @@ class Producer:
     """P's worker half (producer side) over a KV cache filled with distinct values."""
 
     def __init__(self, peers: dict[str, FakeEngine]) -> None:
-        self.engine = FakeEngine(peers)
+        self.engine = FakeEngine()
         peers["P"] = self.engine
         self.results = WorkerResults(lambda: None)
         self.kv = torch.arange(torch.Size(SHAPE).numel(), dtype=torch.float32).reshape(SHAPE)
-        self.side = ProducerSide(config("kv_producer", "P"), dict(P_LAYOUT), self.engine, self.results,
+        self.side = ProducerSide(cfg("kv_producer", "P"), dict(P_LAYOUT), self.engine, self.results,
                                  [BLOCK_BYTES])
         self.engine.register_region("g0", view(self.kv))
 
@@ -122,10 +82,10 @@ class Producer:
 def consumer(prod: Producer, peers: dict[str, FakeEngine], rank: int, size: int = N
              ) -> tuple[ConsumerSide, torch.Tensor, WorkerResults]:
     """D's DCP rank `rank`: its own KV cache (zeros) and a control plane wired to `prod`."""
-    engine = FakeEngine(peers)
+    engine = FakeEngine(peers["P"])
     kv = torch.zeros(SHAPE)
     results = WorkerResults(lambda: None)
-    side = ConsumerSide(config("kv_consumer", "D"), dict(D_LAYOUT), engine, results, [view(kv)], [BLOCK_BYTES],
+    side = ConsumerSide(cfg("kv_consumer", "D"), dict(D_LAYOUT), engine, results, [view(kv)], [BLOCK_BYTES],
                         dcp_rank=rank, dcp_size=size)
     side._control = lambda remote, msg, reply_type, deadline: prod.side._handle(msg)  # type: ignore[method-assign]
     return side, kv, results
@@ -143,12 +103,12 @@ def wait_loaded(results: WorkerResults, rid: str, timeout: float = 10.0) -> str 
 
 # --------------------------------------------------------------------- scheduler half
 def d_scheduler(layout: dict[str, Any] | None = None, logical_bs: int = BS * N) -> P2PConnectorScheduler:
-    return P2PConnectorScheduler(config("kv_consumer", "D"), dict(layout or D_LAYOUT), logical_bs, ["127.0.0.1", 0])
+    return P2PConnectorScheduler(cfg("kv_consumer", "D"), dict(layout or D_LAYOUT), logical_bs, ["127.0.0.1", 0])
 
 
 def p_params(n_tokens: int, p_blocks: list[int], **over: Any) -> dict[str, Any]:
     """kv_transfer_params as P's scheduler half makes them."""
-    prod = P2PConnectorScheduler(config("kv_producer", "P"), dict(P_LAYOUT), BS, ["127.0.0.1", 1])
+    prod = P2PConnectorScheduler(cfg("kv_producer", "P"), dict(P_LAYOUT), BS, ["127.0.0.1", 1])
     r = Request("p", list(range(100, 100 + n_tokens)), SamplingParams(max_tokens=1), BS,
                 kv_transfer_params={"do_remote_decode": True})
     r.status = RequestStatus.FINISHED_LENGTH_CAPPED

@@ -7,15 +7,22 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
+from p2p_sched_utils import (
+    BS,
+    LAYOUT,
+    LEASE,
+    PRODUCER_ADDR,
+    REMOTE,
+    blocks,
+    empty_meta,
+    make,
+    remote_params,
+    req,
+)
 
-from pdkv.cache.block_pool import KVCacheBlock
-from pdkv.cache.kv_cache_manager import KVCacheBlocks
 from pdkv.config import KVTransferConfig
-from pdkv.kv_transfer.connector import p2p_scheduler as p2p_mod
 from pdkv.kv_transfer.connector.base import KVConnectorOutput
 from pdkv.kv_transfer.connector.p2p_messages import (
     LAYOUT_KEYS,
@@ -27,67 +34,7 @@ from pdkv.kv_transfer.connector.p2p_messages import (
     prompt_digest,
 )
 from pdkv.kv_transfer.connector.p2p_scheduler import REQUIRED_PARAMS, P2PConnectorScheduler
-from pdkv.request import Request, RequestStatus
-from pdkv.sampling_params import SamplingParams
-
-BS = 4
-LEASE = 30.0
-LAYOUT = {
-    "model_digest": "sha-abc",
-    "dtype": "float16",
-    "block_size": BS,
-    "num_layers": 2,
-    "num_kv_heads": 2,
-    "head_size": 8,
-    "kv_layout": "cross_layer",
-}
-PRODUCER_ADDR = ["10.1.2.3", 47001]
-REMOTE = RemoteEngine("prefill-0", "10.1.2.3", 47001)
-
-
-def make(role: str, engine_id: str = "engine-0", layout: dict[str, Any] | None = None,
-         lease: float = LEASE) -> P2PConnectorScheduler:
-    cfg = KVTransferConfig("P2PConnector", role, engine_id=engine_id,
-                           kv_connector_extra_config={"kv_lease_duration": lease})
-    return P2PConnectorScheduler(cfg, dict(layout or LAYOUT), BS, list(PRODUCER_ADDR))
-
-
-def req(rid: str, n: int = 10, params: dict[str, Any] | None = None,
-        status: RequestStatus | None = None) -> Request:
-    r = Request(rid, list(range(20, 20 + n)), SamplingParams(max_tokens=8), BS,
-                kv_transfer_params=params)
-    if status is not None:
-        r.status = status
-    return r
-
-
-def remote_params(n: int = 10, remote_block_ids: list[list[int]] | None = None,
-                  **over: Any) -> dict[str, Any]:
-    p: dict[str, Any] = {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": "prefill-0",
-        "remote_request_id": "p-" + str(n),
-        "remote_block_ids": remote_block_ids or [[50, 51, 52]],
-        "remote_host": "10.1.2.3",
-        "remote_port": 47001,
-        "remote_nonce": "nonce-" + str(n),
-        "prompt_digest": prompt_digest(list(range(20, 20 + n)), None),  # the prompt of req(.., n)
-        "tp_size": 1,
-        "block_size": BS,
-        "num_tokens": n,
-        "layout": dict(LAYOUT),
-    }
-    p.update(over)
-    return p
-
-
-def blocks(*groups: list[int]) -> KVCacheBlocks:
-    return KVCacheBlocks(tuple([KVCacheBlock(i, ref_cnt=1) for i in g] for g in groups))
-
-
-def empty_meta(meta: P2PConnectorMetadata) -> bool:
-    return not (meta.reqs_to_send or meta.reqs_to_recv or meta.notifications)
+from pdkv.request import RequestStatus
 
 
 def test_this_module_imports_without_torch():
@@ -432,104 +379,3 @@ def test_validate_rejects_roles_that_cannot_honour_the_params():
         make("kv_producer").validate_request(req("r", 10, remote_params()))
     with pytest.raises(ValueError, match="do_remote_decode.*kv_producer"):
         make("kv_consumer").validate_request(req("r", 10, {"do_remote_decode": True}))
-
-
-# --------------------------------------------------------------------------- renewals
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-
-def test_renewals_are_sent_for_queued_requests_every_third_of_the_lease(monkeypatch):
-    clock = Clock()
-    monkeypatch.setattr(p2p_mod, "time", SimpleNamespace(monotonic=clock.monotonic))
-    cons = make("kv_consumer", lease=30.0)
-    a = req("a", 10, remote_params(remote_request_id="p-a"))
-    b = req("b", 10, remote_params(remote_request_id="p-b"))
-    local = req("l", 10, None)
-    for r in (a, b, local):
-        cons.on_new_request(r)
-
-    clock.now += 9.9
-    assert empty_meta(cons.build_connector_meta())  # before lease/3
-    clock.now += 0.2  # 10.1 s after the start
-    meta = cons.build_connector_meta()
-    assert meta.notifications == [NotifySpec(REMOTE, "p-a", "renew", "nonce-10"),
-                                  NotifySpec(REMOTE, "p-b", "renew", "nonce-10")]
-    clock.now += 5.0
-    assert empty_meta(cons.build_connector_meta())  # the timer restarted
-    # a starts pulling: no more renewals for it (its transfer is on its way).
-    cons.update_state_after_alloc(a, blocks([1, 2, 3]), 10)
-    clock.now += 5.1
-    meta = cons.build_connector_meta()
-    assert len(meta.reqs_to_recv) == 1
-    assert meta.notifications == [NotifySpec(REMOTE, "p-b", "renew", "nonce-10")]
-    # b is aborted while queued: one release, then nothing.
-    b.status = RequestStatus.FINISHED_ABORTED
-    assert cons.request_finished(b, ([],)) == (False, None)
-    clock.now += 11.0
-    meta = cons.build_connector_meta()
-    assert meta.notifications == [NotifySpec(REMOTE, "p-b", "release", "nonce-10")]
-    clock.now += 11.0
-    assert empty_meta(cons.build_connector_meta())
-
-
-def test_renewal_interval_follows_the_configured_lease(monkeypatch):
-    clock = Clock()
-    monkeypatch.setattr(p2p_mod, "time", SimpleNamespace(monotonic=clock.monotonic))
-    cons = make("kv_consumer", lease=3.0)
-    cons.on_new_request(req("a", 10, remote_params(remote_request_id="p-a")))
-    clock.now += 0.9
-    assert empty_meta(cons.build_connector_meta())
-    clock.now += 0.2
-    assert [n.kind for n in cons.build_connector_meta().notifications] == ["renew"]
-    # The SendSpec of a producer with this config carries the same lease.
-    prod = make("kv_producer", lease=3.0)
-    prod.request_finished(req("p", 4, {"do_remote_decode": True},
-                              RequestStatus.FINISHED_STOPPED), ([0],))
-    assert prod.build_connector_meta().reqs_to_send[0].lease_s == 3.0
-
-
-def test_default_lease_is_thirty_seconds():
-    cfg = KVTransferConfig("P2PConnector", "kv_producer", engine_id="e")
-    assert P2PConnectorScheduler(cfg, dict(LAYOUT), BS, list(PRODUCER_ADDR)).lease_s == 30.0
-
-
-# --------------------------------------------------------------------------- identity
-def test_params_of_another_prompt_become_a_load_error_without_contacting_the_producer():
-    cons = make("kv_consumer")
-    other = prompt_digest(list(range(21, 31)), None)  # another prompt of the same length
-    r = req("r", 10, remote_params(prompt_digest=other))
-    cons.validate_request(r)  # not a 400: handled by kv_load_failure_policy
-    cons.on_new_request(r)
-    assert not cons.has_pending_work()  # no renewals of a grant that is not this prompt's
-    cons.update_state_after_alloc(r, blocks([1, 2, 3]), 10)
-    meta = cons.build_connector_meta()
-    (spec,) = meta.reqs_to_recv
-    assert "prompt_digest does not match" in spec.error and meta.notifications == []
-    # The same prompt under another cache_salt is another prompt too.
-    salted = Request("s", list(range(20, 30)), SamplingParams(max_tokens=8), BS, cache_salt="tenant-b",
-                     kv_transfer_params=remote_params())
-    cons.update_state_after_alloc(salted, blocks([4, 5, 6]), 10)
-    assert "prompt_digest does not match" in cons.build_connector_meta().reqs_to_recv[0].error
-
-
-def test_aborting_a_request_with_foreign_params_releases_nothing():
-    cons = make("kv_consumer")
-    r = req("r", 10, remote_params(prompt_digest="0" * 64))
-    cons.on_new_request(r)
-    r.status = RequestStatus.FINISHED_ABORTED
-    assert cons.request_finished(r, ([],)) == (False, None)
-    assert empty_meta(cons.build_connector_meta())
-
-
-def test_matching_params_carry_the_nonce_and_the_consumer_digest():
-    cons = make("kv_consumer")
-    r = req("r", 10, remote_params())
-    cons.update_state_after_alloc(r, blocks([1, 2, 3]), 10)
-    (spec,) = cons.build_connector_meta().reqs_to_recv
-    assert spec.error == "" and spec.remote_nonce == "nonce-10"
-    assert spec.prompt_digest == prompt_digest(r.prompt_token_ids, None)
