@@ -104,12 +104,12 @@ def dcp_attention(
     par = meta.parallel
     replicated = par.layout.dcp_replicated
     t0 = time.perf_counter()
-    q_all = q if replicated else par.all_gather_dcp(q.contiguous(), dim=1)
+    q_all = q if replicated else par.all_gather_dcp(q, dim=1)
     t1 = time.perf_counter()
     out, lse = shard_attention(q_all, kv_cache, meta.seqs, scale)
     t2 = time.perf_counter()
-    outs = par.all_gather_dcp(out.unsqueeze(0).contiguous(), dim=0)
-    lses = par.all_gather_dcp(lse.unsqueeze(0).contiguous(), dim=0)
+    outs = par.all_gather_dcp(out.unsqueeze(0), dim=0)
+    lses = par.all_gather_dcp(lse.unsqueeze(0), dim=0)
     merged, _ = merge_attn_states(outs, lses)
     meta.comm_seconds += (t1 - t0) + (time.perf_counter() - t2)
     if replicated:
