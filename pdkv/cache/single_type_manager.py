@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from pdkv.cache.block_pool import BlockPool, KVCacheBlock
 from pdkv.cache.hashing import BlockHash
-from pdkv.cache.specs import FullAttentionSpec, KVCacheSpec
+from pdkv.cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 
 def cdiv(a: int, b: int) -> int:
@@ -111,8 +111,14 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return hits
 
 
+class SlidingWindowManager(FullAttentionManager):
+    """Sliding-window attention, first form: keeps every block and hits like full attention
+    (correct, since the window's keys are a subset of the prefix; blocks are not freed early)."""
+
+
 _MANAGERS: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
 }
 
 

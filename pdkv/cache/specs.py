@@ -2,8 +2,9 @@
 
 A model declares per layer what state it keeps; layers with an equal spec form a KV cache group
 and the manager allocates blocks per group (vLLM's `KVCacheSpec` / `KVCacheGroupSpec`,
-vllm/v1/kv_cache_interface.py). Llama needs only `FullAttentionSpec`; block tables, hashes and
-(later) kv_transfer_params are keyed by group so other specs slot in.
+vllm/v1/kv_cache_interface.py). Dense models need only `FullAttentionSpec`; sliding-window layers
+(Mistral, Qwen2 `layer_types`, Gemma-2/3) get `SlidingWindowSpec`. Block tables, hashes,
+kv_transfer_params and pool keys are keyed by group.
 """
 
 from __future__ import annotations
@@ -49,6 +50,23 @@ class FullAttentionSpec(KVCacheSpec):
     @property
     def kind(self) -> str:
         return "full_attention"
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """K and V of the last `sliding_window` tokens (the query's own included).
+
+    HF semantics (transformers' `sliding_window_overlay`): the query at position p sees keys at
+    positions k with p - sliding_window < k <= p. Pages are those of full attention; the manager
+    frees a request's blocks once every token in them has left the window of all later queries,
+    and a prefix-cache hit needs only the blocks of the window before the hit's end.
+    """
+
+    sliding_window: int = 1
+
+    @property
+    def kind(self) -> str:
+        return "sliding_window"
 
 
 @dataclass(frozen=True)
