@@ -95,6 +95,12 @@ class KVCacheConfig:
         return g.spec.page_size_bytes * len(g.layer_indices)
 
     @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        """Per group: its sliding window in tokens, or None (no window)."""
+        return tuple(g.spec.sliding_window if isinstance(g.spec, SlidingWindowSpec) else None
+                     for g in self.groups)
+
+    @property
     def total_bytes(self) -> int:
         """Bytes of the whole KV cache."""
         return sum(self.block_bytes(i) for i in range(len(self.groups))) * self.num_blocks

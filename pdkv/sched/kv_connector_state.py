@@ -162,8 +162,10 @@ class KVConnectorState:
     def _valid_prefix(self, request: Request, bad: list[tuple[int, int]], load_start: int) -> int:
         """Tokens with valid KV after a failed load: those before the first invalid block, and
         at least the `load_start` local hits (a load never touches them); `load_start` when no
-        block is named (the whole load failed)."""
-        if not bad:
+        block is named (the whole load failed). With a sliding-window group, `load_start` too:
+        such a load writes only the window of the last prompt token, so an earlier end would
+        resume over window blocks that were never loaded."""
+        if not bad or any(w is not None for w in self.kv_cache_manager.config.sliding_windows):
             return load_start
         tables = self.kv_cache_manager.get_block_ids(request.request_id)
         first_bad = min(tables[g].index(b) for g, b in bad)

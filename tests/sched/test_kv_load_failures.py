@@ -106,3 +106,19 @@ def test_late_load_error_of_a_freed_request_is_counted_and_does_not_fail_a_reuse
     assert again.status == RequestStatus.RUNNING and again.error is None
     assert out.num_scheduled_tokens == {"x": 1}
     assert sched.kv_stats["kv_load_failures_fail"] == 1
+
+
+def test_a_partly_failed_load_with_a_window_group_restarts_from_the_local_hits():
+    """With a sliding-window group, D loads only the window of the last prompt token, so blocks
+    before the first invalid one do not make a valid prefix: the request starts over."""
+    sched, conn = make_scheduler(policy="recompute", num_groups=2, window=6)
+    worker = FakeWorker()
+    r = remote_req("r", prompt_of(9, 11), max_tokens=2)
+    sched.add_request(r)
+    step(sched, worker)
+    full_table = sched.kv_cache_manager.get_block_ids("r")[0]
+    worker.load(sched, r)
+    step(sched, worker, KVConnectorOutput(finished_recving={"r"}, invalid_block_ids={(0, full_table[2])}))
+    out, _ = step(sched, worker)
+    assert out.num_scheduled_tokens == {"r": 11}  # not 8: blocks 0-1 of the window group never came
+    assert sched.kv_stats["kv_load_failures_recompute"] == 1

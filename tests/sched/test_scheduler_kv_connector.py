@@ -17,7 +17,7 @@ import pytest
 
 from pdkv.cache.kv_cache_manager import KVCacheBlocks
 from pdkv.cache.single_type_manager import cdiv
-from pdkv.cache.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from pdkv.cache.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from pdkv.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from pdkv.kv_transfer.connector.base import (
     KVConnectorBase,
@@ -216,10 +216,13 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     delay_inflight: bool = True,
     num_groups: int = 1,
+    window: int | None = None,
 ) -> tuple[Scheduler, FakeConnector]:
+    """`window`: groups after the first are sliding-window groups of that many tokens."""
     spec = FullAttentionSpec(BS, num_kv_heads=1, head_size=8)
+    swa = SlidingWindowSpec(BS, num_kv_heads=1, head_size=8, sliding_window=window or 1)
     kv_config = KVCacheConfig(
-        num_blocks, tuple(KVCacheGroupSpec((g,), spec) for g in range(num_groups))
+        num_blocks, tuple(KVCacheGroupSpec((g,), swa if window and g else spec) for g in range(num_groups))
     )
     conn = FakeConnector(kv_config, delay_inflight=delay_inflight)
     sched = Scheduler(

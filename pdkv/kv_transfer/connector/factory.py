@@ -24,8 +24,13 @@ def create_connector(config: KVTransferConfig, role: KVConnectorRole, kv_cache_c
             (KVPoolConnector: the store, created by the worker half, which is built first).
 
     Raises:
-        ValueError: unknown connector name or invalid connector settings.
+        ValueError: unknown connector name, invalid connector settings, or a connector that
+            cannot move one of the KV cache groups (sliding window: P2PConnector only).
     """
+    if config.kv_connector != "P2PConnector" and any(w is not None for w in kv_cache_config.sliding_windows):
+        raise ValueError(
+            f"{config.kv_connector} does not move sliding-window KV cache groups yet (only "
+            "P2PConnector does, issue 11): run this model without it or with P2PConnector")
     if config.kv_connector == "P2PConnector":
         from pdkv.kv_transfer.connector.p2p import P2PConnector
 

@@ -46,7 +46,8 @@ class P2PConnector(KVConnectorBase):
         address = control_address if control_address is not None else ["127.0.0.1", 0]
         block_size = kv_cache_config.groups[0].spec.block_size
         self.scheduler = (
-            P2PConnectorScheduler(config, layout, block_size, address, len(kv_cache_config.groups))
+            P2PConnectorScheduler(config, layout, block_size, address, len(kv_cache_config.groups),
+                                  kv_cache_config.sliding_windows)
             if role == KVConnectorRole.SCHEDULER
             else None
         )

@@ -310,8 +310,8 @@ class ConsumerSide:
         with self._lock:
             pull.claimed = True
             self._unclaimed.pop(spec.request_id, None)
-        first = spec.remote_first_block
         for g, remote_ids in enumerate(spec.remote_block_ids):
+            first = spec.group_first_blocks[g] if spec.group_first_blocks else spec.remote_first_block
             held = reply.block_ids[g][first : first + len(remote_ids)] if g < len(reply.block_ids) else []
             if held != list(remote_ids):
                 raise TransferError(f"kv_transfer_params.remote_block_ids (group {g}) are not the blocks "

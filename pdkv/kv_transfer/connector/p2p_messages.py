@@ -65,6 +65,9 @@ class RecvSpec(msgspec.Struct):
     remote_block_size: int = 0  # the producer's block size when it differs from this engine's
     first_token: int = 0  # re-blocking: the token range to move
     end_token: int = 0
+    # Per group, the index of remote_block_ids[g][0] in the producer's grant when it differs by
+    # group (sliding-window groups skip the blocks before the window); () = remote_first_block.
+    group_first_blocks: tuple[int, ...] = ()
 
 
 class NotifySpec(msgspec.Struct):

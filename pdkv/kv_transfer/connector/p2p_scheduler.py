@@ -68,9 +68,14 @@ class P2PConnectorScheduler:
     """
 
     def __init__(self, config: KVTransferConfig, layout: dict[str, Any], block_size: int,
-                 control_address: list[Any], num_groups: int = 1) -> None:
+                 control_address: list[Any], num_groups: int = 1,
+                 sliding_windows: tuple[int | None, ...] = ()) -> None:
         self.config = config
         self.num_groups = num_groups
+        # Per group: the sliding window in tokens, or None (full attention; also when not given).
+        self.sliding_windows = tuple(sliding_windows) or (None,) * num_groups
+        if len(self.sliding_windows) != num_groups:
+            raise ValueError(f"{len(self.sliding_windows)} sliding windows for {num_groups} groups")
         self.layout = layout
         self.block_size = block_size
         self.control_address = control_address
@@ -205,11 +210,14 @@ class P2PConnectorScheduler:
                            "end_token": request.num_prompt_tokens}
             else:
                 first, local_ids, remote_ids = self._block_map(request, local)
+            firsts: tuple[int, ...] = ()
+            if any(w is not None for w in self.sliding_windows):
+                firsts, local_ids, remote_ids = self._window_only(request, first, local_ids, remote_ids)
             self._to_recv.append(RecvSpec(
                 request.request_id, remote, remote_rid, local_ids, remote_ids, dict(p.get("layout") or {}),
                 remote_nonce=str(p.get("remote_nonce", "")),
                 prompt_digest=prompt_digest(request.prompt_token_ids, request.cache_salt),
-                remote_first_block=first, error=error, **reblock))
+                remote_first_block=first, error=error, group_first_blocks=firsts, **reblock))
             self._inflight_recv.add(request.request_id)
         else:  # everything was local: the producer can let go
             self._notify.append(self._notice(request, "release"))
@@ -235,6 +243,28 @@ class P2PConnectorScheduler:
             remote_ids.append(rg)
             local_ids.append([lg[(k0 + i) // n - hit] for i in range(len(rg))])
         return k0, tuple(local_ids), tuple(remote_ids)
+
+    def _window_only(self, request: Request, first: int, local_ids: tuple[list[int], ...],
+                     remote_ids: tuple[list[int], ...]
+                     ) -> tuple[tuple[int, ...], tuple[list[int], ...], tuple[list[int], ...]]:
+        """Drop, in sliding-window groups, the block pairs no later query reads: D resumes at
+        the last prompt token (position n - 1), whose window starts at token n - W, so blocks
+        before (n - W) // block_size are neither read from P (which may have freed them: their
+        ids are its null block) nor written here (this engine frees them when the request
+        resumes). Equal block sizes, no DCP (both refused with a sliding window elsewhere).
+
+        Returns:
+            (index of each group's first remaining pair in P's grant, local ids, remote ids).
+        """
+        firsts, local, remote = [], [], []
+        for window, lg, rg in zip(self.sliding_windows, local_ids, remote_ids):
+            skip = 0
+            if window is not None:
+                skip = min(len(lg), max(0, max(0, request.num_prompt_tokens - window) // self.block_size - first))
+            firsts.append(first + skip)
+            local.append(list(lg[skip:]))
+            remote.append(list(rg[skip:]))
+        return tuple(firsts), tuple(local), tuple(remote)
 
     def _reblock_map(self, request: Request, new_blocks: tuple[list[int], ...], p_bs: int
                      ) -> tuple[int, tuple[list[int], ...], tuple[list[int], ...]]:
