@@ -105,17 +105,15 @@ def test_request_holds_exactly_the_window_and_the_new_tokens(bs):
         mgr = make_manager([full(bs), swa(bs, window)])
         req = make_request("a", rng.randint(1, 60), bs, seed=window)
 
-        def check(c: int, k: int) -> None:
+        while req.num_computed_tokens < req.num_tokens:
+            c = req.num_computed_tokens
+            k = min(rng.randint(1, 9), req.num_tokens - c)
+            assert mgr.allocate_slots(req, k) is not None
             # Kept: blocks intersecting [c - W + 1, c + k), i.e. not ending at or before c - W + 1.
             want = [i for i in range(cdiv(c + k, bs)) if (i + 1) * bs > c - window + 1]
             assert held(mgr, req, 1) == want, (bs, window, c, k)
             assert len(mgr.get_block_ids("a")[1]) == cdiv(c + k, bs)
             assert held(mgr, req, 0) == list(range(cdiv(c + k, bs)))  # full keeps all
-
-        while req.num_computed_tokens < req.num_tokens:
-            k = min(rng.randint(1, 9), req.num_tokens - req.num_computed_tokens)
-            assert mgr.allocate_slots(req, k) is not None
-            check(req.num_computed_tokens, k)
             req.num_computed_tokens += k
         mgr.free(req)
         assert_pools_full(mgr)
