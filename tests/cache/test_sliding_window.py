@@ -249,6 +249,8 @@ def test_second_request_hits_the_prefix_but_holds_only_the_window():
     assert [i for i, x in enumerate(swa_hit) if not x.is_null] == [9, 10, 11]
     assert [x.block_id for x in swa_hit[9:]] == swa_ids_a[9:12]
     free_before = mgr.block_pools[1].num_free_blocks
+    # What admission checks: null entries cost nothing, the three evictable hits and one new do.
+    assert mgr.managers[1].get_num_blocks_to_allocate("b", 50, swa_hit) == 4
     assert mgr.allocate_slots(b, 2, hits, num_hit) is not None
     # Three window hits taken from the free queue plus one new block for tokens 48, 49.
     assert mgr.block_pools[1].num_free_blocks == free_before - 4
