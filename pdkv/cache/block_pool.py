@@ -29,28 +29,52 @@ class KVCacheBlock:
         ref_cnt: requests (or connectors) currently holding the block.
         block_hash: set while the block is in the prefix-cache index (it is full and its
             content is final).
+        is_null: the pool's reserved null block (vLLM's `null_block`): a placeholder in block
+            tables for positions whose KV is never read (sliding-window tokens that left the
+            window); never allocated, freed, cached or reference-counted.
     """
 
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    is_null: bool = False
 
 
 class BlockPool:
     """Owns `num_blocks` blocks of one KV cache group.
 
-    Invariants: a block is in the free queue iff ref_cnt == 0; a hash maps to at most one block;
-    a block with a hash is in the index. Not thread-safe: called only from the engine loop.
+    With `reserve_null_block`, block 0 is the null block (`null_block`): it never enters the
+    free queue, the index or any count, so `num_free_blocks`, `num_used_blocks` and `usage`
+    are over the other `num_blocks - 1` blocks (`num_usable_blocks`). Without it (dense models)
+    every block is usable and `null_block` is None.
+
+    Invariants: a usable block is in the free queue iff ref_cnt == 0; a hash maps to at most one
+    block; a block with a hash is in the index. Not thread-safe: called only from the engine
+    loop.
+
+    Raises:
+        ValueError: fewer than 1 usable block.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, reserve_null_block: bool = False
+    ) -> None:
+        num_usable = num_blocks - (1 if reserve_null_block else 0)
+        if num_usable < 1:
+            raise ValueError(f"need at least 1 usable block, got num_blocks={num_blocks}"
+                             f" (null block reserved: {reserve_null_block})")
         self.num_blocks = num_blocks
+        self.num_usable_blocks = num_usable
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block: KVCacheBlock | None = None
+        if reserve_null_block:
+            self.null_block = self.blocks[0]
+            self.null_block.is_null = True
         # LRU order: first = evicted first.
-        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks if not b.is_null
+        )
         self._cached: dict[BlockHash, KVCacheBlock] = {}
         # Counters (tokens are counted by the manager; these are blocks).
         self.num_evictions = 0
@@ -64,13 +88,13 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by someone, in [0, 1]."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """Fraction of usable blocks held by someone, in [0, 1]."""
+        return 1.0 - len(self._free) / self.num_usable_blocks
 
     @property
     def num_used_blocks(self) -> int:
-        """Blocks with ref_cnt > 0 (held by requests or connectors)."""
-        return self.num_blocks - len(self._free)
+        """Usable blocks with ref_cnt > 0 (held by requests or connectors)."""
+        return self.num_usable_blocks - len(self._free)
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The block holding this content, if it is still cached."""
@@ -107,8 +131,10 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference to blocks found by a prefix-cache hit (removing them from the free
-        queue when they were free)."""
+        queue when they were free). The null block is skipped."""
         for block in blocks:
+            if block.is_null:
+                continue
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
             block.ref_cnt += 1
@@ -116,8 +142,14 @@ class BlockPool:
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 go to the tail of the free
         queue in the given order (callers pass a request's blocks tail-first so its last
-        blocks are evicted first, as in vLLM)."""
+        blocks are evicted first, as in vLLM). The null block is skipped.
+
+        Raises:
+            RuntimeError: a block's ref count is already 0 (double free).
+        """
         for block in blocks:
+            if block.is_null:
+                continue
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
@@ -126,8 +158,9 @@ class BlockPool:
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Register a full block's hash so later requests can reuse it. When another block
-        already holds the same content the index keeps the older one."""
-        if not self.enable_caching or block.block_hash is not None:
+        already holds the same content the index keeps the older one. The null block is never
+        cached."""
+        if not self.enable_caching or block.is_null or block.block_hash is not None:
             return
         if block_hash in self._cached:
             return

@@ -13,7 +13,11 @@ from dataclasses import dataclass
 
 from pdkv.cache.block_pool import BlockPool, KVCacheBlock
 from pdkv.cache.hashing import BlockHash
-from pdkv.cache.single_type_manager import SingleTypeKVCacheManager, get_manager_class
+from pdkv.cache.single_type_manager import (
+    SingleTypeKVCacheManager,
+    SlidingWindowManager,
+    get_manager_class,
+)
 from pdkv.cache.specs import KVCacheConfig
 from pdkv.request import Request
 
@@ -63,8 +67,14 @@ class KVCacheManager:
         self.block_size = kv_cache_config.groups[0].spec.block_size
         if any(g.spec.block_size != self.block_size for g in kv_cache_config.groups):
             raise ValueError("all KV cache groups must share one block size")
+        # A null block only where the group's manager needs one (sliding window); a dense
+        # model's single pool keeps every block usable.
         self.block_pools = [
-            BlockPool(kv_cache_config.num_blocks, enable_caching) for _ in kv_cache_config.groups
+            BlockPool(
+                kv_cache_config.num_blocks, enable_caching,
+                reserve_null_block=get_manager_class(g.spec).needs_null_block,
+            )
+            for g in kv_cache_config.groups
         ]
         self.managers: list[SingleTypeKVCacheManager] = [
             get_manager_class(g.spec)(g.spec, pool, i)
@@ -87,8 +97,17 @@ class KVCacheManager:
         """KV cache usage fraction in [0, 1] (max over groups)."""
         return max(p.usage for p in self.block_pools)
 
+    @property
+    def num_blocks_freed_early(self) -> int:
+        """Sliding-window blocks released before their request finished, since start (all
+        groups)."""
+        return sum(
+            m.num_blocks_freed_early for m in self.managers if isinstance(m, SlidingWindowManager)
+        )
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """The request's block table per group."""
+        """The request's block table per group (a sliding-window group has the null block's id
+        at positions it no longer holds)."""
         return tuple(m.block_ids(request_id) for m in self.managers)
 
     def empty_blocks(self) -> KVCacheBlocks:
@@ -96,9 +115,12 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ lookup
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """Longest cached prefix of the request, in whole blocks.
+        """Longest prefix-cache hit of the request, in whole blocks.
 
-        At least one token is always left to compute (its logits give the next token), so the
+        Each group finds its own hit (full attention: the cached prefix; sliding window: the
+        longest length whose window blocks are cached); the hit is the longest length L that
+        every group can give (vLLM's HybridKVCacheCoordinator): groups are searched again with
+        max_length = the shortest hit so far until all agree. At least one token is always left to compute (its logits give the next token), so the
         hit is capped at num_tokens - 1. A request asking for prompt_logprobs gets no hit (every
         prompt position's logits are needed; vLLM skips the cache read too). Side-effect free
         (may be called again next step).
@@ -109,11 +131,15 @@ class KVCacheManager:
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return self.empty_blocks(), 0
         max_length = request.num_tokens - 1
-        hits = [m.find_longest_cache_hit(request.block_hashes, max_length) for m in self.managers]
-        # Every group must hold the prefix; with several groups take the common length.
-        num_blocks = min(len(h) for h in hits)
-        hits = [h[:num_blocks] for h in hits]
-        return KVCacheBlocks(tuple(hits)), num_blocks * self.block_size
+        while True:
+            hits = [
+                m.find_longest_cache_hit(request.block_hashes, max_length) for m in self.managers
+            ]
+            num_blocks = min(len(h) for h in hits)
+            if all(len(h) == num_blocks for h in hits):
+                return KVCacheBlocks(tuple(hits)), num_blocks * self.block_size
+            # A hit found under a shorter max_length is never longer: this ends.
+            max_length = num_blocks * self.block_size
 
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup in the prefix-cache statistics."""
@@ -143,10 +169,15 @@ class KVCacheManager:
             num_external_computed_tokens: tokens a KV connector will load into new blocks.
             num_reserved_blocks: blocks of every group that must stay free afterwards.
 
+        First every group drops the blocks no query from `request.num_computed_tokens` on
+        reads (sliding window; vLLM does this before counting too), so they count as free.
+
         Returns:
             The newly allocated blocks per group, or None when the pool is too small now, or
-            would keep fewer than `num_reserved_blocks` free (nothing is changed then).
+            would keep fewer than `num_reserved_blocks` free (nothing else is changed then).
         """
+        for m in self.managers:
+            m.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         hits = new_computed_blocks.blocks if new_computed_blocks else tuple(
             [] for _ in self.managers
         )
@@ -180,8 +211,19 @@ class KVCacheManager:
         for m in self.managers:
             m.cache_blocks(request.request_id, request.block_hashes, num_tokens)
 
+    def cache_loaded_blocks(self, request: Request, num_tokens: int) -> None:
+        """A KV connector finished loading: the request's KV is valid for its first
+        `num_tokens` tokens and `request.num_computed_tokens` is already set to where it
+        resumes. First drop the blocks no later query reads (sliding window), then register
+        the full blocks left: a P/D decode engine loads only the sliding-window blocks inside
+        the window of the resume position, so the others hold garbage and must never be
+        cached under a valid hash."""
+        for m in self.managers:
+            m.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
+        self.cache_blocks(request, num_tokens)
+
     def free(self, request: Request) -> None:
-        """Release every block of the request (idempotent)."""
+        """Release every block of the request (idempotent; null blocks stay reserved)."""
         for m in self.managers:
             m.free(request.request_id)
 

@@ -21,8 +21,13 @@ def cdiv(a: int, b: int) -> int:
 class SingleTypeKVCacheManager:
     """Blocks of every request for one KV cache group.
 
+    A request's block table has one entry per block of its tokens; managers that drop KV early
+    (sliding window) put the pool's null block at the positions they no longer hold.
     Called only from the scheduler (engine loop thread); never blocks.
     """
+
+    # Whether the group's pool must reserve a null block (see BlockPool).
+    needs_null_block = False
 
     def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> None:
         self.spec = spec
@@ -36,8 +41,13 @@ class SingleTypeKVCacheManager:
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int
     ) -> list[KVCacheBlock]:
-        """Cached blocks covering the longest prefix of at most `max_length` tokens."""
+        """Block table entries for the longest prefix-cache hit of at most `max_length` tokens
+        (whole blocks): its length times block_size is the hit in tokens."""
         raise NotImplementedError
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free the request's blocks that no query from position `num_computed_tokens` on will
+        read. Full attention reads every earlier token: nothing to do."""
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
@@ -47,13 +57,16 @@ class SingleTypeKVCacheManager:
         num_required = cdiv(num_tokens, self.block_size)
         held = len(self.req_to_blocks.get(request_id, ()))
         num_new = max(0, num_required - held - len(new_computed_blocks))
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_evictable_hits = sum(
+            1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null
+        )
         return num_new + num_evictable_hits
 
     def save_new_computed_blocks(
         self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]
     ) -> None:
-        """Take references on prefix hits and append them to the request's block table."""
+        """Take references on prefix hits and append them to the request's block table (null
+        entries are appended untouched)."""
         if not new_computed_blocks:
             return
         blocks = self.req_to_blocks.setdefault(request_id, [])
@@ -75,18 +88,21 @@ class SingleTypeKVCacheManager:
     def cache_blocks(
         self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int
     ) -> None:
-        """Register every block that is full within the first `num_tokens` tokens."""
+        """Register every block that is full within the first `num_tokens` tokens (null
+        entries are skipped: they hold nothing)."""
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return
         num_full = min(num_tokens // self.block_size, len(block_hashes), len(blocks))
         start = self.num_cached_block.get(request_id, 0)
         for i in range(start, num_full):
-            self.block_pool.cache_block(blocks[i], block_hashes[i])
+            if not blocks[i].is_null:
+                self.block_pool.cache_block(blocks[i], block_hashes[i])
         self.num_cached_block[request_id] = max(start, num_full)
 
     def free(self, request_id: str) -> None:
-        """Release the request's blocks, tail first (so they are evicted first)."""
+        """Release the request's blocks, tail first (so they are evicted first); null entries
+        are skipped by the pool."""
         blocks = self.req_to_blocks.pop(request_id, [])
         self.num_cached_block.pop(request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
@@ -111,9 +127,75 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return hits
 
 
-class SlidingWindowManager(FullAttentionManager):
-    """Sliding-window attention, first form: keeps every block and hits like full attention
-    (correct, since the window's keys are a subset of the prefix; blocks are not freed early)."""
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """Sliding-window attention (vLLM's `SlidingWindowManager`, rewritten).
+
+    The query at position p reads keys p - W < k <= p (W = spec.sliding_window). Before the
+    query at `num_computed_tokens` runs, every block whose tokens all lie below
+    `num_computed_tokens - W + 1` is freed (cached ones stay evictable in the free queue with
+    their hash) and replaced by the null block. A prefix hit of L tokens needs only the blocks
+    of tokens [L - (W - 1), L).
+
+    Attributes:
+        num_blocks_freed_early: blocks released by `remove_skipped_blocks` since start.
+
+    Raises:
+        ValueError: the pool has no null block.
+    """
+
+    needs_null_block = True
+
+    def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> None:
+        super().__init__(spec, block_pool, group_id)
+        assert isinstance(spec, SlidingWindowSpec)
+        if block_pool.null_block is None:
+            raise ValueError("a sliding-window group's pool must reserve a null block")
+        self.null_block: KVCacheBlock = block_pool.null_block
+        self.sliding_window = spec.sliding_window
+        self.num_blocks_freed_early = 0
+
+    def num_window_blocks(self) -> int:
+        """Blocks a hit ending on a block boundary needs: those of the W - 1 tokens before it,
+        ceil((W - 1) / block_size)."""
+        return cdiv(self.sliding_window - 1, self.block_size)
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_length: int
+    ) -> list[KVCacheBlock]:
+        """Largest L <= max_length (whole blocks) whose window blocks are all cached: searched
+        right to left for a run of `num_window_blocks()` cached blocks, or a run reaching block
+        0 (a hit shorter than the window). Entries before the run are the null block."""
+        max_blocks = min(max_length // self.block_size, len(block_hashes))
+        need = self.num_window_blocks()
+        if need == 0:  # W == 1: a query reads only itself
+            return [self.null_block] * max_blocks
+        run: list[KVCacheBlock] = []  # cached blocks from index i on, right to left
+        for i in range(max_blocks - 1, -1, -1):
+            block = self.block_pool.get_cached_block(block_hashes[i])
+            if block is None:
+                run = []
+                continue
+            run.append(block)
+            if len(run) == need:
+                return [self.null_block] * i + run[::-1]
+        return run[::-1]  # the cached run from block 0 (a hit shorter than the window), or []
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free every block all of whose tokens are below num_computed_tokens - W + 1 (never
+        read again) and put the null block in its place; tail first, stopping at the first
+        null entry (the entries before it are null already)."""
+        first_needed = num_computed_tokens - self.sliding_window + 1
+        blocks = self.req_to_blocks.get(request_id)
+        if first_needed <= 0 or not blocks:
+            return
+        removed: list[KVCacheBlock] = []
+        for i in range(min(first_needed // self.block_size, len(blocks)) - 1, -1, -1):
+            if blocks[i].is_null:
+                break
+            removed.append(blocks[i])
+            blocks[i] = self.null_block
+        self.block_pool.free_blocks(removed)
+        self.num_blocks_freed_early += len(removed)
 
 
 _MANAGERS: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {

@@ -155,8 +155,8 @@ class KVConnectorState:
                 self.kv_cache_manager.free(request)
                 request.num_computed_tokens = 0
                 continue
-            self.kv_cache_manager.cache_blocks(request, valid_end)
             request.num_computed_tokens = min(valid_end, request.num_tokens - 1)
+            self.kv_cache_manager.cache_loaded_blocks(request, valid_end)
         return to_resume, failed
 
     def _valid_prefix(self, request: Request, bad: list[tuple[int, int]], load_start: int) -> int:
