@@ -16,6 +16,10 @@ from pdkv.cache.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
 
+# Id of a pool's null block (when it reserves one): block tables name it where a group keeps no
+# block (a sliding-window group's positions before the window).
+NULL_BLOCK_ID = 0
+
 # Called with (block hash, block id) of a cached block about to be reused for other content.
 EvictionHook = Callable[[BlockHash, int], None]
 
@@ -69,7 +73,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block: KVCacheBlock | None = None
         if reserve_null_block:
-            self.null_block = self.blocks[0]
+            self.null_block = self.blocks[NULL_BLOCK_ID]
             self.null_block.is_null = True
         # LRU order: first = evicted first.
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(

@@ -75,10 +75,7 @@ class KVConnectorState:
 
     def num_blocks_held(self) -> int:
         """Blocks (all groups) of finished requests whose free is delayed."""
-        return sum(
-            len(b) for r in self.delayed_free.values()
-            for b in self.kv_cache_manager.get_block_ids(r.request_id)
-        )
+        return sum(self.kv_cache_manager.num_blocks_of(r.request_id) for r in self.delayed_free.values())
 
     def drain_transfer_seconds(self) -> list[float]:
         """Transfer durations (s) reported since the last call."""

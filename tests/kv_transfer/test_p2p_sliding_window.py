@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from pdkv.cache.block_pool import NULL_BLOCK_ID
 from pdkv.cache.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from pdkv.config import KVTransferConfig
 from pdkv.kv_transfer.connector.base import KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.kv_transfer.connector.p2p_scheduler import P2PConnectorScheduler
+from pdkv.request import RequestStatus
 from tests.kv_transfer.p2p_sched_utils import BS, LAYOUT, PRODUCER_ADDR, blocks, remote_params, req
 
 W = 10  # window in tokens: the query at p reads keys p - 9 .. p
@@ -68,3 +70,12 @@ def test_connectors_that_cannot_move_a_window_group_refuse_it_at_start_up(name):
     kv = KVCacheConfig(num_blocks=8, groups=(KVCacheGroupSpec((0,), full), KVCacheGroupSpec((1,), swa)))
     with pytest.raises(ValueError, match=f"{name} does not move sliding-window"):
         create_connector(cfg, KVConnectorRole.SCHEDULER, kv, dict(LAYOUT), {})
+
+
+def test_producer_counts_no_null_block_of_a_window_group_as_held():
+    cfg = KVTransferConfig("P2PConnector", "kv_producer", engine_id="P")
+    prod = P2PConnectorScheduler(cfg, dict(LAYOUT), BS, list(PRODUCER_ADDR), num_groups=2, sliding_windows=(None, W))
+    r = req("r", 12, {"do_remote_decode": True}, status=RequestStatus.FINISHED_LENGTH_CAPPED)
+    delay, params = prod.request_finished(r, ([0, 1, 2], [NULL_BLOCK_ID, 5, 6]))
+    assert delay and params is not None and params["remote_block_ids"] == [[0, 1, 2], [NULL_BLOCK_ID, 5, 6]]
+    assert prod.num_blocks_held == 5  # block 0 of the full group is a real block

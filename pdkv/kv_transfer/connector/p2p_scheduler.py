@@ -36,6 +36,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
+from pdkv.cache.block_pool import NULL_BLOCK_ID
 from pdkv.kv_transfer.connector.base import KVConnectorOutput
 from pdkv.kv_transfer.connector.p2p_messages import (
     NotifySpec,
@@ -312,7 +313,10 @@ class P2PConnectorScheduler:
         nonce = secrets.token_hex(16)
         digest = prompt_digest(request.prompt_token_ids, request.cache_salt)
         self._to_send.append(SendSpec(rid, block_ids, self.lease_s, nonce, digest))
-        self._held[rid] = sum(len(g) for g in block_ids)
+        # (a window group's entries before its window are its pool's null block, id 0: not held)
+        windows = self.sliding_windows + (None,) * len(block_ids)
+        self._held[rid] = sum(len(g) if w is None else sum(1 for b in g if b != NULL_BLOCK_ID)
+                              for w, g in zip(windows, block_ids))
         host, port = self.control_address
         return True, {
             "do_remote_prefill": True,
