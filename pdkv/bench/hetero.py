@@ -14,10 +14,11 @@ Per case and prompt length, `--repeats` times: reset D's prefix cache (so the pu
 P prefills the prompt (the proxy's prefill leg), D decodes it with greedy sampling pulling the
 KV from P (P is stepped too: it serves the reads). Measured from D's scheduler counters (summed
 over its ranks): bytes received ("kv_bytes_received") and read operations ("kv_read_ops", the
-ReadOps the consumer submitted; the same-layout case merges blocks consecutive on both sides
-into one read, so its count depends on the block ids the pools hand out), and the pull's transfer seconds (claim to "done" ack; at tp 2
-the slower rank's). The report (pdkv.bench.hetero_report) gives ratios against `same` and checks
-that every case's greedy tokens equal `same`'s; `main` exits 1 on a mismatch.
+ReadOps the consumer submitted; the same-layout case merges blocks consecutive on both sides into
+one read, so its count depends on the block ids the pools hand out), and the pull's transfer
+seconds (claim to "done" ack; at tp 2 the slower rank's). The report (pdkv.bench.hetero_report)
+gives ratios against `same` and checks that every case's greedy tokens equal `same`'s; `main`
+exits 1 on a mismatch.
 
 The prompts are random token ids (seeded); on a shared CPU box the times are noisy, the read
 counts and bytes are exact.
@@ -172,9 +173,7 @@ def _decode(p: Any, d: Any, prompt: list[int], params: dict[str, Any]) -> dict[s
         p.llm_engine.step()
         return bool(out)
 
-    t0 = time.perf_counter()
     _step_until([], step, "D's decode")
-    wall = time.perf_counter() - t0
     if req.num_local_hit_tokens:
         raise RuntimeError(f"D had {req.num_local_hit_tokens} local prefix-hit tokens: the pull was not whole")
     after = sched.kv_stats
@@ -184,7 +183,7 @@ def _decode(p: Any, d: Any, prompt: list[int], params: dict[str, Any]) -> dict[s
     return {"tokens": list(out[0].outputs[0].token_ids),
             "bytes": int(after.get("kv_bytes_received", 0.0) - before.get("kv_bytes_received", 0.0)),
             "read_ops": int(after.get("kv_read_ops", 0.0) - before.get("kv_read_ops", 0.0)),
-            "transfer_s": max(seconds), "decode_leg_s": wall}
+            "transfer_s": max(seconds)}
 
 
 def _constant(values: list[int], what: str, case: str) -> int:
@@ -202,19 +201,21 @@ def run_case(engines: _Engines, case: Case, prompt: list[int], repeats: int, per
     """
     p = engines.get("kv_producer", case.p_block_size, 1)
     d = engines.get("kv_consumer", case.d_block_size, case.d_tp)
-    legs = []
+    legs, p_blocks = [], []
     for _ in range(repeats):
         _settle(p, d)
-        legs.append(_decode(p, d, prompt, _prefill(p, prompt)))
+        params = _prefill(p, prompt)
+        p_blocks.append(len(params["remote_block_ids"][0]))
+        legs.append(_decode(p, d, prompt, params))
     _settle(p, d)
     times = [leg["transfer_s"] for leg in legs]
     ops = [leg["read_ops"] for leg in legs]  # depends on how contiguous the blocks are on both sides
     return {"case": case.name, "p_block_size": case.p_block_size, "d_block_size": case.d_block_size,
             "d_tp": case.d_tp, "p_tp": 1, "prompt_tokens": len(prompt), "needed_bytes": len(prompt) * per_token,
+            "p_blocks": _constant(p_blocks, "P's blocks", case.name),
             "bytes_received": _constant([leg["bytes"] for leg in legs], "bytes received", case.name),
             "read_ops": statistics.median_low(ops), "read_ops_all": ops,
             "transfer_s": median_seconds(times), "transfer_s_all": times,
-            "decode_leg_s": statistics.median(leg["decode_leg_s"] for leg in legs),
             "outputs": [leg["tokens"] for leg in legs]}
 
 

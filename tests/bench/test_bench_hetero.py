@@ -25,7 +25,7 @@ TINY_KV2_TOKEN_BYTES = 4 * 2 * 2 * 32 * 4  # layers x K/V x KV heads x head_dim 
 
 def _row(case: str, n: int, nbytes: int, ops: int, seconds: float, outputs: list[list[int]]) -> dict:
     return {"case": case, "p_block_size": 16, "d_block_size": 32 if case != "same" else 16, "d_tp": 1,
-            "prompt_tokens": n, "needed_bytes": nbytes, "bytes_received": nbytes, "read_ops": ops,
+            "prompt_tokens": n, "p_blocks": n // 16, "needed_bytes": nbytes, "bytes_received": nbytes, "read_ops": ops,
             "transfer_s": seconds, "outputs": outputs}
 
 
@@ -48,7 +48,7 @@ def test_report_ratios_check_and_table():
     assert failed_checks(rows) == [f"reshard-tp2 @ 64 tokens: {MISMATCH}", f"reblock-d32 @ 256 tokens: {NO_BASELINE}"]
     table = format_table({"rows": rows, "bytes_per_token": 16, "repeats": 2, "transfer": "tcp", "cpu_count": 2})
     lines = table.splitlines()
-    assert len(lines) == 1 + len(rows) + 2
+    assert len(lines) == 1 + len(rows) + 4
     assert lines[2].split()[-4:] == ["1.00", "24.0", "2.50", OK]
     assert lines[3].split()[-1] == MISMATCH
 
