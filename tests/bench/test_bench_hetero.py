@@ -72,3 +72,18 @@ def test_same_and_reblocked_handoffs_move_equal_bytes_in_more_reads(tiny_llama_k
     for name in ("reblock-d32", "reblock-p32"):
         assert rows[name]["read_ops"] > same["read_ops"] >= 1
         assert rows[name]["read_ops_ratio"] > 1
+
+
+def test_cli_exits_1_on_an_output_mismatch_and_still_writes_json(monkeypatch, tmp_path, capsys):
+    from pdkv.bench import hetero
+
+    rows = [_row("same", 64, 1000, 2, 0.01, [[5, 6]]), _row("reblock-d32", 64, 1000, 48, 0.02, [[5, 7]])]
+    add_ratios(rows)
+    monkeypatch.setattr(hetero, "run_hetero_bench", lambda *a, **k: {"rows": rows})
+    out = tmp_path / "hetero.json"
+    assert main(["bench", "hetero", "--prompt-lens", "64", "--json", str(out)]) == 1
+    assert json.loads(out.read_text())["rows"][1]["check"] == MISMATCH
+    assert f"output check failed: reblock-d32 @ 64 tokens: {MISMATCH}" in capsys.readouterr().out
+    rows[1]["outputs"] = [[5, 6]]
+    add_ratios(rows)
+    assert main(["bench", "hetero", "--prompt-lens", "64"]) == 0
