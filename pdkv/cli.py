@@ -1,4 +1,4 @@
-"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff, dcp} | compare | plan | matrix."""
+"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff, dcp, hetero} | compare | plan | matrix."""
 
 from __future__ import annotations
 
@@ -197,6 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dcp_bench.add_cli_args(dcp_p)
     dcp_p.set_defaults(func=dcp_bench.main)
+    from pdkv.bench import hetero as hetero_bench
+
+    hetero_p = bench_sub.add_parser(
+        "hetero", help="P/D re-blocking and re-sharding cost (bytes, read ops, time) vs a same-layout "
+        "handoff (tiny model)", formatter_class=fmt,
+    )
+    hetero_bench.add_cli_args(hetero_p)
+    hetero_p.set_defaults(func=hetero_bench.main)
 
     from pdkv.bench import compare
 

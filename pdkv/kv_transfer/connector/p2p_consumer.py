@@ -335,7 +335,7 @@ class ConsumerSide:
             ack = self._control(spec.remote, done, Ack, pull.deadline)
             if not ack.ok:  # the producer may have reused the blocks: the data is not trustworthy
                 raise TransferError(f"producer did not confirm the read: {ack.error}")
-            self.results.load_succeeded(spec.request_id, nbytes, time.monotonic() - t0)
+            self.results.load_succeeded(spec.request_id, nbytes, time.monotonic() - t0, len(ops))
         except Exception as e:  # noqa: BLE001 - every failure ends the load by policy
             self._failed(spec, e)
         finally:

@@ -48,10 +48,12 @@ class WorkerResults:
             self.count("released_unread")
         self.wake()
 
-    def load_succeeded(self, rid: str, nbytes: int, seconds: float) -> None:
-        """A pull of `nbytes` ended well after `seconds`."""
+    def load_succeeded(self, rid: str, nbytes: int, seconds: float, read_ops: int = 0) -> None:
+        """A pull of `nbytes` in `read_ops` read operations (ReadOps submitted to the transfer
+        engine; counter "kv_read_ops") ended well after `seconds`."""
         with self.lock:
             self.count("kv_bytes_received", nbytes)
+            self.count("kv_read_ops", read_ops)
             self.request_bytes[rid] = {"p2p": float(nbytes)}
             self.count("kv_transfers")
             self.transfer_times.append(seconds)
