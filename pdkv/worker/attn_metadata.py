@@ -24,13 +24,18 @@ StepRequest = tuple[int, int, int, list[int]]
 
 def build_attention_metadata(
     requests: Sequence[StepRequest], num_tokens: int, block_size: int, device: torch.device,
+    sliding_window: int | None = None,
 ) -> AttentionMetadata:
-    """Slots, prefill runs and decode tables of one step over one block table per request.
+    """Slots, prefill runs and decode tables of one step over one block table per request (the
+    tables of one KV cache group).
 
     Args:
         requests: per scheduled request, in flat-batch order (see StepRequest).
         num_tokens: T, the step's flat token count (sum of the n).
         block_size: tokens per block.
+        sliding_window: the group's window W in tokens (None: full attention). Decode rows then
+            start at the block of key max(0, len - W) and their mask also bounds keys from below
+            (the query at p sees p - W < k <= p).
 
     Returns:
         the step's AttentionMetadata (requests with n == 1 are decodes, the others prefill runs).
@@ -42,14 +47,17 @@ def build_attention_metadata(
     dec_idx: list[int] = []
     dec_tables: list[list[int]] = []
     dec_lens: list[int] = []
+    dec_first: list[int] = []  # first key position of each decode row's table
     for start, n, c, table in requests:
         rng = range(c, c + n)
         slot_blocks.extend(table[p // bs] for p in rng)
         slot_offsets.extend(p % bs for p in rng)
         if n == 1:
             dec_idx.append(start)
-            dec_tables.append(table[: c // bs + 1])
+            first = 0 if sliding_window is None else max(0, c + 1 - sliding_window) // bs
+            dec_tables.append(table[first : c // bs + 1])
             dec_lens.append(c + 1)
+            dec_first.append(first * bs)
         else:
             nblocks = -(-(c + n) // bs)
             prefills.append(PrefillSeq(start, start + n, c, torch.tensor(table[:nblocks], device=device)))
@@ -62,7 +70,12 @@ def build_attention_metadata(
         decode_lens = torch.tensor(dec_lens, device=device)
         if len(dec_idx) > 1:
             keys = torch.arange(width * bs, device=device)
-            decode_mask = (keys[None, :] < decode_lens[:, None])[:, None, None, :]
+            if sliding_window is None:
+                decode_mask = (keys[None, :] < decode_lens[:, None])[:, None, None, :]
+            else:  # key j of row i is position first_i + j
+                rel = decode_lens - torch.tensor(dec_first, device=device)
+                visible = (keys[None, :] < rel[:, None]) & (keys[None, :] >= rel[:, None] - sliding_window)
+                decode_mask = visible[:, None, None, :]
     return AttentionMetadata(
         slot_block_ids=torch.tensor(slot_blocks, dtype=torch.long, device=device),
         slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
@@ -72,6 +85,7 @@ def build_attention_metadata(
         decode_seq_lens=decode_lens,
         decode_mask=decode_mask,
         all_decode=len(dec_idx) == num_tokens,
+        sliding_window=sliding_window,
     )
 
 

@@ -248,7 +248,7 @@ class ModelRunner:
             self.requests[req_id].num_computed_tokens += n
         t3 = time.perf_counter()
         self.timings = StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2,
-                                   dcp_comm=meta.dcp.comm_seconds if meta.dcp is not None else 0.0)
+                                   dcp_comm=meta[0].dcp.comm_seconds if meta[0].dcp is not None else 0.0)
         kv_out = self._connector_output(out) if conn is not None else None
         return ModelRunnerOutput(sampled_token_ids=result, logprobs=lp_out or None, kv_connector_output=kv_out,
                                  prompt_logprobs=prompt_lp or None)
@@ -297,7 +297,7 @@ class ModelRunner:
 
     def _prepare_inputs(
         self, out: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[CachedRequestState],
+    ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], torch.Tensor, list[CachedRequestState],
                list[tuple[CachedRequestState, int, int]]]:
         ids: list[int] = []
         pos: list[int] = []
@@ -305,7 +305,7 @@ class ModelRunner:
         sampled: list[CachedRequestState] = []
         prompt_idx: list[int] = []
         prompt_rows: list[tuple[CachedRequestState, int, int]] = []
-        step_reqs: list[StepRequest] = []
+        step_reqs: list[StepRequest] = []  # tables of group 0; other groups: below
         for req_id, n in out.num_scheduled_tokens.items():
             state = self.requests[req_id]
             start = len(ids)
@@ -326,10 +326,17 @@ class ModelRunner:
 
         dev = self.device
         par = self.parallel
-        if par is not None and par.dcp_size > 1:
-            meta = build_dcp_attention_metadata(par, step_reqs, self.block_size, dev)
-        else:
-            meta = build_attention_metadata(step_reqs, len(ids), self.block_size, dev)
+        meta: list[AttentionMetadata]
+        if par is not None and par.dcp_size > 1:  # dense only (DCP + sliding window is refused)
+            meta = [build_dcp_attention_metadata(par, step_reqs, self.block_size, dev)]
+        else:  # one metadata per KV cache group: its own block tables and window
+            meta = []
+            for g, group in enumerate(self.kv_cache_config.groups):
+                reqs = step_reqs if g == 0 else [
+                    (start, n, c, self.requests[req_id].block_ids[g])
+                    for (start, n, c, _), req_id in zip(step_reqs, out.num_scheduled_tokens)]
+                window = getattr(group.spec, "sliding_window", None)
+                meta.append(build_attention_metadata(reqs, len(ids), self.block_size, dev, window))
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),
