@@ -89,3 +89,29 @@ def test_window_changes_the_brute_force_output():
                torch.randn(90, KVH, D, generator=gen))
     windowed, dense = brute_force(q, k, v, range(87, 90), 40, D**-0.5), brute_force(q, k, v, range(87, 90), None, D**-0.5)
     assert (windowed - dense).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("window", [1, 7, 40, 500])
+def test_shard_attention_window_merged_over_two_ranks_matches_brute_force(window):
+    """Keys interleaved over two ranks by position parity; each rank's windowed shard attention,
+    merged by LSE, equals the brute-force windowed attention (a query with no key in its window
+    on one rank contributes nothing there)."""
+    from pdkv.model.attention_lse import ShardSeq, merge_attn_states, shard_attention
+
+    gen = torch.Generator().manual_seed(window)
+    ctx, n = 90, 6
+    q = torch.randn(n, H, D, generator=gen)
+    k, v = torch.randn(ctx + n, KVH, D, generator=gen), torch.randn(ctx + n, KVH, D, generator=gen)
+    qpos = torch.arange(ctx, ctx + n)
+    outs, lses = [], []
+    for rank in range(2):
+        kpos = torch.arange(rank, ctx + n, 2)
+        nb = -(-len(kpos) // BS)
+        cache = torch.full((2, nb, BS, KVH, D), float("nan"))
+        cache[0].view(-1, KVH, D)[: len(kpos)], cache[1].view(-1, KVH, D)[: len(kpos)] = k[kpos], v[kpos]
+        seq = ShardSeq(0, n, qpos, torch.arange(nb), kpos)
+        o, s = shard_attention(q, cache, [seq], D**-0.5, sliding_window=window)
+        outs.append(o)
+        lses.append(s)
+    out, _ = merge_attn_states(torch.stack(outs), torch.stack(lses))
+    torch.testing.assert_close(out, brute_force(q, k, v, range(ctx, ctx + n), window, D**-0.5), atol=1e-5, rtol=1e-4)
