@@ -118,3 +118,18 @@ def test_dcp_is_refused_on_a_sliding_window_model(tiny_swa):
 
     with pytest.raises(ValueError, match="decode_context_parallel_size=2 is not supported with sliding-window"):
         EngineArgs(model=tiny_swa, decode_context_parallel_size=2).create_engine_config()
+
+
+@pytest.mark.slow  # two worker processes
+def test_tp2_matches_hf(tiny_swa, prompts, hf_runs):
+    """TP 2 (one KV head per rank in both groups), chunked prefill, then a prefix-cache resend:
+    HF's tokens, as at TP 1."""
+    ref = [r["tokens"] for r in hf_runs]
+    llm = LLM(tiny_swa, cpu_linear="torch", num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32,
+              tensor_parallel_size=2)
+    try:
+        assert tokens(llm, prompts)[0] == ref
+        again, cached = tokens(llm, prompts)
+        assert again == ref and cached[2] > 0
+    finally:
+        llm.llm_engine.shutdown()
