@@ -51,10 +51,12 @@ def make_kv_cache_config(
     check_sliding_window_parallel(arch, dcp_size)
     block_size = cache_config.block_size
     groups = []
+    full = FullAttentionSpec(block_size=block_size * dcp_size if logical else block_size,
+                             num_kv_heads=num_kv_heads or arch.num_kv_heads, head_size=arch.head_dim, dtype=dtype)
     for window, layers in attention_groups(arch):
-        kw = dict(block_size=block_size * dcp_size if logical else block_size,
-                  num_kv_heads=num_kv_heads or arch.num_kv_heads, head_size=arch.head_dim, dtype=dtype)
-        spec = FullAttentionSpec(**kw) if window is None else SlidingWindowSpec(**kw, sliding_window=window)
+        spec = full if window is None else SlidingWindowSpec(
+            block_size=full.block_size, num_kv_heads=full.num_kv_heads, head_size=full.head_size,
+            dtype=dtype, sliding_window=window)
         groups.append(KVCacheGroupSpec(layer_indices=layers, spec=spec))
     group_bytes = sum(g.spec.page_size_bytes * len(g.layer_indices) for g in groups)
     physical_block_bytes = group_bytes // (dcp_size if logical else 1)
@@ -87,7 +89,7 @@ def allocate_kv_cache(
         head_size]; per-layer views in model layer order, each [2, num_blocks, block_size,
         num_kv_heads, head_size]).
     """
-    groups = []
+    groups: list[torch.Tensor] = []
     num_layers = sum(len(g.layer_indices) for g in kv_cache_config.groups)
     layer_views: list[torch.Tensor | None] = [None] * num_layers
     for g in kv_cache_config.groups:
