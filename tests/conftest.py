@@ -98,3 +98,10 @@ def tiny_llama_kv1(tiny_llama_cache) -> str:
 def tiny_llama_kv2(tiny_llama_cache) -> str:
     """Folder of `tiny-llama-kv2` (4 q heads, 2 KV heads; pdkv/model/tiny.py), built once per session."""
     return _build_tiny(tiny_llama_cache, "tiny-llama-kv2")
+
+
+@pytest.fixture(scope="session")
+def tiny_swa(tiny_llama_cache) -> str:
+    """Folder of `tiny-swa` (tiny-llama-kv2's shape as a Qwen2 whose layers alternate sliding
+    window 40 / full attention; pdkv/model/tiny.py), built once per session."""
+    return _build_tiny(tiny_llama_cache, "tiny-swa")

@@ -22,6 +22,7 @@ from pdkv.config import (
 )
 from pdkv.model.llama import LlamaArchConfig
 from pdkv.model.registry import resolve_model
+from pdkv.worker.kv_cache import check_sliding_window_parallel
 
 
 @dataclass
@@ -75,6 +76,7 @@ class EngineArgs:
             cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size,
             dcp_replicate_weights=self.dcp_replicate_weights,
         ).layout().check_heads(arch.num_heads, arch.num_kv_heads)
+        check_sliding_window_parallel(arch, self.decode_context_parallel_size)
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} requested but this torch build has no CUDA device")

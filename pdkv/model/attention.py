@@ -9,6 +9,13 @@ remainder) are attended together; longer runs (prefill chunks) one by one.
 
 Per layer, the K/V of all T tokens are written first and attention runs after, so a request may
 read blocks another request fills in the same step (prefix-cache hits on blocks being computed).
+
+Sliding window (`meta.sliding_window` = W, HF semantics): the query at position p sees keys k with
+p - W < k <= p. Block-table entries whose tokens all left the window may hold any block (the
+manager puts its null block there once it freed them): every path either never reads them (prefill
+with context and decode tables start at the block holding the window's first key); keys of that
+first block before the window are masked (prefill, decode B > 1) or sliced off (decode B == 1).
+With W None every path is the dense one, with no extra work.
 """
 
 from __future__ import annotations
@@ -45,13 +52,17 @@ class AttentionMetadata:
         slot_offsets: [T] long, offset of each new token within its block.
         prefills: runs of >1 query tokens.
         decode_token_idx: [B] long, flat index of each single-query-token request.
-        decode_block_tables: [B, max_blocks] long (padded with 0).
+        decode_block_tables: [B, max_blocks] long (padded with 0). With a sliding window W,
+            row i starts at the block holding the window's first key max(0, len_i - W), so
+            blocks that left the window are never read.
         decode_seq_lens: [B] long, context length including the new token.
-        decode_mask: [B, 1, 1, max_blocks*block_size] bool, True where a key is valid
-            (None when B == 1: the key range is sliced exactly instead).
+        decode_mask: [B, 1, 1, max_blocks*block_size] bool, True where a key (of the row's
+            table) is valid (None when B == 1: the key range is sliced exactly instead).
         all_decode: every token of the step is a decode, in order (decode_token_idx == arange).
         dcp: with decode context parallelism, this rank's slots and token shard
             (pdkv.parallel.dcp_attention.DCPMetadata); the other fields are then unused.
+        sliding_window: W tokens for the layers of a sliding-window KV cache group (the query
+            at p sees keys p - W < k <= p), None for full attention.
     """
 
     slot_block_ids: torch.Tensor
@@ -63,6 +74,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None
     all_decode: bool = False
     dcp: Any = None
+    sliding_window: int | None = None
 
 
 def write_kv(
@@ -99,11 +111,12 @@ def paged_attention(
         return dcp_attention(q, k, v, kv_cache, meta.dcp, scale)
     write_kv(kv_cache, k, v, meta)
     out = q.new_empty(q.shape)
-    num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
+    block_size, num_kv_heads, head_size = kv_cache.shape[-3], kv_cache.shape[-2], kv_cache.shape[-1]
+    window = meta.sliding_window
     for seq in meta.prefills:
         qs = q[seq.start : seq.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         n = seq.end - seq.start
-        if seq.context_len == 0:
+        if seq.context_len == 0 and (window is None or n <= window):
             ks = k[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
             vs = v[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
@@ -111,10 +124,21 @@ def paged_attention(
             )
         else:
             total = seq.context_len + n
-            ks = kv_cache[0, seq.block_table].reshape(-1, num_kv_heads, head_size)[:total]
-            vs = kv_cache[1, seq.block_table].reshape(-1, num_kv_heads, head_size)[:total]
-            q_pos = torch.arange(seq.context_len, total, device=q.device)
-            mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+            # First key any query needs: 0, or with a window the first block holding key
+            # context_len - W + 1 (blocks before it may be freed: never read).
+            first_block = 0 if window is None else max(0, seq.context_len - window + 1) // block_size
+            lo = first_block * block_size
+            if seq.context_len == 0:  # n > W: this step's keys, no cache read
+                ks, vs = k[seq.start : seq.end], v[seq.start : seq.end]
+            else:
+                table = seq.block_table[first_block:]
+                ks = kv_cache[0, table].reshape(-1, num_kv_heads, head_size)[: total - lo]
+                vs = kv_cache[1, table].reshape(-1, num_kv_heads, head_size)[: total - lo]
+            q_pos = torch.arange(seq.context_len, total, device=q.device)[:, None]
+            k_pos = torch.arange(lo, total, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
             o = F.scaled_dot_product_attention(
                 qs,
                 ks.transpose(0, 1).unsqueeze(0),
@@ -134,15 +158,21 @@ def paged_attention(
 def _decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """One query token per request over its whole context. q: [B, H, D] -> [B, H, D]."""
+    """One query token per request over its context (the last sliding_window keys of it with a
+    window). q: [B, H, D] -> [B, H, D]."""
     assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
     bsz = q.shape[0]
-    num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
+    block_size, num_kv_heads, head_size = kv_cache.shape[-3], kv_cache.shape[-2], kv_cache.shape[-1]
     ks = kv_cache[0, meta.decode_block_tables].view(bsz, -1, num_kv_heads, head_size)
     vs = kv_cache[1, meta.decode_block_tables].view(bsz, -1, num_kv_heads, head_size)
-    if meta.decode_mask is None:  # B == 1: slice the exact context, no mask needed
+    if meta.decode_mask is None:  # B == 1: slice the exact key range, no mask needed
         seq_len = int(meta.decode_seq_lens[0])
-        ks, vs = ks[:, :seq_len], vs[:, :seq_len]
+        if meta.sliding_window is None:
+            ks, vs = ks[:, :seq_len], vs[:, :seq_len]
+        else:  # the table starts at the window's first block (see AttentionMetadata)
+            lo = max(0, seq_len - meta.sliding_window)
+            shift = lo // block_size * block_size
+            ks, vs = ks[:, lo - shift : seq_len - shift], vs[:, lo - shift : seq_len - shift]
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [B, H, 1, D]
         ks.transpose(1, 2),

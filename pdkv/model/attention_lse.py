@@ -104,11 +104,13 @@ def shard_attention(
     kv_cache: torch.Tensor,
     seqs: list[ShardSeq],
     scale: float,
+    sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of each request's queries over the keys this rank stores.
 
-    A key is visible to a query iff key_position <= query_position (global positions), so the
-    same function serves decodes, prefill chunks, and DCP shards whose keys are interleaved.
+    A key is visible to a query iff key_position <= query_position (global positions), and with
+    a sliding window W also key_position > query_position - W (HF semantics), so the same
+    function serves decodes, prefill chunks, and DCP shards whose keys are interleaved.
     The keys of this step must already be in `kv_cache` (write before attending).
 
     Args:
@@ -117,6 +119,7 @@ def shard_attention(
             head h // (H // KVH).
         seqs: the requests; their row ranges must not overlap.
         scale: softmax scale (1/sqrt(head_size)).
+        sliding_window: W in tokens, or None for full causal attention.
 
     Returns:
         out [T, H, D] in q's dtype and lse [T, H] float32 (log Σ_j exp(scale · q·k_j) over
@@ -135,6 +138,8 @@ def shard_attention(
         qpos = seq.query_positions.to(q.device)
         kpos = seq.key_positions.to(q.device)
         visible = kpos[None, :] <= qpos[:, None]
+        if sliding_window is not None:
+            visible &= kpos[None, :] > qpos[:, None] - sliding_window
         o, s = attention_with_lse(q[seq.start : seq.end], k, v, visible, scale)
         out[seq.start : seq.end] = o
         lse[seq.start : seq.end] = s

@@ -7,105 +7,26 @@ computed only for the positions that are sampled.
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdkv.model.arch_config import (
+    SUPPORTED_ARCHITECTURES,
+    LlamaArchConfig,
+    attention_groups,
+    hybrid_state_kinds,
+)
 from pdkv.model.attention import AttentionMetadata, paged_attention
 from pdkv.parallel.context import ParallelContext
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+__all__ = ["SUPPORTED_ARCHITECTURES", "LlamaArchConfig", "LlamaForCausalLM", "hybrid_state_kinds"]
 
 # (q [T, H, D], k [T, KVH, D], v [T, KVH, D], kv_cache, meta, scale) -> [T, H, D]; the layer's
 # one attention call (paged_attention today; a DCP variant plugs in here).
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class LlamaArchConfig:
-    """The parts of an HF config.json this model uses.
-
-    Raises (from `from_hf_folder`):
-        ValueError: unsupported architecture or rope scaling.
-    """
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    bos_token_id: int | None
-    eos_token_id: int | None
-
-    @staticmethod
-    def from_hf_folder(path: str) -> LlamaArchConfig:
-        with open(os.path.join(path, "config.json")) as f:
-            cfg = json.load(f)
-        arch = (cfg.get("architectures") or ["?"])[0]
-        hybrid = hybrid_state_kinds(cfg)
-        if hybrid:
-            raise ValueError(
-                f"{arch} in {path} keeps {' + '.join(hybrid)} state: hybrid state groups (sliding "
-                "window, MLA, linear attention) are not supported yet (issue 11); supported: "
-                f"full-attention {SUPPORTED_ARCHITECTURES}"
-            )
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r} in {path}; supported: {SUPPORTED_ARCHITECTURES}"
-            )
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "default":
-            raise ValueError(f"rope_scaling {rope_scaling} is not supported yet")
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM"):
-            raise ValueError("sliding-window attention is not supported yet (issue 11)")
-        num_heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0]
-        rope_params = cfg.get("rope_parameters") or {}
-        return LlamaArchConfig(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=eos,
-        )
-
-
-def hybrid_state_kinds(cfg: dict[str, object]) -> list[str]:
-    """The non-full-attention state kinds an HF config.json declares ("sliding_window", "mla",
-    "linear_state"), read by the cost model's parser (`pdkv.plan.model`); [] for a dense model
-    or a config that parser cannot read."""
-    from pdkv.plan.model import spec_from_hf_config
-
-    try:
-        spec = spec_from_hf_config(dict(cfg))
-    except (ValueError, KeyError, TypeError):
-        return []
-    return [g.kind for g in spec.groups if g.kind != "full_attention"]
 
 
 def rope_cos_sin(
@@ -283,6 +204,11 @@ class LlamaForCausalLM(nn.Module):
             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         )
         self.head_packed: torch.Tensor | None = None
+        # KV cache group of each layer (pdkv.worker.kv_cache makes one group per entry).
+        self.layer_groups = [0] * cfg.num_layers
+        for g, (_, layers) in enumerate(attention_groups(cfg)):
+            for i in layers:
+                self.layer_groups[i] = g
         cos, sin = rope_cos_sin(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device)
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)  # signed, see above
@@ -297,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | Sequence[AttentionMetadata],
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Run the step.
@@ -306,7 +232,9 @@ class LlamaForCausalLM(nn.Module):
             input_ids: [T] long, the step's tokens (several requests, flattened).
             positions: [T] long, their positions within their requests.
             kv_caches: per layer [2, num_blocks, block_size, num_local_kv_heads, head_dim].
-            meta: paged-attention metadata.
+            meta: paged-attention metadata: one per KV cache group (layer i reads
+                meta[layer_groups[i]]: its group's block tables and sliding window), or one for
+                every layer (a dense model's single group).
             logits_indices: [S] long, flat indices whose next-token logits are needed.
 
         Returns:
@@ -315,8 +243,9 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed[input_ids]
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer.forward(hidden, cos, sin, kv_cache, meta)
+        metas = [meta] if isinstance(meta, AttentionMetadata) else meta
+        for layer, kv_cache, g in zip(self.layers, kv_caches, self.layer_groups):
+            hidden = layer.forward(hidden, cos, sin, kv_cache, metas[g if len(metas) > 1 else 0])
         hidden = rms_norm(hidden[logits_indices], self.norm, self.cfg.rms_norm_eps)
         head = self.embed if self.lm_head is None else self.lm_head
         return linear(hidden, head, self.head_packed).float()

@@ -1,8 +1,10 @@
-"""Tiny random-weight Llama checkpoints for tensor-parallel and DCP tests.
+"""Tiny random-weight checkpoints for tensor-parallel, DCP and hybrid-state tests.
 
 `tiny-llama-kv1` and `tiny-llama-kv2` are Llama-architecture HF folders (config.json,
 model.safetensors, SmolLM2's tokenizer files) built with transformers' `LlamaConfig` +
-`LlamaForCausalLM` from a fixed seed; `pdkv.model.registry.resolve_model` builds them on first use
+`LlamaForCausalLM` from a fixed seed; `tiny-swa` is the same shape as `tiny-llama-kv2` built as a
+`Qwen2ForCausalLM` (q/k/v biases) whose `layer_types` interleave sliding-window and full
+attention (sliding_window 40 tokens, deliberately not a multiple of the block size 16). `pdkv.model.registry.resolve_model` builds them on first use
 under `$PDKV_CACHE/models/<name>` and reuses them after.
 
 Why these sizes:
@@ -23,6 +25,13 @@ Why these sizes:
   difference on the same run (2.5e-4, a stand-in for reduction-order rounding).
   tests/model/test_tiny_models.py asserts margin >= 5e-3 and >= 20x that difference at every
   step: `python -m pytest -q tests/model/test_tiny_models.py -k margins`.
+
+`tiny-swa` stands for the families that keep sliding-window KV: Mistral (sliding_window on every
+layer), Qwen2 / Qwen3 (`layer_types` or use_sliding_window + max_window_layers), Gemma-2 / Gemma-3
+(interleaved local / global layers, 1:1 and 5:1) and gpt-oss (alternating 128-token banded and
+full layers). Its 4 layers alternate sliding, full, sliding, full, so both KV cache groups hold
+two layers. tests/model/test_swa_engine.py checks that HF really applies the window on it (its
+greedy output on a 150-token prompt differs from the same weights with the window disabled).
 """
 
 from __future__ import annotations
@@ -33,11 +42,19 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class TinyLlamaSpec:
-    """Shape of one tiny random Llama; sizes in elements, lengths in tokens."""
+class TinyModelSpec:
+    """Shape of one tiny random decoder; sizes in elements, lengths in tokens.
+
+    `architecture` is "LlamaForCausalLM" or "Qwen2ForCausalLM"; `layer_types` (Qwen2 only, HF
+    names "sliding_attention" / "full_attention") and `sliding_window` (tokens, HF semantics: the
+    query at p sees keys p - W < k <= p) make a sliding-window model.
+    """
 
     name: str
     num_key_value_heads: int
+    architecture: str = "LlamaForCausalLM"
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
     vocab_size: int = 49152  # SmolLM2's tokenizer
     hidden_size: int = 128
     intermediate_size: int = 256
@@ -56,16 +73,23 @@ class TinyLlamaSpec:
         return self.hidden_size // self.num_attention_heads
 
 
-TINY_MODELS: dict[str, TinyLlamaSpec] = {
-    "tiny-llama-kv1": TinyLlamaSpec(name="tiny-llama-kv1", num_key_value_heads=1),
-    "tiny-llama-kv2": TinyLlamaSpec(name="tiny-llama-kv2", num_key_value_heads=2),
+TinyLlamaSpec = TinyModelSpec  # the name before sliding-window models
+
+TINY_MODELS: dict[str, TinyModelSpec] = {
+    "tiny-llama-kv1": TinyModelSpec(name="tiny-llama-kv1", num_key_value_heads=1),
+    "tiny-llama-kv2": TinyModelSpec(name="tiny-llama-kv2", num_key_value_heads=2),
+    "tiny-swa": TinyModelSpec(
+        name="tiny-swa", num_key_value_heads=2, architecture="Qwen2ForCausalLM",
+        layer_types=("sliding_attention", "full_attention", "sliding_attention", "full_attention"),
+        sliding_window=40,
+    ),
 }
 
 # Tokenizer files copied from the SmolLM2 folder (those that exist there).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def build_tiny_llama(spec: TinyLlamaSpec, out_dir: str, tokenizer_dir: str) -> None:
+def build_tiny_llama(spec: TinyModelSpec, out_dir: str, tokenizer_dir: str) -> None:
     """Write the HF folder of `spec` into `out_dir` (which must exist): config.json,
     generation_config.json, model.safetensors (float32) and the tokenizer files of `tokenizer_dir`.
 
@@ -78,19 +102,27 @@ def build_tiny_llama(spec: TinyLlamaSpec, out_dir: str, tokenizer_dir: str) -> N
     if not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
         raise FileNotFoundError(f"no tokenizer.json in {tokenizer_dir}")
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    cfg = LlamaConfig(
+    common = dict(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings,
+        max_position_embeddings=spec.max_position_embeddings,
         rope_theta=spec.rope_theta, tie_word_embeddings=True, initializer_range=spec.initializer_range,
         bos_token_id=spec.bos_token_id, eos_token_id=spec.eos_token_id,
     )
+    if spec.architecture == "Qwen2ForCausalLM":
+        cfg = transformers.Qwen2Config(
+            **common, layer_types=list(spec.layer_types) if spec.layer_types else None,
+            sliding_window=spec.sliding_window, use_sliding_window=spec.sliding_window is not None,
+            max_window_layers=0,
+        )
+    else:
+        cfg = transformers.LlamaConfig(**common, head_dim=spec.head_dim)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(cfg).eval()
+        model = getattr(transformers, spec.architecture)(cfg).eval()
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in TOKENIZER_FILES:
         src = os.path.join(tokenizer_dir, name)

@@ -6,17 +6,36 @@ from collections.abc import Callable
 
 import torch
 
-from pdkv.cache.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from pdkv.cache.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from pdkv.config import CacheConfig
-from pdkv.model.llama import LlamaArchConfig
+from pdkv.model.arch_config import LlamaArchConfig, attention_groups
+
+
+def check_sliding_window_parallel(arch: LlamaArchConfig, dcp_size: int) -> None:
+    """Refuse decode context parallelism on a sliding-window model (not supported yet: DCP's
+    sharded attention has no window bound and its metadata covers one KV cache group).
+
+    Raises:
+        ValueError: dcp_size > 1 and some layer slides.
+    """
+    if dcp_size > 1 and arch.sliding_window is not None:
+        raise ValueError(
+            f"decode_context_parallel_size={dcp_size} is not supported with sliding-window "
+            f"attention yet ({arch.architecture} slides {arch.layer_types.count('sliding_attention')} "
+            f"of {arch.num_layers} layers over {arch.sliding_window} tokens); use "
+            "decode_context_parallel_size=1 (tensor parallelism works)"
+        )
 
 
 def make_kv_cache_config(
     arch: LlamaArchConfig, cache_config: CacheConfig, dtype: str, max_model_len: int,
     num_kv_heads: int | None = None, dcp_size: int = 1, logical: bool = False,
 ) -> KVCacheConfig:
-    """One FullAttention group holding every layer; block count from the config or the memory
-    budget (per rank).
+    """One KV cache group per attention kind: FullAttentionSpec for full layers,
+    SlidingWindowSpec(window) for sliding ones, in the order of each group's first layer (a dense
+    model is one FullAttention group holding every layer). Every group's pool has num_blocks
+    blocks, from the config or the memory budget (per rank):
+    num_blocks = kv_cache_memory_bytes // (sum over groups of one block's bytes).
 
     Args:
         num_kv_heads: KV heads this rank stores (TP shards them; default: all of the model's).
@@ -26,17 +45,21 @@ def make_kv_cache_config(
             block's bytes are those of the whole DCP group) instead of one rank's tensors.
 
     Raises:
-        ValueError: the pool cannot hold even one request of max_model_len tokens.
+        ValueError: the pool cannot hold even one request of max_model_len tokens; DCP with a
+            sliding-window model (check_sliding_window_parallel).
     """
+    check_sliding_window_parallel(arch, dcp_size)
     block_size = cache_config.block_size
-    spec = FullAttentionSpec(
-        block_size=block_size * dcp_size if logical else block_size,
-        num_kv_heads=num_kv_heads or arch.num_kv_heads,
-        head_size=arch.head_dim,
-        dtype=dtype,
-    )
-    group = KVCacheGroupSpec(layer_indices=tuple(range(arch.num_layers)), spec=spec)
-    physical_block_bytes = spec.page_size_bytes * arch.num_layers // (dcp_size if logical else 1)
+    groups = []
+    full = FullAttentionSpec(block_size=block_size * dcp_size if logical else block_size,
+                             num_kv_heads=num_kv_heads or arch.num_kv_heads, head_size=arch.head_dim, dtype=dtype)
+    for window, layers in attention_groups(arch):
+        spec = full if window is None else SlidingWindowSpec(
+            block_size=full.block_size, num_kv_heads=full.num_kv_heads, head_size=full.head_size,
+            dtype=dtype, sliding_window=window)
+        groups.append(KVCacheGroupSpec(layer_indices=layers, spec=spec))
+    group_bytes = sum(g.spec.page_size_bytes * len(g.layer_indices) for g in groups)
+    physical_block_bytes = group_bytes // (dcp_size if logical else 1)
     num_blocks = cache_config.num_kv_blocks or cache_config.kv_cache_memory_bytes // physical_block_bytes
     needed = -(-max_model_len // (block_size * dcp_size))
     if num_blocks < needed:
@@ -46,7 +69,7 @@ def make_kv_cache_config(
             f"request of max_model_len={max_model_len} tokens ({needed} blocks): raise "
             "num_kv_blocks / kv_cache_memory_bytes or lower max_model_len"
         )
-    return KVCacheConfig(num_blocks=num_blocks, groups=(group,))
+    return KVCacheConfig(num_blocks=num_blocks, groups=tuple(groups))
 
 
 def allocate_kv_cache(
@@ -66,7 +89,7 @@ def allocate_kv_cache(
         head_size]; per-layer views in model layer order, each [2, num_blocks, block_size,
         num_kv_heads, head_size]).
     """
-    groups = []
+    groups: list[torch.Tensor] = []
     num_layers = sum(len(g.layer_indices) for g in kv_cache_config.groups)
     layer_views: list[torch.Tensor | None] = [None] * num_layers
     for g in kv_cache_config.groups:

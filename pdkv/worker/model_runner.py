@@ -20,7 +20,7 @@ from pdkv.cache.specs import KVCacheConfig
 from pdkv.config import CacheConfig, KVTransferConfig, ModelConfig
 from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
-from pdkv.model.attention import AttentionMetadata, PrefillSeq
+from pdkv.model.attention import AttentionMetadata
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
 from pdkv.model.sampler import LogprobEntry, SamplingRow, sample
@@ -32,6 +32,11 @@ from pdkv.sched.output import (
     SchedulerOutput,
 )
 from pdkv.tokenizer import Tokenizer
+from pdkv.worker.attn_metadata import (
+    StepRequest,
+    build_attention_metadata,
+    build_dcp_attention_metadata,
+)
 from pdkv.worker.kv_cache import allocate_kv_cache, make_kv_cache_config
 
 if TYPE_CHECKING:
@@ -243,7 +248,7 @@ class ModelRunner:
             self.requests[req_id].num_computed_tokens += n
         t3 = time.perf_counter()
         self.timings = StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2,
-                                   dcp_comm=meta.dcp.comm_seconds if meta.dcp is not None else 0.0)
+                                   dcp_comm=meta[0].dcp.comm_seconds if meta[0].dcp is not None else 0.0)
         kv_out = self._connector_output(out) if conn is not None else None
         return ModelRunnerOutput(sampled_token_ids=result, logprobs=lp_out or None, kv_connector_output=kv_out,
                                  prompt_logprobs=prompt_lp or None)
@@ -292,47 +297,22 @@ class ModelRunner:
 
     def _prepare_inputs(
         self, out: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[CachedRequestState],
+    ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], torch.Tensor, list[CachedRequestState],
                list[tuple[CachedRequestState, int, int]]]:
-        bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
-        slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
-        prefills: list[PrefillSeq] = []
-        dec_idx: list[int] = []
-        dec_tables: list[list[int]] = []
-        dec_lens: list[int] = []
         logits_idx: list[int] = []
         sampled: list[CachedRequestState] = []
         prompt_idx: list[int] = []
         prompt_rows: list[tuple[CachedRequestState, int, int]] = []
-        par = self.parallel
-        dcp = par is not None and par.dcp_size > 1
-        shard_reqs: list[tuple[int, int, int, list[int]]] = []
+        step_reqs: list[StepRequest] = []  # tables of group 0; other groups: below
         for req_id, n in out.num_scheduled_tokens.items():
             state = self.requests[req_id]
             start = len(ids)
             c = state.num_computed_tokens
-            table = state.block_ids[0]
             ids.extend(state.token_ids[c : c + n])
-            rng = range(c, c + n)
-            pos.extend(rng)
-            if dcp:  # slots and block tables per rank: build_dcp_metadata below
-                shard_reqs.append((start, n, c, table))
-            elif n == 1:
-                slot_blocks.extend(table[p // bs] for p in rng)
-                slot_offsets.extend(p % bs for p in rng)
-                dec_idx.append(start)
-                dec_tables.append(table[: c // bs + 1])
-                dec_lens.append(c + 1)
-            else:
-                slot_blocks.extend(table[p // bs] for p in rng)
-                slot_offsets.extend(p % bs for p in rng)
-                nblocks = -(-(c + n) // bs)
-                prefills.append(
-                    PrefillSeq(start, start + n, c, torch.tensor(table[:nblocks], device=self.device))
-                )
+            pos.extend(range(c, c + n))
+            step_reqs.append((start, n, c, state.block_ids[0]))
             if c + n == len(state.token_ids):
                 logits_idx.append(start + n - 1)
                 sampled.append(state)
@@ -345,33 +325,18 @@ class ModelRunner:
                     prompt_rows.append((state, c, count))
 
         dev = self.device
-        decode_token_idx = decode_tables = decode_lens = decode_mask = None
-        if dec_idx:
-            width = max(len(t) for t in dec_tables)
-            padded = [t + [0] * (width - len(t)) for t in dec_tables]
-            decode_token_idx = torch.tensor(dec_idx, device=dev)
-            decode_tables = torch.tensor(padded, device=dev)
-            decode_lens = torch.tensor(dec_lens, device=dev)
-            if len(dec_idx) > 1:
-                keys = torch.arange(width * bs, device=dev)
-                decode_mask = (keys[None, :] < decode_lens[:, None])[:, None, None, :]
-        # With DCP this rank writes and attends only the tokens it stores (its shard).
-        dcp_meta = None
-        if dcp and par is not None:
-            from pdkv.parallel.dcp_attention import build_dcp_metadata
-
-            dcp_meta = build_dcp_metadata(par, bs, shard_reqs, dev)
-        meta = AttentionMetadata(
-            dcp=dcp_meta,
-            slot_block_ids=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
-            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=dev),
-            prefills=prefills,
-            decode_token_idx=decode_token_idx,
-            decode_block_tables=decode_tables,
-            decode_seq_lens=decode_lens,
-            decode_mask=decode_mask,
-            all_decode=len(dec_idx) == len(ids),
-        )
+        par = self.parallel
+        meta: list[AttentionMetadata]
+        if par is not None and par.dcp_size > 1:  # dense only (DCP + sliding window is refused)
+            meta = [build_dcp_attention_metadata(par, step_reqs, self.block_size, dev)]
+        else:  # one metadata per KV cache group: its own block tables and window
+            meta = []
+            for g, group in enumerate(self.kv_cache_config.groups):
+                reqs = step_reqs if g == 0 else [
+                    (start, n, c, self.requests[req_id].block_ids[g])
+                    for (start, n, c, _), req_id in zip(step_reqs, out.num_scheduled_tokens)]
+                window = getattr(group.spec, "sliding_window", None)
+                meta.append(build_attention_metadata(reqs, len(ids), self.block_size, dev, window))
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),

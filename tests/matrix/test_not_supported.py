@@ -94,19 +94,7 @@ def test_decode_refuses_kv_from_a_prefill_of_another_tp_size(record_property):
     record_property(DETAIL_PROPERTY, str(e.value))
 
 
-def _mistral_sliding_window() -> dict:
-    from transformers import MistralConfig
-
-    cfg = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                        sliding_window=64).to_dict()
-    cfg["architectures"] = ["MistralForCausalLM"]
-    return cfg
-
-
 HYBRIDS = [
-    pytest.param("mistral-sw", "sliding_window", id="mistral-sw", marks=pytest.mark.matrix(
-        "colocated", "hybrid-sliding-window", model="mistral-sw", expect="unsupported")),
     pytest.param("deepseek-v3", "mla", id="deepseek-v3", marks=pytest.mark.matrix(
         "colocated", "hybrid-mla", model="deepseek-v3", expect="unsupported")),
     pytest.param("qwen3-next-80b-a3b", "linear_state", id="qwen3-next", marks=pytest.mark.matrix(
@@ -118,10 +106,7 @@ HYBRIDS = [
 
 @pytest.mark.parametrize("name, kinds", HYBRIDS)
 def test_hybrid_state_configs_are_refused_naming_their_state(name, kinds, tmp_path, capsys, record_property):
-    if name == "mistral-sw":
-        cfg = _mistral_sliding_window()
-    else:
-        cfg = json.loads((PLAN_CONFIGS / f"{name}.json").read_text())
+    cfg = json.loads((PLAN_CONFIGS / f"{name}.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     msg = refused(capsys, ["--model", os.fspath(tmp_path)])
     assert f"keeps {kinds} state" in msg and "issue 11" in msg

@@ -1,0 +1,151 @@
+"""The parts of an HF config.json the Llama-architecture decoder uses, sliding windows included.
+
+Sliding-window layers, per family (HF semantics: the query at position p sees keys k with
+p - sliding_window < k <= p, transformers' `sliding_window_overlay`):
+- Mistral (`MistralForCausalLM`): `sliding_window` (when not null) on every layer.
+- Qwen2 (`Qwen2ForCausalLM`): only with `use_sliding_window` true (default false; Qwen2Config then
+  sets sliding_window to None), on the layers `layer_types` marks "sliding_attention", or, without
+  `layer_types`, on layers i >= `max_window_layers` (default 28), as Qwen2Config.__post_init__.
+- Llama: never.
+Gemma-2/3 (interleaved local/global) and gpt-oss (alternating banded/full) use the same per-layer
+form; their architectures are not implemented here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class LlamaArchConfig:
+    """The parts of an HF config.json this model uses.
+
+    `layer_types[i]` is "full_attention" or "sliding_attention"; sliding layers attend over the
+    last `sliding_window` tokens (None when no layer slides).
+
+    Raises (from `from_hf_folder`):
+        ValueError: unsupported architecture, rope scaling or state kind (MLA, linear state).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+
+    def layer_window(self, layer: int) -> int | None:
+        """Sliding window (tokens) of `layer`, None for full attention."""
+        if self.layer_types and self.layer_types[layer] == SLIDING:
+            return self.sliding_window
+        return None
+
+    @staticmethod
+    def from_hf_folder(path: str) -> LlamaArchConfig:
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        arch = (cfg.get("architectures") or ["?"])[0]
+        hybrid = hybrid_state_kinds(cfg)
+        if any(kind != "sliding_window" for kind in hybrid):
+            raise ValueError(
+                f"{arch} in {path} keeps {' + '.join(hybrid)} state: hybrid state groups (MLA, "
+                "linear attention) are not supported yet (issue 11); supported: full-attention "
+                f"and sliding-window {SUPPORTED_ARCHITECTURES}"
+            )
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r} in {path}; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "default":
+            raise ValueError(f"rope_scaling {rope_scaling} is not supported yet")
+        num_heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0]
+        rope_params = cfg.get("rope_parameters") or {}
+        window, layer_types = sliding_layers(cfg, arch)
+        return LlamaArchConfig(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos,
+            layer_types=layer_types,
+            sliding_window=window,
+        )
+
+
+def attention_groups(cfg: LlamaArchConfig) -> list[tuple[int | None, tuple[int, ...]]]:
+    """Layers grouped by attention window: (window in tokens or None for full attention, layer
+    indices), groups in the order of their first layer. A dense model is one group of every
+    layer; the KV cache keeps one group per entry (pdkv.worker.kv_cache)."""
+    groups: dict[int | None, list[int]] = {}
+    for i in range(cfg.num_layers):
+        groups.setdefault(cfg.layer_window(i), []).append(i)
+    return [(w, tuple(layers)) for w, layers in groups.items()]
+
+
+def sliding_layers(cfg: dict[str, Any], arch: str) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding window in tokens or None, per-layer type) as transformers applies them for
+    `arch` (rules in the module docstring).
+
+    Raises:
+        ValueError: `layer_types` has the wrong length or an unknown type.
+    """
+    n = int(cfg["num_hidden_layers"])
+    window = cfg.get("sliding_window")
+    if arch == "MistralForCausalLM":
+        return (int(window), (SLIDING,) * n) if window else (None, (FULL,) * n)
+    if arch != "Qwen2ForCausalLM" or not window or not cfg.get("use_sliding_window", False):
+        return None, (FULL,) * n
+    types = cfg.get("layer_types")
+    if types is None:
+        first = int(cfg.get("max_window_layers", 28))
+        types = [SLIDING if i >= first else FULL for i in range(n)]
+    if len(types) != n or any(t not in (FULL, SLIDING) for t in types):
+        raise ValueError(f"layer_types {types} must name {n} layers, each {FULL!r} or {SLIDING!r}")
+    if SLIDING not in types:
+        return None, tuple(types)
+    return int(window), tuple(types)
+
+
+def hybrid_state_kinds(cfg: dict[str, object]) -> list[str]:
+    """The non-full-attention state kinds an HF config.json declares ("sliding_window", "mla",
+    "linear_state"), read by the cost model's parser (`pdkv.plan.model`); [] for a dense model
+    or a config that parser cannot read."""
+    from pdkv.plan.model import spec_from_hf_config
+
+    try:
+        spec = spec_from_hf_config(dict(cfg))
+    except (ValueError, KeyError, TypeError):
+        return []
+    return [g.kind for g in spec.groups if g.kind != "full_attention"]

@@ -1,0 +1,104 @@
+"""Paged-attention metadata of one step, built from the scheduled requests' block tables.
+
+The model runner flattens the step's requests into one token batch and hands each request's
+(flat start, query count n, cached tokens c, block table) here; this module turns them into the
+slot mapping and block tables that `pdkv.model.attention.paged_attention` reads. With decode
+context parallelism the rank's shard metadata comes from `pdkv.parallel.dcp_attention` instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdkv.model.attention import AttentionMetadata, PrefillSeq
+
+if TYPE_CHECKING:
+    from pdkv.parallel.context import ParallelContext
+
+# (flat start, query tokens n, cached tokens c, block table): queries are positions c .. c+n-1.
+StepRequest = tuple[int, int, int, list[int]]
+
+
+def build_attention_metadata(
+    requests: Sequence[StepRequest], num_tokens: int, block_size: int, device: torch.device,
+    sliding_window: int | None = None,
+) -> AttentionMetadata:
+    """Slots, prefill runs and decode tables of one step over one block table per request (the
+    tables of one KV cache group).
+
+    Args:
+        requests: per scheduled request, in flat-batch order (see StepRequest).
+        num_tokens: T, the step's flat token count (sum of the n).
+        block_size: tokens per block.
+        sliding_window: the group's window W in tokens (None: full attention). Decode rows then
+            start at the block of key max(0, len - W) and their mask also bounds keys from below
+            (the query at p sees p - W < k <= p).
+
+    Returns:
+        the step's AttentionMetadata (requests with n == 1 are decodes, the others prefill runs).
+    """
+    bs = block_size
+    slot_blocks: list[int] = []
+    slot_offsets: list[int] = []
+    prefills: list[PrefillSeq] = []
+    dec_idx: list[int] = []
+    dec_tables: list[list[int]] = []
+    dec_lens: list[int] = []
+    dec_first: list[int] = []  # first key position of each decode row's table
+    for start, n, c, table in requests:
+        rng = range(c, c + n)
+        slot_blocks.extend(table[p // bs] for p in rng)
+        slot_offsets.extend(p % bs for p in rng)
+        if n == 1:
+            dec_idx.append(start)
+            first = 0 if sliding_window is None else max(0, c + 1 - sliding_window) // bs
+            dec_tables.append(table[first : c // bs + 1])
+            dec_lens.append(c + 1)
+            dec_first.append(first * bs)
+        else:
+            nblocks = -(-(c + n) // bs)
+            prefills.append(PrefillSeq(start, start + n, c, torch.tensor(table[:nblocks], device=device)))
+    decode_token_idx = decode_tables = decode_lens = decode_mask = None
+    if dec_idx:
+        width = max(len(t) for t in dec_tables)
+        padded = [t + [0] * (width - len(t)) for t in dec_tables]
+        decode_token_idx = torch.tensor(dec_idx, device=device)
+        decode_tables = torch.tensor(padded, device=device)
+        decode_lens = torch.tensor(dec_lens, device=device)
+        if len(dec_idx) > 1:
+            keys = torch.arange(width * bs, device=device)
+            if sliding_window is None:
+                decode_mask = (keys[None, :] < decode_lens[:, None])[:, None, None, :]
+            else:  # key j of row i is position first_i + j
+                rel = decode_lens - torch.tensor(dec_first, device=device)
+                visible = (keys[None, :] < rel[:, None]) & (keys[None, :] >= rel[:, None] - sliding_window)
+                decode_mask = visible[:, None, None, :]
+    return AttentionMetadata(
+        slot_block_ids=torch.tensor(slot_blocks, dtype=torch.long, device=device),
+        slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
+        prefills=prefills,
+        decode_token_idx=decode_token_idx,
+        decode_block_tables=decode_tables,
+        decode_seq_lens=decode_lens,
+        decode_mask=decode_mask,
+        all_decode=len(dec_idx) == num_tokens,
+        sliding_window=sliding_window,
+    )
+
+
+def build_dcp_attention_metadata(
+    parallel: ParallelContext, requests: Sequence[StepRequest], block_size: int, device: torch.device,
+) -> AttentionMetadata:
+    """With DCP this rank writes and attends only the tokens it stores (its shard): the
+    metadata carries `dcp` (pdkv.parallel.dcp_attention.DCPMetadata) and no local slots."""
+    from pdkv.parallel.dcp_attention import build_dcp_metadata
+
+    empty = torch.tensor([], dtype=torch.long, device=device)
+    return AttentionMetadata(
+        slot_block_ids=empty, slot_offsets=empty, prefills=[], decode_token_idx=None,
+        decode_block_tables=None, decode_seq_lens=None, decode_mask=None, all_decode=False,
+        dcp=build_dcp_metadata(parallel, block_size, requests, device),
+    )
