@@ -82,6 +82,9 @@ TINY_MODELS: dict[str, TinyModelSpec] = {
         name="tiny-swa", num_key_value_heads=2, architecture="Qwen2ForCausalLM",
         layer_types=("sliding_attention", "full_attention", "sliding_attention", "full_attention"),
         sliding_window=40,
+        # Seed 6: smallest greedy margin 0.029, 70x the fp32-vs-fp64 logit difference on the
+        # test prompts (seed 0 gave 0.0097, only 20x).
+        seed=6,
     ),
 }
 

@@ -17,7 +17,7 @@ from pdkv import LLM, SamplingParams
 PROMPT_LENS = (10, 45, 150)  # below, around and well above the window (40)
 NEW_TOKENS = 24
 MARGIN_MIN = 5e-3  # as tests/model/test_tiny_models.py
-MARGIN_OVER_ROUNDING = 20.0  # measured: >= 20.3x (the 150-token prompt)
+MARGIN_OVER_ROUNDING = 20.0  # as tests/model/test_tiny_models.py; measured >= 70x (seed 6)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -109,7 +109,7 @@ def test_greedy_matches_hf_plain_chunked_cached_and_alone(tiny_swa, prompts, hf_
     alone, _ = tokens(chunked, prompts[2:])  # decodes one request a step (B = 1)
     assert alone == ref[2:]
     for pool in chunked.llm_engine.scheduler.kv_cache_manager.block_pools:  # both groups: no leak
-        assert pool.num_free_blocks == pool.num_blocks
+        assert pool.num_free_blocks == pool.num_usable_blocks
 
 
 def test_dcp_is_refused_on_a_sliding_window_model(tiny_swa):
