@@ -218,12 +218,15 @@ class KVCacheManager:
     def cache_loaded_blocks(self, request: Request, num_tokens: int) -> None:
         """A KV connector finished loading: the request's KV is valid for its first
         `num_tokens` tokens and `request.num_computed_tokens` is already set to where it
-        resumes. First drop the blocks no later query reads (sliding window), then register
-        the full blocks left: a P/D decode engine loads only the sliding-window blocks inside
-        the window of the resume position, so the others hold garbage and must never be
-        cached under a valid hash."""
+        resumes. First drop the sliding-window blocks outside the window of the block boundary
+        at or before that position, then register the full blocks left: a P/D decode engine
+        loads only the window-group blocks inside that window (so that a later request with
+        the same prompt can hit up to that boundary), the others hold garbage and must never
+        be cached under a valid hash. (The request's next allocation frees the extra block;
+        it stays cached.)"""
+        boundary = request.num_computed_tokens // self.block_size * self.block_size
         for m in self.managers:
-            m.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
+            m.remove_skipped_blocks(request.request_id, boundary)
         self.cache_blocks(request, num_tokens)
 
     def free(self, request: Request) -> None:

@@ -43,7 +43,8 @@ FEATURES: tuple[Axis, ...] = (
     Axis("pd-reblock", "P/D between block sizes 16 and 32, KV mapped by token position (tcp)"),
     Axis("hetero-tp", "P/D from a P at tp > 1 (multi-rank producer)"),
     Axis("quantized-kv", "quantized KV cache (--kv-cache-dtype fp8)"),
-    Axis("hybrid-sliding-window", "hybrid state: sliding-window attention"),
+    Axis("hybrid-sliding-window", "hybrid state: sliding-window attention (window-group blocks freed "
+                                  "early, per-window prefix hits)"),
     Axis("hybrid-mla", "hybrid state: MLA latents"),
     Axis("hybrid-linear", "hybrid state: linear attention (conv + recurrent state)"),
 )
@@ -53,7 +54,7 @@ MODELS: tuple[Axis, ...] = (
     Axis("tiny-llama", "random 2-layer Llama, SmolLM2 tokenizer (made by the test)"),
     Axis("tiny-llama-kv1", "random 4-layer Llama, 4 query heads, 1 KV head (`--model tiny-llama-kv1`)"),
     Axis("tiny-llama-kv2", "random 4-layer Llama, 4 query heads, 2 KV heads (`--model tiny-llama-kv2`)"),
-    Axis("mistral-sw", "Mistral config with sliding_window (config.json only)"),
+    Axis("tiny-swa", "random 4-layer Qwen2, sliding window 40 on layers 0 and 2 (`--model tiny-swa`)"),
     Axis("deepseek-v3", "DeepSeek-V3 config.json (MLA), pdkv/plan/configs"),
     Axis("qwen3-next", "Qwen3-Next-80B-A3B config.json (Gated DeltaNet + full attention)"),
     Axis("kimi-linear", "Kimi-Linear-48B-A3B config.json (KDA + MLA)"),

@@ -272,12 +272,14 @@ def test_finished_load_caches_only_the_sliding_window_blocks_inside_the_window()
     to_resume, failed = state.resolve_finished_loads()
     assert to_resume == [req] and not failed
     assert req.num_computed_tokens == n - 1
-    # The query at 39 reads 34..39: blocks 8 and 9 were loaded, 0..7 hold garbage.
+    # The query at 39 reads 34..39 and a later prefix hit of 36 tokens reads 31..35: blocks
+    # 7, 8 and 9 were loaded (the window of the block boundary before the resume position),
+    # 0..6 hold garbage.
     full_pool, swa_pool = mgr.block_pools
     assert all(full_pool.get_cached_block(h) is not None for h in req.block_hashes)
     cached = [i for i, h in enumerate(req.block_hashes) if swa_pool.get_cached_block(h)]
-    assert cached == [8, 9]
-    assert held(mgr, req, 1) == [8, 9]
+    assert cached == [7, 8, 9]
+    assert held(mgr, req, 1) == [7, 8, 9]
     assert swa_pool.null_block is not None and swa_pool.null_block.block_hash is None
     mgr.free(req)
     assert_pools_full(mgr)

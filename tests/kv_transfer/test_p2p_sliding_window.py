@@ -22,8 +22,13 @@ def consumer() -> P2PConnectorScheduler:
 
 
 def brute_force_needed_blocks(n: int) -> set[int]:
-    """Blocks holding keys that the query at n - 1 (D's first computed token) or later reads."""
-    return {p // BS for p in range(max(0, n - W), n)}
+    """Blocks holding keys that the query at n - 1 (D's first computed token) or later reads,
+    or that a later prefix hit of B = the last block boundary <= n - 1 tokens needs (B - W + 1 ..
+    B - 1)."""
+    boundary = (n - 1) // BS * BS
+    reads = {p // BS for p in range(max(0, n - W), n)}
+    hit = {p // BS for p in range(max(0, boundary - W + 1), boundary)}
+    return reads | hit
 
 
 @pytest.mark.parametrize("n, hits", [(25, 0), (25, 8), (24, 0), (9, 0), (12, 4), (40, 16)])

@@ -94,6 +94,8 @@ def tokens(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[in
     return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
 
 
+@pytest.mark.slow  # loads HF's model (out of `pdkv matrix --quick`)
+@pytest.mark.matrix("hybrid-sliding-window", "colocated", "chunked-prefill", "prefix-caching", model="tiny-swa")
 def test_greedy_matches_hf_plain_chunked_cached_and_alone(tiny_swa, prompts, hf_runs):
     ref = [r["tokens"] for r in hf_runs]
     plain = LLM(tiny_swa, cpu_linear="torch", num_kv_blocks=64, max_model_len=256)
@@ -120,6 +122,7 @@ def test_dcp_is_refused_on_a_sliding_window_model(tiny_swa):
 
 
 @pytest.mark.slow  # two worker processes
+@pytest.mark.matrix("tp", model="tiny-swa")
 def test_tp2_matches_hf(tiny_swa, prompts, hf_runs):
     """TP 2 (one KV head per rank in both groups), chunked prefill, then a prefix-cache resend:
     HF's tokens, as at TP 1."""

@@ -233,9 +233,9 @@ class ConsumerSide:
                 j = i + 1
                 while j < len(local) and local[j] == local[j - 1] + 1 and remote[j] == remote[j - 1] + 1:
                     j += 1
-                n = (j - i) * bb
-                dest = self.regions[g][local[i] * bb : local[i] * bb + n]
-                ops.append(ReadOp(f"g{g}", remote[i] * bb, n, dest))
+                nbytes = (j - i) * bb
+                dest = self.regions[g][local[i] * bb : local[i] * bb + nbytes]
+                ops.append(ReadOp(f"g{g}", remote[i] * bb, nbytes, dest))
                 i = j
         return ops
 

@@ -248,11 +248,14 @@ class P2PConnectorScheduler:
     def _window_only(self, request: Request, first: int, local_ids: tuple[list[int], ...],
                      remote_ids: tuple[list[int], ...]
                      ) -> tuple[tuple[int, ...], tuple[list[int], ...], tuple[list[int], ...]]:
-        """Drop, in sliding-window groups, the block pairs no later query reads: D resumes at
-        the last prompt token (position n - 1), whose window starts at token n - W, so blocks
-        before (n - W) // block_size are neither read from P (which may have freed them: their
-        ids are its null block) nor written here (this engine frees them when the request
-        resumes). Equal block sizes, no DCP (both refused with a sliding window elsewhere).
+        """Drop, in sliding-window groups, the block pairs D does not need: D resumes at the
+        last prompt token (position n - 1); it keeps the window of the block boundary
+        B = (n - 1) // block_size * block_size at or before it (tokens from B - W + 1: all that
+        query n - 1 reads, and what a later request with the same prompt needs for a prefix
+        hit of B tokens; see KVCacheManager.cache_loaded_blocks). Blocks before
+        (B - W + 1) // block_size are neither read from P (which may have freed them: their ids
+        are its null block) nor written here (this engine frees them when the request resumes).
+        Equal block sizes, no DCP (both refused with a sliding window elsewhere).
 
         Returns:
             (index of each group's first remaining pair in P's grant, local ids, remote ids).
@@ -261,7 +264,9 @@ class P2PConnectorScheduler:
         for window, lg, rg in zip(self.sliding_windows, local_ids, remote_ids):
             skip = 0
             if window is not None:
-                skip = min(len(lg), max(0, max(0, request.num_prompt_tokens - window) // self.block_size - first))
+                boundary = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+                keep = max(0, boundary - window + 1) // self.block_size
+                skip = min(len(lg), max(0, keep - first))
             firsts.append(first + skip)
             local.append(list(lg[skip:]))
             remote.append(list(rg[skip:]))
