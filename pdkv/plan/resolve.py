@@ -2,7 +2,8 @@
 
 Accepted: a path to a config.json (any file name), a folder holding config.json, a name of a
 bundled config under pdkv/plan/configs/ (file name without .json), or a pdkv model alias
-(pdkv.model.registry.ALIASES, e.g. smollm2) whose converted folder is already in $PDKV_CACHE.
+(pdkv.model.registry.ALIASES, e.g. smollm2) or tiny model (pdkv.model.tiny, e.g. tiny-swa) whose
+folder is already in $PDKV_CACHE.
 An alias not converted yet falls back to the bundled config of the same name: converting a GGUF
 needs torch and minutes, which a cost model should not.
 """
@@ -14,6 +15,7 @@ import os
 from typing import Any
 
 from pdkv.model.registry import ALIASES, HF_IDS, cache_dir
+from pdkv.model.tiny import TINY_MODELS
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -53,6 +55,12 @@ def _find(model: str) -> str:
     bundled = os.path.join(CONFIG_DIR, model.lower() + ".json")
     if os.path.isfile(bundled):
         return bundled
+    if model in TINY_MODELS:
+        path = os.path.join(cache_dir(), "models", model, "config.json")
+        if os.path.isfile(path):
+            return path
+        raise ValueError(f"{model} is built on first use: run `pdkv generate --model {model} --prompt hi "
+                         "--max-tokens 1` once, then plan it")
     raise ValueError(
         f"unknown model {model!r}: give a config.json path, a folder with config.json, or one of "
         f"{', '.join(bundled_names())}")
