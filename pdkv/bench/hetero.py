@@ -27,10 +27,8 @@ counts and bytes are exact.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,13 +42,11 @@ from pdkv.bench.hetero_report import (
     format_table,
     median_seconds,
 )
+from pdkv.bench.pd_legs import NEW_TOKENS, PDEngines, decode, prefill, settle
 from pdkv.bench.results import write_result_json
 
 DEFAULT_PROMPT_LENS = (1024, 4096)
 DEFAULT_REPEATS = 3
-NEW_TOKENS = 8  # greedy tokens D decodes (the output check)
-REQUEST_DEADLINE_S = 600.0  # one prefill or decode leg, or settling
-EXTRA_BLOCKS = 4
 
 
 @dataclass(frozen=True)
@@ -79,120 +75,13 @@ CASES = {c.name: c for c in (
 DEFAULT_CASES = tuple(CASES)
 
 
-def _kv_config(role: str, transfer: str) -> str:
-    return json.dumps({"kv_connector": "P2PConnector", "kv_role": role,
-                       "kv_connector_extra_config": {"transfer": transfer}})
-
-
-class _Engines:
-    """The P and D engines of a run, built on first use, keyed by (role, block size, tp)."""
-
-    def __init__(self, path: str, max_len: int, transfer: str, num_threads: int | None) -> None:
-        self.path, self.max_len, self.transfer, self.num_threads = path, max_len, transfer, num_threads
-        self.built: dict[tuple[str, int, int], Any] = {}
-
-    def get(self, role: str, block_size: int, tp: int) -> Any:
-        from pdkv import LLM
-
-        key = (role, block_size, tp)
-        if key not in self.built:
-            kw: dict[str, Any] = {"tensor_parallel_size": tp} if tp > 1 else {}
-            self.built[key] = LLM(self.path, cpu_linear="torch", block_size=block_size, max_model_len=self.max_len,
-                                  num_kv_blocks=2 * -(-self.max_len // block_size) + EXTRA_BLOCKS,
-                                  num_threads=self.num_threads, kv_transfer_config=_kv_config(role, self.transfer),
-                                  **kw)
-        return self.built[key]
-
-    def shutdown(self) -> None:
-        for llm in self.built.values():
-            llm.llm_engine.shutdown()
-
-
-def _step_until(engines: list[Any], done: Any, what: str) -> None:
-    """Step every engine until `done()`.
-
-    Raises:
-        TimeoutError: not done within REQUEST_DEADLINE_S.
-    """
-    deadline = time.monotonic() + REQUEST_DEADLINE_S
-    while not done():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not done in {REQUEST_DEADLINE_S:g} s")
-        for e in engines:
-            e.llm_engine.step()
-        time.sleep(0.0005)
-
-
-def _settle(p: Any, d: Any) -> None:
-    """Step both until neither has open work, then reset D's prefix cache (the next pull is whole).
-
-    Raises:
-        TimeoutError: still busy, or D's blocks still held, after REQUEST_DEADLINE_S.
-    """
-    _step_until([p, d], lambda: not p.llm_engine.has_work() and not d.llm_engine.has_work()
-                and d.reset_prefix_cache(), "settling P and D")
-
-
-def _prefill(p: Any, prompt: list[int]) -> dict[str, Any]:
-    """P's leg (max_tokens 1, do_remote_decode): the kv_transfer_params for D."""
-    from pdkv import SamplingParams
-
-    eng = p.llm_engine
-    req, text = eng.make_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1),
-                                 kv_transfer_params={"do_remote_decode": True})
-    eng.add_request(req, text)
-    out: list[Any] = []
-    _step_until([], lambda: bool(out) or any(o.finished and out.append(o) is None for o in eng.step()),
-                "P's prefill")
-    params = out[0].kv_transfer_params
-    if not params:
-        raise RuntimeError("P's prefill returned no kv_transfer_params")
-    return dict(params)
-
-
-def _decode(p: Any, d: Any, prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
-    """D's leg (greedy, NEW_TOKENS tokens; P stepped too): D's output tokens and what the pull
-    cost (bytes, read ops, transfer seconds).
-
-    Raises:
-        RuntimeError: D found local prefix hits (the pull would not be whole) or no pull happened.
-    """
-    from pdkv import SamplingParams
-
-    eng, sched = d.llm_engine, d.llm_engine.scheduler
-    sched.stats()  # drain transfer times of earlier pulls
-    before = dict(sched.kv_stats)
-    req, text = eng.make_request({"prompt_token_ids": prompt},
-                                 SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
-                                 kv_transfer_params=params)
-    eng.add_request(req, text)
-    out: list[Any] = []
-
-    def step() -> bool:
-        out.extend(o for o in eng.step() if o.finished and o.request_id == req.request_id)
-        p.llm_engine.step()
-        return bool(out)
-
-    _step_until([], step, "D's decode")
-    if req.num_local_hit_tokens:
-        raise RuntimeError(f"D had {req.num_local_hit_tokens} local prefix-hit tokens: the pull was not whole")
-    after = sched.kv_stats
-    seconds = list(sched.stats().transfer_seconds or [])
-    if not seconds:
-        raise RuntimeError("no KV pull was recorded: see D's log")
-    return {"tokens": list(out[0].outputs[0].token_ids),
-            "bytes": int(after.get("kv_bytes_received", 0.0) - before.get("kv_bytes_received", 0.0)),
-            "read_ops": int(after.get("kv_read_ops", 0.0) - before.get("kv_read_ops", 0.0)),
-            "transfer_s": max(seconds)}
-
-
 def _constant(values: list[int], what: str, case: str) -> int:
     if len(set(values)) != 1:
         raise RuntimeError(f"{case}: {what} differs between repeats: {values}")
     return values[0]
 
 
-def run_case(engines: _Engines, case: Case, prompt: list[int], repeats: int, per_token: int) -> dict[str, Any]:
+def run_case(engines: PDEngines, case: Case, prompt: list[int], repeats: int, per_token: int) -> dict[str, Any]:
     """`repeats` whole pulls of `prompt` for `case`: one row (see pdkv.bench.hetero_report).
 
     Raises:
@@ -203,11 +92,11 @@ def run_case(engines: _Engines, case: Case, prompt: list[int], repeats: int, per
     d = engines.get("kv_consumer", case.d_block_size, case.d_tp)
     legs, p_blocks = [], []
     for _ in range(repeats):
-        _settle(p, d)
-        params = _prefill(p, prompt)
+        settle(p, d)
+        params = prefill(p, prompt)
         p_blocks.append(len(params["remote_block_ids"][0]))
-        legs.append(_decode(p, d, prompt, params))
-    _settle(p, d)
+        legs.append(decode(p, d, prompt, params))
+    settle(p, d)
     times = [leg["transfer_s"] for leg in legs]
     ops = [leg["read_ops"] for leg in legs]  # depends on how contiguous the blocks are on both sides
     return {"case": case.name, "p_block_size": case.p_block_size, "d_block_size": case.d_block_size,
@@ -245,7 +134,7 @@ def run_hetero_bench(cases: Sequence[str] = DEFAULT_CASES, prompt_lens: Sequence
     path = resolve_model(model)
     arch = LlamaArchConfig.from_hf_folder(path)
     max_len, lens = sizes(prompt_lens, NEW_TOKENS, arch.max_position_embeddings)
-    engines = _Engines(path, max_len, transfer, num_threads)
+    engines = PDEngines(path, max_len, transfer, num_threads)
     rows: list[dict[str, Any]] = []
     try:
         per_token = 0
