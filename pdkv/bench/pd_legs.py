@@ -70,12 +70,12 @@ def settle(p: Any, d: Any) -> None:
 
 
 def prefill(p: Any, prompt: list[int]) -> dict[str, Any]:
-    """P's leg (max_tokens 1, do_remotedecode): the kv_transfer_params for D."""
+    """P's leg (max_tokens 1, do_remote_decode): the kv_transfer_params for D."""
     from pdkv import SamplingParams
 
     eng = p.llm_engine
     req, text = eng.make_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1),
-                                 kv_transfer_params={"do_remotedecode": True})
+                                 kv_transfer_params={"do_remote_decode": True})
     eng.add_request(req, text)
     out: list[Any] = []
     step_until([], lambda: bool(out) or any(o.finished and out.append(o) is None for o in eng.step()),
