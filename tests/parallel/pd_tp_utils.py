@@ -16,9 +16,9 @@ NEW_TOKENS = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def kv_config(role: str) -> str:
+def kv_config(role: str, **extra: Any) -> str:
     return json.dumps({"kv_connector": "P2PConnector", "kv_role": role,
-                       "kv_connector_extra_config": {"transfer": "tcp"}})
+                       "kv_connector_extra_config": {"transfer": "tcp", **extra}})
 
 
 def engine(model: str, **kw: Any) -> LLM:

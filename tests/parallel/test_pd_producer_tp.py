@@ -35,7 +35,8 @@ def test_p_tp2_to_d_tp1_and_tp2_match_colocated_and_free_p_blocks(tiny_llama_kv2
             [{"prompt_token_ids": q} for q in prompts], GREEDY, use_tqdm=False)]
     finally:
         ref.llm_engine.shutdown()
-    p = engine(tiny_llama_kv2, tensor_parallel_size=2, kv_transfer_config=kv_config("kv_producer"))
+    # A lease far beyond the wait below: only "done" from every reader frees a P rank's blocks.
+    p = engine(tiny_llama_kv2, tensor_parallel_size=2, kv_transfer_config=kv_config("kv_producer", kv_lease_duration=600))
     ds: list[LLM] = []
     try:
         ds.append(engine(tiny_llama_kv2, kv_transfer_config=kv_config("kv_consumer")))
@@ -65,7 +66,7 @@ def test_p_tp2_to_d_tp1_and_tp2_match_colocated_and_free_p_blocks(tiny_llama_kv2
                         assert torch.equal(shard[blk, :, :, off], p_kv[blk, :, :, off, rank * local : (rank + 1) * local]), \
                             f"D tp {d_tp} rank {rank}, position {pos}"
                 # P frees the request's blocks only after both P ranks' grants ended.
-                step_until([p], lambda: free(p) == baseline and not p.llm_engine.has_work(), timeout=30)
+                step_until([p], lambda: free(p) == baseline and not p.llm_engine.has_work(), timeout=20)
     finally:
         for d in ds:
             d.llm_engine.shutdown()
