@@ -39,6 +39,7 @@ class WorkerReady(msgspec.Struct, tag=True, kw_only=True):
         kv_cache_bytes: bytes of its KV cache.
         layout: its KV layout fingerprint (connector / `GET /kv_layout`).
         vocab_size, eos_token_id: the model's.
+        control_address: [host, port] of its P2P producer control server; [] when it has none.
     """
 
     rank: int
@@ -47,6 +48,7 @@ class WorkerReady(msgspec.Struct, tag=True, kw_only=True):
     layout: dict[str, object]
     vocab_size: int
     eos_token_id: int | None
+    control_address: list[object] = msgspec.field(default_factory=list)
 
 
 class ExecuteModel(msgspec.Struct, tag=True, kw_only=True):

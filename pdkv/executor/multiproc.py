@@ -63,7 +63,8 @@ class MultiprocExecutor:
     """Runs the model on `parallel_config.world_size` worker processes.
 
     Presents what the engine needs of a ModelRunner: `kv_cache_config` (the scheduler's logical
-    view: blocks of block_size × DCP tokens), `layout`, `connector_shared`, `vocab_size`,
+    view: blocks of block_size × DCP tokens), `layout`, `connector_shared` (P2P producer: rank 0's
+    "control_address" and every rank's "control_endpoints"), `vocab_size`,
     `eos_token_id`, `execute_model`, `timings`, `connector` (None: connector halves live in the
     workers) and `shutdown`.
 
@@ -131,6 +132,9 @@ class MultiprocExecutor:
         self.layout = dict(head.layout)
         self.vocab_size = head.vocab_size
         self.eos_token_id = head.eos_token_id
+        addresses = [list(r.control_address) for r in ready]
+        if all(len(a) == 2 and a[1] for a in addresses):  # P2P producer: a control server per rank
+            self.connector_shared.update(control_address=addresses[0], control_endpoints=addresses)
         cache = dataclasses.replace(config.cache_config, num_kv_blocks=self.num_blocks)
         self.kv_cache_config: KVCacheConfig = make_kv_cache_config(
             arch, cache, config.model_config.dtype, config.model_config.max_model_len,

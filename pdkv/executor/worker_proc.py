@@ -66,7 +66,8 @@ def run_worker(conn: Connection) -> None:
         kv = runner.kv_cache_config
         send(WorkerReady(rank=rank, num_blocks=kv.num_blocks, kv_cache_bytes=kv.total_bytes,
                          layout=dict(runner.layout), vocab_size=runner.vocab_size,
-                         eos_token_id=runner.eos_token_id))
+                         eos_token_id=runner.eos_token_id,
+                         control_address=list(runner.connector_shared.get("control_address") or [])))
         while True:
             try:
                 msg = decoder.decode(conn.recv_bytes())

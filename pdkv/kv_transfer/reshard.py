@@ -169,3 +169,20 @@ def plan_head_copies(p_block_ids: Sequence[int], d_block_ids: Sequence[int], blo
                 append_merged(copies, Copy(p_at + r.p_head * head_bytes, d_at + r.d_head * head_bytes,
                                            r.count * head_bytes))
     return copies
+
+
+def plan_producer_readers(p_tp: int, d_tp: int, num_kv_heads: int) -> dict[int, list[int]]:
+    """For each producer rank (TP rank 0 .. p_tp - 1), the consumer TP ranks that claim its grant
+    and say "done" to it (its grant's readers): those plan_head_reads makes read from it. A
+    producer rank no consumer rank reads from (it replicates a head another producer rank
+    serves) gets consumer rank 0, which claims, reads nothing and says "done", so that every
+    producer rank frees its blocks once its readers are done.
+
+    Raises:
+        ValueError: as plan_head_reads.
+    """
+    readers: dict[int, list[int]] = {p: [] for p in range(p_tp)}
+    for d, reads in plan_head_reads(p_tp, d_tp, num_kv_heads).items():
+        for p in sorted({r.p_rank for r in reads}):
+            readers[p].append(d)
+    return {p: ds or [0] for p, ds in readers.items()}

@@ -41,7 +41,8 @@ FEATURES: tuple[Axis, ...] = (
     Axis("pd-dcp", "P/D into DCP: P tp 1 → D tp 2 + dcp 2, each D rank pulls its shard (tcp)"),
     Axis("pd-reshard", "P/D from P tp 1 to D tp 2, each D rank pulls its KV heads (tcp)"),
     Axis("pd-reblock", "P/D between block sizes 16 and 32, KV mapped by token position (tcp)"),
-    Axis("hetero-tp", "P/D from a P at tp > 1 (multi-rank producer)"),
+    Axis("hetero-tp", "P/D from a P at tp 2 to D tp 1 and tp 2, each D rank pulls its heads from the P ranks "
+                      "holding them (tcp)"),
     Axis("quantized-kv", "quantized KV cache (--kv-cache-dtype fp8)"),
     Axis("hybrid-sliding-window", "hybrid state: sliding-window attention (window-group blocks freed "
                                   "early, per-window prefix hits)"),

@@ -1,5 +1,5 @@
 """What pdkv does not build yet is refused with an error naming the issue that builds it, never
-silently accepted: quantized KV and heterogeneous TP (issue 12), hybrid state groups (issue 11);
+silently accepted: quantized KV and what heterogeneous TP cannot convert (issue 12), hybrid state groups (issue 11);
 so are TP/DCP sizes the model's heads do not allow. These are the matrix's "not supported" cells;
 each records the error text it saw (`matrix_detail`). No model weights are loaded: the refusals come first."""
 
@@ -66,11 +66,10 @@ def test_kv_cache_dtype_auto_is_the_default():
     assert EngineArgs().kv_cache_dtype == CacheConfig().cache_dtype == "auto"
 
 
-@pytest.mark.matrix("hetero-tp", model="smollm2", expect="unsupported")
-@pytest.mark.matrix("hetero-tp", model="tiny-llama", expect="unsupported")
-def test_decode_refuses_kv_from_a_prefill_of_another_tp_size(record_property):
-    """D's P2P scheduler half refuses params whose producer ran another TP size (every engine
-    is TP 1 today, so a tp_size of 2 can only come from a future or foreign P)."""
+def test_decode_takes_a_prefill_at_tp_2_but_refuses_one_it_cannot_convert():
+    """D's P2P scheduler half takes params from a P at tp 2 with one control endpoint per P rank
+    (issue 12), and refuses, naming both values, a P at tp 2 whose block size differs from D's
+    (re-sharding from several P ranks and re-blocking at once) or that lists no endpoints."""
     from pdkv.config import KVTransferConfig
     from pdkv.kv_transfer.connector.p2p_messages import LAYOUT_KEYS, prompt_digest
     from pdkv.kv_transfer.connector.p2p_scheduler import P2PConnectorScheduler
@@ -84,14 +83,16 @@ def test_decode_refuses_kv_from_a_prefill_of_another_tp_size(record_property):
     params = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r",
               "remote_block_ids": [[1, 2]], "remote_host": "127.0.0.1", "remote_port": 1,
               "remote_nonce": "n", "prompt_digest": prompt_digest(prompt, None),
-              "num_tokens": len(prompt), "layout": dict(layout)}
-    cons.validate_request(Request("ok", prompt, SamplingParams(max_tokens=4), 16,
-                                  kv_transfer_params={**params, "tp_size": 1}))
+              "num_tokens": len(prompt), "layout": dict(layout), "tp_size": 2,
+              "endpoints": [["127.0.0.1", 1], ["127.0.0.1", 2]]}
+    cons.validate_request(Request("ok", prompt, SamplingParams(max_tokens=4), 16, kv_transfer_params=params))
     with pytest.raises(ValueError, match="issue 12") as e:
         cons.validate_request(Request("d", prompt, SamplingParams(max_tokens=4), 16,
-                                      kv_transfer_params={**params, "tp_size": 2}))
-    assert "tp_size=2" in str(e.value)
-    record_property(DETAIL_PROPERTY, str(e.value))
+                                      kv_transfer_params={**params, "layout": {**layout, "block_size": 2}}))
+    assert "tp_size=2 with block_size=2 and decode block_size=1" in str(e.value)
+    with pytest.raises(ValueError, match="one .host, port. per producer TP rank .tp_size=2."):
+        cons.validate_request(Request("e", prompt, SamplingParams(max_tokens=4), 16,
+                                      kv_transfer_params={**params, "endpoints": [["127.0.0.1", 1]]}))
 
 
 HYBRIDS = [

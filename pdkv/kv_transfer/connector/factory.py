@@ -17,7 +17,8 @@ def create_connector(config: KVTransferConfig, role: KVConnectorRole, kv_cache_c
 
     Args:
         shared: start-up values both halves of one engine see, by name: "control_address"
-            (P2P: the producer's [host, port], filled in by the worker half), "dcp_rank" and
+            (P2P: the producer's [host, port], filled in by the worker half), "control_endpoints"
+            (P2P, multi-process engine: every rank's [host, port], set by the executor), "dcp_rank" and
             "dcp_size" (this worker's DCP rank and size, set by the model runner; default 0 / 1),
             "rank" and "world_size" (this worker's global rank and the engine's worker count; default
             dcp_rank / dcp_size) and "pool_store"
@@ -37,7 +38,8 @@ def create_connector(config: KVTransferConfig, role: KVConnectorRole, kv_cache_c
         address = shared.setdefault("control_address", ["127.0.0.1", 0])
         dcp_rank, dcp_size = int(shared.get("dcp_rank", 0)), int(shared.get("dcp_size", 1))
         return P2PConnector(config, role, kv_cache_config, layout, address, dcp_rank, dcp_size,
-                            int(shared.get("rank", dcp_rank)), int(shared.get("world_size", dcp_size)))
+                            int(shared.get("rank", dcp_rank)), int(shared.get("world_size", dcp_size)),
+                            shared.get("control_endpoints"))
     if config.kv_connector == "KVPoolConnector":
         from pdkv.kv_transfer.connector.pool import KVPoolConnector
 

@@ -36,18 +36,20 @@ class P2PConnector(KVConnectorBase):
     are built with the same list (a start-up value, like vLLM's side-channel host/port).
     `dcp_rank` / `dcp_size`: the worker half's DCP rank and size (P/D into DCP; 0 / 1 otherwise);
     `rank` / `world_size`: its global rank and the engine's worker count (default: the DCP ones).
+    `control_endpoints`: every worker rank's [host, port] (a multi-process producer; the scheduler
+    half lists them in kv_transfer_params "endpoints").
     """
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
                  layout: dict[str, Any], control_address: list[Any] | None = None,
                  dcp_rank: int = 0, dcp_size: int = 1, rank: int | None = None,
-                 world_size: int | None = None) -> None:
+                 world_size: int | None = None, control_endpoints: list[Any] | None = None) -> None:
         super().__init__(config, role, kv_cache_config, layout)
         address = control_address if control_address is not None else ["127.0.0.1", 0]
         block_size = kv_cache_config.groups[0].spec.block_size
         self.scheduler = (
             P2PConnectorScheduler(config, layout, block_size, address, len(kv_cache_config.groups),
-                                  kv_cache_config.sliding_windows)
+                                  kv_cache_config.sliding_windows, control_endpoints)
             if role == KVConnectorRole.SCHEDULER
             else None
         )

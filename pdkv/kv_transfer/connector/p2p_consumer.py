@@ -17,7 +17,12 @@ Re-sharding (P tp 1 → D tp > 1, dcp 1): a rank whose KV heads are a subset of 
 heads, per (block, layer, K/V, token) (pdkv/kv_transfer/reshard.py); a rank holding all of P's
 heads (replicated over D's TP ranks) reads whole blocks, as every rank does when heads are equal.
 
-Every rank of the engine claims the grant (Claim.readers = world size, reader = global rank) and
+Producer at tp > 1 (RecvSpec.remote_ranks; this engine dcp 1, P's block size): this rank reads
+each of its heads from a P rank holding it (plan_head_reads) and contacts exactly the P ranks of
+plan_producer_readers: it claims each one's grant (readers = the consumer ranks contacting that P
+rank), reads, then says "done" to each, so every P rank frees its blocks after its own readers.
+
+With a producer at tp 1, every rank of the engine claims the grant (Claim.readers = world size, reader = global rank) and
 says "done", even one with nothing to read, so the producer frees the blocks after the last rank."""
 
 from __future__ import annotations
@@ -43,7 +48,12 @@ from pdkv.kv_transfer.connector.p2p_peer_queue import PeerQueues
 from pdkv.kv_transfer.connector.p2p_results import WorkerResults
 from pdkv.kv_transfer.engine.base import ReadOp, TransferEngine, TransferError
 from pdkv.kv_transfer.reblock import plan_reblock
-from pdkv.kv_transfer.reshard import plan_head_copies, plan_head_reads
+from pdkv.kv_transfer.reshard import (
+    HeadRead,
+    plan_head_copies,
+    plan_head_reads,
+    plan_producer_readers,
+)
 from pdkv.kv_transfer.wire import WireError, connect, recv_msg, send_msg
 from pdkv.parallel.layout import ParallelLayout
 
@@ -152,7 +162,8 @@ class ConsumerSide:
             for pull in late:
                 del self._unclaimed[pull.spec.request_id]
         for spec in renew:
-            self._send_notice(NotifySpec(spec.remote, spec.remote_request_id, "renew", spec.remote_nonce))
+            for remote in spec.remote_ranks or (spec.remote,):
+                self._send_notice(NotifySpec(remote, spec.remote_request_id, "renew", spec.remote_nonce))
         for pull in late:
             self._failed(pull.spec, TransferError("transfer deadline passed while waiting for the producer"))
 
@@ -277,11 +288,21 @@ class ConsumerSide:
         tp = int(self.layout.get("tp_size", 1))
         lay = ParallelLayout(tp_size=tp, dcp_size=int(self.layout.get("dcp_size", 1)),
                              dcp_replicated=bool(self.layout.get("dcp_replicated", False)))
-        bs, layers = int(self.layout["block_size"]), int(self.layout["num_layers"])
         try:
             reads = plan_head_reads(1, tp, p_heads)[lay.tp_rank(self.rank)]
         except ValueError as e:
             raise TransferError(f"re-sharding plan: {e}") from None
+        return self._copy_ops(spec, peer, p_heads, d_heads, reads)
+
+    def _copy_ops(self, spec: RecvSpec, peer: HandshakeReply, p_heads: int, d_heads: int,
+                  reads: list[HeadRead]) -> list[ReadOp]:
+        """One ReadOp per copy of plan_head_copies for `reads` from the producer rank `peer`
+        (storing `p_heads` KV heads per block) into this rank (`d_heads`), per group.
+
+        Raises:
+            TransferError: the block bytes do not split into the heads of both sides.
+        """
+        bs, layers = int(self.layout["block_size"]), int(self.layout["num_layers"])
         ops = []
         for g, (local, remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
             bb, p_bb = self.block_bytes[g], peer.block_bytes[g]
@@ -295,12 +316,14 @@ class ConsumerSide:
                        for c in copies)
         return ops
 
-    def _claim(self, spec: RecvSpec, pull: _Pull) -> HandshakeReply:
-        """Handshake (cached) and claim the grant; returns the producer's handshake."""
-        remote = spec.remote
+    def _claim(self, spec: RecvSpec, pull: _Pull, remote: RemoteEngine | None = None,
+               readers: int | None = None) -> HandshakeReply:
+        """Handshake (cached) and claim the grant at `remote` (default spec.remote) for `readers`
+        consumer ranks (default this engine's world size); returns the producer's handshake."""
+        remote = spec.remote if remote is None else remote
         peer = self._handshake(remote, pull.deadline)
         claim = Claim(spec.remote_request_id, spec.remote_nonce, spec.prompt_digest, remote.engine_id,
-                      readers=self.world_size, reader=self.rank)
+                      readers=self.world_size if readers is None else readers, reader=self.rank)
         reply: ClaimReply = self._control(remote, claim, ClaimReply, pull.deadline)
         if reply.incarnation and reply.incarnation != peer.incarnation:  # the producer restarted
             self._forget(remote)
@@ -326,29 +349,77 @@ class ConsumerSide:
         spec = pull.spec
         t0 = time.monotonic()
         try:
-            peer = self._claim(spec, pull)
-            grant = (spec.remote_request_id, spec.remote_nonce)
-            ops = self._read_ops(spec, peer)
-            nbytes = self.engine.read(peer.peer_info, ops, pull.deadline, grant) if ops else 0
-            done = Notify(spec.remote_request_id, "done", nbytes, spec.remote_nonce, spec.remote.engine_id,
-                          reader=self.rank, readers=self.world_size)
-            ack = self._control(spec.remote, done, Ack, pull.deadline)
-            if not ack.ok:  # the producer may have reused the blocks: the data is not trustworthy
-                raise TransferError(f"producer did not confirm the read: {ack.error}")
-            self.results.load_succeeded(spec.request_id, nbytes, time.monotonic() - t0, len(ops))
+            nbytes, n_ops = self._pull_ranks(pull) if spec.remote_ranks else self._pull_one(pull)
+            self.results.load_succeeded(spec.request_id, nbytes, time.monotonic() - t0, n_ops)
         except Exception as e:  # noqa: BLE001 - every failure ends the load by policy
             self._failed(spec, e)
         finally:
             with self._lock:
                 self._unclaimed.pop(spec.request_id, None)
 
+    def _pull_one(self, pull: _Pull) -> tuple[int, int]:
+        """A producer at tp 1: claim, read, "done". Returns (bytes read, read ops).
+
+        Raises:
+            TransferError: any step failed (_Refused: the claim was refused).
+        """
+        spec = pull.spec
+        peer = self._claim(spec, pull)
+        grant = (spec.remote_request_id, spec.remote_nonce)
+        ops = self._read_ops(spec, peer)
+        nbytes = self.engine.read(peer.peer_info, ops, pull.deadline, grant) if ops else 0
+        done = Notify(spec.remote_request_id, "done", nbytes, spec.remote_nonce, spec.remote.engine_id,
+                      reader=self.rank, readers=self.world_size)
+        ack = self._control(spec.remote, done, Ack, pull.deadline)
+        if not ack.ok:  # the producer may have reused the blocks: the data is not trustworthy
+            raise TransferError(f"producer did not confirm the read: {ack.error}")
+        return nbytes, len(ops)
+
+    def _pull_ranks(self, pull: _Pull) -> tuple[int, int]:
+        """A producer at tp > 1 (this engine dcp 1, equal block sizes): claim the grant on each P
+        rank this rank contacts (plan_producer_readers), read each of this rank's heads from the
+        P rank the plan names, then say "done" to each contacted P rank. Returns (bytes read,
+        read ops).
+
+        Raises:
+            TransferError: a plan the layouts do not allow, or any step failed.
+        """
+        spec = pull.spec
+        p_tp, d_tp = len(spec.remote_ranks), int(self.layout.get("tp_size", 1))
+        heads = int(spec.remote_layout.get("num_kv_heads", 0))
+        me = ParallelLayout(tp_size=d_tp).tp_rank(self.rank)
+        try:
+            readers = plan_producer_readers(p_tp, d_tp, heads)
+            reads = plan_head_reads(p_tp, d_tp, heads)[me]
+        except ValueError as e:
+            raise TransferError(f"re-sharding plan: {e}") from None
+        p_heads = ParallelLayout(tp_size=p_tp).kv_heads_per_rank(heads)
+        d_heads = ParallelLayout(tp_size=d_tp).kv_heads_per_rank(heads)
+        peers = {p: self._claim(spec, pull, spec.remote_ranks[p], len(ds)) for p, ds in readers.items() if me in ds}
+        grant = (spec.remote_request_id, spec.remote_nonce)
+        read: dict[int, int] = {}
+        n_ops = 0
+        for p, peer in peers.items():
+            ops = self._copy_ops(spec, peer, p_heads, d_heads, [r for r in reads if r.p_rank == p])
+            read[p] = self.engine.read(peer.peer_info, ops, pull.deadline, grant) if ops else 0
+            n_ops += len(ops)
+        for p in peers:
+            remote = spec.remote_ranks[p]
+            done = Notify(spec.remote_request_id, "done", read[p], spec.remote_nonce, remote.engine_id,
+                          reader=self.rank, readers=len(readers[p]))
+            ack = self._control(remote, done, Ack, pull.deadline)
+            if not ack.ok:  # that rank may have reused the blocks: the data is not trustworthy
+                raise TransferError(f"producer rank {p} did not confirm the read: {ack.error}")
+        return sum(read.values()), n_ops
+
     def _failed(self, spec: RecvSpec, error: Exception) -> None:
         logger.warning("KV pull for %s failed: %s", spec.request_id, error)
         self.results.load_failed(spec.request_id, str(error), spec.local_block_ids)
         if isinstance(error, _Refused):
             return
-        self._forget(spec.remote)
-        self._send_notice(NotifySpec(spec.remote, spec.remote_request_id, "release", spec.remote_nonce))
+        for remote in spec.remote_ranks or (spec.remote,):
+            self._forget(remote)
+            self._send_notice(NotifySpec(remote, spec.remote_request_id, "release", spec.remote_nonce))
 
     def shutdown(self) -> None:
         self._pull_pool.shutdown(wait=False, cancel_futures=True)

@@ -12,6 +12,12 @@ producer blocks of its shard, block k on DCP rank k % N when the interleave equa
 under TP its KV heads), so a grant has `readers` = the consumer's world size; each rank claims it
 and says "done" with its global rank as `reader`, and the producer frees the blocks only when all
 readers said "done" (or any one said "release").
+
+Producers with several TP ranks (issue 12): each P rank runs its own control server and holds its
+KV heads of the grant's blocks (the same ids on every rank); kv_transfer_params carry P's
+`tp_size` and `endpoints` (one [host, port] per P rank, rank order). A consumer rank contacts
+only the P ranks it reads heads from (pdkv/kv_transfer/reshard.py, plan_producer_readers), so a
+P rank's grant has `readers` = the consumer ranks that contact it, each naming its global rank.
 """
 
 from __future__ import annotations
@@ -68,6 +74,9 @@ class RecvSpec(msgspec.Struct):
     # Per group, the index of remote_block_ids[g][0] in the producer's grant when it differs by
     # group (sliding-window groups skip the blocks before the window); () = remote_first_block.
     group_first_blocks: tuple[int, ...] = ()
+    # A producer at tp > 1: the control server of each of its TP ranks (rank order; every rank
+    # holds its KV heads of the same block ids); () = `remote` alone (a producer at tp 1).
+    remote_ranks: tuple[RemoteEngine, ...] = ()
 
 
 class NotifySpec(msgspec.Struct):

@@ -23,6 +23,13 @@ KV heads (tp 1) gets the same one-to-one block map; each rank's worker half read
 (pdkv/kv_transfer/reshard.py). Ranks storing all of P's heads (KV replicated over TP) read whole
 blocks. Re-sharding combined with DCP or with a block size change is refused, naming both.
 
+Producer at tp > 1 (issue 12): every P rank holds its KV heads of the request's blocks (the same
+ids on every rank) behind its own control server; kv_transfer_params carry `endpoints`, one
+[host, port] per P rank (rank order; `remote_host` / `remote_port` are rank 0's), P's `tp_size`
+and its layout (num_kv_heads is the model's). A consumer without DCP and with P's block size gets
+the one-to-one block map plus every P rank's control address (RecvSpec.remote_ranks); its worker
+halves read each head from a P rank holding it (plan_head_reads). Notices go to every P rank.
+
 Re-blocking: a producer whose block size differs (a convertible layout field; every identity
 field still refuses) is accepted when this engine has no DCP and one KV cache group: the RecvSpec
 carries P's blocks covering [F, prompt end) (F = this engine's local hits, a multiple of its
@@ -48,6 +55,7 @@ from pdkv.kv_transfer.connector.p2p_messages import (
     layout_mismatch,
     prompt_digest,
 )
+from pdkv.kv_transfer.reshard import plan_head_reads
 from pdkv.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -66,12 +74,16 @@ class P2PConnectorScheduler:
         block_size: tokens per block.
         control_address: (host, port) of this engine's control server (producer), filled in by
             the worker half at start-up and read when building params.
+        control_endpoints: (producer at tp > 1) every worker rank's [host, port], rank order,
+            filled in by the executor at start-up; empty: [control_address].
     """
 
     def __init__(self, config: KVTransferConfig, layout: dict[str, Any], block_size: int,
                  control_address: list[Any], num_groups: int = 1,
-                 sliding_windows: tuple[int | None, ...] = ()) -> None:
+                 sliding_windows: tuple[int | None, ...] = (),
+                 control_endpoints: list[Any] | None = None) -> None:
         self.config = config
+        self.control_endpoints = control_endpoints if control_endpoints is not None else []
         self.num_groups = num_groups
         # Per group: the sliding window in tokens, or None (full attention; also when not given).
         self.sliding_windows = tuple(sliding_windows) or (None,) * num_groups
@@ -87,7 +99,7 @@ class P2PConnectorScheduler:
         self._notify: list[NotifySpec] = []
         self._inflight_recv: set[str] = set()
         self._held: dict[str, int] = {}  # producer: request id -> blocks held
-        self._waiting_remote: dict[str, NotifySpec] = {}  # consumer: queued, not yet pulling
+        self._waiting_remote: dict[str, list[NotifySpec]] = {}  # consumer: queued, not yet pulling
         self._last_renew = time.monotonic()
 
     # ---------------------------------------------------------------- helpers
@@ -127,21 +139,18 @@ class P2PConnectorScheduler:
             raise ValueError("kv_transfer_params.do_remote_decode needs a kv_producer engine")
 
     def _shard_error(self, p: dict[str, Any]) -> str:
-        """Why this engine cannot take the producer's blocks, or "". P must be tp 1, dcp 1. Each of
-        this engine's ranks stores either exactly P's KV heads (whole blocks; with DCP, block size
-        conversion, or KV replicated over TP ranks) or a subset of them (re-sharding, issue 12:
-        each rank reads its heads; not combined with DCP or a block size change)."""
+        """Why this engine cannot take the producer's blocks, or "". P must be dcp 1. A P at tp 1:
+        each of this engine's ranks stores either exactly P's KV heads (whole blocks; with DCP,
+        block size conversion, or KV replicated over TP ranks) or a subset of them (re-sharding,
+        issue 12: each rank reads its heads; not combined with DCP or a block size change). A P
+        at tp > 1: this engine has no DCP and P's block size (`_producer_tp_error`)."""
         mine, theirs = self.layout, dict(p.get("layout") or {})
         my_tp, my_dcp = int(mine.get("tp_size", 1)), int(mine.get("dcp_size", 1))
-        if p.get("tp_size", 1) != 1 and p.get("tp_size") == my_tp:
-            return (f"a prefill engine at tp_size={my_tp} is not supported yet: P must run tp 1, "
-                    "whatever D's TP/DCP (splitting each rank's KV across D's ranks is issue 12)")
-        if p.get("tp_size", 1) != 1:
-            return (f"heterogeneous TP between P and D (producer tp_size={p.get('tp_size')!r}, "
-                    f"consumer tp_size={my_tp}) is not supported yet: P must run tp 1 (issue 12)")
         if p.get("dcp_size", 1) != 1:
             return (f"a producer with DCP (producer dcp_size={p.get('dcp_size')!r}, consumer "
                     f"dcp_size={my_dcp}) is not supported yet (issue 12)")
+        if p.get("tp_size", 1) != 1:
+            return self._producer_tp_error(p)
         my_heads = mine.get("num_local_kv_heads", mine.get("num_kv_heads"))
         if my_heads != theirs.get("num_kv_heads"):  # this rank stores a subset of P's heads
             if my_dcp > 1:
@@ -163,6 +172,32 @@ class P2PConnectorScheduler:
                     f"(this engine has {self.num_groups})")
         return ""
 
+    def _producer_tp_error(self, p: dict[str, Any]) -> str:
+        """Why this engine cannot take blocks from a producer at tp > 1, or "" (this engine has
+        no DCP, P's block size, heads both TP sizes divide, one endpoint per P rank)."""
+        mine, theirs = self.layout, dict(p.get("layout") or {})
+        my_tp, my_dcp, p_tp = int(mine.get("tp_size", 1)), int(mine.get("dcp_size", 1)), p.get("tp_size")
+        if not isinstance(p_tp, int) or p_tp < 1:
+            return f"kv_transfer_params.tp_size must be a positive integer, got {p_tp!r}"
+        if my_dcp > 1:
+            return (f"a prefill engine at tp_size={p_tp} into a DCP decode engine (consumer tp_size={my_tp}, "
+                    f"decode_context_parallel_size={my_dcp}) is not supported: P must run tp 1 for P/D "
+                    "into DCP (issue 12)")
+        if mine.get("block_size") != theirs.get("block_size"):
+            return (f"a prefill engine at tp_size={p_tp} with block_size={theirs.get('block_size')} and decode "
+                    f"block_size={mine.get('block_size')} (consumer tp_size={my_tp}): re-sharding from a "
+                    "multi-rank producer and re-blocking at once is not supported (issue 12)")
+        endpoints = p.get("endpoints")
+        if (not isinstance(endpoints, list) or len(endpoints) != p_tp
+                or not all(isinstance(e, list | tuple) and len(e) == 2 for e in endpoints)):
+            return (f"kv_transfer_params.endpoints must list one [host, port] per producer TP rank "
+                    f"(tp_size={p_tp}), got {endpoints!r:.80}")
+        try:
+            plan_head_reads(p_tp, my_tp, int(theirs.get("num_kv_heads", 0)))
+        except (TypeError, ValueError) as e:
+            return f"re-sharding from producer tp_size={p_tp} to consumer tp_size={my_tp}: {e}"
+        return ""
+
     def _remote(self, request: Request) -> tuple[RemoteEngine, str]:
         p = request.kv_transfer_params or {}
         remote = RemoteEngine(str(p["remote_engine_id"]), str(p["remote_host"]), int(p["remote_port"]))
@@ -178,15 +213,24 @@ class P2PConnectorScheduler:
         return ("kv_transfer_params.prompt_digest does not match this request's prompt and "
                 "cache_salt: the remote KV belongs to another prompt")
 
-    def _notice(self, request: Request, kind: str) -> NotifySpec:
+    def _remote_ranks(self, request: Request) -> tuple[RemoteEngine, ...]:
+        """A producer at tp > 1: each of its ranks' control servers (rank order); else ()."""
+        p = request.kv_transfer_params or {}
+        if p.get("tp_size", 1) == 1:
+            return ()
+        engine_id = str(p["remote_engine_id"])
+        return tuple(RemoteEngine(engine_id, str(host), int(port)) for host, port in p["endpoints"])
+
+    def _notices(self, request: Request, kind: str) -> list[NotifySpec]:
+        """`kind` about the request's grant, to the producer (to each of its ranks at tp > 1)."""
         remote, rid = self._remote(request)
         nonce = str((request.kv_transfer_params or {}).get("remote_nonce", ""))
-        return NotifySpec(remote, rid, kind, nonce)
+        return [NotifySpec(r, rid, kind, nonce) for r in self._remote_ranks(request) or (remote,)]
 
     # ------------------------------------------------------------- lifecycle
     def on_new_request(self, request: Request) -> None:
         if self._wants_remote_prefill(request) and not self._digest_error(request):
-            self._waiting_remote[request.request_id] = self._notice(request, "renew")
+            self._waiting_remote[request.request_id] = self._notices(request, "renew")
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._wants_remote_prefill(request):
@@ -218,10 +262,11 @@ class P2PConnectorScheduler:
                 request.request_id, remote, remote_rid, local_ids, remote_ids, dict(p.get("layout") or {}),
                 remote_nonce=str(p.get("remote_nonce", "")),
                 prompt_digest=prompt_digest(request.prompt_token_ids, request.cache_salt),
-                remote_first_block=first, error=error, group_first_blocks=firsts, **reblock))
+                remote_first_block=first, error=error, group_first_blocks=firsts,
+                remote_ranks=self._remote_ranks(request), **reblock))
             self._inflight_recv.add(request.request_id)
         else:  # everything was local: the producer can let go
-            self._notify.append(self._notice(request, "release"))
+            self._notify.extend(self._notices(request, "release"))
         p["do_remote_prefill"] = False  # one transfer per request
 
     def _block_map(self, request: Request, new_blocks: tuple[list[int], ...]
@@ -289,7 +334,8 @@ class P2PConnectorScheduler:
     def build_connector_meta(self) -> P2PConnectorMetadata:
         now = time.monotonic()
         if self._waiting_remote and now - self._last_renew > self.lease_s / 3:
-            self._notify.extend(self._waiting_remote.values())
+            for notes in self._waiting_remote.values():
+                self._notify.extend(notes)
             self._last_renew = now
         meta = P2PConnectorMetadata(reqs_to_send=self._to_send, reqs_to_recv=self._to_recv,
                                     notifications=self._notify)
@@ -308,7 +354,7 @@ class P2PConnectorScheduler:
             return True, None
         if self._wants_remote_prefill(request):  # aborted before pulling: let P go
             if self._waiting_remote.pop(rid, None) is not None:  # (never for another prompt's grant)
-                self._notify.append(self._notice(request, "release"))
+                self._notify.extend(self._notices(request, "release"))
             return False, None
         done_ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         if not (p.get("do_remote_decode") and self.config.is_kv_producer and done_ok):
@@ -335,7 +381,7 @@ class P2PConnectorScheduler:
             "prompt_digest": digest,
             "tp_size": int(self.layout.get("tp_size", 1)),
             "dcp_size": int(self.layout.get("dcp_size", 1)),
-            "endpoints": [[host, port]],  # control address per rank (one: this engine is tp 1)
+            "endpoints": [list(e) for e in self.control_endpoints] or [[host, port]],  # per rank
             "block_size": self.block_size,
             "num_tokens": request.num_prompt_tokens,
             "layout": dict(self.layout),

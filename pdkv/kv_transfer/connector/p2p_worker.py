@@ -54,7 +54,9 @@ class P2PConnectorWorker:
         dcp_rank, dcp_size: this worker's DCP rank and size (a consumer rank pulls only the
             blocks of its shard; p2p_consumer.py).
         rank, world_size: this worker's global rank and the engine's worker count (every rank
-            reads a grant; default dcp_rank / dcp_size).
+            reads a grant; default dcp_rank / dcp_size). A configured kv_port or transfer_port
+            (non-zero) is rank 0's: rank r listens on port + r (each rank of a multi-rank
+            producer runs its own control and data servers).
     """
 
     def __init__(self, config: KVTransferConfig, layout: dict[str, Any], control_address: list[Any],
@@ -64,7 +66,11 @@ class P2PConnectorWorker:
         self.config = config
         self.layout = layout
         self.transfer_name = str(extra.get("transfer", "tcp"))
-        self.engine = create_transfer_engine(self.transfer_name, dict(extra))
+        offset = (dcp_rank if rank is None else rank)
+        options = dict(extra)
+        if int(options.get("transfer_port", 0) or 0) and offset:  # type: ignore[call-overload]
+            options["transfer_port"] = int(options["transfer_port"]) + offset  # type: ignore[call-overload]
+        self.engine = create_transfer_engine(self.transfer_name, options)
         self.host = str(extra.get("kv_host", "127.0.0.1"))
         self.advertise_host = advertised_host(self.host, str(extra.get("kv_advertise_host") or "") or None)
         self.control_address = control_address
@@ -76,7 +82,8 @@ class P2PConnectorWorker:
         self.consumer = ConsumerSide(config, layout, self.engine, self.results, self._regions,
                                      self._block_bytes, dcp_rank, dcp_size, rank, world_size)
         if config.is_kv_producer:
-            self.control_address[:] = self.producer.start(self.host, int(extra.get("kv_port", 0)),  # type: ignore[call-overload]
+            port = int(extra.get("kv_port", 0))  # type: ignore[call-overload]
+            self.control_address[:] = self.producer.start(self.host, port + offset if port else 0,
                                                           self.advertise_host)
 
     # ---------------------------------------------------------------- memory
