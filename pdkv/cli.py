@@ -1,4 +1,4 @@
-"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff, dcp, hetero} | compare | plan | matrix."""
+"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff, dcp, hetero, groups} | compare | plan | matrix."""
 
 from __future__ import annotations
 
@@ -205,6 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     hetero_bench.add_cli_args(hetero_p)
     hetero_p.set_defaults(func=hetero_bench.main)
+    from pdkv.bench import groups as groups_bench
+
+    groups_p = bench_sub.add_parser(
+        "groups", help="KV bytes per token per state group and the P/D handoff of hybrid models (tiny-swa vs "
+        "its full-attention peer) + real-size figures of Gemma-3, DeepSeek-V3, Qwen3-Next, Kimi-Linear",
+        formatter_class=fmt,
+    )
+    groups_bench.add_cli_args(groups_p)
+    groups_p.set_defaults(func=groups_bench.main)
 
     from pdkv.bench import compare
 
