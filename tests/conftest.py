@@ -61,6 +61,26 @@ def hf_reference(hf_model, parity_prompts) -> list[list[int]]:
     return [hf_greedy(hf_model, p, NUM_NEW_TOKENS) for p in parity_prompts]
 
 
+@pytest.fixture(scope="session")
+def smollm2_reference():
+    """One colocated SmolLM2 engine (256 blocks of 16 tokens, max_model_len 1024) whose outputs the
+    P/D and server tests compare against, loaded once per session. Tests only generate on it."""
+    from pdkv import LLM
+
+    llm = LLM("smollm2", num_kv_blocks=256, max_model_len=1024)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def parity_reference_24(smollm2_reference, parity_prompts) -> list:
+    """The colocated engine's greedy RequestOutputs (24 new tokens) for parity_prompts."""
+    from pdkv import SamplingParams
+
+    return smollm2_reference.generate([{"prompt_token_ids": p} for p in parity_prompts],
+                                      SamplingParams(temperature=0, max_tokens=24))
+
+
 def assert_no_leak(llm) -> None:
     """Every block of every group is free again (ref counts all 0)."""
     kv = llm.llm_engine.scheduler.kv_cache_manager

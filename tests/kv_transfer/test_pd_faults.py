@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from pd_utils import decode, free_blocks, make_pd, pause_pulls, prefill, pump, settle, shutdown  # noqa: E402
 
-from pdkv import LLM, SamplingParams  # noqa: E402
+from pdkv import SamplingParams  # noqa: E402
 from pdkv.request import RequestStatus  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -22,10 +22,9 @@ PROMPT = "The history of the bicycle begins in the early nineteenth century, whe
 
 
 @pytest.fixture(scope="module")
-def colocated():
-    llm = LLM("smollm2", num_kv_blocks=128, max_model_len=512)
-    yield llm
-    shutdown(llm)
+def colocated(smollm2_reference):
+    """The session's colocated SmolLM2 engine (tests/conftest.py)."""
+    return smollm2_reference
 
 
 @pytest.fixture()

@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from pd_utils import decode, free_blocks, make_pd, prefill, settle, shutdown  # noqa: E402
 
-from pdkv import LLM, SamplingParams  # noqa: E402
+from pdkv import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -21,11 +21,10 @@ BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4  # layers x K/V x block tokens x KV heads
 
 
 @pytest.fixture(scope="module")
-def colocated_reference(parity_prompts):
-    llm = LLM("smollm2", num_kv_blocks=256, max_model_len=512)
-    outs = llm.generate([{"prompt_token_ids": p} for p in parity_prompts], GREEDY)
-    shutdown(llm)
-    return [o.outputs[0].token_ids for o in outs]
+def colocated_reference(parity_reference_24):
+    """The colocated engine's greedy tokens (GREEDY: 24 new tokens) per parity prompt."""
+    assert GREEDY.max_tokens == 24
+    return [o.outputs[0].token_ids for o in parity_reference_24]
 
 
 def _mooncake_available() -> bool:

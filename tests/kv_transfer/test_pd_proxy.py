@@ -27,7 +27,7 @@ from fake_engines import ServerThread  # noqa: E402
 from pd_utils import pd_config  # noqa: E402
 from server_utils import RemoteServer, free_port, metric_value, wait_for_metric  # noqa: E402
 
-from pdkv import LLM, SamplingParams  # noqa: E402
+from pdkv import SamplingParams  # noqa: E402
 from pdkv.router.proxy import build_proxy_app  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -43,21 +43,26 @@ PROMPTS = [
 
 
 class _Stack:
-    """P, D and a proxy as processes, stopped in reverse order."""
+    """P and D started side by side (then the proxy, unless `proxy` is False) as processes,
+    stopped in reverse order."""
 
-    def __init__(self, transfer: str, policy: str = "fail") -> None:
+    def __init__(self, transfer: str, policy: str = "fail", proxy: bool = True) -> None:
         self.servers: list[RemoteServer] = []
         try:
             self.p = self._start(["serve", *ENGINE, "--kv-transfer-config", pd_config("kv_producer", transfer)])
             self.d = self._start(["serve", *ENGINE, "--kv-transfer-config",
                                   pd_config("kv_consumer", transfer, policy)])
-            self.proxy = self._start(["proxy", "--prefill", self.p.url, "--decode", self.d.url])
+            for srv in self.servers:
+                srv.wait_healthy()
+            if proxy:
+                self.proxy = self._start(["proxy", "--prefill", self.p.url, "--decode", self.d.url])
+                self.proxy.wait_healthy()
         except BaseException:
             self.stop()
             raise
 
     def _start(self, args: list[str]) -> RemoteServer:
-        srv = RemoteServer(args)
+        srv = RemoteServer(args, wait=False, avoid=tuple(s.port for s in self.servers))
         self.servers.append(srv)
         return srv
 
@@ -87,9 +92,8 @@ def _mooncake_available() -> bool:
 
 
 @pytest.fixture(scope="module")
-def parity_refs(parity_prompts, reference):
-    return reference.generate([{"prompt_token_ids": ids} for ids in parity_prompts],
-                              SamplingParams(temperature=0, max_tokens=24))
+def parity_refs(parity_reference_24):
+    return parity_reference_24
 
 
 @pytest.mark.parametrize("transfer", ["tcp", "shm", pytest.param("mooncake", marks=pytest.mark.skipif(
@@ -123,11 +127,10 @@ def test_parity_prompts_through_proxy_match_colocated(transfer, parity_prompts, 
             own.stop()
 
 
-def test_prefill_process_killed_after_params_recompute():
-    """P is SIGKILLed after answering the prefill leg; D (recompute policy) still answers right."""
-    import signal
-
-    stack = _Stack("tcp", policy="recompute")
+def test_prefill_process_killed_after_params_recompute(reference):
+    """P is SIGKILLed after answering the prefill leg; D (recompute policy) still answers right.
+    The test drives both legs itself, so its stack has no proxy."""
+    stack = _Stack("tcp", policy="recompute", proxy=False)
     try:
         body = {"model": "smollm2", "prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0}
         leg = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
@@ -138,8 +141,7 @@ def test_prefill_process_killed_after_params_recompute():
         r = httpx.post(stack.d.url + "/v1/completions", json={**body, "kv_transfer_params": params}, timeout=120)
         assert time.monotonic() - t0 < 60
         assert r.status_code == 200
-        ref = LLM("smollm2", num_kv_blocks=64, max_model_len=MAX_LEN).generate(
-            PROMPTS[0], SamplingParams(temperature=0, max_tokens=20))[0]
+        ref = reference.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20))[0]
         assert r.json()["choices"][0]["text"] == ref.outputs[0].text
         text = httpx.get(stack.d.url + "/metrics").text
         assert metric_value(text, "pdkv:kv_load_failures_total", policy="recompute") == 1
@@ -149,10 +151,9 @@ def test_prefill_process_killed_after_params_recompute():
 
 
 @pytest.fixture(scope="module")
-def reference():
-    llm = LLM("smollm2", num_kv_blocks=BLOCKS, max_model_len=MAX_LEN)
-    yield llm
-    llm.llm_engine.shutdown()
+def reference(smollm2_reference):
+    """The session's colocated SmolLM2 engine (tests/conftest.py)."""
+    return smollm2_reference
 
 
 def _free(url: str) -> float:
@@ -360,8 +361,10 @@ def test_layout_mismatch_is_503_on_health_and_requests(pd_stack):
     not the client's) that never reaches P."""
     p, _, _ = pd_stack
     with RemoteServer(["serve", *ENGINE, "--dtype", "bfloat16", "--kv-transfer-config",
-                       pd_config("kv_consumer", "tcp")]) as dbf16, \
-            RemoteServer(["proxy", "--prefill", p.url, "--decode", dbf16.url], health_path="/ping") as proxy:
+                       pd_config("kv_consumer", "tcp")], wait=False) as dbf16, \
+            RemoteServer(["proxy", "--prefill", p.url, "--decode", dbf16.url], health_path="/ping",
+                         avoid=(dbf16.port,)) as proxy:
+        dbf16.wait_healthy()
         h = httpx.get(proxy.url + "/health", timeout=30)
         assert h.status_code == 503
         assert "dtype: producer='float32' consumer='bfloat16'" in h.json()["error"]["message"]

@@ -25,7 +25,6 @@ def server():
 
 
 @pytest.fixture(scope="session")
-def reference_llm():
-    from pdkv import LLM
-
-    return LLM("smollm2", num_kv_blocks=256, max_model_len=MAX_MODEL_LEN)
+def reference_llm(smollm2_reference):
+    """The session's colocated SmolLM2 engine (tests/conftest.py; max_model_len 1024 too)."""
+    return smollm2_reference

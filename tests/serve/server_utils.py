@@ -26,11 +26,16 @@ class RemoteServer:
         health_path: polled until it answers 200.
         timeout: seconds to wait for health.
         env: extra environment variables for the child.
+        wait: wait for health here; False starts the process only (call `wait_healthy`), so that
+            several servers can start side by side.
+        avoid: ports not to take (those of servers started beside this one, not yet bound).
     """
 
     def __init__(self, args: list[str], health_path: str = "/health", timeout: float = 180.0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, wait: bool = True, avoid: tuple[int, ...] = ()) -> None:
         self.port = free_port()
+        while self.port in avoid:
+            self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PDKV_NUM_THREADS=os.environ.get("PDKV_NUM_THREADS", "2"), **(env or {}))
         self.log = open(os.environ.get("PDKV_TEST_SERVER_LOG", os.devnull), "w")  # noqa: SIM115 - closed in stop()
@@ -42,18 +47,25 @@ class RemoteServer:
             env=env,
             start_new_session=True,
         )
-        deadline = time.monotonic() + timeout
+        self._args, self._health_path, self._timeout = args, health_path, timeout
+        self._deadline = time.monotonic() + timeout
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self) -> None:
+        """Poll the health path until 200. Raises RuntimeError when the process exits first,
+        TimeoutError (after stopping it) when `timeout` seconds from the start have passed."""
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {args}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self._args}")
             try:
-                if httpx.get(self.url + health_path, timeout=1.0).status_code == 200:
+                if httpx.get(self.url + self._health_path, timeout=1.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
-            if time.monotonic() > deadline:
+            if time.monotonic() > self._deadline:
                 self.stop()
-                raise TimeoutError(f"server not healthy after {timeout} s: {args}")
+                raise TimeoutError(f"server not healthy after {self._timeout} s: {self._args}")
             time.sleep(0.5)
 
     def stop(self) -> None:
