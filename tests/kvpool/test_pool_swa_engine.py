@@ -37,12 +37,16 @@ def prompts_and_refs(tiny_swa):
     return prompts, refs
 
 
-@pytest.mark.matrix("pool-dram", model="tiny-swa")
-@pytest.mark.parametrize("chunk", [32, 64])
-def test_pool_cold_then_hot_equals_colocated_and_loads_only_the_window(tiny_swa, prompts_and_refs, chunk):
+@pytest.mark.parametrize(("tier", "chunk"), [
+    pytest.param("dram", 32, marks=pytest.mark.matrix("pool-dram", model="tiny-swa")),
+    pytest.param("dram", 64, marks=pytest.mark.matrix("pool-dram", model="tiny-swa")),
+    pytest.param("disk", 64, marks=pytest.mark.matrix("pool-disk", model="tiny-swa"))])
+def test_pool_cold_then_hot_equals_colocated_and_loads_only_the_window(tiny_swa, prompts_and_refs, tier, chunk,
+                                                                      tmp_path):
     prompts, refs = prompts_and_refs
+    spec = {"name": tier, "capacity_bytes": 1 << 28, **({"path": str(tmp_path)} if tier == "disk" else {})}
     cfg = json.dumps({"kv_connector": "KVPoolConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
-        "chunk_size": chunk, "tiers": [{"name": "dram", "capacity_bytes": 1 << 28}]}})
+        "chunk_size": chunk, "tiers": [spec]}})
     llm = LLM(tiny_swa, max_num_batched_tokens=32, kv_transfer_config=cfg, **KW)  # prefill in 32-token steps
     try:
         def run():
@@ -55,15 +59,17 @@ def test_pool_cold_then_hot_equals_colocated_and_loads_only_the_window(tiny_swa,
         assert store.flush(30.0)
         totals = store.stats()
         stored = chunk // BS - max(0, chunk - W + 1) // BS  # window blocks per chunk value
-        assert totals["pool:dram:chunks_written"] == sum(n // chunk for n in PROMPT_LENS)
-        per_chunk = totals["pool:dram:bytes_written"] / totals["pool:dram:chunks_written"]
+        assert totals[f"pool:{tier}:chunks_written"] == sum(n // chunk for n in PROMPT_LENS)
+        per_chunk = totals[f"pool:{tier}:bytes_written"] / totals[f"pool:{tier}:chunks_written"]
         assert 0 < per_chunk - (chunk // BS + stored) * BLOCK_BYTES < 512  # + the value's header
         assert llm.llm_engine.scheduler.kv_cache_manager.reset_prefix_cache()
         hot = run()
         hits = [(n - 1) // chunk * chunk for n in PROMPT_LENS]
         assert [o.outputs[0].token_ids for o in hot] == refs
         assert [o.num_cached_tokens for o in hot] == hits
-        assert llm.llm_engine.scheduler.kv_stats["pool:all:hit_tokens"] == sum(hits)
+        stats = llm.llm_engine.scheduler.kv_stats
+        assert stats["pool:all:hit_tokens"] == sum(hits)
+        assert stats[f"pool:{tier}:chunks_read"] == sum(h // chunk for h in hits)
         loaded = [o.kv_load_bytes.get("pool", 0) for o in hot]
         assert loaded == [(h // BS + window_blocks(h)) * BLOCK_BYTES for h in hits]
         assert max(window_blocks(h) for h in hits) <= -(-(W - 1) // BS) + 1
