@@ -2,7 +2,8 @@
 cold then hot (local prefix cache reset) equals the colocated engine; the hot run's hits come
 from the pool, and a hit of L tokens loads every full-attention block of it but only the
 window-group blocks of tokens L - W + 1 .. L - 1. Chunk 32 < W - 1 reaches back a chunk for the
-window; chunk 64 > W - 1 stores only each chunk's tail window. Issue 11, acceptance 2 (pool)."""
+window; chunk 64 > W - 1 stores only each chunk's tail window. A load that fails part-way
+recomputes from the local hits. Issue 11, acceptance 2 (pool)."""
 
 from __future__ import annotations
 
@@ -75,5 +76,14 @@ def test_pool_cold_then_hot_equals_colocated_and_loads_only_the_window(tiny_swa,
         assert max(window_blocks(h) for h in hits) <= -(-(W - 1) // BS) + 1
         sched = llm.llm_engine.scheduler
         assert all(p.num_free_blocks == p.num_usable_blocks for p in sched.kv_cache_manager.block_pools)
+        if chunk == 32:  # a load failing at its third chunk restarts from the local hits (none here)
+            (pool_tier,) = store.tiers
+            reads, get = [], pool_tier.get
+            pool_tier.get = lambda key: None if reads.append(key) or len(reads) == 3 else get(key)  # type: ignore[method-assign]
+            assert sched.kv_cache_manager.reset_prefix_cache()
+            again = llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY)
+            assert again[0].outputs[0].token_ids == refs[0] and len(reads) == 3
+            assert stats["kv_load_failures_recompute"] == 1
+            assert all(p.num_free_blocks == p.num_usable_blocks for p in sched.kv_cache_manager.block_pools)
     finally:
         llm.llm_engine.shutdown()
