@@ -67,7 +67,7 @@ def test_window_count_must_match_the_groups():
                               list(PRODUCER_ADDR), num_groups=2, sliding_windows=(W,))
 
 
-@pytest.mark.parametrize("name", ["KVPoolConnector", "OffloadingConnector", "MultiConnector"])
+@pytest.mark.parametrize("name", ["OffloadingConnector", "MultiConnector"])
 def test_connectors_that_cannot_move_a_window_group_refuse_it_at_start_up(name):
     full = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8)
     swa = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=8, sliding_window=W)

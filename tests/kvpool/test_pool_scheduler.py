@@ -98,8 +98,8 @@ def test_load_spec_maps_chunks_to_new_blocks_and_skips_local_hits():
     sched.update_state_after_alloc(req, Blocks([11, 12, 13, 14, 15]), 20)  # type: ignore[arg-type]
     (spec,) = sched._to_load
     assert [c.key for c in spec.chunks] == keys
-    assert [(c.block_ids, c.first_block) for c in spec.chunks] == [
-        (((11,),), 1), (((12, 13),), 0), (((14, 15),), 0)]
+    assert [(c.block_ids, c.first_blocks) for c in spec.chunks] == [
+        (((11,),), (1,)), (((12, 13),), (0,)), (((14, 15),), (0,))]
     assert sched.take_scheduler_stats() == {"pool:all:lookup_tokens": 20.0, "pool:all:hit_tokens": 20.0}
 
 

@@ -26,9 +26,10 @@ def create_connector(config: KVTransferConfig, role: KVConnectorRole, kv_cache_c
 
     Raises:
         ValueError: unknown connector name, invalid connector settings, or a connector that
-            cannot move one of the KV cache groups (sliding window: P2PConnector only).
+            cannot move one of the KV cache groups (sliding window: P2PConnector and
+            KVPoolConnector only).
     """
-    if config.kv_connector != "P2PConnector" and any(w is not None for w in kv_cache_config.sliding_windows):
+    if config.kv_connector not in ("P2PConnector", "KVPoolConnector") and any(w is not None for w in kv_cache_config.sliding_windows):
         raise ValueError(
             f"{config.kv_connector} does not move sliding-window KV cache groups yet (only "
             "P2PConnector does, issue 11): run this model without it or with P2PConnector")

@@ -86,11 +86,12 @@ class KVPoolConnector(RoleDelegatingConnector):
         self.worker = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = PoolConnectorScheduler(config, self.pool, store, self.namespace.fingerprint,
-                                                    block_size, len(kv_cache_config.groups))
+                                                    block_size, len(kv_cache_config.groups),
+                                                    kv_cache_config.sliding_windows)
         else:
             from pdkv.kv_transfer.connector.pool_worker import PoolConnectorWorker
 
-            self.worker = PoolConnectorWorker(self.pool, store, block_size)
+            self.worker = PoolConnectorWorker(self.pool, store, block_size, kv_cache_config.sliding_windows)
 
     # ---------------------------------------------------------------- scheduler
     def on_new_request(self, request: Request) -> None:

@@ -12,14 +12,17 @@ class ChunkRef(msgspec.Struct, frozen=True):
 
     Attributes:
         key: the pool key (`pdkv.kvpool.keys.chunk_key`).
-        block_ids: per KV cache group, the local block ids of the chunk's blocks, in order.
-        first_block: for a load, how many of the chunk's leading blocks are skipped (already
-            in the local prefix cache); `block_ids` then map to blocks first_block.. of the chunk.
+        block_ids: per KV cache group, the local block ids of the blocks the chunk's value holds
+            (save) or that are loaded from it (load), in order. A sliding-window group's value
+            holds only the chunk's blocks from `pdkv.kvpool.window.first_stored_block` on.
+        first_blocks: for a load, per group, how many of the blocks stored in the value are
+            skipped (in the local prefix cache, or outside the window a window group needs);
+            `block_ids[g]` then map to stored blocks first_blocks[g].. (empty: all zero).
     """
 
     key: str
     block_ids: tuple[tuple[int, ...], ...]
-    first_block: int = 0
+    first_blocks: tuple[int, ...] = ()
 
 
 class PoolLoadSpec(msgspec.Struct, frozen=True):

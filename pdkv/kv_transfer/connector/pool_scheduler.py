@@ -8,7 +8,8 @@ remote tier (redis, mooncake) it runs on a thread and `get_num_new_matched_token
 beyond the local prefix cache are loaded asynchronously into the request's new blocks
 (one PoolLoadSpec). Saves: every step, each scheduled request's chunks that became fully computed
 (prompt only unless save_decode_tokens) and were not loaded from the pool are sent to the worker
-half, which copies them out after the forward pass.
+half, which copies them out after the forward pass. Sliding-window groups store and load only
+the blocks of each chunk's tail window and of the hit's window (`pdkv.kvpool.window`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pdkv.kv_transfer.connector.pool_messages import (
 )
 from pdkv.kvpool.keys import chunk_hashes, chunk_key, max_loadable_tokens
 from pdkv.kvpool.store import KVPoolStore
+from pdkv.kvpool.window import first_stored_block, load_first_block
 
 if TYPE_CHECKING:
     from pdkv.cache.kv_cache_manager import KVCacheBlocks
@@ -53,10 +55,12 @@ class PoolConnectorScheduler:
         fingerprint: the pool namespace fingerprint of this engine (keys carry it).
         block_size: tokens per block.
         num_groups: KV cache groups.
+        sliding_windows: per group its sliding window in tokens or None (default: none).
     """
 
     def __init__(self, config: KVTransferConfig, pool: PoolConnectorConfig, store: KVPoolStore,
-                 fingerprint: str, block_size: int, num_groups: int) -> None:
+                 fingerprint: str, block_size: int, num_groups: int,
+                 sliding_windows: tuple[int | None, ...] = ()) -> None:
         self.config = config
         self.pool = pool
         self.store = store
@@ -65,6 +69,9 @@ class PoolConnectorScheduler:
         self.num_groups = num_groups
         self.chunk = pool.chunk_size
         self.blocks_per_chunk = pool.chunk_size // block_size
+        self.windows = tuple(sliding_windows) or (None,) * num_groups
+        # Per group, the first block of a chunk its pool value holds (window groups: the tail).
+        self.stored_first = tuple(first_stored_block(self.chunk, block_size, w) for w in self.windows)
         self._requests: dict[str, Request] = {}
         self._tables: dict[str, list[list[int]]] = {}
         self._saved_chunks: dict[str, int] = {}
@@ -149,14 +156,24 @@ class PoolConnectorScheduler:
         end = start + num_external_tokens  # chunk-aligned
         first_block = start // self.block_size
         new_ids = blocks.get_block_ids()
+        load_first = [load_first_block(start, end, self.block_size, w) for w in self.windows]
         first_chunk, end_chunk = start // self.chunk, end // self.chunk
         keys = self._keys(request, first_chunk, end_chunk)
         chunks = []
         for j, key in zip(range(first_chunk, end_chunk), keys):
-            lo = max(j * self.blocks_per_chunk, first_block)
-            hi = (j + 1) * self.blocks_per_chunk
-            ids = tuple(tuple(g[lo - first_block : hi - first_block]) for g in new_ids)
-            chunks.append(ChunkRef(key, ids, lo - j * self.blocks_per_chunk))
+            ids, firsts = [], []
+            for g, ids_g in enumerate(new_ids):
+                lo = max(j * self.blocks_per_chunk, load_first[g])
+                hi = (j + 1) * self.blocks_per_chunk
+                if lo >= hi:  # a window group needs nothing of this chunk
+                    ids.append(())
+                    firsts.append(0)
+                    continue
+                offset = lo - j * self.blocks_per_chunk - self.stored_first[g]
+                assert offset >= 0, "a loaded window block must lie in its chunk's stored tail"
+                ids.append(tuple(ids_g[lo - first_block : hi - first_block]))
+                firsts.append(offset)
+            chunks.append(ChunkRef(key, tuple(ids), tuple(firsts)))
         self._to_load.append(PoolLoadSpec(rid, tuple(chunks), num_external_tokens))
         self._loading.add(rid)
         self._saved_chunks[rid] = max(self._saved_chunks.get(rid, 0), end_chunk)
@@ -180,21 +197,36 @@ class PoolConnectorScheduler:
             request, table = self._requests.get(rid), self._tables.get(rid)
             if request is None or table is None:
                 continue
-            done = request.num_computed_tokens  # already advanced past this step
+            done = done_all = request.num_computed_tokens  # already advanced past this step
             if not self.pool.save_decode_tokens:
                 done = min(done, request.num_prompt_tokens)
             end_chunk, start = done // self.chunk, self._saved_chunks.get(rid, 0)
             if end_chunk <= start:
                 continue
             keys = self._keys(request, start, end_chunk)
-            chunks = tuple(
-                ChunkRef(key, tuple(tuple(g[j * self.blocks_per_chunk : (j + 1) * self.blocks_per_chunk])
-                                    for g in table))
-                for j, key in zip(range(start, end_chunk), keys)
-            )
-            saves.append(PoolSaveSpec(rid, chunks))
+            before = done_all - scheduler_output.num_scheduled_tokens[rid]
+            chunks = tuple(c for j, key in zip(range(start, end_chunk), keys)
+                           if (c := self._save_ref(table, j, key, before)) is not None)
+            if chunks:
+                saves.append(PoolSaveSpec(rid, chunks))
             self._saved_chunks[rid] = end_chunk
         return saves
+
+    def _save_ref(self, table: list[list[int]], j: int, key: str, before: int) -> ChunkRef | None:
+        """Chunk j's blocks to store (window groups: its tail window only), or None when a
+        window group no longer holds them. `before` is the request's num_computed_tokens at this
+        step's allocation, which freed every window-group block whose tokens all lie below
+        before - W + 1 (`SlidingWindowManager.remove_skipped_blocks`); `table` still lists those
+        ids, and local prefix hits put the null block (id 0) outside the window of the hit. A
+        chunk computed in this step always qualifies (before < end_j); an older one (e.g. a
+        local prefix hit being saved now) may not and is skipped."""
+        ids = []
+        for g, (ids_g, window) in enumerate(zip(table, self.windows)):
+            lo = j * self.blocks_per_chunk + self.stored_first[g]
+            if window is not None and lo < max(0, before - window + 1) // self.block_size:
+                return None
+            ids.append(tuple(ids_g[lo : (j + 1) * self.blocks_per_chunk]))
+        return ChunkRef(key, tuple(ids))
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         failed = set(output.load_errors)

@@ -24,6 +24,7 @@ from pdkv.kv_transfer.connector.pool_config import PoolConnectorConfig
 from pdkv.kv_transfer.connector.pool_messages import PoolConnectorMetadata, PoolLoadSpec
 from pdkv.kvpool.codec import encode_chunk
 from pdkv.kvpool.store import KVPoolStore
+from pdkv.kvpool.window import first_stored_block
 
 
 class PoolConnectorWorker:
@@ -31,13 +32,17 @@ class PoolConnectorWorker:
         pool: parsed KVPoolConnector settings.
         store: the engine's pool store (shared with the scheduler half; closed here).
         block_size: tokens per block.
+        sliding_windows: per group its sliding window in tokens or None (default: none); a
+            window group's pool value holds only each chunk's tail-window blocks.
     """
 
-    def __init__(self, pool: PoolConnectorConfig, store: KVPoolStore, block_size: int) -> None:
+    def __init__(self, pool: PoolConnectorConfig, store: KVPoolStore, block_size: int,
+                 sliding_windows: tuple[int | None, ...] = ()) -> None:
         self.pool = pool
         self.store = store
         self.block_size = block_size
         self.blocks_per_chunk = pool.chunk_size // block_size
+        self.sliding_windows = tuple(sliding_windows)
         self._caches: list[torch.Tensor] = []  # per group [num_blocks, block_bytes] uint8 views
         self._lock = threading.Lock()
         self._finished: set[str] = set()
@@ -61,7 +66,10 @@ class PoolConnectorWorker:
 
     @property
     def _chunk_group_bytes(self) -> list[int]:
-        return [c.shape[1] * self.blocks_per_chunk for c in self._caches]
+        """Bytes per group in one pool value (window groups: the chunk's tail blocks only)."""
+        windows = self.sliding_windows or (None,) * len(self._caches)
+        return [c.shape[1] * (self.blocks_per_chunk - first_stored_block(self.pool.chunk_size, self.block_size, w))
+                for c, w in zip(self._caches, windows)]
 
     # -------------------------------------------------------------------- loads
     def start_load_kv(self, meta: PoolConnectorMetadata) -> None:
@@ -83,7 +91,8 @@ class PoolConnectorWorker:
                         error = f"pool entry {chunk.key} is gone (evicted, expired or corrupt)"
                     else:
                         for g, (ids, payload) in enumerate(zip(chunk.block_ids, payloads)):
-                            src = _as_blocks(payload, self._caches[g].shape[1])[chunk.first_block:]
+                            first = chunk.first_blocks[g] if chunk.first_blocks else 0
+                            src = _as_blocks(payload, self._caches[g].shape[1])[first:]
                             dst = self._caches[g]
                             for j, block_id in enumerate(ids):  # row copies: faster than index_copy_ here
                                 dst[block_id].copy_(src[j])
