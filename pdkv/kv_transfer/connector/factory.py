@@ -31,8 +31,8 @@ def create_connector(config: KVTransferConfig, role: KVConnectorRole, kv_cache_c
     """
     if config.kv_connector not in ("P2PConnector", "KVPoolConnector") and any(w is not None for w in kv_cache_config.sliding_windows):
         raise ValueError(
-            f"{config.kv_connector} does not move sliding-window KV cache groups yet (only "
-            "P2PConnector does, issue 11): run this model without it or with P2PConnector")
+            f"{config.kv_connector} does not move sliding-window KV cache groups yet (P2PConnector "
+            "and KVPoolConnector do, issue 11): run this model without it or with one of those")
     if config.kv_connector == "P2PConnector":
         from pdkv.kv_transfer.connector.p2p import P2PConnector
 
