@@ -125,3 +125,17 @@ def tiny_swa(tiny_llama_cache) -> str:
     """Folder of `tiny-swa` (tiny-llama-kv2's shape as a Qwen2 whose layers alternate sliding
     window 40 / full attention; pdkv/model/tiny.py), built once per session."""
     return _build_tiny(tiny_llama_cache, "tiny-swa")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread while a module's tests run (a model this small only loses to thread
+    hand-offs on a busy machine); the previous count is restored for the rest of the session.
+    Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+

@@ -34,7 +34,7 @@ from pdkv.bench.dcp_report import (
     kv_tokens_per_rank,
     step_stats,
 )
-from pdkv.bench.results import write_result_json
+from pdkv.bench.results import parse_ints, write_result_json
 from pdkv.parallel.layout import ParallelLayout
 
 BLOCK_TOKENS = 16
@@ -222,10 +222,6 @@ def run_dcp_bench(configs: Sequence[str] = DEFAULT_CONFIGS, context_lens: Sequen
     return result
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     """Flags of `pdkv bench dcp`."""
     p.add_argument("--model", default="tiny-llama-kv2", help="model of dcp1 / dcp2 (alias or folder)")
@@ -246,7 +242,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark from parsed flags; 0 on success."""
-    contexts = list(QUICK_CONTEXT_LENS) if args.quick else _ints(args.context_lens)
+    contexts = list(QUICK_CONTEXT_LENS) if args.quick else parse_ints(args.context_lens)
     steps = QUICK_DECODE_STEPS if args.quick else args.decode_steps
     result = run_dcp_bench([c.strip() for c in args.configs.split(",") if c.strip()], contexts, steps,
                            args.model, args.vllm_model, args.cp_kv_cache_interleave_size, args.seed,

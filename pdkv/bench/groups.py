@@ -35,7 +35,7 @@ from pdkv.bench.groups_report import (
 )
 from pdkv.bench.hetero_report import median_seconds
 from pdkv.bench.pd_legs import NEW_TOKENS, PDEngines, decode, prefill, settle
-from pdkv.bench.results import write_result_json
+from pdkv.bench.results import parse_ints, write_result_json
 
 DEFAULT_MODELS = ("tiny-swa", "tiny-llama-kv2")
 PEER = "tiny-llama-kv2"
@@ -143,7 +143,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run from parsed flags; 1 when a model's measured bytes differ from the formula."""
-    lens = [int(x) for x in args.prompt_lens.split(",") if x.strip()]
+    lens = parse_ints(args.prompt_lens)
     result = run_groups_bench([m.strip() for m in args.models.split(",") if m.strip()], lens, args.repeats,
                               args.transfer, args.seed, args.num_threads,
                               [m.strip() for m in args.real_models.split(",") if m.strip()])

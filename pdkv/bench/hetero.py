@@ -43,7 +43,7 @@ from pdkv.bench.hetero_report import (
     median_seconds,
 )
 from pdkv.bench.pd_legs import NEW_TOKENS, PDEngines, decode, prefill, settle
-from pdkv.bench.results import write_result_json
+from pdkv.bench.results import parse_ints, write_result_json
 
 DEFAULT_PROMPT_LENS = (1024, 4096)
 DEFAULT_REPEATS = 3
@@ -157,10 +157,6 @@ def run_hetero_bench(cases: Sequence[str] = DEFAULT_CASES, prompt_lens: Sequence
     return result
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     """Flags of `pdkv bench hetero`."""
     p.add_argument("--model", default="tiny-llama-kv2", help="model (alias or folder); smollm2 works too")
@@ -179,7 +175,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark from parsed flags; 0 when every case's output equals the same-layout
     case's, 1 otherwise (the JSON is written either way)."""
-    result = run_hetero_bench([c.strip() for c in args.cases.split(",") if c.strip()], _ints(args.prompt_lens),
+    result = run_hetero_bench([c.strip() for c in args.cases.split(",") if c.strip()], parse_ints(args.prompt_lens),
                               args.model, args.repeats, args.transfer, args.seed, args.num_threads)
     if args.json:
         write_result_json(result, args.json)

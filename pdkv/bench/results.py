@@ -23,3 +23,12 @@ def write_result_json(result: dict[str, Any], path: str) -> None:
     with open(path, "w") as f:
         json.dump(jsonable(result), f, indent=2)
         f.write("\n")
+
+
+def parse_ints(text: str) -> list[int]:
+    """Comma-separated integers of a benchmark flag ("1024,4096" -> [1024, 4096]; blanks skipped).
+
+    Raises:
+        ValueError: an item is not an integer.
+    """
+    return [int(x) for x in text.split(",") if x.strip()]

@@ -3,6 +3,7 @@ from the producer engine's registered regions (no sockets); every op is recorded
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from pdkv.config import KVTransferConfig
@@ -49,3 +50,14 @@ def cfg(role: str, engine_id: str) -> KVTransferConfig:
     """A P2P kv_transfer_config for one side (transfer_timeout 10 s)."""
     return KVTransferConfig("P2PConnector", role, engine_id=engine_id,
                             kv_connector_extra_config={"transfer_timeout": 10.0})
+
+
+def wait_loaded(results: Any, rid: str, timeout: float = 10.0) -> None:
+    """Wait until a consumer side's WorkerResults report `rid`'s load ended, and check it ended
+    without an error (AssertionError after `timeout` seconds)."""
+    deadline = time.monotonic() + timeout
+    while rid not in results.recved:
+        assert time.monotonic() < deadline, "load did not end"
+        time.sleep(0.005)
+    assert results.errors.get(rid) is None
+

@@ -10,12 +10,11 @@ Issue 12 (P tp 2 → D tp 1 and P tp 2 → D tp 2), torch-free planning included
 from __future__ import annotations
 
 import secrets
-import time
 from typing import Any
 
 import pytest
 import torch
-from fake_transfer import FakeEngine, cfg
+from fake_transfer import FakeEngine, cfg, wait_loaded
 
 from pdkv.cache.block_pool import KVCacheBlock
 from pdkv.cache.kv_cache_manager import KVCacheBlocks
@@ -174,11 +173,7 @@ class Run:
             for side in sides:
                 side.submit([spec], [])
             for res in results:
-                deadline = time.monotonic() + 10
-                while "d" not in res.recved:
-                    assert time.monotonic() < deadline, "load did not end"
-                    time.sleep(0.005)
-                assert res.errors.get("d") is None
+                wait_loaded(res, "d")
                 self.received.append(int(res.take_request_bytes()["d"]["p2p"]))
         finally:
             for side in sides:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from fake_transfer import FakeEngine, cfg
+from fake_transfer import FakeEngine, cfg, wait_loaded
 
 from pdkv.cache.block_pool import KVCacheBlock
 from pdkv.cache.kv_cache_manager import KVCacheBlocks
@@ -89,11 +89,7 @@ def run(heads: int, n_tokens: int, p_blocks: list[int], d_blocks: list[int]
         for side in sides:
             side.submit([spec], [])
         for res in results:
-            deadline = time.monotonic() + 10
-            while "d" not in res.recved:
-                assert time.monotonic() < deadline, "load did not end"
-                time.sleep(0.005)
-            assert res.errors.get("d") is None
+            wait_loaded(res, "d")
     finally:
         for side in sides:
             side.shutdown()

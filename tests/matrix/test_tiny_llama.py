@@ -17,20 +17,10 @@ from tiny_model import TINY_NEW_TOKENS  # noqa: E402
 
 from pdkv import LLM, SamplingParams  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 GREEDY = SamplingParams(temperature=0, max_tokens=TINY_NEW_TOKENS, ignore_eos=True)
 BLOCK = 16
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread while these run (a model this small only loses to thread hand-offs on a
-    busy machine); the previous count is restored for the rest of the session."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny(path: str, **kw: Any) -> LLM:

@@ -14,20 +14,12 @@ import pytest
 
 from pdkv import LLM, SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PROMPT_LENS = (10, 45, 150)  # below, around and well above the window (40)
 NEW_TOKENS = 24
 MARGIN_MIN = 5e-3  # as tests/model/test_tiny_models.py
 MARGIN_OVER_ROUNDING = 20.0  # as tests/model/test_tiny_models.py; measured >= 70x (seed 6)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

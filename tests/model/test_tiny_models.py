@@ -12,6 +12,8 @@ import pytest
 
 from pdkv import LLM, SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PROMPT_LENS = (15, 16, 17, 33, 60)
 NEW_TOKENS = 12
 BLOCK = 16
@@ -21,17 +23,6 @@ MARGIN_MIN = 5e-3
 # the rounding that a tp / dcp reduction order changes.
 MARGIN_OVER_ROUNDING = 20.0  # measured: >= 40x (pdkv/model/tiny.py)
 NAMES = ("tiny-llama-kv1", "tiny-llama-kv2")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread (a model this small only loses to thread hand-offs on a busy box)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
