@@ -45,12 +45,10 @@ from pdkv.kv_transfer.connector.p2p_messages import (
     RemoteEngine,
 )
 from pdkv.kv_transfer.connector.p2p_peer_queue import PeerQueues
+from pdkv.kv_transfer.connector.p2p_read_plan import ReadPlanner
 from pdkv.kv_transfer.connector.p2p_results import WorkerResults
-from pdkv.kv_transfer.engine.base import ReadOp, TransferEngine, TransferError
-from pdkv.kv_transfer.reblock import plan_reblock
+from pdkv.kv_transfer.engine.base import TransferEngine, TransferError
 from pdkv.kv_transfer.reshard import (
-    HeadRead,
-    plan_head_copies,
     plan_head_reads,
     plan_producer_readers,
 )
@@ -128,6 +126,7 @@ class ConsumerSide:
         self._lock = threading.Lock()
         self._unclaimed: dict[str, _Pull] = {}  # request id -> pull whose read has not begun
         self._handshakes: dict[RemoteEngine, HandshakeReply] = {}
+        self.plan = ReadPlanner(layout, regions, block_bytes, self.rank, dcp_rank, dcp_size)
 
     # ----------------------------------------------------------- engine loop
     def submit(self, pulls: list[RecvSpec], notices: list[NotifySpec]) -> None:
@@ -216,106 +215,6 @@ class ConsumerSide:
         if reply is not None:
             self.engine.forget_peer(reply.peer_info)
 
-    def _read_ops(self, spec: RecvSpec, peer: HandshakeReply) -> list[ReadOp]:
-        """The reads of this DCP rank's pairs (remote_first_block + i ≡ dcp_rank mod dcp_size);
-        all pairs at dcp_size 1.
-
-        Raises:
-            TransferError: the producer's block bytes differ from this engine's.
-        """
-        if spec.remote_block_size and spec.remote_block_size != int(self.layout.get("block_size", 0)):
-            return self._reblock_ops(spec, peer)
-        p_heads = int(spec.remote_layout.get("num_kv_heads", 0))
-        d_heads = int(self.layout.get("num_local_kv_heads", self.layout.get("num_kv_heads", 0)))
-        if p_heads and d_heads and p_heads != d_heads:
-            return self._head_ops(spec, peer, p_heads, d_heads)
-        ops = []
-        n, r, first = self.dcp_size, self.dcp_rank, spec.remote_first_block
-        for g, (all_local, all_remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
-            bb = self.block_bytes[g]
-            if peer.block_bytes[g] != bb:
-                raise TransferError(f"block bytes differ: producer {peer.block_bytes[g]}, consumer {bb}")
-            mine = [i for i in range(len(all_local)) if (first + i) % n == r]
-            local = [all_local[i] for i in mine]
-            remote = [all_remote[i] for i in mine]
-            # One op per run of blocks consecutive on both sides (fewer, larger copies).
-            i = 0
-            while i < len(local):
-                j = i + 1
-                while j < len(local) and local[j] == local[j - 1] + 1 and remote[j] == remote[j - 1] + 1:
-                    j += 1
-                nbytes = (j - i) * bb
-                dest = self.regions[g][local[i] * bb : local[i] * bb + nbytes]
-                ops.append(ReadOp(f"g{g}", remote[i] * bb, nbytes, dest))
-                i = j
-        return ops
-
-    def _reblock_ops(self, spec: RecvSpec, peer: HandshakeReply) -> list[ReadOp]:
-        """Re-blocking reads (the producer's block size differs from this engine's): one ReadOp
-        per copy of the planner, per group.
-
-        Raises:
-            TransferError: the bytes per token row differ between the engines, or the blocks do
-                not cover the token range.
-        """
-        d_bs, p_bs = int(self.layout["block_size"]), spec.remote_block_size
-        layers = int(self.layout["num_layers"])
-        ops = []
-        for g, (local, remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
-            bb, p_bb = self.block_bytes[g], peer.block_bytes[g]
-            row, rest = divmod(bb, layers * 2 * d_bs)
-            if rest or not row or p_bb != layers * 2 * p_bs * row:
-                raise TransferError(f"block bytes do not re-block: producer {p_bb} for block_size {p_bs}, "
-                                    f"consumer {bb} for block_size {d_bs}, {layers} layers")
-            try:
-                copies = plan_reblock(remote, p_bs, local, d_bs, layers, row, spec.first_token, spec.end_token,
-                                      spec.remote_first_block, spec.first_token // d_bs)
-            except ValueError as e:
-                raise TransferError(f"re-blocking plan: {e}") from None
-            region = self.regions[g]
-            ops.extend(ReadOp(f"g{g}", c.remote_offset, c.nbytes, region[c.local_offset : c.local_offset + c.nbytes])
-                       for c in copies)
-        return ops
-
-    def _head_ops(self, spec: RecvSpec, peer: HandshakeReply, p_heads: int, d_heads: int) -> list[ReadOp]:
-        """Re-sharding reads (this rank stores `d_heads` of the producer's `p_heads` KV heads; P tp
-        1, dcp 1, equal block sizes): one ReadOp per copy of plan_head_copies, per group.
-
-        Raises:
-            TransferError: the block bytes do not split into the heads of both sides, or a
-                layout the planner refuses.
-        """
-        tp = int(self.layout.get("tp_size", 1))
-        lay = ParallelLayout(tp_size=tp, dcp_size=int(self.layout.get("dcp_size", 1)),
-                             dcp_replicated=bool(self.layout.get("dcp_replicated", False)))
-        try:
-            reads = plan_head_reads(1, tp, p_heads)[lay.tp_rank(self.rank)]
-        except ValueError as e:
-            raise TransferError(f"re-sharding plan: {e}") from None
-        return self._copy_ops(spec, peer, p_heads, d_heads, reads)
-
-    def _copy_ops(self, spec: RecvSpec, peer: HandshakeReply, p_heads: int, d_heads: int,
-                  reads: list[HeadRead]) -> list[ReadOp]:
-        """One ReadOp per copy of plan_head_copies for `reads` from the producer rank `peer`
-        (storing `p_heads` KV heads per block) into this rank (`d_heads`), per group.
-
-        Raises:
-            TransferError: the block bytes do not split into the heads of both sides.
-        """
-        bs, layers = int(self.layout["block_size"]), int(self.layout["num_layers"])
-        ops = []
-        for g, (local, remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
-            bb, p_bb = self.block_bytes[g], peer.block_bytes[g]
-            head, rest = divmod(bb, layers * 2 * bs * d_heads)
-            if rest or not head or p_bb != layers * 2 * bs * p_heads * head:
-                raise TransferError(f"block bytes do not re-shard: producer {p_bb} for {p_heads} KV heads, "
-                                    f"consumer {bb} for {d_heads}, block_size {bs}, {layers} layers")
-            region = self.regions[g]
-            copies = plan_head_copies(remote, local, bs, layers, head, p_heads, d_heads, reads)
-            ops.extend(ReadOp(f"g{g}", c.remote_offset, c.nbytes, region[c.local_offset : c.local_offset + c.nbytes])
-                       for c in copies)
-        return ops
-
     def _claim(self, spec: RecvSpec, pull: _Pull, remote: RemoteEngine | None = None,
                readers: int | None = None) -> HandshakeReply:
         """Handshake (cached) and claim the grant at `remote` (default spec.remote) for `readers`
@@ -366,7 +265,7 @@ class ConsumerSide:
         spec = pull.spec
         peer = self._claim(spec, pull)
         grant = (spec.remote_request_id, spec.remote_nonce)
-        ops = self._read_ops(spec, peer)
+        ops = self.plan.block_ops(spec, peer)
         nbytes = self.engine.read(peer.peer_info, ops, pull.deadline, grant) if ops else 0
         done = Notify(spec.remote_request_id, "done", nbytes, spec.remote_nonce, spec.remote.engine_id,
                       reader=self.rank, readers=self.world_size)
@@ -400,7 +299,7 @@ class ConsumerSide:
         read: dict[int, int] = {}
         n_ops = 0
         for p, peer in peers.items():
-            ops = self._copy_ops(spec, peer, p_heads, d_heads, [r for r in reads if r.p_rank == p])
+            ops = self.plan.copy_ops(spec, peer, p_heads, d_heads, [r for r in reads if r.p_rank == p])
             read[p] = self.engine.read(peer.peer_info, ops, pull.deadline, grant) if ops else 0
             n_ops += len(ops)
         for p in peers:

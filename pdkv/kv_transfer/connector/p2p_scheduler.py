@@ -45,17 +45,16 @@ from typing import TYPE_CHECKING, Any
 
 from pdkv.cache.block_pool import NULL_BLOCK_ID
 from pdkv.kv_transfer.connector.base import KVConnectorOutput
+from pdkv.kv_transfer.connector.p2p_compat import shard_error
 from pdkv.kv_transfer.connector.p2p_messages import (
     NotifySpec,
     P2PConnectorMetadata,
     RecvSpec,
     RemoteEngine,
     SendSpec,
-    conversion_error,
     layout_mismatch,
     prompt_digest,
 )
-from pdkv.kv_transfer.reshard import plan_head_reads
 from pdkv.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -127,7 +126,7 @@ class P2PConnectorScheduler:
             mismatch = layout_mismatch(self.layout, dict(p.get("layout") or {}))
             if mismatch:
                 raise ValueError(mismatch)
-            error = self._shard_error(p)
+            error = shard_error(self.layout, p, self.num_groups)
             if error:
                 raise ValueError(error)
             if int(p.get("num_tokens", request.num_prompt_tokens)) != request.num_prompt_tokens:
@@ -137,66 +136,6 @@ class P2PConnectorScheduler:
                 )
         if p.get("do_remote_decode") and not self.config.is_kv_producer:
             raise ValueError("kv_transfer_params.do_remote_decode needs a kv_producer engine")
-
-    def _shard_error(self, p: dict[str, Any]) -> str:
-        """Why this engine cannot take the producer's blocks, or "". P must be dcp 1. A P at tp 1:
-        each of this engine's ranks stores either exactly P's KV heads (whole blocks; with DCP,
-        block size conversion, or KV replicated over TP ranks) or a subset of them (re-sharding,
-        issue 12: each rank reads its heads; not combined with DCP or a block size change). A P
-        at tp > 1: this engine has no DCP and P's block size (`_producer_tp_error`)."""
-        mine, theirs = self.layout, dict(p.get("layout") or {})
-        my_tp, my_dcp = int(mine.get("tp_size", 1)), int(mine.get("dcp_size", 1))
-        if p.get("dcp_size", 1) != 1:
-            return (f"a producer with DCP (producer dcp_size={p.get('dcp_size')!r}, consumer "
-                    f"dcp_size={my_dcp}) is not supported yet (issue 12)")
-        if p.get("tp_size", 1) != 1:
-            return self._producer_tp_error(p)
-        my_heads = mine.get("num_local_kv_heads", mine.get("num_kv_heads"))
-        if my_heads != theirs.get("num_kv_heads"):  # this rank stores a subset of P's heads
-            if my_dcp > 1:
-                return (f"each decode rank stores {my_heads} of the producer's {theirs.get('num_kv_heads')} KV "
-                        f"heads (tp_size={my_tp}) and decode_context_parallel_size={my_dcp}: re-sharding KV "
-                        "heads into a DCP decode engine is not supported (issue 12)")
-            if mine.get("block_size") != theirs.get("block_size"):
-                return (f"each decode rank stores {my_heads} of the producer's {theirs.get('num_kv_heads')} KV "
-                        f"heads (tp_size={my_tp}) and decode block_size={mine.get('block_size')} differs from "
-                        f"the producer's block_size={theirs.get('block_size')}: re-sharding and re-blocking "
-                        "at once is not supported (issue 12)")
-            return ""
-        error = conversion_error(mine, theirs)
-        if error:
-            return error
-        if mine.get("block_size") != theirs.get("block_size") and self.num_groups != 1:
-            return (f"decode block_size={mine.get('block_size')} differs from the producer's "
-                    f"block_size={theirs.get('block_size')}: re-blocking needs one KV cache group "
-                    f"(this engine has {self.num_groups})")
-        return ""
-
-    def _producer_tp_error(self, p: dict[str, Any]) -> str:
-        """Why this engine cannot take blocks from a producer at tp > 1, or "" (this engine has
-        no DCP, P's block size, heads both TP sizes divide, one endpoint per P rank)."""
-        mine, theirs = self.layout, dict(p.get("layout") or {})
-        my_tp, my_dcp, p_tp = int(mine.get("tp_size", 1)), int(mine.get("dcp_size", 1)), p.get("tp_size")
-        if not isinstance(p_tp, int) or p_tp < 1:
-            return f"kv_transfer_params.tp_size must be a positive integer, got {p_tp!r}"
-        if my_dcp > 1:
-            return (f"a prefill engine at tp_size={p_tp} into a DCP decode engine (consumer tp_size={my_tp}, "
-                    f"decode_context_parallel_size={my_dcp}) is not supported: P must run tp 1 for P/D "
-                    "into DCP (issue 12)")
-        if mine.get("block_size") != theirs.get("block_size"):
-            return (f"a prefill engine at tp_size={p_tp} with block_size={theirs.get('block_size')} and decode "
-                    f"block_size={mine.get('block_size')} (consumer tp_size={my_tp}): re-sharding from a "
-                    "multi-rank producer and re-blocking at once is not supported (issue 12)")
-        endpoints = p.get("endpoints")
-        if (not isinstance(endpoints, list) or len(endpoints) != p_tp
-                or not all(isinstance(e, list | tuple) and len(e) == 2 for e in endpoints)):
-            return (f"kv_transfer_params.endpoints must list one [host, port] per producer TP rank "
-                    f"(tp_size={p_tp}), got {endpoints!r:.80}")
-        try:
-            plan_head_reads(p_tp, my_tp, int(theirs.get("num_kv_heads", 0)))
-        except (TypeError, ValueError) as e:
-            return f"re-sharding from producer tp_size={p_tp} to consumer tp_size={my_tp}: {e}"
-        return ""
 
     def _remote(self, request: Request) -> tuple[RemoteEngine, str]:
         p = request.kv_transfer_params or {}

@@ -1,0 +1,132 @@
+"""Read planning of the P2P consumer: which ReadOps move a RecvSpec's blocks from one producer
+rank into this worker's KV cache regions, for every layout pair the connector converts (same
+layout, with DCP shards; re-blocking by token position, pdkv/kv_transfer/reblock.py; KV-head
+re-sharding, pdkv/kv_transfer/reshard.py). No I/O: the consumer side submits the ops."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdkv.kv_transfer.connector.p2p_messages import HandshakeReply, RecvSpec
+from pdkv.kv_transfer.engine.base import ReadOp, TransferError
+from pdkv.kv_transfer.reblock import plan_reblock
+from pdkv.kv_transfer.reshard import HeadRead, plan_head_copies, plan_head_reads
+from pdkv.parallel.layout import ParallelLayout
+
+
+class ReadPlanner:
+    """Args:
+        layout: this engine's layout fingerprint (block_size, num_layers, heads, tp/dcp sizes).
+        regions: this worker's KV cache bytes per group (the list is filled at register time).
+        block_bytes: bytes per block of each group (likewise).
+        rank: this worker's global rank; dcp_rank, dcp_size: its DCP rank and the DCP size.
+    """
+
+    def __init__(self, layout: dict[str, Any], regions: list[memoryview], block_bytes: list[int],
+                 rank: int, dcp_rank: int, dcp_size: int) -> None:
+        self.layout = layout
+        self.regions = regions
+        self.block_bytes = block_bytes
+        self.rank = rank
+        self.dcp_rank = dcp_rank
+        self.dcp_size = dcp_size
+
+    def block_ops(self, spec: RecvSpec, peer: HandshakeReply) -> list[ReadOp]:
+        """The reads of this DCP rank's pairs (remote_first_block + i ≡ dcp_rank mod dcp_size);
+        all pairs at dcp_size 1.
+
+        Raises:
+            TransferError: the producer's block bytes differ from this engine's.
+        """
+        if spec.remote_block_size and spec.remote_block_size != int(self.layout.get("block_size", 0)):
+            return self.reblock_ops(spec, peer)
+        p_heads = int(spec.remote_layout.get("num_kv_heads", 0))
+        d_heads = int(self.layout.get("num_local_kv_heads", self.layout.get("num_kv_heads", 0)))
+        if p_heads and d_heads and p_heads != d_heads:
+            return self.head_ops(spec, peer, p_heads, d_heads)
+        ops = []
+        n, r, first = self.dcp_size, self.dcp_rank, spec.remote_first_block
+        for g, (all_local, all_remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
+            bb = self.block_bytes[g]
+            if peer.block_bytes[g] != bb:
+                raise TransferError(f"block bytes differ: producer {peer.block_bytes[g]}, consumer {bb}")
+            mine = [i for i in range(len(all_local)) if (first + i) % n == r]
+            local = [all_local[i] for i in mine]
+            remote = [all_remote[i] for i in mine]
+            # One op per run of blocks consecutive on both sides (fewer, larger copies).
+            i = 0
+            while i < len(local):
+                j = i + 1
+                while j < len(local) and local[j] == local[j - 1] + 1 and remote[j] == remote[j - 1] + 1:
+                    j += 1
+                nbytes = (j - i) * bb
+                dest = self.regions[g][local[i] * bb : local[i] * bb + nbytes]
+                ops.append(ReadOp(f"g{g}", remote[i] * bb, nbytes, dest))
+                i = j
+        return ops
+
+    def reblock_ops(self, spec: RecvSpec, peer: HandshakeReply) -> list[ReadOp]:
+        """Re-blocking reads (the producer's block size differs from this engine's): one ReadOp
+        per copy of the planner, per group.
+
+        Raises:
+            TransferError: the bytes per token row differ between the engines, or the blocks do
+                not cover the token range.
+        """
+        d_bs, p_bs = int(self.layout["block_size"]), spec.remote_block_size
+        layers = int(self.layout["num_layers"])
+        ops = []
+        for g, (local, remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
+            bb, p_bb = self.block_bytes[g], peer.block_bytes[g]
+            row, rest = divmod(bb, layers * 2 * d_bs)
+            if rest or not row or p_bb != layers * 2 * p_bs * row:
+                raise TransferError(f"block bytes do not re-block: producer {p_bb} for block_size {p_bs}, "
+                                    f"consumer {bb} for block_size {d_bs}, {layers} layers")
+            try:
+                copies = plan_reblock(remote, p_bs, local, d_bs, layers, row, spec.first_token, spec.end_token,
+                                      spec.remote_first_block, spec.first_token // d_bs)
+            except ValueError as e:
+                raise TransferError(f"re-blocking plan: {e}") from None
+            region = self.regions[g]
+            ops.extend(ReadOp(f"g{g}", c.remote_offset, c.nbytes, region[c.local_offset : c.local_offset + c.nbytes])
+                       for c in copies)
+        return ops
+
+    def head_ops(self, spec: RecvSpec, peer: HandshakeReply, p_heads: int, d_heads: int) -> list[ReadOp]:
+        """Re-sharding reads (this rank stores `d_heads` of the producer's `p_heads` KV heads; P tp
+        1, dcp 1, equal block sizes): one ReadOp per copy of plan_head_copies, per group.
+
+        Raises:
+            TransferError: the block bytes do not split into the heads of both sides, or a
+                layout the planner refuses.
+        """
+        tp = int(self.layout.get("tp_size", 1))
+        lay = ParallelLayout(tp_size=tp, dcp_size=int(self.layout.get("dcp_size", 1)),
+                             dcp_replicated=bool(self.layout.get("dcp_replicated", False)))
+        try:
+            reads = plan_head_reads(1, tp, p_heads)[lay.tp_rank(self.rank)]
+        except ValueError as e:
+            raise TransferError(f"re-sharding plan: {e}") from None
+        return self.copy_ops(spec, peer, p_heads, d_heads, reads)
+
+    def copy_ops(self, spec: RecvSpec, peer: HandshakeReply, p_heads: int, d_heads: int,
+                  reads: list[HeadRead]) -> list[ReadOp]:
+        """One ReadOp per copy of plan_head_copies for `reads` from the producer rank `peer`
+        (storing `p_heads` KV heads per block) into this rank (`d_heads`), per group.
+
+        Raises:
+            TransferError: the block bytes do not split into the heads of both sides.
+        """
+        bs, layers = int(self.layout["block_size"]), int(self.layout["num_layers"])
+        ops = []
+        for g, (local, remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
+            bb, p_bb = self.block_bytes[g], peer.block_bytes[g]
+            head, rest = divmod(bb, layers * 2 * bs * d_heads)
+            if rest or not head or p_bb != layers * 2 * bs * p_heads * head:
+                raise TransferError(f"block bytes do not re-shard: producer {p_bb} for {p_heads} KV heads, "
+                                    f"consumer {bb} for {d_heads}, block_size {bs}, {layers} layers")
+            region = self.regions[g]
+            copies = plan_head_copies(remote, local, bs, layers, head, p_heads, d_heads, reads)
+            ops.extend(ReadOp(f"g{g}", c.remote_offset, c.nbytes, region[c.local_offset : c.local_offset + c.nbytes])
+                       for c in copies)
+        return ops
