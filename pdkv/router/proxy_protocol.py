@@ -39,13 +39,16 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 def release_prefill(params: dict[str, Any]) -> bool:
     """Tell the prefill engine named in `params` (P's kv_transfer_params) that its held blocks
-    will never be read (blocking, best effort; the lease still bounds the hold). The one place
-    that maps the params onto the connector's release helper. Returns whether P acknowledged."""
+    will never be read (blocking, best effort; the lease still bounds the hold). A P at tp > 1
+    holds the blocks on every rank: the release goes to each control endpoint in `endpoints`
+    (rank order; `remote_host`/`remote_port` is rank 0's). The one place that maps the params
+    onto the connector's release helper. Returns whether every rank acknowledged."""
     from pdkv.kv_transfer.connector.p2p_messages import send_release
 
-    return send_release(host=str(params["remote_host"]), port=int(params["remote_port"]),
-                        request_id=str(params["remote_request_id"]),
-                        nonce=str(params.get("remote_nonce", "")))
+    endpoints = params.get("endpoints") or [[params["remote_host"], params["remote_port"]]]
+    acks = [send_release(host=str(host), port=int(port), request_id=str(params["remote_request_id"]),
+                         nonce=str(params.get("remote_nonce", ""))) for host, port in endpoints]
+    return all(acks)
 
 
 def releasable(params: Any) -> bool:
