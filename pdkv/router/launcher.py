@@ -265,6 +265,12 @@ def check_args(args: argparse.Namespace) -> None:
     if args.pool == "dram" and args.num_instances > 1:
         raise ValueError("a dram pool lives inside one engine process and cannot be shared by "
                          f"{args.num_instances} instances: use --pool disk, redis or mooncake")
+    own = any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=")
+              for a in getattr(args, "engine_args", []) or [])
+    if own and (args.mode == "pd" or args.pool is not None):
+        raise ValueError("pdkv up sets the engines' --kv-transfer-config itself with --mode pd or --pool "
+                         "(P2PConnector over --kv-transfer, pools with --pool): leave it out of the engine flags "
+                         "after --, or start the engines with pdkv serve")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

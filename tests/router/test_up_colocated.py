@@ -33,6 +33,13 @@ def test_n_instances_share_the_pool_behind_a_prefix_aware_proxy():
     assert topo.endpoint == proxy.url
 
 
+def test_a_colocated_engine_without_a_pool_takes_the_users_kv_transfer_config():
+    args = _args("--mode", "colocated", "--", "--kv-transfer-config", '{"kv_connector": "OffloadingConnector"}')
+    launcher.check_args(args)
+    (engine,) = launcher.build_topology(args).children
+    assert engine.cmd[engine.cmd.index("--kv-transfer-config") + 1] == '{"kv_connector": "OffloadingConnector"}'
+
+
 def test_one_instance_has_no_proxy():
     args = _args("--mode", "colocated")
     assert [c.name for c in launcher.build_topology(args).children] == ["engine"]
@@ -42,6 +49,9 @@ def test_one_instance_has_no_proxy():
     (("--mode", "colocated", "--num-instances", "2", "--pool", "dram"), "disk, redis or mooncake"),
     (("--mode", "pd", "--num-instances", "2"), "--num-instances is for --mode colocated"),
     (("--mode", "colocated", "--num-instances", "0"), ">= 1"),
+    (("--mode", "pd", "--", "--kv-transfer-config", '{"kv_connector": "OffloadingConnector"}'),
+     "sets the engines' --kv-transfer-config itself"),
+    (("--mode", "colocated", "--pool", "disk", "--", "--kv-transfer-config={}"), "leave it out"),
 ])
 def test_refused_combinations(argv, match):
     with pytest.raises(ValueError, match=match):
