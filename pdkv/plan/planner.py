@@ -127,8 +127,10 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
             moved = held + rank_req
             add(Figure("rank_tokens", "rank", "tokens on one rank", rank_tokens, "tokens",
                        f"ceil({T} / dcp={inp.dcp}); DCP puts token t on rank (t // I) % dcp"))
+            terms = [f"{g.token_bytes(kv, inp.tp)} B × {g.tokens_held(rank_tokens)} tokens ({g.kind})"
+                     for g in m.groups if not isinstance(g, LinearState)]
             add(Figure("rank_bytes", "rank", "KV of the prompt on one rank", moved, "B",
-                       f"{rank_tok} B × {rank_tokens} tokens held" + (f" + {rank_req} B state" if rank_req else "")
+                       " + ".join(terms) + (f" + {rank_req} B state" if rank_req else "")
                        + f"; tp={inp.tp}, dcp={inp.dcp}"))
             add(Figure("cluster_bytes", "rank", f"KV moved by the {inp.tp} rank(s) of one instance",
                        moved * inp.tp, "B",
