@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pdkv.cache.specs import window_first_block
 from pdkv.plan.dtypes import element_type
 from pdkv.plan.groups import LinearState
 from pdkv.plan.model import spec_from_hf_config
@@ -31,11 +32,7 @@ def blocks_moved(num_tokens: int, block_size: int, window: int | None) -> int:
     """
     if num_tokens < 1 or block_size < 1:
         raise ValueError(f"num_tokens ({num_tokens}) and block_size ({block_size}) must be >= 1")
-    total = -(-num_tokens // block_size)
-    if window is None:
-        return total
-    boundary = (num_tokens - 1) // block_size * block_size
-    return total - max(0, boundary - window + 1) // block_size
+    return -(-num_tokens // block_size) - window_first_block(num_tokens - 1, block_size, window)
 
 
 def real_size_rows(models: Sequence[str] = REAL_MODELS, prompt_lens: Sequence[int] = (1024, 4096)

@@ -69,6 +69,19 @@ class SlidingWindowSpec(FullAttentionSpec):
         return "sliding_window"
 
 
+def window_first_block(resume_token: int, block_size: int, window: int | None) -> int:
+    """First block a group keeps for a request that resumes at token `resume_token` (0 without
+    a window): a sliding-window group keeps the window of the block boundary
+    B = resume_token // block_size * block_size at or before it, tokens B - W + 1 on (what the
+    resumed query reads, and what a later prefix hit of B tokens needs). Used where a connector
+    moves a window group (P/D pulls, `pdkv bench groups`); `KVCacheManager.cache_loaded_blocks`
+    keeps the same blocks."""
+    if window is None:
+        return 0
+    boundary = resume_token // block_size * block_size
+    return max(0, boundary - window + 1) // block_size
+
+
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
     """Layers (by index) that share one spec and one block table per request."""

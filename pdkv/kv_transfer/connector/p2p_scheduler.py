@@ -44,6 +44,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from pdkv.cache.block_pool import NULL_BLOCK_ID
+from pdkv.cache.specs import window_first_block
 from pdkv.kv_transfer.connector.base import KVConnectorOutput
 from pdkv.kv_transfer.connector.p2p_compat import shard_error
 from pdkv.kv_transfer.connector.p2p_messages import (
@@ -248,8 +249,7 @@ class P2PConnectorScheduler:
         for window, lg, rg in zip(self.sliding_windows, local_ids, remote_ids):
             skip = 0
             if window is not None:
-                boundary = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
-                keep = max(0, boundary - window + 1) // self.block_size
+                keep = window_first_block(request.num_prompt_tokens - 1, self.block_size, window)
                 skip = min(len(lg), max(0, keep - first))
             firsts.append(first + skip)
             local.append(list(lg[skip:]))
