@@ -100,6 +100,12 @@ class SchedulerConfig:
         remote_kv_watermark: fraction of the KV blocks that must stay free after admitting an
             asynchronous (remote) KV load, on top of one block per running or loading request
             (their next decode block), so a burst of decode legs cannot cause preemptions.
+        max_mixed_prefill_tokens: most prompt tokens (prefill chunks, all requests together) in
+            a step that also runs decode tokens; 0 = no cap beyond max_num_batched_tokens. A
+            step without decodes is not capped, so a lone prompt's TTFT is unchanged. It bounds
+            how long running decodes wait behind a long prefill (the inter-token latency tail).
+            vLLM's nearest knob, `long_prefill_token_threshold`, caps every chunk of every
+            request, decodes running or not. Needs chunked prefill.
     """
 
     max_num_seqs: int = 128
@@ -107,8 +113,15 @@ class SchedulerConfig:
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
     remote_kv_watermark: float = 0.01
+    max_mixed_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_mixed_prefill_tokens < 0:
+            raise ValueError(
+                f"max_mixed_prefill_tokens must be >= 0, got {self.max_mixed_prefill_tokens}")
+        if self.max_mixed_prefill_tokens and not self.enable_chunked_prefill:
+            raise ValueError("max_mixed_prefill_tokens needs chunked prefill (a prompt that "
+                             "cannot be split cannot be capped)")
         if not 0.0 <= self.remote_kv_watermark < 1.0:
             raise ValueError(f"remote_kv_watermark must be in [0, 1), got {self.remote_kv_watermark}")
         if self.max_num_seqs < 1:

@@ -42,6 +42,7 @@ class EngineArgs:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    max_mixed_prefill_tokens: int = 0
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     cp_kv_cache_interleave_size: int = 1
@@ -106,6 +107,7 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                max_mixed_prefill_tokens=self.max_mixed_prefill_tokens,
             ),
             kv_transfer_config=(
                 KVTransferConfig.from_json(self.kv_transfer_config) if self.kv_transfer_config else None
@@ -159,6 +161,9 @@ class EngineArgs:
             action=argparse.BooleanOptionalAction,
             default=d.enable_chunked_prefill,
         )
+        g.add_argument("--max-mixed-prefill-tokens", type=int, default=d.max_mixed_prefill_tokens,
+                       help="most prompt tokens in a step that also runs decodes (0 = no cap): "
+                            "bounds the inter-token latency tail behind long prefills")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="TP ranks: one worker process each (torch.distributed, gloo on CPU)")
         g.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1,

@@ -168,12 +168,17 @@ class Scheduler:
         preempted = False
         now = time.monotonic()
         self._update_waiting_for_remote_kv()
+        # Prompt tokens still allowed in this step (None: no cap beyond the budget).
+        prefill_left = self._mixed_prefill_cap()
 
         # 1. Running requests, oldest first.
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(remaining, budget)
+            if remaining > 1 and prefill_left is not None:
+                num_new = min(num_new, prefill_left)
             if num_new <= 0:
                 idx += 1
                 continue
@@ -191,6 +196,8 @@ class Scheduler:
             self._add_scheduled(request, num_new, new_blocks, new_reqs, cached_reqs)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            if remaining > 1 and prefill_left is not None:
+                prefill_left -= num_new
             idx += 1
 
         # 2. Waiting requests, in order, while nothing was preempted this step.
@@ -246,7 +253,12 @@ class Scheduler:
             num_new = request.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
+            is_prefill = num_new > 1
             num_new = min(num_new, budget)
+            if is_prefill and prefill_left is not None:
+                num_new = min(num_new, prefill_left)
+                if num_new <= 0:
+                    break
             if not resumed_remote:
                 request.num_computed_tokens = 0
             # Slots for the synchronously loaded tokens too; their blocks are final (and
@@ -274,6 +286,8 @@ class Scheduler:
             self._add_scheduled(request, num_new, new_blocks, new_reqs, cached_reqs)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            if is_prefill and prefill_left is not None:
+                prefill_left -= num_new
         self.waiting.extendleft(reversed(skipped))
 
         output = SchedulerOutput(
@@ -289,6 +303,15 @@ class Scheduler:
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
+
+    def _mixed_prefill_cap(self) -> int | None:
+        """`max_mixed_prefill_tokens` when some running request decodes this step (one token
+        left to compute), else None: prompt chunks (more than one token) of this step may then
+        hold at most that many tokens together."""
+        cap = self.config.max_mixed_prefill_tokens
+        if cap and any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+            return cap
+        return None
 
     def _remote_load_reserve(self) -> int:
         """Blocks that must stay free after admitting an asynchronous load: the watermark plus
