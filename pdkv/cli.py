@@ -1,4 +1,4 @@
-"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff, dcp, hetero, groups} | compare | plan | matrix."""
+"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff, dcp, hetero, groups, prefill-cap} | compare | plan | matrix."""
 
 from __future__ import annotations
 
@@ -214,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     groups_bench.add_cli_args(groups_p)
     groups_p.set_defaults(func=groups_bench.main)
+    from pdkv.bench import prefill_cap as prefill_cap_bench
+
+    cap_p = bench_sub.add_parser(
+        "prefill-cap", help="colocated ITL tail and TTFT against --max-mixed-prefill-tokens, one server per "
+        "cap on one workload (cap 0 = the uncapped peer)", formatter_class=fmt,
+    )
+    prefill_cap_bench.add_cli_args(cap_p)
+    cap_p.set_defaults(func=prefill_cap_bench.main)
 
     from pdkv.bench import compare
 
