@@ -31,6 +31,7 @@ from pdkv.sched.output import (
     SchedulerOutput,
     SchedulerStats,
 )
+from pdkv.sched.step_plan import StepPlan
 from pdkv.sched.utils import check_stop
 
 
@@ -161,24 +162,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step. Advances num_computed_tokens of scheduled requests as if the step ran
         (the worker executes exactly this plan before the next call)."""
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
         preempted = False
         now = time.monotonic()
         self._update_waiting_for_remote_kv()
-        # Prompt tokens still allowed in this step (None: no cap beyond the budget).
-        prefill_left = self._mixed_prefill_cap()
+        plan = StepPlan.start(self.config, self.running)
 
         # 1. Running requests, oldest first.
         idx = 0
-        while idx < len(self.running) and budget > 0:
+        while idx < len(self.running) and plan.tokens_left > 0:
             request = self.running[idx]
             remaining = request.num_tokens - request.num_computed_tokens
-            num_new = min(remaining, budget)
-            if remaining > 1 and prefill_left is not None:
-                num_new = min(num_new, prefill_left)
+            num_new = plan.fit(remaining)
             if num_new <= 0:
                 idx += 1
                 continue
@@ -193,17 +187,14 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            self._add_scheduled(request, num_new, new_blocks, new_reqs, cached_reqs)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            if remaining > 1 and prefill_left is not None:
-                prefill_left -= num_new
+            self._add_scheduled(request, num_new, new_blocks, plan)
+            plan.spend(request.request_id, num_new, prefill=remaining > 1)
             idx += 1
 
         # 2. Waiting requests, in order, while nothing was preempted this step.
         skipped: list[Request] = []
         loads_blocked = False
-        while not preempted and self.waiting and budget > 0:
+        while not preempted and self.waiting and plan.tokens_left > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
@@ -251,14 +242,12 @@ class Scheduler:
             num_computed = (request.num_computed_tokens if resumed_remote
                             else num_hit + num_external)
             num_new = request.num_tokens - num_computed
-            if not self.config.enable_chunked_prefill and num_new > budget:
+            if not self.config.enable_chunked_prefill and num_new > plan.tokens_left:
                 break
             is_prefill = num_new > 1
-            num_new = min(num_new, budget)
-            if is_prefill and prefill_left is not None:
-                num_new = min(num_new, prefill_left)
-                if num_new <= 0:
-                    break
+            num_new = plan.fit(num_new)
+            if num_new <= 0:
+                break
             if not resumed_remote:
                 request.num_computed_tokens = 0
             # Slots for the synchronously loaded tokens too; their blocks are final (and
@@ -283,35 +272,23 @@ class Scheduler:
                 request.times.first_scheduled = now
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._add_scheduled(request, num_new, new_blocks, new_reqs, cached_reqs)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            if is_prefill and prefill_left is not None:
-                prefill_left -= num_new
+            self._add_scheduled(request, num_new, new_blocks, plan)
+            plan.spend(request.request_id, num_new, prefill=is_prefill)
         self.waiting.extendleft(reversed(skipped))
 
         output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_new_reqs=plan.new_reqs,
+            scheduled_cached_reqs=plan.cached_reqs,
+            num_scheduled_tokens=plan.num_scheduled,
+            total_num_scheduled_tokens=sum(plan.num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
         )
         self.finished_req_ids = set()
-        for req_id, n in num_scheduled.items():
+        for req_id, n in plan.num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
-
-    def _mixed_prefill_cap(self) -> int | None:
-        """`max_mixed_prefill_tokens` when some running request decodes this step (one token
-        left to compute), else None: prompt chunks (more than one token) of this step may then
-        hold at most that many tokens together."""
-        cap = self.config.max_mixed_prefill_tokens
-        if cap and any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
-            return cap
-        return None
 
     def _remote_load_reserve(self) -> int:
         """Blocks that must stay free after admitting an asynchronous load: the watermark plus
@@ -336,12 +313,11 @@ class Scheduler:
         request: Request,
         num_new: int,
         new_blocks: KVCacheBlocks,
-        new_reqs: list[NewRequestData],
-        cached_reqs: list[CachedRequestData],
+        plan: StepPlan,
     ) -> None:
         req_id = request.request_id
         if req_id in self._worker_known:
-            cached_reqs.append(
+            plan.cached_reqs.append(
                 CachedRequestData(
                     req_id=req_id,
                     new_block_ids=new_blocks.get_block_ids(),
@@ -350,7 +326,7 @@ class Scheduler:
             )
         else:
             self._worker_known.add(req_id)
-            new_reqs.append(
+            plan.new_reqs.append(
                 NewRequestData(
                     req_id=req_id,
                     token_ids=list(request.all_token_ids),
