@@ -71,13 +71,13 @@ class EngineArgs:
                 f"max_model_len={max_len} exceeds the model's max_position_embeddings="
                 f"{arch.max_position_embeddings}"
             )
+        check_sliding_window_parallel(arch, self.decode_context_parallel_size)  # before the head rules
         ParallelConfig(  # vLLM's head constraints, before any process starts
             tensor_parallel_size=self.tensor_parallel_size,
             decode_context_parallel_size=self.decode_context_parallel_size,
             cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size,
             dcp_replicate_weights=self.dcp_replicate_weights,
         ).layout().check_heads(arch.num_heads, arch.num_kv_heads)
-        check_sliding_window_parallel(arch, self.decode_context_parallel_size)
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} requested but this torch build has no CUDA device")

@@ -111,6 +111,10 @@ def test_dcp_is_refused_on_a_sliding_window_model(tiny_swa):
 
     with pytest.raises(ValueError, match="decode_context_parallel_size=2 is not supported with sliding-window"):
         EngineArgs(model=tiny_swa, decode_context_parallel_size=2).create_engine_config()
+    # Also where the head rules would refuse first (vLLM-mode DCP 2 at tp 2 on 2 KV heads): the
+    # window is named, not a head count the window would refuse anyway.
+    with pytest.raises(ValueError, match="not supported with sliding-window"):
+        EngineArgs(model=tiny_swa, tensor_parallel_size=2, decode_context_parallel_size=2).create_engine_config()
 
 
 @pytest.mark.slow  # two worker processes
