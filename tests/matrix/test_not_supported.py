@@ -96,8 +96,6 @@ def test_decode_takes_a_prefill_at_tp_2_but_refuses_one_it_cannot_convert():
 
 
 HYBRIDS = [
-    pytest.param("deepseek-v3", "mla", id="deepseek-v3", marks=pytest.mark.matrix(
-        "colocated", "hybrid-mla", model="deepseek-v3", expect="unsupported")),
     pytest.param("qwen3-next-80b-a3b", "linear_state", id="qwen3-next", marks=pytest.mark.matrix(
         "colocated", "hybrid-linear", model="qwen3-next", expect="unsupported")),
     pytest.param("kimi-linear-48b-a3b", "mla + linear_state", id="kimi-linear", marks=pytest.mark.matrix(
@@ -111,4 +109,14 @@ def test_hybrid_state_configs_are_refused_naming_their_state(name, kinds, tmp_pa
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     msg = refused(capsys, ["--model", os.fspath(tmp_path)])
     assert f"keeps {kinds} state" in msg and "issue 11" in msg
+    record_property(DETAIL_PROPERTY, msg.replace(os.fspath(tmp_path), "<folder>"))
+
+
+@pytest.mark.matrix("colocated", "hybrid-mla", model="deepseek-v3", expect="unsupported")
+def test_deepseek_v3_config_is_refused_for_its_moe_layers(tmp_path, capsys, record_property):
+    """MLA runs (tiny-mla), the real DeepSeek-V3's mixture-of-experts layers do not."""
+    cfg = json.loads((PLAN_CONFIGS / "deepseek-v3.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    msg = refused(capsys, ["--model", os.fspath(tmp_path)])
+    assert "layers 3..60 are mixture-of-experts" in msg and "only dense MLPs" in msg
     record_property(DETAIL_PROPERTY, msg.replace(os.fspath(tmp_path), "<folder>"))
