@@ -4,7 +4,9 @@
 model.safetensors, SmolLM2's tokenizer files) built with transformers' `LlamaConfig` +
 `LlamaForCausalLM` from a fixed seed; `tiny-swa` is the same shape as `tiny-llama-kv2` built as a
 `Qwen2ForCausalLM` (q/k/v biases) whose `layer_types` interleave sliding-window and full
-attention (sliding_window 40 tokens, deliberately not a multiple of the block size 16). `pdkv.model.registry.resolve_model` builds them on first use
+attention (sliding_window 40 tokens, deliberately not a multiple of the block size 16); `tiny-mla`
+is a `DeepseekV3ForCausalLM` of the same hidden size, heads and layers (MLA: latent 48, rope 16,
+nope 32, v 32, no q LoRA, dense MLP on every layer, default rope with HF's rope_interleave). `pdkv.model.registry.resolve_model` builds them on first use
 under `$PDKV_CACHE/models/<name>` and reuses them after.
 
 Why these sizes:
@@ -32,6 +34,11 @@ layer), Qwen2 / Qwen3 (`layer_types` or use_sliding_window + max_window_layers),
 full layers). Its 4 layers alternate sliding, full, sliding, full, so both KV cache groups hold
 two layers. tests/model/test_swa_engine.py checks that HF really applies the window on it (its
 greedy output on a 150-token prompt differs from the same weights with the window disabled).
+
+`tiny-mla` stands for DeepSeek-V2/V3/R1 and Kimi-K2 (MLA everywhere) and the MLA layers of
+Kimi-Linear; its MoE layers are dense here (first_k_dense_replace = num_hidden_layers), so
+pdkv's decoder (pdkv/model/deepseek.py) needs no experts. Its margins are in
+tests/model/test_tiny_models.py with the tiny Llamas.
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ from dataclasses import dataclass
 class TinyModelSpec:
     """Shape of one tiny random decoder; sizes in elements, lengths in tokens.
 
-    `architecture` is "LlamaForCausalLM" or "Qwen2ForCausalLM"; `layer_types` (Qwen2 only, HF
+    `architecture` is "LlamaForCausalLM", "Qwen2ForCausalLM" or "DeepseekV3ForCausalLM" (with
+    the MLA widths kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim); `layer_types` (Qwen2 only, HF
     names "sliding_attention" / "full_attention") and `sliding_window` (tokens, HF semantics: the
     query at p sees keys p - W < k <= p) make a sliding-window model.
     """
