@@ -145,11 +145,6 @@ class KVCacheConfig:
                      for g in self.groups)
 
     @property
-    def has_mla(self) -> bool:
-        """True when some group caches MLA latents (no K/V heads to re-shard or re-block)."""
-        return any(isinstance(g.spec, MLASpec) for g in self.groups)
-
-    @property
     def total_bytes(self) -> int:
         """Bytes of the whole KV cache."""
         return sum(self.block_bytes(i) for i in range(len(self.groups))) * self.num_blocks

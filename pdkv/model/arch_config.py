@@ -11,8 +11,8 @@ Gemma-2/3 (interleaved local/global) and gpt-oss (alternating banded/full) use t
 form; their architectures are not implemented here.
 
 Multi-head latent attention (`DeepseekV3ForCausalLM`, decoder in pdkv/model/deepseek.py): every
-layer is MLA with dense MLPs (MoE layers, q LoRA ranks are read but MoE is refused), default rope
-only. The KV cache stores one latent + rope'd key vector per token, so `num_kv_heads` is 1 (the
+layer is MLA with a dense MLP (a q LoRA rank is supported; MoE layers, yarn rope and attention
+biases are refused). The KV cache stores one latent + rope'd key vector per token, so `num_kv_heads` is 1 (the
 vector is replicated across TP ranks, as vLLM) and `head_dim` is its width,
 kv_lora_rank + qk_rope_head_dim.
 """

@@ -13,7 +13,9 @@ queries [q_nope, q_pe] attend with one softmax over qk_nope + qk_rope dims. The 
 (fold kv_b_proj's k half into q and attend as MQA over the latents, then up-project the output
 with its v half) saves the per-key up-projection at decode, but it sums in another order than
 HF's reference; the naive form is the simpler correct one to hold token-identical to HF's
-greedy output, and at these sizes its extra matmul costs nothing measurable.
+greedy output, and at these sizes its extra matmul costs nothing measurable. Like the SDPA paths
+of paged_attention it returns no log-sum-exp: it serves single-rank attention (DCP is refused on
+MLA models).
 """
 
 from __future__ import annotations

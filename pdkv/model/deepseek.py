@@ -17,6 +17,7 @@ rank computes and caches the whole latent (the MLA cache is replicated, not shar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -140,7 +141,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
 
-    def load_weights(self, r: Any, put: Any) -> None:
+    def load_weights(self, r: Any, put: Callable[[nn.Parameter, torch.Tensor, str], None]) -> None:
         """Read this rank's shard from `r` (pdkv.model.loader's shard reader) with
         `put(param, tensor, name)` (shape-checked copy).
 
