@@ -1,7 +1,7 @@
 """tiny-mla (DeepSeek-V3-style MLA, pdkv/model/deepseek.py): the folder has the documented
 shape; one MLA KV cache group of latent + rope rows; the decoder's greedy output equals HF
-transformers' alone (one decode a step) and at TP 2 (heads split, latent replicated); DCP is
-refused. Plain / chunked / prefix-cache parity and greedy margins: tests/model/test_tiny_models.py.
+transformers' alone (one decode a step); DCP is refused. Plain / chunked / prefix-cache parity and
+greedy margins: tests/model/test_tiny_models.py; TP 2: tests/parallel/test_mla_tp.py.
 Issue 11, acceptance 1 for tiny-mla."""
 
 from __future__ import annotations
@@ -84,18 +84,3 @@ def test_dcp_is_refused_on_an_mla_model(tiny_mla):
 
     with pytest.raises(ValueError, match="decode_context_parallel_size=2 is not supported with multi-head latent"):
         EngineArgs(model=tiny_mla, decode_context_parallel_size=2).create_engine_config()
-
-
-@pytest.mark.slow  # two worker processes
-@pytest.mark.matrix("tp", model="tiny-mla")
-def test_tp2_matches_hf(tiny_mla, prompts, hf_tokens):
-    """TP 2 (two heads a rank, the whole latent on both), chunked prefill, then a prefix-cache
-    resend: HF's tokens, as at TP 1."""
-    llm = LLM(tiny_mla, cpu_linear="torch", num_kv_blocks=32, max_model_len=128, max_num_batched_tokens=32,
-              tensor_parallel_size=2)
-    try:
-        assert tokens(llm, prompts)[0] == hf_tokens
-        again, cached = tokens(llm, prompts)
-        assert again == hf_tokens and cached == [16, 64]
-    finally:
-        llm.llm_engine.shutdown()
