@@ -14,6 +14,7 @@ from pdkv.worker.attn_metadata import build_attention_metadata
 BS = 4
 
 
+@pytest.mark.slow  # HF transformers' model
 @pytest.mark.parametrize(("q_lora_rank", "interleave"), [(None, True), (24, False)], ids=["no-q-lora", "q-lora"])
 def test_forward_matches_hf_over_two_chunks(tmp_path, q_lora_rank, interleave):
     import transformers

@@ -69,6 +69,7 @@ def test_one_mla_group_of_latent_rows(tiny_mla):
     assert tuple(runner.kv_caches[1].shape) == (8, 16, 64)
 
 
+@pytest.mark.slow  # loads HF's model
 def test_alone_matches_hf(tiny_mla, prompts, hf_tokens):
     """One request at a time: decodes of batch 1 (the exact-slice path) after an uncached and a
     prefix-cached chunked prefill."""
