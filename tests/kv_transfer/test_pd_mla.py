@@ -18,6 +18,8 @@ from pd_utils import decode, pd_config, prefill, pump, shutdown  # noqa: E402
 from pdkv import LLM, SamplingParams  # noqa: E402
 from pdkv.kv_transfer.connector.p2p_compat import MLA_KV_LAYOUT, shard_error  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 BS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPT_LENS = (30, 150)

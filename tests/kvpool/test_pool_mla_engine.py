@@ -12,7 +12,7 @@ import pytest
 
 from pdkv import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 BS, CHUNK = 16, 32
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

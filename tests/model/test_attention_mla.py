@@ -11,6 +11,8 @@ import torch
 from pdkv.model.attention_mla import mla_attention
 from pdkv.worker.attn_metadata import build_attention_metadata
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 H, RANK, ROPE, NOPE, V, BS = 3, 12, 4, 8, 6, 4
 
 

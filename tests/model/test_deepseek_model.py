@@ -11,6 +11,8 @@ import torch
 from pdkv.model.loader import load_model
 from pdkv.worker.attn_metadata import build_attention_metadata
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 BS = 4
 
 

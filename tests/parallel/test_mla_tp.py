@@ -13,7 +13,7 @@ from pd_tp_utils import BLOCK, GREEDY, decode, engine, kv_config, prefill
 
 from pdkv import LLM
 
-pytestmark = pytest.mark.slow  # worker processes
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]  # worker processes
 
 
 @pytest.mark.matrix("tp", "pd-reshard", model="tiny-mla")
