@@ -208,8 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     from pdkv.bench import groups as groups_bench
 
     groups_p = bench_sub.add_parser(
-        "groups", help="KV bytes per token per state group and the P/D handoff of hybrid models (tiny-swa vs "
-        "its full-attention peer) + real-size figures of Gemma-3, DeepSeek-V3, Qwen3-Next, Kimi-Linear",
+        "groups", help="KV bytes per token per state group and the P/D handoff of hybrid models (tiny-swa, "
+        "tiny-mla vs their full-attention peer) + real-size figures of Gemma-3, DeepSeek-V3, Qwen3-Next, Kimi-Linear",
         formatter_class=fmt,
     )
     groups_bench.add_cli_args(groups_p)

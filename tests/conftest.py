@@ -127,6 +127,13 @@ def tiny_swa(tiny_llama_cache) -> str:
     return _build_tiny(tiny_llama_cache, "tiny-swa")
 
 
+@pytest.fixture(scope="session")
+def tiny_mla(tiny_llama_cache) -> str:
+    """Folder of `tiny-mla` (DeepSeek-V3-style MLA, 4 heads, latent 48 + rope 16, dense MLPs;
+    pdkv/model/tiny.py), built once per session."""
+    return _build_tiny(tiny_llama_cache, "tiny-mla")
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch thread while a module's tests run (a model this small only loses to thread

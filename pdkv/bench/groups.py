@@ -3,7 +3,9 @@ state groups (issue 11, acceptance 4), with the real-size figures of the four hy
 from their published configs.
 
 Measured part: for each model (default `tiny-swa`, sliding window 40 on two of its four layers,
-and `tiny-llama-kv2`, the same shapes with full attention everywhere: the peer), a P and a D engine
+`tiny-mla`, DeepSeek-V3-style latent attention (48 + 16 floats a token and layer), and
+`tiny-llama-kv2`, the same hidden size, heads and layers with full attention everywhere: the
+peer), a P and a D engine
 in this process wired by the P2P connector (`--transfer`, tcp by default; pdkv.bench.pd_legs).
 For each prompt length, `--repeats` whole pulls (D's prefix cache reset before each): the bytes
 D received, which must equal the formula's per-group blocks × block bytes
@@ -13,8 +15,9 @@ Ratios are against the peer model at the same prompt length, measured in the sam
 Real-size part (torch-free, no model loaded): per group of Gemma-3-27B, DeepSeek-V3,
 Qwen3-Next-80B-A3B and Kimi-Linear-48B-A3B (pdkv/plan/configs/), bytes per token or per request
 and bytes held at each prompt length, as `pdkv plan` sizes them (tp 1, the config's dtype).
-pdkv runs sliding-window models today; MLA and linear-attention state are the next steps of
-issue 11, so those rows come from the cost model only.
+pdkv runs sliding-window and MLA (tiny-mla: dense MLPs; DeepSeek-V3's MoE is not implemented)
+models today; linear-attention state is the next step of issue 11, so those rows come from the
+cost model only.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from pdkv.bench.hetero_report import median_seconds
 from pdkv.bench.pd_legs import NEW_TOKENS, PDEngines, decode, prefill, settle
 from pdkv.bench.results import parse_ints, write_result_json
 
-DEFAULT_MODELS = ("tiny-swa", "tiny-llama-kv2")
+DEFAULT_MODELS = ("tiny-swa", "tiny-mla", "tiny-llama-kv2")
 PEER = "tiny-llama-kv2"
 DEFAULT_PROMPT_LENS = (1024, 4096)
 BLOCK_SIZE = 16
@@ -112,7 +115,7 @@ def run_groups_bench(models: Sequence[str] = DEFAULT_MODELS, prompt_lens: Sequen
               "cpu_count": os.cpu_count(), "prompt_lens": list(prompt_lens), "block_size": BLOCK_SIZE}
     if print_tables:
         print(format_measured(rows))
-        print(f"\nbytes x / time x: ratio to {PEER} (the same shapes, full attention only) at the same prompt "
+        print(f"\nbytes x / time x: ratio to {PEER} (full attention, same hidden size, heads and layers) at the same prompt "
               f"length; xfer: median over {repeats} whole pulls (claim -> done ack), transfer {transfer!r}.\n")
         print(format_real_size(real, prompt_lens))
         print("\nReal-size rows: `pdkv plan`'s model of the published configs (tp 1, the config's dtype; "

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from pdkv.cache.block_pool import BlockPool, KVCacheBlock
 from pdkv.cache.hashing import BlockHash
-from pdkv.cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from pdkv.cache.specs import FullAttentionSpec, KVCacheSpec, MLASpec, SlidingWindowSpec
 
 
 def cdiv(a: int, b: int) -> int:
@@ -201,6 +201,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 _MANAGERS: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
+    MLASpec: FullAttentionManager,  # causal over the whole context, as vLLM's MLA layers
 }
 
 

@@ -3,7 +3,8 @@
 A model declares per layer what state it keeps; layers with an equal spec form a KV cache group
 and the manager allocates blocks per group (vLLM's `KVCacheSpec` / `KVCacheGroupSpec`,
 vllm/v1/kv_cache_interface.py). Dense models need only `FullAttentionSpec`; sliding-window layers
-(Mistral, Qwen2 `layer_types`, Gemma-2/3) get `SlidingWindowSpec`. Block tables, hashes,
+(Mistral, Qwen2 `layer_types`, Gemma-2/3) get `SlidingWindowSpec`; DeepSeek-V2/V3 latent
+attention gets `MLASpec`. Block tables, hashes,
 kv_transfer_params and pool keys are keyed by group.
 """
 
@@ -69,6 +70,35 @@ class SlidingWindowSpec(FullAttentionSpec):
         return "sliding_window"
 
 
+@dataclass(frozen=True)
+class MLASpec(KVCacheSpec):
+    """Multi-head latent attention (DeepSeek-V2/V3): one vector per token, no heads.
+
+    What vLLM's MLA backends store: the kv_a_layernorm'ed latent c_kv (`kv_lora_rank` wide)
+    followed by the rope'd shared key k_pe (`qk_rope_head_dim` wide). Every query head
+    up-projects the same latent, so with tensor parallelism each rank keeps the whole vector
+    (replicated, as vLLM). One block of one layer is [block_size, kv_lora_rank + qk_rope_head_dim]
+    of `dtype`: page_size_bytes = block_size * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes.
+    """
+
+    kv_lora_rank: int = 1
+    qk_rope_head_dim: int = 0
+    dtype: str = "float32"
+
+    @property
+    def entry_size(self) -> int:
+        """Elements cached per token and layer: kv_lora_rank + qk_rope_head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.block_size * self.entry_size * DTYPE_BYTES[self.dtype]
+
+    @property
+    def kind(self) -> str:
+        return "mla"
+
+
 def window_first_block(resume_token: int, block_size: int, window: int | None) -> int:
     """First block a group keeps for a request that resumes at token `resume_token` (0 without
     a window): a sliding-window group keeps the window of the block boundary
@@ -95,8 +125,9 @@ class KVCacheConfig:
     """What the worker allocates: `num_blocks` blocks per group.
 
     Each group's cache is one tensor [num_blocks, num_layers_in_group, 2, block_size,
-    num_kv_heads, head_size] ("cross-layer" layout), so a block is one contiguous run of
-    `block_bytes(group)` bytes: what P/D transfer and the pool move.
+    num_kv_heads, head_size] ("cross-layer" layout; an MLA group: [num_blocks,
+    num_layers_in_group, block_size, kv_lora_rank + qk_rope_head_dim]), so a block is one
+    contiguous run of `block_bytes(group)` bytes: what P/D transfer and the pool move.
     """
 
     num_blocks: int

@@ -13,6 +13,9 @@ block_size × row_bytes. With different block sizes a producer block is not a co
 a consumer block, but for each (layer, K/V) the rows of a run of tokens that lies inside one
 producer block and one consumer block are contiguous on both sides: one copy per such run.
 Copies contiguous on both sides are merged (equal block sizes give whole-block copies).
+MLA blocks ("blocks_layers_tokens_latent": [num_layers, block_size, latent + rope], no K/V
+halves) do not fit this formula; re-blocking them is refused before planning
+(`pdkv.kv_transfer.connector.p2p_compat.mla_error`).
 """
 
 from __future__ import annotations

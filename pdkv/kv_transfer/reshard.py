@@ -14,6 +14,10 @@ ARCHITECTURE.md "KV cache layout") a head sub-range is contiguous only inside on
 `plan_segment_reads` covers a tensor whose sharded dimension concatenates several sub-tensors,
 each sharded on its own (a fused [q | k | v] projection, a linear-attention conv state): rank r's
 local tensor is [seg0 part r | seg1 part r | ...].
+
+MLA blocks ("blocks_layers_tokens_latent") have no heads: every rank holds the whole latent, so
+a consumer rank reads whole blocks from one producer rank and never comes here (a producer at
+tp > 1 on MLA is refused by `pdkv.kv_transfer.connector.p2p_compat.mla_error`).
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ MODELS: tuple[Axis, ...] = (
     Axis("tiny-llama-kv1", "random 4-layer Llama, 4 query heads, 1 KV head (`--model tiny-llama-kv1`)"),
     Axis("tiny-llama-kv2", "random 4-layer Llama, 4 query heads, 2 KV heads (`--model tiny-llama-kv2`)"),
     Axis("tiny-swa", "random 4-layer Qwen2, sliding window 40 on layers 0 and 2 (`--model tiny-swa`)"),
+    Axis("tiny-mla", "random 4-layer DeepSeek-V3, MLA latent 48 + rope 16, dense MLPs (`--model tiny-mla`)"),
     Axis("deepseek-v3", "DeepSeek-V3 config.json (MLA), pdkv/plan/configs"),
     Axis("qwen3-next", "Qwen3-Next-80B-A3B config.json (Gated DeltaNet + full attention)"),
     Axis("kimi-linear", "Kimi-Linear-48B-A3B config.json (KDA + MLA)"),

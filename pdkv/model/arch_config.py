@@ -9,6 +9,12 @@ p - sliding_window < k <= p, transformers' `sliding_window_overlay`):
 - Llama: never.
 Gemma-2/3 (interleaved local/global) and gpt-oss (alternating banded/full) use the same per-layer
 form; their architectures are not implemented here.
+
+Multi-head latent attention (`DeepseekV3ForCausalLM`, decoder in pdkv/model/deepseek.py): every
+layer is MLA with a dense MLP (a q LoRA rank is supported; MoE layers, yarn rope and attention
+biases are refused). The KV cache stores one latent + rope'd key vector per token, so `num_kv_heads` is 1 (the
+vector is replicated across TP ranks, as vLLM) and `head_dim` is its width,
+kv_lora_rank + qk_rope_head_dim.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "DeepseekV3ForCausalLM")
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 
@@ -51,6 +58,18 @@ class LlamaArchConfig:
     eos_token_id: int | None
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    # MLA (DeepseekV3ForCausalLM): widths in elements; kv_lora_rank 0 = not MLA.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+
+    @property
+    def is_mla(self) -> bool:
+        """True for a multi-head latent attention model (every layer MLA)."""
+        return self.kv_lora_rank > 0
 
     def layer_window(self, layer: int) -> int | None:
         """Sliding window (tokens) of `layer`, None for full attention."""
@@ -64,16 +83,18 @@ class LlamaArchConfig:
             cfg = json.load(f)
         arch = (cfg.get("architectures") or ["?"])[0]
         hybrid = hybrid_state_kinds(cfg)
-        if any(kind != "sliding_window" for kind in hybrid):
+        allowed = ("sliding_window", "mla") if arch in MLA_ARCHITECTURES else ("sliding_window",)
+        if any(kind not in allowed for kind in hybrid):
             raise ValueError(
-                f"{arch} in {path} keeps {' + '.join(hybrid)} state: hybrid state groups (MLA, "
-                "linear attention) are not supported yet (issue 11); supported: full-attention "
-                f"and sliding-window {SUPPORTED_ARCHITECTURES}"
+                f"{arch} in {path} keeps {' + '.join(hybrid)} state: hybrid state groups (linear "
+                "attention, MLA outside DeepseekV3ForCausalLM) are not supported yet (issue 11); "
+                f"supported: full-attention, sliding-window and MLA {SUPPORTED_ARCHITECTURES}"
             )
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch!r} in {path}; supported: {SUPPORTED_ARCHITECTURES}"
             )
+        mla = mla_fields(cfg, path) if arch in MLA_ARCHITECTURES else {}
         rope_scaling = cfg.get("rope_scaling")
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "default":
             raise ValueError(f"rope_scaling {rope_scaling} is not supported yet")
@@ -83,7 +104,7 @@ class LlamaArchConfig:
             eos = eos[0]
         rope_params = cfg.get("rope_parameters") or {}
         window, layer_types = sliding_layers(cfg, arch)
-        return LlamaArchConfig(
+        fields: dict[str, Any] = dict(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -102,6 +123,38 @@ class LlamaArchConfig:
             layer_types=layer_types,
             sliding_window=window,
         )
+        fields.update(mla)
+        return LlamaArchConfig(**fields)
+
+
+def mla_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """The MLA fields of a DeepseekV3 config.json, with num_kv_heads = 1 and head_dim =
+    kv_lora_rank + qk_rope_head_dim (what one token of one layer caches).
+
+    Raises:
+        ValueError: some layer is MoE (first_k_dense_replace < num_hidden_layers with routed
+            experts): only dense MLPs are implemented; rope other than default (yarn); attention
+            biases.
+    """
+    n = int(cfg["num_hidden_layers"])
+    dense = int(cfg.get("first_k_dense_replace") or 0)
+    if cfg.get("n_routed_experts") and dense < n:
+        raise ValueError(
+            f"{path}: layers {dense}..{n - 1} are mixture-of-experts (first_k_dense_replace={dense}, "
+            f"n_routed_experts={cfg['n_routed_experts']}); only dense MLPs are implemented "
+            "(set first_k_dense_replace to num_hidden_layers)"
+        )
+    rope_params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope_params.get("rope_type", rope_params.get("type", "default")) != "default":
+        raise ValueError(f"{path}: rope {rope_params} is not supported for MLA yet (default rope only)")
+    if cfg.get("attention_bias"):
+        raise ValueError(f"{path}: attention_bias is not supported for MLA")
+    rank, rope = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
+    return dict(
+        num_kv_heads=1, head_dim=rank + rope, kv_lora_rank=rank, qk_rope_head_dim=rope,
+        q_lora_rank=cfg.get("q_lora_rank"), qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]), rope_interleave=bool(cfg.get("rope_interleave", True)),
+    )
 
 
 def attention_groups(cfg: LlamaArchConfig) -> list[tuple[int | None, tuple[int, ...]]]:

@@ -1,4 +1,5 @@
-"""Load an HF-format safetensors folder into `LlamaForCausalLM` (fusing q/k/v and gate/up).
+"""Load an HF-format safetensors folder into `LlamaForCausalLM` (fusing q/k/v and gate/up), or an
+MLA config into `pdkv.model.deepseek.DeepseekV3ForCausalLM` (its own weight map).
 
 With tensor parallelism each rank reads only its shard through safetensors' lazy slices
 (`get_slice(name)[rows]`, `[:, cols]`), as vLLM's weight loaders do: q rows of its heads, k / v
@@ -41,6 +42,20 @@ def load_model(path: str, dtype: str, device: str, parallel: ParallelContext | N
     ctx.layout.check_heads(cfg.num_heads, cfg.num_kv_heads)
     tdtype = TORCH_DTYPES[dtype]
     dev = torch.device(device)
+
+    def put(param: torch.nn.Parameter, value: torch.Tensor, name: str) -> None:
+        if tuple(param.shape) != tuple(value.shape):
+            raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
+        param.data.copy_(value.to(tdtype))
+
+    if cfg.is_mla:  # DeepseekV3ForCausalLM (pdkv/model/deepseek.py)
+        from pdkv.model.deepseek import DeepseekV3ForCausalLM
+
+        mla = DeepseekV3ForCausalLM(cfg, tdtype, dev, ctx)
+        with _ShardReader(path) as r:
+            mla.load_weights(r, put)
+            _check_all_read(path, r)
+        return mla.to(dev).eval()
     model = LlamaForCausalLM(cfg, tdtype, dev, ctx)
     tp, tp_rank, d = ctx.tp_size, ctx.tp_rank, cfg.head_dim
     heads = cfg.num_heads // tp
@@ -49,11 +64,6 @@ def load_model(path: str, dtype: str, device: str, parallel: ParallelContext | N
     kv_rows = slice(kv_start * d, (kv_start + model.num_local_kv_heads) * d)
     inter = cfg.intermediate_size // tp
     i_rows = slice(tp_rank * inter, (tp_rank + 1) * inter)
-
-    def put(param: torch.nn.Parameter, value: torch.Tensor, name: str) -> None:
-        if tuple(param.shape) != tuple(value.shape):
-            raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
-        param.data.copy_(value.to(tdtype))
 
     with _ShardReader(path) as r:
         put(model.embed, r.whole("model.embed_tokens.weight"), "embed_tokens")
@@ -77,10 +87,15 @@ def load_model(path: str, dtype: str, device: str, parallel: ParallelContext | N
             gate_up = torch.cat([r.rows(m + "gate_proj.weight", i_rows), r.rows(m + "up_proj.weight", i_rows)])
             put(layer.gate_up, gate_up, p + "gate_up")
             put(layer.down, r.cols(m + "down_proj.weight", i_rows), p + "down_proj")
-        leftovers = [k for k in r.unread() if "rotary_emb" not in k]
+        _check_all_read(path, r)
+    return model.to(dev).eval()
+
+
+def _check_all_read(path: str, r: _ShardReader) -> None:
+    """Raises ValueError when `r` holds weights nobody read (rotary buffers aside)."""
+    leftovers = [k for k in r.unread() if "rotary_emb" not in k]
     if leftovers:
         raise ValueError(f"unexpected weights in {path}: {leftovers[:5]}")
-    return model.to(dev).eval()
 
 
 class _ShardReader:

@@ -4,7 +4,9 @@
 model.safetensors, SmolLM2's tokenizer files) built with transformers' `LlamaConfig` +
 `LlamaForCausalLM` from a fixed seed; `tiny-swa` is the same shape as `tiny-llama-kv2` built as a
 `Qwen2ForCausalLM` (q/k/v biases) whose `layer_types` interleave sliding-window and full
-attention (sliding_window 40 tokens, deliberately not a multiple of the block size 16). `pdkv.model.registry.resolve_model` builds them on first use
+attention (sliding_window 40 tokens, deliberately not a multiple of the block size 16); `tiny-mla`
+is a `DeepseekV3ForCausalLM` of the same hidden size, heads and layers (MLA: latent 48, rope 16,
+nope 32, v 32, no q LoRA, dense MLP on every layer, default rope with HF's rope_interleave). `pdkv.model.registry.resolve_model` builds them on first use
 under `$PDKV_CACHE/models/<name>` and reuses them after.
 
 Why these sizes:
@@ -32,6 +34,11 @@ layer), Qwen2 / Qwen3 (`layer_types` or use_sliding_window + max_window_layers),
 full layers). Its 4 layers alternate sliding, full, sliding, full, so both KV cache groups hold
 two layers. tests/model/test_swa_engine.py checks that HF really applies the window on it (its
 greedy output on a 150-token prompt differs from the same weights with the window disabled).
+
+`tiny-mla` stands for DeepSeek-V2/V3/R1 and Kimi-K2 (MLA everywhere) and the MLA layers of
+Kimi-Linear; its MoE layers are dense here (first_k_dense_replace = num_hidden_layers), so
+pdkv's decoder (pdkv/model/deepseek.py) needs no experts. Its margins are in
+tests/model/test_tiny_models.py with the tiny Llamas.
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ from dataclasses import dataclass
 class TinyModelSpec:
     """Shape of one tiny random decoder; sizes in elements, lengths in tokens.
 
-    `architecture` is "LlamaForCausalLM" or "Qwen2ForCausalLM"; `layer_types` (Qwen2 only, HF
+    `architecture` is "LlamaForCausalLM", "Qwen2ForCausalLM" or "DeepseekV3ForCausalLM" (with
+    the MLA widths kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim); `layer_types` (Qwen2 only, HF
     names "sliding_attention" / "full_attention") and `sliding_window` (tokens, HF semantics: the
     query at p sees keys p - W < k <= p) make a sliding-window model.
     """
@@ -66,6 +74,11 @@ class TinyModelSpec:
     bos_token_id: int = 1
     eos_token_id: int = 2
     seed: int = 0
+    # MLA (DeepseekV3ForCausalLM only): latent and per-head widths in elements.
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -85,6 +98,16 @@ TINY_MODELS: dict[str, TinyModelSpec] = {
         # Seed 6: smallest greedy margin 0.029, 70x the fp32-vs-fp64 logit difference on the
         # test prompts (seed 0 gave 0.0097, only 20x).
         seed=6,
+    ),
+    # DeepSeek-V3-style MLA, dense MLP on every layer (first_k_dense_replace = 4: no MoE), no q
+    # LoRA, default rope (no yarn), HF's rope_interleave. Cached per token and layer: the 48-wide
+    # latent plus the 16-wide rope'd key, 64 floats (tiny-llama-kv2 caches 2 x 2 x 32 = 128).
+    "tiny-mla": TinyModelSpec(
+        name="tiny-mla", num_key_value_heads=4, architecture="DeepseekV3ForCausalLM",
+        kv_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+        # Seed 3: smallest greedy margin 0.10, 330x the fp32-vs-fp64 logit difference on 15-,
+        # 40- and 100-token prompts (seed 0: 0.022, 59x; seed 2: 0.0036, 18x).
+        seed=3,
     ),
 }
 
@@ -115,7 +138,15 @@ def build_tiny_llama(spec: TinyModelSpec, out_dir: str, tokenizer_dir: str) -> N
         rope_theta=spec.rope_theta, tie_word_embeddings=True, initializer_range=spec.initializer_range,
         bos_token_id=spec.bos_token_id, eos_token_id=spec.eos_token_id,
     )
-    if spec.architecture == "Qwen2ForCausalLM":
+    if spec.architecture == "DeepseekV3ForCausalLM":
+        del common["num_key_value_heads"]
+        cfg = transformers.DeepseekV3Config(
+            **common, num_key_value_heads=spec.num_attention_heads, q_lora_rank=None,
+            kv_lora_rank=spec.kv_lora_rank, qk_rope_head_dim=spec.qk_rope_head_dim,
+            qk_nope_head_dim=spec.qk_nope_head_dim, v_head_dim=spec.v_head_dim,
+            first_k_dense_replace=spec.num_hidden_layers, n_routed_experts=1, rope_interleave=True,
+        )
+    elif spec.architecture == "Qwen2ForCausalLM":
         cfg = transformers.Qwen2Config(
             **common, layer_types=list(spec.layer_types) if spec.layer_types else None,
             sliding_window=spec.sliding_window, use_sliding_window=spec.sliding_window is not None,

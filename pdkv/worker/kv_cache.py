@@ -6,18 +6,32 @@ from collections.abc import Callable
 
 import torch
 
-from pdkv.cache.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from pdkv.cache.specs import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MLASpec,
+    SlidingWindowSpec,
+)
 from pdkv.config import CacheConfig
 from pdkv.model.arch_config import LlamaArchConfig, attention_groups
 
 
 def check_sliding_window_parallel(arch: LlamaArchConfig, dcp_size: int) -> None:
-    """Refuse decode context parallelism on a sliding-window model (not supported yet: DCP's
-    sharded attention has no window bound and its metadata covers one KV cache group).
+    """Refuse decode context parallelism on a sliding-window or MLA model (not supported yet:
+    DCP's sharded attention has no window bound, its metadata covers one KV cache group, and it
+    attends over K/V heads, not MLA latents).
 
     Raises:
-        ValueError: dcp_size > 1 and some layer slides.
+        ValueError: dcp_size > 1 and some layer slides or the model is MLA.
     """
+    if dcp_size > 1 and arch.is_mla:
+        raise ValueError(
+            f"decode_context_parallel_size={dcp_size} is not supported with multi-head latent "
+            f"attention yet ({arch.architecture}: DCP's sharded attention reads K/V heads, not the "
+            "latent cache); use decode_context_parallel_size=1 (tensor parallelism works)"
+        )
     if dcp_size > 1 and arch.sliding_window is not None:
         raise ValueError(
             f"decode_context_parallel_size={dcp_size} is not supported with sliding-window "
@@ -31,8 +45,8 @@ def make_kv_cache_config(
     arch: LlamaArchConfig, cache_config: CacheConfig, dtype: str, max_model_len: int,
     num_kv_heads: int | None = None, dcp_size: int = 1, logical: bool = False,
 ) -> KVCacheConfig:
-    """One KV cache group per attention kind: FullAttentionSpec for full layers,
-    SlidingWindowSpec(window) for sliding ones, in the order of each group's first layer (a dense
+    """One KV cache group per attention kind: FullAttentionSpec for full layers (MLASpec on an
+    MLA model), SlidingWindowSpec(window) for sliding ones, in the order of each group's first layer (a dense
     model is one FullAttention group holding every layer). Every group's pool has num_blocks
     blocks, from the config or the memory budget (per rank):
     num_blocks = kv_cache_memory_bytes // (sum over groups of one block's bytes).
@@ -51,11 +65,16 @@ def make_kv_cache_config(
     check_sliding_window_parallel(arch, dcp_size)
     block_size = cache_config.block_size
     groups = []
-    full = FullAttentionSpec(block_size=block_size * dcp_size if logical else block_size,
-                             num_kv_heads=num_kv_heads or arch.num_kv_heads, head_size=arch.head_dim, dtype=dtype)
+    full: KVCacheSpec = FullAttentionSpec(
+        block_size=block_size * dcp_size if logical else block_size,
+        num_kv_heads=num_kv_heads or arch.num_kv_heads, head_size=arch.head_dim, dtype=dtype)
+    if arch.is_mla:  # the latent is replicated: every rank stores the whole vector
+        full = MLASpec(block_size=block_size, kv_lora_rank=arch.kv_lora_rank,
+                       qk_rope_head_dim=arch.qk_rope_head_dim, dtype=dtype)
     for window, layers in attention_groups(arch):
         spec = full if window is None else SlidingWindowSpec(
-            block_size=full.block_size, num_kv_heads=full.num_kv_heads, head_size=full.head_size,
+            block_size=block_size * dcp_size if logical else block_size,
+            num_kv_heads=num_kv_heads or arch.num_kv_heads, head_size=arch.head_dim,
             dtype=dtype, sliding_window=window)
         groups.append(KVCacheGroupSpec(layer_indices=layers, spec=spec))
     group_bytes = sum(g.spec.page_size_bytes * len(g.layer_indices) for g in groups)
@@ -87,16 +106,22 @@ def allocate_kv_cache(
     Returns:
         (group tensors, each [num_blocks, num_layers_in_group, 2, block_size, num_kv_heads,
         head_size]; per-layer views in model layer order, each [2, num_blocks, block_size,
-        num_kv_heads, head_size]).
+        num_kv_heads, head_size]). An MLA group: [num_blocks, num_layers_in_group, block_size,
+        kv_lora_rank + qk_rope_head_dim], per-layer views [num_blocks, block_size, entry].
     """
     groups: list[torch.Tensor] = []
     num_layers = sum(len(g.layer_indices) for g in kv_cache_config.groups)
     layer_views: list[torch.Tensor | None] = [None] * num_layers
     for g in kv_cache_config.groups:
         spec = g.spec
-        assert isinstance(spec, FullAttentionSpec)
-        shape = (kv_cache_config.num_blocks, len(g.layer_indices), 2, spec.block_size,
-                 spec.num_kv_heads, spec.head_size)
+        shape: tuple[int, ...]
+        if isinstance(spec, MLASpec):
+            shape = (kv_cache_config.num_blocks, len(g.layer_indices), spec.block_size, spec.entry_size)
+        elif isinstance(spec, FullAttentionSpec):
+            shape = (kv_cache_config.num_blocks, len(g.layer_indices), 2, spec.block_size,
+                     spec.num_kv_heads, spec.head_size)
+        else:
+            raise ValueError(f"no KV cache layout for a {spec.kind} group")
         nbytes = kv_cache_config.block_bytes(len(groups)) * kv_cache_config.num_blocks
         buf = buffer_fn(len(groups), nbytes) if buffer_fn is not None and device.type == "cpu" else None
         if buf is not None:
@@ -105,6 +130,6 @@ def allocate_kv_cache(
             t = torch.zeros(shape, dtype=dtype, device=device)
         groups.append(t)
         for j, layer in enumerate(g.layer_indices):
-            layer_views[layer] = t[:, j].transpose(0, 1)
+            layer_views[layer] = t[:, j] if isinstance(spec, MLASpec) else t[:, j].transpose(0, 1)
     assert all(v is not None for v in layer_views)
     return groups, [v for v in layer_views if v is not None]

@@ -20,6 +20,7 @@ from pdkv.cache.specs import KVCacheConfig
 from pdkv.config import CacheConfig, KVTransferConfig, ModelConfig
 from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
+from pdkv.kv_transfer.connector.p2p_compat import MLA_KV_LAYOUT
 from pdkv.model.attention import AttentionMetadata
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
@@ -128,7 +129,7 @@ class ModelRunner:
             "num_layers": arch.num_layers,
             "num_kv_heads": arch.num_kv_heads,
             "head_size": arch.head_dim,
-            "kv_layout": self.KV_LAYOUT,
+            "kv_layout": MLA_KV_LAYOUT if arch.is_mla else self.KV_LAYOUT,
         }
         if parallel is not None and parallel.layout.world_size > 1:
             lay = parallel.layout

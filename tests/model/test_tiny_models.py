@@ -1,4 +1,4 @@
-"""tiny-llama-kv1 / tiny-llama-kv2 (pdkv/model/tiny.py): pdkv's greedy output equals HF
+"""tiny-llama-kv1 / tiny-llama-kv2 / tiny-mla (pdkv/model/tiny.py): pdkv's greedy output equals HF
 transformers' on the same folder (plain, chunked prefill, prefix-cache resend); HF's greedy margins
 stay well above fp32 rounding; the folder is built once, also when two resolvers race."""
 
@@ -22,7 +22,7 @@ MARGIN_MIN = 5e-3
 # ... and as a multiple of how far fp32 logits are from fp64 ones on the same prompt, a stand-in for
 # the rounding that a tp / dcp reduction order changes.
 MARGIN_OVER_ROUNDING = 20.0  # measured: >= 40x (pdkv/model/tiny.py)
-NAMES = ("tiny-llama-kv1", "tiny-llama-kv2")
+NAMES = ("tiny-llama-kv1", "tiny-llama-kv2", "tiny-mla")
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,8 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def folders(tiny_llama_kv1, tiny_llama_kv2) -> dict[str, str]:
-    return {"tiny-llama-kv1": tiny_llama_kv1, "tiny-llama-kv2": tiny_llama_kv2}
+def folders(tiny_llama_kv1, tiny_llama_kv2, tiny_mla) -> dict[str, str]:
+    return {"tiny-llama-kv1": tiny_llama_kv1, "tiny-llama-kv2": tiny_llama_kv2, "tiny-mla": tiny_mla}
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +40,13 @@ def hf_runs(folders, prompts) -> dict[str, list[dict[str, Any]]]:
     """Per model and prompt: HF greedy tokens (EOS not stopping, as ignore_eos), each step's
     top-1 minus top-2 logit, and the largest |fp32 - fp64| logit over those steps."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     runs: dict[str, list[dict[str, Any]]] = {}
     for name, folder in folders.items():
-        model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         model.generation_config.eos_token_id = None
-        model64 = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+        model64 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
         runs[name] = []
         for p in prompts:
             with torch.inference_mode():

@@ -10,6 +10,27 @@ from typing import Any
 from pdkv.kv_transfer.connector.p2p_messages import conversion_error
 from pdkv.kv_transfer.reshard import plan_head_reads
 
+MLA_KV_LAYOUT = "blocks_layers_tokens_latent"
+"""`kv_layout` of an engine whose KV cache is one MLA group (pdkv.worker.model_runner)."""
+
+
+def mla_error(layout: dict[str, Any], p: dict[str, Any]) -> str:
+    """Why this MLA engine cannot take the producer's blocks, or "". An MLA block is
+    [layers, block_size, kv_lora_rank + qk_rope_head_dim]: no K/V halves and no heads, and every
+    TP rank holds the whole latent (replicated), so each decode rank reads whole blocks from one
+    producer rank: a producer at tp 1 into any decode tp works; re-blocking (which maps K and V
+    rows by token) and producers at tp > 1 are refused."""
+    theirs = dict(p.get("layout") or {})
+    if layout.get("block_size") != theirs.get("block_size"):
+        return (f"decode block_size={layout.get('block_size')} differs from the producer's "
+                f"block_size={theirs.get('block_size')} on an MLA model: re-blocking maps K/V rows and "
+                "is not supported for latent blocks; use equal block sizes")
+    if p.get("tp_size", 1) != 1:
+        return (f"a producer at tp_size={p.get('tp_size')} on an MLA model is not supported: the latent "
+                "is replicated on every rank, so run the producer at tp 1 (each decode rank then reads "
+                "whole blocks from it)")
+    return ""
+
 
 def shard_error(layout: dict[str, Any], p: dict[str, Any], num_groups: int) -> str:
     """Why this engine cannot take the producer's blocks, or "". P must be dcp 1. A P at tp 1:
@@ -19,6 +40,8 @@ def shard_error(layout: dict[str, Any], p: dict[str, Any], num_groups: int) -> s
     at tp > 1: this engine has no DCP and P's block size (`_producer_tp_error`)."""
     mine, theirs = layout, dict(p.get("layout") or {})
     my_tp, my_dcp = int(mine.get("tp_size", 1)), int(mine.get("dcp_size", 1))
+    if MLA_KV_LAYOUT in (mine.get("kv_layout"), theirs.get("kv_layout")):
+        return mla_error(layout, p)
     if p.get("dcp_size", 1) != 1:
         return (f"a producer with DCP (producer dcp_size={p.get('dcp_size')!r}, consumer "
                 f"dcp_size={my_dcp}) is not supported yet (issue 12)")
