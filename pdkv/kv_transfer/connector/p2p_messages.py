@@ -157,7 +157,10 @@ class Ack(msgspec.Struct):
     error: str = ""
 
 
-LAYOUT_KEYS = ("model_digest", "dtype", "block_size", "num_layers", "num_kv_heads", "head_size", "kv_layout")
+LAYOUT_KEYS = ("model_digest", "dtype", "block_size", "num_layers", "num_kv_heads", "head_size", "kv_layout",
+               "kv_cache_dtype")
+LAYOUT_DEFAULTS = {"kv_cache_dtype": "auto"}
+"""Value of a LAYOUT_KEYS field a layout may omit (one published before the field existed)."""
 CONVERTIBLE_KEYS = ("block_size",)
 """Layout fields the P2P connector converts (re-blocking); every other LAYOUT_KEYS field is
 identity: a difference refuses (docs/ARCHITECTURE.md, "Three decisions" §3)."""
@@ -167,10 +170,13 @@ def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any],
                     convertible: tuple[str, ...] = CONVERTIBLE_KEYS) -> str | None:
     """A message naming every differing layout field (producer's value vs consumer's) except the
     `convertible` ones, or None. See `conversion_error` for what converting needs."""
+    def get(layout: dict[str, Any], k: str) -> Any:
+        return layout.get(k, LAYOUT_DEFAULTS.get(k))
+
     diffs = [
-        f"{k}: producer={theirs.get(k)!r} consumer={mine.get(k)!r}"
+        f"{k}: producer={get(theirs, k)!r} consumer={get(mine, k)!r}"
         for k in LAYOUT_KEYS
-        if k not in convertible and mine.get(k) != theirs.get(k)
+        if k not in convertible and get(mine, k) != get(theirs, k)
     ]
     if not diffs:
         return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdkv.cache.specs import QUANTIZED_KV_CACHE_DTYPES
 from pdkv.kv_transfer.connector.p2p_messages import HandshakeReply, RecvSpec
 from pdkv.kv_transfer.engine.base import ReadOp, TransferError
 from pdkv.kv_transfer.reblock import plan_reblock
@@ -36,12 +37,19 @@ class ReadPlanner:
         all pairs at dcp_size 1.
 
         Raises:
-            TransferError: the producer's block bytes differ from this engine's.
+            TransferError: the producer's block bytes differ from this engine's; a quantized KV
+                cache whose blocks would need re-blocking or re-sharding (refused by the
+                scheduler half already; the planners address rows of one element size).
         """
-        if spec.remote_block_size and spec.remote_block_size != int(self.layout.get("block_size", 0)):
-            return self.reblock_ops(spec, peer)
         p_heads = int(spec.remote_layout.get("num_kv_heads", 0))
         d_heads = int(self.layout.get("num_local_kv_heads", self.layout.get("num_kv_heads", 0)))
+        if self.layout.get("kv_cache_dtype", "auto") in QUANTIZED_KV_CACHE_DTYPES and (
+                spec.remote_block_size and spec.remote_block_size != int(self.layout.get("block_size", 0))
+                or p_heads and d_heads and p_heads != d_heads):
+            raise TransferError(f"kv_cache_dtype={self.layout['kv_cache_dtype']!r}: quantized KV moves as whole "
+                                "blocks only (no re-blocking or re-sharding)")
+        if spec.remote_block_size and spec.remote_block_size != int(self.layout.get("block_size", 0)):
+            return self.reblock_ops(spec, peer)
         if p_heads and d_heads and p_heads != d_heads:
             return self.head_ops(spec, peer, p_heads, d_heads)
         ops = []
