@@ -112,3 +112,23 @@ def test_conversions_of_quantized_pages_are_refused_and_pool_namespaces_differ(e
     plain = PoolNamespace.from_layout({**mine, "kv_cache_dtype": "auto", "kv_quant": ""}, plain_cfg, CHUNK)
     assert quant.kv_quant.startswith(mine["kv_cache_dtype"]) and plain.kv_quant == ""
     assert quant.fingerprint != plain.fingerprint
+
+
+@pytest.mark.matrix("quantized-kv", model="tiny-llama-kv2")
+def test_cpu_offload_brings_quantized_blocks_back(engines, tiny_llama_kv2):
+    """An engine of 7 blocks runs prompts A (40 tokens), B (97), A, B: B evicts A's blocks to
+    the host and A's return loads them back (and vice versa); outputs equal the colocated ones,
+    and each host copy is one quantized block (values + scales)."""
+    dtype, _, _, _, prompts, refs = engines
+    cfg = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                      "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 24, "eviction_mode": "save_on_evict"}})
+    llm = LLM(tiny_llama_kv2, cpu_linear="torch", num_kv_blocks=7, max_model_len=112, block_size=BS,
+              kv_cache_dtype=dtype, kv_transfer_config=cfg)
+    try:
+        outs = [llm.generate([{"prompt_token_ids": prompts[i]}], GREEDY)[0] for i in (0, 1, 0, 1)]
+        assert [o.outputs[0].token_ids for o in outs] == [refs[0], refs[1], refs[0], refs[1]]
+        stats = llm.llm_engine.scheduler.kv_stats
+        assert stats["offload:hits"] > 0
+        assert stats["offload:bytes_h2d"] == stats["offload:copies_h2d"] * BLOCK_BYTES
+    finally:
+        llm.llm_engine.shutdown()
