@@ -131,7 +131,7 @@ class ModelRunner:
             "kv_layout": self.KV_LAYOUT,
             # Quantized KV (issue 12): identity for P/D (a different value refuses the pair) and
             # part of the pool namespace ("kv_quant"; "" = not quantized).
-            "kv_cache_dtype": self.kv_cache_config.groups[0].spec.cache_dtype,  # type: ignore[attr-defined]
+            "kv_cache_dtype": getattr(self.kv_cache_config.groups[0].spec, "cache_dtype", "auto"),
         }
         if self.layout["kv_cache_dtype"] != "auto":
             self.layout["kv_quant"] = f"{self.layout['kv_cache_dtype']}:per_token_head_absmax"
