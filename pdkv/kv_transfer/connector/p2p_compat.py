@@ -50,15 +50,23 @@ def shard_error(layout: dict[str, Any], p: dict[str, Any], num_groups: int) -> s
     return ""
 
 def quantized_conversion_error(layout: dict[str, Any], p: dict[str, Any]) -> str:
-    """Why blocks of a quantized KV cache (kv_cache_dtype int8 / fp8_e4m3) cannot be converted
+    """Why blocks of a quantized KV cache (kv_cache_dtype int8 / fp8_e4m3, on this engine or on
+    a producer whose KV this unquantized engine dequantizes on arrival) cannot be converted
     between this engine and the producer, or "". Whole blocks move as bytes (equal layouts, DCP
-    shards); re-blocking and KV-head re-sharding are refused: their planners
+    shards with equal dtypes); re-blocking and KV-head re-sharding are refused: their planners
     (pdkv/kv_transfer/reblock.py, reshard.py) address rows of one element size, while a quantized
     page holds 1-byte values and then float32 scales per (token, head) in a second region."""
     mine, theirs = layout, dict(p.get("layout") or {})
     dtype = mine.get("kv_cache_dtype", "auto")
+    p_dtype = theirs.get("kv_cache_dtype", "auto")
+    if dtype == "auto" and p_dtype in QUANTIZED_KV_CACHE_DTYPES:  # dequantized on arrival
+        dtype = p_dtype
     if dtype not in QUANTIZED_KV_CACHE_DTYPES:
         return ""
+    if p_dtype != mine.get("kv_cache_dtype", "auto") and int(mine.get("dcp_size", 1)) > 1:
+        return (f"producer kv_cache_dtype={p_dtype!r} into decode kv_cache_dtype={mine.get('kv_cache_dtype', 'auto')!r} "
+                f"with decode_context_parallel_size={mine.get('dcp_size')}: dequantizing into a DCP decode "
+                "engine is not supported")
     why = ("a quantized page holds 1-byte values and then float32 scales (two regions), which the "
            "re-blocking / re-sharding planners do not address")
     if mine.get("block_size") != theirs.get("block_size"):
