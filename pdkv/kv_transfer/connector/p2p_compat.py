@@ -49,6 +49,7 @@ def shard_error(layout: dict[str, Any], p: dict[str, Any], num_groups: int) -> s
                 f"(this engine has {num_groups})")
     return ""
 
+
 def quantized_conversion_error(layout: dict[str, Any], p: dict[str, Any]) -> str:
     """Why blocks of a quantized KV cache (kv_cache_dtype int8 / fp8_e4m3, on this engine or on
     a producer whose KV this unquantized engine dequantizes on arrival) cannot be converted
