@@ -1,4 +1,4 @@
-"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff, dcp, hetero, groups, prefill-cap} | compare | plan | matrix."""
+"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff, dcp, hetero, groups, prefill-cap, kvquant} | compare | plan | matrix."""
 
 from __future__ import annotations
 
@@ -222,6 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prefill_cap_bench.add_cli_args(cap_p)
     cap_p.set_defaults(func=prefill_cap_bench.main)
+    from pdkv.bench import kv_quant as kv_quant_bench
+
+    kv_quant_p = bench_sub.add_parser(
+        "kvquant", help="int8 / fp8 KV cache vs the model dtype: first-step logit error, greedy token "
+        "agreement, bytes per token", formatter_class=fmt,
+    )
+    kv_quant_bench.add_cli_args(kv_quant_p)
+    kv_quant_p.set_defaults(func=kv_quant_bench.main)
 
     from pdkv.bench import compare
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdkv.cache.specs import KV_CACHE_DTYPES
 from pdkv.parallel.layout import ParallelLayout
 
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -60,10 +61,12 @@ class CacheConfig:
         gpu_memory_utilization: when set and num_kv_blocks is None, the KV cache budget is this
             fraction of the memory free once the weights are loaded (GPU: free device memory;
             CPU: available RAM), replacing kv_cache_memory_bytes.
-        cache_dtype: vLLM's `--kv-cache-dtype`; only "auto" (the model dtype) so far.
+        cache_dtype: vLLM's `--kv-cache-dtype`: "auto" (the model dtype), "int8" or "fp8" /
+            "fp8_e4m3" (1 byte per value plus a float32 scale per token and KV head for K and
+            for V; pdkv/model/kv_quant.py).
 
     Raises:
-        ValueError: an option out of range, or a quantized cache_dtype (not built yet).
+        ValueError: an option out of range, or an unknown cache_dtype.
     """
 
     block_size: int = 16
@@ -74,11 +77,8 @@ class CacheConfig:
     cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.cache_dtype != "auto":
-            raise ValueError(
-                f"kv_cache_dtype={self.cache_dtype!r} is not supported yet: the KV cache is kept "
-                "in the model dtype ('auto'); quantized KV with its scales is issue 12"
-            )
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.cache_dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

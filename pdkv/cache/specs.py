@@ -14,6 +14,32 @@ from dataclasses import dataclass
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
+"""Values of `--kv-cache-dtype` (vLLM's flag): auto = the model dtype; int8 (symmetric) and fp8
+(= fp8_e4m3, torch.float8_e4m3fn) store 1 byte per value plus a float32 scale per (token, head)
+for K and for V (pdkv/model/kv_quant.py)."""
+
+QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8_e4m3")
+"""Canonical quantized KV cache dtypes (`canonical_kv_cache_dtype`)."""
+
+SCALE_BYTES = 4
+"""Bytes of one quantization scale (float32)."""
+
+
+def canonical_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
+    """"auto" (kept in the model dtype: "auto" or the model dtype itself), "int8" or "fp8_e4m3"
+    ("fp8" is vLLM's alias of e4m3).
+
+    Raises:
+        ValueError: not one of KV_CACHE_DTYPES nor the model dtype (names the accepted values).
+    """
+    if kv_cache_dtype in ("auto", dtype):
+        return "auto"
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (or the model dtype "
+                         f"{dtype!r}), got {kv_cache_dtype!r}")
+    return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -38,14 +64,32 @@ class FullAttentionSpec(KVCacheSpec):
 
     One block of one layer is K and V, each [block_size, num_kv_heads, head_size] of `dtype`:
     page_size_bytes = 2 * block_size * num_kv_heads * head_size * dtype_bytes.
+
+    With a quantized `cache_dtype` ("int8" or "fp8_e4m3"; "auto" = stored in `dtype`) the page
+    is the 1-byte values followed by a float32 scale per (token, head) for K and for V:
+    page_size_bytes = 2 * block_size * num_kv_heads * head_size + 2 * block_size * num_kv_heads * 4
+    (`quant_data_bytes` + the scales; pdkv/model/kv_quant.py).
     """
 
     num_kv_heads: int = 1
     head_size: int = 1
     dtype: str = "float32"
+    cache_dtype: str = "auto"
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the cache stores quantized values with scales."""
+        return self.cache_dtype != "auto"
+
+    @property
+    def quant_data_bytes(self) -> int:
+        """Bytes of a quantized page's values (K then V, 1 byte each); the scales follow."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size
 
     @property
     def page_size_bytes(self) -> int:
+        if self.quantized:
+            return self.quant_data_bytes + 2 * self.block_size * self.num_kv_heads * SCALE_BYTES
         return 2 * self.block_size * self.num_kv_heads * self.head_size * DTYPE_BYTES[self.dtype]
 
     @property

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from pdkv.cache.specs import canonical_kv_cache_dtype
 from pdkv.config import (
     CacheConfig,
     EngineConfig,
@@ -100,7 +101,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 enable_prefix_caching=self.enable_prefix_caching,
                 gpu_memory_utilization=self.gpu_memory_utilization,
-                cache_dtype="auto" if self.kv_cache_dtype in ("auto", self.dtype) else self.kv_cache_dtype,
+                cache_dtype=canonical_kv_cache_dtype(self.kv_cache_dtype, self.dtype),
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -145,7 +146,8 @@ class EngineArgs:
                        help="KV cache = this fraction of the memory free after loading the weights (GPU: free "
                             "device memory; CPU: available RAM), unless --num-kv-blocks is given")
         g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
-                       help="auto = the model dtype (--dtype); fp8/int8 KV: issue 12")
+                       help="auto = the model dtype (--dtype); int8 or fp8 (= fp8_e4m3): 1 byte per value "
+                            "plus a float32 scale per token and KV head (K and V)")
         g.add_argument("--enforce-eager", action="store_true",
                        help="accepted for vLLM compatibility (pdkv always runs eagerly)")
         g.add_argument(
@@ -223,10 +225,6 @@ class EngineArgs:
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> None:
-    """Raises ValueError unless `kv_cache_dtype` is "auto" or the model dtype itself: the KV
-    cache is stored in the model dtype (quantized KV, fp8 / int8 with scales: issue 12)."""
-    if kv_cache_dtype not in ("auto", dtype):
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} is not supported yet: the KV cache is kept in the "
-            "model dtype ('auto'); quantized KV with its scales is issue 12"
-        )
+    """Raises ValueError unless `kv_cache_dtype` is "auto", the model dtype itself, "int8", "fp8"
+    or "fp8_e4m3" (pdkv.cache.specs.canonical_kv_cache_dtype)."""
+    canonical_kv_cache_dtype(kv_cache_dtype, dtype)

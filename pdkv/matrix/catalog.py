@@ -43,7 +43,7 @@ FEATURES: tuple[Axis, ...] = (
     Axis("pd-reblock", "P/D between block sizes 16 and 32, KV mapped by token position (tcp)"),
     Axis("hetero-tp", "P/D from a P at tp 2 to D tp 1 and tp 2, each D rank pulls its heads from the P ranks "
                       "holding them (tcp)"),
-    Axis("quantized-kv", "quantized KV cache (--kv-cache-dtype fp8)"),
+    Axis("quantized-kv", "quantized KV cache (--kv-cache-dtype int8 / fp8): P/D, pool and offload = colocated of the same dtype"),
     Axis("hybrid-sliding-window", "hybrid state: sliding-window attention (window-group blocks freed "
                                   "early, per-window prefix hits)"),
     Axis("hybrid-mla", "hybrid state: MLA latents"),

@@ -16,6 +16,10 @@ manager puts its null block there once it freed them): every path either never r
 with context and decode tables start at the block holding the window's first key); keys of that
 first block before the window are masked (prefill, decode B > 1) or sliced off (decode B == 1).
 With W None every path is the dense one, with no extra work.
+
+Quantized KV (`pdkv.model.kv_quant.QuantKVCache`, `--kv-cache-dtype int8 | fp8`): the write
+quantizes and the step attends over the dequantized values of its own keys, and every cache read
+dequantizes what it gathers (reference path: gather, then dequantize to the compute dtype).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from pdkv.model.kv_quant import KVCacheLayer, read_kv, store_kv
 
 
 @dataclass
@@ -78,18 +84,18 @@ class AttentionMetadata:
 
 
 def write_kv(
-    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-) -> None:
-    """Store new keys/values ([T, num_kv_heads, head_size]) into their slots."""
-    kv_cache[0, meta.slot_block_ids, meta.slot_offsets] = k
-    kv_cache[1, meta.slot_block_ids, meta.slot_offsets] = v
+    kv_cache: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store new keys/values ([T, num_kv_heads, head_size]) into their slots; returns what a
+    read of those slots gives (k, v, or their dequantized values for a quantized cache)."""
+    return store_kv(kv_cache, meta.slot_block_ids, meta.slot_offsets, k, v)
 
 
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCacheLayer,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
@@ -98,7 +104,7 @@ def paged_attention(
     Args:
         q: [T, num_heads, head_size] rotated queries.
         k, v: [T, num_kv_heads, head_size] this step's keys (rotated) and values.
-        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size].
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size], or a QuantKVCache.
         meta: slots and block tables of the step.
         scale: softmax scale (1/sqrt(head_size)).
 
@@ -109,7 +115,7 @@ def paged_attention(
         from pdkv.parallel.dcp_attention import dcp_attention
 
         return dcp_attention(q, k, v, kv_cache, meta.dcp, scale)
-    write_kv(kv_cache, k, v, meta)
+    k, v = write_kv(kv_cache, k, v, meta)
     out = q.new_empty(q.shape)
     block_size, num_kv_heads, head_size = kv_cache.shape[-3], kv_cache.shape[-2], kv_cache.shape[-1]
     window = meta.sliding_window
@@ -132,8 +138,8 @@ def paged_attention(
                 ks, vs = k[seq.start : seq.end], v[seq.start : seq.end]
             else:
                 table = seq.block_table[first_block:]
-                ks = kv_cache[0, table].reshape(-1, num_kv_heads, head_size)[: total - lo]
-                vs = kv_cache[1, table].reshape(-1, num_kv_heads, head_size)[: total - lo]
+                ks = read_kv(kv_cache, 0, table).reshape(-1, num_kv_heads, head_size)[: total - lo]
+                vs = read_kv(kv_cache, 1, table).reshape(-1, num_kv_heads, head_size)[: total - lo]
             q_pos = torch.arange(seq.context_len, total, device=q.device)[:, None]
             k_pos = torch.arange(lo, total, device=q.device)[None, :]
             mask = k_pos <= q_pos
@@ -156,15 +162,15 @@ def paged_attention(
 
 
 def _decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, kv_cache: KVCacheLayer, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """One query token per request over its context (the last sliding_window keys of it with a
     window). q: [B, H, D] -> [B, H, D]."""
     assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
     bsz = q.shape[0]
     block_size, num_kv_heads, head_size = kv_cache.shape[-3], kv_cache.shape[-2], kv_cache.shape[-1]
-    ks = kv_cache[0, meta.decode_block_tables].view(bsz, -1, num_kv_heads, head_size)
-    vs = kv_cache[1, meta.decode_block_tables].view(bsz, -1, num_kv_heads, head_size)
+    ks = read_kv(kv_cache, 0, meta.decode_block_tables).view(bsz, -1, num_kv_heads, head_size)
+    vs = read_kv(kv_cache, 1, meta.decode_block_tables).view(bsz, -1, num_kv_heads, head_size)
     if meta.decode_mask is None:  # B == 1: slice the exact key range, no mask needed
         seq_len = int(meta.decode_seq_lens[0])
         if meta.sliding_window is None:

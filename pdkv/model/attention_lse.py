@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdkv.model.kv_quant import KVCacheLayer, read_kv
+
 
 @dataclass
 class ShardSeq:
@@ -43,12 +45,13 @@ class ShardSeq:
 
 
 def gather_keys(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, num_keys: int
+    kv_cache: KVCacheLayer, block_table: torch.Tensor, num_keys: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Local keys and values 0..num_keys-1 of one request.
 
     Args:
-        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size] (0 = K, 1 = V).
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size] (0 = K, 1 = V), or a
+            QuantKVCache (then dequantized to its compute dtype).
         block_table: [nb] long; local key l is in block_table[l // block_size], offset l % block_size.
         num_keys: how many local keys (tokens) to read.
 
@@ -62,7 +65,7 @@ def gather_keys(
     local = torch.arange(num_keys, device=kv_cache.device)
     blocks = block_table.to(kv_cache.device)[local // block_size]
     offsets = local % block_size
-    return kv_cache[0, blocks, offsets], kv_cache[1, blocks, offsets]
+    return read_kv(kv_cache, 0, blocks, offsets), read_kv(kv_cache, 1, blocks, offsets)
 
 
 def attention_with_lse(
@@ -101,7 +104,7 @@ def attention_with_lse(
 
 def shard_attention(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCacheLayer,
     seqs: list[ShardSeq],
     scale: float,
     sliding_window: int | None = None,
@@ -115,7 +118,7 @@ def shard_attention(
 
     Args:
         q: [T, H, D] queries of the flat batch.
-        kv_cache: [2, num_blocks, block_size, KVH, D] (0 = K, 1 = V); GQA: query head h uses KV
+        kv_cache: [2, num_blocks, block_size, KVH, D] (0 = K, 1 = V) or a QuantKVCache; GQA: query head h uses KV
             head h // (H // KVH).
         seqs: the requests; their row ranges must not overlap.
         scale: softmax scale (1/sqrt(head_size)).

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from pdkv.model.attention_lse import ShardSeq, merge_attn_states, shard_attention
+from pdkv.model.kv_quant import KVCacheLayer, store_kv
 from pdkv.parallel.context import ParallelContext
 from pdkv.parallel.layout import dcp_local_len
 
@@ -88,19 +89,19 @@ def build_dcp_metadata(
 
 
 def dcp_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: DCPMetadata, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCacheLayer, meta: DCPMetadata, scale: float
 ) -> torch.Tensor:
     """Attention of this rank's query heads over the whole context, stored across the DCP group.
 
     Args:
         q: [T, H_local, D]; k, v: [T, KVH_local, D] (the step's tokens, all of them).
-        kv_cache: this layer's [2, num_blocks, block_size, KVH_local, D] on this rank.
+        kv_cache: this layer's [2, num_blocks, block_size, KVH_local, D] on this rank (or a
+            QuantKVCache: the shard is stored quantized and read dequantized).
 
     Returns:
         [T, H_local, D], equal on every rank of the group for its heads.
     """
-    kv_cache[0, meta.slot_block_ids, meta.slot_offsets] = k[meta.write_idx]
-    kv_cache[1, meta.slot_block_ids, meta.slot_offsets] = v[meta.write_idx]
+    store_kv(kv_cache, meta.slot_block_ids, meta.slot_offsets, k[meta.write_idx], v[meta.write_idx])
     par = meta.parallel
     replicated = par.layout.dcp_replicated
     t0 = time.perf_counter()

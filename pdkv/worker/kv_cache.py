@@ -7,15 +7,18 @@ from collections.abc import Callable
 import torch
 
 from pdkv.cache.specs import (
+    SCALE_BYTES,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
     MLASpec,
     SlidingWindowSpec,
+    canonical_kv_cache_dtype,
 )
 from pdkv.config import CacheConfig
 from pdkv.model.arch_config import LlamaArchConfig, attention_groups
+from pdkv.model.kv_quant import KVCacheLayer, QuantKVCache
 
 
 def check_sliding_window_parallel(arch: LlamaArchConfig, dcp_size: int) -> None:
@@ -65,17 +68,22 @@ def make_kv_cache_config(
     check_sliding_window_parallel(arch, dcp_size)
     block_size = cache_config.block_size
     groups = []
+    cache_dtype = canonical_kv_cache_dtype(cache_config.cache_dtype, dtype)
     full: KVCacheSpec = FullAttentionSpec(
         block_size=block_size * dcp_size if logical else block_size,
-        num_kv_heads=num_kv_heads or arch.num_kv_heads, head_size=arch.head_dim, dtype=dtype)
+        num_kv_heads=num_kv_heads or arch.num_kv_heads, head_size=arch.head_dim, dtype=dtype,
+        cache_dtype=cache_dtype)
     if arch.is_mla:  # the latent is replicated: every rank stores the whole vector
+        if cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={cache_dtype!r} is not supported with MLA yet "
+                             f"({arch.architecture} keeps latents): use kv_cache_dtype=auto")
         full = MLASpec(block_size=block_size, kv_lora_rank=arch.kv_lora_rank,
                        qk_rope_head_dim=arch.qk_rope_head_dim, dtype=dtype)
     for window, layers in attention_groups(arch):
         spec = full if window is None else SlidingWindowSpec(
             block_size=block_size * dcp_size if logical else block_size,
             num_kv_heads=num_kv_heads or arch.num_kv_heads, head_size=arch.head_dim,
-            dtype=dtype, sliding_window=window)
+            dtype=dtype, cache_dtype=cache_dtype, sliding_window=window)
         groups.append(KVCacheGroupSpec(layer_indices=layers, spec=spec))
     group_bytes = sum(g.spec.page_size_bytes * len(g.layer_indices) for g in groups)
     physical_block_bytes = group_bytes // (dcp_size if logical else 1)
@@ -96,8 +104,14 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
     buffer_fn: Callable[[int, int], memoryview | None] | None = None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+) -> tuple[list[torch.Tensor], list[KVCacheLayer]]:
     """Allocate one cross-layer tensor per group and per-layer views into it.
+
+    A quantized group (spec.cache_dtype int8 / fp8_e4m3) is raw bytes [num_blocks,
+    num_layers_in_group, page_size_bytes] and each of its layers a `QuantKVCache` of typed
+    views: data [2, num_blocks, block_size, num_kv_heads, head_size] uint8 over the first
+    `quant_data_bytes` of each page, scales [2, num_blocks, block_size, num_kv_heads] float32
+    over the rest (pdkv/model/kv_quant.py).
 
     Args:
         buffer_fn: optional (group, nbytes) -> memory to build the group's tensor on (e.g.
@@ -105,31 +119,55 @@ def allocate_kv_cache(
 
     Returns:
         (group tensors, each [num_blocks, num_layers_in_group, 2, block_size, num_kv_heads,
-        head_size]; per-layer views in model layer order, each [2, num_blocks, block_size,
-        num_kv_heads, head_size]). An MLA group: [num_blocks, num_layers_in_group, block_size,
-        kv_lora_rank + qk_rope_head_dim], per-layer views [num_blocks, block_size, entry].
+        head_size] (quantized: uint8 [num_blocks, num_layers_in_group, page_size_bytes]);
+        per-layer views in model layer order, each [2, num_blocks, block_size, num_kv_heads,
+        head_size] or a QuantKVCache). An MLA group: [num_blocks, num_layers_in_group,
+        block_size, kv_lora_rank + qk_rope_head_dim], per-layer views [num_blocks, block_size,
+        entry].
+
+    Raises:
+        ValueError: a quantized page whose value bytes are not a multiple of 4 (its float32
+            scales would be unaligned; block_size × num_kv_heads × head_size must be even); a
+            spec kind without a layout.
     """
     groups: list[torch.Tensor] = []
     num_layers = sum(len(g.layer_indices) for g in kv_cache_config.groups)
-    layer_views: list[torch.Tensor | None] = [None] * num_layers
+    layer_views: list[KVCacheLayer | None] = [None] * num_layers
     for g in kv_cache_config.groups:
         spec = g.spec
+        n, layers = kv_cache_config.num_blocks, len(g.layer_indices)
         shape: tuple[int, ...]
+        elem = dtype
         if isinstance(spec, MLASpec):
-            shape = (kv_cache_config.num_blocks, len(g.layer_indices), spec.block_size, spec.entry_size)
+            shape = (n, layers, spec.block_size, spec.entry_size)
+        elif isinstance(spec, FullAttentionSpec) and spec.quantized:
+            if spec.quant_data_bytes % SCALE_BYTES:
+                raise ValueError(f"quantized KV page of {spec.quant_data_bytes} value bytes leaves its "
+                                 "float32 scales unaligned: block_size x num_kv_heads x head_size must be even")
+            shape = (n, layers, spec.page_size_bytes)
+            elem = torch.uint8
         elif isinstance(spec, FullAttentionSpec):
-            shape = (kv_cache_config.num_blocks, len(g.layer_indices), 2, spec.block_size,
-                     spec.num_kv_heads, spec.head_size)
+            shape = (n, layers, 2, spec.block_size, spec.num_kv_heads, spec.head_size)
         else:
             raise ValueError(f"no KV cache layout for a {spec.kind} group")
-        nbytes = kv_cache_config.block_bytes(len(groups)) * kv_cache_config.num_blocks
+        nbytes = kv_cache_config.block_bytes(len(groups)) * n
         buf = buffer_fn(len(groups), nbytes) if buffer_fn is not None and device.type == "cpu" else None
         if buf is not None:
-            t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+            t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(elem).view(shape)
         else:
-            t = torch.zeros(shape, dtype=dtype, device=device)
+            t = torch.zeros(shape, dtype=elem, device=device)
         groups.append(t)
         for j, layer in enumerate(g.layer_indices):
-            layer_views[layer] = t[:, j] if isinstance(spec, MLASpec) else t[:, j].transpose(0, 1)
+            if isinstance(spec, MLASpec):
+                layer_views[layer] = t[:, j]
+            elif isinstance(spec, FullAttentionSpec) and spec.quantized:
+                page = t[:, j]
+                data = page[:, : spec.quant_data_bytes].view(n, 2, spec.block_size, spec.num_kv_heads, spec.head_size)
+                scales = page[:, spec.quant_data_bytes :].view(torch.float32).view(
+                    n, 2, spec.block_size, spec.num_kv_heads)
+                layer_views[layer] = QuantKVCache(data.transpose(0, 1), scales.transpose(0, 1),
+                                                  spec.cache_dtype, dtype)
+            else:
+                layer_views[layer] = t[:, j].transpose(0, 1)
     assert all(v is not None for v in layer_views)
     return groups, [v for v in layer_views if v is not None]

@@ -130,7 +130,12 @@ class ModelRunner:
             "num_kv_heads": arch.num_kv_heads,
             "head_size": arch.head_dim,
             "kv_layout": MLA_KV_LAYOUT if arch.is_mla else self.KV_LAYOUT,
+            # Quantized KV (issue 12): identity for P/D (a different value refuses the pair) and
+            # part of the pool namespace ("kv_quant"; "" = not quantized).
+            "kv_cache_dtype": getattr(self.kv_cache_config.groups[0].spec, "cache_dtype", "auto"),
         }
+        if self.layout["kv_cache_dtype"] != "auto":
+            self.layout["kv_quant"] = f"{self.layout['kv_cache_dtype']}:per_token_head_absmax"
         if parallel is not None and parallel.layout.world_size > 1:
             lay = parallel.layout
             self.layout.update(tp_size=lay.tp_size, dcp_size=lay.dcp_size, interleave=lay.interleave,

@@ -47,9 +47,14 @@ def test_vllm_engine_flags(parser):
     assert (ea.gpu_memory_utilization, ea.enforce_eager, ea.kv_cache_dtype) == (0.5, True, "auto")
 
 
-def test_kv_cache_dtype_other_than_the_model_dtype_names_the_issue():
-    with pytest.raises(ValueError, match="issue 12"):
-        EngineArgs(kv_cache_dtype="fp8").create_engine_config()
+def test_kv_cache_dtype_values():
+    """int8 / fp8 (= fp8_e4m3) are quantized KV (pdkv/model/kv_quant.py); the model dtype is
+    auto; anything else is refused naming the accepted values."""
+    cfg = EngineArgs(kv_cache_dtype="fp8").create_engine_config()
+    assert cfg.cache_config.cache_dtype == "fp8_e4m3"
+    assert EngineArgs(kv_cache_dtype="float32").create_engine_config().cache_config.cache_dtype == "auto"
+    with pytest.raises(ValueError, match="'int8', 'fp8'"):
+        EngineArgs(kv_cache_dtype="fp4").create_engine_config()
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         CacheConfig(gpu_memory_utilization=1.5)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdkv.cache.specs import QUANTIZED_KV_CACHE_DTYPES
 from pdkv.kv_transfer.connector.p2p_messages import conversion_error
 from pdkv.kv_transfer.reshard import plan_head_reads
 
@@ -42,6 +43,9 @@ def shard_error(layout: dict[str, Any], p: dict[str, Any], num_groups: int) -> s
     my_tp, my_dcp = int(mine.get("tp_size", 1)), int(mine.get("dcp_size", 1))
     if MLA_KV_LAYOUT in (mine.get("kv_layout"), theirs.get("kv_layout")):
         return mla_error(layout, p)
+    error = quantized_conversion_error(mine, p)
+    if error:
+        return error
     if p.get("dcp_size", 1) != 1:
         return (f"a producer with DCP (producer dcp_size={p.get('dcp_size')!r}, consumer "
                 f"dcp_size={my_dcp}) is not supported yet (issue 12)")
@@ -67,6 +71,39 @@ def shard_error(layout: dict[str, Any], p: dict[str, Any], num_groups: int) -> s
                 f"block_size={theirs.get('block_size')}: re-blocking needs one KV cache group "
                 f"(this engine has {num_groups})")
     return ""
+
+
+def quantized_conversion_error(layout: dict[str, Any], p: dict[str, Any]) -> str:
+    """Why blocks of a quantized KV cache (kv_cache_dtype int8 / fp8_e4m3, on this engine or on
+    a producer whose KV this unquantized engine dequantizes on arrival) cannot be converted
+    between this engine and the producer, or "". Whole blocks move as bytes (equal layouts, DCP
+    shards with equal dtypes); re-blocking and KV-head re-sharding are refused: their planners
+    (pdkv/kv_transfer/reblock.py, reshard.py) address rows of one element size, while a quantized
+    page holds 1-byte values and then float32 scales per (token, head) in a second region."""
+    mine, theirs = layout, dict(p.get("layout") or {})
+    dtype = mine.get("kv_cache_dtype", "auto")
+    p_dtype = theirs.get("kv_cache_dtype", "auto")
+    if dtype == "auto" and p_dtype in QUANTIZED_KV_CACHE_DTYPES:  # dequantized on arrival
+        dtype = p_dtype
+    if dtype not in QUANTIZED_KV_CACHE_DTYPES:
+        return ""
+    if p_dtype != mine.get("kv_cache_dtype", "auto") and int(mine.get("dcp_size", 1)) > 1:
+        return (f"producer kv_cache_dtype={p_dtype!r} into decode kv_cache_dtype={mine.get('kv_cache_dtype', 'auto')!r} "
+                f"with decode_context_parallel_size={mine.get('dcp_size')}: dequantizing into a DCP decode "
+                "engine is not supported")
+    why = ("a quantized page holds 1-byte values and then float32 scales (two regions), which the "
+           "re-blocking / re-sharding planners do not address")
+    if mine.get("block_size") != theirs.get("block_size"):
+        return (f"decode block_size={mine.get('block_size')} differs from the producer's "
+                f"block_size={theirs.get('block_size')} with kv_cache_dtype={dtype!r}: re-blocking "
+                f"quantized KV is not supported ({why})")
+    my_heads = mine.get("num_local_kv_heads", mine.get("num_kv_heads"))
+    if p.get("tp_size", 1) != 1 or my_heads != theirs.get("num_kv_heads"):
+        return (f"producer tp_size={p.get('tp_size', 1)} ({theirs.get('num_kv_heads')} KV heads) and this "
+                f"engine's tp_size={mine.get('tp_size', 1)} ({my_heads} KV heads per rank) with "
+                f"kv_cache_dtype={dtype!r}: re-sharding quantized KV heads is not supported ({why})")
+    return ""
+
 
 def producer_tp_error(layout: dict[str, Any], p: dict[str, Any]) -> str:
     """Why this engine cannot take blocks from a producer at tp > 1, or "" (this engine has

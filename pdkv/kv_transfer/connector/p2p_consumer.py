@@ -265,8 +265,14 @@ class ConsumerSide:
         spec = pull.spec
         peer = self._claim(spec, pull)
         grant = (spec.remote_request_id, spec.remote_nonce)
-        ops = self.plan.block_ops(spec, peer)
+        finish = None
+        if self.plan.dequantizes(spec):  # a quantized producer: staged, then dequantized here
+            ops, finish = self.plan.dequant_ops(spec, peer)
+        else:
+            ops = self.plan.block_ops(spec, peer)
         nbytes = self.engine.read(peer.peer_info, ops, pull.deadline, grant) if ops else 0
+        if finish is not None:
+            finish()
         done = Notify(spec.remote_request_id, "done", nbytes, spec.remote_nonce, spec.remote.engine_id,
                       reader=self.rank, readers=self.world_size)
         ack = self._control(spec.remote, done, Ack, pull.deadline)

@@ -157,20 +157,27 @@ class Ack(msgspec.Struct):
     error: str = ""
 
 
-LAYOUT_KEYS = ("model_digest", "dtype", "block_size", "num_layers", "num_kv_heads", "head_size", "kv_layout")
-CONVERTIBLE_KEYS = ("block_size",)
-"""Layout fields the P2P connector converts (re-blocking); every other LAYOUT_KEYS field is
-identity: a difference refuses (docs/ARCHITECTURE.md, "Three decisions" §3)."""
+LAYOUT_KEYS = ("model_digest", "dtype", "block_size", "num_layers", "num_kv_heads", "head_size", "kv_layout",
+               "kv_cache_dtype")
+LAYOUT_DEFAULTS = {"kv_cache_dtype": "auto"}
+"""Value of a LAYOUT_KEYS field a layout may omit (one published before the field existed)."""
+CONVERTIBLE_KEYS = ("block_size", "kv_cache_dtype")
+"""Layout fields the P2P connector converts (re-blocking; a quantized producer's KV dequantized
+on arrival into an unquantized consumer); every other LAYOUT_KEYS field is identity: a
+difference refuses (docs/ARCHITECTURE.md, "Three decisions" §3)."""
 
 
 def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any],
                     convertible: tuple[str, ...] = CONVERTIBLE_KEYS) -> str | None:
     """A message naming every differing layout field (producer's value vs consumer's) except the
     `convertible` ones, or None. See `conversion_error` for what converting needs."""
+    def get(layout: dict[str, Any], k: str) -> Any:
+        return layout.get(k, LAYOUT_DEFAULTS.get(k))
+
     diffs = [
-        f"{k}: producer={theirs.get(k)!r} consumer={mine.get(k)!r}"
+        f"{k}: producer={get(theirs, k)!r} consumer={get(mine, k)!r}"
         for k in LAYOUT_KEYS
-        if k not in convertible and mine.get(k) != theirs.get(k)
+        if k not in convertible and get(mine, k) != get(theirs, k)
     ]
     if not diffs:
         return None
@@ -178,8 +185,20 @@ def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any],
 
 
 def conversion_error(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
-    """Why the consumer (`mine`) cannot convert the producer's (`theirs`) block size, naming both
-    values, or None (equal sizes, or a consumer without DCP: re-blocking maps by token)."""
+    """Why the consumer (`mine`) cannot convert the producer's (`theirs`) block size or KV cache
+    dtype, naming both values, or None (equal values; a consumer without DCP: re-blocking maps by
+    token; a quantized producer into an unquantized consumer: dequantized on arrival, lossless)."""
+    p_dt = theirs.get("kv_cache_dtype", LAYOUT_DEFAULTS["kv_cache_dtype"])
+    d_dt = mine.get("kv_cache_dtype", LAYOUT_DEFAULTS["kv_cache_dtype"])
+    if p_dt != d_dt and d_dt != "auto":
+        return (f"KV layout mismatch between prefill and decode engines (kv_cache_dtype: producer={p_dt!r} "
+                f"consumer={d_dt!r}): only a quantized producer into a decode engine with "
+                "kv_cache_dtype='auto' converts (dequantized on arrival); re-quantizing would not "
+                "give what the decode engine computes itself")
+    if p_dt != d_dt and mine.get("block_size") != theirs.get("block_size"):
+        return (f"producer kv_cache_dtype={p_dt!r} into decode kv_cache_dtype={d_dt!r} with block_size "
+                f"{theirs.get('block_size')} -> {mine.get('block_size')}: dequantizing and re-blocking at "
+                "once is not supported")
     if mine.get("block_size") == theirs.get("block_size"):
         return None
     dcp = int(mine.get("dcp_size", 1))

@@ -5,8 +5,10 @@ re-sharding, pdkv/kv_transfer/reshard.py). No I/O: the consumer side submits the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from pdkv.cache.specs import QUANTIZED_KV_CACHE_DTYPES
 from pdkv.kv_transfer.connector.p2p_messages import HandshakeReply, RecvSpec
 from pdkv.kv_transfer.engine.base import ReadOp, TransferError
 from pdkv.kv_transfer.reblock import plan_reblock
@@ -36,12 +38,19 @@ class ReadPlanner:
         all pairs at dcp_size 1.
 
         Raises:
-            TransferError: the producer's block bytes differ from this engine's.
+            TransferError: the producer's block bytes differ from this engine's; a quantized KV
+                cache whose blocks would need re-blocking or re-sharding (refused by the
+                scheduler half already; the planners address rows of one element size).
         """
-        if spec.remote_block_size and spec.remote_block_size != int(self.layout.get("block_size", 0)):
-            return self.reblock_ops(spec, peer)
         p_heads = int(spec.remote_layout.get("num_kv_heads", 0))
         d_heads = int(self.layout.get("num_local_kv_heads", self.layout.get("num_kv_heads", 0)))
+        if self.layout.get("kv_cache_dtype", "auto") in QUANTIZED_KV_CACHE_DTYPES and (
+                spec.remote_block_size and spec.remote_block_size != int(self.layout.get("block_size", 0))
+                or p_heads and d_heads and p_heads != d_heads):
+            raise TransferError(f"kv_cache_dtype={self.layout['kv_cache_dtype']!r}: quantized KV moves as whole "
+                                "blocks only (no re-blocking or re-sharding)")
+        if spec.remote_block_size and spec.remote_block_size != int(self.layout.get("block_size", 0)):
+            return self.reblock_ops(spec, peer)
         if p_heads and d_heads and p_heads != d_heads:
             return self.head_ops(spec, peer, p_heads, d_heads)
         ops = []
@@ -64,6 +73,47 @@ class ReadPlanner:
                 ops.append(ReadOp(f"g{g}", remote[i] * bb, nbytes, dest))
                 i = j
         return ops
+
+    def dequantizes(self, spec: RecvSpec) -> bool:
+        """Whether the producer's blocks are quantized and this engine's are not (they are read
+        into staging memory and dequantized on arrival: `dequant_ops`)."""
+        return (spec.remote_layout.get("kv_cache_dtype", "auto") in QUANTIZED_KV_CACHE_DTYPES
+                and self.layout.get("kv_cache_dtype", "auto") == "auto")
+
+    def dequant_ops(self, spec: RecvSpec, peer: HandshakeReply) -> tuple[list[ReadOp], Callable[[], None]]:
+        """Reads of the producer's whole quantized blocks into staging memory (one op per block;
+        bytes moved = the producer's smaller blocks), and the step that dequantizes them into
+        this engine's blocks (pdkv/kv_transfer/kv_dequant.py), to run once the reads finished.
+        Equal block sizes and heads, dcp 1 (the scheduler half refuses the rest).
+
+        Raises:
+            TransferError: the producer's block bytes are not quantized pages of this engine's
+                layers.
+        """
+        from pdkv.kv_transfer.kv_dequant import dequantize_blocks
+
+        lay = spec.remote_layout
+        bs, heads, head = int(self.layout["block_size"]), int(lay["num_kv_heads"]), int(lay["head_size"])
+        page = 2 * bs * heads * head + 2 * bs * heads * 4
+        ops: list[ReadOp] = []
+        steps: list[Callable[[], None]] = []
+        for g, (local, remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
+            p_bb, bb = peer.block_bytes[g], self.block_bytes[g]
+            layers = p_bb // page
+            if p_bb % page or not layers or bb % (layers * 2 * bs * heads * head):
+                raise TransferError(f"producer block bytes {p_bb} are not quantized pages of {page} bytes "
+                                    f"for this engine's block bytes {bb}")
+            staged = memoryview(bytearray(p_bb * len(remote)))
+            ops.extend(ReadOp(f"g{g}", r * p_bb, p_bb, staged[i * p_bb : (i + 1) * p_bb]) for i, r in enumerate(remote))
+            region, ids = self.regions[g], list(local)
+            steps.append(lambda st=staged, rg=region, ids=ids: dequantize_blocks(
+                st, rg, ids, bs, heads, head, str(lay["kv_cache_dtype"]), str(self.layout["dtype"])))
+
+        def finish() -> None:
+            for step in steps:
+                step()
+
+        return ops, finish
 
     def reblock_ops(self, spec: RecvSpec, peer: HandshakeReply) -> list[ReadOp]:
         """Re-blocking reads (the producer's block size differs from this engine's): one ReadOp
