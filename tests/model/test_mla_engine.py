@@ -85,3 +85,8 @@ def test_dcp_is_refused_on_an_mla_model(tiny_mla):
 
     with pytest.raises(ValueError, match="decode_context_parallel_size=2 is not supported with multi-head latent"):
         EngineArgs(model=tiny_mla, decode_context_parallel_size=2).create_engine_config()
+
+
+def test_quantized_kv_is_refused_on_an_mla_model(tiny_mla):
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8' is not supported with MLA"):
+        LLM(tiny_mla, cpu_linear="torch", num_kv_blocks=8, max_model_len=128, kv_cache_dtype="int8")
