@@ -104,14 +104,21 @@ class LlamaLayer(nn.Module):
         self.o_proj = nn.Parameter(torch.empty(h, q_size, dtype=dtype), requires_grad=False)
         self.gate_up = nn.Parameter(torch.empty(2 * i, h, dtype=dtype), requires_grad=False)
         self.down = nn.Parameter(torch.empty(h, i, dtype=dtype), requires_grad=False)
-        # oneDNN-packed copies (pack_cpu_weights); None = plain F.linear.
+        # oneDNN-packed weights (pack_cpu_weights), which then replace the plain ones; None =
+        # plain F.linear.
         self.packed: dict[str, torch.Tensor | None] = {"qkv": None, "o_proj": None, "gate_up": None, "down": None}
 
     def pack_cpu_weights(self) -> bool:
-        """Pack the four projection weights for oneDNN; True when done."""
+        """Pack the four projection weights for oneDNN, keeping one copy of each: a packed
+        weight's plain parameter becomes a meta tensor (shape and dtype, no memory). True when
+        all four are packed."""
         for name in self.packed:
-            self.packed[name] = pack_linear_weight(getattr(self, name))
-        return all(p is not None for p in self.packed.values())
+            packed = pack_linear_weight(getattr(self, name))
+            if packed is None:
+                return False
+            self.packed[name] = packed
+            setattr(self, name, _without_data(getattr(self, name)))
+        return True
 
     def forward(
         self,
@@ -153,6 +160,12 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
+
+
+def _without_data(param: torch.Tensor) -> nn.Parameter:
+    """A stand-in for a weight whose only copy is now packed: same shape and dtype on the meta
+    device (no memory; reading its values raises)."""
+    return nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -253,7 +266,16 @@ class LlamaForCausalLM(nn.Module):
     def pack_cpu_weights(self) -> bool:
         """Use oneDNN's packed-weight linear for every projection and the LM head (float32 on
         CPU). On AVX-512 CPUs this halves matmul time at small batch; results differ from BLAS
-        only in the last bits (greedy parity with HF is tested). Returns True when packed."""
-        head = self.embed if self.lm_head is None else self.lm_head
-        self.head_packed = pack_linear_weight(head)
+        only in the last bits (greedy parity with HF is tested). Returns True when packed.
+
+        Each packed weight replaces its plain copy (one copy of each weight), except a tied LM
+        head: the embedding lookup still needs the plain table, so it is held plain (embedding)
+        and packed (LM head), vocab_size x hidden_size x dtype bytes more; the packed head is
+        kept because BLAS is several times slower on it from batch 8 on."""
+        if self.lm_head is None:
+            self.head_packed = pack_linear_weight(self.embed)
+        else:
+            self.head_packed = pack_linear_weight(self.lm_head)
+            if self.head_packed is not None:
+                self.lm_head = _without_data(self.lm_head)
         return self.head_packed is not None and all(layer.pack_cpu_weights() for layer in self.layers)
