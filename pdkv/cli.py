@@ -1,4 +1,4 @@
-"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff, dcp, hetero, groups} | compare | plan | matrix."""
+"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff, dcp, hetero, groups, memory} | compare | plan | matrix."""
 
 from __future__ import annotations
 
@@ -206,6 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     groups_bench.add_cli_args(groups_p)
     groups_p.set_defaults(func=groups_bench.main)
+
+    from pdkv.bench import memory as memory_bench
+
+    memory_p = bench_sub.add_parser(
+        "memory", help="RSS of a default pdkv serve after one request, of the pdkv up launcher and of pdkv proxy, "
+        "vs the goals (serve <= 1.2 GB, launcher and proxy <= 120 MB)", formatter_class=fmt,
+    )
+    memory_bench.add_cli_args(memory_p)
+    memory_p.set_defaults(func=memory_bench.main)
 
     from pdkv.bench import compare
 

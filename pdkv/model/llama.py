@@ -7,6 +7,7 @@ computed only for the positions that are sampled.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Sequence
 
 import torch
@@ -217,6 +218,8 @@ class LlamaForCausalLM(nn.Module):
             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         )
         self.head_packed: torch.Tensor | None = None
+        # The file map the embedding is read from, when the loader maps it (pdkv.model.loader).
+        self.embed_file_map: mmap.mmap | None = None
         # KV cache group of each layer (pdkv.worker.kv_cache makes one group per entry).
         self.layer_groups = [0] * cfg.num_layers
         for g, (_, layers) in enumerate(attention_groups(cfg)):
@@ -268,12 +271,15 @@ class LlamaForCausalLM(nn.Module):
         CPU). On AVX-512 CPUs this halves matmul time at small batch; results differ from BLAS
         only in the last bits (greedy parity with HF is tested). Returns True when packed.
 
-        Each packed weight replaces its plain copy (one copy of each weight), except a tied LM
-        head: the embedding lookup still needs the plain table, so it is held plain (embedding)
-        and packed (LM head), vocab_size x hidden_size x dtype bytes more; the packed head is
-        kept because BLAS is several times slower on it from batch 8 on."""
+        Each packed weight replaces its plain copy (one copy of each weight). A tied LM head
+        also needs the plain table for the embedding lookup: read from a map of the weights
+        file (the loader's embed_file_map), whose pages packing read are dropped again here, it
+        holds only the rows looked up since (reclaimable page cache, not a second copy); without
+        a map the table is held twice (vocab_size x hidden_size x dtype bytes more)."""
         if self.lm_head is None:
             self.head_packed = pack_linear_weight(self.embed)
+            if self.head_packed is not None and self.embed_file_map is not None:
+                self.embed_file_map.madvise(mmap.MADV_DONTNEED)  # unmodified private pages: reloaded on use
         else:
             self.head_packed = pack_linear_weight(self.lm_head)
             if self.head_packed is not None:

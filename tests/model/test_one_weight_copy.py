@@ -1,6 +1,7 @@
 """With the oneDNN packed-weight path a model holds one copy of each weight: every packed
-projection (and an untied LM head) drops its plain tensor; a tied LM head keeps the embedding
-table plain for the lookup. Logits equal the plain-weight model's to the last bits."""
+projection (and an untied LM head) drops its plain tensor; the embedding table is read from a map
+of the weights file (a tied LM head is packed from it, the lookup reads the file's pages).
+Logits equal the plain-weight model's to the last bits."""
 
 from __future__ import annotations
 
@@ -29,6 +30,16 @@ def folder(request, tmp_path_factory) -> tuple[str, bool]:
     return path, request.param
 
 
+def _in_file_map(t: torch.Tensor, file_name: str) -> bool:
+    """Whether t's memory lies in a mapping of a file named file_name (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= t.data_ptr() < hi:
+                return line.rstrip().endswith("/" + file_name)
+    return False
+
+
 def _logits(model: LlamaForCausalLM) -> torch.Tensor:
     cfg = model.cfg
     caches = [torch.empty(2, NUM_BLOCKS, BLOCK, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
@@ -51,5 +62,6 @@ def test_packed_model_keeps_one_copy_and_same_logits(folder):
             assert getattr(layer, name).is_meta and layer.packed[name] is not None, name
             assert getattr(layer, name).shape == getattr(plain.layers[0], name).shape
     assert packed.head_packed is not None and not packed.embed.is_meta
+    assert _in_file_map(packed.embed, "model.safetensors") and _in_file_map(plain.embed, "model.safetensors")
     assert (packed.lm_head is None) == tied and (tied or packed.lm_head.is_meta)
     torch.testing.assert_close(_logits(packed), _logits(plain), rtol=1e-4, atol=1e-4)
