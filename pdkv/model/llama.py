@@ -276,6 +276,8 @@ class LlamaForCausalLM(nn.Module):
         file (the loader's embed_file_map), whose pages packing read are dropped again here, it
         holds only the rows looked up since (reclaimable page cache, not a second copy); without
         a map the table is held twice (vocab_size x hidden_size x dtype bytes more)."""
+        if self.head_packed is not None:  # packed before: the plain weights are gone
+            return all(p is not None for layer in self.layers for p in layer.packed.values())
         if self.lm_head is None:
             self.head_packed = pack_linear_weight(self.embed)
             if self.head_packed is not None and self.embed_file_map is not None:
