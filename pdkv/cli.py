@@ -1,4 +1,4 @@
-"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff, dcp, hetero, groups, prefill-cap, kvquant} | compare | plan | matrix."""
+"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff, dcp, hetero, groups, prefill-cap, kvquant, memory} | compare | plan | matrix."""
 
 from __future__ import annotations
 
@@ -75,6 +75,8 @@ def _ms(seconds: float | None) -> str:
 _LIGHT_COMMANDS = {
     "plan": ("pdkv.plan.cli", "cost model: KV bytes, handoff time, recompute vs reload, P:D ratio (no torch)"),
     "matrix": ("pdkv.matrix.cli", "support matrix: run the tagged acceptance tests, write docs/SUPPORT_MATRIX.md"),
+    "proxy": ("pdkv.router.proxy_cli", "P/D proxy (vLLM protocol) over prefill and decode engines"),
+    "up": ("pdkv.router.launcher", "start a local colocated or P/D topology (engines + proxy)"),
 }
 
 
@@ -90,8 +92,9 @@ def _add_light(sub: argparse._SubParsersAction, name: str) -> None:  # type: ign
 
 
 def build_light_parser(name: str) -> argparse.ArgumentParser:
-    """A parser with only the torch-free subcommand `name` (`plan`, `matrix`): those run without
-    importing torch (matrix runs its checks in a pytest subprocess)."""
+    """A parser with only the torch-free subcommand `name` (`plan`, `matrix`, `proxy`, `up`):
+    those run without importing torch (matrix runs its checks in a pytest subprocess; `up` starts
+    its engines as `pdkv serve` processes)."""
     parser = PdkvArgumentParser(prog="pdkv", description=__doc__)
     _add_light(parser.add_subparsers(dest="command", required=True), name)
     return parser
@@ -130,17 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     api_server.add_cli_args(serve)
     serve.set_defaults(func=api_server.main)
-
-    from pdkv.router import launcher, proxy_cli
-
-    proxy_p = sub.add_parser("proxy", help="P/D proxy (vLLM protocol) over prefill and decode engines",
-                             formatter_class=fmt)
-    proxy_cli.add_cli_args(proxy_p)
-    proxy_p.set_defaults(func=proxy_cli.main)
-    up = sub.add_parser("up", help="start a local colocated or P/D topology (engines + proxy)",
-                        formatter_class=fmt)
-    launcher.add_cli_args(up)
-    up.set_defaults(func=launcher.main)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -230,6 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kv_quant_bench.add_cli_args(kv_quant_p)
     kv_quant_p.set_defaults(func=kv_quant_bench.main)
+
+    from pdkv.bench import memory as memory_bench
+
+    memory_p = bench_sub.add_parser(
+        "memory", help="RSS of a default pdkv serve after one request, of the pdkv up launcher and of pdkv proxy, "
+        "vs the goals (serve <= 1.2 GB, launcher and proxy <= 120 MB)", formatter_class=fmt,
+    )
+    memory_bench.add_cli_args(memory_p)
+    memory_p.set_defaults(func=memory_bench.main)
 
     from pdkv.bench import compare
 

@@ -20,6 +20,13 @@ With W None every path is the dense one, with no extra work.
 Quantized KV (`pdkv.model.kv_quant.QuantKVCache`, `--kv-cache-dtype int8 | fp8`): the write
 quantizes and the step attends over the dequantized values of its own keys, and every cache read
 dequantizes what it gathers (reference path: gather, then dequantize to the compute dtype).
+
+Unwritten slots (the KV cache is allocated with torch.empty, and the null block is never
+written) may hold anything, NaN included, and a masked NaN key or a NaN value times a zero
+weight still poisons SDPA's output. So no path reads a slot that was never written: prefills
+slice their keys to the written range, one decode slices its exact range, and batched decodes
+gather key by key (`decode_key_blocks` / `decode_key_offsets`), every masked position pointing
+at the row's newest key.
 """
 
 from __future__ import annotations
@@ -64,6 +71,9 @@ class AttentionMetadata:
         decode_seq_lens: [B] long, context length including the new token.
         decode_mask: [B, 1, 1, max_blocks*block_size] bool, True where a key (of the row's
             table) is valid (None when B == 1: the key range is sliced exactly instead).
+        decode_key_blocks, decode_key_offsets: [B, max_blocks*block_size] long, the block and
+            offset of key j of row i (the table's key j where the mask is True, the row's newest
+            key elsewhere, so padding reads only written slots); set with decode_mask.
         all_decode: every token of the step is a decode, in order (decode_token_idx == arange).
         dcp: with decode context parallelism, this rank's slots and token shard
             (pdkv.parallel.dcp_attention.DCPMetadata); the other fields are then unused.
@@ -78,6 +88,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None
     decode_seq_lens: torch.Tensor | None
     decode_mask: torch.Tensor | None
+    decode_key_blocks: torch.Tensor | None = None
+    decode_key_offsets: torch.Tensor | None = None
     all_decode: bool = False
     dcp: Any = None
     sliding_window: int | None = None
@@ -169,8 +181,13 @@ def _decode_attention(
     assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
     bsz = q.shape[0]
     block_size, num_kv_heads, head_size = kv_cache.shape[-3], kv_cache.shape[-2], kv_cache.shape[-1]
-    ks = read_kv(kv_cache, 0, meta.decode_block_tables).view(bsz, -1, num_kv_heads, head_size)
-    vs = read_kv(kv_cache, 1, meta.decode_block_tables).view(bsz, -1, num_kv_heads, head_size)
+    if meta.decode_mask is not None:  # B > 1: masked positions read the row's newest key
+        assert meta.decode_key_blocks is not None and meta.decode_key_offsets is not None
+        ks = read_kv(kv_cache, 0, meta.decode_key_blocks, meta.decode_key_offsets)  # [B, keys, KVH, D]
+        vs = read_kv(kv_cache, 1, meta.decode_key_blocks, meta.decode_key_offsets)
+    else:
+        ks = read_kv(kv_cache, 0, meta.decode_block_tables).view(bsz, -1, num_kv_heads, head_size)
+        vs = read_kv(kv_cache, 1, meta.decode_block_tables).view(bsz, -1, num_kv_heads, head_size)
     if meta.decode_mask is None:  # B == 1: slice the exact key range, no mask needed
         seq_len = int(meta.decode_seq_lens[0])
         if meta.sliding_window is None:

@@ -109,11 +109,15 @@ def mla_attention(
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, kv_b: torch.Tensor, rank: int,
             scale: float, nope: int, v_dim: int) -> torch.Tensor:
-    """One query token per request over its whole context. q: [B, H, D] -> [B, H, v_dim]."""
+    """One query token per request over its whole context. q: [B, H, D] -> [B, H, v_dim].
+    Reads only written slots (the cache is allocated with torch.empty; see pdkv.model.attention)."""
     assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
     bsz = q.shape[0]
-    entries = kv_cache[meta.decode_block_tables].view(bsz, -1, kv_cache.shape[-1])  # [B, S, entry]
-    if meta.decode_mask is None:  # B == 1: the exact key range, no mask
+    if meta.decode_mask is not None:  # B > 1: masked positions read the row's newest entry
+        assert meta.decode_key_blocks is not None and meta.decode_key_offsets is not None
+        entries = kv_cache[meta.decode_key_blocks, meta.decode_key_offsets]  # [B, S, entry]
+    else:  # B == 1: the exact key range, no mask
+        entries = kv_cache[meta.decode_block_tables].view(bsz, -1, kv_cache.shape[-1])
         entries = entries[:, : int(meta.decode_seq_lens[0])]
     k, v = expand_kv(entries, kv_b, rank, nope, v_dim)  # [B, H, S, .]
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale)

@@ -7,6 +7,7 @@ computed only for the positions that are sampled.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Sequence
 
 import torch
@@ -104,14 +105,21 @@ class LlamaLayer(nn.Module):
         self.o_proj = nn.Parameter(torch.empty(h, q_size, dtype=dtype), requires_grad=False)
         self.gate_up = nn.Parameter(torch.empty(2 * i, h, dtype=dtype), requires_grad=False)
         self.down = nn.Parameter(torch.empty(h, i, dtype=dtype), requires_grad=False)
-        # oneDNN-packed copies (pack_cpu_weights); None = plain F.linear.
+        # oneDNN-packed weights (pack_cpu_weights), which then replace the plain ones; None =
+        # plain F.linear.
         self.packed: dict[str, torch.Tensor | None] = {"qkv": None, "o_proj": None, "gate_up": None, "down": None}
 
     def pack_cpu_weights(self) -> bool:
-        """Pack the four projection weights for oneDNN; True when done."""
+        """Pack the four projection weights for oneDNN, keeping one copy of each: a packed
+        weight's plain parameter becomes a meta tensor (shape and dtype, no memory). True when
+        all four are packed."""
         for name in self.packed:
-            self.packed[name] = pack_linear_weight(getattr(self, name))
-        return all(p is not None for p in self.packed.values())
+            packed = pack_linear_weight(getattr(self, name))
+            if packed is None:
+                return False
+            self.packed[name] = packed
+            setattr(self, name, _without_data(getattr(self, name)))
+        return True
 
     def forward(
         self,
@@ -153,6 +161,12 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
+
+
+def _without_data(param: torch.Tensor) -> nn.Parameter:
+    """A stand-in for a weight whose only copy is now packed: same shape and dtype on the meta
+    device (no memory; reading its values raises)."""
+    return nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -204,6 +218,8 @@ class LlamaForCausalLM(nn.Module):
             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         )
         self.head_packed: torch.Tensor | None = None
+        # The file map the embedding is read from, when the loader maps it (pdkv.model.loader).
+        self.embed_file_map: mmap.mmap | None = None
         # KV cache group of each layer (pdkv.worker.kv_cache makes one group per entry).
         self.layer_groups = [0] * cfg.num_layers
         for g, (_, layers) in enumerate(attention_groups(cfg)):
@@ -253,7 +269,21 @@ class LlamaForCausalLM(nn.Module):
     def pack_cpu_weights(self) -> bool:
         """Use oneDNN's packed-weight linear for every projection and the LM head (float32 on
         CPU). On AVX-512 CPUs this halves matmul time at small batch; results differ from BLAS
-        only in the last bits (greedy parity with HF is tested). Returns True when packed."""
-        head = self.embed if self.lm_head is None else self.lm_head
-        self.head_packed = pack_linear_weight(head)
+        only in the last bits (greedy parity with HF is tested). Returns True when packed.
+
+        Each packed weight replaces its plain copy (one copy of each weight). A tied LM head
+        also needs the plain table for the embedding lookup: read from a map of the weights
+        file (the loader's embed_file_map), whose pages packing read are dropped again here, it
+        holds only the rows looked up since (reclaimable page cache, not a second copy); without
+        a map the table is held twice (vocab_size x hidden_size x dtype bytes more)."""
+        if self.head_packed is not None:  # packed before: the plain weights are gone
+            return all(p is not None for layer in self.layers for p in layer.packed.values())
+        if self.lm_head is None:
+            self.head_packed = pack_linear_weight(self.embed)
+            if self.head_packed is not None and self.embed_file_map is not None:
+                self.embed_file_map.madvise(mmap.MADV_DONTNEED)  # unmodified private pages: reloaded on use
+        else:
+            self.head_packed = pack_linear_weight(self.lm_head)
+            if self.head_packed is not None:
+                self.lm_head = _without_data(self.lm_head)
         return self.head_packed is not None and all(layer.pack_cpu_weights() for layer in self.layers)

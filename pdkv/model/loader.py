@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import mmap
 import os
 from contextlib import ExitStack
 from typing import Any
@@ -23,6 +24,7 @@ from pdkv.model.llama import LlamaArchConfig, LlamaForCausalLM
 from pdkv.parallel.context import ParallelContext
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def load_model(path: str, dtype: str, device: str, parallel: ParallelContext | None = None) -> LlamaForCausalLM:
@@ -66,7 +68,13 @@ def load_model(path: str, dtype: str, device: str, parallel: ParallelContext | N
     i_rows = slice(tp_rank * inter, (tp_rank + 1) * inter)
 
     with _ShardReader(path) as r:
-        put(model.embed, r.whole("model.embed_tokens.weight"), "embed_tokens")
+        mapped = r.mapped("model.embed_tokens.weight", tdtype) if dev.type == "cpu" else None
+        if mapped is not None and tuple(mapped[0].shape) == tuple(model.embed.shape):
+            model.embed = torch.nn.Parameter(mapped[0], requires_grad=False)
+            model.embed_file_map = mapped[1]
+            r.skip("model.embed_tokens.weight")
+        else:
+            put(model.embed, r.whole("model.embed_tokens.weight"), "embed_tokens")
         put(model.norm, r.whole("model.norm.weight"), "norm")
         if model.lm_head is not None:
             put(model.lm_head, r.whole("lm_head.weight"), "lm_head")
@@ -109,10 +117,12 @@ class _ShardReader:
             raise ValueError(f"no *.safetensors files in {path}")
         self._stack = ExitStack()
         self._where: dict[str, Any] = {}
+        self._stack_files: dict[str, Any] = {}
 
     def __enter__(self) -> _ShardReader:
         for fname in self.files:
             f = self._stack.enter_context(safe_open(fname, framework="pt"))
+            self._stack_files[fname] = f
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 self._where[key] = f
         return self
@@ -136,6 +146,26 @@ class _ShardReader:
     def cols(self, name: str, cols: slice) -> torch.Tensor:
         """Columns `cols` of a weight [out, in]."""
         return self._handle(name).get_slice(name)[:, cols]  # type: ignore[no-any-return]
+
+    def mapped(self, name: str, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap] | None:
+        """Weight `name` as a tensor over a private (copy-on-write) memory map of its file (and
+        the map), or None when the file stores another dtype. Nothing is read here: a page of
+        the file enters the resident set when first read, so a lookup table (the embedding)
+        holds only the rows that were looked up, and its memory is page cache the kernel may
+        drop."""
+        handle = self._where.get(name)
+        if handle is None:
+            return None
+        fname = next(f for f in self.files if self._stack_files.get(f) is handle)
+        with open(fname, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            info = json.loads(f.read(header_len))[name]
+            if _SAFETENSORS_DTYPES.get(info["dtype"]) != dtype:
+                return None
+            start, end = info["data_offsets"]
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        count = (end - start) // dtype.itemsize
+        return torch.frombuffer(mm, dtype=dtype, count=count, offset=8 + header_len + start).view(info["shape"]), mm
 
     def skip(self, name: str) -> None:
         self._where.pop(name, None)

@@ -61,7 +61,7 @@ def build_attention_metadata(
         else:
             nblocks = -(-(c + n) // bs)
             prefills.append(PrefillSeq(start, start + n, c, torch.tensor(table[:nblocks], device=device)))
-    decode_token_idx = decode_tables = decode_lens = decode_mask = None
+    decode_token_idx = decode_tables = decode_lens = decode_mask = key_blocks = key_offsets = None
     if dec_idx:
         width = max(len(t) for t in dec_tables)
         padded = [t + [0] * (width - len(t)) for t in dec_tables]
@@ -76,6 +76,8 @@ def build_attention_metadata(
                 rel = decode_lens - torch.tensor(dec_first, device=device)
                 visible = (keys[None, :] < rel[:, None]) & (keys[None, :] >= rel[:, None] - sliding_window)
                 decode_mask = visible[:, None, None, :]
+            key_blocks, key_offsets = _decode_key_slots(decode_tables, decode_mask[:, 0, 0], dec_lens,
+                                                        dec_first, bs)
     return AttentionMetadata(
         slot_block_ids=torch.tensor(slot_blocks, dtype=torch.long, device=device),
         slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
@@ -84,9 +86,24 @@ def build_attention_metadata(
         decode_block_tables=decode_tables,
         decode_seq_lens=decode_lens,
         decode_mask=decode_mask,
+        decode_key_blocks=key_blocks,
+        decode_key_offsets=key_offsets,
         all_decode=len(dec_idx) == num_tokens,
         sliding_window=sliding_window,
     )
+
+
+def _decode_key_slots(
+    tables: torch.Tensor, visible: torch.Tensor, lens: list[int], first: list[int], block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block and offset ([B, keys] long each) of key j of each decode row, whose table starts at
+    position first_i: the table's key j where `visible` ([B, keys] bool), the row's newest key
+    (position len_i - 1, written this step) elsewhere, so a masked position never reads a slot
+    that was never written (it may hold NaN; see pdkv.model.attention)."""
+    keys = torch.arange(visible.shape[1], device=tables.device)[None, :]
+    newest = (torch.tensor(lens, device=tables.device) - 1 - torch.tensor(first, device=tables.device))[:, None]
+    rel = torch.where(visible, keys, newest)
+    return tables.gather(1, rel // block_size), rel % block_size
 
 
 def build_dcp_attention_metadata(

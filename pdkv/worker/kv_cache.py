@@ -115,7 +115,10 @@ def allocate_kv_cache(
 
     Args:
         buffer_fn: optional (group, nbytes) -> memory to build the group's tensor on (e.g.
-            shared memory for the shm transfer engine); None or a None result = torch.zeros.
+            shared memory for the shm transfer engine); None or a None result = torch.empty.
+        The memory is not written here: pages are touched (and enter the resident set) only
+        when K/V is first written to them. Slots never written hold arbitrary values (NaN
+        included); attention reads only written slots (pdkv.model.attention).
 
     Returns:
         (group tensors, each [num_blocks, num_layers_in_group, 2, block_size, num_kv_heads,
@@ -155,7 +158,7 @@ def allocate_kv_cache(
         if buf is not None:
             t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(elem).view(shape)
         else:
-            t = torch.zeros(shape, dtype=elem, device=device)
+            t = torch.empty(shape, dtype=elem, device=device)
         groups.append(t)
         for j, layer in enumerate(g.layer_indices):
             if isinstance(spec, MLASpec):
