@@ -82,6 +82,7 @@ def test_page_layout_is_values_then_scales_in_one_contiguous_block(cache_dtype):
     assert plain.page_size_bytes == 2 * BS * H * D * 4
     (group,), layers = allocate_kv_cache(cfg, torch.float32, torch.device("cpu"))
     assert group.dtype == torch.uint8 and group.shape == (6, 3, page) and group.is_contiguous()
+    group.zero_()  # allocated with torch.empty: clear it so the write below is all that is non-zero
     x = sample((BS, H, D))
     blocks, offsets = torch.full((BS,), 4), torch.arange(BS)
     cache = layers[1]
@@ -102,7 +103,8 @@ def test_attention_reads_the_dequantized_values(cache_dtype):
     """paged_attention (prefill without and with context, decode) and shard_attention over a
     quantized cache equal the same calls over a plain cache holding the dequantized K/V."""
     g = torch.Generator().manual_seed(1)
-    (_, layers) = allocate_kv_cache(quant_config(cache_dtype, layers=1), torch.float32, torch.device("cpu"))
+    (groups, layers) = allocate_kv_cache(quant_config(cache_dtype, layers=1), torch.float32, torch.device("cpu"))
+    groups[0].zero_()  # torch.empty: the last check compares every slot with the zeroed plain cache
     qcache = layers[0]
     assert isinstance(qcache, QuantKVCache)
     plain = torch.zeros(2, 6, BS, H, D)
