@@ -11,10 +11,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 NUM_NEW_TOKENS = 40
 
-# Session fixtures worth computing once per run: under `pytest -n N --dist loadgroup` (make test)
-# every module using one of them joins one xdist group, so they all run on the same worker.
-SHARED_SESSION_FIXTURES = ("smollm2_reference", "hf_model", "redis_service", "mooncake_service")
-
 
 def pytest_configure(config: pytest.Config) -> None:
     """On a pytest-xdist worker: one torch thread in this process, and $PDKV_NUM_THREADS=1
@@ -26,64 +22,15 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("PDKV_NUM_THREADS", "1")
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook (which pytest 9.2 defeats, see set_group)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On a `--dist loadgroup` xdist worker, put every item in a group: its xdist_group marks,
-    else its module's group (module_groups), so that a module's tests and module fixtures stay on
-    one worker and the modules sharing a SHARED_SESSION_FIXTURES fixture too. Serial runs (and
-    the pytest that `pdkv matrix` starts) are left alone."""
-    if not config.getvalue("loadgroup"):
-        return
-    uses: dict[str, set[str]] = {}
-    for item in items:
-        uses.setdefault(_module_id(item), set()).update(item.fixturenames)
-    groups = module_groups(uses)
-    for item in items:
-        marked = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-                         for m in item.iter_markers("xdist_group")})
-        _set_group(item, "_".join(marked) or groups[_module_id(item)])
+    """On a `--dist loadgroup` xdist worker, put every item in its group (tests/xdist_groups.py):
+    a module's tests stay on one worker, and so do the modules sharing an expensive session
+    fixture. Serial runs (and the pytest that `pdkv matrix` starts) are left alone."""
+    if getattr(config.option, "loadgroup", False):  # set by xdist on its workers
+        from xdist_groups import assign_groups
 
-
-def _set_group(item: pytest.Item, group: str) -> None:
-    """Append "@group" to the item's node id: the scope that xdist's loadgroup scheduler reads.
-    xdist 3.8 writes it to `_nodeid`, which pytest 9.2's structured ids ignore (pytest-xdist
-    issue 1386), so it is written here for both."""
-    suffixed = f"{item.nodeid}@{group}"
-    if hasattr(item, "_id"):
-        from _pytest.nodeid import NodeId
-
-        item._id = NodeId.parse(suffixed)
-    else:
-        item._nodeid = suffixed
-
-
-def _module_id(item: pytest.Item) -> str:
-    """The item's file as in its node id (relative to the rootdir)."""
-    return item.nodeid.split("::", 1)[0]
-
-
-def module_groups(uses: dict[str, set[str]]) -> dict[str, str]:
-    """Group name per module path, given the fixtures each module's items use: modules sharing a
-    SHARED_SESSION_FIXTURES fixture (directly or through a chain of modules) get one group named
-    after the first such fixture; the others are named by their own path."""
-    parent = {m: m for m in uses}
-
-    def root(m: str) -> str:
-        while parent[m] != m:
-            m = parent[m]
-        return m
-
-    first_user: dict[str, str] = {}
-    for m, names in uses.items():
-        for f in SHARED_SESSION_FIXTURES:
-            if f in names:
-                other = first_user.setdefault(f, m)
-                parent[root(m)] = root(other)
-    name_of_root: dict[str, str] = {}
-    for f in SHARED_SESSION_FIXTURES:
-        if f in first_user:
-            name_of_root.setdefault(root(first_user[f]), f"session-{f}")
-    return {m: name_of_root.get(root(m), m) for m in uses}
+        assign_groups(items)
 
 
 @pytest.fixture(scope="session")
