@@ -25,7 +25,7 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check pdkv tests
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=25 -n 2 --dist loadgroup
 
 bench: setup
 	$(VENV)/bin/pdkv bench offline

@@ -12,6 +12,27 @@ sys.path.insert(0, os.path.dirname(__file__))
 NUM_NEW_TOKENS = 40
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """On a pytest-xdist worker: one torch thread in this process, and $PDKV_NUM_THREADS=1
+    (unless set) for the servers tests start, so N workers on N cores do not oversubscribe."""
+    if hasattr(config, "workerinput"):
+        import torch
+
+        torch.set_num_threads(1)
+        os.environ.setdefault("PDKV_NUM_THREADS", "1")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook (which pytest 9.2 defeats, see set_group)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On a `--dist loadgroup` xdist worker, put every item in its group (tests/xdist_groups.py):
+    a module's tests stay on one worker, and so do the modules sharing an expensive session
+    fixture. Serial runs (and the pytest that `pdkv matrix` starts) are left alone."""
+    if getattr(config.option, "loadgroup", False):  # set by xdist on its workers
+        from xdist_groups import assign_groups
+
+        assign_groups(items)
+
+
 @pytest.fixture(scope="session")
 def model_path() -> str:
     from pdkv.model.registry import resolve_model
