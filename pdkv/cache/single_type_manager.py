@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from pdkv.cache.block_pool import BlockPool, KVCacheBlock
 from pdkv.cache.hashing import BlockHash
-from pdkv.cache.specs import FullAttentionSpec, KVCacheSpec, MLASpec, SlidingWindowSpec
+from pdkv.cache.specs import FullAttentionSpec, KVCacheSpec, LinearStateSpec, MLASpec, SlidingWindowSpec
 
 
 def cdiv(a: int, b: int) -> int:
@@ -198,10 +198,45 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self.num_blocks_freed_early += len(removed)
 
 
+class LinearStateManager(SingleTypeKVCacheManager):
+    """Linear-attention state (vLLM's `MambaManager`, without prefix-cache checkpoints): a request
+    holds exactly one block of the group, its state slot, from its first allocation until it
+    finishes or is preempted, whatever its length. The slot's state is valid only after exactly
+    the request's computed tokens, so no slot is ever registered under a block hash and a lookup
+    never hits (a hybrid model with a linear group gets no prefix hits at all: the coordinator
+    takes the shortest hit over the groups)."""
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_length: int
+    ) -> list[KVCacheBlock]:
+        return []
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> int:
+        """1 for a request that holds no slot yet, else 0."""
+        return 0 if self.req_to_blocks.get(request_id) or num_tokens <= 0 else 1
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """The request's slot on its first allocation ([] after)."""
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        if blocks or num_tokens <= 0:
+            return []
+        blocks.extend(self.block_pool.get_new_blocks(1))
+        return list(blocks)
+
+    def cache_blocks(
+        self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int
+    ) -> None:
+        """Nothing is cached: a slot holds the state after the request's last token, which no
+        block hash names."""
+
+
 _MANAGERS: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
     MLASpec: FullAttentionManager,  # causal over the whole context, as vLLM's MLA layers
+    LinearStateSpec: LinearStateManager,
 }
 
 

@@ -11,6 +11,7 @@ from pdkv.cache.specs import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    LinearStateSpec,
     MLASpec,
     SlidingWindowSpec,
 )
@@ -26,6 +27,12 @@ def check_sliding_window_parallel(arch: LlamaArchConfig, dcp_size: int) -> None:
     Raises:
         ValueError: dcp_size > 1 and some layer slides or the model is MLA.
     """
+    if dcp_size > 1 and arch.has_linear_state:
+        raise ValueError(
+            f"decode_context_parallel_size={dcp_size} is not supported with linear-attention "
+            f"(Gated DeltaNet) layers yet ({arch.architecture}: their state is one slot per request, "
+            "not blocks of tokens to shard); use decode_context_parallel_size=1"
+        )
     if dcp_size > 1 and arch.is_mla:
         raise ValueError(
             f"decode_context_parallel_size={dcp_size} is not supported with multi-head latent "
@@ -41,13 +48,24 @@ def check_sliding_window_parallel(arch: LlamaArchConfig, dcp_size: int) -> None:
         )
 
 
+def linear_state_spec(arch: LlamaArchConfig, block_size: int, dtype: str) -> LinearStateSpec:
+    """The Gated DeltaNet state of one layer (pdkv/model/qwen3_next.py's byte layout): conv window
+    [conv_dim, kernel - 1] in the model dtype, recurrent state [value heads, dk, dv] in float32."""
+    return LinearStateSpec(
+        block_size=block_size, conv_shape=(arch.linear_conv_dim, arch.linear_conv_kernel_dim - 1),
+        recurrent_shape=(arch.linear_num_value_heads, arch.linear_key_head_dim, arch.linear_value_head_dim),
+        conv_dtype=dtype, recurrent_dtype="float32")
+
+
 def make_kv_cache_config(
     arch: LlamaArchConfig, cache_config: CacheConfig, dtype: str, max_model_len: int,
     num_kv_heads: int | None = None, dcp_size: int = 1, logical: bool = False,
 ) -> KVCacheConfig:
     """One KV cache group per attention kind: FullAttentionSpec for full layers (MLASpec on an
     MLA model), SlidingWindowSpec(window) for sliding ones, in the order of each group's first layer (a dense
-    model is one FullAttention group holding every layer). Every group's pool has num_blocks
+    model is one FullAttention group holding every layer); linear-attention layers form one
+    LinearStateSpec group after those (so group 0 is always an attention group), one slot per
+    request. Every group's pool has num_blocks
     blocks, from the config or the memory budget (per rank):
     num_blocks = kv_cache_memory_bytes // (sum over groups of one block's bytes).
 
@@ -77,6 +95,8 @@ def make_kv_cache_config(
             num_kv_heads=num_kv_heads or arch.num_kv_heads, head_size=arch.head_dim,
             dtype=dtype, sliding_window=window)
         groups.append(KVCacheGroupSpec(layer_indices=layers, spec=spec))
+    if arch.has_linear_state:  # one state slot per request, after the attention groups
+        groups.append(KVCacheGroupSpec(layer_indices=arch.linear_layers, spec=linear_state_spec(arch, block_size, dtype)))
     group_bytes = sum(g.spec.page_size_bytes * len(g.layer_indices) for g in groups)
     physical_block_bytes = group_bytes // (dcp_size if logical else 1)
     num_blocks = cache_config.num_kv_blocks or cache_config.kv_cache_memory_bytes // physical_block_bytes
@@ -107,7 +127,9 @@ def allocate_kv_cache(
         (group tensors, each [num_blocks, num_layers_in_group, 2, block_size, num_kv_heads,
         head_size]; per-layer views in model layer order, each [2, num_blocks, block_size,
         num_kv_heads, head_size]). An MLA group: [num_blocks, num_layers_in_group, block_size,
-        kv_lora_rank + qk_rope_head_dim], per-layer views [num_blocks, block_size, entry].
+        kv_lora_rank + qk_rope_head_dim], per-layer views [num_blocks, block_size, entry]. A
+        linear-state group: uint8 [num_blocks (state slots), num_layers_in_group, page_size_bytes],
+        per-layer views [num_blocks, page_size_bytes].
     """
     groups: list[torch.Tensor] = []
     num_layers = sum(len(g.layer_indices) for g in kv_cache_config.groups)
@@ -115,7 +137,11 @@ def allocate_kv_cache(
     for g in kv_cache_config.groups:
         spec = g.spec
         shape: tuple[int, ...]
-        if isinstance(spec, MLASpec):
+        tdtype = dtype
+        if isinstance(spec, LinearStateSpec):  # raw bytes: the layer views its conv / recurrent parts
+            shape = (kv_cache_config.num_blocks, len(g.layer_indices), spec.page_size_bytes)
+            tdtype = torch.uint8
+        elif isinstance(spec, MLASpec):
             shape = (kv_cache_config.num_blocks, len(g.layer_indices), spec.block_size, spec.entry_size)
         elif isinstance(spec, FullAttentionSpec):
             shape = (kv_cache_config.num_blocks, len(g.layer_indices), 2, spec.block_size,
@@ -125,11 +151,11 @@ def allocate_kv_cache(
         nbytes = kv_cache_config.block_bytes(len(groups)) * kv_cache_config.num_blocks
         buf = buffer_fn(len(groups), nbytes) if buffer_fn is not None and device.type == "cpu" else None
         if buf is not None:
-            t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+            t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(tdtype).view(shape)
         else:
-            t = torch.zeros(shape, dtype=dtype, device=device)
+            t = torch.zeros(shape, dtype=tdtype, device=device)
         groups.append(t)
         for j, layer in enumerate(g.layer_indices):
-            layer_views[layer] = t[:, j] if isinstance(spec, MLASpec) else t[:, j].transpose(0, 1)
+            layer_views[layer] = t[:, j] if isinstance(spec, (MLASpec, LinearStateSpec)) else t[:, j].transpose(0, 1)
     assert all(v is not None for v in layer_views)
     return groups, [v for v in layer_views if v is not None]

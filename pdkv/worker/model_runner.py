@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pdkv.cache.specs import KVCacheConfig
+from pdkv.cache.specs import KVCacheConfig, LinearStateSpec
 from pdkv.config import CacheConfig, KVTransferConfig, ModelConfig
 from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.kv_transfer.connector.p2p_compat import MLA_KV_LAYOUT
 from pdkv.model.attention import AttentionMetadata
+from pdkv.model.gated_delta import LinearStateMetadata
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
 from pdkv.model.sampler import LogprobEntry, SamplingRow, sample
@@ -298,7 +299,7 @@ class ModelRunner:
 
     def _prepare_inputs(
         self, out: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], torch.Tensor, list[CachedRequestState],
+    ) -> tuple[torch.Tensor, torch.Tensor, list[Any], torch.Tensor, list[CachedRequestState],
                list[tuple[CachedRequestState, int, int]]]:
         ids: list[int] = []
         pos: list[int] = []
@@ -327,12 +328,17 @@ class ModelRunner:
 
         dev = self.device
         par = self.parallel
-        meta: list[AttentionMetadata]
+        meta: list[Any]  # AttentionMetadata per attention group, LinearStateMetadata per linear one
         if par is not None and par.dcp_size > 1:  # dense only (DCP + sliding window is refused)
             meta = [build_dcp_attention_metadata(par, step_reqs, self.block_size, dev)]
         else:  # one metadata per KV cache group: its own block tables and window
             meta = []
             for g, group in enumerate(self.kv_cache_config.groups):
+                if isinstance(group.spec, LinearStateSpec):  # each request's slot; fresh at token 0
+                    meta.append(LinearStateMetadata(tuple(
+                        (start, n, self.requests[req_id].block_ids[g][0], c == 0)
+                        for (start, n, c, _), req_id in zip(step_reqs, out.num_scheduled_tokens))))
+                    continue
                 reqs = step_reqs if g == 0 else [
                     (start, n, c, self.requests[req_id].block_ids[g])
                     for (start, n, c, _), req_id in zip(step_reqs, out.num_scheduled_tokens)]

@@ -70,7 +70,7 @@ def tokens(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[in
     return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
 
 
-@pytest.mark.parametrize("name", NAMES[:3])
+@pytest.mark.parametrize("name", NAMES)
 def test_greedy_matches_hf_plain_chunked_and_cached(name, folders, prompts, hf_runs):
     ref = [r["tokens"] for r in hf_runs[name]]
     plain = LLM(folders[name], cpu_linear="torch", num_kv_blocks=64, max_model_len=128)
@@ -81,7 +81,10 @@ def test_greedy_matches_hf_plain_chunked_and_cached(name, folders, prompts, hf_r
     assert tokens(chunked, prompts)[0] == ref
     again, cached = tokens(chunked, prompts)
     assert again == ref
-    assert cached == [(len(p) - 1) // BLOCK * BLOCK for p in prompts]
+    if name == "tiny-gdn":  # a linear-state group has no checkpoints yet: no prefix hit at all
+        assert cached == [0] * len(prompts)
+    else:
+        assert cached == [(len(p) - 1) // BLOCK * BLOCK for p in prompts]
 
 
 @pytest.mark.parametrize("name", NAMES)
