@@ -10,7 +10,13 @@ from collections.abc import Sequence
 
 from pdkv.cache.block_pool import BlockPool, KVCacheBlock
 from pdkv.cache.hashing import BlockHash
-from pdkv.cache.specs import FullAttentionSpec, KVCacheSpec, LinearStateSpec, MLASpec, SlidingWindowSpec
+from pdkv.cache.specs import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    LinearStateSpec,
+    MLASpec,
+    SlidingWindowSpec,
+)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -75,10 +75,10 @@ def test_no_prefix_hit_for_a_hybrid_model_with_a_linear_group():
 
 
 def test_make_kv_cache_config_puts_the_linear_group_last_and_counts_its_slot(tiny_gdn):
-    from pdkv.config import CacheConfig
-    from pdkv.model.arch_config import LlamaArchConfig
     import torch
 
+    from pdkv.config import CacheConfig
+    from pdkv.model.arch_config import LlamaArchConfig
     from pdkv.worker.kv_cache import allocate_kv_cache, make_kv_cache_config
 
     arch = LlamaArchConfig.from_hf_folder(tiny_gdn)
