@@ -52,7 +52,7 @@ def test_forward_matches_hf_over_two_chunks(tmp_path):
         model = load_model(str(tmp_path), "float32", "cpu")
         layer0 = model.layers[0]
         state_bytes = layer0.conv_bytes + 4 * 4 * 8 * 12
-        states = torch.full((3, 2, state_bytes), 7, dtype=torch.uint8)  # garbage: a fresh slot is zeroed
+        states = torch.full((3, 2, state_bytes), 64, dtype=torch.uint8)  # garbage (floats ~3): a fresh slot is zeroed
         attn_cache = torch.zeros(2, 48, BS, 1, 16)
         caches = [states[:, 0], attn_cache, states[:, 1]]
         table = [i * 7 % 48 for i in range(19)]  # scattered blocks
