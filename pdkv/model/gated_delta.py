@@ -27,11 +27,13 @@ CHUNK = 64  # tokens per chunk of the chunked form (HF's default)
 @dataclass(frozen=True)
 class LinearStateMetadata:
     """The linear-state group's metadata of one step: per scheduled request, in flat-batch order,
-    (flat start, query tokens n, state slot, fresh). A fresh request (no computed tokens yet)
-    starts from a zeroed slot; the others continue from the state their slot holds (after
-    exactly the request's computed tokens)."""
+    (flat start, query tokens n, source slot, segments). The request's state before its first
+    token is read from the source slot (-1: a fresh request, zero state); its n tokens are then
+    run as consecutive segments (length, destination slot), the state after each segment written
+    to its slot (see pdkv.worker.attn_metadata.build_linear_state_metadata). Requests run in this
+    order, so a checkpoint one request writes is visible to a later one in the same step."""
 
-    requests: tuple[tuple[int, int, int, bool], ...]
+    requests: tuple[tuple[int, int, int, tuple[tuple[int, int], ...]], ...]
 
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -130,7 +130,8 @@ class GatedDeltaNetLayer(_MLPMixin):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: torch.Tensor,
                 meta: LinearStateMetadata) -> torch.Tensor:
         """hidden: [T, hidden] -> [T, hidden]; state: this layer's [slots, bytes] uint8 (each
-        request's slot is read, zeroed first when it starts fresh, and overwritten)."""
+        request's state is read from its source slot, or zero when fresh, and the state after each
+        of its segments written to that segment's slot)."""
         x = rms_norm(hidden, self.input_norm, self.eps)
         q, k, v, z, b, a = self._split(linear(x, self.in_proj, None))
         mixed = torch.cat((q, k, v), dim=-1)
@@ -139,16 +140,21 @@ class GatedDeltaNetLayer(_MLPMixin):
         conv_state, rec_state = self.state_views(state)
         out = torch.empty(hidden.shape[0], self.nv, self.dv, dtype=torch.float32, device=hidden.device)
         key = self.nk * self.dk
-        for start, n, slot, fresh in meta.requests:
-            if fresh:
-                conv_state[slot].zero_()
-                rec_state[slot].zero_()
-            rows = slice(start, start + n)
-            c, conv_state[slot] = causal_conv(mixed[rows], conv_state[slot], self.conv)
-            qr = c[:, :key].reshape(n, self.nk, self.dk)
-            kr = c[:, key : 2 * key].reshape(n, self.nk, self.dk)
-            vr = c[:, 2 * key :].reshape(n, self.nv, self.dv)
-            out[rows], rec_state[slot] = gated_delta_rule(qr, kr, vr, g[rows], beta[rows], rec_state[slot])
+        for start, _n, src, segments in meta.requests:
+            if src < 0:
+                conv, rec = torch.zeros_like(conv_state[0]), torch.zeros_like(rec_state[0])
+            else:
+                conv, rec = conv_state[src], rec_state[src]
+            at = start
+            for length, dst in segments:
+                rows = slice(at, at + length)
+                c, conv = causal_conv(mixed[rows], conv, self.conv)
+                qr = c[:, :key].reshape(length, self.nk, self.dk)
+                kr = c[:, key : 2 * key].reshape(length, self.nk, self.dk)
+                vr = c[:, 2 * key :].reshape(length, self.nv, self.dv)
+                out[rows], rec = gated_delta_rule(qr, kr, vr, g[rows], beta[rows], rec)
+                conv_state[dst], rec_state[dst] = conv, rec
+                at += length
         o = out.to(hidden.dtype).reshape(-1, self.dv)
         normed = rms_norm_gated(o, self.norm, z.reshape(-1, self.dv), self.eps)
         hidden = hidden + linear(normed.reshape(hidden.shape[0], -1), self.out_proj, None)

@@ -21,7 +21,6 @@ from pdkv.config import CacheConfig, KVTransferConfig, ModelConfig
 from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.kv_transfer.connector.p2p_compat import MLA_KV_LAYOUT
-from pdkv.model.gated_delta import LinearStateMetadata
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
 from pdkv.model.sampler import LogprobEntry, SamplingRow, sample
@@ -37,6 +36,7 @@ from pdkv.worker.attn_metadata import (
     StepRequest,
     build_attention_metadata,
     build_dcp_attention_metadata,
+    build_linear_state_metadata,
 )
 from pdkv.worker.kv_cache import allocate_kv_cache, make_kv_cache_config
 
@@ -333,10 +333,11 @@ class ModelRunner:
         else:  # one metadata per KV cache group: its own block tables and window
             meta = []
             for g, group in enumerate(self.kv_cache_config.groups):
-                if isinstance(group.spec, LinearStateSpec):  # each request's slot; fresh at token 0
-                    meta.append(LinearStateMetadata(tuple(
-                        (start, n, self.requests[req_id].block_ids[g][0], c == 0)
-                        for (start, n, c, _), req_id in zip(step_reqs, out.num_scheduled_tokens))))
+                if isinstance(group.spec, LinearStateSpec):  # state slots: source and segments
+                    meta.append(build_linear_state_metadata(
+                        [(start, n, c, self.requests[req_id].block_ids[g])
+                         for (start, n, c, _), req_id in zip(step_reqs, out.num_scheduled_tokens)],
+                        self.block_size))
                     continue
                 reqs = step_reqs if g == 0 else [
                     (start, n, c, self.requests[req_id].block_ids[g])

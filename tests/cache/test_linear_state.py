@@ -1,5 +1,7 @@
 """Linear-state KV cache groups (Gated DeltaNet): one state slot per request whatever its length,
-freed at finish / preemption, never a prefix hit; the group's spec, byte layout and the start-up
+freed at finish / preemption, never a prefix hit without checkpoints; with prefix caching a
+checkpoint slot per block and hits that end on a cached checkpoint; the worker's per-request
+source slot and segments; the group's spec, byte layout and the start-up
 refusals of what is not built for it (pdkv/cache/specs.py LinearStateSpec,
 single_type_manager.py LinearStateManager, pdkv/worker/kv_cache.py, connector factory)."""
 
@@ -19,10 +21,10 @@ BS = 4
 LINEAR = LinearStateSpec(BS, conv_shape=(256, 3), recurrent_shape=(4, 32, 32), conv_dtype="bfloat16")
 
 
-def make_manager(num_blocks: int = 16) -> KVCacheManager:
+def make_manager(num_blocks: int = 16, caching: bool = False) -> KVCacheManager:
     groups = (KVCacheGroupSpec((1, 3), FullAttentionSpec(BS, num_kv_heads=2, head_size=32)),
               KVCacheGroupSpec((0, 2), LINEAR))
-    return KVCacheManager(KVCacheConfig(num_blocks, groups), True, 1 << 12)
+    return KVCacheManager(KVCacheConfig(num_blocks, groups), caching, 1 << 12)
 
 
 def make_request(rid: str, n: int) -> Request:
@@ -60,18 +62,59 @@ def test_one_slot_per_request_whatever_its_length_freed_at_finish():
     assert mgr.block_pools[1].num_free_blocks == free0
 
 
-def test_no_prefix_hit_for_a_hybrid_model_with_a_linear_group():
-    mgr = make_manager()
+def prefill(mgr: KVCacheManager, req: Request, chunk: int = 8) -> None:
+    while req.num_computed_tokens < req.num_tokens:
+        k = min(chunk, req.num_tokens - req.num_computed_tokens)
+        assert mgr.allocate_slots(req, k) is not None
+        req.num_computed_tokens += k
+
+
+def test_checkpoints_one_slot_per_block_and_a_hit_ends_on_a_cached_checkpoint():
+    mgr = make_manager(caching=True)
     first = make_request("a", 21)
-    assert mgr.allocate_slots(first, 21) is not None
-    first.num_computed_tokens = 21
+    prefill(mgr, first)
+    lin = mgr.managers[1]
+    assert len(lin.req_to_blocks["a"]) == 6  # a slot per block: the state at every block end
+    assert sum(b.block_hash is not None for b in lin.req_to_blocks["a"]) == 5  # full blocks
     mgr.free(first)
-    # the full-attention group holds the 5 cached blocks, the linear group none: no hit
     again = make_request("b", 21)
-    assert mgr.managers[0].find_longest_cache_hit(again.block_hashes, 20)
     hits, num = mgr.get_computed_blocks(again)
-    assert num == 0 and all(h == [] for h in hits.blocks)
+    assert num == 20  # capped at num_tokens - 1: the checkpoint after block 4
+    assert [b.is_null for b in hits.blocks[1]] == [True] * 4 + [False]
+    assert hits.blocks[1][4].block_hash == again.block_hashes[4]
+    # a prompt that diverges inside block 2 resumes from the checkpoint after block 1
+    tokens = list(again.all_token_ids)
+    tokens[10] += 1
+    other = Request("c", tokens, SamplingParams(max_tokens=4), BS)
+    assert mgr.get_computed_blocks(other)[1] == 8
+    # after the shared checkpoint the hit request writes only new slots
+    new = mgr.allocate_slots(again, 1, hits, num)
+    assert new is not None and len(new.blocks[1]) == 1 and not new.blocks[1][0].is_null
+    mgr.free(again)
+
+
+def test_without_checkpoints_a_hybrid_model_never_hits():
+    mgr = make_manager()
+    lin = mgr.managers[1]
+    first = make_request("a", 21)
+    prefill(mgr, first)
+    assert len(lin.req_to_blocks["a"]) == 1
+    mgr.free(first)
+    assert lin.find_longest_cache_hit(make_request("b", 21).block_hashes, 20) == []
     assert all(b.block_hash is None for b in mgr.block_pools[1].blocks)  # no slot was ever cached
+
+
+def test_linear_state_metadata_reads_the_state_before_and_writes_every_block_end():
+    from pdkv.worker.attn_metadata import build_linear_state_metadata
+
+    one_slot = build_linear_state_metadata([(0, 9, 0, [7]), (9, 1, 30, [7])], BS)
+    assert one_slot.requests == ((0, 9, -1, ((9, 7),)), (9, 1, 7, ((1, 7),)))
+    table = [10, 11, 12, 13, 14, 15, 16]
+    meta = build_linear_state_metadata([(3, 20, 5, table), (23, 1, 8, table)], BS)
+    # tokens 5..24: state after 5 tokens is in block 1's slot; writes at 8, 12, 16, 20, 24, 25
+    assert meta.requests[0] == (3, 20, 11, ((3, 11), (4, 12), (4, 13), (4, 14), (4, 15), (1, 16)))
+    # a decode that starts a new block reads the checkpoint of the previous one
+    assert meta.requests[1] == (23, 1, 11, ((1, 12),))
 
 
 def test_make_kv_cache_config_puts_the_linear_group_last_and_counts_its_slot(tiny_gdn):

@@ -60,7 +60,7 @@ def test_forward_matches_hf_over_two_chunks(tmp_path):
         # two prefill chunks (the chunked rule), then three decodes (the recurrent rule)
         for c, n in ((0, 70), (70, 2), (72, 1), (73, 1), (74, 1)):
             meta = [build_attention_metadata([(0, n, c, table)], n, BS, torch.device("cpu")),
-                    LinearStateMetadata(((0, n, 2, c == 0),))]
+                    LinearStateMetadata(((0, n, 2 if c else -1, ((n, 2),)),))]
             got.append(model(ids[c : c + n], torch.arange(c, c + n), caches, meta, torch.arange(n)))
     # Logits reach ~11; the delta rule's chunked and recurrent paths round differently, and at the
     # worst row (the first decode) HF's own fp32 logits are 1.7e-4 off its fp64 ones, ours 7.5e-4.
