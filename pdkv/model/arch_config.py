@@ -202,7 +202,8 @@ def linear_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
     step = int(cfg.get("decoder_sparse_step") or 1)
     moe = [i for i in range(n) if i not in dense and cfg.get("num_experts") and (i + 1) % step == 0]
     if moe:
-        raise ValueError(f"{path}: layers {moe} are mixture-of-experts (num_experts={cfg['num_experts']}); "
+        which = f"{moe[0]}..{moe[-1]}" if moe == list(range(moe[0], moe[-1] + 1)) else str(moe)
+        raise ValueError(f"{path}: layers {which} are mixture-of-experts (num_experts={cfg['num_experts']}); "
                          "only dense MLPs are implemented (set mlp_only_layers to every layer)")
     types = cfg.get("layer_types")
     if types is None:
