@@ -55,6 +55,37 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor)
     return F.silu(out).t(), full[:, full.shape[1] - (k - 1):]
 
 
+def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_conv` for one new token of each of B requests at once: x [B, C], conv_state
+    [B, C, K - 1]; returns (silu(conv) [B, C], new windows [B, C, K - 1])."""
+    full = torch.cat((conv_state.to(x.dtype), x[:, :, None]), dim=2)  # [B, C, K]
+    out = F.conv1d(full, weight[:, None, :], groups=weight.shape[0])[:, :, -1]
+    return F.silu(out), full[:, :, 1:]
+
+
+def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of B requests through the rule (the recurrent form's operations, batched).
+
+    Args:
+        q, k: [B, Hk, dk]; v: [B, Hv, dv]; g, beta: [B, Hv]; state: [B, Hv, dk, dv].
+
+    Returns:
+        (out [B, Hv, dv] float32, new states [B, Hv, dk, dv] float32).
+    """
+    rep = v.shape[1] // k.shape[1]
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    q, k, v = l2norm(q.float()), l2norm(k.float()), v.float()
+    q = q * q.shape[-1] ** -0.5
+    s = state.float() * g.float().exp()[..., None, None]
+    kv_mem = (s * k[..., None]).sum(dim=-2)
+    delta = (v - kv_mem) * beta.float()[..., None]
+    s = s + k[..., None] * delta[..., None, :]
+    return (s * q[..., None]).sum(dim=-2), s
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x * rsqrt(sum(x^2) + eps) over the last dim (FLA's and HF's form)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)

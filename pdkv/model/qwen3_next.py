@@ -28,7 +28,13 @@ from torch import nn
 
 from pdkv.model.arch_config import LINEAR, LlamaArchConfig, attention_groups
 from pdkv.model.attention import AttentionMetadata, paged_attention
-from pdkv.model.gated_delta import LinearStateMetadata, causal_conv, gated_delta_rule
+from pdkv.model.gated_delta import (
+    LinearStateMetadata,
+    causal_conv,
+    causal_conv_step,
+    gated_delta_rule,
+    recurrent_step,
+)
 from pdkv.model.llama import LlamaForCausalLM, apply_rope, linear, rms_norm, rope_cos_sin
 from pdkv.parallel.context import ParallelContext
 
@@ -127,6 +133,37 @@ class GatedDeltaNetLayer(_MLPMixin):
         b, a = ba[..., :r].reshape(t, self.nv), ba[..., r:].reshape(t, self.nv)
         return q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), z.reshape(t, self.nv, self.dv), b, a
 
+    def _run_request(self, start: int, src: int, segments: tuple[tuple[int, int], ...], mixed: torch.Tensor,
+                     g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
+                     out: torch.Tensor) -> None:
+        """One request's tokens from its source state (zero when src < 0), segment by segment,
+        each segment's final state written to its slot."""
+        if src < 0:
+            conv, rec = torch.zeros_like(conv_state[0]), torch.zeros_like(rec_state[0])
+        else:
+            conv, rec = conv_state[src], rec_state[src]
+        at = start
+        for length, dst in segments:
+            rows = slice(at, at + length)
+            c, conv = causal_conv(mixed[rows], conv, self.conv)
+            qr, kr, vr = _qkv(self, c)
+            out[rows], rec = gated_delta_rule(qr, kr, vr, g[rows], beta[rows], rec)
+            conv_state[dst], rec_state[dst] = conv, rec
+            at += length
+
+    def _decode_batch(self, decodes: list[tuple[int, int, int]], mixed: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
+                      out: torch.Tensor) -> None:
+        """One token each of (flat row, source slot, destination slot) requests, batched."""
+        if not decodes:
+            return
+        dev = mixed.device
+        rows, src, dst = (torch.tensor(col, dtype=torch.long, device=dev) for col in zip(*decodes))
+        c, conv = causal_conv_step(mixed[rows], conv_state[src], self.conv)
+        qr, kr, vr = _qkv(self, c)
+        out[rows], rec = recurrent_step(qr, kr, vr, g[rows], beta[rows], rec_state[src])
+        conv_state[dst], rec_state[dst] = conv.to(conv_state.dtype), rec
+
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: torch.Tensor,
                 meta: LinearStateMetadata) -> torch.Tensor:
         """hidden: [T, hidden] -> [T, hidden]; state: this layer's [slots, bytes] uint8 (each
@@ -139,26 +176,29 @@ class GatedDeltaNetLayer(_MLPMixin):
         g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         conv_state, rec_state = self.state_views(state)
         out = torch.empty(hidden.shape[0], self.nv, self.dv, dtype=torch.float32, device=hidden.device)
-        key = self.nk * self.dk
-        for start, _n, src, segments in meta.requests:
-            if src < 0:
-                conv, rec = torch.zeros_like(conv_state[0]), torch.zeros_like(rec_state[0])
-            else:
-                conv, rec = conv_state[src], rec_state[src]
-            at = start
-            for length, dst in segments:
-                rows = slice(at, at + length)
-                c, conv = causal_conv(mixed[rows], conv, self.conv)
-                qr = c[:, :key].reshape(length, self.nk, self.dk)
-                kr = c[:, key : 2 * key].reshape(length, self.nk, self.dk)
-                vr = c[:, 2 * key :].reshape(length, self.nv, self.dv)
-                out[rows], rec = gated_delta_rule(qr, kr, vr, g[rows], beta[rows], rec)
-                conv_state[dst], rec_state[dst] = conv, rec
-                at += length
+        # Runs of consecutive decodes (one token from an existing state) go as one batch; requests
+        # keep their batch order (a checkpoint written earlier in a step is read after).
+        decodes: list[tuple[int, int, int]] = []
+        for start, n, src, segments in meta.requests:
+            if n == 1 and src >= 0:
+                decodes.append((start, src, segments[0][1]))
+                continue
+            self._decode_batch(decodes, mixed, g, beta, conv_state, rec_state, out)
+            decodes = []
+            self._run_request(start, src, segments, mixed, g, beta, conv_state, rec_state, out)
+        self._decode_batch(decodes, mixed, g, beta, conv_state, rec_state, out)
         o = out.to(hidden.dtype).reshape(-1, self.dv)
         normed = rms_norm_gated(o, self.norm, z.reshape(-1, self.dv), self.eps)
         hidden = hidden + linear(normed.reshape(hidden.shape[0], -1), self.out_proj, None)
         return self._mlp(hidden)
+
+
+def _qkv(layer: GatedDeltaNetLayer, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Conv output [T, conv_dim] -> q, k [T, Hk, dk] and v [T, Hv, dv]."""
+    key = layer.nk * layer.dk
+    t = c.shape[0]
+    return (c[:, :key].reshape(t, layer.nk, layer.dk), c[:, key : 2 * key].reshape(t, layer.nk, layer.dk),
+            c[:, 2 * key :].reshape(t, layer.nv, layer.dv))
 
 
 def rms_norm_gated(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """pdkv's Qwen3-Next decoder (pdkv/model/qwen3_next.py, pdkv/model/gated_delta.py) against HF
 transformers' on a small random config: a prompt prefilled in two chunks and then decoded token by token (each step continues from
 the first's conv window and recurrent state in their slot, and reads the full-attention KV from
-scattered blocks) gives HF's full-forward logits; the chunked and recurrent delta rules agree;
+scattered blocks) gives HF's full-forward logits; the chunked and recurrent delta rules agree, and
+the batched decode step equals each request alone;
 a fresh slot is zeroed whatever it held."""
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import torch
 from pdkv.model.gated_delta import (
     LinearStateMetadata,
     causal_conv,
+    causal_conv_step,
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
+    recurrent_step,
 )
 from pdkv.model.loader import load_model
 from pdkv.worker.attn_metadata import build_attention_metadata
@@ -95,3 +98,23 @@ def test_causal_conv_carries_its_window():
     torch.testing.assert_close(torch.cat((a, b)), whole)
     torch.testing.assert_close(win_b, win)
     torch.testing.assert_close(win, x[-3:].t())
+
+
+def test_batched_decode_step_equals_each_request_alone():
+    g = torch.Generator().manual_seed(3)
+    b, hk, hv, dk, dv, ch = 3, 2, 4, 8, 6, 5
+    q, k = torch.randn(b, hk, dk, generator=g), torch.randn(b, hk, dk, generator=g)
+    v = torch.randn(b, hv, dv, generator=g)
+    decay, beta = -torch.rand(b, hv, generator=g), torch.rand(b, hv, generator=g)
+    s0 = torch.randn(b, hv, dk, dv, generator=g)
+    out, s = recurrent_step(q, k, v, decay, beta, s0)
+    x, win, w = torch.randn(b, ch, generator=g), torch.randn(b, ch, 3, generator=g), torch.randn(ch, 4, generator=g)
+    c, new_win = causal_conv_step(x, win, w)
+    for i in range(b):
+        o1, s1 = recurrent_gated_delta_rule(q[i : i + 1], k[i : i + 1], v[i : i + 1], decay[i : i + 1],
+                                            beta[i : i + 1], s0[i])
+        torch.testing.assert_close(out[i], o1[0])
+        torch.testing.assert_close(s[i], s1)
+        c1, w1 = causal_conv(x[i : i + 1], win[i], w)
+        torch.testing.assert_close(c[i], c1[0])
+        torch.testing.assert_close(new_win[i], w1)
