@@ -1,9 +1,9 @@
 """pdkv's Qwen3-Next decoder (pdkv/model/qwen3_next.py, pdkv/model/gated_delta.py) against HF
-transformers' on a small random config: a prompt prefilled in two chunks and then decoded token by token (each step continues from
-the first's conv window and recurrent state in their slot, and reads the full-attention KV from
-scattered blocks) gives HF's full-forward logits; the chunked and recurrent delta rules agree, and
-the batched decode step equals each request alone;
-a fresh slot is zeroed whatever it held."""
+transformers' on a small random config: a prompt prefilled in two chunks and then decoded token by
+token (each step continues from the conv window and recurrent state left in the request's slot, and
+reads the full-attention KV from scattered blocks) gives HF's full-forward logits; the chunked and
+recurrent delta rules agree, and the batched decode step equals each request alone; a fresh slot
+is zeroed whatever it held."""
 
 from __future__ import annotations
 
