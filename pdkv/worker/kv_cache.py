@@ -101,6 +101,8 @@ def make_kv_cache_config(
     physical_block_bytes = group_bytes // (dcp_size if logical else 1)
     num_blocks = cache_config.num_kv_blocks or cache_config.kv_cache_memory_bytes // physical_block_bytes
     needed = -(-max_model_len // (block_size * dcp_size))
+    if arch.has_linear_state:  # with prefix caching a slot per block, and the pool's null block
+        needed += 1
     if num_blocks < needed:
         dcp = f" x {dcp_size} DCP ranks" if dcp_size > 1 else ""
         raise ValueError(

@@ -125,20 +125,23 @@ def test_make_kv_cache_config_puts_the_linear_group_last_and_counts_its_slot(tin
     from pdkv.worker.kv_cache import allocate_kv_cache, make_kv_cache_config
 
     arch = LlamaArchConfig.from_hf_folder(tiny_gdn)
-    cfg = make_kv_cache_config(arch, CacheConfig(block_size=16, num_kv_blocks=8), "float32", 128)
+    cfg = make_kv_cache_config(arch, CacheConfig(block_size=16, num_kv_blocks=9), "float32", 128)
     assert [g.layer_indices for g in cfg.groups] == [(1, 3), (0, 2)]
     spec = cfg.groups[1].spec
     assert isinstance(spec, LinearStateSpec)
     assert spec.conv_shape == (2 * 2 * 32 + 4 * 32, 3) and spec.recurrent_shape == (4, 32, 32)
     assert cfg.block_bytes(1) == 2 * (256 * 3 * 4 + 4 * 32 * 32 * 4)
     groups, views = allocate_kv_cache(cfg, torch.float32, torch.device("cpu"))
-    assert groups[1].dtype == torch.uint8 and tuple(groups[1].shape) == (8, 2, spec.page_size_bytes)
+    assert groups[1].dtype == torch.uint8 and tuple(groups[1].shape) == (9, 2, spec.page_size_bytes)
     # one contiguous row per slot: what P/D and the pool would move
     assert groups[1][3].is_contiguous() and views[0].data_ptr() == groups[1].data_ptr()
     budget = make_kv_cache_config(
         arch, CacheConfig(block_size=16, kv_cache_memory_bytes=10 * (cfg.block_bytes(0) + cfg.block_bytes(1))),
         "float32", 128)
     assert budget.num_blocks == 10
+    # 128 tokens = 8 blocks of 16, plus the linear pool's null block
+    with pytest.raises(ValueError, match=r"cannot hold one request of max_model_len=128 tokens \(9 blocks\)"):
+        make_kv_cache_config(arch, CacheConfig(block_size=16, num_kv_blocks=8), "float32", 128)
     with pytest.raises(ValueError, match="decode_context_parallel_size=2 is not supported with linear-attention"):
         make_kv_cache_config(arch, CacheConfig(block_size=16, num_kv_blocks=8), "float32", 128, dcp_size=2)
 
