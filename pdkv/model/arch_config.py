@@ -15,6 +15,11 @@ layer is MLA with a dense MLP (a q LoRA rank is supported; MoE layers, yarn rope
 biases are refused). The KV cache stores one latent + rope'd key vector per token, so `num_kv_heads` is 1 (the
 vector is replicated across TP ranks, as vLLM) and `head_dim` is its width,
 kv_lora_rank + qk_rope_head_dim.
+
+Gated DeltaNet linear attention (`Qwen3NextForCausalLM`, decoder in pdkv/model/qwen3_next.py):
+`layer_types` "linear_attention" / "full_attention" (or every `full_attention_interval`-th layer
+full), the `linear_*` widths and partial rope on the full layers; dense MLPs only (MoE refused).
+Linear layers form one linear-state KV cache group after the attention groups.
 """
 
 from __future__ import annotations
