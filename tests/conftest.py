@@ -155,6 +155,13 @@ def tiny_mla(tiny_llama_cache) -> str:
     return _build_tiny(tiny_llama_cache, "tiny-mla")
 
 
+@pytest.fixture(scope="session")
+def tiny_gdn(tiny_llama_cache) -> str:
+    """Folder of `tiny-gdn` (Qwen3-Next-style: Gated DeltaNet linear attention and gated full
+    attention alternating, dense MLPs; pdkv/model/tiny.py), built once per session."""
+    return _build_tiny(tiny_llama_cache, "tiny-gdn")
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch thread while a module's tests run (a model this small only loses to thread

@@ -10,7 +10,13 @@ from collections.abc import Sequence
 
 from pdkv.cache.block_pool import BlockPool, KVCacheBlock
 from pdkv.cache.hashing import BlockHash
-from pdkv.cache.specs import FullAttentionSpec, KVCacheSpec, MLASpec, SlidingWindowSpec
+from pdkv.cache.specs import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    LinearStateSpec,
+    MLASpec,
+    SlidingWindowSpec,
+)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -198,10 +204,77 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self.num_blocks_freed_early += len(removed)
 
 
+class LinearStateManager(SingleTypeKVCacheManager):
+    """Linear-attention state (vLLM's `MambaManager`). A block of this group is one state slot.
+
+    Without prefix caching a request holds exactly one slot, from its first allocation until it
+    finishes or is preempted, whatever its length; nothing is ever cached, so a lookup never hits
+    (the coordinator takes the shortest hit over the groups: a hybrid model gets no hit at all).
+
+    With prefix caching every block is a checkpoint (vLLM's mamba "all" mode): the request's table
+    has one slot per block of its tokens, like full attention, and entry i holds the state after
+    the last computed token of block i, so once block i is full it holds the state after exactly
+    (i + 1) * block_size tokens and is registered under block hash i. The worker (per step) reads
+    the state of position c from entry (c - 1) // block_size and writes the state at every block
+    boundary it crosses and at its last token into the entries of those blocks (entries of earlier
+    blocks are only read: a shared cached checkpoint is never written). A hit of L tokens is the
+    last cached checkpoint at or below L: the table is the null block up to it, then that slot.
+    Memory: one slot per block while a request runs (the state bytes per block of
+    `LinearStateSpec.page_size_bytes` per layer); finished requests' checkpoints stay evictable.
+    """
+
+    needs_null_block = True
+
+    @property
+    def checkpoints(self) -> bool:
+        """Whether every block keeps a state checkpoint (prefix caching on)."""
+        return self.block_pool.enable_caching
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_length: int
+    ) -> list[KVCacheBlock]:
+        if not self.checkpoints:
+            return []
+        assert self.block_pool.null_block is not None
+        for i in range(min(max_length // self.block_size, len(block_hashes)) - 1, -1, -1):
+            block = self.block_pool.get_cached_block(block_hashes[i])
+            if block is not None:
+                return [self.block_pool.null_block] * i + [block]
+        return []
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> int:
+        """Checkpoints: as full attention. One slot: 1 for a request that holds none, else 0."""
+        if self.checkpoints:
+            return super().get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks)
+        return 0 if self.req_to_blocks.get(request_id) or num_tokens <= 0 else 1
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """Checkpoints: a slot per block of `num_tokens` tokens. One slot: the request's slot on
+        its first allocation ([] after)."""
+        if self.checkpoints:
+            return super().allocate_new_blocks(request_id, num_tokens)
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        if blocks or num_tokens <= 0:
+            return []
+        blocks.extend(self.block_pool.get_new_blocks(1))
+        return list(blocks)
+
+    def cache_blocks(
+        self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int
+    ) -> None:
+        """Checkpoints: register every full block (its slot holds the state at its end). One
+        slot: nothing (it holds the state after the request's last token, which no hash names)."""
+        if self.checkpoints:
+            super().cache_blocks(request_id, block_hashes, num_tokens)
+
+
 _MANAGERS: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
     MLASpec: FullAttentionManager,  # causal over the whole context, as vLLM's MLA layers
+    LinearStateSpec: LinearStateManager,
 }
 
 

@@ -4,7 +4,8 @@ A model declares per layer what state it keeps; layers with an equal spec form a
 and the manager allocates blocks per group (vLLM's `KVCacheSpec` / `KVCacheGroupSpec`,
 vllm/v1/kv_cache_interface.py). Dense models need only `FullAttentionSpec`; sliding-window layers
 (Mistral, Qwen2 `layer_types`, Gemma-2/3) get `SlidingWindowSpec`; DeepSeek-V2/V3 latent
-attention gets `MLASpec`. Block tables, hashes,
+attention gets `MLASpec`; linear-attention layers (Gated DeltaNet) get `LinearStateSpec`, one
+state slot per request. Block tables, hashes,
 kv_transfer_params and pool keys are keyed by group.
 """
 
@@ -143,6 +144,47 @@ class MLASpec(KVCacheSpec):
         return "mla"
 
 
+@dataclass(frozen=True)
+class LinearStateSpec(KVCacheSpec):
+    """Linear-attention state (Gated DeltaNet: Qwen3-Next, Qwen3.5; the KDA layers of
+    Kimi-Linear): per request and layer a conv window and a recurrent state whose size does not
+    depend on the request's length, so a request holds exactly one "block" of this group (a state
+    slot), whatever its length (vLLM's `MambaSpec` / `MambaManager`). `block_size` is the common
+    block size of the other groups and plays no part in the size.
+
+    One slot of one layer is the conv window `conv_shape` of `conv_dtype` followed by the
+    recurrent state `recurrent_shape` of `recurrent_dtype` (float32, as HF and vLLM keep it):
+    page_size_bytes = prod(conv_shape) * conv bytes + prod(recurrent_shape) * recurrent bytes.
+    Gated DeltaNet: conv_shape = (2 * key heads * dk + value heads * dv, kernel - 1),
+    recurrent_shape = (value heads, dk, dv).
+    """
+
+    conv_shape: tuple[int, ...] = ()
+    recurrent_shape: tuple[int, ...] = ()
+    conv_dtype: str = "float32"
+    recurrent_dtype: str = "float32"
+
+    @property
+    def conv_bytes(self) -> int:
+        """Bytes of one layer's conv window."""
+        return _prod(self.conv_shape) * DTYPE_BYTES[self.conv_dtype]
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.conv_bytes + _prod(self.recurrent_shape) * DTYPE_BYTES[self.recurrent_dtype]
+
+    @property
+    def kind(self) -> str:
+        return "linear_state"
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
 def window_first_block(resume_token: int, block_size: int, window: int | None) -> int:
     """First block a group keeps for a request that resumes at token `resume_token` (0 without
     a window): a sliding-window group keeps the window of the block boundary
@@ -170,8 +212,10 @@ class KVCacheConfig:
 
     Each group's cache is one tensor [num_blocks, num_layers_in_group, 2, block_size,
     num_kv_heads, head_size] ("cross-layer" layout; an MLA group: [num_blocks,
-    num_layers_in_group, block_size, kv_lora_rank + qk_rope_head_dim]), so a block is one
-    contiguous run of `block_bytes(group)` bytes: what P/D transfer and the pool move.
+    num_layers_in_group, block_size, kv_lora_rank + qk_rope_head_dim]; a linear-state group:
+    uint8 [num_blocks, num_layers_in_group, page_size_bytes], each block one request's state
+    slot), so a block is one contiguous run of `block_bytes(group)` bytes: what P/D transfer and
+    the pool move.
     """
 
     num_blocks: int

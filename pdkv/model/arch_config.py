@@ -15,6 +15,11 @@ layer is MLA with a dense MLP (a q LoRA rank is supported; MoE layers, yarn rope
 biases are refused). The KV cache stores one latent + rope'd key vector per token, so `num_kv_heads` is 1 (the
 vector is replicated across TP ranks, as vLLM) and `head_dim` is its width,
 kv_lora_rank + qk_rope_head_dim.
+
+Gated DeltaNet linear attention (`Qwen3NextForCausalLM`, decoder in pdkv/model/qwen3_next.py):
+`layer_types` "linear_attention" / "full_attention" (or every `full_attention_interval`-th layer
+full), the `linear_*` widths and partial rope on the full layers; dense MLPs only (MoE refused).
+Linear layers form one linear-state KV cache group after the attention groups.
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "DeepseekV3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "DeepseekV3ForCausalLM",
+                           "Qwen3NextForCausalLM")
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+LINEAR_ARCHITECTURES = ("Qwen3NextForCausalLM",)
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+LINEAR = "linear_attention"
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,31 @@ class LlamaArchConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    # Gated DeltaNet (Qwen3NextForCausalLM, decoder in pdkv/model/qwen3_next.py): linear heads
+    # and widths in elements, conv kernel in tokens; layer_types marks "linear_attention".
+    # rotary_dim: dims of each full-attention head that rope rotates (0 = all of head_dim).
+    linear_num_key_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_num_value_heads: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    rotary_dim: int = 0
+
+    @property
+    def has_linear_state(self) -> bool:
+        """True for a hybrid model with linear-attention (recurrent state) layers."""
+        return LINEAR in self.layer_types
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """Indices of the linear-attention layers (their state is one group, one slot per request)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the causal conv (q, k and v): 2 * key heads * dk + value heads * dv."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
 
     @property
     def is_mla(self) -> bool:
@@ -83,7 +116,8 @@ class LlamaArchConfig:
             cfg = json.load(f)
         arch = (cfg.get("architectures") or ["?"])[0]
         hybrid = hybrid_state_kinds(cfg)
-        allowed = ("sliding_window", "mla") if arch in MLA_ARCHITECTURES else ("sliding_window",)
+        allowed = (("sliding_window", "mla") if arch in MLA_ARCHITECTURES else
+                   ("linear_state",) if arch in LINEAR_ARCHITECTURES else ("sliding_window",))
         if any(kind not in allowed for kind in hybrid):
             raise ValueError(
                 f"{arch} in {path} keeps {' + '.join(hybrid)} state: hybrid state groups (linear "
@@ -95,6 +129,8 @@ class LlamaArchConfig:
                 f"unsupported architecture {arch!r} in {path}; supported: {SUPPORTED_ARCHITECTURES}"
             )
         mla = mla_fields(cfg, path) if arch in MLA_ARCHITECTURES else {}
+        if arch in LINEAR_ARCHITECTURES:
+            mla = linear_fields(cfg, path)
         rope_scaling = cfg.get("rope_scaling")
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "default":
             raise ValueError(f"rope_scaling {rope_scaling} is not supported yet")
@@ -157,12 +193,53 @@ def mla_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
     )
 
 
+def linear_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """The fields of a Qwen3-Next config.json: Gated DeltaNet widths, its `layer_types`
+    ("linear_attention" / "full_attention", or every `full_attention_interval`-th layer full) and
+    the rotary dims of the gated full-attention layers (head_dim * partial_rotary_factor).
+
+    Raises:
+        ValueError: some layer is mixture-of-experts (only dense MLPs are implemented); an
+            unknown layer type; rope other than default.
+    """
+    n = int(cfg["num_hidden_layers"])
+    dense = set(cfg.get("mlp_only_layers") or [])
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    moe = [i for i in range(n) if i not in dense and cfg.get("num_experts") and (i + 1) % step == 0]
+    if moe:
+        which = f"{moe[0]}..{moe[-1]}" if moe == list(range(moe[0], moe[-1] + 1)) else str(moe)
+        raise ValueError(f"{path}: layers {which} are mixture-of-experts (num_experts={cfg['num_experts']}); "
+                         "only dense MLPs are implemented (set mlp_only_layers to every layer)")
+    types = cfg.get("layer_types")
+    if types is None:
+        k = int(cfg.get("full_attention_interval", 4))
+        types = [FULL if (i + 1) % k == 0 else LINEAR for i in range(n)]
+    if len(types) != n or any(t not in (FULL, LINEAR) for t in types):
+        raise ValueError(f"{path}: layer_types {types} must name {n} layers, each {FULL!r} or {LINEAR!r}")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"{path}: rope {rope} is not supported for Qwen3-Next yet (default rope only)")
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    return dict(
+        layer_types=tuple(types), linear_num_key_heads=int(cfg["linear_num_key_heads"]),
+        linear_key_head_dim=int(cfg["linear_key_head_dim"]), linear_num_value_heads=int(cfg["linear_num_value_heads"]),
+        linear_value_head_dim=int(cfg["linear_value_head_dim"]),
+        linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)), rotary_dim=int(head_dim * factor),
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+    )
+
+
 def attention_groups(cfg: LlamaArchConfig) -> list[tuple[int | None, tuple[int, ...]]]:
-    """Layers grouped by attention window: (window in tokens or None for full attention, layer
+    """Attention layers grouped by window: (window in tokens or None for full attention, layer
     indices), groups in the order of their first layer. A dense model is one group of every
-    layer; the KV cache keeps one group per entry (pdkv.worker.kv_cache)."""
+    layer; the KV cache keeps one group per entry (pdkv.worker.kv_cache). Linear-attention layers
+    are not attention groups (`LlamaArchConfig.linear_layers`: one linear-state group after
+    these)."""
     groups: dict[int | None, list[int]] = {}
     for i in range(cfg.num_layers):
+        if cfg.layer_types and cfg.layer_types[i] == LINEAR:
+            continue
         groups.setdefault(cfg.layer_window(i), []).append(i)
     return [(w, tuple(layers)) for w, layers in groups.items()]
 

@@ -1,5 +1,6 @@
-"""Load an HF-format safetensors folder into `LlamaForCausalLM` (fusing q/k/v and gate/up), or an
-MLA config into `pdkv.model.deepseek.DeepseekV3ForCausalLM` (its own weight map).
+"""Load an HF-format safetensors folder into `LlamaForCausalLM` (fusing q/k/v and gate/up), an
+MLA config into `pdkv.model.deepseek.DeepseekV3ForCausalLM`, or a Qwen3-Next config into
+`pdkv.model.qwen3_next.Qwen3NextForCausalLM` (each its own weight map).
 
 With tensor parallelism each rank reads only its shard through safetensors' lazy slices
 (`get_slice(name)[rows]`, `[:, cols]`), as vLLM's weight loaders do: q rows of its heads, k / v
@@ -41,7 +42,8 @@ def load_model(path: str, dtype: str, device: str, parallel: ParallelContext | N
     """
     cfg = LlamaArchConfig.from_hf_folder(path)
     ctx = parallel or ParallelContext.single()
-    ctx.layout.check_heads(cfg.num_heads, cfg.num_kv_heads)
+    if not cfg.has_linear_state:
+        ctx.layout.check_heads(cfg.num_heads, cfg.num_kv_heads)
     tdtype = TORCH_DTYPES[dtype]
     dev = torch.device(device)
 
@@ -50,6 +52,14 @@ def load_model(path: str, dtype: str, device: str, parallel: ParallelContext | N
             raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
         param.data.copy_(value.to(tdtype))
 
+    if cfg.has_linear_state:  # Qwen3NextForCausalLM (pdkv/model/qwen3_next.py)
+        from pdkv.model.qwen3_next import Qwen3NextForCausalLM
+
+        gdn = Qwen3NextForCausalLM(cfg, tdtype, dev, parallel)
+        with _ShardReader(path) as r:
+            gdn.load_weights(r, put)
+            _check_all_read(path, r)
+        return gdn.to(dev).eval()
     if cfg.is_mla:  # DeepseekV3ForCausalLM (pdkv/model/deepseek.py)
         from pdkv.model.deepseek import DeepseekV3ForCausalLM
 

@@ -35,6 +35,12 @@ full layers). Its 4 layers alternate sliding, full, sliding, full, so both KV ca
 two layers. tests/model/test_swa_engine.py checks that HF really applies the window on it (its
 greedy output on a 150-token prompt differs from the same weights with the window disabled).
 
+`tiny-gdn` stands for Qwen3-Next and Qwen3.5 (Gated DeltaNet linear attention, three of every
+four layers, plus gated full attention); the KDA layers of Kimi-Linear keep the same kind of state
+(a conv window and a per-head recurrent matrix). Here linear and full layers alternate 1:1 so
+each group holds two layers; its MoE is dense (mlp_only_layers = every layer). Decoder:
+pdkv/model/qwen3_next.py; margins in tests/model/test_tiny_models.py.
+
 `tiny-mla` stands for DeepSeek-V2/V3/R1 and Kimi-K2 (MLA everywhere) and the MLA layers of
 Kimi-Linear; its MoE layers are dense here (first_k_dense_replace = num_hidden_layers), so
 pdkv's decoder (pdkv/model/deepseek.py) needs no experts. Its margins are in
@@ -52,7 +58,8 @@ from dataclasses import dataclass
 class TinyModelSpec:
     """Shape of one tiny random decoder; sizes in elements, lengths in tokens.
 
-    `architecture` is "LlamaForCausalLM", "Qwen2ForCausalLM" or "DeepseekV3ForCausalLM" (with
+    `architecture` is "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3NextForCausalLM" (with the
+    linear_* Gated DeltaNet widths) or "DeepseekV3ForCausalLM" (with
     the MLA widths kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim); `layer_types` (Qwen2 only, HF
     names "sliding_attention" / "full_attention") and `sliding_window` (tokens, HF semantics: the
     query at p sees keys p - W < k <= p) make a sliding-window model.
@@ -79,6 +86,13 @@ class TinyModelSpec:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    # Gated DeltaNet (Qwen3NextForCausalLM only): linear-attention heads and widths in elements,
+    # the causal conv's kernel in tokens; `layer_types` names "linear_attention" / "full_attention".
+    linear_num_key_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_num_value_heads: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
 
     @property
     def head_dim(self) -> int:
@@ -108,6 +122,21 @@ TINY_MODELS: dict[str, TinyModelSpec] = {
         # Seed 3: smallest greedy margin 0.10, 330x the fp32-vs-fp64 logit difference on 15-,
         # 40- and 100-token prompts (seed 0: 0.022, 59x; seed 2: 0.0036, 18x).
         seed=3,
+    ),
+    # Qwen3-Next-style hybrid: Gated DeltaNet linear attention and gated full attention
+    # alternate (linear, full, linear, full); dense MLP on every layer (mlp_only_layers = all, no
+    # MoE). Linear layers: 2 key heads x 32 (q and k), 4 value heads x 32, conv kernel 4; their
+    # state per layer and request is the conv window (3 x 256 floats) plus the recurrent state
+    # (4 x 32 x 32 floats), whatever the length. Full layers: 4 q heads, 2 KV heads of 32 with
+    # an output gate, q/k norms and rope on 8 of 32 dims (partial_rotary_factor 0.25).
+    "tiny-gdn": TinyModelSpec(
+        name="tiny-gdn", num_key_value_heads=2, architecture="Qwen3NextForCausalLM",
+        layer_types=("linear_attention", "full_attention", "linear_attention", "full_attention"),
+        linear_num_key_heads=2, linear_key_head_dim=32, linear_num_value_heads=4,
+        linear_value_head_dim=32, linear_conv_kernel_dim=4,
+        # Seed 4: smallest greedy margin 0.036, 72x the fp32-vs-fp64 logit difference on the
+        # margin test's prompts (seed 0: 0.033, 60x; seed 3: 0.013, 51x; seed 5: 0.0007, 1x).
+        seed=4,
     ),
 }
 
@@ -145,6 +174,15 @@ def build_tiny_llama(spec: TinyModelSpec, out_dir: str, tokenizer_dir: str) -> N
             kv_lora_rank=spec.kv_lora_rank, qk_rope_head_dim=spec.qk_rope_head_dim,
             qk_nope_head_dim=spec.qk_nope_head_dim, v_head_dim=spec.v_head_dim,
             first_k_dense_replace=spec.num_hidden_layers, n_routed_experts=1, rope_interleave=True,
+        )
+    elif spec.architecture == "Qwen3NextForCausalLM":
+        cfg = transformers.Qwen3NextConfig(
+            **common, head_dim=spec.head_dim, layer_types=list(spec.layer_types or ()),
+            linear_num_key_heads=spec.linear_num_key_heads, linear_key_head_dim=spec.linear_key_head_dim,
+            linear_num_value_heads=spec.linear_num_value_heads,
+            linear_value_head_dim=spec.linear_value_head_dim,
+            linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
+            mlp_only_layers=list(range(spec.num_hidden_layers)), num_experts=0,
         )
     elif spec.architecture == "Qwen2ForCausalLM":
         cfg = transformers.Qwen2Config(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdkv.model.attention import AttentionMetadata, PrefillSeq
+from pdkv.model.gated_delta import LinearStateMetadata
 
 if TYPE_CHECKING:
     from pdkv.parallel.context import ParallelContext
@@ -119,3 +120,35 @@ def build_dcp_attention_metadata(
         decode_block_tables=None, decode_seq_lens=None, decode_mask=None, all_decode=False,
         dcp=build_dcp_metadata(parallel, block_size, requests, device),
     )
+
+
+def build_linear_state_metadata(requests: Sequence[StepRequest], block_size: int) -> LinearStateMetadata:
+    """Source slot and segments of each request of one step over its linear-state table
+    (pdkv.cache.single_type_manager.LinearStateManager).
+
+    The state after p tokens lives in entry min((p - 1) // block_size, len(table) - 1): a
+    one-slot table keeps everything in its slot; a checkpoint table (one slot per block) keeps
+    the state at the end of every full block in that block's slot. A request computing tokens
+    c .. c+n-1 reads the state after c tokens (none: c == 0, fresh) and is split at every block
+    boundary where the destination slot changes.
+    """
+    out = []
+    for start, n, c, table in requests:
+        src = _state_entry(table, c, block_size) if c > 0 else -1
+        segments: list[tuple[int, int]] = []
+        at = c
+        while at < c + n:
+            end = min((at // block_size + 1) * block_size, c + n)
+            dst = _state_entry(table, end, block_size)
+            if segments and segments[-1][1] == dst:
+                segments[-1] = (segments[-1][0] + end - at, dst)
+            else:
+                segments.append((end - at, dst))
+            at = end
+        out.append((start, n, src, tuple(segments)))
+    return LinearStateMetadata(tuple(out))
+
+
+def _state_entry(table: list[int], num_tokens: int, block_size: int) -> int:
+    """The slot holding a request's linear state after `num_tokens` (> 0) tokens."""
+    return table[min((num_tokens - 1) // block_size, len(table) - 1)]

@@ -12,6 +12,7 @@ from pdkv.cache.specs import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    LinearStateSpec,
     MLASpec,
     SlidingWindowSpec,
     canonical_kv_cache_dtype,
@@ -29,6 +30,12 @@ def check_sliding_window_parallel(arch: LlamaArchConfig, dcp_size: int) -> None:
     Raises:
         ValueError: dcp_size > 1 and some layer slides or the model is MLA.
     """
+    if dcp_size > 1 and arch.has_linear_state:
+        raise ValueError(
+            f"decode_context_parallel_size={dcp_size} is not supported with linear-attention "
+            f"(Gated DeltaNet) layers yet ({arch.architecture}: their state is one slot per request, "
+            "not blocks of tokens to shard); use decode_context_parallel_size=1"
+        )
     if dcp_size > 1 and arch.is_mla:
         raise ValueError(
             f"decode_context_parallel_size={dcp_size} is not supported with multi-head latent "
@@ -44,13 +51,24 @@ def check_sliding_window_parallel(arch: LlamaArchConfig, dcp_size: int) -> None:
         )
 
 
+def linear_state_spec(arch: LlamaArchConfig, block_size: int, dtype: str) -> LinearStateSpec:
+    """The Gated DeltaNet state of one layer (pdkv/model/qwen3_next.py's byte layout): conv window
+    [conv_dim, kernel - 1] in the model dtype, recurrent state [value heads, dk, dv] in float32."""
+    return LinearStateSpec(
+        block_size=block_size, conv_shape=(arch.linear_conv_dim, arch.linear_conv_kernel_dim - 1),
+        recurrent_shape=(arch.linear_num_value_heads, arch.linear_key_head_dim, arch.linear_value_head_dim),
+        conv_dtype=dtype, recurrent_dtype="float32")
+
+
 def make_kv_cache_config(
     arch: LlamaArchConfig, cache_config: CacheConfig, dtype: str, max_model_len: int,
     num_kv_heads: int | None = None, dcp_size: int = 1, logical: bool = False,
 ) -> KVCacheConfig:
     """One KV cache group per attention kind: FullAttentionSpec for full layers (MLASpec on an
     MLA model), SlidingWindowSpec(window) for sliding ones, in the order of each group's first layer (a dense
-    model is one FullAttention group holding every layer). Every group's pool has num_blocks
+    model is one FullAttention group holding every layer); linear-attention layers form one
+    LinearStateSpec group after those (so group 0 is always an attention group), one slot per
+    request. Every group's pool has num_blocks
     blocks, from the config or the memory budget (per rank):
     num_blocks = kv_cache_memory_bytes // (sum over groups of one block's bytes).
 
@@ -85,10 +103,14 @@ def make_kv_cache_config(
             num_kv_heads=num_kv_heads or arch.num_kv_heads, head_size=arch.head_dim,
             dtype=dtype, cache_dtype=cache_dtype, sliding_window=window)
         groups.append(KVCacheGroupSpec(layer_indices=layers, spec=spec))
+    if arch.has_linear_state:  # one state slot per request, after the attention groups
+        groups.append(KVCacheGroupSpec(layer_indices=arch.linear_layers, spec=linear_state_spec(arch, block_size, dtype)))
     group_bytes = sum(g.spec.page_size_bytes * len(g.layer_indices) for g in groups)
     physical_block_bytes = group_bytes // (dcp_size if logical else 1)
     num_blocks = cache_config.num_kv_blocks or cache_config.kv_cache_memory_bytes // physical_block_bytes
     needed = -(-max_model_len // (block_size * dcp_size))
+    if arch.has_linear_state:  # with prefix caching a slot per block, and the pool's null block
+        needed += 1
     if num_blocks < needed:
         dcp = f" x {dcp_size} DCP ranks" if dcp_size > 1 else ""
         raise ValueError(
@@ -126,7 +148,8 @@ def allocate_kv_cache(
         per-layer views in model layer order, each [2, num_blocks, block_size, num_kv_heads,
         head_size] or a QuantKVCache). An MLA group: [num_blocks, num_layers_in_group,
         block_size, kv_lora_rank + qk_rope_head_dim], per-layer views [num_blocks, block_size,
-        entry].
+        entry]. A linear-state group: uint8 [num_blocks (state slots), num_layers_in_group,
+        page_size_bytes], per-layer views [num_blocks, page_size_bytes].
 
     Raises:
         ValueError: a quantized page whose value bytes are not a multiple of 4 (its float32
@@ -141,7 +164,10 @@ def allocate_kv_cache(
         n, layers = kv_cache_config.num_blocks, len(g.layer_indices)
         shape: tuple[int, ...]
         elem = dtype
-        if isinstance(spec, MLASpec):
+        if isinstance(spec, LinearStateSpec):  # raw bytes: the layer views its conv / recurrent parts
+            shape = (n, layers, spec.page_size_bytes)
+            elem = torch.uint8
+        elif isinstance(spec, MLASpec):
             shape = (n, layers, spec.block_size, spec.entry_size)
         elif isinstance(spec, FullAttentionSpec) and spec.quantized:
             if spec.quant_data_bytes % SCALE_BYTES:
@@ -161,7 +187,7 @@ def allocate_kv_cache(
             t = torch.empty(shape, dtype=elem, device=device)
         groups.append(t)
         for j, layer in enumerate(g.layer_indices):
-            if isinstance(spec, MLASpec):
+            if isinstance(spec, (MLASpec, LinearStateSpec)):
                 layer_views[layer] = t[:, j]
             elif isinstance(spec, FullAttentionSpec) and spec.quantized:
                 page = t[:, j]

@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pdkv.cache.specs import KVCacheConfig
+from pdkv.cache.specs import KVCacheConfig, LinearStateSpec
 from pdkv.config import CacheConfig, KVTransferConfig, ModelConfig
 from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.kv_transfer.connector.p2p_compat import MLA_KV_LAYOUT
-from pdkv.model.attention import AttentionMetadata
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
 from pdkv.model.sampler import LogprobEntry, SamplingRow, sample
@@ -37,6 +36,7 @@ from pdkv.worker.attn_metadata import (
     StepRequest,
     build_attention_metadata,
     build_dcp_attention_metadata,
+    build_linear_state_metadata,
 )
 from pdkv.worker.kv_cache import allocate_kv_cache, make_kv_cache_config
 
@@ -303,7 +303,7 @@ class ModelRunner:
 
     def _prepare_inputs(
         self, out: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], torch.Tensor, list[CachedRequestState],
+    ) -> tuple[torch.Tensor, torch.Tensor, list[Any], torch.Tensor, list[CachedRequestState],
                list[tuple[CachedRequestState, int, int]]]:
         ids: list[int] = []
         pos: list[int] = []
@@ -332,12 +332,18 @@ class ModelRunner:
 
         dev = self.device
         par = self.parallel
-        meta: list[AttentionMetadata]
+        meta: list[Any]  # AttentionMetadata per attention group, LinearStateMetadata per linear one
         if par is not None and par.dcp_size > 1:  # dense only (DCP + sliding window is refused)
             meta = [build_dcp_attention_metadata(par, step_reqs, self.block_size, dev)]
         else:  # one metadata per KV cache group: its own block tables and window
             meta = []
             for g, group in enumerate(self.kv_cache_config.groups):
+                if isinstance(group.spec, LinearStateSpec):  # state slots: source and segments
+                    meta.append(build_linear_state_metadata(
+                        [(start, n, c, self.requests[req_id].block_ids[g])
+                         for (start, n, c, _), req_id in zip(step_reqs, out.num_scheduled_tokens)],
+                        self.block_size))
+                    continue
                 reqs = step_reqs if g == 0 else [
                     (start, n, c, self.requests[req_id].block_ids[g])
                     for (start, n, c, _), req_id in zip(step_reqs, out.num_scheduled_tokens)]

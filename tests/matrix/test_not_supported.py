@@ -97,7 +97,8 @@ HYBRIDS = [
     # MLA runs (tiny-mla); the real DeepSeek-V3 is refused for its mixture-of-experts layers.
     pytest.param("deepseek-v3", "layers 3..60 are mixture-of-experts", id="deepseek-v3", marks=pytest.mark.matrix(
         "colocated", "hybrid-mla", model="deepseek-v3", expect="unsupported")),
-    pytest.param("qwen3-next-80b-a3b", "keeps linear_state state", id="qwen3-next", marks=pytest.mark.matrix(
+    # Linear attention runs (tiny-gdn); the real Qwen3-Next is refused for its MoE layers.
+    pytest.param("qwen3-next-80b-a3b", "layers 0..47 are mixture-of-experts", id="qwen3-next", marks=pytest.mark.matrix(
         "colocated", "hybrid-linear", model="qwen3-next", expect="unsupported")),
     pytest.param("kimi-linear-48b-a3b", "keeps mla + linear_state state", id="kimi-linear", marks=pytest.mark.matrix(
         "colocated", "hybrid-mla", "hybrid-linear", model="kimi-linear", expect="unsupported")),

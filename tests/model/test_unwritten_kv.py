@@ -27,7 +27,8 @@ def _tokens(llm: LLM) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(("name", "kv_cache_dtype"), [
-    ("tiny_llama_kv2", "auto"), ("tiny_swa", "auto"), ("tiny_mla", "auto"), ("tiny_llama_kv2", "int8"),
+    ("tiny_llama_kv2", "auto"), ("tiny_swa", "auto"), ("tiny_mla", "auto"), ("tiny_gdn", "auto"),
+    ("tiny_llama_kv2", "int8"),
 ])
 def test_nan_in_unwritten_slots_changes_no_output(name, kv_cache_dtype, request):
     """A quantized cache is raw bytes: filled with 0xFF its float32 scales are NaN."""
