@@ -2,7 +2,7 @@
 connector over tcp: D pulls the state slot after all n prompt tokens plus every full-attention
 block, takes P's sampled token as its first output token and resumes at n; greedy output equals
 the colocated engine's. Bytes = ceil(n / block_size) full-attention blocks + one state slot
-(independent of n). P's token ends the request at D when it is a stop token or max_tokens=1.
+(independent of n); D never registers the slots it allocated but did not load. P's token ends the request at D when it is a stop token or max_tokens=1.
 No block or slot is left held on either side. Issue 11, acceptance 2 for tiny-gdn (P/D part)."""
 
 from __future__ import annotations
@@ -77,6 +77,15 @@ def test_pd_matches_colocated_and_moves_one_state_slot(engines):
     params = [prefill(p, {"prompt_token_ids": ids}).kv_transfer_params for ids in prompts]
     outs = decode(p, d, [{"prompt_token_ids": ids} for ids in prompts], params, GREEDY)
     assert [list(o.outputs[0].token_ids) for o in outs] == refs
+    pump([p, d], lambda: idle(p, d))
+    # A local request on D sharing 40 tokens with the 45-token prompt: the slots D allocated for
+    # blocks 0 and 1 of the loaded prompt were never written, so no checkpoint at 16 or 32 may
+    # be hit (the colocated cold output; a later checkpoint D wrote itself, at 48, is not shared).
+    variant = prompts[2][:40] + [500] * 6
+    cold = p.generate([{"prompt_token_ids": variant}], GREEDY)[0]
+    hot = d.generate([{"prompt_token_ids": variant}], GREEDY)[0]
+    assert list(hot.outputs[0].token_ids) == list(cold.outputs[0].token_ids)
+    assert hot.num_cached_tokens == 0
     pump([p, d], lambda: idle(p, d))
 
 
