@@ -72,6 +72,18 @@ def test_pd_matches_colocated_and_moves_one_state_slot(engines):
         assert list(out.outputs[0].token_ids) == refs[i], PROMPT_LENS[i]
         assert stats["kv_bytes_received"] - before == moved_bytes(PROMPT_LENS[i])
     pump([p, d], lambda: idle(p, d))
+    # D's own decode of the 45-token prompt wrote the checkpoint after 48 tokens (its first three
+    # output tokens complete block 2): a longer prompt through it hits 48 tokens locally and
+    # pulls only the rest, the full-attention block from 48 on and the one slot.
+    longer = prompts[2] + refs[2][:3] + [600 + j for j in range(12)]  # 60 tokens
+    ref = list(p.generate([{"prompt_token_ids": longer}], GREEDY)[0].outputs[0].token_ids)
+    prm = prefill(p, {"prompt_token_ids": longer}).kv_transfer_params
+    before = stats["kv_bytes_received"]
+    out = decode(p, d, [{"prompt_token_ids": longer}], [prm], GREEDY)[0]
+    assert list(out.outputs[0].token_ids) == ref
+    assert out.metrics is not None and out.num_cached_tokens - out.metrics.num_external_tokens == 48
+    assert stats["kv_bytes_received"] - before == FULL_BLOCK_BYTES + SLOT_BYTES
+    pump([p, d], lambda: idle(p, d))
     # Several at once, and again the same prompts (D's cache holds full-attention blocks but no
     # checkpoint at or below n - 1 for them: everything is pulled again).
     params = [prefill(p, {"prompt_token_ids": ids}).kv_transfer_params for ids in prompts]
