@@ -5,7 +5,10 @@ max_tokens=1); when it finishes, its blocks are held (delay_free) and kv_transfe
 consumer where to read them. Consumer (kv_consumer): a request with `do_remote_prefill` gets
 blocks for its whole prompt, waits in WAITING_FOR_REMOTE_KVS while the worker pulls the blocks,
 then recomputes only the last prompt token (which yields the first output token: D samples it;
-P's sampled token is dropped, as in vLLM).
+P's sampled token is dropped, as in vLLM). A model with a linear-attention state group instead
+moves, per linear group, only the slot holding the state after all n prompt tokens, and P's
+kv_transfer_params carry its sampled token ("first_token"), which D appends as its first output
+token before decoding from n (`_last_slot_only`; docs/ARCHITECTURE.md "State groups").
 
 Identity: P issues every held request a random `remote_nonce` and the `prompt_digest` of its
 prompt (token ids + cache_salt); D compares that digest with its own prompt's before pulling, and
