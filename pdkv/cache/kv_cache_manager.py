@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pdkv.cache.block_pool import BlockPool, KVCacheBlock
 from pdkv.cache.hashing import BlockHash
 from pdkv.cache.single_type_manager import (
+    LinearStateManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
     get_manager_class,
@@ -223,10 +224,13 @@ class KVCacheManager:
         loads only the window-group blocks inside that window (so that a later request with
         the same prompt can hit up to that boundary), the others hold garbage and must never
         be cached under a valid hash. (The request's next allocation frees the extra block;
-        it stays cached.)"""
+        it stays cached.) A linear-state group keeps only the slot of the load's end (and its
+        cached prefix hits): the other slots a load allocated were never written."""
         boundary = request.num_computed_tokens // self.block_size * self.block_size
         for m in self.managers:
             m.remove_skipped_blocks(request.request_id, boundary)
+            if isinstance(m, LinearStateManager):
+                m.keep_loaded_slot(request.request_id, num_tokens)
         self.cache_blocks(request, num_tokens)
 
     def free(self, request: Request) -> None:

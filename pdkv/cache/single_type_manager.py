@@ -270,6 +270,23 @@ class LinearStateManager(SingleTypeKVCacheManager):
             super().cache_blocks(request_id, block_hashes, num_tokens)
 
 
+    def keep_loaded_slot(self, request_id: str, num_tokens: int) -> None:
+        """A connector loaded only the state after `num_tokens` tokens, into the table entry
+        (num_tokens - 1) // block_size (P/D moves one slot). Checkpoints: free every earlier
+        entry that is neither a cached prefix hit nor null (never written: its state must not be
+        registered under a hash) and put the null block in its place. One slot: nothing to do."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not self.checkpoints or not blocks or num_tokens <= 0:
+            return
+        assert self.block_pool.null_block is not None
+        removed: list[KVCacheBlock] = []
+        for i in range(min((num_tokens - 1) // self.block_size, len(blocks))):
+            if not blocks[i].is_null and blocks[i].block_hash is None:
+                removed.append(blocks[i])
+                blocks[i] = self.block_pool.null_block
+        self.block_pool.free_blocks(removed)
+
+
 _MANAGERS: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,

@@ -58,6 +58,9 @@ class KVConnectorState:
         self.failure_policy: dict[str, str] = {}
         self.delayed_free: dict[str, Request] = {}
         self.finished_outside: list[Request] = []
+        # Requests that resumed with the producer's first output token appended (a linear-state
+        # model's P/D load), drained by the scheduler (stop checks, the token's output).
+        self.handed_over: list[Request] = []
         self.stats: dict[str, float] = {}
         self.transfer_seconds: list[float] = []
         self.observations: dict[str, list[float]] = {}
@@ -114,7 +117,9 @@ class KVConnectorState:
 
         A good load leaves the request with `load_end` tokens computed (its local hits plus the
         loaded tokens), but never all of them: when the load reached the last token, that token
-        is recomputed to get its logits. A failed load under "recompute" keeps the loaded blocks
+        is recomputed to get its logits; except on a model with a linear-state group, whose load
+        of the whole prompt carries the producer's first token: it is appended (drained from
+        `handed_over` by the scheduler) and the request resumes after all n prompt tokens. A failed load under "recompute" keeps the loaded blocks
         before the first invalid one (as vLLM does) and recomputes from there; with nothing
         valid the request starts over (its blocks freed, the connector asked again, which must
         not offer the same load twice). Under "fail" the request ends with FINISHED_ERROR.
@@ -152,17 +157,39 @@ class KVConnectorState:
                 self.kv_cache_manager.free(request)
                 request.num_computed_tokens = 0
                 continue
+            token = self._producer_first_token(request, valid_end)
+            if token is not None:  # resume after all n prompt tokens, with P's token as output 0
+                request.append_output_token_ids([token])
+                self.handed_over.append(request)
             request.num_computed_tokens = min(valid_end, request.num_tokens - 1)
             self.kv_cache_manager.cache_loaded_blocks(request, valid_end)
         return to_resume, failed
+
+    def _has_linear_state(self) -> bool:
+        return any(g.spec.kind == "linear_state" for g in self.kv_cache_manager.config.groups)
+
+    def _producer_first_token(self, request: Request, valid_end: int) -> int | None:
+        """On a model with a linear-state group, a load that reached the prompt's end carries the
+        state after all n prompt tokens (it cannot be rewound to n - 1), so the request resumes at
+        n with the producer's sampled token (kv_transfer_params "first_token", checked by the
+        connector's validate_request) as its first output token. None otherwise (D recomputes
+        the last prompt token, vLLM's rule)."""
+        p = request.kv_transfer_params or {}
+        token = p.get("first_token")
+        if (not self._has_linear_state() or token is None or request.num_output_tokens
+                or valid_end != request.num_prompt_tokens):
+            return None
+        return int(token)
 
     def _valid_prefix(self, request: Request, bad: list[tuple[int, int]], load_start: int) -> int:
         """Tokens with valid KV after a failed load: those before the first invalid block, and
         at least the `load_start` local hits (a load never touches them); `load_start` when no
         block is named (the whole load failed). With a sliding-window group, `load_start` too:
         such a load writes only the window of the last prompt token, so an earlier end would
-        resume over window blocks that were never loaded."""
-        if not bad or any(w is not None for w in self.kv_cache_manager.config.sliding_windows):
+        resume over window blocks that were never loaded. With a linear-state group too: such a
+        load writes only the state slot of the prompt's end."""
+        if (not bad or any(w is not None for w in self.kv_cache_manager.config.sliding_windows)
+                or self._has_linear_state()):
             return load_start
         tables = self.kv_cache_manager.get_block_ids(request.request_id)
         first_bad = min(tables[g].index(b) for g, b in bad)

@@ -68,6 +68,7 @@ class Scheduler:
         self.running: list[Request] = []
         # Ids the worker must drop at its next step (finished, aborted or preempted).
         self.finished_req_ids: set[str] = set()
+        self._handed_over: list[RequestUpdate] = []  # producer tokens emitted by update_from_output
         # Ids whose state the worker holds (sent once in full, then as deltas).
         self._worker_known: set[str] = set()
         self.num_preemptions = 0
@@ -302,11 +303,29 @@ class Scheduler:
     def _update_waiting_for_remote_kv(self) -> None:
         """Requests whose KV load ended go back to the front of the queue (or fail)."""
         to_resume, failed = self.kv_state.resolve_finished_loads()
+        finished = self._take_handed_over_tokens()
         for request in to_resume:
-            self.waiting.appendleft(request)
+            if request not in finished:
+                self.waiting.appendleft(request)
         for request in failed:
             self._free_request(request)
             self.kv_state.finished_outside.append(request)
+
+    def _take_handed_over_tokens(self) -> list[Request]:
+        """Requests that resumed with the producer's first token (linear-state P/D): the token
+        counts like a sampled one (output now, stop checks); those it finishes (EOS, a stop
+        token, max_tokens=1) are freed here and returned."""
+        finished = []
+        now = time.monotonic()
+        for request in self.kv_state.handed_over:
+            request.times.first_token = request.times.last_token = now
+            done = check_stop(request, self.max_model_len)
+            if done:
+                self._free_request(request)
+                finished.append(request)
+            self._handed_over.append(RequestUpdate(request, request.output_token_ids[-1:], None, done))
+        self.kv_state.handed_over = []
+        return finished
 
     def _add_scheduled(
         self,
@@ -356,8 +375,8 @@ class Scheduler:
         Returns one RequestUpdate per request that got tokens this step.
         """
         state = self.kv_state
-        updates = [RequestUpdate(r, [], None, True) for r in state.finished_outside]
-        state.finished_outside = []
+        updates = [RequestUpdate(r, [], None, True) for r in state.finished_outside] + self._handed_over
+        state.finished_outside, self._handed_over = [], []
         if runner_output.kv_connector_output is not None:
             state.apply_output(runner_output.kv_connector_output)
         now = time.monotonic()

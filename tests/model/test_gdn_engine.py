@@ -68,6 +68,6 @@ def test_parallel_and_connectors_are_refused_at_start_up(tiny_gdn):
 
     with pytest.raises(ValueError, match="does not move linear-attention state"):
         LLM(tiny_gdn, cpu_linear="torch", num_kv_blocks=8, max_model_len=64,
-            kv_transfer_config=json.dumps({"kv_connector": "P2PConnector", "kv_role": "kv_producer"}))
+            kv_transfer_config=json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}))
     with pytest.raises(ValueError, match="tensor / decode context parallelism is not supported with linear"):
         load_model(tiny_gdn, "float32", "cpu", ParallelContext(layout=ParallelLayout(tp_size=2), tp_ranks=(0, 1)))

@@ -27,14 +27,14 @@ def create_connector(config: KVTransferConfig, role: KVConnectorRole, kv_cache_c
     Raises:
         ValueError: unknown connector name, invalid connector settings, or a connector that
             cannot move one of the KV cache groups (sliding window: P2PConnector and
-            KVPoolConnector only; linear state: none yet).
+            KVPoolConnector only; linear state: P2PConnector and KVPoolConnector).
     """
     linear = [g.spec.kind for g in kv_cache_config.groups if g.spec.kind == "linear_state"]
-    if linear:
+    if linear and config.kv_connector not in ("P2PConnector", "KVPoolConnector"):
         raise ValueError(
             f"{config.kv_connector} does not move linear-attention state (Gated DeltaNet: one state "
-            "slot per request) yet: P/D, P2P, KV pool and offloading are not supported on this model "
-            "(issue 11); run it colocated, without kv_transfer_config")
+            "slot per request) yet: only P2PConnector (P/D) and KVPoolConnector are supported on "
+            "this model (issue 11); offloading and MultiConnector are not")
     if config.kv_connector not in ("P2PConnector", "KVPoolConnector") and any(w is not None for w in kv_cache_config.sliding_windows):
         raise ValueError(
             f"{config.kv_connector} does not move sliding-window KV cache groups yet (P2PConnector "

@@ -49,7 +49,8 @@ class P2PConnector(KVConnectorBase):
         block_size = kv_cache_config.groups[0].spec.block_size
         self.scheduler = (
             P2PConnectorScheduler(config, layout, block_size, address, len(kv_cache_config.groups),
-                                  kv_cache_config.sliding_windows, control_endpoints)
+                                  kv_cache_config.sliding_windows, control_endpoints,
+                                  tuple(g.spec.kind == "linear_state" for g in kv_cache_config.groups))
             if role == KVConnectorRole.SCHEDULER
             else None
         )

@@ -5,11 +5,14 @@ converts, else a message naming both values (issue 12 builds what is refused).""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdkv.cache.specs import QUANTIZED_KV_CACHE_DTYPES
 from pdkv.kv_transfer.connector.p2p_messages import conversion_error
 from pdkv.kv_transfer.reshard import plan_head_reads
+
+if TYPE_CHECKING:
+    from pdkv.request import Request
 
 MLA_KV_LAYOUT = "blocks_layers_tokens_latent"
 """`kv_layout` of an engine whose KV cache is one MLA group (pdkv.worker.model_runner)."""
@@ -129,4 +132,21 @@ def producer_tp_error(layout: dict[str, Any], p: dict[str, Any]) -> str:
         plan_head_reads(p_tp, my_tp, int(theirs.get("num_kv_heads", 0)))
     except (TypeError, ValueError) as e:
         return f"re-sharding from producer tp_size={p_tp} to consumer tp_size={my_tp}: {e}"
+    return ""
+
+
+def linear_state_error(request: Request, p: dict[str, Any]) -> str:
+    """Why this decode engine of a model with a linear-attention state group cannot take the
+    request's remote prefill, or "". Such a model resumes after all n prompt tokens with P's
+    sampled token as its first output token (docs/ARCHITECTURE.md, "Where D's first token comes
+    from"), so the params must carry that token ("first_token", an int), and logprobs are
+    refused: P's params carry the token only, not its logprobs."""
+    token = p.get("first_token")
+    if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+        return ("kv_transfer_params.first_token (P's sampled first output token) must be a "
+                f"non-negative integer on a model with linear-attention state, got {token!r:.40}")
+    if request.sampling_params.logprobs is not None:
+        return ("logprobs are not supported for P/D on a model with linear-attention state: the "
+                "first output token is sampled on P and its logprobs are not handed over; "
+                "run the request colocated or without logprobs")
     return ""

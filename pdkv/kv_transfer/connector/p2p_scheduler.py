@@ -5,7 +5,10 @@ max_tokens=1); when it finishes, its blocks are held (delay_free) and kv_transfe
 consumer where to read them. Consumer (kv_consumer): a request with `do_remote_prefill` gets
 blocks for its whole prompt, waits in WAITING_FOR_REMOTE_KVS while the worker pulls the blocks,
 then recomputes only the last prompt token (which yields the first output token: D samples it;
-P's sampled token is dropped, as in vLLM).
+P's sampled token is dropped, as in vLLM). A model with a linear-attention state group instead
+moves, per linear group, only the slot holding the state after all n prompt tokens, and P's
+kv_transfer_params carry its sampled token ("first_token"), which D appends as its first output
+token before decoding from n (`_last_slot_only`; docs/ARCHITECTURE.md "State groups").
 
 Identity: P issues every held request a random `remote_nonce` and the `prompt_digest` of its
 prompt (token ids + cache_salt); D compares that digest with its own prompt's before pulling, and
@@ -46,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from pdkv.cache.block_pool import NULL_BLOCK_ID
 from pdkv.cache.specs import window_first_block
 from pdkv.kv_transfer.connector.base import KVConnectorOutput
-from pdkv.kv_transfer.connector.p2p_compat import shard_error
+from pdkv.kv_transfer.connector.p2p_compat import linear_state_error, shard_error
 from pdkv.kv_transfer.connector.p2p_messages import (
     NotifySpec,
     P2PConnectorMetadata,
@@ -81,8 +84,11 @@ class P2PConnectorScheduler:
     def __init__(self, config: KVTransferConfig, layout: dict[str, Any], block_size: int,
                  control_address: list[Any], num_groups: int = 1,
                  sliding_windows: tuple[int | None, ...] = (),
-                 control_endpoints: list[Any] | None = None) -> None:
+                 control_endpoints: list[Any] | None = None,
+                 linear_groups: tuple[bool, ...] = ()) -> None:
         self.config = config
+        # Per group: whether it holds linear-attention state slots (one slot moves per request).
+        self.linear_groups = tuple(linear_groups) or (False,) * num_groups
         self.control_endpoints = control_endpoints if control_endpoints is not None else []
         self.num_groups = num_groups
         # Per group: the sliding window in tokens, or None (full attention; also when not given).
@@ -130,6 +136,10 @@ class P2PConnectorScheduler:
             error = shard_error(self.layout, p, self.num_groups)
             if error:
                 raise ValueError(error)
+            if any(self.linear_groups):
+                error = linear_state_error(request, p)
+                if error:
+                    raise ValueError(error)
             if int(p.get("num_tokens", request.num_prompt_tokens)) != request.num_prompt_tokens:
                 raise ValueError(
                     f"kv_transfer_params cover {p.get('num_tokens')} tokens but the prompt has "
@@ -198,6 +208,8 @@ class P2PConnectorScheduler:
             firsts: tuple[int, ...] = ()
             if any(w is not None for w in self.sliding_windows):
                 firsts, local_ids, remote_ids = self._window_only(request, first, local_ids, remote_ids)
+            if any(self.linear_groups):
+                firsts, local_ids, remote_ids = self._last_slot_only(request, first, local_ids, remote_ids)
             self._to_recv.append(RecvSpec(
                 request.request_id, remote, remote_rid, local_ids, remote_ids, dict(p.get("layout") or {}),
                 remote_nonce=str(p.get("remote_nonce", "")),
@@ -256,6 +268,26 @@ class P2PConnectorScheduler:
             remote.append(list(rg[skip:]))
         return tuple(firsts), tuple(local), tuple(remote)
 
+    def _last_slot_only(self, request: Request, first: int, local_ids: tuple[list[int], ...],
+                        remote_ids: tuple[list[int], ...]
+                        ) -> tuple[tuple[int, ...], tuple[list[int], ...], tuple[list[int], ...]]:
+        """A model with a linear-state group (D resumes at n, after P's token): in a linear
+        group only the slot holding the state after all n prompt tokens moves: P's grant lists
+        just that slot (`request_finished`), D's is the last entry of its table (the request's
+        one slot, or with prefix caching the entry of block (n - 1) // block_size, which the
+        worker reads as the state of position n). Full-attention groups keep every pair.
+
+        Returns:
+            (index of each group's first pair in P's grant, local ids, remote ids).
+        """
+        p = request.kv_transfer_params or {}
+        firsts, local, remote = [], [], []
+        for linear, lg, rg, granted in zip(self.linear_groups, local_ids, remote_ids, p["remote_block_ids"]):
+            firsts.append(0 if linear else first)
+            local.append(list(lg[-1:]) if linear else list(lg))
+            remote.append(list(granted[-1:]) if linear else list(rg))
+        return tuple(firsts), tuple(local), tuple(remote)
+
     def _reblock_map(self, request: Request, new_blocks: tuple[list[int], ...], p_bs: int
                      ) -> tuple[int, tuple[list[int], ...], tuple[list[int], ...]]:
         """Re-blocking (P's block size `p_bs` differs from this engine's, no DCP): (K0, local ids,
@@ -302,11 +334,18 @@ class P2PConnectorScheduler:
             return False, None
         nonce = secrets.token_hex(16)
         digest = prompt_digest(request.prompt_token_ids, request.cache_salt)
-        self._to_send.append(SendSpec(rid, block_ids, self.lease_s, nonce, digest))
-        # (a window group's entries before its window are its pool's null block, id 0: not held)
+        extra: dict[str, Any] = {}
         windows = self.sliding_windows + (None,) * len(block_ids)
-        self._held[rid] = sum(len(g) if w is None else sum(1 for b in g if b != NULL_BLOCK_ID)
-                              for w, g in zip(windows, block_ids))
+        # (a window group's entries before its window are its pool's null block, id 0: not held)
+        held = sum(len(g) if w is None else sum(1 for b in g if b != NULL_BLOCK_ID)
+                   for w, g in zip(windows, block_ids))
+        if any(self.linear_groups):  # one slot per linear group: the state after all n tokens
+            block_ids = tuple(list(g[-1:]) if linear else g for linear, g in zip(self.linear_groups, block_ids))
+            if not request.output_token_ids:
+                return False, None
+            extra["first_token"] = int(request.output_token_ids[0])
+        self._to_send.append(SendSpec(rid, block_ids, self.lease_s, nonce, digest))
+        self._held[rid] = held
         host, port = self.control_address
         return True, {
             "do_remote_prefill": True,
@@ -324,6 +363,7 @@ class P2PConnectorScheduler:
             "block_size": self.block_size,
             "num_tokens": request.num_prompt_tokens,
             "layout": dict(self.layout),
+            **extra,
         }
 
     def next_deadline(self) -> float | None:

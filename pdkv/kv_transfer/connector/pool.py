@@ -32,6 +32,7 @@ from pdkv.kvpool.tiers.factory import create_tier
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from pdkv.cache.kv_cache_manager import KVCacheManager
     from pdkv.cache.specs import KVCacheConfig
     from pdkv.config import KVTransferConfig
     from pdkv.request import Request
@@ -82,16 +83,30 @@ class KVPoolConnector(RoleDelegatingConnector):
                         ", ".join(_describe(t) for t in self.pool.tiers))
         self.store: KVPoolStore = store
         self.namespace = PoolNamespace.from_layout(layout, kv_cache_config, self.pool.chunk_size)
+        # A linear-state group is stored and loaded like a window of 2 tokens (pdkv.kvpool.window):
+        # chunk j keeps only its last block's slot, the checkpoint after end_j; a hit of L loads
+        # the slot of block (L - 1) // bs, the state the request resumes from.
+        self.linear = any(g.spec.kind == "linear_state" for g in kv_cache_config.groups)
+        windows = tuple(2 if g.spec.kind == "linear_state" else w
+                        for g, w in zip(kv_cache_config.groups, kv_cache_config.sliding_windows))
         self.scheduler = None
         self.worker = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = PoolConnectorScheduler(config, self.pool, store, self.namespace.fingerprint,
-                                                    block_size, len(kv_cache_config.groups),
-                                                    kv_cache_config.sliding_windows)
+                                                    block_size, len(kv_cache_config.groups), windows)
         else:
             from pdkv.kv_transfer.connector.pool_worker import PoolConnectorWorker
 
-            self.worker = PoolConnectorWorker(self.pool, store, block_size, kv_cache_config.sliding_windows)
+            self.worker = PoolConnectorWorker(self.pool, store, block_size, windows)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        """Raises:
+            ValueError: a linear-state model without prefix caching (no checkpoint slot per block
+                to store at a chunk's end)."""
+        if self.linear and not kv_cache_manager.enable_caching:
+            raise ValueError("KVPoolConnector on a model with linear-attention state needs prefix "
+                             "caching (a state checkpoint per block): set enable_prefix_caching "
+                             "(the default)")
 
     # ---------------------------------------------------------------- scheduler
     def on_new_request(self, request: Request) -> None:
