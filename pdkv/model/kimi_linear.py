@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdkv.model.arch_config import LINEAR, LlamaArchConfig, attention_groups
