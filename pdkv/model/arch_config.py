@@ -109,7 +109,8 @@ class LlamaArchConfig:
 
     @property
     def is_mla(self) -> bool:
-        """True for a multi-head latent attention model (every layer MLA)."""
+        """True for a multi-head latent attention model (every attention layer MLA; Kimi-Linear
+        also has linear-attention layers)."""
         return self.kv_lora_rank > 0
 
     def layer_window(self, layer: int) -> int | None:

@@ -158,9 +158,10 @@ TINY_MODELS: dict[str, TinyModelSpec] = {
         layer_types=("linear_attention", "full_attention", "linear_attention", "full_attention"),
         kv_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
         linear_num_heads=2, linear_head_dim=32, linear_conv_kernel_dim=4,
-        # Seed 6: smallest greedy margin 0.032, >= 20x the fp32-vs-fp64 logit difference on the
-        # margin test's prompts (seed 0: 0.002, 1x; seed 4: 0.037 but 12x; seed 5: 0.022, 20x).
-        seed=6,
+        # Seed 12: smallest greedy margin 0.061, >= 21x the fp32-vs-fp64 logit difference on the
+        # margin test's prompts (seed 0: 0.002, 1x; seed 4: 0.037 but 12x; seed 6: 0.032, 20.5x).
+        # Hidden states grow to ~1e3 here, so fp32 rounding is larger than in the other tiny models.
+        seed=12,
     ),
 }
 
