@@ -268,7 +268,8 @@ def kimi_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
         mlp = ["dense" if i < dense else "sparse" for i in range(n)]
     moe = [i for i, t in enumerate(mlp) if t != "dense"]
     if moe:
-        raise ValueError(f"{path}: layers {moe} are mixture-of-experts; only dense MLPs are implemented "
+        which = f"{moe[0]}..{moe[-1]}" if moe == list(range(moe[0], moe[-1] + 1)) else str(moe)
+        raise ValueError(f"{path}: layers {which} are mixture-of-experts; only dense MLPs are implemented "
                          "(set mlp_layer_types to 'dense' for every layer)")
     if cfg.get("attention_bias"):
         raise ValueError(f"{path}: attention_bias is not supported for MLA")
