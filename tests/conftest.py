@@ -162,6 +162,13 @@ def tiny_gdn(tiny_llama_cache) -> str:
     return _build_tiny(tiny_llama_cache, "tiny-gdn")
 
 
+@pytest.fixture(scope="session")
+def tiny_kda_mla(tiny_llama_cache) -> str:
+    """Folder of `tiny-kda-mla` (Kimi-Linear-style: KDA linear attention and MLA alternating,
+    dense MLPs; pdkv/model/tiny.py), built once per session."""
+    return _build_tiny(tiny_llama_cache, "tiny-kda-mla")
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch thread while a module's tests run (a model this small only loses to thread

@@ -20,6 +20,13 @@ Gated DeltaNet linear attention (`Qwen3NextForCausalLM`, decoder in pdkv/model/q
 `layer_types` "linear_attention" / "full_attention" (or every `full_attention_interval`-th layer
 full), the `linear_*` widths and partial rope on the full layers; dense MLPs only (MoE refused).
 Linear layers form one linear-state KV cache group after the attention groups.
+
+Kimi-Linear (`KimiLinearForCausalLM`, decoder in pdkv/model/kimi_linear.py): Kimi Delta
+Attention layers ("linear_attention") and MLA layers ("full_attention", no rope) from
+`layer_types` (or the checkpoint's 1-based `linear_attn_config` kda_layers / full_attn_layers);
+the MLA fields as DeepSeek-V3's, the KDA heads as linear_num_key_heads = linear_num_value_heads
+(q, k and v alike) of one width; dense MLPs only (`mlp_layer_types` all "dense"). Two state
+kinds: an MLA group and the linear-state group.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "DeepseekV3ForCausalLM",
-                           "Qwen3NextForCausalLM")
+                           "Qwen3NextForCausalLM", "KimiLinearForCausalLM")
+KIMI_ARCHITECTURES = ("KimiLinearForCausalLM",)
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 LINEAR_ARCHITECTURES = ("Qwen3NextForCausalLM",)
 FULL = "full_attention"
@@ -101,7 +109,8 @@ class LlamaArchConfig:
 
     @property
     def is_mla(self) -> bool:
-        """True for a multi-head latent attention model (every layer MLA)."""
+        """True for a multi-head latent attention model (every attention layer MLA; Kimi-Linear
+        also has linear-attention layers)."""
         return self.kv_lora_rank > 0
 
     def layer_window(self, layer: int) -> int | None:
@@ -117,7 +126,8 @@ class LlamaArchConfig:
         arch = (cfg.get("architectures") or ["?"])[0]
         hybrid = hybrid_state_kinds(cfg)
         allowed = (("sliding_window", "mla") if arch in MLA_ARCHITECTURES else
-                   ("linear_state",) if arch in LINEAR_ARCHITECTURES else ("sliding_window",))
+                   ("linear_state",) if arch in LINEAR_ARCHITECTURES else
+                   ("mla", "linear_state") if arch in KIMI_ARCHITECTURES else ("sliding_window",))
         if any(kind not in allowed for kind in hybrid):
             raise ValueError(
                 f"{arch} in {path} keeps {' + '.join(hybrid)} state: hybrid state groups (linear "
@@ -131,6 +141,8 @@ class LlamaArchConfig:
         mla = mla_fields(cfg, path) if arch in MLA_ARCHITECTURES else {}
         if arch in LINEAR_ARCHITECTURES:
             mla = linear_fields(cfg, path)
+        if arch in KIMI_ARCHITECTURES:
+            mla = kimi_fields(cfg, path)
         rope_scaling = cfg.get("rope_scaling")
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "default":
             raise ValueError(f"rope_scaling {rope_scaling} is not supported yet")
@@ -227,6 +239,52 @@ def linear_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
         linear_value_head_dim=int(cfg["linear_value_head_dim"]),
         linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)), rotary_dim=int(head_dim * factor),
         qkv_bias=bool(cfg.get("attention_bias", False)),
+    )
+
+
+def kimi_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """The fields of a Kimi-Linear config.json: the MLA fields (as `mla_fields`, no rope on the
+    shared key), the KDA heads (q, k and v each `linear_num_heads` x `linear_head_dim`, conv
+    kernel `linear_conv_kernel_dim`; or the checkpoint's `linear_attn_config`), `layer_types`
+    and the context length (`model_max_length`, HF's name for max_position_embeddings here);
+    the LM head is never tied (HF's model keeps lm_head whatever `tie_word_embeddings` says).
+
+    Raises:
+        ValueError: some layer is mixture-of-experts (only dense MLPs are implemented); layer
+            types that are not KDA / MLA; attention biases.
+    """
+    n = int(cfg["num_hidden_layers"])
+    lac = cfg.get("linear_attn_config") or {}
+    types = cfg.get("layer_types")
+    if types is None and "kda_layers" in lac and "full_attn_layers" in lac:
+        types = [LINEAR if i + 1 in lac["kda_layers"] else FULL for i in range(n)]
+    if types is None:
+        types = [FULL if i and i % 4 == 0 else LINEAR for i in range(n)]
+    if len(types) != n or any(t not in (FULL, LINEAR) for t in types):
+        raise ValueError(f"{path}: layer_types {types} must name {n} layers, each {FULL!r} or {LINEAR!r}")
+    mlp = cfg.get("mlp_layer_types")
+    if mlp is None:
+        dense = int(cfg.get("first_k_dense_replace", 1))
+        mlp = ["dense" if i < dense else "sparse" for i in range(n)]
+    moe = [i for i, t in enumerate(mlp) if t != "dense"]
+    if moe:
+        which = f"{moe[0]}..{moe[-1]}" if moe == list(range(moe[0], moe[-1] + 1)) else str(moe)
+        raise ValueError(f"{path}: layers {which} are mixture-of-experts; only dense MLPs are implemented "
+                         "(set mlp_layer_types to 'dense' for every layer)")
+    if cfg.get("attention_bias"):
+        raise ValueError(f"{path}: attention_bias is not supported for MLA")
+    heads = int(lac.get("num_heads", cfg.get("linear_num_heads", 32)))
+    width = int(lac.get("head_dim", cfg.get("linear_head_dim", 128)))
+    kernel = int(lac.get("short_conv_kernel_size", cfg.get("linear_conv_kernel_dim", 4)))
+    rank, rope = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
+    return dict(
+        num_kv_heads=1, head_dim=rank + rope, kv_lora_rank=rank, qk_rope_head_dim=rope,
+        q_lora_rank=cfg.get("q_lora_rank"), qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]), layer_types=tuple(types),
+        linear_num_key_heads=heads, linear_key_head_dim=width, linear_num_value_heads=heads,
+        linear_value_head_dim=width, linear_conv_kernel_dim=kernel,
+        max_position_embeddings=int(cfg.get("model_max_length", cfg.get("max_position_embeddings", 4096))),
+        tie_word_embeddings=False,  # HF's KimiLinearForCausalLM has its own lm_head whatever the flag says
     )
 
 

@@ -1,6 +1,7 @@
 """Load an HF-format safetensors folder into `LlamaForCausalLM` (fusing q/k/v and gate/up), an
 MLA config into `pdkv.model.deepseek.DeepseekV3ForCausalLM`, or a Qwen3-Next config into
-`pdkv.model.qwen3_next.Qwen3NextForCausalLM` (each its own weight map).
+`pdkv.model.qwen3_next.Qwen3NextForCausalLM`, or a Kimi-Linear config into
+`pdkv.model.kimi_linear.KimiLinearForCausalLM` (each its own weight map).
 
 With tensor parallelism each rank reads only its shard through safetensors' lazy slices
 (`get_slice(name)[rows]`, `[:, cols]`), as vLLM's weight loaders do: q rows of its heads, k / v
@@ -52,6 +53,14 @@ def load_model(path: str, dtype: str, device: str, parallel: ParallelContext | N
             raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
         param.data.copy_(value.to(tdtype))
 
+    if cfg.has_linear_state and cfg.is_mla:  # KimiLinearForCausalLM (pdkv/model/kimi_linear.py)
+        from pdkv.model.kimi_linear import KimiLinearForCausalLM
+
+        kda = KimiLinearForCausalLM(cfg, tdtype, dev, parallel)
+        with _ShardReader(path) as r:
+            kda.load_weights(r, put)
+            _check_all_read(path, r)
+        return kda.to(dev).eval()
     if cfg.has_linear_state:  # Qwen3NextForCausalLM (pdkv/model/qwen3_next.py)
         from pdkv.model.qwen3_next import Qwen3NextForCausalLM
 

@@ -41,6 +41,11 @@ four layers, plus gated full attention); the KDA layers of Kimi-Linear keep the 
 each group holds two layers; its MoE is dense (mlp_only_layers = every layer). Decoder:
 pdkv/model/qwen3_next.py; margins in tests/model/test_tiny_models.py.
 
+`tiny-kda-mla` stands for Kimi-Linear (Kimi Delta Attention linear layers, three of every four,
+plus MLA layers without rope): two state kinds in one model, a linear-state group for the KDA
+layers and an MLA latent group. Here KDA and MLA alternate 1:1; its MoE is dense
+(mlp_layer_types = dense everywhere). Decoder: pdkv/model/kimi_linear.py.
+
 `tiny-mla` stands for DeepSeek-V2/V3/R1 and Kimi-K2 (MLA everywhere) and the MLA layers of
 Kimi-Linear; its MoE layers are dense here (first_k_dense_replace = num_hidden_layers), so
 pdkv's decoder (pdkv/model/deepseek.py) needs no experts. Its margins are in
@@ -93,6 +98,10 @@ class TinyModelSpec:
     linear_num_value_heads: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
+    # Kimi Delta Attention (KimiLinearForCausalLM only): heads and head width of the KDA layers
+    # (q, k and v alike), elements; the MLA widths above apply to its full-attention layers.
+    linear_num_heads: int = 0
+    linear_head_dim: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -137,6 +146,22 @@ TINY_MODELS: dict[str, TinyModelSpec] = {
         # Seed 4: smallest greedy margin 0.036, 72x the fp32-vs-fp64 logit difference on the
         # margin test's prompts (seed 0: 0.033, 60x; seed 3: 0.013, 51x; seed 5: 0.0007, 1x).
         seed=4,
+    ),
+    # Kimi-Linear-style hybrid: KDA linear attention and MLA alternate (kda, mla, kda, mla);
+    # dense MLP on every layer (mlp_layer_types = dense, no MoE). KDA layers: 2 heads x 32 for
+    # q, k and v, short conv kernel 4; their state per layer and request is the conv window
+    # (3 x 64 channels x 3 floats) plus the recurrent state (2 x 32 x 32 floats). MLA layers: 4
+    # heads, latent 48 + 16-wide shared key (NoPE: Kimi-Linear's MLA applies no rope), nope 32,
+    # v 32.
+    "tiny-kda-mla": TinyModelSpec(
+        name="tiny-kda-mla", num_key_value_heads=4, architecture="KimiLinearForCausalLM",
+        layer_types=("linear_attention", "full_attention", "linear_attention", "full_attention"),
+        kv_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+        linear_num_heads=2, linear_head_dim=32, linear_conv_kernel_dim=4,
+        # Seed 12: smallest greedy margin 0.061, >= 21x the fp32-vs-fp64 logit difference on the
+        # margin test's prompts (seed 0: 0.002, 1x; seed 4: 0.037 but 12x; seed 6: 0.032, 20.5x).
+        # Hidden states grow to ~1e3 here, so fp32 rounding is larger than in the other tiny models.
+        seed=12,
     ),
 }
 
@@ -183,6 +208,17 @@ def build_tiny_llama(spec: TinyModelSpec, out_dir: str, tokenizer_dir: str) -> N
             linear_value_head_dim=spec.linear_value_head_dim,
             linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
             mlp_only_layers=list(range(spec.num_hidden_layers)), num_experts=0,
+        )
+    elif spec.architecture == "KimiLinearForCausalLM":
+        del common["max_position_embeddings"], common["rope_theta"]
+        common["tie_word_embeddings"] = False  # HF's KimiLinearForCausalLM never ties lm_head
+        cfg = transformers.KimiLinearConfig(
+            **common, model_max_length=spec.max_position_embeddings, pad_token_id=None, q_lora_rank=None,
+            kv_lora_rank=spec.kv_lora_rank, qk_rope_head_dim=spec.qk_rope_head_dim,
+            qk_nope_head_dim=spec.qk_nope_head_dim, v_head_dim=spec.v_head_dim,
+            layer_types=list(spec.layer_types or ()), mlp_layer_types=["dense"] * spec.num_hidden_layers,
+            linear_num_heads=spec.linear_num_heads, linear_head_dim=spec.linear_head_dim,
+            linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
         )
     elif spec.architecture == "Qwen2ForCausalLM":
         cfg = transformers.Qwen2Config(

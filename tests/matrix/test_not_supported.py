@@ -100,7 +100,8 @@ HYBRIDS = [
     # Linear attention runs (tiny-gdn); the real Qwen3-Next is refused for its MoE layers.
     pytest.param("qwen3-next-80b-a3b", "layers 0..47 are mixture-of-experts", id="qwen3-next", marks=pytest.mark.matrix(
         "colocated", "hybrid-linear", model="qwen3-next", expect="unsupported")),
-    pytest.param("kimi-linear-48b-a3b", "keeps mla + linear_state state", id="kimi-linear", marks=pytest.mark.matrix(
+    # KDA + MLA runs (tiny-kda-mla); the real Kimi-Linear is refused for its MoE layers.
+    pytest.param("kimi-linear-48b-a3b", "layers 1..26 are mixture-of-experts", id="kimi-linear", marks=pytest.mark.matrix(
         "colocated", "hybrid-mla", "hybrid-linear", model="kimi-linear", expect="unsupported")),
 ]
 

@@ -1,4 +1,4 @@
-"""tiny-llama-kv1 / tiny-llama-kv2 / tiny-mla / tiny-gdn (pdkv/model/tiny.py): pdkv's greedy output equals HF
+"""tiny-llama-kv1 / tiny-llama-kv2 / tiny-mla / tiny-gdn / tiny-kda-mla (pdkv/model/tiny.py): pdkv's greedy output equals HF
 transformers' on the same folder (plain, chunked prefill, prefix-cache resend); HF's greedy margins
 stay well above fp32 rounding; the folder is built once, also when two resolvers race."""
 
@@ -22,7 +22,7 @@ MARGIN_MIN = 5e-3
 # ... and as a multiple of how far fp32 logits are from fp64 ones on the same prompt, a stand-in for
 # the rounding that a tp / dcp reduction order changes.
 MARGIN_OVER_ROUNDING = 20.0  # measured: >= 40x (pdkv/model/tiny.py)
-NAMES = ("tiny-llama-kv1", "tiny-llama-kv2", "tiny-mla", "tiny-gdn")
+NAMES = ("tiny-llama-kv1", "tiny-llama-kv2", "tiny-mla", "tiny-gdn", "tiny-kda-mla")
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +31,9 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def folders(tiny_llama_kv1, tiny_llama_kv2, tiny_mla, tiny_gdn) -> dict[str, str]:
+def folders(tiny_llama_kv1, tiny_llama_kv2, tiny_mla, tiny_gdn, tiny_kda_mla) -> dict[str, str]:
     return {"tiny-llama-kv1": tiny_llama_kv1, "tiny-llama-kv2": tiny_llama_kv2, "tiny-mla": tiny_mla,
-            "tiny-gdn": tiny_gdn}
+            "tiny-gdn": tiny_gdn, "tiny-kda-mla": tiny_kda_mla}
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_greedy_matches_hf_plain_chunked_and_cached(name, folders, prompts, hf_r
     assert tokens(chunked, prompts)[0] == ref
     again, cached = tokens(chunked, prompts)
     assert again == ref
-    # tiny-gdn: its linear state resumes from the checkpoint at the hit's block boundary
+    # tiny-gdn / tiny-kda-mla: the linear state resumes from the checkpoint at the hit's block boundary
     assert cached == [(len(p) - 1) // BLOCK * BLOCK for p in prompts]
 
 
