@@ -161,3 +161,31 @@ def test_unbuilt_op_falls_back(tmp_path, monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="pdkv.model.paged_decode"):
         assert resolve_attention_backend("cpu_paged", "cpu") == "torch"
     assert len(caplog.records) == 1 and "earlier build failed" in caplog.records[0].getMessage()
+
+
+def test_flag_and_config():
+    import argparse
+
+    from pdkv.config import ModelConfig
+    from pdkv.engine.arg_utils import EngineArgs
+
+    args = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(["--attention-backend", "cpu_paged"])
+    assert EngineArgs.from_cli_args(args).attention_backend == "cpu_paged"
+    with pytest.raises(ValueError, match="attention_backend"):
+        ModelConfig(model="m", path="p", attention_backend="flash")
+
+
+def test_backend_table_names_ratio_and_load():
+    from pdkv.bench.offline_backends import format_backend_table
+
+    tp = {"decode_tok_s": 100.0}
+    result = {"model": "smollm2", "dtype": "float32", "num_threads": 2, "input_len": 128, "output_len": 32,
+              "host_cpu": "cpu", "backends": ["torch", "cpu_paged"],
+              "backends_used": {"torch": "torch", "cpu_paged": "cpu_paged"},
+              "results": [{"batch_size": 32, "torch": tp, "cpu_paged": {"decode_tok_s": 150.0},
+                           "decode_ratio": {"torch": 1.0, "cpu_paged": 1.5},
+                           "greedy_equal": {"torch": True, "cpu_paged": True}}],
+              "host_load_avg_1m": [3.5, 3.9], "host_cpu_count": 2}
+    table = format_backend_table(result)
+    assert "| 32 | 100.0 | 150.0 | 1.50x | yes |" in table
+    assert "3.50 / 3.90 on 2 CPUs" in table
