@@ -28,6 +28,8 @@ class ModelConfig:
         seed: base seed for random sampling of requests that give none.
         served_model_name: the name reported to clients.
         cpu_linear: "onednn" (packed-weight oneDNN matmuls, float32 on CPU) or "torch" (BLAS).
+        attention_backend: vLLM's `--attention-backend`: "auto", "torch" (gather + SDPA) or
+            "cpu_paged" (decode reads K/V from the blocks in place; pdkv/model/paged_decode.py).
     """
 
     model: str
@@ -38,8 +40,13 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str = ""
     cpu_linear: str = "onednn"
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "torch", "cpu_paged"):
+            raise ValueError(
+                f"attention_backend must be 'auto', 'torch' or 'cpu_paged', got {self.attention_backend!r}"
+            )
         if self.cpu_linear not in ("onednn", "torch"):
             raise ValueError(f"cpu_linear must be 'onednn' or 'torch', got {self.cpu_linear!r}")
         if self.dtype not in _DTYPES:

@@ -65,6 +65,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--no-hf", dest="include_hf", action="store_false", help="skip HF transformers")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warmup runs")
     parser.add_argument("--result-json", default=None, help="write the result dict to this file")
+    parser.add_argument(
+        "--attention-backends", default=None,
+        help="compare pdkv's decode per --attention-backend instead of pdkv vs HF, e.g. "
+             "torch,cpu_paged (ratios against the first; pdkv/bench/offline_backends.py)",
+    )
     return parser
 
 
@@ -74,6 +79,17 @@ def main(args: argparse.Namespace) -> int:
     Returns:
         Process exit code (0).
     """
+    if args.attention_backends:
+        from pdkv.bench.offline_backends import run_backend_bench
+
+        result = run_backend_bench(
+            model=args.model, backends=[b.strip() for b in args.attention_backends.split(",") if b.strip()],
+            batch_sizes=tuple(args.batch_sizes), input_len=args.input_len, output_len=args.output_len,
+            dtype=args.dtype, num_threads=args.num_threads, seed=args.seed, repeats=args.repeats,
+        )
+        if args.result_json:
+            write_result_json(result, args.result_json)
+        return 0
     result = run_offline_bench(
         model=args.model,
         batch_sizes=tuple(args.batch_sizes),

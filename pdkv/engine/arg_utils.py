@@ -52,6 +52,7 @@ class EngineArgs:
     num_threads: int | None = None
     kv_transfer_config: str | None = None
     cpu_linear: str = "onednn"
+    attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
@@ -94,6 +95,7 @@ class EngineArgs:
                 seed=self.seed,
                 served_model_name=self.served_model_name or self.model,
                 cpu_linear=self.cpu_linear,
+                attention_backend=self.attention_backend,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -181,6 +183,11 @@ class EngineArgs:
                        help="127.0.0.1 port of the workers' torch.distributed rendezvous (0: a free one)")
         g.add_argument("--cpu-linear", default=d.cpu_linear, choices=["onednn", "torch"],
                        help="float32 CPU matmuls: oneDNN packed weights, or torch's BLAS")
+        g.add_argument("--attention-backend", default=d.attention_backend,
+                       choices=["auto", "torch", "cpu_paged"],
+                       help="decode attention: torch (gather blocks + SDPA) or cpu_paged (C++ op reading "
+                            "K/V from the blocks in place); auto = cpu_paged on CPU when built (make "
+                            "setup), torch for CUDA, quantized KV, DCP and MLA")
         g.add_argument(
             "--kv-transfer-config",
             default=None,

@@ -31,6 +31,7 @@ at the row's newest key.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,10 @@ class AttentionMetadata:
     sliding_window: int | None = None
 
 
+DecodeAttentionFn = Callable[[torch.Tensor, Any, AttentionMetadata, float], torch.Tensor]
+"""(q [B, H, D], kv_cache, meta, scale) -> [B, H, D]: the decode half of paged_attention."""
+
+
 def write_kv(
     kv_cache: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +115,7 @@ def paged_attention(
     kv_cache: KVCacheLayer,
     meta: AttentionMetadata,
     scale: float,
+    decode_attention: DecodeAttentionFn | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's queries over their requests' cached context.
 
@@ -119,6 +125,8 @@ def paged_attention(
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size], or a QuantKVCache.
         meta: slots and block tables of the step.
         scale: softmax scale (1/sqrt(head_size)).
+        decode_attention: the single-query-token half (None: `_decode_attention`, gather then
+            SDPA; `--attention-backend cpu_paged`: pdkv.model.paged_decode, blocks read in place).
 
     Returns:
         [T, num_heads, head_size].
@@ -166,10 +174,11 @@ def paged_attention(
                 enable_gqa=True,
             )
         out[seq.start : seq.end] = o.squeeze(0).transpose(0, 1)
+    decode = decode_attention or _decode_attention
     if meta.all_decode:
-        return _decode_attention(q, kv_cache, meta, scale)
+        return decode(q, kv_cache, meta, scale)
     if meta.decode_token_idx is not None:
-        out[meta.decode_token_idx] = _decode_attention(q[meta.decode_token_idx], kv_cache, meta, scale)
+        out[meta.decode_token_idx] = decode(q[meta.decode_token_idx], kv_cache, meta, scale)
     return out
 
 

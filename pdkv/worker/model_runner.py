@@ -9,6 +9,7 @@ drive a worker in another process.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from pdkv.config import CacheConfig, KVTransferConfig, ModelConfig
 from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.kv_transfer.connector.p2p_compat import MLA_KV_LAYOUT
+from pdkv.model.attention import paged_attention
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
 from pdkv.model.sampler import LogprobEntry, SamplingRow, sample
@@ -88,6 +90,21 @@ class ModelRunner:
 
     KV_LAYOUT = "blocks_layers_kv_tokens_heads_dim"
 
+    def _select_attention(self, model_config: ModelConfig, cache_config: CacheConfig, is_mla: bool) -> str:
+        """Resolve --attention-backend (pdkv.model.paged_decode) and give every layer the decode
+        half it names; returns "torch" or "cpu_paged"."""
+        from pdkv.model.paged_decode import paged_decode_attention, resolve_attention_backend
+
+        backend = resolve_attention_backend(
+            model_config.attention_backend, model_config.device, cache_config.cache_dtype,
+            self.parallel.dcp_size if self.parallel is not None else 1, is_mla,
+        )
+        if backend == "cpu_paged":
+            fn = functools.partial(paged_attention, decode_attention=paged_decode_attention)
+            for layer in self.model.layers:
+                layer.attention = fn
+        return backend
+
     def __init__(
         self,
         model_config: ModelConfig,
@@ -105,6 +122,7 @@ class ModelRunner:
         if model_config.cpu_linear == "onednn":
             self.model.pack_cpu_weights()
         arch = self.model.cfg
+        self.attention_backend = self._select_attention(model_config, cache_config, arch.is_mla)
         if model_config.max_model_len > arch.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={model_config.max_model_len} exceeds the model's "

@@ -1,0 +1,199 @@
+"""Build, cache and load the C++ paged decode-attention op (`csrc/paged_decode.cpp`).
+
+The op is compiled once per machine with `torch.utils.cpp_extension` (gcc + ninja) into
+`$PDKV_CACHE/ext/paged_decode-<key>/` (default `~/.cache/pdkv/ext/...`); <key> hashes the source,
+the compile flags, the torch and Python versions and the CPU's flags, so a changed source, torch
+or machine builds a new copy and never loads a stale one. `make setup` builds it
+(`python -m pdkv.model.paged_decode_build --build`), so test processes only load the `.so`.
+
+The compiler runs in a child process under an exclusive `fcntl.flock` on `<dir>.lock` (released
+by the kernel if the builder dies), with a deadline: two processes never build at once, the
+second loads what the first built. A failed build leaves `<dir>/FAILED` (the compiler's last
+lines); later processes then skip the build (`--build` retries) and the caller falls back to the
+torch path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fopenmp-simd")
+_MODULE = "pdkv.model.paged_decode_build"
+BUILD_TIMEOUT_S = 900.0
+"""Deadline of one build, and of waiting for another process's build (seconds)."""
+
+
+@dataclass(frozen=True)
+class BuildPaths:
+    """Where one version of the op lives.
+
+    Attributes:
+        directory: build directory (ninja files, objects, the `.so`).
+        name: extension name (also the `.so` file's stem).
+    """
+
+    directory: Path
+    name: str
+
+    @property
+    def library(self) -> Path:
+        return self.directory / f"{self.name}.so"
+
+    @property
+    def failed(self) -> Path:
+        return self.directory / "FAILED"
+
+    @property
+    def lock(self) -> Path:
+        return self.directory.with_suffix(".lock")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_paths(cache_dir: str | None = None) -> BuildPaths:
+    """Build directory and name for this source, flags, torch, Python and CPU.
+
+    Args:
+        cache_dir: base cache folder (None: $PDKV_CACHE or ~/.cache/pdkv).
+    """
+    from pdkv.model.registry import cache_dir as cache_root
+
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+                 sys.version.encode(), platform.machine().encode(), _cpu_flags().encode()):
+        h.update(part)
+    key = h.hexdigest()[:16]
+    base = Path(cache_dir or cache_root()) / "ext"
+    return BuildPaths(base / f"paged_decode-{key}", f"pdkv_paged_decode_{key}")
+
+
+def _compile(paths: BuildPaths) -> None:
+    """Compile in this process (called in the child; raises on a compiler error)."""
+    from torch.utils import cpp_extension
+
+    paths.directory.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=paths.name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+        extra_ldflags=["-fopenmp"], build_directory=str(paths.directory),
+        is_python_module=False, verbose=False,
+    )
+
+
+def build(paths: BuildPaths, force: bool = False, timeout_s: float = BUILD_TIMEOUT_S) -> str | None:
+    """Make sure `paths.library` exists: build it under the lock unless present.
+
+    Args:
+        force: build again after a recorded failure.
+        timeout_s: deadline for waiting on the lock plus compiling (seconds).
+
+    Returns:
+        None when the library is there, else why not (one line).
+    """
+    if paths.library.exists():
+        return None
+    if paths.failed.exists() and not force:
+        return f"an earlier build failed (see {paths.failed}; rebuild: python -m {_MODULE} --build)"
+    deadline = time.monotonic() + timeout_s
+    paths.directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(paths.lock, "w") as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return f"timed out after {timeout_s:.0f} s waiting for another build ({paths.lock})"
+                time.sleep(0.2)
+        try:
+            if paths.library.exists():  # another process built it while we waited
+                return None
+            env = dict(os.environ)
+            # ninja from the venv (the `ninja` package) when the venv is not activated.
+            env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+            try:
+                proc = subprocess.run(
+                    [sys.executable, "-m", _MODULE, "--compile", str(paths.directory), paths.name],
+                    env=env, capture_output=True, text=True,
+                    timeout=max(1.0, deadline - time.monotonic()),
+                )
+            except subprocess.TimeoutExpired:
+                return f"build timed out after {timeout_s:.0f} s"
+            if proc.returncode != 0 or not paths.library.exists():
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-20:]
+                paths.directory.mkdir(parents=True, exist_ok=True)
+                paths.failed.write_text("\n".join(tail) + "\n")
+                last = tail[-1] if tail else f"exit status {proc.returncode}"
+                return f"build failed: {last}"
+            if paths.failed.exists():
+                paths.failed.unlink()
+            return None
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def load(cache_dir: str | None = None, allow_build: bool = True) -> str | None:
+    """Load the op into this process (`torch.ops.pdkv.paged_decode`), building it if needed.
+
+    Args:
+        cache_dir: base cache folder (None: $PDKV_CACHE or ~/.cache/pdkv).
+        allow_build: compile when no cached library exists (else report it missing).
+
+    Returns:
+        None when the op is loaded, else why not (one line; the caller warns and falls back).
+    """
+    paths = build_paths(cache_dir)
+    if not paths.library.exists():
+        if not allow_build:
+            return f"not built ({paths.library} missing; build: python -m {_MODULE} --build)"
+        why = build(paths)
+        if why is not None:
+            return why
+    try:
+        torch.ops.load_library(str(paths.library))
+    except OSError as e:
+        return f"loading {paths.library} failed: {e}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pdkv.model.paged_decode_build --build`: build (or rebuild after a failure)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--build", action="store_true", help="build the op if not cached, even after a failure")
+    p.add_argument("--compile", nargs=2, metavar=("DIR", "NAME"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.compile:
+        _compile(BuildPaths(Path(args.compile[0]), args.compile[1]))
+        return 0
+    paths = build_paths()
+    t0 = time.monotonic()
+    why = build(paths, force=args.build)
+    if why is not None:
+        print(f"pdkv paged decode op: {why}; the torch attention path will be used", file=sys.stderr)
+        return 1
+    print(f"pdkv paged decode op: {paths.library} ({time.monotonic() - t0:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
