@@ -35,7 +35,8 @@ def test_prompt_lengths_cover_block_boundaries(parity_prompts):
 
 
 @pytest.mark.matrix("colocated")
-@pytest.mark.parametrize(("cpu_linear", "attention_backend"), [("onednn", "cpu_paged"), ("torch", "torch")])
+@pytest.mark.parametrize(("cpu_linear", "attention_backend"), [pytest.param("onednn", "cpu_paged", id="onednn"),
+                                                              pytest.param("torch", "torch", id="torch")])
 def test_batch_matches_hf(parity_prompts, hf_reference, cpu_linear, attention_backend):
     llm = LLM("smollm2", block_size=16, num_kv_blocks=256, max_model_len=512, cpu_linear=cpu_linear,
               attention_backend=attention_backend)

@@ -60,9 +60,10 @@ def test_parallel_and_connectors_are_refused_at_start_up(tiny_kda_mla):
     from pdkv.parallel.layout import ParallelLayout
     from pdkv.worker.kv_cache import make_kv_cache_config
 
+    # P2P and the pool move its state (tests/kv_transfer/test_pd_kda_mla.py); offload does not.
     with pytest.raises(ValueError, match="does not move linear-attention state"):
         LLM(tiny_kda_mla, cpu_linear="torch", num_kv_blocks=8, max_model_len=64,
-            kv_transfer_config=json.dumps({"kv_connector": "P2PConnector", "kv_role": "kv_producer"}))
+            kv_transfer_config=json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}))
     with pytest.raises(ValueError, match="not supported with linear-attention \\(Kimi Delta Attention\\)"):
         load_model(tiny_kda_mla, "float32", "cpu", ParallelContext(layout=ParallelLayout(tp_size=2), tp_ranks=(0, 1)))
     with pytest.raises(ValueError, match="decode_context_parallel_size=2 is not supported with linear-attention"):
