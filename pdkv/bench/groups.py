@@ -3,7 +3,9 @@ state groups (issue 11, acceptance 4), with the real-size figures of the four hy
 from their published configs.
 
 Measured part: for each model (default `tiny-swa`, sliding window 40 on two of its four layers,
-`tiny-mla`, DeepSeek-V3-style latent attention (48 + 16 floats a token and layer), and
+`tiny-mla`, DeepSeek-V3-style latent attention (48 + 16 floats a token and layer), `tiny-gdn`
+(Gated DeltaNet linear state on two layers: one state slot whatever the prompt, plus full
+attention), `tiny-kda-mla` (KDA linear state + MLA), and
 `tiny-llama-kv2`, the same hidden size, heads and layers with full attention everywhere: the
 peer), a P and a D engine
 in this process wired by the P2P connector (`--transfer`, tcp by default; pdkv.bench.pd_legs).
@@ -15,9 +17,8 @@ Ratios are against the peer model at the same prompt length, measured in the sam
 Real-size part (torch-free, no model loaded): per group of Gemma-3-27B, DeepSeek-V3,
 Qwen3-Next-80B-A3B and Kimi-Linear-48B-A3B (pdkv/plan/configs/), bytes per token or per request
 and bytes held at each prompt length, as `pdkv plan` sizes them (tp 1, the config's dtype).
-pdkv runs sliding-window and MLA (tiny-mla: dense MLPs; DeepSeek-V3's MoE is not implemented)
-models today; linear-attention state is the next step of issue 11, so those rows come from the
-cost model only.
+pdkv runs all four state kinds on its tiny models (dense MLPs: the real families' MoE layers are
+not implemented), so those rows come from the cost model only.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from pdkv.bench.hetero_report import median_seconds
 from pdkv.bench.pd_legs import NEW_TOKENS, PDEngines, decode, prefill, settle
 from pdkv.bench.results import parse_ints, write_result_json
 
-DEFAULT_MODELS = ("tiny-swa", "tiny-mla", "tiny-llama-kv2")
+DEFAULT_MODELS = ("tiny-swa", "tiny-mla", "tiny-gdn", "tiny-kda-mla", "tiny-llama-kv2")
 PEER = "tiny-llama-kv2"
 DEFAULT_PROMPT_LENS = (1024, 4096)
 BLOCK_SIZE = 16
@@ -53,8 +54,10 @@ def _group_plan(llm: Any, num_tokens: int) -> list[dict[str, Any]]:
     rows = []
     for g, (group, window) in enumerate(zip(kv.groups, kv.sliding_windows)):
         bs, bb = group.spec.block_size, kv.block_bytes(g)
+        linear = group.spec.kind == "linear_state"  # a block is a state slot: bytes per request
         rows.append({"kind": group.spec.kind, "layers": len(group.layer_indices), "window": window,
-                     "blocks": blocks_moved(num_tokens, bs, window), "block_bytes": bb, "bytes_per_token": bb // bs})
+                     "blocks": blocks_moved(num_tokens, bs, window, per_request=linear), "block_bytes": bb,
+                     "bytes_per_token": 0 if linear else bb // bs})
     return rows
 
 

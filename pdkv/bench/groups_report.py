@@ -5,7 +5,8 @@ P2P connector moves per KV cache group, and the tables.
 Formulas (docs/ARCHITECTURE.md "State groups"): for an n-token prompt in blocks of bs tokens, a
 full-attention group moves ⌈n / bs⌉ blocks; a sliding-window group (window W) moves the blocks
 from (B − W + 1) // bs on, B = ⌊(n − 1) / bs⌋·bs (the window of the token D resumes at and of a
-later prefix hit of B tokens), so at most ⌈(W − 1) / bs⌉ + 1 blocks whatever n.
+later prefix hit of B tokens), so at most ⌈(W − 1) / bs⌉ + 1 blocks whatever n; a linear-state
+group moves one state slot (the state after all n tokens) whatever n.
 """
 
 from __future__ import annotations
@@ -23,15 +24,18 @@ from pdkv.plan.resolve import load_config
 REAL_MODELS = ("gemma-3-27b", "deepseek-v3", "qwen3-next-80b-a3b", "kimi-linear-48b-a3b")
 
 
-def blocks_moved(num_tokens: int, block_size: int, window: int | None) -> int:
+def blocks_moved(num_tokens: int, block_size: int, window: int | None, per_request: bool = False) -> int:
     """Blocks of one group D pulls for an n-token prompt (no local hits): all ⌈n / bs⌉ for full
-    attention, the window rule above for a sliding-window group.
+    attention (and MLA), the window rule above for a sliding-window group, and one state slot
+    for a linear-state group (`per_request`: the state after all n tokens, whatever n).
 
     Raises:
         ValueError: num_tokens < 1 or block_size < 1.
     """
     if num_tokens < 1 or block_size < 1:
         raise ValueError(f"num_tokens ({num_tokens}) and block_size ({block_size}) must be >= 1")
+    if per_request:
+        return 1
     return -(-num_tokens // block_size) - window_first_block(num_tokens - 1, block_size, window)
 
 

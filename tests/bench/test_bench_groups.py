@@ -61,3 +61,19 @@ def test_tiny_swa_pull_moves_the_formula_bytes(tiny_swa):
     kinds = {g["kind"]: g for g in row["groups"]}
     assert kinds["full_attention"]["blocks"] == 10 and kinds["sliding_window"]["blocks"] == 4
     assert row["bytes_received"] == row["formula_bytes"] == 14 * kinds["full_attention"]["block_bytes"]
+
+
+def test_blocks_moved_of_a_linear_state_group_is_one_slot():
+    assert [blocks_moved(n, 16, None, per_request=True) for n in (1, 16, 150, 4096)] == [1, 1, 1, 1]
+
+
+@pytest.mark.slow
+def test_tiny_gdn_pull_moves_the_blocks_and_one_slot(tiny_gdn):
+    from pdkv.bench.groups import run_model
+
+    (row,) = run_model(tiny_gdn, [150], repeats=1, transfer="tcp", seed=0, num_threads=1)
+    kinds = {g["kind"]: g for g in row["groups"]}
+    assert kinds["full_attention"]["blocks"] == 10 and kinds["linear_state"]["blocks"] == 1
+    assert kinds["linear_state"]["bytes_per_token"] == 0
+    assert row["bytes_received"] == row["formula_bytes"] == (
+        10 * kinds["full_attention"]["block_bytes"] + kinds["linear_state"]["block_bytes"])
