@@ -26,10 +26,11 @@ from torch import nn
 
 from pdkv.model.arch_config import LINEAR, LlamaArchConfig, attention_groups
 from pdkv.model.deepseek import MLALayer
-from pdkv.model.gated_delta import LinearStateMetadata, causal_conv, causal_conv_step
+from pdkv.model.gated_delta import LinearStateMetadata
 from pdkv.model.kimi_delta import kda_rule, kda_step
 from pdkv.model.llama import LlamaForCausalLM, linear, rms_norm, rope_cos_sin
 from pdkv.model.qwen3_next import _MLPMixin, _param
+from pdkv.model.state_slots import StateSlotMixin
 from pdkv.parallel.context import ParallelContext
 
 
@@ -40,7 +41,7 @@ class KimiMLALayer(MLALayer):
         return x
 
 
-class KDALayer(_MLPMixin):
+class KDALayer(_MLPMixin, StateSlotMixin):
     """Kimi Delta Attention layer + dense MLP; its state is one slot per request in the
     linear-state group (see the module docstring for the byte layout)."""
 
@@ -61,47 +62,13 @@ class KDALayer(_MLPMixin):
         self.o_norm = _param(self.d, dtype=dtype)
         self.o_proj = _param(h, width, dtype=dtype)
         self.conv_bytes = self.conv_dim * (self.kernel - 1) * dtype.itemsize
+        self.rec_shape = (self.heads, self.d, self.d)
 
-    def state_views(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's [slots, bytes] uint8 state -> (conv [slots, 3 x heads x d, K - 1] in the
-        model dtype, recurrent [slots, heads, d, d] float32), views into it."""
-        s = state.shape[0]
-        conv = state[:, : self.conv_bytes].view(self.dtype).view(s, self.conv_dim, self.kernel - 1)
-        rec = state[:, self.conv_bytes :].view(torch.float32).view(s, self.heads, self.d, self.d)
-        return conv, rec
+    chunk_rule = staticmethod(kda_rule)
+    step_rule = staticmethod(kda_step)
 
-    def _qkv(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def split_qkv(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(x.reshape(c.shape[0], self.heads, self.d) for x in c.chunk(3, dim=-1))  # type: ignore[return-value]
-
-    def _run_request(self, start: int, src: int, segments: tuple[tuple[int, int], ...], mixed: torch.Tensor,
-                     g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
-                     out: torch.Tensor) -> None:
-        """One request's tokens from its source state (zero when src < 0), segment by segment,
-        each segment's final state written to its slot."""
-        if src < 0:
-            conv, rec = torch.zeros_like(conv_state[0]), torch.zeros_like(rec_state[0])
-        else:
-            conv, rec = conv_state[src], rec_state[src]
-        at = start
-        for length, dst in segments:
-            rows = slice(at, at + length)
-            c, conv = causal_conv(mixed[rows], conv, self.conv)
-            q, k, v = self._qkv(c)
-            out[rows], rec = kda_rule(q, k, v, g[rows], beta[rows], rec)
-            conv_state[dst], rec_state[dst] = conv, rec
-            at += length
-
-    def _decode_batch(self, decodes: list[tuple[int, int, int]], mixed: torch.Tensor, g: torch.Tensor,
-                      beta: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
-                      out: torch.Tensor) -> None:
-        """One token each of (flat row, source slot, destination slot) requests, batched."""
-        if not decodes:
-            return
-        rows, src, dst = (torch.tensor(col, dtype=torch.long, device=mixed.device) for col in zip(*decodes))
-        c, conv = causal_conv_step(mixed[rows], conv_state[src], self.conv)
-        q, k, v = self._qkv(c)
-        out[rows], rec = kda_step(q, k, v, g[rows], beta[rows], rec_state[src])
-        conv_state[dst], rec_state[dst] = conv.to(conv_state.dtype), rec
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: torch.Tensor,
                 meta: LinearStateMetadata) -> torch.Tensor:
@@ -115,17 +82,8 @@ class KDALayer(_MLPMixin):
         soft = torch.where(raw > 20.0, raw, torch.log(1.0 + torch.exp(raw)))
         g = (-self.a_log.float().exp()[:, None] * soft.view(t, self.heads, self.d))
         beta = linear(x, self.b_proj, None).sigmoid()
-        conv_state, rec_state = self.state_views(state)
         out = torch.empty(t, self.heads, self.d, dtype=torch.float32, device=hidden.device)
-        decodes: list[tuple[int, int, int]] = []
-        for start, n, src, segments in meta.requests:
-            if n == 1 and src >= 0:
-                decodes.append((start, src, segments[0][1]))
-                continue
-            self._decode_batch(decodes, mixed, g, beta, conv_state, rec_state, out)
-            decodes = []
-            self._run_request(start, src, segments, mixed, g, beta, conv_state, rec_state, out)
-        self._decode_batch(decodes, mixed, g, beta, conv_state, rec_state, out)
+        self.run_state(meta, mixed, g, beta, state, out)
         gate = linear(linear(x, self.g_a, None), self.g_b, None).view(t, self.heads, self.d)
         o = out.to(hidden.dtype).float()
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.float()

@@ -30,12 +30,11 @@ from pdkv.model.arch_config import LINEAR, LlamaArchConfig, attention_groups
 from pdkv.model.attention import AttentionMetadata, paged_attention
 from pdkv.model.gated_delta import (
     LinearStateMetadata,
-    causal_conv,
-    causal_conv_step,
     gated_delta_rule,
     recurrent_step,
 )
 from pdkv.model.llama import LlamaForCausalLM, apply_rope, linear, rms_norm, rope_cos_sin
+from pdkv.model.state_slots import StateSlotMixin
 from pdkv.parallel.context import ParallelContext
 
 
@@ -95,7 +94,7 @@ class GatedAttentionLayer(_MLPMixin):
         return self._mlp(hidden)
 
 
-class GatedDeltaNetLayer(_MLPMixin):
+class GatedDeltaNetLayer(_MLPMixin, StateSlotMixin):
     """Qwen3-Next linear-attention layer (Gated DeltaNet) + dense MLP; its state is one slot per
     request in the linear-state group (see the module docstring for the byte layout)."""
 
@@ -114,14 +113,13 @@ class GatedDeltaNetLayer(_MLPMixin):
         self.norm = _param(self.dv, dtype=dtype)
         self.out_proj = _param(h, value, dtype=dtype)
         self.conv_bytes = self.conv_dim * (self.kernel - 1) * dtype.itemsize
+        self.rec_shape = (self.nv, self.dk, self.dv)
 
-    def state_views(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's [slots, bytes] uint8 state -> (conv [slots, conv_dim, K - 1] in the model
-        dtype, recurrent [slots, value heads, dk, dv] float32), views into it."""
-        s = state.shape[0]
-        conv = state[:, : self.conv_bytes].view(self.dtype).view(s, self.conv_dim, self.kernel - 1)
-        rec = state[:, self.conv_bytes :].view(torch.float32).view(s, self.nv, self.dk, self.dv)
-        return conv, rec
+    chunk_rule = staticmethod(gated_delta_rule)
+    step_rule = staticmethod(recurrent_step)
+
+    def split_qkv(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _qkv(self, c)
 
     def _split(self, proj: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """HF's fix_query_key_value_ordering: per key-head group [q, k, v, z] and [b, a]."""
@@ -133,37 +131,6 @@ class GatedDeltaNetLayer(_MLPMixin):
         b, a = ba[..., :r].reshape(t, self.nv), ba[..., r:].reshape(t, self.nv)
         return q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), z.reshape(t, self.nv, self.dv), b, a
 
-    def _run_request(self, start: int, src: int, segments: tuple[tuple[int, int], ...], mixed: torch.Tensor,
-                     g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
-                     out: torch.Tensor) -> None:
-        """One request's tokens from its source state (zero when src < 0), segment by segment,
-        each segment's final state written to its slot."""
-        if src < 0:
-            conv, rec = torch.zeros_like(conv_state[0]), torch.zeros_like(rec_state[0])
-        else:
-            conv, rec = conv_state[src], rec_state[src]
-        at = start
-        for length, dst in segments:
-            rows = slice(at, at + length)
-            c, conv = causal_conv(mixed[rows], conv, self.conv)
-            qr, kr, vr = _qkv(self, c)
-            out[rows], rec = gated_delta_rule(qr, kr, vr, g[rows], beta[rows], rec)
-            conv_state[dst], rec_state[dst] = conv, rec
-            at += length
-
-    def _decode_batch(self, decodes: list[tuple[int, int, int]], mixed: torch.Tensor, g: torch.Tensor,
-                      beta: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
-                      out: torch.Tensor) -> None:
-        """One token each of (flat row, source slot, destination slot) requests, batched."""
-        if not decodes:
-            return
-        dev = mixed.device
-        rows, src, dst = (torch.tensor(col, dtype=torch.long, device=dev) for col in zip(*decodes))
-        c, conv = causal_conv_step(mixed[rows], conv_state[src], self.conv)
-        qr, kr, vr = _qkv(self, c)
-        out[rows], rec = recurrent_step(qr, kr, vr, g[rows], beta[rows], rec_state[src])
-        conv_state[dst], rec_state[dst] = conv.to(conv_state.dtype), rec
-
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: torch.Tensor,
                 meta: LinearStateMetadata) -> torch.Tensor:
         """hidden: [T, hidden] -> [T, hidden]; state: this layer's [slots, bytes] uint8 (each
@@ -174,19 +141,8 @@ class GatedDeltaNetLayer(_MLPMixin):
         mixed = torch.cat((q, k, v), dim=-1)
         beta = b.sigmoid()
         g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        conv_state, rec_state = self.state_views(state)
         out = torch.empty(hidden.shape[0], self.nv, self.dv, dtype=torch.float32, device=hidden.device)
-        # Runs of consecutive decodes (one token from an existing state) go as one batch; requests
-        # keep their batch order (a checkpoint written earlier in a step is read after).
-        decodes: list[tuple[int, int, int]] = []
-        for start, n, src, segments in meta.requests:
-            if n == 1 and src >= 0:
-                decodes.append((start, src, segments[0][1]))
-                continue
-            self._decode_batch(decodes, mixed, g, beta, conv_state, rec_state, out)
-            decodes = []
-            self._run_request(start, src, segments, mixed, g, beta, conv_state, rec_state, out)
-        self._decode_batch(decodes, mixed, g, beta, conv_state, rec_state, out)
+        self.run_state(meta, mixed, g, beta, state, out)
         o = out.to(hidden.dtype).reshape(-1, self.dv)
         normed = rms_norm_gated(o, self.norm, z.reshape(-1, self.dv), self.eps)
         hidden = hidden + linear(normed.reshape(hidden.shape[0], -1), self.out_proj, None)
