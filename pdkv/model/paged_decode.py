@@ -74,7 +74,13 @@ def paged_decode(
 def paged_decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Drop-in for `pdkv.model.attention._decode_attention`: q [B, H, D] -> [B, H, D]."""
+    """Drop-in for `pdkv.model.attention._decode_attention`: q [B, H, D] -> [B, H, D]. A cache
+    that is not one plain tensor (a quantized cache's values + scales) or lives off the CPU goes
+    to the torch path: the op reads plain CPU K/V only."""
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.device.type != "cpu":
+        from pdkv.model.attention import _decode_attention
+
+        return _decode_attention(q, kv_cache, meta, scale)
     assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
     out, _ = paged_decode(q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
                           meta.sliding_window)
