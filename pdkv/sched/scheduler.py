@@ -24,9 +24,7 @@ from pdkv.kv_transfer.connector.base import KVConnectorBase
 from pdkv.request import Request, RequestStatus
 from pdkv.sched.kv_connector_state import KVConnectorState
 from pdkv.sched.output import (
-    CachedRequestData,
     ModelRunnerOutput,
-    NewRequestData,
     RequestUpdate,
     SchedulerOutput,
     SchedulerStats,
@@ -188,7 +186,7 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            self._add_scheduled(request, num_new, new_blocks, plan)
+            plan.add(request, new_blocks.get_block_ids(), self.kv_cache_manager.get_block_ids, self._worker_known)
             plan.spend(request.request_id, num_new, prefill=remaining > 1)
             idx += 1
 
@@ -273,7 +271,7 @@ class Scheduler:
                 request.times.first_scheduled = now
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._add_scheduled(request, num_new, new_blocks, plan)
+            plan.add(request, new_blocks.get_block_ids(), self.kv_cache_manager.get_block_ids, self._worker_known)
             plan.spend(request.request_id, num_new, prefill=is_prefill)
         self.waiting.extendleft(reversed(skipped))
 
@@ -326,35 +324,6 @@ class Scheduler:
             self._handed_over.append(RequestUpdate(request, request.output_token_ids[-1:], None, done))
         self.kv_state.handed_over = []
         return finished
-
-    def _add_scheduled(
-        self,
-        request: Request,
-        num_new: int,
-        new_blocks: KVCacheBlocks,
-        plan: StepPlan,
-    ) -> None:
-        req_id = request.request_id
-        if req_id in self._worker_known:
-            plan.cached_reqs.append(
-                CachedRequestData(
-                    req_id=req_id,
-                    new_block_ids=new_blocks.get_block_ids(),
-                    num_computed_tokens=request.num_computed_tokens,
-                )
-            )
-        else:
-            self._worker_known.add(req_id)
-            plan.new_reqs.append(
-                NewRequestData(
-                    req_id=req_id,
-                    token_ids=list(request.all_token_ids),
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    sampling_params=request.sampling_params,
-                    block_ids=self.kv_cache_manager.get_block_ids(req_id),
-                    num_computed_tokens=request.num_computed_tokens,
-                )
-            )
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: free the blocks and requeue at the front."""

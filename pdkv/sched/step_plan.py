@@ -4,7 +4,7 @@ tokens given to each request."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pdkv.config import SchedulerConfig
@@ -50,3 +50,18 @@ class StepPlan:
         self.tokens_left -= n
         if prefill and self.prefill_left is not None:
             self.prefill_left -= n
+
+    def add(self, request: Request, new_block_ids: tuple[list[int], ...],
+            block_ids_of: Callable[[str], tuple[list[int], ...]], worker_known: set[str]) -> None:
+        """The worker's view of a scheduled request: in full the first time (`worker_known`
+        gains its id), else as a delta of the blocks it got this step."""
+        req_id = request.request_id
+        if req_id in worker_known:
+            self.cached_reqs.append(CachedRequestData(
+                req_id=req_id, new_block_ids=new_block_ids, num_computed_tokens=request.num_computed_tokens))
+        else:
+            worker_known.add(req_id)
+            self.new_reqs.append(NewRequestData(
+                req_id=req_id, token_ids=list(request.all_token_ids), num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=request.sampling_params, block_ids=block_ids_of(req_id),
+                num_computed_tokens=request.num_computed_tokens))
