@@ -9,7 +9,14 @@ t // block_size) of layer l, K (k = 0) or V (k = 1) starts at
     block_id × block_bytes + ((l × 2 + k) × block_size + s) × row_bytes
 
 with row_bytes = num_kv_heads × head_size × dtype bytes and block_bytes = num_layers × 2 ×
-block_size × row_bytes. With different block sizes a producer block is not a contiguous part of
+block_size × row_bytes. A quantized page (`--kv-cache-dtype int8 | fp8`, docs/ARCHITECTURE.md
+"Quantized KV cache") holds, per layer, two such planes one after the other: 1-byte values
+(row H·D bytes), then float32 scales (row H·4 bytes); with row sizes r_0, r_1, ... per plane a
+layer's page is 2 × block_size × Σ r_i bytes and plane i's row (k, s) of layer l starts at
+
+    block_id × block_bytes + l × page + 2 × block_size × Σ_{j<i} r_j + (k × block_size + s) × r_i
+
+With different block sizes a producer block is not a contiguous part of
 a consumer block, but for each (layer, K/V) the rows of a run of tokens that lies inside one
 producer block and one consumer block are contiguous on both sides: one copy per such run.
 Copies contiguous on both sides are merged (equal block sizes give whole-block copies).
@@ -34,7 +41,7 @@ class Copy(NamedTuple):
 
 
 def plan_reblock(p_block_ids: Sequence[int], p_block_size: int, d_block_ids: Sequence[int], d_block_size: int,
-                 num_layers: int, row_bytes: int, first_token: int, end_token: int,
+                 num_layers: int, row_bytes: int | Sequence[int], first_token: int, end_token: int,
                  p_first_block: int = 0, d_first_block: int = 0) -> list[Copy]:
     """The copies that move tokens [first_token, end_token) of every layer's K and V.
 
@@ -45,7 +52,8 @@ def plan_reblock(p_block_ids: Sequence[int], p_block_size: int, d_block_ids: Seq
         d_block_ids: consumer block ids, d_block_ids[i] for block index d_first_block + i.
         num_layers: layers in each block.
         row_bytes: bytes of one token of one layer's K (or V): num_kv_heads × head_size × dtype
-            bytes.
+            bytes; or one such size per plane of a layer's page, in page order (a quantized
+            page: (H·D, H·4), values then scales).
         first_token, end_token: the absolute token range to move (end exclusive).
 
     Returns:
@@ -58,7 +66,8 @@ def plan_reblock(p_block_ids: Sequence[int], p_block_size: int, d_block_ids: Seq
         ValueError: a non-positive size, an empty or negative range, or a token of the range
             that no given block holds.
     """
-    if min(p_block_size, d_block_size, num_layers, row_bytes) <= 0:
+    rows = [row_bytes] if isinstance(row_bytes, int) else list(row_bytes)
+    if not rows or min(p_block_size, d_block_size, num_layers, *rows) <= 0:
         raise ValueError("block sizes, num_layers and row_bytes must be positive")
     if not 0 <= first_token < end_token:
         raise ValueError(f"token range [{first_token}, {end_token}) is empty or negative")
@@ -70,8 +79,8 @@ def plan_reblock(p_block_ids: Sequence[int], p_block_size: int, d_block_ids: Seq
     if first_token < d_first_block * d_block_size or end_token > d_end:
         raise ValueError(f"consumer blocks cover [{d_first_block * d_block_size}, {d_end}), "
                          f"not [{first_token}, {end_token})")
-    p_bb = num_layers * 2 * p_block_size * row_bytes
-    d_bb = num_layers * 2 * d_block_size * row_bytes
+    p_bb = num_layers * 2 * p_block_size * sum(rows)
+    d_bb = num_layers * 2 * d_block_size * sum(rows)
     if p_block_size == d_block_size and first_token % p_block_size == 0:
         return _whole_blocks(p_block_ids, d_block_ids, p_first_block, d_first_block,
                              first_token // p_block_size, -(-end_token // p_block_size), p_bb)
@@ -83,9 +92,14 @@ def plan_reblock(p_block_ids: Sequence[int], p_block_size: int, d_block_ids: Seq
         n = min(end_token - t, p_block_size - ps, d_block_size - ds)
         p_base = p_block_ids[pi - p_first_block] * p_bb
         d_base = d_block_ids[di - d_first_block] * d_bb
-        for lk in range(num_layers * 2):
-            _append(copies, Copy(p_base + (lk * p_block_size + ps) * row_bytes,
-                                 d_base + (lk * d_block_size + ds) * row_bytes, n * row_bytes))
+        for layer in range(num_layers):
+            p_at, d_at = p_base + layer * p_bb // num_layers, d_base + layer * d_bb // num_layers
+            for row in rows:  # the page's planes, in order
+                for k in range(2):
+                    _append(copies, Copy(p_at + (k * p_block_size + ps) * row, d_at + (k * d_block_size + ds) * row,
+                                         n * row))
+                p_at += 2 * p_block_size * row
+                d_at += 2 * d_block_size * row
         t += n
     return copies
 

@@ -138,7 +138,8 @@ def plan_segment_reads(segment_sizes: Sequence[int], p_tp: int, d_tp: int) -> di
 
 
 def plan_head_copies(p_block_ids: Sequence[int], d_block_ids: Sequence[int], block_size: int, num_layers: int,
-                     head_bytes: int, p_heads: int, d_heads: int, reads: Sequence[HeadRead]) -> list[Copy]:
+                     head_bytes: int | Sequence[int], p_heads: int, d_heads: int,
+                     reads: Sequence[HeadRead]) -> list[Copy]:
     """The byte copies that fill the consumer's heads of blocks `d_block_ids` from the producer's
     `p_block_ids` (paired in order, equal block sizes), for `reads` (one producer rank's, from
     plan_head_reads).
@@ -146,7 +147,12 @@ def plan_head_copies(p_block_ids: Sequence[int], d_block_ids: Sequence[int], blo
     Byte offsets (from each region's start) follow the block layout: head h of token slot s of
     layer l, K (k = 0) or V (k = 1) of block b starts at
     b × block_bytes + (((l × 2 + k) × block_size + s) × heads + h) × head_bytes, with
-    block_bytes = num_layers × 2 × block_size × heads × head_bytes on each side.
+    block_bytes = num_layers × 2 × block_size × heads × head_bytes on each side. With one
+    head_bytes per plane (u_0, u_1, ...: a quantized page holds, per layer, the 1-byte values,
+    u_0 = head_size, then the float32 scales, u_1 = 4) a layer's page is 2 × block_size × heads ×
+    Σ u_i bytes and plane i's head h of row (k, s) starts at
+    b × block_bytes + l × page + 2 × block_size × heads × Σ_{j<i} u_j + ((k × block_size + s) ×
+    heads + h) × u_i.
 
     Returns:
         Copies in producer order, merged when contiguous on both sides (whole blocks when every
@@ -156,22 +162,26 @@ def plan_head_copies(p_block_ids: Sequence[int], d_block_ids: Sequence[int], blo
         ValueError: a non-positive size, lists of different lengths, or a read outside either
             side's heads.
     """
-    if min(block_size, num_layers, head_bytes, p_heads, d_heads) <= 0:
+    units = [head_bytes] if isinstance(head_bytes, int) else list(head_bytes)
+    if not units or min(block_size, num_layers, p_heads, d_heads, *units) <= 0:
         raise ValueError("block_size, num_layers, head_bytes and head counts must be positive")
     if len(p_block_ids) != len(d_block_ids):
         raise ValueError(f"{len(p_block_ids)} producer blocks paired with {len(d_block_ids)} consumer blocks")
     for r in reads:
         if r.count < 1 or r.p_head < 0 or r.d_head < 0 or r.p_head + r.count > p_heads or r.d_head + r.count > d_heads:
             raise ValueError(f"{r} lies outside the producer's {p_heads} or the consumer's {d_heads} local heads")
-    p_row, d_row = p_heads * head_bytes, d_heads * head_bytes
-    rows = num_layers * 2 * block_size
+    rows = 2 * block_size  # rows of one plane of one layer
+    p_bb, d_bb = num_layers * rows * p_heads * sum(units), num_layers * rows * d_heads * sum(units)
     copies: list[Copy] = []
     for pb, db in zip(p_block_ids, d_block_ids):
-        for row in range(rows):
-            p_at, d_at = pb * rows * p_row + row * p_row, db * rows * d_row + row * d_row
-            for r in reads:
-                append_merged(copies, Copy(p_at + r.p_head * head_bytes, d_at + r.d_head * head_bytes,
-                                           r.count * head_bytes))
+        p_at, d_at = pb * p_bb, db * d_bb
+        for _ in range(num_layers):
+            for unit in units:  # the page's planes, in order
+                for _row in range(rows):
+                    for r in reads:
+                        append_merged(copies, Copy(p_at + r.p_head * unit, d_at + r.d_head * unit, r.count * unit))
+                    p_at += p_heads * unit
+                    d_at += d_heads * unit
     return copies
 
 

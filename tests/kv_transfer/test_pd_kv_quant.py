@@ -6,8 +6,11 @@ acceptance 3), on tiny-llama-kv2 (4 layers, 2 KV heads of 32):
 - a KV pool (DRAM tier) cold == hot == colocated, with whole chunks hit;
 - a quantized P into an unquantized D (kv_cache_dtype auto) is converted losslessly: D reads the
   quantized blocks (the same bytes) and stores value × scale, bit for bit P's dequantized KV;
-- an unquantized P into a quantized D is refused naming both values; re-blocking and KV-head
-  re-sharding of quantized pages are refused naming why; the pool namespace differs per dtype."""
+- P (block 16) into D (block 32) of the same dtype re-blocks both planes of the page (values and
+  scales) by token position: D's tokens equal the colocated ones;
+- an unquantized P into a quantized D is refused naming both values; dequantizing on arrival
+  together with re-blocking, re-sharding or DCP is refused naming why; the pool namespace
+  differs per dtype. (Quantized re-sharding P tp 1 -> D tp 2: tests/parallel/test_pd_reshard.py.)"""
 
 from __future__ import annotations
 
@@ -102,14 +105,16 @@ def test_conversions_of_quantized_pages_are_refused_and_pool_namespaces_differ(e
     runner = p.llm_engine.runner
     mine = dict(runner.layout)
     assert quantized_conversion_error(mine, {"layout": mine}) == ""
-    msg = quantized_conversion_error(mine, {"layout": {**mine, "block_size": 32}})
-    assert "block_size=16" in msg and "block_size=32" in msg and "re-blocking quantized KV" in msg
-    msg = quantized_conversion_error({**mine, "tp_size": 2, "num_local_kv_heads": 1}, {"layout": mine})
-    assert "re-sharding quantized KV heads" in msg and "tp_size=2" in msg
+    # Equal dtypes: re-blocking and re-sharding convert (both planes of the page are planned).
+    assert quantized_conversion_error(mine, {"layout": {**mine, "block_size": 32}}) == ""
+    assert quantized_conversion_error({**mine, "tp_size": 2, "num_local_kv_heads": 1}, {"layout": mine}) == ""
     auto = {**mine, "kv_cache_dtype": "auto"}
     assert quantized_conversion_error(auto, {"layout": {**auto, "block_size": 32}}) == ""  # not quantized
-    # Dequantizing on arrival takes whole blocks only: not with re-blocking or into DCP.
-    assert "re-blocking quantized KV" in quantized_conversion_error(auto, {"layout": {**mine, "block_size": 32}})
+    # Dequantizing on arrival takes whole blocks only: not with re-blocking, re-sharding or into DCP.
+    msg = quantized_conversion_error(auto, {"layout": {**mine, "block_size": 32}})
+    assert "block_size=16" in msg and "block_size=32" in msg and "re-blocking while dequantizing" in msg
+    msg = quantized_conversion_error({**auto, "tp_size": 2, "num_local_kv_heads": 1}, {"layout": mine})
+    assert "re-sharding while dequantizing" in msg and "tp_size=2" in msg
     assert "DCP" in quantized_conversion_error({**auto, "dcp_size": 2}, {"layout": mine})
     quant = PoolNamespace.from_layout(mine, runner.kv_cache_config, CHUNK)
     plain_cfg = runner.kv_cache_config.__class__(
@@ -172,3 +177,25 @@ def test_quantized_producer_into_an_unquantized_decode_is_dequantized_on_arrival
             assert torch.equal(d_layer[:, db.block_id], want)
     assert cached == len(ids) // BS
     pump([p, d_auto], lambda: idle(p, d_auto))
+
+
+@pytest.mark.matrix("quantized-kv", model="tiny-llama-kv2")
+def test_reblocked_quantized_pd_equals_colocated(engines, tiny_llama_kv2):
+    """P (block 16) -> D (block 32), both `dtype`: D maps values and scales rows by token
+    position; tokens equal the colocated engine's, and D receives each prompt token's rows of
+    both planes, every layer (all but the part D recomputes: here nothing, a fresh D)."""
+    dtype, p, _, _, prompts, refs, _ = engines
+    d32 = LLM(tiny_llama_kv2, cpu_linear="torch", num_kv_blocks=24, max_model_len=256, block_size=32,
+              kv_cache_dtype=dtype, kv_transfer_config=pd_config("kv_consumer", "tcp"))
+    try:
+        assert p.reset_prefix_cache()
+        stats = d32.llm_engine.scheduler.kv_stats
+        params = [prefill(p, {"prompt_token_ids": ids}).kv_transfer_params for ids in prompts]
+        before = stats.get("kv_bytes_received", 0.0)
+        outs = decode(p, d32, [{"prompt_token_ids": ids} for ids in prompts], params, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == refs
+        token_bytes = LAYERS * 2 * HEADS * (HEAD + 4)  # values + one float32 scale per head, K and V
+        assert stats["kv_bytes_received"] - before == sum(PROMPT_LENS) * token_bytes
+        pump([p, d32], lambda: idle(p, d32))
+    finally:
+        shutdown(d32)

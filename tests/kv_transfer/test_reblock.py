@@ -106,3 +106,63 @@ def test_sixteen_to_thirty_two_is_one_copy_per_layer_kv_and_p_block():
 def test_ranges_the_blocks_do_not_cover_are_refused(first, end, pf, df, np_, nd):
     with pytest.raises(ValueError):
         plan_reblock(list(range(np_)), 16, list(range(nd)), 32, LAYERS, ROW, first, end, pf, df)
+
+
+# ------------------------------------------------------------------ quantized pages: two planes
+VALUES, SCALES = 6, 2  # bytes of one token row in each plane (1-byte values, then scales)
+
+
+def quant_row_at(block_id: int, bs: int, layer: int, plane: int, kv: int, slot: int) -> int:
+    page = 2 * bs * (VALUES + SCALES)
+    base = 2 * bs * VALUES if plane else 0
+    return block_id * LAYERS * page + layer * page + base + (kv * bs + slot) * (SCALES if plane else VALUES)
+
+
+def quant_marker(layer: int, plane: int, kv: int, token: int) -> bytes:
+    n = SCALES if plane else VALUES
+    return bytes((layer * 37 + plane * 101 + kv * 53 + token * 7 + i) % 251 + 1 for i in range(n))
+
+
+@pytest.mark.parametrize(("p_bs", "d_bs"), SIZES)
+def test_quantized_pages_move_values_and_scales_rows_of_every_token(p_bs, d_bs):
+    """A page of two planes (values rows of 6 bytes, then scale rows of 2): after the copies every
+    token of the range has both rows at D's (block, layer, plane, K/V, slot), nothing else is
+    written (beyond whole blocks at equal sizes), and the byte count is tokens × layers × 2 × 8."""
+    rng = random.Random(7 * p_bs + d_bs)
+    nblocks = 24
+    for _ in range(8):
+        end = rng.randint(1, 150)
+        first = rng.choice([0, rng.randrange(end)])
+        p_first, d_first = first // p_bs, first // d_bs
+        p_ids = rng.sample(range(nblocks), -(-end // p_bs) - p_first)
+        d_ids = rng.sample(range(nblocks), -(-end // d_bs) - d_first)
+        src = bytearray(b"\xee" * (nblocks * LAYERS * 2 * p_bs * (VALUES + SCALES)))
+        for i, b in enumerate(p_ids):
+            for slot in range(p_bs):
+                t = (p_first + i) * p_bs + slot
+                for layer in range(LAYERS):
+                    for plane in range(2):
+                        for kv in range(2):
+                            off = quant_row_at(b, p_bs, layer, plane, kv, slot)
+                            src[off : off + (SCALES if plane else VALUES)] = quant_marker(layer, plane, kv, t)
+        dst = bytearray(b"\xee" * (nblocks * LAYERS * 2 * d_bs * (VALUES + SCALES)))
+        copies = plan_reblock(p_ids, p_bs, d_ids, d_bs, LAYERS, (VALUES, SCALES), first, end, p_first, d_first)
+        for c in copies:
+            dst[c.local_offset : c.local_offset + c.nbytes] = src[c.remote_offset : c.remote_offset + c.nbytes]
+        written = set()
+        for t in range(first, end):
+            b = d_ids[t // d_bs - d_first]
+            for layer in range(LAYERS):
+                for plane in range(2):
+                    for kv in range(2):
+                        off = quant_row_at(b, d_bs, layer, plane, kv, t % d_bs)
+                        n = SCALES if plane else VALUES
+                        assert dst[off : off + n] == quant_marker(layer, plane, kv, t), (t, layer, plane, kv)
+                        written.update(range(off, off + n))
+        whole = p_bs == d_bs and first % p_bs == 0
+        block_bytes = LAYERS * 2 * d_bs * (VALUES + SCALES)
+        stray = [i for i, x in enumerate(dst) if x != 0xEE and i not in written
+                 and not (whole and i // block_bytes in d_ids)]
+        assert not stray, f"bytes {stray[:4]} outside [{first}, {end}) were written"
+        if not whole:
+            assert sum(c.nbytes for c in copies) == (end - first) * LAYERS * 2 * (VALUES + SCALES)

@@ -144,3 +144,32 @@ def test_equal_heads_give_whole_block_copies_and_bad_reads_raise():
         plan_head_copies([0], [0], BS, LAYERS, HD * 4, 2, 1, [HeadRead(0, 1, 0, 2)])
     with pytest.raises(ValueError, match="2 producer blocks paired with 1"):
         plan_head_copies([0, 1], [0], BS, LAYERS, HD * 4, 2, 1, [HeadRead(0, 1, 0, 1)])
+
+
+def test_head_copies_of_a_quantized_page_move_each_heads_values_and_scales():
+    """Two planes per layer (values [2, BS, heads, HD] bytes, then float32 scales [2, BS, heads]):
+    each D rank gets exactly its heads of both planes, and bytes moved = one copy of P's blocks."""
+    heads, d_tp = 4, 2
+    vals = torch.arange(6 * LAYERS * 2 * BS * heads * HD, dtype=torch.int32).remainder(251).to(torch.uint8)
+    vals = vals.reshape(6, LAYERS, 2, BS, heads, HD)
+    scales = torch.arange(6 * LAYERS * 2 * BS * heads, dtype=torch.float32).reshape(6, LAYERS, 2, BS, heads) + 0.5
+
+    def pages(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:  # [blocks, layers, page bytes]
+        n = v.shape[0]
+        return torch.cat([v.reshape(n, LAYERS, -1), s.reshape(n, LAYERS, -1).view(torch.uint8)], dim=-1)
+
+    src = pages(vals, scales)
+    p_ids, d_ids = [4, 1, 5], [2, 0, 3]
+    local = heads // d_tp
+    total = 0
+    for d, reads in plan_head_reads(1, d_tp, heads).items():
+        dst = torch.zeros(5, LAYERS, 2 * BS * local * (HD + 4), dtype=torch.uint8)
+        copies = plan_head_copies(p_ids, d_ids, BS, LAYERS, (HD, 4), heads, local, reads)
+        apply(copies, src, dst)
+        total += sum(c.nbytes for c in copies)
+        sl = slice(d * local, (d + 1) * local)
+        for pb, db in zip(p_ids, d_ids):
+            assert torch.equal(dst[db], pages(vals[pb : pb + 1, ..., sl, :].contiguous(),
+                                              scales[pb : pb + 1, ..., sl].contiguous())[0])
+        assert not dst[1].any() and not dst[4].any()
+    assert total == len(p_ids) * src[0].numel()

@@ -61,3 +61,26 @@ def test_p_tp1_to_d_tp2_splits_kv2_heads_and_matches_colocated(tiny_llama_kv2):
 @pytest.mark.matrix("pd-reshard", model="tiny-llama-kv1")
 def test_p_tp1_to_d_tp2_replicates_the_kv1_head_and_matches_colocated(tiny_llama_kv1):
     check(tiny_llama_kv1, [[(i * 17 + 3) % 30000 + 300 for i in range(40)]], heads=1)
+
+
+@pytest.mark.matrix("pd-reshard", model="tiny-llama-kv2")
+def test_p_tp1_to_d_tp2_reshards_int8_pages_and_matches_colocated(tiny_llama_kv2):
+    """int8 KV (values, then a float32 scale per token and head, in one page): each D rank pulls
+    its head's values and scales; tokens equal the colocated int8 engine's and the bytes moved are
+    one copy of P's quantized blocks."""
+    prompt = [(i * 7919 + 13) % 30000 + 100 for i in range(50)]
+    p = engine(tiny_llama_kv2, kv_cache_dtype="int8", kv_transfer_config=kv_config("kv_producer"))
+    d: LLM | None = None
+    try:
+        want = list(p.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+        d = engine(tiny_llama_kv2, tensor_parallel_size=2, kv_cache_dtype="int8",
+                   kv_transfer_config=kv_config("kv_consumer"))
+        params, _ = prefill(p, prompt)
+        out, *_ = decode(p, d, prompt, params)
+        assert list(out.outputs[0].token_ids) == want
+        block_bytes = p.llm_engine.runner.kv_cache_config.block_bytes(0)
+        assert out.kv_load_bytes == {"p2p": len(params["remote_block_ids"][0]) * block_bytes}
+    finally:
+        if d is not None:
+            d.llm_engine.shutdown()
+        p.llm_engine.shutdown()

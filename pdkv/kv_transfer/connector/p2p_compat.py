@@ -77,34 +77,31 @@ def shard_error(layout: dict[str, Any], p: dict[str, Any], num_groups: int) -> s
 
 
 def quantized_conversion_error(layout: dict[str, Any], p: dict[str, Any]) -> str:
-    """Why blocks of a quantized KV cache (kv_cache_dtype int8 / fp8_e4m3, on this engine or on
-    a producer whose KV this unquantized engine dequantizes on arrival) cannot be converted
-    between this engine and the producer, or "". Whole blocks move as bytes (equal layouts, DCP
-    shards with equal dtypes); re-blocking and KV-head re-sharding are refused: their planners
-    (pdkv/kv_transfer/reblock.py, reshard.py) address rows of one element size, while a quantized
-    page holds 1-byte values and then float32 scales per (token, head) in a second region."""
+    """Why blocks of a quantized KV cache (kv_cache_dtype int8 / fp8_e4m3) cannot be converted
+    between this engine and the producer, or "". With equal dtypes every conversion of the
+    plain layout applies: whole blocks, DCP shards, re-blocking and KV-head re-sharding (the
+    planners address each plane of the page: 1-byte values, then float32 scales per (token,
+    head); pdkv/kv_transfer/reblock.py, reshard.py). A quantized producer into an unquantized
+    engine is dequantized on arrival from P's whole blocks (`ReadPlanner.dequant_ops`): not
+    together with re-blocking, re-sharding or DCP."""
     mine, theirs = layout, dict(p.get("layout") or {})
     dtype = mine.get("kv_cache_dtype", "auto")
     p_dtype = theirs.get("kv_cache_dtype", "auto")
-    if dtype == "auto" and p_dtype in QUANTIZED_KV_CACHE_DTYPES:  # dequantized on arrival
-        dtype = p_dtype
-    if dtype not in QUANTIZED_KV_CACHE_DTYPES:
+    if not (dtype == "auto" and p_dtype in QUANTIZED_KV_CACHE_DTYPES):  # equal dtypes, or refused elsewhere
         return ""
-    if p_dtype != mine.get("kv_cache_dtype", "auto") and int(mine.get("dcp_size", 1)) > 1:
-        return (f"producer kv_cache_dtype={p_dtype!r} into decode kv_cache_dtype={mine.get('kv_cache_dtype', 'auto')!r} "
-                f"with decode_context_parallel_size={mine.get('dcp_size')}: dequantizing into a DCP decode "
-                "engine is not supported")
-    why = ("a quantized page holds 1-byte values and then float32 scales (two regions), which the "
-           "re-blocking / re-sharding planners do not address")
+    head = f"producer kv_cache_dtype={p_dtype!r} into decode kv_cache_dtype={dtype!r}"
+    why = "dequantizing on arrival takes the producer's whole blocks at equal layouts"
+    if int(mine.get("dcp_size", 1)) > 1:
+        return (f"{head} with decode_context_parallel_size={mine.get('dcp_size')}: dequantizing into a "
+                "DCP decode engine is not supported")
     if mine.get("block_size") != theirs.get("block_size"):
-        return (f"decode block_size={mine.get('block_size')} differs from the producer's "
-                f"block_size={theirs.get('block_size')} with kv_cache_dtype={dtype!r}: re-blocking "
-                f"quantized KV is not supported ({why})")
+        return (f"{head} with decode block_size={mine.get('block_size')} and the producer's "
+                f"block_size={theirs.get('block_size')}: re-blocking while dequantizing is not supported ({why})")
     my_heads = mine.get("num_local_kv_heads", mine.get("num_kv_heads"))
     if p.get("tp_size", 1) != 1 or my_heads != theirs.get("num_kv_heads"):
-        return (f"producer tp_size={p.get('tp_size', 1)} ({theirs.get('num_kv_heads')} KV heads) and this "
-                f"engine's tp_size={mine.get('tp_size', 1)} ({my_heads} KV heads per rank) with "
-                f"kv_cache_dtype={dtype!r}: re-sharding quantized KV heads is not supported ({why})")
+        return (f"{head} from producer tp_size={p.get('tp_size', 1)} ({theirs.get('num_kv_heads')} KV heads) into "
+                f"tp_size={mine.get('tp_size', 1)} ({my_heads} KV heads per rank): re-sharding while "
+                f"dequantizing is not supported ({why})")
     return ""
 
 

@@ -38,17 +38,10 @@ class ReadPlanner:
         all pairs at dcp_size 1.
 
         Raises:
-            TransferError: the producer's block bytes differ from this engine's; a quantized KV
-                cache whose blocks would need re-blocking or re-sharding (refused by the
-                scheduler half already; the planners address rows of one element size).
+            TransferError: the producer's block bytes differ from this engine's.
         """
         p_heads = int(spec.remote_layout.get("num_kv_heads", 0))
         d_heads = int(self.layout.get("num_local_kv_heads", self.layout.get("num_kv_heads", 0)))
-        if self.layout.get("kv_cache_dtype", "auto") in QUANTIZED_KV_CACHE_DTYPES and (
-                spec.remote_block_size and spec.remote_block_size != int(self.layout.get("block_size", 0))
-                or p_heads and d_heads and p_heads != d_heads):
-            raise TransferError(f"kv_cache_dtype={self.layout['kv_cache_dtype']!r}: quantized KV moves as whole "
-                                "blocks only (no re-blocking or re-sharding)")
         if spec.remote_block_size and spec.remote_block_size != int(self.layout.get("block_size", 0)):
             return self.reblock_ops(spec, peer)
         if p_heads and d_heads and p_heads != d_heads:
@@ -73,6 +66,20 @@ class ReadPlanner:
                 ops.append(ReadOp(f"g{g}", remote[i] * bb, nbytes, dest))
                 i = j
         return ops
+
+    def head_planes(self, block_bytes: int, block_size: int, heads: int) -> list[int]:
+        """Bytes of one KV head of one token in each plane of a layer's page, in page order, for
+        this engine's blocks of `block_bytes` (block_size tokens, `heads` KV heads): a plain page
+        has one plane (block_bytes / (layers × 2 × block_size × heads) bytes per head); a
+        quantized page (`--kv-cache-dtype int8 | fp8`) two, 1-byte values then a float32 scale:
+        (head_size, 4). Both engines store the same kv_cache_dtype here (a dequantizing
+        consumer takes whole blocks only). [] when the bytes do not split so."""
+        layers = int(self.layout["num_layers"])
+        if self.layout.get("kv_cache_dtype", "auto") in QUANTIZED_KV_CACHE_DTYPES:
+            units = [int(self.layout.get("head_size", 0)), 4]
+        else:
+            units = [block_bytes // max(1, layers * 2 * block_size * heads)]
+        return units if min(units) > 0 and block_bytes == layers * 2 * block_size * heads * sum(units) else []
 
     def dequantizes(self, spec: RecvSpec) -> bool:
         """Whether the producer's blocks are quantized and this engine's are not (they are read
@@ -125,15 +132,16 @@ class ReadPlanner:
         """
         d_bs, p_bs = int(self.layout["block_size"]), spec.remote_block_size
         layers = int(self.layout["num_layers"])
+        heads = int(self.layout.get("num_local_kv_heads", self.layout.get("num_kv_heads", 0)))
         ops = []
         for g, (local, remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
             bb, p_bb = self.block_bytes[g], peer.block_bytes[g]
-            row, rest = divmod(bb, layers * 2 * d_bs)
-            if rest or not row or p_bb != layers * 2 * p_bs * row:
+            rows = [heads * u for u in self.head_planes(bb, d_bs, heads)]  # a token row of each plane
+            if not rows or p_bb != layers * 2 * p_bs * sum(rows):
                 raise TransferError(f"block bytes do not re-block: producer {p_bb} for block_size {p_bs}, "
-                                    f"consumer {bb} for block_size {d_bs}, {layers} layers")
+                                    f"consumer {bb} for block_size {d_bs}, {layers} layers, token rows {rows}")
             try:
-                copies = plan_reblock(remote, p_bs, local, d_bs, layers, row, spec.first_token, spec.end_token,
+                copies = plan_reblock(remote, p_bs, local, d_bs, layers, rows, spec.first_token, spec.end_token,
                                       spec.remote_first_block, spec.first_token // d_bs)
             except ValueError as e:
                 raise TransferError(f"re-blocking plan: {e}") from None
@@ -171,12 +179,13 @@ class ReadPlanner:
         ops = []
         for g, (local, remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
             bb, p_bb = self.block_bytes[g], peer.block_bytes[g]
-            head, rest = divmod(bb, layers * 2 * bs * d_heads)
-            if rest or not head or p_bb != layers * 2 * bs * p_heads * head:
+            units = self.head_planes(bb, bs, d_heads)
+            if not units or p_bb != layers * 2 * bs * p_heads * sum(units):
                 raise TransferError(f"block bytes do not re-shard: producer {p_bb} for {p_heads} KV heads, "
-                                    f"consumer {bb} for {d_heads}, block_size {bs}, {layers} layers")
+                                    f"consumer {bb} for {d_heads}, block_size {bs}, {layers} layers, "
+                                    f"bytes per head {units}")
             region = self.regions[g]
-            copies = plan_head_copies(remote, local, bs, layers, head, p_heads, d_heads, reads)
+            copies = plan_head_copies(remote, local, bs, layers, units, p_heads, d_heads, reads)
             ops.extend(ReadOp(f"g{g}", c.remote_offset, c.nbytes, region[c.local_offset : c.local_offset + c.nbytes])
                        for c in copies)
         return ops
