@@ -265,3 +265,11 @@ def test_a_block_size_difference_pairs_unless_decode_has_dcp():
     msg = pair_mismatch("p", info("kv_producer"), "d", info("kv_consumer", block_size=32, dcp_size=2))
     assert msg is not None and "block_size=32" in msg and "block_size=16" in msg and "dcp_size=2" in msg
     assert pair_mismatch("p", info("kv_producer"), "d", info("kv_consumer", dcp_size=2)) is None
+    # A prefill engine at tp 2 hands over one head slice per rank in whole blocks: neither a
+    # block size change nor a DCP decode engine pairs with it (the decode engine's own refusals).
+    p_tp2 = info("kv_producer", tp_size=2)
+    assert pair_mismatch("p", p_tp2, "d", info("kv_consumer")) is None
+    msg = pair_mismatch("p", p_tp2, "d", info("kv_consumer", block_size=32))
+    assert msg is not None and "tp_size=2" in msg and "block_size=16" in msg and "block_size=32" in msg
+    msg = pair_mismatch("p", p_tp2, "d", info("kv_consumer", dcp_size=2))
+    assert msg is not None and "tp_size=2 into a DCP decode engine" in msg

@@ -187,7 +187,9 @@ def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any],
 def conversion_error(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
     """Why the consumer (`mine`) cannot convert the producer's (`theirs`) block size or KV cache
     dtype, naming both values, or None (equal values; a consumer without DCP: re-blocking maps by
-    token; a quantized producer into an unquantized consumer: dequantized on arrival, lossless)."""
+    token; a quantized producer into an unquantized consumer: dequantized on arrival, lossless).
+    A producer at tp > 1 (its layout's tp_size) takes neither a block size change nor a DCP
+    consumer (the decode engine's own check: `p2p_compat.producer_tp_error`)."""
     p_dt = theirs.get("kv_cache_dtype", LAYOUT_DEFAULTS["kv_cache_dtype"])
     d_dt = mine.get("kv_cache_dtype", LAYOUT_DEFAULTS["kv_cache_dtype"])
     if p_dt != d_dt and d_dt != "auto":
@@ -199,6 +201,15 @@ def conversion_error(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None
         return (f"producer kv_cache_dtype={p_dt!r} into decode kv_cache_dtype={d_dt!r} with block_size "
                 f"{theirs.get('block_size')} -> {mine.get('block_size')}: dequantizing and re-blocking at "
                 "once is not supported")
+    p_tp = theirs.get("tp_size", 1)
+    if isinstance(p_tp, int) and p_tp > 1:  # one endpoint per P rank: whole blocks per head slice
+        if int(mine.get("dcp_size", 1)) > 1:
+            return (f"a prefill engine at tp_size={p_tp} into a DCP decode engine (decode_context_parallel_size="
+                    f"{mine.get('dcp_size')}) is not supported: P must run tp 1 for P/D into DCP")
+        if mine.get("block_size") != theirs.get("block_size"):
+            return (f"a prefill engine at tp_size={p_tp} with block_size={theirs.get('block_size')} and decode "
+                    f"block_size={mine.get('block_size')}: re-sharding from a multi-rank producer and "
+                    "re-blocking at once is not supported")
     if mine.get("block_size") == theirs.get("block_size"):
         return None
     dcp = int(mine.get("dcp_size", 1))
