@@ -8,6 +8,7 @@ behind a proxy in colocated mode that routes with `--routing`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -30,24 +31,41 @@ from pdkv.router.pool_topology import (
 )
 
 
-def free_port(taken: set[int], host: str = "127.0.0.1", low: int = 20000, high: int = 32000) -> int:
+def free_port(taken: set[int], host: str = "127.0.0.1", low: int = 20000, high: int = 32000,
+              count: int = 1) -> int:
     """A free TCP port below Linux's ephemeral range (32768+), so that outgoing connections of
     other processes cannot grab it between this choice and the child's bind; `taken` collects
-    the ports already handed out."""
+    the ports already handed out. With `count` > 1, the first of `count` consecutive free ports
+    (a multi-rank engine's rank r listens on port + r), all added to `taken`.
+
+    Raises:
+        RuntimeError: no such port (run) found in 200 tries.
+    """
     import random
 
     for _ in range(200):
-        port = random.randint(low, high)
-        if port in taken:
+        port = random.randint(low, high - count + 1)
+        run = range(port, port + count)
+        if any(p in taken for p in run):
             continue
-        with socket.socket() as s:
+        with contextlib.ExitStack() as stack:
             try:
-                s.bind((host, port))
+                for p in run:
+                    stack.enter_context(socket.socket()).bind((host, p))
             except OSError:
                 continue
-        taken.add(port)
+        taken.update(run)
         return port
-    raise RuntimeError(f"no free port in {low}-{high}")
+    raise RuntimeError(f"no {count} free consecutive port(s) in {low}-{high}")
+
+
+def engine_world_size(engine_args: list[str]) -> int:
+    """Worker ranks of an engine started with `engine_args`: its TP size (`--tensor-parallel-size
+    N` / `-tp N`, default 1; DCP ranks are TP ranks, as in vLLM)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    known, _ = parser.parse_known_args([a for a in engine_args if a != "--"])
+    return max(1, int(known.tensor_parallel_size))
 
 
 @dataclass
@@ -207,7 +225,8 @@ def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = No
             port = free_port(taken)
             extra: dict[str, object] = {"transfer": args.kv_transfer}
             if role == "kv_producer":  # every listening port is chosen here, none ephemeral
-                extra.update(kv_port=free_port(taken), transfer_port=free_port(taken))
+                ranks = engine_world_size(args.engine_args)  # rank r listens on port + r
+                extra.update(kv_port=free_port(taken, count=ranks), transfer_port=free_port(taken, count=ranks))
             cfg: dict[str, object] = {"kv_connector": "P2PConnector", "kv_role": role,
                                       "kv_load_failure_policy": args.kv_load_failure_policy,
                                       "kv_connector_extra_config": extra}
