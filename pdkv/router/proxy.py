@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -42,7 +41,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from pdkv.router.backend_info import BackendInfos, pair_mismatch
 from pdkv.router.policies import (
@@ -61,15 +60,15 @@ from pdkv.router.prefix_keys import (
     RequestKeyer,
     request_chunk_hashes,
 )
+from pdkv.router.proxy_legs import LegSender
 from pdkv.router.proxy_metrics import ProxyMetrics
 from pdkv.router.proxy_protocol import (
     error_response,
-    is_layout_error,
     prefill_body,
     releasable,
     release_prefill,
 )
-from pdkv.router.timings import RequestClock, StreamStitcher, stitch_response
+from pdkv.router.timings import RequestClock
 from pdkv.router.validate import BadRequest, LengthCheck, check_body, parse_body
 from pdkv.serve.disconnect import ClientDisconnected, until_done_or_disconnect
 
@@ -156,6 +155,8 @@ def build_proxy_app(
         task = asyncio.ensure_future(asyncio.to_thread(release_prefill, params))
         releases.add(task)
         task.add_done_callback(releases.discard)
+
+    sender = LegSender(lambda: state["client"], infos, metrics, release_soon)
 
     def first_mismatch() -> str | None:
         for p in prefills:
@@ -262,29 +263,7 @@ def build_proxy_app(
         why = pair_mismatch(p.url, infos.get(p.url), d.url, infos.get(d.url))
         if why:
             return error_response(why, 503, "ServiceUnavailableError")
-        return await _length_check(d, length, headers)
-
-    async def _length_check(d: Backend, length: LengthCheck, headers: dict[str, str]) -> Response | None:
-        """400 when prompt + max_tokens does not fit `d`'s max_model_len (D's own message)."""
-        client = state["client"]
-        d_info = infos.get(d.url)
-        max_len = d_info.max_model_len if d_info else None
-        if length.max_tokens is None or max_len is None:
-            return None
-        count = length.prompt_ids
-        if count is None and length.upper_bound is not None and length.fits(length.upper_bound, max_len) is None:
-            return None
-        if count is None and length.tokenize_body is not None:
-            # D's own count; when D cannot tell, D still enforces the limit on the decode leg.
-            try:
-                r = await client.post(d.url + "/tokenize", json=length.tokenize_body, headers=headers, timeout=30.0)
-                if 400 <= r.status_code < 500 and r.status_code != 404:  # P would reject it too
-                    return Response(r.content, status_code=r.status_code, media_type="application/json")
-                count = int(r.json()["count"]) if r.status_code == 200 else None
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                count = None
-        why = length.fits(count, max_len) if count is not None else None
-        return error_response(why, 400, "BadRequestError") if why else None
+        return await sender.length_check(d, length, headers)
 
     async def _token_ids(body: dict[str, Any], chat: bool) -> list[int] | None:
         """The prompt's token ids as the engines will see them, or None (routing then falls back)."""
@@ -354,10 +333,10 @@ def build_proxy_app(
         decision, length = await _decide(whole_policy, colocated, "whole", body, chat, length)
         b = decision.backend
         await infos.ensure(state["client"], [b.url])
-        refused = await _length_check(b, length, headers)
+        refused = await sender.length_check(b, length, headers)
         if refused is not None:
             return refused
-        return await _decode_leg(b, path, body, headers, None, bool(body.get("stream")), clock, leg="whole")
+        return await sender.decode_leg(b, path, body, headers, None, bool(body.get("stream")), clock, leg="whole")
 
     async def _legs(body: dict[str, Any], path: str, headers: dict[str, str], length: LengthCheck,
                     chat: bool, clock: RequestClock) -> Response:
@@ -378,7 +357,7 @@ def build_proxy_app(
                 # The pool holds the prompt (as far as the proxy knows): D loads it, no P leg.
                 metrics.prefill_skipped.inc()
                 clock.mode = "pd_skip_prefill"
-                return await _decode_leg(d, path, body, headers, None, bool(body.get("stream")), clock)
+                return await sender.decode_leg(d, path, body, headers, None, bool(body.get("stream")), clock)
         p.inflight += 1
         metrics.requests.labels(p.url, "prefill").inc()
         started = clock.p_sent = time.monotonic()
@@ -411,94 +390,10 @@ def build_proxy_app(
             if before_decode is not None:
                 await before_decode(params)
             sent = True
-            return await _decode_leg(d, path, decode, headers, params, bool(body.get("stream")), clock)
+            return await sender.decode_leg(d, path, decode, headers, params, bool(body.get("stream")), clock)
         except BaseException:  # the client left (cancellation) or a bug
             if not sent:  # D never saw the request: nobody else will release P's blocks
                 release_soon(params)
             raise
-
-    async def _decode_leg(d: Backend, path: str, decode: dict[str, Any], headers: dict[str, str],
-                          params: Any, stream: bool, clock: RequestClock, leg: str = "decode") -> Response:
-        """The decode leg (P/D) or the whole request (colocated, `leg` "whole", params None)."""
-        client = state["client"]
-        what = "decode backend" if leg == "decode" else "backend"
-        d.inflight += 1
-        metrics.requests.labels(d.url, leg).inc()
-        started = clock.d_sent = time.monotonic()
-        if not stream:
-            try:
-                r = await client.post(d.url + path, json=decode, headers=headers)
-            except httpx.HTTPError as e:
-                infos.forget(d.url)
-                release_soon(params)
-                metrics.errors.labels(leg, "unreachable").inc()
-                return error_response(f"{what} {d.url} unreachable: {e}", 502, "BadGateway")
-            finally:
-                d.inflight -= 1
-                metrics.latency.labels(leg).observe(time.monotonic() - started)
-            if r.status_code != 200:
-                release_soon(params)
-                metrics.errors.labels(leg, "status").inc()
-                return _backenderror_response(d, r.status_code, r.content)
-            return Response(stitch_response(clock, r.content), status_code=r.status_code,
-                            media_type="application/json")
-        try:
-            req = client.build_request("POST", d.url + path, json=decode, headers=headers)
-            resp = await client.send(req, stream=True)
-        except BaseException as e:
-            d.inflight -= 1
-            metrics.latency.labels(leg).observe(time.monotonic() - started)
-            if not isinstance(e, httpx.HTTPError):
-                raise
-            infos.forget(d.url)
-            release_soon(params)
-            metrics.errors.labels(leg, "unreachable").inc()
-            return error_response(f"{what} {d.url} unreachable: {e}", 502, "BadGateway")
-        if resp.status_code != 200:
-            try:
-                content = await resp.aread()
-            finally:
-                await resp.aclose()
-                d.inflight -= 1
-                metrics.latency.labels(leg).observe(time.monotonic() - started)
-            release_soon(params)
-            metrics.errors.labels(leg, "status").inc()
-            return _backenderror_response(d, resp.status_code, content)
-        return StreamingResponse(_relay(resp, d, leg, started, StreamStitcher(clock)), media_type="text/event-stream",
-                                 headers={"X-Request-Id": headers["X-Request-Id"]})
-
-    def _backenderror_response(d: Backend, status: int, content: bytes) -> Response:
-        """D's error, passed through; a layout mismatch is the deployment's fault (503), not the
-        client's, and what the proxy knew about the layouts is stale."""
-        if status == 400 and is_layout_error(content):
-            infos.forget(d.url)
-            try:
-                message = str(json.loads(content)["error"]["message"])
-            except (ValueError, KeyError, TypeError):
-                message = content.decode("utf-8", "replace")
-            return error_response(message, 503, "ServiceUnavailableError")
-        return Response(content, status_code=status, media_type="application/json")
-
-    async def _relay(resp: httpx.Response, d: Backend, leg: str, started: float,
-                     stitcher: StreamStitcher) -> AsyncIterator[bytes]:
-        # An encoded (compressed) stream is relayed as it comes: its events cannot be read.
-        plain = not resp.headers.get("content-encoding")
-        try:
-            async for chunk in resp.aiter_raw():
-                out = stitcher.feed(chunk) if plain else chunk
-                if out:
-                    yield out
-            rest = stitcher.flush()
-            if rest:
-                yield rest
-        except httpx.HTTPError as e:
-            metrics.errors.labels(leg, "stream").inc()
-            what = "decode stream" if leg == "decode" else "stream"
-            err = {"error": {"message": f"{what} failed: {e}", "type": "BadGateway", "param": None, "code": 502}}
-            yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
-        finally:
-            d.inflight -= 1
-            metrics.latency.labels(leg).observe(time.monotonic() - started)
-            await resp.aclose()
 
     return app
