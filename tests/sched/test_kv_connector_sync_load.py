@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from test_scheduler_kv_connector import BS, FakeWorker, assert_all_free, local_req, prompt_of
+from kv_connector_fakes import BS, FakeWorker, assert_all_free, local_req, prompt_of
 
 from pdkv.cache.kv_cache_manager import KVCacheBlocks
 from pdkv.cache.single_type_manager import cdiv

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from test_scheduler_kv_connector import (
+from kv_connector_fakes import (
     NUM_BLOCKS,
     FakeWorker,
     assert_all_free,

@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from test_scheduler_kv_connector import (  # noqa: E402
+from kv_connector_fakes import (  # noqa: E402
     FakeWorker,
     drain,
     make_scheduler,

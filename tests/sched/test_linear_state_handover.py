@@ -8,7 +8,7 @@ test_scheduler_kv_connector (the fake worker checks group 0's KV at every sample
 
 from __future__ import annotations
 
-from test_scheduler_kv_connector import BS, FakeConnector, FakeWorker, in_group0, prompt_of, step
+from kv_connector_fakes import BS, FakeConnector, FakeWorker, in_group0, prompt_of, step
 
 from pdkv.cache.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, LinearStateSpec
 from pdkv.config import CacheConfig, SchedulerConfig

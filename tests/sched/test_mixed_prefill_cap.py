@@ -5,12 +5,7 @@ not capped; outputs do not change (the fake runner checks every KV slot)."""
 from __future__ import annotations
 
 import pytest
-
-from pdkv.cache.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from pdkv.config import CacheConfig, SchedulerConfig
-from pdkv.sched.output import SchedulerOutput
-from pdkv.sched.scheduler import Scheduler
-from tests.sched.test_scheduler import (
+from scheduler_fakes import (
     BS,
     FakeRunner,
     Trace,
@@ -19,6 +14,11 @@ from tests.sched.test_scheduler import (
     prompt_of,
     step,
 )
+
+from pdkv.cache.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from pdkv.config import CacheConfig, SchedulerConfig
+from pdkv.sched.output import SchedulerOutput
+from pdkv.sched.scheduler import Scheduler
 
 
 def make(cap: int, budget: int = 64, num_blocks: int = 128) -> Scheduler:

@@ -6,7 +6,7 @@ test_scheduler_kv_connector."""
 from __future__ import annotations
 
 import pytest
-from test_scheduler_kv_connector import (
+from kv_connector_fakes import (
     FakeWorker,
     local_req,
     make_scheduler,
