@@ -139,6 +139,7 @@ class ModelRunner:
         self.kv_cache_config: KVCacheConfig = make_kv_cache_config(
             arch, cache_config, model_config.dtype, model_config.max_model_len,
             num_kv_heads=self.model.num_local_kv_heads, dcp_size=dcp,
+            tp_size=parallel.tp_size if parallel is not None else 1,
         )
         self.layout = {
             "model_digest": model_digest(model_config.path),
