@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from pdkv.cache.specs import (
+    DTYPE_BYTES,
     SCALE_BYTES,
     FullAttentionSpec,
     KVCacheConfig,
@@ -18,6 +19,7 @@ from pdkv.cache.specs import (
     canonical_kv_cache_dtype,
 )
 from pdkv.config import CacheConfig
+from pdkv.kv_transfer.reshard_state import StateGeometry
 from pdkv.model.arch_config import LlamaArchConfig, attention_groups
 from pdkv.model.kv_quant import KVCacheLayer, QuantKVCache
 
@@ -60,6 +62,18 @@ def linear_state_spec(arch: LlamaArchConfig, block_size: int, dtype: str, tp_siz
         recurrent_shape=(arch.linear_num_value_heads // tp_size, arch.linear_key_head_dim,
                          arch.linear_value_head_dim),
         conv_dtype=dtype, recurrent_dtype="float32")
+
+
+def gdn_state_geometry(arch: LlamaArchConfig, dtype: str) -> StateGeometry:
+    """The Gated DeltaNet state slot's geometry over every TP rank (linear_state_spec's layout;
+    conv segments q | k | v in channels), for re-sharding it in P/D (pdkv/kv_transfer/
+    reshard_state.py)."""
+    key = arch.linear_num_key_heads * arch.linear_key_head_dim
+    return StateGeometry(
+        group=len(attention_groups(arch)), num_layers=len(arch.linear_layers),
+        conv_segments=(key, key, arch.linear_num_value_heads * arch.linear_value_head_dim),
+        conv_row_bytes=(arch.linear_conv_kernel_dim - 1) * DTYPE_BYTES[dtype],
+        rec_heads=arch.linear_num_value_heads, rec_head_bytes=arch.linear_key_head_dim * arch.linear_value_head_dim * 4)
 
 
 def make_kv_cache_config(

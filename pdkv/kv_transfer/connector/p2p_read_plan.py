@@ -1,18 +1,20 @@
 """Read planning of the P2P consumer: which ReadOps move a RecvSpec's blocks from one producer
 rank into this worker's KV cache regions, for every layout pair the connector converts (same
 layout, with DCP shards; re-blocking by token position, pdkv/kv_transfer/reblock.py; KV-head
-re-sharding, pdkv/kv_transfer/reshard.py). No I/O: the consumer side submits the ops."""
+re-sharding, pdkv/kv_transfer/reshard.py; a linear-state slot split over another TP size,
+pdkv/kv_transfer/reshard_state.py). No I/O: the consumer side submits the ops."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from pdkv.cache.specs import QUANTIZED_KV_CACHE_DTYPES
+from pdkv.cache.specs import DTYPE_BYTES, QUANTIZED_KV_CACHE_DTYPES
 from pdkv.kv_transfer.connector.p2p_messages import HandshakeReply, RecvSpec
 from pdkv.kv_transfer.engine.base import ReadOp, TransferError
 from pdkv.kv_transfer.reblock import plan_reblock
 from pdkv.kv_transfer.reshard import HeadRead, plan_head_copies, plan_head_reads
+from pdkv.kv_transfer.reshard_state import StateGeometry, plan_state_copies
 from pdkv.parallel.layout import ParallelLayout
 
 
@@ -32,6 +34,8 @@ class ReadPlanner:
         self.rank = rank
         self.dcp_rank = dcp_rank
         self.dcp_size = dcp_size
+        self.state = StateGeometry.from_layout(layout)  # a Gated DeltaNet state group, else None
+        self.tp = int(layout.get("tp_size", 1))
 
     def block_ops(self, spec: RecvSpec, peer: HandshakeReply) -> list[ReadOp]:
         """The reads of this DCP rank's pairs (remote_first_block + i ≡ dcp_rank mod dcp_size);
@@ -56,6 +60,9 @@ class ReadPlanner:
         ops = []
         n, r, first = self.dcp_size, self.dcp_rank, spec.remote_first_block
         for g, (all_local, all_remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
+            if self.state is not None and g == self.state.group and self.tp != 1:  # P tp 1, this rank's share
+                ops.extend(self.state_ops(g, spec, peer, 1, 0))
+                continue
             bb = self.block_bytes[g]
             if peer.block_bytes[g] != bb:
                 raise TransferError(f"block bytes differ: producer {peer.block_bytes[g]}, consumer {bb}")
@@ -160,23 +167,56 @@ class ReadPlanner:
         return self.copy_ops(spec, peer, p_heads, d_heads, reads)
 
     def copy_ops(self, spec: RecvSpec, peer: HandshakeReply, p_heads: int, d_heads: int,
-                  reads: list[HeadRead]) -> list[ReadOp]:
+                  reads: list[HeadRead], p_tp: int = 1, p_rank: int = 0) -> list[ReadOp]:
         """One ReadOp per copy of plan_head_copies for `reads` from the producer rank `peer`
-        (storing `p_heads` KV heads per block) into this rank (`d_heads`), per group.
+        (TP rank `p_rank` of `p_tp`, storing `p_heads` KV heads per block) into this rank
+        (`d_heads`), per group; a linear-state group's slot by `state_ops`.
 
         Raises:
             TransferError: the block bytes do not split into the heads of both sides.
         """
-        bs, layers = int(self.layout["block_size"]), int(self.layout["num_layers"])
+        bs = int(self.layout["block_size"])
+        head = int(self.layout["head_size"]) * DTYPE_BYTES.get(str(self.layout.get("dtype")), 0)
         ops = []
         for g, (local, remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
+            if self.state is not None and g == self.state.group:
+                ops.extend(self.state_ops(g, spec, peer, p_tp, p_rank))
+                continue
             bb, p_bb = self.block_bytes[g], peer.block_bytes[g]
-            head, rest = divmod(bb, layers * 2 * bs * d_heads)
-            if rest or not head or p_bb != layers * 2 * bs * p_heads * head:
+            # The group's own layers (a hybrid model's attention group holds only some of them).
+            layers, rest = divmod(bb, 2 * bs * d_heads * head) if head else (0, 1)
+            if rest or not layers or p_bb != layers * 2 * bs * p_heads * head:
                 raise TransferError(f"block bytes do not re-shard: producer {p_bb} for {p_heads} KV heads, "
                                     f"consumer {bb} for {d_heads}, block_size {bs}, {layers} layers")
             region = self.regions[g]
             copies = plan_head_copies(remote, local, bs, layers, head, p_heads, d_heads, reads)
+            ops.extend(ReadOp(f"g{g}", c.remote_offset, c.nbytes, region[c.local_offset : c.local_offset + c.nbytes])
+                       for c in copies)
+        return ops
+
+    def state_ops(self, g: int, spec: RecvSpec, peer: HandshakeReply, p_tp: int, p_rank: int) -> list[ReadOp]:
+        """The reads of this rank's share of each linear-state slot of group `g` from producer TP
+        rank `p_rank` of `p_tp` (`peer`): one ReadOp per copy of plan_state_copies (conv channels
+        per q | k | v segment, recurrent state per value head).
+
+        Raises:
+            TransferError: either side's slot bytes are not the geometry's at its tp, or a tp
+                pair the planner refuses (named).
+        """
+        geom = self.state
+        assert geom is not None
+        bb, p_bb = self.block_bytes[g], peer.block_bytes[g]
+        if bb != geom.slot_bytes(self.tp) or p_bb != geom.slot_bytes(p_tp):
+            raise TransferError(f"linear-state slot bytes do not re-shard: producer {p_bb} at tp_size={p_tp}, "
+                                f"consumer {bb} at tp_size={self.tp} (expected {geom.slot_bytes(p_tp)} and "
+                                f"{geom.slot_bytes(self.tp)})")
+        me = ParallelLayout(tp_size=self.tp).tp_rank(self.rank)
+        region, ops = self.regions[g], []
+        for local, remote in zip(spec.local_block_ids[g], spec.remote_block_ids[g]):
+            try:
+                copies = plan_state_copies(geom, p_tp, self.tp, me, remote, local, p_rank)
+            except ValueError as e:
+                raise TransferError(f"linear-state re-sharding plan: {e}") from None
             ops.extend(ReadOp(f"g{g}", c.remote_offset, c.nbytes, region[c.local_offset : c.local_offset + c.nbytes])
                        for c in copies)
         return ops
