@@ -57,9 +57,10 @@ class _MLPMixin(nn.Module):
 
     parallel: ParallelContext
 
-    def _init_mlp(self, cfg: LlamaArchConfig, dtype: torch.dtype, parallel: ParallelContext) -> None:
-        self.parallel = parallel
-        h, i = cfg.hidden_size, cfg.intermediate_size // parallel.tp_size
+    def _init_mlp(self, cfg: LlamaArchConfig, dtype: torch.dtype, parallel: ParallelContext | None = None) -> None:
+        """The rank's slice of the intermediate size (gate_up column-, down row-parallel)."""
+        self.parallel = parallel or ParallelContext.single()
+        h, i = cfg.hidden_size, cfg.intermediate_size // self.parallel.tp_size
         self.eps = cfg.rms_norm_eps
         self.input_norm, self.post_attn_norm = _param(h, dtype=dtype), _param(h, dtype=dtype)
         self.gate_up, self.down = _param(2 * i, h, dtype=dtype), _param(h, i, dtype=dtype)
