@@ -52,14 +52,12 @@ def engines(tiny_gdn):
             e.llm_engine.shutdown()
 
 
-@pytest.mark.matrix("tp", model="tiny-gdn")
 def test_colocated_tp2_matches_tp1(engines):
     made, prompts, refs = engines
     outs = made[2].generate([{"prompt_token_ids": q} for q in prompts], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == refs
 
 
-@pytest.mark.matrix("hetero-tp", model="tiny-gdn")
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
 def test_pd_across_tp_matches_colocated_and_frees_p(engines, p_tp, d_tp):
     made, prompts, refs = engines
