@@ -90,7 +90,7 @@ class MultiprocExecutor:
             make_kv_cache_config(arch, config.cache_config, config.model_config.dtype,
                                  config.model_config.max_model_len,
                                  num_kv_heads=self.layout_.kv_heads_per_rank(arch.num_kv_heads),
-                                 dcp_size=self.layout_.dcp_size)
+                                 dcp_size=self.layout_.dcp_size, tp_size=self.layout_.tp_size)
         self.world_size = par.world_size
         self.timeout_s = par.worker_timeout_s
         self.connector: KVConnectorBase | None = None
@@ -139,7 +139,7 @@ class MultiprocExecutor:
         self.kv_cache_config: KVCacheConfig = make_kv_cache_config(
             arch, cache, config.model_config.dtype, config.model_config.max_model_len,
             num_kv_heads=self.layout_.kv_heads_per_rank(arch.num_kv_heads), dcp_size=self.layout_.dcp_size,
-            logical=True)
+            logical=True, tp_size=self.layout_.tp_size)
         logger.info("%d worker processes (tp %d, dcp %d, %s): pids %s", self.world_size, par.tensor_parallel_size,
                     par.decode_context_parallel_size, "replicated weights" if par.dcp_replicated else "vLLM mode",
                     [p.pid for p in self._procs])

@@ -22,7 +22,7 @@ tp > 1 on MLA is refused by `pdkv.kv_transfer.connector.p2p_compat.mla_error`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from pdkv.kv_transfer.reblock import Copy
@@ -185,9 +185,12 @@ def plan_head_copies(p_block_ids: Sequence[int], d_block_ids: Sequence[int], blo
     return copies
 
 
-def plan_producer_readers(p_tp: int, d_tp: int, num_kv_heads: int) -> dict[int, list[int]]:
+def plan_producer_readers(p_tp: int, d_tp: int, num_kv_heads: int,
+                          extra: Mapping[int, Iterable[int]] | None = None) -> dict[int, list[int]]:
     """For each producer rank (TP rank 0 .. p_tp - 1), the consumer TP ranks that claim its grant
-    and say "done" to it (its grant's readers): those plan_head_reads makes read from it. A
+    and say "done" to it (its grant's readers): those plan_head_reads makes read from it, and
+    those `extra` (consumer rank -> producer ranks; e.g. a linear-state slot's,
+    pdkv.kv_transfer.reshard_state.state_producer_ranks) names. A
     producer rank no consumer rank reads from (it replicates a head another producer rank
     serves) gets consumer rank 0, which claims, reads nothing and says "done", so that every
     producer rank frees its blocks once its readers are done.
@@ -197,6 +200,6 @@ def plan_producer_readers(p_tp: int, d_tp: int, num_kv_heads: int) -> dict[int, 
     """
     readers: dict[int, list[int]] = {p: [] for p in range(p_tp)}
     for d, reads in plan_head_reads(p_tp, d_tp, num_kv_heads).items():
-        for p in sorted({r.p_rank for r in reads}):
+        for p in sorted({r.p_rank for r in reads} | set((extra or {}).get(d, ()))):
             readers[p].append(d)
     return {p: ds or [0] for p, ds in readers.items()}

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from pdkv.cache.specs import (
+    DTYPE_BYTES,
     SCALE_BYTES,
     FullAttentionSpec,
     KVCacheConfig,
@@ -18,6 +19,7 @@ from pdkv.cache.specs import (
     canonical_kv_cache_dtype,
 )
 from pdkv.config import CacheConfig
+from pdkv.kv_transfer.reshard_state import StateGeometry
 from pdkv.model.arch_config import LlamaArchConfig, attention_groups
 from pdkv.model.kv_quant import KVCacheLayer, QuantKVCache
 
@@ -51,18 +53,32 @@ def check_sliding_window_parallel(arch: LlamaArchConfig, dcp_size: int) -> None:
         )
 
 
-def linear_state_spec(arch: LlamaArchConfig, block_size: int, dtype: str) -> LinearStateSpec:
-    """The Gated DeltaNet state of one layer (pdkv/model/qwen3_next.py's byte layout): conv window
-    [conv_dim, kernel - 1] in the model dtype, recurrent state [value heads, dk, dv] in float32."""
+def linear_state_spec(arch: LlamaArchConfig, block_size: int, dtype: str, tp_size: int = 1) -> LinearStateSpec:
+    """The Gated DeltaNet state of one layer on one of `tp_size` TP ranks (pdkv/model/
+    qwen3_next.py's byte layout): conv window [conv_dim / tp, kernel - 1] in the model dtype (the
+    rank's q | k | v channels), recurrent state [value heads / tp, dk, dv] in float32."""
     return LinearStateSpec(
-        block_size=block_size, conv_shape=(arch.linear_conv_dim, arch.linear_conv_kernel_dim - 1),
-        recurrent_shape=(arch.linear_num_value_heads, arch.linear_key_head_dim, arch.linear_value_head_dim),
+        block_size=block_size, conv_shape=(arch.linear_conv_dim // tp_size, arch.linear_conv_kernel_dim - 1),
+        recurrent_shape=(arch.linear_num_value_heads // tp_size, arch.linear_key_head_dim,
+                         arch.linear_value_head_dim),
         conv_dtype=dtype, recurrent_dtype="float32")
+
+
+def gdn_state_geometry(arch: LlamaArchConfig, dtype: str) -> StateGeometry:
+    """The Gated DeltaNet state slot's geometry over every TP rank (linear_state_spec's layout;
+    conv segments q | k | v in channels), for re-sharding it in P/D (pdkv/kv_transfer/
+    reshard_state.py)."""
+    key = arch.linear_num_key_heads * arch.linear_key_head_dim
+    return StateGeometry(
+        group=len(attention_groups(arch)), num_layers=len(arch.linear_layers),
+        conv_segments=(key, key, arch.linear_num_value_heads * arch.linear_value_head_dim),
+        conv_row_bytes=(arch.linear_conv_kernel_dim - 1) * DTYPE_BYTES[dtype],
+        rec_heads=arch.linear_num_value_heads, rec_head_bytes=arch.linear_key_head_dim * arch.linear_value_head_dim * 4)
 
 
 def make_kv_cache_config(
     arch: LlamaArchConfig, cache_config: CacheConfig, dtype: str, max_model_len: int,
-    num_kv_heads: int | None = None, dcp_size: int = 1, logical: bool = False,
+    num_kv_heads: int | None = None, dcp_size: int = 1, logical: bool = False, tp_size: int = 1,
 ) -> KVCacheConfig:
     """One KV cache group per attention kind: FullAttentionSpec for full layers (MLASpec on an
     MLA model), SlidingWindowSpec(window) for sliding ones, in the order of each group's first layer (a dense
@@ -76,6 +92,7 @@ def make_kv_cache_config(
         num_kv_heads: KV heads this rank stores (TP shards them; default: all of the model's).
         dcp_size: DCP ranks; one logical block of block_size × dcp_size tokens is one physical
             block of block_size tokens on each of them.
+        tp_size: TP ranks (a linear-state slot holds one rank's share of the state).
         logical: describe the scheduler's view (spec block_size = block_size × dcp_size, so a
             block's bytes are those of the whole DCP group) instead of one rank's tensors.
 
@@ -104,7 +121,7 @@ def make_kv_cache_config(
             dtype=dtype, cache_dtype=cache_dtype, sliding_window=window)
         groups.append(KVCacheGroupSpec(layer_indices=layers, spec=spec))
     if arch.has_linear_state:  # one state slot per request, after the attention groups
-        groups.append(KVCacheGroupSpec(layer_indices=arch.linear_layers, spec=linear_state_spec(arch, block_size, dtype)))
+        groups.append(KVCacheGroupSpec(layer_indices=arch.linear_layers, spec=linear_state_spec(arch, block_size, dtype, tp_size)))
     group_bytes = sum(g.spec.page_size_bytes * len(g.layer_indices) for g in groups)
     physical_block_bytes = group_bytes // (dcp_size if logical else 1)
     num_blocks = cache_config.num_kv_blocks or cache_config.kv_cache_memory_bytes // physical_block_bytes

@@ -22,6 +22,7 @@ from pdkv.config import CacheConfig, KVTransferConfig, ModelConfig
 from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.kv_transfer.connector.p2p_compat import MLA_KV_LAYOUT
+from pdkv.kv_transfer.reshard_state import LAYOUT_KEY as STATE_LAYOUT_KEY
 from pdkv.model.attention import paged_attention
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
@@ -40,7 +41,7 @@ from pdkv.worker.attn_metadata import (
     build_dcp_attention_metadata,
     build_linear_state_metadata,
 )
-from pdkv.worker.kv_cache import allocate_kv_cache, make_kv_cache_config
+from pdkv.worker.kv_cache import allocate_kv_cache, gdn_state_geometry, make_kv_cache_config
 
 if TYPE_CHECKING:
     from pdkv.parallel.context import ParallelContext
@@ -139,6 +140,7 @@ class ModelRunner:
         self.kv_cache_config: KVCacheConfig = make_kv_cache_config(
             arch, cache_config, model_config.dtype, model_config.max_model_len,
             num_kv_heads=self.model.num_local_kv_heads, dcp_size=dcp,
+            tp_size=parallel.tp_size if parallel is not None else 1,
         )
         self.layout = {
             "model_digest": model_digest(model_config.path),
@@ -152,6 +154,8 @@ class ModelRunner:
             # part of the pool namespace ("kv_quant"; "" = not quantized).
             "kv_cache_dtype": getattr(self.kv_cache_config.groups[0].spec, "cache_dtype", "auto"),
         }
+        if arch.has_linear_state and not arch.is_mla:  # Gated DeltaNet: re-sharding its state slot
+            self.layout[STATE_LAYOUT_KEY] = gdn_state_geometry(arch, model_config.dtype).to_layout()
         if self.layout["kv_cache_dtype"] != "auto":
             self.layout["kv_quant"] = f"{self.layout['kv_cache_dtype']}:per_token_head_absmax"
         if parallel is not None and parallel.layout.world_size > 1:

@@ -69,5 +69,9 @@ def test_parallel_and_connectors_are_refused_at_start_up(tiny_gdn):
     with pytest.raises(ValueError, match="does not move linear-attention state"):
         LLM(tiny_gdn, cpu_linear="torch", num_kv_blocks=8, max_model_len=64,
             kv_transfer_config=json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}))
-    with pytest.raises(ValueError, match="tensor / decode context parallelism is not supported with linear"):
-        load_model(tiny_gdn, "float32", "cpu", ParallelContext(layout=ParallelLayout(tp_size=2), tp_ranks=(0, 1)))
+    # tp 2 splits the 2 linear key heads (tests/parallel/test_pd_gdn_tp.py); tp 4 and DCP do not.
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 must divide the model's 2 linear-attention key heads"):
+        load_model(tiny_gdn, "float32", "cpu", ParallelContext(layout=ParallelLayout(tp_size=4), tp_ranks=(0, 1, 2, 3)))
+    with pytest.raises(ValueError, match="decode_context_parallel_size=2 is not supported with linear-attention"):
+        load_model(tiny_gdn, "float32", "cpu",
+                   ParallelContext(layout=ParallelLayout(dcp_size=2, dcp_replicated=True), dcp_ranks=(0, 1)))

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from pdkv.cache.specs import QUANTIZED_KV_CACHE_DTYPES
 from pdkv.kv_transfer.connector.p2p_messages import conversion_error
 from pdkv.kv_transfer.reshard import plan_head_reads
+from pdkv.kv_transfer.reshard_state import StateGeometry, plan_state_reads
 
 if TYPE_CHECKING:
     from pdkv.request import Request
@@ -46,7 +47,7 @@ def shard_error(layout: dict[str, Any], p: dict[str, Any], num_groups: int) -> s
     my_tp, my_dcp = int(mine.get("tp_size", 1)), int(mine.get("dcp_size", 1))
     if MLA_KV_LAYOUT in (mine.get("kv_layout"), theirs.get("kv_layout")):
         return mla_error(layout, p)
-    error = quantized_conversion_error(mine, p)
+    error = quantized_conversion_error(mine, p) or state_error(mine, p)
     if error:
         return error
     if p.get("dcp_size", 1) != 1:
@@ -102,6 +103,29 @@ def quantized_conversion_error(layout: dict[str, Any], p: dict[str, Any]) -> str
         return (f"{head} from producer tp_size={p.get('tp_size', 1)} ({theirs.get('num_kv_heads')} KV heads) into "
                 f"tp_size={mine.get('tp_size', 1)} ({my_heads} KV heads per rank): re-sharding while "
                 f"dequantizing is not supported ({why})")
+    return ""
+
+
+def state_error(layout: dict[str, Any], p: dict[str, Any]) -> str:
+    """Why this engine cannot rebuild its share of the producer's linear-state slot (Gated
+    DeltaNet), or "": equal TP sizes move whole slots; different ones need the same state geometry
+    on both sides and both TP sizes dividing each conv segment and the value heads
+    (pdkv/kv_transfer/reshard_state.py)."""
+    my_tp, p_tp = int(layout.get("tp_size", 1)), p.get("tp_size", 1)
+    try:
+        mine = StateGeometry.from_layout(layout)
+        theirs = StateGeometry.from_layout(dict(p.get("layout") or {}))
+    except ValueError as e:
+        return str(e)
+    if mine is None or my_tp == p_tp:
+        return ""
+    if theirs != mine:
+        return (f"producer tp_size={p_tp} into consumer tp_size={my_tp}: the producer's linear-state "
+                f"geometry {theirs} differs from this engine's {mine}: its state slot cannot be re-sharded")
+    try:
+        plan_state_reads(mine, int(p_tp), my_tp)
+    except (TypeError, ValueError) as e:
+        return f"re-sharding the linear-state slot from producer tp_size={p_tp} to consumer tp_size={my_tp}: {e}"
     return ""
 
 

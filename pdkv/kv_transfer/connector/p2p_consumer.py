@@ -21,6 +21,8 @@ Producer at tp > 1 (RecvSpec.remote_ranks; this engine dcp 1, P's block size): t
 each of its heads from a P rank holding it (plan_head_reads) and contacts exactly the P ranks of
 plan_producer_readers: it claims each one's grant (readers = the consumer ranks contacting that P
 rank), reads, then says "done" to each, so every P rank frees its blocks after its own readers.
+A linear-state slot (Gated DeltaNet) is rebuilt from the P ranks holding its conv channels and
+value heads (pdkv/kv_transfer/reshard_state.py); those P ranks count among the ones it contacts.
 
 With a producer at tp 1, every rank of the engine claims the grant (Claim.readers = world size, reader = global rank) and
 says "done", even one with nothing to read, so the producer frees the blocks after the last rank."""
@@ -52,6 +54,7 @@ from pdkv.kv_transfer.reshard import (
     plan_head_reads,
     plan_producer_readers,
 )
+from pdkv.kv_transfer.reshard_state import state_producer_ranks
 from pdkv.kv_transfer.wire import WireError, connect, recv_msg, send_msg
 from pdkv.parallel.layout import ParallelLayout
 
@@ -293,8 +296,10 @@ class ConsumerSide:
         p_tp, d_tp = len(spec.remote_ranks), int(self.layout.get("tp_size", 1))
         heads = int(spec.remote_layout.get("num_kv_heads", 0))
         me = ParallelLayout(tp_size=d_tp).tp_rank(self.rank)
-        try:
-            readers = plan_producer_readers(p_tp, d_tp, heads)
+        state = self.plan.state
+        try:  # a linear-state slot may need P ranks the KV heads do not
+            extra = state_producer_ranks(state, p_tp, d_tp) if state is not None else None
+            readers = plan_producer_readers(p_tp, d_tp, heads, extra)
             reads = plan_head_reads(p_tp, d_tp, heads)[me]
         except ValueError as e:
             raise TransferError(f"re-sharding plan: {e}") from None
@@ -305,7 +310,7 @@ class ConsumerSide:
         read: dict[int, int] = {}
         n_ops = 0
         for p, peer in peers.items():
-            ops = self.plan.copy_ops(spec, peer, p_heads, d_heads, [r for r in reads if r.p_rank == p])
+            ops = self.plan.copy_ops(spec, peer, p_heads, d_heads, [r for r in reads if r.p_rank == p], p_tp, p)
             read[p] = self.engine.read(peer.peer_info, ops, pull.deadline, grant) if ops else 0
             n_ops += len(ops)
         for p in peers:

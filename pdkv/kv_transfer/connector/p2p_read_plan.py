@@ -1,18 +1,20 @@
 """Read planning of the P2P consumer: which ReadOps move a RecvSpec's blocks from one producer
 rank into this worker's KV cache regions, for every layout pair the connector converts (same
 layout, with DCP shards; re-blocking by token position, pdkv/kv_transfer/reblock.py; KV-head
-re-sharding, pdkv/kv_transfer/reshard.py). No I/O: the consumer side submits the ops."""
+re-sharding, pdkv/kv_transfer/reshard.py; a linear-state slot split over another TP size,
+pdkv/kv_transfer/reshard_state.py). No I/O: the consumer side submits the ops."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from pdkv.cache.specs import QUANTIZED_KV_CACHE_DTYPES
+from pdkv.cache.specs import DTYPE_BYTES, QUANTIZED_KV_CACHE_DTYPES
 from pdkv.kv_transfer.connector.p2p_messages import HandshakeReply, RecvSpec
 from pdkv.kv_transfer.engine.base import ReadOp, TransferError
 from pdkv.kv_transfer.reblock import plan_reblock
 from pdkv.kv_transfer.reshard import HeadRead, plan_head_copies, plan_head_reads
+from pdkv.kv_transfer.reshard_state import StateGeometry, plan_state_copies
 from pdkv.parallel.layout import ParallelLayout
 
 
@@ -32,6 +34,8 @@ class ReadPlanner:
         self.rank = rank
         self.dcp_rank = dcp_rank
         self.dcp_size = dcp_size
+        self.state = StateGeometry.from_layout(layout)  # a Gated DeltaNet state group, else None
+        self.tp = int(layout.get("tp_size", 1))
 
     def block_ops(self, spec: RecvSpec, peer: HandshakeReply) -> list[ReadOp]:
         """The reads of this DCP rank's pairs (remote_first_block + i ≡ dcp_rank mod dcp_size);
@@ -49,6 +53,9 @@ class ReadPlanner:
         ops = []
         n, r, first = self.dcp_size, self.dcp_rank, spec.remote_first_block
         for g, (all_local, all_remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
+            if self.state is not None and g == self.state.group and self.tp != 1:  # P tp 1, this rank's share
+                ops.extend(self.state_ops(g, spec, peer, 1, 0))
+                continue
             bb = self.block_bytes[g]
             if peer.block_bytes[g] != bb:
                 raise TransferError(f"block bytes differ: producer {peer.block_bytes[g]}, consumer {bb}")
@@ -67,19 +74,23 @@ class ReadPlanner:
                 i = j
         return ops
 
-    def head_planes(self, block_bytes: int, block_size: int, heads: int) -> list[int]:
-        """Bytes of one KV head of one token in each plane of a layer's page, in page order, for
-        this engine's blocks of `block_bytes` (block_size tokens, `heads` KV heads): a plain page
-        has one plane (block_bytes / (layers × 2 × block_size × heads) bytes per head); a
-        quantized page (`--kv-cache-dtype int8 | fp8`) two, 1-byte values then a float32 scale:
-        (head_size, 4). Both engines store the same kv_cache_dtype here (a dequantizing
-        consumer takes whole blocks only). [] when the bytes do not split so."""
-        layers = int(self.layout["num_layers"])
+    def head_planes(self, block_bytes: int, block_size: int, heads: int) -> tuple[int, list[int]]:
+        """(layers, bytes of one KV head of one token in each plane of a layer's page, in page
+        order) of this engine's blocks of `block_bytes` (block_size tokens, `heads` KV heads per
+        layer). A plain page has one plane, head_size × dtype bytes; a quantized page
+        (`--kv-cache-dtype int8 | fp8`) two, 1-byte values then a float32 scale: (head_size, 4).
+        The layers are the group's own (a hybrid model's attention group holds only some).
+        Both engines store the same kv_cache_dtype here (a dequantizing consumer takes whole
+        blocks only). (0, []) when the bytes do not split so."""
+        head = int(self.layout.get("head_size", 0))
         if self.layout.get("kv_cache_dtype", "auto") in QUANTIZED_KV_CACHE_DTYPES:
-            units = [int(self.layout.get("head_size", 0)), 4]
+            units = [head, 4]
         else:
-            units = [block_bytes // max(1, layers * 2 * block_size * heads)]
-        return units if min(units) > 0 and block_bytes == layers * 2 * block_size * heads * sum(units) else []
+            units = [head * DTYPE_BYTES.get(str(self.layout.get("dtype")), 0)]
+        per_layer = 2 * block_size * heads * sum(units)
+        if min(units) <= 0 or per_layer <= 0 or block_bytes % per_layer or not block_bytes:
+            return 0, []
+        return block_bytes // per_layer, units
 
     def dequantizes(self, spec: RecvSpec) -> bool:
         """Whether the producer's blocks are quantized and this engine's are not (they are read
@@ -131,12 +142,12 @@ class ReadPlanner:
                 not cover the token range.
         """
         d_bs, p_bs = int(self.layout["block_size"]), spec.remote_block_size
-        layers = int(self.layout["num_layers"])
         heads = int(self.layout.get("num_local_kv_heads", self.layout.get("num_kv_heads", 0)))
         ops = []
         for g, (local, remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
             bb, p_bb = self.block_bytes[g], peer.block_bytes[g]
-            rows = [heads * u for u in self.head_planes(bb, d_bs, heads)]  # a token row of each plane
+            layers, units = self.head_planes(bb, d_bs, heads)
+            rows = [heads * u for u in units]  # a token row of each plane
             if not rows or p_bb != layers * 2 * p_bs * sum(rows):
                 raise TransferError(f"block bytes do not re-block: producer {p_bb} for block_size {p_bs}, "
                                     f"consumer {bb} for block_size {d_bs}, {layers} layers, token rows {rows}")
@@ -168,24 +179,55 @@ class ReadPlanner:
         return self.copy_ops(spec, peer, p_heads, d_heads, reads)
 
     def copy_ops(self, spec: RecvSpec, peer: HandshakeReply, p_heads: int, d_heads: int,
-                  reads: list[HeadRead]) -> list[ReadOp]:
+                  reads: list[HeadRead], p_tp: int = 1, p_rank: int = 0) -> list[ReadOp]:
         """One ReadOp per copy of plan_head_copies for `reads` from the producer rank `peer`
-        (storing `p_heads` KV heads per block) into this rank (`d_heads`), per group.
+        (TP rank `p_rank` of `p_tp`, storing `p_heads` KV heads per block) into this rank
+        (`d_heads`), per group; a linear-state group's slot by `state_ops`.
 
         Raises:
             TransferError: the block bytes do not split into the heads of both sides.
         """
-        bs, layers = int(self.layout["block_size"]), int(self.layout["num_layers"])
+        bs = int(self.layout["block_size"])
         ops = []
         for g, (local, remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
+            if self.state is not None and g == self.state.group:
+                ops.extend(self.state_ops(g, spec, peer, p_tp, p_rank))
+                continue
             bb, p_bb = self.block_bytes[g], peer.block_bytes[g]
-            units = self.head_planes(bb, bs, d_heads)
+            layers, units = self.head_planes(bb, bs, d_heads)
             if not units or p_bb != layers * 2 * bs * p_heads * sum(units):
                 raise TransferError(f"block bytes do not re-shard: producer {p_bb} for {p_heads} KV heads, "
                                     f"consumer {bb} for {d_heads}, block_size {bs}, {layers} layers, "
                                     f"bytes per head {units}")
             region = self.regions[g]
             copies = plan_head_copies(remote, local, bs, layers, units, p_heads, d_heads, reads)
+            ops.extend(ReadOp(f"g{g}", c.remote_offset, c.nbytes, region[c.local_offset : c.local_offset + c.nbytes])
+                       for c in copies)
+        return ops
+
+    def state_ops(self, g: int, spec: RecvSpec, peer: HandshakeReply, p_tp: int, p_rank: int) -> list[ReadOp]:
+        """The reads of this rank's share of each linear-state slot of group `g` from producer TP
+        rank `p_rank` of `p_tp` (`peer`): one ReadOp per copy of plan_state_copies (conv channels
+        per q | k | v segment, recurrent state per value head).
+
+        Raises:
+            TransferError: either side's slot bytes are not the geometry's at its tp, or a tp
+                pair the planner refuses (named).
+        """
+        geom = self.state
+        assert geom is not None
+        bb, p_bb = self.block_bytes[g], peer.block_bytes[g]
+        if bb != geom.slot_bytes(self.tp) or p_bb != geom.slot_bytes(p_tp):
+            raise TransferError(f"linear-state slot bytes do not re-shard: producer {p_bb} at tp_size={p_tp}, "
+                                f"consumer {bb} at tp_size={self.tp} (expected {geom.slot_bytes(p_tp)} and "
+                                f"{geom.slot_bytes(self.tp)})")
+        me = ParallelLayout(tp_size=self.tp).tp_rank(self.rank)
+        region, ops = self.regions[g], []
+        for local, remote in zip(spec.local_block_ids[g], spec.remote_block_ids[g]):
+            try:
+                copies = plan_state_copies(geom, p_tp, self.tp, me, remote, local, p_rank)
+            except ValueError as e:
+                raise TransferError(f"linear-state re-sharding plan: {e}") from None
             ops.extend(ReadOp(f"g{g}", c.remote_offset, c.nbytes, region[c.local_offset : c.local_offset + c.nbytes])
                        for c in copies)
         return ops
