@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 .PHONY: setup demo test bench clean
 
 setup: $(VENV)/.installed
-	@# CPU paged decode-attention op, compiled once per machine into $$PDKV_CACHE/ext (cached;
+	@# CPU paged attention ops (decode + batched prefill), compiled once per machine into $$PDKV_CACHE/ext (cached;
 	@# without a compiler the engine uses the torch attention path).
 	-$(PY) -m pdkv.model.paged_decode_build
 

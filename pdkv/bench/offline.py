@@ -70,7 +70,23 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="compare pdkv's decode per --attention-backend instead of pdkv vs HF, e.g. "
              "torch,cpu_paged (ratios against the first; pdkv/bench/offline_backends.py)",
     )
+    parser.add_argument(
+        "--prefill-cases", default="1x512,32x128",
+        help="with --attention-backends: BxL prefill cases (B prompts of L tokens in one step), "
+             "comma-separated; '' for none",
+    )
     return parser
+
+
+def parse_prefill_cases(text: str) -> tuple[tuple[int, int], ...]:
+    """"1x512,32x128" -> ((1, 512), (32, 128)). Raises ValueError on another form."""
+    cases = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        b, sep, n = part.partition("x")
+        if not sep or not b.isdigit() or not n.isdigit():
+            raise ValueError(f"--prefill-cases wants BxL items like 32x128, got {part!r}")
+        cases.append((int(b), int(n)))
+    return tuple(cases)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -86,6 +102,7 @@ def main(args: argparse.Namespace) -> int:
             model=args.model, backends=[b.strip() for b in args.attention_backends.split(",") if b.strip()],
             batch_sizes=tuple(args.batch_sizes), input_len=args.input_len, output_len=args.output_len,
             dtype=args.dtype, num_threads=args.num_threads, seed=args.seed, repeats=args.repeats,
+            prefill_cases=parse_prefill_cases(args.prefill_cases),
         )
         if args.result_json:
             write_result_json(result, args.result_json)

@@ -1,11 +1,14 @@
-"""`pdkv bench offline --attention-backends torch,cpu_paged`: decode throughput of pdkv per
-attention backend, in one process and one run.
+"""`pdkv bench offline --attention-backends torch,cpu_paged`: decode and prefill throughput of pdkv
+per attention backend, in one process and one run.
 
 One engine per backend (same model, dtype, threads, block size, prompts); for each batch size the
 backends are measured one after the other (so machine load drifts equally over both), with the
 formulas of `pdkv.bench.offline` (decode tok/s = B * (output_len - 1) / (seconds for output_len
 tokens - seconds for 1 token)). The table gives each backend's decode tok/s, the ratio of each to
-the first backend, and whether the greedy tokens of every backend equal the first's. The host's
+the first backend, and whether the greedy tokens of every backend equal the first's. A second
+table gives prefill tok/s per prefill case (B requests of L prompt tokens each, all prefilled in one
+step: `--prefill-cases 1x512,32x128`; prefill tok/s = B * L / seconds of a generate of one output
+token), best of `repeats`, with the same ratios. The host's
 1-minute load average before and after is reported: other processes on the cores distort CPU
 timings.
 """
@@ -36,6 +39,7 @@ def run_backend_bench(
     seed: int = 0,
     repeats: int = 1,
     verbose: bool = True,
+    prefill_cases: Sequence[tuple[int, int]] = ((1, 512), (32, 128)),
 ) -> dict[str, Any]:
     """Decode (and prefill) tok/s of pdkv per `--attention-backend` and batch size.
 
@@ -43,12 +47,15 @@ def run_backend_bench(
         backends: attention backends to compare; ratios are against the first.
         batch_sizes: requests run together (B); lengths in tokens; repeats: best of N timings.
         num_threads: torch CPU threads (None: torch's default); restored on return.
+        prefill_cases: (B, L) pairs: B prompts of L tokens prefilled in one step, timed alone.
 
     Returns:
         JSON-serializable dict: settings, "backends_used" (what each engine resolved to: a backend
         that could not load runs torch), "results" per batch size {"batch_size", backend:
         throughputs dict (prefill_s, total_s, decode_s seconds; prefill_tok_s, decode_tok_s),
         "decode_ratio" {backend: tok/s over the first's}, "greedy_equal" {backend: bool}},
+        "prefill" per case {"batch_size", "input_len", backend: {"prefill_s", "prefill_tok_s"},
+        "prefill_ratio", "greedy_equal"},
         "host_load_avg_1m" [before, after], "table" (the printed text).
 
     Raises:
@@ -58,17 +65,22 @@ def run_backend_bench(
 
     if not backends or min(batch_sizes, default=0) < 1 or input_len < 1 or output_len < 2:
         raise ValueError("need backends, batch sizes >= 1, input_len >= 1 and output_len >= 2")
+    if any(b < 1 or n < 1 for b, n in prefill_cases):
+        raise ValueError(f"prefill cases need B >= 1 and L >= 1, got {list(prefill_cases)}")
     prev_threads = torch.get_num_threads()
     if num_threads:
         torch.set_num_threads(num_threads)
     try:
         load_before = os.getloadavg()[0]
-        max_b, bs = max(batch_sizes), _BLOCK_SIZE
-        max_len = input_len + output_len + bs
-        blocks = max_b * (-(-(input_len + output_len) // bs) + 1) + 16
+        bs = _BLOCK_SIZE
+        shapes = [(b, input_len + output_len) for b in batch_sizes] + [(b, n + 1) for b, n in prefill_cases]
+        max_b = max(b for b, _ in shapes)
+        max_len = max(n for _, n in shapes) + bs
+        blocks = max(b * (-(-n // bs) + 1) for b, n in shapes) + 16
+        step_tokens = max([max(batch_sizes) * input_len] + [b * n for b, n in prefill_cases])
         engines = {
             name: LLM(model=model, dtype=dtype, seed=seed, block_size=bs, num_kv_blocks=blocks,
-                      max_model_len=max_len, max_num_seqs=max_b, max_num_batched_tokens=max_b * input_len,
+                      max_model_len=max_len, max_num_seqs=max_b, max_num_batched_tokens=step_tokens,
                       enable_prefix_caching=False, num_threads=num_threads, attention_backend=name)
             for name in backends
         }
@@ -90,11 +102,13 @@ def run_backend_bench(
                                                     entry[backends[0]]["decode_tok_s"])
                 entry["greedy_equal"][name] = toks[name] == toks[backends[0]]
             results.append(entry)
+        prefill = [_prefill_case(engines, first.get_tokenizer(), b, n, seed, repeats, device)
+                   for b, n in prefill_cases]
         result: dict[str, Any] = {
             "model": model, "dtype": dtype, "num_threads": torch.get_num_threads(),
             "input_len": input_len, "output_len": output_len, "backends": list(backends),
             "backends_used": {n: e.llm_engine.runner.attention_backend for n, e in engines.items()},
-            "results": results, "host_load_avg_1m": [load_before, os.getloadavg()[0]],
+            "results": results, "prefill": prefill, "host_load_avg_1m": [load_before, os.getloadavg()[0]],
             "host_cpu_count": os.cpu_count(), "host_cpu": cpu_description(),
         }
         result["table"] = format_backend_table(result)
@@ -105,8 +119,29 @@ def run_backend_bench(
         torch.set_num_threads(prev_threads)
 
 
+def _prefill_case(engines: dict[str, Any], tokenizer: Any, b: int, n: int, seed: int, repeats: int,
+                  device: str) -> dict[str, Any]:
+    """Prefill tok/s of every engine for B prompts of n tokens (one output token, best of repeats);
+    ratios against the first engine."""
+    prompts = build_prompts(tokenizer, b, n, seed)
+    entry: dict[str, Any] = {"batch_size": b, "input_len": n, "prefill_ratio": {}, "greedy_equal": {}}
+    toks: dict[str, list[list[int]]] = {}
+    for name, llm in engines.items():
+        best = float("inf")
+        for _ in range(max(1, repeats)):
+            dt, toks[name] = run_pdkv(llm, prompts, 1, device)
+            best = min(best, dt)
+        entry[name] = {"prefill_s": best, "prefill_tok_s": b * n / best}
+    names = list(engines)
+    for name in names:
+        entry["prefill_ratio"][name] = ratio(entry[name]["prefill_tok_s"], entry[names[0]]["prefill_tok_s"])
+        entry["greedy_equal"][name] = toks[name] == toks[names[0]]
+    return entry
+
+
 def format_backend_table(result: dict[str, Any]) -> str:
-    """The run as text: one row per batch size, decode tok/s per backend and ratios."""
+    """The run as text: one row per batch size, decode tok/s per backend and ratios; then one row
+    per prefill case, prefill tok/s and ratios."""
     names = result["backends"]
     used = result["backends_used"]
     lines = [
@@ -126,6 +161,20 @@ def format_backend_table(result: dict[str, Any]) -> str:
             + " | " + " | ".join("-" if r is None else f"{r:.2f}x" for r in rat)
             + f" | {'yes' if all(e['greedy_equal'].values()) else 'NO'} |"
         )
+    if result.get("prefill"):
+        lines += [
+            "| prefill B x L | " + " | ".join(f"{n} prefill tok/s" for n in names)
+            + " | " + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " | greedy equal |",
+            "|---" * (1 + 2 * len(names) - 1 + 1) + "|",
+        ]
+        for e in result["prefill"]:
+            rat = [e["prefill_ratio"][n] for n in names[1:]]
+            lines.append(
+                f"| {e['batch_size']} x {e['input_len']} | "
+                + " | ".join(f"{e[n]['prefill_tok_s']:.1f}" for n in names)
+                + " | " + " | ".join("-" if r is None else f"{r:.2f}x" for r in rat)
+                + f" | {'yes' if all(e['greedy_equal'].values()) else 'NO'} |"
+            )
     lo, hi = result["host_load_avg_1m"]
     lines.append(f"host load average (1 min) before / after: {lo:.2f} / {hi:.2f} on {result['host_cpu_count']} CPUs")
     return "\n".join(lines)

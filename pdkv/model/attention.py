@@ -5,7 +5,8 @@ KV cache of one layer (a view into the group's cross-layer tensor):
 The token at position p of a request lives in block `block_table[p // block_size]` at offset
 `p % block_size` (its slot). A step's batch is flat: T tokens from several requests, each request
 a contiguous run of query tokens. Requests with one query token (decodes, or a one-token prefill
-remainder) are attended together; longer runs (prefill chunks) one by one.
+remainder) are attended together; longer runs (prefill chunks) one by one on the reference path,
+all in one call on `--attention-backend cpu_paged` (pdkv.model.paged_prefill).
 
 Per layer, the K/V of all T tokens are written first and attention runs after, so a request may
 read blocks another request fills in the same step (prefix-cache hits on blocks being computed).
@@ -80,6 +81,15 @@ class AttentionMetadata:
             (pdkv.parallel.dcp_attention.DCPMetadata); the other fields are then unused.
         sliding_window: W tokens for the layers of a sliding-window KV cache group (the query
             at p sees keys p - W < k <= p), None for full attention.
+        prefill_cu_seqlens: [R + 1] long, cumulative query counts of the R prefill runs (in
+            flat order, over the prefill tokens only: run r is prefill tokens cu[r] .. cu[r+1]-1).
+        prefill_context_lens: [R] long, each run's context_len.
+        prefill_block_tables: [R, max_blocks] long, each run's block_table padded with 0.
+        prefill_token_idx: [sum of run lengths] long, flat index of each prefill token; None
+            when the runs are one contiguous slice of the batch (`prefill_slice`).
+        prefill_slice: (first, end) flat range of the runs when contiguous, else None.
+        (The prefill_* tensors are set whenever `prefills` is non-empty; the batched prefill op
+        of pdkv.model.paged_prefill reads them.)
     """
 
     slot_block_ids: torch.Tensor
@@ -94,10 +104,20 @@ class AttentionMetadata:
     all_decode: bool = False
     dcp: Any = None
     sliding_window: int | None = None
+    prefill_cu_seqlens: torch.Tensor | None = None
+    prefill_context_lens: torch.Tensor | None = None
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_token_idx: torch.Tensor | None = None
+    prefill_slice: tuple[int, int] | None = None
 
 
 DecodeAttentionFn = Callable[[torch.Tensor, Any, AttentionMetadata, float], torch.Tensor]
 """(q [B, H, D], kv_cache, meta, scale) -> [B, H, D]: the decode half of paged_attention."""
+
+PrefillAttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, Any, AttentionMetadata, float, torch.Tensor], None]
+"""(q, k, v [T, ., D] of the whole step, kv_cache with this step's K/V written, meta, scale, out
+[T, H, D]) -> None: the prefill half of paged_attention, writes the rows of meta.prefills."""
 
 
 def write_kv(
@@ -116,6 +136,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     decode_attention: DecodeAttentionFn | None = None,
+    prefill_attention: PrefillAttentionFn | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's queries over their requests' cached context.
 
@@ -127,6 +148,8 @@ def paged_attention(
         scale: softmax scale (1/sqrt(head_size)).
         decode_attention: the single-query-token half (None: `_decode_attention`, gather then
             SDPA; `--attention-backend cpu_paged`: pdkv.model.paged_decode, blocks read in place).
+        prefill_attention: the runs of more than one query token (None: `_prefill_attention`,
+            one SDPA per run; cpu_paged: pdkv.model.paged_prefill, one call for all runs).
 
     Returns:
         [T, num_heads, head_size].
@@ -137,6 +160,23 @@ def paged_attention(
         return dcp_attention(q, k, v, kv_cache, meta.dcp, scale)
     k, v = write_kv(kv_cache, k, v, meta)
     out = q.new_empty(q.shape)
+    if meta.prefills:
+        (prefill_attention or _prefill_attention)(q, k, v, kv_cache, meta, scale, out)
+    decode = decode_attention or _decode_attention
+    if meta.all_decode:
+        return decode(q, kv_cache, meta, scale)
+    if meta.decode_token_idx is not None:
+        out[meta.decode_token_idx] = decode(q[meta.decode_token_idx], kv_cache, meta, scale)
+    return out
+
+
+def _prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCacheLayer, meta: AttentionMetadata,
+    scale: float, out: torch.Tensor,
+) -> None:
+    """The prefill runs of the step (reference path), one SDPA per run: a run without context
+    attends over this step's k, v; a run with context gathers its keys from the blocks first.
+    Writes each run's rows of `out` ([T, H, D])."""
     block_size, num_kv_heads, head_size = kv_cache.shape[-3], kv_cache.shape[-2], kv_cache.shape[-1]
     window = meta.sliding_window
     for seq in meta.prefills:
@@ -174,12 +214,6 @@ def paged_attention(
                 enable_gqa=True,
             )
         out[seq.start : seq.end] = o.squeeze(0).transpose(0, 1)
-    decode = decode_attention or _decode_attention
-    if meta.all_decode:
-        return decode(q, kv_cache, meta, scale)
-    if meta.decode_token_idx is not None:
-        out[meta.decode_token_idx] = decode(q[meta.decode_token_idx], kv_cache, meta, scale)
-    return out
 
 
 def _decode_attention(

@@ -1,7 +1,8 @@
-"""Build, cache and load the C++ paged decode-attention op (`csrc/paged_decode.cpp`).
+"""Build, cache and load the C++ paged attention ops: decode (`csrc/paged_decode.cpp`) and varlen
+prefill (`csrc/paged_prefill.cpp`), one extension.
 
 The op is compiled once per machine with `torch.utils.cpp_extension` (gcc + ninja) into
-`$PDKV_CACHE/ext/paged_decode-<key>/` (default `~/.cache/pdkv/ext/...`); <key> hashes the source,
+`$PDKV_CACHE/ext/paged_decode-<key>/` (default `~/.cache/pdkv/ext/...`); <key> hashes the sources,
 the compile flags, the torch and Python versions and the CPU's flags, so a changed source, torch
 or machine builds a new copy and never loads a stale one. `make setup` builds it
 (`python -m pdkv.model.paged_decode_build --build`), so test processes only load the `.so`.
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+SOURCES = tuple(Path(__file__).with_name("csrc") / f for f in ("paged_decode.cpp", "paged_prefill.cpp"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fopenmp-simd")
 _MODULE = "pdkv.model.paged_decode_build"
 BUILD_TIMEOUT_S = 900.0
@@ -80,7 +81,7 @@ def build_paths(cache_dir: str | None = None) -> BuildPaths:
     from pdkv.model.registry import cache_dir as cache_root
 
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+    for part in (*(src.read_bytes() for src in SOURCES), " ".join(CFLAGS).encode(), torch.__version__.encode(),
                  sys.version.encode(), platform.machine().encode(), _cpu_flags().encode()):
         h.update(part)
     key = h.hexdigest()[:16]
@@ -94,7 +95,7 @@ def _compile(paths: BuildPaths) -> None:
 
     paths.directory.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
-        name=paths.name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+        name=paths.name, sources=[str(src) for src in SOURCES], extra_cflags=list(CFLAGS),
         extra_ldflags=["-fopenmp"], build_directory=str(paths.directory),
         is_python_module=False, verbose=False,
     )
@@ -153,7 +154,8 @@ def build(paths: BuildPaths, force: bool = False, timeout_s: float = BUILD_TIMEO
 
 
 def load(cache_dir: str | None = None, allow_build: bool = True) -> str | None:
-    """Load the op into this process (`torch.ops.pdkv.paged_decode`), building it if needed.
+    """Load the ops into this process (`torch.ops.pdkv.paged_decode`, `torch.ops.pdkv.paged_prefill`),
+    building them if needed.
 
     Args:
         cache_dir: base cache folder (None: $PDKV_CACHE or ~/.cache/pdkv).
@@ -189,9 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     why = build(paths, force=args.build)
     if why is not None:
-        print(f"pdkv paged decode op: {why}; the torch attention path will be used", file=sys.stderr)
+        print(f"pdkv paged attention ops: {why}; the torch attention path will be used", file=sys.stderr)
         return 1
-    print(f"pdkv paged decode op: {paths.library} ({time.monotonic() - t0:.1f} s)")
+    print(f"pdkv paged attention ops: {paths.library} ({time.monotonic() - t0:.1f} s)")
     return 0
 
 

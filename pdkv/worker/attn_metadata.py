@@ -8,8 +8,9 @@ context parallelism the rank's shard metadata comes from `pdkv.parallel.dcp_atte
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,6 +50,7 @@ def build_attention_metadata(
     dec_tables: list[list[int]] = []
     dec_lens: list[int] = []
     dec_first: list[int] = []  # first key position of each decode row's table
+    pre_tables: list[list[int]] = []
     for start, n, c, table in requests:
         rng = range(c, c + n)
         slot_blocks.extend(table[p // bs] for p in rng)
@@ -61,6 +63,7 @@ def build_attention_metadata(
             dec_first.append(first * bs)
         else:
             nblocks = -(-(c + n) // bs)
+            pre_tables.append(table[:nblocks])
             prefills.append(PrefillSeq(start, start + n, c, torch.tensor(table[:nblocks], device=device)))
     decode_token_idx = decode_tables = decode_lens = decode_mask = key_blocks = key_offsets = None
     if dec_idx:
@@ -83,6 +86,7 @@ def build_attention_metadata(
         slot_block_ids=torch.tensor(slot_blocks, dtype=torch.long, device=device),
         slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
         prefills=prefills,
+        **_prefill_batch_fields(prefills, pre_tables, device),
         decode_token_idx=decode_token_idx,
         decode_block_tables=decode_tables,
         decode_seq_lens=decode_lens,
@@ -92,6 +96,28 @@ def build_attention_metadata(
         all_decode=len(dec_idx) == num_tokens,
         sliding_window=sliding_window,
     )
+
+
+def _prefill_batch_fields(prefills: list[PrefillSeq], tables: list[list[int]],
+                          device: torch.device) -> dict[str, Any]:
+    """The prefill_* fields of AttentionMetadata (see there): all runs of the step as one
+    varlen batch for the batched prefill op, built once per step (empty dict without runs)."""
+    if not prefills:
+        return {}
+    lens = [seq.end - seq.start for seq in prefills]
+    width = max(len(t) for t in tables)
+    contiguous = all(a.end == b.start for a, b in zip(prefills, prefills[1:]))
+    token_idx = None if contiguous else torch.cat(
+        [torch.arange(seq.start, seq.end, device=device) for seq in prefills])
+    return {
+        "prefill_cu_seqlens": torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.long, device=device),
+        "prefill_context_lens": torch.tensor([seq.context_len for seq in prefills], dtype=torch.long,
+                                             device=device),
+        "prefill_block_tables": torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long,
+                                             device=device),
+        "prefill_token_idx": token_idx,
+        "prefill_slice": (prefills[0].start, prefills[-1].end) if contiguous else None,
+    }
 
 
 def _decode_key_slots(

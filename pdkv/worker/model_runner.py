@@ -93,15 +93,17 @@ class ModelRunner:
 
     def _select_attention(self, model_config: ModelConfig, cache_config: CacheConfig, is_mla: bool) -> str:
         """Resolve --attention-backend (pdkv.model.paged_decode) and give every layer the decode
-        half it names; returns "torch" or "cpu_paged"."""
+        and prefill halves it names; returns "torch" or "cpu_paged"."""
         from pdkv.model.paged_decode import paged_decode_attention, resolve_attention_backend
+        from pdkv.model.paged_prefill import paged_prefill_attention
 
         backend = resolve_attention_backend(
             model_config.attention_backend, model_config.device, cache_config.cache_dtype,
             self.parallel.dcp_size if self.parallel is not None else 1, is_mla,
         )
         if backend == "cpu_paged":
-            fn = functools.partial(paged_attention, decode_attention=paged_decode_attention)
+            fn = functools.partial(paged_attention, decode_attention=paged_decode_attention,
+                                   prefill_attention=paged_prefill_attention)
             for layer in self.model.layers:
                 layer.attention = fn
         return backend

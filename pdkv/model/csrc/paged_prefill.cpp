@@ -1,0 +1,259 @@
+// Varlen paged prefill attention on CPU: all prefill runs of a step in one call, K/V read in place
+// from the layer's cache [2, num_blocks, block_size, num_kv_heads, head_size] through each run's
+// block table. One task per (run, KV head, tile of TILE query positions) serving the tile's
+// positions for every query head of the KV head's group (GQA); per block of keys an online
+// softmax (Milakov & Gimelshein 2018; FlashAttention's running max / sum) in float32.
+// Built with paged_decode.cpp by pdkv/model/paged_decode_build.py; semantics in
+// pdkv/model/paged_prefill.py.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t TILE = 16;  // query positions per task
+
+// exp(x) for x <= 0 (0 below -87), Cephes' expf range reduction and polynomial (~1 ulp); plain
+// arithmetic so `omp simd` loops over it vectorize (std::exp would stay a scalar call).
+inline float exp_nonpos(float x) {
+  const float xc = std::max(x, -87.f);
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return x < -87.f ? 0.f : p * two_n;
+}
+
+struct Task {
+  int64_t run, head, q0, q1;  // run, KV head, query rows [q0, q1) of the run
+};
+
+// 8 floats (AVX2 on x86 with -march=native; GCC / clang split it where vectors are narrower);
+// aligned(4): loads and stores at any float address.
+typedef float vf8 __attribute__((vector_size(32), aligned(4)));
+
+inline vf8 load8(const float* p) { return *reinterpret_cast<const vf8*>(p); }
+inline void store8(float* p, vf8 v) { *reinterpret_cast<vf8*>(p) = v; }
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+template <typename scalar_t>
+void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, const std::vector<int64_t>& cu,
+                    const std::vector<int64_t>& ctx, const at::Tensor& tables, double scale,
+                    int64_t window, at::Tensor& out, at::Tensor& lse) {
+  const int64_t H = q.size(1), D = q.size(2);
+  const int64_t bs = kv.size(2), KVH = kv.size(3);
+  const int64_t G = H / KVH;
+  const int64_t R = static_cast<int64_t>(ctx.size());
+  // Buffer widths: keys of a block padded to 16 (two vectors), head dim padded to 16, rows of a
+  // tile padded to 4 (the micro-kernels work on 4 rows x 16 columns; padding is zero).
+  const int64_t KW = round_up(bs, 16), DW = round_up(D, 16), RW = round_up(TILE * G, 4);
+  const int64_t q_st = q.stride(0), q_sh = q.stride(1);
+  const int64_t o_st = out.stride(0), o_sh = out.stride(1);
+  const int64_t kv_s0 = kv.stride(0), kv_sb = kv.stride(1), kv_st = kv.stride(2), kv_sh = kv.stride(3);
+  const int64_t t_sr = tables.stride(0), t_sc = tables.stride(1);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kvp = kv.data_ptr<scalar_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  float* lsep = lse.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  // Longest tiles first (the last tiles of long runs see the most keys), then balanced dynamically.
+  std::vector<Task> tasks;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t q0 = 0; q0 < cu[r + 1] - cu[r]; q0 += TILE)
+      for (int64_t h = 0; h < KVH; ++h) tasks.push_back({r, h, q0, std::min(q0 + TILE, cu[r + 1] - cu[r])});
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
+    return ctx[a.run] + a.q1 > ctx[b.run] + b.q1;
+  });
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+
+#pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
+  {
+    // qf: scaled queries [RW][D]; acc [RW][DW]; s: scores then weights [RW][KW];
+    // kt: the block's keys transposed [D][KW]; vt: its values [KW][DW].
+    std::vector<float> qf(RW * D, 0.f), acc(RW * DW), s(RW * KW), kt(D * KW, 0.f), vt(KW * DW, 0.f);
+    std::vector<float> m(RW), l(RW), alpha(RW);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t ti = 0; ti < num_tasks; ++ti) {
+      const Task& task = tasks[ti];
+      const int64_t r = task.run, h = task.head, nq = task.q1 - task.q0, rows = nq * G;
+      const int64_t p0 = ctx[r] + task.q0, p1 = ctx[r] + task.q1;  // query positions [p0, p1)
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const scalar_t* qrow = qp + (cu[r] + task.q0 + i) * q_st + (h * G + g) * q_sh;
+          float* qd = &qf[(i * G + g) * D];
+          for (int64_t d = 0; d < D; ++d) qd[d] = static_cast<float>(qrow[d]) * sc;
+        }
+      std::fill(qf.begin() + rows * D, qf.end(), 0.f);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), neg_inf);
+      std::fill(l.begin(), l.end(), 0.f);
+      const int64_t klo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
+      for (int64_t p = klo; p < p1;) {  // one block (or its part in [klo, p1)) at a time
+        const int64_t blk = tp[r * t_sr + (p / bs) * t_sc];
+        const int64_t off = p % bs;
+        const int64_t n = std::min(bs - off, p1 - p);
+        const scalar_t* kb = kvp + blk * kv_sb + off * kv_st + h * kv_sh;
+        const scalar_t* vb = kb + kv_s0;
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t d = 0; d < D; ++d) {
+            kt[d * KW + t] = static_cast<float>(kb[t * kv_st + d]);
+            vt[t * DW + d] = static_cast<float>(vb[t * kv_st + d]);
+          }
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t t = n; t < KW; ++t) kt[d * KW + t] = 0.f;
+        // S = Q K^T for 4 rows x 16 keys at a time.
+        for (int64_t r0 = 0; r0 < RW; r0 += 4) {
+          if (r0 >= rows) break;
+          for (int64_t c0 = 0; c0 < KW; c0 += 16) {
+            vf8 s00 = {}, s01 = {}, s10 = {}, s11 = {}, s20 = {}, s21 = {}, s30 = {}, s31 = {};
+            const float* qq = &qf[r0 * D];
+            for (int64_t d = 0; d < D; ++d) {
+              const vf8 k0 = load8(&kt[d * KW + c0]), k1 = load8(&kt[d * KW + c0 + 8]);
+              const float a0 = qq[d], a1 = qq[D + d], a2 = qq[2 * D + d], a3 = qq[3 * D + d];
+              s00 += a0 * k0; s01 += a0 * k1; s10 += a1 * k0; s11 += a1 * k1;
+              s20 += a2 * k0; s21 += a2 * k1; s30 += a3 * k0; s31 += a3 * k1;
+            }
+            float* sr = &s[r0 * KW + c0];
+            store8(sr, s00); store8(sr + 8, s01); store8(sr + KW, s10); store8(sr + KW + 8, s11);
+            store8(sr + 2 * KW, s20); store8(sr + 2 * KW + 8, s21);
+            store8(sr + 3 * KW, s30); store8(sr + 3 * KW + 8, s31);
+          }
+        }
+        // Online softmax per row over its visible keys [a, b) of the block: weights in s (0
+        // elsewhere), alpha rescales the row's accumulator. A row seeing none keeps its state.
+        for (int64_t row = 0; row < RW; ++row) {
+          float* sr = &s[row * KW];
+          const int64_t pq = p0 + row / G;  // sees keys [max(0, pq - W + 1), pq]
+          const int64_t lo = window > 0 ? std::max<int64_t>(0, pq - window + 1) : 0;
+          const int64_t a = row < rows ? std::max(p, lo) - p : 0;
+          const int64_t b = row < rows ? std::min(p + n, pq + 1) - p : 0;
+          if (a >= b) {
+            std::fill(sr, sr + KW, 0.f);
+            alpha[row] = 1.f;
+            continue;
+          }
+          float mb = neg_inf;
+          for (int64_t t = a; t < b; ++t) mb = std::max(mb, sr[t]);
+          const float mnew = std::max(m[row], mb);
+          alpha[row] = exp_nonpos(m[row] - mnew);  // 0 on the row's first keys (m = -inf)
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < KW; ++t) {
+            const float e = (t >= a && t < b) ? exp_nonpos(sr[t] - mnew) : 0.f;
+            sr[t] = e;
+            sum += e;
+          }
+          l[row] = l[row] * alpha[row] + sum;
+          m[row] = mnew;
+        }
+        // acc = alpha * acc + P V for 4 rows x 16 head dims at a time.
+        for (int64_t r0 = 0; r0 < RW; r0 += 4) {
+          if (r0 >= rows) break;
+          const float* pr = &s[r0 * KW];
+          for (int64_t dc = 0; dc < DW; dc += 16) {
+            float* ar = &acc[r0 * DW + dc];
+            vf8 a00 = load8(ar) * alpha[r0], a01 = load8(ar + 8) * alpha[r0];
+            vf8 a10 = load8(ar + DW) * alpha[r0 + 1], a11 = load8(ar + DW + 8) * alpha[r0 + 1];
+            vf8 a20 = load8(ar + 2 * DW) * alpha[r0 + 2], a21 = load8(ar + 2 * DW + 8) * alpha[r0 + 2];
+            vf8 a30 = load8(ar + 3 * DW) * alpha[r0 + 3], a31 = load8(ar + 3 * DW + 8) * alpha[r0 + 3];
+            for (int64_t t = 0; t < n; ++t) {
+              const vf8 v0 = load8(&vt[t * DW + dc]), v1 = load8(&vt[t * DW + dc + 8]);
+              const float w0 = pr[t], w1 = pr[KW + t], w2 = pr[2 * KW + t], w3 = pr[3 * KW + t];
+              a00 += w0 * v0; a01 += w0 * v1; a10 += w1 * v0; a11 += w1 * v1;
+              a20 += w2 * v0; a21 += w2 * v1; a30 += w3 * v0; a31 += w3 * v1;
+            }
+            store8(ar, a00); store8(ar + 8, a01); store8(ar + DW, a10); store8(ar + DW + 8, a11);
+            store8(ar + 2 * DW, a20); store8(ar + 2 * DW + 8, a21);
+            store8(ar + 3 * DW, a30); store8(ar + 3 * DW + 8, a31);
+          }
+        }
+        p += n;
+      }
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t row = i * G + g, tok = cu[r] + task.q0 + i, head = h * G + g;
+          scalar_t* orow = op + tok * o_st + head * o_sh;
+          const float inv = l[row] > 0.f ? 1.f / l[row] : 0.f;
+          for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<scalar_t>(acc[row * DW + d] * inv);
+          lsep[tok * H + head] = l[row] > 0.f ? m[row] + std::log(l[row]) : neg_inf;
+        }
+    }
+  }
+}
+
+std::vector<int64_t> to_vector(const at::Tensor& t) {
+  auto c = t.contiguous();
+  const int64_t* p = c.data_ptr<int64_t>();
+  return std::vector<int64_t>(p, p + c.numel());
+}
+
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& cu_seqlens,
+                         const at::Tensor& context_lens, const at::Tensor& block_tables, double scale,
+                         int64_t window, at::Tensor& out) {
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_prefill: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5, "paged_prefill: q [T,H,D], kv_cache [2,N,bs,KVH,D]");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "paged_prefill: q and kv_cache dtypes differ");
+  TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == q.size(2), "paged_prefill: head_size mismatch");
+  TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "paged_prefill: num_heads not a multiple of num_kv_heads");
+  TORCH_CHECK(q.stride(2) == 1 && kv_cache.stride(4) == 1, "paged_prefill: head_size dim must be contiguous");
+  TORCH_CHECK(cu_seqlens.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+                  block_tables.scalar_type() == at::kLong,
+              "paged_prefill: cu_seqlens, context_lens and block_tables must be int64");
+  const int64_t R = context_lens.numel(), T = q.size(0), bs = kv_cache.size(2), N = kv_cache.size(1);
+  TORCH_CHECK(cu_seqlens.numel() == R + 1 && block_tables.dim() == 2 && block_tables.size(0) == R,
+              "paged_prefill: cu_seqlens [R+1], context_lens [R], block_tables [R, max_blocks]");
+  const auto cu = to_vector(cu_seqlens), ctx = to_vector(context_lens);
+  TORCH_CHECK(cu[0] == 0 && cu[R] == T, "paged_prefill: cu_seqlens must run from 0 to T = ", T);
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t* tp = block_tables.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {  // every table entry the kernel will read, checked up front
+    TORCH_CHECK(cu[r + 1] >= cu[r] && ctx[r] >= 0, "paged_prefill: run ", r, " has negative length");
+    const int64_t total = ctx[r] + cu[r + 1] - cu[r];
+    if (total == ctx[r]) continue;
+    TORCH_CHECK((total + bs - 1) / bs <= max_blocks, "paged_prefill: block table row ", r,
+                " too short for ", total, " tokens");
+    const int64_t first = window > 0 ? std::max<int64_t>(0, ctx[r] - window + 1) / bs : 0;
+    for (int64_t i = first; i < (total + bs - 1) / bs; ++i) {
+      const int64_t blk = tp[r * block_tables.stride(0) + i * block_tables.stride(1)];
+      TORCH_CHECK(blk >= 0 && blk < N, "paged_prefill: block id ", blk, " out of range in row ", r);
+    }
+  }
+  TORCH_CHECK(out.device().is_cpu() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() &&
+                  out.stride(2) == 1,
+              "paged_prefill: out must have q's shape and dtype, head_size dim contiguous");
+  auto lse = at::empty({T, q.size(1)}, q.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill", [&] {
+    prefill_kernel<scalar_t>(q, kv_cache, cu, ctx, block_tables, scale, window, out, lse);
+  });
+  return lse;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdkv, m) {
+  m.def("paged_prefill(Tensor q, Tensor kv_cache, Tensor cu_seqlens, Tensor context_lens, "
+        "Tensor block_tables, float scale, int window, Tensor(a!) out) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdkv, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
