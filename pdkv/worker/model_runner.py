@@ -25,7 +25,7 @@ from pdkv.kv_transfer.connector.p2p_compat import MLA_KV_LAYOUT
 from pdkv.model.attention import paged_attention
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
-from pdkv.model.sampler import LogprobEntry, SamplingRow, sample
+from pdkv.model.sampler import LogprobEntry, SamplingRow, sample_tensors
 from pdkv.model.structured import GrammarMatchers
 from pdkv.sampling_params import SamplingParams
 from pdkv.sched.output import (
@@ -252,7 +252,8 @@ class ModelRunner:
             mask = state.stop_ids if num_out < state.sampling_params.min_tokens else ()
             rows.append(SamplingRow(state.sampling_params, state.generator, mask, state.token_ids,
                                     state.num_prompt_tokens, state.matcher))
-        tokens, logprobs = sample(logits, rows) if rows else ([], None)
+        # Ids (and logprob rows) stay on the device until here: one device -> host copy per step.
+        tokens, logprobs = sample_tensors(logits, rows).to_host() if rows else ([], None)
         result: dict[str, list[int]] = {}
         lp_out: dict[str, list[list[LogprobEntry]]] | None = (
             {} if logprobs is not None else None
@@ -360,7 +361,7 @@ class ModelRunner:
                     meta.append(build_linear_state_metadata(
                         [(start, n, c, self.requests[req_id].block_ids[g])
                          for (start, n, c, _), req_id in zip(step_reqs, out.num_scheduled_tokens)],
-                        self.block_size))
+                        self.block_size, dev))
                     continue
                 reqs = step_reqs if g == 0 else [
                     (start, n, c, self.requests[req_id].block_ids[g])
