@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -40,10 +41,13 @@ from pdkv.worker.attn_metadata import (
     build_dcp_attention_metadata,
     build_linear_state_metadata,
 )
+from pdkv.worker.cuda_graphs import DecodeGraphs, decode_step_inputs, graphable
 from pdkv.worker.kv_cache import allocate_kv_cache, make_kv_cache_config
 
 if TYPE_CHECKING:
     from pdkv.parallel.context import ParallelContext
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -178,6 +182,21 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.timings = StepTimings()
         self._grammars: GrammarMatchers | None = None  # built by the first structured request
+        self.decode_graphs = self._decode_graphs(model_config)
+
+    def _decode_graphs(self, model_config: ModelConfig) -> DecodeGraphs | None:
+        """CUDA graphs of decode steps (pdkv.worker.cuda_graphs) on a CUDA device unless
+        --enforce-eager, when the KV cache kinds allow them; None: every step runs eagerly."""
+        sizes = model_config.cudagraph_capture_sizes
+        if self.device.type != "cuda" or model_config.enforce_eager or not sizes:
+            return None
+        why = graphable(self.kv_cache_config.groups, self.kv_caches,
+                        self.parallel.dcp_size if self.parallel is not None else 1, self.connector is not None)
+        if why is not None:
+            logger.info("CUDA graphs off (%s): decode steps run eagerly", why)
+            return None
+        return DecodeGraphs(self.model, self.kv_caches, len(self.kv_cache_config.groups), self.block_size,
+                            model_config.max_model_len, sizes, self.device, use_graphs=True)
 
     @property
     def vocab_size(self) -> int:
@@ -239,9 +258,18 @@ class ModelRunner:
             if conn is None:
                 return EMPTY_MODEL_RUNNER_OUTPUT
             return ModelRunnerOutput(sampled_token_ids={}, kv_connector_output=self._connector_output(out))
-        input_ids, positions, meta, logits_idx, sampled_reqs, prompt_rows = self._prepare_inputs(out)
-        t1 = time.perf_counter()
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
+        graphs = self.decode_graphs
+        graph_in = decode_step_inputs(out.num_scheduled_tokens, self.requests, graphs) if graphs else None
+        meta: list[Any] | None = None
+        if graphs is not None and graph_in is not None:  # a decode step: replay its CUDA graph
+            ids, pos, tables, sampled_reqs = graph_in
+            prompt_rows: list[tuple[CachedRequestState, int, int]] = []
+            t1 = time.perf_counter()
+            logits = graphs.run(ids, pos, tables)
+        else:
+            input_ids, positions, meta, logits_idx, sampled_reqs, prompt_rows = self._prepare_inputs(out)
+            t1 = time.perf_counter()
+            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
         t2 = time.perf_counter()
         if prompt_rows:
             self._prompt_logprobs(logits[len(sampled_reqs):], prompt_rows)
@@ -273,7 +301,7 @@ class ModelRunner:
             self.requests[req_id].num_computed_tokens += n
         t3 = time.perf_counter()
         self.timings = StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2,
-                                   dcp_comm=meta[0].dcp.comm_seconds if meta[0].dcp is not None else 0.0)
+                                   dcp_comm=meta[0].dcp.comm_seconds if meta and meta[0].dcp is not None else 0.0)
         kv_out = self._connector_output(out) if conn is not None else None
         return ModelRunnerOutput(sampled_token_ids=result, logprobs=lp_out or None, kv_connector_output=kv_out,
                                  prompt_logprobs=prompt_lp or None)
