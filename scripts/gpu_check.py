@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = hf.config.vocab_size
     batches = [int(b) for b in a.batches.split(",")]
     common = {"device": a.device, "max_model_len": a.input_len + max(a.output_len, a.parity_tokens) + 16,
-              "max_num_seqs": max(batches + [a.parity_prompts]), "num_kv_blocks": 2048}
+              "max_num_seqs": max(batches + [a.parity_prompts]), "num_kv_blocks": 2048,
+              "enable_prefix_caching": False}  # every timed run prefills, as HF does
     engines = {"pdkv": LLM(path, **common), "pdkv_eager": LLM(path, enforce_eager=True, **common)}
     graphs = engines["pdkv"].llm_engine.runner.decode_graphs
     result: dict = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",

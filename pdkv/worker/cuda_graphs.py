@@ -30,11 +30,14 @@ ordinary path (tests/worker/test_cuda_graphs.py).
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 512
 """vLLM's default largest decode batch captured."""
@@ -89,6 +92,23 @@ def graphable(groups: Sequence[Any], kv_caches: Sequence[Any], dcp_size: int, ha
     if any(not isinstance(c, torch.Tensor) for c in kv_caches):
         return "a quantized KV cache"
     return None
+
+
+def build_decode_graphs(model_config: Any, model: Callable[..., torch.Tensor], groups: Sequence[Any],
+                        kv_caches: list[Any], block_size: int, device: torch.device, dcp_size: int,
+                        has_connector: bool) -> DecodeGraphs | None:
+    """The model runner's DecodeGraphs: on a CUDA device, unless model_config.enforce_eager or
+    no capture sizes, when `graphable` allows (else one info log line saying why); None: every
+    step runs eagerly."""
+    sizes = model_config.cudagraph_capture_sizes
+    if device.type != "cuda" or model_config.enforce_eager or not sizes:
+        return None
+    why = graphable(groups, kv_caches, dcp_size, has_connector)
+    if why is not None:
+        logger.info("CUDA graphs off (%s): decode steps run eagerly", why)
+        return None
+    return DecodeGraphs(model, kv_caches, len(groups), block_size, model_config.max_model_len, sizes, device,
+                        use_graphs=True)
 
 
 def decode_metadata(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> Any:
@@ -163,7 +183,7 @@ class DecodeGraphs:
         assert size is not None, f"decode batch {bsz} above the largest capture size"
         self.input_ids[:size].copy_(torch.tensor(pad_rows(input_ids, size), device="cpu"), non_blocking=True)
         self.positions[:size].copy_(torch.tensor(pad_rows(positions, size), device="cpu"), non_blocking=True)
-        host = [[t + [0] * (self.width - len(t)) for t in pad_rows(group, size)] for group in tables]
+        host = [[t[: self.width] + [0] * (self.width - len(t)) for t in pad_rows(group, size)] for group in tables]
         self.tables[:, :size].copy_(torch.tensor(host, dtype=torch.long, device="cpu"), non_blocking=True)
         if not self.use_graphs:
             return self._step(size)[:bsz]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -41,13 +40,11 @@ from pdkv.worker.attn_metadata import (
     build_dcp_attention_metadata,
     build_linear_state_metadata,
 )
-from pdkv.worker.cuda_graphs import DecodeGraphs, decode_step_inputs, graphable
+from pdkv.worker.cuda_graphs import build_decode_graphs, decode_step_inputs
 from pdkv.worker.kv_cache import allocate_kv_cache, make_kv_cache_config
 
 if TYPE_CHECKING:
     from pdkv.parallel.context import ParallelContext
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -182,21 +179,10 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.timings = StepTimings()
         self._grammars: GrammarMatchers | None = None  # built by the first structured request
-        self.decode_graphs = self._decode_graphs(model_config)
-
-    def _decode_graphs(self, model_config: ModelConfig) -> DecodeGraphs | None:
-        """CUDA graphs of decode steps (pdkv.worker.cuda_graphs) on a CUDA device unless
-        --enforce-eager, when the KV cache kinds allow them; None: every step runs eagerly."""
-        sizes = model_config.cudagraph_capture_sizes
-        if self.device.type != "cuda" or model_config.enforce_eager or not sizes:
-            return None
-        why = graphable(self.kv_cache_config.groups, self.kv_caches,
-                        self.parallel.dcp_size if self.parallel is not None else 1, self.connector is not None)
-        if why is not None:
-            logger.info("CUDA graphs off (%s): decode steps run eagerly", why)
-            return None
-        return DecodeGraphs(self.model, self.kv_caches, len(self.kv_cache_config.groups), self.block_size,
-                            model_config.max_model_len, sizes, self.device, use_graphs=True)
+        # CUDA graphs of decode steps (on CUDA unless --enforce-eager; None: every step eager)
+        self.decode_graphs = build_decode_graphs(
+            model_config, self.model, self.kv_cache_config.groups, self.kv_caches, self.block_size,
+            self.device, parallel.dcp_size if parallel is not None else 1, self.connector is not None)
 
     @property
     def vocab_size(self) -> int:

@@ -62,6 +62,7 @@ def test_padded_static_decode_path_matches_the_eager_path(name, request):
     llm = _engine(path, enable_prefix_caching=False)  # the second run recomputes every prompt
     want = _tokens(llm)
     runner = llm.llm_engine.runner
+    assert runner.decode_graphs is None or runner.device.type == "cuda"  # the CPU is always eager
     sizes_run: list[int] = []
 
     def guarded(*args):
