@@ -18,7 +18,7 @@ of B requests is captured once per capture size and replayed:
   "skip slot -1" write such as vLLM's PAD_SLOT_ID kernel); their logits are dropped.
 
 Only plain full-attention (and MLA) KV caches are graphed: sliding-window groups, linear-state
-groups, quantized KV, DCP and KV connectors keep the eager path (`graphable`). The key range is
+groups, quantized KV, TP / DCP (collectives) and KV connectors stay eager (`graphable`). The key range is
 the whole max_model_len for every row (masked), so graphs trade attention work for launch
 overhead; the benefit is measured by `scripts/gpu_check.sh`, not assumed.
 
@@ -73,15 +73,16 @@ def pad_rows(rows: Sequence[Any], size: int) -> list[Any]:
     return list(rows) + [rows[-1]] * (size - len(rows))
 
 
-def graphable(groups: Sequence[Any], kv_caches: Sequence[Any], dcp_size: int, has_connector: bool) -> str | None:
+def graphable(groups: Sequence[Any], kv_caches: Sequence[Any], world_size: int, has_connector: bool) -> str | None:
     """None when decode steps can run as graphs, else why not (one phrase). groups: the KV cache
-    config's groups (their `spec`); kv_caches: the per-layer caches."""
+    config's groups (their `spec`); kv_caches: the per-layer caches; world_size: TP x DCP ranks
+    (collectives are not captured: more than one rank stays eager)."""
     import torch
 
     from pdkv.cache.specs import LinearStateSpec
 
-    if dcp_size > 1:
-        return "decode context parallelism"
+    if world_size > 1:
+        return "tensor / decode context parallelism"
     if has_connector:
         return "a KV connector"
     for g in groups:
@@ -95,7 +96,7 @@ def graphable(groups: Sequence[Any], kv_caches: Sequence[Any], dcp_size: int, ha
 
 
 def build_decode_graphs(model_config: Any, model: Callable[..., torch.Tensor], groups: Sequence[Any],
-                        kv_caches: list[Any], block_size: int, device: torch.device, dcp_size: int,
+                        kv_caches: list[Any], block_size: int, device: torch.device, world_size: int,
                         has_connector: bool) -> DecodeGraphs | None:
     """The model runner's DecodeGraphs: on a CUDA device, unless model_config.enforce_eager or
     no capture sizes, when `graphable` allows (else one info log line saying why); None: every
@@ -103,7 +104,7 @@ def build_decode_graphs(model_config: Any, model: Callable[..., torch.Tensor], g
     sizes = model_config.cudagraph_capture_sizes
     if device.type != "cuda" or model_config.enforce_eager or not sizes:
         return None
-    why = graphable(groups, kv_caches, dcp_size, has_connector)
+    why = graphable(groups, kv_caches, world_size, has_connector)
     if why is not None:
         logger.info("CUDA graphs off (%s): decode steps run eagerly", why)
         return None

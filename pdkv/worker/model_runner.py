@@ -182,7 +182,7 @@ class ModelRunner:
         # CUDA graphs of decode steps (on CUDA unless --enforce-eager; None: every step eager)
         self.decode_graphs = build_decode_graphs(
             model_config, self.model, self.kv_cache_config.groups, self.kv_caches, self.block_size,
-            self.device, parallel.dcp_size if parallel is not None else 1, self.connector is not None)
+            self.device, parallel.layout.world_size if parallel is not None else 1, self.connector is not None)
 
     @property
     def vocab_size(self) -> int:
