@@ -30,6 +30,9 @@ class ModelConfig:
         cpu_linear: "onednn" (packed-weight oneDNN matmuls, float32 on CPU) or "torch" (BLAS).
         attention_backend: vLLM's `--attention-backend`: "auto", "torch" (gather + SDPA) or
             "cpu_paged" (decode reads K/V from the blocks in place; pdkv/model/paged_decode.py).
+        enforce_eager: vLLM's `--enforce-eager`: no CUDA graphs (the CPU is always eager).
+        cudagraph_capture_sizes: decode batch sizes captured as CUDA graphs on a CUDA device
+            (pdkv.worker.cuda_graphs.capture_sizes of max_num_seqs); () = none.
     """
 
     model: str
@@ -41,6 +44,8 @@ class ModelConfig:
     served_model_name: str = ""
     cpu_linear: str = "onednn"
     attention_backend: str = "auto"
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch", "cpu_paged"):

@@ -23,6 +23,7 @@ from pdkv.config import (
 )
 from pdkv.model.llama import LlamaArchConfig
 from pdkv.model.registry import resolve_model
+from pdkv.worker.cuda_graphs import capture_sizes
 from pdkv.worker.kv_cache import check_sliding_window_parallel
 
 
@@ -58,7 +59,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
-    """Accepted for vLLM compatibility; pdkv captures no CUDA graphs, so it is always eager."""
+    """vLLM's flag: no CUDA graphs for decode steps (pdkv.worker.cuda_graphs); the CPU is always eager."""
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model and build the configs.
@@ -98,6 +99,8 @@ class EngineArgs:
                 served_model_name=self.served_model_name or self.model,
                 cpu_linear=self.cpu_linear,
                 attention_backend=self.attention_backend,
+                enforce_eager=self.enforce_eager,
+                cudagraph_capture_sizes=tuple(capture_sizes(self.max_num_seqs)) if device.startswith("cuda") else (),
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -154,7 +157,8 @@ class EngineArgs:
                        help="auto = the model dtype (--dtype); int8 or fp8 (= fp8_e4m3): 1 byte per value "
                             "plus a float32 scale per token and KV head (K and V)")
         g.add_argument("--enforce-eager", action="store_true",
-                       help="accepted for vLLM compatibility (pdkv always runs eagerly)")
+                       help="no CUDA graphs for decode steps (default on CUDA: graphs for batch sizes 1, 2, 4, 8, "
+                            "16, ... up to --max-num-seqs; the CPU always runs eagerly)")
         g.add_argument(
             "--enable-prefix-caching",
             action=argparse.BooleanOptionalAction,

@@ -71,6 +71,8 @@ class AttentionMetadata:
             row i starts at the block holding the window's first key max(0, len_i - W), so
             blocks that left the window are never read.
         decode_seq_lens: [B] long, context length including the new token.
+        decode_seq_lens_cpu: the same lengths as host ints (vLLM's seq_lens_cpu), so the forward
+            never reads them back from the device (no host sync; see pdkv.model.host_sync).
         decode_mask: [B, 1, 1, max_blocks*block_size] bool, True where a key (of the row's
             table) is valid (None when B == 1: the key range is sliced exactly instead).
         decode_key_blocks, decode_key_offsets: [B, max_blocks*block_size] long, the block and
@@ -109,6 +111,7 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor | None = None
     prefill_token_idx: torch.Tensor | None = None
     prefill_slice: tuple[int, int] | None = None
+    decode_seq_lens_cpu: tuple[int, ...] = ()
 
 
 DecodeAttentionFn = Callable[[torch.Tensor, Any, AttentionMetadata, float], torch.Tensor]
@@ -232,7 +235,7 @@ def _decode_attention(
         ks = read_kv(kv_cache, 0, meta.decode_block_tables).view(bsz, -1, num_kv_heads, head_size)
         vs = read_kv(kv_cache, 1, meta.decode_block_tables).view(bsz, -1, num_kv_heads, head_size)
     if meta.decode_mask is None:  # B == 1: slice the exact key range, no mask needed
-        seq_len = int(meta.decode_seq_lens[0])
+        seq_len = meta.decode_seq_lens_cpu[0]
         if meta.sliding_window is None:
             ks, vs = ks[:, :seq_len], vs[:, :seq_len]
         else:  # the table starts at the window's first block (see AttentionMetadata)

@@ -118,7 +118,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, kv
         entries = kv_cache[meta.decode_key_blocks, meta.decode_key_offsets]  # [B, S, entry]
     else:  # B == 1: the exact key range, no mask
         entries = kv_cache[meta.decode_block_tables].view(bsz, -1, kv_cache.shape[-1])
-        entries = entries[:, : int(meta.decode_seq_lens[0])]
+        entries = entries[:, : meta.decode_seq_lens_cpu[0]]
     k, v = expand_kv(entries, kv_b, rank, nope, v_dim)  # [B, H, S, .]
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale)
     return o.squeeze(2)

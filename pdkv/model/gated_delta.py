@@ -31,9 +31,36 @@ class LinearStateMetadata:
     token is read from the source slot (-1: a fresh request, zero state); its n tokens are then
     run as consecutive segments (length, destination slot), the state after each segment written
     to its slot (see pdkv.worker.attn_metadata.build_linear_state_metadata). Requests run in this
-    order, so a checkpoint one request writes is visible to a later one in the same step."""
+    order, so a checkpoint one request writes is visible to a later one in the same step.
+
+    `decode_batches` holds, per run of consecutive decodes (n == 1 from an existing state), its
+    (flat rows, source slots, destination slots) as long tensors on the model's device, built
+    with the metadata (`decode_runs`) so the forward makes none from host lists; None: built by
+    the layer when it runs (hand-made metadata in tests)."""
 
     requests: tuple[tuple[int, int, int, tuple[tuple[int, int], ...]], ...]
+    decode_batches: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...] | None = None
+
+
+def decode_runs(requests: tuple[tuple[int, int, int, tuple[tuple[int, int], ...]], ...], device: torch.device
+                ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]:
+    """(rows, source slots, destination slots) of each maximal run of consecutive decodes among
+    LinearStateMetadata.requests, as long tensors on `device`, in order."""
+    runs: list[list[tuple[int, int, int]]] = []
+    cur: list[tuple[int, int, int]] = []
+    for start, n, src, segments in requests:
+        if n == 1 and src >= 0:
+            cur.append((start, src, segments[0][1]))
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    out = []
+    for run in runs:
+        rows, src_slots, dst_slots = (torch.tensor(col, dtype=torch.long, device=device) for col in zip(*run))
+        out.append((rows, src_slots, dst_slots))
+    return tuple(out)
 
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

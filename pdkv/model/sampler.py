@@ -7,7 +7,9 @@ Processing order as in vLLM V1 (vllm/v1/sample/sampler.py): raw logprobs are tak
 frequency / repetition penalties (vllm/model_executor/layers/utils.py `apply_penalties`), then
 greedy argmax; random rows continue with temperature, min_p, top-k, top-p, softmax and a draw
 from the request's own generator. Every step is a tensor operation over the whole batch; only
-the final draw loops over rows (one generator per request).
+the final draw loops over rows (one generator per request). Branches look only at the rows'
+host-side params, never at tensor values: `sample_tensors` keeps the ids and the logprob rows
+on the device and `SampledTokens.to_host` copies them to the host once per step.
 """
 
 from __future__ import annotations
@@ -46,10 +48,46 @@ class SamplingRow:
     matcher: Any = None
 
 
+@dataclass
+class SampledTokens:
+    """One step's samples, still on the logits' device (no host copy yet).
+
+    Attributes:
+        token_ids: [S] long, the token picked for each row.
+        logprobs: [S, 3 + 2 * K] float64 or None (no row asked for logprobs): per row the
+            sampled token's (id, logprob, rank), then the K most likely ids, then their
+            logprobs (K = the largest `logprobs` any row asked for); ids and ranks are exact in
+            float64, logprobs are the float32 values widened.
+        num_logprobs: per row the `logprobs` it asked for (None: no entry for that row).
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None
+    num_logprobs: list[int | None]
+
+    def to_host(self) -> tuple[list[int], list[list[LogprobEntry]] | None]:
+        """(token ids, logprob entries as `sample` returns them) with one device -> host copy
+        (one `.tolist()` of the ids and logprob rows together)."""
+        if self.logprobs is None:
+            return self.token_ids.tolist(), None
+        table: list[list[float]] = self.logprobs.tolist()
+        k = (self.logprobs.shape[1] - 3) // 2
+        tokens = [int(row[0]) for row in table]
+        entries: list[list[LogprobEntry]] = []
+        for row, num in zip(table, self.num_logprobs):
+            if num is None:
+                entries.append([])
+                continue
+            entry = [(int(row[0]), row[1], int(row[2]))]
+            entry += [(int(row[3 + j]), row[3 + k + j], j + 1) for j in range(num)]
+            entries.append(entry)
+        return tokens, entries
+
+
 def sample(
     logits: torch.Tensor, rows: list[SamplingRow]
 ) -> tuple[list[int], list[list[LogprobEntry]] | None]:
-    """Pick one token per row.
+    """Pick one token per row (`sample_tensors` followed by its one host copy).
 
     Args:
         logits: [S, vocab] float32.
@@ -59,41 +97,54 @@ def sample(
         (token ids [S], per-row [(sampled_id, logprob, rank), (top_1_id, logprob, 1), ...] or
         None when no row asked for logprobs; a row that did not ask has []).
     """
-    want_logprobs = any(r.params.logprobs is not None for r in rows)
-    raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
+    return sample_tensors(logits, rows).to_host()
+
+
+def sample_tensors(logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
+    """Pick one token per row, leaving ids and logprobs on the device: no host sync here (every
+    branch is on the rows' host-side params), so a GPU step pays one copy, in `to_host`.
+
+    Args:
+        logits: [S, vocab] float32.
+        rows: S SamplingRows, in the same order.
+    """
+    want = [r.params.logprobs for r in rows]
+    raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(n is not None for n in want) else None
 
     x = process_logits(logits, rows)
-    tokens = x.argmax(dim=-1).tolist()
+    tokens = x.argmax(dim=-1)
     random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_idx:
         rx = _random_logits(x[random_idx], [rows[i].params for i in random_idx])
         probs = rx.softmax(-1)
         for j, i in enumerate(random_idx):
-            tokens[i] = int(torch.multinomial(probs[j], 1, generator=rows[i].generator))
+            tokens[i : i + 1] = torch.multinomial(probs[j], 1, generator=rows[i].generator)
+    table = None if raw_logprobs is None else logprob_table(raw_logprobs, tokens, max(n or 0 for n in want))
+    return SampledTokens(tokens, table, want)
 
-    logprobs = None
-    if raw_logprobs is not None:
-        logprobs = [_logprob_entry(raw_logprobs[i], tokens[i], r.params.logprobs)
-                    for i, r in enumerate(rows)]
-    return tokens, logprobs
+
+def logprob_table(logprobs: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """Batched logprob entries: [S, 3 + 2k] float64 rows (token, its logprob, its rank, the k
+    most likely ids, their logprobs). logprobs: [S, vocab]; tokens: [S] long. Rank = 1 + the
+    number of strictly more likely tokens (vLLM's definition)."""
+    lp = logprobs.gather(1, tokens[:, None])  # [S, 1]
+    rank = (logprobs > lp).sum(-1, keepdim=True) + 1
+    cols = [tokens[:, None].double(), lp.double(), rank.double()]
+    if k > 0:
+        top = torch.topk(logprobs, k, dim=-1)
+        cols += [top.indices.double(), top.values.double()]
+    return torch.cat(cols, dim=1)
 
 
 def logprob_entry(row_logprobs: torch.Tensor, token: int, num: int) -> list[LogprobEntry]:
-    """[(token, logprob, rank), then the `num` most likely (id, logprob, 1..num)].
+    """[(token, logprob, rank), then the `num` most likely (id, logprob, 1..num)] of one row.
 
     row_logprobs: [vocab] log-probabilities; rank = 1 + the number of strictly more likely
-    tokens (vLLM's definition)."""
-    lp = row_logprobs[token]
-    rank = int((row_logprobs > lp).sum()) + 1
-    entry = [(token, float(lp), rank)]
-    if num > 0:
-        top = torch.topk(row_logprobs, num)
-        entry += [(t, v, k + 1) for k, (t, v) in enumerate(zip(top.indices.tolist(), top.values.tolist()))]
-    return entry
-
-
-def _logprob_entry(row_logprobs: torch.Tensor, token: int, num: int | None) -> list[LogprobEntry]:
-    return [] if num is None else logprob_entry(row_logprobs, token, num)
+    tokens (vLLM's definition). The one-row form of `logprob_table`."""
+    ids = torch.tensor([token], device=row_logprobs.device)
+    entries = SampledTokens(ids, logprob_table(row_logprobs[None], ids, num), [num]).to_host()[1]
+    assert entries is not None
+    return entries[0]
 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -133,23 +184,22 @@ def apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     tokens) subtracted.
 
     Sparse: only the (row, token) pairs present in the histories are read and written (one
-    unique + gather + scatter over R x history elements, not R x vocab)."""
-    num_rows, vocab = x.shape
+    gather + scatter over the distinct pairs, not R x vocab). The pairs are deduplicated on the
+    host, from the token lists it already holds (no device sync, unlike torch.unique)."""
+    vocab = x.shape[1]
     dev = x.device
-    row_ids: list[int] = []
-    tokens: list[int] = []
-    is_out: list[float] = []
+    out_counts: dict[int, float] = {}  # row * vocab + token -> output occurrences (0: prompt only)
     for i, r in enumerate(rows):
         ids = r.token_ids or []
-        row_ids += [i] * len(ids)
-        tokens += ids
-        is_out += [0.0] * r.num_prompt_tokens + [1.0] * (len(ids) - r.num_prompt_tokens)
-    if not tokens:
+        base = i * vocab
+        for t in ids[: r.num_prompt_tokens]:
+            out_counts.setdefault(base + t, 0.0)
+        for t in ids[r.num_prompt_tokens :]:
+            out_counts[base + t] = out_counts.get(base + t, 0.0) + 1.0
+    if not out_counts:
         return x
-    keys = torch.tensor(row_ids, dtype=torch.long, device=dev) * vocab + torch.tensor(tokens, dtype=torch.long, device=dev)
-    ukeys, inverse = torch.unique(keys, return_inverse=True)
-    counts = torch.zeros(len(ukeys), dtype=x.dtype, device=dev).scatter_add_(
-        0, inverse, torch.tensor(is_out, dtype=x.dtype, device=dev))
+    ukeys = torch.tensor(list(out_counts), dtype=torch.long, device=dev)
+    counts = torch.tensor(list(out_counts.values()), dtype=x.dtype, device=dev)
     urows = ukeys // vocab
     rep = torch.tensor([r.params.repetition_penalty for r in rows], dtype=x.dtype, device=dev)[urows]
     freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=x.dtype, device=dev)[urows]
@@ -168,7 +218,7 @@ def _random_logits(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     temp = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=dev)[:, None]
     x = x / temp
     min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=dev)[:, None]
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):
         probs = x.softmax(-1)
         x = x.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, neg)
     vocab = x.shape[1]
@@ -178,7 +228,7 @@ def _random_logits(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
         kth = torch.sort(x, dim=-1, descending=True).values.gather(1, kk)
         x = x.masked_fill(x < kth, neg)
     top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=dev)[:, None]
-    if bool((top_p < 1.0).any()):
+    if any(p.top_p < 1.0 for p in params):
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = sorted_x.softmax(-1)
         # Drop a token when the mass before it already reaches top_p (keeps at least one).

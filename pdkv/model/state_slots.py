@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdkv.model.gated_delta import LinearStateMetadata, causal_conv, causal_conv_step
+from pdkv.model.gated_delta import LinearStateMetadata, causal_conv, causal_conv_step, decode_runs
 
 Rule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """(q, k, v, g, beta, state) -> (out [T, Hv, dv] float32, new state): a chunk or one-step rule."""
@@ -52,15 +52,21 @@ class StateSlotMixin:
         """Every request of the step: conv over `mixed` [T, conv_dim], then the rule with decay
         `g` and `beta`, into `out` [T, Hv, dv] (float32), reading and writing `state`."""
         conv_state, rec_state = self.state_views(state)
-        decodes: list[tuple[int, int, int]] = []
+        batches = meta.decode_batches
+        if batches is None:
+            batches = decode_runs(meta.requests, mixed.device)
+        run = 0
+        pending = False  # a run of decodes waits to go as one batch
         for start, n, src, segments in meta.requests:
             if n == 1 and src >= 0:
-                decodes.append((start, src, segments[0][1]))
+                pending = True
                 continue
-            self._decode_batch(decodes, mixed, g, beta, conv_state, rec_state, out)
-            decodes = []
+            if pending:
+                self._decode_batch(batches[run], mixed, g, beta, conv_state, rec_state, out)
+                run, pending = run + 1, False
             self._run_request(start, src, segments, mixed, g, beta, conv_state, rec_state, out)
-        self._decode_batch(decodes, mixed, g, beta, conv_state, rec_state, out)
+        if pending:
+            self._decode_batch(batches[run], mixed, g, beta, conv_state, rec_state, out)
 
     def _run_request(self, start: int, src: int, segments: tuple[tuple[int, int], ...], mixed: torch.Tensor,
                      g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
@@ -80,13 +86,12 @@ class StateSlotMixin:
             conv_state[dst], rec_state[dst] = conv, rec
             at += length
 
-    def _decode_batch(self, decodes: list[tuple[int, int, int]], mixed: torch.Tensor, g: torch.Tensor,
-                      beta: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
+    def _decode_batch(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], mixed: torch.Tensor,
+                      g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
                       out: torch.Tensor) -> None:
-        """One token each of (flat row, source slot, destination slot) requests, batched."""
-        if not decodes:
-            return
-        rows, src, dst = (torch.tensor(col, dtype=torch.long, device=mixed.device) for col in zip(*decodes))
+        """One token each of a run of decodes, batched: (flat rows, source slots, destination
+        slots) long tensors (LinearStateMetadata.decode_batches)."""
+        rows, src, dst = batch
         c, conv = causal_conv_step(mixed[rows], conv_state[src], self.conv)
         q, k, v = self.split_qkv(c)
         out[rows], rec = self.step_rule(q, k, v, g[rows], beta[rows], rec_state[src])

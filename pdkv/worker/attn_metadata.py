@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pdkv.model.attention import AttentionMetadata, PrefillSeq
-from pdkv.model.gated_delta import LinearStateMetadata
+from pdkv.model.gated_delta import LinearStateMetadata, decode_runs
 
 if TYPE_CHECKING:
     from pdkv.parallel.context import ParallelContext
@@ -95,6 +95,7 @@ def build_attention_metadata(
         decode_key_offsets=key_offsets,
         all_decode=len(dec_idx) == num_tokens,
         sliding_window=sliding_window,
+        decode_seq_lens_cpu=tuple(dec_lens),
     )
 
 
@@ -148,7 +149,8 @@ def build_dcp_attention_metadata(
     )
 
 
-def build_linear_state_metadata(requests: Sequence[StepRequest], block_size: int) -> LinearStateMetadata:
+def build_linear_state_metadata(requests: Sequence[StepRequest], block_size: int,
+                                device: torch.device | None = None) -> LinearStateMetadata:
     """Source slot and segments of each request of one step over its linear-state table
     (pdkv.cache.single_type_manager.LinearStateManager).
 
@@ -156,7 +158,8 @@ def build_linear_state_metadata(requests: Sequence[StepRequest], block_size: int
     one-slot table keeps everything in its slot; a checkpoint table (one slot per block) keeps
     the state at the end of every full block in that block's slot. A request computing tokens
     c .. c+n-1 reads the state after c tokens (none: c == 0, fresh) and is split at every block
-    boundary where the destination slot changes.
+    boundary where the destination slot changes. The decode runs' slot tensors are built here
+    on `device` (None: left to the layer, see LinearStateMetadata.decode_batches).
     """
     out = []
     for start, n, c, table in requests:
@@ -172,7 +175,8 @@ def build_linear_state_metadata(requests: Sequence[StepRequest], block_size: int
                 segments.append((end - at, dst))
             at = end
         out.append((start, n, src, tuple(segments)))
-    return LinearStateMetadata(tuple(out))
+    reqs = tuple(out)
+    return LinearStateMetadata(reqs, None if device is None else decode_runs(reqs, device))
 
 
 def _state_entry(table: list[int], num_tokens: int, block_size: int) -> int:

@@ -26,7 +26,7 @@ from pdkv.kv_transfer.reshard_state import LAYOUT_KEY as STATE_LAYOUT_KEY
 from pdkv.model.attention import paged_attention
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
-from pdkv.model.sampler import LogprobEntry, SamplingRow, sample
+from pdkv.model.sampler import LogprobEntry, SamplingRow, sample_tensors
 from pdkv.model.structured import GrammarMatchers
 from pdkv.sampling_params import SamplingParams
 from pdkv.sched.output import (
@@ -41,6 +41,7 @@ from pdkv.worker.attn_metadata import (
     build_dcp_attention_metadata,
     build_linear_state_metadata,
 )
+from pdkv.worker.cuda_graphs import build_decode_graphs, decode_step_inputs
 from pdkv.worker.kv_cache import allocate_kv_cache, gdn_state_geometry, make_kv_cache_config
 
 if TYPE_CHECKING:
@@ -184,6 +185,10 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.timings = StepTimings()
         self._grammars: GrammarMatchers | None = None  # built by the first structured request
+        # CUDA graphs of decode steps (on CUDA unless --enforce-eager; None: every step eager)
+        self.decode_graphs = build_decode_graphs(
+            model_config, self.model, self.kv_cache_config.groups, self.kv_caches, self.block_size,
+            self.device, parallel.layout.world_size if parallel is not None else 1, self.connector is not None)
 
     @property
     def vocab_size(self) -> int:
@@ -245,9 +250,18 @@ class ModelRunner:
             if conn is None:
                 return EMPTY_MODEL_RUNNER_OUTPUT
             return ModelRunnerOutput(sampled_token_ids={}, kv_connector_output=self._connector_output(out))
-        input_ids, positions, meta, logits_idx, sampled_reqs, prompt_rows = self._prepare_inputs(out)
-        t1 = time.perf_counter()
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
+        graphs = self.decode_graphs
+        graph_in = decode_step_inputs(out.num_scheduled_tokens, self.requests, graphs) if graphs else None
+        meta: list[Any] | None = None
+        if graphs is not None and graph_in is not None:  # a decode step: replay its CUDA graph
+            ids, pos, tables, sampled_reqs = graph_in
+            prompt_rows: list[tuple[CachedRequestState, int, int]] = []
+            t1 = time.perf_counter()
+            logits = graphs.run(ids, pos, tables)
+        else:
+            input_ids, positions, meta, logits_idx, sampled_reqs, prompt_rows = self._prepare_inputs(out)
+            t1 = time.perf_counter()
+            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
         t2 = time.perf_counter()
         if prompt_rows:
             self._prompt_logprobs(logits[len(sampled_reqs):], prompt_rows)
@@ -258,7 +272,8 @@ class ModelRunner:
             mask = state.stop_ids if num_out < state.sampling_params.min_tokens else ()
             rows.append(SamplingRow(state.sampling_params, state.generator, mask, state.token_ids,
                                     state.num_prompt_tokens, state.matcher))
-        tokens, logprobs = sample(logits, rows) if rows else ([], None)
+        # Ids (and logprob rows) stay on the device until here: one device -> host copy per step.
+        tokens, logprobs = sample_tensors(logits, rows).to_host() if rows else ([], None)
         result: dict[str, list[int]] = {}
         lp_out: dict[str, list[list[LogprobEntry]]] | None = (
             {} if logprobs is not None else None
@@ -278,7 +293,7 @@ class ModelRunner:
             self.requests[req_id].num_computed_tokens += n
         t3 = time.perf_counter()
         self.timings = StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2,
-                                   dcp_comm=meta[0].dcp.comm_seconds if meta[0].dcp is not None else 0.0)
+                                   dcp_comm=meta[0].dcp.comm_seconds if meta and meta[0].dcp is not None else 0.0)
         kv_out = self._connector_output(out) if conn is not None else None
         return ModelRunnerOutput(sampled_token_ids=result, logprobs=lp_out or None, kv_connector_output=kv_out,
                                  prompt_logprobs=prompt_lp or None)
@@ -366,7 +381,7 @@ class ModelRunner:
                     meta.append(build_linear_state_metadata(
                         [(start, n, c, self.requests[req_id].block_ids[g])
                          for (start, n, c, _), req_id in zip(step_reqs, out.num_scheduled_tokens)],
-                        self.block_size))
+                        self.block_size, dev))
                     continue
                 reqs = step_reqs if g == 0 else [
                     (start, n, c, self.requests[req_id].block_ids[g])

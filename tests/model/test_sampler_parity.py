@@ -114,3 +114,58 @@ def test_child_params_seed_offsets():
     assert p.logit_bias == {5: 100.0}
     assert [c.seed for c in (p.child(0), p.child(1), p.child(2))] == [7, 8, 9]
     assert p.child(1).n == 1 and SamplingParams(n=2).child(1).seed is None
+
+
+class _CountHostReads(torch.overrides.TorchFunctionMode):
+    """Counts device -> host reads (tolist, item, int, float, bool) made while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy"):
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_sampling_keeps_ids_on_device_and_copies_once():
+    """Greedy, random (with top_p / min_p / top_k) and logprob rows: sample_tensors reads nothing
+    back from the device; to_host makes exactly one copy; the result is what the per-row
+    reference (argmax, the same generator's draw, logprob_entry) gives."""
+    from pdkv.model.host_sync import HostSyncGuard
+    from pdkv.model.sampler import sample_tensors
+
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(4)) * 3
+    params = [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+              SamplingParams(temperature=0), SamplingParams(temperature=1.0, min_p=0.05, top_k=5, logprobs=0),
+              SamplingParams(temperature=0, logprobs=3, frequency_penalty=0.5)]
+
+    def rows() -> list[SamplingRow]:
+        return [SamplingRow(p, None if p.greedy else torch.Generator().manual_seed(10 + i), (), [1, 2, 3], 2)
+                for i, p in enumerate(params)]
+
+    with HostSyncGuard(allow_host_to_device=True):
+        out = sample_tensors(logits, rows())
+    counter = _CountHostReads()
+    with counter:
+        tokens, entries = out.to_host()
+    assert counter.calls == ["tolist"]
+    assert entries is not None and [len(e) for e in entries] == [3, 0, 0, 1, 4]
+    x = process_logits(logits, rows())
+    want_rows = rows()
+    raw = torch.log_softmax(logits, -1)
+    for i, p in enumerate(params):
+        if p.greedy:
+            assert tokens[i] == int(x[i].argmax())
+        else:
+            probs = _random_logits(x[i : i + 1], [p]).softmax(-1)
+            assert tokens[i] == int(torch.multinomial(probs[0], 1, generator=want_rows[i].generator))
+        if p.logprobs is not None:
+            lp = raw[i, tokens[i]]
+            top = torch.topk(raw[i], p.logprobs) if p.logprobs else None
+            want = [(tokens[i], float(lp), int((raw[i] > lp).sum()) + 1)]
+            if top is not None:
+                want += [(int(t), float(v), r + 1) for r, (t, v) in enumerate(zip(top.indices, top.values))]
+            assert entries[i] == want

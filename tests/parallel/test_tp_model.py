@@ -52,7 +52,8 @@ def _meta(positions: list[int], decode: bool) -> AttentionMetadata:
     if not decode:
         return AttentionMetadata(blocks, offsets, [PrefillSeq(0, len(positions), 0, table)], None, None, None, None)
     seq_len = torch.tensor([positions[-1] + 1])
-    return AttentionMetadata(blocks, offsets, [], torch.tensor([0]), table[None], seq_len, None, all_decode=True)
+    return AttentionMetadata(blocks, offsets, [], torch.tensor([0]), table[None], seq_len, None, all_decode=True,
+                             decode_seq_lens_cpu=(positions[-1] + 1,))
 
 
 def _prompt() -> list[int]:
