@@ -70,6 +70,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="compare pdkv's decode per --attention-backend instead of pdkv vs HF, e.g. "
              "torch,cpu_paged (ratios against the first; pdkv/bench/offline_backends.py)",
     )
+    parser.add_argument(
+        "--cpu-linears", default=None,
+        help="compare pdkv's prefill and decode per --cpu-linear instead, e.g. torch,onednn,auto "
+             "(ratios against the first)",
+    )
     return parser
 
 
@@ -79,13 +84,15 @@ def main(args: argparse.Namespace) -> int:
     Returns:
         Process exit code (0).
     """
-    if args.attention_backends:
+    if args.attention_backends or args.cpu_linears:
         from pdkv.bench.offline_backends import run_backend_bench
 
+        knob = "cpu_linear" if args.cpu_linears else "attention_backend"
+        values = args.cpu_linears or args.attention_backends
         result = run_backend_bench(
-            model=args.model, backends=[b.strip() for b in args.attention_backends.split(",") if b.strip()],
+            model=args.model, backends=[b.strip() for b in values.split(",") if b.strip()],
             batch_sizes=tuple(args.batch_sizes), input_len=args.input_len, output_len=args.output_len,
-            dtype=args.dtype, num_threads=args.num_threads, seed=args.seed, repeats=args.repeats,
+            dtype=args.dtype, num_threads=args.num_threads, seed=args.seed, repeats=args.repeats, knob=knob,
         )
         if args.result_json:
             write_result_json(result, args.result_json)
