@@ -96,3 +96,34 @@ def test_real_tuning_on_small_weights_gives_a_table_for_every_bucket():
     assert all(t > 0 for cells in tuning.timings.values() for t in cells.values())
     assert "cpu-linear auto table [1:" in tuning.describe()
     assert torch.get_num_threads() >= 1
+
+
+def test_auto_is_the_default_and_unknown_modes_are_refused():
+    import argparse
+
+    from pdkv.config import ModelConfig
+    from pdkv.engine.arg_utils import EngineArgs
+
+    args = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args([])
+    assert EngineArgs.from_cli_args(args).cpu_linear == "auto" == ModelConfig(model="m", path="p").cpu_linear
+    with pytest.raises(ValueError, match="cpu_linear"):
+        ModelConfig(model="m", path="p", cpu_linear="blas")
+
+
+def test_cpu_linear_bench_table_has_prefill_and_decode_rows_with_ratios():
+    from pdkv.bench.offline_backends import format_backend_table
+
+    def tp(pre: float, dec: float) -> dict:
+        return {"prefill_tok_s": pre, "decode_tok_s": dec}
+
+    result = {"model": "smollm2", "dtype": "float32", "num_threads": 2, "input_len": 128, "output_len": 16,
+              "host_cpu": "cpu", "backends": ["torch", "auto"], "knob": "cpu_linear",
+              "backends_used": {"torch": "torch", "auto": "1:torch 8:onednn"},
+              "results": [{"batch_size": 8, "torch": tp(100.0, 20.0), "auto": tp(150.0, 30.0),
+                           "prefill_ratio": {"torch": 1.0, "auto": 1.5}, "decode_ratio": {"torch": 1.0, "auto": 1.5},
+                           "greedy_equal": {"torch": True, "auto": True}}],
+              "host_load_avg_1m": [3.5, 3.9], "host_cpu_count": 2}
+    table = format_backend_table(result)
+    assert "| 8 | prefill | 100.0 | 150.0 | 1.50x | yes |" in table
+    assert "| 8 | decode | 20.0 | 30.0 | 1.50x | yes |" in table
+    assert "auto (ran 1:torch 8:onednn)" in table
