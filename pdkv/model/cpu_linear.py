@@ -71,3 +71,27 @@ def setup_cpu_linear(model: LlamaForCausalLM, mode: str, dtype: str, device: str
     model.use_linear_dispatch(LinearDispatch(tuning.table))
     logger.info(tuning.describe())
     return CpuLinearSetup(mode, tuning, warning)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pdkv.model.cpu_linear --model smollm2 --dtype bfloat16`: print auto's table and
+    its timings (microseconds of one layer's projections per bucket and backend) for a model."""
+    import argparse
+
+    from pdkv.model.cpu_features import read_cpu_features
+    from pdkv.model.loader import load_model
+    from pdkv.model.registry import resolve_model
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--budget-s", type=float, default=0.3, help="timed seconds after the warm-up")
+    args = p.parse_args(argv)
+    model = load_model(resolve_model(args.model), args.dtype, "cpu")
+    print(f"{args.model} {args.dtype}; CPU flags: {read_cpu_features().describe()}")
+    print(tune_linear(model.linear_weights(), DEFAULT_BUCKETS, args.budget_s).describe())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
