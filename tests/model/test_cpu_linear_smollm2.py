@@ -5,7 +5,7 @@ and decoded batched through the engine's model code, on one torch thread (small 
 * auto == torch: the session engine (default `--cpu-linear auto`, its table timed at start-up)
   and a forced table that alternates oneDNN and BLAS across buckets give exactly the greedy
   tokens of plain F.linear.
-* bf16 within tolerance of float32. Stated thresholds (README, "bf16 on CPU", has the figures of
+* bf16 within tolerance of float32. Stated thresholds (README, "Matmul per shape and bf16 on CPU", has the figures of
   a larger run): first-step max |logit difference| <= 1.5, all prompts but one with the same
   first token (of 3 here), greedy common-prefix agreement >= 0.5. Measured here (AVX2 EPYC, no native bf16):
   see README; bf16 rounds weights and activations to 8 mantissa bits, so tokens may diverge
