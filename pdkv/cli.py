@@ -1,4 +1,4 @@
-"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff, dcp, hetero, groups, prefill-cap, kvquant, memory} | compare | plan | matrix."""
+"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff, dcp, hetero, groups, prefill-cap, kvquant, dtype, memory} | compare | plan | matrix."""
 
 from __future__ import annotations
 
@@ -222,6 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kv_quant_bench.add_cli_args(kv_quant_p)
     kv_quant_p.set_defaults(func=kv_quant_bench.main)
+    from pdkv.bench import dtype_parity as dtype_bench
+
+    dtype_p = bench_sub.add_parser(
+        "dtype", help="bfloat16 / float16 model vs float32: first-step logit error, greedy token agreement, "
+        "seconds", formatter_class=fmt,
+    )
+    dtype_bench.add_cli_args(dtype_p)
+    dtype_p.set_defaults(func=dtype_bench.main)
 
     from pdkv.bench import memory as memory_bench
 

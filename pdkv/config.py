@@ -27,7 +27,9 @@ class ModelConfig:
         max_model_len: longest sequence (prompt + output) in tokens.
         seed: base seed for random sampling of requests that give none.
         served_model_name: the name reported to clients.
-        cpu_linear: "onednn" (packed-weight oneDNN matmuls, float32 on CPU) or "torch" (BLAS).
+        cpu_linear: "auto" (one plain weight copy; BLAS or oneDNN per row count from a table timed
+            at start-up, pdkv/model/cpu_linear.py), "onednn" (packed-weight oneDNN matmuls) or
+            "torch" (BLAS).
         attention_backend: vLLM's `--attention-backend`: "auto", "torch" (gather + SDPA) or
             "cpu_paged" (decode reads K/V from the blocks in place; pdkv/model/paged_decode.py).
         enforce_eager: vLLM's `--enforce-eager`: no CUDA graphs (the CPU is always eager).
@@ -42,7 +44,7 @@ class ModelConfig:
     max_model_len: int = 8192
     seed: int = 0
     served_model_name: str = ""
-    cpu_linear: str = "onednn"
+    cpu_linear: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
     cudagraph_capture_sizes: tuple[int, ...] = ()
@@ -52,8 +54,8 @@ class ModelConfig:
             raise ValueError(
                 f"attention_backend must be 'auto', 'torch' or 'cpu_paged', got {self.attention_backend!r}"
             )
-        if self.cpu_linear not in ("onednn", "torch"):
-            raise ValueError(f"cpu_linear must be 'onednn' or 'torch', got {self.cpu_linear!r}")
+        if self.cpu_linear not in ("auto", "onednn", "torch"):
+            raise ValueError(f"cpu_linear must be 'auto', 'onednn' or 'torch', got {self.cpu_linear!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.max_model_len < 1:

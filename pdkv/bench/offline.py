@@ -72,8 +72,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--prefill-cases", default="1x512,32x128",
-        help="with --attention-backends: BxL prefill cases (B prompts of L tokens in one step), "
-             "comma-separated; '' for none",
+        help="with --attention-backends or --cpu-linears: BxL prefill cases (B prompts of L tokens "
+             "in one step), comma-separated; '' for none",
+    )
+    parser.add_argument(
+        "--cpu-linears", default=None,
+        help="compare pdkv's prefill and decode per --cpu-linear instead, e.g. torch,onednn,auto "
+             "(ratios against the first)",
     )
     return parser
 
@@ -95,13 +100,15 @@ def main(args: argparse.Namespace) -> int:
     Returns:
         Process exit code (0).
     """
-    if args.attention_backends:
+    if args.attention_backends or args.cpu_linears:
         from pdkv.bench.offline_backends import run_backend_bench
 
+        knob = "cpu_linear" if args.cpu_linears else "attention_backend"
+        values = args.cpu_linears or args.attention_backends
         result = run_backend_bench(
-            model=args.model, backends=[b.strip() for b in args.attention_backends.split(",") if b.strip()],
+            model=args.model, backends=[b.strip() for b in values.split(",") if b.strip()],
             batch_sizes=tuple(args.batch_sizes), input_len=args.input_len, output_len=args.output_len,
-            dtype=args.dtype, num_threads=args.num_threads, seed=args.seed, repeats=args.repeats,
+            dtype=args.dtype, num_threads=args.num_threads, seed=args.seed, repeats=args.repeats, knob=knob,
             prefill_cases=parse_prefill_cases(args.prefill_cases),
         )
         if args.result_json:

@@ -1,5 +1,6 @@
-"""`pdkv bench offline --attention-backends torch,cpu_paged`: decode and prefill throughput of pdkv
-per attention backend, in one process and one run.
+"""`pdkv bench offline --attention-backends torch,cpu_paged` (or `--cpu-linears torch,onednn,auto`):
+prefill and decode throughput of pdkv per attention backend (or per CPU matmul mode), in one
+process and one run.
 
 One engine per backend (same model, dtype, threads, block size, prompts); for each batch size the
 backends are measured one after the other (so machine load drifts equally over both), with the
@@ -40,11 +41,13 @@ def run_backend_bench(
     repeats: int = 1,
     verbose: bool = True,
     prefill_cases: Sequence[tuple[int, int]] = ((1, 512), (32, 128)),
+    knob: str = "attention_backend",
 ) -> dict[str, Any]:
-    """Decode (and prefill) tok/s of pdkv per `--attention-backend` and batch size.
+    """Decode (and prefill) tok/s of pdkv per `--attention-backend` (or per `knob`) and batch size.
 
     Args:
-        backends: attention backends to compare; ratios are against the first.
+        backends: values of `knob` to compare; ratios are against the first.
+        knob: the LLM keyword varied: "attention_backend" or "cpu_linear".
         batch_sizes: requests run together (B); lengths in tokens; repeats: best of N timings.
         num_threads: torch CPU threads (None: torch's default); restored on return.
         prefill_cases: (B, L) pairs: B prompts of L tokens prefilled in one step, timed alone.
@@ -67,6 +70,8 @@ def run_backend_bench(
         raise ValueError("need backends, batch sizes >= 1, input_len >= 1 and output_len >= 2")
     if any(b < 1 or n < 1 for b, n in prefill_cases):
         raise ValueError(f"prefill cases need B >= 1 and L >= 1, got {list(prefill_cases)}")
+    if knob not in ("attention_backend", "cpu_linear"):
+        raise ValueError(f"knob must be attention_backend or cpu_linear, got {knob!r}")
     prev_threads = torch.get_num_threads()
     if num_threads:
         torch.set_num_threads(num_threads)
@@ -81,7 +86,7 @@ def run_backend_bench(
         engines = {
             name: LLM(model=model, dtype=dtype, seed=seed, block_size=bs, num_kv_blocks=blocks,
                       max_model_len=max_len, max_num_seqs=max_b, max_num_batched_tokens=step_tokens,
-                      enable_prefix_caching=False, num_threads=num_threads, attention_backend=name)
+                      enable_prefix_caching=False, num_threads=num_threads, **{knob: name})
             for name in backends
         }
         first = engines[backends[0]]
@@ -91,7 +96,7 @@ def run_backend_bench(
             run_pdkv(llm, prompts[:2], 2, device)
         results = []
         for b in batch_sizes:
-            entry: dict[str, Any] = {"batch_size": b, "decode_ratio": {}, "greedy_equal": {}}
+            entry: dict[str, Any] = {"batch_size": b, "decode_ratio": {}, "prefill_ratio": {}, "greedy_equal": {}}
             toks: dict[str, list[list[int]]] = {}
             for name, llm in engines.items():
                 pre, tot, toks[name], extra = measure(
@@ -100,6 +105,8 @@ def run_backend_bench(
             for name in backends:
                 entry["decode_ratio"][name] = ratio(entry[name]["decode_tok_s"],
                                                     entry[backends[0]]["decode_tok_s"])
+                entry["prefill_ratio"][name] = ratio(entry[name]["prefill_tok_s"],
+                                                     entry[backends[0]]["prefill_tok_s"])
                 entry["greedy_equal"][name] = toks[name] == toks[backends[0]]
             results.append(entry)
         prefill = [_prefill_case(engines, first.get_tokenizer(), b, n, seed, repeats, device)
@@ -107,7 +114,7 @@ def run_backend_bench(
         result: dict[str, Any] = {
             "model": model, "dtype": dtype, "num_threads": torch.get_num_threads(),
             "input_len": input_len, "output_len": output_len, "backends": list(backends),
-            "backends_used": {n: e.llm_engine.runner.attention_backend for n, e in engines.items()},
+            "knob": knob, "backends_used": {n: _resolved(e, knob) for n, e in engines.items()},
             "results": results, "prefill": prefill, "host_load_avg_1m": [load_before, os.getloadavg()[0]],
             "host_cpu_count": os.cpu_count(), "host_cpu": cpu_description(),
         }
@@ -139,28 +146,40 @@ def _prefill_case(engines: dict[str, Any], tokenizer: Any, b: int, n: int, seed:
     return entry
 
 
+def _resolved(llm: Any, knob: str) -> str:
+    """What the engine's `knob` resolved to (cpu_linear auto: its table)."""
+    runner = llm.llm_engine.runner
+    if knob == "cpu_linear":
+        setup = getattr(runner, "cpu_linear", None)
+        return setup.describe() if setup is not None else "?"
+    return str(runner.attention_backend)
+
+
 def format_backend_table(result: dict[str, Any]) -> str:
-    """The run as text: one row per batch size, decode tok/s per backend and ratios; then one row
-    per prefill case, prefill tok/s and ratios."""
+    """The run as text: one row per batch size, prefill and decode tok/s per backend and ratios."""
     names = result["backends"]
     used = result["backends_used"]
+    by_linear = result.get("knob") == "cpu_linear"  # prefill and decode rows; else decode only
+    what = "CPU matmul (--cpu-linear)" if by_linear else "attention backend (decode tok/s)"
     lines = [
-        f"pdkv decode by attention backend: {result['model']} {result['dtype']}, "
+        f"pdkv by {what}: {result['model']} {result['dtype']}, "
         f"{result['num_threads']} threads, {result['input_len']} prompt + {result['output_len']} "
         f"output tokens; {result['host_cpu']}",
         "backends: " + ", ".join(f"{n} (ran {used[n]})" for n in names),
-        "| batch | " + " | ".join(f"{n} decode tok/s" for n in names)
+        "| batch | " + ("phase | " if by_linear else "") + " | ".join(f"{n} tok/s" for n in names)
         + " | " + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " | greedy equal |",
-        "|---" * (1 + 2 * len(names) - 1 + 1) + "|",
+        "|---" * (1 + by_linear + 2 * len(names) - 1 + 1) + "|",
     ]
     for e in result["results"]:
-        tok = [e[n]["decode_tok_s"] for n in names]
-        rat = [e["decode_ratio"][n] for n in names[1:]]
-        lines.append(
-            f"| {e['batch_size']} | " + " | ".join("-" if t is None else f"{t:.1f}" for t in tok)
-            + " | " + " | ".join("-" if r is None else f"{r:.2f}x" for r in rat)
-            + f" | {'yes' if all(e['greedy_equal'].values()) else 'NO'} |"
-        )
+        for phase in ("prefill", "decode") if by_linear else ("decode",):
+            tok = [e[n][f"{phase}_tok_s"] for n in names]
+            rat = [e[f"{phase}_ratio"][n] for n in names[1:]]
+            lines.append(
+                f"| {e['batch_size']} | " + (f"{phase} | " if by_linear else "")
+                + " | ".join("-" if t is None else f"{t:.1f}" for t in tok)
+                + " | " + " | ".join("-" if r is None else f"{r:.2f}x" for r in rat)
+                + f" | {'yes' if all(e['greedy_equal'].values()) else 'NO'} |"
+            )
     if result.get("prefill"):
         lines += [
             "| prefill B x L | " + " | ".join(f"{n} prefill tok/s" for n in names)

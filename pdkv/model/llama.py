@@ -21,6 +21,7 @@ from pdkv.model.arch_config import (
     hybrid_state_kinds,
 )
 from pdkv.model.attention import AttentionMetadata, paged_attention
+from pdkv.model.linear_backend import LinearDispatch
 from pdkv.parallel.context import ParallelContext
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "LlamaArchConfig", "LlamaForCausalLM", "hybrid_state_kinds"]
@@ -105,9 +106,9 @@ class LlamaLayer(nn.Module):
         self.o_proj = nn.Parameter(torch.empty(h, q_size, dtype=dtype), requires_grad=False)
         self.gate_up = nn.Parameter(torch.empty(2 * i, h, dtype=dtype), requires_grad=False)
         self.down = nn.Parameter(torch.empty(h, i, dtype=dtype), requires_grad=False)
-        # oneDNN-packed weights (pack_cpu_weights), which then replace the plain ones; None =
-        # plain F.linear.
-        self.packed: dict[str, torch.Tensor | None] = {"qkv": None, "o_proj": None, "gate_up": None, "down": None}
+        # oneDNN-packed weights (pack_cpu_weights), which then replace the plain ones; a
+        # LinearDispatch (--cpu-linear auto) over the plain ones; None = plain F.linear.
+        self.packed: dict[str, PackedLinear] = {"qkv": None, "o_proj": None, "gate_up": None, "down": None}
 
     def pack_cpu_weights(self) -> bool:
         """Pack the four projection weights for oneDNN, keeping one copy of each: a packed
@@ -147,20 +148,36 @@ class LlamaLayer(nn.Module):
         return hidden + tp.all_reduce_tp(linear(F.silu(gate) * up, self.down, pk["down"]))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+# What a projection runs with besides its plain weight: a oneDNN-packed weight, a per-shape
+# dispatch (pdkv.model.linear_backend), or nothing (F.linear).
+PackedLinear = torch.Tensor | LinearDispatch | None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedLinear,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias. x: [T, in]; weight: [out, in]. With `packed` (a oneDNN-reordered copy
-    of weight, see pack_linear_weight) the CPU oneDNN kernel runs instead of the BLAS one."""
-    if packed is not None:
+    """x @ weight.T + bias. x: [T, in]; weight: [out, in]. With `packed` a oneDNN-reordered copy
+    of weight (see pack_linear_weight) the CPU oneDNN kernel runs instead of the BLAS one; with a
+    LinearDispatch the kernel its table names for T rows runs on the plain weight."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    if isinstance(packed, torch.Tensor):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    return packed(x, weight, bias)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A oneDNN-reordered copy of a float32 CPU weight [out, in], or None when unavailable."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    """A oneDNN-reordered copy of a CPU weight [out, in] (float32; bfloat16 where oneDNN has a
+    bf16 kernel, see pdkv.model.cpu_features), or None when unavailable."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
+    except RuntimeError:  # this oneDNN build has no kernel for the dtype on this CPU
+        return None
 
 
 def _without_data(param: torch.Tensor) -> nn.Parameter:
@@ -217,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         )
-        self.head_packed: torch.Tensor | None = None
+        self.head_packed: PackedLinear = None
         # The file map the embedding is read from, when the loader maps it (pdkv.model.loader).
         self.embed_file_map: mmap.mmap | None = None
         # KV cache group of each layer (pdkv.worker.kv_cache makes one group per entry).
@@ -276,7 +293,7 @@ class LlamaForCausalLM(nn.Module):
         file (the loader's embed_file_map), whose pages packing read are dropped again here, it
         holds only the rows looked up since (reclaimable page cache, not a second copy); without
         a map the table is held twice (vocab_size x hidden_size x dtype bytes more)."""
-        if self.head_packed is not None:  # packed before: the plain weights are gone
+        if isinstance(self.head_packed, torch.Tensor):  # packed before: the plain weights are gone
             return all(p is not None for layer in self.layers for p in layer.packed.values())
         if self.lm_head is None:
             self.head_packed = pack_linear_weight(self.embed)
@@ -287,3 +304,31 @@ class LlamaForCausalLM(nn.Module):
             if self.head_packed is not None:
                 self.lm_head = _without_data(self.lm_head)
         return self.head_packed is not None and all(layer.pack_cpu_weights() for layer in self.layers)
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        """One layer's projection weights ([out, in], in forward order): the shapes a step's
+        matmuls have (the first layer holding a `packed` table of plain weights; [] if none)."""
+        for layer in self.layers:
+            slots = getattr(layer, "packed", None)
+            if isinstance(slots, dict) and slots:
+                weights = [getattr(layer, name) for name in slots]
+                if not any(w.is_meta for w in weights):
+                    return weights
+        return []
+
+    def use_linear_dispatch(self, dispatch: LinearDispatch) -> int:
+        """Run every plain projection (layers' `packed` slots left None, and the LM head) through
+        `dispatch` (--cpu-linear auto; one weight copy: the plain one). Returns how many."""
+        n = 0
+        for layer in self.layers:
+            slots = getattr(layer, "packed", None)
+            if not isinstance(slots, dict):
+                continue
+            for name, cur in slots.items():
+                if cur is None and not getattr(layer, name).is_meta:
+                    slots[name] = dispatch
+                    n += 1
+        if self.head_packed is None:
+            self.head_packed = dispatch
+            n += 1
+        return n

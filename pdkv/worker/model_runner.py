@@ -123,8 +123,9 @@ class ModelRunner:
         self.model: LlamaForCausalLM = load_model(
             model_config.path, model_config.dtype, model_config.device, parallel
         )
-        if model_config.cpu_linear == "onednn":
-            self.model.pack_cpu_weights()
+        from pdkv.model.cpu_linear import setup_cpu_linear
+
+        self.cpu_linear = setup_cpu_linear(self.model, model_config.cpu_linear, model_config.dtype, model_config.device)
         arch = self.model.cfg
         self.attention_backend = self._select_attention(model_config, cache_config, arch.is_mla)
         if model_config.max_model_len > arch.max_position_embeddings:
