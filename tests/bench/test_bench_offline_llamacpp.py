@@ -3,10 +3,14 @@ workload table and its goals; with llama-cpp-python and the GGUF present, the pe
 against pdkv's."""
 
 import argparse
+import ctypes
 import io
 import os
+import sys
 import tarfile
+import types
 
+import numpy as np
 import pytest
 
 from pdkv.bench.llamacpp_gguf import convert, extract_converter, gguf_path
@@ -195,3 +199,129 @@ def test_llamacpp_peer_greedy_tokens_equal_pdkv(parity_prompts, parity_reference
         assert again[0] == toks[0][:2]
         with pytest.raises(ValueError):
             peer.run(prompts, n + 1)
+
+
+class _FakeLlamaCpp:
+    """Stands in for the `llama_cpp` binding: real ctypes batches, a toy model whose next token
+    is (sum of the sequence's tokens) % vocab, a KV cache per context that checks positions and
+    sequence ids, and a record of every llama_decode."""
+
+    llama_log_callback = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+
+    def __init__(self, vocab=50):
+        self.vocab = vocab
+        self.decodes = []  # (n_tokens, [(token, pos, seq, output)]) per llama_decode
+        self.contexts = []
+
+    def llama_backend_init(self):
+        pass
+
+    def llama_log_set(self, cb, user):
+        self.log_cb = cb
+
+    def llama_model_default_params(self):
+        return None
+
+    def llama_model_load_from_file(self, path, params):
+        return object()
+
+    def llama_model_get_vocab(self, model):
+        return object()
+
+    def llama_vocab_n_tokens(self, vocab):
+        return self.vocab
+
+    def llama_context_default_params(self):
+        return types.SimpleNamespace()
+
+    def llama_init_from_model(self, model, p):
+        ctx = types.SimpleNamespace(params=p, kv={}, logits=None, out_row={})
+        self.contexts.append(ctx)
+        return ctx
+
+    def llama_get_memory(self, ctx):
+        return ctx
+
+    def llama_memory_clear(self, mem, data):
+        mem.kv.clear()
+
+    def llama_batch_init(self, n, embd, n_seq_max):
+        ids = [(ctypes.c_int32 * n_seq_max)() for _ in range(n)]
+        seq = (ctypes.POINTER(ctypes.c_int32) * n)(*[ctypes.cast(a, ctypes.POINTER(ctypes.c_int32)) for a in ids])
+        b = types.SimpleNamespace(
+            n_tokens=0, capacity=n, keep=ids,
+            token=ctypes.cast((ctypes.c_int32 * n)(), ctypes.POINTER(ctypes.c_int32)),
+            pos=ctypes.cast((ctypes.c_int32 * n)(), ctypes.POINTER(ctypes.c_int32)),
+            n_seq_id=ctypes.cast((ctypes.c_int32 * n)(), ctypes.POINTER(ctypes.c_int32)),
+            logits=ctypes.cast((ctypes.c_int8 * n)(), ctypes.POINTER(ctypes.c_int8)),
+        )
+        b.seq_id = ctypes.cast(seq, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
+        b.keep_seq = seq
+        return b
+
+    def llama_decode(self, ctx, b):
+        p = ctx.params
+        assert b.n_tokens <= min(b.capacity, p.n_batch, p.n_ubatch)
+        rows = [(b.token[i], b.pos[i], b.seq_id[i][0], bool(b.logits[i])) for i in range(b.n_tokens)]
+        assert all(b.n_seq_id[i] == 1 for i in range(b.n_tokens))
+        self.decodes.append((b.n_tokens, rows))
+        outs = []
+        for i, (tok, pos, seq, out) in enumerate(rows):
+            assert 0 <= seq < p.n_seq_max
+            cache = ctx.kv.setdefault(seq, [])
+            assert pos == len(cache) < p.n_ctx // p.n_seq_max  # contiguous, within its share
+            cache.append(tok)
+            if out:
+                outs.append((i, sum(cache) % self.vocab))
+        ctx.logits = np.zeros((len(outs), self.vocab), dtype=np.float32)
+        ctx.out_row = {}
+        for row, (i, nxt) in enumerate(outs):
+            ctx.logits[row, nxt] = 1.0
+            ctx.out_row[i] = row
+        return 0
+
+    def llama_get_logits_ith(self, ctx, i):
+        return ctx.logits[ctx.out_row[i]].ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+
+    def llama_batch_free(self, b):
+        pass
+
+    def llama_free(self, ctx):
+        pass
+
+    def llama_model_free(self, model):
+        pass
+
+
+def _toy_greedy(prompt, n, vocab):
+    seq, out = list(prompt), []
+    for _ in range(n):
+        out.append(sum(seq) % vocab)
+        seq.append(out[-1])
+    return out
+
+
+def test_peer_runs_the_batch_as_sequences_one_decode_per_step(monkeypatch):
+    from pdkv.bench.offline_llamacpp import LlamaCppPeer
+
+    fake = _FakeLlamaCpp()
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3], [5, 8, 9, 7, 9]]
+    peer = LlamaCppPeer("m.gguf", "float32", n_threads=2, output_len=4)
+    seconds, toks = peer.run(prompts, 4)
+    assert seconds > 0
+    assert toks == [_toy_greedy(p, 4, fake.vocab) for p in prompts]
+    ctx = fake.contexts[-1].params
+    assert (ctx.n_ctx, ctx.n_seq_max, ctx.n_batch, ctx.n_ubatch) == (3 * (5 + 4), 3, 15, 15)
+    assert ctx.n_threads == ctx.n_threads_batch == 2 and ctx.type_k == ctx.type_v == 0  # F32 KV
+    # One llama_decode for the whole prefill (logits at each prompt's last token), then one per step.
+    assert [n for n, _ in fake.decodes] == [15, 3, 3, 3]
+    prefill = fake.decodes[0][1]
+    assert [r[3] for r in prefill] == [i % 5 == 4 for i in range(15)]
+    assert [r[2] for r in prefill] == [0] * 5 + [1] * 5 + [2] * 5
+    assert [r[2] for r in fake.decodes[1][1]] == [0, 1, 2] and [r[1] for r in fake.decodes[3][1]] == [7, 7, 7]
+    # Same shape again: the context is reused and its cache cleared.
+    assert peer.run(prompts, 2)[1] == [t[:2] for t in toks] and len(fake.contexts) == 1
+    peer.close()
+    with pytest.raises(ValueError):
+        peer.run(prompts, 5)  # more than output_len
