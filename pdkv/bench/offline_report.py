@@ -66,6 +66,8 @@ def format_table(result: dict[str, Any]) -> str:
         "greedy match (batch 1, pdkv vs HF token ids): "
         + ("n/a (no HF)" if gm is None else ("yes" if gm else "no"))
     )
+    if result.get("llamacpp_skipped"):
+        lines.append(result["llamacpp_skipped"])
     return "\n".join(lines)
 
 

@@ -178,6 +178,18 @@ def test_workload_table_says_yes_when_all_tokens_match_and_handles_missing_figur
     assert "goals (issue 14) met: 1/1" in table  # only the 32-sequence goal was measurable
 
 
+def test_per_batch_table_carries_the_skip_message():
+    from pdkv.bench.offline_report import format_table
+
+    result = {"model": "smollm2", "dtype": "float32", "device": "cpu", "num_threads": 2,
+              "input_len": 8, "output_len": 2, "torch_version": "t", "transformers_version": "x",
+              "repeats": 1, "greedy_match": None,
+              "results": [{"batch_size": 1, "pdkv": _sys(10.0, 2.0), "hf": None,
+                           "prefill_ratio": None, "decode_ratio": None}],
+              "llamacpp_skipped": "llama.cpp skipped: GGUF /x missing; `make llama-cpp` converts it"}
+    assert format_table(result).endswith(result["llamacpp_skipped"])
+
+
 @pytest.mark.slow
 def test_llamacpp_peer_greedy_tokens_equal_pdkv(parity_prompts, parity_reference_24):
     """Two sequences in one llama.cpp context (one llama_decode per step) give pdkv's tokens."""
