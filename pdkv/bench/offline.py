@@ -28,7 +28,8 @@ or from the CLI (`add_cli_args` / `main`):
 """
 
 # Layout: `offline_prompts` (prompts), `offline_measure` (timing of each system),
-# `offline_runner` (the benchmark run), `offline_report` (the table); this module re-exports
+# `offline_runner` (the benchmark run), `offline_report` (the tables), `offline_llamacpp` (the
+# llama.cpp peer), `llamacpp_gguf` (its GGUF, `make llama-cpp`); this module re-exports
 # their public names and holds the CLI (`add_cli_args` / `main`).
 
 from __future__ import annotations
