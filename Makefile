@@ -1,13 +1,16 @@
 # One-command set-up and entry points. Everything lives in a local venv (.venv).
 #   make demo   - set up, then run real chat prompts through a local 1P1D deployment (main job)
 #   make test   - set up, then run the whole test suite
+#   make llama-cpp - optional, never part of setup/test/CI: build llama-cpp-python from its sdist
+#                    (many minutes on 2 cores) and convert SmolLM2 to F32/BF16 GGUF for
+#                    `pdkv bench offline --peer hf,llama.cpp`
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU wheel on these machines; on a CUDA box set TORCH_SPEC to the torch build you want.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench llama-cpp clean
 
 setup: $(VENV)/.installed
 	@# CPU paged attention ops (decode + batched prefill), compiled once per machine into $$PDKV_CACHE/ext (cached;
@@ -32,6 +35,22 @@ test: setup
 
 bench: setup
 	$(VENV)/bin/pdkv bench offline
+
+# llama.cpp peer of `pdkv bench offline`: the binding built natively from its sdist, and GGUFs made
+# by llama.cpp's own converter (from that sdist) in $$PDKV_CACHE/gguf (pdkv/bench/llamacpp_gguf.py).
+LLAMA_CPP_VERSION ?= 0.3.36
+LLAMA_CPP_DIR ?= $(or $(PDKV_CACHE),$(HOME)/.cache/pdkv)/llama-cpp
+LLAMA_CPP_SDIST := $(LLAMA_CPP_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz
+
+$(LLAMA_CPP_SDIST):
+	$(PY) -m pip download -q --no-deps --no-binary :all: -d $(LLAMA_CPP_DIR) llama-cpp-python==$(LLAMA_CPP_VERSION)
+
+llama-cpp: setup $(LLAMA_CPP_SDIST)
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+	  CMAKE_BUILD_PARALLEL_LEVEL=2 $(PY) -m pip install --no-binary llama-cpp-python \
+	  --find-links $(LLAMA_CPP_DIR) llama-cpp-python==$(LLAMA_CPP_VERSION)
+	$(PY) -m pip install -q -c constraints.txt sentencepiece
+	$(PY) -m pdkv.bench.llamacpp_gguf --sdist $(LLAMA_CPP_SDIST) --model smollm2 --dtypes float32,bfloat16
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -1,6 +1,7 @@
-"""Offline throughput benchmark: pdkv vs HF transformers on the same prompts, dtype and threads.
+"""Offline throughput benchmark: pdkv vs HF transformers (and llama.cpp) on the same prompts, dtype
+and threads.
 
-Both systems run in one process, one after the other for each batch size, so they share the
+All systems run in one process, one after the other for each batch size, so they share the
 torch version, the thread count (`torch.set_num_threads`) and the machine state. For a batch of
 B requests of `input_len` prompt tokens each:
 
@@ -12,6 +13,9 @@ pdkv runs `LLM.generate` with greedy `SamplingParams(max_tokens=..., ignore_eos=
 caching off; HF runs `model.generate(..., do_sample=False)` on the equal-length batch (no
 padding) with EOS disabled, so both produce exactly the requested number of tokens and the same
 greedy tokens. pdkv's time includes its scheduler and detokenization, HF's its generate loop.
+`--peer hf,llama.cpp` adds llama.cpp (llama-cpp-python's C API on an F32 / BF16 GGUF converted
+from the same HF folder, `make llama-cpp`; `pdkv/bench/offline_llamacpp.py`): one `llama_decode`
+for the batch's prefill and one per decode step, greedy argmax, timed with the same formulas.
 
 Usage::
 
@@ -19,11 +23,13 @@ Usage::
     result = run_offline_bench(batch_sizes=(1, 8, 32), input_len=128, output_len=32)
 
 or from the CLI (`add_cli_args` / `main`):
-`pdkv bench offline --batch-sizes 1,8,32 --input-len 128 --output-len 32 --result-json out.json`.
+`pdkv bench offline --batch-sizes 1,8,32 --input-len 128 --output-len 32 --result-json out.json`
+(`--peer hf,llama.cpp` for the three-way table).
 """
 
 # Layout: `offline_prompts` (prompts), `offline_measure` (timing of each system),
-# `offline_runner` (the benchmark run), `offline_report` (the table); this module re-exports
+# `offline_runner` (the benchmark run), `offline_report` (the tables), `offline_llamacpp` (the
+# llama.cpp peer), `llamacpp_gguf` (its GGUF, `make llama-cpp`); this module re-exports
 # their public names and holds the CLI (`add_cli_args` / `main`).
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import argparse
 from pdkv.bench.offline_measure import TORCH_DTYPES
 from pdkv.bench.offline_prompts import build_prompts
 from pdkv.bench.offline_report import format_table
-from pdkv.bench.offline_runner import run_offline_bench
+from pdkv.bench.offline_runner import PEERS, run_offline_bench
 from pdkv.bench.results import write_result_json
 
 __all__ = ["add_cli_args", "build_prompts", "format_table", "main", "run_offline_bench"]
@@ -49,6 +55,14 @@ def _parse_batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+def _parse_peers(text: str) -> list[str]:
+    peers = [p.strip() for p in text.split(",") if p.strip() and p.strip() != "none"]
+    bad = [p for p in peers if p not in PEERS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"--peer takes {', '.join(PEERS)} or none, got {bad}")
+    return peers
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `pdkv bench offline` flags to `parser` (lengths in tokens)."""
     parser.add_argument("--model", default="smollm2", help="alias (smollm2) or HF folder")
@@ -62,7 +76,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads for both")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per measurement (best kept)")
-    parser.add_argument("--no-hf", dest="include_hf", action="store_false", help="skip HF transformers")
+    parser.add_argument(
+        "--peer", dest="peers", type=_parse_peers, default=["hf"],
+        help="systems measured beside pdkv: hf, llama.cpp (comma-separated; none: pdkv only). "
+             "llama.cpp adds a 512-token batch-1 prefill and the pdkv / llama.cpp table with "
+             "issue 14's goals; it is skipped with a message when not built (`make llama-cpp`)",
+    )
+    parser.add_argument(
+        "--long-prefill-len", type=int, default=None,
+        help="prompt tokens of the extra batch-1 prefill (default 512 with --peer llama.cpp; 0: off)",
+    )
+    parser.add_argument("--no-hf", dest="include_hf", action="store_false",
+                        help="skip HF transformers (removes hf from --peer)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warmup runs")
     parser.add_argument("--result-json", default=None, help="write the result dict to this file")
     parser.add_argument(
@@ -122,9 +147,10 @@ def main(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         num_threads=args.num_threads,
         seed=args.seed,
-        include_hf=args.include_hf,
         warmup=args.warmup,
         repeats=args.repeats,
+        peers=[p for p in args.peers if args.include_hf or p != "hf"],
+        long_prefill_len=args.long_prefill_len,
     )
     if args.result_json:
         write_result_json(result, args.result_json)

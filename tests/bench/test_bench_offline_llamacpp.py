@@ -1,0 +1,339 @@
+"""`pdkv bench offline --peer hf,llama.cpp`: the skip message, the GGUF converter's plumbing, the
+workload table and its goals; with llama-cpp-python and the GGUF present, the peer's greedy tokens
+against pdkv's."""
+
+import argparse
+import ctypes
+import io
+import os
+import sys
+import tarfile
+import types
+
+import numpy as np
+import pytest
+
+from pdkv.bench.llamacpp_gguf import convert, extract_converter, gguf_path
+from pdkv.bench.offline import add_cli_args
+from pdkv.bench.offline_llamacpp import unavailable_reason
+from pdkv.bench.offline_report import format_workload_table, goal_for, workload_rows
+
+
+def test_gguf_path_names_model_and_outtype(tmp_path):
+    assert gguf_path("smollm2", "float32", str(tmp_path)) == str(tmp_path / "gguf" / "smollm2-f32.gguf")
+    assert gguf_path("/m/SmolLM2-135M/", "bfloat16", str(tmp_path)).endswith("gguf/smollm2-135m-bf16.gguf")
+    with pytest.raises(ValueError, match="float16"):
+        gguf_path("smollm2", "float16", str(tmp_path))
+
+
+def test_skip_message_names_the_make_target(tmp_path):
+    cache = str(tmp_path)
+    no_module = unavailable_reason("smollm2", "float32", cache, module_available=False)
+    assert "llama-cpp-python" in no_module and "not installed" in no_module
+    assert "`make llama-cpp`" in no_module
+    missing = unavailable_reason("smollm2", "float32", cache, module_available=True)
+    assert gguf_path("smollm2", "float32", cache) in missing and "`make llama-cpp`" in missing
+    assert "float16" in unavailable_reason("smollm2", "float16", cache, module_available=True)
+    os.makedirs(tmp_path / "gguf")
+    open(gguf_path("smollm2", "float32", cache), "wb").close()
+    assert unavailable_reason("smollm2", "float32", cache, module_available=True) is None
+    # The BF16 file is separate.
+    assert unavailable_reason("smollm2", "bfloat16", cache, module_available=True) is not None
+
+
+def test_runner_skips_llamacpp_with_its_message(tmp_path, monkeypatch, capsys):
+    from pdkv.bench import offline_runner
+
+    monkeypatch.setenv("PDKV_CACHE", str(tmp_path))
+    peer, reason = offline_runner._open_llamacpp("smollm2", "float32", 4, verbose=True)
+    assert peer is None and reason.startswith("llama.cpp skipped:")
+    assert reason in capsys.readouterr().out
+    with pytest.raises(ValueError, match="unknown peers"):
+        offline_runner.run_offline_bench(peers=["vllm"])
+
+
+def _sdist(path, top="llama_cpp_python-9.9"):
+    """A small stand-in sdist: a fake converter, its package, gguf-py and an unrelated file."""
+    converter = (
+        "import os, sys\n"
+        "out = sys.argv[sys.argv.index('--outfile') + 1]\n"
+        "typ = sys.argv[sys.argv.index('--outtype') + 1]\n"
+        "assert os.environ['PYTHONPATH'].endswith('gguf-py')\n"
+        "open(out, 'w').write(typ + ' ' + sys.argv[1])\n"
+    )
+    files = {
+        "vendor/llama.cpp/convert_hf_to_gguf.py": converter,
+        "vendor/llama.cpp/conversion/__init__.py": "",
+        "vendor/llama.cpp/gguf-py/gguf/__init__.py": "",
+        "vendor/llama.cpp/ggml/src/big.c": "int x;",
+    }
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"{top}/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_converter_is_unpacked_and_run_with_its_gguf_py(tmp_path):
+    sdist = tmp_path / "s.tar.gz"
+    _sdist(sdist)
+    conv = extract_converter(str(sdist), str(tmp_path / "src"))
+    assert os.path.isfile(os.path.join(conv, "convert_hf_to_gguf.py"))
+    assert os.path.isdir(os.path.join(conv, "conversion")) and os.path.isdir(os.path.join(conv, "gguf-py"))
+    assert not os.path.exists(os.path.join(conv, "ggml"))  # only the converter's parts
+    out = str(tmp_path / "gguf" / "m-f32.gguf")
+    convert(conv, "/models/m", "f32", out)
+    with open(out) as f:
+        assert f.read() == "f32 /models/m"
+    assert not os.path.exists(out + ".tmp")
+    bad = tmp_path / "bad.tar.gz"
+    with tarfile.open(bad, "w:gz") as tar:
+        tar.addfile(tarfile.TarInfo("x/README"), io.BytesIO(b""))
+    with pytest.raises(FileNotFoundError, match="convert_hf_to_gguf.py"):
+        extract_converter(str(bad), str(tmp_path / "src2"))
+
+
+def test_peer_flag_parses():
+    parser = add_cli_args(argparse.ArgumentParser())
+    assert parser.parse_args([]).peers == ["hf"]
+    assert parser.parse_args(["--peer", "hf,llama.cpp"]).peers == ["hf", "llama.cpp"]
+    assert parser.parse_args(["--peer", "none"]).peers == []
+    assert parser.parse_args(["--long-prefill-len", "256"]).long_prefill_len == 256
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--peer", "hf,vllm"])
+
+
+def _sys(prefill, decode):
+    return {"prefill_tok_s": prefill, "decode_tok_s": decode}
+
+
+def _entry(b, pdkv, hf, llamacpp, same):
+    return {"batch_size": b, "pdkv": _sys(*pdkv), "hf": _sys(*hf), "llamacpp": _sys(*llamacpp),
+            "greedy_match_requests_all": same}
+
+
+def _result():
+    e = _entry
+    return {
+        "dtype": "float32", "num_threads": 2, "input_len": 128, "llama_cpp_python_version": "0.3.36",
+        "long_prefill": {"input_len": 512, "batch_size": 1, "pdkv": _sys(1200.0, None),
+                         "hf": _sys(1000.0, None), "llamacpp": _sys(800.0, None),
+                         "greedy_match_requests_all": 1},
+        "results": [
+            e(1, (700.0, 30.0), (400.0, 31.0), (600.0, 40.0), 1),
+            e(8, (600.0, 160.0), (700.0, 120.0), (500.0, 150.0), 8),
+            e(32, (1000.0, 600.0), (1100.0, 270.0), (600.0, 300.0), 31),
+        ],
+    }
+
+
+def test_goals_are_the_issue_targets():
+    assert goal_for("decode", 1, 128) == 1.0
+    assert goal_for("decode", 32, 128) == 2.0 and goal_for("decode", 64, 128) == 2.5
+    assert goal_for("decode", 8, 128) is None
+    assert goal_for("long_prefill", 1, 512) == 1.5 and goal_for("long_prefill", 1, 256) is None
+
+
+def test_workload_rows_ratios_goals_and_token_match():
+    result = _result()
+    rows = workload_rows(result)
+    assert [r["workload"] for r in rows] == [
+        "prefill 512, batch 1", "decode, batch 1", "decode, 8 sequences (aggregate)",
+        "decode, 32 sequences (aggregate)", "prefill 8 x 128 in one step",
+        "prefill 32 x 128 in one step",
+    ]
+    by = {r["workload"]: r for r in rows}
+    assert by["prefill 512, batch 1"]["ratio"] == pytest.approx(1.5)
+    assert by["prefill 512, batch 1"]["met"] is True  # 1.5 >= 1.5
+    assert by["decode, batch 1"]["ratio"] == pytest.approx(0.75) and by["decode, batch 1"]["met"] is False
+    assert by["decode, 32 sequences (aggregate)"]["ratio"] == pytest.approx(2.0)
+    assert by["decode, 32 sequences (aggregate)"]["met"] is True
+    assert by["decode, 8 sequences (aggregate)"]["goal"] is None
+    assert by["decode, 8 sequences (aggregate)"]["met"] is None
+    assert by["prefill 32 x 128 in one step"]["pdkv"] == 1000.0
+    assert by["prefill 32 x 128 in one step"]["hf"] == 1100.0
+    assert by["decode, 32 sequences (aggregate)"]["same_tokens"] == 31
+
+    result["workloads"] = rows
+    table = format_workload_table(result)
+    assert "pdkv / llama.cpp" in table and "llama-cpp-python 0.3.36" in table
+    lines = {ln.split("|")[0].strip(): ln for ln in table.splitlines() if "|" in ln}
+    assert "0.75" in lines["decode, batch 1"] and "missed" in lines["decode, batch 1"]
+    assert "met" in lines["prefill 512, batch 1"] and "31/32" in lines["decode, 32 sequences (aggregate)"]
+    assert "greedy tokens identical on all systems: no" in table
+    assert "goals (issue 14) met: 2/3" in table
+
+
+def test_workload_table_says_yes_when_all_tokens_match_and_handles_missing_figures():
+    result = _result()
+    result["results"][2]["greedy_match_requests_all"] = 32
+    result["results"][0]["llamacpp"]["decode_tok_s"] = None  # decode time lost in noise
+    result["long_prefill"] = None
+    result["workloads"] = workload_rows(result)
+    table = format_workload_table(result)
+    assert "greedy tokens identical on all systems: yes, every row" in table
+    row = next(r for r in result["workloads"] if r["workload"] == "decode, batch 1")
+    assert row["ratio"] is None and row["met"] is None
+    assert "goals (issue 14) met: 1/1" in table  # only the 32-sequence goal was measurable
+
+
+def test_per_batch_table_carries_the_skip_message():
+    from pdkv.bench.offline_report import format_table
+
+    result = {"model": "smollm2", "dtype": "float32", "device": "cpu", "num_threads": 2,
+              "input_len": 8, "output_len": 2, "torch_version": "t", "transformers_version": "x",
+              "repeats": 1, "greedy_match": None,
+              "results": [{"batch_size": 1, "pdkv": _sys(10.0, 2.0), "hf": None,
+                           "prefill_ratio": None, "decode_ratio": None}],
+              "llamacpp_skipped": "llama.cpp skipped: GGUF /x missing; `make llama-cpp` converts it"}
+    assert format_table(result).endswith(result["llamacpp_skipped"])
+
+
+@pytest.mark.slow
+def test_llamacpp_peer_greedy_tokens_equal_pdkv(parity_prompts, parity_reference_24):
+    """Two sequences in one llama.cpp context (one llama_decode per step) give pdkv's tokens."""
+    pytest.importorskip("llama_cpp")
+    path = gguf_path("smollm2", "float32")
+    if not os.path.isfile(path):
+        pytest.skip(f"{path} missing (`make llama-cpp`)")
+    from pdkv.bench.offline_llamacpp import LlamaCppPeer
+
+    n = 6
+    prompts = parity_prompts[:2]
+    with LlamaCppPeer(path, "float32", n_threads=1, output_len=n) as peer:
+        seconds, toks = peer.run(prompts, n)
+        assert seconds > 0 and [len(t) for t in toks] == [n, n]
+        for got, ref in zip(toks, parity_reference_24, strict=False):
+            want = list(ref.outputs[0].token_ids)[:n]
+            assert got[:len(want)] == want
+        _, again = peer.run(prompts[:1], 2)  # a new context shape; the cache starts empty
+        assert again[0] == toks[0][:2]
+        with pytest.raises(ValueError):
+            peer.run(prompts, n + 1)
+
+
+class _FakeLlamaCpp:
+    """Stands in for the `llama_cpp` binding: real ctypes batches, a toy model whose next token
+    is (sum of the sequence's tokens) % vocab, a KV cache per context that checks positions and
+    sequence ids, and a record of every llama_decode."""
+
+    llama_log_callback = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+
+    def __init__(self, vocab=50):
+        self.vocab = vocab
+        self.decodes = []  # (n_tokens, [(token, pos, seq, output)]) per llama_decode
+        self.contexts = []
+
+    def llama_backend_init(self):
+        pass
+
+    def llama_log_set(self, cb, user):
+        self.log_cb = cb
+
+    def llama_model_default_params(self):
+        return None
+
+    def llama_model_load_from_file(self, path, params):
+        return object()
+
+    def llama_model_get_vocab(self, model):
+        return object()
+
+    def llama_vocab_n_tokens(self, vocab):
+        return self.vocab
+
+    def llama_context_default_params(self):
+        return types.SimpleNamespace()
+
+    def llama_init_from_model(self, model, p):
+        ctx = types.SimpleNamespace(params=p, kv={}, logits=None, out_row={})
+        self.contexts.append(ctx)
+        return ctx
+
+    def llama_get_memory(self, ctx):
+        return ctx
+
+    def llama_memory_clear(self, mem, data):
+        mem.kv.clear()
+
+    def llama_batch_init(self, n, embd, n_seq_max):
+        ids = [(ctypes.c_int32 * n_seq_max)() for _ in range(n)]
+        seq = (ctypes.POINTER(ctypes.c_int32) * n)(*[ctypes.cast(a, ctypes.POINTER(ctypes.c_int32)) for a in ids])
+        b = types.SimpleNamespace(
+            n_tokens=0, capacity=n, keep=ids,
+            token=ctypes.cast((ctypes.c_int32 * n)(), ctypes.POINTER(ctypes.c_int32)),
+            pos=ctypes.cast((ctypes.c_int32 * n)(), ctypes.POINTER(ctypes.c_int32)),
+            n_seq_id=ctypes.cast((ctypes.c_int32 * n)(), ctypes.POINTER(ctypes.c_int32)),
+            logits=ctypes.cast((ctypes.c_int8 * n)(), ctypes.POINTER(ctypes.c_int8)),
+        )
+        b.seq_id = ctypes.cast(seq, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
+        b.keep_seq = seq
+        return b
+
+    def llama_decode(self, ctx, b):
+        p = ctx.params
+        assert b.n_tokens <= min(b.capacity, p.n_batch, p.n_ubatch)
+        rows = [(b.token[i], b.pos[i], b.seq_id[i][0], bool(b.logits[i])) for i in range(b.n_tokens)]
+        assert all(b.n_seq_id[i] == 1 for i in range(b.n_tokens))
+        self.decodes.append((b.n_tokens, rows))
+        outs = []
+        for i, (tok, pos, seq, out) in enumerate(rows):
+            assert 0 <= seq < p.n_seq_max
+            cache = ctx.kv.setdefault(seq, [])
+            assert pos == len(cache) < p.n_ctx // p.n_seq_max  # contiguous, within its share
+            cache.append(tok)
+            if out:
+                outs.append((i, sum(cache) % self.vocab))
+        ctx.logits = np.zeros((len(outs), self.vocab), dtype=np.float32)
+        ctx.out_row = {}
+        for row, (i, nxt) in enumerate(outs):
+            ctx.logits[row, nxt] = 1.0
+            ctx.out_row[i] = row
+        return 0
+
+    def llama_get_logits_ith(self, ctx, i):
+        return ctx.logits[ctx.out_row[i]].ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+
+    def llama_batch_free(self, b):
+        pass
+
+    def llama_free(self, ctx):
+        pass
+
+    def llama_model_free(self, model):
+        pass
+
+
+def _toy_greedy(prompt, n, vocab):
+    seq, out = list(prompt), []
+    for _ in range(n):
+        out.append(sum(seq) % vocab)
+        seq.append(out[-1])
+    return out
+
+
+def test_peer_runs_the_batch_as_sequences_one_decode_per_step(monkeypatch):
+    from pdkv.bench.offline_llamacpp import LlamaCppPeer
+
+    fake = _FakeLlamaCpp()
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3], [5, 8, 9, 7, 9]]
+    peer = LlamaCppPeer("m.gguf", "float32", n_threads=2, output_len=4)
+    seconds, toks = peer.run(prompts, 4)
+    assert seconds > 0
+    assert toks == [_toy_greedy(p, 4, fake.vocab) for p in prompts]
+    ctx = fake.contexts[-1].params
+    assert (ctx.n_ctx, ctx.n_seq_max, ctx.n_batch, ctx.n_ubatch) == (3 * (5 + 4), 3, 15, 15)
+    assert ctx.n_threads == ctx.n_threads_batch == 2 and ctx.type_k == ctx.type_v == 0  # F32 KV
+    # One llama_decode for the whole prefill (logits at each prompt's last token), then one per step.
+    assert [n for n, _ in fake.decodes] == [15, 3, 3, 3]
+    prefill = fake.decodes[0][1]
+    assert [r[3] for r in prefill] == [i % 5 == 4 for i in range(15)]
+    assert [r[2] for r in prefill] == [0] * 5 + [1] * 5 + [2] * 5
+    assert [r[2] for r in fake.decodes[1][1]] == [0, 1, 2] and [r[1] for r in fake.decodes[3][1]] == [7, 7, 7]
+    # Same shape again: the context is reused and its cache cleared.
+    assert peer.run(prompts, 2)[1] == [t[:2] for t in toks] and len(fake.contexts) == 1
+    peer.close()
+    with pytest.raises(ValueError):
+        peer.run(prompts, 5)  # more than output_len
