@@ -30,6 +30,8 @@ class ModelConfig:
         cpu_linear: "onednn" (packed-weight oneDNN matmuls, float32 on CPU) or "torch" (BLAS).
         attention_backend: vLLM's `--attention-backend`: "auto", "torch" (gather + SDPA) or
             "cpu_paged" (decode reads K/V from the blocks in place; pdkv/model/paged_decode.py).
+        fused_ops: run the C++ fused small ops (RMSNorm, residual add, RoPE, SiLU·mul) on CPU
+            float32 when pdkv's extension is built (pdkv/model/fused_ops.py); False: torch ops.
     """
 
     model: str
@@ -41,6 +43,7 @@ class ModelConfig:
     served_model_name: str = ""
     cpu_linear: str = "onednn"
     attention_backend: str = "auto"
+    fused_ops: bool = True
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch", "cpu_paged"):

@@ -8,6 +8,11 @@ tokens - seconds for 1 token)). The table gives each backend's decode tok/s, the
 the first backend, and whether the greedy tokens of every backend equal the first's. The host's
 1-minute load average before and after is reported: other processes on the cores distort CPU
 timings.
+
+A backend name may end in `:no-fused` (e.g. `cpu_paged,cpu_paged:no-fused`): that engine runs
+with `--no-fused-ops` (the torch small ops instead of pdkv.model.fused_ops), so fused ops are
+compared on and off in one run. Prefill tok/s of each batch (B x input_len prompt tokens in the
+first step) are listed under the decode table.
 """
 
 from __future__ import annotations
@@ -23,6 +28,16 @@ from pdkv.bench.offline_prompts import build_prompts
 from pdkv.bench.offline_report import cpu_description
 
 _BLOCK_SIZE = 16
+NO_FUSED = ":no-fused"
+"""Suffix of a backend name whose engine runs without the fused small ops."""
+
+
+def split_backend(name: str) -> tuple[str, bool]:
+    """"cpu_paged:no-fused" -> ("cpu_paged", False); "torch" -> ("torch", True) (fused ops on
+    when built)."""
+    if name.endswith(NO_FUSED):
+        return name[: -len(NO_FUSED)], False
+    return name, True
 
 
 def run_backend_bench(
@@ -69,7 +84,8 @@ def run_backend_bench(
         engines = {
             name: LLM(model=model, dtype=dtype, seed=seed, block_size=bs, num_kv_blocks=blocks,
                       max_model_len=max_len, max_num_seqs=max_b, max_num_batched_tokens=max_b * input_len,
-                      enable_prefix_caching=False, num_threads=num_threads, attention_backend=name)
+                      enable_prefix_caching=False, num_threads=num_threads,
+                      attention_backend=split_backend(name)[0], fused_ops=split_backend(name)[1])
             for name in backends
         }
         first = engines[backends[0]]
@@ -93,7 +109,9 @@ def run_backend_bench(
         result: dict[str, Any] = {
             "model": model, "dtype": dtype, "num_threads": torch.get_num_threads(),
             "input_len": input_len, "output_len": output_len, "backends": list(backends),
-            "backends_used": {n: e.llm_engine.runner.attention_backend for n, e in engines.items()},
+            "backends_used": {n: e.llm_engine.runner.attention_backend
+                              + (" + fused ops" if e.llm_engine.runner.fused_ops else "")
+                              for n, e in engines.items()},
             "results": results, "host_load_avg_1m": [load_before, os.getloadavg()[0]],
             "host_cpu_count": os.cpu_count(), "host_cpu": cpu_description(),
         }
@@ -126,6 +144,11 @@ def format_backend_table(result: dict[str, Any]) -> str:
             + " | " + " | ".join("-" if r is None else f"{r:.2f}x" for r in rat)
             + f" | {'yes' if all(e['greedy_equal'].values()) else 'NO'} |"
         )
+    pre = [(e["batch_size"], [e[n].get("prefill_tok_s") for n in names]) for e in result["results"]]
+    if any(t is not None for _, toks in pre for t in toks):
+        lines.append("prefill tok/s (batch x input_len prompt tokens): " + "; ".join(
+            f"B={b}: " + ", ".join(f"{n} {'-' if t is None else f'{t:.0f}'}" for n, t in zip(names, toks))
+            for b, toks in pre))
     lo, hi = result["host_load_avg_1m"]
     lines.append(f"host load average (1 min) before / after: {lo:.2f} / {hi:.2f} on {result['host_cpu_count']} CPUs")
     return "\n".join(lines)

@@ -1,7 +1,8 @@
-"""Build, cache and load the C++ paged decode-attention op (`csrc/paged_decode.cpp`).
+"""Build, cache and load pdkv's C++ CPU ops: one extension of every `csrc/*.cpp` (the paged
+decode-attention op `csrc/paged_decode.cpp`, the fused small ops `csrc/fused_ops.cpp`, ...).
 
-The op is compiled once per machine with `torch.utils.cpp_extension` (gcc + ninja) into
-`$PDKV_CACHE/ext/paged_decode-<key>/` (default `~/.cache/pdkv/ext/...`); <key> hashes the source,
+The extension is compiled once per machine with `torch.utils.cpp_extension` (gcc + ninja) into
+`$PDKV_CACHE/ext/paged_decode-<key>/` (default `~/.cache/pdkv/ext/...`); <key> hashes the sources,
 the compile flags, the torch and Python versions and the CPU's flags, so a changed source, torch
 or machine builds a new copy and never loads a stale one. `make setup` builds it
 (`python -m pdkv.model.paged_decode_build --build`), so test processes only load the `.so`.
@@ -28,7 +29,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+SOURCES = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.cpp")))
+"""The extension's sources: every .cpp under csrc/ (one defines the `pdkv` op library with
+TORCH_LIBRARY, the others add to it with TORCH_LIBRARY_FRAGMENT)."""
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fopenmp-simd")
 _MODULE = "pdkv.model.paged_decode_build"
 BUILD_TIMEOUT_S = 900.0
@@ -72,7 +75,7 @@ def _cpu_flags() -> str:
 
 
 def build_paths(cache_dir: str | None = None) -> BuildPaths:
-    """Build directory and name for this source, flags, torch, Python and CPU.
+    """Build directory and name for these sources, flags, torch, Python and CPU.
 
     Args:
         cache_dir: base cache folder (None: $PDKV_CACHE or ~/.cache/pdkv).
@@ -80,7 +83,7 @@ def build_paths(cache_dir: str | None = None) -> BuildPaths:
     from pdkv.model.registry import cache_dir as cache_root
 
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+    for part in (*(f.name.encode() + f.read_bytes() for f in SOURCES), " ".join(CFLAGS).encode(), torch.__version__.encode(),
                  sys.version.encode(), platform.machine().encode(), _cpu_flags().encode()):
         h.update(part)
     key = h.hexdigest()[:16]
@@ -94,7 +97,7 @@ def _compile(paths: BuildPaths) -> None:
 
     paths.directory.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
-        name=paths.name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+        name=paths.name, sources=[str(f) for f in SOURCES], extra_cflags=list(CFLAGS),
         extra_ldflags=["-fopenmp"], build_directory=str(paths.directory),
         is_python_module=False, verbose=False,
     )
@@ -153,7 +156,7 @@ def build(paths: BuildPaths, force: bool = False, timeout_s: float = BUILD_TIMEO
 
 
 def load(cache_dir: str | None = None, allow_build: bool = True) -> str | None:
-    """Load the op into this process (`torch.ops.pdkv.paged_decode`), building it if needed.
+    """Load the ops into this process (`torch.ops.pdkv.*`), building them if needed.
 
     Args:
         cache_dir: base cache folder (None: $PDKV_CACHE or ~/.cache/pdkv).

@@ -23,6 +23,7 @@ from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorOutput, 
 from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.kv_transfer.connector.p2p_compat import MLA_KV_LAYOUT
 from pdkv.model.attention import paged_attention
+from pdkv.model.fused_ops import set_fused_ops
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
 from pdkv.model.sampler import LogprobEntry, SamplingRow, sample
@@ -123,6 +124,7 @@ class ModelRunner:
             self.model.pack_cpu_weights()
         arch = self.model.cfg
         self.attention_backend = self._select_attention(model_config, cache_config, arch.is_mla)
+        self.fused_ops = set_fused_ops(self.model, model_config.fused_ops)
         if model_config.max_model_len > arch.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={model_config.max_model_len} exceeds the model's "
