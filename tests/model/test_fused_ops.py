@@ -129,3 +129,18 @@ def test_set_fused_ops_switches_llama_layers(op):
     assert not fused_ops.set_fused_ops(model, False)
     assert not any(layer.fused_ops for layer in model.layers)
     assert not fused_ops.set_fused_ops(_tiny_llama(torch.bfloat16), True)
+
+
+def test_no_fused_ops_flag_and_bench_names():
+    """`--no-fused-ops` reaches the engine args (default on); the offline bench's
+    `NAME:no-fused` backends run the same attention backend without the fused ops."""
+    import argparse
+
+    from pdkv.bench.offline_backends import split_backend
+    from pdkv.engine.arg_utils import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(parser.parse_args([])).fused_ops
+    assert not EngineArgs.from_cli_args(parser.parse_args(["--no-fused-ops"])).fused_ops
+    assert split_backend("cpu_paged:no-fused") == ("cpu_paged", False)
+    assert split_backend("torch") == ("torch", True)
