@@ -13,8 +13,9 @@ TORCH_SPEC ?= torch==2.13.0
 .PHONY: setup demo test bench llama-cpp clean
 
 setup: $(VENV)/.installed
-	@# CPU paged attention ops (decode + batched prefill), compiled once per machine into $$PDKV_CACHE/ext (cached;
-	@# without a compiler the engine uses the torch attention path).
+	@# pdkv's C++ CPU ops (paged decode and batched prefill attention, fused small ops: every
+	@# pdkv/model/csrc/*.cpp), compiled once per machine into $$PDKV_CACHE/ext (cached; without a
+	@# compiler the engine uses the torch attention path and torch small ops).
 	-$(PY) -m pdkv.model.paged_decode_build
 
 $(VENV)/.installed: pyproject.toml constraints.txt

@@ -35,6 +35,8 @@ class ModelConfig:
         enforce_eager: vLLM's `--enforce-eager`: no CUDA graphs (the CPU is always eager).
         cudagraph_capture_sizes: decode batch sizes captured as CUDA graphs on a CUDA device
             (pdkv.worker.cuda_graphs.capture_sizes of max_num_seqs); () = none.
+        fused_ops: run the C++ fused small ops (RMSNorm, residual add, RoPE, SiLU·mul) on CPU
+            float32 when pdkv's extension is built (pdkv/model/fused_ops.py); False: torch ops.
     """
 
     model: str
@@ -48,6 +50,7 @@ class ModelConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     cudagraph_capture_sizes: tuple[int, ...] = ()
+    fused_ops: bool = True
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch", "cpu_paged"):

@@ -93,7 +93,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--attention-backends", default=None,
         help="compare pdkv's decode per --attention-backend instead of pdkv vs HF, e.g. "
-             "torch,cpu_paged (ratios against the first; pdkv/bench/offline_backends.py)",
+             "torch,cpu_paged (ratios against the first; pdkv/bench/offline_backends.py); a name "
+             "ending in :no-fused runs without the fused small ops, e.g. cpu_paged,cpu_paged:no-fused",
     )
     parser.add_argument(
         "--prefill-cases", default="1x512,32x128",

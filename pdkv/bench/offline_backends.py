@@ -12,6 +12,11 @@ step: `--prefill-cases 1x512,32x128`; prefill tok/s = B * L / seconds of a gener
 token), best of `repeats`, with the same ratios. The host's
 1-minute load average before and after is reported: other processes on the cores distort CPU
 timings.
+
+A backend name may end in `:no-fused` (e.g. `cpu_paged,cpu_paged:no-fused`): that engine runs
+with `--no-fused-ops` (the torch small ops instead of pdkv.model.fused_ops), so fused ops are
+compared on and off in one run. Prefill tok/s of each batch (B x input_len prompt tokens in the
+first step) are listed under the decode table.
 """
 
 from __future__ import annotations
@@ -27,6 +32,16 @@ from pdkv.bench.offline_prompts import build_prompts
 from pdkv.bench.offline_report import cpu_description
 
 _BLOCK_SIZE = 16
+NO_FUSED = ":no-fused"
+"""Suffix of a backend name whose engine runs without the fused small ops."""
+
+
+def split_backend(name: str) -> tuple[str, bool]:
+    """"cpu_paged:no-fused" -> ("cpu_paged", False); "torch" -> ("torch", True) (fused ops on
+    when built)."""
+    if name.endswith(NO_FUSED):
+        return name[: -len(NO_FUSED)], False
+    return name, True
 
 
 def run_backend_bench(
@@ -86,7 +101,7 @@ def run_backend_bench(
         engines = {
             name: LLM(model=model, dtype=dtype, seed=seed, block_size=bs, num_kv_blocks=blocks,
                       max_model_len=max_len, max_num_seqs=max_b, max_num_batched_tokens=step_tokens,
-                      enable_prefix_caching=False, num_threads=num_threads, **{knob: name})
+                      enable_prefix_caching=False, num_threads=num_threads, **_engine_knobs(knob, name))
             for name in backends
         }
         first = engines[backends[0]]
@@ -146,13 +161,23 @@ def _prefill_case(engines: dict[str, Any], tokenizer: Any, b: int, n: int, seed:
     return entry
 
 
+def _engine_knobs(knob: str, name: str) -> dict[str, Any]:
+    """The LLM keywords of one compared engine: `cpu_linear=name`, or the attention backend of
+    `name` and whether it runs the fused ops (a `:no-fused` suffix turns them off)."""
+    if knob == "cpu_linear":
+        return {"cpu_linear": name}
+    backend, fused = split_backend(name)
+    return {"attention_backend": backend, "fused_ops": fused}
+
+
 def _resolved(llm: Any, knob: str) -> str:
-    """What the engine's `knob` resolved to (cpu_linear auto: its table)."""
+    """What the engine's `knob` resolved to (cpu_linear auto: its table; the attention backend
+    and whether fused ops run)."""
     runner = llm.llm_engine.runner
     if knob == "cpu_linear":
         setup = getattr(runner, "cpu_linear", None)
         return setup.describe() if setup is not None else "?"
-    return str(runner.attention_backend)
+    return str(runner.attention_backend) + (" + fused ops" if runner.fused_ops else "")
 
 
 def format_backend_table(result: dict[str, Any]) -> str:

@@ -56,6 +56,7 @@ class EngineArgs:
     kv_transfer_config: str | None = None
     cpu_linear: str = "auto"
     attention_backend: str = "auto"
+    fused_ops: bool = True
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
@@ -101,6 +102,7 @@ class EngineArgs:
                 attention_backend=self.attention_backend,
                 enforce_eager=self.enforce_eager,
                 cudagraph_capture_sizes=tuple(capture_sizes(self.max_num_seqs)) if device.startswith("cuda") else (),
+                fused_ops=self.fused_ops,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -197,6 +199,9 @@ class EngineArgs:
                        help="decode attention: torch (gather blocks + SDPA) or cpu_paged (C++ op reading "
                             "K/V from the blocks in place); auto = cpu_paged on CPU when built (make "
                             "setup), torch for CUDA, quantized KV, DCP and MLA")
+        g.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=d.fused_ops,
+                       help="C++ fused RMSNorm / residual add / RoPE / SiLU-mul on CPU float32 when "
+                            "built (make setup); --no-fused-ops: the torch ops (reference path)")
         g.add_argument(
             "--kv-transfer-config",
             default=None,

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdkv.model import fused_ops
 from pdkv.model.arch_config import (
     SUPPORTED_ARCHITECTURES,
     LlamaArchConfig,
@@ -109,6 +110,8 @@ class LlamaLayer(nn.Module):
         # oneDNN-packed weights (pack_cpu_weights), which then replace the plain ones; a
         # LinearDispatch (--cpu-linear auto) over the plain ones; None = plain F.linear.
         self.packed: dict[str, PackedLinear] = {"qkv": None, "o_proj": None, "gate_up": None, "down": None}
+        # C++ fused small ops (pdkv.model.fused_ops.set_fused_ops); False = the torch ops.
+        self.fused_ops = False
 
     def pack_cpu_weights(self) -> bool:
         """Pack the four projection weights for oneDNN, keeping one copy of each: a packed
@@ -130,19 +133,28 @@ class LlamaLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """hidden: [T, hidden] -> [T, hidden]; kv_cache: this layer's [2, blocks, bs, kvh, D]."""
+        """hidden: [T, hidden] -> [T, hidden]; kv_cache: this layer's [2, blocks, bs, kvh, D].
+
+        With fused ops on (pdkv.model.fused_ops) the residual stream `hidden` is updated in place
+        and returned."""
         t = hidden.shape[0]
-        x = rms_norm(hidden, self.input_norm, self.eps)
+        fused = self.fused_ops
+        x = fused_ops.rms_norm(hidden, self.input_norm, self.eps) if fused else rms_norm(hidden, self.input_norm, self.eps)
         pk = self.packed
         qkv = linear(x, self.qkv, pk["qkv"], self.qkv_bias)
         # q and k heads are rotated together (one pass of elementwise ops).
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, -1)
-        qk = apply_rope(qk, cos, sin)
+        qk = fused_ops.rope_(qk, cos, sin) if fused else apply_rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         attn = self.attention(q, k, v, kv_cache, meta, self.head_dim**-0.5)
         tp = self.parallel
-        hidden = hidden + tp.all_reduce_tp(linear(attn.reshape(t, self.q_size), self.o_proj, pk["o_proj"]))
+        o = tp.all_reduce_tp(linear(attn.reshape(t, self.q_size), self.o_proj, pk["o_proj"]))
+        if fused:
+            x = fused_ops.add_rms_norm_(hidden, o, self.post_attn_norm, self.eps)
+            act = fused_ops.silu_mul(linear(x, self.gate_up, pk["gate_up"]))
+            return hidden.add_(tp.all_reduce_tp(linear(act, self.down, pk["down"])))
+        hidden = hidden + o
         x = rms_norm(hidden, self.post_attn_norm, self.eps)
         gate, up = linear(x, self.gate_up, pk["gate_up"]).chunk(2, dim=-1)
         return hidden + tp.all_reduce_tp(linear(F.silu(gate) * up, self.down, pk["down"]))

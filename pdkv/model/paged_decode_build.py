@@ -1,7 +1,8 @@
-"""Build, cache and load the C++ paged attention ops: decode (`csrc/paged_decode.cpp`) and varlen
-prefill (`csrc/paged_prefill.cpp`), one extension.
+"""Build, cache and load pdkv's C++ CPU ops: one extension of every `csrc/*.cpp` (paged decode
+attention `csrc/paged_decode.cpp`, varlen paged prefill attention `csrc/paged_prefill.cpp`, the
+fused small ops `csrc/fused_ops.cpp`).
 
-The op is compiled once per machine with `torch.utils.cpp_extension` (gcc + ninja) into
+The extension is compiled once per machine with `torch.utils.cpp_extension` (gcc + ninja) into
 `$PDKV_CACHE/ext/paged_decode-<key>/` (default `~/.cache/pdkv/ext/...`); <key> hashes the sources,
 the compile flags, the torch and Python versions and the CPU's flags, so a changed source, torch
 or machine builds a new copy and never loads a stale one. `make setup` builds it
@@ -29,7 +30,9 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name("csrc") / f for f in ("paged_decode.cpp", "paged_prefill.cpp"))
+SOURCES = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.cpp")))
+"""The extension's sources: every .cpp under csrc/ (one defines the `pdkv` op library with
+TORCH_LIBRARY, the others add to it with TORCH_LIBRARY_FRAGMENT)."""
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fopenmp-simd")
 _MODULE = "pdkv.model.paged_decode_build"
 BUILD_TIMEOUT_S = 900.0
@@ -73,7 +76,7 @@ def _cpu_flags() -> str:
 
 
 def build_paths(cache_dir: str | None = None) -> BuildPaths:
-    """Build directory and name for this source, flags, torch, Python and CPU.
+    """Build directory and name for these sources, flags, torch, Python and CPU.
 
     Args:
         cache_dir: base cache folder (None: $PDKV_CACHE or ~/.cache/pdkv).
@@ -81,7 +84,7 @@ def build_paths(cache_dir: str | None = None) -> BuildPaths:
     from pdkv.model.registry import cache_dir as cache_root
 
     h = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+    for part in (*(f.name.encode() + f.read_bytes() for f in SOURCES), " ".join(CFLAGS).encode(), torch.__version__.encode(),
                  sys.version.encode(), platform.machine().encode(), _cpu_flags().encode()):
         h.update(part)
     key = h.hexdigest()[:16]
@@ -95,7 +98,7 @@ def _compile(paths: BuildPaths) -> None:
 
     paths.directory.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
-        name=paths.name, sources=[str(src) for src in SOURCES], extra_cflags=list(CFLAGS),
+        name=paths.name, sources=[str(f) for f in SOURCES], extra_cflags=list(CFLAGS),
         extra_ldflags=["-fopenmp"], build_directory=str(paths.directory),
         is_python_module=False, verbose=False,
     )
@@ -154,8 +157,8 @@ def build(paths: BuildPaths, force: bool = False, timeout_s: float = BUILD_TIMEO
 
 
 def load(cache_dir: str | None = None, allow_build: bool = True) -> str | None:
-    """Load the ops into this process (`torch.ops.pdkv.paged_decode`, `torch.ops.pdkv.paged_prefill`),
-    building them if needed.
+    """Load the ops into this process (`torch.ops.pdkv.*`: paged_decode, paged_prefill, the fused
+    ops), building them if needed.
 
     Args:
         cache_dir: base cache folder (None: $PDKV_CACHE or ~/.cache/pdkv).

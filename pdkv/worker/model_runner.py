@@ -24,6 +24,7 @@ from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.kv_transfer.connector.p2p_compat import MLA_KV_LAYOUT
 from pdkv.kv_transfer.reshard_state import LAYOUT_KEY as STATE_LAYOUT_KEY
 from pdkv.model.attention import paged_attention
+from pdkv.model.fused_ops import set_fused_ops
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
 from pdkv.model.sampler import LogprobEntry, SamplingRow, sample_tensors
@@ -128,6 +129,7 @@ class ModelRunner:
         self.cpu_linear = setup_cpu_linear(self.model, model_config.cpu_linear, model_config.dtype, model_config.device)
         arch = self.model.cfg
         self.attention_backend = self._select_attention(model_config, cache_config, arch.is_mla)
+        self.fused_ops = set_fused_ops(self.model, model_config.fused_ops)
         if model_config.max_model_len > arch.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={model_config.max_model_len} exceeds the model's "

@@ -35,15 +35,19 @@ def test_prompt_lengths_cover_block_boundaries(parity_prompts):
 
 
 @pytest.mark.matrix("colocated")
-@pytest.mark.parametrize(("cpu_linear", "attention_backend"), [pytest.param("onednn", "cpu_paged", id="onednn"),
-                                                              pytest.param("torch", "torch", id="torch")])
-def test_batch_matches_hf(parity_prompts, hf_reference, cpu_linear, attention_backend):
+@pytest.mark.parametrize(("cpu_linear", "attention_backend", "fused_ops"),
+                         [pytest.param("onednn", "cpu_paged", True, id="onednn"),
+                          pytest.param("torch", "torch", False, id="torch")])
+def test_batch_matches_hf(parity_prompts, hf_reference, cpu_linear, attention_backend, fused_ops):
     llm = LLM("smollm2", block_size=16, num_kv_blocks=256, max_model_len=512, cpu_linear=cpu_linear,
-              attention_backend=attention_backend)
+              attention_backend=attention_backend, fused_ops=fused_ops)
     model = llm.llm_engine.runner.model
-    # cpu_paged: decode reads K/V from the blocks in place (torch only where no compiler exists).
+    # cpu_paged: decode reads K/V from the blocks in place; fused ops: C++ RMSNorm / RoPE /
+    # SiLU-mul (the extension is built by then: cpu_paged builds it); torch only where no
+    # compiler exists.
     has_cxx = shutil.which("c++") is not None or shutil.which("g++") is not None
     assert llm.llm_engine.runner.attention_backend == (attention_backend if has_cxx else "torch")
+    assert llm.llm_engine.runner.fused_ops == (fused_ops and has_cxx)
     if cpu_linear == "torch":
         assert model.head_packed is None
     elif model.head_packed is None:

@@ -1,0 +1,204 @@
+// Fused small ops of a Llama layer on CPU, float32: RMSNorm, residual add + RMSNorm (in place on
+// the residual), rotate-half RoPE on q and k together (in place), SiLU(gate) * up. Each op is one
+// pass over its rows (at::parallel_for over rows, ATen's Vectorized<float> within a row) instead
+// of several ATen kernels and temporaries. Semantics and tolerances: pdkv/model/fused_ops.py.
+// Built with csrc/paged_decode.cpp into one extension by pdkv/model/paged_decode_build.py.
+
+// ATen's Vectorized<float> for the ISA this file is compiled for (-march=native): the same
+// vector code (and Sleef exp) that ATen's own kernels run on this CPU.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY_AVX512
+#define CPU_CAPABILITY AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#define CPU_CAPABILITY AVX2
+#else
+#define CPU_CAPABILITY DEFAULT
+#endif
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+
+// Products and sums are rounded one by one as in the torch reference (no FMA contraction), so
+// RoPE and the residual add give the reference's bits.
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+// Elements per parallel task, at least: ATen's grain for elementwise kernels, so small (decode)
+// inputs run on one thread as the torch ops they replace do.
+constexpr int64_t kGrainElems = at::internal::GRAIN_SIZE;
+
+int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems)); }
+
+void check_rows(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, op, ": float32 CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": expects [T, N] with the last dim contiguous");
+}
+
+// out = weight * (x * 1/sqrt(mean(x^2) + eps)) for one row of n floats (HF's LlamaRMSNorm order).
+inline void norm_row(const float* x, const float* w, float* out, int64_t n, float eps, float ss) {
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  const Vec vinv(inv);
+  int64_t d = 0;
+  for (; d + Vec::size() <= n; d += Vec::size())
+    (Vec::loadu(w + d) * (Vec::loadu(x + d) * vinv)).store(out + d);
+  for (; d < n; ++d) out[d] = w[d] * (x[d] * inv);
+}
+
+inline float sum_squares(const float* x, int64_t n) {
+  Vec acc(0.f);
+  int64_t d = 0;
+  for (; d + Vec::size() <= n; d += Vec::size()) {
+    const Vec v = Vec::loadu(x + d);
+    acc = acc + v * v;
+  }
+  float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  for (; d < n; ++d) s += x[d] * x[d];
+  return s;
+}
+
+at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "fused_rms_norm");
+  const int64_t T = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
+              "fused_rms_norm: weight [N] float32");
+  auto out = at::empty({T, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, T, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      norm_row(xp + t * xs, wp, op + t * n, n, static_cast<float>(eps), sum_squares(xp + t * xs, n));
+  });
+  return out;
+}
+
+at::Tensor fused_add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(residual, "fused_add_rms_norm_");
+  check_rows(x, "fused_add_rms_norm_");
+  const int64_t T = residual.size(0), n = residual.size(1);
+  TORCH_CHECK(x.size(0) == T && x.size(1) == n, "fused_add_rms_norm_: residual and x shapes differ");
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
+              "fused_add_rms_norm_: weight [N] float32");
+  auto out = at::empty({T, n}, residual.options());
+  float* rp = residual.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t rs = residual.stride(0), xs = x.stride(0);
+  at::parallel_for(0, T, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* r = rp + t * rs;
+      const float* xr = xp + t * xs;
+      Vec acc(0.f);
+      int64_t d = 0;
+      for (; d + Vec::size() <= n; d += Vec::size()) {
+        const Vec v = Vec::loadu(r + d) + Vec::loadu(xr + d);
+        v.store(r + d);
+        acc = acc + v * v;
+      }
+      float ss = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+      for (; d < n; ++d) {
+        r[d] = r[d] + xr[d];
+        ss += r[d] * r[d];
+      }
+      norm_row(r, wp, op + t * n, n, static_cast<float>(eps), ss);
+    }
+  });
+  return out;
+}
+
+// qk [T, heads, D] (last dim contiguous, any row / head strides): each head's halves (x0, x1)
+// become (x0 * cos0 + x1 * ssin0, x1 * cos1 + x0 * ssin1), with ssin's first half = -sin
+// (pdkv.model.llama.rope_cos_sin), i.e. HF's x * cos + rotate_half(x) * sin.
+void fused_rope_(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(qk.device().is_cpu() && qk.scalar_type() == at::kFloat, "fused_rope_: float32 CPU tensors only");
+  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1, "fused_rope_: qk [T, heads, D], D contiguous");
+  const int64_t T = qk.size(0), H = qk.size(1), D = qk.size(2), half = D / 2;
+  TORCH_CHECK(D % 2 == 0, "fused_rope_: head size must be even");
+  auto c = cos.reshape({-1, D}).contiguous();
+  auto s = sin.reshape({-1, D}).contiguous();
+  TORCH_CHECK(c.size(0) == T && s.size(0) == T && c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat,
+              "fused_rope_: cos / sin [T, 1, D] float32");
+  float* xp = qk.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  const int64_t st = qk.stride(0), sh = qk.stride(1);
+  at::parallel_for(0, T * H, grain_rows(D), [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / H, h = task % H;
+      float* x = xp + t * st + h * sh;
+      const float* ct = cp + t * D;
+      const float* stt = sp + t * D;
+      int64_t d = 0;
+      for (; d + Vec::size() <= half; d += Vec::size()) {
+        const Vec x0 = Vec::loadu(x + d), x1 = Vec::loadu(x + half + d);
+        const Vec y0 = x0 * Vec::loadu(ct + d) + x1 * Vec::loadu(stt + d);
+        const Vec y1 = x1 * Vec::loadu(ct + half + d) + x0 * Vec::loadu(stt + half + d);
+        y0.store(x + d);
+        y1.store(x + half + d);
+      }
+      for (; d < half; ++d) {
+        const float x0 = x[d], x1 = x[half + d];
+        const float a0 = x0 * ct[d], b0 = x1 * stt[d];
+        const float a1 = x1 * ct[half + d], b1 = x0 * stt[half + d];
+        x[d] = a0 + b0;
+        x[half + d] = a1 + b1;
+      }
+    }
+  });
+}
+
+// x [T, 2I] = [gate | up] -> [T, I]: silu(gate) * up, silu(g) = g / (1 + exp(-g)) (ATen's form).
+at::Tensor fused_silu_mul(const at::Tensor& x) {
+  check_rows(x, "fused_silu_mul");
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  TORCH_CHECK(x.size(1) % 2 == 0, "fused_silu_mul: last dim must be even [gate | up]");
+  auto out = at::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  const Vec one(1.f);
+  at::parallel_for(0, T, grain_rows(I), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = xp + t * xs;
+      const float* u = g + I;
+      float* o = op + t * I;
+      int64_t i = 0;
+      for (; i + Vec::size() <= I; i += Vec::size()) {
+        const Vec gv = Vec::loadu(g + i);
+        const Vec sv = gv / (one + gv.neg().exp());
+        (sv * Vec::loadu(u + i)).store(o + i);
+      }
+      for (; i < I; ++i) {
+        const float sv = g[i] / (1.f + std::exp(-g[i]));
+        o[i] = sv * u[i];
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdkv, m) {
+  m.def("fused_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_rope_(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
+  m.def("fused_silu_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdkv, CPU, m) {
+  m.impl("fused_rms_norm", &fused_rms_norm);
+  m.impl("fused_add_rms_norm_", &fused_add_rms_norm_);
+  m.impl("fused_rope_", &fused_rope_);
+  m.impl("fused_silu_mul", &fused_silu_mul);
+}
