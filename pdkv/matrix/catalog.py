@@ -3,8 +3,8 @@
 A test joins the matrix with `@pytest.mark.matrix(*features, model="smollm2",
 expect="verified")`; the ids used there must be listed here (the pytest plugin refuses others).
 `expect="verified"` tests check that the output equals the reference and that blocks return to
-baseline; `expect="unsupported"` tests check that pdkv refuses the feature with a clear error
-(recorded with `record_property("matrix_detail", text)`). Pure data, no torch.
+baseline; `expect="unsupported"` tests check that pdkv refuses the feature with an error naming
+what is missing (recorded with `record_property("matrix_detail", text)`). Pure data, no torch.
 """
 
 from __future__ import annotations
@@ -57,9 +57,14 @@ MODELS: tuple[Axis, ...] = (
     Axis("tiny-llama-kv2", "random 4-layer Llama, 4 query heads, 2 KV heads (`--model tiny-llama-kv2`)"),
     Axis("tiny-swa", "random 4-layer Qwen2, sliding window 40 on layers 0 and 2 (`--model tiny-swa`)"),
     Axis("tiny-mla", "random 4-layer DeepSeek-V3, MLA latent 48 + rope 16, dense MLPs (`--model tiny-mla`)"),
-    Axis("deepseek-v3", "DeepSeek-V3 config.json (MLA), pdkv/plan/configs"),
-    Axis("qwen3-next", "Qwen3-Next-80B-A3B config.json (Gated DeltaNet + full attention)"),
-    Axis("kimi-linear", "Kimi-Linear-48B-A3B config.json (KDA + MLA)"),
+    Axis("tiny-gdn", "random 4-layer Qwen3-Next, Gated DeltaNet on layers 0 and 2, full attention on 1 and 3, "
+                     "dense MLPs (`--model tiny-gdn`)"),
+    Axis("tiny-kda-mla", "random 4-layer Kimi-Linear, KDA on layers 0 and 2, MLA on 1 and 3, dense MLPs "
+                         "(`--model tiny-kda-mla`)"),
+    Axis("deepseek-v3", "DeepSeek-V3 config.json (MLA + MoE), pdkv/plan/configs; its MLA runs on `tiny-mla`"),
+    Axis("qwen3-next", "Qwen3-Next-80B-A3B config.json (Gated DeltaNet + full attention, MoE); its linear "
+                       "state runs on `tiny-gdn`"),
+    Axis("kimi-linear", "Kimi-Linear-48B-A3B config.json (KDA + MLA, MoE); its state runs on `tiny-kda-mla`"),
 )
 
 FEATURE_IDS = tuple(a.id for a in FEATURES)

@@ -71,8 +71,8 @@ def render_markdown(data: dict[str, Any]) -> str:
         "`@pytest.mark.matrix(feature, model=...)` in the suite:",
         "- **verified**: greedy output token-identical to the reference (HF transformers or the "
         "colocated engine) and every KV block back to baseline;",
-        "- **not supported**: pdkv refuses the feature with an error naming the issue that builds it "
-        "(the error text is below);",
+        "- **not supported**: pdkv refuses the feature with an error naming what is missing (the "
+        "error text is below);",
         "- **failed**: a check failed; **skipped**: its dependency is missing here; "
         "`·`: no check tagged for the cell, or not selected by this run (`--quick`, `--models`, "
         "`--features`).",

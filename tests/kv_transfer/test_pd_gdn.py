@@ -59,6 +59,7 @@ def idle(*llms: LLM) -> bool:
 
 
 @pytest.mark.slow  # loads the model twice
+@pytest.mark.matrix("pd-tcp", "hybrid-linear", model="tiny-gdn")
 def test_pd_matches_colocated_and_moves_one_state_slot(engines):
     p, d, prompts, refs = engines
     stats = d.llm_engine.scheduler.kv_stats

@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from pd_utils import decode, pd_config, prefill, shutdown  # noqa: E402
+from pd_utils import decode, pd_config, prefill, pump, shutdown  # noqa: E402
 
 from pdkv import LLM, SamplingParams  # noqa: E402
 
@@ -26,6 +26,7 @@ SLOT_BYTES = 2 * (576 + 2048) * 4  # 2 KDA layers x (conv 3 x 64 x 3 + recurrent
 
 
 @pytest.mark.slow  # loads the model twice
+@pytest.mark.matrix("pd-tcp", "hybrid-mla", "hybrid-linear", model="tiny-kda-mla")
 def test_pd_matches_colocated_and_moves_blocks_and_one_slot(tiny_kda_mla):
     kw = dict(cpu_linear="torch", num_kv_blocks=32, max_model_len=128, block_size=BS)
     p = LLM(tiny_kda_mla, enable_prefix_caching=False, **kw,
@@ -42,5 +43,9 @@ def test_pd_matches_colocated_and_moves_blocks_and_one_slot(tiny_kda_mla):
             out = decode(p, d, [{"prompt_token_ids": ids}], [prm], GREEDY)[0]
             assert list(out.outputs[0].token_ids) == ref, n
             assert stats["kv_bytes_received"] - before == -(-n // BS) * MLA_BLOCK_BYTES + SLOT_BYTES
+        # Every block and slot comes back on both sides (P's after D's reads are done).
+        pump([p, d], lambda: all(not e.llm_engine.has_work() and all(
+            pool.num_free_blocks == pool.num_usable_blocks
+            for pool in e.llm_engine.scheduler.kv_cache_manager.block_pools) for e in (p, d)))
     finally:
         shutdown(p, d)

@@ -25,6 +25,7 @@ CFG = json.dumps({"kv_connector": "KVPoolConnector", "kv_role": "kv_both", "kv_c
     "chunk_size": CHUNK, "tiers": [{"name": "dram", "capacity_bytes": 1 << 26}]}})
 
 
+@pytest.mark.matrix("pool-dram", "hybrid-linear", model="tiny-gdn")
 def test_pool_cold_then_hot_equals_colocated_and_loads_one_slot(tiny_gdn):
     prompts = [[(i * 7919 + 13 * n) % 40000 + 100 for i in range(n)] for n in PROMPT_LENS]
     plain = LLM(tiny_gdn, enable_prefix_caching=False, **KW)

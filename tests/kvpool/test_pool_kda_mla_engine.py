@@ -22,6 +22,7 @@ CFG = json.dumps({"kv_connector": "KVPoolConnector", "kv_role": "kv_both", "kv_c
     "chunk_size": CHUNK, "tiers": [{"name": "dram", "capacity_bytes": 1 << 26}]}})
 
 
+@pytest.mark.matrix("pool-dram", "hybrid-mla", "hybrid-linear", model="tiny-kda-mla")
 def test_pool_cold_then_hot_equals_colocated(tiny_kda_mla):
     prompts = [[(i * 7919 + 13 * n) % 40000 + 100 for i in range(n)] for n in PROMPT_LENS]
     plain = LLM(tiny_kda_mla, enable_prefix_caching=False, **KW)

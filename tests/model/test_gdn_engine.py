@@ -22,6 +22,7 @@ def run(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]
     return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
 
 
+@pytest.mark.matrix("preemption", model="tiny-gdn")
 def test_small_cache_reuses_slots_preempts_and_matches_the_roomy_engine(tiny_gdn):
     prompts = [[(i * 7919 + 13 * n) % 40000 + 100 for i in range(n)] for n in (40, 9, 33, 52, 17, 40)]
     ref, _ = run(LLM(tiny_gdn, cpu_linear="torch", num_kv_blocks=64, max_model_len=64), prompts)
@@ -37,6 +38,7 @@ def test_small_cache_reuses_slots_preempts_and_matches_the_roomy_engine(tiny_gdn
     sched = small.llm_engine.scheduler
     assert sched.num_preemptions > 0
     assert all(b.block_hash is None for b in sched.kv_cache_manager.block_pools[1].blocks)
+    assert all(p.num_free_blocks == p.num_usable_blocks for p in sched.kv_cache_manager.block_pools)
 
 
 def test_prefix_hit_resumes_from_a_checkpoint_with_the_cold_output(tiny_gdn):

@@ -23,6 +23,11 @@ MARGIN_MIN = 5e-3
 # the rounding that a tp / dcp reduction order changes.
 MARGIN_OVER_ROUNDING = 20.0  # measured: >= 40x (pdkv/model/tiny.py)
 NAMES = ("tiny-llama-kv1", "tiny-llama-kv2", "tiny-mla", "tiny-gdn", "tiny-kda-mla")
+# Support matrix cells the parity test verifies per model (and the hybrid-state row of its state).
+HYBRID_ROWS = {"tiny-mla": ("hybrid-mla",), "tiny-gdn": ("hybrid-linear",),
+               "tiny-kda-mla": ("hybrid-mla", "hybrid-linear")}
+PARITY = [pytest.param(n, marks=pytest.mark.matrix("colocated", "chunked-prefill", "prefix-caching",
+                                                   *HYBRID_ROWS.get(n, ()), model=n)) for n in NAMES]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +75,7 @@ def tokens(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[in
     return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", PARITY)
 def test_greedy_matches_hf_plain_chunked_and_cached(name, folders, prompts, hf_runs):
     ref = [r["tokens"] for r in hf_runs[name]]
     plain = LLM(folders[name], cpu_linear="torch", num_kv_blocks=64, max_model_len=128)
@@ -83,6 +88,8 @@ def test_greedy_matches_hf_plain_chunked_and_cached(name, folders, prompts, hf_r
     assert again == ref
     # tiny-gdn / tiny-kda-mla: the linear state resumes from the checkpoint at the hit's block boundary
     assert cached == [(len(p) - 1) // BLOCK * BLOCK for p in prompts]
+    for pool in chunked.llm_engine.scheduler.kv_cache_manager.block_pools:  # every group: no leak
+        assert pool.num_free_blocks == pool.num_usable_blocks
 
 
 @pytest.mark.parametrize("name", NAMES)
