@@ -27,9 +27,9 @@ class ModelConfig:
         max_model_len: longest sequence (prompt + output) in tokens.
         seed: base seed for random sampling of requests that give none.
         served_model_name: the name reported to clients.
-        cpu_linear: "auto" (one plain weight copy; BLAS or oneDNN per row count from a table timed
-            at start-up, pdkv/model/cpu_linear.py), "onednn" (packed-weight oneDNN matmuls) or
-            "torch" (BLAS).
+        cpu_linear: "onednn" (the default: packed-weight oneDNN matmuls where oneDNN has a kernel
+            for the dtype, else auto's table), "auto" (one plain weight copy; BLAS or oneDNN per
+            row count from a table timed at start-up, pdkv/model/cpu_linear.py) or "torch" (BLAS).
         attention_backend: vLLM's `--attention-backend`: "auto", "torch" (gather + SDPA) or
             "cpu_paged" (decode reads K/V from the blocks in place; pdkv/model/paged_decode.py).
         enforce_eager: vLLM's `--enforce-eager`: no CUDA graphs (the CPU is always eager).
@@ -46,7 +46,7 @@ class ModelConfig:
     max_model_len: int = 8192
     seed: int = 0
     served_model_name: str = ""
-    cpu_linear: str = "auto"
+    cpu_linear: str = "onednn"
     attention_backend: str = "auto"
     enforce_eager: bool = False
     cudagraph_capture_sizes: tuple[int, ...] = ()

@@ -54,7 +54,7 @@ class EngineArgs:
     distributed_init_port: int = 0
     num_threads: int | None = None
     kv_transfer_config: str | None = None
-    cpu_linear: str = "auto"
+    cpu_linear: str = "onednn"
     attention_backend: str = "auto"
     fused_ops: bool = True
     kv_cache_dtype: str = "auto"

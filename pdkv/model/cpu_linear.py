@@ -62,8 +62,9 @@ def setup_cpu_linear(model: LlamaForCausalLM, mode: str, dtype: str, device: str
     else:
         return CpuLinearSetup("torch")
     if mode == "onednn":
-        model.pack_cpu_weights()
-        return CpuLinearSetup(mode, None, warning)
+        if model.pack_cpu_weights():
+            return CpuLinearSetup(mode, None, warning)
+        mode = "auto"  # no oneDNN kernel for this dtype here (bf16 without AVX-512 / AMX): the table
     weights = model.linear_weights() if mode == "auto" else []
     if not weights:
         return CpuLinearSetup("torch" if mode == "torch" else "auto", None, warning)

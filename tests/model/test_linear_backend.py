@@ -98,14 +98,14 @@ def test_real_tuning_on_small_weights_gives_a_table_for_every_bucket():
     assert torch.get_num_threads() >= 1
 
 
-def test_auto_is_the_default_and_unknown_modes_are_refused():
+def test_packed_onednn_is_the_default_and_unknown_modes_are_refused():
     import argparse
 
     from pdkv.config import ModelConfig
     from pdkv.engine.arg_utils import EngineArgs
 
     args = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args([])
-    assert EngineArgs.from_cli_args(args).cpu_linear == "auto" == ModelConfig(model="m", path="p").cpu_linear
+    assert EngineArgs.from_cli_args(args).cpu_linear == "onednn" == ModelConfig(model="m", path="p").cpu_linear
     with pytest.raises(ValueError, match="cpu_linear"):
         ModelConfig(model="m", path="p", cpu_linear="blas")
 
@@ -127,3 +127,23 @@ def test_cpu_linear_bench_table_has_prefill_and_decode_rows_with_ratios():
     assert "| 8 | prefill | 100.0 | 150.0 | 1.50x | yes |" in table
     assert "| 8 | decode | 20.0 | 30.0 | 1.50x | yes |" in table
     assert "auto (ran 1:torch 8:onednn)" in table
+
+
+def test_onednn_without_a_kernel_for_the_dtype_falls_back_to_the_table(monkeypatch):
+    """`--cpu-linear onednn` packs where oneDNN has a kernel for the dtype; where it has none
+    (bf16 without AVX-512 / AMX) the weights stay plain and auto's table picks the kernels."""
+    from pdkv.model import cpu_linear
+
+    class Model:
+        packed = False
+
+        def pack_cpu_weights(self) -> bool:
+            return self.packed
+
+        def linear_weights(self) -> list:
+            return []  # nothing to time: the setup reports the mode it resolved to
+
+    model = Model()
+    assert cpu_linear.setup_cpu_linear(model, "onednn", "bfloat16", "cpu").mode == "auto"  # type: ignore[arg-type]
+    model.packed = True
+    assert cpu_linear.setup_cpu_linear(model, "onednn", "float32", "cpu").mode == "onednn"  # type: ignore[arg-type]
