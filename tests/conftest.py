@@ -181,3 +181,18 @@ def one_torch_thread():
     yield
     torch.set_num_threads(before)
 
+
+
+@pytest.fixture(scope="module")
+def cpu_ops() -> None:
+    """pdkv's C++ CPU ops loaded into this process (paged decode / prefill attention, fused small
+    ops: pdkv/model/paged_decode_build.py); skips without a C++ compiler (the engine then falls
+    back to the torch paths)."""
+    import shutil
+
+    from pdkv.model.paged_decode_build import load
+
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: the engine falls back to the torch paths")
+    why = load()
+    assert why is None, why

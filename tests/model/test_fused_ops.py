@@ -4,31 +4,19 @@ switch on a model (on when built, off for --no-fused-ops / other dtypes)."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from pdkv.model import fused_ops
 from pdkv.model.llama import LlamaArchConfig, LlamaForCausalLM, apply_rope, rms_norm, rope_cos_sin
-from pdkv.model.paged_decode_build import load
 from pdkv.worker.attn_metadata import build_attention_metadata
-
-
-@pytest.fixture(scope="module")
-def op() -> None:
-    if shutil.which("g++") is None and shutil.which("c++") is None:
-        pytest.skip("no C++ compiler: the engine falls back to the torch ops")
-    why = load()
-    assert why is None, why
-
 
 SIZES = [(1, 576), (7, 576), (33, 37), (5, 8), (3, 1), (129, 1536)]
 
 
 @pytest.mark.parametrize(("t", "n"), SIZES)
-def test_rms_norm_matches_torch(op, t, n):
+def test_rms_norm_matches_torch(cpu_ops, t, n):
     g = torch.Generator().manual_seed(t * 1000 + n)
     x = torch.randn(t, 2 * n, generator=g)[:, ::2].contiguous() * 4  # a contiguous [t, n]
     w = torch.randn(n, generator=g)
@@ -39,7 +27,7 @@ def test_rms_norm_matches_torch(op, t, n):
 
 
 @pytest.mark.parametrize(("t", "n"), SIZES)
-def test_add_rms_norm_updates_residual_in_place(op, t, n):
+def test_add_rms_norm_updates_residual_in_place(cpu_ops, t, n):
     g = torch.Generator().manual_seed(t + n)
     residual, x = torch.randn(t, n, generator=g) * 3, torch.randn(t, n, generator=g)
     w = torch.randn(n, generator=g)
@@ -53,7 +41,7 @@ def test_add_rms_norm_updates_residual_in_place(op, t, n):
 
 @pytest.mark.parametrize(("t", "heads", "kv_heads", "d"), [(1, 9, 3, 64), (17, 8, 2, 128), (5, 3, 1, 10),
                                                            (40, 4, 4, 6)])
-def test_rope_in_place_equals_apply_rope(op, t, heads, kv_heads, d):
+def test_rope_in_place_equals_apply_rope(cpu_ops, t, heads, kv_heads, d):
     """q and k heads of a qkv row (strided view, v after them untouched), rotated in place, give
     apply_rope's bits."""
     g = torch.Generator().manual_seed(heads * d + t)
@@ -71,7 +59,7 @@ def test_rope_in_place_equals_apply_rope(op, t, heads, kv_heads, d):
 
 
 @pytest.mark.parametrize(("t", "i"), [(1, 1536), (32, 1536), (3, 13), (2, 1), (65, 100)])
-def test_silu_mul_matches_torch(op, t, i):
+def test_silu_mul_matches_torch(cpu_ops, t, i):
     g = torch.Generator().manual_seed(t * i)
     gate_up = torch.randn(t, 2 * i, generator=g) * 6
     gate, up = gate_up.chunk(2, dim=-1)
@@ -79,7 +67,7 @@ def test_silu_mul_matches_torch(op, t, i):
     torch.testing.assert_close(fused_ops.silu_mul(gate_up), ref, rtol=1e-6, atol=1e-6)
 
 
-def test_ops_reject_wrong_inputs(op):
+def test_ops_reject_wrong_inputs(cpu_ops):
     with pytest.raises(RuntimeError, match="float32"):
         fused_ops.silu_mul(torch.randn(2, 8, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="even"):
@@ -102,7 +90,7 @@ def _tiny_llama(dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     return model
 
 
-def test_layer_with_fused_ops_matches_torch_layer(op):
+def test_layer_with_fused_ops_matches_torch_layer(cpu_ops):
     """A step with a prefill (5 tokens) and a decode (context 7) through two layers: logits and
     the K/V written to the cache agree with the torch path."""
     model = _tiny_llama()
@@ -121,7 +109,7 @@ def test_layer_with_fused_ops_matches_torch_layer(op):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_set_fused_ops_switches_llama_layers(op):
+def test_set_fused_ops_switches_llama_layers(cpu_ops):
     """On when built, off when asked or for a dtype the ops do not take."""
     model = _tiny_llama()
     assert fused_ops.set_fused_ops(model, True)

@@ -5,26 +5,15 @@ slot no query may read, decodes interleaved with the runs; and paged_attention w
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from pdkv.model.attention import _prefill_attention, paged_attention
 from pdkv.model.paged_decode import paged_decode_attention
-from pdkv.model.paged_decode_build import load
 from pdkv.model.paged_prefill import paged_prefill, paged_prefill_attention
 from pdkv.worker.attn_metadata import build_attention_metadata
 
 BS, D, NUM_BLOCKS = 4, 16, 96
-
-
-@pytest.fixture(scope="module")
-def op() -> None:
-    if shutil.which("g++") is None and shutil.which("c++") is None:
-        pytest.skip("no C++ compiler: the engine falls back to the torch path")
-    why = load()
-    assert why is None, why
 
 
 def _case(gen: torch.Generator, runs: list[tuple[int, int]], kvh: int, group: int, window: int | None,
@@ -83,7 +72,7 @@ CASES = [
 
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("window", [None, 6])
-def test_op_equals_brute_force_and_torch_path(op, group, window):
+def test_op_equals_brute_force_and_torch_path(cpu_ops, group, window):
     gen = torch.Generator().manual_seed(group * 10 + (window or 0))
     scale = D**-0.5
     for runs in CASES:
@@ -105,7 +94,7 @@ def test_op_equals_brute_force_and_torch_path(op, group, window):
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
-def test_bfloat16_and_strided_q(op):
+def test_bfloat16_and_strided_q(cpu_ops):
     gen = torch.Generator().manual_seed(7)
     q, cache, _, reqs, meta = _case(gen, [(12, 5), (6, 0)], kvh=2, group=2, window=None)
     args = (meta.prefill_cu_seqlens, meta.prefill_context_lens, meta.prefill_block_tables, 0.25)
@@ -118,7 +107,7 @@ def test_bfloat16_and_strided_q(op):
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_with_decodes_between_runs(op, window):
+def test_paged_attention_with_decodes_between_runs(cpu_ops, window):
     """A step mixing decodes and runs (runs not back to back: the index path) gives the reference
     path's output, with the step's K/V written by paged_attention itself."""
     gen = torch.Generator().manual_seed(3)
@@ -136,7 +125,7 @@ def test_paged_attention_with_decodes_between_runs(op, window):
     torch.testing.assert_close(outs[1].double(), ref_out, atol=2e-5, rtol=1e-4)
 
 
-def test_bad_inputs_raise(op):
+def test_bad_inputs_raise(cpu_ops):
     q = torch.randn(5, 2, D)
     cache = torch.randn(2, 4, BS, 1, D)
     cu, ctx = torch.tensor([0, 5]), torch.tensor([0])
