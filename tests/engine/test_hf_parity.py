@@ -138,7 +138,6 @@ def test_chat_matches_hf(hf_model, hf_tokenizer):
     assert_no_leak(llm)
 
 
-@pytest.mark.matrix("batched-prefill")
 def test_batched_prefill_op_matches_hf(parity_prompts, hf_model, monkeypatch):
     """cpu_paged: all prefill runs of a step in one op call (several requests, chunk
     continuations and prefix hits: runs with context), greedy tokens those of HF."""
