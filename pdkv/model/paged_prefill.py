@@ -25,7 +25,7 @@ torch path (`_prefill_attention`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -94,3 +94,22 @@ def paged_prefill_attention(
         assert meta.prefill_token_idx is not None
         o, _ = paged_prefill(q.index_select(0, meta.prefill_token_idx), kv_cache, *args)
         out.index_copy_(0, meta.prefill_token_idx, o)
+
+
+def install_attention_backend(model: Any, flag: str, device: str, cache_dtype: str, dcp_size: int,
+                              is_mla: bool) -> str:
+    """Resolve `--attention-backend` `flag` (pdkv.model.paged_decode.resolve_attention_backend)
+    and give every layer of `model` the decode and prefill halves it names; returns "torch" or
+    "cpu_paged" (the C++ ops read K/V from the blocks in place)."""
+    import functools
+
+    from pdkv.model.attention import paged_attention
+    from pdkv.model.paged_decode import paged_decode_attention, resolve_attention_backend
+
+    backend = resolve_attention_backend(flag, device, cache_dtype, dcp_size, is_mla)
+    if backend == "cpu_paged":
+        fn = functools.partial(paged_attention, decode_attention=paged_decode_attention,
+                               prefill_attention=paged_prefill_attention)
+        for layer in model.layers:
+            layer.attention = fn
+    return backend

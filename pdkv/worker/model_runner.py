@@ -9,7 +9,6 @@ drive a worker in another process.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -23,10 +22,10 @@ from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorOutput, 
 from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.kv_transfer.connector.p2p_compat import MLA_KV_LAYOUT
 from pdkv.kv_transfer.reshard_state import LAYOUT_KEY as STATE_LAYOUT_KEY
-from pdkv.model.attention import paged_attention
 from pdkv.model.fused_ops import set_fused_ops
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
+from pdkv.model.paged_prefill import install_attention_backend
 from pdkv.model.sampler import LogprobEntry, SamplingRow, sample_tensors
 from pdkv.model.structured import GrammarMatchers
 from pdkv.sampling_params import SamplingParams
@@ -93,23 +92,6 @@ class ModelRunner:
 
     KV_LAYOUT = "blocks_layers_kv_tokens_heads_dim"
 
-    def _select_attention(self, model_config: ModelConfig, cache_config: CacheConfig, is_mla: bool) -> str:
-        """Resolve --attention-backend (pdkv.model.paged_decode) and give every layer the decode
-        and prefill halves it names; returns "torch" or "cpu_paged"."""
-        from pdkv.model.paged_decode import paged_decode_attention, resolve_attention_backend
-        from pdkv.model.paged_prefill import paged_prefill_attention
-
-        backend = resolve_attention_backend(
-            model_config.attention_backend, model_config.device, cache_config.cache_dtype,
-            self.parallel.dcp_size if self.parallel is not None else 1, is_mla,
-        )
-        if backend == "cpu_paged":
-            fn = functools.partial(paged_attention, decode_attention=paged_decode_attention,
-                                   prefill_attention=paged_prefill_attention)
-            for layer in self.model.layers:
-                layer.attention = fn
-        return backend
-
     def __init__(
         self,
         model_config: ModelConfig,
@@ -128,7 +110,9 @@ class ModelRunner:
 
         self.cpu_linear = setup_cpu_linear(self.model, model_config.cpu_linear, model_config.dtype, model_config.device)
         arch = self.model.cfg
-        self.attention_backend = self._select_attention(model_config, cache_config, arch.is_mla)
+        self.attention_backend = install_attention_backend(
+            self.model, model_config.attention_backend, model_config.device, cache_config.cache_dtype,
+            parallel.dcp_size if parallel is not None else 1, arch.is_mla)
         self.fused_ops = set_fused_ops(self.model, model_config.fused_ops)
         if model_config.max_model_len > arch.max_position_embeddings:
             raise ValueError(
