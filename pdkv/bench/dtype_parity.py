@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pdkv.bench.kv_quant import PROMPTS, common_prefix, greedy_run
+from pdkv.bench.kv_quant import PROMPTS, add_greedy_run_args, common_prefix, greedy_run
 from pdkv.model.cpu_features import read_cpu_features
 from pdkv.model.cpu_linear import setup_cpu_linear
 from pdkv.model.llama import LlamaForCausalLM
@@ -83,13 +83,9 @@ def format_rows(rows: list[DtypeRow]) -> str:
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     """`pdkv bench dtype` flags (tokens; threads)."""
-    p.add_argument("--model", default="smollm2", help="registry name or model folder")
+    add_greedy_run_args(p)
     p.add_argument("--dtypes", default="bfloat16", help="dtypes to compare with float32, e.g. bfloat16,float16")
     p.add_argument("--cpu-linear", default="auto", choices=["auto", "onednn", "torch"])
-    p.add_argument("--num-prompts", type=int, default=len(PROMPTS), help=f"prompts (at most {len(PROMPTS)})")
-    p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
-    p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -138,14 +138,20 @@ def format_rows(rows: list[QuantRow]) -> str:
     return "\n".join(lines)
 
 
-def add_cli_args(p: argparse.ArgumentParser) -> None:
+def add_greedy_run_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by the greedy-agreement benchmarks (`pdkv bench kvquant`, `pdkv bench dtype`):
+    model, prompts, tokens per prompt, threads, JSON output."""
     p.add_argument("--model", default="smollm2", help="registry name or model folder")
     p.add_argument("--num-prompts", type=int, default=len(PROMPTS), help=f"prompts (at most {len(PROMPTS)})")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
-    p.add_argument("--kv-cache-dtypes", default="int8,fp8", help="quantized dtypes to compare with auto")
-    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    add_greedy_run_args(p)
+    p.add_argument("--kv-cache-dtypes", default="int8,fp8", help="quantized dtypes to compare with auto")
+    p.add_argument("--block-size", type=int, default=16)
 
 
 def main(args: argparse.Namespace) -> int:
