@@ -181,7 +181,7 @@ def test_tcp_read_from_an_unresponsive_peer_fails_at_the_deadline():
         with pytest.raises(TransferError):
             eng.read(peer, [ReadOp(REGION, 0, 64, memoryview(bytearray(64)))], t0 + 1.0)
         elapsed = time.monotonic() - t0
-        assert 0.8 <= elapsed < 2.0
+        assert 0.8 <= elapsed < 10.0  # at the 1 s deadline, not a default timeout (30 s+)
     finally:
         eng.close()
         silent.close()

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
+import types
+
+import pytest
 
 from pdkv.router import launcher
 
@@ -34,10 +36,35 @@ def test_a_tp2_prefill_engine_gets_two_consecutive_ports_no_other_child_uses(mon
     assert launcher.engine_world_size(["-tp", "4"]) == 4 and launcher.engine_world_size([]) == 1
 
 
-def test_a_run_of_free_ports_skips_a_bound_one():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        busy = s.getsockname()[1]
-        taken = {busy - 2, busy + 1}  # leaves only runs that would cover `busy`, if any, near it
-        port = launcher.free_port(taken, low=busy - 1, high=busy + 3, count=2)
-        assert port == busy + 2 and {busy + 2, busy + 3} <= taken
+class _FakeSocket:
+    """Stands in for socket.socket in the launcher: bind fails for the ports in `busy` (bound by
+    another process), succeeds for every other one, and binds nothing for real, so the test does
+    not depend on what else holds ports on the machine."""
+
+    busy: set[int] = set()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def bind(self, addr):
+        if addr[1] in self.busy:
+            raise OSError(98, "Address already in use")
+
+
+def test_a_run_of_free_ports_skips_a_bound_one(monkeypatch):
+    import itertools
+    import random
+
+    monkeypatch.setattr(launcher, "socket", types.SimpleNamespace(socket=_FakeSocket))
+    down = itertools.count()  # candidates from the top down, so 21001 (next to the bound 21002) comes first
+    monkeypatch.setattr(random, "randint", lambda low, high: high - next(down) % (high - low + 1))
+    _FakeSocket.busy = {21002}
+    taken = {20999, 21003}  # handed out already; with 21002 bound only 21000-21001 is a free run
+    port = launcher.free_port(taken, low=20999, high=21004, count=2)
+    assert port == 21000 and {21000, 21001} <= taken
+    _FakeSocket.busy = {21000}  # now the only run left, 21004-21005, lies past `high`
+    with pytest.raises(RuntimeError, match="no 2 free consecutive"):
+        launcher.free_port({20999, 21003, 21001}, low=20999, high=21004, count=2)
