@@ -27,9 +27,11 @@ class ModelConfig:
         max_model_len: longest sequence (prompt + output) in tokens.
         seed: base seed for random sampling of requests that give none.
         served_model_name: the name reported to clients.
-        cpu_linear: "onednn" (the default: packed-weight oneDNN matmuls where oneDNN has a kernel
-            for the dtype, else auto's table), "auto" (one plain weight copy; BLAS or oneDNN per
-            row count from a table timed at start-up, pdkv/model/cpu_linear.py) or "torch" (BLAS).
+        cpu_linear: "panel" (the default: float32 weights packed in 16-row panels for pdkv's AVX2
+            kernel, pdkv/model/panel_linear.py; elsewhere onednn), "onednn" (packed-weight oneDNN
+            matmuls where oneDNN has a kernel for the dtype, else auto's table), "auto" (one plain
+            weight copy; BLAS or oneDNN per row count from a table timed at start-up,
+            pdkv/model/cpu_linear.py) or "torch" (BLAS).
         attention_backend: vLLM's `--attention-backend`: "auto", "torch" (gather + SDPA) or
             "cpu_paged" (decode reads K/V from the blocks in place; pdkv/model/paged_decode.py).
         enforce_eager: vLLM's `--enforce-eager`: no CUDA graphs (the CPU is always eager).
@@ -46,7 +48,7 @@ class ModelConfig:
     max_model_len: int = 8192
     seed: int = 0
     served_model_name: str = ""
-    cpu_linear: str = "onednn"
+    cpu_linear: str = "panel"
     attention_backend: str = "auto"
     enforce_eager: bool = False
     cudagraph_capture_sizes: tuple[int, ...] = ()
@@ -57,8 +59,8 @@ class ModelConfig:
             raise ValueError(
                 f"attention_backend must be 'auto', 'torch' or 'cpu_paged', got {self.attention_backend!r}"
             )
-        if self.cpu_linear not in ("auto", "onednn", "torch"):
-            raise ValueError(f"cpu_linear must be 'auto', 'onednn' or 'torch', got {self.cpu_linear!r}")
+        if self.cpu_linear not in ("panel", "onednn", "auto", "torch"):
+            raise ValueError(f"cpu_linear must be 'panel', 'onednn', 'auto' or 'torch', got {self.cpu_linear!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.max_model_len < 1:

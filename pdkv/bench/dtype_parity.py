@@ -85,7 +85,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     """`pdkv bench dtype` flags (tokens; threads)."""
     add_greedy_run_args(p)
     p.add_argument("--dtypes", default="bfloat16", help="dtypes to compare with float32, e.g. bfloat16,float16")
-    p.add_argument("--cpu-linear", default="auto", choices=["auto", "onednn", "torch"])
+    p.add_argument("--cpu-linear", default="auto", choices=["panel", "onednn", "auto", "torch"])
 
 
 def main(args: argparse.Namespace) -> int:

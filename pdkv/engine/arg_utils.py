@@ -54,7 +54,7 @@ class EngineArgs:
     distributed_init_port: int = 0
     num_threads: int | None = None
     kv_transfer_config: str | None = None
-    cpu_linear: str = "onednn"
+    cpu_linear: str = "panel"
     attention_backend: str = "auto"
     fused_ops: bool = True
     kv_cache_dtype: str = "auto"
@@ -191,9 +191,10 @@ class EngineArgs:
                             "when tp is 1")
         g.add_argument("--distributed-init-port", type=int, default=d.distributed_init_port,
                        help="127.0.0.1 port of the workers' torch.distributed rendezvous (0: a free one)")
-        g.add_argument("--cpu-linear", default=d.cpu_linear, choices=["auto", "onednn", "torch"],
-                       help="CPU matmuls: auto (one weight copy; BLAS or oneDNN per row count from a "
-                            "table timed at start-up and logged), onednn (packed weights) or torch (BLAS)")
+        g.add_argument("--cpu-linear", default=d.cpu_linear, choices=["panel", "onednn", "auto", "torch"],
+                       help="CPU matmuls: panel (float32 weights packed for pdkv's AVX2 kernel; else "
+                            "onednn), onednn (oneDNN's packed weights), auto (one weight copy; BLAS or "
+                            "oneDNN per row count from a table timed at start-up and logged) or torch (BLAS)")
         g.add_argument("--attention-backend", default=d.attention_backend,
                        choices=["auto", "torch", "cpu_paged"],
                        help="decode attention: torch (gather blocks + SDPA) or cpu_paged (C++ op reading "

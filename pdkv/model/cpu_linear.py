@@ -1,9 +1,16 @@
-"""Start-up wiring of `--cpu-linear` (onednn | torch | auto) and the CPU dtype check.
+"""Start-up wiring of `--cpu-linear` (panel | onednn | torch | auto) and the CPU dtype check.
 
-* onednn: packed oneDNN weights replacing the plain ones (LlamaForCausalLM.pack_cpu_weights).
+* panel (the default): weights packed in 16-row panels for pdkv's AVX2 kernel, replacing the
+  plain ones (pdkv/model/panel_linear.py); float32 only: elsewhere (another dtype, no AVX2 / FMA,
+  the extension not built) it is onednn.
+* onednn: packed oneDNN weights replacing the plain ones (LlamaForCausalLM.pack_cpu_weights);
+  where oneDNN has no kernel for the dtype, auto.
 * torch: plain weights, F.linear.
-* auto (default on CPU): plain weights, the kernel per row count from a table timed here
-  (pdkv/model/linear_backend.py); on CUDA auto is torch.
+* auto: plain weights, the kernel per row count from a table timed here
+  (pdkv/model/linear_backend.py).
+
+Off CPU every mode is torch. Projections a model cannot pack (layers without packed slots, such
+as the linear-attention layers of the hybrid models) run through auto's table.
 
 bfloat16 / float16 on a CPU without native bf16 run, with a warning (pdkv/model/cpu_features.py).
 """
@@ -17,10 +24,11 @@ from pdkv.model.cpu_features import dtype_warning, read_cpu_features
 from pdkv.model.linear_backend import LinearDispatch, LinearTuning, tune_linear
 from pdkv.model.linear_table import DEFAULT_BUCKETS
 from pdkv.model.llama import LlamaForCausalLM
+from pdkv.model.panel_linear import pack_panel_weight, panel_linear_unavailable
 
 logger = logging.getLogger(__name__)
 
-CPU_LINEARS = ("auto", "onednn", "torch")
+CPU_LINEARS = ("panel", "onednn", "auto", "torch")
 
 
 @dataclass(frozen=True)
@@ -28,7 +36,8 @@ class CpuLinearSetup:
     """What `--cpu-linear` resolved to.
 
     Attributes:
-        mode: "onednn" (packed), "torch" or "auto".
+        mode: what ran: "panel" or "onednn" (packed; with a tuning when some projections could
+            not be packed), "torch" or "auto".
         tuning: auto's timed table (None otherwise, or when the model has no plain projections).
         dtype_warning: the CPU dtype warning logged, if any.
     """
@@ -61,6 +70,15 @@ def setup_cpu_linear(model: LlamaForCausalLM, mode: str, dtype: str, device: str
             logger.warning(warning)
     else:
         return CpuLinearSetup("torch")
+    if mode == "panel":
+        why = panel_linear_unavailable(model.embed)
+        if why is None:
+            if model.pack_cpu_weights(pack_panel_weight):
+                return CpuLinearSetup(mode, None, warning)
+            mode = "auto"  # the projections left plain (hybrid layers) get the table
+        else:
+            logger.info("cpu-linear panel unavailable (%s): onednn", why)
+            mode = "onednn"
     if mode == "onednn":
         if model.pack_cpu_weights():
             return CpuLinearSetup(mode, None, warning)

@@ -29,6 +29,8 @@ from pdkv.model.attention import AttentionMetadata
 from pdkv.model.attention_mla import mla_attention
 from pdkv.model.llama import (
     LlamaForCausalLM,
+    PackedLinear,
+    Packer,
     apply_rope,
     linear,
     pack_linear_weight,
@@ -73,14 +75,14 @@ class MLALayer(nn.Module):
         self.kv_b = param(self.num_heads * (self.nope + self.v_dim), self.rank)
         self.o_proj = param(h, self.num_heads * self.v_dim)
         self.gate_up, self.down = param(2 * i, h), param(h, i)
-        self.packed: dict[str, torch.Tensor | None] = {"q_proj": None, "kv_a": None, "o_proj": None,
-                                                       "gate_up": None, "down": None}
+        self.packed: dict[str, PackedLinear] = {"q_proj": None, "kv_a": None, "o_proj": None,
+                                                "gate_up": None, "down": None}
 
-    def pack_cpu_weights(self) -> bool:
-        """Pack the projection weights for oneDNN (kv_b stays plain: attention uses it); True
-        when done."""
+    def pack_cpu_weights(self, packer: Packer | None = None) -> bool:
+        """Pack the projection weights with `packer` (default oneDNN; kv_b stays plain: attention
+        uses it); True when done."""
         for name in self.packed:
-            self.packed[name] = pack_linear_weight(getattr(self, name))
+            self.packed[name] = (packer or pack_linear_weight)(getattr(self, name))
         return all(p is not None for p in self.packed.values())
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

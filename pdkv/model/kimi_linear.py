@@ -28,7 +28,7 @@ from pdkv.model.arch_config import LINEAR, LlamaArchConfig, attention_groups
 from pdkv.model.deepseek import MLALayer
 from pdkv.model.gated_delta import LinearStateMetadata
 from pdkv.model.kimi_delta import kda_rule, kda_step
-from pdkv.model.llama import LlamaForCausalLM, linear, rms_norm, rope_cos_sin
+from pdkv.model.llama import LlamaForCausalLM, Packer, linear, rms_norm, rope_cos_sin
 from pdkv.model.qwen3_next import _MLPMixin, _param
 from pdkv.model.state_slots import StateSlotMixin
 from pdkv.parallel.context import ParallelContext
@@ -132,8 +132,8 @@ class KimiLinearForCausalLM(LlamaForCausalLM):
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
 
-    def pack_cpu_weights(self) -> bool:
-        """No oneDNN packing for this architecture."""
+    def pack_cpu_weights(self, packer: Packer | None = None) -> bool:
+        """No packed weights for this architecture."""
         return False
 
     def load_weights(self, r: Any, put: Callable[[nn.Parameter, torch.Tensor, str], None]) -> None:

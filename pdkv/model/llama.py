@@ -23,6 +23,7 @@ from pdkv.model.arch_config import (
 )
 from pdkv.model.attention import AttentionMetadata, paged_attention
 from pdkv.model.linear_backend import LinearDispatch
+from pdkv.model.panel_linear import PanelWeight
 from pdkv.parallel.context import ParallelContext
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "LlamaArchConfig", "LlamaForCausalLM", "hybrid_state_kinds"]
@@ -113,12 +114,13 @@ class LlamaLayer(nn.Module):
         # C++ fused small ops (pdkv.model.fused_ops.set_fused_ops); False = the torch ops.
         self.fused_ops = False
 
-    def pack_cpu_weights(self) -> bool:
-        """Pack the four projection weights for oneDNN, keeping one copy of each: a packed
-        weight's plain parameter becomes a meta tensor (shape and dtype, no memory). True when
-        all four are packed."""
+    def pack_cpu_weights(self, packer: Packer | None = None) -> bool:
+        """Pack the four projection weights with `packer` (default pack_linear_weight: oneDNN),
+        keeping one copy of each: a packed weight's plain parameter becomes a meta tensor (shape
+        and dtype, no memory). True when all four are packed."""
+        packer = packer or pack_linear_weight
         for name in self.packed:
-            packed = pack_linear_weight(getattr(self, name))
+            packed = packer(getattr(self, name))
             if packed is None:
                 return False
             self.packed[name] = packed
@@ -160,16 +162,20 @@ class LlamaLayer(nn.Module):
         return hidden + tp.all_reduce_tp(linear(F.silu(gate) * up, self.down, pk["down"]))
 
 
-# What a projection runs with besides its plain weight: a oneDNN-packed weight, a per-shape
-# dispatch (pdkv.model.linear_backend), or nothing (F.linear).
-PackedLinear = torch.Tensor | LinearDispatch | None
+# What a projection runs with besides its plain weight: a oneDNN-packed weight, pdkv's panel
+# weight (pdkv.model.panel_linear), a per-shape dispatch (pdkv.model.linear_backend), or nothing
+# (F.linear).
+PackedLinear = torch.Tensor | PanelWeight | LinearDispatch | None
+Packer = Callable[[torch.Tensor], PackedLinear]
+"""Makes a weight's packed form ([out, in] -> PackedLinear; None: cannot pack it here)."""
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedLinear,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias. x: [T, in]; weight: [out, in]. With `packed` a oneDNN-reordered copy
     of weight (see pack_linear_weight) the CPU oneDNN kernel runs instead of the BLAS one; with a
-    LinearDispatch the kernel its table names for T rows runs on the plain weight."""
+    PanelWeight pdkv's panel kernel on it; with a LinearDispatch the kernel its table names for T
+    rows runs on the plain weight."""
     if packed is None:
         return F.linear(x, weight, bias)
     if isinstance(packed, torch.Tensor):
@@ -295,27 +301,30 @@ class LlamaForCausalLM(nn.Module):
         head = self.embed if self.lm_head is None else self.lm_head
         return linear(hidden, head, self.head_packed).float()
 
-    def pack_cpu_weights(self) -> bool:
-        """Use oneDNN's packed-weight linear for every projection and the LM head (float32 on
-        CPU). On AVX-512 CPUs this halves matmul time at small batch; results differ from BLAS
-        only in the last bits (greedy parity with HF is tested). Returns True when packed.
+    def pack_cpu_weights(self, packer: Packer | None = None) -> bool:
+        """Pack every projection and the LM head with `packer` (default pack_linear_weight:
+        oneDNN's packed-weight linear; pdkv.model.panel_linear.pack_panel_weight: the panel
+        kernel). Results differ from BLAS only in the last bits (greedy parity with HF is
+        tested). Returns True when all are packed.
 
         Each packed weight replaces its plain copy (one copy of each weight). A tied LM head
         also needs the plain table for the embedding lookup: read from a map of the weights
         file (the loader's embed_file_map), whose pages packing read are dropped again here, it
         holds only the rows looked up since (reclaimable page cache, not a second copy); without
         a map the table is held twice (vocab_size x hidden_size x dtype bytes more)."""
-        if isinstance(self.head_packed, torch.Tensor):  # packed before: the plain weights are gone
+        if self.head_packed is not None and not isinstance(self.head_packed, LinearDispatch):
+            # packed before: the plain weights are gone
             return all(p is not None for layer in self.layers for p in layer.packed.values())
+        packer = packer or pack_linear_weight
         if self.lm_head is None:
-            self.head_packed = pack_linear_weight(self.embed)
+            self.head_packed = packer(self.embed)
             if self.head_packed is not None and self.embed_file_map is not None:
                 self.embed_file_map.madvise(mmap.MADV_DONTNEED)  # unmodified private pages: reloaded on use
         else:
-            self.head_packed = pack_linear_weight(self.lm_head)
+            self.head_packed = packer(self.lm_head)
             if self.head_packed is not None:
                 self.lm_head = _without_data(self.lm_head)
-        return self.head_packed is not None and all(layer.pack_cpu_weights() for layer in self.layers)
+        return self.head_packed is not None and all(layer.pack_cpu_weights(packer) for layer in self.layers)
 
     def linear_weights(self) -> list[torch.Tensor]:
         """One layer's projection weights ([out, in], in forward order): the shapes a step's

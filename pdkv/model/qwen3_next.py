@@ -42,7 +42,7 @@ from pdkv.model.gated_delta import (
     gated_delta_rule,
     recurrent_step,
 )
-from pdkv.model.llama import LlamaForCausalLM, apply_rope, linear, rms_norm, rope_cos_sin
+from pdkv.model.llama import LlamaForCausalLM, Packer, apply_rope, linear, rms_norm, rope_cos_sin
 from pdkv.model.state_slots import StateSlotMixin
 from pdkv.parallel.context import ParallelContext
 from pdkv.parallel.layout import ParallelLayout
@@ -70,8 +70,8 @@ class _MLPMixin(nn.Module):
         gate, up = linear(x, self.gate_up, None).chunk(2, dim=-1)
         return hidden + self.parallel.all_reduce_tp(linear(F.silu(gate) * up, self.down, None))
 
-    def pack_cpu_weights(self) -> bool:
-        """No oneDNN packing for this architecture (plain F.linear)."""
+    def pack_cpu_weights(self, packer: Packer | None = None) -> bool:
+        """No packed weights for this architecture (plain F.linear)."""
         return False
 
 
@@ -219,8 +219,8 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
 
-    def pack_cpu_weights(self) -> bool:
-        """No oneDNN packing for this architecture."""
+    def pack_cpu_weights(self, packer: Packer | None = None) -> bool:
+        """No packed weights for this architecture."""
         return False
 
     def load_weights(self, r: Any, put: Callable[[nn.Parameter, torch.Tensor, str], None]) -> None:

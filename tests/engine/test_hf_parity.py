@@ -12,6 +12,7 @@ import pytest
 from conftest import NUM_NEW_TOKENS, assert_no_leak, hf_greedy
 
 from pdkv import LLM, SamplingParams
+from pdkv.model.panel_linear import PanelWeight, panel_linear_unavailable
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +37,8 @@ def test_prompt_lengths_cover_block_boundaries(parity_prompts):
 
 @pytest.mark.matrix("colocated")
 @pytest.mark.parametrize(("cpu_linear", "attention_backend", "fused_ops"),
-                         [pytest.param("onednn", "cpu_paged", True, id="onednn"),
+                         [pytest.param("panel", "cpu_paged", True, id="panel"),
+                          pytest.param("onednn", "cpu_paged", True, id="onednn"),
                           pytest.param("torch", "torch", False, id="torch")])
 def test_batch_matches_hf(parity_prompts, hf_reference, cpu_linear, attention_backend, fused_ops):
     llm = LLM("smollm2", block_size=16, num_kv_blocks=256, max_model_len=512, cpu_linear=cpu_linear,
@@ -50,6 +52,12 @@ def test_batch_matches_hf(parity_prompts, hf_reference, cpu_linear, attention_ba
     assert llm.llm_engine.runner.fused_ops == (fused_ops and has_cxx)
     if cpu_linear == "torch":
         assert model.head_packed is None
+    elif cpu_linear == "panel":
+        why = panel_linear_unavailable(model.embed)
+        if why is not None:
+            pytest.skip(f"panel kernel unavailable: {why}")
+        assert isinstance(model.head_packed, PanelWeight)
+        assert all(isinstance(p, PanelWeight) for layer in model.layers for p in layer.packed.values())
     elif model.head_packed is None:
         pytest.skip("oneDNN is not available in this torch build")
     outputs = _generate(llm, parity_prompts)

@@ -98,14 +98,14 @@ def test_real_tuning_on_small_weights_gives_a_table_for_every_bucket():
     assert torch.get_num_threads() >= 1
 
 
-def test_packed_onednn_is_the_default_and_unknown_modes_are_refused():
+def test_panel_is_the_default_and_unknown_modes_are_refused():
     import argparse
 
     from pdkv.config import ModelConfig
     from pdkv.engine.arg_utils import EngineArgs
 
     args = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args([])
-    assert EngineArgs.from_cli_args(args).cpu_linear == "onednn" == ModelConfig(model="m", path="p").cpu_linear
+    assert EngineArgs.from_cli_args(args).cpu_linear == "panel" == ModelConfig(model="m", path="p").cpu_linear
     with pytest.raises(ValueError, match="cpu_linear"):
         ModelConfig(model="m", path="p", cpu_linear="blas")
 

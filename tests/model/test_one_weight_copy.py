@@ -10,6 +10,7 @@ import torch
 
 from pdkv.model.llama import LlamaForCausalLM, pack_linear_weight
 from pdkv.model.loader import load_model
+from pdkv.model.panel_linear import PanelWeight, pack_panel_weight, panel_linear_unavailable
 from pdkv.worker.attn_metadata import build_attention_metadata
 
 BLOCK, NUM_BLOCKS, PROMPT_LEN = 16, 4, 20
@@ -50,16 +51,21 @@ def _logits(model: LlamaForCausalLM) -> torch.Tensor:
         return model(ids, torch.arange(PROMPT_LEN), caches, meta, torch.arange(PROMPT_LEN))
 
 
-def test_packed_model_keeps_one_copy_and_same_logits(folder):
+@pytest.mark.parametrize("kind", ["onednn", "panel"])
+def test_packed_model_keeps_one_copy_and_same_logits(folder, kind):
     path, tied = folder
-    if pack_linear_weight(torch.zeros(2, 2)) is None:
+    if kind == "onednn" and pack_linear_weight(torch.zeros(2, 2)) is None:
         pytest.skip("oneDNN is not available in this torch build")
+    if kind == "panel" and (why := panel_linear_unavailable(torch.zeros(2, 2))) is not None:
+        pytest.skip(f"panel kernel unavailable: {why}")
+    packer = pack_panel_weight if kind == "panel" else pack_linear_weight
     plain = load_model(path, "float32", "cpu")
     packed = load_model(path, "float32", "cpu")
-    assert packed.pack_cpu_weights() and packed.pack_cpu_weights()  # a second call keeps the packed weights
+    assert packed.pack_cpu_weights(packer) and packed.pack_cpu_weights(packer)  # a second call keeps them
     for layer in packed.layers:
         for name in PROJECTIONS:
             assert getattr(layer, name).is_meta and layer.packed[name] is not None, name
+            assert isinstance(layer.packed[name], PanelWeight) == (kind == "panel")
             assert getattr(layer, name).shape == getattr(plain.layers[0], name).shape
     assert packed.head_packed is not None and not packed.embed.is_meta
     assert _in_file_map(packed.embed, "model.safetensors") and _in_file_map(plain.embed, "model.safetensors")

@@ -1,0 +1,144 @@
+// Linear layer on weights packed in panels of 16 output rows (float32, AVX2 + FMA): y = x @ W.T.
+// Layout, numerics and the measurements behind it: pdkv/model/panel_linear.py. Built with the
+// other csrc/*.cpp into one extension by pdkv/model/paged_decode_build.py; on a CPU without
+// AVX2/FMA the op is not defined and the engine keeps oneDNN's packed weights.
+//
+// panels [P, K, 16]: panels[p, k, j] = W[16 p + j, k] (rows past N are zero). For a block of up
+// to 6 rows of x and one panel, the micro-kernel keeps the 6 x 16 outputs in 12 ymm registers and
+// per k loads the panel's 16 weights (two vectors, one cache line) and broadcasts 6 x values: the
+// classic AVX2 6x16 register blocking. K is walked in chunks of KC so a panel chunk (16 KiB)
+// stays in L1 while every row block of x passes over it. Threads split the panels.
+//
+// Each output is one thread's sequential sum over k (KC-chunk partial sums added in order), the
+// same for a row whatever the other rows of x are: results do not depend on the batch.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kNR = 16;   // outputs per panel
+constexpr int64_t kMR = 6;    // rows of x per micro-kernel call
+constexpr int64_t kKC = 256;  // k per chunk: 256 x 16 x 4 B = 16 KiB of a panel
+
+// y[r, 0:ncols] (+)= sum_{k < kc} x[r, k] * p[k, 0:16] for r < R; `first` stores, else adds.
+template <int R>
+inline void micro(const float* __restrict x, int64_t ldx, const float* __restrict p, int64_t kc,
+                  float* __restrict y, int64_t ldy, int64_t ncols, bool first) {
+  // Named accumulators: an array of __m256 is written back to the stack on every iteration.
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(p + k * kNR);
+    const __m256 w1 = _mm256_loadu_ps(p + k * kNR + 8);
+    __m256 b = _mm256_broadcast_ss(x + k);
+    c00 = _mm256_fmadd_ps(w0, b, c00);
+    c01 = _mm256_fmadd_ps(w1, b, c01);
+    if constexpr (R > 1) {
+      b = _mm256_broadcast_ss(x + ldx + k);
+      c10 = _mm256_fmadd_ps(w0, b, c10);
+      c11 = _mm256_fmadd_ps(w1, b, c11);
+    }
+    if constexpr (R > 2) {
+      b = _mm256_broadcast_ss(x + 2 * ldx + k);
+      c20 = _mm256_fmadd_ps(w0, b, c20);
+      c21 = _mm256_fmadd_ps(w1, b, c21);
+    }
+    if constexpr (R > 3) {
+      b = _mm256_broadcast_ss(x + 3 * ldx + k);
+      c30 = _mm256_fmadd_ps(w0, b, c30);
+      c31 = _mm256_fmadd_ps(w1, b, c31);
+    }
+    if constexpr (R > 4) {
+      b = _mm256_broadcast_ss(x + 4 * ldx + k);
+      c40 = _mm256_fmadd_ps(w0, b, c40);
+      c41 = _mm256_fmadd_ps(w1, b, c41);
+    }
+    if constexpr (R > 5) {
+      b = _mm256_broadcast_ss(x + 5 * ldx + k);
+      c50 = _mm256_fmadd_ps(w0, b, c50);
+      c51 = _mm256_fmadd_ps(w1, b, c51);
+    }
+  }
+  const __m256 lo[kMR] = {c00, c10, c20, c30, c40, c50};
+  const __m256 hi[kMR] = {c01, c11, c21, c31, c41, c51};
+  for (int r = 0; r < R; ++r) {
+    float* yr = y + r * ldy;
+    if (ncols == kNR) {
+      if (first) {
+        _mm256_storeu_ps(yr, lo[r]);
+        _mm256_storeu_ps(yr + 8, hi[r]);
+      } else {
+        _mm256_storeu_ps(yr, _mm256_add_ps(_mm256_loadu_ps(yr), lo[r]));
+        _mm256_storeu_ps(yr + 8, _mm256_add_ps(_mm256_loadu_ps(yr + 8), hi[r]));
+      }
+    } else {
+      alignas(32) float t[kNR];
+      _mm256_store_ps(t, lo[r]);
+      _mm256_store_ps(t + 8, hi[r]);
+      for (int64_t c = 0; c < ncols; ++c) yr[c] = first ? t[c] : yr[c] + t[c];
+    }
+  }
+}
+
+// One panel chunk against rows [0, M) of x, in blocks of kMR rows.
+inline void panel_rows(const float* x, int64_t ldx, int64_t M, const float* p, int64_t kc, float* y,
+                       int64_t ldy, int64_t ncols, bool first) {
+  int64_t m = 0;
+  for (; m + kMR <= M; m += kMR) micro<kMR>(x + m * ldx, ldx, p, kc, y + m * ldy, ldy, ncols, first);
+  const float* xm = x + m * ldx;
+  float* ym = y + m * ldy;
+  switch (M - m) {
+    case 1: micro<1>(xm, ldx, p, kc, ym, ldy, ncols, first); break;
+    case 2: micro<2>(xm, ldx, p, kc, ym, ldy, ncols, first); break;
+    case 3: micro<3>(xm, ldx, p, kc, ym, ldy, ncols, first); break;
+    case 4: micro<4>(xm, ldx, p, kc, ym, ldy, ncols, first); break;
+    case 5: micro<5>(xm, ldx, p, kc, ym, ldy, ncols, first); break;
+    default: break;
+  }
+}
+
+at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t out_features,
+                        const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "panel_linear: x must be [T, K] float32, got ",
+              x_in.sizes(), " ", x_in.scalar_type());
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kNR && panels.is_contiguous() &&
+                  panels.scalar_type() == at::kFloat,
+              "panel_linear: panels must be contiguous [P, K, 16] float32, got ", panels.sizes());
+  const int64_t M = x_in.size(0), K = x_in.size(1), P = panels.size(0), N = out_features;
+  TORCH_CHECK(panels.size(1) == K, "panel_linear: x has ", K, " columns, the panels ", panels.size(1));
+  TORCH_CHECK(N > (P - 1) * kNR && N <= P * kNR, "panel_linear: ", P, " panels cannot hold ", N, " outputs");
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* X = x.data_ptr<float>();
+  const float* W = panels.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const float* panel = W + p * K * kNR;
+      const int64_t n0 = p * kNR, ncols = std::min(kNR, N - n0);
+      for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+        panel_rows(X + k0, K, M, panel + k0 * kNR, std::min(kKC, K - k0), Y + n0, N, ncols, k0 == 0);
+      }
+    }
+  });
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdkv, m) {
+  m.def("panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdkv, CPU, m) { m.impl("panel_linear", &panel_linear); }
+
+#endif  // AVX2 && FMA

@@ -1,0 +1,111 @@
+"""pdkv's panel linear kernel (csrc/panel_linear.cpp, pdkv/model/panel_linear.py) against a
+float64 reference: every row-block remainder of the 6 x 16 micro-kernel, K past and short of
+one 256-wide chunk, N not a multiple of 16, a bias, strided x; a row's result independent of
+its batch; the packing round trip; clear errors; and `--cpu-linear panel` in a real engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdkv.model.panel_linear import (
+    NR,
+    PanelWeight,
+    pack_panels,
+    panel_linear_unavailable,
+    unpack_panels,
+)
+
+pytestmark = pytest.mark.usefixtures("cpu_ops")
+
+
+@pytest.fixture(autouse=True)
+def _needs_panel_kernel(cpu_ops):
+    why = panel_linear_unavailable(torch.zeros(1))
+    if why is not None:
+        pytest.skip(f"panel kernel unavailable: {why}")
+
+
+def _error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A float32 dot product of length K is within K * eps * sum|x_k w_k| of the exact value
+    (the standard bound for recursive summation, Higham, Accuracy and Stability, §3.1)."""
+    k = x.shape[1]
+    return k * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().T)
+
+
+@pytest.mark.parametrize(("n", "k"), [(16, 8), (40, 576), (576, 256), (100, 300), (33, 1000)])
+def test_matches_float64_for_every_row_block_remainder(n, k):
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    pw = PanelWeight(pack_panels(w), n)
+    for m in [*range(1, 14), 37]:  # 1..6 rows and their remainders after full blocks of 6
+        x = torch.randn(m, k, generator=g)
+        ref = x.double() @ w.double().T
+        y = pw(x)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        assert ((y.double() - ref).abs() <= _error_bound(x, w)).all(), (m, n, k)
+        yb = pw(x, None, bias)
+        assert ((yb.double() - (ref + bias.double())).abs() <= _error_bound(x, w) + 1e-6).all()
+
+
+def test_a_rows_result_does_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(200, 600, generator=g), torch.randn(29, 600, generator=g)
+    pw = PanelWeight(pack_panels(w), 200)
+    y = pw(x)
+    for i in range(29):
+        assert torch.equal(pw(x[i : i + 1]), y[i : i + 1]), i
+    assert torch.equal(pw(x[3:17]), y[3:17])
+
+
+def test_strided_and_empty_inputs():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(48, 64, generator=g)
+    pw = PanelWeight(pack_panels(w), 48)
+    wide = torch.randn(5, 128, generator=g)
+    x = wide[:, ::2]  # not contiguous
+    assert torch.equal(pw(x), pw(x.contiguous()))
+    assert pw(torch.empty(0, 64)).shape == (0, 48)
+
+
+def test_packing_round_trip_and_padding():
+    w = torch.randn(37, 24)
+    panels = pack_panels(w)
+    assert panels.shape == (3, 24, NR) and panels.is_contiguous()
+    assert torch.equal(panels[0, 5], w[:16, 5]) and torch.equal(panels[2, 7, :5], w[32:, 7])
+    assert not panels[2, :, 5:].any()  # rows past N are zero
+    assert torch.equal(unpack_panels(panels, 37), w)
+
+
+def test_bad_inputs_raise_with_the_shapes():
+    pw = PanelWeight(pack_panels(torch.randn(32, 64)), 32)
+    with pytest.raises(RuntimeError, match="x has 63 columns"):
+        pw(torch.randn(2, 63))
+    with pytest.raises(RuntimeError, match="float32"):
+        pw(torch.randn(2, 64, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="cannot hold 40 outputs"):
+        torch.ops.pdkv.panel_linear(torch.randn(2, 64), pw.panels, 40, None)
+
+
+def test_unavailable_off_float32():
+    assert "float32 only" in str(panel_linear_unavailable(torch.zeros(1, dtype=torch.bfloat16)))
+
+
+@pytest.mark.slow
+def test_engine_default_packs_every_projection_once(tiny_llama_kv2):
+    """The default `--cpu-linear`: every projection and the LM head run the panel kernel and each
+    plain weight is gone (meta: one copy). Greedy parity with HF on this path:
+    tests/engine/test_hf_parity.py::test_batch_matches_hf[panel]."""
+    from pdkv import LLM, SamplingParams
+
+    llm = LLM(tiny_llama_kv2, max_model_len=128, num_kv_blocks=64)
+    model = llm.llm_engine.runner.model
+    assert llm.llm_engine.runner.cpu_linear.mode == "panel"
+    assert isinstance(model.head_packed, PanelWeight)
+    for layer in model.layers:
+        assert all(isinstance(p, PanelWeight) for p in layer.packed.values())
+        assert all(getattr(layer, name).is_meta for name in layer.packed)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": list(range(5, 40))}], sp, use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 8
