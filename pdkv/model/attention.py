@@ -123,6 +123,10 @@ PrefillAttentionFn = Callable[
 [T, H, D]) -> None: the prefill half of paged_attention, writes the rows of meta.prefills."""
 
 
+WriteKVFn = Callable[[Any, torch.Tensor, torch.Tensor, AttentionMetadata], tuple[torch.Tensor, torch.Tensor]]
+"""(kv_cache, k, v [T, kvh, D], meta) -> (k, v as read back): the KV write of paged_attention."""
+
+
 def write_kv(
     kv_cache: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,6 +144,7 @@ def paged_attention(
     scale: float,
     decode_attention: DecodeAttentionFn | None = None,
     prefill_attention: PrefillAttentionFn | None = None,
+    store: WriteKVFn | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's queries over their requests' cached context.
 
@@ -153,6 +158,8 @@ def paged_attention(
             SDPA; `--attention-backend cpu_paged`: pdkv.model.paged_decode, blocks read in place).
         prefill_attention: the runs of more than one query token (None: `_prefill_attention`,
             one SDPA per run; cpu_paged: pdkv.model.paged_prefill, one call for all runs).
+        store: the KV write (None: `write_kv`, two indexed assignments; cpu_paged:
+            pdkv.model.paged_decode.write_kv_fused, one C++ op for K and V).
 
     Returns:
         [T, num_heads, head_size].
@@ -161,7 +168,7 @@ def paged_attention(
         from pdkv.parallel.dcp_attention import dcp_attention
 
         return dcp_attention(q, k, v, kv_cache, meta.dcp, scale)
-    k, v = write_kv(kv_cache, k, v, meta)
+    k, v = (store or write_kv)(kv_cache, k, v, meta)
     out = q.new_empty(q.shape)
     if meta.prefills:
         (prefill_attention or _prefill_attention)(q, k, v, kv_cache, meta, scale, out)

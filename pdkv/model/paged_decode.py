@@ -19,6 +19,10 @@ SDPA with a mask; the op walks each request's block table instead:
 Slots past len_b (unwritten, possibly NaN) and table padding are never read. Inputs in float32,
 bfloat16 or float16 (accumulated in float32, the output in the input dtype).
 
+The same backend writes the step's K/V with one op per layer (`csrc/kv_write.cpp`,
+`write_kv_fused`, vLLM's reshape_and_cache): each token's heads are copied to their slot, K and V
+together, instead of two advanced-index assignments.
+
 Backend choice (`resolve_attention_backend`): "auto" is cpu_paged on CPU for an unquantized,
 single-rank (no DCP) KV cache when the op is already built (`make setup`), torch otherwise;
 "cpu_paged" builds the op if needed. Quantized KV, DCP, MLA and CUDA keep the torch path; when the
@@ -85,6 +89,31 @@ def paged_decode_attention(
     out, _ = paged_decode(q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
                           meta.sliding_window)
     return out
+
+
+def write_kv_fused(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop-in for `pdkv.model.attention.write_kv` with one C++ op (`torch.ops.pdkv.write_kv_`):
+    k, v [T, kvh, D] (each token's heads contiguous) copied to slots (meta.slot_block_ids,
+    meta.slot_offsets) of kv_cache [2, blocks, block_size, kvh, D] (any strides with a slot's heads
+    contiguous: the engine's per-layer views of its block-major buffer); returns (k, v). A
+    quantized or non-CPU cache, or k / v / a slot in another layout, goes to `write_kv`.
+
+    Raises:
+        RuntimeError: a slot outside the cache, or shapes / dtypes that do not match it.
+    """
+    from pdkv.model.attention import write_kv
+
+    if (not isinstance(kv_cache, torch.Tensor) or kv_cache.device.type != "cpu" or kv_cache.dim() != 5
+            or not _heads_contiguous(kv_cache[0, 0]) or not _heads_contiguous(k) or not _heads_contiguous(v)):
+        return write_kv(kv_cache, k, v, meta)
+    torch.ops.pdkv.write_kv_(kv_cache, k, v, meta.slot_block_ids, meta.slot_offsets)
+    return k, v
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def resolve_attention_backend(

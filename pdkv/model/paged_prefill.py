@@ -104,12 +104,12 @@ def install_attention_backend(model: Any, flag: str, device: str, cache_dtype: s
     import functools
 
     from pdkv.model.attention import paged_attention
-    from pdkv.model.paged_decode import paged_decode_attention, resolve_attention_backend
+    from pdkv.model.paged_decode import paged_decode_attention, resolve_attention_backend, write_kv_fused
 
     backend = resolve_attention_backend(flag, device, cache_dtype, dcp_size, is_mla)
     if backend == "cpu_paged":
         fn = functools.partial(paged_attention, decode_attention=paged_decode_attention,
-                               prefill_attention=paged_prefill_attention)
+                               prefill_attention=paged_prefill_attention, store=write_kv_fused)
         for layer in model.layers:
             layer.attention = fn
     return backend

@@ -3,9 +3,23 @@
 // Online softmax (Milakov & Gimelshein 2018; FlashAttention's running max / sum) per block of
 // keys, in float32, one task per (request, KV head) serving its group of query heads (GQA).
 // Built by pdkv/model/paged_decode_build.py; semantics in pdkv/model/paged_decode.py.
+
+// ATen's Vectorized<float> (and Sleef's vector exp) for the ISA this file is compiled for
+// (-march=native), as in csrc/fused_ops.cpp.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY_AVX512
+#define CPU_CAPABILITY AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#define CPU_CAPABILITY AVX2
+#else
+#define CPU_CAPABILITY DEFAULT
+#endif
+
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -15,6 +29,27 @@
 #include <vector>
 
 namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+// x[i] = exp(x[i] - shift) for i < n, vectorised; returns their sum.
+inline float exp_shifted_sum(float* x, int64_t n, float shift) {
+  Vec sum(0.f);
+  const Vec sh(shift);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec e = (Vec::loadu(x + i) - sh).exp();
+    e.store(x + i);
+    sum = sum + e;
+  }
+  if (i < n) {
+    // Lanes past n load as 0 and give exp(-shift): stored back only for the first n - i.
+    const Vec e = (Vec::loadu(x + i, n - i) - sh).exp();
+    e.store(x + i, n - i);
+    sum = sum + Vec::set(Vec(0.f), e, n - i);
+  }
+  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, sum);
+}
 
 template <typename scalar_t>
 void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
@@ -58,6 +93,25 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
         const int64_t n = std::min(bs - off, len - p);
         const scalar_t* kb = kvp + blk * kv_sb + off * kv_st + h * kv_sh;
         const scalar_t* vb = kb + kv_s0;
+        // Prefetch the next block's K and V rows of this head while this block is computed: a
+        // task walks scattered blocks, each a short stream the hardware prefetcher barely ramps
+        // up on, so at large batches (KV past the caches) the loads otherwise wait on DRAM.
+        if (p + n < len) {
+          const int64_t nidx = (p + n - base) / bs;
+          if (nidx < max_blocks) {
+            const int64_t nn = std::min(bs, len - p - n);
+            const char* nk = reinterpret_cast<const char*>(kvp + tp[b * t_sb + nidx * t_sc] * kv_sb + h * kv_sh);
+            const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+            const int64_t st_bytes = kv_st * static_cast<int64_t>(sizeof(scalar_t));
+            const int64_t s0_bytes = kv_s0 * static_cast<int64_t>(sizeof(scalar_t));
+            for (int64_t t = 0; t < nn; ++t) {
+              for (int64_t c = 0; c < row_bytes; c += 64) {
+                __builtin_prefetch(nk + t * st_bytes + c);
+                __builtin_prefetch(nk + s0_bytes + t * st_bytes + c);
+              }
+            }
+          }
+        }
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = &qf[g * D];
           float* sg = &s[g * bs];
@@ -78,9 +132,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
           }
+          l[g] += exp_shifted_sum(sg, n, mnew);  // sg[t] = exp(score - mnew)
           for (int64_t t = 0; t < n; ++t) {
-            const float e = std::exp(sg[t] - mnew);
-            l[g] += e;
+            const float e = sg[t];
             const scalar_t* vr = vb + t * kv_st;
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) ag[d] += e * static_cast<float>(vr[d]);
