@@ -99,12 +99,17 @@ def paged_prefill_attention(
 def install_attention_backend(model: Any, flag: str, device: str, cache_dtype: str, dcp_size: int,
                               is_mla: bool) -> str:
     """Resolve `--attention-backend` `flag` (pdkv.model.paged_decode.resolve_attention_backend)
-    and give every layer of `model` the decode and prefill halves it names; returns "torch" or
-    "cpu_paged" (the C++ ops read K/V from the blocks in place)."""
+    and give every layer of `model` the decode and prefill halves and the KV write it names;
+    returns "torch" or "cpu_paged" (the C++ ops write K/V to its slots and read it from the blocks
+    in place)."""
     import functools
 
     from pdkv.model.attention import paged_attention
-    from pdkv.model.paged_decode import paged_decode_attention, resolve_attention_backend, write_kv_fused
+    from pdkv.model.paged_decode import (
+        paged_decode_attention,
+        resolve_attention_backend,
+        write_kv_fused,
+    )
 
     backend = resolve_attention_backend(flag, device, cache_dtype, dcp_size, is_mla)
     if backend == "cpu_paged":
