@@ -80,13 +80,23 @@ _LIGHT_COMMANDS = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter, except for flags that take no value (`--no-hf`, stored as
+    False when given): their default says nothing a user can act on ("(default: True)")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _add_light(sub: argparse._SubParsersAction, name: str) -> None:  # type: ignore[type-arg]
     """Add the torch-free subcommand `name`: its module's `add_cli_args` and `main`."""
     import importlib
 
     module_name, help_text = _LIGHT_COMMANDS[name]
     module = importlib.import_module(module_name)
-    p = sub.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser(name, help=help_text, formatter_class=HelpFormatter)
     module.add_cli_args(p)
     p.set_defaults(func=module.main)
 
@@ -103,7 +113,7 @@ def build_light_parser(name: str) -> argparse.ArgumentParser:
 def build_parser() -> argparse.ArgumentParser:
     from pdkv.engine.arg_utils import EngineArgs
 
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
     parser = PdkvArgumentParser(prog="pdkv", description=__doc__, formatter_class=fmt)
     sub = parser.add_subparsers(dest="command", required=True)
 
