@@ -27,7 +27,7 @@ class ModelConfig:
         max_model_len: longest sequence (prompt + output) in tokens.
         seed: base seed for random sampling of requests that give none.
         served_model_name: the name reported to clients.
-        cpu_linear: "panel" (the default: float32 weights packed in 16-row panels for pdkv's AVX2
+        cpu_linear: "panel" (the default: float32 / bfloat16 weights packed in 16-row panels for pdkv's AVX2
             kernel, pdkv/model/panel_linear.py; elsewhere onednn), "onednn" (packed-weight oneDNN
             matmuls where oneDNN has a kernel for the dtype, else auto's table), "auto" (one plain
             weight copy; BLAS or oneDNN per row count from a table timed at start-up,

@@ -25,14 +25,16 @@ from typing import Any
 import torch
 
 GROUPS: dict[str, tuple[str, ...]] = {
-    "linear": ("aten::addmm", "aten::mm", "aten::linear", "mkldnn::_linear_pointwise", "aten::matmul"),
+    "linear": ("aten::addmm", "aten::mm", "aten::linear", "mkldnn::_linear_pointwise", "aten::matmul",
+               "pdkv::panel_linear"),
     "attention": ("aten::_scaled_dot_product", "aten::scaled_dot_product", "pdkv::paged_decode",
+                  "pdkv::paged_prefill",
                   "aten::index", "aten::masked_fill", "aten::softmax", "aten::bmm"),
     "rmsnorm": ("aten::rms_norm", "aten::_fused_rms_norm", "aten::rsqrt", "aten::pow", "aten::mean"),
     "rope": ("aten::flip",),
     "silu*mul": ("aten::silu",),
     "residual add": ("aten::add",),
-    "kv write": ("aten::index_put_", "aten::_index_put_impl_"),
+    "kv write": ("aten::index_put_", "aten::_index_put_impl_", "pdkv::write_kv_"),
     "fused": ("pdkv::fused_",),
 }
 
@@ -124,9 +126,10 @@ def format_profile(rows: list[dict[str, Any]], title: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the profile table of decode and prefill steps."""
+    from pdkv.model.cpu_linear import CPU_LINEARS, setup_cpu_linear
     from pdkv.model.fused_ops import set_fused_ops
     from pdkv.model.loader import load_model
-    from pdkv.model.paged_decode import resolve_attention_backend
+    from pdkv.model.paged_prefill import install_attention_backend
     from pdkv.model.registry import resolve_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -138,27 +141,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--attention-backend", default="auto", help="auto, torch or cpu_paged")
     p.add_argument("--no-fused-ops", action="store_true", help="the torch small ops (reference path)")
-    p.add_argument("--no-onednn", action="store_true", help="plain F.linear (no packed weights)")
+    p.add_argument("--cpu-linear", default="panel", choices=CPU_LINEARS,
+                   help="the matmuls, as the engine's --cpu-linear (default: the engine's default)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_model(resolve_model(args.model), "float32", "cpu")
-    if not args.no_onednn:
-        model.pack_cpu_weights()
-    backend = resolve_attention_backend(args.attention_backend, "cpu")
-    if backend == "cpu_paged":
-        import functools
-
-        from pdkv.model.attention import paged_attention
-        from pdkv.model.paged_decode import paged_decode_attention
-
-        for layer in model.layers:
-            layer.attention = functools.partial(paged_attention, decode_attention=paged_decode_attention)
+    linear = setup_cpu_linear(model, args.cpu_linear, "float32", "cpu").describe()
+    backend = install_attention_backend(model, args.attention_backend, "cpu", "auto", 1, False)
     fused = set_fused_ops(model, not args.no_fused_ops)
     cases = [(f"decode B={b}", b, 1, args.context) for b in map(int, args.decode_batches.split(",")) if b]
     if args.prefill:
         cases.append((f"prefill {args.prefill}", 1, args.prefill, 0))
     rows = profile_cases(model, cases, repeats=args.repeats)
-    print(format_profile(rows, f"{args.model} float32, {args.threads} threads, attention {backend}, "
+    print(format_profile(rows, f"{args.model} float32, {args.threads} threads, linear {linear}, attention {backend}, "
                                f"fused ops {'on' if fused else 'off'}, context {args.context}"))
     return 0
 

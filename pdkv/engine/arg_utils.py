@@ -192,7 +192,7 @@ class EngineArgs:
         g.add_argument("--distributed-init-port", type=int, default=d.distributed_init_port,
                        help="127.0.0.1 port of the workers' torch.distributed rendezvous (0: a free one)")
         g.add_argument("--cpu-linear", default=d.cpu_linear, choices=["panel", "onednn", "auto", "torch"],
-                       help="CPU matmuls: panel (float32 weights packed for pdkv's AVX2 kernel; else "
+                       help="CPU matmuls: panel (float32 / bfloat16 weights packed for pdkv's AVX2 kernel; else "
                             "onednn), onednn (oneDNN's packed weights), auto (one weight copy; BLAS or "
                             "oneDNN per row count from a table timed at start-up and logged) or torch (BLAS)")
         g.add_argument("--attention-backend", default=d.attention_backend,

@@ -18,8 +18,14 @@ fixed order, so a row's result does not depend on the other rows in the batch (u
 oneDNN, whose blocking changes with the row count); it differs from F.linear in the last bits
 (tests/model/test_panel_linear.py bounds it; greedy parity with HF: tests/engine/test_hf_parity.py).
 
-Available for float32 on CPU when pdkv's extension is built (`make setup`) and the CPU has AVX2 and
-FMA; otherwise `pack_panel_weight` returns None and the caller keeps oneDNN (pdkv/model/cpu_linear.py).
+bfloat16 weights are packed as bfloat16 (half the bytes streamed per step) and widened to float32
+in registers (a 16-bit shift, exact), with float32 FMA and x / y in float32: the approach of
+llama.cpp's AVX2 bf16 dot products, so bf16 decodes faster than float32 on CPUs without native
+bf16 instead of running torch's emulated bf16 GEMM.
+
+Available for float32 and bfloat16 on CPU when pdkv's extension is built (`make setup`) and the CPU
+has AVX2 and FMA; otherwise `pack_panel_weight` returns None and the caller keeps oneDNN
+(pdkv/model/cpu_linear.py).
 """
 
 from __future__ import annotations
@@ -32,10 +38,12 @@ import torch
 
 NR = 16
 """Output rows per panel (two AVX2 vectors of float32)."""
+PANEL_DTYPES = (torch.float32, torch.bfloat16)
+"""Weight dtypes the kernel reads (bfloat16 is widened to float32 in registers)."""
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float32 -> panels [ceil(N / 16), K, 16], contiguous, rows past N zero."""
+    """weight [N, K] -> panels [ceil(N / 16), K, 16] of its dtype, contiguous, rows past N zero."""
     n, k = weight.shape
     p = -(-n // NR)
     padded = weight.new_zeros(p * NR, k)
@@ -56,8 +64,8 @@ def panel_linear_unavailable(weight: torch.Tensor, allow_build: bool = False) ->
 
     if weight.device.type != "cpu":
         return f"device {weight.device.type}"
-    if weight.dtype != torch.float32:
-        return f"dtype {weight.dtype} (float32 only)"
+    if weight.dtype not in PANEL_DTYPES:
+        return f"dtype {weight.dtype} (float32 and bfloat16 only)"
     why = load(allow_build=allow_build)
     if why is not None:
         return why
@@ -72,7 +80,7 @@ class PanelWeight:
     the other `PackedLinear` kinds in pdkv.model.llama.linear.
 
     Attributes:
-        panels: [ceil(out_features / 16), in_features, 16] float32.
+        panels: [ceil(out_features / 16), in_features, 16], float32 or bfloat16.
         out_features: N of the original [N, K] weight.
     """
 
@@ -81,9 +89,15 @@ class PanelWeight:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, K] float32 -> [T, out_features] (+ bias [out_features]); `weight` (the plain
-        parameter, now shape-only) is ignored."""
-        return torch.ops.pdkv.panel_linear(x, self.panels, self.out_features, bias)
+        """x [T, K] -> [T, out_features] in x's dtype (+ bias [out_features]); `weight` (the plain
+        parameter, now shape-only) is ignored. The kernel takes and returns float32: a bfloat16 x
+        is widened first and the float32 sums rounded to bfloat16 once at the end (as torch's
+        bf16 matmul accumulates in float32)."""
+        if x.dtype == torch.float32:
+            return torch.ops.pdkv.panel_linear(x, self.panels, self.out_features, bias)
+        y = torch.ops.pdkv.panel_linear(x.float(), self.panels, self.out_features,
+                                        None if bias is None else bias.float())
+        return y.to(x.dtype)
 
     @property
     def nbytes(self) -> int:

@@ -82,14 +82,31 @@ def test_bad_inputs_raise_with_the_shapes():
     pw = PanelWeight(pack_panels(torch.randn(32, 64)), 32)
     with pytest.raises(RuntimeError, match="x has 63 columns"):
         pw(torch.randn(2, 63))
-    with pytest.raises(RuntimeError, match="float32"):
-        pw(torch.randn(2, 64, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="x must be \\[T, K\\] float32"):
+        torch.ops.pdkv.panel_linear(torch.randn(2, 64, dtype=torch.float64), pw.panels, 32, None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.pdkv.panel_linear(torch.randn(2, 64), pw.panels.half(), 32, None)
     with pytest.raises(RuntimeError, match="cannot hold 40 outputs"):
         torch.ops.pdkv.panel_linear(torch.randn(2, 64), pw.panels, 40, None)
 
 
-def test_unavailable_off_float32():
-    assert "float32 only" in str(panel_linear_unavailable(torch.zeros(1, dtype=torch.bfloat16)))
+def test_bfloat16_panels_widen_exactly_and_accumulate_in_float32():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(72, 520, generator=g).to(torch.bfloat16)
+    pw = PanelWeight(pack_panels(w), 72)
+    assert pw.panels.dtype == torch.bfloat16 and pw.nbytes == 5 * 520 * 16 * 2
+    for m in (1, 6, 7):
+        x = torch.randn(m, 520, generator=g)
+        y = torch.ops.pdkv.panel_linear(x, pw.panels, 72, None)  # float32 x, float32 sums
+        ref = x.double() @ w.double().T  # bf16 -> float is exact
+        assert ((y.double() - ref).abs() <= _error_bound(x, w.float())).all(), m
+        xb = x.to(torch.bfloat16)  # the engine's bf16 activations: widened, summed, rounded once
+        assert torch.equal(pw(xb), torch.ops.pdkv.panel_linear(xb.float(), pw.panels, 72, None).to(torch.bfloat16))
+
+
+def test_unavailable_for_other_dtypes():
+    assert "float32 and bfloat16 only" in str(panel_linear_unavailable(torch.zeros(1, dtype=torch.float16)))
+    assert panel_linear_unavailable(torch.zeros(1, dtype=torch.bfloat16)) is None
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-// Linear layer on weights packed in panels of 16 output rows (float32, AVX2 + FMA): y = x @ W.T.
+// Linear layer on weights packed in panels of 16 output rows (AVX2 + FMA): y = x @ W.T, x and y
+// float32, the panels float32 or bfloat16 (widened to float32 in registers, float32 FMA).
 // Layout, numerics and the measurements behind it: pdkv/model/panel_linear.py. Built with the
 // other csrc/*.cpp into one extension by pdkv/model/paged_decode_build.py; on a CPU without
 // AVX2/FMA the op is not defined and the engine keeps oneDNN's packed weights.
@@ -27,16 +28,29 @@ constexpr int64_t kNR = 16;   // outputs per panel
 constexpr int64_t kMR = 6;    // rows of x per micro-kernel call
 constexpr int64_t kKC = 256;  // k per chunk: 256 x 16 x 4 B = 16 KiB of a panel
 
+// The 16 weights of panel row k as two float32 vectors: float32 panels load directly; bfloat16
+// panels (the upper half of a float32's bits) widen to 32 bits and shift left by 16 (exact).
+inline void load_row(const float* p, __m256& w0, __m256& w1) {
+  w0 = _mm256_loadu_ps(p);
+  w1 = _mm256_loadu_ps(p + 8);
+}
+
+inline void load_row(const uint16_t* p, __m256& w0, __m256& w1) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
+  w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
+}
+
 // y[r, 0:ncols] (+)= sum_{k < kc} x[r, k] * p[k, 0:16] for r < R; `first` stores, else adds.
-template <int R>
-inline void micro(const float* __restrict x, int64_t ldx, const float* __restrict p, int64_t kc,
+template <int R, typename W>
+inline void micro(const float* __restrict x, int64_t ldx, const W* __restrict p, int64_t kc,
                   float* __restrict y, int64_t ldy, int64_t ncols, bool first) {
   // Named accumulators: an array of __m256 is written back to the stack on every iteration.
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
   __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   for (int64_t k = 0; k < kc; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(p + k * kNR);
-    const __m256 w1 = _mm256_loadu_ps(p + k * kNR + 8);
+    __m256 w0, w1;
+    load_row(p + k * kNR, w0, w1);
     __m256 b = _mm256_broadcast_ss(x + k);
     c00 = _mm256_fmadd_ps(w0, b, c00);
     c01 = _mm256_fmadd_ps(w1, b, c01);
@@ -88,7 +102,8 @@ inline void micro(const float* __restrict x, int64_t ldx, const float* __restric
 }
 
 // One panel chunk against rows [0, M) of x, in blocks of kMR rows.
-inline void panel_rows(const float* x, int64_t ldx, int64_t M, const float* p, int64_t kc, float* y,
+template <typename W>
+inline void panel_rows(const float* x, int64_t ldx, int64_t M, const W* p, int64_t kc, float* y,
                        int64_t ldy, int64_t ncols, bool first) {
   int64_t m = 0;
   for (; m + kMR <= M; m += kMR) micro<kMR>(x + m * ldx, ldx, p, kc, y + m * ldy, ldy, ncols, first);
@@ -104,13 +119,27 @@ inline void panel_rows(const float* x, int64_t ldx, int64_t M, const float* p, i
   }
 }
 
+template <typename W>
+void panel_gemm(const float* X, const W* Wp, float* Y, int64_t M, int64_t K, int64_t N, int64_t P) {
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const W* panel = Wp + p * K * kNR;
+      const int64_t n0 = p * kNR, ncols = std::min(kNR, N - n0);
+      for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+        panel_rows(X + k0, K, M, panel + k0 * kNR, std::min(kKC, K - k0), Y + n0, N, ncols, k0 == 0);
+      }
+    }
+  });
+}
+
 at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t out_features,
                         const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "panel_linear: x must be [T, K] float32, got ",
               x_in.sizes(), " ", x_in.scalar_type());
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kNR && panels.is_contiguous() &&
-                  panels.scalar_type() == at::kFloat,
-              "panel_linear: panels must be contiguous [P, K, 16] float32, got ", panels.sizes());
+                  (panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16),
+              "panel_linear: panels must be contiguous [P, K, 16] float32 or bfloat16, got ", panels.sizes(), " ",
+              panels.scalar_type());
   const int64_t M = x_in.size(0), K = x_in.size(1), P = panels.size(0), N = out_features;
   TORCH_CHECK(panels.size(1) == K, "panel_linear: x has ", K, " columns, the panels ", panels.size(1));
   TORCH_CHECK(N > (P - 1) * kNR && N <= P * kNR, "panel_linear: ", P, " panels cannot hold ", N, " outputs");
@@ -118,17 +147,12 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const float* X = x.data_ptr<float>();
-  const float* W = panels.data_ptr<float>();
   float* Y = y.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const float* panel = W + p * K * kNR;
-      const int64_t n0 = p * kNR, ncols = std::min(kNR, N - n0);
-      for (int64_t k0 = 0; k0 < K; k0 += kKC) {
-        panel_rows(X + k0, K, M, panel + k0 * kNR, std::min(kKC, K - k0), Y + n0, N, ncols, k0 == 0);
-      }
-    }
-  });
+  if (panels.scalar_type() == at::kFloat) {
+    panel_gemm(X, panels.data_ptr<float>(), Y, M, K, N, P);
+  } else {
+    panel_gemm(X, reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()), Y, M, K, N, P);
+  }
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
