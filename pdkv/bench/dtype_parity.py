@@ -3,7 +3,7 @@ outputs from float32, and how long the same greedy run takes in each.
 
 Method (the kvquant bench's, pdkv/bench/kv_quant.py, with the model dtype varied instead of the
 KV cache's): the model is loaded in float32 and in the dtype under test, each with the
-`--cpu-linear` mode given (default auto: its table is timed on that dtype); N prompts are
+`--cpu-linear` mode given (default panel, the engine's; auto times its table on that dtype); N prompts are
 prefilled in one batch and decoded greedily for M tokens over a KV cache of the model dtype.
 Reported against float32: first-step max |logit difference| (whole vocabulary), prompts with the
 same first token, greedy common-prefix agreement (summed prefix / (N x M)), prompts identical in
@@ -85,7 +85,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     """`pdkv bench dtype` flags (tokens; threads)."""
     add_greedy_run_args(p)
     p.add_argument("--dtypes", default="bfloat16", help="dtypes to compare with float32, e.g. bfloat16,float16")
-    p.add_argument("--cpu-linear", default="auto", choices=["panel", "onednn", "auto", "torch"])
+    p.add_argument("--cpu-linear", default="panel", choices=["panel", "onednn", "auto", "torch"],
+                   help="matmuls of both models, as the engine's --cpu-linear (default: the engine's default)")
 
 
 def main(args: argparse.Namespace) -> int:

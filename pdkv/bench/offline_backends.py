@@ -4,8 +4,8 @@ process and one run.
 
 One engine per backend (same model, dtype, threads, block size, prompts); for each batch size the
 backends are measured one after the other (so machine load drifts equally over both), with the
-formulas of `pdkv.bench.offline` (decode tok/s = B * (output_len - 1) / (seconds for output_len
-tokens - seconds for 1 token)). The table gives each backend's decode tok/s, the ratio of each to
+formulas of `pdkv.bench.offline` (decode tok/s = B * (output_len - 1) / (seconds of an output_len
+run after its first tokens), pdkv.bench.offline_measure). The table gives each backend's decode tok/s, the ratio of each to
 the first backend, and whether the greedy tokens of every backend equal the first's. A second
 table gives prefill tok/s per prefill case (B requests of L prompt tokens each, all prefilled in one
 step: `--prefill-cases 1x512,32x128`; prefill tok/s = B * L / seconds of a generate of one output

@@ -11,8 +11,9 @@ rather than llama.cpp's default F16, like pdkv and HF. n_threads = n_threads_bat
 benchmark's thread count.
 
 Timing (the same formulas as `pdkv.bench.offline`): `run(prompts, max_tokens)` returns the seconds
-from the prefill's `llama_decode` to the last argmax, so prefill tok/s = B * prompt_len / t(1) and
-decode tok/s = B * (output_len - 1) / (t(output_len) - t(1)). Creating a context (when the batch
+from the prefill's `llama_decode` to the last argmax and those to the first tokens' argmaxes, so
+prefill tok/s = B * prompt_len / t(1) and decode tok/s = B * (output_len - 1) / (t(output_len) -
+t(first tokens)) inside one run (pdkv.bench.offline_measure). Creating a context (when the batch
 shape changes) and clearing its KV cache are outside the timed part.
 
 The GGUF comes from `make llama-cpp` (`pdkv.bench.llamacpp_gguf`); `unavailable_reason` says why
@@ -139,9 +140,10 @@ class LlamaCppPeer:
         row = self._ll.llama_get_logits_ith(self._ctx, i)
         return int(np.ctypeslib.as_array(row, shape=(self._n_vocab,)).argmax())
 
-    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-        """Seconds to prefill `prompts` and generate `max_tokens` greedy tokens for each, and
-        each prompt's generated token ids.
+    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], float]:
+        """Seconds to prefill `prompts` and generate `max_tokens` greedy tokens for each, each
+        prompt's generated token ids, and the seconds until the first tokens (the prefill
+        `llama_decode` and its argmaxes); a `pdkv.bench.offline_measure.Timed`.
 
         Raises:
             ValueError: max_tokens outside 1..output_len, or an empty prompt.
@@ -168,13 +170,14 @@ class LlamaCppPeer:
         self._decode(tokens, positions, seqs, outputs)
         for s, i in enumerate(last):
             out[s].append(self._argmax(int(i)))
+        first = time.perf_counter() - t0
         for step in range(1, max_tokens):
             self._decode([o[-1] for o in out], [n + step - 1 for n in lens], seq_ids,
                          [True] * n_seqs)
             for s in seq_ids:
                 out[s].append(self._argmax(s))
         dt = time.perf_counter() - t0
-        return dt, out
+        return dt, out, first
 
     def _free_context(self) -> None:
         if self._batch is not None:

@@ -1,5 +1,12 @@
 """Timing of one batch on each system for `pdkv bench offline`: pdkv `LLM.generate` and HF
-`generate` (greedy, exactly the requested tokens), best-of-N measurement and throughputs."""
+`generate` (greedy, exactly the requested tokens), best-of-N measurement and throughputs.
+
+Every run returns a `Timed`: its seconds, the token ids, and the seconds until every request had
+its first token (the end of the prefill). Decode time is split off inside one run (whole run minus
+that first-token time), not as the difference of two runs: with a long batched prefill (64 x 128
+tokens take tens of seconds here) the prefill's own run-to-run noise on a shared box is larger
+than the whole decode phase, and a difference of two runs inherited it.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,10 @@ from typing import Any
 
 import torch
 
+Timed = tuple[float, list[list[int]], float]
+"""(seconds of the run, output token ids per request, seconds from the start until every request
+had its first token)."""
+
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -18,24 +29,45 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_pdkv(llm: Any, prompts: list[list[int]], max_tokens: int, device: str) -> tuple[float, list[list[int]]]:
-    """Seconds for `llm.generate` of the batch, and each request's output token ids."""
+def run_pdkv(llm: Any, prompts: list[list[int]], max_tokens: int, device: str) -> Timed:
+    """`llm.generate` of the batch: seconds, each request's output token ids, and the seconds until
+    the last request's first token (RequestMetrics.first_token_time, the engine's monotonic
+    clock)."""
     from pdkv.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
     gc.collect()
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     outs = llm.generate(batch, params, use_tqdm=False)
     _sync(device)
-    dt = time.perf_counter() - t0
-    return dt, [list(o.outputs[0].token_ids) for o in outs]
+    dt = time.monotonic() - t0
+    firsts = [o.metrics.first_token_time for o in outs if o.metrics is not None]
+    first = max(firsts) - t0 if firsts and None not in firsts else dt
+    return dt, [list(o.outputs[0].token_ids) for o in outs], first
 
 
-def run_hf(model: Any, input_ids: torch.Tensor, max_new_tokens: int, device: str) -> tuple[float, list[list[int]]]:
-    """Seconds for HF `generate` of the batch, and each request's new token ids."""
+class _FirstStepClock:
+    """An HF logits processor that only notes when generate first calls it: right after the
+    prefill forward, before the first token is picked."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.first is None:
+            self.first = time.perf_counter()
+        return scores
+
+
+def run_hf(model: Any, input_ids: torch.Tensor, max_new_tokens: int, device: str) -> Timed:
+    """HF `generate` of the batch: seconds, each request's new token ids, and the seconds until its
+    first decoding step (the end of the prefill forward)."""
+    from transformers import LogitsProcessorList
+
     attention_mask = torch.ones_like(input_ids)
+    clock = _FirstStepClock()
     gc.collect()
     _sync(device)
     t0 = time.perf_counter()
@@ -45,43 +77,48 @@ def run_hf(model: Any, input_ids: torch.Tensor, max_new_tokens: int, device: str
         max_new_tokens=max_new_tokens,
         min_new_tokens=max_new_tokens,
         do_sample=False,
+        logits_processor=LogitsProcessorList([clock]),
     )
     _sync(device)
     dt = time.perf_counter() - t0
-    return dt, out[:, input_ids.shape[1]:].tolist()
+    first = dt if clock.first is None else clock.first - t0
+    return dt, out[:, input_ids.shape[1]:].tolist(), first
 
 
-def _best(fn: Any, repeats: int) -> tuple[float, list[list[int]]]:
-    """Run `fn` `repeats` times; the shortest time and the last outputs."""
-    best = math.inf
+def _best(fn: Any, repeats: int) -> tuple[float, list[list[int]], float]:
+    """Run `fn` (returning a Timed) `repeats` times: the shortest run, the last outputs, and the
+    shortest decode part (run seconds minus first-token seconds)."""
+    best = best_decode = math.inf
     toks: list[list[int]] = []
     for _ in range(max(1, repeats)):
-        dt, toks = fn()
+        dt, toks, first = fn()
         best = min(best, dt)
-    return best, toks
+        best_decode = min(best_decode, dt - first)
+    return best, toks, best_decode
 
 
 def measure(run: Any, output_len: int, repeats: int, max_extra: int = 3) -> tuple[float, float | None, list[list[int]], int]:
-    """Best-of-`repeats` seconds for 1 and for `output_len` tokens, and the output tokens.
+    """Best-of-`repeats` prefill seconds (a 1-token run) and prefill + decode seconds, and the
+    output tokens.
 
-    `run(max_tokens)` returns (seconds, token ids per request). When the longer run does not
-    take longer than the 1-token run (timing noise, e.g. other processes on the cores), both are
-    measured again, at most `max_extra` times, keeping the best of each.
+    `run(max_tokens)` returns a Timed. The decode part is taken inside each `output_len` run (its
+    seconds after every request's first token; module docstring); total = best prefill + best
+    decode part. A decode part that is not positive (a clock with too coarse a tick) is measured
+    again, at most `max_extra` times.
 
     Returns:
-        (prefill seconds, total seconds or None when output_len < 2, tokens, extra pairs run).
+        (prefill seconds, total seconds or None when output_len < 2, tokens, extra runs).
     """
-    pre, toks = _best(lambda: run(1), repeats)
+    pre, toks, _ = _best(lambda: run(1), repeats)
     if output_len < 2:
         return pre, None, toks, 0
-    tot, toks = _best(lambda: run(output_len), repeats)
+    _, toks, decode = _best(lambda: run(output_len), repeats)
     extra = 0
-    while tot <= pre and extra < max_extra:
+    while decode <= 0 and extra < max_extra:
         extra += 1
-        pre = min(pre, run(1)[0])
-        dt, toks = run(output_len)
-        tot = min(tot, dt)
-    return pre, tot, toks, extra
+        dt, toks, first = run(output_len)
+        decode = max(decode, dt - first)
+    return pre, pre + decode, toks, extra
 
 
 def throughputs(b: int, input_len: int, output_len: int, prefill_s: float, total_s: float | None) -> dict[str, Any]:

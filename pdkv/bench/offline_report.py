@@ -32,7 +32,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"repeats={result['repeats']} (best)",
         f"cpu: {result.get('host_cpu', 'unknown')}",
         "prefill tok/s = B*input_len / t(max_tokens=1);  "
-        "decode tok/s = B*(output_len-1) / (t(output_len) - t(max_tokens=1))",
+        "decode tok/s = B*(output_len-1) / (t(output_len) - t(first tokens), inside one run)",
         "",
     ]
     cols = ["batch", "pdkv prefill tok/s", "HF prefill tok/s", "ratio",

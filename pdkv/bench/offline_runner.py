@@ -17,6 +17,7 @@ import torch
 
 from pdkv.bench.offline_measure import (
     TORCH_DTYPES,
+    Timed,
     load_hf,
     measure,
     ratio,
@@ -37,7 +38,7 @@ PEERS = ("hf", "llama.cpp")
 DEFAULT_LONG_PREFILL_LEN = 512
 
 # (seconds, tokens per request) for a batch of token-id prompts and a max token count.
-RunFn = Callable[[list[list[int]], int], tuple[float, list[list[int]]]]
+RunFn = Callable[[list[list[int]], int], Timed]
 
 
 def run_offline_bench(
@@ -246,8 +247,8 @@ def _bench(
             if one:
                 greedy_b1 = one[0]["greedy_match_requests"] == 1
             else:  # batch 1 was not benchmarked: check greedy agreement on one untimed request
-                _, p_toks = systems["pdkv"](all_prompts[:1], output_len)
-                _, h_toks = systems["hf"](all_prompts[:1], output_len)
+                p_toks = systems["pdkv"](all_prompts[:1], output_len)[1]
+                h_toks = systems["hf"](all_prompts[:1], output_len)[1]
                 greedy_b1 = p_toks[0] == h_toks[0]
     finally:
         if llamacpp is not None:
