@@ -46,9 +46,12 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] -> panels [ceil(N / 16), K, 16] of its dtype, contiguous, rows past N zero."""
     n, k = weight.shape
     p = -(-n // NR)
-    padded = weight.new_zeros(p * NR, k)
-    padded[:n].copy_(weight)
-    return padded.view(p, NR, k).transpose(1, 2).contiguous()
+    if n % NR == 0:  # one copy, no padded temporary (a freed temporary can stay in the RSS)
+        return weight.view(p, NR, k).transpose(1, 2).contiguous()
+    panels = weight.new_zeros(p, k, NR)
+    panels[:-1].copy_(weight[: (p - 1) * NR].view(p - 1, NR, k).transpose(1, 2))
+    panels[-1, :, : n - (p - 1) * NR].copy_(weight[(p - 1) * NR :].T)
+    return panels
 
 
 def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
