@@ -86,7 +86,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     add_greedy_run_args(p)
     p.add_argument("--dtypes", default="bfloat16", help="dtypes to compare with float32, e.g. bfloat16,float16")
     p.add_argument("--cpu-linear", default="panel", choices=["panel", "onednn", "auto", "torch"],
-                   help="matmuls of both models, as the engine's --cpu-linear (default: the engine's default)")
+                   help="matmuls of both models, as the engine's --cpu-linear")
 
 
 def main(args: argparse.Namespace) -> int:
