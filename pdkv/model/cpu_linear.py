@@ -63,15 +63,14 @@ def setup_cpu_linear(model: LlamaForCausalLM, mode: str, dtype: str, device: str
     """
     if mode not in CPU_LINEARS:
         raise ValueError(f"cpu_linear must be one of {CPU_LINEARS}, got {mode!r}")
-    warning = None
-    if device.startswith("cpu"):
-        warning = dtype_warning(dtype, device, read_cpu_features())
-        if warning:
-            logger.warning(warning)
-    else:
+    if not device.startswith("cpu"):
         return CpuLinearSetup("torch")
+    why = panel_linear_unavailable(model.embed) if mode == "panel" else "not asked for"
+    # The panel kernel widens bf16 weights in registers: nothing is emulated, no warning.
+    warning = None if why is None and dtype == "bfloat16" else dtype_warning(dtype, device, read_cpu_features())
+    if warning:
+        logger.warning(warning)
     if mode == "panel":
-        why = panel_linear_unavailable(model.embed)
         if why is None:
             if model.pack_cpu_weights(pack_panel_weight):
                 return CpuLinearSetup(mode, None, warning)

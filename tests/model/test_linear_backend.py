@@ -147,3 +147,29 @@ def test_onednn_without_a_kernel_for_the_dtype_falls_back_to_the_table(monkeypat
     assert cpu_linear.setup_cpu_linear(model, "onednn", "bfloat16", "cpu").mode == "auto"  # type: ignore[arg-type]
     model.packed = True
     assert cpu_linear.setup_cpu_linear(model, "onednn", "float32", "cpu").mode == "onednn"  # type: ignore[arg-type]
+
+
+def test_bf16_warning_only_where_matmuls_are_emulated(monkeypatch):
+    """On a CPU without native bf16 the panel kernel reads bf16 weights without emulation (no
+    warning); the other modes warn."""
+    import torch
+
+    from pdkv.model import cpu_linear
+    from pdkv.model.cpu_features import CpuFeatures
+
+    monkeypatch.setattr(cpu_linear, "read_cpu_features", lambda: CpuFeatures(frozenset({"avx2", "fma"})))
+    monkeypatch.setattr(cpu_linear, "panel_linear_unavailable", lambda w: None)
+
+    class Model:
+        embed = torch.zeros(1, dtype=torch.bfloat16)
+
+        def pack_cpu_weights(self, packer=None) -> bool:
+            return True
+
+    panel = cpu_linear.setup_cpu_linear(Model(), "panel", "bfloat16", "cpu")  # type: ignore[arg-type]
+    assert panel.mode == "panel" and panel.dtype_warning is None
+    onednn = cpu_linear.setup_cpu_linear(Model(), "onednn", "bfloat16", "cpu")  # type: ignore[arg-type]
+    assert onednn.mode == "onednn" and "emulated" in str(onednn.dtype_warning)
+    monkeypatch.setattr(cpu_linear, "panel_linear_unavailable", lambda w: "no AVX2")
+    fallback = cpu_linear.setup_cpu_linear(Model(), "panel", "bfloat16", "cpu")  # type: ignore[arg-type]
+    assert fallback.mode == "onednn" and fallback.dtype_warning is not None
