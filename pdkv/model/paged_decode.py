@@ -103,17 +103,18 @@ def write_kv_fused(
     Raises:
         RuntimeError: a slot outside the cache, or shapes / dtypes that do not match it.
     """
-    from pdkv.model.attention import write_kv
+    if (not isinstance(kv_cache, torch.Tensor) or kv_cache.device.type != "cpu"
+            or not _heads_contiguous(kv_cache) or not _heads_contiguous(k) or not _heads_contiguous(v)):
+        from pdkv.model.attention import write_kv
 
-    if (not isinstance(kv_cache, torch.Tensor) or kv_cache.device.type != "cpu" or kv_cache.dim() != 5
-            or not _heads_contiguous(kv_cache[0, 0]) or not _heads_contiguous(k) or not _heads_contiguous(v)):
         return write_kv(kv_cache, k, v, meta)
     torch.ops.pdkv.write_kv_(kv_cache, k, v, meta.slot_block_ids, meta.slot_offsets)
     return k, v
 
 
 def _heads_contiguous(x: torch.Tensor) -> bool:
-    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    """The last two dims (heads, head_size) of x are one contiguous run per token / slot."""
+    return x.dim() in (3, 5) and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
 
 
 def resolve_attention_backend(
