@@ -33,6 +33,8 @@ import torch
 SOURCES = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.cpp")))
 """The extension's sources: every .cpp under csrc/ (one defines the `pdkv` op library with
 TORCH_LIBRARY, the others add to it with TORCH_LIBRARY_FRAGMENT)."""
+HEADERS = tuple(sorted((Path(__file__).with_name("csrc")).glob("*.h")))
+"""Headers the sources include (csrc/*.h): hashed into the build key with the sources."""
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fopenmp-simd")
 _MODULE = "pdkv.model.paged_decode_build"
 BUILD_TIMEOUT_S = 900.0
@@ -84,7 +86,8 @@ def build_paths(cache_dir: str | None = None) -> BuildPaths:
     from pdkv.model.registry import cache_dir as cache_root
 
     h = hashlib.sha256()
-    for part in (*(f.name.encode() + f.read_bytes() for f in SOURCES), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+    for part in (*(f.name.encode() + f.read_bytes() for f in (*SOURCES, *HEADERS)), " ".join(CFLAGS).encode(),
+                 torch.__version__.encode(),
                  sys.version.encode(), platform.machine().encode(), _cpu_flags().encode()):
         h.update(part)
     key = h.hexdigest()[:16]

@@ -4,17 +4,7 @@
 // of several ATen kernels and temporaries. Semantics and tolerances: pdkv/model/fused_ops.py.
 // Built with csrc/paged_decode.cpp into one extension by pdkv/model/paged_decode_build.py.
 
-// ATen's Vectorized<float> for the ISA this file is compiled for (-march=native): the same
-// vector code (and Sleef exp) that ATen's own kernels run on this CPU.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY_AVX512
-#define CPU_CAPABILITY AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#define CPU_CAPABILITY AVX2
-#else
-#define CPU_CAPABILITY DEFAULT
-#endif
+#include "cpu_capability.h"  // before ATen: its Vectorized<float> for this CPU
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -4,17 +4,7 @@
 // keys, in float32, one task per (request, KV head) serving its group of query heads (GQA).
 // Built by pdkv/model/paged_decode_build.py; semantics in pdkv/model/paged_decode.py.
 
-// ATen's Vectorized<float> (and Sleef's vector exp) for the ISA this file is compiled for
-// (-march=native), as in csrc/fused_ops.cpp.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY_AVX512
-#define CPU_CAPABILITY AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#define CPU_CAPABILITY AVX2
-#else
-#define CPU_CAPABILITY DEFAULT
-#endif
+#include "cpu_capability.h"  // before ATen: its Vectorized<float> for this CPU
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
