@@ -10,13 +10,19 @@ PY := $(VENV)/bin/python
 # CPU wheel on these machines; on a CUDA box set TORCH_SPEC to the torch build you want.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test bench llama-cpp clean
+.PHONY: setup system-packages demo test bench llama-cpp clean
 
-setup: $(VENV)/.installed
-	@# pdkv's C++ CPU ops (paged decode and batched prefill attention, fused small ops: every
-	@# pdkv/model/csrc/*.cpp), compiled once per machine into $$PDKV_CACHE/ext (cached; without a
-	@# compiler the engine uses the torch attention path and torch small ops).
-	-$(PY) -m pdkv.model.paged_decode_build
+setup: system-packages $(VENV)/.installed
+	@# pdkv's C++ CPU ops (paged decode and batched prefill attention, KV write, fused small ops,
+	@# the panel linear kernel: every pdkv/model/csrc/*.cpp), compiled once per machine into
+	@# $$PDKV_CACHE/ext (cached). A compiler error fails setup (its first error is printed); without
+	@# a compiler it prints one warning and the engine uses the torch paths.
+	$(PY) -m pdkv.model.paged_decode_build
+
+# g++, python3-dev, ccache, redis-server, libibverbs1, iproute2 (apt-get as root; otherwise the
+# command to run is printed and the tests needing them skip). .ci/run calls the same script.
+system-packages:
+	@PYTHON=$(PYTHON) bash scripts/system-packages.sh
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)

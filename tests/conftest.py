@@ -187,12 +187,11 @@ def one_torch_thread():
 def cpu_ops() -> None:
     """pdkv's C++ CPU ops loaded into this process (paged decode / prefill attention, fused small
     ops: pdkv/model/paged_decode_build.py); skips without a C++ compiler (the engine then falls
-    back to the torch paths)."""
-    import shutil
+    back to the torch paths; under CI=true that fails: CI installs one)."""
+    from system_packages import require
 
     from pdkv.model.paged_decode_build import load
 
-    if shutil.which("g++") is None and shutil.which("c++") is None:
-        pytest.skip("no C++ compiler: the engine falls back to the torch paths")
+    require("g++", "python3-dev")
     why = load()
     assert why is None, why

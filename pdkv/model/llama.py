@@ -232,6 +232,11 @@ class LlamaForCausalLM(nn.Module):
             names the values; see ParallelLayout.check_heads).
     """
 
+    # The file map the embedding is read from, when the loader maps it (pdkv.model.loader): a
+    # class-level default, so subclasses whose __init__ skips this one's (DeepSeek-V3, Qwen3-Next,
+    # Kimi-Linear) have it too (pack_cpu_weights reads it).
+    embed_file_map: mmap.mmap | None = None
+
     def __init__(
         self,
         cfg: LlamaArchConfig,
@@ -253,8 +258,6 @@ class LlamaForCausalLM(nn.Module):
             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         )
         self.head_packed: PackedLinear = None
-        # The file map the embedding is read from, when the loader maps it (pdkv.model.loader).
-        self.embed_file_map: mmap.mmap | None = None
         # KV cache group of each layer (pdkv.worker.kv_cache makes one group per entry).
         self.layer_groups = [0] * cfg.num_layers
         for g, (_, layers) in enumerate(attention_groups(cfg)):

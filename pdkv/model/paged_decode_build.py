@@ -10,9 +10,15 @@ or machine builds a new copy and never loads a stale one. `make setup` builds it
 
 The compiler runs in a child process under an exclusive `fcntl.flock` on `<dir>.lock` (released
 by the kernel if the builder dies), with a deadline: two processes never build at once, the
-second loads what the first built. A failed build leaves `<dir>/FAILED` (the compiler's last
-lines); later processes then skip the build (`--build` retries) and the caller falls back to the
-torch path.
+second loads what the first built. A failed build leaves `<dir>/FAILED` (the compiler's first
+error, then its last lines); later processes then skip the build (`--build` retries) and the caller
+falls back to the torch path. `make setup` fails on a failed build when a compiler is present;
+without one it prints one warning line and the engine runs the torch paths.
+
+`PDKV_CPU_OPS=0` hides the extension from every caller (`load` is the one place that reads it):
+the engine then runs exactly what a machine without a compiler runs (torch attention, torch small
+ops, oneDNN or plain torch linears), which is how the suite tests the fallbacks on a machine that
+has the ops. `pdkv.model.csrc_isa` compiles the same sources for every x86 ISA (syntax only).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import fcntl
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -39,6 +46,30 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fopenmp-simd")
 _MODULE = "pdkv.model.paged_decode_build"
 BUILD_TIMEOUT_S = 900.0
 """Deadline of one build, and of waiting for another process's build (seconds)."""
+
+
+CPU_OPS_ENV = "PDKV_CPU_OPS"
+"""Environment switch: "0" hides pdkv's C++ CPU ops from the engine (read only by `load`)."""
+
+
+def cpu_ops_hidden() -> bool:
+    """True when $PDKV_CPU_OPS is "0" (or "false" / "off" / "no"): callers then take the paths of
+    a machine without the extension."""
+    return os.environ.get(CPU_OPS_ENV, "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def compiler() -> str | None:
+    """Path of the C++ compiler torch's cpp_extension runs ($CXX, else `c++`), or None."""
+    return shutil.which(os.environ.get("CXX") or "c++")
+
+
+def first_compiler_error(output: str) -> str | None:
+    """The first line of a compiler's output that reports an error (gcc / clang / ld: "error:"),
+    or None."""
+    for line in output.splitlines():
+        if "error:" in line or "fatal error" in line or "undefined reference" in line:
+            return line.strip()
+    return None
 
 
 @dataclass(frozen=True)
@@ -120,7 +151,9 @@ def build(paths: BuildPaths, force: bool = False, timeout_s: float = BUILD_TIMEO
     if paths.library.exists():
         return None
     if paths.failed.exists() and not force:
-        return f"an earlier build failed (see {paths.failed}; rebuild: python -m {_MODULE} --build)"
+        first = paths.failed.read_text().splitlines()[:1]
+        return (f"an earlier build failed ({first[0] if first else 'no log'}; see {paths.failed}; "
+                f"rebuild: python -m {_MODULE} --build)")
     deadline = time.monotonic() + timeout_s
     paths.directory.parent.mkdir(parents=True, exist_ok=True)
     with open(paths.lock, "w") as lock:
@@ -147,11 +180,12 @@ def build(paths: BuildPaths, force: bool = False, timeout_s: float = BUILD_TIMEO
             except subprocess.TimeoutExpired:
                 return f"build timed out after {timeout_s:.0f} s"
             if proc.returncode != 0 or not paths.library.exists():
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-20:]
+                output = f"{proc.stdout}\n{proc.stderr}".strip()
+                first = first_compiler_error(output)
+                tail = output.splitlines()[-40:]
                 paths.directory.mkdir(parents=True, exist_ok=True)
-                paths.failed.write_text("\n".join(tail) + "\n")
-                last = tail[-1] if tail else f"exit status {proc.returncode}"
-                return f"build failed: {last}"
+                paths.failed.write_text("\n".join([f"first error: {first}", *tail]) + "\n")
+                return f"build failed: {first or (tail[-1] if tail else f'exit status {proc.returncode}')}"
             if paths.failed.exists():
                 paths.failed.unlink()
             return None
@@ -169,7 +203,10 @@ def load(cache_dir: str | None = None, allow_build: bool = True) -> str | None:
 
     Returns:
         None when the op is loaded, else why not (one line; the caller warns and falls back).
+        With $PDKV_CPU_OPS=0 always "hidden by PDKV_CPU_OPS=0", even when loaded earlier.
     """
+    if cpu_ops_hidden():
+        return f"hidden by {CPU_OPS_ENV}=0"
     paths = build_paths(cache_dir)
     if not paths.library.exists():
         if not allow_build:
@@ -194,13 +231,33 @@ def main(argv: list[str] | None = None) -> int:
         _compile(BuildPaths(Path(args.compile[0]), args.compile[1]))
         return 0
     paths = build_paths()
+    isa = f"-march=native, ATen vector ISA {native_isa()}"
+    if compiler() is None:
+        print(f"pdkv C++ CPU ops: no C++ compiler ({os.environ.get('CXX') or 'c++'} not found): the engine "
+              "will run the torch paths (install one: scripts/system-packages.sh)", file=sys.stderr)
+        return 0
     t0 = time.monotonic()
     why = build(paths, force=args.build)
     if why is not None:
-        print(f"pdkv paged attention ops: {why}; the torch attention path will be used", file=sys.stderr)
+        print(f"pdkv C++ CPU ops ({isa}): {why}\n  full log: {paths.failed}", file=sys.stderr)
         return 1
-    print(f"pdkv paged attention ops: {paths.library} ({time.monotonic() - t0:.1f} s)")
+    print(f"pdkv C++ CPU ops ({isa}): {paths.library} ({time.monotonic() - t0:.1f} s)")
     return 0
+
+
+def native_isa() -> str:
+    """The ATen vector ISA the ops compile for on this CPU (csrc/cpu_vec.h's CPU_CAPABILITY):
+    "AVX512" (avx512f/bw/vl/dq), "AVX2" (avx2 + fma) or "DEFAULT"; " + AMX" / " + AVX512_BF16"
+    when the CPU has them (the compiler may use them; ATen's vectors do not)."""
+    flags = set(_cpu_flags().split())
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        isa = "AVX512"
+    elif {"avx2", "fma"} <= flags:
+        isa = "AVX2"
+    else:
+        isa = "DEFAULT"
+    extras = [name for flag, name in (("avx512_bf16", "AVX512_BF16"), ("amx_tile", "AMX")) if flag in flags]
+    return " + ".join([isa, *extras])
 
 
 if __name__ == "__main__":

@@ -4,11 +4,10 @@
 // of several ATen kernels and temporaries. Semantics and tolerances: pdkv/model/fused_ops.py.
 // Built with csrc/paged_decode.cpp into one extension by pdkv/model/paged_decode_build.py.
 
-#include "cpu_capability.h"  // before ATen: its Vectorized<float> for this CPU
+#include "cpu_vec.h"  // before ATen: its Vectorized<float> for this CPU, pdkv::vec helpers
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -20,7 +19,7 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using pdkv::vec::Vec;
 // Elements per parallel task, at least: ATen's grain for elementwise kernels, so small (decode)
 // inputs run on one thread as the torch ops they replace do.
 constexpr int64_t kGrainElems = at::internal::GRAIN_SIZE;
@@ -49,7 +48,7 @@ inline float sum_squares(const float* x, int64_t n) {
     const Vec v = Vec::loadu(x + d);
     acc = acc + v * v;
   }
-  float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  float s = pdkv::vec::reduce_sum(acc);
   for (; d < n; ++d) s += x[d] * x[d];
   return s;
 }
@@ -95,7 +94,7 @@ at::Tensor fused_add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const 
         v.store(r + d);
         acc = acc + v * v;
       }
-      float ss = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+      float ss = pdkv::vec::reduce_sum(acc);
       for (; d < n; ++d) {
         r[d] = r[d] + xr[d];
         ss += r[d] * r[d];

@@ -4,12 +4,11 @@
 // keys, in float32, one task per (request, KV head) serving its group of query heads (GQA).
 // Built by pdkv/model/paged_decode_build.py; semantics in pdkv/model/paged_decode.py.
 
-#include "cpu_capability.h"  // before ATen: its Vectorized<float> for this CPU
+#include "cpu_vec.h"  // before ATen: its Vectorized<float> for this CPU, pdkv::vec helpers
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -20,7 +19,7 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using pdkv::vec::Vec;
 
 // x[i] = exp(x[i] - shift) for i < n, vectorised; returns their sum.
 inline float exp_shifted_sum(float* x, int64_t n, float shift) {
@@ -38,7 +37,7 @@ inline float exp_shifted_sum(float* x, int64_t n, float shift) {
     e.store(x + i, n - i);
     sum = sum + Vec::set(Vec(0.f), e, n - i);
   }
-  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, sum);
+  return pdkv::vec::reduce_sum(sum);
 }
 
 template <typename scalar_t>

@@ -1,0 +1,33 @@
+// pdkv's vector helpers for the C++ CPU ops: ATen's Vectorized<float> (and Sleef's vector exp)
+// for the ISA an op file is compiled for (-march=native at build time; the suite also compiles
+// every file for x86-64-v2, x86-64-v3, x86-64-v4 and sapphirerapids, tests/model/test_csrc_isa.py).
+// Vector code that differs per ISA lives here, not behind #if in each op, and this header
+// includes every ATen vector header it relies on (on AVX-512 vec.h alone does not bring
+// vec_reduce_all's Vectorized<float> overload: functional.h does). Include it before any other
+// ATen header: CPU_CAPABILITY picks ATen's vec256 / vec512 implementation. Part of the
+// extension's build key (pdkv/model/paged_decode_build.py).
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY_AVX512
+#define CPU_CAPABILITY AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#define CPU_CAPABILITY AVX2
+#else
+#define CPU_CAPABILITY DEFAULT
+#endif
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+namespace pdkv::vec {
+
+using Vec = at::vec::Vectorized<float>;
+
+// Sum of v's lanes (ATen's pairwise lane reduction: the same order ATen's own sums use).
+inline float reduce_sum(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, v);
+}
+
+}  // namespace pdkv::vec
