@@ -38,7 +38,7 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check pdkv tests
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q --durations=25 -n 2 --dist loadgroup
+	$(PY) -m pytest -q -rs --durations=25 -n 2 --dist loadgroup
 
 bench: setup
 	$(VENV)/bin/pdkv bench offline

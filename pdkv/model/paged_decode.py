@@ -136,7 +136,7 @@ def resolve_attention_backend(
     Raises:
         ValueError: an unknown backend name.
     """
-    from pdkv.model.paged_decode_build import load
+    from pdkv.model.paged_decode_build import cpu_ops_hidden, load
 
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
@@ -154,7 +154,7 @@ def resolve_attention_backend(
     why = load(allow_build=requested == "cpu_paged")
     if why is None:
         return "cpu_paged"
-    if requested == "cpu_paged" or "not built" not in why:
+    if requested == "cpu_paged" or not ("not built" in why or cpu_ops_hidden()):
         logger.warning("attention backend cpu_paged unavailable (%s): using torch", why)
     else:
         logger.info("attention backend auto: paged decode op %s; using torch", why)
