@@ -29,6 +29,7 @@ class BackendInfo:
         max_model_len: from /v1/models (None when not reported).
         fetched_at: time.monotonic() of the fetch.
         pool_chunk_size: tokens per KV pool chunk (None: no pool, or not reported).
+        model_ids: the served model names from /v1/models (None when not reported).
     """
 
     kv_role: str | None
@@ -37,6 +38,7 @@ class BackendInfo:
     max_model_len: int | None
     fetched_at: float
     pool_chunk_size: int | None = None
+    model_ids: tuple[str, ...] | None = None
 
     @property
     def block_size(self) -> int | None:
@@ -69,12 +71,28 @@ async def fetch_info(client: httpx.AsyncClient, url: str, timeout: float = 5.0) 
     else:
         return None
     max_len = None
+    model_ids: tuple[str, ...] | None = None
     if models.status_code == 200:
         try:
-            max_len = int(models.json()["data"][0]["max_model_len"])
-        except (ValueError, KeyError, IndexError, TypeError):
+            cards = models.json()["data"]
+            model_ids = tuple(str(c["id"]) for c in cards) or None
+            max_len = int(cards[0]["max_model_len"])
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             max_len = None
-    return BackendInfo(role, engine_id, layout, max_len, time.monotonic(), chunk)
+    return BackendInfo(role, engine_id, layout, max_len, time.monotonic(), chunk, model_ids)
+
+
+def unknown_model(model: Any, infos: list[BackendInfo | None]) -> str | None:
+    """Why no backend serves `model` (vLLM's "does not exist" message naming what is served), or
+    None: no model asked for (None), or one of them serves it, or none has reported its names
+    yet (the engine then decides)."""
+    if model is None:
+        return None
+    served = [m for info in infos if info is not None and info.model_ids for m in info.model_ids]
+    if not served or model in served:
+        return None
+    names = ", ".join(f"`{m}`" for m in dict.fromkeys(served))
+    return f"The model `{model}` does not exist; this deployment serves {names}."
 
 
 def pair_mismatch(p_url: str, p: BackendInfo | None, d_url: str, d: BackendInfo | None) -> str | None:

@@ -43,7 +43,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pdkv.router.backend_info import BackendInfos, pair_mismatch
+from pdkv.router.backend_info import BackendInfos, pair_mismatch, unknown_model
 from pdkv.router.policies import (
     Backend,
     Decision,
@@ -63,6 +63,7 @@ from pdkv.router.prefix_keys import (
 from pdkv.router.proxy_legs import LegSender
 from pdkv.router.proxy_metrics import ProxyMetrics
 from pdkv.router.proxy_protocol import (
+    error_kind,
     error_response,
     prefill_body,
     releasable,
@@ -243,7 +244,15 @@ def build_proxy_app(
             body = parse_body(await raw.body())
             length = check_body(body, chat=path.endswith("chat/completions"))
         except BadRequest as e:
+            metrics.errors.labels("proxy", "client").inc()
             return error_response(str(e), 400, "BadRequestError")
+        # An unknown model is the client's error: 404 as vLLM answers it, before any leg.
+        reach = [b.url for b in (colocated or [*prefills, *decodes])]
+        await infos.ensure(state["client"], reach)
+        missing = unknown_model(body.get("model"), [infos.get(u) for u in reach])
+        if missing is not None:
+            metrics.errors.labels("proxy", "client").inc()
+            return error_response(missing, 404, "NotFoundError", param="model")
         rid = raw.headers.get("X-Request-Id") or f"pd-{uuid.uuid4().hex}"
         headers = {"X-Request-Id": rid}
         if "authorization" in raw.headers:
@@ -372,7 +381,7 @@ def build_proxy_app(
             p.inflight -= 1
             metrics.latency.labels("prefill").observe(clock.p_done - started)
         if r.status_code != 200:
-            metrics.errors.labels("prefill", "status").inc()
+            metrics.errors.labels("prefill", error_kind(r.status_code, r.content)).inc()
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         try:
             answer = r.json()

@@ -16,7 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 from pdkv.router.backend_info import BackendInfos
 from pdkv.router.policies import Backend
 from pdkv.router.proxy_metrics import ProxyMetrics
-from pdkv.router.proxy_protocol import error_response, is_layout_error
+from pdkv.router.proxy_protocol import error_kind, error_response, is_layout_error
 from pdkv.router.timings import RequestClock, StreamStitcher, stitch_response
 from pdkv.router.validate import LengthCheck
 
@@ -79,7 +79,7 @@ class LegSender:
                 self.metrics.latency.labels(leg).observe(time.monotonic() - started)
             if r.status_code != 200:
                 self.release_soon(params)
-                self.metrics.errors.labels(leg, "status").inc()
+                self.metrics.errors.labels(leg, error_kind(r.status_code, r.content)).inc()
                 return self.backend_error(d, r.status_code, r.content)
             return Response(stitch_response(clock, r.content), status_code=r.status_code,
                             media_type="application/json")
@@ -103,7 +103,7 @@ class LegSender:
                 d.inflight -= 1
                 self.metrics.latency.labels(leg).observe(time.monotonic() - started)
             self.release_soon(params)
-            self.metrics.errors.labels(leg, "status").inc()
+            self.metrics.errors.labels(leg, error_kind(resp.status_code, content)).inc()
             return self.backend_error(d, resp.status_code, content)
         return StreamingResponse(self.relay(resp, d, leg, started, StreamStitcher(clock)), media_type="text/event-stream",
                                  headers={"X-Request-Id": headers["X-Request-Id"]})

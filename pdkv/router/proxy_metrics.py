@@ -25,7 +25,9 @@ class ProxyMetrics:
         pdkv:proxy_prefill_legs_skipped_total: prefill legs not sent because the pool held the whole
             prompt (0 until the proxy can skip them).
         pdkv:proxy_errors_total{leg, kind}: failed legs; kind "unreachable" (502), "status" (the
-            backend answered >= 400), "stream" (the stream broke after it started), "bad_response".
+            backend answered >= 500), "client" (the client's error: a backend's 4xx, or leg
+            "proxy" for a request the proxy itself refused: bad body, unknown model), "stream"
+            (the stream broke after it started), "bad_response".
         pdkv:proxy_leg_latency_seconds{leg}: leg latency histogram (s).
     """
 
@@ -46,3 +48,4 @@ class ProxyMetrics:
     def render(self) -> bytes:
         """Prometheus text exposition."""
         return generate_latest(self.registry)
+

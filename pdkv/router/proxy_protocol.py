@@ -10,9 +10,9 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 
-def error_response(message: str, status: int, err_type: str) -> JSONResponse:
-    """OpenAI's error JSON with HTTP status `status`."""
-    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+def error_response(message: str, status: int, err_type: str, param: str | None = None) -> JSONResponse:
+    """OpenAI's error JSON with HTTP status `status` (`param`: the request field at fault)."""
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
 
 
@@ -59,3 +59,10 @@ def releasable(params: Any) -> bool:
 def is_layout_error(content: bytes) -> bool:
     """Whether an engine's error body reports a KV layout mismatch."""
     return b"KV layout mismatch" in content
+
+
+def error_kind(status: int, content: bytes = b"") -> str:
+    """The `kind` label (pdkv:proxy_errors_total) of a backend's non-200 answer: "client" for a
+    4xx (the request was bad: no proxy or engine failure), except a KV layout mismatch (the
+    deployment's fault); else "status"."""
+    return "client" if 400 <= status < 500 and not is_layout_error(content) else "status"

@@ -98,10 +98,12 @@ class OpenAIHandlers:
 
     # ------------------------------------------------------------------ input
     def check_model(self, model: str | None) -> None:
-        """Raises APIError (400) when `model` is given and is not the served model."""
+        """Raises APIError (404 NotFoundError, param "model": what OpenAI and vLLM answer) when
+        `model` is given and is not a served name."""
         if model is not None and model != self.model_name and model not in self.model_aliases:
             served = ", ".join(f"`{n}`" for n in (self.model_name, *self.model_aliases))
-            raise APIError(f"The model `{model}` does not exist; this server serves {served}.")
+            raise APIError(f"The model `{model}` does not exist; this server serves {served}.", 404,
+                           "NotFoundError", param="model")
 
     async def tokenize(self, fn: Callable[[Tokenizer], T]) -> T:
         """`fn(tokenizer)` on a tokenizer pool thread; a ValueError becomes APIError (400)."""

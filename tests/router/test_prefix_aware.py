@@ -199,7 +199,7 @@ def test_colocated_round_robin_alternates_and_counts_errors(colocated):
     engines[1].decode_error = (400, "nope")
     codes = sorted(_post(url, [1, 2]).status_code for _ in range(2))
     assert codes == [200, 400]  # the backend's error passes through
-    assert _metric(url, 'pdkv:proxy_errors_total{kind="status",leg="whole"}') == 1
+    assert _metric(url, 'pdkv:proxy_errors_total{kind="client",leg="whole"}') == 1  # a 4xx: the client's
     assert _metric(url, 'pdkv:proxy_routing_decisions_total{leg="whole",policy="round_robin",reason="round_robin"}') == 6
 
 

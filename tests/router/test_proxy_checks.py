@@ -273,3 +273,54 @@ def test_a_block_size_difference_pairs_unless_decode_has_dcp():
     assert msg is not None and "tp_size=2" in msg and "block_size=16" in msg and "block_size=32" in msg
     msg = pair_mismatch("p", p_tp2, "d", info("kv_consumer", dcp_size=2))
     assert msg is not None and "tp_size=2 into a DCP decode engine" in msg
+
+
+def _proxy_errors(url: str) -> dict[tuple[str, str], float]:
+    """pdkv:proxy_errors_total by (leg, kind) from the proxy's /metrics."""
+    out: dict[tuple[str, str], float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("pdkv:proxy_errors_total{"):
+            labels = dict(kv.split("=") for kv in line[line.index("{") + 1:line.index("}")].split(","))
+            out[(labels["leg"].strip('"'), labels["kind"].strip('"'))] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_an_unknown_model_is_404_at_the_proxy_before_any_leg(stack):
+    """vLLM's 404 NotFoundError, decided from the backends' /v1/models; counted as the client's
+    error, not a proxy or backend failure."""
+    for path, body in (("/v1/completions", {"model": "gpt-4", "prompt": "x", "max_tokens": 4}),
+                       ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]})):
+        r = httpx.post(stack.url + path, json=body, timeout=10)
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+        assert err["type"] == "NotFoundError" and err["code"] == 404 and err["param"] == "model"
+        assert f"The model `{body['model']}` does not exist; this deployment serves `smollm2`" in err["message"]
+    assert stack.p.hits["prefill"] == 0 and stack.d.hits["decode"] == 0 and stack.d.hits["tokenize"] == 0
+    assert _post(stack.url, json={"model": "smollm2", "prompt": "x", "max_tokens": 4}).status_code == 200
+    assert _post(stack.url, json={"prompt": "x", "max_tokens": 4}).status_code == 200  # no model: the default
+    errors = _proxy_errors(stack.url)
+    assert errors.get(("proxy", "client")) == 2
+    assert not any(kind == "status" for _, kind in errors)
+
+
+def test_a_backend_4xx_counts_as_the_clients_error_a_5xx_as_status(stack):
+    stack.d.decode_error = (400, "some other client error")
+    assert _post(stack.url, json={"prompt": "x", "max_tokens": 4}).status_code == 400
+    stack.d.decode_error = (500, "engine failed")
+    assert _post(stack.url, json={"prompt": "x", "max_tokens": 4}).status_code == 500
+    errors = _proxy_errors(stack.url)
+    assert errors.get(("decode", "client")) == 1 and errors.get(("decode", "status")) == 1
+
+
+def test_unknown_model_needs_a_reported_name_and_error_kind_reads_the_layout():
+    from pdkv.router.backend_info import BackendInfo, unknown_model
+    from pdkv.router.proxy_protocol import error_kind
+
+    served = BackendInfo(None, None, None, 512, 0.0, model_ids=("smollm2", "alias"))
+    silent = BackendInfo(None, None, None, 512, 0.0)
+    assert unknown_model("alias", [served, None]) is None
+    assert unknown_model(None, [served]) is None
+    assert unknown_model("x", [silent, None]) is None  # nothing reported: the engine decides
+    assert unknown_model("x", [served, silent]) == "The model `x` does not exist; this deployment serves `smollm2`, `alias`."
+    assert error_kind(404) == "client" and error_kind(503) == "status"
+    assert error_kind(400, b'{"error": {"message": "KV layout mismatch (dtype)"}}') == "status"

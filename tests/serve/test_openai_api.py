@@ -32,7 +32,7 @@ def test_models_lists_served_model(client):
     assert [m.id for m in models.data] == ["smollm2", "pdkv-alias"]  # --served-model-name smollm2 pdkv-alias
     out = client.completions.create(model="pdkv-alias", prompt=PROMPT, max_tokens=1)
     assert out.model == "smollm2"  # every name is accepted, the first is reported
-    with pytest.raises(openai.BadRequestError, match="does not exist; this server serves `smollm2`, `pdkv-alias`"):
+    with pytest.raises(openai.NotFoundError, match="does not exist; this server serves `smollm2`, `pdkv-alias`"):
         client.completions.create(model="pdkv-alias-2", prompt=PROMPT, max_tokens=1)
 
 

@@ -26,14 +26,12 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         ("/v1/completions", {**GOOD, "max_tokens": "many"}, "max_tokens"),
         ("/v1/completions", {**GOOD, "prompt": {"not": "a prompt"}}, "prompt"),
         ("/v1/completions", {"max_tokens": 4}, "prompt"),
-        ("/v1/completions", {**GOOD, "model": "gpt-4"}, "does not exist"),
         ("/v1/completions", {**GOOD, "prompt": [1, 2, 10**9]}, "outside the vocabulary"),
         ("/v1/completions", {**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]},
          "tools: tool calling is not supported"),
         ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "role"),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, "max_tokens must be at least 1"),
-        ("/v1/chat/completions", {**CHAT, "model": "nope"}, "does not exist"),
     ],
 )
 def test_bad_request_is_400_then_server_serves(server, path, body, message):
@@ -45,6 +43,18 @@ def test_bad_request_is_400_then_server_serves(server, path, body, message):
     ok = httpx.post(server.url + "/v1/completions", json=GOOD, timeout=60)
     assert ok.status_code == 200
     assert ok.json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {**GOOD, "model": "gpt-4"}),
+                                        ("/v1/chat/completions", {**CHAT, "model": "nope"})])
+def test_unknown_model_is_404_not_found_then_server_serves(server, path, body):
+    """OpenAI and vLLM answer an unknown model with 404 NotFoundError (param "model")."""
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["type"] == "NotFoundError" and err["code"] == 404 and err["param"] == "model"
+    assert f"The model `{body['model']}` does not exist" in err["message"]
+    assert httpx.post(server.url + "/v1/completions", json=GOOD, timeout=60).status_code == 200
 
 
 def test_malformed_json_is_400(server):
