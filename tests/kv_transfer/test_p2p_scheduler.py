@@ -351,7 +351,7 @@ def test_validate_rejects_params_without_a_layout():
     cons = make("kv_consumer")
     p = remote_params()
     del p["layout"]
-    with pytest.raises(ValueError, match="layout mismatch"):
+    with pytest.raises(ValueError, match="kv_transfer_params.layout must be an object"):
         cons.validate_request(req("r", 10, p))
 
 
@@ -379,3 +379,17 @@ def test_validate_rejects_roles_that_cannot_honour_the_params():
         make("kv_producer").validate_request(req("r", 10, remote_params()))
     with pytest.raises(ValueError, match="do_remote_decode.*kv_producer"):
         make("kv_consumer").validate_request(req("r", 10, {"do_remote_decode": True}))
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"layout": {**LAYOUT, "block_size": 8}}, r"remote_block_ids\[0\] lists 3 blocks .* = 2 blocks"),
+    ({"remote_block_ids": [[50, 51]]}, r"remote_block_ids\[0\] lists 2 blocks .* = 3 blocks"),
+    ({"remote_block_ids": [[50, -1, 52]]}, "non-negative integer block ids"),
+    ({"remote_block_ids": [[50, True, 52]]}, "non-negative integer block ids"),
+    ({"layout": {**LAYOUT, "block_size": 2.0}}, "layout.block_size must be a positive integer"),
+])
+def test_validate_rejects_params_that_contradict_themselves(over, match):
+    """10 tokens in blocks of 4 are 3 blocks: a layout claiming 8 (or a list of 2) does not fit."""
+    assert LAYOUT["block_size"] == 4
+    with pytest.raises(ValueError, match=match):
+        make("kv_consumer").validate_request(req("r", 10, remote_params(**over)))

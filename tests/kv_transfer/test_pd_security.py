@@ -134,6 +134,35 @@ def test_params_only_ever_load_their_own_prompts_kv(prompts, policy):
         shutdown(d)
 
 
+def test_params_that_contradict_themselves_are_refused_at_admission(prompts):
+    """Params whose layout claims another block size (so their block count does not fit the
+    prompt), or whose fields have the wrong types: refused when the request is made (the
+    server's 400), naming the field; nothing allocated, nothing read, and the real grant is
+    still there for the genuine params."""
+    p, (a, ref_a), _ = prompts
+    d = engine("kv_consumer")
+    try:
+        start_d = free_blocks(d)
+        params = prefill(p, a)
+        n = len(a["prompt_token_ids"])
+        assert len(params["remote_block_ids"][0]) == -(-n // 16)
+        layout = params["layout"]
+        for forged, match in (
+            ({**params, "layout": {**layout, "block_size": 4}}, r"remote_block_ids\[0\] lists .* layout.block_size 4"),
+            ({**params, "layout": {**layout, "block_size": "16"}}, "layout.block_size must be a positive integer"),
+            ({**params, "layout": {**layout, "block_size": 0}}, "layout.block_size must be a positive integer"),
+            ({**params, "layout": None}, "layout must be an object"),
+            ({**params, "remote_block_ids": [[str(b) for b in g] for g in params["remote_block_ids"]]},
+             r"remote_block_ids\[0\] must be a list of non-negative integer block ids"),
+        ):
+            with pytest.raises(ValueError, match=match):
+                d.llm_engine.make_request(a, GREEDY, kv_transfer_params=forged)
+        assert free_blocks(d) == start_d and not d.llm_engine.has_work() and received(d) == 0
+        assert decode([p], d, [(a, params)])[0].outputs[0].token_ids == ref_a
+    finally:
+        shutdown(d)
+
+
 def test_a_black_hole_producer_stalls_nobody_else(prompts):
     p, (a, ref_a), (b, ref_b) = prompts
     d = engine("kv_consumer", "fail")

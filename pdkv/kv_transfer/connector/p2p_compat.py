@@ -37,6 +37,46 @@ def mla_error(layout: dict[str, Any], p: dict[str, Any]) -> str:
     return ""
 
 
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def params_consistency_error(p: dict[str, Any], num_tokens: int, linear_groups: tuple[bool, ...]) -> str:
+    """Why a remote prefill's kv_transfer_params contradict themselves, or "": checked at
+    admission, before any claim is sent or block allocated, so params that were forged or
+    corrupted on the way are a 400 naming the field, not a failed load.
+
+    What a producer sends (P2PSchedulerConnector.request_finished): `layout.block_size` a
+    positive integer; `remote_block_ids` one list of non-negative block ids per KV cache group,
+    ceil(num_tokens / layout.block_size) of them in each attention group (a sliding-window
+    group's blocks before its window are the null block, still listed) and one state slot in each
+    linear-attention group.
+
+    Args:
+        p: the params (`remote_block_ids` already one list per group).
+        num_tokens: the prompt's tokens (the params' `num_tokens` must equal it).
+        linear_groups: per KV cache group, whether it holds linear-attention state.
+    """
+    layout = p.get("layout")
+    if not isinstance(layout, dict):
+        return f"kv_transfer_params.layout must be an object, got {layout!r:.60}"
+    bs = layout.get("block_size")
+    if not _is_count(bs) or bs == 0:
+        return f"kv_transfer_params.layout.block_size must be a positive integer, got {bs!r:.40}"
+    expected = -(-num_tokens // bs)
+    for g, (ids, linear) in enumerate(zip(p["remote_block_ids"], linear_groups)):
+        if not isinstance(ids, list) or not all(_is_count(b) for b in ids):
+            return (f"kv_transfer_params.remote_block_ids[{g}] must be a list of non-negative "
+                    f"integer block ids, got {ids!r:.60}")
+        want = 1 if linear else expected
+        if len(ids) != want:
+            what = ("one linear-state slot" if linear else
+                    f"ceil({num_tokens} tokens / layout.block_size {bs}) = {expected} blocks")
+            return (f"kv_transfer_params.remote_block_ids[{g}] lists {len(ids)} blocks but the params "
+                    f"describe {what}: block ids, num_tokens and layout.block_size disagree")
+    return ""
+
+
 def shard_error(layout: dict[str, Any], p: dict[str, Any], num_groups: int) -> str:
     """Why this engine cannot take the producer's blocks, or "". P must be dcp 1. A P at tp 1:
     each of this engine's ranks stores either exactly P's KV heads (whole blocks; with DCP,

@@ -49,7 +49,11 @@ from typing import TYPE_CHECKING, Any
 from pdkv.cache.block_pool import NULL_BLOCK_ID
 from pdkv.cache.specs import window_first_block
 from pdkv.kv_transfer.connector.base import KVConnectorOutput
-from pdkv.kv_transfer.connector.p2p_compat import linear_state_error, shard_error
+from pdkv.kv_transfer.connector.p2p_compat import (
+    linear_state_error,
+    params_consistency_error,
+    shard_error,
+)
 from pdkv.kv_transfer.connector.p2p_messages import (
     NotifySpec,
     P2PConnectorMetadata,
@@ -130,6 +134,14 @@ class P2PConnectorScheduler:
                     f"kv_transfer_params.remote_block_ids must hold one block list per KV cache "
                     f"group ({self.num_groups}), got {groups!r:.80}"
                 )
+            if int(p.get("num_tokens", request.num_prompt_tokens)) != request.num_prompt_tokens:
+                raise ValueError(
+                    f"kv_transfer_params cover {p.get('num_tokens')} tokens but the prompt has "
+                    f"{request.num_prompt_tokens}"
+                )
+            error = params_consistency_error(p, request.num_prompt_tokens, self.linear_groups)
+            if error:
+                raise ValueError(error)
             mismatch = layout_mismatch(self.layout, dict(p.get("layout") or {}))
             if mismatch:
                 raise ValueError(mismatch)
@@ -140,11 +152,6 @@ class P2PConnectorScheduler:
                 error = linear_state_error(request, p)
                 if error:
                     raise ValueError(error)
-            if int(p.get("num_tokens", request.num_prompt_tokens)) != request.num_prompt_tokens:
-                raise ValueError(
-                    f"kv_transfer_params cover {p.get('num_tokens')} tokens but the prompt has "
-                    f"{request.num_prompt_tokens}"
-                )
         if p.get("do_remote_decode") and not self.config.is_kv_producer:
             raise ValueError("kv_transfer_params.do_remote_decode needs a kv_producer engine")
 
