@@ -22,7 +22,9 @@ above (the same code). prefix_aware computes the request's chunk hashes
 (`pdkv.router.prefix_keys`) with each instance's block and pool chunk size (GET /kv_layout).
 
 GET /metrics: the proxy's own counters (`pdkv.router.proxy_metrics`). GET /backends: the engine URLs
-it routes to by role (`pdkv bench serve` scrapes their /metrics too).
+it routes to by role (`pdkv bench serve` scrapes their /metrics too). POST /reset_prefix_cache goes
+to every backend, and the answer reports each one (`pdkv.router.proxy_admin` lists which admin
+routes are deployment-wide).
 
 Every response (or the final chunk of a stream) carries the stitched `pdkv_timings`
 (`pdkv.router.timings`): the proxy's own time, each engine's phases and the HTTP residuals.
@@ -60,6 +62,7 @@ from pdkv.router.prefix_keys import (
     RequestKeyer,
     request_chunk_hashes,
 )
+from pdkv.router.proxy_admin import fan_out
 from pdkv.router.proxy_legs import LegSender
 from pdkv.router.proxy_metrics import ProxyMetrics
 from pdkv.router.proxy_protocol import (
@@ -209,6 +212,15 @@ def build_proxy_app(
         if why:
             return error_response(why, 503, "ServiceUnavailableError")
         return Response(status_code=200)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(raw: Request) -> Response:
+        """Every backend forgets its prefix cache (pdkv.router.proxy_admin: each one's answer; a
+        409 from one that has blocks in use)."""
+        headers = {"Authorization": raw.headers["authorization"]} if "authorization" in raw.headers else {}
+        roles = ([("backend", b.url) for b in colocated] if colocated else
+                 [("prefill", b.url) for b in prefills] + [("decode", b.url) for b in decodes])
+        return await fan_out(state["client"], roles, "/reset_prefix_cache", headers)
 
     @app.get("/v1/models")
     async def models() -> Response:

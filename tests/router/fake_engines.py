@@ -92,6 +92,8 @@ class FakeEngine:
         self.pool_chunk_size = pool_chunk_size
         self.decode_params: list[Any] = []  # kv_transfer_params of every decode request, in order
         self.timings: dict[str, Any] | None = None
+        self.reset_status = 200  # what POST /reset_prefix_cache answers
+        self.reset_auth: list[str | None] = []  # the Authorization header of each reset
         app = FastAPI()
 
         @app.post("/v1/completions")
@@ -151,6 +153,16 @@ class FakeEngine:
         @app.get("/health")
         async def health() -> Any:
             return {}
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache(req: Request) -> Any:
+            self.hits["reset_prefix_cache"] += 1
+            self.reset_auth.append(req.headers.get("authorization"))
+            if self.reset_status != 200:
+                return JSONResponse({"error": {"message": "prefix cache not reset: KV cache blocks are in use",
+                                               "type": "ConflictError", "param": None,
+                                               "code": self.reset_status}}, status_code=self.reset_status)
+            return JSONResponse(None, status_code=200)
 
         self.server = ServerThread(app, port)
         self.url = self.server.url

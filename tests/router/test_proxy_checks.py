@@ -324,3 +324,47 @@ def test_unknown_model_needs_a_reported_name_and_error_kind_reads_the_layout():
     assert unknown_model("x", [served, silent]) == "The model `x` does not exist; this deployment serves `smollm2`, `alias`."
     assert error_kind(404) == "client" and error_kind(503) == "status"
     assert error_kind(400, b'{"error": {"message": "KV layout mismatch (dtype)"}}') == "status"
+
+
+def test_reset_prefix_cache_goes_to_every_backend_and_reports_each(stack):
+    r = httpx.post(stack.url + "/reset_prefix_cache", headers={"Authorization": "Bearer k"}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.json()["backends"] == [
+        {"url": stack.p.url, "role": "prefill", "status": 200, "message": None},
+        {"url": stack.d.url, "role": "decode", "status": 200, "message": None}]
+    assert stack.p.hits["reset_prefix_cache"] == stack.d.hits["reset_prefix_cache"] == 1
+    assert stack.p.reset_auth == stack.d.reset_auth == ["Bearer k"]
+    # D has blocks in use: its 409 is the answer, and P's success is still reported.
+    stack.d.reset_status = 409
+    r = httpx.post(stack.url + "/reset_prefix_cache", timeout=10)
+    assert r.status_code == 409
+    body = r.json()
+    assert [b["status"] for b in body["backends"]] == [200, 409]
+    assert "blocks are in use" in body["backends"][1]["message"]
+    assert "1 of 2 backends succeeded" in body["error"]["message"] and stack.d.url in body["error"]["message"]
+    assert stack.p.hits["reset_prefix_cache"] == 2
+
+
+def test_reset_prefix_cache_reports_an_unreachable_backend_as_502():
+    s = _Stack(start_d=False)
+    try:
+        r = httpx.post(s.url + "/reset_prefix_cache", timeout=30)
+        assert r.status_code == 502
+        prefill, decode = r.json()["backends"]
+        assert prefill["status"] == 200 and decode["status"] == 502 and "unreachable" in decode["message"]
+    finally:
+        s.stop()
+
+
+def test_reset_prefix_cache_in_colocated_mode_goes_to_every_instance():
+    engines = [FakeEngine(None), FakeEngine(None)]
+    proxy = ServerThread(build_proxy_app([], [], backend_urls=[e.url for e in engines]))
+    try:
+        r = httpx.post(proxy.url + "/reset_prefix_cache", timeout=10)
+        assert r.status_code == 200
+        assert [(b["role"], b["url"]) for b in r.json()["backends"]] == [("backend", e.url) for e in engines]
+        assert [e.hits["reset_prefix_cache"] for e in engines] == [1, 1]
+    finally:
+        proxy.stop()
+        for e in engines:
+            e.stop()
