@@ -1,4 +1,9 @@
-"""`pdkv matrix`: run the tagged acceptance tests and write docs/SUPPORT_MATRIX.md (+ .json)."""
+"""`pdkv matrix`: run the tagged acceptance tests and write docs/SUPPORT_MATRIX.md (+ .json).
+
+A full run writes the page anew. A partial run (`--quick`, `--models`, `--features`) merges its
+cells into the page it finds at `--out` (`pdkv.matrix.report.merge`): the cells it did not re-run
+keep their status and say when they were last checked; `--no-merge` writes only this run's cells.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import subprocess
 import sys
 
 from pdkv.matrix.catalog import FAILED, FEATURE_IDS, MODEL_IDS
-from pdkv.matrix.report import json_path, to_data, write
+from pdkv.matrix.report import json_path, merge, read_json, to_data, write
 from pdkv.matrix.runner import MatrixOptions, run_matrix
 
 DEFAULT_OUT = os.path.join("docs", "SUPPORT_MATRIX.md")
@@ -26,8 +31,14 @@ def _ids(values: list[str] | None, known: tuple[str, ...], what: str) -> tuple[s
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Flags of `pdkv matrix`."""
     parser.add_argument("--quick", action="store_true",
-                        help="only the checks that load neither SmolLM2 nor HF's model (seconds)")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="Markdown path; the JSON goes beside it")
+                        help="only the checks that load neither SmolLM2 nor HF's model (seconds); "
+                             "merged into the page at --out like any partial run")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help="Markdown path; the JSON goes beside it. A full run rewrites it; a partial run "
+                             "(--quick, --models, --features) merges its cells into it: cells it did not "
+                             "re-run are kept, re-checked ones are stamped with this run's date and commit")
+    parser.add_argument("--no-merge", action="store_true",
+                        help="a partial run writes only its own cells (every other cell becomes ·)")
     parser.add_argument("--models", nargs="+", help=f"model ids to check (default all: {', '.join(MODEL_IDS)})")
     parser.add_argument("--features", nargs="+", help=f"feature ids (default all: {', '.join(FEATURE_IDS)})")
     parser.add_argument("--tests", nargs="+", default=["tests"], help="where the tagged tests are")
@@ -72,9 +83,21 @@ def main(args: argparse.Namespace) -> int:
     if opts.features:
         command += " --features " + " ".join(opts.features)
     today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    write(args.out, to_data(cells, today, command, _commit(root), tagged))
+    data = to_data(cells, today, command, _commit(root), tagged)
+    partial = args.quick or bool(opts.models) or bool(opts.features)
+    kept = ""
+    if partial and not args.no_merge and os.path.exists(json_path(args.out)):
+        try:
+            old = read_json(json_path(args.out))
+        except (OSError, ValueError) as e:
+            print(f"error: cannot merge into {json_path(args.out)} ({e}); use --no-merge or another --out",
+                  file=sys.stderr)
+            return 2
+        data = merge(old, data)
+        kept = f" (merged: {len(cells)} re-checked, {len(data['cells']) - len(cells)} kept from the earlier run)"
+    write(args.out, data)
     failed = [c for c in cells if c.status == FAILED]
-    print(f"wrote {args.out} and {json_path(args.out)}: {len(cells)} cells, {len(failed)} failed")
+    print(f"wrote {args.out} and {json_path(args.out)}: {len(cells)} cells, {len(failed)} failed{kept}")
     for c in failed:
         print(f"  failed: {c.feature} × {c.model}: {c.detail}")
     return 1 if failed else 0

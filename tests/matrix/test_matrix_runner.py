@@ -128,3 +128,57 @@ def test_runner_and_plugin_on_a_fake_tree(tmp_path):
     assert tagged["tiny-llama/pool-dram"] == ["tests/test_fake.py::test_slow"]
     assert tagged["tiny-llama/pd-tcp"] == ["tests/test_fake.py::test_tokens_differ",
                                           "tests/test_fake.py::test_ok_too"]
+
+
+def _cells(*specs: tuple[str, str, str]) -> list:
+    from pdkv.matrix.cells import Cell
+
+    return [Cell(model, feature, status, (f"t.py::{feature}_{model}",), "d", 1.0, True)
+            for model, feature, status in specs]
+
+
+def test_a_partial_run_merges_into_the_page_and_keeps_what_it_did_not_rerun(tmp_path, monkeypatch, capsys):
+    """`pdkv matrix --quick` (or --models / --features) once replaced the committed page with its
+    own few cells; now they are merged in, stamped, and every other cell stays."""
+    import argparse
+
+    import pdkv.matrix.cli as cli
+    from pdkv.matrix.report import json_path, read_json
+
+    out = tmp_path / "m.md"
+    runs = iter([
+        _cells(("smollm2", "colocated", VERIFIED), ("tiny-llama", "colocated", VERIFIED), ("smollm2", "tp", VERIFIED)),
+        _cells(("tiny-llama", "colocated", FAILED)),
+        _cells(("tiny-llama", "colocated", VERIFIED)),
+    ])
+    monkeypatch.setattr(cli, "run_matrix", lambda opts: (next(runs), {"smollm2/tp": ["t.py::tp_smollm2"]}))
+    commits = iter(["c0ffee1", "c0ffee2", "c0ffee3"])
+    monkeypatch.setattr(cli, "_commit", lambda root: next(commits))
+    parser = cli.add_cli_args(argparse.ArgumentParser())
+
+    assert cli.main(parser.parse_args(["--out", str(out)])) == 0  # full run: the base page
+    assert cli.main(parser.parse_args(["--quick", "--out", str(out)])) == 1  # its one cell failed
+    assert "1 re-checked, 2 kept from the earlier run" in capsys.readouterr().out
+    data = read_json(json_path(str(out)))
+    assert data["command"] == "pdkv matrix"
+    assert [(c["feature"], c["model"], c["status"]) for c in data["cells"]] == [
+        ("colocated", "smollm2", VERIFIED), ("colocated", "tiny-llama", FAILED), ("tp", "smollm2", VERIFIED)]
+    stamps = {c["model"] + "/" + c["feature"]: c["checked"] for c in data["cells"]}
+    assert stamps["smollm2/colocated"] == stamps["smollm2/tp"] == f"{data['generated']} (c0ffee1)"
+    assert stamps["tiny-llama/colocated"].endswith("(c0ffee2)") and data["commit"] == "c0ffee1"
+    assert [r["command"] for r in data["merged"]] == ["pdkv matrix --quick"] and data["merged"][0]["cells"] == 1
+    md = out.read_text(encoding="utf-8")
+    assert "Cells re-checked since by `pdkv matrix --quick` on" in md and "| checked |" in md
+    assert "| tensor parallelism (--tensor-parallel-size 2; 3 on SmolLM2) (`tp`) | ✅ verified |" in md
+    # --no-merge: only this run's cells.
+    assert cli.main(parser.parse_args(["--quick", "--no-merge", "--out", str(out)])) == 0
+    assert [(c["model"], c["feature"]) for c in read_json(json_path(str(out)))["cells"]] == [("tiny-llama", "colocated")]
+
+
+def test_matrix_help_says_partial_runs_merge(capsys):
+    import argparse
+
+    import pdkv.matrix.cli as cli
+
+    help_text = cli.add_cli_args(argparse.ArgumentParser()).format_help()
+    assert "merges its cells into it" in " ".join(help_text.split()) and "--no-merge" in help_text
