@@ -38,8 +38,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="measured aggregate decode tok/s of one D at its working batch")
     p.add_argument("--target-ttft", type=float, default=None, help="TTFT target, seconds")
     p.add_argument("--target-tpot", type=float, default=None, help="TPOT target, seconds")
-    p.add_argument("--act-dtype", default="bf16", choices=dtypes.NAMES,
-                   help="activation dtype for the attention-FFN estimate")
+    p.add_argument("--act-dtype", default="auto", choices=("auto", *dtypes.NAMES),
+                   help="activation dtype for the attention-FFN estimate (auto: the model's dtype)")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV cache block: P/D moves whole blocks (pdkv's and vLLM's default 16)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -70,12 +72,12 @@ def main(args: argparse.Namespace) -> int:
         tp=args.tp, dcp=args.dcp,
         fixed=costs.FixedCosts(scheduling=args.sched_overhead, layout=args.layout_overhead),
         prefill_tps=args.prefill_tps, decode_tps=args.decode_tps, target_ttft=args.target_ttft,
-        target_tpot=args.target_tpot, act_dtype=args.act_dtype)
+        target_tpot=args.target_tpot, act_dtype=args.act_dtype, block_size=args.block_size)
     figures = make_plan(inp)
     summary: dict[str, Any] = {
         "model": args.model, "config": source, "kv_bytes": args.kv_bytes,
         "prompt_len": args.prompt_len, "output_len": args.output_len, "kv_dtype": args.kv_dtype,
-        "tp": args.tp, "dcp": args.dcp, "link": inp.link.name, "prefill_tps": args.prefill_tps,
+        "tp": args.tp, "dcp": args.dcp, "block_size": args.block_size, "link": inp.link.name, "prefill_tps": args.prefill_tps,
         "decode_tps": args.decode_tps, "target_ttft": args.target_ttft,
         "target_tpot": args.target_tpot,
     }

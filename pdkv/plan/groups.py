@@ -56,6 +56,10 @@ class FullAttention:
     def tokens_held(self, num_tokens: int) -> int:
         return num_tokens
 
+    def block_tokens_held(self, num_tokens: int, block_size: int) -> int:
+        """Token slots of the whole blocks holding the prompt's KV (what P/D moves: blocks)."""
+        return -(-num_tokens // block_size) * block_size
+
     def request_bytes(self, dt: ElementType, tp: int = 1) -> int:
         return 0
 
@@ -69,6 +73,16 @@ class SlidingWindow(FullAttention):
 
     def tokens_held(self, num_tokens: int) -> int:
         return min(num_tokens, self.window)
+
+    def block_tokens_held(self, num_tokens: int, block_size: int) -> int:
+        """Token slots of the blocks P/D moves for a prompt of `num_tokens`: D resumes at the last
+        prompt token and keeps the window of that token's block boundary B, blocks
+        (B − window + 1) // block_size .. (n − 1) // block_size (pdkv.cache.specs.window_first_block)."""
+        if num_tokens == 0:
+            return 0
+        last = (num_tokens - 1) // block_size
+        first = max(0, last * block_size - self.window + 1) // block_size
+        return (last - first + 1) * block_size
 
     def formula(self, dt: ElementType, tp: int = 1) -> str:
         return super().formula(dt, tp) + f", at most the last {self.window} tokens"
@@ -96,6 +110,10 @@ class MLA:
 
     def tokens_held(self, num_tokens: int) -> int:
         return num_tokens
+
+    def block_tokens_held(self, num_tokens: int, block_size: int) -> int:
+        """Token slots of the whole blocks holding the prompt's latents."""
+        return -(-num_tokens // block_size) * block_size
 
     def request_bytes(self, dt: ElementType, tp: int = 1) -> int:
         return 0
@@ -125,6 +143,9 @@ class LinearState:
         return 0
 
     def tokens_held(self, num_tokens: int) -> int:
+        return 0
+
+    def block_tokens_held(self, num_tokens: int, block_size: int) -> int:
         return 0
 
     def request_bytes(self, dt: ElementType, tp: int = 1) -> int:

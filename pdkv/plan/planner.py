@@ -44,7 +44,8 @@ class PlanInputs:
     decode_tps: float | None = None
     target_ttft: float | None = None
     target_tpot: float | None = None
-    act_dtype: str = "bf16"
+    act_dtype: str = "auto"
+    block_size: int = 16
 
 
 def check_parallel(model: ModelSpec | None, tp: int, dcp: int) -> None:
@@ -85,6 +86,9 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
     add = figs.append
     T = inp.prompt_len
     L = inp.model.num_layers if inp.model else 1
+    bs = inp.block_size
+    if bs < 1:
+        raise ValueError(f"block_size must be >= 1, got {bs}")
     link = inp.link
 
     # --- state size -------------------------------------------------------------------------
@@ -115,6 +119,11 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
                 g.request_bytes(st, 1) for g in m.groups)
             add(Figure("request_bytes", "state", f"KV of a {T}-token prompt, whole model",
                        total_bytes, "B", "bytes per token × tokens held + per-request state, tp=1"))
+            block_bytes = sum(g.token_bytes(kv, 1) * g.block_tokens_held(T, bs) for g in m.groups) + sum(
+                g.request_bytes(st, 1) for g in m.groups)
+            add(Figure("request_block_bytes", "state", f"the same in whole blocks of {bs} tokens",
+                       block_bytes, "B", f"ceil({T} / {bs}) blocks per group (a window group: the blocks "
+                       "of its window): the KV cache and P/D move whole blocks (--block-size)"))
         add(Figure("rank_bytes_per_token", "rank", "KV per token on one rank", rank_tok, "B",
                    "; ".join(g.formula(kv, inp.tp) for g in m.groups
                                                 if not isinstance(g, LinearState))))
@@ -124,17 +133,21 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
         if T:
             rank_tokens = math.ceil(T / inp.dcp)
             held = sum(g.token_bytes(kv, inp.tp) * g.tokens_held(rank_tokens) for g in m.groups)
-            moved = held + rank_req
+            exact = held + rank_req
+            moved = sum(g.token_bytes(kv, inp.tp) * g.block_tokens_held(rank_tokens, bs)
+                        for g in m.groups) + rank_req
             add(Figure("rank_tokens", "rank", "tokens on one rank", rank_tokens, "tokens",
                        f"ceil({T} / dcp={inp.dcp}); DCP puts token t on rank (t // I) % dcp"))
             terms = [f"{g.token_bytes(kv, inp.tp)} B × {g.tokens_held(rank_tokens)} tokens ({g.kind})"
                      for g in m.groups if not isinstance(g, LinearState)]
-            add(Figure("rank_bytes", "rank", "KV of the prompt on one rank", moved, "B",
+            add(Figure("rank_bytes", "rank", "KV of the prompt on one rank", exact, "B",
                        " + ".join(terms) + (f" + {rank_req} B state" if rank_req else "")
                        + f"; tp={inp.tp}, dcp={inp.dcp}"))
+            add(Figure("rank_block_bytes", "rank", f"the same in whole blocks of {bs} tokens (what moves)",
+                       moved, "B", f"ceil({rank_tokens} / {bs}) blocks per group: P/D moves whole blocks"))
             add(Figure("cluster_bytes", "rank", f"KV moved by the {inp.tp} rank(s) of one instance",
                        moved * inp.tp, "B",
-                       "ranks × per-rank bytes: each D rank pulls its own shard or replica"))
+                       "ranks × per-rank bytes in whole blocks: each D rank pulls its own shard or replica"))
     else:
         moved = inp.kv_bytes
         rank_req = 0
@@ -145,8 +158,8 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
     if moved is not None:
         prefill_s = T / inp.prefill_tps if (T and inp.prefill_tps) else None
         h = costs.handoff(moved, link, inp.fixed)
-        scope = "one rank's bytes over its own link; ranks move in parallel" if inp.model else \
-            "--kv-bytes over one link"
+        scope = ("one rank's whole blocks over its own link; ranks move in parallel" if inp.model else
+                 "--kv-bytes over one link")
         add(Figure("handoff_bytes", "handoff", "bytes per link", moved, "B", scope))
         add(Figure("wire_s", "handoff", "wire time", h.wire, "s",
                    f"{moved:.4g} B / {link.bandwidth:.4g} B/s"))
@@ -158,16 +171,17 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
         add(Figure("layout_s", "handoff", "layout conversion", inp.fixed.layout, "s",
                    "0: P and D share tp, block size and dtype (--layout-overhead otherwise)"))
         add(Figure("handoff_s", "handoff", "handoff time", h.total, "s",
-                   "wire + handshake + scheduling + layout; KV published once prefill ends "
-                   "(pdkv's connectors today): nothing hidden"))
+                   "wire + handshake + scheduling + layout, all after the prefill: KV published once "
+                   "the prefill ends, as pdkv's connectors (pull) do today"))
         if prefill_s is not None:
             hl = costs.handoff(moved, link, inp.fixed, L, prefill_s)
             add(Figure("prefill_s", "handoff", "prefill compute", prefill_s, "s",
                        f"{T} tokens / {inp.prefill_tps:g} tok/s (--prefill-tps)"))
-            add(Figure("overlap_hidden_s", "handoff", "hidden by layer-wise publishing", hl.hidden, "s",
-                       f"(L−1)/L · min(wire, prefill) with L={L} layers"))
-            add(Figure("handoff_layerwise_s", "handoff", "handoff with layer-wise overlap", hl.total,
-                       "s", "handoff time − hidden: the exposed part after prefill ends"))
+            add(Figure("overlap_hidden_s", "handoff", "if KV were published layer by layer: hidden",
+                       hl.hidden, "s", f"(L−1)/L · min(wire, prefill) with L={L} layers: the wire time a "
+                       "layer-wise push (not in pdkv yet) would overlap with the prefill"))
+            add(Figure("handoff_layerwise_s", "handoff", "if KV were published layer by layer: handoff",
+                       hl.total, "s", "handoff time − hidden: what would remain after the prefill"))
             add(Figure("handoff_share_of_ttft", "handoff", "handoff / (prefill + handoff)",
                         h.total / (prefill_s + h.total), "ratio",
                         "share of an unloaded P/D TTFT spent moving KV (no queueing, no overlap)"))
@@ -213,11 +227,12 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
 
     # --- attention-FFN disaggregation (paper estimate) ---------------------------------------
     if inp.model is not None:
-        act = element_type(inp.act_dtype)
+        act = element_type(inp.model.dtype) if inp.act_dtype == "auto" else element_type(inp.act_dtype)
+        why_act = "the model's dtype" if inp.act_dtype == "auto" else "--act-dtype"
         tokens = T or 1
         t = afd.activation_traffic(inp.model.hidden_size, tokens, L, act.bytes,
                                    inp.model.experts_per_token)
-        base = f"hidden {inp.model.hidden_size} · {tokens} tokens · {act.bytes} B ({act.name})"
+        base = f"hidden {inp.model.hidden_size} · {tokens} tokens · {act.bytes} B ({act.name}, {why_act})"
         add(Figure("afd_layer_direction", "afd", "per layer, per direction", t.per_layer_direction,
                    "B", base + "; paper estimate, not a pdkv feature"))
         add(Figure("afd_layer_both", "afd", "per layer, both directions", t.per_layer_both, "B",

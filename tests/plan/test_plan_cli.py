@@ -66,3 +66,49 @@ def test_plan_imports_no_torch():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_prompt_bytes_exact_and_in_whole_blocks_as_pd_moves_them(capsys):
+    """37 tokens are 1,704,960 B of KV, but P/D moves 3 whole blocks of 16: 2,211,840 B (what
+    `pdkv up --demo` reports as moved); the handoff is planned on the blocks."""
+    f = run_json(capsys, "--model", "smollm2", "--prompt-len", "37")
+    assert f["request_bytes"]["value"] == f["rank_bytes"]["value"] == 46_080 * 37 == 1_704_960
+    assert f["request_block_bytes"]["value"] == f["rank_block_bytes"]["value"] == 46_080 * 48 == 2_211_840
+    assert f["handoff_bytes"]["value"] == 2_211_840
+    assert f["wire_s"]["value"] == pytest.approx(2_211_840 / 2.7e9)
+    f = run_json(capsys, "--model", "smollm2", "--prompt-len", "37", "--block-size", "32")
+    assert f["handoff_bytes"]["value"] == 46_080 * 64
+
+
+def test_afd_estimate_uses_the_models_dtype_unless_told(capsys):
+    f = run_json(capsys, "--model", "smollm2", "--prompt-len", "37")  # an fp32 model here
+    assert f["afd_layer_direction"]["value"] == 576 * 37 * 4
+    assert "fp32, the model's dtype" in f["afd_layer_direction"]["assumption"]
+    f = run_json(capsys, "--model", "smollm2", "--prompt-len", "37", "--act-dtype", "bf16")
+    assert f["afd_layer_direction"]["value"] == 576 * 37 * 2
+
+
+def test_handoff_names_the_pull_case_and_the_layerwise_case(capsys):
+    assert main(["plan", "--model", "smollm2", "--prompt-len", "1024", "--link", "tcp-loopback",
+                 "--prefill-tps", "500"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing hidden" not in out
+    assert "KV published once the prefill ends, as pdkv's connectors (pull) do today" in out
+    assert "if KV were published layer by layer: hidden:" in out
+    assert "if KV were published layer by layer: handoff:" in out
+
+
+def test_sliding_window_blocks_are_those_of_the_window():
+    from pdkv.plan.groups import SlidingWindow
+
+    g = SlidingWindow(num_layers=1, num_kv_heads=1, head_dim=8, window=40)
+    assert g.block_tokens_held(30, 16) == 32  # blocks 0..1
+    # D resumes at token 99, boundary 96: keeps tokens 57.. -> blocks 3..6 (window_first_block)
+    assert g.block_tokens_held(100, 16) == 64
+    assert g.block_tokens_held(1024, 16) == 64  # boundary 1008: blocks 60..63 (⌈39/16⌉ + 1)
+    assert g.block_tokens_held(0, 16) == 0
+    from pdkv.cache.specs import window_first_block
+
+    for n in range(1, 300):
+        last = (n - 1) // 16
+        assert g.block_tokens_held(n, 16) == (last - window_first_block(n - 1, 16, 40) + 1) * 16
