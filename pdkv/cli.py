@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 
@@ -17,8 +18,13 @@ DEMO_PROMPTS = [
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    import logging
+
     from pdkv import LLM, SamplingParams
     from pdkv.engine.arg_utils import EngineArgs
+
+    # As `pdkv serve`: the engine's start-up lines (the --cpu-linear auto table, fallbacks) show.
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     prompts = list(args.prompt or [])
     if args.prompts_file:
@@ -61,7 +67,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             f"TTFT {_ms(ttft)}, TPOT {_ms(tpot)}, E2EL {_ms(e2e)}"
         )
     print(
-        f"\n{len(outputs)} requests, {total_out} output tokens in {wall:.2f} s "
+        f"\n{len(outputs)} request{'s' if len(outputs) != 1 else ''}, {total_out} output tokens in {wall:.2f} s "
         f"({total_out / wall:.1f} tok/s); model load {t_load:.1f} s"
     )
     return 0
@@ -87,6 +93,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction):
             return action.help
+        if action.help and re.search(r"\bdefaults?\b", action.help, re.IGNORECASE):
+            return action.help  # the help says its default itself: no second "(default: ...)"
         return super()._get_help_string(action)
 
 
@@ -134,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = disabled")
     gen.add_argument("--sampling-seed", type=int, default=None, help="seed of random sampling")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    gen.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                     help="logging level of the engine's messages")
     gen.set_defaults(func=_cmd_generate)
 
     from pdkv.serve import api_server

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
+import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -33,7 +34,14 @@ class PdkvArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         hint = suggestion(self, self._argv, message)
-        super().error(message + (f"; {hint}" if hint else ""))
+        text = message + (f"; {hint}" if hint else "")
+        # argparse reports leftover arguments from the root parser; show the usage of the
+        # subcommand they were given to (`pdkv up --mdoe`: "usage: pdkv up ...").
+        chosen = _scope(self, self._argv)[-1] if "unrecognized arguments:" in message else self
+        if chosen is not self:
+            chosen.print_usage(sys.stderr)
+            chosen.exit(2, f"{chosen.prog}: error: {text}\n")
+        super().error(text)
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

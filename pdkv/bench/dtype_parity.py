@@ -102,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
     models = {d: load_with_linear(path, d, args.cpu_linear) for d in dtypes}
     rows = compare_dtypes(models, prompts, args.max_tokens)
     print(f"{args.model}: {len(prompts)} prompts x {args.max_tokens} greedy tokens, reference float32, "
-          f"{torch.get_num_threads()} threads; CPU bf16 flags: {read_cpu_features().describe()}")
+          f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''}; CPU bf16 flags: {read_cpu_features().describe()}")
     print(format_rows(rows))
     if args.json:
         result: dict[str, Any] = {"model": args.model, "rows": [asdict(r) for r in rows]}

@@ -188,7 +188,7 @@ def format_backend_table(result: dict[str, Any]) -> str:
     what = "CPU matmul (--cpu-linear)" if by_linear else "attention backend (decode tok/s)"
     lines = [
         f"pdkv by {what}: {result['model']} {result['dtype']}, "
-        f"{result['num_threads']} threads, {result['input_len']} prompt + {result['output_len']} "
+        f"{result['num_threads']} thread{'s' if result['num_threads'] != 1 else ''}, {result['input_len']} prompt + {result['output_len']} "
         f"output tokens; {result['host_cpu']}",
         "backends: " + ", ".join(f"{n} (ran {used[n]})" for n in names),
         "| batch | " + ("phase | " if by_linear else "") + " | ".join(f"{n} tok/s" for n in names)

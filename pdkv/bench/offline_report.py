@@ -156,7 +156,7 @@ def format_workload_table(result: dict[str, Any]) -> str:
     lines = [
         f"pdkv vs HF transformers vs llama.cpp (llama-cpp-python "
         f"{result.get('llama_cpp_python_version') or '?'}, GGUF {result['dtype']}), same token ids, "
-        f"{result['num_threads']} threads each",
+        f"{result['num_threads']} thread{'s' if result['num_threads'] != 1 else ''} each",
         " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
                    for i, (c, w) in enumerate(zip(cols, widths, strict=True))),
         "-+-".join("-" * w for w in widths),

@@ -124,17 +124,14 @@ def format_profile(rows: list[dict[str, Any]], title: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Print the profile table of decode and prefill steps."""
-    from pdkv.model.cpu_linear import CPU_LINEARS, setup_cpu_linear
-    from pdkv.model.fused_ops import set_fused_ops
-    from pdkv.model.loader import load_model
-    from pdkv.model.paged_prefill import install_attention_backend
-    from pdkv.model.registry import resolve_model
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of `python -m pdkv.bench.profile_step`."""
+    from pdkv.model.cpu_linear import CPU_LINEARS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--num-threads", "--threads", dest="num_threads", type=int, default=2,
+                   help="torch threads (as every pdkv bench's --num-threads)")
     p.add_argument("--decode-batches", default="1,32", help="comma-separated decode batch sizes")
     p.add_argument("--context", type=int, default=150, help="cached tokens per decoding request")
     p.add_argument("--prefill", type=int, default=512, help="prefill tokens (0: none)")
@@ -143,8 +140,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-fused-ops", action="store_true", help="the torch small ops (reference path)")
     p.add_argument("--cpu-linear", default="panel", choices=CPU_LINEARS,
                    help="the matmuls, as the engine's --cpu-linear (default: the engine's default)")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the profile table of decode and prefill steps."""
+    from pdkv.model.cpu_linear import setup_cpu_linear
+    from pdkv.model.fused_ops import set_fused_ops
+    from pdkv.model.loader import load_model
+    from pdkv.model.paged_prefill import install_attention_backend
+    from pdkv.model.registry import resolve_model
+
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.num_threads)
     model = load_model(resolve_model(args.model), "float32", "cpu")
     linear = setup_cpu_linear(model, args.cpu_linear, "float32", "cpu").describe()
     backend = install_attention_backend(model, args.attention_backend, "cpu", "auto", 1, False)
@@ -153,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill:
         cases.append((f"prefill {args.prefill}", 1, args.prefill, 0))
     rows = profile_cases(model, cases, repeats=args.repeats)
-    print(format_profile(rows, f"{args.model} float32, {args.threads} threads, linear {linear}, attention {backend}, "
+    print(format_profile(rows, f"{args.model} float32, {args.num_threads} thread{'s' if args.num_threads != 1 else ''}, linear {linear}, attention {backend}, "
                                f"fused ops {'on' if fused else 'off'}, context {args.context}"))
     return 0
 

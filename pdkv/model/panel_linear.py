@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
     panels = [PanelWeight(pack_panels(w), w.shape[0]) for w in weights]
     flops_per_row = 2 * sum(w.numel() for w in weights)
-    print(f"{len(weights)} projections ({args.layers} layers of {args.shapes}), {args.num_threads} threads")
+    print(f"{len(weights)} projections ({args.layers} layers of {args.shapes}), {args.num_threads} thread{'s' if args.num_threads != 1 else ''}")
     print(f"{'rows':>5} {'onednn ms':>10} {'panel ms':>9} {'panel/onednn time':>18} {'panel GFLOP/s':>14}")
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):

@@ -84,7 +84,7 @@ class Child:
 
     def describe(self) -> str:
         """One line for `pdkv up`'s listing: name, role, URL, threads, log file."""
-        threads = f"{self.threads} threads" if self.threads else "-"
+        threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}" if self.threads else "-"
         return f"{self.name}: {self.role}, {self.url}, {threads}, log {self.log_path or '-'}"
 
 

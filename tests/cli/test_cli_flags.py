@@ -108,3 +108,39 @@ def test_hf_id_from_the_local_cache_or_a_message_saying_how_to_get_it(monkeypatc
         registry.resolve_model("org/tiny")
     (snap / "model.safetensors").write_bytes(b"")
     assert os.path.samefile(registry.resolve_model("org/tiny"), snap)
+
+
+def test_an_unknown_flag_shows_the_usage_of_its_subcommand(capsys):
+    from pdkv.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["up", "--mdoe", "pd"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: pdkv up ") and "pdkv up: error: unrecognized arguments: --mdoe; did you mean --mode?" in err
+
+
+def test_generate_logs_the_engines_start_up_lines(tiny_llama_kv2):
+    """`pdkv generate` sets up logging as `pdkv serve` does: the --cpu-linear auto table shows."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "pdkv.cli", "generate", "--model", tiny_llama_kv2,
+                           "--cpu-linear", "auto", "--max-tokens", "2", "--prompt", "hi"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "pdkv.model.cpu_linear: cpu-linear auto table [" in proc.stderr
+    assert "1 request, 2 output tokens" in proc.stdout
+
+
+def test_profile_step_takes_num_threads():
+    from pdkv.bench.profile_step import build_parser as profile_parser
+
+    assert profile_parser().parse_args(["--num-threads", "1"]).num_threads == 1
+
+
+def test_one_thread_is_singular_in_up_listing():
+    from pdkv.router.launcher import Child
+
+    assert Child("p0", "http://x", [], {}, role="prefill", threads=1).describe() == "p0: prefill, http://x, 1 thread, log -"
+    assert ", 2 threads," in Child("p0", "http://x", [], {}, role="prefill", threads=2).describe()
