@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import NUM_NEW_TOKENS
 
 from pdkv import LLM, SamplingParams
 from pdkv.model.panel_linear import PanelWeight, panel_linear_unavailable
@@ -18,6 +17,9 @@ from pdkv.model.panel_linear import PanelWeight, panel_linear_unavailable
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 NEW_TOKENS = 12
+# What tests/conftest.py's `hf_reference` generates per SmolLM2 prompt (its NUM_NEW_TOKENS; not
+# imported: under xdist another folder's conftest.py may own the module name `conftest`).
+SMOLLM2_NEW_TOKENS = 40
 PROMPT_LENS = (20, 70)  # 70 > tiny-swa's 40-token window; both past one 16-token block
 TINY = ("tiny-llama-kv1", "tiny-llama-kv2", "tiny-swa", "tiny-mla", "tiny-gdn", "tiny-kda-mla")
 CPU_LINEARS = ("torch", "onednn", "auto", "panel")
@@ -117,8 +119,9 @@ def test_tiny_mla_each_cpu_linear_matches_hf_with_the_ops(cpu_linear, cpu_ops, f
 def test_smollm2_defaults_match_hf_with_the_ops_hidden(parity_prompts, hf_reference, ops_hidden):
     llm = LLM("smollm2", block_size=16, num_kv_blocks=256, max_model_len=512)
     _assert_on_fallbacks(llm)
+    assert max(len(r) for r in hf_reference) <= SMOLLM2_NEW_TOKENS
     outs = llm.generate([{"prompt_token_ids": p} for p in parity_prompts],
-                        SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS), use_tqdm=False)
+                        SamplingParams(temperature=0.0, max_tokens=SMOLLM2_NEW_TOKENS), use_tqdm=False)
     for i, (out, ref) in enumerate(zip(outs, hf_reference)):
         assert out.outputs[0].token_ids == ref, f"prompt {i}"
     assert_no_leak(llm)
