@@ -89,32 +89,40 @@ def machine_text() -> str:
 
 
 def report_notes(args: argparse.Namespace) -> list[str]:
-    """The reading notes printed under the table."""
+    """The reading notes printed under the table (the pool and offload ones only when such a
+    topology is in the run)."""
+    topologies = str(args.topologies)
+    pool, offload = "pool" in topologies, "offload" in topologies
     c = args.pool_chunk_size
     hits = ", ".join(f"{n}-token prompts at most {(n - 1) // c * c}" for n in args.input_lens)
-    return [
+    notes = [
         "Each (prompt length, concurrency) point uses its own random prompts (seed, seed+1, ... "
         "in table order), so its cold run finds nothing cached; hot: the same prompts again after "
-        "`POST /reset_prefix_cache` on every engine (P included), so only the pool can serve them. "
+        "`POST /reset_prefix_cache` on every engine (P included), so only a pool can serve them. "
         "Without a pool, hot repeats cold (a control for noise). Engines start once per topology.",
-        f"The pool holds whole chunks of {c} tokens and the last prompt token is always computed: "
-        f"{hits} tokens can hit.",
-        "P2P bytes: KV that decode engines pulled from prefill engines; pool bytes: read from / "
-        "written to the pool tier (`" + args.pool_tier + "`); each the delta of the engines' "
-        "Prometheus counters over the run.",
+    ]
+    if pool:
+        notes.append(f"The pool holds whole chunks of {c} tokens and the last prompt token is always computed: "
+                     f"{hits} tokens can hit.")
+    notes += [
+        "P2P bytes: KV that decode engines pulled from prefill engines"
+        + ("; pool bytes: read from / written to the pool tier (`" + args.pool_tier + "`)" if pool else "")
+        + "; each the delta of the engines' Prometheus counters over the run.",
         "prefix cache hit rate: per engine, prompt tokens found in its own prefix cache / looked "
-        "up; tokens loaded from the pool or pulled from P are not prefix cache hits (see pool hit "
-        "tokens and the bytes columns).",
+        "up; tokens pulled from P" + (" or loaded from the pool" if pool else "")
+        + " are not prefix cache hits (see the bytes columns).",
         "TTFT phases: the servers' `pdkv_timings` per request, folded into queue, prefill, hold "
         "(P answered → D asked), transfer (KV pull / pool or offload load), D queue, D first step "
         "and residual (HTTP, streaming, client); see pdkv/bench/compare_phases.py.",
         f"threads per engine: {args.threads_per_engine or 'CPUs / engines of the topology'}; "
         f"engine flags: `{' '.join(args.engine_args)}`; before the first run of a topology one "
-        "unmeasured warm-up request (a prompt shorter than one pool chunk) goes through the endpoint.",
-        f"colocated+offload: the engine's KV cache is cut to {OFFLOAD_NUM_KV_BLOCKS} blocks (the "
-        "prompts do not fit) with an OffloadingConnector host store; offload wait share = the "
-        "copies' exposed wait / the run's duration.",
+        "unmeasured warm-up request (a short prompt) goes through the endpoint.",
     ]
+    if offload:
+        notes.append(f"colocated+offload: the engine's KV cache is cut to {OFFLOAD_NUM_KV_BLOCKS} blocks (the "
+                     "prompts do not fit) with an OffloadingConnector host store; offload wait share = the "
+                     "copies' exposed wait / the run's duration.")
+    return notes
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -57,8 +57,10 @@ def workload_text(args: argparse.Namespace, total_s: float) -> str:
     conc = ", ".join(str(c) if c else "unbounded" for c in args.max_concurrency)
     return (f"random prompts of {', '.join(map(str, args.input_lens))} tokens, {args.output_len} "
             f"output tokens, {args.num_prompts} prompts per run, max concurrency {conc}, request "
-            f"rate {args.request_rate}, seed {args.seed}; model {args.model}; pool tier "
-            f"{args.pool_tier}, chunk {args.pool_chunk_size} tokens; transfer {args.kv_transfer}"
+            f"rate {args.request_rate}, seed {args.seed}; model {args.model}; "
+            + (f"pool tier {args.pool_tier}, chunk {args.pool_chunk_size} tokens; "
+               if "pool" in str(args.topologies) else "")
+            + f"transfer {args.kv_transfer}"
             + (f"; capped link {args.link_rate}" if args.link_rate else "") + f"; total {total_s:.0f} s")
 
 
@@ -80,9 +82,10 @@ def write_report(rows: list[dict[str, Any]], args: argparse.Namespace, *, comman
     model = plan_model(args.model)
     prefill = measured_prefill_tps(rows)
     f_s = fixed[0] if fixed else None
-    breakeven = breakeven_lines(model, args.input_lens, prefill, ctx, fixed_s=f_s)
+    pool_ran = any("pool" in r["topology"] for r in rows)
+    breakeven = breakeven_lines(model, args.input_lens, prefill, ctx, fixed_s=f_s, pool_ran=pool_ran)
     if any(r.get("link_rate") for r in rows):
-        breakeven += [x for x in breakeven_lines(model, args.input_lens, prefill, ctx, True, f_s)
+        breakeven += [x for x in breakeven_lines(model, args.input_lens, prefill, ctx, True, f_s, pool_ran)
                       if x.startswith("P/D link")]
     md_path, plot_dir, json_path = report_paths(args.out)
     plots: list[str] = []
@@ -107,7 +110,7 @@ def write_report(rows: list[dict[str, Any]], args: argparse.Namespace, *, comman
         workload += f"; report re-rendered from its compare.json by `{rendered_by}`"
     text = render_report(rows, command=command, date=date, machine=machine,
                          workload=workload,
-                         notes=report_notes(args) + plan_assumptions(ctx, fixed), skipped=skipped,
+                         notes=report_notes(args) + plan_assumptions(ctx, fixed, pool_ran), skipped=skipped,
                          plots=plots, plot_note=plot_note, sections=sections)
     os.makedirs(os.path.dirname(md_path) or ".", exist_ok=True)
     os.makedirs(plot_dir, exist_ok=True)

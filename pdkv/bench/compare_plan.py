@@ -74,22 +74,30 @@ def _per_request(row: Mapping[str, Any], key: str) -> float | None:
 
 def calibrate_fixed(rows: Sequence[Mapping[str, Any]], ctx: PlanContext) -> tuple[float, str] | None:
     """The per-handoff fixed cost F (s) measured in the run, as `pdkv bench handoff`'s probe
-    does: the shortest prompt's measured handoff (`pd`, cold, loopback) minus its wire time and
-    the handshake term (pdkv.bench.handoff_compare.fixed_from_probe), never below 0. On this CPU
-    build F is mostly scheduler steps (tens of ms each), which `pdkv plan`'s 2 ms default (a GPU
-    step) leaves out. None when no such row has a measured handoff."""
-    cands = [r for r in rows if r["topology"] == "pd" and r.get("cache") == "cold"
-             and not r.get("link_rate") and (r.get("raw_phases") or {}).get("transfer") is not None
+    does: a run's mean measured handoff (`pd`, loopback) minus its wire time and the handshake
+    term (pdkv.bench.handoff_compare.fixed_from_probe), never below 0; F is the median over the
+    warm runs, every `pd` run after the first one (the first after the engines start also pays
+    first-use costs: one such run, as in a `--quick` run's shortest prompt, once calibrated F at
+    27.8 ms where the handoffs took 5.6 ms). Only when a single run exists is it used, and the
+    text says so. On this CPU build F is mostly scheduler steps (tens of ms each), which `pdkv
+    plan`'s 2 ms default (a GPU step) leaves out. None when no run has a measured handoff."""
+    cands = [r for r in rows if r["topology"] == "pd" and not r.get("link_rate")
+             and (r.get("raw_phases") or {}).get("transfer") is not None
              and r.get("p2p_bytes") and r.get("completed")]
     if not cands:
         return None
-    r = min(cands, key=lambda r: (r["input_len"], r["max_concurrency"] or 0))
-    nbytes = r["p2p_bytes"] / r["completed"]
-    meas = r["raw_phases"]["transfer"] / 1e3
-    f = fixed_from_probe(meas, nbytes, pd_link(ctx, False))
-    return f, (f"F = {f * 1e3:.1f} ms: the measured handoff of pd's {r['input_len']}-token prompts "
-               f"(cold, concurrency {r['max_concurrency']}: {meas * 1e3:.1f} ms for {nbytes:.4g} B) minus "
-               "their wire time and handshake, as `pdkv bench handoff`'s probe")
+    warm = cands[1:] or cands
+    link = pd_link(ctx, False)
+    fs = sorted(fixed_from_probe(r["raw_phases"]["transfer"] / 1e3, r["p2p_bytes"] / r["completed"], link)
+                for r in warm)
+    f = fs[len(fs) // 2] if len(fs) % 2 else (fs[len(fs) // 2 - 1] + fs[len(fs) // 2]) / 2
+    handoffs = sum(int(r["completed"]) for r in warm)
+    runs = ", ".join(f"{r['input_len']} tok {r['cache']} c{r['max_concurrency']}" for r in warm)
+    which = (f"the median over {len(warm)} warm pd run(s) ({handoffs} handoffs: {runs}; the first pd run "
+             "left out)" if warm is not cands else
+             f"the only pd run ({handoffs} handoffs: {runs}; no warm run to calibrate on)")
+    return f, (f"F = {f * 1e3:.1f} ms: each run's mean measured handoff minus its wire time and handshake, "
+               f"as `pdkv bench handoff`'s probe; {which}")
 
 
 def predict_row(row: Mapping[str, Any], ctx: PlanContext, fixed_s: float | None = None) -> dict[str, Any]:
@@ -148,9 +156,11 @@ def _figure(figs: Sequence[Figure], key: str) -> Figure | None:
 
 
 def breakeven_lines(model: ModelSpec | None, input_lens: Sequence[int], prefill: tuple[float, str] | None,
-                    ctx: PlanContext, capped: bool = False, fixed_s: float | None = None) -> list[str]:
+                    ctx: PlanContext, capped: bool = False, fixed_s: float | None = None,
+                    pool_ran: bool = True) -> list[str]:
     """The plan's break-even statements, one line each, with their inputs (Markdown); `fixed_s`:
-    the per-transfer fixed cost (s; `calibrate_fixed`), else `pdkv plan`'s default.
+    the per-transfer fixed cost (s; `calibrate_fixed`), else `pdkv plan`'s default; `pool_ran`:
+    whether the run had a pool topology (else no pool-tier lines: nothing measured them).
 
     Raises:
         ValueError: from the planner on invalid numbers.
@@ -163,7 +173,8 @@ def breakeven_lines(model: ModelSpec | None, input_lens: Sequence[int], prefill:
     out = [f"prefill throughput P = {tps:.0f} tokens/s ({how}); KV dtype {ENGINE_KV_DTYPE} "
            "(the engine's on this build)."]
     pd_what = f"P/D link capped at {ctx.link_rate}" if capped and ctx.link_rate else "P/D link"
-    for link, what in ((pd_link(ctx, capped), pd_what), (tier_link(ctx.pool_tier), "pool tier")):
+    targets = [(pd_link(ctx, capped), pd_what)] + ([(tier_link(ctx.pool_tier), "pool tier")] if pool_ran else [])
+    for link, what in targets:
         for n in input_lens:
             fixed = costs.FixedCosts() if fixed_s is None else costs.FixedCosts(scheduling=fixed_s)
             figs = make_plan(PlanInputs(link=link, model=model, prompt_len=n, kv_dtype=ENGINE_KV_DTYPE,
@@ -186,11 +197,15 @@ def breakeven_lines(model: ModelSpec | None, input_lens: Sequence[int], prefill:
 
 
 def plan_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """Markdown table of the rows that have a prediction (rows carry `predict_row`'s keys)."""
-    head = ("| topology | prompt | conc | cache | KV P2P / req | plan handoff (ms) | measured handoff (ms) "
-            "| pool read / req | plan pool load (ms) | plan transfer (ms) | measured transfer (ms) |")
-    lines = [head, "|" + "---|" * 11]
+    """Markdown table of the rows that have a prediction (rows carry `predict_row`'s keys); the
+    pool columns only when some row read from a pool."""
     from pdkv.bench.compare_report import format_bytes
+
+    pool = any(r.get("pool_bytes_per_request") for r in rows)
+    head = ("| topology | prompt | conc | cache | KV P2P / req | plan handoff (ms) | measured handoff (ms) "
+            + ("| pool read / req | plan pool load (ms) " if pool else "")
+            + "| plan transfer (ms) | measured transfer (ms) |")
+    lines = [head, "|" + "---|" * (11 if pool else 9)]
 
     def ms(v: Any) -> str:
         return "-" if v is None else f"{v:.1f}"
@@ -198,24 +213,27 @@ def plan_table(rows: Sequence[Mapping[str, Any]]) -> str:
     for r in rows:
         if r.get("pred_transfer_ms") is None:
             continue
+        pool_cells = (f"{format_bytes(r.get('pool_bytes_per_request'))} | {ms(r.get('pred_pool_ms'))} | "
+                      if pool else "")
         lines.append(f"| {r['topology']} | {r['input_len']} | {r['max_concurrency']} | {r['cache']} | "
                      f"{format_bytes(r.get('p2p_bytes_per_request'))} | {ms(r.get('pred_handoff_ms'))} | "
-                     f"{ms(r.get('meas_handoff_ms'))} | {format_bytes(r.get('pool_bytes_per_request'))} | "
-                     f"{ms(r.get('pred_pool_ms'))} | {ms(r.get('pred_transfer_ms'))} | "
+                     f"{ms(r.get('meas_handoff_ms'))} | {pool_cells}{ms(r.get('pred_transfer_ms'))} | "
                      f"{ms(r.get('meas_transfer_ms'))} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
-def plan_assumptions(ctx: PlanContext, fixed: tuple[float, str] | None = None) -> list[str]:
-    """The assumptions behind the predictions, for the report notes (`fixed`: `calibrate_fixed`)."""
+def plan_assumptions(ctx: PlanContext, fixed: tuple[float, str] | None = None, pool_ran: bool = True) -> list[str]:
+    """The assumptions behind the predictions, for the report notes (`fixed`: `calibrate_fixed`;
+    `pool_ran`: a pool topology ran, else no pool-load note)."""
     pd = pd_link(ctx, False)
     f_s = fixed[0] if fixed else costs.FixedCosts().scheduling
     how = fixed[1] if fixed else "`pdkv plan`'s default scheduling term"
     out = [f"plan handoff: `pdkv plan --kv-bytes <P2P bytes per request> --link {pd.name} "
            f"--sched-overhead {f_s:.4g}` arithmetic: bytes / {pd.bandwidth:.3g} B/s + handshake 2 × "
            f"{pd.latency:g} s + F ({how}; link: {pd.note}).",
-           f"plan pool load: pool bytes read per request / {tier_link(ctx.pool_tier).bandwidth:.3g} B/s "
-           f"({tier_link(ctx.pool_tier).note}); in P/D + pool the plan transfer is handoff + pool load.",
+           *([f"plan pool load: pool bytes read per request / {tier_link(ctx.pool_tier).bandwidth:.3g} B/s "
+              f"({tier_link(ctx.pool_tier).note}); in P/D + pool the plan transfer is handoff + pool load."]
+             if pool_ran else []),
            "measured handoff: D's `transfer` phase (its KV wait: claim, pull, done, and the scheduler "
            "steps around them); measured transfer: the transfer group (see the phases plot)."]
     if ctx.link_rate_bps:

@@ -6,6 +6,8 @@ prompt length, concurrency, cache).
 * `<prefix>bytes.png`: KV bytes moved per path (P2P, pool read, pool written), MiB;
 * `<prefix>hit_rates.png`: pool hit rate (pool hit tokens / prompt tokens) and the mean of the
   engines' prefix cache hit rates, %.
+A bytes or hit-rate plot whose every value is 0 (nothing of the kind ran: no pool, no hit) is not
+drawn: an empty axis says nothing.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def _prefix_rate(r: Mapping[str, Any]) -> float:
 
 
 def write_plots(rows: Sequence[Mapping[str, Any]], folder: str, prefix: str) -> list[str]:
-    """Write the four plots into `folder`; returns their file names.
+    """Write the plots into `folder` (the bytes and hit-rate plots only when some value is not
+    0); returns the file names written.
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -83,15 +86,20 @@ def write_plots(rows: Sequence[Mapping[str, Any]], folder: str, prefix: str) -> 
                                            ("pool_bytes_written", "pool written"))),
         ("hit_rates", "hit rates", "%", (("pool", "pool hit rate"), ("prefix", "prefix cache hit rate"))),
     ):
-        fig, ax = plt.subplots(figsize=(width, 4.0))
-        w = 0.8 / len(series)
-        for i, (key, label) in enumerate(series):
+        values: list[tuple[str, list[float]]] = []
+        for key, label in series:
             if key == "pool":
                 vals = [100.0 * (pool_hit_rate(r) or 0.0) for r in rows]
             elif key == "prefix":
                 vals = [100.0 * _prefix_rate(r) for r in rows]
             else:
                 vals = [(r.get(key) or 0.0) / (1 << 20) for r in rows]
+            values.append((label, vals))
+        if not any(v for _, vals in values for v in vals):
+            continue  # nothing of this kind ran
+        fig, ax = plt.subplots(figsize=(width, 4.0))
+        w = 0.8 / len(series)
+        for i, (label, vals) in enumerate(values):
             ax.bar([x + (i - (len(series) - 1) / 2) * w for x in xs], vals, w, label=label)
         save(fig, ax, name, title, unit)
     return names

@@ -137,8 +137,16 @@ def test_compare_quick_end_to_end(tmp_path):
     except ImportError:
         assert "matplotlib is not installed" in text
     else:
-        for name in ("phases", "tpot_itl", "bytes", "hit_rates"):
+        for name in ("phases", "tpot_itl", "bytes"):
             assert (out / f"compare_{name}.png").stat().st_size > 0
+        # hit rates: drawn only when a pool or a prefix-cache hit showed up in some run
+        rates = any(r.get("pool_hit_tokens") or any((r.get("prefix_hit_rates") or {}).values())
+                    for r in data["rows"])
+        assert (out / "compare_hit_rates.png").exists() == rates
+    # no pool topology ran: no pool break-even lines, pool-load note or pool settings
+    assert "prompts over the pool-" not in text and "pool tier `pool-" not in text
+    assert "plan pool load: pool bytes read" not in text and "pool read / req" not in text
+    assert "warm pd run(s)" in text  # F is calibrated on the runs after the first
     print(f"pdkv compare --quick took {elapsed:.0f} s")
 
 
