@@ -19,7 +19,7 @@ setup: system-packages $(VENV)/.installed
 	@# a compiler it prints one warning and the engine uses the torch paths.
 	$(PY) -m pdkv.model.paged_decode_build
 
-# g++, python3-dev, ccache, redis-server, libibverbs1, iproute2 (apt-get as root; otherwise the
+# g++, python3-dev, ccache, redis-server, libibverbs1, iproute2, prometheus (apt-get as root; otherwise the
 # command to run is printed and the tests needing them skip). .ci/run calls the same script.
 system-packages:
 	@PYTHON=$(PYTHON) bash scripts/system-packages.sh

@@ -6,6 +6,7 @@
 #   redis-server      the KV pool's redis tier (tests start their own on a free loopback port)
 #   libibverbs1       the optional Mooncake transfer engine / store (pip extra "mooncake")
 #   iproute2          ip / tc: `pdkv bench handoff --link-rate` and the network-namespace tests
+#   prometheus        the Grafana dashboard's PromQL checked against a real Prometheus (tests)
 # As root: apt-get installs what is missing. Otherwise: prints the one command to run and exits 0,
 # and the tests that need a missing package skip with that reason (tests/system_packages.py);
 # under CI=true a missing package is an error.
@@ -22,9 +23,10 @@ command -v ccache >/dev/null || missing+=(ccache)
 command -v redis-server >/dev/null || missing+=(redis-server)
 ldconfig_p | grep -q 'libibverbs\.so\.1 ' || missing+=(libibverbs1)
 { command -v ip && command -v tc; } >/dev/null || missing+=(iproute2)
+command -v prometheus >/dev/null || missing+=(prometheus)
 
 if [ ${#missing[@]} -eq 0 ]; then
-  echo "system packages: all present (g++ python3-dev ccache redis-server libibverbs1 iproute2)"
+  echo "system packages: all present (g++ python3-dev ccache redis-server libibverbs1 iproute2 prometheus)"
   exit 0
 fi
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

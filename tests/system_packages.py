@@ -18,6 +18,7 @@ _PRESENT: dict[str, Callable[[], bool]] = {
     "redis-server": lambda: shutil.which("redis-server") is not None,
     "libibverbs1": lambda: ctypes.util.find_library("ibverbs") is not None,
     "iproute2": lambda: shutil.which("ip") is not None and shutil.which("tc") is not None,
+    "prometheus": lambda: shutil.which("prometheus") is not None,
 }
 
 

@@ -17,15 +17,16 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from system_packages import in_ci
+from system_packages import in_ci, require
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "serve"))
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "router"))
 
-from dashboard_check import load, problems  # noqa: E402
+from dashboard_check import live_scope, load, panels, problems  # noqa: E402
 from fake_engines import ServerThread  # noqa: E402
 from pd_utils import pd_config  # noqa: E402
+from prometheus_check import dashboard_expr, prometheus  # noqa: E402
 from server_utils import RemoteServer, free_port, metric_value, wait_for_metric  # noqa: E402
 
 from pdkv import SamplingParams  # noqa: E402
@@ -219,6 +220,45 @@ def test_pd_prompt_token_counts_sum_and_grafana_pd_panels_are_live(pd_stack):
     assert dd["local_compute"] == 1  # the last prompt token, for its logits
     assert dd["external_kv_transfer"] + dd["local_cache_hit"] == n - 1
     assert dd["external_kv_transfer"] > 0
+
+
+def test_every_dashboard_panel_queried_through_a_real_prometheus(pd_stack, tmp_path, capsys):
+    """docs/grafana.json against Prometheus itself (not a regex): it scrapes P, D and the proxy
+    during a short `pdkv bench serve` through the proxy; every target's PromQL, with the
+    dashboard's variables substituted, is valid, each "Always live" panel returns series, and a
+    panel that returns none says in its description why it is empty in this deployment."""
+    require("prometheus")
+    p, d, proxy = pd_stack
+    from pdkv.cli import main as pdkv_main
+
+    hostports = [u.removeprefix("http://") for u in (p.url, d.url, proxy.url)]
+    with prometheus(hostports, tmp_path) as prom:
+        deadline = time.monotonic() + 60
+        while set(prom.targets_up().values()) != {"up"} or len(prom.targets_up()) != 3:
+            assert time.monotonic() < deadline, prom.targets_up()
+            time.sleep(0.5)
+        rc = pdkv_main(["bench", "serve", "--base-url", proxy.url, "--backend", "openai", "--dataset-name", "random",
+                        "--random-input-len", "32", "--random-output-len", "4", "--num-prompts", "4",
+                        "--disable-tqdm"])
+        assert rc == 0, capsys.readouterr().out
+        # Two scrapes after the run, so every rate() window holds the run's increments.
+        settle = time.monotonic() + 60
+        while not prom.query("sum(increase(pdkv:request_success_total[30s])) > 0"):
+            assert time.monotonic() < settle, "the run never showed up in Prometheus"
+            time.sleep(0.5)
+        time.sleep(2.5)
+        empty, live_empty = [], []
+        for panel in panels(load()):
+            series = [s for t in panel["targets"] for s in prom.query(dashboard_expr(t["expr"]))]
+            if series:
+                continue
+            if live_scope(panel) in ("any deployment", "P/D"):
+                live_empty.append(panel["title"])
+            elif "Empty " not in panel["description"]:
+                empty.append(panel["title"])
+        assert live_empty == [], f"always-live panels without data: {live_empty}"
+        assert empty == [], f"panels without data whose description does not say why: {empty}"
+        assert any(s["metric"].get("job") == "pdkv" for s in prom.query("pdkv:proxy_requests_total"))
 
 
 def test_sampling_options_carried_to_decode_match_colocated(pd_stack, reference):
