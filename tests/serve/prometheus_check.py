@@ -16,6 +16,8 @@ from typing import Any
 
 import httpx
 
+from pdkv.procgroup import stop_process_group
+
 SCRAPE_INTERVAL_S = 1.0
 RATE_WINDOW = "30s"
 START_TIMEOUT_S = 60.0
@@ -70,7 +72,8 @@ def prometheus(targets: list[str], folder: Path) -> Iterator[Prometheus]:
     log = open(folder / "prometheus.log", "wb")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=folder, env=dict(os.environ))
+                            stdout=log, stderr=subprocess.STDOUT, cwd=folder, env=dict(os.environ),
+                            start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -87,10 +90,5 @@ def prometheus(targets: list[str], folder: Path) -> Iterator[Prometheus]:
             time.sleep(0.2)
         yield Prometheus(url)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(15)
+        stop_process_group(proc, 15.0)
         log.close()
