@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pdkv.kv_transfer.connector.base import KVConnectorOutput
+from pdkv.sched.output import KVConnectorOutput
 
 
 class KVOutputAggregator:

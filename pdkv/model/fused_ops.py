@@ -70,8 +70,8 @@ def set_fused_ops(model: Any, enabled: bool, allow_build: bool = False) -> bool:
     """Switch the model's Llama layers to the fused ops (or back to the torch ops).
 
     Args:
-        model: a LlamaForCausalLM (or subclass); only its `LlamaLayer`s change (other layer
-            kinds keep the torch ops).
+        model: a LlamaForCausalLM (or subclass); only its layers that have the `fused_ops`
+            switch change (`LlamaLayer`; other layer kinds keep the torch ops).
         enabled: use the fused ops when possible (False: the torch reference path).
         allow_build: compile the extension when not cached (else fused ops need `make setup`).
 
@@ -79,10 +79,11 @@ def set_fused_ops(model: Any, enabled: bool, allow_build: bool = False) -> bool:
         True when the layers now run the fused ops. Not possible (off CPU, not float32, the
         extension not built or failing to load): False, with one log line saying why.
     """
-    from pdkv.model.llama import LlamaLayer
     from pdkv.model.paged_decode_build import load
 
-    layers = [layer for layer in model.layers if isinstance(layer, LlamaLayer)]
+    # The layers with the switch (LlamaLayer.fused_ops): the model imports this module, not the
+    # other way round.
+    layers = [layer for layer in model.layers if hasattr(layer, "fused_ops")]
     on = False
     if enabled and layers:
         why = fused_ops_unsupported(model.rope_cos.device.type, model.rope_cos.dtype)

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING
 
 import httpx
-
-if TYPE_CHECKING:
-    from pdkv.router.launcher import Topology
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -58,16 +54,16 @@ def chat_stream(endpoint: str, model: str, prompt: str, max_tokens: int = 64) ->
             "completion_tokens": n}
 
 
-def run_demo(topo: Topology, model: str) -> None:
-    """Send DEMO_PROMPTS one by one and print what came back."""
-    decoders = [c for c in topo.children if c.name.startswith("decode")]
+def run_demo(endpoint: str, decode_urls: list[str], model: str) -> None:
+    """Send DEMO_PROMPTS one by one to `endpoint` (the proxy or an engine) and print what came
+    back, with the KV bytes the decode engines at `decode_urls` received for each (P/D)."""
     for prompt in DEMO_PROMPTS:
-        before = sum(_metric(c.url, "pdkv:kv_transfer_bytes_received_total") for c in decoders)
-        r = chat_stream(topo.endpoint, model, prompt)
-        after = sum(_metric(c.url, "pdkv:kv_transfer_bytes_received_total") for c in decoders)
+        before = sum(_metric(u, "pdkv:kv_transfer_bytes_received_total") for u in decode_urls)
+        r = chat_stream(endpoint, model, prompt)
+        after = sum(_metric(u, "pdkv:kv_transfer_bytes_received_total") for u in decode_urls)
         print(f"\n=== {prompt}\n{r['text']}")
         line = (f"--- prompt {r['prompt_tokens']} tok, output {r['completion_tokens']} tok, "
                 f"TTFT {float(r['ttft']) * 1000:.0f} ms, TPOT {float(r['tpot']) * 1000:.0f} ms")
-        if decoders:
+        if decode_urls:
             line += f", KV moved P->D {after - before:,.0f} B"
         print(line, flush=True)

@@ -371,7 +371,7 @@ def main(args: argparse.Namespace) -> int:
         if args.demo:
             from pdkv.router.demo import run_demo
 
-            run_demo(topo, args.model)
+            run_demo(topo.endpoint, [c.url for c in topo.children if c.name.startswith("decode")], args.model)
             return 0
         while True:
             dead = topo.dead_child()

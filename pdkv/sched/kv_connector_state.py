@@ -13,8 +13,9 @@ from __future__ import annotations
 import time
 
 from pdkv.cache.kv_cache_manager import KVCacheManager
-from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorOutput
 from pdkv.request import Request, RequestStatus
+from pdkv.sched.kv_connector_api import SchedulerConnector
+from pdkv.sched.output import KVConnectorOutput
 
 
 class KVConnectorState:
@@ -42,7 +43,7 @@ class KVConnectorState:
     def __init__(
         self,
         kv_cache_manager: KVCacheManager,
-        connector: KVConnectorBase | None,
+        connector: SchedulerConnector | None,
         kv_load_failure_policy: str,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager

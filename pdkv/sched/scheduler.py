@@ -20,8 +20,8 @@ from collections.abc import Iterable
 from pdkv.cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pdkv.cache.specs import KVCacheConfig
 from pdkv.config import CacheConfig, SchedulerConfig
-from pdkv.kv_transfer.connector.base import KVConnectorBase
 from pdkv.request import Request, RequestStatus
+from pdkv.sched.kv_connector_api import SchedulerConnector
 from pdkv.sched.kv_connector_state import KVConnectorState
 from pdkv.sched.output import (
     ModelRunnerOutput,
@@ -51,7 +51,7 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         kv_cache_config: KVCacheConfig,
-        connector: KVConnectorBase | None = None,
+        connector: SchedulerConnector | None = None,
         kv_load_failure_policy: str = "fail",
     ) -> None:
         self.config = scheduler_config

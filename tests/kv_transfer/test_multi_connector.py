@@ -9,7 +9,6 @@ import pytest
 
 from pdkv.cache.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from pdkv.config import CacheConfig, KVTransferConfig, SchedulerConfig
-from pdkv.kv_transfer.connector import factory
 from pdkv.kv_transfer.connector.base import (
     KVConnectorBase,
     KVConnectorMetadata,
@@ -70,12 +69,14 @@ class FakeChild(KVConnectorBase):
 
 
 def make(monkeypatch, policies: tuple[str, str] = ("", "")) -> tuple[Scheduler, MultiConnector, MultiConnector]:
-    monkeypatch.setattr(factory, "create_connector", lambda cfg, role, *a: FakeChild(cfg, role))
+    def fake_child(cfg: KVTransferConfig, role: KVConnectorRole, *args: object) -> FakeChild:
+        return FakeChild(cfg, role)
+
     cfg = KVTransferConfig("MultiConnector", "kv_both", kv_connector_extra_config={"connectors": [
         {"kv_connector": "KVPoolConnector", "kv_load_failure_policy": policies[0]},
         {"kv_connector": "P2PConnector", "kv_load_failure_policy": policies[1]}]})
-    sched_half = MultiConnector(cfg, KVConnectorRole.SCHEDULER, KV_CONFIG, {}, {})
-    worker_half = MultiConnector(cfg, KVConnectorRole.WORKER, KV_CONFIG, {}, {})
+    sched_half = MultiConnector(cfg, KVConnectorRole.SCHEDULER, KV_CONFIG, {}, {}, fake_child)
+    worker_half = MultiConnector(cfg, KVConnectorRole.WORKER, KV_CONFIG, {}, {}, fake_child)
     sched = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64),
                       CacheConfig(block_size=BS), KV_CONFIG, connector=sched_half,
                       kv_load_failure_policy="recompute")

@@ -460,7 +460,6 @@ def test_pdkv_up_pd_demo_bench_serve_and_request_logs(tmp_path, capsys):
     tokenizer (the proxy forwards /v1/models, /tokenize and /detokenize to D); each engine logs
     one line per finished request (D's name the pulled tokens and bytes) and stats lines."""
     from pdkv.router.demo import run_demo
-    from pdkv.router.launcher import Child, Topology
 
     logs = tmp_path / "logs"
     up = subprocess.Popen(
@@ -477,7 +476,7 @@ def test_pdkv_up_pd_demo_bench_serve_and_request_logs(tmp_path, capsys):
         assert "  proxy: proxy (P/D, round_robin), " + endpoint in listing
         d_url = listing.split("  decode0: decode (kv_consumer), ")[1].split(",")[0]
 
-        run_demo(Topology([Child("decode0", d_url, [], {})], endpoint), "smollm2")
+        run_demo(endpoint, [d_url], "smollm2")
         demo = capsys.readouterr().out
         assert "Paris" in demo
         assert demo.count("KV moved P->D") == 4

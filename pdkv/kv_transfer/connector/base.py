@@ -25,7 +25,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import msgspec
+# The typed scheduler <-> worker messages live with the scheduler's outputs (pdkv.sched); they are
+# re-exported here for the connectors.
+from pdkv.sched.output import KVConnectorMetadata as KVConnectorMetadata
+from pdkv.sched.output import KVConnectorOutput as KVConnectorOutput
 
 if TYPE_CHECKING:
     from pdkv.cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -38,43 +41,6 @@ if TYPE_CHECKING:
 class KVConnectorRole(enum.IntEnum):
     SCHEDULER = 0
     WORKER = 1
-
-
-class KVConnectorMetadata(msgspec.Struct, kw_only=True):
-    """Base of per-step scheduler → worker metadata (connectors subclass it)."""
-
-
-class KVConnectorOutput(msgspec.Struct, kw_only=True):
-    """Worker → scheduler report of one step.
-
-    Attributes:
-        finished_sending: request ids whose blocks the connector no longer needs (read by the
-            peer, released, or lease expired): the scheduler may free them now.
-        finished_recving: request ids whose KV load ended (successfully or not).
-        invalid_block_ids: (KV cache group index, local block id) of every block whose load
-            failed. Block ids are per group (each group has its own pool), so the group is part
-            of the id: a failure in group 0 never touches block 3 of group 1.
-        load_errors: request id -> why its load failed.
-        stats: counter deltas since the last report (bytes, events).
-        transfer_seconds: duration of each transfer that completed.
-        request_bytes: request id -> {path: bytes} its loads moved since the last report
-            ("p2p": pulled from a prefill engine, "pool": read from the KV pool).
-        load_failure_policies: request id -> the kv_load_failure_policy for its failed load,
-            when the connector decides it per request (a MultiConnector child's own policy);
-            absent: the engine's policy.
-        observations: histogram samples by metric key since the last report (e.g.
-            "pool:dram:load_seconds" -> [seconds, ...]).
-    """
-
-    finished_sending: set[str] = msgspec.field(default_factory=set)
-    finished_recving: set[str] = msgspec.field(default_factory=set)
-    invalid_block_ids: set[tuple[int, int]] = msgspec.field(default_factory=set)
-    load_errors: dict[str, str] = msgspec.field(default_factory=dict)
-    stats: dict[str, float] = msgspec.field(default_factory=dict)
-    transfer_seconds: list[float] = msgspec.field(default_factory=list)
-    observations: dict[str, list[float]] = msgspec.field(default_factory=dict)
-    load_failure_policies: dict[str, str] = msgspec.field(default_factory=dict)
-    request_bytes: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
 
 
 class KVConnectorBase(ABC):

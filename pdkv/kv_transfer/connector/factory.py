@@ -54,7 +54,7 @@ def create_connector(config: KVTransferConfig, role: KVConnectorRole, kv_cache_c
     if config.kv_connector == "MultiConnector":
         from pdkv.kv_transfer.connector.multi import MultiConnector
 
-        return MultiConnector(config, role, kv_cache_config, layout, shared)
+        return MultiConnector(config, role, kv_cache_config, layout, shared, create_connector)
     if config.kv_connector == "OffloadingConnector":
         from pdkv.kv_transfer.connector.offload import OffloadingConnector
 

@@ -99,20 +99,28 @@ def child_configs(config: KVTransferConfig) -> list[KVTransferConfig]:
     return out
 
 
+ChildFactory = Callable[[KVTransferConfig, KVConnectorRole, "KVCacheConfig", dict[str, Any], dict[str, Any]],
+                        KVConnectorBase]
+"""(config, role, kv_cache_config, layout, shared) -> one child connector."""
+
+
 class MultiConnector(KVConnectorBase):
     """Both halves: fans calls out to the children and aggregates their answers (see module doc).
+
+    Args:
+        create_child: builds one child from its config (pdkv.kv_transfer.connector.factory's
+            `create_connector`, which passes itself: the registry imports its products, never
+            the other way round).
 
     Raises:
         ValueError: bad child configs (see `child_configs`) or a child's own settings.
     """
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
-                 layout: dict[str, Any], shared: dict[str, Any]) -> None:
-        from pdkv.kv_transfer.connector.factory import create_connector
-
+                 layout: dict[str, Any], shared: dict[str, Any], create_child: ChildFactory) -> None:
         super().__init__(config, role, kv_cache_config, layout)
         self.child_configs = child_configs(config)
-        self.children = [create_connector(c, role, kv_cache_config, layout, shared)
+        self.children = [create_child(c, role, kv_cache_config, layout, shared)
                          for c in self.child_configs]
         self.block_size = kv_cache_config.groups[0].spec.block_size
         # scheduler half
