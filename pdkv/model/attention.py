@@ -80,7 +80,7 @@ class AttentionMetadata:
             key elsewhere, so padding reads only written slots); set with decode_mask.
         all_decode: every token of the step is a decode, in order (decode_token_idx == arange).
         dcp: with decode context parallelism, this rank's slots and token shard
-            (pdkv.parallel.dcp_attention.DCPMetadata); the other fields are then unused.
+            (pdkv.model.dcp_attention.DCPMetadata); the other fields are then unused.
         sliding_window: W tokens for the layers of a sliding-window KV cache group (the query
             at p sees keys p - W < k <= p), None for full attention.
         prefill_cu_seqlens: [R + 1] long, cumulative query counts of the R prefill runs (in
@@ -165,7 +165,7 @@ def paged_attention(
         [T, num_heads, head_size].
     """
     if meta.dcp is not None:
-        from pdkv.parallel.dcp_attention import dcp_attention
+        from pdkv.model.dcp_attention import dcp_attention
 
         return dcp_attention(q, k, v, kv_cache, meta.dcp, scale)
     k, v = (store or write_kv)(kv_cache, k, v, meta)

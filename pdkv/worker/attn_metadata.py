@@ -3,7 +3,7 @@
 The model runner flattens the step's requests into one token batch and hands each request's
 (flat start, query count n, cached tokens c, block table) here; this module turns them into the
 slot mapping and block tables that `pdkv.model.attention.paged_attention` reads. With decode
-context parallelism the rank's shard metadata comes from `pdkv.parallel.dcp_attention` instead.
+context parallelism the rank's shard metadata comes from `pdkv.model.dcp_attention` instead.
 """
 
 from __future__ import annotations
@@ -138,8 +138,8 @@ def build_dcp_attention_metadata(
     parallel: ParallelContext, requests: Sequence[StepRequest], block_size: int, device: torch.device,
 ) -> AttentionMetadata:
     """With DCP this rank writes and attends only the tokens it stores (its shard): the
-    metadata carries `dcp` (pdkv.parallel.dcp_attention.DCPMetadata) and no local slots."""
-    from pdkv.parallel.dcp_attention import build_dcp_metadata
+    metadata carries `dcp` (pdkv.model.dcp_attention.DCPMetadata) and no local slots."""
+    from pdkv.model.dcp_attention import build_dcp_metadata
 
     empty = torch.tensor([], dtype=torch.long, device=device)
     return AttentionMetadata(
