@@ -75,7 +75,7 @@ def test_decode_takes_a_prefill_at_tp_2_but_refuses_one_it_cannot_convert():
     from pdkv.request import Request
     from pdkv.sampling_params import SamplingParams
 
-    layout = {k: 1 for k in LAYOUT_KEYS}
+    layout = {**{k: 1 for k in LAYOUT_KEYS}, "block_size": 16}  # 20 tokens: 2 blocks of 16
     cons = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"), layout, 16,
                                  ["127.0.0.1", 1])
     prompt = list(range(20, 40))
@@ -86,9 +86,9 @@ def test_decode_takes_a_prefill_at_tp_2_but_refuses_one_it_cannot_convert():
               "endpoints": [["127.0.0.1", 1], ["127.0.0.1", 2]]}
     cons.validate_request(Request("ok", prompt, SamplingParams(max_tokens=4), 16, kv_transfer_params=params))
     with pytest.raises(ValueError, match="issue 12") as e:
-        cons.validate_request(Request("d", prompt, SamplingParams(max_tokens=4), 16,
-                                      kv_transfer_params={**params, "layout": {**layout, "block_size": 2}}))
-    assert "tp_size=2 with block_size=2 and decode block_size=1" in str(e.value)
+        cons.validate_request(Request("d", prompt, SamplingParams(max_tokens=4), 16, kv_transfer_params={
+            **params, "layout": {**layout, "block_size": 2}, "remote_block_ids": [list(range(1, 11))]}))
+    assert "tp_size=2 with block_size=2 and decode block_size=16" in str(e.value)
     with pytest.raises(ValueError, match="one .host, port. per producer TP rank .tp_size=2."):
         cons.validate_request(Request("e", prompt, SamplingParams(max_tokens=4), 16,
                                       kv_transfer_params={**params, "endpoints": [["127.0.0.1", 1]]}))
