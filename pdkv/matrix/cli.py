@@ -34,9 +34,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="only the checks that load neither SmolLM2 nor HF's model (seconds); "
                              "merged into the page at --out like any partial run")
     parser.add_argument("--out", default=DEFAULT_OUT,
-                        help="Markdown path; the JSON goes beside it. A full run rewrites it; a partial run "
-                             "(--quick, --models, --features) merges its cells into it: cells it did not "
-                             "re-run are kept, re-checked ones are stamped with this run's date and commit")
+                        help="Markdown path (relative to the current folder); the JSON goes beside it. A full "
+                             "run rewrites it; a partial run (--quick, --models, --features) merges its cells "
+                             "into it: cells it did not re-run are kept, re-checked ones are stamped with this "
+                             "run's date and commit (a page that does not exist yet gets only this run's cells)")
     parser.add_argument("--no-merge", action="store_true",
                         help="a partial run writes only its own cells (every other cell becomes ·)")
     parser.add_argument("--models", nargs="+", help=f"model ids to check (default all: {', '.join(MODEL_IDS)})")

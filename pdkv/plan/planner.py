@@ -121,9 +121,11 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
                        total_bytes, "B", "bytes per token × tokens held + per-request state, tp=1"))
             block_bytes = sum(g.token_bytes(kv, 1) * g.block_tokens_held(T, bs) for g in m.groups) + sum(
                 g.request_bytes(st, 1) for g in m.groups)
+            window_note = (" (a window group: the blocks of its window)"
+                           if any(isinstance(g, SlidingWindow) for g in m.groups) else "")
             add(Figure("request_block_bytes", "state", f"the same in whole blocks of {bs} tokens",
-                       block_bytes, "B", f"ceil({T} / {bs}) blocks per group (a window group: the blocks "
-                       "of its window): the KV cache and P/D move whole blocks (--block-size)"))
+                       block_bytes, "B", f"ceil({T} / {bs}) blocks per group{window_note}: the KV cache "
+                       "and P/D move whole blocks (--block-size)"))
         add(Figure("rank_bytes_per_token", "rank", "KV per token on one rank", rank_tok, "B",
                    "; ".join(g.formula(kv, inp.tp) for g in m.groups
                                                 if not isinstance(g, LinearState))))

@@ -94,7 +94,7 @@ def field_in(message: str) -> str | None:
     for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                  "structured_outputs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
                  "logit_bias", "prompt_logprobs", "logprobs", "temperature", "top_p", "top_k",
-                 "seed", "max_tokens", "min_tokens", "stop_token_ids", "stop", "n"):
-        if message.startswith((name + " ", name + ":")) or f" {name} " in message:
+                 "seed", "max_tokens", "min_tokens", "stop_token_ids", "stop", "n", "kv_transfer_params"):
+        if message.startswith((name + " ", name + ":", name + ".")) or f" {name} " in message:
             return name
     return None

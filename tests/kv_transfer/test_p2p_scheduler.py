@@ -382,11 +382,13 @@ def test_validate_rejects_roles_that_cannot_honour_the_params():
 
 
 @pytest.mark.parametrize("over, match", [
-    ({"layout": {**LAYOUT, "block_size": 8}}, r"remote_block_ids\[0\] lists 3 blocks .* = 2 blocks"),
+    ({"layout": {**LAYOUT, "block_size": 8}, "block_size": 8}, r"remote_block_ids\[0\] lists 3 blocks .* = 2 blocks"),
     ({"remote_block_ids": [[50, 51]]}, r"remote_block_ids\[0\] lists 2 blocks .* = 3 blocks"),
     ({"remote_block_ids": [[50, -1, 52]]}, "non-negative integer block ids"),
     ({"remote_block_ids": [[50, True, 52]]}, "non-negative integer block ids"),
     ({"layout": {**LAYOUT, "block_size": 2.0}}, "layout.block_size must be a positive integer"),
+    # a layout block size whose count happens to fit, but not the params' own block_size
+    ({"layout": {**LAYOUT, "block_size": 5}}, "kv_transfer_params.block_size=4 and layout.block_size=5 differ"),
 ])
 def test_validate_rejects_params_that_contradict_themselves(over, match):
     """10 tokens in blocks of 4 are 3 blocks: a layout claiming 8 (or a list of 2) does not fit."""

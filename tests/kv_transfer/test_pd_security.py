@@ -148,9 +148,12 @@ def test_params_that_contradict_themselves_are_refused_at_admission(prompts):
         assert len(params["remote_block_ids"][0]) == -(-n // 16)
         layout = params["layout"]
         for forged, match in (
-            ({**params, "layout": {**layout, "block_size": 4}}, r"remote_block_ids\[0\] lists .* layout.block_size 4"),
+            ({**params, "block_size": 4, "layout": {**layout, "block_size": 4}},
+             r"remote_block_ids\[0\] lists .* layout.block_size 4"),
             ({**params, "layout": {**layout, "block_size": "16"}}, "layout.block_size must be a positive integer"),
             ({**params, "layout": {**layout, "block_size": 0}}, "layout.block_size must be a positive integer"),
+            # a layout block size the params' own block_size contradicts (whatever the count)
+            ({**params, "layout": {**layout, "block_size": 32}}, "block_size=16 and layout.block_size=32 differ"),
             ({**params, "layout": None}, "layout must be an object"),
             ({**params, "remote_block_ids": [[str(b) for b in g] for g in params["remote_block_ids"]]},
              r"remote_block_ids\[0\] must be a list of non-negative integer block ids"),
@@ -161,6 +164,13 @@ def test_params_that_contradict_themselves_are_refused_at_admission(prompts):
         assert decode([p], d, [(a, params)])[0].outputs[0].token_ids == ref_a
     finally:
         shutdown(d)
+
+
+def test_the_servers_400_names_kv_transfer_params_in_error_param():
+    from pdkv.serve.fields import field_in
+
+    assert field_in("kv_transfer_params.remote_block_ids[0] lists 1 blocks but ...") == "kv_transfer_params"
+    assert field_in("kv_transfer_params cover 9 tokens but the prompt has 10") == "kv_transfer_params"
 
 
 def test_a_black_hole_producer_stalls_nobody_else(prompts):

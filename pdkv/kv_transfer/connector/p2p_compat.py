@@ -47,7 +47,7 @@ def params_consistency_error(p: dict[str, Any], num_tokens: int, linear_groups: 
     corrupted on the way are a 400 naming the field, not a failed load.
 
     What a producer sends (P2PSchedulerConnector.request_finished): `layout.block_size` a
-    positive integer; `remote_block_ids` one list of non-negative block ids per KV cache group,
+    positive integer, equal to the params' own `block_size` when present; `remote_block_ids` one list of non-negative block ids per KV cache group,
     ceil(num_tokens / layout.block_size) of them in each attention group (a sliding-window
     group's blocks before its window are the null block, still listed) and one state slot in each
     linear-attention group.
@@ -63,6 +63,10 @@ def params_consistency_error(p: dict[str, Any], num_tokens: int, linear_groups: 
     bs = layout.get("block_size")
     if not _is_count(bs) or bs == 0:
         return f"kv_transfer_params.layout.block_size must be a positive integer, got {bs!r:.40}"
+    top = p.get("block_size", bs)
+    if top != bs:
+        return (f"kv_transfer_params.block_size={top!r:.20} and layout.block_size={bs} differ: a producer "
+                "sends the same block size in both")
     expected = -(-num_tokens // bs)
     for g, (ids, linear) in enumerate(zip(p["remote_block_ids"], linear_groups)):
         if not isinstance(ids, list) or not all(_is_count(b) for b in ids):
