@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdkv.cache.hashing import BlockHash, hash_request_tokens
+from pdkv.block_hashing import BlockHash, hash_request_tokens
 from pdkv.sampling_params import SamplingParams
 
 

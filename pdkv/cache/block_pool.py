@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from pdkv.cache.hashing import BlockHash
+from pdkv.block_hashing import BlockHash
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdkv.block_hashing import BlockHash
 from pdkv.cache.block_pool import BlockPool, KVCacheBlock
-from pdkv.cache.hashing import BlockHash
 from pdkv.cache.single_type_manager import (
     LinearStateManager,
     SingleTypeKVCacheManager,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pdkv.block_hashing import BlockHash
 from pdkv.cache.block_pool import BlockPool, KVCacheBlock
-from pdkv.cache.hashing import BlockHash
 from pdkv.cache.specs import (
     FullAttentionSpec,
     KVCacheSpec,

@@ -4,7 +4,7 @@ A pool entry holds the KV of one chunk of `chunk_size` tokens (a multiple of the
 key is `pdkv:<fingerprint>:<chunk hash>`:
 
 - the chunk hash is the engine's block hash of the chunk's last block
-  (`pdkv.cache.hashing.hash_request_tokens`: a reproducible sha256 chain over every token before
+  (`pdkv.block_hashing.hash_request_tokens`: a reproducible sha256 chain over every token before
   it, with cache_salt folded into the first block), so it is equal across processes, restarts and
   machines;
 - the fingerprint covers everything else that changes the bytes of the KV: weights digest, KV

@@ -3,7 +3,7 @@
 The proxy tokenizes like the engine (`pdkv.serve.handlers`): a completion's text prompt is
 encoded with the tokenizer's default special tokens, a chat is rendered with the model's own chat
 template and encoded without special tokens, a prompt of token ids is taken as is. It then hashes
-the ids with the engine's pure functions (`pdkv.cache.hashing.hash_request_tokens`, cache_salt
+the ids with the engine's pure functions (`pdkv.block_hashing.hash_request_tokens`, cache_salt
 in block 0) and keeps the hash of every full chunk (`pdkv.kvpool.keys.chunk_hashes`), so its
 chunk hashes are the pool's (a pool key is `pdkv:<namespace fingerprint>:<chunk hash>`).
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from pdkv.cache.hashing import hash_request_tokens
+from pdkv.block_hashing import hash_request_tokens
 from pdkv.kvpool.keys import chunk_hashes
 
 DEFAULT_BLOCK_SIZE = 16

@@ -41,7 +41,7 @@ class ProxyMetrics:
                                       registry=r)
         self.prefill_skipped = Counter("pdkv:proxy_prefill_legs_skipped",
                                        "Prefill legs skipped because the pool held the whole prompt", registry=r)
-        self.errors = Counter("pdkv:proxy_errors", "Failed legs by leg and kind", ["leg", "kind"], registry=r)
+        self.errors = Counter("pdkv:proxy_errors", "Failed legs, and requests the proxy refused (leg proxy), by leg and kind", ["leg", "kind"], registry=r)
         self.latency = Histogram("pdkv:proxy_leg_latency_seconds", "Leg latency, send to last byte (s)", ["leg"],
                                  registry=r, buckets=LEG_BUCKETS)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from pdkv.block_hashing import hash_block_tokens
 from pdkv.cache.block_pool import BlockPool
-from pdkv.cache.hashing import hash_block_tokens
 
 
 def h(i: int) -> bytes:

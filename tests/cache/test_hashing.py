@@ -1,4 +1,4 @@
-"""Chained, reproducible block hashes (pdkv/cache/hashing.py)."""
+"""Chained, reproducible block hashes (pdkv/block_hashing.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pdkv.cache.hashing import (
+from pdkv.block_hashing import (
     NONE_HASH,
     block_extra_keys,
     hash_block_tokens,
@@ -138,7 +138,7 @@ def test_start_block_past_the_end_hashes_nothing():
 
 _SNIPPET = (
     "import sys\n"
-    "from pdkv.cache.hashing import hash_request_tokens\n"
+    "from pdkv.block_hashing import hash_request_tokens\n"
     "salt = sys.argv[1] or None\n"
     "print(','.join(h.hex() for h in hash_request_tokens(list(range(100)), 16, salt)))\n"
 )

@@ -150,7 +150,7 @@ def test_cpu_offload_brings_quantized_blocks_back(engines, tiny_llama_kv2):
 def test_quantized_producer_into_an_unquantized_decode_is_dequantized_on_arrival(engines):
     import torch
 
-    from pdkv.cache.hashing import hash_request_tokens
+    from pdkv.block_hashing import hash_request_tokens
     from pdkv.model.kv_quant import dequantize
 
     dtype, p, _, _, prompts, _, d_auto = engines

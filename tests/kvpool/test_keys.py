@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import pdkv
-from pdkv.cache.hashing import hash_request_tokens
+from pdkv.block_hashing import hash_request_tokens
 from pdkv.cache.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from pdkv.kvpool.keys import (
     PoolNamespace,
@@ -29,7 +29,7 @@ BASE = PoolNamespace(
 )
 
 _SCRIPT = """
-from pdkv.cache.hashing import hash_request_tokens
+from pdkv.block_hashing import hash_request_tokens
 from pdkv.kvpool.keys import PoolNamespace, chunk_hashes, chunk_key
 ns = PoolNamespace(model_digest="abc123", dtype="float32", block_size=16, kv_layout="cross_layer",
                    groups=("g",), chunk_size=64)

@@ -8,7 +8,7 @@ import sys
 import httpx
 import pytest
 
-from pdkv.cache.hashing import hash_request_tokens
+from pdkv.block_hashing import hash_request_tokens
 from pdkv.kvpool.keys import chunk_hashes
 from pdkv.router.policies import Backend, PrefixAware, PrefixAwareConfig, make_policy
 from pdkv.router.prefix_keys import Granularity, KeysUnavailable, RequestKeyer, request_chunk_hashes

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from pdkv.cache.hashing import BlockHash
+from pdkv.block_hashing import BlockHash
 
 
 class HostBlockIndex:

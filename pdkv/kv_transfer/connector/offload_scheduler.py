@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pdkv.cache.hashing import BlockHash
+from pdkv.block_hashing import BlockHash
 from pdkv.kv_transfer.connector.base import KVConnectorOutput
 from pdkv.kv_transfer.connector.offload_config import OffloadConfig
 from pdkv.kv_transfer.connector.offload_index import HostBlockIndex
