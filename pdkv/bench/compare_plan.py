@@ -18,6 +18,7 @@ over the P/D link and "the pool pays above hit rate h" for each prompt length ov
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -88,9 +89,8 @@ def calibrate_fixed(rows: Sequence[Mapping[str, Any]], ctx: PlanContext) -> tupl
         return None
     warm = cands[1:] or cands
     link = pd_link(ctx, False)
-    fs = sorted(fixed_from_probe(r["raw_phases"]["transfer"] / 1e3, r["p2p_bytes"] / r["completed"], link)
-                for r in warm)
-    f = fs[len(fs) // 2] if len(fs) % 2 else (fs[len(fs) // 2 - 1] + fs[len(fs) // 2]) / 2
+    f = statistics.median(fixed_from_probe(r["raw_phases"]["transfer"] / 1e3, r["p2p_bytes"] / r["completed"], link)
+                          for r in warm)
     handoffs = sum(int(r["completed"]) for r in warm)
     runs = ", ".join(f"{r['input_len']} tok {r['cache']} c{r['max_concurrency']}" for r in warm)
     which = (f"the median over {len(warm)} warm pd run(s) ({handoffs} handoffs: {runs}; the first pd run "

@@ -81,3 +81,9 @@ EXPECT_UNSUPPORTED = "unsupported"
 
 DETAIL_PROPERTY = "matrix_detail"
 """`record_property` name under which an `expect="unsupported"` test leaves the error text."""
+
+
+def cell_order(feature: str, model: str) -> tuple[int, int]:
+    """Sort key of a cell in catalog order: features, then models (ids not in the catalog last)."""
+    return (FEATURE_IDS.index(feature) if feature in FEATURE_IDS else len(FEATURE_IDS),
+            MODEL_IDS.index(model) if model in MODEL_IDS else len(MODEL_IDS))

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from pdkv.matrix.catalog import (
     EXPECT_UNSUPPORTED,
     FAILED,
-    FEATURE_IDS,
-    MODEL_IDS,
     NOT_SUPPORTED,
     SKIPPED,
     VERIFIED,
+    cell_order,
 )
 
 
@@ -106,7 +105,7 @@ def build_cells(items: Iterable[dict[str, object]], results: dict[str, CheckOutc
         for model, feature, expect in item["tags"]:  # type: ignore[attr-defined]
             by_cell.setdefault((model, feature), []).append((nodeid, expect, bool(item["slow"])))
     cells = []
-    for key in sorted(by_cell, key=lambda k: (FEATURE_IDS.index(k[1]), MODEL_IDS.index(k[0]))):
+    for key in sorted(by_cell, key=lambda k: cell_order(k[1], k[0])):
         entries = by_cell[key]
         expects = {e for _, e, _ in entries}
         if len(expects) > 1:

@@ -15,13 +15,12 @@ from typing import Any
 
 from pdkv.matrix.catalog import (
     FAILED,
-    FEATURE_IDS,
     FEATURES,
-    MODEL_IDS,
     MODELS,
     NOT_SUPPORTED,
     SKIPPED,
     VERIFIED,
+    cell_order,
 )
 from pdkv.matrix.cells import Cell
 
@@ -59,15 +58,10 @@ def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     for c in new["cells"]:
         cells[(c["feature"], c["model"])] = {**c, "checked": _stamp(new)}
 
-    def order(key: tuple[str, str]) -> tuple[int, int]:
-        f, m = key
-        return (FEATURE_IDS.index(f) if f in FEATURE_IDS else len(FEATURE_IDS),
-                MODEL_IDS.index(m) if m in MODEL_IDS else len(MODEL_IDS))
-
     run = {"generated": new["generated"], "command": new["command"], "commit": new["commit"],
            "cells": len(new["cells"])}
     return {"generated": old["generated"], "command": old["command"], "commit": old["commit"],
-            "cells": [cells[k] for k in sorted(cells, key=order)],
+            "cells": [cells[k] for k in sorted(cells, key=lambda k: cell_order(*k))],
             "tagged": dict(sorted({**old.get("tagged", {}), **new.get("tagged", {})}.items())),
             "merged": [*old.get("merged", []), run]}
 

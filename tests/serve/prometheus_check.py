@@ -6,7 +6,6 @@ replaced: `$model_name` and `$instance` by `.*`, `$__rate_interval` by a window 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -17,16 +16,11 @@ from typing import Any
 import httpx
 
 from pdkv.procgroup import stop_process_group
+from pdkv.router.launcher import free_port
 
 SCRAPE_INTERVAL_S = 1.0
 RATE_WINDOW = "30s"
 START_TIMEOUT_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def dashboard_expr(expr: str) -> str:
@@ -59,7 +53,7 @@ class Prometheus:
 def prometheus(targets: list[str], folder: Path) -> Iterator[Prometheus]:
     """Start Prometheus scraping `targets` (host:port, /metrics) every second; stopped (by PID)
     on exit. Its data and log live in `folder`."""
-    port = _free_port()
+    port = free_port(set())
     config = folder / "prometheus.yml"
     config.write_text(
         "global:\n"
