@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The layers, lowest first; a module's layer is its first name under pdkv (a package or a
 # top-level module). A layer may import the layers before it in this list, never after.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("sampling_params", "procgroup", "cli_parser", "outputs", "block_hashing"),  # leaves: no pdkv import
+    ("sampling_params", "procgroup", "cli_parser", "outputs", "block_hashing", "jsontypes"),  # leaves
     ("request",),  # a request and its state
     ("cache",),  # blocks, block pool, KV cache manager (torch-free)
     ("parallel",),  # TP / DCP layout and process-group context

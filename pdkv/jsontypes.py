@@ -1,0 +1,25 @@
+"""Types for JSON data: HTTP bodies, kv_transfer_params, benchmark reports.
+
+A value decoded by `json.loads` / `msgspec.json.decode` (RFC 8259: object, array, string, number,
+true/false, null) is a `JSONValue`; an object is a `JSONObject`. Use them where the data really is
+JSON that crosses a process or file boundary; give typed structures (dataclasses, msgspec Structs)
+to anything pdkv itself builds and reads field by field.
+"""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+JSONValue: TypeAlias = "None | bool | int | float | str | list[JSONValue] | dict[str, JSONValue]"
+JSONObject: TypeAlias = "dict[str, JSONValue]"
+
+
+def as_object(value: object, what: str) -> JSONObject:
+    """`value` as a JSON object.
+
+    Raises:
+        TypeError: `value` is not a dict (the message names `what`).
+    """
+    if not isinstance(value, dict):
+        raise TypeError(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
