@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from pdkv.kv_transfer.connector.p2p_config import P2PConfig
 from pdkv.kv_transfer.connector.p2p_messages import P2PConnectorMetadata
 from pdkv.kv_transfer.connector.p2p_scheduler import P2PConnectorScheduler
 from pdkv.kv_transfer.connector.p2p_worker import P2PConnectorWorker
@@ -47,15 +48,18 @@ class P2PConnector(KVConnectorBase):
         super().__init__(config, role, kv_cache_config, layout)
         address = control_address if control_address is not None else ["127.0.0.1", 0]
         block_size = kv_cache_config.groups[0].spec.block_size
+        settings = P2PConfig.of(config)
         self.scheduler = (
             P2PConnectorScheduler(config, layout, block_size, address, len(kv_cache_config.groups),
                                   kv_cache_config.sliding_windows, control_endpoints,
-                                  tuple(g.spec.kind == "linear_state" for g in kv_cache_config.groups))
+                                  tuple(g.spec.kind == "linear_state"
+                                        for g in kv_cache_config.groups), settings)
             if role == KVConnectorRole.SCHEDULER
             else None
         )
-        self.worker = (P2PConnectorWorker(config, layout, address, dcp_rank, dcp_size, rank, world_size) if role == KVConnectorRole.WORKER
-                       else None)
+        self.worker = (P2PConnectorWorker(config, layout, address, dcp_rank, dcp_size, rank,
+                                          world_size, settings)
+                       if role == KVConnectorRole.WORKER else None)
 
     @classmethod
     def metadata_type(cls) -> type[KVConnectorMetadata]:

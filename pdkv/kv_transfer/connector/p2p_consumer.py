@@ -35,6 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from pdkv.kv_transfer.connector.p2p_config import P2PConfig
 from pdkv.kv_transfer.connector.p2p_messages import (
     Ack,
     Claim,
@@ -94,6 +95,7 @@ class ConsumerSide:
         dcp_rank, dcp_size: this worker's DCP rank and the DCP size (which blocks it reads).
         rank, world_size: this worker's global rank and the engine's worker count (reader and
             readers of every grant; TP rank for re-sharding); default dcp_rank / dcp_size.
+        settings: the parsed extra config (None: parsed from `config`).
 
     Raises:
         ValueError: dcp_rank outside [0, dcp_size) or rank outside [0, world_size).
@@ -102,14 +104,14 @@ class ConsumerSide:
     def __init__(self, config: KVTransferConfig, layout: dict[str, Any], engine: TransferEngine,
                  results: WorkerResults, regions: list[memoryview], block_bytes: list[int],
                  dcp_rank: int = 0, dcp_size: int = 1, rank: int | None = None,
-                 world_size: int | None = None) -> None:
+                 world_size: int | None = None, settings: P2PConfig | None = None) -> None:
         if not 0 <= dcp_rank < dcp_size:
             raise ValueError(f"dcp_rank={dcp_rank} must lie in [0, dcp_size={dcp_size})")
         self.rank = dcp_rank if rank is None else rank
         self.world_size = dcp_size if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank={self.rank} must lie in [0, world_size={self.world_size})")
-        extra = config.kv_connector_extra_config
+        s = settings if settings is not None else P2PConfig.of(config)
         self.dcp_rank = dcp_rank
         self.dcp_size = dcp_size
         self.config = config
@@ -118,10 +120,10 @@ class ConsumerSide:
         self.results = results
         self.regions = regions
         self.block_bytes = block_bytes
-        self.timeout = float(extra.get("transfer_timeout", 30.0))  # type: ignore[arg-type]
-        self.renew_every = float(extra.get("kv_lease_duration", 30.0)) / 3  # type: ignore[arg-type]
-        per_peer = int(extra.get("kv_pulls_per_peer", 2))  # type: ignore[call-overload]
-        threads = int(extra.get("kv_pull_threads", 16))  # type: ignore[call-overload]
+        self.timeout = s.transfer_timeout
+        self.renew_every = s.kv_lease_duration / 3
+        per_peer = s.kv_pulls_per_peer
+        threads = s.kv_pull_threads
         self._pull_pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pdkv-kv-pull")
         self._notice_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdkv-kv-notice")
         self._pulls = PeerQueues(self._pull_pool, per_peer)

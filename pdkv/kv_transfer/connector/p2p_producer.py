@@ -16,6 +16,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from pdkv.kv_transfer.connector.p2p_config import P2PConfig
 from pdkv.kv_transfer.connector.p2p_messages import (
     Ack,
     Claim,
@@ -69,19 +70,21 @@ class ProducerSide:
         engine: the transfer engine serving the KV regions (its authorizer is set here).
         results: where finished sends are reported.
         block_bytes: bytes per block of each KV cache group (filled at register_kv_caches).
+        settings: the parsed extra config (None: parsed from `config`).
     """
 
     def __init__(self, config: KVTransferConfig, layout: dict[str, Any], engine: TransferEngine,
-                 results: WorkerResults, block_bytes: list[int]) -> None:
-        extra = config.kv_connector_extra_config
+                 results: WorkerResults, block_bytes: list[int],
+                 settings: P2PConfig | None = None) -> None:
+        s = settings if settings is not None else P2PConfig.of(config)
         self.config = config
         self.layout = layout
         self.engine = engine
         self.results = results
         self.block_bytes = block_bytes
-        self.lease_s = float(extra.get("kv_lease_duration", 30.0))  # type: ignore[arg-type]
-        self.max_connections = int(extra.get("kv_server_max_connections", 64))  # type: ignore[call-overload]
-        self.idle_timeout = float(extra.get("kv_server_idle_timeout", 60.0))  # type: ignore[arg-type]
+        self.lease_s = s.kv_lease_duration
+        self.max_connections = s.kv_server_max_connections
+        self.idle_timeout = s.kv_server_idle_timeout
         self.incarnation = secrets.token_hex(8)
         self._lock = results.lock
         self._held: dict[Grant, _Held] = {}

@@ -54,6 +54,7 @@ from pdkv.kv_transfer.connector.p2p_compat import (
     params_consistency_error,
     shard_error,
 )
+from pdkv.kv_transfer.connector.p2p_config import P2PConfig
 from pdkv.kv_transfer.connector.p2p_messages import (
     NotifySpec,
     P2PConnectorMetadata,
@@ -83,13 +84,18 @@ class P2PConnectorScheduler:
             the worker half at start-up and read when building params.
         control_endpoints: (producer at tp > 1) every worker rank's [host, port], rank order,
             filled in by the executor at start-up; empty: [control_address].
+        linear_groups: per group, whether it holds linear-attention state slots.
+        settings: the parsed extra config (None: parsed from `config`).
+
+    Raises:
+        ValueError: sliding_windows not one per group, or a bad extra config value (named).
     """
 
     def __init__(self, config: KVTransferConfig, layout: dict[str, Any], block_size: int,
                  control_address: list[Any], num_groups: int = 1,
                  sliding_windows: tuple[int | None, ...] = (),
                  control_endpoints: list[Any] | None = None,
-                 linear_groups: tuple[bool, ...] = ()) -> None:
+                 linear_groups: tuple[bool, ...] = (), settings: P2PConfig | None = None) -> None:
         self.config = config
         # Per group: whether it holds linear-attention state slots (one slot moves per request).
         self.linear_groups = tuple(linear_groups) or (False,) * num_groups
@@ -102,8 +108,8 @@ class P2PConnectorScheduler:
         self.layout = layout
         self.block_size = block_size
         self.control_address = control_address
-        extra = config.kv_connector_extra_config
-        self.lease_s = float(extra.get("kv_lease_duration", 30.0))  # type: ignore[arg-type]
+        s = settings if settings is not None else P2PConfig.of(config)
+        self.lease_s = s.kv_lease_duration
         self._to_send: list[SendSpec] = []
         self._to_recv: list[RecvSpec] = []
         self._notify: list[NotifySpec] = []

@@ -9,6 +9,7 @@ import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from pdkv.kv_transfer.connector.p2p_config import P2PConfig
 from pdkv.kv_transfer.connector.p2p_consumer import ConsumerSide
 from pdkv.kv_transfer.connector.p2p_messages import P2PConnectorMetadata
 from pdkv.kv_transfer.connector.p2p_producer import ProducerSide
@@ -57,32 +58,34 @@ class P2PConnectorWorker:
             reads a grant; default dcp_rank / dcp_size). A configured kv_port or transfer_port
             (non-zero) is rank 0's: rank r listens on port + r (each rank of a multi-rank
             producer runs its own control and data servers).
+        settings: the parsed extra config (None: parsed from `config`).
     """
 
     def __init__(self, config: KVTransferConfig, layout: dict[str, Any], control_address: list[Any],
                  dcp_rank: int = 0, dcp_size: int = 1, rank: int | None = None,
-                 world_size: int | None = None) -> None:
-        extra = config.kv_connector_extra_config
+                 world_size: int | None = None, settings: P2PConfig | None = None) -> None:
+        s = settings if settings is not None else P2PConfig.of(config)
         self.config = config
         self.layout = layout
-        self.transfer_name = str(extra.get("transfer", "tcp"))
+        self.transfer_name = s.transfer
         offset = (dcp_rank if rank is None else rank)
-        options = dict(extra)
-        if int(options.get("transfer_port", 0) or 0) and offset:  # type: ignore[call-overload]
-            options["transfer_port"] = int(options["transfer_port"]) + offset  # type: ignore[call-overload]
-        self.engine = create_transfer_engine(self.transfer_name, options)
-        self.host = str(extra.get("kv_host", "127.0.0.1"))
-        self.advertise_host = advertised_host(self.host, str(extra.get("kv_advertise_host") or "") or None)
+        self.engine = create_transfer_engine(
+            s.transfer, port=s.transfer_port + offset if s.transfer_port else 0,
+            max_connections=s.kv_server_max_connections, idle_timeout=s.kv_server_idle_timeout,
+            host=s.kv_host, mooncake_protocol=s.mooncake_protocol)
+        self.host = s.kv_host
+        self.advertise_host = advertised_host(self.host, s.kv_advertise_host or None)
         self.control_address = control_address
         self._regions: list[memoryview] = []
         self._block_bytes: list[int] = []
         self._wakeup: Callable[[], None] | None = None
         self.results = WorkerResults(lambda: self._wakeup)
-        self.producer = ProducerSide(config, layout, self.engine, self.results, self._block_bytes)
+        self.producer = ProducerSide(config, layout, self.engine, self.results, self._block_bytes,
+                                     s)
         self.consumer = ConsumerSide(config, layout, self.engine, self.results, self._regions,
-                                     self._block_bytes, dcp_rank, dcp_size, rank, world_size)
+                                     self._block_bytes, dcp_rank, dcp_size, rank, world_size, s)
         if config.is_kv_producer:
-            port = int(extra.get("kv_port", 0))  # type: ignore[call-overload]
+            port = s.kv_port
             self.control_address[:] = self.producer.start(self.host, port + offset if port else 0,
                                                           self.advertise_host)
 

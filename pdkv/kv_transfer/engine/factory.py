@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from pdkv.kv_transfer.engine.base import TransferEngine
 
 TRANSFER_ENGINES = ("tcp", "shm", "mooncake")
 
 
-def create_transfer_engine(name: str, options: dict[str, Any]) -> TransferEngine:
-    """Build the engine called `name`.
+def create_transfer_engine(name: str, *, port: int = 0, max_connections: int = 64,
+                           idle_timeout: float = 60.0, host: str = "127.0.0.1",
+                           mooncake_protocol: str = "tcp") -> TransferEngine:
+    """Build the engine called `name`: tcp (data server on `port`, 0 = any free port, at most
+    `max_connections` connections, each closed after `idle_timeout` s idle), shm, or mooncake
+    (on `host` with `mooncake_protocol`).
 
     Raises:
         ValueError: unknown name, or an optional engine whose package is missing.
@@ -18,9 +20,8 @@ def create_transfer_engine(name: str, options: dict[str, Any]) -> TransferEngine
     if name == "tcp":
         from pdkv.kv_transfer.engine.tcp import TcpTransferEngine
 
-        return TcpTransferEngine(port=int(options.get("transfer_port", 0)),
-                                 max_connections=int(options.get("kv_server_max_connections", 64)),
-                                 idle_timeout=float(options.get("kv_server_idle_timeout", 60.0)))
+        return TcpTransferEngine(port=port, max_connections=max_connections,
+                                 idle_timeout=idle_timeout)
     if name == "shm":
         from pdkv.kv_transfer.engine.shm import ShmTransferEngine
 
@@ -28,6 +29,5 @@ def create_transfer_engine(name: str, options: dict[str, Any]) -> TransferEngine
     if name == "mooncake":
         from pdkv.kv_transfer.engine.mooncake import MooncakeTransferEngine
 
-        return MooncakeTransferEngine(str(options.get("kv_host", "127.0.0.1")),
-                                      str(options.get("mooncake_protocol", "tcp")))
+        return MooncakeTransferEngine(host, mooncake_protocol)
     raise ValueError(f"unknown transfer engine {name!r}; known: {TRANSFER_ENGINES}")

@@ -1,0 +1,108 @@
+"""Typed settings of the P2PConnector (`kv_connector_extra_config`), parsed once, defaults here."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdkv.config import KVTransferConfig
+
+_INTS = ("kv_port", "transfer_port", "kv_pulls_per_peer", "kv_pull_threads",
+         "kv_server_max_connections")
+_FLOATS = ("kv_lease_duration", "transfer_timeout", "kv_server_idle_timeout")
+_STRS = ("transfer", "kv_host", "kv_advertise_host", "mooncake_protocol")
+
+
+@dataclass(frozen=True)
+class P2PConfig:
+    """P2PConnector settings (every key optional; other keys are left to the transfer engine).
+
+    Attributes:
+        transfer: transfer engine name (tcp | shm | mooncake).
+        kv_host: bind host of the producer's control server.
+        kv_port: its port (0: any free port); rank r of a multi-rank engine listens on
+            kv_port + r.
+        kv_advertise_host: the host put into kv_transfer_params ("": kv_host; never a wildcard).
+        transfer_port: tcp data port (0: any free port); rank r uses transfer_port + r.
+        kv_lease_duration: seconds a producer holds a request's blocks unless renewed.
+        transfer_timeout: seconds one pull may take, from submit.
+        kv_pulls_per_peer: concurrent pulls per producer.
+        kv_pull_threads: threads pulling (all producers together).
+        kv_server_max_connections: connections the control / tcp data servers accept at once.
+        kv_server_idle_timeout: seconds an idle server connection is kept.
+        mooncake_protocol: the mooncake transfer engine's protocol.
+    """
+
+    transfer: str = "tcp"
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0
+    kv_advertise_host: str = ""
+    transfer_port: int = 0
+    kv_lease_duration: float = 30.0
+    transfer_timeout: float = 30.0
+    kv_pulls_per_peer: int = 2
+    kv_pull_threads: int = 16
+    kv_server_max_connections: int = 64
+    kv_server_idle_timeout: float = 60.0
+    mooncake_protocol: str = "tcp"
+
+    @staticmethod
+    def of(config: KVTransferConfig) -> P2PConfig:
+        """`from_extra(config.kv_connector_extra_config)`.
+
+        Raises:
+            ValueError: as from_extra.
+        """
+        return P2PConfig.from_extra(config.kv_connector_extra_config)
+
+    @staticmethod
+    def from_extra(extra: Mapping[str, object]) -> P2PConfig:
+        """Parse and check `kv_connector_extra_config` (a null value means the default).
+
+        Raises:
+            ValueError: a setting of the wrong type or a negative number (the message names
+                the key and the value).
+        """
+        ints: dict[str, int] = {}
+        floats: dict[str, float] = {}
+        strs: dict[str, str] = {}
+        for key in _INTS:
+            value = extra.get(key)
+            if value is None:
+                continue
+            if (isinstance(value, bool) or not isinstance(value, int | float) or value < 0
+                    or value != int(value)):
+                raise ValueError(f"P2PConnector {key} must be an integer >= 0, got {value!r}")
+            ints[key] = int(value)
+        for key in _FLOATS:
+            value = extra.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"P2PConnector {key} must be a number >= 0, got {value!r}")
+            floats[key] = float(value)
+        for key in _STRS:
+            value = extra.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise ValueError(f"P2PConnector {key} must be a string, got {value!r}")
+            strs[key] = value
+        d = P2PConfig()  # the defaults
+        return P2PConfig(
+            transfer=strs.get("transfer", d.transfer),
+            kv_host=strs.get("kv_host", d.kv_host),
+            kv_port=ints.get("kv_port", d.kv_port),
+            kv_advertise_host=strs.get("kv_advertise_host", d.kv_advertise_host),
+            transfer_port=ints.get("transfer_port", d.transfer_port),
+            kv_lease_duration=floats.get("kv_lease_duration", d.kv_lease_duration),
+            transfer_timeout=floats.get("transfer_timeout", d.transfer_timeout),
+            kv_pulls_per_peer=ints.get("kv_pulls_per_peer", d.kv_pulls_per_peer),
+            kv_pull_threads=ints.get("kv_pull_threads", d.kv_pull_threads),
+            kv_server_max_connections=ints.get("kv_server_max_connections",
+                                               d.kv_server_max_connections),
+            kv_server_idle_timeout=floats.get("kv_server_idle_timeout", d.kv_server_idle_timeout),
+            mooncake_protocol=strs.get("mooncake_protocol", d.mooncake_protocol),
+        )
