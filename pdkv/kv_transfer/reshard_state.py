@@ -14,71 +14,13 @@ producer ranks' slots by the byte copies of `plan_state_copies`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
-
+from pdkv.cache.kv_layout import LAYOUT_KEY as LAYOUT_KEY
+from pdkv.cache.kv_layout import StateGeometry as StateGeometry
 from pdkv.kv_transfer.reblock import Copy
 from pdkv.kv_transfer.reblock import _append as append_merged
 from pdkv.kv_transfer.reshard import HeadRead, SegmentRead, plan_head_reads, plan_segment_reads
 
-LAYOUT_KEY = "linear_state"
-"""Key of the state geometry in an engine's layout fingerprint (pdkv.worker.model_runner)."""
-
-
-@dataclass(frozen=True)
-class StateGeometry:
-    """The whole model's (all ranks') state slot geometry.
-
-    Attributes:
-        group: index of the linear-state group among the KV cache groups.
-        num_layers: linear layers (pages per slot).
-        conv_segments: channels of each conv segment (q, k, v), every rank's together.
-        conv_row_bytes: bytes of one channel's window: (K - 1) × model dtype bytes.
-        rec_heads: value heads of the recurrent state, every rank's together.
-        rec_head_bytes: bytes of one head's recurrent state: dk × dv × 4.
-    """
-
-    group: int
-    num_layers: int
-    conv_segments: tuple[int, ...]
-    conv_row_bytes: int
-    rec_heads: int
-    rec_head_bytes: int
-
-    @staticmethod
-    def from_layout(layout: Mapping[str, Any]) -> StateGeometry | None:
-        """The geometry an engine's layout fingerprint carries under LAYOUT_KEY, or None.
-
-        Raises:
-            ValueError: a malformed entry.
-        """
-        d = layout.get(LAYOUT_KEY)
-        if d is None:
-            return None
-        try:
-            return StateGeometry(int(d["group"]), int(d["num_layers"]), tuple(int(s) for s in d["conv_segments"]),
-                                 int(d["conv_row_bytes"]), int(d["rec_heads"]), int(d["rec_head_bytes"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"malformed {LAYOUT_KEY} layout entry {d!r:.120}: {e!r}") from None
-
-    def to_layout(self) -> dict[str, Any]:
-        """The layout fingerprint entry (plain ints and lists)."""
-        return {"group": self.group, "num_layers": self.num_layers, "conv_segments": list(self.conv_segments),
-                "conv_row_bytes": self.conv_row_bytes, "rec_heads": self.rec_heads,
-                "rec_head_bytes": self.rec_head_bytes}
-
-    def conv_bytes(self, tp: int) -> int:
-        """Bytes of one layer's conv window on one of `tp` ranks."""
-        return sum(self.conv_segments) // tp * self.conv_row_bytes
-
-    def page_bytes(self, tp: int) -> int:
-        """Bytes of one layer's state on one of `tp` ranks."""
-        return self.conv_bytes(tp) + self.rec_heads // tp * self.rec_head_bytes
-
-    def slot_bytes(self, tp: int) -> int:
-        """Bytes of one slot (every linear layer) on one of `tp` ranks."""
-        return self.num_layers * self.page_bytes(tp)
+# StateGeometry and its layout key live with the KV layout (pdkv.cache.kv_layout).
 
 
 def plan_state_copies(geom: StateGeometry, p_tp: int, d_tp: int, d_rank: int, p_slot: int, d_slot: int,

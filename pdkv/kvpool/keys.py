@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 
+from pdkv.cache.kv_layout import KVLayout
 from pdkv.cache.specs import KVCacheConfig, KVCacheGroupSpec
 
 FORMAT_TAG = "pdkv.pool.v1"
@@ -85,7 +85,7 @@ class PoolNamespace:
     @classmethod
     def from_layout(
         cls,
-        layout: Mapping[str, Any],
+        layout: KVLayout,
         kv_cache_config: KVCacheConfig,
         chunk_size: int,
         tp_rank: int = 0,
@@ -93,36 +93,32 @@ class PoolNamespace:
         dcp_rank: int = 0,
         dcp_size: int = 1,
     ) -> PoolNamespace:
-        """Namespace of an engine from its layout dict (keys model_digest, dtype, block_size,
-        num_layers, num_kv_heads, head_size, kv_layout, optionally kv_quant; see
-        `ModelRunner.layout`) and its KV cache config (layers, heads and head size enter through
+        """Namespace of an engine from its KV layout (model_digest, dtype, block_size,
+        kv_layout, kv_quant) and its KV cache config (layers, heads and head size enter through
         the group descriptions).
 
         Raises:
-            ValueError: chunk_size is not a positive multiple of the block size, the layout's
-                block size differs from a group's, or a layout key is missing.
+            ValueError: chunk_size is not a positive multiple of the block size, or the
+                layout's block size differs from a group's.
         """
-        missing = [k for k in ("model_digest", "dtype", "block_size", "kv_layout") if k not in layout]
-        if missing:
-            raise ValueError(f"layout lacks {missing}")
-        block_size = int(layout["block_size"])
+        block_size = layout.block_size
         for g in kv_cache_config.groups:
             if g.spec.block_size != block_size:
                 raise ValueError(
                     f"group block_size {g.spec.block_size} != layout block_size {block_size}"
                 )
         return cls(
-            model_digest=str(layout["model_digest"]),
-            dtype=str(layout["dtype"]),
+            model_digest=layout.model_digest,
+            dtype=layout.dtype,
             block_size=block_size,
-            kv_layout=str(layout["kv_layout"]),
+            kv_layout=layout.kv_layout,
             groups=tuple(describe_group(g) for g in kv_cache_config.groups),
             chunk_size=chunk_size,
             tp_rank=tp_rank,
             tp_size=tp_size,
             dcp_rank=dcp_rank,
             dcp_size=dcp_size,
-            kv_quant=str(layout.get("kv_quant", "")),
+            kv_quant=layout.kv_quant or "",
         )
 
 

@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pdkv.cache.kv_layout import KVLayout
 from pdkv.cache.specs import KVCacheConfig, LinearStateSpec
 from pdkv.config import CacheConfig, KVTransferConfig, ModelConfig
 from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.kv_transfer.connector.p2p_compat import MLA_KV_LAYOUT
-from pdkv.kv_transfer.reshard_state import LAYOUT_KEY as STATE_LAYOUT_KEY
+from pdkv.kv_transfer.connector.startup import ConnectorStartup
 from pdkv.model.fused_ops import set_fused_ops
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
@@ -132,37 +133,38 @@ class ModelRunner:
             num_kv_heads=self.model.num_local_kv_heads, dcp_size=dcp,
             tp_size=parallel.tp_size if parallel is not None else 1,
         )
-        self.layout = {
-            "model_digest": model_digest(model_config.path),
-            "dtype": model_config.dtype,
-            "block_size": cache_config.block_size,
-            "num_layers": arch.num_layers,
-            "num_kv_heads": arch.num_kv_heads,
-            "head_size": arch.head_dim,
-            "kv_layout": MLA_KV_LAYOUT if arch.is_mla else self.KV_LAYOUT,
-            # Quantized KV (issue 12): identity for P/D (a different value refuses the pair) and
-            # part of the pool namespace ("kv_quant"; "" = not quantized).
-            "kv_cache_dtype": getattr(self.kv_cache_config.groups[0].spec, "cache_dtype", "auto"),
-        }
-        if arch.has_linear_state and not arch.is_mla:  # Gated DeltaNet: re-sharding its state slot
-            self.layout[STATE_LAYOUT_KEY] = gdn_state_geometry(arch, model_config.dtype).to_layout()
-        if self.layout["kv_cache_dtype"] != "auto":
-            self.layout["kv_quant"] = f"{self.layout['kv_cache_dtype']}:per_token_head_absmax"
-        if parallel is not None and parallel.layout.world_size > 1:
-            lay = parallel.layout
-            self.layout.update(tp_size=lay.tp_size, dcp_size=lay.dcp_size, interleave=lay.interleave,
-                               dcp_replicated=lay.dcp_replicated, num_local_kv_heads=self.model.num_local_kv_heads)
-        # Start-up values both connector halves of this engine share, by name (see the factory).
-        self.connector_shared: dict[str, Any] = {}
+        # Quantized KV (issue 12): identity for P/D (a different value refuses the pair) and
+        # part of the pool namespace ("kv_quant"; None = not quantized).
+        kv_dtype: str = getattr(self.kv_cache_config.groups[0].spec, "cache_dtype", "auto")
+        lay = parallel.layout if parallel is not None and parallel.layout.world_size > 1 else None
+        self.kv_layout = KVLayout(
+            model_digest=model_digest(model_config.path), dtype=model_config.dtype,
+            block_size=cache_config.block_size, num_layers=arch.num_layers,
+            num_kv_heads=arch.num_kv_heads, head_size=arch.head_dim,
+            kv_layout=MLA_KV_LAYOUT if arch.is_mla else self.KV_LAYOUT, kv_cache_dtype=kv_dtype,
+            # Gated DeltaNet: re-sharding its state slot
+            linear_state=(gdn_state_geometry(arch, model_config.dtype)
+                          if arch.has_linear_state and not arch.is_mla else None),
+            kv_quant=f"{kv_dtype}:per_token_head_absmax" if kv_dtype != "auto" else None,
+            tp_size=lay.tp_size if lay else None, dcp_size=lay.dcp_size if lay else None,
+            interleave=lay.interleave if lay else None,
+            dcp_replicated=lay.dcp_replicated if lay else None,
+            num_local_kv_heads=self.model.num_local_kv_heads if lay else None)
+        self.layout = self.kv_layout.to_wire()  # for the executor and GET /kv_layout
+        # Start-up values both connector halves of this engine share (see the factory).
+        self.connector_startup = ConnectorStartup()
         if parallel is not None:
-            self.connector_shared.update(dcp_rank=parallel.dcp_rank, dcp_size=parallel.dcp_size,
-                                         rank=parallel.rank, world_size=parallel.layout.world_size)
+            self.connector_startup = ConnectorStartup(
+                dcp_rank=parallel.dcp_rank, dcp_size=parallel.dcp_size, rank=parallel.rank,
+                world_size=parallel.layout.world_size)
         self.connector: KVConnectorBase | None = None
         if kv_transfer_config is not None:
             self.connector = create_connector(
-                kv_transfer_config, KVConnectorRole.WORKER, self.kv_cache_config, self.layout,
-                self.connector_shared,
+                kv_transfer_config, KVConnectorRole.WORKER, self.kv_cache_config, self.kv_layout,
+                self.connector_startup,
             )
+        # By name, with what the worker half filled in, for the engine's scheduler half.
+        self.connector_shared: dict[str, Any] = self.connector_startup.as_shared()
         self.kv_cache_groups, self.kv_caches = allocate_kv_cache(
             self.kv_cache_config, self.dtype, self.device,
             self.connector.kv_cache_buffer if self.connector is not None else None,

@@ -7,6 +7,7 @@ from typing import Any
 
 from pdkv.cache.block_pool import KVCacheBlock
 from pdkv.cache.kv_cache_manager import KVCacheBlocks
+from pdkv.cache.kv_layout import KVLayout
 from pdkv.config import KVTransferConfig
 from pdkv.kv_transfer.connector.p2p_messages import (
     P2PConnectorMetadata,
@@ -36,7 +37,7 @@ def make(role: str, engine_id: str = "engine-0", layout: dict[str, Any] | None =
          lease: float = LEASE) -> P2PConnectorScheduler:
     cfg = KVTransferConfig("P2PConnector", role, engine_id=engine_id,
                            kv_connector_extra_config={"kv_lease_duration": lease})
-    return P2PConnectorScheduler(cfg, dict(layout or LAYOUT), BS, list(PRODUCER_ADDR))
+    return P2PConnectorScheduler(cfg, KVLayout.from_wire(layout or LAYOUT), BS, list(PRODUCER_ADDR))
 
 
 def req(rid: str, n: int = 10, params: dict[str, Any] | None = None,

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from pdkv.cache.kv_layout import KVLayout
 from pdkv.cache.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from pdkv.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from pdkv.kv_transfer.connector.base import (
@@ -16,9 +17,12 @@ from pdkv.kv_transfer.connector.base import (
     KVConnectorRole,
 )
 from pdkv.kv_transfer.connector.multi import MultiConnector, child_configs
+from pdkv.kv_transfer.connector.startup import ConnectorStartup
 from pdkv.request import Request, RequestStatus
 from pdkv.sampling_params import SamplingParams
 from pdkv.sched.scheduler import Scheduler
+
+LAYOUT = KVLayout("m", "float32", 4, 1, 1, 8, "cross_layer")  # unused by these connectors
 
 BS, NUM_BLOCKS = 4, 32
 KV_CONFIG = KVCacheConfig(NUM_BLOCKS, (KVCacheGroupSpec((0,), FullAttentionSpec(block_size=BS)),))
@@ -75,8 +79,8 @@ def make(monkeypatch, policies: tuple[str, str] = ("", "")) -> tuple[Scheduler, 
     cfg = KVTransferConfig("MultiConnector", "kv_both", kv_connector_extra_config={"connectors": [
         {"kv_connector": "KVPoolConnector", "kv_load_failure_policy": policies[0]},
         {"kv_connector": "P2PConnector", "kv_load_failure_policy": policies[1]}]})
-    sched_half = MultiConnector(cfg, KVConnectorRole.SCHEDULER, KV_CONFIG, {}, {}, fake_child)
-    worker_half = MultiConnector(cfg, KVConnectorRole.WORKER, KV_CONFIG, {}, {}, fake_child)
+    sched_half = MultiConnector(cfg, KVConnectorRole.SCHEDULER, KV_CONFIG, LAYOUT, ConnectorStartup(), fake_child)
+    worker_half = MultiConnector(cfg, KVConnectorRole.WORKER, KV_CONFIG, LAYOUT, ConnectorStartup(), fake_child)
     sched = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64),
                       CacheConfig(block_size=BS), KV_CONFIG, connector=sched_half,
                       kv_load_failure_policy="recompute")

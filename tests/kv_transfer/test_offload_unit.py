@@ -10,6 +10,7 @@ import torch
 
 from pdkv.cache.block_pool import BlockPool
 from pdkv.cache.kv_cache_manager import KVCacheManager
+from pdkv.cache.kv_layout import KVLayout
 from pdkv.cache.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from pdkv.config import KVTransferConfig
 from pdkv.kv_transfer.connector.base import KVConnectorOutput, KVConnectorRole
@@ -17,9 +18,12 @@ from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.kv_transfer.connector.offload import OffloadingConnector
 from pdkv.kv_transfer.connector.offload_config import OffloadConfig
 from pdkv.kv_transfer.connector.offload_index import HostBlockIndex
+from pdkv.kv_transfer.connector.startup import ConnectorStartup
 from pdkv.request import Request
 from pdkv.sampling_params import SamplingParams
 from pdkv.sched.output import SchedulerOutput
+
+LAYOUT = KVLayout("m", "float32", 4, 1, 1, 8, "cross_layer")  # unused by these connectors
 
 BS = 2
 EMPTY_STEP = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=[], num_scheduled_tokens={},
@@ -92,7 +96,7 @@ def test_settings_are_checked():
             OffloadConfig.from_extra(bad)
     cfg = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_producer")
     with pytest.raises(ValueError, match="kv_both"):
-        create_connector(cfg, KVConnectorRole.SCHEDULER, kv_config(4), {}, {})
+        create_connector(cfg, KVConnectorRole.SCHEDULER, kv_config(4), LAYOUT, ConnectorStartup())
     # Slots: bytes // (one block summed over groups); block = 2 * BS * 1 * 1 * 4 bytes = 16.
     assert OffloadConfig(cpu_bytes_to_use=100).num_host_slots(kv_config(4, groups=2)) == 3
 
@@ -117,8 +121,8 @@ class FakeEngine:
         extra = {"cpu_bytes_to_use": 16 * 8, "eviction_mode": mode}
         tc = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                               kv_connector_extra_config=extra)
-        self.sched = OffloadingConnector(tc, KVConnectorRole.SCHEDULER, self.cfg, {})
-        self.worker = OffloadingConnector(tc, KVConnectorRole.WORKER, self.cfg, {})
+        self.sched = OffloadingConnector(tc, KVConnectorRole.SCHEDULER, self.cfg, LAYOUT)
+        self.worker = OffloadingConnector(tc, KVConnectorRole.WORKER, self.cfg, LAYOUT)
         self.mgr = KVCacheManager(self.cfg, True, num_blocks * BS)
         self.sched.bind_kv_cache_manager(self.mgr)
         self.cache = torch.zeros(num_blocks, 1, 2, BS, 1, 1)

@@ -16,6 +16,7 @@ from fake_transfer import FakeEngine, cfg
 
 from pdkv.cache.block_pool import KVCacheBlock
 from pdkv.cache.kv_cache_manager import KVCacheBlocks
+from pdkv.cache.kv_layout import KVLayout
 from pdkv.kv_transfer.connector import p2p_producer
 from pdkv.kv_transfer.connector.p2p_consumer import ConsumerSide
 from pdkv.kv_transfer.connector.p2p_messages import (
@@ -58,7 +59,7 @@ class Producer:
         peers["P"] = self.engine
         self.results = WorkerResults(lambda: None)
         self.kv = torch.arange(torch.Size(SHAPE).numel(), dtype=torch.float32).reshape(SHAPE)
-        self.side = ProducerSide(cfg("kv_producer", "P"), dict(P_LAYOUT), self.engine, self.results,
+        self.side = ProducerSide(cfg("kv_producer", "P"), KVLayout.from_wire(P_LAYOUT), self.engine, self.results,
                                  [BLOCK_BYTES])
         self.engine.register_region("g0", view(self.kv))
 
@@ -85,7 +86,7 @@ def consumer(prod: Producer, peers: dict[str, FakeEngine], rank: int, size: int 
     engine = FakeEngine(peers["P"])
     kv = torch.zeros(SHAPE)
     results = WorkerResults(lambda: None)
-    side = ConsumerSide(cfg("kv_consumer", "D"), dict(D_LAYOUT), engine, results, [view(kv)], [BLOCK_BYTES],
+    side = ConsumerSide(cfg("kv_consumer", "D"), KVLayout.from_wire(D_LAYOUT), engine, results, [view(kv)], [BLOCK_BYTES],
                         dcp_rank=rank, dcp_size=size)
     side._control = lambda remote, msg, reply_type, deadline: prod.side._handle(msg)  # type: ignore[method-assign]
     return side, kv, results
@@ -103,12 +104,12 @@ def wait_loaded(results: WorkerResults, rid: str, timeout: float = 10.0) -> str 
 
 # --------------------------------------------------------------------- scheduler half
 def d_scheduler(layout: dict[str, Any] | None = None, logical_bs: int = BS * N) -> P2PConnectorScheduler:
-    return P2PConnectorScheduler(cfg("kv_consumer", "D"), dict(layout or D_LAYOUT), logical_bs, ["127.0.0.1", 0])
+    return P2PConnectorScheduler(cfg("kv_consumer", "D"), KVLayout.from_wire(layout or D_LAYOUT), logical_bs, ["127.0.0.1", 0])
 
 
 def p_params(n_tokens: int, p_blocks: list[int], **over: Any) -> dict[str, Any]:
     """kv_transfer_params as P's scheduler half makes them."""
-    prod = P2PConnectorScheduler(cfg("kv_producer", "P"), dict(P_LAYOUT), BS, ["127.0.0.1", 1])
+    prod = P2PConnectorScheduler(cfg("kv_producer", "P"), KVLayout.from_wire(P_LAYOUT), BS, ["127.0.0.1", 1])
     r = Request("p", list(range(100, 100 + n_tokens)), SamplingParams(max_tokens=1), BS,
                 kv_transfer_params={"do_remote_decode": True})
     r.status = RequestStatus.FINISHED_LENGTH_CAPPED

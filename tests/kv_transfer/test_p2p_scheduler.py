@@ -22,6 +22,7 @@ from p2p_sched_utils import (
     req,
 )
 
+from pdkv.cache.kv_layout import KVLayout
 from pdkv.config import KVTransferConfig
 from pdkv.kv_transfer.connector.base import KVConnectorOutput
 from pdkv.kv_transfer.connector.p2p_messages import (
@@ -81,7 +82,7 @@ def test_producer_request_finished_holds_blocks_and_returns_full_params(status):
     block_ids[0].append(99)
     assert params["remote_block_ids"][0] == [3, 4, 5]
     params["layout"]["dtype"] = "x"
-    assert prod.layout["dtype"] == "float16"
+    assert prod.layout.dtype == "float16"
 
     assert prod.num_blocks_held == 6
     assert prod.has_pending_work()
@@ -314,7 +315,7 @@ def test_validate_rejects_a_layout_mismatch_naming_both_values(key, theirs, mine
     (8, 2, [52, 53, 54], [13, 14]),  # a local hit of one D block: from P block 2 on
 ])
 def test_a_producer_with_another_block_size_is_re_blocked_by_token(hit, first_block, remote, local):
-    cons = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"), dict(LAYOUT, block_size=8),
+    cons = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"), KVLayout.from_wire(dict(LAYOUT, block_size=8)),
                                  8, list(PRODUCER_ADDR))
     params = remote_params(18, [[50, 51, 52, 53, 54]], layout=dict(LAYOUT))  # P: block_size 4
     r = req("r", 18, params)
@@ -338,10 +339,12 @@ def test_same_block_size_leaves_the_re_blocking_fields_unset():
 
 def test_re_blocking_into_dcp_or_several_groups_is_refused_naming_both_sizes():
     dcp = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"),
-                                dict(LAYOUT, block_size=8, dcp_size=2, tp_size=2), 16, list(PRODUCER_ADDR))
+                                KVLayout.from_wire(dict(LAYOUT, block_size=8, dcp_size=2, tp_size=2)),
+                                16, list(PRODUCER_ADDR))
     with pytest.raises(ValueError, match="block_size=8 .*dcp_size=2.*block_size=4"):
         dcp.validate_request(req("r", 10, remote_params()))
-    groups = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"), dict(LAYOUT, block_size=8),
+    groups = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"),
+                                   KVLayout.from_wire(dict(LAYOUT, block_size=8)),
                                    8, list(PRODUCER_ADDR), num_groups=2)
     with pytest.raises(ValueError, match="block_size=8 .*block_size=4.*one KV cache group"):
         groups.validate_request(req("r", 10, remote_params(remote_block_ids=[[1, 2, 3], [4, 5, 6]])))

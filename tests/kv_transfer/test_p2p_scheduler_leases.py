@@ -17,6 +17,7 @@ from p2p_sched_utils import (
     req,
 )
 
+from pdkv.cache.kv_layout import KVLayout
 from pdkv.config import KVTransferConfig
 from pdkv.kv_transfer.connector import p2p_scheduler as p2p_mod
 from pdkv.kv_transfer.connector.p2p_messages import (
@@ -89,7 +90,7 @@ def test_renewal_interval_follows_the_configured_lease(monkeypatch):
 
 def test_default_lease_is_thirty_seconds():
     cfg = KVTransferConfig("P2PConnector", "kv_producer", engine_id="e")
-    assert P2PConnectorScheduler(cfg, dict(LAYOUT), BS, list(PRODUCER_ADDR)).lease_s == 30.0
+    assert P2PConnectorScheduler(cfg, KVLayout.from_wire(LAYOUT), BS, list(PRODUCER_ADDR)).lease_s == 30.0
 
 
 # --------------------------------------------------------------------------- identity

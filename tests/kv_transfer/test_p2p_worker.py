@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from pd_utils import pause_pulls  # noqa: E402
 
+from pdkv.cache.kv_layout import KVLayout
 from pdkv.config import KVTransferConfig  # noqa: E402
 from pdkv.kv_transfer.connector.p2p_messages import (  # noqa: E402
     Ack,
@@ -52,7 +53,7 @@ def free_port() -> int:
 def make_worker(role: str, engine_id: str, **extra: Any) -> tuple[P2PConnectorWorker, torch.Tensor]:
     cfg = KVTransferConfig("P2PConnector", role, engine_id=engine_id,
                            kv_connector_extra_config={"transfer": "tcp", **extra})
-    w = P2PConnectorWorker(cfg, dict(LAYOUT), ["127.0.0.1", 0])
+    w = P2PConnectorWorker(cfg, KVLayout.from_wire(LAYOUT), ["127.0.0.1", 0])
     if role == "kv_producer":
         kv = torch.arange(torch.Size(SHAPE).numel(), dtype=torch.float32).reshape(SHAPE)
     else:
@@ -305,7 +306,7 @@ def test_leases_are_renewed_until_the_read_begins(workers):
 
 def test_a_kv_cache_outside_cpu_memory_is_refused_at_registration():
     cfg = KVTransferConfig("P2PConnector", "kv_consumer", engine_id="D", kv_connector_extra_config={})
-    w = P2PConnectorWorker(cfg, dict(LAYOUT), ["127.0.0.1", 0])
+    w = P2PConnectorWorker(cfg, KVLayout.from_wire(LAYOUT), ["127.0.0.1", 0])
     try:
         with pytest.raises(ValueError, match="KV cache in CPU memory.*meta"):
             w.register_kv_caches([torch.empty(SHAPE, device="meta")])

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from pd_utils import decode, pd_config, prefill, pump, shutdown  # noqa: E402
 
 from pdkv import LLM, SamplingParams  # noqa: E402
+from pdkv.cache.kv_layout import KVLayout
 from pdkv.kv_transfer.connector.p2p_compat import quantized_conversion_error  # noqa: E402
 from pdkv.kvpool.keys import PoolNamespace  # noqa: E402
 
@@ -116,12 +117,13 @@ def test_conversions_of_quantized_pages_are_refused_and_pool_namespaces_differ(e
     msg = quantized_conversion_error({**auto, "tp_size": 2, "num_local_kv_heads": 1}, {"layout": mine})
     assert "re-sharding while dequantizing" in msg and "tp_size=2" in msg
     assert "DCP" in quantized_conversion_error({**auto, "dcp_size": 2}, {"layout": mine})
-    quant = PoolNamespace.from_layout(mine, runner.kv_cache_config, CHUNK)
+    quant = PoolNamespace.from_layout(KVLayout.from_wire(mine), runner.kv_cache_config, CHUNK)
     plain_cfg = runner.kv_cache_config.__class__(
         runner.kv_cache_config.num_blocks,
         tuple(g.__class__(g.layer_indices, g.spec.__class__(**{**g.spec.__dict__, "cache_dtype": "auto"}))
               for g in runner.kv_cache_config.groups))
-    plain = PoolNamespace.from_layout({**mine, "kv_cache_dtype": "auto", "kv_quant": ""}, plain_cfg, CHUNK)
+    plain_layout = KVLayout.from_wire({**mine, "kv_cache_dtype": "auto", "kv_quant": ""})
+    plain = PoolNamespace.from_layout(plain_layout, plain_cfg, CHUNK)
     assert quant.kv_quant.startswith(mine["kv_cache_dtype"]) and plain.kv_quant == ""
     assert quant.fingerprint != plain.fingerprint
 

@@ -69,14 +69,17 @@ def test_decode_takes_a_prefill_at_tp_2_but_refuses_one_it_cannot_convert():
     """D's P2P scheduler half takes params from a P at tp 2 with one control endpoint per P rank
     (issue 12), and refuses, naming both values, a P at tp 2 whose block size differs from D's
     (re-sharding from several P ranks and re-blocking at once) or that lists no endpoints."""
+    from pdkv.cache.kv_layout import KVLayout
     from pdkv.config import KVTransferConfig
     from pdkv.kv_transfer.connector.p2p_messages import LAYOUT_KEYS, prompt_digest
     from pdkv.kv_transfer.connector.p2p_scheduler import P2PConnectorScheduler
     from pdkv.request import Request
     from pdkv.sampling_params import SamplingParams
 
-    layout = {**{k: 1 for k in LAYOUT_KEYS}, "block_size": 16}  # 20 tokens: 2 blocks of 16
-    cons = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"), layout, 16,
+    layout = {**{k: 1 for k in LAYOUT_KEYS}, "block_size": 16,  # 20 tokens: 2 blocks of 16
+              **{k: "1" for k in ("model_digest", "dtype", "kv_layout", "kv_cache_dtype")}}
+    cons = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"),
+                                 KVLayout.from_wire(layout), 16,
                                  ["127.0.0.1", 1])
     prompt = list(range(20, 40))
     params = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r",

@@ -32,6 +32,7 @@ from pdkv.sched.output import KVConnectorOutput as KVConnectorOutput
 
 if TYPE_CHECKING:
     from pdkv.cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from pdkv.cache.kv_layout import KVLayout
     from pdkv.cache.specs import KVCacheConfig
     from pdkv.config import KVTransferConfig
     from pdkv.request import Request
@@ -50,8 +51,8 @@ class KVConnectorBase(ABC):
         config: the engine's kv_transfer_config.
         role: which half this instance is.
         kv_cache_config: KV cache groups and block sizes of this engine.
-        layout: this engine's KV layout fingerprint (model digest, dtype, block size, layers,
-            KV heads, head size, layout name), compared with the peer's.
+        layout: this engine's KV layout (model digest, dtype, block size, layers, KV heads,
+            head size, layout name, parallelism), compared with the peer's.
     """
 
     def __init__(
@@ -59,7 +60,7 @@ class KVConnectorBase(ABC):
         config: KVTransferConfig,
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
-        layout: dict[str, Any],
+        layout: KVLayout,
     ) -> None:
         self.config = config
         self.role = role

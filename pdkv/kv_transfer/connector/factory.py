@@ -2,32 +2,34 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
+from pdkv.cache.kv_layout import KVLayout
 from pdkv.cache.specs import KVCacheConfig
 from pdkv.config import KVTransferConfig
 from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorRole
+from pdkv.kv_transfer.connector.startup import ConnectorStartup
 
 CONNECTORS = ("P2PConnector", "KVPoolConnector", "MultiConnector", "OffloadingConnector")
 
 
 def create_connector(config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
-                     layout: dict[str, Any], shared: dict[str, Any]) -> KVConnectorBase:
+                     layout: KVLayout | Mapping[str, object],
+                     startup: ConnectorStartup | Mapping[str, object]) -> KVConnectorBase:
     """Build one half of the connector named in `config`.
 
     Args:
-        shared: start-up values both halves of one engine see, by name: "control_address"
-            (P2P: the producer's [host, port], filled in by the worker half), "control_endpoints"
-            (P2P, multi-process engine: every rank's [host, port], set by the executor), "dcp_rank" and
-            "dcp_size" (this worker's DCP rank and size, set by the model runner; default 0 / 1),
-            "rank" and "world_size" (this worker's global rank and the engine's worker count; default
-            dcp_rank / dcp_size) and "pool_store"
-            (KVPoolConnector: the store, created by the worker half, which is built first).
+        layout: this engine's KV layout; its wire form (a dict, e.g. from a worker process) is
+            parsed here (`KVLayout.from_wire`).
+        startup: the start-up values both halves of one engine share (see ConnectorStartup;
+            the worker half is built first and fills in what it binds); the by-name dict form
+            (`ConnectorStartup.as_shared`) is parsed here, keeping its address list and store.
 
     Raises:
-        ValueError: unknown connector name, invalid connector settings, or a connector that
-            cannot move one of the KV cache groups (sliding window: P2PConnector and
-            KVPoolConnector only; linear state: P2PConnector and KVPoolConnector).
+        ValueError: unknown connector name, invalid connector settings, a malformed layout or
+            start-up value, or a connector that cannot move one of the KV cache groups (sliding
+            window: P2PConnector and KVPoolConnector only; linear state: P2PConnector and
+            KVPoolConnector).
     """
     linear = [g.spec.kind for g in kv_cache_config.groups if g.spec.kind == "linear_state"]
     if linear and config.kv_connector not in ("P2PConnector", "KVPoolConnector"):
@@ -39,24 +41,27 @@ def create_connector(config: KVTransferConfig, role: KVConnectorRole, kv_cache_c
         raise ValueError(
             f"{config.kv_connector} does not move sliding-window KV cache groups yet (P2PConnector "
             "and KVPoolConnector do, issue 11): run this model without it or with one of those")
+    if config.kv_connector not in CONNECTORS:
+        raise ValueError(f"unknown kv_connector {config.kv_connector!r}; known: {CONNECTORS}")
+    lay = layout if isinstance(layout, KVLayout) else KVLayout.from_wire(layout)
+    start = startup if isinstance(startup, ConnectorStartup) else ConnectorStartup.from_shared(startup)
     if config.kv_connector == "P2PConnector":
         from pdkv.kv_transfer.connector.p2p import P2PConnector
 
-        address = shared.setdefault("control_address", ["127.0.0.1", 0])
-        dcp_rank, dcp_size = int(shared.get("dcp_rank", 0)), int(shared.get("dcp_size", 1))
-        return P2PConnector(config, role, kv_cache_config, layout, address, dcp_rank, dcp_size,
-                            int(shared.get("rank", dcp_rank)), int(shared.get("world_size", dcp_size)),
-                            shared.get("control_endpoints"))
+        if start.control_address is None:
+            start.control_address = ["127.0.0.1", 0]
+        return P2PConnector(config, role, kv_cache_config, lay, start.control_address, start.dcp_rank,
+                            start.dcp_size, start.rank, start.world_size, start.control_endpoints)
     if config.kv_connector == "KVPoolConnector":
         from pdkv.kv_transfer.connector.pool import KVPoolConnector
 
-        return KVPoolConnector(config, role, kv_cache_config, layout, shared)
+        return KVPoolConnector(config, role, kv_cache_config, lay, start)
     if config.kv_connector == "MultiConnector":
         from pdkv.kv_transfer.connector.multi import MultiConnector
 
-        return MultiConnector(config, role, kv_cache_config, layout, shared, create_connector)
+        return MultiConnector(config, role, kv_cache_config, lay, start, create_connector)
     if config.kv_connector == "OffloadingConnector":
         from pdkv.kv_transfer.connector.offload import OffloadingConnector
 
-        return OffloadingConnector(config, role, kv_cache_config, layout)
+        return OffloadingConnector(config, role, kv_cache_config, lay)
     raise ValueError(f"unknown kv_connector {config.kv_connector!r}; known: {CONNECTORS}")

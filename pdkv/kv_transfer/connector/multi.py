@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from pdkv.cache.kv_layout import KVLayout
 from pdkv.config import KVTransferConfig
 from pdkv.kv_transfer.connector.base import (
     KVConnectorBase,
@@ -36,6 +37,7 @@ from pdkv.kv_transfer.connector.base import (
     KVConnectorOutput,
     KVConnectorRole,
 )
+from pdkv.kv_transfer.connector.startup import ConnectorStartup
 
 if TYPE_CHECKING:
     from pdkv.cache.kv_cache_manager import KVCacheBlocks
@@ -99,9 +101,9 @@ def child_configs(config: KVTransferConfig) -> list[KVTransferConfig]:
     return out
 
 
-ChildFactory = Callable[[KVTransferConfig, KVConnectorRole, "KVCacheConfig", dict[str, Any], dict[str, Any]],
+ChildFactory = Callable[[KVTransferConfig, KVConnectorRole, "KVCacheConfig", KVLayout, ConnectorStartup],
                         KVConnectorBase]
-"""(config, role, kv_cache_config, layout, shared) -> one child connector."""
+"""(config, role, kv_cache_config, layout, startup) -> one child connector."""
 
 
 class MultiConnector(KVConnectorBase):
@@ -117,10 +119,10 @@ class MultiConnector(KVConnectorBase):
     """
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
-                 layout: dict[str, Any], shared: dict[str, Any], create_child: ChildFactory) -> None:
+                 layout: KVLayout, startup: ConnectorStartup, create_child: ChildFactory) -> None:
         super().__init__(config, role, kv_cache_config, layout)
         self.child_configs = child_configs(config)
-        self.children = [create_child(c, role, kv_cache_config, layout, shared)
+        self.children = [create_child(c, role, kv_cache_config, layout, startup)
                          for c in self.child_configs]
         self.block_size = kv_cache_config.groups[0].spec.block_size
         # scheduler half

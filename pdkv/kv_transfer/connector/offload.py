@@ -26,6 +26,7 @@ from pdkv.kv_transfer.connector.offload_scheduler import OffloadConnectorSchedul
 
 if TYPE_CHECKING:
     from pdkv.cache.kv_cache_manager import KVCacheManager
+    from pdkv.cache.kv_layout import KVLayout
     from pdkv.cache.specs import KVCacheConfig
     from pdkv.config import KVTransferConfig
 
@@ -38,7 +39,7 @@ class OffloadingConnector(RoleDelegatingConnector):
     """
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
-                 layout: dict[str, Any]) -> None:
+                 layout: KVLayout) -> None:
         super().__init__(config, role, kv_cache_config, layout)
         if config.kv_role != "kv_both":
             raise ValueError(f"OffloadingConnector needs kv_role 'kv_both', got {config.kv_role!r}")

@@ -20,9 +20,11 @@ from pdkv.kv_transfer.connector.p2p_config import P2PConfig
 from pdkv.kv_transfer.connector.p2p_messages import P2PConnectorMetadata
 from pdkv.kv_transfer.connector.p2p_scheduler import P2PConnectorScheduler
 from pdkv.kv_transfer.connector.p2p_worker import P2PConnectorWorker
+from pdkv.kv_transfer.connector.startup import Address
 
 if TYPE_CHECKING:
     from pdkv.cache.kv_cache_manager import KVCacheBlocks
+    from pdkv.cache.kv_layout import KVLayout
     from pdkv.cache.specs import KVCacheConfig
     from pdkv.config import KVTransferConfig
     from pdkv.request import Request
@@ -42,11 +44,11 @@ class P2PConnector(KVConnectorBase):
     """
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
-                 layout: dict[str, Any], control_address: list[Any] | None = None,
+                 layout: KVLayout, control_address: Address | None = None,
                  dcp_rank: int = 0, dcp_size: int = 1, rank: int | None = None,
-                 world_size: int | None = None, control_endpoints: list[Any] | None = None) -> None:
+                 world_size: int | None = None, control_endpoints: list[Address] | None = None) -> None:
         super().__init__(config, role, kv_cache_config, layout)
-        address = control_address if control_address is not None else ["127.0.0.1", 0]
+        address: Address = control_address if control_address is not None else ["127.0.0.1", 0]
         block_size = kv_cache_config.groups[0].spec.block_size
         settings = P2PConfig.of(config)
         self.scheduler = (

@@ -60,6 +60,7 @@ from pdkv.kv_transfer.wire import WireError, connect, recv_msg, send_msg
 from pdkv.parallel.layout import ParallelLayout
 
 if TYPE_CHECKING:
+    from pdkv.cache.kv_layout import KVLayout
     from pdkv.config import KVTransferConfig
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class ConsumerSide:
     """Args:
         config: kv_transfer_config (extra: transfer_timeout, kv_lease_duration,
             kv_pulls_per_peer, kv_pull_threads).
-        layout: this engine's layout fingerprint (sent in handshakes).
+        layout: this engine's KV layout (its wire form is sent in handshakes).
         engine: the transfer engine reads go through.
         results: where finished loads are reported.
         regions: this engine's KV cache bytes per group (filled at register_kv_caches).
@@ -101,7 +102,7 @@ class ConsumerSide:
         ValueError: dcp_rank outside [0, dcp_size) or rank outside [0, world_size).
     """
 
-    def __init__(self, config: KVTransferConfig, layout: dict[str, Any], engine: TransferEngine,
+    def __init__(self, config: KVTransferConfig, layout: KVLayout, engine: TransferEngine,
                  results: WorkerResults, regions: list[memoryview], block_bytes: list[int],
                  dcp_rank: int = 0, dcp_size: int = 1, rank: int | None = None,
                  world_size: int | None = None, settings: P2PConfig | None = None) -> None:
@@ -206,7 +207,7 @@ class ConsumerSide:
         with self._lock:
             reply = self._handshakes.get(remote)
         if reply is None:
-            reply = self._control(remote, Handshake(self.config.engine_id, self.layout), HandshakeReply, deadline)
+            reply = self._control(remote, Handshake(self.config.engine_id, self.layout.to_wire()), HandshakeReply, deadline)
             if not reply.ok:
                 raise TransferError(reply.error)
             with self._lock:
@@ -295,7 +296,7 @@ class ConsumerSide:
             TransferError: a plan the layouts do not allow, or any step failed.
         """
         spec = pull.spec
-        p_tp, d_tp = len(spec.remote_ranks), int(self.layout.get("tp_size", 1))
+        p_tp, d_tp = len(spec.remote_ranks), self.layout.tp
         heads = int(spec.remote_layout.get("num_kv_heads", 0))
         me = ParallelLayout(tp_size=d_tp).tp_rank(self.rank)
         state = self.plan.state

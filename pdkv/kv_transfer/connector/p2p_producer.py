@@ -14,7 +14,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pdkv.kv_transfer.connector.p2p_config import P2PConfig
 from pdkv.kv_transfer.connector.p2p_messages import (
@@ -33,6 +33,7 @@ from pdkv.kv_transfer.engine.base import Grant, TransferEngine
 from pdkv.kv_transfer.wire import WireError, recv_msg, send_msg, start_server, stop_server
 
 if TYPE_CHECKING:
+    from pdkv.cache.kv_layout import KVLayout
     from pdkv.config import KVTransferConfig
 
 logger = logging.getLogger(__name__)
@@ -66,19 +67,20 @@ class ProducerSide:
     """Args:
         config: kv_transfer_config (extra: kv_lease_duration, kv_server_max_connections,
             kv_server_idle_timeout).
-        layout: this engine's layout fingerprint (checked in handshakes).
+        layout: this engine's KV layout (its wire form is checked in handshakes).
         engine: the transfer engine serving the KV regions (its authorizer is set here).
         results: where finished sends are reported.
         block_bytes: bytes per block of each KV cache group (filled at register_kv_caches).
         settings: the parsed extra config (None: parsed from `config`).
     """
 
-    def __init__(self, config: KVTransferConfig, layout: dict[str, Any], engine: TransferEngine,
+    def __init__(self, config: KVTransferConfig, layout: KVLayout, engine: TransferEngine,
                  results: WorkerResults, block_bytes: list[int],
                  settings: P2PConfig | None = None) -> None:
         s = settings if settings is not None else P2PConfig.of(config)
         self.config = config
         self.layout = layout
+        self.wire_layout = layout.to_wire()  # what handshakes compare and answer
         self.engine = engine
         self.results = results
         self.block_bytes = block_bytes
@@ -181,10 +183,10 @@ class ProducerSide:
 
     def _handle(self, msg: Handshake | Notify | Claim) -> HandshakeReply | ClaimReply | Ack:
         if isinstance(msg, Handshake):
-            mismatch = layout_mismatch(msg.layout, self.layout)
+            mismatch = layout_mismatch(msg.layout, self.wire_layout)
             if mismatch:
                 return HandshakeReply(False, error=mismatch)
-            return HandshakeReply(True, engine_id=self.config.engine_id, layout=self.layout,
+            return HandshakeReply(True, engine_id=self.config.engine_id, layout=self.wire_layout,
                                   transfer=self.engine.name, peer_info=self.engine.peer_info(),
                                   block_bytes=list(self.block_bytes), incarnation=self.incarnation)
         if msg.engine_id and msg.engine_id != self.config.engine_id:

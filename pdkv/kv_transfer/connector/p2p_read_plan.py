@@ -7,26 +7,26 @@ pdkv/kv_transfer/reshard_state.py). No I/O: the consumer side submits the ops.""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
+from pdkv.cache.kv_layout import KVLayout
 from pdkv.cache.specs import DTYPE_BYTES, QUANTIZED_KV_CACHE_DTYPES
 from pdkv.kv_transfer.connector.p2p_messages import HandshakeReply, RecvSpec
 from pdkv.kv_transfer.engine.base import ReadOp, TransferError
 from pdkv.kv_transfer.reblock import plan_reblock
 from pdkv.kv_transfer.reshard import HeadRead, plan_head_copies, plan_head_reads
-from pdkv.kv_transfer.reshard_state import StateGeometry, plan_state_copies
+from pdkv.kv_transfer.reshard_state import plan_state_copies
 from pdkv.parallel.layout import ParallelLayout
 
 
 class ReadPlanner:
     """Args:
-        layout: this engine's layout fingerprint (block_size, num_layers, heads, tp/dcp sizes).
+        layout: this engine's KV layout (block_size, num_layers, heads, tp/dcp sizes).
         regions: this worker's KV cache bytes per group (the list is filled at register time).
         block_bytes: bytes per block of each group (likewise).
         rank: this worker's global rank; dcp_rank, dcp_size: its DCP rank and the DCP size.
     """
 
-    def __init__(self, layout: dict[str, Any], regions: list[memoryview], block_bytes: list[int],
+    def __init__(self, layout: KVLayout, regions: list[memoryview], block_bytes: list[int],
                  rank: int, dcp_rank: int, dcp_size: int) -> None:
         self.layout = layout
         self.regions = regions
@@ -34,8 +34,8 @@ class ReadPlanner:
         self.rank = rank
         self.dcp_rank = dcp_rank
         self.dcp_size = dcp_size
-        self.state = StateGeometry.from_layout(layout)  # a Gated DeltaNet state group, else None
-        self.tp = int(layout.get("tp_size", 1))
+        self.state = layout.linear_state  # a Gated DeltaNet state group, else None
+        self.tp = layout.tp
 
     def block_ops(self, spec: RecvSpec, peer: HandshakeReply) -> list[ReadOp]:
         """The reads of this DCP rank's pairs (remote_first_block + i ≡ dcp_rank mod dcp_size);
@@ -45,8 +45,8 @@ class ReadPlanner:
             TransferError: the producer's block bytes differ from this engine's.
         """
         p_heads = int(spec.remote_layout.get("num_kv_heads", 0))
-        d_heads = int(self.layout.get("num_local_kv_heads", self.layout.get("num_kv_heads", 0)))
-        if spec.remote_block_size and spec.remote_block_size != int(self.layout.get("block_size", 0)):
+        d_heads = self.layout.local_kv_heads
+        if spec.remote_block_size and spec.remote_block_size != self.layout.block_size:
             return self.reblock_ops(spec, peer)
         if p_heads and d_heads and p_heads != d_heads:
             return self.head_ops(spec, peer, p_heads, d_heads)
@@ -82,11 +82,11 @@ class ReadPlanner:
         The layers are the group's own (a hybrid model's attention group holds only some).
         Both engines store the same kv_cache_dtype here (a dequantizing consumer takes whole
         blocks only). (0, []) when the bytes do not split so."""
-        head = int(self.layout.get("head_size", 0))
-        if self.layout.get("kv_cache_dtype", "auto") in QUANTIZED_KV_CACHE_DTYPES:
+        head = self.layout.head_size
+        if self.layout.cache_dtype in QUANTIZED_KV_CACHE_DTYPES:
             units = [head, 4]
         else:
-            units = [head * DTYPE_BYTES.get(str(self.layout.get("dtype")), 0)]
+            units = [head * DTYPE_BYTES.get(self.layout.dtype, 0)]
         per_layer = 2 * block_size * heads * sum(units)
         if min(units) <= 0 or per_layer <= 0 or block_bytes % per_layer or not block_bytes:
             return 0, []
@@ -96,7 +96,7 @@ class ReadPlanner:
         """Whether the producer's blocks are quantized and this engine's are not (they are read
         into staging memory and dequantized on arrival: `dequant_ops`)."""
         return (spec.remote_layout.get("kv_cache_dtype", "auto") in QUANTIZED_KV_CACHE_DTYPES
-                and self.layout.get("kv_cache_dtype", "auto") == "auto")
+                and self.layout.cache_dtype == "auto")
 
     def dequant_ops(self, spec: RecvSpec, peer: HandshakeReply) -> tuple[list[ReadOp], Callable[[], None]]:
         """Reads of the producer's whole quantized blocks into staging memory (one op per block;
@@ -111,7 +111,7 @@ class ReadPlanner:
         from pdkv.kv_transfer.kv_dequant import dequantize_blocks
 
         lay = spec.remote_layout
-        bs, heads, head = int(self.layout["block_size"]), int(lay["num_kv_heads"]), int(lay["head_size"])
+        bs, heads, head = self.layout.block_size, int(lay["num_kv_heads"]), int(lay["head_size"])
         page = 2 * bs * heads * head + 2 * bs * heads * 4
         ops: list[ReadOp] = []
         steps: list[Callable[[], None]] = []
@@ -125,7 +125,7 @@ class ReadPlanner:
             ops.extend(ReadOp(f"g{g}", r * p_bb, p_bb, staged[i * p_bb : (i + 1) * p_bb]) for i, r in enumerate(remote))
             region, ids = self.regions[g], list(local)
             steps.append(lambda st=staged, rg=region, ids=ids: dequantize_blocks(
-                st, rg, ids, bs, heads, head, str(lay["kv_cache_dtype"]), str(self.layout["dtype"])))
+                st, rg, ids, bs, heads, head, str(lay["kv_cache_dtype"]), self.layout.dtype))
 
         def finish() -> None:
             for step in steps:
@@ -141,8 +141,8 @@ class ReadPlanner:
             TransferError: the bytes per token row differ between the engines, or the blocks do
                 not cover the token range.
         """
-        d_bs, p_bs = int(self.layout["block_size"]), spec.remote_block_size
-        heads = int(self.layout.get("num_local_kv_heads", self.layout.get("num_kv_heads", 0)))
+        d_bs, p_bs = self.layout.block_size, spec.remote_block_size
+        heads = self.layout.local_kv_heads
         ops = []
         for g, (local, remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
             bb, p_bb = self.block_bytes[g], peer.block_bytes[g]
@@ -169,9 +169,9 @@ class ReadPlanner:
             TransferError: the block bytes do not split into the heads of both sides, or a
                 layout the planner refuses.
         """
-        tp = int(self.layout.get("tp_size", 1))
-        lay = ParallelLayout(tp_size=tp, dcp_size=int(self.layout.get("dcp_size", 1)),
-                             dcp_replicated=bool(self.layout.get("dcp_replicated", False)))
+        tp = self.layout.tp
+        lay = ParallelLayout(tp_size=tp, dcp_size=self.layout.dcp,
+                             dcp_replicated=bool(self.layout.dcp_replicated))
         try:
             reads = plan_head_reads(1, tp, p_heads)[lay.tp_rank(self.rank)]
         except ValueError as e:
@@ -187,7 +187,7 @@ class ReadPlanner:
         Raises:
             TransferError: the block bytes do not split into the heads of both sides.
         """
-        bs = int(self.layout["block_size"])
+        bs = self.layout.block_size
         ops = []
         for g, (local, remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
             if self.state is not None and g == self.state.group:

@@ -64,10 +64,12 @@ from pdkv.kv_transfer.connector.p2p_messages import (
     layout_mismatch,
     prompt_digest,
 )
+from pdkv.kv_transfer.connector.startup import Address
 from pdkv.request import RequestStatus
 
 if TYPE_CHECKING:
     from pdkv.cache.kv_cache_manager import KVCacheBlocks
+    from pdkv.cache.kv_layout import KVLayout
     from pdkv.config import KVTransferConfig
     from pdkv.request import Request
 
@@ -78,7 +80,7 @@ REQUIRED_PARAMS = ("remote_engine_id", "remote_request_id", "remote_block_ids", 
 class P2PConnectorScheduler:
     """Args:
         config: kv_transfer_config (extra: kv_host, kv_port, kv_lease_duration).
-        layout: this engine's layout fingerprint.
+        layout: this engine's KV layout.
         block_size: tokens per block.
         control_address: (host, port) of this engine's control server (producer), filled in by
             the worker half at start-up and read when building params.
@@ -91,10 +93,10 @@ class P2PConnectorScheduler:
         ValueError: sliding_windows not one per group, or a bad extra config value (named).
     """
 
-    def __init__(self, config: KVTransferConfig, layout: dict[str, Any], block_size: int,
-                 control_address: list[Any], num_groups: int = 1,
+    def __init__(self, config: KVTransferConfig, layout: KVLayout, block_size: int,
+                 control_address: Address, num_groups: int = 1,
                  sliding_windows: tuple[int | None, ...] = (),
-                 control_endpoints: list[Any] | None = None,
+                 control_endpoints: list[Address] | None = None,
                  linear_groups: tuple[bool, ...] = (), settings: P2PConfig | None = None) -> None:
         self.config = config
         # Per group: whether it holds linear-attention state slots (one slot moves per request).
@@ -106,6 +108,7 @@ class P2PConnectorScheduler:
         if len(self.sliding_windows) != num_groups:
             raise ValueError(f"{len(self.sliding_windows)} sliding windows for {num_groups} groups")
         self.layout = layout
+        self.wire_layout = layout.to_wire()  # compared with a producer's (kv_transfer_params)
         self.block_size = block_size
         self.control_address = control_address
         s = settings if settings is not None else P2PConfig.of(config)
@@ -148,10 +151,10 @@ class P2PConnectorScheduler:
             error = params_consistency_error(p, request.num_prompt_tokens, self.linear_groups)
             if error:
                 raise ValueError(error)
-            mismatch = layout_mismatch(self.layout, dict(p.get("layout") or {}))
+            mismatch = layout_mismatch(self.wire_layout, dict(p.get("layout") or {}))
             if mismatch:
                 raise ValueError(mismatch)
-            error = shard_error(self.layout, p, self.num_groups)
+            error = shard_error(self.wire_layout, p, self.num_groups)
             if error:
                 raise ValueError(error)
             if any(self.linear_groups):
@@ -212,7 +215,7 @@ class P2PConnectorScheduler:
         if num_external_tokens > 0 or error:
             p_bs = int(dict(p.get("layout") or {}).get("block_size", self.block_size))
             reblock: dict[str, int] = {}
-            if p_bs != int(self.layout.get("block_size", self.block_size)):  # (per rank under DCP)
+            if p_bs != self.layout.block_size:  # (per rank under DCP)
                 first, local_ids, remote_ids = self._reblock_map(request, local, p_bs)
                 reblock = {"remote_block_size": p_bs, "first_token": request.num_computed_tokens,
                            "end_token": request.num_prompt_tokens}
@@ -242,7 +245,7 @@ class P2PConnectorScheduler:
         `new_blocks` are the request's blocks after its num_computed_tokens // block_size
         computed (prefix-hit) ones."""
         p = request.kv_transfer_params or {}
-        n = int(self.layout.get("dcp_size", 1))
+        n = self.layout.dcp
         p_bs = int(dict(p.get("layout") or {}).get("block_size", self.block_size))
         k0 = request.num_computed_tokens // p_bs
         if n == 1:  # one block of P per block of D
@@ -370,12 +373,12 @@ class P2PConnectorScheduler:
             "remote_port": port,
             "remote_nonce": nonce,
             "prompt_digest": digest,
-            "tp_size": int(self.layout.get("tp_size", 1)),
-            "dcp_size": int(self.layout.get("dcp_size", 1)),
+            "tp_size": self.layout.tp,
+            "dcp_size": self.layout.dcp,
             "endpoints": [list(e) for e in self.control_endpoints] or [[host, port]],  # per rank
             "block_size": self.block_size,
             "num_tokens": request.num_prompt_tokens,
-            "layout": dict(self.layout),
+            "layout": self.layout.to_wire(),
             **extra,
         }
 

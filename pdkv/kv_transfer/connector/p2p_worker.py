@@ -14,9 +14,11 @@ from pdkv.kv_transfer.connector.p2p_consumer import ConsumerSide
 from pdkv.kv_transfer.connector.p2p_messages import P2PConnectorMetadata
 from pdkv.kv_transfer.connector.p2p_producer import ProducerSide
 from pdkv.kv_transfer.connector.p2p_results import WorkerResults
+from pdkv.kv_transfer.connector.startup import Address
 from pdkv.kv_transfer.engine.factory import create_transfer_engine
 
 if TYPE_CHECKING:
+    from pdkv.cache.kv_layout import KVLayout
     from pdkv.config import KVTransferConfig
 
 logger = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ class P2PConnectorWorker:
         config: kv_transfer_config (extra: transfer, kv_host (bind), kv_advertise_host (what
             consumers connect to; default kv_host, never a wildcard), kv_port, transfer_timeout,
             kv_lease_duration, and the bounds read by the producer and consumer sides).
-        layout: this engine's layout fingerprint.
+        layout: this engine's KV layout.
         control_address: shared [host, port] list the scheduler half reads (filled here).
         dcp_rank, dcp_size: this worker's DCP rank and size (a consumer rank pulls only the
             blocks of its shard; p2p_consumer.py).
@@ -61,7 +63,7 @@ class P2PConnectorWorker:
         settings: the parsed extra config (None: parsed from `config`).
     """
 
-    def __init__(self, config: KVTransferConfig, layout: dict[str, Any], control_address: list[Any],
+    def __init__(self, config: KVTransferConfig, layout: KVLayout, control_address: Address,
                  dcp_rank: int = 0, dcp_size: int = 1, rank: int | None = None,
                  world_size: int | None = None, settings: P2PConfig | None = None) -> None:
         s = settings if settings is not None else P2PConfig.of(config)

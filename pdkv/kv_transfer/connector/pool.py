@@ -9,7 +9,7 @@ LMCacheConnectorV1). kv_producer saves only, kv_consumer loads only, kv_both doe
 of everything that changes KV); values: `pdkv.kvpool.codec` (typed header + checksum).
 
 Both halves of one engine use one `KVPoolStore`, created by whichever half is built first and
-shared through the factory's `shared` dict ("pool_store"); the worker half closes it.
+shared through the start-up values (`ConnectorStartup.pool_store`); the worker half closes it.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from pdkv.cache.kv_cache_manager import KVCacheManager
+    from pdkv.cache.kv_layout import KVLayout
     from pdkv.cache.specs import KVCacheConfig
     from pdkv.config import KVTransferConfig
+    from pdkv.kv_transfer.connector.startup import ConnectorStartup
     from pdkv.request import Request
 
 
@@ -72,13 +74,13 @@ class KVPoolConnector(RoleDelegatingConnector):
     """
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
-                 layout: dict[str, Any], shared: dict[str, Any]) -> None:
+                 layout: KVLayout, startup: ConnectorStartup) -> None:
         super().__init__(config, role, kv_cache_config, layout)
         block_size = kv_cache_config.groups[0].spec.block_size
         self.pool = PoolConnectorConfig.from_extra(config.kv_connector_extra_config, block_size)
-        store = shared.get("pool_store")
+        store = startup.pool_store
         if store is None:
-            store = shared["pool_store"] = build_store(self.pool)
+            store = startup.pool_store = build_store(self.pool)
             logger.info("KV pool (%s): chunk %d tokens, tiers %s", config.kv_role, self.pool.chunk_size,
                         ", ".join(_describe(t) for t in self.pool.tiers))
         self.store: KVPoolStore = store
