@@ -18,10 +18,16 @@ LAYOUT_KEY = "linear_state"
 """Key of the state geometry in an engine's layout (wire form)."""
 
 
-def _int(value: object) -> int:
+def as_int(value: object) -> int:
+    """`int(value)` of a wire value (a number or a numeric string).
+
+    Raises:
+        TypeError: value is not a number or a string.
+        ValueError: a string that is not a number.
+    """
     if isinstance(value, int | float | str):
         return int(value)
-    raise TypeError(f"not a number: {value!r:.40}")
+    raise TypeError(f"int() argument must be a string or a number, not {type(value).__name__!r}")
 
 
 @dataclass(frozen=True)
@@ -57,10 +63,10 @@ class StateGeometry:
         try:
             if not isinstance(d, Mapping) or not isinstance(d["conv_segments"], list | tuple):
                 raise TypeError("not an object with a list of conv_segments")
-            return StateGeometry(_int(d["group"]), _int(d["num_layers"]),
-                                 tuple(_int(s) for s in d["conv_segments"]),
-                                 _int(d["conv_row_bytes"]), _int(d["rec_heads"]),
-                                 _int(d["rec_head_bytes"]))
+            return StateGeometry(as_int(d["group"]), as_int(d["num_layers"]),
+                                 tuple(as_int(s) for s in d["conv_segments"]),
+                                 as_int(d["conv_row_bytes"]), as_int(d["rec_heads"]),
+                                 as_int(d["rec_head_bytes"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed {LAYOUT_KEY} layout entry {d!r:.120}: {e!r}") from None
 

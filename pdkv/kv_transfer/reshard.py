@@ -37,7 +37,7 @@ class HeadRead(NamedTuple):
     p_rank: int
     p_head: int
     d_head: int
-    count: int
+    count: int  # type: ignore[assignment]  # a field named like tuple.count (mypy refuses it)
 
 
 class SegmentRead(NamedTuple):

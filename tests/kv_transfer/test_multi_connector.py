@@ -79,8 +79,10 @@ def make(monkeypatch, policies: tuple[str, str] = ("", "")) -> tuple[Scheduler, 
     cfg = KVTransferConfig("MultiConnector", "kv_both", kv_connector_extra_config={"connectors": [
         {"kv_connector": "KVPoolConnector", "kv_load_failure_policy": policies[0]},
         {"kv_connector": "P2PConnector", "kv_load_failure_policy": policies[1]}]})
-    sched_half = MultiConnector(cfg, KVConnectorRole.SCHEDULER, KV_CONFIG, LAYOUT, ConnectorStartup(), fake_child)
-    worker_half = MultiConnector(cfg, KVConnectorRole.WORKER, KV_CONFIG, LAYOUT, ConnectorStartup(), fake_child)
+    sched_half = MultiConnector(cfg, KVConnectorRole.SCHEDULER, KV_CONFIG, LAYOUT,
+                                ConnectorStartup(), fake_child)
+    worker_half = MultiConnector(cfg, KVConnectorRole.WORKER, KV_CONFIG, LAYOUT, ConnectorStartup(),
+                                 fake_child)
     sched = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64),
                       CacheConfig(block_size=BS), KV_CONFIG, connector=sched_half,
                       kv_load_failure_policy="recompute")

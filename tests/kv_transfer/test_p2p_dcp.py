@@ -59,7 +59,8 @@ class Producer:
         peers["P"] = self.engine
         self.results = WorkerResults(lambda: None)
         self.kv = torch.arange(torch.Size(SHAPE).numel(), dtype=torch.float32).reshape(SHAPE)
-        self.side = ProducerSide(cfg("kv_producer", "P"), KVLayout.from_wire(P_LAYOUT), self.engine, self.results,
+        self.side = ProducerSide(cfg("kv_producer", "P"), KVLayout.from_wire(P_LAYOUT), self.engine,
+                                 self.results,
                                  [BLOCK_BYTES])
         self.engine.register_region("g0", view(self.kv))
 
@@ -86,7 +87,8 @@ def consumer(prod: Producer, peers: dict[str, FakeEngine], rank: int, size: int 
     engine = FakeEngine(peers["P"])
     kv = torch.zeros(SHAPE)
     results = WorkerResults(lambda: None)
-    side = ConsumerSide(cfg("kv_consumer", "D"), KVLayout.from_wire(D_LAYOUT), engine, results, [view(kv)], [BLOCK_BYTES],
+    side = ConsumerSide(cfg("kv_consumer", "D"), KVLayout.from_wire(D_LAYOUT), engine, results,
+                        [view(kv)], [BLOCK_BYTES],
                         dcp_rank=rank, dcp_size=size)
     side._control = lambda remote, msg, reply_type, deadline: prod.side._handle(msg)  # type: ignore[method-assign]
     return side, kv, results
@@ -104,12 +106,14 @@ def wait_loaded(results: WorkerResults, rid: str, timeout: float = 10.0) -> str 
 
 # --------------------------------------------------------------------- scheduler half
 def d_scheduler(layout: dict[str, Any] | None = None, logical_bs: int = BS * N) -> P2PConnectorScheduler:
-    return P2PConnectorScheduler(cfg("kv_consumer", "D"), KVLayout.from_wire(layout or D_LAYOUT), logical_bs, ["127.0.0.1", 0])
+    return P2PConnectorScheduler(cfg("kv_consumer", "D"), KVLayout.from_wire(layout or D_LAYOUT),
+                                 logical_bs, ["127.0.0.1", 0])
 
 
 def p_params(n_tokens: int, p_blocks: list[int], **over: Any) -> dict[str, Any]:
     """kv_transfer_params as P's scheduler half makes them."""
-    prod = P2PConnectorScheduler(cfg("kv_producer", "P"), KVLayout.from_wire(P_LAYOUT), BS, ["127.0.0.1", 1])
+    prod = P2PConnectorScheduler(cfg("kv_producer", "P"), KVLayout.from_wire(P_LAYOUT), BS,
+                                 ["127.0.0.1", 1])
     r = Request("p", list(range(100, 100 + n_tokens)), SamplingParams(max_tokens=1), BS,
                 kv_transfer_params={"do_remote_decode": True})
     r.status = RequestStatus.FINISHED_LENGTH_CAPPED

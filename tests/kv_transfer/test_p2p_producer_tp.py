@@ -123,21 +123,24 @@ class Run:
         for r in range(p_tp):
             start = p_par.kv_head_start(r, heads)
             eng, res = RankEngine(r), WorkerResults(lambda: None)
-            prod = ProducerSide(cfg("kv_producer", "P"), KVLayout.from_wire(p_lay), eng, res, [bb(p_local)])
+            prod = ProducerSide(cfg("kv_producer", "P"), KVLayout.from_wire(p_lay), eng, res,
+                                [bb(p_local)])
             eng.register_region("g0", view(self.kv[:, :, :, :, start : start + p_local].contiguous()))
             prod.hold([SendSpec("p", (p_blocks,), 30.0, nonce, digest)])
             self.engines.append(eng)
             self.producers.append(prod)
             self.p_results.append(res)
         # P's scheduler half (endpoints from the executor) → params → D's scheduler half.
-        p_sched = P2PConnectorScheduler(cfg("kv_producer", "P"), KVLayout.from_wire(p_lay), BS, list(ENDPOINTS[0]),
+        p_sched = P2PConnectorScheduler(cfg("kv_producer", "P"), KVLayout.from_wire(p_lay), BS,
+                                        list(ENDPOINTS[0]),
                                         control_endpoints=[list(e) for e in ENDPOINTS[:p_tp]])
         req = Request("p", tokens, SamplingParams(max_tokens=1), BS, kv_transfer_params={"do_remote_decode": True})
         req.status = RequestStatus.FINISHED_LENGTH_CAPPED
         _, params = p_sched.request_finished(req, (p_blocks,))
         assert params is not None and params["tp_size"] == p_tp and params["endpoints"] == ENDPOINTS[:p_tp]
         params["remote_nonce"] = nonce
-        d_sched = P2PConnectorScheduler(cfg("kv_consumer", "D"), KVLayout.from_wire(d_lay), BS, ["127.0.0.1", 0])
+        d_sched = P2PConnectorScheduler(cfg("kv_consumer", "D"), KVLayout.from_wire(d_lay), BS,
+                                        ["127.0.0.1", 0])
         d = Request("d", tokens, SamplingParams(max_tokens=4), BS, kv_transfer_params=params)
         d_sched.validate_request(d)
         d_sched.update_state_after_alloc(d, KVCacheBlocks(([KVCacheBlock(b, ref_cnt=1) for b in d_blocks],)),
@@ -151,7 +154,8 @@ class Run:
         for rank in range(d_tp):
             kv = torch.zeros(NBLOCKS, LAYERS, 2, BS, d_local, HEAD)
             res, eng = WorkerResults(lambda: None), ReadFromRanks(self.engines)
-            side = ConsumerSide(cfg("kv_consumer", "D"), KVLayout.from_wire(d_lay), eng, res, [view(kv)], [bb(d_local)],
+            side = ConsumerSide(cfg("kv_consumer", "D"), KVLayout.from_wire(d_lay), eng, res,
+                                [view(kv)], [bb(d_local)],
                                 rank=rank, world_size=d_tp)
             seen: list[tuple[int, str]] = []
 
@@ -219,7 +223,8 @@ def test_a_p_rank_without_its_done_notice_keeps_its_blocks():
 
 
 def test_schedulers_notices_reach_every_p_rank():
-    d_sched = P2PConnectorScheduler(cfg("kv_consumer", "D"), KVLayout.from_wire(layout(2, 1)), BS, ["127.0.0.1", 0])
+    d_sched = P2PConnectorScheduler(cfg("kv_consumer", "D"), KVLayout.from_wire(layout(2, 1)), BS,
+                                    ["127.0.0.1", 0])
     tokens = list(range(10))
     params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "r",
               "remote_block_ids": [[1, 2, 3]], "remote_host": "127.0.0.1", "remote_port": 1001,
@@ -235,7 +240,8 @@ def test_schedulers_notices_reach_every_p_rank():
 
 def test_a_p_at_tp_2_into_dcp_is_refused_naming_both():
     d_lay = {**layout(2, 2), "dcp_size": 2, "num_local_kv_heads": 1}
-    d_sched = P2PConnectorScheduler(cfg("kv_consumer", "D"), KVLayout.from_wire(d_lay), 2 * BS, ["127.0.0.1", 0])
+    d_sched = P2PConnectorScheduler(cfg("kv_consumer", "D"), KVLayout.from_wire(d_lay), 2 * BS,
+                                    ["127.0.0.1", 0])
     tokens = list(range(10))
     params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_request_id": "r",
               "remote_block_ids": [[1, 2, 3]], "remote_host": "127.0.0.1", "remote_port": 1001,

@@ -52,10 +52,13 @@ def test_d_rebuilds_every_prompt_token_from_p_blocks_of_another_size(p_bs, d_bs,
     d_table = [6, 14, 2, 8, 19, 1][: -(-n_tokens // d_bs)]
     # P: a held grant over p_blocks, and the params its scheduler half gives D.
     p_engine = FakeEngine()
-    prod = ProducerSide(cfg("kv_producer", "P"), KVLayout.from_wire({**BASE, "block_size": p_bs}), p_engine,
+    prod = ProducerSide(cfg("kv_producer", "P"), KVLayout.from_wire({**BASE, "block_size": p_bs}),
+                        p_engine,
                         WorkerResults(lambda: None), [block_bytes(p_bs)])
     p_engine.register_region("g0", view(p_kv))
-    p_sched = P2PConnectorScheduler(cfg("kv_producer", "P"), KVLayout.from_wire({**BASE, "block_size": p_bs}), p_bs, ["127.0.0.1", 1])
+    p_sched = P2PConnectorScheduler(cfg("kv_producer", "P"),
+                                    KVLayout.from_wire({**BASE, "block_size": p_bs}), p_bs,
+                                    ["127.0.0.1", 1])
     r = Request("p", tokens, SamplingParams(max_tokens=1), p_bs, kv_transfer_params={"do_remote_decode": True})
     r.status = RequestStatus.FINISHED_LENGTH_CAPPED
     _, params = p_sched.request_finished(r, (p_blocks,))
@@ -63,7 +66,8 @@ def test_d_rebuilds_every_prompt_token_from_p_blocks_of_another_size(p_bs, d_bs,
     prod.hold(p_sched.build_connector_meta().reqs_to_send)
     # D: its scheduler half maps by token; its worker half pulls.
     d_layout = {**BASE, "block_size": d_bs}
-    d_sched = P2PConnectorScheduler(cfg("kv_consumer", "D"), KVLayout.from_wire(d_layout), d_bs, ["127.0.0.1", 0])
+    d_sched = P2PConnectorScheduler(cfg("kv_consumer", "D"), KVLayout.from_wire(d_layout), d_bs,
+                                    ["127.0.0.1", 0])
     d = Request("d", tokens, SamplingParams(max_tokens=4), d_bs, kv_transfer_params=params)
     d_sched.validate_request(d)
     d.num_computed_tokens = hit
@@ -74,7 +78,8 @@ def test_d_rebuilds_every_prompt_token_from_p_blocks_of_another_size(p_bs, d_bs,
     d_engine = FakeEngine()
     d_engine.source = p_engine
     results = WorkerResults(lambda: None)
-    side = ConsumerSide(cfg("kv_consumer", "D"), KVLayout.from_wire(d_layout), d_engine, results, [view(d_kv)], [block_bytes(d_bs)])
+    side = ConsumerSide(cfg("kv_consumer", "D"), KVLayout.from_wire(d_layout), d_engine, results,
+                        [view(d_kv)], [block_bytes(d_bs)])
     side._control = lambda remote, msg, reply_type, deadline: prod._handle(msg)  # type: ignore[method-assign]
     side.submit([spec], [])
     deadline = time.monotonic() + 10
@@ -102,7 +107,8 @@ def test_d_rebuilds_every_prompt_token_from_p_blocks_of_another_size(p_bs, d_bs,
 
 def test_the_producer_serves_sub_block_ranges_of_held_blocks_only():
     p_engine = FakeEngine()
-    prod = ProducerSide(cfg("kv_producer", "P"), KVLayout.from_wire({**BASE, "block_size": 4}), p_engine,
+    prod = ProducerSide(cfg("kv_producer", "P"), KVLayout.from_wire({**BASE, "block_size": 4}),
+                        p_engine,
                         WorkerResults(lambda: None), [block_bytes(4)])
     nonce, digest = secrets.token_hex(8), prompt_digest([1, 2, 3], None)
     prod.hold([SendSpec("r", ([5, 7],), 30.0, nonce, digest)])

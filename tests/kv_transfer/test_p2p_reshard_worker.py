@@ -58,18 +58,21 @@ def run(heads: int, n_tokens: int, p_blocks: list[int], d_blocks: list[int]
     p_kv = torch.arange(1, NBLOCKS * bb(heads) // 4 + 1, dtype=torch.float32).reshape(
         NBLOCKS, LAYERS, 2, BS, heads, HEAD)
     p_engine, p_results = FakeEngine(), WorkerResults(lambda: None)
-    prod = ProducerSide(cfg("kv_producer", "P"), KVLayout.from_wire(p_lay), p_engine, p_results, [bb(heads)])
+    prod = ProducerSide(cfg("kv_producer", "P"), KVLayout.from_wire(p_lay), p_engine, p_results,
+                        [bb(heads)])
     p_engine.register_region("g0", view(p_kv))
     tokens = list(range(100, 100 + n_tokens))
     nonce, digest = secrets.token_hex(8), prompt_digest(tokens, None)
     prod.hold([SendSpec("p", (p_blocks,), 30.0, nonce, digest)])
     # D's scheduler half builds the RecvSpec from P's kv_transfer_params.
-    p_sched = P2PConnectorScheduler(cfg("kv_producer", "P"), KVLayout.from_wire(p_lay), BS, ["127.0.0.1", 1])
+    p_sched = P2PConnectorScheduler(cfg("kv_producer", "P"), KVLayout.from_wire(p_lay), BS,
+                                    ["127.0.0.1", 1])
     r = Request("p", tokens, SamplingParams(max_tokens=1), BS, kv_transfer_params={"do_remote_decode": True})
     r.status = RequestStatus.FINISHED_LENGTH_CAPPED
     _, params = p_sched.request_finished(r, (p_blocks,))
     assert params is not None
-    d_sched = P2PConnectorScheduler(cfg("kv_consumer", "D"), KVLayout.from_wire(d_lay), BS, ["127.0.0.1", 0])
+    d_sched = P2PConnectorScheduler(cfg("kv_consumer", "D"), KVLayout.from_wire(d_lay), BS,
+                                    ["127.0.0.1", 0])
     d = Request("d", tokens, SamplingParams(max_tokens=4), BS, kv_transfer_params=params)
     d_sched.validate_request(d)
     d_sched.update_state_after_alloc(d, KVCacheBlocks(([KVCacheBlock(b, ref_cnt=1) for b in d_blocks],)), n_tokens)
@@ -80,7 +83,8 @@ def run(heads: int, n_tokens: int, p_blocks: list[int], d_blocks: list[int]
     for rank in range(TP):
         kv = torch.zeros(NBLOCKS, LAYERS, 2, BS, local, HEAD)
         res = WorkerResults(lambda: None)
-        side = ConsumerSide(cfg("kv_consumer", "D"), KVLayout.from_wire(d_lay), FakeEngine(p_engine), res, [view(kv)], [bb(local)],
+        side = ConsumerSide(cfg("kv_consumer", "D"), KVLayout.from_wire(d_lay),
+                            FakeEngine(p_engine), res, [view(kv)], [bb(local)],
                             rank=rank, world_size=TP)
         side._control = lambda remote, msg, reply_type, deadline: prod._handle(msg)  # type: ignore[method-assign]
         d_kvs.append(kv)
@@ -117,14 +121,16 @@ def test_each_rank_pulls_its_heads_and_bytes_moved_are_what_d_stores(heads, copi
 def test_only_global_rank_0_sends_the_schedulers_notices():
     p_lay, d_lay = layouts(2)
     p_engine, p_results = FakeEngine(), WorkerResults(lambda: None)
-    prod = ProducerSide(cfg("kv_producer", "P"), KVLayout.from_wire(p_lay), p_engine, p_results, [bb(2)])
+    prod = ProducerSide(cfg("kv_producer", "P"), KVLayout.from_wire(p_lay), p_engine, p_results,
+                        [bb(2)])
     p_engine.register_region("g0", view(torch.zeros(NBLOCKS * bb(2) // 4)))
     nonce = "n"
     prod.hold([SendSpec("x", ([1, 2],), 30.0, nonce, prompt_digest([1], None))])
     sent: list[int] = []
     sides = []
     for rank in range(TP):  # dcp_rank is 0 on both: the global rank decides
-        side = ConsumerSide(cfg("kv_consumer", "D"), KVLayout.from_wire(d_lay), FakeEngine(p_engine), WorkerResults(lambda: None),
+        side = ConsumerSide(cfg("kv_consumer", "D"), KVLayout.from_wire(d_lay),
+                            FakeEngine(p_engine), WorkerResults(lambda: None),
                             [], [], rank=rank, world_size=TP)
         side._control = lambda remote, msg, reply_type, deadline, r=rank: sent.append(r) or prod._handle(msg)  # type: ignore[method-assign]
         sides.append(side)

@@ -315,7 +315,8 @@ def test_validate_rejects_a_layout_mismatch_naming_both_values(key, theirs, mine
     (8, 2, [52, 53, 54], [13, 14]),  # a local hit of one D block: from P block 2 on
 ])
 def test_a_producer_with_another_block_size_is_re_blocked_by_token(hit, first_block, remote, local):
-    cons = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"), KVLayout.from_wire(dict(LAYOUT, block_size=8)),
+    cons = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"),
+                                 KVLayout.from_wire(dict(LAYOUT, block_size=8)),
                                  8, list(PRODUCER_ADDR))
     params = remote_params(18, [[50, 51, 52, 53, 54]], layout=dict(LAYOUT))  # P: block_size 4
     r = req("r", 18, params)
@@ -339,7 +340,8 @@ def test_same_block_size_leaves_the_re_blocking_fields_unset():
 
 def test_re_blocking_into_dcp_or_several_groups_is_refused_naming_both_sizes():
     dcp = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"),
-                                KVLayout.from_wire(dict(LAYOUT, block_size=8, dcp_size=2, tp_size=2)),
+                                KVLayout.from_wire(dict(LAYOUT, block_size=8, dcp_size=2,
+                                                        tp_size=2)),
                                 16, list(PRODUCER_ADDR))
     with pytest.raises(ValueError, match="block_size=8 .*dcp_size=2.*block_size=4"):
         dcp.validate_request(req("r", 10, remote_params()))

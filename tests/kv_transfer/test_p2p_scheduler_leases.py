@@ -90,7 +90,8 @@ def test_renewal_interval_follows_the_configured_lease(monkeypatch):
 
 def test_default_lease_is_thirty_seconds():
     cfg = KVTransferConfig("P2PConnector", "kv_producer", engine_id="e")
-    assert P2PConnectorScheduler(cfg, KVLayout.from_wire(LAYOUT), BS, list(PRODUCER_ADDR)).lease_s == 30.0
+    assert P2PConnectorScheduler(cfg, KVLayout.from_wire(LAYOUT), BS,
+                                 list(PRODUCER_ADDR)).lease_s == 30.0
 
 
 # --------------------------------------------------------------------------- identity

@@ -18,7 +18,8 @@ W = 10  # window in tokens: the query at p reads keys p - 9 .. p
 
 
 def consumer() -> P2PConnectorScheduler:
-    return P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"), KVLayout.from_wire(LAYOUT), BS,
+    return P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"),
+                                 KVLayout.from_wire(LAYOUT), BS,
                                  list(PRODUCER_ADDR), num_groups=2, sliding_windows=(None, W))
 
 
@@ -54,7 +55,8 @@ def test_window_group_pulls_exactly_the_blocks_the_resumed_token_reads(n, hits):
 
 
 def test_without_a_window_the_pairs_and_first_blocks_are_unchanged():
-    cons = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"), KVLayout.from_wire(LAYOUT), BS,
+    cons = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"),
+                                 KVLayout.from_wire(LAYOUT), BS,
                                  list(PRODUCER_ADDR), num_groups=2)
     r = req("r", 25, remote_params(25, remote_block_ids=[list(range(7)), list(range(10, 17))]))
     cons.update_state_after_alloc(r, blocks(list(range(7)), list(range(20, 27))), 25)
@@ -64,7 +66,8 @@ def test_without_a_window_the_pairs_and_first_blocks_are_unchanged():
 
 def test_window_count_must_match_the_groups():
     with pytest.raises(ValueError, match="1 sliding windows for 2 groups"):
-        P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"), KVLayout.from_wire(LAYOUT), BS,
+        P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"),
+                              KVLayout.from_wire(LAYOUT), BS,
                               list(PRODUCER_ADDR), num_groups=2, sliding_windows=(W,))
 
 
@@ -80,7 +83,8 @@ def test_connectors_that_cannot_move_a_window_group_refuse_it_at_start_up(name):
 
 def test_producer_counts_no_null_block_of_a_window_group_as_held():
     cfg = KVTransferConfig("P2PConnector", "kv_producer", engine_id="P")
-    prod = P2PConnectorScheduler(cfg, KVLayout.from_wire(LAYOUT), BS, list(PRODUCER_ADDR), num_groups=2, sliding_windows=(None, W))
+    prod = P2PConnectorScheduler(cfg, KVLayout.from_wire(LAYOUT), BS, list(PRODUCER_ADDR),
+                                 num_groups=2, sliding_windows=(None, W))
     r = req("r", 12, {"do_remote_decode": True}, status=RequestStatus.FINISHED_LENGTH_CAPPED)
     delay, params = prod.request_finished(r, ([0, 1, 2], [NULL_BLOCK_ID, 5, 6]))
     assert delay and params is not None and params["remote_block_ids"] == [[0, 1, 2], [NULL_BLOCK_ID, 5, 6]]

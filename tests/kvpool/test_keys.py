@@ -85,14 +85,17 @@ LAYOUT = {"model_digest": "abc123", "dtype": "float32", "block_size": 16, "num_l
 
 
 def test_from_layout() -> None:
-    ns = PoolNamespace.from_layout(KVLayout.from_wire(LAYOUT), _kv_config(), chunk_size=64, tp_rank=1, tp_size=2)
+    ns = PoolNamespace.from_layout(KVLayout.from_wire(LAYOUT), _kv_config(), chunk_size=64,
+                                   tp_rank=1, tp_size=2)
     assert ns.groups == (
         "full_attention:layers=0-29:block_size=16:dtype=float32:head_size=64:num_kv_heads=3",
     )
     assert (ns.block_size, ns.chunk_size, ns.tp_rank, ns.tp_size) == (16, 64, 1, 2)
     base = PoolNamespace.from_layout(KVLayout.from_wire(LAYOUT), _kv_config(), 64).fingerprint
-    assert PoolNamespace.from_layout(KVLayout.from_wire(LAYOUT), _kv_config(heads=4), 64).fingerprint != base
-    assert PoolNamespace.from_layout(KVLayout.from_wire(LAYOUT), _kv_config(layers=29), 64).fingerprint != base
+    assert PoolNamespace.from_layout(KVLayout.from_wire(LAYOUT), _kv_config(heads=4),
+                                     64).fingerprint != base
+    assert PoolNamespace.from_layout(KVLayout.from_wire(LAYOUT), _kv_config(layers=29),
+                                     64).fingerprint != base
     spec = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64)
     assert describe_group(KVCacheGroupSpec((0, 2, 4), spec)).startswith("full_attention:layers=0,2,4:")
 

@@ -238,7 +238,8 @@ def test_real_p2p_connector_scheduler_half_drives_a_remote_prefill():
     layout = {"model_digest": "m", "dtype": "float32", "block_size": BS, "num_layers": 1,
               "num_kv_heads": 1, "head_size": 8, "kv_layout": "cross_layer"}
     cfg = KVTransferConfig("P2PConnector", "kv_consumer", engine_id="d0")
-    conn = P2PConnector(cfg, KVConnectorRole.SCHEDULER, kv_config, KVLayout.from_wire(layout), ["127.0.0.1", 9])
+    conn = P2PConnector(cfg, KVConnectorRole.SCHEDULER, kv_config, KVLayout.from_wire(layout),
+                        ["127.0.0.1", 9])
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=128),
                       CacheConfig(block_size=BS, num_kv_blocks=NUM_BLOCKS), kv_config,
                       connector=conn, kv_load_failure_policy="recompute")

@@ -23,14 +23,17 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 # The typed scheduler <-> worker messages live with the scheduler's outputs (pdkv.sched); they are
 # re-exported here for the connectors.
+from pdkv.jsontypes import JSONObject
 from pdkv.sched.output import KVConnectorMetadata as KVConnectorMetadata
 from pdkv.sched.output import KVConnectorOutput as KVConnectorOutput
 
 if TYPE_CHECKING:
+    import torch
+
     from pdkv.cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from pdkv.cache.kv_layout import KVLayout
     from pdkv.cache.specs import KVCacheConfig
@@ -114,7 +117,7 @@ class KVConnectorBase(ABC):
     @abstractmethod
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, JSONObject | None]:
         """Called once when a request finishes, before its blocks are freed.
 
         Returns:
@@ -154,7 +157,7 @@ class KVConnectorBase(ABC):
         arrived, a remote lookup answered. The engine loop sleeps until a wakeup, a request, or
         `next_deadline`."""
 
-    def register_kv_caches(self, kv_caches: list[Any]) -> None:
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Once, after allocation: the per-group KV cache tensors
         [num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]."""
 
@@ -222,37 +225,58 @@ class KVConnectorBase(ABC):
         """Stop threads and close sockets."""
 
 
+class SchedulerHalf(Protocol):
+    """The scheduler-half object a RoleDelegatingConnector forwards to (same methods as the
+    connector's; optionally also `take_scheduler_stats` and `has_pending_work`)."""
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]: ...
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None: ...
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata: ...
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None: ...
+
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]
+                         ) -> tuple[bool, JSONObject | None]: ...
+
+    def has_pending_metadata(self) -> bool: ...
+
+
 class RoleDelegatingConnector(KVConnectorBase):
     """A connector built from two objects, one per half: `self.scheduler` (role SCHEDULER) and
-    `self.worker` (role WORKER); exactly one is set. The scheduler-half calls every such
-    connector has are forwarded here (the halves implement the same method names); subclasses
-    forward their worker-half calls, whose metadata types differ."""
+    `self.worker` (role WORKER, typed by the subclass); exactly one is set. The scheduler-half
+    calls every such connector has are forwarded here (the halves implement the same method
+    names); subclasses forward their worker-half calls, whose metadata types differ."""
 
-    scheduler: Any = None
-    worker: Any = None
+    scheduler: SchedulerHalf | None = None
 
-    def _sched(self) -> Any:
+    def _sched(self) -> SchedulerHalf:
         assert self.scheduler is not None, "a scheduler-half call on the worker half"
         return self.scheduler
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)  # type: ignore[no-any-return]
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._sched().build_connector_meta(scheduler_output)  # type: ignore[no-any-return]
+        return self._sched().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self._sched().update_connector_output(output)
 
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched().request_finished(request, block_ids)  # type: ignore[no-any-return]
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]
+                         ) -> tuple[bool, JSONObject | None]:
+        return self._sched().request_finished(request, block_ids)
 
     def take_scheduler_stats(self) -> dict[str, float]:
         take = getattr(self.scheduler, "take_scheduler_stats", None)
-        return take() if take is not None else {}  # type: ignore[no-any-return]
+        stats: dict[str, float] = take() if take is not None else {}
+        return stats
 
     def has_pending_metadata(self) -> bool:
         return bool(self.scheduler is not None and self.scheduler.has_pending_metadata())

@@ -44,13 +44,15 @@ def create_connector(config: KVTransferConfig, role: KVConnectorRole, kv_cache_c
     if config.kv_connector not in CONNECTORS:
         raise ValueError(f"unknown kv_connector {config.kv_connector!r}; known: {CONNECTORS}")
     lay = layout if isinstance(layout, KVLayout) else KVLayout.from_wire(layout)
-    start = startup if isinstance(startup, ConnectorStartup) else ConnectorStartup.from_shared(startup)
+    start = startup if isinstance(startup,
+                                  ConnectorStartup) else ConnectorStartup.from_shared(startup)
     if config.kv_connector == "P2PConnector":
         from pdkv.kv_transfer.connector.p2p import P2PConnector
 
         if start.control_address is None:
             start.control_address = ["127.0.0.1", 0]
-        return P2PConnector(config, role, kv_cache_config, lay, start.control_address, start.dcp_rank,
+        return P2PConnector(config, role, kv_cache_config, lay, start.control_address,
+                            start.dcp_rank,
                             start.dcp_size, start.rank, start.world_size, start.control_endpoints)
     if config.kv_connector == "KVPoolConnector":
         from pdkv.kv_transfer.connector.pool import KVPoolConnector

@@ -25,12 +25,14 @@ Semantics (vLLM's, plus one deliberate extension):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
+from pdkv.cache.kv_cache_manager import KVCacheBlocks
 from pdkv.cache.kv_layout import KVLayout
 from pdkv.config import KVTransferConfig
+from pdkv.jsontypes import JSONObject
 from pdkv.kv_transfer.connector.base import (
     KVConnectorBase,
     KVConnectorMetadata,
@@ -40,7 +42,8 @@ from pdkv.kv_transfer.connector.base import (
 from pdkv.kv_transfer.connector.startup import ConnectorStartup
 
 if TYPE_CHECKING:
-    from pdkv.cache.kv_cache_manager import KVCacheBlocks
+    import torch
+
     from pdkv.cache.specs import KVCacheConfig
     from pdkv.request import Request
     from pdkv.sched.output import SchedulerOutput
@@ -59,16 +62,6 @@ class MultiConnectorMetadata(KVConnectorMetadata, kw_only=True):
     children: list[KVConnectorMetadata] = msgspec.field(default_factory=list)
     expect_recv: dict[str, list[int]] = msgspec.field(default_factory=dict)
     expect_send: dict[str, list[int]] = msgspec.field(default_factory=dict)
-
-
-class _ChunkOfBlocks:
-    """A per-group slice of an allocation's new blocks (what a child's part maps to)."""
-
-    def __init__(self, groups: tuple[list[int], ...]) -> None:
-        self._groups = groups
-
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return self._groups
 
 
 def child_configs(config: KVTransferConfig) -> list[KVTransferConfig]:
@@ -101,7 +94,8 @@ def child_configs(config: KVTransferConfig) -> list[KVTransferConfig]:
     return out
 
 
-ChildFactory = Callable[[KVTransferConfig, KVConnectorRole, "KVCacheConfig", KVLayout, ConnectorStartup],
+ChildFactory = Callable[[KVTransferConfig, KVConnectorRole, "KVCacheConfig", KVLayout,
+                         ConnectorStartup],
                         KVConnectorBase]
 """(config, role, kv_cache_config, layout, startup) -> one child connector."""
 
@@ -147,7 +141,7 @@ class MultiConnector(KVConnectorBase):
             c.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        computed, plan = num_computed_tokens, []
+        computed, plan = num_computed_tokens, list[tuple[int, int, int]]()
         for i, child in enumerate(self.children):
             n, load_async = child.get_num_new_matched_tokens(request, computed)
             if n is None:
@@ -173,12 +167,12 @@ class MultiConnector(KVConnectorBase):
         if num_external_tokens <= 0:
             plan = []
         local_hits = request.num_computed_tokens
-        new_ids = blocks.get_block_ids()
         parts = {i: (start, n) for i, start, n in plan}
         loading = []
         for i, child in enumerate(self.children):
             if i not in parts:
-                child.update_state_after_alloc(request, _ChunkOfBlocks(tuple([] for _ in new_ids)), 0)
+                child.update_state_after_alloc(request,
+                                               KVCacheBlocks(tuple([] for _ in blocks.blocks)), 0)
                 continue
             start, n = parts[i]
             lo = (start - local_hits) // self.block_size
@@ -186,7 +180,7 @@ class MultiConnector(KVConnectorBase):
             request.num_computed_tokens = start  # a child's part starts after the earlier ones
             try:
                 child.update_state_after_alloc(
-                    request, _ChunkOfBlocks(tuple(list(g[lo:hi]) for g in new_ids)), n)
+                    request, KVCacheBlocks(tuple(list(g[lo:hi]) for g in blocks.blocks)), n)
             finally:
                 request.num_computed_tokens = local_hits
             loading.append(i)
@@ -207,7 +201,8 @@ class MultiConnector(KVConnectorBase):
         for c in self.children:
             c.update_connector_output(output)
 
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]
+                         ) -> tuple[bool, JSONObject | None]:
         rid = request.request_id
         self._plans.pop(rid, None)
         delaying, params = [], None
@@ -253,7 +248,7 @@ class MultiConnector(KVConnectorBase):
                 return buf
         return None
 
-    def register_kv_caches(self, kv_caches: list[Any]) -> None:
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         for c in self.children:
             c.register_kv_caches(kv_caches)
 

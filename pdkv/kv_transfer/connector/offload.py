@@ -14,7 +14,7 @@ KVConnectorOutput.stats / take_scheduler_stats, exported as `pdkv:kv_offload_*`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pdkv.kv_transfer.connector.base import (
     KVConnectorRole,
@@ -25,6 +25,8 @@ from pdkv.kv_transfer.connector.offload_messages import OffloadConnectorMetadata
 from pdkv.kv_transfer.connector.offload_scheduler import OffloadConnectorScheduler
 
 if TYPE_CHECKING:
+    import torch
+
     from pdkv.cache.kv_cache_manager import KVCacheManager
     from pdkv.cache.kv_layout import KVLayout
     from pdkv.cache.specs import KVCacheConfig
@@ -62,7 +64,7 @@ class OffloadingConnector(RoleDelegatingConnector):
         self.scheduler.bind(kv_cache_manager)
 
     # ------------------------------------------------------------------- worker
-    def register_kv_caches(self, kv_caches: list[Any]) -> None:
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
 

@@ -18,9 +18,10 @@ so a host hit offered by `get_num_new_matched_tokens` is still there in `update_
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pdkv.block_hashing import BlockHash
+from pdkv.jsontypes import JSONObject
 from pdkv.kv_transfer.connector.base import KVConnectorOutput
 from pdkv.kv_transfer.connector.offload_config import OffloadConfig
 from pdkv.kv_transfer.connector.offload_index import HostBlockIndex
@@ -151,7 +152,8 @@ class OffloadConnectorScheduler:
             self.indexes[copy.group].unpin(copy.slot)
         self._pinned = []
 
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]
+                         ) -> tuple[bool, JSONObject | None]:
         # Copies finish within the step that plans them: nothing reads the blocks afterwards.
         return False, None
 

@@ -13,9 +13,15 @@ digest) and README's P/D section for the threat model.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from pdkv.jsontypes import JSONObject
+from pdkv.kv_transfer.connector.base import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+)
 from pdkv.kv_transfer.connector.p2p_config import P2PConfig
 from pdkv.kv_transfer.connector.p2p_messages import P2PConnectorMetadata
 from pdkv.kv_transfer.connector.p2p_scheduler import P2PConnectorScheduler
@@ -23,6 +29,8 @@ from pdkv.kv_transfer.connector.p2p_worker import P2PConnectorWorker
 from pdkv.kv_transfer.connector.startup import Address
 
 if TYPE_CHECKING:
+    import torch
+
     from pdkv.cache.kv_cache_manager import KVCacheBlocks
     from pdkv.cache.kv_layout import KVLayout
     from pdkv.cache.specs import KVCacheConfig
@@ -46,7 +54,8 @@ class P2PConnector(KVConnectorBase):
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
                  layout: KVLayout, control_address: Address | None = None,
                  dcp_rank: int = 0, dcp_size: int = 1, rank: int | None = None,
-                 world_size: int | None = None, control_endpoints: list[Address] | None = None) -> None:
+                 world_size: int | None = None,
+                 control_endpoints: list[Address] | None = None) -> None:
         super().__init__(config, role, kv_cache_config, layout)
         address: Address = control_address if control_address is not None else ["127.0.0.1", 0]
         block_size = kv_cache_config.groups[0].spec.block_size
@@ -88,11 +97,12 @@ class P2PConnector(KVConnectorBase):
         assert self.scheduler is not None
         return self.scheduler.build_connector_meta()
 
-    def update_connector_output(self, output: Any) -> None:
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
         self.scheduler.update_connector_output(output)
 
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]
+                         ) -> tuple[bool, JSONObject | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
 
@@ -121,7 +131,7 @@ class P2PConnector(KVConnectorBase):
         assert self.worker is not None
         return self.worker.kv_cache_buffer(group, nbytes)
 
-    def register_kv_caches(self, kv_caches: list[Any]) -> None:
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
 

@@ -5,10 +5,12 @@ converts, else a message naming both values (issue 12 builds what is refused).""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, TypeGuard
 
+from pdkv.cache.kv_layout import as_int
 from pdkv.cache.specs import QUANTIZED_KV_CACHE_DTYPES
-from pdkv.kv_transfer.connector.p2p_messages import conversion_error
+from pdkv.kv_transfer.connector.p2p_messages import conversion_error, params_layout
 from pdkv.kv_transfer.reshard import plan_head_reads
 from pdkv.kv_transfer.reshard_state import StateGeometry, plan_state_reads
 
@@ -19,13 +21,13 @@ MLA_KV_LAYOUT = "blocks_layers_tokens_latent"
 """`kv_layout` of an engine whose KV cache is one MLA group (pdkv.worker.model_runner)."""
 
 
-def mla_error(layout: dict[str, Any], p: dict[str, Any]) -> str:
+def mla_error(layout: Mapping[str, object], p: Mapping[str, object]) -> str:
     """Why this MLA engine cannot take the producer's blocks, or "". An MLA block is
     [layers, block_size, kv_lora_rank + qk_rope_head_dim]: no K/V halves and no heads, and every
     TP rank holds the whole latent (replicated), so each decode rank reads whole blocks from one
     producer rank: a producer at tp 1 into any decode tp works; re-blocking (which maps K and V
     rows by token) and producers at tp > 1 are refused."""
-    theirs = dict(p.get("layout") or {})
+    theirs = params_layout(p)
     if layout.get("block_size") != theirs.get("block_size"):
         return (f"decode block_size={layout.get('block_size')} differs from the producer's "
                 f"block_size={theirs.get('block_size')} on an MLA model: re-blocking maps K/V rows and "
@@ -37,11 +39,12 @@ def mla_error(layout: dict[str, Any], p: dict[str, Any]) -> str:
     return ""
 
 
-def _is_count(v: Any) -> bool:
+def _is_count(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def params_consistency_error(p: dict[str, Any], num_tokens: int, linear_groups: tuple[bool, ...]) -> str:
+def params_consistency_error(p: Mapping[str, object], num_tokens: int,
+                             linear_groups: tuple[bool, ...]) -> str:
     """Why a remote prefill's kv_transfer_params contradict themselves, or "": checked at
     admission, before any claim is sent or block allocated, so params that were forged or
     corrupted on the way are a 400 naming the field, not a failed load.
@@ -68,7 +71,11 @@ def params_consistency_error(p: dict[str, Any], num_tokens: int, linear_groups: 
         return (f"kv_transfer_params.block_size={top!r:.20} and layout.block_size={bs} differ: a producer "
                 "sends the same block size in both")
     expected = -(-num_tokens // bs)
-    for g, (ids, linear) in enumerate(zip(p["remote_block_ids"], linear_groups)):
+    groups = p["remote_block_ids"]
+    if not isinstance(groups, list | tuple):
+        return ("kv_transfer_params.remote_block_ids must be a list of block lists, "
+                f"got {groups!r:.60}")
+    for g, (ids, linear) in enumerate(zip(groups, linear_groups)):
         if not isinstance(ids, list) or not all(_is_count(b) for b in ids):
             return (f"kv_transfer_params.remote_block_ids[{g}] must be a list of non-negative "
                     f"integer block ids, got {ids!r:.60}")
@@ -81,14 +88,14 @@ def params_consistency_error(p: dict[str, Any], num_tokens: int, linear_groups: 
     return ""
 
 
-def shard_error(layout: dict[str, Any], p: dict[str, Any], num_groups: int) -> str:
+def shard_error(layout: Mapping[str, object], p: Mapping[str, object], num_groups: int) -> str:
     """Why this engine cannot take the producer's blocks, or "". P must be dcp 1. A P at tp 1:
     each of this engine's ranks stores either exactly P's KV heads (whole blocks; with DCP,
     block size conversion, or KV replicated over TP ranks) or a subset of them (re-sharding,
     issue 12: each rank reads its heads; not combined with DCP or a block size change). A P
     at tp > 1: this engine has no DCP and P's block size (`_producer_tp_error`)."""
-    mine, theirs = layout, dict(p.get("layout") or {})
-    my_tp, my_dcp = int(mine.get("tp_size", 1)), int(mine.get("dcp_size", 1))
+    mine, theirs = layout, params_layout(p)
+    my_tp, my_dcp = as_int(mine.get("tp_size", 1)), as_int(mine.get("dcp_size", 1))
     if MLA_KV_LAYOUT in (mine.get("kv_layout"), theirs.get("kv_layout")):
         return mla_error(layout, p)
     error = quantized_conversion_error(mine, p) or state_error(mine, p)
@@ -111,9 +118,9 @@ def shard_error(layout: dict[str, Any], p: dict[str, Any], num_groups: int) -> s
                     f"the producer's block_size={theirs.get('block_size')}: re-sharding and re-blocking "
                     "at once is not supported (issue 12)")
         return ""
-    error = conversion_error(mine, theirs)
-    if error:
-        return error
+    converting = conversion_error(mine, theirs)
+    if converting:
+        return converting
     if mine.get("block_size") != theirs.get("block_size") and num_groups != 1:
         return (f"decode block_size={mine.get('block_size')} differs from the producer's "
                 f"block_size={theirs.get('block_size')}: re-blocking needs one KV cache group "
@@ -121,7 +128,7 @@ def shard_error(layout: dict[str, Any], p: dict[str, Any], num_groups: int) -> s
     return ""
 
 
-def quantized_conversion_error(layout: dict[str, Any], p: dict[str, Any]) -> str:
+def quantized_conversion_error(layout: Mapping[str, object], p: Mapping[str, object]) -> str:
     """Why blocks of a quantized KV cache (kv_cache_dtype int8 / fp8_e4m3) cannot be converted
     between this engine and the producer, or "". With equal dtypes every conversion of the
     plain layout applies: whole blocks, DCP shards, re-blocking and KV-head re-sharding (the
@@ -129,14 +136,14 @@ def quantized_conversion_error(layout: dict[str, Any], p: dict[str, Any]) -> str
     head); pdkv/kv_transfer/reblock.py, reshard.py). A quantized producer into an unquantized
     engine is dequantized on arrival from P's whole blocks (`ReadPlanner.dequant_ops`): not
     together with re-blocking, re-sharding or DCP."""
-    mine, theirs = layout, dict(p.get("layout") or {})
+    mine, theirs = layout, params_layout(p)
     dtype = mine.get("kv_cache_dtype", "auto")
     p_dtype = theirs.get("kv_cache_dtype", "auto")
     if not (dtype == "auto" and p_dtype in QUANTIZED_KV_CACHE_DTYPES):  # equal dtypes, or refused elsewhere
         return ""
     head = f"producer kv_cache_dtype={p_dtype!r} into decode kv_cache_dtype={dtype!r}"
     why = "dequantizing on arrival takes the producer's whole blocks at equal layouts"
-    if int(mine.get("dcp_size", 1)) > 1:
+    if as_int(mine.get("dcp_size", 1)) > 1:
         return (f"{head} with decode_context_parallel_size={mine.get('dcp_size')}: dequantizing into a "
                 "DCP decode engine is not supported")
     if mine.get("block_size") != theirs.get("block_size"):
@@ -150,15 +157,15 @@ def quantized_conversion_error(layout: dict[str, Any], p: dict[str, Any]) -> str
     return ""
 
 
-def state_error(layout: dict[str, Any], p: dict[str, Any]) -> str:
+def state_error(layout: Mapping[str, object], p: Mapping[str, object]) -> str:
     """Why this engine cannot rebuild its share of the producer's linear-state slot (Gated
     DeltaNet), or "": equal TP sizes move whole slots; different ones need the same state geometry
     on both sides and both TP sizes dividing each conv segment and the value heads
     (pdkv/kv_transfer/reshard_state.py)."""
-    my_tp, p_tp = int(layout.get("tp_size", 1)), p.get("tp_size", 1)
+    my_tp, p_tp = as_int(layout.get("tp_size", 1)), p.get("tp_size", 1)
     try:
         mine = StateGeometry.from_layout(layout)
-        theirs = StateGeometry.from_layout(dict(p.get("layout") or {}))
+        theirs = StateGeometry.from_layout(params_layout(p))
     except ValueError as e:
         return str(e)
     if mine is None or my_tp == p_tp:
@@ -167,17 +174,18 @@ def state_error(layout: dict[str, Any], p: dict[str, Any]) -> str:
         return (f"producer tp_size={p_tp} into consumer tp_size={my_tp}: the producer's linear-state "
                 f"geometry {theirs} differs from this engine's {mine}: its state slot cannot be re-sharded")
     try:
-        plan_state_reads(mine, int(p_tp), my_tp)
+        plan_state_reads(mine, as_int(p_tp), my_tp)
     except (TypeError, ValueError) as e:
         return f"re-sharding the linear-state slot from producer tp_size={p_tp} to consumer tp_size={my_tp}: {e}"
     return ""
 
 
-def producer_tp_error(layout: dict[str, Any], p: dict[str, Any]) -> str:
+def producer_tp_error(layout: Mapping[str, object], p: Mapping[str, object]) -> str:
     """Why this engine cannot take blocks from a producer at tp > 1, or "" (this engine has
     no DCP, P's block size, heads both TP sizes divide, one endpoint per P rank)."""
-    mine, theirs = layout, dict(p.get("layout") or {})
-    my_tp, my_dcp, p_tp = int(mine.get("tp_size", 1)), int(mine.get("dcp_size", 1)), p.get("tp_size")
+    mine, theirs = layout, params_layout(p)
+    my_tp, my_dcp, p_tp = as_int(mine.get("tp_size", 1)), as_int(mine.get("dcp_size",
+                                                                          1)), p.get("tp_size")
     if not isinstance(p_tp, int) or p_tp < 1:
         return f"kv_transfer_params.tp_size must be a positive integer, got {p_tp!r}"
     if my_dcp > 1:
@@ -194,13 +202,13 @@ def producer_tp_error(layout: dict[str, Any], p: dict[str, Any]) -> str:
         return (f"kv_transfer_params.endpoints must list one [host, port] per producer TP rank "
                 f"(tp_size={p_tp}), got {endpoints!r:.80}")
     try:
-        plan_head_reads(p_tp, my_tp, int(theirs.get("num_kv_heads", 0)))
+        plan_head_reads(p_tp, my_tp, as_int(theirs.get("num_kv_heads", 0)))
     except (TypeError, ValueError) as e:
         return f"re-sharding from producer tp_size={p_tp} to consumer tp_size={my_tp}: {e}"
     return ""
 
 
-def linear_state_error(request: Request, p: dict[str, Any]) -> str:
+def linear_state_error(request: Request, p: Mapping[str, object]) -> str:
     """Why this decode engine of a model with a linear-attention state group cannot take the
     request's remote prefill, or "". Such a model resumes after all n prompt tokens with P's
     sampled token as its first output token (docs/ARCHITECTURE.md, "Where D's first token comes

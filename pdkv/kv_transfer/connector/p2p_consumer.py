@@ -35,6 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from pdkv.cache.kv_layout import as_int
 from pdkv.kv_transfer.connector.p2p_config import P2PConfig
 from pdkv.kv_transfer.connector.p2p_messages import (
     Ack,
@@ -207,7 +208,8 @@ class ConsumerSide:
         with self._lock:
             reply = self._handshakes.get(remote)
         if reply is None:
-            reply = self._control(remote, Handshake(self.config.engine_id, self.layout.to_wire()), HandshakeReply, deadline)
+            hello = Handshake(self.config.engine_id, {**self.layout.to_wire()})
+            reply = self._control(remote, hello, HandshakeReply, deadline)
             if not reply.ok:
                 raise TransferError(reply.error)
             with self._lock:
@@ -297,7 +299,7 @@ class ConsumerSide:
         """
         spec = pull.spec
         p_tp, d_tp = len(spec.remote_ranks), self.layout.tp
-        heads = int(spec.remote_layout.get("num_kv_heads", 0))
+        heads = as_int(spec.remote_layout.get("num_kv_heads", 0))
         me = ParallelLayout(tp_size=d_tp).tp_rank(self.rank)
         state = self.plan.state
         try:  # a linear-state slot may need P ranks the KV heads do not

@@ -23,11 +23,11 @@ P rank's grant has `readers` = the consumer ranks that contact it, each naming i
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import msgspec
 
+from pdkv.cache.kv_layout import as_int
 from pdkv.kv_transfer.connector.base import KVConnectorMetadata
 
 
@@ -63,7 +63,7 @@ class RecvSpec(msgspec.Struct):
     remote_request_id: str
     local_block_ids: tuple[list[int], ...]
     remote_block_ids: tuple[list[int], ...]
-    remote_layout: dict[str, Any]
+    remote_layout: dict[str, object]  # the producer's layout (wire form)
     remote_nonce: str = ""
     prompt_digest: str = ""  # this (consumer) engine's own digest of the request's prompt
     remote_first_block: int = 0  # index of remote_block_ids[g][0] in the producer's grant
@@ -99,7 +99,7 @@ class Handshake(msgspec.Struct, tag="handshake"):
     """Consumer asks for the producer's layout and data-plane address."""
 
     engine_id: str
-    layout: dict[str, Any]
+    layout: dict[str, object]  # the consumer's layout (wire form)
 
 
 class Notify(msgspec.Struct, tag="notify"):
@@ -138,9 +138,9 @@ class HandshakeReply(msgspec.Struct):
     ok: bool
     error: str = ""
     engine_id: str = ""
-    layout: dict[str, Any] = msgspec.field(default_factory=dict)
+    layout: dict[str, object] = msgspec.field(default_factory=dict)  # wire form
     transfer: str = ""
-    peer_info: dict[str, Any] = msgspec.field(default_factory=dict)
+    peer_info: dict[str, object] = msgspec.field(default_factory=dict)  # TransferEngine.peer_info
     block_bytes: list[int] = msgspec.field(default_factory=list)
     incarnation: str = ""  # random per producer start: a change means handshake again
 
@@ -167,11 +167,11 @@ on arrival into an unquantized consumer); every other LAYOUT_KEYS field is ident
 difference refuses (docs/ARCHITECTURE.md, "Three decisions" §3)."""
 
 
-def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any],
+def layout_mismatch(mine: Mapping[str, object], theirs: Mapping[str, object],
                     convertible: tuple[str, ...] = CONVERTIBLE_KEYS) -> str | None:
     """A message naming every differing layout field (producer's value vs consumer's) except the
     `convertible` ones, or None. See `conversion_error` for what converting needs."""
-    def get(layout: dict[str, Any], k: str) -> Any:
+    def get(layout: Mapping[str, object], k: str) -> object:
         return layout.get(k, LAYOUT_DEFAULTS.get(k))
 
     diffs = [
@@ -184,7 +184,7 @@ def layout_mismatch(mine: dict[str, Any], theirs: dict[str, Any],
     return "KV layout mismatch between prefill and decode engines (" + "; ".join(diffs) + ")"
 
 
-def conversion_error(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+def conversion_error(mine: Mapping[str, object], theirs: Mapping[str, object]) -> str | None:
     """Why the consumer (`mine`) cannot convert the producer's (`theirs`) block size or KV cache
     dtype, naming both values, or None (equal values; a consumer without DCP: re-blocking maps by
     token; a quantized producer into an unquantized consumer: dequantized on arrival, lossless).
@@ -203,7 +203,7 @@ def conversion_error(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None
                 "once is not supported")
     p_tp = theirs.get("tp_size", 1)
     if isinstance(p_tp, int) and p_tp > 1:  # one endpoint per P rank: whole blocks per head slice
-        if int(mine.get("dcp_size", 1)) > 1:
+        if as_int(mine.get("dcp_size", 1)) > 1:
             return (f"a prefill engine at tp_size={p_tp} into a DCP decode engine (decode_context_parallel_size="
                     f"{mine.get('dcp_size')}) is not supported: P must run tp 1 for P/D into DCP")
         if mine.get("block_size") != theirs.get("block_size"):
@@ -212,12 +212,19 @@ def conversion_error(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None
                     "re-blocking at once is not supported")
     if mine.get("block_size") == theirs.get("block_size"):
         return None
-    dcp = int(mine.get("dcp_size", 1))
+    dcp = as_int(mine.get("dcp_size", 1))
     if dcp > 1:
         return (f"decode block_size={mine.get('block_size')} (per rank, dcp_size={dcp}) differs from "
                 f"the producer's block_size={theirs.get('block_size')}: re-blocking into a DCP decode "
                 "engine is not supported")
     return None
+
+
+def params_layout(p: Mapping[str, object]) -> Mapping[str, object]:
+    """The producer's layout (wire form) in kv_transfer_params `p`; {} when absent or not an
+    object."""
+    layout = p.get("layout")
+    return layout if isinstance(layout, dict) else {}
 
 
 _digest_encoder = msgspec.msgpack.Encoder()

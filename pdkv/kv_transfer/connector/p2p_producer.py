@@ -80,7 +80,7 @@ class ProducerSide:
         s = settings if settings is not None else P2PConfig.of(config)
         self.config = config
         self.layout = layout
-        self.wire_layout = layout.to_wire()  # what handshakes compare and answer
+        self.wire_layout: dict[str, object] = {**layout.to_wire()}  # handshakes compare, answer
         self.engine = engine
         self.results = results
         self.block_bytes = block_bytes

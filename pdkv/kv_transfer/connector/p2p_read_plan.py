@@ -6,9 +6,10 @@ pdkv/kv_transfer/reshard_state.py). No I/O: the consumer side submits the ops.""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
-from pdkv.cache.kv_layout import KVLayout
+from pdkv.cache.kv_layout import KVLayout, as_int
 from pdkv.cache.specs import DTYPE_BYTES, QUANTIZED_KV_CACHE_DTYPES
 from pdkv.kv_transfer.connector.p2p_messages import HandshakeReply, RecvSpec
 from pdkv.kv_transfer.engine.base import ReadOp, TransferError
@@ -44,13 +45,13 @@ class ReadPlanner:
         Raises:
             TransferError: the producer's block bytes differ from this engine's.
         """
-        p_heads = int(spec.remote_layout.get("num_kv_heads", 0))
+        p_heads = as_int(spec.remote_layout.get("num_kv_heads", 0))
         d_heads = self.layout.local_kv_heads
         if spec.remote_block_size and spec.remote_block_size != self.layout.block_size:
             return self.reblock_ops(spec, peer)
         if p_heads and d_heads and p_heads != d_heads:
             return self.head_ops(spec, peer, p_heads, d_heads)
-        ops = []
+        ops: list[ReadOp] = []
         n, r, first = self.dcp_size, self.dcp_rank, spec.remote_first_block
         for g, (all_local, all_remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
             if self.state is not None and g == self.state.group and self.tp != 1:  # P tp 1, this rank's share
@@ -111,7 +112,8 @@ class ReadPlanner:
         from pdkv.kv_transfer.kv_dequant import dequantize_blocks
 
         lay = spec.remote_layout
-        bs, heads, head = self.layout.block_size, int(lay["num_kv_heads"]), int(lay["head_size"])
+        bs = self.layout.block_size
+        heads, head = as_int(lay["num_kv_heads"]), as_int(lay["head_size"])
         page = 2 * bs * heads * head + 2 * bs * heads * 4
         ops: list[ReadOp] = []
         steps: list[Callable[[], None]] = []
@@ -123,9 +125,9 @@ class ReadPlanner:
                                     f"for this engine's block bytes {bb}")
             staged = memoryview(bytearray(p_bb * len(remote)))
             ops.extend(ReadOp(f"g{g}", r * p_bb, p_bb, staged[i * p_bb : (i + 1) * p_bb]) for i, r in enumerate(remote))
-            region, ids = self.regions[g], list(local)
-            steps.append(lambda st=staged, rg=region, ids=ids: dequantize_blocks(
-                st, rg, ids, bs, heads, head, str(lay["kv_cache_dtype"]), self.layout.dtype))
+            steps.append(functools.partial(
+                dequantize_blocks, staged, self.regions[g], list(local), bs, heads, head,
+                str(lay["kv_cache_dtype"]), self.layout.dtype))
 
         def finish() -> None:
             for step in steps:
@@ -143,7 +145,7 @@ class ReadPlanner:
         """
         d_bs, p_bs = self.layout.block_size, spec.remote_block_size
         heads = self.layout.local_kv_heads
-        ops = []
+        ops: list[ReadOp] = []
         for g, (local, remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
             bb, p_bb = self.block_bytes[g], peer.block_bytes[g]
             layers, units = self.head_planes(bb, d_bs, heads)
@@ -188,7 +190,7 @@ class ReadPlanner:
             TransferError: the block bytes do not split into the heads of both sides.
         """
         bs = self.layout.block_size
-        ops = []
+        ops: list[ReadOp] = []
         for g, (local, remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
             if self.state is not None and g == self.state.group:
                 ops.extend(self.state_ops(g, spec, peer, p_tp, p_rank))
@@ -222,7 +224,7 @@ class ReadPlanner:
                                 f"consumer {bb} at tp_size={self.tp} (expected {geom.slot_bytes(p_tp)} and "
                                 f"{geom.slot_bytes(self.tp)})")
         me = ParallelLayout(tp_size=self.tp).tp_rank(self.rank)
-        region, ops = self.regions[g], []
+        region, ops = self.regions[g], list[ReadOp]()
         for local, remote in zip(spec.local_block_ids[g], spec.remote_block_ids[g]):
             try:
                 copies = plan_state_copies(geom, p_tp, self.tp, me, remote, local, p_rank)

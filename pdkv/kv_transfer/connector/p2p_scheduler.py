@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdkv.cache.block_pool import NULL_BLOCK_ID
 from pdkv.cache.specs import window_first_block
+from pdkv.jsontypes import JSONObject
 from pdkv.kv_transfer.connector.base import KVConnectorOutput
 from pdkv.kv_transfer.connector.p2p_compat import (
     linear_state_error,
@@ -334,7 +335,8 @@ class P2PConnectorScheduler:
         for rid in output.finished_sending:
             self._held.pop(rid, None)
 
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]
+                         ) -> tuple[bool, JSONObject | None]:
         rid = request.request_id
         p = request.kv_transfer_params or {}
         if rid in self._inflight_recv:  # aborted during the pull: free after it ends

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pdkv.kv_transfer.connector.p2p_config import P2PConfig
 from pdkv.kv_transfer.connector.p2p_consumer import ConsumerSide
@@ -18,6 +18,8 @@ from pdkv.kv_transfer.connector.startup import Address
 from pdkv.kv_transfer.engine.factory import create_transfer_engine
 
 if TYPE_CHECKING:
+    import torch
+
     from pdkv.cache.kv_layout import KVLayout
     from pdkv.config import KVTransferConfig
 
@@ -101,7 +103,7 @@ class P2PConnectorWorker:
             return self.engine.allocate(f"g{group}", nbytes)
         return None
 
-    def register_kv_caches(self, kv_caches: list[Any]) -> None:
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Expose (producer) or pin (consumer) the per-group KV cache tensors.
 
         Raises:
@@ -118,7 +120,7 @@ class P2PConnectorWorker:
                 )
         for g, t in enumerate(kv_caches):
             flat = t.view(-1).view(torch.uint8)
-            view = memoryview(flat.numpy())
+            view = flat.numpy().data
             self._regions.append(view)
             self._block_bytes.append(len(view) // t.shape[0])
             if self.config.is_kv_producer:

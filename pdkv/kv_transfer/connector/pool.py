@@ -15,8 +15,8 @@ shared through the start-up values (`ConnectorStartup.pool_store`); the worker h
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from pdkv.kv_transfer.connector.base import (
     KVConnectorRole,
@@ -32,10 +32,13 @@ from pdkv.kvpool.tiers.factory import create_tier
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    import torch
+
     from pdkv.cache.kv_cache_manager import KVCacheManager
     from pdkv.cache.kv_layout import KVLayout
     from pdkv.cache.specs import KVCacheConfig
     from pdkv.config import KVTransferConfig
+    from pdkv.kv_transfer.connector.pool_worker import PoolConnectorWorker
     from pdkv.kv_transfer.connector.startup import ConnectorStartup
     from pdkv.request import Request
 
@@ -58,11 +61,12 @@ def build_store(pool: PoolConnectorConfig) -> KVPoolStore:
                        retry_after_s=pool.tier_retry_after_s)
 
 
-def _describe(spec: Any) -> str:
+def _describe(spec: Mapping[str, object]) -> str:
     """A tier spec for the start-up log line (name and where it lives, no secrets in URLs)."""
     where = spec.get("path") or spec.get("master") or str(spec.get("url", "")).split("@")[-1]
     size = spec.get("capacity_bytes")
-    return spec["name"] + (f" {where}" if where else "") + (f" {size / 2**30:g} GiB" if size else "")
+    gib = f" {size / 2**30:g} GiB" if isinstance(size, int | float) and size else ""
+    return f"{spec['name']}" + (f" {where}" if where else "") + gib
 
 
 class KVPoolConnector(RoleDelegatingConnector):
@@ -91,8 +95,8 @@ class KVPoolConnector(RoleDelegatingConnector):
         self.linear = any(g.spec.kind == "linear_state" for g in kv_cache_config.groups)
         windows = tuple(2 if g.spec.kind == "linear_state" else w
                         for g, w in zip(kv_cache_config.groups, kv_cache_config.sliding_windows))
-        self.scheduler = None
-        self.worker = None
+        self.scheduler: PoolConnectorScheduler | None = None
+        self.worker: PoolConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = PoolConnectorScheduler(config, self.pool, store, self.namespace.fingerprint,
                                                     block_size, len(kv_cache_config.groups), windows)
@@ -125,7 +129,7 @@ class KVPoolConnector(RoleDelegatingConnector):
         if self.worker is not None:
             self.worker.set_wakeup(wakeup)
 
-    def register_kv_caches(self, kv_caches: list[Any]) -> None:
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
 

@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from pdkv.jsontypes import JSONObject
 from pdkv.kv_transfer.connector.base import KVConnectorOutput
 from pdkv.kv_transfer.connector.pool_config import PoolConnectorConfig
 from pdkv.kv_transfer.connector.pool_messages import (
@@ -161,7 +162,8 @@ class PoolConnectorScheduler:
         keys = self._keys(request, first_chunk, end_chunk)
         chunks = []
         for j, key in zip(range(first_chunk, end_chunk), keys):
-            ids, firsts = [], []
+            ids: list[tuple[int, ...]] = []
+            firsts: list[int] = []
             for g, ids_g in enumerate(new_ids):
                 lo = max(j * self.blocks_per_chunk, load_first[g])
                 hi = (j + 1) * self.blocks_per_chunk
@@ -235,10 +237,11 @@ class PoolConnectorScheduler:
             if rid in failed:
                 self._failed.add(rid)  # recomputed: never offered the same load again
 
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]
+                         ) -> tuple[bool, JSONObject | None]:
         rid = request.request_id
         for table in (self._requests, self._tables, self._saved_chunks, self._lookups):
-            table.pop(rid, None)  # type: ignore[attr-defined]
+            table.pop(rid, None)
         self._failed.discard(rid)
         # A load still writing into the blocks: free them only when it ends.
         return rid in self._loading, None

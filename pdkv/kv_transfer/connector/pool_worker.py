@@ -121,7 +121,8 @@ class PoolConnectorWorker:
                     self._caches[g].index_select(0, torch.tensor(ids, dtype=torch.long)).numpy()
                     for g, ids in enumerate(chunk.block_ids)
                 ]
-                value = encode_chunk(chunk.key, self.pool.chunk_size, [memoryview(a).cast("B") for a in groups])
+                value = encode_chunk(chunk.key, self.pool.chunk_size,
+                                     [a.data.cast("B") for a in groups])
                 self.store.save(chunk.key, value)
 
     # ------------------------------------------------------------------ reports

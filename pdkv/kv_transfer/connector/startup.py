@@ -76,7 +76,8 @@ class ConnectorStartup:
             ints[key] = value
         address = shared.get("control_address")
         if address is not None and not _is_address(address):
-            raise ValueError(f"connector start-up control_address must be [host, port], got {address!r:.60}")
+            raise ValueError("connector start-up control_address must be [host, port], "
+                             f"got {address!r:.60}")
         endpoints = shared.get("control_endpoints")
         if endpoints is not None and not (isinstance(endpoints, list)
                                           and all(_is_address(e) for e in endpoints)):
@@ -84,11 +85,13 @@ class ConnectorStartup:
                              f"got {endpoints!r:.80}")
         store = shared.get("pool_store")
         if store is not None and not isinstance(store, KVPoolStore):
-            raise ValueError(f"connector start-up pool_store must be a KVPoolStore, got {store!r:.40}")
+            raise ValueError("connector start-up pool_store must be a KVPoolStore, "
+                             f"got {store!r:.40}")
         dcp_rank, dcp_size = ints["dcp_rank"], ints["dcp_size"]
         return ConnectorStartup(
             dcp_rank=dcp_rank if dcp_rank is not None else 0,
             dcp_size=dcp_size if dcp_size is not None else 1,
             rank=ints["rank"], world_size=ints["world_size"], control_address=address,
-            control_endpoints=[e for e in endpoints if _is_address(e)] if endpoints is not None else None,
+            control_endpoints=([e for e in endpoints if _is_address(e)]
+                               if endpoints is not None else None),
             pool_store=store)
