@@ -60,8 +60,7 @@ class Producer:
         self.results = WorkerResults(lambda: None)
         self.kv = torch.arange(torch.Size(SHAPE).numel(), dtype=torch.float32).reshape(SHAPE)
         self.side = ProducerSide(cfg("kv_producer", "P"), KVLayout.from_wire(P_LAYOUT), self.engine,
-                                 self.results,
-                                 [BLOCK_BYTES])
+                                 self.results, [BLOCK_BYTES])
         self.engine.register_region("g0", view(self.kv))
 
     def hold(self, rid: str, blocks: list[int], tokens: list[int]) -> tuple[str, str]:
@@ -88,8 +87,7 @@ def consumer(prod: Producer, peers: dict[str, FakeEngine], rank: int, size: int 
     kv = torch.zeros(SHAPE)
     results = WorkerResults(lambda: None)
     side = ConsumerSide(cfg("kv_consumer", "D"), KVLayout.from_wire(D_LAYOUT), engine, results,
-                        [view(kv)], [BLOCK_BYTES],
-                        dcp_rank=rank, dcp_size=size)
+                        [view(kv)], [BLOCK_BYTES], dcp_rank=rank, dcp_size=size)
     side._control = lambda remote, msg, reply_type, deadline: prod.side._handle(msg)  # type: ignore[method-assign]
     return side, kv, results
 

@@ -44,24 +44,24 @@ def create_connector(config: KVTransferConfig, role: KVConnectorRole, kv_cache_c
     if config.kv_connector not in CONNECTORS:
         raise ValueError(f"unknown kv_connector {config.kv_connector!r}; known: {CONNECTORS}")
     lay = layout if isinstance(layout, KVLayout) else KVLayout.from_wire(layout)
-    start = startup if isinstance(startup,
-                                  ConnectorStartup) else ConnectorStartup.from_shared(startup)
+    if not isinstance(startup, ConnectorStartup):
+        startup = ConnectorStartup.from_shared(startup)
     if config.kv_connector == "P2PConnector":
         from pdkv.kv_transfer.connector.p2p import P2PConnector
 
-        if start.control_address is None:
-            start.control_address = ["127.0.0.1", 0]
-        return P2PConnector(config, role, kv_cache_config, lay, start.control_address,
-                            start.dcp_rank,
-                            start.dcp_size, start.rank, start.world_size, start.control_endpoints)
+        if startup.control_address is None:
+            startup.control_address = ["127.0.0.1", 0]
+        return P2PConnector(config, role, kv_cache_config, lay, startup.control_address,
+                            startup.dcp_rank, startup.dcp_size, startup.rank, startup.world_size,
+                            startup.control_endpoints)
     if config.kv_connector == "KVPoolConnector":
         from pdkv.kv_transfer.connector.pool import KVPoolConnector
 
-        return KVPoolConnector(config, role, kv_cache_config, lay, start)
+        return KVPoolConnector(config, role, kv_cache_config, lay, startup)
     if config.kv_connector == "MultiConnector":
         from pdkv.kv_transfer.connector.multi import MultiConnector
 
-        return MultiConnector(config, role, kv_cache_config, lay, start, create_connector)
+        return MultiConnector(config, role, kv_cache_config, lay, startup, create_connector)
     if config.kv_connector == "OffloadingConnector":
         from pdkv.kv_transfer.connector.offload import OffloadingConnector
 
