@@ -8,7 +8,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 
@@ -22,8 +22,14 @@ class WireError(ConnectionError):
     """The peer closed the connection or sent a malformed frame."""
 
 
-def send_msg(sock: socket.socket, obj: Any) -> None:
-    """Send one msgpack-encoded object with a 4-byte length prefix."""
+def send_msg(sock: socket.socket, obj: object) -> None:
+    """Send one msgpack-encoded object (any msgspec-encodable value) with a 4-byte length
+    prefix.
+
+    Raises:
+        OSError: the socket failed.
+        TypeError: msgspec cannot encode `obj`.
+    """
     payload = msgspec.msgpack.encode(obj)
     sock.sendall(_LEN.pack(len(payload)) + payload)
 

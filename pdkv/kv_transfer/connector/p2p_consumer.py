@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 from pdkv.cache.kv_layout import as_int
 from pdkv.kv_transfer.connector.p2p_config import P2PConfig
@@ -63,6 +63,8 @@ from pdkv.parallel.layout import ParallelLayout
 if TYPE_CHECKING:
     from pdkv.cache.kv_layout import KVLayout
     from pdkv.config import KVTransferConfig
+
+R = TypeVar("R")  # the reply type of a control request
 
 logger = logging.getLogger(__name__)
 
@@ -192,8 +194,8 @@ class ConsumerSide:
             logger.info("notification %s for %s not delivered: %s", note.kind, note.remote_request_id, e)
 
     # ------------------------------------------------------------------ pulls
-    def _control(self, remote: RemoteEngine, msg: Handshake | Notify | Claim, reply_type: type,
-                 deadline: float) -> Any:
+    def _control(self, remote: RemoteEngine, msg: Handshake | Notify | Claim, reply_type: type[R],
+                 deadline: float) -> R:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TransferError("deadline passed before contacting the producer")
