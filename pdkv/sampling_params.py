@@ -121,7 +121,7 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.logit_bias is not None:
-            object.__setattr__(self, "logit_bias", _clean_logit_bias(self.logit_bias))
+            object.__setattr__(self, "logit_bias", clean_logit_bias(self.logit_bias))
         self._validate()
 
     def _validate(self) -> None:
@@ -196,8 +196,9 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
 
 
-def _clean_logit_bias(bias: object) -> dict[int, float]:
-    """{token id: bias} with int keys (JSON sends strings) and values clamped to [-100, 100].
+def clean_logit_bias(bias: object) -> dict[int, float]:
+    """{token id: bias} with int keys (JSON sends strings) and values clamped to [-100, 100];
+    SamplingParams applies it to its `logit_bias`, the server to a body's (string keys).
 
     Raises:
         ValueError: naming logit_bias, for a key that is not an integer or a non-finite value.

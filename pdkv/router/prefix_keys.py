@@ -174,7 +174,8 @@ def model_folder(name: str) -> str:
     """
     if os.path.isdir(name):
         return os.path.abspath(name)
-    from pdkv.model.registry import ALIASES, TINY_MODELS, cache_dir
+    from pdkv.model.registry import ALIASES, cache_dir
+    from pdkv.model.tiny import TINY_MODELS
 
     if name in ALIASES:
         return os.path.join(cache_dir(), "models", ALIASES[name].folder_name)

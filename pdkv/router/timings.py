@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdkv.jsontypes import JSONValue
 from pdkv.serve.timings import ENGINE_PHASES
 
 _DIGITS = 6
@@ -123,7 +124,7 @@ class RequestClock:
         }
 
 
-def _has_text(data: Any) -> bool:
+def _has_text(data: JSONValue) -> bool:
     """Whether a parsed completion chunk / response carries output text."""
     if not isinstance(data, dict):
         return False
@@ -131,8 +132,9 @@ def _has_text(data: Any) -> bool:
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return False
     c = choices[0]
-    delta = c.get("delta") if isinstance(c.get("delta"), dict) else {}
-    message = c.get("message") if isinstance(c.get("message"), dict) else {}
+    delta, message = c.get("delta"), c.get("message")
+    delta = delta if isinstance(delta, dict) else {}
+    message = message if isinstance(message, dict) else {}
     return bool(c.get("text") or delta.get("content") or message.get("content"))
 
 

@@ -6,14 +6,14 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pdkv.engine.async_llm import AsyncLLM, EngineDeadError
 from pdkv.model.structured import compile_grammar
-from pdkv.outputs import RequestOutput
-from pdkv.sampling_params import SamplingParams
+from pdkv.outputs import Logprob, RequestOutput
+from pdkv.sampling_params import SamplingParams, clean_logit_bias
 from pdkv.serve.fanout import merge_streams
 from pdkv.serve.fields import (
     MAX_N,
@@ -202,9 +202,11 @@ class OpenAIHandlers:
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 min_p=req.min_p or 0.0,
-                logit_bias=req.logit_bias,
                 prompt_logprobs=prompt_logprobs_wanted(req),
                 structured_outputs=structured_outputs(req),
+                # After structured_outputs(req), whose errors come first, as when only the
+                # dataclass cleaned it (cleaning a clean one again changes nothing).
+                logit_bias=None if req.logit_bias is None else clean_logit_bias(req.logit_bias),
             )
             if params.structured_outputs is not None:
                 compile_grammar(params.structured_outputs)
@@ -274,10 +276,11 @@ class OpenAIHandlers:
                     "stop_reason": comp.stop_reason,
                 }
             else:
-                ids, lps = comp.token_ids, comp.logprobs
+                ids = comp.token_ids
+                lps: Sequence[dict[int, Logprob] | None] | None = comp.logprobs
                 if p.echo and lps is not None and final.prompt_logprobs is not None:
                     ids = final.prompt_token_ids + ids  # echo: the prompt's logprobs first
-                    lps = final.prompt_logprobs + lps
+                    lps = [*final.prompt_logprobs, *lps]
                 choice = {
                     "index": i,
                     "text": (p.prompt_text or "") + comp.text if p.echo else comp.text,

@@ -3,7 +3,7 @@ chat shapes) and vLLM's prompt_logprobs. Used by handlers.py for full and stream
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdkv.outputs import Logprob, RequestOutput
@@ -26,7 +26,7 @@ def usage_json(outs: list[RequestOutput]) -> dict[str, Any]:
     }
 
 
-def completion_logprobs(ids: list[int], lps: list[dict[int, Logprob] | None] | None,
+def completion_logprobs(ids: list[int], lps: Sequence[dict[int, Logprob] | None] | None,
                         token_str: TokenStr) -> dict[str, Any] | None:
     """OpenAI's completion logprobs (tokens, token_logprobs, top_logprobs, text_offset in
     characters); a None entry (the first prompt token of an echo) has no logprob."""
