@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+
+from pdkv.jsontypes import JSONValue
 
 _GREEDY_EPS = 1e-5
 # A seed must fit a signed 64-bit integer (as vLLM's API checks; torch takes it as int64).
@@ -21,6 +22,7 @@ class StructuredOutputsParams:
 
     Attributes:
         json: a JSON schema (dict or its JSON text): the output is one JSON value matching it.
+            Held as received (a body's guided_json); anything else fails when compiled.
         regex: the output matches this regular expression.
         choice: the output is exactly one of these strings.
         grammar: a Lark (or GBNF) grammar.
@@ -30,7 +32,7 @@ class StructuredOutputsParams:
         ValueError: none or several of the fields set.
     """
 
-    json: str | dict[str, Any] | None = None
+    json: JSONValue = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
