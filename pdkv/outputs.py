@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from pdkv.jsontypes import JSONObject
 
 
 @dataclass
@@ -140,6 +141,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     kv_load_bytes: dict[str, int] = field(default_factory=dict)
     metrics: RequestMetrics | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: JSONObject | None = None
     error: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

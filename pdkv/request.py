@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdkv.block_hashing import BlockHash, hash_request_tokens
+from pdkv.jsontypes import JSONObject
 from pdkv.sampling_params import SamplingParams
 
 
@@ -76,7 +77,8 @@ class Request:
         block_size: tokens per block (for hashing).
         eos_token_id: the model's EOS id (None: no EOS).
         cache_salt: optional salt isolating this request's prefix-cache entries.
-        kv_transfer_params: opaque dict for the KV connector (P/D); None when unused.
+        kv_transfer_params: the client's JSON object for the KV connector (P/D); None when
+            unused. Typed dict[str, Any] while the connectors read its fields unchecked.
     """
 
     def __init__(
@@ -112,8 +114,8 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.error: str | None = None
-        # kv_transfer_params the connector returns to the client when the request finishes.
-        self.output_kv_transfer_params: dict[str, Any] | None = None
+        # kv_transfer_params the connector returns to the client (JSON) when the request finishes.
+        self.output_kv_transfer_params: JSONObject | None = None
         self.times = RequestTimes()
         self.block_hashes: list[BlockHash] = hash_request_tokens(
             self.all_token_ids, block_size, cache_salt

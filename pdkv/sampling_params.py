@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+
+from pdkv.jsontypes import JSONValue
 
 _GREEDY_EPS = 1e-5
 # A seed must fit a signed 64-bit integer (as vLLM's API checks; torch takes it as int64).
@@ -21,6 +22,7 @@ class StructuredOutputsParams:
 
     Attributes:
         json: a JSON schema (dict or its JSON text): the output is one JSON value matching it.
+            Held as received (a body's guided_json); anything else fails when compiled.
         regex: the output matches this regular expression.
         choice: the output is exactly one of these strings.
         grammar: a Lark (or GBNF) grammar.
@@ -30,7 +32,7 @@ class StructuredOutputsParams:
         ValueError: none or several of the fields set.
     """
 
-    json: str | dict[str, Any] | None = None
+    json: JSONValue = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
@@ -121,7 +123,7 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.logit_bias is not None:
-            object.__setattr__(self, "logit_bias", _clean_logit_bias(self.logit_bias))
+            object.__setattr__(self, "logit_bias", clean_logit_bias(self.logit_bias))
         self._validate()
 
     def _validate(self) -> None:
@@ -196,8 +198,9 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
 
 
-def _clean_logit_bias(bias: object) -> dict[int, float]:
-    """{token id: bias} with int keys (JSON sends strings) and values clamped to [-100, 100].
+def clean_logit_bias(bias: object) -> dict[int, float]:
+    """{token id: bias} with int keys (JSON sends strings) and values clamped to [-100, 100];
+    SamplingParams applies it to its `logit_bias`, the server to a body's (string keys).
 
     Raises:
         ValueError: naming logit_bias, for a key that is not an integer or a non-finite value.

@@ -6,7 +6,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 T = TypeVar("T")
 
@@ -21,12 +24,12 @@ class Tokenizer:
     def __init__(self, path: str) -> None:
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(path)
+        self._tok: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path)
         self.eos_token_id: int | None = self._tok.eos_token_id
         self.vocab_size: int = len(self._tok)
 
     @property
-    def hf(self) -> Any:
+    def hf(self) -> PreTrainedTokenizerBase:
         """The underlying transformers tokenizer."""
         return self._tok
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 
+from pdkv.jsontypes import JSONObject, JSONValue
 from pdkv.kv_transfer.connector.p2p_messages import conversion_error, layout_mismatch
 
 PRODUCER_ROLES = ("kv_producer", "kv_both")
@@ -34,7 +34,7 @@ class BackendInfo:
 
     kv_role: str | None
     engine_id: str | None
-    layout: dict[str, Any] | None
+    layout: JSONObject | None
     max_model_len: int | None
     fetched_at: float
     pool_chunk_size: int | None = None
@@ -44,9 +44,22 @@ class BackendInfo:
     def block_size(self) -> int | None:
         """Tokens per KV block from the layout (None when unknown)."""
         try:
-            return int(self.layout["block_size"]) if self.layout else None
+            return json_int(self.layout["block_size"]) if self.layout else None
         except (KeyError, TypeError, ValueError):
             return None
+
+
+def json_int(value: JSONValue) -> int:
+    """`int(value)` of a JSON number or numeric string.
+
+    Raises:
+        TypeError: null, an array or an object (a boolean is an int, as for int()).
+        ValueError: a string that is not an integer.
+    """
+    if isinstance(value, (int, float, str)):
+        return int(value)
+    raise TypeError(f"int() argument must be a string, a bytes-like object or a real number, "
+                    f"not '{type(value).__name__}'")
 
 
 async def fetch_info(client: httpx.AsyncClient, url: str, timeout: float = 5.0) -> BackendInfo | None:
@@ -82,7 +95,7 @@ async def fetch_info(client: httpx.AsyncClient, url: str, timeout: float = 5.0) 
     return BackendInfo(role, engine_id, layout, max_len, time.monotonic(), chunk, model_ids)
 
 
-def unknown_model(model: Any, infos: list[BackendInfo | None]) -> str | None:
+def unknown_model(model: JSONValue, infos: list[BackendInfo | None]) -> str | None:
     """Why no backend serves `model` (vLLM's "does not exist" message naming what is served), or
     None: no model asked for (None), or one of them serves it, or none has reported its names
     yet (the engine then decides)."""

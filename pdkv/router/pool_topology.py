@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Protocol
 
 from pdkv.model.registry import cache_dir
 
@@ -54,7 +55,7 @@ def start_pool_server(tier: str, log_dir: str) -> PoolServer | None:
     return services.start_mooncake(segment_bytes=MOONCAKE_SEGMENT_BYTES, log_dir=log_dir)
 
 
-def pool_tier_spec(tier: str, server: PoolServer | None) -> dict[str, Any]:
+def pool_tier_spec(tier: str, server: PoolServer | None) -> dict[str, str | int]:
     """The tier's spec for `kv_connector_extra_config["tiers"]` with the stated defaults.
 
     Raises:
@@ -74,7 +75,8 @@ def pool_tier_spec(tier: str, server: PoolServer | None) -> dict[str, Any]:
     return {"name": "mooncake", "master": server.address}
 
 
-def pool_kv_transfer_config(spec: dict[str, Any], chunk_size: int = DEFAULT_CHUNK_SIZE) -> str:
+def pool_kv_transfer_config(spec: Mapping[str, str | int],
+                            chunk_size: int = DEFAULT_CHUNK_SIZE) -> str:
     """`--kv-transfer-config` JSON of a kv_both KVPoolConnector with one tier."""
     return json.dumps({"kv_connector": "KVPoolConnector", "kv_role": "kv_both",
                        "kv_connector_extra_config": {"chunk_size": chunk_size, "tiers": [spec]}})

@@ -20,9 +20,9 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 from pdkv.block_hashing import hash_request_tokens
+from pdkv.jsontypes import JSONObject, JSONValue
 from pdkv.kvpool.keys import chunk_hashes
 
 DEFAULT_BLOCK_SIZE = 16
@@ -82,7 +82,7 @@ class ChatTokenizer:
 
         self._tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
         self._lock = threading.Lock()  # a Rust tokenizer is not to be shared by two threads at once
-        config: dict[str, Any] = {}
+        config: JSONObject = {}
         cfg_path = os.path.join(folder, "tokenizer_config.json")
         if os.path.isfile(cfg_path):
             with open(cfg_path) as f:
@@ -110,7 +110,8 @@ class ChatTokenizer:
         with self._lock:
             return list(self._tok.encode(text, add_special_tokens=True).ids)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]],
+                    add_generation_prompt: bool = True) -> list[int]:
         """Ids of a chat: the template's text, encoded without added special tokens.
 
         Raises:
@@ -129,13 +130,13 @@ class ChatTokenizer:
             return list(self._tok.encode(text, add_special_tokens=False).ids)
 
 
-def _token_text(value: Any) -> Any:
+def _token_text(value: JSONValue) -> JSONValue:
     if isinstance(value, dict):  # {"content": "<s>", ...} in older configs
         return value.get("content")
     return value
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def chat_messages(body: JSONObject) -> list[dict[str, str]]:
     """The chat body's messages as the engine renders them: role and text content (a list of
     text parts is joined, as `ChatMessage.text()` does).
 
@@ -147,7 +148,8 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     if not isinstance(messages, list):
         raise KeysUnavailable("messages is not a list")
     for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        role = m.get("role") if isinstance(m, dict) else None
+        if not isinstance(m, dict) or not isinstance(role, str):
             raise KeysUnavailable("a message has no role")
         content = m.get("content")
         if content is None:
@@ -161,7 +163,7 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
             content = "".join(parts)
         if not isinstance(content, str):
             raise KeysUnavailable("a message's content is not text")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": role, "content": content})
     return out
 
 
@@ -174,7 +176,8 @@ def model_folder(name: str) -> str:
     """
     if os.path.isdir(name):
         return os.path.abspath(name)
-    from pdkv.model.registry import ALIASES, TINY_MODELS, cache_dir
+    from pdkv.model.registry import ALIASES, cache_dir
+    from pdkv.model.tiny import TINY_MODELS
 
     if name in ALIASES:
         return os.path.join(cache_dir(), "models", ALIASES[name].folder_name)
@@ -204,7 +207,7 @@ class RequestKeyer:
                     raise KeysUnavailable(f"tokenizer of {self.model!r}: {e}") from None
             return self._tok
 
-    def token_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
+    def token_ids(self, body: JSONObject, chat: bool) -> list[int]:
         """The prompt's token ids as the engine will see them (blocking: call off the loop).
 
         Raises:
@@ -216,9 +219,10 @@ class RequestKeyer:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                       for t in prompt):
-            return list(prompt)
+        if isinstance(prompt, list) and prompt:
+            ids = [t for t in prompt if isinstance(t, int) and not isinstance(t, bool)]
+            if len(ids) == len(prompt):  # token ids only
+                return ids
         if isinstance(prompt, str) and prompt:
             return self._tokenizer().encode(prompt)
         raise KeysUnavailable("no single prompt")

@@ -39,12 +39,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdkv.jsontypes import JSONObject, JSONValue
 from pdkv.router.backend_info import BackendInfos, pair_mismatch, unknown_model
 from pdkv.router.policies import (
     Backend,
@@ -79,7 +79,8 @@ from pdkv.serve.disconnect import ClientDisconnected, until_done_or_disconnect
 logger = logging.getLogger(__name__)
 
 
-BeforeDecodeHook = Callable[[dict[str, Any]], Awaitable[None]]
+BeforeDecodeHook = Callable[[JSONValue], Awaitable[None]]
+"""Awaited with P's kv_transfer_params (as P sent them) between the legs."""
 
 
 def build_proxy_app(
@@ -152,7 +153,7 @@ def build_proxy_app(
         logger.exception("proxy error")
         return error_response(f"proxy error: {type(e).__name__}: {e}", 500, "InternalServerError")
 
-    def release_soon(params: Any) -> None:
+    def release_soon(params: JSONValue) -> None:
         """Release P's blocks in the background (survives the request's cancellation)."""
         if not releasable(params):
             return
@@ -286,7 +287,7 @@ def build_proxy_app(
             return error_response(why, 503, "ServiceUnavailableError")
         return await sender.length_check(d, length, headers)
 
-    async def _token_ids(body: dict[str, Any], chat: bool) -> list[int] | None:
+    async def _token_ids(body: JSONObject, chat: bool) -> list[int] | None:
         """The prompt's token ids as the engines will see them, or None (routing then falls back)."""
         try:
             return await asyncio.to_thread(keyer.token_ids, body, chat)
@@ -294,10 +295,10 @@ def build_proxy_app(
             logger.debug("no chunk hashes: %s", e)
             return None
 
-    def _hashes(ids: list[int], body: dict[str, Any], pool: list[Backend]) -> dict[str, list[bytes]]:
+    def _hashes(ids: list[int], body: JSONObject, pool: list[Backend]) -> dict[str, list[bytes]]:
         """Each backend's chunk hashes of `ids` (its own block / pool chunk size; one hashing per
         distinct size)."""
-        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        salt = s if isinstance(s := body.get("cache_salt"), str) else None
         by_gran: dict[Granularity, list[bytes]] = {}
         out: dict[str, list[bytes]] = {}
         for b in pool:
@@ -309,7 +310,7 @@ def build_proxy_app(
             out[b.url] = by_gran[gran]
         return out
 
-    async def _pool_chunks(p: Backend, d: Backend, body: dict[str, Any],
+    async def _pool_chunks(p: Backend, d: Backend, body: JSONObject,
                            chat: bool) -> tuple[int, int, list[bytes]] | None:
         """(prompt tokens, chunk size, the prompt's full-chunk hashes) when P and D use one pool
         chunking, else None (then nothing is skipped or recorded)."""
@@ -322,13 +323,13 @@ def build_proxy_app(
         ids = await _token_ids(body, chat)
         if ids is None:
             return None
-        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        salt = s if isinstance(s := body.get("cache_salt"), str) else None
         gran = Granularity(block, ip.pool_chunk_size)
         hashes = await asyncio.to_thread(request_chunk_hashes, ids, gran, salt)
         return len(ids), ip.pool_chunk_size, hashes
 
-    async def _decide(policy: RoutingPolicy, pool: list[Backend], leg: str, body: dict[str, Any], chat: bool,
-                      length: LengthCheck) -> tuple[Decision, LengthCheck]:
+    async def _decide(policy: RoutingPolicy, pool: list[Backend], leg: str, body: JSONObject,
+                      chat: bool, length: LengthCheck) -> tuple[Decision, LengthCheck]:
         """The policy's choice within `pool` (chunk hashes computed when it wants them), counted;
         the length check learns the prompt's token count when the proxy tokenized it."""
         hashes = None
@@ -348,7 +349,7 @@ def build_proxy_app(
             metrics.matched_tokens.labels(decision.backend.url).inc(decision.matched_chunks * chunk)
         return decision, length
 
-    async def _whole(body: dict[str, Any], path: str, headers: dict[str, str], length: LengthCheck,
+    async def _whole(body: JSONObject, path: str, headers: dict[str, str], length: LengthCheck,
                      chat: bool, clock: RequestClock) -> Response:
         """Colocated mode: the whole request to one instance."""
         decision, length = await _decide(whole_policy, colocated, "whole", body, chat, length)
@@ -359,7 +360,7 @@ def build_proxy_app(
             return refused
         return await sender.decode_leg(b, path, body, headers, None, bool(body.get("stream")), clock, leg="whole")
 
-    async def _legs(body: dict[str, Any], path: str, headers: dict[str, str], length: LengthCheck,
+    async def _legs(body: JSONObject, path: str, headers: dict[str, str], length: LengthCheck,
                     chat: bool, clock: RequestClock) -> Response:
         client = state["client"]
         p = (await _decide(prefill_policy, prefills, "prefill", body, chat, length))[0].backend
@@ -397,7 +398,7 @@ def build_proxy_app(
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         try:
             answer = r.json()
-            params = answer.get("kv_transfer_params")
+            params: JSONValue = answer.get("kv_transfer_params")
             clock.p_timings = answer.get("pdkv_timings")
         except (ValueError, AttributeError):
             metrics.errors.labels("prefill", "bad_response").inc()

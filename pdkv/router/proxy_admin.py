@@ -11,7 +11,7 @@ colocated instance, forgets its prefix cache). Not fanned out: `/v1/models`, `/t
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TypedDict
 
 import httpx
 from fastapi.responses import JSONResponse
@@ -20,6 +20,16 @@ FANNED_OUT_ROUTES = ("/reset_prefix_cache",)
 """Engine admin routes the proxy sends to every backend (POST)."""
 FAN_OUT_TIMEOUT_S = 30.0
 """Deadline of each backend's answer (s): above the engine's own 10 s for a reset."""
+
+
+class BackendAnswer(TypedDict):
+    """One backend's answer to a fanned-out route (`status`: HTTP, 502 when unreachable;
+    `message`: None on success)."""
+
+    url: str
+    role: str
+    status: int
+    message: str | None
 
 
 def _message(r: httpx.Response) -> str | None:
@@ -50,7 +60,7 @@ async def fan_out(client: httpx.AsyncClient, backends: list[tuple[str, str]], pa
         (message None on success), in the order given.
     """
 
-    async def one(role: str, url: str) -> dict[str, Any]:
+    async def one(role: str, url: str) -> BackendAnswer:
         try:
             r = await client.post(url + path, headers=headers, timeout=timeout_s)
         except httpx.HTTPError as e:

@@ -8,11 +8,11 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from pdkv.jsontypes import JSONObject, JSONValue
 from pdkv.router.backend_info import BackendInfos
 from pdkv.router.policies import Backend
 from pdkv.router.proxy_metrics import ProxyMetrics
@@ -34,7 +34,7 @@ class LegSender:
     client: Callable[[], httpx.AsyncClient]
     infos: BackendInfos
     metrics: ProxyMetrics
-    release_soon: Callable[[Any], None]
+    release_soon: Callable[[JSONValue], None]
 
     async def length_check(self, d: Backend, length: LengthCheck, headers: dict[str, str]) -> Response | None:
         """400 when prompt + max_tokens does not fit `d`'s max_model_len (D's own message)."""
@@ -58,8 +58,9 @@ class LegSender:
         why = length.fits(count, max_len) if count is not None else None
         return error_response(why, 400, "BadRequestError") if why else None
 
-    async def decode_leg(self, d: Backend, path: str, decode: dict[str, Any], headers: dict[str, str],
-                          params: Any, stream: bool, clock: RequestClock, leg: str = "decode") -> Response:
+    async def decode_leg(self, d: Backend, path: str, decode: JSONObject, headers: dict[str, str],
+                         params: JSONValue, stream: bool, clock: RequestClock,
+                         leg: str = "decode") -> Response:
         """The decode leg (P/D) or the whole request (colocated, `leg` "whole", params None)."""
         client = self.client()
         what = "decode backend" if leg == "decode" else "backend"

@@ -5,9 +5,11 @@ error JSON, and releasing a prefill engine's held blocks (see `pdkv.router.proxy
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TypeGuard
 
 from fastapi.responses import JSONResponse
+
+from pdkv.jsontypes import JSONObject, JSONValue
 
 
 def error_response(message: str, status: int, err_type: str, param: str | None = None) -> JSONResponse:
@@ -16,7 +18,7 @@ def error_response(message: str, status: int, err_type: str, param: str | None =
     return JSONResponse(body, status_code=status)
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+def prefill_body(body: JSONObject) -> JSONObject:
     """The prefill leg's body (see module docstring)."""
     p = copy.deepcopy(body)
     p["max_tokens"] = 1
@@ -37,21 +39,30 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return p
 
 
-def release_prefill(params: dict[str, Any]) -> bool:
+def release_prefill(params: JSONObject) -> bool:
     """Tell the prefill engine named in `params` (P's kv_transfer_params) that its held blocks
     will never be read (blocking, best effort; the lease still bounds the hold). A P at tp > 1
     holds the blocks on every rank: the release goes to each control endpoint in `endpoints`
     (rank order; `remote_host`/`remote_port` is rank 0's). The one place that maps the params
     onto the connector's release helper. Returns whether every rank acknowledged."""
     from pdkv.kv_transfer.connector.p2p_messages import send_release
+    from pdkv.router.backend_info import json_int
 
     endpoints = params.get("endpoints") or [[params["remote_host"], params["remote_port"]]]
-    acks = [send_release(host=str(host), port=int(port), request_id=str(params["remote_request_id"]),
-                         nonce=str(params.get("remote_nonce", ""))) for host, port in endpoints]
+    if not isinstance(endpoints, list):
+        raise TypeError(f"kv_transfer_params.endpoints must be a list, got {endpoints!r:.60}")
+    acks = []
+    for endpoint in endpoints:  # one at a time: a malformed one stops there, as before
+        if not isinstance(endpoint, list):
+            raise TypeError(f"an endpoint must be [host, port], got {endpoint!r:.60}")
+        host, port = endpoint
+        acks.append(send_release(host=str(host), port=json_int(port),
+                                 request_id=str(params["remote_request_id"]),
+                                 nonce=str(params.get("remote_nonce", ""))))
     return all(acks)
 
 
-def releasable(params: Any) -> bool:
+def releasable(params: JSONValue) -> TypeGuard[JSONObject]:
     """Whether P's kv_transfer_params name blocks that can be released."""
     return isinstance(params, dict) and bool(params.get("remote_host")) and "remote_request_id" in params
 

@@ -34,8 +34,9 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
+from pdkv.jsontypes import JSONValue
 from pdkv.serve.timings import ENGINE_PHASES
 
 _DIGITS = 6
@@ -51,11 +52,23 @@ COLOCATED_PHASES = ("proxy", *ENGINE_PHASES, "residual")
 """Phase names of a stitched colocated `pdkv_timings`, in request order."""
 
 
-def _engine_phases(timings: Any) -> tuple[dict[str, float], float]:
+class StitchedTimings(TypedDict):
+    """The proxy's `pdkv_timings` (module doc): durations in seconds; `legs`: each engine's
+    object as it sent it, by leg ("prefill", "decode" or "whole")."""
+
+    source: str
+    unit: str
+    mode: str
+    total: float
+    phases: dict[str, float]
+    legs: dict[str, JSONValue]
+
+
+def _engine_phases(timings: JSONValue) -> tuple[dict[str, float], float]:
     """(phases, total) of an engine's `pdkv_timings`; zeros when absent or malformed."""
-    if not isinstance(timings, dict) or not isinstance(timings.get("phases"), dict):
+    if not isinstance(timings, dict) or not isinstance(raw := timings.get("phases"), dict):
         return {}, 0.0
-    phases = {k: float(v) for k, v in timings["phases"].items()
+    phases = {k: float(v) for k, v in raw.items()
               if k in ENGINE_PHASES and isinstance(v, (int, float))}
     total = timings.get("total")
     return phases, float(total) if isinstance(total, (int, float)) else sum(phases.values())
@@ -78,11 +91,11 @@ class RequestClock:
     mode: str = "pd"
     p_sent: float | None = None
     p_done: float | None = None
-    p_timings: Any = None
+    p_timings: JSONValue = None
     d_sent: float | None = None
     d_first: float | None = None
 
-    def stitch(self, d_timings: Any) -> dict[str, Any]:
+    def stitch(self, d_timings: JSONValue) -> StitchedTimings:
         """The combined `pdkv_timings` (module doc) given the decode engine's object.
 
         Raises:
@@ -92,7 +105,7 @@ class RequestClock:
             raise ValueError("the decode leg's times are not recorded")
         d_phases, d_total = _engine_phases(d_timings)
         phases: dict[str, float] = {}
-        legs: dict[str, Any] = {}
+        legs: dict[str, JSONValue] = {}
         if self.mode == "colocated":
             phases["proxy"] = self.d_sent - self.received
             phases.update({_WHOLE_MAP[k]: d_phases.get(k, 0.0) for k in ENGINE_PHASES})
@@ -123,7 +136,7 @@ class RequestClock:
         }
 
 
-def _has_text(data: Any) -> bool:
+def _has_text(data: JSONValue) -> bool:
     """Whether a parsed completion chunk / response carries output text."""
     if not isinstance(data, dict):
         return False
@@ -131,8 +144,9 @@ def _has_text(data: Any) -> bool:
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return False
     c = choices[0]
-    delta = c.get("delta") if isinstance(c.get("delta"), dict) else {}
-    message = c.get("message") if isinstance(c.get("message"), dict) else {}
+    delta, message = c.get("delta"), c.get("message")
+    delta = delta if isinstance(delta, dict) else {}
+    message = message if isinstance(message, dict) else {}
     return bool(c.get("text") or delta.get("content") or message.get("content"))
 
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import NoReturn
 
 from pydantic import ValidationError
 
+from pdkv.jsontypes import JSONObject
 from pdkv.serve.protocol import ChatCompletionRequest, CompletionRequest, find_lone_surrogate
 
 
@@ -23,7 +24,7 @@ class BadRequest(ValueError):
     """The client's request is invalid (answered with a 400 in OpenAI's error JSON)."""
 
 
-def _no_constant(name: str) -> Any:
+def _no_constant(name: str) -> NoReturn:
     raise BadRequest(f"{name} is not valid JSON (numbers must be finite)")
 
 
@@ -34,7 +35,7 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
+def parse_body(raw: bytes) -> JSONObject:
     """The request body as a JSON object, strictly: UTF-8, no NaN/Infinity, no number that
     overflows a float (1e400), no lone surrogates.
 
@@ -72,7 +73,7 @@ class LengthCheck:
 
     max_tokens: int | None
     prompt_ids: int | None = None
-    tokenize_body: dict[str, Any] | None = None
+    tokenize_body: JSONObject | None = None
     upper_bound: int | None = None
 
     def fits(self, prompt_tokens: int, max_model_len: int) -> str | None:
@@ -92,7 +93,7 @@ def _validation_message(e: ValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-def check_body(body: dict[str, Any], chat: bool) -> LengthCheck:
+def check_body(body: JSONObject, chat: bool) -> LengthCheck:
     """Validate the fields the prefill leg rewrites (see module docstring).
 
     Returns:
@@ -125,7 +126,7 @@ def check_body(body: dict[str, Any], chat: bool) -> LengthCheck:
         return LengthCheck(max_tokens, tokenize_body={
             "model": req.model, "messages": body.get("messages"),
             "add_generation_prompt": req.add_generation_prompt})
-    prompt: Any = req.prompt
+    prompt: object = req.prompt  # narrowed below: a batch of one is taken out of its list
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):

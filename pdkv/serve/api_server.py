@@ -16,17 +16,19 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdkv.engine.async_llm import AsyncLLM, EngineDeadError
+from pdkv.engine.async_llm import AsyncLLM, EngineDeadError, StepObserver
+from pdkv.outputs import RequestOutput
+from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from pdkv.serve.disconnect import ClientDisconnected, until_done_or_disconnect
 from pdkv.serve.handlers import APIError, OpenAIHandlers, PreparedRequest
 from pdkv.serve.metrics import ServerMetrics
@@ -36,8 +38,12 @@ from pdkv.serve.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pdkv.serve.response_json import ChatCompletionResponse, CompletionResponse
 from pdkv.serve.stats_log import DEFAULT_STATS_INTERVAL_S, RequestLogger, StatsLogger
 from pdkv.tokenizer import TokenizerPool
+
+if TYPE_CHECKING:
+    from pdkv.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -74,21 +80,63 @@ RESET_PREFIX_CACHE_TIMEOUT_S = 10.0
 FAULT_STEP_ENV = "PDKV_FAULT_STEP_RAISE_AT"
 
 
+class ModelCard(TypedDict):
+    """One entry of GET /v1/models (`created`: Unix time, s; `root`: the model folder)."""
+
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(TypedDict):
+    """GET /v1/models: a card per served name, the reported one first."""
+
+    object: str
+    data: list[ModelCard]
+
+
+class KVLayoutInfo(TypedDict):
+    """GET /kv_layout (`pool_chunk_size` in tokens, None without a KV pool)."""
+
+    kv_role: str
+    engine_id: str
+    layout: dict[str, object]
+    pool_chunk_size: int | None
+
+
+class TokenizeResponse(TypedDict):
+    """POST /tokenize (`count` and `max_model_len` in tokens)."""
+
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(TypedDict):
+    """POST /detokenize."""
+
+    prompt: str
+
+
 class SafeJSONResponse(JSONResponse):
     """JSONResponse that escapes non-ASCII, so no string (not even one holding a lone
     surrogate) can make rendering fail."""
 
-    def render(self, content: Any) -> bytes:
+    def render(self, content: object) -> bytes:
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
-def pool_chunk_size(kv_connector: str, extra: Any) -> int | None:
+def pool_chunk_size(kv_connector: str, extra: object) -> int | None:
     """Tokens per KV pool chunk of a connector config (a KVPoolConnector, or one among a
     MultiConnector's `connectors`), None when there is no pool; the proxy cuts prompts the same
-    way (GET /kv_layout's `pool_chunk_size`)."""
+    way (GET /kv_layout's `pool_chunk_size`). `extra` is the connector's
+    kv_connector_extra_config (anything but a dict counts as empty)."""
     from pdkv.kv_transfer.connector.pool_config import PoolConnectorConfig
 
-    todo: list[tuple[Any, Any]] = [(kv_connector, extra)]
+    todo: list[tuple[object, object]] = [(kv_connector, extra)]
     while todo:
         name, ex = todo.pop(0)
         ex = ex if isinstance(ex, dict) else {}
@@ -146,7 +194,8 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
         return SafeJSONResponse(body, status_code=500)
 
     @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Response:
+    async def _auth(request: Request,
+                    call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         path = request.url.path
         needs_key = config.api_key and (path.startswith("/v1") or path in _KEYED_PATHS)
         if needs_key and request.headers.get("Authorization") != f"Bearer {config.api_key}":
@@ -163,10 +212,11 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    # response_model=None: the body as built (FastAPI's jsonable_encoder, no pydantic model).
+    @app.get("/v1/models", response_model=None)
+    async def models() -> ModelList:
         """One card per served name, the reported one first."""
-        cards = [{
+        cards: list[ModelCard] = [{
             "id": name,
             "object": "model",
             "created": int(time.time()),
@@ -176,8 +226,8 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
         } for name in (config.served_model_name, *config.extra_model_names)]
         return {"object": "list", "data": cards}
 
-    @app.get("/kv_layout")
-    async def kv_layout() -> dict[str, Any]:
+    @app.get("/kv_layout", response_model=None)
+    async def kv_layout() -> KVLayoutInfo:
         """This engine's KV role, engine id and cache layout (what a P/D peer must agree on) and
         its KV pool's chunk size (None without a pool); 404 when no kv connector is configured."""
         kvt = llm.engine.config.kv_transfer_config
@@ -210,8 +260,8 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
             )
         return Response(status_code=200)
 
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+    @app.post("/tokenize", response_model=None)
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         handlers.check_model(req.model)
         if req.messages is not None:
             try:
@@ -226,8 +276,8 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
             raise APIError("give either prompt or messages")
         return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
 
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+    @app.post("/detokenize", response_model=None)
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         handlers.check_model(req.model)
         vocab = llm.engine.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
@@ -262,11 +312,17 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
     return app
 
 
-async def _until_done_or_disconnect(coro: Any, raw: Request) -> dict[str, Any]:
+async def _until_done_or_disconnect(
+    coro: Awaitable[ChatCompletionResponse | CompletionResponse], raw: Request
+) -> ChatCompletionResponse | CompletionResponse:
     """Await the response body; a client that disconnects first cancels it (which aborts the
-    request in the engine)."""
+    request in the engine).
+
+    Raises:
+        APIError: 499 (client gone), 400 (ValueError), 503 (engine dead).
+    """
     try:
-        result: dict[str, Any] = await until_done_or_disconnect(coro, raw)
+        result = await until_done_or_disconnect(coro, raw)
     except ClientDisconnected:
         raise APIError("client disconnected", 499, "ClientClosedRequest") from None
     except ValueError as e:
@@ -317,33 +373,34 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def step_observer(metrics: ServerMetrics, args: argparse.Namespace) -> Any:
+def step_observer(metrics: ServerMetrics, args: argparse.Namespace) -> StepObserver:
     """The engine loop's step observer: Prometheus metrics, then (unless disabled) the stats
     line every --log-stats-interval s and one line per finished request."""
-    observers = [metrics.observe_step]
+    observers: list[StepObserver] = [metrics.observe_step]
     if not getattr(args, "disable_log_stats", False):
         observers.append(StatsLogger(getattr(args, "log_stats_interval", DEFAULT_STATS_INTERVAL_S)).observe)
     if not getattr(args, "disable_log_requests", False):
         observers.append(RequestLogger().observe)
 
-    def observe(outputs: Any, stats: Any, now: float) -> None:
+    def observe(outputs: list[RequestOutput], stats: SchedulerStats, now: float) -> None:
         for fn in observers:
             fn(outputs, stats, now)
 
     return observe
 
 
-def inject_step_fault(engine: Any, at_step: int) -> None:
+def inject_step_fault(engine: LLMEngine, at_step: int) -> None:
     """Test-only: make the model step of engine step number `at_step` (1-based) raise once
     (after scheduling, with the connector's metadata already bound), as a device fault would."""
     execute = engine.runner.execute_model
 
-    def faulty(sched_out: Any) -> Any:
+    def faulty(sched_out: SchedulerOutput) -> ModelRunnerOutput:
         if engine.num_steps + 1 == at_step:
             raise RuntimeError(f"injected fault at engine step {at_step} ({FAULT_STEP_ENV})")
         return execute(sched_out)
 
-    engine.runner.execute_model = faulty
+    # setattr: mypy forbids assigning to a method, which is the point of this seam.
+    setattr(engine.runner, "execute_model", faulty)  # noqa: B010
 
 
 def main(args: argparse.Namespace) -> int:

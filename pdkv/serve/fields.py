@@ -4,6 +4,8 @@ needs. See README "Sampling and request fields"."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from pdkv.sampling_params import StructuredOutputsParams
 from pdkv.serve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -51,7 +53,10 @@ def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> Struct
     if rf is not None and rf.get("type") == "json_object":
         found.append(("response_format", StructuredOutputsParams(json_object=True)))
     elif rf is not None and rf.get("type") == "json_schema":
-        schema = (rf.get("json_schema") or {}).get("schema")
+        holder = rf.get("json_schema") or {}
+        if not isinstance(holder, dict):  # as `holder.get` failed before: a 500
+            raise AttributeError(f"'{type(holder).__name__}' object has no attribute 'get'")
+        schema = holder.get("schema")
         if not isinstance(schema, dict):
             raise ValueError("response_format: json_schema.schema must be a JSON schema object")
         found.append(("response_format", StructuredOutputsParams(json=schema)))
@@ -64,8 +69,11 @@ def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> Struct
     if req.guided_grammar is not None:
         found.append(("guided_grammar", StructuredOutputsParams(grammar=req.guided_grammar)))
     if req.structured_outputs is not None:
+        # The body's object as keyword arguments, unchecked: the dataclass rejects a wrong
+        # name (TypeError) or combination, and compile_grammar a wrong value.
+        kwargs: dict[str, Any] = dict(req.structured_outputs)
         try:
-            found.append(("structured_outputs", StructuredOutputsParams(**req.structured_outputs)))
+            found.append(("structured_outputs", StructuredOutputsParams(**kwargs)))
         except TypeError as e:
             raise ValueError(f"structured_outputs: {e}") from None
     if len(found) > 1:

@@ -6,14 +6,15 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypedDict, TypeVar
 
 from pdkv.engine.async_llm import AsyncLLM, EngineDeadError
+from pdkv.jsontypes import JSONObject
 from pdkv.model.structured import compile_grammar
-from pdkv.outputs import RequestOutput
-from pdkv.sampling_params import SamplingParams
+from pdkv.outputs import Logprob, RequestOutput
+from pdkv.sampling_params import SamplingParams, clean_logit_bias
 from pdkv.serve.fanout import merge_streams
 from pdkv.serve.fields import (
     MAX_N,
@@ -25,6 +26,13 @@ from pdkv.serve.fields import (
 )
 from pdkv.serve.protocol import ChatCompletionRequest, CompletionRequest
 from pdkv.serve.response_json import (
+    ChatChoice,
+    ChatCompletionResponse,
+    ChunkHead,
+    CompletionChoice,
+    CompletionResponse,
+    StreamChoice,
+    StreamChunk,
     chat_logprobs,
     completion_logprobs,
     prompt_logprobs_json,
@@ -34,6 +42,21 @@ from pdkv.serve.timings import engine_timings
 from pdkv.tokenizer import Tokenizer, TokenizerPool
 
 T = TypeVar("T")
+
+
+class ErrorDetail(TypedDict):
+    """OpenAI's error object (`code`: the HTTP status; `param`: the request field at fault)."""
+
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorBody(TypedDict):
+    """OpenAI's error JSON."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):
@@ -50,7 +73,8 @@ class APIError(Exception):
         super().__init__(message)
         self.message, self.status, self.err_type, self.param = message, status, err_type, param
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> ErrorBody:
+        """The error as OpenAI's error JSON."""
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
                           "code": self.status}}
 
@@ -68,7 +92,7 @@ class PreparedRequest:
     stream: bool
     include_usage: bool
     chat: bool
-    kv_transfer_params: dict[str, Any] | None
+    kv_transfer_params: JSONObject | None
     cache_salt: str | None
     received: float = 0.0  # time.monotonic() when the handler started on it (s)
     echo: bool = False  # completions: the prompt text starts the output text
@@ -116,11 +140,7 @@ class OpenAIHandlers:
         """Validate and tokenize a completion body. Raises APIError (400) on bad input."""
         received = time.monotonic()
         self.check_model(req.model)
-        prompt: Any = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError("batched prompts are not supported: send one prompt per request")
-            prompt = prompt[0]
+        prompt = _one_prompt(req.prompt)
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = await self.tokenize(lambda tok: tok.encode(prompt)) if prompt else []
@@ -202,9 +222,11 @@ class OpenAIHandlers:
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 min_p=req.min_p or 0.0,
-                logit_bias=req.logit_bias,
                 prompt_logprobs=prompt_logprobs_wanted(req),
                 structured_outputs=structured_outputs(req),
+                # After structured_outputs(req), whose errors come first, as when only the
+                # dataclass cleaned it (cleaning a clean one again changes nothing).
+                logit_bias=None if req.logit_bias is None else clean_logit_bias(req.logit_bias),
             )
             if params.structured_outputs is not None:
                 compile_grammar(params.structured_outputs)
@@ -253,49 +275,66 @@ class OpenAIHandlers:
             raise APIError(str(e), param=field_in(str(e))) from None
         return merge_streams([self.llm.generate(request, text) for request, text in made])
 
-    async def full_response(self, p: PreparedRequest, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> dict[str, Any]:
+    async def full_response(
+        self, p: PreparedRequest, outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> ChatCompletionResponse | CompletionResponse:
         """Wait for the final outputs and build the non-streaming response body (one choice per
-        sequence; `pdkv_timings` of sequence 0, pdkv.serve.timings)."""
+        sequence; `pdkv_timings` of sequence 0, pdkv.serve.timings).
+
+        Raises:
+            APIError: a sequence failed in the engine (500).
+        """
         finals: dict[int, RequestOutput] = {}
         async for i, out in outputs:
             finals[i] = out
-        choices = []
+        chat_choices: list[ChatChoice] = []
+        text_choices: list[CompletionChoice] = []
         for i in sorted(finals):
             final = finals[i]
             comp = final.outputs[0]
             if comp.finish_reason == "error":
                 raise APIError(final.error or "request failed", 500, "InternalServerError")
             if p.chat:
-                choice: dict[str, Any] = {
+                chat_choices.append({
                     "index": i,
                     "message": {"role": "assistant", "content": comp.text},
                     "logprobs": chat_logprobs(comp.token_ids, comp.logprobs, self._token_str),
                     "finish_reason": comp.finish_reason,
                     "stop_reason": comp.stop_reason,
-                }
+                })
             else:
-                ids, lps = comp.token_ids, comp.logprobs
+                ids = comp.token_ids
+                lps: Sequence[dict[int, Logprob] | None] | None = comp.logprobs
                 if p.echo and lps is not None and final.prompt_logprobs is not None:
                     ids = final.prompt_token_ids + ids  # echo: the prompt's logprobs first
-                    lps = final.prompt_logprobs + lps
-                choice = {
+                    lps = [*final.prompt_logprobs, *lps]
+                text_choices.append({
                     "index": i,
                     "text": (p.prompt_text or "") + comp.text if p.echo else comp.text,
                     "logprobs": completion_logprobs(ids, lps, self._token_str),
                     "finish_reason": comp.finish_reason,
                     "stop_reason": comp.stop_reason,
                     "prompt_logprobs": prompt_logprobs_json(final),
-                }
-            choices.append(choice)
+                })
         first = finals[0]
-        extra = {"prompt_logprobs": prompt_logprobs_json(first)} if p.chat else {}
+        if p.chat:
+            return {
+                "prompt_logprobs": prompt_logprobs_json(first),
+                "id": p.request_id,
+                "object": "chat.completion",
+                "created": p.created,
+                "model": p.model,
+                "choices": chat_choices,
+                "usage": usage_json(list(finals.values())),
+                "kv_transfer_params": first.kv_transfer_params,
+                "pdkv_timings": engine_timings(p.received, first.metrics, time.monotonic()),
+            }
         return {
-            **extra,
             "id": p.request_id,
-            "object": "chat.completion" if p.chat else "text_completion",
+            "object": "text_completion",
             "created": p.created,
             "model": p.model,
-            "choices": choices,
+            "choices": text_choices,
             "usage": usage_json(list(finals.values())),
             "kv_transfer_params": first.kv_transfer_params,
             "pdkv_timings": engine_timings(p.received, first.metrics, time.monotonic()),
@@ -306,14 +345,17 @@ class OpenAIHandlers:
         finish_reason (and kv_transfer_params, `pdkv_timings`: pdkv.serve.timings), usage, then
         [DONE]. With echo, each sequence starts with the prompt text."""
         obj = "chat.completion.chunk" if p.chat else "text_completion"
-        head = {"id": p.request_id, "object": obj, "created": p.created, "model": p.model}
+        head: ChunkHead = {"id": p.request_id, "object": obj, "created": p.created,
+                           "model": p.model}
         for i in range(p.params.n):
             if p.chat:
-                first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                yield _sse({**head, "choices": [first]})
+                first: StreamChoice = {"index": i, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}
+                yield _sse(_chunk(head, [first]))
             elif p.echo:
-                echo = {"index": i, "text": p.prompt_text or "", "logprobs": None, "finish_reason": None}
-                yield _sse({**head, "choices": [echo]})
+                echo: StreamChoice = {"index": i, "text": p.prompt_text or "", "logprobs": None,
+                                      "finish_reason": None}
+                yield _sse(_chunk(head, [echo]))
         finals: dict[int, RequestOutput] = {}
         first_text: float | None = None  # when the first chunk carrying text was built
         prompt_lp_sent: set[int] = set()
@@ -326,7 +368,7 @@ class OpenAIHandlers:
                 lps = comp.logprobs[len(comp.logprobs) - len(comp.delta_token_ids):] if comp.logprobs else None
                 if not comp.delta_text and not out.finished and not lps:
                     continue
-                choice: dict[str, Any] = {"index": index, "finish_reason": comp.finish_reason}
+                choice: StreamChoice = {"index": index, "finish_reason": comp.finish_reason}
                 if p.chat:
                     choice["delta"] = {"content": comp.delta_text} if comp.delta_text else {}
                     choice["logprobs"] = chat_logprobs(comp.delta_token_ids, lps, self._token_str)
@@ -340,7 +382,7 @@ class OpenAIHandlers:
                     choice["prompt_logprobs"] = prompt_logprobs_json(out)
                 if first_text is None and comp.delta_text:
                     first_text = time.monotonic()
-                chunk = {**head, "choices": [choice]}
+                chunk = _chunk(head, [choice])
                 if out.finished:
                     chunk["kv_transfer_params"] = out.kv_transfer_params
                     chunk["pdkv_timings"] = engine_timings(
@@ -359,12 +401,38 @@ class OpenAIHandlers:
             yield "data: [DONE]\n\n"
             return
         if p.include_usage and finals:
-            yield _sse({**head, "choices": [], "usage": usage_json(list(finals.values()))})
+            usage_chunk = _chunk(head, [])
+            usage_chunk["usage"] = usage_json(list(finals.values()))
+            yield _sse(usage_chunk)
         yield "data: [DONE]\n\n"
 
     def _token_str(self, tid: int) -> str:
         return self.tokenizer.decode([tid], skip_special_tokens=False)
 
 
-def _sse(obj: dict[str, Any]) -> str:
+def _chunk(head: ChunkHead, choices: list[StreamChoice]) -> StreamChunk:
+    """A stream chunk: `head`'s fields, then `choices`."""
+    return {"id": head["id"], "object": head["object"], "created": head["created"],
+            "model": head["model"], "choices": choices}
+
+
+def _sse(obj: StreamChunk | ErrorBody) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+def _one_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+    """A completion body's one prompt: text or token ids (a batch of one taken out of it).
+
+    Raises:
+        APIError: a batch of several prompts (400).
+    """
+    if isinstance(prompt, str):
+        return prompt
+    ids: list[int] = []
+    for item in prompt:  # the schema's lists are all ints, all strings or all lists
+        if isinstance(item, (str, list)):
+            if len(prompt) != 1:
+                raise APIError("batched prompts are not supported: send one prompt per request")
+            return item
+        ids.append(item)
+    return ids

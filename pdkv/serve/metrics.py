@@ -40,7 +40,7 @@ KV movement (P/D transfer, KV pool, CPU offload): see `pdkv.serve.metrics_kv`.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -103,13 +103,13 @@ class ServerMetrics:
         values = [model_name, str(engine_index)]
         self.label_values = values
 
-        def hist(name: str, doc: str, buckets: Any) -> Any:
+        def hist(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(name, doc, labels, registry=r, buckets=buckets).labels(*values)
 
-        def gauge(name: str, doc: str) -> Any:
+        def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=r).labels(*values)
 
-        def counter(name: str, doc: str) -> Any:
+        def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=r).labels(*values)
 
         tok = token_buckets(max_model_len)

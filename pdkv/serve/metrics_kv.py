@@ -26,7 +26,6 @@ current value); other "offload:" names are not exported.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -98,10 +97,10 @@ class KVTransferMetrics:
         r, labels, values = registry, labelnames, labelvalues
         self._values = values
 
-        def counter(name: str, doc: str) -> Any:
+        def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=r).labels(*values)
 
-        def gauge(name: str, doc: str) -> Any:
+        def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=r).labels(*values)
 
         self.bytes_received = counter("pdkv:kv_transfer_bytes_received", "KV bytes pulled from prefill engines")
@@ -139,7 +138,7 @@ class KVTransferMetrics:
             for key, verb in _POOL_HISTOGRAMS.items()
         }
         self._ignored: set[str] = set()
-        self.offload_metrics: dict[str, Any] = {
+        self.offload_metrics: dict[str, Counter | Gauge] = {
             **{name: counter(f"pdkv:kv_offload_{name}", doc) for name, doc in OFFLOAD_COUNTERS.items()},
             **{name: gauge(f"pdkv:kv_offload_{name}", doc) for name, doc in OFFLOAD_GAUGES.items()},
         }
@@ -215,7 +214,7 @@ class KVTransferMetrics:
         if metric is None:
             self._ignore(key)
             return
-        if name in OFFLOAD_GAUGES:
+        if isinstance(metric, Gauge):  # the OFFLOAD_GAUGES names
             metric.set(total)
             return
         delta = self._delta(key, total)

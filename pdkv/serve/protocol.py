@@ -14,17 +14,30 @@ Unicode); value ranges are checked by SamplingParams and the engine.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from pdkv.jsontypes import JSONObject, JSONValue
+
+    # Fields holding JSON as the client sent it (FastAPI's json.loads: pdkv.jsontypes).
+    JSONField: TypeAlias = JSONValue
+    JSONObjectField: TypeAlias = JSONObject
+else:
+    # pydantic cannot evaluate pdkv.jsontypes' string aliases, and these fields' contents are
+    # not validated (they never were: a value passes through as parsed); `object` is what
+    # tells pydantic so (any value kept as is).
+    JSONField = object
+    JSONObjectField = dict[str, object]
 
 logger = logging.getLogger(__name__)
 
 
-def find_lone_surrogate(data: Any) -> str | None:
+def find_lone_surrogate(data: object) -> str | None:
     """The JSON path ("messages.0.content") of a string in `data` (nested dicts and
     lists, keys included) that is not valid Unicode (a lone surrogate), or None."""
-    stack: list[tuple[str, Any]] = [("", data)]
+    stack: list[tuple[str, object]] = [("", data)]
     while stack:
         path, item = stack.pop()
         if isinstance(item, str):
@@ -46,7 +59,7 @@ class _Body(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
+    def _valid_unicode(cls, data: object) -> object:
         where = find_lone_surrogate(data)
         if where is not None:
             raise ValueError(f"{where} is not valid Unicode (a lone UTF-16 surrogate)")
@@ -54,7 +67,7 @@ class _Body(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _warn_unknown(cls, data: Any) -> Any:
+    def _warn_unknown(cls, data: object) -> object:
         if isinstance(data, dict):
             unknown = sorted(str(k) for k in data if k not in cls.model_fields)
             if unknown:
@@ -89,21 +102,21 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: JSONObjectField | None = None
     cache_salt: str | None = None
     user: str | None = None
     # Structured output (OpenAI's response_format, vLLM's guided_* / structured_outputs) and
     # tool calling: declared so that the handlers can answer 400 naming them.
-    response_format: dict[str, Any] | None = None
-    guided_json: Any = None
+    response_format: JSONObjectField | None = None
+    guided_json: JSONField = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: Any = None
+    structured_outputs: JSONObjectField | None = None
+    tools: list[JSONObjectField] | None = None
+    tool_choice: JSONField = None
+    functions: list[JSONObjectField] | None = None
+    function_call: JSONField = None
     parallel_tool_calls: bool | None = None
 
 
@@ -121,7 +134,7 @@ class CompletionRequest(_SamplingFields):
 class ChatMessage(_Body):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[JSONObjectField] | None = None
 
     def text(self) -> str:
         """The message text (text parts joined; other parts are rejected).

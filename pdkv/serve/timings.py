@@ -23,7 +23,7 @@ of the time to first token; it is not reported here.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict
 
 from pdkv.outputs import RequestMetrics
 
@@ -33,7 +33,17 @@ ENGINE_PHASES = ("input", "queue", "kv_wait", "prefill", "output")
 _DIGITS = 6  # µs resolution in the JSON
 
 
-def engine_timings(received: float, metrics: RequestMetrics | None, out_time: float) -> dict[str, Any] | None:
+class EngineTimings(TypedDict):
+    """An engine's `pdkv_timings` object (module doc): durations in seconds."""
+
+    source: str
+    unit: str
+    total: float
+    phases: dict[str, float]
+
+
+def engine_timings(received: float, metrics: RequestMetrics | None,
+                   out_time: float) -> EngineTimings | None:
     """The engine's `pdkv_timings` object (see the module doc).
 
     Args:
