@@ -53,7 +53,7 @@ def run_cap(cap: int, args: argparse.Namespace) -> dict[str, Any]:
 
     Raises:
         RuntimeError: the server did not become healthy (its log folder is named)."""
-    from pdkv.router import launcher
+    from pdkv.launch import launcher
 
     log_dir = os.path.join(args.log_dir, f"cap{cap}")
     os.makedirs(log_dir, exist_ok=True)
