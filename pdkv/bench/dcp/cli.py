@@ -25,9 +25,12 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pdkv.bench.dcp.report import (
+    DcpResult,
+    DcpRow,
+    Measured,
     add_ratios,
     format_table,
     kv_bytes_per_token,
@@ -36,6 +39,9 @@ from pdkv.bench.dcp.report import (
 )
 from pdkv.bench.results import parse_ints, write_result_json
 from pdkv.parallel.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from pdkv.engine.llm import LLM
 
 BLOCK_TOKENS = 16
 DEFAULT_CONTEXT_LENS = (1024, 4096, 8192)
@@ -106,8 +112,8 @@ def sizes(context_lens: Sequence[int], decode_steps: int, model_max_len: int) ->
     return max_len, [min(n, room) for n in context_lens]
 
 
-def _measure(llm: Any, cfg: BenchConfig, prompt: list[int], decode_steps: int,
-             per_token: int, interleave: int) -> dict[str, Any]:
+def _measure(llm: LLM, cfg: BenchConfig, prompt: list[int], decode_steps: int,
+             per_token: int, interleave: int) -> Measured:
     """Prefill one request, time `decode_steps` decode steps, read its KV blocks, abort it."""
     from pdkv import SamplingParams
 
@@ -151,7 +157,8 @@ def _measure(llm: Any, cfg: BenchConfig, prompt: list[int], decode_steps: int,
 
 
 def run_config(cfg: BenchConfig, model: str, context_lens: Sequence[int], decode_steps: int,
-               interleave: int = 1, seed: int = 0, num_threads: int | None = None) -> list[dict[str, Any]]:
+               interleave: int = 1, seed: int = 0,
+               num_threads: int | None = None) -> list[DcpRow]:
     """One engine of `cfg` on `model` (alias or folder); a row per context length (see module
     docstring for the fields' meaning; bytes, tokens, ms, shares in [0, 1]).
 
@@ -167,7 +174,7 @@ def run_config(cfg: BenchConfig, model: str, context_lens: Sequence[int], decode
     path = resolve_model(model)
     arch = LlamaArchConfig.from_hf_folder(path)
     max_len, prompt_lens = sizes(context_lens, decode_steps, arch.max_position_embeddings)
-    kw: dict[str, Any] = {}
+    kw: dict[str, int] = {}
     if cfg.tp > 1 or cfg.dcp > 1:
         kw.update(tensor_parallel_size=cfg.tp, decode_context_parallel_size=cfg.dcp,
                   cp_kv_cache_interleave_size=interleave)
@@ -179,12 +186,13 @@ def run_config(cfg: BenchConfig, model: str, context_lens: Sequence[int], decode
         layout = engine.config.parallel_config.layout()
         per_token = kv_bytes_per_token(arch.num_layers, layout.kv_heads_per_rank(arch.num_kv_heads),
                                        arch.head_dim, DTYPE_BYTES[engine.config.model_config.dtype])
-        rows = []
+        rows: list[DcpRow] = []
         for ctx, n in zip(context_lens, prompt_lens):
             prompt = prompt_ids(n, engine.vocab_size, seed + ctx)
             row = _measure(llm, cfg, prompt, decode_steps, per_token, interleave if cfg.dcp > 1 else 1)
-            rows.append({"config": cfg.name, "baseline": cfg.baseline, "model": model, "tp": cfg.tp,
-                         "dcp": cfg.dcp, "interleave": interleave, "context_len": ctx, **row})
+            rows.append(DcpRow(config=cfg.name, baseline=cfg.baseline, model=model, tp=cfg.tp,
+                               dcp=cfg.dcp, interleave=interleave, context_len=ctx,
+                               **row))  # type: ignore[typeddict-item]  # ratios: add_ratios
         return rows
     finally:
         llm.llm_engine.shutdown()
@@ -193,7 +201,7 @@ def run_config(cfg: BenchConfig, model: str, context_lens: Sequence[int], decode
 def run_dcp_bench(configs: Sequence[str] = DEFAULT_CONFIGS, context_lens: Sequence[int] = DEFAULT_CONTEXT_LENS,
                   decode_steps: int = DEFAULT_DECODE_STEPS, model: str = "tiny-llama-kv2",
                   vllm_model: str = "tiny-llama-kv1", interleave: int = 1, seed: int = 0,
-                  num_threads: int | None = None, print_table: bool = True) -> dict[str, Any]:
+                  num_threads: int | None = None, print_table: bool = True) -> DcpResult:
     """Every config of `configs` (names of CONFIGS) at every context length, in one run.
 
     Returns:
@@ -209,12 +217,12 @@ def run_dcp_bench(configs: Sequence[str] = DEFAULT_CONFIGS, context_lens: Sequen
     if decode_steps < 1:
         raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
     chosen = [CONFIGS[c] for c in configs]
-    rows: list[dict[str, Any]] = []
+    rows: list[DcpRow] = []
     for cfg in chosen:
         rows += run_config(cfg, vllm_model if cfg.vllm_model else model, context_lens, decode_steps,
                            interleave, seed, num_threads)
     add_ratios(rows)
-    result = {"rows": rows, "baselines": {c.name: c.baseline for c in chosen}, "note": note(chosen),
+    result: DcpResult = {"rows": rows, "baselines": {c.name: c.baseline for c in chosen}, "note": note(chosen),
               "cpu_count": os.cpu_count(), "context_lens": list(context_lens), "decode_steps": decode_steps,
               "model": model, "vllm_model": vllm_model, "block_size": BLOCK_TOKENS, "interleave": interleave}
     if print_table:

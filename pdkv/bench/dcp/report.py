@@ -10,11 +10,73 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any
+from typing import TypedDict
 
 from pdkv.parallel.layout import dcp_local_len
 
 MS = 1e3
+
+
+class StepStats(TypedDict):
+    """Decode-step statistics of one context (`step_stats`)."""
+
+    step_median_ms: float
+    step_p90_ms: float
+    forward_median_ms: float
+    dcp_comm_median_ms: float
+    comm_share: float
+
+
+class Measured(StepStats):
+    """What one request of one context measured (ms, bytes, tokens; per-step samples in s)."""
+
+    prompt_tokens: int
+    context_tokens: int
+    kv_tokens_per_rank: int
+    kv_bytes_per_token_per_rank: int
+    kv_bytes_per_rank: int
+    blocks: int
+    block_bytes_per_rank: int
+    kv_measured_bytes_per_rank: int
+    pool_bytes_per_rank: int
+    prefill_s: float
+    decode_steps: int
+    step_s: list[float]
+    forward_s: list[float]
+    dcp_comm_s: list[float]
+
+
+class _ConfigRow(Measured):
+    config: str
+    baseline: str
+    model: str
+    tp: int
+    dcp: int
+    interleave: int
+    context_len: int
+
+
+class DcpRow(_ConfigRow, total=False):
+    """One (config, context length) of `pdkv bench dcp`; `add_ratios` sets the ratios."""
+
+    kv_ratio: float
+    kv_measured_ratio: float
+    step_ratio: float
+
+
+class DcpResult(TypedDict):
+    """What `run_dcp_bench` returns and `--json` writes."""
+
+    rows: list[DcpRow]
+    baselines: dict[str, str]
+    note: str
+    cpu_count: int | None
+    context_lens: list[int]
+    decode_steps: int
+    model: str
+    vllm_model: str
+    block_size: int
+    interleave: int
 
 
 def kv_bytes_per_token(num_layers: int, local_kv_heads: int, head_size: int, dtype_bytes: int) -> int:
@@ -41,7 +103,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[k]
 
 
-def step_stats(step_s: list[float], forward_s: list[float], comm_s: list[float]) -> dict[str, float]:
+def step_stats(step_s: list[float], forward_s: list[float], comm_s: list[float]) -> StepStats:
     """Decode-step statistics: median / p90 engine.step() wall time (ms), the DCP all-gather +
     merge time per step (median ms) and its share of the forward pass (sum comm / sum forward)."""
     fwd = sum(forward_s)
@@ -58,7 +120,7 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else float("nan")
 
 
-def add_ratios(rows: list[dict[str, Any]]) -> None:
+def add_ratios(rows: list[DcpRow]) -> None:
     """Set each row's `kv_ratio` (computed and measured KV bytes per rank) and `step_ratio`
     (median decode step) against the row of its `baseline` config at the same context length; a
     row without a baseline (or whose baseline did not run) gets 1.0 for itself / nan."""
@@ -77,7 +139,7 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.2f}"
 
 
-def format_table(result: dict[str, Any]) -> str:
+def format_table(result: DcpResult) -> str:
     """The table of a `run_dcp_bench` result (KV in MiB = 2^20 bytes, times in ms) and its note."""
     lines = [
         f"{'config':>9} {'context':>7} {'KV tok':>6} {'KV/rank MiB':>11} {'measured':>9} {'KV ratio':>8} "

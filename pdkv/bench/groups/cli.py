@@ -26,11 +26,14 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pdkv.bench.dcp.cli import prompt_ids, sizes
 from pdkv.bench.groups.report import (
     REAL_MODELS,
+    GroupPlan,
+    GroupsResult,
+    MeasuredRow,
     add_peer_ratios,
     blocks_moved,
     format_measured,
@@ -41,17 +44,20 @@ from pdkv.bench.hetero.report import median_seconds
 from pdkv.bench.pd_legs import NEW_TOKENS, PDEngines, decode, prefill, settle
 from pdkv.bench.results import parse_ints, write_result_json
 
+if TYPE_CHECKING:
+    from pdkv.engine.llm import LLM
+
 DEFAULT_MODELS = ("tiny-swa", "tiny-mla", "tiny-gdn", "tiny-kda-mla", "tiny-llama-kv2")
 PEER = "tiny-llama-kv2"
 DEFAULT_PROMPT_LENS = (1024, 4096)
 BLOCK_SIZE = 16
 
 
-def _group_plan(llm: Any, num_tokens: int) -> list[dict[str, Any]]:
+def _group_plan(llm: LLM, num_tokens: int) -> list[GroupPlan]:
     """Per KV cache group of `llm`'s engine: kind, layers, blocks D pulls for `num_tokens`
     tokens, bytes per block and per token."""
     kv = llm.llm_engine.scheduler.kv_cache_manager.config
-    rows = []
+    rows: list[GroupPlan] = []
     for g, (group, window) in enumerate(zip(kv.groups, kv.sliding_windows)):
         bs, bb = group.spec.block_size, kv.block_bytes(g)
         linear = group.spec.kind == "linear_state"  # a block is a state slot: bytes per request
@@ -62,7 +68,7 @@ def _group_plan(llm: Any, num_tokens: int) -> list[dict[str, Any]]:
 
 
 def run_model(model: str, prompt_lens: Sequence[int], repeats: int, transfer: str, seed: int,
-              num_threads: int | None) -> list[dict[str, Any]]:
+              num_threads: int | None) -> list[MeasuredRow]:
     """Whole pulls of one model at every prompt length: one row per length.
 
     Raises:
@@ -76,7 +82,7 @@ def run_model(model: str, prompt_lens: Sequence[int], repeats: int, transfer: st
     arch = LlamaArchConfig.from_hf_folder(path)
     max_len, lens = sizes(prompt_lens, NEW_TOKENS, arch.max_position_embeddings)
     engines = PDEngines(path, max_len, transfer, num_threads)
-    rows = []
+    rows: list[MeasuredRow] = []
     try:
         p = engines.get("kv_producer", BLOCK_SIZE, 1)
         d = engines.get("kv_consumer", BLOCK_SIZE, 1)
@@ -103,7 +109,8 @@ def run_model(model: str, prompt_lens: Sequence[int], repeats: int, transfer: st
 
 def run_groups_bench(models: Sequence[str] = DEFAULT_MODELS, prompt_lens: Sequence[int] = DEFAULT_PROMPT_LENS,
                      repeats: int = 3, transfer: str = "tcp", seed: int = 0, num_threads: int | None = None,
-                     real_models: Sequence[str] = REAL_MODELS, print_tables: bool = True) -> dict[str, Any]:
+                     real_models: Sequence[str] = REAL_MODELS,
+                     print_tables: bool = True) -> GroupsResult:
     """The measured rows of every model (ratios against PEER when it ran) and the real-size rows.
 
     Raises:
@@ -114,7 +121,7 @@ def run_groups_bench(models: Sequence[str] = DEFAULT_MODELS, prompt_lens: Sequen
     real = real_size_rows(real_models, prompt_lens)
     rows = [r for m in models for r in run_model(m, prompt_lens, repeats, transfer, seed, num_threads)]
     add_peer_ratios(rows, PEER)
-    result = {"rows": rows, "real_size": real, "peer": PEER, "repeats": repeats, "transfer": transfer,
+    result: GroupsResult = {"rows": rows, "real_size": real, "peer": PEER, "repeats": repeats, "transfer": transfer,
               "cpu_count": os.cpu_count(), "prompt_lens": list(prompt_lens), "block_size": BLOCK_SIZE}
     if print_tables:
         print(format_measured(rows))
@@ -126,7 +133,7 @@ def run_groups_bench(models: Sequence[str] = DEFAULT_MODELS, prompt_lens: Sequen
     return result
 
 
-def failed_checks(result: dict[str, Any]) -> list[str]:
+def failed_checks(result: GroupsResult) -> list[str]:
     """Rows whose measured bytes differ from the per-group formula."""
     return [f"{r['model']} at {r['prompt_tokens']} tokens: received {r['bytes_received']} B, formula "
             f"{r['formula_bytes']} B" for r in result["rows"] if r["bytes_received"] != r["formula_bytes"]]

@@ -12,13 +12,68 @@ group moves one state slot (the state after all n tokens) whatever n.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TypedDict
 
 from pdkv.cache.specs import window_first_block
 from pdkv.plan.dtypes import element_type
 from pdkv.plan.groups import LinearState
 from pdkv.plan.model import spec_from_hf_config
 from pdkv.plan.resolve import load_config
+
+
+class GroupPlan(TypedDict):
+    """One KV cache group of an engine: what D pulls of it for a prompt."""
+
+    kind: str
+    layers: int
+    window: int | None
+    blocks: int
+    block_bytes: int
+    bytes_per_token: int
+
+
+class _PullRow(TypedDict):
+    model: str
+    prompt_tokens: int
+    groups: list[GroupPlan]
+    formula_bytes: int
+    bytes_received: int
+    transfer_s: float
+    transfer_s_all: list[float]
+
+
+class MeasuredRow(_PullRow, total=False):
+    """One (model, prompt length) of `pdkv bench groups`; ratios set by `add_peer_ratios`."""
+
+    bytes_ratio: float
+    time_ratio: float
+
+
+class RealSizeRow(TypedDict):
+    """One state group of a published config (`pdkv plan`'s model): bytes held per prompt length
+    (keys: the lengths as strings)."""
+
+    model: str
+    kind: str
+    layers: int
+    dtype: str
+    bytes_per_token: int
+    bytes_per_request: int
+    held: dict[str, int]
+
+
+class GroupsResult(TypedDict):
+    """What `run_groups_bench` returns and `--json` writes."""
+
+    rows: list[MeasuredRow]
+    real_size: list[RealSizeRow]
+    peer: str
+    repeats: int
+    transfer: str
+    cpu_count: int | None
+    prompt_lens: list[int]
+    block_size: int
+
 
 # Published configs bundled under pdkv/plan/configs/, one per family issue 11 names.
 REAL_MODELS = ("gemma-3-27b", "deepseek-v3", "qwen3-next-80b-a3b", "kimi-linear-48b-a3b")
@@ -40,7 +95,7 @@ def blocks_moved(num_tokens: int, block_size: int, window: int | None, per_reque
 
 
 def real_size_rows(models: Sequence[str] = REAL_MODELS, prompt_lens: Sequence[int] = (1024, 4096)
-                   ) -> list[dict[str, Any]]:
+                   ) -> list[RealSizeRow]:
     """Per model and state group: kind, layers, bytes per token (0 for a per-request state),
     bytes per request (linear state) and bytes held for each prompt length, in the config's
     dtype at tp 1 (`pdkv plan`'s model).
@@ -48,7 +103,7 @@ def real_size_rows(models: Sequence[str] = REAL_MODELS, prompt_lens: Sequence[in
     Raises:
         ValueError: an unknown model name.
     """
-    rows = []
+    rows: list[RealSizeRow] = []
     for name in models:
         cfg, _ = load_config(name)
         spec = spec_from_hf_config(cfg, name)
@@ -65,7 +120,7 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f}"
 
 
-def format_real_size(rows: list[dict[str, Any]], prompt_lens: Sequence[int]) -> str:
+def format_real_size(rows: list[RealSizeRow], prompt_lens: Sequence[int]) -> str:
     """The real-size table: one line per (model, group) plus a total line per model (MiB)."""
     head = f"{'model':>20} {'group':>15} {'layers':>6} {'B/token':>9} {'B/request':>10}" + "".join(
         f" {f'MiB @{n}':>11}" for n in prompt_lens)
@@ -81,7 +136,7 @@ def format_real_size(rows: list[dict[str, Any]], prompt_lens: Sequence[int]) -> 
     return "\n".join(lines)
 
 
-def format_measured(rows: list[dict[str, Any]]) -> str:
+def format_measured(rows: list[MeasuredRow]) -> str:
     """The measured table: per (model, prompt length), each group's blocks and bytes by the
     formula, D's measured bytes (must equal their sum), handoff time and the ratios to the
     peer model's row of the same length."""
@@ -96,7 +151,7 @@ def format_measured(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def add_peer_ratios(rows: list[dict[str, Any]], peer: str) -> None:
+def add_peer_ratios(rows: list[MeasuredRow], peer: str) -> None:
     """Set bytes_ratio and time_ratio of every row against the `peer` model's row of the same
     prompt length (in place); rows without such a peer keep none."""
     base = {r["prompt_tokens"]: r for r in rows if r["model"] == peer}

@@ -31,12 +31,13 @@ import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from pdkv.bench.dcp.cli import prompt_ids, sizes
 from pdkv.bench.dcp.report import kv_bytes_per_token
 from pdkv.bench.hetero.report import (
     BASELINE,
+    HeteroResult,
+    HeteroRow,
     add_ratios,
     failed_checks,
     format_table,
@@ -81,7 +82,8 @@ def _constant(values: list[int], what: str, case: str) -> int:
     return values[0]
 
 
-def run_case(engines: PDEngines, case: Case, prompt: list[int], repeats: int, per_token: int) -> dict[str, Any]:
+def run_case(engines: PDEngines, case: Case, prompt: list[int], repeats: int,
+             per_token: int) -> HeteroRow:
     """`repeats` whole pulls of `prompt` for `case`: one row (see pdkv.bench.hetero.report).
 
     Raises:
@@ -94,7 +96,10 @@ def run_case(engines: PDEngines, case: Case, prompt: list[int], repeats: int, pe
     for _ in range(repeats):
         settle(p, d)
         params = prefill(p, prompt)
-        p_blocks.append(len(params["remote_block_ids"][0]))
+        groups = params["remote_block_ids"]
+        if not isinstance(groups, list) or not isinstance(groups[0], list):
+            raise RuntimeError(f"P's kv_transfer_params have no block id groups: {params}")
+        p_blocks.append(len(groups[0]))
         legs.append(decode(p, d, prompt, params))
     settle(p, d)
     times = [leg["transfer_s"] for leg in legs]
@@ -110,7 +115,8 @@ def run_case(engines: PDEngines, case: Case, prompt: list[int], repeats: int, pe
 
 def run_hetero_bench(cases: Sequence[str] = DEFAULT_CASES, prompt_lens: Sequence[int] = DEFAULT_PROMPT_LENS,
                      model: str = "tiny-llama-kv2", repeats: int = DEFAULT_REPEATS, transfer: str = "tcp",
-                     seed: int = 0, num_threads: int | None = None, print_table: bool = True) -> dict[str, Any]:
+                     seed: int = 0, num_threads: int | None = None,
+                     print_table: bool = True) -> HeteroResult:
     """Every case of `cases` (names of CASES; `same` is added when missing: it is the baseline)
     at every prompt length, in one run.
 
@@ -135,7 +141,7 @@ def run_hetero_bench(cases: Sequence[str] = DEFAULT_CASES, prompt_lens: Sequence
     arch = LlamaArchConfig.from_hf_folder(path)
     max_len, lens = sizes(prompt_lens, NEW_TOKENS, arch.max_position_embeddings)
     engines = PDEngines(path, max_len, transfer, num_threads)
-    rows: list[dict[str, Any]] = []
+    rows: list[HeteroRow] = []
     try:
         per_token = 0
         for n in lens:
@@ -149,7 +155,7 @@ def run_hetero_bench(cases: Sequence[str] = DEFAULT_CASES, prompt_lens: Sequence
     finally:
         engines.shutdown()
     add_ratios(rows)
-    result = {"rows": rows, "baseline": BASELINE, "bytes_per_token": per_token, "repeats": repeats,
+    result: HeteroResult = {"rows": rows, "baseline": BASELINE, "bytes_per_token": per_token, "repeats": repeats,
               "transfer": transfer, "cpu_count": os.cpu_count(), "model": model, "prompt_lens": list(prompt_lens),
               "new_tokens": NEW_TOKENS, "cases": names}
     if print_table:

@@ -12,12 +12,53 @@ repeat's output tokens equal the baseline's first repeat's.
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import TypedDict
 
 BASELINE = "same"
 OK = "ok"
 MISMATCH = "MISMATCH"
 NO_BASELINE = "no-baseline"
+
+
+class _MeasuredRow(TypedDict):
+    case: str
+    p_block_size: int
+    d_block_size: int
+    d_tp: int
+    p_tp: int
+    prompt_tokens: int
+    needed_bytes: int
+    p_blocks: int
+    bytes_received: int
+    read_ops: int
+    read_ops_all: list[int]
+    transfer_s: float
+    transfer_s_all: list[float]
+    outputs: list[list[int]]
+
+
+class HeteroRow(_MeasuredRow, total=False):
+    """One (case, prompt length) of `pdkv bench hetero`; `add_ratios` sets the ratios and check."""
+
+    bytes_ratio: float
+    read_ops_ratio: float
+    transfer_ratio: float
+    check: str
+
+
+class HeteroResult(TypedDict):
+    """What `run_hetero_bench` returns and `--json` writes."""
+
+    rows: list[HeteroRow]
+    baseline: str
+    bytes_per_token: int
+    repeats: int
+    transfer: str
+    cpu_count: int | None
+    model: str
+    prompt_lens: list[int]
+    new_tokens: int
+    cases: list[str]
 
 
 def _ratio(a: float, b: float) -> float:
@@ -35,7 +76,7 @@ def median_seconds(seconds: list[float]) -> float:
     return float(statistics.median(seconds))
 
 
-def add_ratios(rows: list[dict[str, Any]], baseline: str = BASELINE) -> None:
+def add_ratios(rows: list[HeteroRow], baseline: str = BASELINE) -> None:
     """Set each row's `bytes_ratio`, `read_ops_ratio`, `transfer_ratio` (median transfer seconds)
     against the `baseline` case's row at the same `prompt_tokens`, and its `check`: OK when all
     of the row's `outputs` (one token list per repeat) equal the baseline's first repeat, else
@@ -54,7 +95,7 @@ def add_ratios(rows: list[dict[str, Any]], baseline: str = BASELINE) -> None:
         r["check"] = OK if r["outputs"] and all(out == want for out in r["outputs"]) else MISMATCH
 
 
-def failed_checks(rows: list[dict[str, Any]]) -> list[str]:
+def failed_checks(rows: list[HeteroRow]) -> list[str]:
     """'case @ N tokens' of every row whose check is not OK (run add_ratios first)."""
     return [f"{r['case']} @ {r['prompt_tokens']} tokens: {r['check']}" for r in rows if r["check"] != OK]
 
@@ -63,7 +104,7 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f}"
 
 
-def format_table(result: dict[str, Any]) -> str:
+def format_table(result: HeteroResult) -> str:
     """The table of a `run_hetero_bench` result (bytes in MiB = 2^20 bytes, times in ms) and
     the notes below it."""
     lines = [
