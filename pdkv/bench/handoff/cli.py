@@ -29,9 +29,9 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
-from typing import IO, Any
+from typing import IO, TypedDict, TypeVar
 
 from pdkv.bench.handoff.compare import (
     DEFAULT_TOLERANCE,
@@ -41,8 +41,24 @@ from pdkv.bench.handoff.compare import (
     fixed_from_probe,
     format_table,
 )
+from pdkv.bench.handoff.peer import DecodeReply, HandoffRequest, PrefillReply
 from pdkv.bench.netns import NetnsPair, rate_bytes_per_s, unavailable_reason
 from pdkv.bench.results import write_result_json
+from pdkv.jsontypes import JSONObject
+
+T = TypeVar("T")
+
+
+class HandoffResult(TypedDict, total=False):
+    """What `run_handoff_bench` returns: the run's config, probes, rows and verdict, or only
+    `skipped` (why the namespaces could not be made)."""
+
+    config: dict[str, object]
+    probes: dict[str, dict[str, float]]
+    rows: list[dict[str, object]]
+    preset_rows: list[dict[str, object]]
+    all_pass: bool
+    skipped: str
 
 ENGINES = ("tcp", "shm")
 DEFAULT_PROMPT_LENS = (1024, 4096, 8192)
@@ -76,20 +92,21 @@ class _Peer:
         with open(self.log_path) as f:
             return "".join(f.readlines()[-15:])
 
-    def recv(self, timeout: float) -> dict[str, Any]:
-        """The next JSON reply; raises RuntimeError on exit, timeout or an {"error"} reply."""
+    def recv(self, timeout: float) -> str:
+        """The next JSON reply line; raises RuntimeError on exit, timeout or an {"error"} reply."""
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
             raise RuntimeError(f"no reply within {timeout:g} s; log tail:\n{self._log_tail()}") from None
         if line is None:
             raise RuntimeError(f"peer exited (rc {self.proc.wait(10)}); log tail:\n{self._log_tail()}")
-        msg: dict[str, Any] = json.loads(line)
+        msg: JSONObject = json.loads(line)
         if "error" in msg:
             raise RuntimeError(f"peer failed: {msg['error']}; log tail:\n{self._log_tail()}")
-        return msg
+        return line
 
-    def call(self, msg: dict[str, Any], timeout: float = REPLY_TIMEOUT_S) -> dict[str, Any]:
+    def call(self, msg: HandoffRequest, timeout: float = REPLY_TIMEOUT_S) -> str:
+        """Send `msg`, return the reply line (as `recv`)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(msg) + "\n")
         self.proc.stdin.flush()
@@ -148,16 +165,17 @@ def _peers(transfer: str, lens: Sequence[int], pair: NetnsPair | None, log_dir: 
         p.close()
 
 
-def _handoff(p: _Peer, d: _Peer, ids: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
-    pre = p.call({"prompt_token_ids": ids})
-    got = d.call({"prompt_token_ids": ids, "kv_transfer_params": pre["kv_transfer_params"]})
+def _handoff(p: _Peer, d: _Peer, ids: list[int]) -> tuple[PrefillReply, DecodeReply]:
+    pre: PrefillReply = json.loads(p.call({"prompt_token_ids": ids}))
+    got: DecodeReply = json.loads(
+        d.call({"prompt_token_ids": ids, "kv_transfer_params": pre["kv_transfer_params"]}))
     return pre, got
 
 
 def run_handoff_bench(transfers: Sequence[str] = ENGINES, prompt_lens: Sequence[int] = DEFAULT_PROMPT_LENS,
                       link_rate: str | None = None, bandwidths: dict[str, float] | None = None,
                       fixed_s: float | None = None, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0,
-                      print_table: bool = True) -> dict[str, Any]:
+                      print_table: bool = True) -> HandoffResult:
     """Measure one request's handoff per transfer engine and prompt length and compare each with
     `pdkv plan`.
 
@@ -202,7 +220,7 @@ def run_handoff_bench(transfers: Sequence[str] = ENGINES, prompt_lens: Sequence[
     rows: list[Comparison] = []
     preset_rows: list[Comparison] = []  # the same measurements against the presets (reference)
     probes: dict[str, dict[str, float]] = {}
-    config = {"transfers": transfers, "prompt_lens": lens, "link_rate": link_rate,
+    config: dict[str, object] = {"transfers": transfers, "prompt_lens": lens, "link_rate": link_rate,
               "bandwidths": bandwidths or {}, "fixed_s": fixed_s, "tolerance": tolerance, "seed": seed}
     with tempfile.TemporaryDirectory(prefix="pdkv-handoff-") as log_dir, \
             (NetnsPair(rate=link_rate) if link_rate else contextlib.nullcontext()) as pair:
@@ -252,7 +270,7 @@ def run_handoff_bench(transfers: Sequence[str] = ENGINES, prompt_lens: Sequence[
     }
 
 
-def _parse_list(text: str, kind: type) -> list[Any]:
+def _parse_list(text: str, kind: Callable[[str], T]) -> list[T]:
     try:
         vals = [kind(x.strip()) for x in text.split(",") if x.strip()]
     except ValueError:

@@ -24,18 +24,53 @@ import queue
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, TypedDict
+
+from pdkv.jsontypes import JSONObject
+
+if TYPE_CHECKING:
+    from pdkv.engine.llm_engine import LLMEngine
+    from pdkv.outputs import RequestOutput
 
 STEP_IDLE_S = 0.005
 STEP_WAIT_S = 0.001
 REQUEST_TIMEOUT_S = 900.0
 
 
+
+class _Prompt(TypedDict):
+    prompt_token_ids: list[int]
+
+
+class HandoffRequest(_Prompt, total=False):
+    """A line the driver sends: the prompt (P and D) and, for D, P's kv_transfer_params."""
+
+    kv_transfer_params: JSONObject | None
+
+
+class PrefillReply(TypedDict):
+    """P's answer: the kv_transfer_params for D and the prefill leg's seconds."""
+
+    kv_transfer_params: JSONObject | None
+    prefill_s: float
+
+
+class DecodeReply(TypedDict):
+    """D's answer: the consumer's transfer seconds per pull, the bytes it received, the decode
+    leg's wall seconds and the request's cached tokens."""
+
+    transfer_seconds: list[float]
+    bytes: float
+    wall_s: float
+    num_cached_tokens: int
+
+
 def _config(role: str, args: argparse.Namespace) -> str:
     # Long leases and deadlines: a long prompt's prefill takes minutes on a CPU. (A kept data
     # connection the producer closed while idle is replaced by the tcp engine, so the server's
     # idle timeout stays at its default.)
-    extra: dict[str, Any] = {"transfer": args.transfer, "kv_lease_duration": 900.0,
+    extra: dict[str, str | float] = {"transfer": args.transfer, "kv_lease_duration": 900.0,
                              "transfer_timeout": 300.0}
     if role == "kv_producer":
         extra.update(kv_host=args.host, kv_advertise_host=args.host)
@@ -43,7 +78,7 @@ def _config(role: str, args: argparse.Namespace) -> str:
                        "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra})
 
 
-def _reply(obj: dict[str, Any]) -> None:
+def _reply(obj: Mapping[str, object]) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
 
@@ -61,7 +96,7 @@ def _stdin_lines() -> queue.Queue[str | None]:
     return lines
 
 
-def _finish(eng: Any, request_id: str, deadline: float) -> Any:
+def _finish(eng: LLMEngine, request_id: str, deadline: float) -> RequestOutput:
     while time.monotonic() < deadline:
         outs = eng.step()
         for out in outs:
@@ -72,7 +107,7 @@ def _finish(eng: Any, request_id: str, deadline: float) -> Any:
     raise TimeoutError(f"request {request_id} did not finish in {REQUEST_TIMEOUT_S} s")
 
 
-def _prefill(eng: Any, msg: dict[str, Any]) -> dict[str, Any]:
+def _prefill(eng: LLMEngine, msg: HandoffRequest) -> PrefillReply:
     from pdkv import SamplingParams
 
     t0 = time.monotonic()
@@ -84,7 +119,7 @@ def _prefill(eng: Any, msg: dict[str, Any]) -> dict[str, Any]:
     return {"kv_transfer_params": out.kv_transfer_params, "prefill_s": time.monotonic() - t0}
 
 
-def _decode(eng: Any, msg: dict[str, Any]) -> dict[str, Any]:
+def _decode(eng: LLMEngine, msg: HandoffRequest) -> DecodeReply | dict[str, str]:
     from pdkv import SamplingParams
 
     sched = eng.scheduler
@@ -93,7 +128,7 @@ def _decode(eng: Any, msg: dict[str, Any]) -> dict[str, Any]:
     t0 = time.monotonic()
     req, text = eng.make_request({"prompt_token_ids": msg["prompt_token_ids"]},
                                  SamplingParams(temperature=0, max_tokens=1),
-                                 kv_transfer_params=msg["kv_transfer_params"])
+                                 kv_transfer_params=msg.get("kv_transfer_params"))
     eng.add_request(req, text)
     out = _finish(eng, req.request_id, t0 + REQUEST_TIMEOUT_S)
     wall = time.monotonic() - t0
@@ -126,7 +161,7 @@ def serve(args: argparse.Namespace) -> int:
             if line is None:
                 return 0
             try:
-                msg = json.loads(line)
+                msg: HandoffRequest = json.loads(line)
                 _reply(_prefill(eng, msg) if args.side == "p" else _decode(eng, msg))
             except Exception as e:  # noqa: BLE001 - reported to the driver, which fails the run
                 _reply({"error": f"{type(e).__name__}: {e}"})
