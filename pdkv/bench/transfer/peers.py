@@ -14,9 +14,9 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from pdkv.bench.transfer.payload import REGION, fill_pattern
+from pdkv.jsontypes import JSONObject, as_object
 from pdkv.kv_transfer.engine.base import TransferEngine
 
 _REQ = struct.Struct("!Q")
@@ -24,7 +24,7 @@ _START_TIMEOUT_S = 60.0
 READ_TIMEOUT_S = 120.0
 
 
-def _producer_main(kind: str, nbytes: int, send: Callable[[dict[str, Any]], None],
+def _producer_main(kind: str, nbytes: int, send: Callable[[JSONObject], None],
                    wait_stop: Callable[[], None]) -> None:
     """Producer body: build the region of `nbytes` bytes, fill the pattern, serve it, `send`
     {"ok": True, "peer": peer_info} (or {"ok": False, "error": ...}), serve until `wait_stop`
@@ -78,7 +78,7 @@ def producer_stdio() -> None:
     "stop" (or EOF) on stdin ends it."""
     kind, nbytes = sys.argv[1], int(sys.argv[2])
 
-    def send(msg: dict[str, Any]) -> None:
+    def send(msg: JSONObject) -> None:
         with contextlib.suppress(OSError):
             sys.stdout.write(json.dumps(msg) + "\n")
             sys.stdout.flush()
@@ -152,9 +152,9 @@ class Producer:
              kind, str(nbytes)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True,
         )
-        self.peer: dict[str, Any] = {}
+        self.peer: JSONObject = {}
 
-    def _recv(self, timeout: float) -> dict[str, Any] | None:
+    def _recv(self, timeout: float) -> JSONObject | None:
         assert self._proc.stdout is not None
         ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
         if not ready:
@@ -162,7 +162,7 @@ class Producer:
         line = self._proc.stdout.readline()
         return json.loads(line) if line else None
 
-    def wait_ready(self, timeout: float = _START_TIMEOUT_S) -> dict[str, Any]:
+    def wait_ready(self, timeout: float = _START_TIMEOUT_S) -> JSONObject:
         """Block until the producer serves (timeout in seconds); returns its peer_info.
 
         Raises:
@@ -173,7 +173,7 @@ class Producer:
             self.stop()
             why = msg.get("error") if msg else f"no answer within {timeout:.0f} s or it exited"
             raise RuntimeError(f"{self.kind} producer failed: {why}")
-        self.peer = msg["peer"]
+        self.peer = as_object(msg["peer"], "the producer's peer")
         return self.peer
 
     @property
@@ -220,8 +220,11 @@ class Producer:
 class RawClient:
     """Consumer side of the raw loopback peer: one persistent connection."""
 
-    def __init__(self, peer: dict[str, Any]) -> None:
-        self.sock = socket.create_connection((peer["host"], int(peer["port"])), timeout=READ_TIMEOUT_S)
+    def __init__(self, peer: JSONObject) -> None:
+        host, port = peer["host"], peer["port"]
+        if not isinstance(host, str) or not isinstance(port, (int, str)):
+            raise ValueError(f"raw producer peer_info needs a host and a port: {peer}")
+        self.sock = socket.create_connection((host, int(port)), timeout=READ_TIMEOUT_S)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def read(self, dest: memoryview) -> None:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import TypedDict
 
 GB = 1e9
 TCP_TARGET = 0.80  # tcp >= 80% of raw socket at >= TCP_TARGET_MIN_MIB
@@ -12,7 +12,56 @@ TCP_TARGET_MIN_MIB = 16
 SHM_TARGET = 0.50  # shm >= 50% of memcpy
 
 
-def stats(seconds: list[float], nbytes: int) -> dict[str, Any]:
+class _Bandwidth(TypedDict):
+    best_gbps: float
+    median_gbps: float
+    gbps: list[float]
+    seconds: list[float]
+
+
+class MethodStats(_Bandwidth, total=False):
+    """One method's GB/s over the timed repeats; `verified`: the warm-up read matched."""
+
+    verified: bool
+
+
+# "pass" is a keyword: the functional form.
+Target = TypedDict("Target", {"target": float, "ratio": float, "applies": bool, "pass": bool | None})
+
+
+class SizeResult(TypedDict):
+    """Every method at one payload size, the engine/peer ratios and the targets."""
+
+    size_mib: int
+    nbytes: int
+    num_ops: int
+    repeats: int
+    methods: dict[str, MethodStats]
+    ratios: dict[str, dict[str, float]]
+    targets: dict[str, Target]
+
+
+class TransferConfig(TypedDict):
+    """The run's settings as `run_transfer_bench` reports them."""
+
+    sizes_mib: list[int]
+    repeats: int
+    engines: list[str]
+    verify: bool
+    block_bytes: int
+    gb: float
+    large_size_mib: int
+    large_repeats: int
+
+
+class TransferResult(TypedDict):
+    """What `run_transfer_bench` returns and `--result-json` writes."""
+
+    config: TransferConfig
+    sizes: list[SizeResult]
+
+
+def stats(seconds: list[float], nbytes: int) -> MethodStats:
     gbps = [nbytes / s / GB for s in seconds]
     return {
         "best_gbps": max(gbps),
@@ -27,9 +76,9 @@ def _ratio(a: float, b: float) -> float:
 
 
 def size_result(size: int, nbytes: int, num_ops: int, reps: int,
-                methods: dict[str, dict[str, Any]]) -> dict[str, Any]:
+                methods: dict[str, MethodStats]) -> SizeResult:
     ratios: dict[str, dict[str, float]] = {}
-    targets: dict[str, dict[str, Any]] = {}
+    targets: dict[str, Target] = {}
     for eng, peer, target, min_mib in (("tcp", "raw_socket", TCP_TARGET, TCP_TARGET_MIN_MIB),
                                        ("shm", "memcpy", SHM_TARGET, 0)):
         if eng not in methods:
@@ -50,7 +99,7 @@ def size_result(size: int, nbytes: int, num_ops: int, reps: int,
             "methods": methods, "ratios": ratios, "targets": targets}
 
 
-def format_table(result: dict[str, Any]) -> str:
+def format_table(result: TransferResult) -> str:
     """The bandwidth table (GB/s, GB = 1e9 bytes) and the target lines of a `run_transfer_bench`
     result, as text."""
     lines = [

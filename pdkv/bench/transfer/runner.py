@@ -7,7 +7,6 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -21,7 +20,16 @@ from pdkv.bench.transfer.payload import (
     matches_pattern,
 )
 from pdkv.bench.transfer.peers import READ_TIMEOUT_S, Producer, RawClient
-from pdkv.bench.transfer.report import GB, format_table, size_result, stats
+from pdkv.bench.transfer.report import (
+    GB,
+    MethodStats,
+    SizeResult,
+    TransferResult,
+    format_table,
+    size_result,
+    stats,
+)
+from pdkv.jsontypes import JSONObject
 from pdkv.kv_transfer.engine.base import ReadOp, TransferEngine, TransferError
 
 ENGINES = ("tcp", "shm")
@@ -30,7 +38,7 @@ LARGE_SIZE_MIB = 256  # at or above this size, at most LARGE_REPEATS timed repea
 LARGE_REPEATS = 3
 
 
-def _engine_read(eng: TransferEngine, peer: dict[str, Any], ops: list[ReadOp], nbytes: int) -> None:
+def _engine_read(eng: TransferEngine, peer: JSONObject, ops: list[ReadOp], nbytes: int) -> None:
     got = eng.read(peer, ops, time.monotonic() + READ_TIMEOUT_S)
     if got != nbytes:
         raise TransferError(f"{eng.name} read {got} of {nbytes} bytes")
@@ -43,7 +51,7 @@ def run_transfer_bench(
     verify: bool = True,
     block_bytes: int = BLOCK_BYTES,
     print_table: bool = True,
-) -> dict[str, Any]:
+) -> TransferResult:
     """Measure cross-process transfer bandwidth of each engine and of the raw-socket and memcpy
     peers for each payload size.
 
@@ -82,7 +90,7 @@ def run_transfer_bench(
     producers: dict[str, Producer] = {}
     consumers: dict[str, TransferEngine] = {}
     raw: RawClient | None = None
-    results: list[dict[str, Any]] = []
+    results: list[SizeResult] = []
     try:
         # Start every producer first so the spawns overlap, then wait for them.
         for kind in ["raw", *engines]:
@@ -140,7 +148,7 @@ def run_transfer_bench(
                     seconds[name].append(time.perf_counter() - t0)
                     if sample is not None and not sample.ok(dest_buf):
                         raise RuntimeError(f"{name}: sampled bytes of {size} MiB do not match")
-            methods = {}
+            methods: dict[str, MethodStats] = {}
             for name, secs in seconds.items():
                 methods[name] = stats(secs, nbytes)
                 methods[name]["verified"] = verified[name]
@@ -155,7 +163,7 @@ def run_transfer_bench(
             with contextlib.suppress(Exception):
                 p.stop()
 
-    result = {
+    result: TransferResult = {
         "config": {
             "sizes_mib": sizes, "repeats": repeats, "engines": engines, "verify": verify,
             "block_bytes": block_bytes, "gb": GB, "large_size_mib": LARGE_SIZE_MIB,
