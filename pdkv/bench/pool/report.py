@@ -8,11 +8,77 @@ GB = 1e9 bytes.
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import TypedDict, final
 
 GB = 1e9
 TARGETS: dict[str, float] = {"dram": 0.10, "disk": 0.25}
 """Issue 8's targets: hot TTFT at most this fraction of cold TTFT (other tiers: reported only)."""
+
+
+class ColdHot(TypedDict):
+    """One cold + hot run of a prompt: TTFTs (s), the hot run's hit tokens, pool bytes read
+    and summed get seconds."""
+
+    cold_ttft_s: float
+    hot_ttft_s: float
+    cold_cached_tokens: int
+    hit_tokens: int
+    bytes_read: float
+    load_s: float
+
+
+class PoolSample(ColdHot):
+    """One repeat of one tier; `identical`: cold, hot and no-pool outputs token-identical."""
+
+    identical: bool
+
+
+class _Summary(TypedDict):
+    cold_ttft_ms: float
+    hot_ttft_ms: float
+    hot_cold: float
+    hit_tokens: list[int]
+    hits_ok: bool
+    identical: bool
+    bytes_read: float
+    load_s: float
+    load_gbps: float
+    target: float | None
+    passed: bool | None
+
+
+@final
+class TierSummary(_Summary, total=False):
+    """Medians and checks of one tier (`summarize_tier`), with its samples."""
+
+    samples: list[PoolSample]
+
+
+@final
+class SkippedTier(TypedDict):
+    """A tier whose server could not start."""
+
+    skipped: str
+
+
+class _Settings(TypedDict):
+    model: str
+    block_size: int
+    chunk_size: int
+    prompt_len: int
+    repeats: int
+    max_tokens: int
+    seed: int
+    expected_hit_tokens: int
+    tiers: dict[str, TierSummary | SkippedTier]
+
+
+class PoolResult(_Settings, total=False):
+    """What `run_pool_bench` returns: the settings, the no-pool peer's TTFT, each tier and `ok`."""
+
+    no_pool_ttft_ms: float
+    no_pool_ttft_s: list[float]
+    ok: bool
 
 
 def max_loadable_tokens(num_prompt_tokens: int, chunk_size: int) -> int:
@@ -24,7 +90,7 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else float("nan")
 
 
-def summarize_tier(tier: str, samples: list[dict[str, Any]], expected_hit: int) -> dict[str, Any]:
+def summarize_tier(tier: str, samples: list[PoolSample], expected_hit: int) -> TierSummary:
     """Medians and checks of one tier's repeats.
 
     Args:
@@ -60,7 +126,7 @@ def summarize_tier(tier: str, samples: list[dict[str, Any]], expected_hit: int) 
     }
 
 
-def format_table(result: dict[str, Any]) -> str:
+def format_table(result: PoolResult) -> str:
     """The result as text: a header stating the chunk arithmetic, one row per tier (skipped
     tiers with their reason) and the no-pool engine's TTFT."""
     n, c = result["prompt_len"], result["chunk_size"]

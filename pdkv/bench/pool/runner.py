@@ -10,10 +10,17 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from pdkv.bench.pool.report import format_table, max_loadable_tokens, summarize_tier
+from pdkv.bench.pool.report import (
+    ColdHot,
+    PoolResult,
+    PoolSample,
+    TierSummary,
+    format_table,
+    max_loadable_tokens,
+    summarize_tier,
+)
 
 TIERS = ("dram", "disk", "redis", "mooncake")
 DRAM_CAPACITY_BYTES = 1 << 30
@@ -30,7 +37,7 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
 
 
 @contextlib.contextmanager
-def tier_spec(tier: str, work_dir: str) -> Iterator[dict[str, Any]]:
+def tier_spec(tier: str, work_dir: str) -> Iterator[dict[str, str | float]]:
     """The tier's spec for `kv_connector_extra_config["tiers"]`, with its server (redis,
     mooncake) running for the duration of the block.
 
@@ -84,12 +91,12 @@ class _Engine:
         self.llm.llm_engine.shutdown()
 
 
-def _pool_config(spec: dict[str, Any], chunk_size: int) -> str:
+def _pool_config(spec: Mapping[str, object], chunk_size: int) -> str:
     return json.dumps({"kv_connector": "KVPoolConnector", "kv_role": "kv_both",
                        "kv_connector_extra_config": {"chunk_size": chunk_size, "tiers": [spec]}})
 
 
-def _cold_hot(eng: _Engine, tier: str, prompt: list[int]) -> dict[str, Any]:
+def _cold_hot(eng: _Engine, tier: str, prompt: list[int]) -> tuple[ColdHot, list[int], list[int]]:
     """Cold run, flush the pool's save queue, reset the engine's prefix cache, hot run; the hot
     run's pool bytes read and summed get seconds come from the scheduler's counters and
     histogram samples (drained just before it)."""
@@ -102,10 +109,12 @@ def _cold_hot(eng: _Engine, tier: str, prompt: list[int]) -> dict[str, Any]:
     sched.stats()  # drain histogram samples of the cold run
     read_before = sched.kv_stats.get(f"pool:{tier}:bytes_read", 0.0)
     hot_s, hot_tokens, hit = eng.run(prompt)
-    load_s = sum(sched.stats().kv_observations.get(f"pool:{tier}:load_seconds", []))
-    return {"cold_ttft_s": cold_s, "hot_ttft_s": hot_s, "cold_cached_tokens": cold_cached,
-            "hit_tokens": hit, "bytes_read": sched.kv_stats.get(f"pool:{tier}:bytes_read", 0.0) - read_before,
-            "load_s": load_s, "cold_tokens": cold_tokens, "hot_tokens": hot_tokens}
+    observations = sched.stats().kv_observations or {}
+    load_s = sum(observations.get(f"pool:{tier}:load_seconds", []))
+    return ({"cold_ttft_s": cold_s, "hot_ttft_s": hot_s, "cold_cached_tokens": cold_cached,
+             "hit_tokens": hit,
+             "bytes_read": sched.kv_stats.get(f"pool:{tier}:bytes_read", 0.0) - read_before,
+             "load_s": load_s}, cold_tokens, hot_tokens)
 
 
 def run_pool_bench(
@@ -119,7 +128,7 @@ def run_pool_bench(
     block_size: int = 16,
     work_dir: str | None = None,
     verbose: bool = True,
-) -> dict[str, Any]:
+) -> PoolResult:
     """Cold vs hot TTFT per pool tier, with the no-pool engine's TTFT as the peer.
 
     Each engine first runs one untimed warm-up prompt (2 chunks + 1 tokens, cold then hot).
@@ -160,7 +169,7 @@ def run_pool_bench(
         raise ValueError("prompt_len and repeats must be positive")
     say = print if verbose else (lambda *a, **k: None)
     expected = max_loadable_tokens(prompt_len, chunk_size)
-    result: dict[str, Any] = {
+    result: PoolResult = {
         "model": model, "block_size": block_size, "chunk_size": chunk_size, "prompt_len": prompt_len,
         "repeats": repeats, "max_tokens": max_tokens, "seed": seed, "expected_hit_tokens": expected,
         "tiers": {},
@@ -205,16 +214,16 @@ def run_pool_bench(
 
 def _run_tier(tier: str, work: str, model: str, block_size: int, chunk_size: int, prompt_len: int,
               max_tokens: int, warm: list[int], prompts: list[list[int]], reference: list[list[int]],
-              expected: int, say: Any) -> dict[str, Any]:
+              expected: int, say: Callable[..., object]) -> TierSummary:
     with tier_spec(tier, work) as spec:
         eng = _Engine(model, block_size, prompt_len, max_tokens, _pool_config(spec, chunk_size))
         try:
             _cold_hot(eng, tier, warm)
-            samples = []
+            samples: list[PoolSample] = []
             for i, (p, ref) in enumerate(zip(prompts, reference)):
                 t0 = time.perf_counter()
-                s = _cold_hot(eng, tier, p)
-                s["identical"] = s.pop("cold_tokens") == s.pop("hot_tokens") == ref
+                m, cold_tokens, hot_tokens = _cold_hot(eng, tier, p)
+                s: PoolSample = {**m, "identical": cold_tokens == hot_tokens == ref}
                 samples.append(s)
                 say(f"{tier:<8} repeat {i}: cold {s['cold_ttft_s'] * 1000:.0f} ms, hot "
                     f"{s['hot_ttft_s'] * 1000:.0f} ms, hit {s['hit_tokens']}/{expected} tokens, "
