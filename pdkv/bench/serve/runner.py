@@ -191,7 +191,7 @@ async def dispatch(client: httpx.AsyncClient, cfg: BenchConfig, model: str,
     return results, duration
 
 
-async def run_benchmark(cfg: BenchConfig, log: Callable[[str], Any] = print) -> dict[str, Any]:
+async def run_benchmark(cfg: BenchConfig, log: Callable[[str], object] = print) -> dict[str, Any]:
     """Run the whole benchmark against `cfg.base_url`; returns the result dict (see report)."""
     headers = auth_headers(cfg.api_key)
     timeout = httpx.Timeout(cfg.request_timeout, connect=60.0)
@@ -221,7 +221,8 @@ async def run_benchmark(cfg: BenchConfig, log: Callable[[str], Any] = print) -> 
 
 
 async def pick_tokenizer(client: httpx.AsyncClient, cfg: BenchConfig, model: str,
-                         headers: dict[str, str], log: Callable[[str], Any]) -> datasets.PromptTokenizer:
+                         headers: dict[str, str],
+                         log: Callable[[str], object]) -> datasets.PromptTokenizer:
     """The server's tokenizer (/tokenize + /detokenize); without them the model's own loaded
     locally (`cfg.tokenizer`, else the model name: an alias, HF id in the local cache or
     folder); failing that, one word per token (with a warning)."""
@@ -239,6 +240,6 @@ async def pick_tokenizer(client: httpx.AsyncClient, cfg: BenchConfig, model: str
     return local
 
 
-def run_serve_bench(cfg: BenchConfig, log: Callable[[str], Any] = print) -> dict[str, Any]:
+def run_serve_bench(cfg: BenchConfig, log: Callable[[str], object] = print) -> dict[str, Any]:
     """Synchronous wrapper of `run_benchmark` (starts its own event loop)."""
     return asyncio.run(run_benchmark(cfg, log))
