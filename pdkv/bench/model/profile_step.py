@@ -20,9 +20,12 @@ import argparse
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
+
+if TYPE_CHECKING:
+    from pdkv.model.llama import LlamaForCausalLM
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "linear": ("aten::addmm", "aten::mm", "aten::linear", "mkldnn::_linear_pointwise", "aten::matmul",
@@ -54,7 +57,17 @@ def _group(name: str, shapes: Sequence[Sequence[int]], hidden: int) -> str:
     return "other"
 
 
-def _step_inputs(model: Any, batch: int, new: int, context: int, block_size: int,
+class StepProfile(TypedDict):
+    """One profiled step: best wall time (ms), each op group's share of the profiled self CPU
+    time and its milliseconds per step."""
+
+    label: str
+    step_ms: float
+    shares: dict[str, float]
+    group_ms: dict[str, float]
+
+
+def _step_inputs(model: LlamaForCausalLM, batch: int, new: int, context: int, block_size: int,
                  num_blocks: int) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]]:
     """A closure running one step of `batch` requests with `new` tokens each after `context`
     cached tokens (cache holds random K/V there), and the caches."""
@@ -81,15 +94,15 @@ def _step_inputs(model: Any, batch: int, new: int, context: int, block_size: int
     return step, caches
 
 
-def profile_cases(model: Any, cases: Sequence[tuple[str, int, int, int]], block_size: int = 16,
-                  repeats: int = 3) -> list[dict[str, Any]]:
+def profile_cases(model: LlamaForCausalLM, cases: Sequence[tuple[str, int, int, int]],
+                  block_size: int = 16, repeats: int = 3) -> list[StepProfile]:
     """Profile each (label, batch, new tokens, context tokens) step.
 
     Returns:
         per case {"label", "step_ms" (best wall time, milliseconds), "shares" {group: fraction
         of the profiled self CPU time}, "group_ms" {group: milliseconds per step}}.
     """
-    out = []
+    out: list[StepProfile] = []
     for label, batch, new, context in cases:
         num_blocks = 2 + batch * (-(-(context + new) // block_size))
         step, _ = _step_inputs(model, batch, new, context, block_size, num_blocks)
@@ -114,7 +127,7 @@ def profile_cases(model: Any, cases: Sequence[tuple[str, int, int, int]], block_
     return out
 
 
-def format_profile(rows: list[dict[str, Any]], title: str) -> str:
+def format_profile(rows: list[StepProfile], title: str) -> str:
     """Markdown table: one row per case, the share of each group in percent."""
     groups = [*GROUPS, "other"]
     lines = [title, "| step | step ms | " + " | ".join(groups) + " |", "|---" * (len(groups) + 2) + "|"]

@@ -21,15 +21,21 @@ first step) are listed under the decode table.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pdkv.bench.offline.measure import measure, ratio, run_pdkv, throughputs
 from pdkv.bench.offline.prompts import build_prompts
 from pdkv.bench.offline.report import cpu_description
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from pdkv.engine.llm import LLM
 
 _BLOCK_SIZE = 16
 NO_FUSED = ":no-fused"
@@ -115,7 +121,8 @@ def run_backend_bench(
             toks: dict[str, list[list[int]]] = {}
             for name, llm in engines.items():
                 pre, tot, toks[name], extra = measure(
-                    lambda n, llm=llm, p=prompts[:b]: run_pdkv(llm, p, n, device), output_len, repeats)
+                    functools.partial(run_pdkv, llm, prompts[:b], device=device), output_len,
+                    repeats)
                 entry[name] = {**throughputs(b, input_len, output_len, pre, tot), "extra_runs": extra}
             for name in backends:
                 entry["decode_ratio"][name] = ratio(entry[name]["decode_tok_s"],
@@ -141,7 +148,8 @@ def run_backend_bench(
         torch.set_num_threads(prev_threads)
 
 
-def _prefill_case(engines: dict[str, Any], tokenizer: Any, b: int, n: int, seed: int, repeats: int,
+def _prefill_case(engines: dict[str, LLM], tokenizer: PreTrainedTokenizerBase, b: int, n: int,
+                  seed: int, repeats: int,
                   device: str) -> dict[str, Any]:
     """Prefill tok/s of every engine for B prompts of n tokens (one output token, best of repeats);
     ratios against the first engine."""
@@ -161,7 +169,7 @@ def _prefill_case(engines: dict[str, Any], tokenizer: Any, b: int, n: int, seed:
     return entry
 
 
-def _engine_knobs(knob: str, name: str) -> dict[str, Any]:
+def _engine_knobs(knob: str, name: str) -> dict[str, str | bool]:
     """The LLM keywords of one compared engine: `cpu_linear=name`, or the attention backend of
     `name` and whether it runs the fused ops (a `:no-fused` suffix turns them off)."""
     if knob == "cpu_linear":

@@ -13,9 +13,13 @@ from __future__ import annotations
 import gc
 import math
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from pdkv.engine.llm import LLM
 
 Timed = tuple[float, list[list[int]], float]
 """(seconds of the run, output token ids per request, seconds from the start until every request
@@ -29,7 +33,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_pdkv(llm: Any, prompts: list[list[int]], max_tokens: int, device: str) -> Timed:
+def run_pdkv(llm: LLM, prompts: list[list[int]], max_tokens: int, device: str) -> Timed:
     """`llm.generate` of the batch: seconds, each request's output token ids, and the seconds until
     the last request's first token (RequestMetrics.first_token_time, the engine's monotonic
     clock)."""
@@ -44,7 +48,8 @@ def run_pdkv(llm: Any, prompts: list[list[int]], max_tokens: int, device: str) -
     _sync(device)
     dt = time.monotonic() - t0
     firsts = [o.metrics.first_token_time for o in outs if o.metrics is not None]
-    first = max(firsts) - t0 if firsts and None not in firsts else dt
+    known = [f for f in firsts if f is not None]
+    first = max(known) - t0 if firsts and len(known) == len(firsts) else dt
     return dt, [list(o.outputs[0].token_ids) for o in outs], first
 
 
@@ -85,7 +90,7 @@ def run_hf(model: Any, input_ids: torch.Tensor, max_new_tokens: int, device: str
     return dt, out[:, input_ids.shape[1]:].tolist(), first
 
 
-def _best(fn: Any, repeats: int) -> tuple[float, list[list[int]], float]:
+def _best(fn: Callable[[], Timed], repeats: int) -> tuple[float, list[list[int]], float]:
     """Run `fn` (returning a Timed) `repeats` times: the shortest run, the last outputs, and the
     shortest decode part (run seconds minus first-token seconds)."""
     best = best_decode = math.inf
@@ -97,7 +102,7 @@ def _best(fn: Any, repeats: int) -> tuple[float, list[list[int]], float]:
     return best, toks, best_decode
 
 
-def measure(run: Any, output_len: int, repeats: int, max_extra: int = 3) -> tuple[float, float | None, list[list[int]], int]:
+def measure(run: Callable[[int], Timed], output_len: int, repeats: int, max_extra: int = 3) -> tuple[float, float | None, list[list[int]], int]:
     """Best-of-`repeats` prefill seconds (a 1-token run) and prefill + decode seconds, and the
     output tokens.
 
@@ -121,7 +126,8 @@ def measure(run: Any, output_len: int, repeats: int, max_extra: int = 3) -> tupl
     return pre, pre + decode, toks, extra
 
 
-def throughputs(b: int, input_len: int, output_len: int, prefill_s: float, total_s: float | None) -> dict[str, Any]:
+def throughputs(b: int, input_len: int, output_len: int, prefill_s: float,
+                total_s: float | None) -> dict[str, float | None]:
     decode_s = None if total_s is None else total_s - prefill_s
     decode_tok_s = None
     if decode_s is not None and decode_s > 0 and output_len > 1:

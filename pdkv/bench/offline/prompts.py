@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Fixed English text; each prompt is one distinct opening sentence followed by this paragraph
 # (repeated as needed), cut to exactly input_len tokens.
@@ -26,7 +29,8 @@ _SUBJECTS = (
 )
 
 
-def build_prompts(tokenizer: Any, batch_size: int, input_len: int, seed: int = 0) -> list[list[int]]:
+def build_prompts(tokenizer: PreTrainedTokenizerBase, batch_size: int, input_len: int,
+                  seed: int = 0) -> list[list[int]]:
     """Deterministic real-text prompts, all exactly `input_len` tokens long and pairwise different.
 
     Prompt i starts with its own sentence (request number, seed and subject), so prompts differ

@@ -9,9 +9,10 @@ gets the workload table of issue 14 with the pdkv / llama.cpp goals (`offline_re
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +33,9 @@ from pdkv.bench.offline.report import (
     format_workload_table,
     workload_rows,
 )
+
+if TYPE_CHECKING:
+    from pdkv.bench.offline.llamacpp import LlamaCppPeer
 
 _BLOCK_SIZE = 16
 PEERS = ("hf", "llama.cpp")
@@ -114,7 +118,8 @@ def run_offline_bench(
         torch.set_num_threads(prev_threads)  # leave the caller's process as it was
 
 
-def _open_llamacpp(model: str, dtype: str, output_len: int, verbose: bool) -> tuple[Any, str | None]:
+def _open_llamacpp(model: str, dtype: str, output_len: int,
+                   verbose: bool) -> tuple[LlamaCppPeer | None, str | None]:
     """(the llama.cpp peer or None, the skip message or None)."""
     from pdkv.bench.offline.llamacpp import load_peer, unavailable_reason
 
@@ -219,7 +224,7 @@ def _bench(
             long_prefill = {"input_len": long_prefill_len, "batch_size": 1}
             long_toks = {}
             for name, run in systems.items():
-                pre, _, toks, _ = measure(lambda n, r=run: r(long_prompt, n), 1, repeats)
+                pre, _, toks, _ = measure(functools.partial(run, long_prompt), 1, repeats)
                 long_prefill[name] = throughputs(1, long_prefill_len, 1, pre, None)
                 long_toks[name] = toks
             _compare(long_prefill, 1, long_toks)
@@ -231,7 +236,7 @@ def _bench(
             toks = {}
             for name, run in systems.items():
                 pre, tot, toks[name], extra = measure(
-                    lambda n, r=run, p=prompts: r(p, n), output_len, repeats
+                    functools.partial(run, prompts), output_len, repeats
                 )
                 entry[name] = {**throughputs(b, input_len, output_len, pre, tot), "extra_runs": extra}
             for key in ("prefill_ratio", "decode_ratio", "greedy_match_requests",
