@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import TypedDict
 
 import httpx
 
@@ -48,7 +48,18 @@ def total(samples: dict[str, float], name: str, **labels: str) -> float:
     return got
 
 
-def run_policy(routing: str, args: argparse.Namespace, log_dir: str) -> dict[str, Any]:
+class PolicyResult(TypedDict):
+    """One routing policy's run: completed requests, per-instance token counters (prompt,
+    prefix hits, pool hits), the proxy's decisions by reason and the overall hit rate."""
+
+    routing: str
+    completed: int
+    instances: dict[str, dict[str, float]]
+    decisions: dict[str, float]
+    hit_rate: float
+
+
+def run_policy(routing: str, args: argparse.Namespace, log_dir: str) -> PolicyResult:
     """One topology with `routing`, the workload, the instances' counters. Raises RuntimeError
     when the topology does not come up within --health-timeout seconds."""
     cmd = [sys.executable, "-m", "pdkv.cli", "up", "--mode", "colocated", "--num-instances", str(args.num_instances),
@@ -75,12 +86,12 @@ def run_policy(routing: str, args: argparse.Namespace, log_dir: str) -> dict[str
                           num_turns=args.turns, input_len=args.input_len, output_len=args.output_len,
                           max_concurrency=1, seed=args.seed, scrape_metrics=False, disable_tqdm=True)
         bench = run_serve_bench(cfg, log=lambda s: None)
-        per = {}
+        per: dict[str, dict[str, float]] = {}
         for name, url in sorted(engines.items()):
-            m = scrape(url)
-            per[name] = {"prompt_tokens": total(m, "pdkv:prompt_tokens_total"),
-                         "prefix_hits": total(m, "pdkv:prefix_cache_hits_total"),
-                         "pool_hits": total(m, "pdkv:kv_pool_hit_tokens_total", tier="all")}
+            samples = scrape(url)
+            per[name] = {"prompt_tokens": total(samples, "pdkv:prompt_tokens_total"),
+                         "prefix_hits": total(samples, "pdkv:prefix_cache_hits_total"),
+                         "pool_hits": total(samples, "pdkv:kv_pool_hit_tokens_total", tier="all")}
         pm = scrape(urls["proxy"])
         decisions = {k.split('reason="')[1].split('"')[0]: v for k, v in pm.items()
                      if k.startswith("pdkv:proxy_routing_decisions_total")}
@@ -92,7 +103,7 @@ def run_policy(routing: str, args: argparse.Namespace, log_dir: str) -> dict[str
         stop_process_group(proc, 60, 10)
 
 
-def format_report(results: list[dict[str, Any]]) -> str:
+def format_report(results: list[PolicyResult]) -> str:
     """A plain-text table: per policy and instance, prompt / prefix-hit / pool-hit tokens."""
     lines = [f"{'routing':<14}{'instance':<10}{'prompt tok':>11}{'prefix hit':>11}{'pool hit':>10}{'hit rate':>10}"]
     for r in results:

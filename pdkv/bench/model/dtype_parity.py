@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 
@@ -105,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
           f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''}; CPU bf16 flags: {read_cpu_features().describe()}")
     print(format_rows(rows))
     if args.json:
-        result: dict[str, Any] = {"model": args.model, "rows": [asdict(r) for r in rows]}
+        result: dict[str, object] = {"model": args.model, "rows": [asdict(r) for r in rows]}
         write_result_json(result, args.json)
         print(f"wrote {args.json}")
     return 0

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 
@@ -172,7 +171,7 @@ def main(args: argparse.Namespace) -> int:
           f"block_size {args.block_size}; references: kv_cache_dtype=auto")
     print(format_rows(rows))
     if args.json:
-        result: dict[str, Any] = {"model": args.model, "rows": [asdict(r) for r in rows]}
+        result: dict[str, object] = {"model": args.model, "rows": [asdict(r) for r in rows]}
         write_result_json(result, args.json)
         print(f"wrote {args.json}")
     return 0
