@@ -100,7 +100,8 @@ def calibrate_fixed(rows: Sequence[Mapping[str, Any]], ctx: PlanContext) -> tupl
                f"as `pdkv bench handoff`'s probe; {which}")
 
 
-def predict_row(row: Mapping[str, Any], ctx: PlanContext, fixed_s: float | None = None) -> dict[str, Any]:
+def predict_row(row: Mapping[str, Any], ctx: PlanContext,
+                fixed_s: float | None = None) -> dict[str, float | None]:
     """Predictions for one summary row (see the module doc); ms and bytes per request. `fixed_s`:
     the per-handoff fixed cost (s; `calibrate_fixed`), else `pdkv plan`'s default scheduling term.
 
@@ -110,23 +111,26 @@ def predict_row(row: Mapping[str, Any], ctx: PlanContext, fixed_s: float | None 
         "meas_handoff_ms" (D's `transfer` phase in P/D)}; a value is None where it does not apply.
     """
     fixed = costs.FixedCosts() if fixed_s is None else costs.FixedCosts(scheduling=fixed_s)
-    out: dict[str, Any] = dict.fromkeys(("p2p_bytes_per_request", "pred_handoff_ms",
-                                         "pool_bytes_per_request", "pred_pool_ms",
-                                         "pred_transfer_ms", "meas_transfer_ms", "meas_handoff_ms"))
+    out: dict[str, float | None] = dict.fromkeys(("p2p_bytes_per_request", "pred_handoff_ms",
+                                                  "pool_bytes_per_request", "pred_pool_ms",
+                                                  "pred_transfer_ms", "meas_transfer_ms",
+                                                  "meas_handoff_ms"))
     p2p = _per_request(row, "p2p_bytes")
     pool = _per_request(row, "pool_bytes_read")
     parts = []
     if p2p:
         link = pd_link(ctx, bool(row.get("link_rate")))
         out["p2p_bytes_per_request"] = p2p
-        out["pred_handoff_ms"] = 1e3 * costs.handoff(p2p, link, fixed).total
-        parts.append(out["pred_handoff_ms"])
+        handoff_ms = 1e3 * costs.handoff(p2p, link, fixed).total
+        out["pred_handoff_ms"] = handoff_ms
+        parts.append(handoff_ms)
         out["meas_handoff_ms"] = (row.get("raw_phases") or {}).get("transfer")
     if pool:
         out["pool_bytes_per_request"] = pool
-        out["pred_pool_ms"] = 1e3 * costs.handoff(pool, tier_link(ctx.pool_tier),
-                                                  costs.FixedCosts(scheduling=0.0)).total
-        parts.append(out["pred_pool_ms"])
+        pool_ms = 1e3 * costs.handoff(pool, tier_link(ctx.pool_tier),
+                                      costs.FixedCosts(scheduling=0.0)).total
+        out["pred_pool_ms"] = pool_ms
+        parts.append(pool_ms)
     if parts:
         out["pred_transfer_ms"] = sum(parts)
         out["meas_transfer_ms"] = (row.get("phase_groups") or {}).get("transfer")

@@ -87,7 +87,7 @@ def counter_deltas(before: Mapping[str, Mapping[str, float]],
 
 
 def summarize_run(topology: str, cache: str, result: Mapping[str, Any],
-                  deltas: Mapping[str, Mapping[str, float]]) -> dict[str, Any]:
+                  deltas: Mapping[str, Mapping[str, float]]) -> dict[str, object]:
     """One table row from a `run_serve_bench` result dict and the per-engine counter deltas.
 
     Returns:
@@ -96,15 +96,17 @@ def summarize_run(topology: str, cache: str, result: Mapping[str, Any],
         over engines (None when no engine exports the counter), "prefix_hit_rates" ({engine:
         rate or None}), "per_engine" (the deltas)}.
     """
-    row: dict[str, Any] = {"topology": topology, "cache": cache,
-                           "completed": int(result["completed"]), "failed": int(result["failed"])}
+    row: dict[str, object] = {"topology": topology, "cache": cache,
+                              "completed": int(result["completed"]), "failed": int(result["failed"])}
     for key in ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms", "mean_e2el_ms",
                 "request_throughput"):
         row[key] = float(result[key])
+    totals: dict[str, float | None] = {}
     for key in ("p2p_bytes", "pool_bytes_read", "pool_bytes_written", "pool_hit_tokens",
                 "pool_lookup_tokens", "offload_bytes_h2d", "offload_bytes_d2h", "offload_wait_s"):
         values = [d[key] for d in deltas.values() if key in d]
-        row[key] = sum(values) if values else None
+        totals[key] = sum(values) if values else None
+    row.update(totals)
     rates: dict[str, float | None] = {}
     for engine, d in deltas.items():
         q = d.get("prefix_queries")
@@ -112,7 +114,7 @@ def summarize_run(topology: str, cache: str, result: Mapping[str, Any],
             rates[engine] = d.get("prefix_hits", 0.0) / q if q > 0 else None
     row["prefix_hit_rates"] = rates
     duration = float(result.get("duration", 0.0) or 0.0)
-    wait = row["offload_wait_s"]
+    wait = totals["offload_wait_s"]
     row["offload_wait_share"] = wait / duration if wait is not None and duration > 0 else None
     row["per_engine"] = {k: dict(v) for k, v in deltas.items()}
     return row
