@@ -104,8 +104,8 @@ def merge(old: MatrixDoc, new: MatrixDoc) -> MatrixDoc:
     for c in new["cells"]:
         cells[(c["feature"], c["model"])] = {**c, "checked": _stamp(new)}
 
-    run: MergedRun = {"generated": new["generated"], "command": new["command"], "commit": new["commit"],
-           "cells": len(new["cells"])}
+    run: MergedRun = {"generated": new["generated"], "command": new["command"],
+                      "commit": new["commit"], "cells": len(new["cells"])}
     return {"generated": old["generated"], "command": old["command"], "commit": old["commit"],
             "cells": [cells[k] for k in sorted(cells, key=lambda k: cell_order(*k))],
             "tagged": dict(sorted({**old.get("tagged", {}), **new.get("tagged", {})}.items())),

@@ -97,7 +97,8 @@ def summarize_run(topology: str, cache: str, result: Mapping[str, Any],
         rate or None}), "per_engine" (the deltas)}.
     """
     row: dict[str, object] = {"topology": topology, "cache": cache,
-                              "completed": int(result["completed"]), "failed": int(result["failed"])}
+                              "completed": int(result["completed"]),
+                              "failed": int(result["failed"])}
     for key in ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms", "mean_e2el_ms",
                 "request_throughput"):
         row[key] = float(result[key])

@@ -222,7 +222,8 @@ def run_dcp_bench(configs: Sequence[str] = DEFAULT_CONFIGS, context_lens: Sequen
         rows += run_config(cfg, vllm_model if cfg.vllm_model else model, context_lens, decode_steps,
                            interleave, seed, num_threads)
     add_ratios(rows)
-    result: DcpResult = {"rows": rows, "baselines": {c.name: c.baseline for c in chosen}, "note": note(chosen),
+    result: DcpResult = {"rows": rows, "baselines": {c.name: c.baseline for c in chosen},
+                         "note": note(chosen),
               "cpu_count": os.cpu_count(), "context_lens": list(context_lens), "decode_steps": decode_steps,
               "model": model, "vllm_model": vllm_model, "block_size": BLOCK_TOKENS, "interleave": interleave}
     if print_table:

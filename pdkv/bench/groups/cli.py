@@ -121,7 +121,8 @@ def run_groups_bench(models: Sequence[str] = DEFAULT_MODELS, prompt_lens: Sequen
     real = real_size_rows(real_models, prompt_lens)
     rows = [r for m in models for r in run_model(m, prompt_lens, repeats, transfer, seed, num_threads)]
     add_peer_ratios(rows, PEER)
-    result: GroupsResult = {"rows": rows, "real_size": real, "peer": PEER, "repeats": repeats, "transfer": transfer,
+    result: GroupsResult = {"rows": rows, "real_size": real, "peer": PEER, "repeats": repeats,
+                            "transfer": transfer,
               "cpu_count": os.cpu_count(), "prompt_lens": list(prompt_lens), "block_size": BLOCK_SIZE}
     if print_tables:
         print(format_measured(rows))

@@ -220,7 +220,8 @@ def run_handoff_bench(transfers: Sequence[str] = ENGINES, prompt_lens: Sequence[
     rows: list[Comparison] = []
     preset_rows: list[Comparison] = []  # the same measurements against the presets (reference)
     probes: dict[str, dict[str, float]] = {}
-    config: dict[str, object] = {"transfers": transfers, "prompt_lens": lens, "link_rate": link_rate,
+    config: dict[str, object] = {"transfers": transfers, "prompt_lens": lens,
+                                 "link_rate": link_rate,
               "bandwidths": bandwidths or {}, "fixed_s": fixed_s, "tolerance": tolerance, "seed": seed}
     with tempfile.TemporaryDirectory(prefix="pdkv-handoff-") as log_dir, \
             (NetnsPair(rate=link_rate) if link_rate else contextlib.nullcontext()) as pair:

@@ -155,7 +155,8 @@ def run_hetero_bench(cases: Sequence[str] = DEFAULT_CASES, prompt_lens: Sequence
     finally:
         engines.shutdown()
     add_ratios(rows)
-    result: HeteroResult = {"rows": rows, "baseline": BASELINE, "bytes_per_token": per_token, "repeats": repeats,
+    result: HeteroResult = {"rows": rows, "baseline": BASELINE, "bytes_per_token": per_token,
+                            "repeats": repeats,
               "transfer": transfer, "cpu_count": os.cpu_count(), "model": model, "prompt_lens": list(prompt_lens),
               "new_tokens": NEW_TOKENS, "cases": names}
     if print_table:

@@ -6,9 +6,10 @@ One engine per backend (same model, dtype, threads, block size, prompts); for ea
 backends are measured one after the other (so machine load drifts equally over both), with the
 formulas of `pdkv.bench.offline.cli` (decode tok/s = B * (output_len - 1) / (seconds of an
 output_len run after its first tokens), pdkv.bench.offline.measure). The table gives each
-backend's decode tok/s, the ratio of each to the first backend, and whether the greedy tokens of every backend equal the first's. A second
-table gives prefill tok/s per prefill case (B requests of L prompt tokens each, all prefilled in one
-step: `--prefill-cases 1x512,32x128`; prefill tok/s = B * L / seconds of a generate of one output
+backend's decode tok/s, the ratio of each to the first backend, and whether the greedy tokens
+of every backend equal the first's. A second table gives prefill tok/s per prefill case (B
+requests of L prompt tokens each, all prefilled in one step: `--prefill-cases 1x512,32x128`;
+prefill tok/s = B * L / seconds of a generate of one output
 token), best of `repeats`, with the same ratios. The host's
 1-minute load average before and after is reported: other processes on the cores distort CPU
 timings.

@@ -11,10 +11,10 @@ rather than llama.cpp's default F16, like pdkv and HF. n_threads = n_threads_bat
 benchmark's thread count.
 
 Timing (the same formulas as `pdkv.bench.offline.cli`): `run(prompts, max_tokens)` returns the
-seconds from the prefill's `llama_decode` to the last argmax and those to the first tokens' argmaxes, so
-prefill tok/s = B * prompt_len / t(1) and decode tok/s = B * (output_len - 1) / (t(output_len) -
-t(first tokens)) inside one run (pdkv.bench.offline.measure). Creating a context (when the batch
-shape changes) and clearing its KV cache are outside the timed part.
+seconds from the prefill's `llama_decode` to the last argmax and those to the first tokens'
+argmaxes, so prefill tok/s = B * prompt_len / t(1) and decode tok/s = B * (output_len - 1) /
+(t(output_len) - t(first tokens)) inside one run (pdkv.bench.offline.measure). Creating a
+context (when the batch shape changes) and clearing its KV cache are outside the timed part.
 
 The GGUF comes from `make llama-cpp` (`pdkv.bench.offline.llamacpp_gguf`); `unavailable_reason`
 says why the peer cannot run (binding not installed, GGUF missing, no GGUF for the dtype).

@@ -102,7 +102,8 @@ def _best(fn: Callable[[], Timed], repeats: int) -> tuple[float, list[list[int]]
     return best, toks, best_decode
 
 
-def measure(run: Callable[[int], Timed], output_len: int, repeats: int, max_extra: int = 3) -> tuple[float, float | None, list[list[int]], int]:
+def measure(run: Callable[[int], Timed], output_len: int, repeats: int,
+            max_extra: int = 3) -> tuple[float, float | None, list[list[int]], int]:
     """Best-of-`repeats` prefill seconds (a 1-token run) and prefill + decode seconds, and the
     output tokens.
 

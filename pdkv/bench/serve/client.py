@@ -74,7 +74,8 @@ def chunk_text(data: JSONObject, endpoint: str) -> str | None:
     if endpoint == "chat":
         delta = as_object(choice.get("delta") or {}, "a choice's delta")
         # Reasoning models stream their thinking in a separate field; it is output too.
-        text = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
+        text = (delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+                or "")
     else:
         text = choice.get("text") or ""
     if not isinstance(text, str):

@@ -26,7 +26,8 @@ class MethodStats(_Bandwidth, total=False):
 
 
 # "pass" is a keyword: the functional form.
-Target = TypedDict("Target", {"target": float, "ratio": float, "applies": bool, "pass": bool | None})
+Target = TypedDict("Target",
+                   {"target": float, "ratio": float, "applies": bool, "pass": bool | None})
 
 
 class SizeResult(TypedDict):
