@@ -23,7 +23,8 @@ from typing import TypedDict
 import httpx
 
 from pdkv.bench.results import parse_ints
-from pdkv.bench.serve.runner import BenchConfig, run_serve_bench
+from pdkv.bench.serve.config import BenchConfig
+from pdkv.bench.serve.runner import run_serve_bench
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

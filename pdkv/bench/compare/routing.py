@@ -24,7 +24,8 @@ from typing import TypedDict
 
 import httpx
 
-from pdkv.bench.serve.runner import BenchConfig, run_serve_bench
+from pdkv.bench.serve.config import BenchConfig
+from pdkv.bench.serve.runner import run_serve_bench
 from pdkv.procgroup import stop_process_group
 
 

@@ -10,9 +10,10 @@ from collections.abc import Mapping
 
 from pdkv.bench.results import write_result_json
 from pdkv.bench.serve.client import parse_endpoint
+from pdkv.bench.serve.config import DATASETS, BenchConfig
 from pdkv.bench.serve.metrics import parse_goodput, parse_percentiles
 from pdkv.bench.serve.report import format_errors, format_result_table
-from pdkv.bench.serve.runner import DATASETS, BenchConfig, run_serve_bench
+from pdkv.bench.serve.runner import run_serve_bench
 
 
 def _endpoint(value: str) -> str:

@@ -16,15 +16,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdkv.bench.results import jsonable
+from pdkv.bench.serve.config import BenchConfig
 from pdkv.bench.serve.metrics import percentile_key, request_tpot
 from pdkv.bench.serve.phases import TTFTPhases, ttft_phases
 from pdkv.bench.serve.records import RequestResult
-
-if TYPE_CHECKING:
-    from pdkv.bench.serve.runner import BenchConfig
 
 _W = 50
 _METRIC_BLOCKS = (
