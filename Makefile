@@ -44,7 +44,7 @@ bench: setup
 	$(VENV)/bin/pdkv bench offline
 
 # llama.cpp peer of `pdkv bench offline`: the binding built natively from its sdist, and GGUFs made
-# by llama.cpp's own converter (from that sdist) in $$PDKV_CACHE/gguf (pdkv/bench/llamacpp_gguf.py).
+# by llama.cpp's own converter (from that sdist) in $$PDKV_CACHE/gguf (pdkv/bench/offline/llamacpp_gguf.py).
 LLAMA_CPP_VERSION ?= 0.3.36
 LLAMA_CPP_DIR ?= $(or $(PDKV_CACHE),$(HOME)/.cache/pdkv)/llama-cpp
 LLAMA_CPP_SDIST := $(LLAMA_CPP_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz
@@ -57,7 +57,7 @@ llama-cpp: setup $(LLAMA_CPP_SDIST)
 	  CMAKE_BUILD_PARALLEL_LEVEL=2 $(PY) -m pip install --no-binary llama-cpp-python \
 	  --find-links $(LLAMA_CPP_DIR) llama-cpp-python==$(LLAMA_CPP_VERSION)
 	$(PY) -m pip install -q -c constraints.txt sentencepiece
-	$(PY) -m pdkv.bench.llamacpp_gguf --sdist $(LLAMA_CPP_SDIST) --model smollm2 --dtypes float32,bfloat16
+	$(PY) -m pdkv.bench.offline.llamacpp_gguf --sdist $(LLAMA_CPP_SDIST) --model smollm2 --dtypes float32,bfloat16
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from pdkv.cli_parser import PdkvArgumentParser
 
@@ -77,13 +80,72 @@ def _ms(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
-# Commands that parse and run without importing torch: name -> (module, help).
-_LIGHT_COMMANDS = {
-    "plan": ("pdkv.plan.cli", "cost model: KV bytes, handoff time, recompute vs reload, P:D ratio (no torch)"),
-    "matrix": ("pdkv.matrix.cli", "support matrix: run the tagged acceptance tests, write docs/SUPPORT_MATRIX.md"),
-    "proxy": ("pdkv.router.proxy_cli", "P/D proxy (vLLM protocol) over prefill and decode engines"),
-    "up": ("pdkv.router.launcher", "start a local colocated or P/D topology (engines + proxy)"),
-}
+@dataclass(frozen=True)
+class Command:
+    """A subcommand whose module is imported only when that subcommand is parsed: `module` (a
+    dotted path) provides `add_args(parser)` and `run(args) -> int | None`."""
+
+    name: str
+    help: str
+    module: str
+    add_args: str = "add_cli_args"
+    run: str = "main"
+
+    def load(self, parser: argparse.ArgumentParser) -> None:
+        """Import the module, add its arguments to `parser`, make its `run` the parser's func."""
+        module = importlib.import_module(self.module)
+        getattr(module, self.add_args)(parser)
+        parser.set_defaults(func=getattr(module, self.run))
+
+
+# Commands that parse and run without importing torch.
+LIGHT_COMMANDS = (
+    Command("plan", "cost model: KV bytes, handoff time, recompute vs reload, P:D ratio (no torch)",
+            "pdkv.plan.cli"),
+    Command("matrix",
+            "support matrix: run the tagged acceptance tests, write docs/SUPPORT_MATRIX.md",
+            "pdkv.matrix.cli"),
+    Command("proxy", "P/D proxy (vLLM protocol) over prefill and decode engines",
+            "pdkv.router.proxy_cli"),
+    Command("up", "start a local colocated or P/D topology (engines + proxy)",
+            "pdkv.launch.launcher"),
+)
+
+# `pdkv bench <name>`, one row per subcommand, by family (pdkv/bench/<family>/).
+BENCH_COMMANDS = (
+    Command("offline", "offline throughput: pdkv vs HF transformers", "pdkv.bench.offline.cli"),
+    Command("serve", "online serving benchmark against an OpenAI-compatible server",
+            "pdkv.bench.serve.cli"),
+    Command("transfer", "KV transfer engines vs raw socket and memcpy (GB/s)",
+            "pdkv.bench.transfer.cli"),
+    Command("chaos", "1P1D through the proxy under client cancels and a prefill restart",
+            "pdkv.bench.chaos.cli"),
+    Command("pool", "KV pool: TTFT of a long prompt cold vs hot per tier, load GB/s",
+            "pdkv.bench.pool.cli"),
+    Command("handoff", "P→D KV handoff time of one request, measured vs `pdkv plan` (optionally "
+            "over a tbf-capped link between two network namespaces)", "pdkv.bench.handoff.cli"),
+    Command("dcp", "DCP: KV bytes per rank and decode step time vs dcp 1 at long contexts (tiny "
+            "model)", "pdkv.bench.dcp.cli"),
+    Command("hetero", "P/D re-blocking and re-sharding cost (bytes, read ops, time) vs a "
+            "same-layout handoff (tiny model)", "pdkv.bench.hetero.cli"),
+    Command("groups", "KV bytes per token per state group and the P/D handoff of hybrid models "
+            "(tiny-swa, tiny-mla vs their full-attention peer) + real-size figures of Gemma-3, "
+            "DeepSeek-V3, Qwen3-Next, Kimi-Linear", "pdkv.bench.groups.cli"),
+    Command("prefill-cap", "colocated ITL tail and TTFT against --max-mixed-prefill-tokens, one "
+            "server per cap on one workload (cap 0 = the uncapped peer)", "pdkv.bench.prefill_cap"),
+    Command("kvquant", "int8 / fp8 KV cache vs the model dtype: first-step logit error, greedy "
+            "token agreement, bytes per token", "pdkv.bench.model.kv_quant"),
+    Command("dtype", "bfloat16 / float16 model vs float32: first-step logit error, greedy token "
+            "agreement, seconds", "pdkv.bench.model.dtype_parity"),
+    Command("memory", "RSS of a default pdkv serve after one request, of the pdkv up launcher and "
+            "of pdkv proxy, vs the goals (serve <= 1.2 GB, launcher and proxy <= 120 MB)",
+            "pdkv.bench.memory"),
+)
+
+COMPARE_COMMAND = Command(
+    "compare", "one workload on colocated, P/D, P/D + pool, ...: cold and hot, one report",
+    "pdkv.bench.compare.cli",
+)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -98,15 +160,28 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _add_light(sub: argparse._SubParsersAction, name: str) -> None:  # type: ignore[type-arg]
-    """Add the torch-free subcommand `name`: its module's `add_cli_args` and `main`."""
-    import importlib
+class LazySubParsers(argparse._SubParsersAction):  # type: ignore[type-arg]
+    """Subparsers of which the `Command`s get their arguments (and import their module) only
+    when their name is parsed: `pdkv serve` imports no benchmark, `pdkv bench --help` lists them
+    all from their help text alone."""
 
-    module_name, help_text = _LIGHT_COMMANDS[name]
-    module = importlib.import_module(module_name)
-    p = sub.add_parser(name, help=help_text, formatter_class=HelpFormatter)
-    module.add_cli_args(p)
-    p.set_defaults(func=module.main)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pending: dict[str, Command] = {}
+
+    def add_command(self, command: Command) -> argparse.ArgumentParser:
+        """A subparser for `command`, filled in when it is chosen."""
+        self.pending[command.name] = command
+        parser: argparse.ArgumentParser = self.add_parser(command.name, help=command.help,
+                                                          formatter_class=HelpFormatter)
+        return parser
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        command = self.pending.pop(values[0], None) if values else None
+        if command is not None:
+            command.load(self._name_parser_map[command.name])
+        super().__call__(parser, namespace, values, option_string)
 
 
 def build_light_parser(name: str) -> argparse.ArgumentParser:
@@ -114,7 +189,8 @@ def build_light_parser(name: str) -> argparse.ArgumentParser:
     those run without importing torch (matrix runs its checks in a pytest subprocess; `up` starts
     its engines as `pdkv serve` processes)."""
     parser = PdkvArgumentParser(prog="pdkv", description=__doc__)
-    _add_light(parser.add_subparsers(dest="command", required=True), name)
+    sub = parser.add_subparsers(dest="command", required=True, action=LazySubParsers)
+    sub.add_command(next(c for c in LIGHT_COMMANDS if c.name == name))
     return parser
 
 
@@ -123,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     fmt = HelpFormatter
     parser = PdkvArgumentParser(prog="pdkv", description=__doc__, formatter_class=fmt)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, action=LazySubParsers)
 
     gen = sub.add_parser(
         "generate",
@@ -155,127 +231,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=api_server.main)
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    offline = bench_sub.add_parser(
-        "offline", help="offline throughput: pdkv vs HF transformers", formatter_class=fmt
-    )
-    from pdkv.bench import offline as offline_bench
-
-    offline_bench.add_cli_args(offline)
-    offline.set_defaults(func=offline_bench.main)
-    from pdkv.bench import serve as serve_bench
-
-    serve_p = bench_sub.add_parser(
-        "serve",
-        help="online serving benchmark against an OpenAI-compatible server",
-        formatter_class=fmt,
-    )
-    serve_bench.add_cli_args(serve_p)
-    serve_p.set_defaults(func=serve_bench.main)
-    from pdkv.bench import transfer as transfer_bench
-
-    transfer_p = bench_sub.add_parser(
-        "transfer", help="KV transfer engines vs raw socket and memcpy (GB/s)", formatter_class=fmt
-    )
-    transfer_bench.add_cli_args(transfer_p)
-    transfer_p.set_defaults(func=transfer_bench.main)
-    from pdkv.bench import chaos as chaos_bench
-
-    chaos_p = bench_sub.add_parser(
-        "chaos", help="1P1D through the proxy under client cancels and a prefill restart", formatter_class=fmt
-    )
-    chaos_bench.add_cli_args(chaos_p)
-    chaos_p.set_defaults(func=chaos_bench.main)
-    from pdkv.bench import pool as pool_bench
-
-    pool_p = bench_sub.add_parser(
-        "pool", help="KV pool: TTFT of a long prompt cold vs hot per tier, load GB/s", formatter_class=fmt
-    )
-    pool_bench.add_cli_args(pool_p)
-    pool_p.set_defaults(func=pool_bench.main)
-    from pdkv.bench import handoff as handoff_bench
-
-    handoff_p = bench_sub.add_parser(
-        "handoff", help="P→D KV handoff time of one request, measured vs `pdkv plan` (optionally over "
-        "a tbf-capped link between two network namespaces)", formatter_class=fmt
-    )
-    handoff_bench.add_cli_args(handoff_p)
-    handoff_p.set_defaults(func=handoff_bench.main)
-    from pdkv.bench import dcp as dcp_bench
-
-    dcp_p = bench_sub.add_parser(
-        "dcp", help="DCP: KV bytes per rank and decode step time vs dcp 1 at long contexts (tiny model)",
-        formatter_class=fmt,
-    )
-    dcp_bench.add_cli_args(dcp_p)
-    dcp_p.set_defaults(func=dcp_bench.main)
-    from pdkv.bench import hetero as hetero_bench
-
-    hetero_p = bench_sub.add_parser(
-        "hetero", help="P/D re-blocking and re-sharding cost (bytes, read ops, time) vs a same-layout "
-        "handoff (tiny model)", formatter_class=fmt,
-    )
-    hetero_bench.add_cli_args(hetero_p)
-    hetero_p.set_defaults(func=hetero_bench.main)
-    from pdkv.bench import groups as groups_bench
-
-    groups_p = bench_sub.add_parser(
-        "groups", help="KV bytes per token per state group and the P/D handoff of hybrid models (tiny-swa, "
-        "tiny-mla vs their full-attention peer) + real-size figures of Gemma-3, DeepSeek-V3, Qwen3-Next, Kimi-Linear",
-        formatter_class=fmt,
-    )
-    groups_bench.add_cli_args(groups_p)
-    groups_p.set_defaults(func=groups_bench.main)
-    from pdkv.bench import prefill_cap as prefill_cap_bench
-
-    cap_p = bench_sub.add_parser(
-        "prefill-cap", help="colocated ITL tail and TTFT against --max-mixed-prefill-tokens, one server per "
-        "cap on one workload (cap 0 = the uncapped peer)", formatter_class=fmt,
-    )
-    prefill_cap_bench.add_cli_args(cap_p)
-    cap_p.set_defaults(func=prefill_cap_bench.main)
-    from pdkv.bench import kv_quant as kv_quant_bench
-
-    kv_quant_p = bench_sub.add_parser(
-        "kvquant", help="int8 / fp8 KV cache vs the model dtype: first-step logit error, greedy token "
-        "agreement, bytes per token", formatter_class=fmt,
-    )
-    kv_quant_bench.add_cli_args(kv_quant_p)
-    kv_quant_p.set_defaults(func=kv_quant_bench.main)
-    from pdkv.bench import dtype_parity as dtype_bench
-
-    dtype_p = bench_sub.add_parser(
-        "dtype", help="bfloat16 / float16 model vs float32: first-step logit error, greedy token agreement, "
-        "seconds", formatter_class=fmt,
-    )
-    dtype_bench.add_cli_args(dtype_p)
-    dtype_p.set_defaults(func=dtype_bench.main)
-
-    from pdkv.bench import memory as memory_bench
-
-    memory_p = bench_sub.add_parser(
-        "memory", help="RSS of a default pdkv serve after one request, of the pdkv up launcher and of pdkv proxy, "
-        "vs the goals (serve <= 1.2 GB, launcher and proxy <= 120 MB)", formatter_class=fmt,
-    )
-    memory_bench.add_cli_args(memory_p)
-    memory_p.set_defaults(func=memory_bench.main)
-
-    from pdkv.bench import compare
-
-    compare_p = sub.add_parser(
-        "compare", help="one workload on colocated, P/D, P/D + pool, ...: cold and hot, one report",
-        formatter_class=fmt,
-    )
-    compare.add_cli_args(compare_p)
-    compare_p.set_defaults(func=compare.main)
-    for name in _LIGHT_COMMANDS:
-        _add_light(sub, name)
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, action=LazySubParsers)
+    for command in BENCH_COMMANDS:
+        bench_sub.add_command(command)
+    sub.add_command(COMPARE_COMMAND)
+    for command in LIGHT_COMMANDS:
+        sub.add_command(command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    light = argv[0] if argv and argv[0] in _LIGHT_COMMANDS else None
+    light = argv[0] if argv and argv[0] in {c.name for c in LIGHT_COMMANDS} else None
     parser = build_light_parser(light) if light else build_parser()
     args = parser.parse_args(argv)
     try:

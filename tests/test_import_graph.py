@@ -30,7 +30,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("executor",),  # in-process / multiproc execution
     ("engine", "__init__"),  # LLMEngine, LLM, AsyncLLM (`pdkv` re-exports LLM and the rest)
     ("serve",),  # the OpenAI server
-    ("router",),  # proxy and launcher
+    ("router",),  # proxy, routing policies, pool topology specs
+    ("launch",),  # `pdkv up`: launcher, pool servers (redis, mooncake), free ports, demo
     ("matrix", "bench"),  # tools
     ("cli",),  # the entry point
 )

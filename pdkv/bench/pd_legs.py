@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypedDict
+
+from pdkv.jsontypes import JSONObject
+
+if TYPE_CHECKING:
+    from pdkv.engine.llm import LLM
+    from pdkv.outputs import RequestOutput
 
 NEW_TOKENS = 8  # greedy tokens D decodes (the output check)
 REQUEST_DEADLINE_S = 600.0  # one prefill or decode leg, or settling
@@ -20,19 +27,29 @@ def kv_config(role: str, transfer: str) -> str:
                        "kv_connector_extra_config": {"transfer": transfer}})
 
 
+class Pull(TypedDict):
+    """D's decode leg: its greedy output tokens and what its KV pull cost."""
+
+    tokens: list[int]
+    bytes: int
+    read_ops: int
+    transfer_s: float
+
+
 class PDEngines:
     """The P and D engines of a run, built on first use, keyed by (role, block size, tp)."""
 
     def __init__(self, path: str, max_len: int, transfer: str, num_threads: int | None) -> None:
         self.path, self.max_len, self.transfer, self.num_threads = path, max_len, transfer, num_threads
-        self.built: dict[tuple[str, int, int], Any] = {}
+        self.built: dict[tuple[str, int, int], LLM] = {}
 
-    def get(self, role: str, block_size: int, tp: int) -> Any:
+    def get(self, role: str, block_size: int, tp: int) -> LLM:
+        """The engine of `role` at `block_size` and `tp`, built on first use."""
         from pdkv import LLM
 
         key = (role, block_size, tp)
         if key not in self.built:
-            kw: dict[str, Any] = {"tensor_parallel_size": tp} if tp > 1 else {}
+            kw: dict[str, int] = {"tensor_parallel_size": tp} if tp > 1 else {}
             self.built[key] = LLM(self.path, cpu_linear="torch", block_size=block_size, max_model_len=self.max_len,
                                   num_kv_blocks=2 * -(-self.max_len // block_size) + EXTRA_BLOCKS,
                                   num_threads=self.num_threads, kv_transfer_config=kv_config(role, self.transfer),
@@ -40,11 +57,12 @@ class PDEngines:
         return self.built[key]
 
     def shutdown(self) -> None:
+        """Shut down every engine built."""
         for llm in self.built.values():
             llm.llm_engine.shutdown()
 
 
-def step_until(engines: list[Any], done: Any, what: str) -> None:
+def step_until(engines: list[LLM], done: Callable[[], bool], what: str) -> None:
     """Step every engine until `done()`.
 
     Raises:
@@ -59,7 +77,7 @@ def step_until(engines: list[Any], done: Any, what: str) -> None:
         time.sleep(0.0005)
 
 
-def settle(p: Any, d: Any) -> None:
+def settle(p: LLM, d: LLM) -> None:
     """Step both until neither has open work, then reset D's prefix cache (the next pull is whole).
 
     Raises:
@@ -69,7 +87,7 @@ def settle(p: Any, d: Any) -> None:
                 and d.reset_prefix_cache(), "settling P and D")
 
 
-def prefill(p: Any, prompt: list[int]) -> dict[str, Any]:
+def prefill(p: LLM, prompt: list[int]) -> JSONObject:
     """P's leg (max_tokens 1, do_remote_decode): the kv_transfer_params for D."""
     from pdkv import SamplingParams
 
@@ -77,16 +95,20 @@ def prefill(p: Any, prompt: list[int]) -> dict[str, Any]:
     req, text = eng.make_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1),
                                  kv_transfer_params={"do_remote_decode": True})
     eng.add_request(req, text)
-    out: list[Any] = []
-    step_until([], lambda: bool(out) or any(o.finished and out.append(o) is None for o in eng.step()),
-                "P's prefill")
+    out: list[RequestOutput] = []
+
+    def finished() -> bool:
+        out.extend(o for o in eng.step() if o.finished)
+        return bool(out)
+
+    step_until([], finished, "P's prefill")
     params = out[0].kv_transfer_params
     if not params:
         raise RuntimeError("P's prefill returned no kv_transfer_params")
     return dict(params)
 
 
-def decode(p: Any, d: Any, prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
+def decode(p: LLM, d: LLM, prompt: list[int], params: JSONObject) -> Pull:
     """D's leg (greedy, NEW_TOKENS tokens; P stepped too): D's output tokens and what the pull
     cost (bytes, read ops, transfer seconds).
 
@@ -102,7 +124,7 @@ def decode(p: Any, d: Any, prompt: list[int], params: dict[str, Any]) -> dict[st
                                  SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
                                  kv_transfer_params=params)
     eng.add_request(req, text)
-    out: list[Any] = []
+    out: list[RequestOutput] = []
 
     def step() -> bool:
         out.extend(o for o in eng.step() if o.finished and o.request_id == req.request_id)

@@ -18,14 +18,13 @@ import argparse
 import json
 import os
 import time
-from typing import Any
+from typing import TypedDict
 
 import httpx
 
 from pdkv.bench.results import parse_ints
-from pdkv.bench.serve.runner import BenchConfig, run_serve_bench
-
-ROW_KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms", "mean_itl_ms")
+from pdkv.bench.serve.config import BenchConfig
+from pdkv.bench.serve.runner import run_serve_bench
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -47,13 +46,25 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def run_cap(cap: int, args: argparse.Namespace) -> dict[str, Any]:
+class CapRow(TypedDict):
+    """One cap's run: failed requests and the latency keys of its bench result (ms)."""
+
+    cap: int
+    failed: int
+    mean_ttft_ms: float
+    p99_ttft_ms: float
+    mean_tpot_ms: float
+    p99_itl_ms: float
+    mean_itl_ms: float
+
+
+def run_cap(cap: int, args: argparse.Namespace) -> CapRow:
     """Start a colocated engine with `cap`, run the workload, stop it; the bench result's
     latency keys (ms) plus cap and failed count.
 
     Raises:
         RuntimeError: the server did not become healthy (its log folder is named)."""
-    from pdkv.router import launcher
+    from pdkv.launch import launcher
 
     log_dir = os.path.join(args.log_dir, f"cap{cap}")
     os.makedirs(log_dir, exist_ok=True)
@@ -77,12 +88,15 @@ def run_cap(cap: int, args: argparse.Namespace) -> dict[str, Any]:
         result = run_serve_bench(cfg, log=lambda s: None)
     finally:
         topo.stop()
-    row: dict[str, Any] = {"cap": cap, "failed": result.get("failed", 0)}
-    row.update({k: float(result[k]) for k in ROW_KEYS})
-    return row
+    return {"cap": cap, "failed": result.get("failed", 0),
+            "mean_ttft_ms": float(result["mean_ttft_ms"]),
+            "p99_ttft_ms": float(result["p99_ttft_ms"]),
+            "mean_tpot_ms": float(result["mean_tpot_ms"]),
+            "p99_itl_ms": float(result["p99_itl_ms"]),
+            "mean_itl_ms": float(result["mean_itl_ms"])}
 
 
-def render(rows: list[dict[str, Any]]) -> str:
+def render(rows: list[CapRow]) -> str:
     """Markdown table of the rows; ratios against the row with cap 0 (when present)."""
     base = next((r for r in rows if r["cap"] == 0), None)
     lines = ["| cap (tokens) | TTFT mean / p99 (ms) | TPOT mean (ms) | ITL p99 (ms) | ITL p99 / TPOT mean "

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from collections.abc import Mapping
 
 
-def jsonable(value: Any) -> Any:
+def jsonable(value: object) -> object:
     """inf/nan floats -> strings, so the file stays strict JSON."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
@@ -18,7 +18,7 @@ def jsonable(value: Any) -> Any:
     return value
 
 
-def write_result_json(result: dict[str, Any], path: str) -> None:
+def write_result_json(result: Mapping[str, object], path: str) -> None:
     """Write `result` to `path` as strict JSON (inf as the string "inf")."""
     with open(path, "w") as f:
         json.dump(jsonable(result), f, indent=2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypedDict
 
 from pdkv.matrix.catalog import (
     EXPECT_UNSUPPORTED,
@@ -22,6 +23,15 @@ from pdkv.matrix.catalog import (
     VERIFIED,
     cell_order,
 )
+
+
+class CollectedItem(TypedDict):
+    """One selected test as the plugin lists it: node id, its (model, feature, expect) tags and
+    whether it is marked slow."""
+
+    nodeid: str
+    tags: list[list[str]]
+    slow: bool
 
 
 @dataclass(frozen=True)
@@ -92,7 +102,7 @@ def cell_status(expect: str, outcomes: list[CheckOutcome | None], nodeids: list[
     return SKIPPED, "; ".join(reasons)
 
 
-def build_cells(items: Iterable[dict[str, object]], results: dict[str, CheckOutcome]) -> list[Cell]:
+def build_cells(items: Iterable[CollectedItem], results: dict[str, CheckOutcome]) -> list[Cell]:
     """Cells in catalog order (features, then models) from the plugin's collected items
     (`{"nodeid", "tags": [[model, feature, expect]], "slow"}`) and the outcomes by node id.
 
@@ -102,7 +112,7 @@ def build_cells(items: Iterable[dict[str, object]], results: dict[str, CheckOutc
     by_cell: dict[tuple[str, str], list[tuple[str, str, bool]]] = {}
     for item in items:
         nodeid = str(item["nodeid"])
-        for model, feature, expect in item["tags"]:  # type: ignore[attr-defined]
+        for model, feature, expect in item["tags"]:
             by_cell.setdefault((model, feature), []).append((nodeid, expect, bool(item["slow"])))
     cells = []
     for key in sorted(by_cell, key=lambda k: cell_order(k[1], k[0])):

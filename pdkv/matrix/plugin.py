@@ -12,7 +12,8 @@ Without the option it does nothing. Marker ids are checked against `pdkv.matrix.
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Mapping
+from typing import TypedDict
 
 import pytest
 
@@ -23,8 +24,20 @@ from pdkv.matrix.catalog import (
     FEATURE_IDS,
     MODEL_IDS,
 )
+from pdkv.matrix.cells import CollectedItem
 
 Tag = tuple[str, str, str]  # (model, feature, expect)
+
+
+class ResultRecord(TypedDict):
+    """The "result" line of one test (its phases summed)."""
+
+    event: str
+    nodeid: str
+    outcome: str
+    message: str
+    detail: str
+    seconds: float
 
 
 def item_tags(item: pytest.Item) -> list[Tag]:
@@ -59,10 +72,10 @@ class MatrixReporter:
         self.models = models
         self.features = features
         self.quick = quick
-        self._results: dict[str, dict[str, Any]] = {}
+        self._results: dict[str, ResultRecord] = {}
         open(path, "w").close()
 
-    def _write(self, record: dict[str, Any]) -> None:
+    def _write(self, record: Mapping[str, object]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
@@ -74,7 +87,7 @@ class MatrixReporter:
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         keep: list[pytest.Item] = []
-        listed: list[dict[str, Any]] = []
+        listed: list[CollectedItem] = []
         tagged: dict[str, list[str]] = {}
         for item in items:
             every = item_tags(item)
@@ -115,7 +128,7 @@ def _last_line(text: str) -> str:
     return line[:300]
 
 
-def _skip_reason(longrepr: Any) -> str:
+def _skip_reason(longrepr: object) -> str:
     if isinstance(longrepr, tuple) and len(longrepr) == 3:
         return str(longrepr[2]).removeprefix("Skipped: ")[:300]
     return str(longrepr)[:300]

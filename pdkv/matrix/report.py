@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
-from typing import Any
+from typing import TypedDict
 
 from pdkv.matrix.catalog import (
     FAILED,
@@ -24,28 +23,75 @@ from pdkv.matrix.catalog import (
 )
 from pdkv.matrix.cells import Cell
 
+
+class _CellFields(TypedDict):
+    model: str
+    feature: str
+    status: str
+    tests: list[str]
+    detail: str
+    seconds: float
+    quick: bool
+    command: str
+
+
+class CellRecord(_CellFields, total=False):
+    """A cell in the JSON document: `Cell`'s fields, its re-run command and, on a merged page,
+    `checked` (the date and commit of the run that checked it)."""
+
+    checked: str
+
+
+class MergedRun(TypedDict):
+    """A partial run merged into the page: its header and how many cells it re-checked."""
+
+    generated: str
+    command: str
+    commit: str
+    cells: int
+
+
+class _DocFields(TypedDict):
+    generated: str
+    command: str
+    commit: str
+    cells: list[CellRecord]
+    tagged: dict[str, list[str]]
+
+
+class MatrixDoc(_DocFields, total=False):
+    """The support matrix's JSON document (`merged`: only on a page partial runs updated)."""
+
+    merged: list[MergedRun]
+
+
 SYMBOLS = {VERIFIED: "✅ verified", FAILED: "❌ failed", NOT_SUPPORTED: "⛔ not supported",
            SKIPPED: "⏭ skipped"}
 
 
 def to_data(cells: list[Cell], generated: str, command: str, commit: str,
-            tagged: dict[str, list[str]] | None = None) -> dict[str, Any]:
+            tagged: dict[str, list[str]] | None = None) -> MatrixDoc:
     """The JSON document: when and how it was made, every cell with its command, and every
     tagged test the run collected ("model/feature" → node ids, also those a subset left out)."""
     return {
         "generated": generated,
         "command": command,
         "commit": commit,
-        "cells": [{**asdict(c), "tests": list(c.tests), "command": c.command} for c in cells],
+        "cells": [_cell_record(c) for c in cells],
         "tagged": dict(sorted((tagged or {}).items())),
     }
 
 
-def _stamp(data: dict[str, Any]) -> str:
+def _cell_record(c: Cell) -> CellRecord:
+    return {"model": c.model, "feature": c.feature, "status": c.status, "tests": list(c.tests),
+            "detail": c.detail, "seconds": c.seconds, "quick": c.quick, "command": c.command}
+
+
+def _stamp(data: MatrixDoc) -> str:
     return f"{data['generated']} ({data['commit']})"
 
 
-def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+def merge(old: MatrixDoc, new: MatrixDoc) -> MatrixDoc:
     """A partial run's document (`new`) merged into the page it updates (`old`).
 
     The cells `new` holds replace old ones (same feature and model) and get `checked`: new's date
@@ -53,13 +99,13 @@ def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     it has none). The header stays the base run's (`generated`, `command`, `commit`), and `merged`
     lists each partial run since: {generated, command, commit, cells}. `tagged` takes new's
     lists. Cells come in catalog order (features, then models)."""
-    cells: dict[tuple[str, str], dict[str, Any]] = {
+    cells: dict[tuple[str, str], CellRecord] = {
         (c["feature"], c["model"]): {**c, "checked": c.get("checked", _stamp(old))} for c in old["cells"]}
     for c in new["cells"]:
         cells[(c["feature"], c["model"])] = {**c, "checked": _stamp(new)}
 
-    run = {"generated": new["generated"], "command": new["command"], "commit": new["commit"],
-           "cells": len(new["cells"])}
+    run: MergedRun = {"generated": new["generated"], "command": new["command"],
+                      "commit": new["commit"], "cells": len(new["cells"])}
     return {"generated": old["generated"], "command": old["command"], "commit": old["commit"],
             "cells": [cells[k] for k in sorted(cells, key=lambda k: cell_order(*k))],
             "tagged": dict(sorted({**old.get("tagged", {}), **new.get("tagged", {})}.items())),
@@ -71,14 +117,14 @@ def json_path(md_path: str) -> str:
     return os.path.splitext(md_path)[0] + ".json"
 
 
-def read_json(path: str) -> dict[str, Any]:
+def read_json(path: str) -> MatrixDoc:
     """Load a matrix JSON document (raises OSError / ValueError as `json.load` does)."""
     with open(path, encoding="utf-8") as f:
-        data: dict[str, Any] = json.load(f)
+        data: MatrixDoc = json.load(f)
     return data
 
 
-def write(md_path: str, data: dict[str, Any]) -> None:
+def write(md_path: str, data: MatrixDoc) -> None:
     """Write the Markdown at `md_path` and the JSON beside it."""
     os.makedirs(os.path.dirname(os.path.abspath(md_path)), exist_ok=True)
     with open(json_path(md_path), "w", encoding="utf-8") as f:
@@ -92,7 +138,7 @@ def _esc(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def render_markdown(data: dict[str, Any]) -> str:
+def render_markdown(data: MatrixDoc) -> str:
     """The support matrix page: a grid (features × models) and one line per checked cell."""
     cells = {(c["feature"], c["model"]): c for c in data["cells"]}
     models = [m for m in MODELS if any(k[1] == m.id for k in cells)]

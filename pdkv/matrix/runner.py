@@ -17,9 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from pdkv.matrix.cells import Cell, CheckOutcome, build_cells
+from pdkv.matrix.cells import Cell, CheckOutcome, CollectedItem, build_cells
 from pdkv.procgroup import stop_process_group
 
 MARKER_TEXT = "mark.matrix("
@@ -84,7 +83,7 @@ def pytest_command(opts: MatrixOptions, report: str, untagged: list[str]) -> lis
 
 @dataclass
 class _Progress:
-    items: list[dict[str, Any]] = field(default_factory=list)
+    items: list[CollectedItem] = field(default_factory=list)
     results: dict[str, CheckOutcome] = field(default_factory=dict)
     collected: bool = False
     tagged: dict[str, list[str]] = field(default_factory=dict)

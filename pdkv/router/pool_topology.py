@@ -1,6 +1,6 @@
 """The KV pool part of `pdkv up --pool`: the tier's spec with its stated defaults, the server it
-needs (redis-server; mooncake_master plus its store process) started on free loopback ports, and
-the engines' `--kv-transfer-config` (KVPoolConnector, kv_both).
+needs (redis-server; mooncake_master plus its store process; `pdkv.launch.services` starts it),
+and the engines' `--kv-transfer-config` (KVPoolConnector, kv_both).
 
 Defaults: dram 1 GiB in each engine's process; disk 4 GiB under `$PDKV_CACHE/kvpool` (kept
 across runs: hits survive a restart); redis: a redis-server without persistence; mooncake: a
@@ -24,7 +24,7 @@ DEFAULT_CHUNK_SIZE = 256
 
 
 class PoolServer(Protocol):
-    """What the launcher needs of a started server (`pdkv.kvpool.services.Service`)."""
+    """What the launcher needs of a started server (`pdkv.launch.services.Service`)."""
 
     address: str
 
@@ -34,25 +34,6 @@ class PoolServer(Protocol):
     def alive(self) -> bool: ...
 
     def stop(self, timeout_s: float = 5.0) -> None: ...
-
-
-def start_pool_server(tier: str, log_dir: str) -> PoolServer | None:
-    """Start the server `tier` needs (None for dram and disk), logging under `log_dir`.
-
-    Raises:
-        ValueError: unknown tier.
-        RuntimeError: the server's binary or package is missing (the message says what to
-            install) or it did not become ready in time.
-    """
-    if tier not in POOL_TIERS:
-        raise ValueError(f"unknown pool tier {tier!r}; known: {', '.join(POOL_TIERS)}")
-    if tier in ("dram", "disk"):
-        return None
-    from pdkv.kvpool import services
-
-    if tier == "redis":
-        return services.start_redis(log_dir=log_dir)
-    return services.start_mooncake(segment_bytes=MOONCAKE_SEGMENT_BYTES, log_dir=log_dir)
 
 
 def pool_tier_spec(tier: str, server: PoolServer | None) -> dict[str, str | int]:

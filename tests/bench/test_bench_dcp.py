@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from pdkv.bench.dcp import BLOCK_TOKENS, QUICK_CONTEXT_LENS, QUICK_DECODE_STEPS, sizes
-from pdkv.bench.dcp_report import kv_bytes_per_token, kv_tokens_per_rank, percentile
+from pdkv.bench.dcp.cli import BLOCK_TOKENS, QUICK_CONTEXT_LENS, QUICK_DECODE_STEPS, sizes
+from pdkv.bench.dcp.report import kv_bytes_per_token, kv_tokens_per_rank, percentile
 from pdkv.cli import main
 
 ROW_KEYS = {

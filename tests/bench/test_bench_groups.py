@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdkv.bench.groups_report import add_peer_ratios, blocks_moved, format_real_size, real_size_rows
+from pdkv.bench.groups.report import add_peer_ratios, blocks_moved, format_real_size, real_size_rows
 
 
 def brute_force_blocks(n: int, bs: int, window: int | None) -> int:
@@ -55,7 +55,7 @@ def test_peer_ratios_compare_rows_of_the_same_length():
 
 @pytest.mark.slow
 def test_tiny_swa_pull_moves_the_formula_bytes(tiny_swa):
-    from pdkv.bench.groups import run_model
+    from pdkv.bench.groups.cli import run_model
 
     (row,) = run_model(tiny_swa, [150], repeats=1, transfer="tcp", seed=0, num_threads=1)
     kinds = {g["kind"]: g for g in row["groups"]}
@@ -69,7 +69,7 @@ def test_blocks_moved_of_a_linear_state_group_is_one_slot():
 
 @pytest.mark.slow
 def test_tiny_gdn_pull_moves_the_blocks_and_one_slot(tiny_gdn):
-    from pdkv.bench.groups import run_model
+    from pdkv.bench.groups.cli import run_model
 
     (row,) = run_model(tiny_gdn, [150], repeats=1, transfer="tcp", seed=0, num_threads=1)
     kinds = {g["kind"]: g for g in row["groups"]}

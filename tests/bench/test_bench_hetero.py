@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from pdkv.bench.hetero_report import (
+from pdkv.bench.hetero.report import (
     MISMATCH,
     NO_BASELINE,
     OK,
@@ -75,7 +75,7 @@ def test_same_and_reblocked_handoffs_move_equal_bytes_in_more_reads(tiny_llama_k
 
 
 def test_cli_exits_1_on_an_output_mismatch_and_still_writes_json(monkeypatch, tmp_path, capsys):
-    from pdkv.bench import hetero
+    from pdkv.bench.hetero import cli as hetero
 
     rows = [_row("same", 64, 1000, 2, 0.01, [[5, 6]]), _row("reblock-d32", 64, 1000, 48, 0.02, [[5, 7]])]
     add_ratios(rows)

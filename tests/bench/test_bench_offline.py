@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from pdkv.bench.offline import add_cli_args, build_prompts
+from pdkv.bench.offline.cli import add_cli_args, build_prompts
 
 
 class _FakeTokenizer:
@@ -40,7 +40,7 @@ def test_cli_args_parse():
 def test_offline_bench_small_run():
     import torch
 
-    from pdkv.bench.offline import run_offline_bench
+    from pdkv.bench.offline.cli import run_offline_bench
 
     threads = torch.get_num_threads()
     # One thread: timings suffer far less when other processes share the (2) cores.

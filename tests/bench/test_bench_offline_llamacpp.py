@@ -13,10 +13,10 @@ import types
 import numpy as np
 import pytest
 
-from pdkv.bench.llamacpp_gguf import convert, extract_converter, gguf_path
-from pdkv.bench.offline import add_cli_args
-from pdkv.bench.offline_llamacpp import unavailable_reason
-from pdkv.bench.offline_report import format_workload_table, goal_for, workload_rows
+from pdkv.bench.offline.cli import add_cli_args
+from pdkv.bench.offline.llamacpp import unavailable_reason
+from pdkv.bench.offline.llamacpp_gguf import convert, extract_converter, gguf_path
+from pdkv.bench.offline.report import format_workload_table, goal_for, workload_rows
 
 
 def test_gguf_path_names_model_and_outtype(tmp_path):
@@ -42,7 +42,7 @@ def test_skip_message_names_the_make_target(tmp_path):
 
 
 def test_runner_skips_llamacpp_with_its_message(tmp_path, monkeypatch, capsys):
-    from pdkv.bench import offline_runner
+    from pdkv.bench.offline import runner as offline_runner
 
     monkeypatch.setenv("PDKV_CACHE", str(tmp_path))
     peer, reason = offline_runner._open_llamacpp("smollm2", "float32", 4, verbose=True)
@@ -179,7 +179,7 @@ def test_workload_table_says_yes_when_all_tokens_match_and_handles_missing_figur
 
 
 def test_per_batch_table_carries_the_skip_message():
-    from pdkv.bench.offline_report import format_table
+    from pdkv.bench.offline.report import format_table
 
     result = {"model": "smollm2", "dtype": "float32", "device": "cpu", "num_threads": 2,
               "input_len": 8, "output_len": 2, "torch_version": "t", "transformers_version": "x",
@@ -197,7 +197,7 @@ def test_llamacpp_peer_greedy_tokens_equal_pdkv(parity_prompts, parity_reference
     path = gguf_path("smollm2", "float32")
     if not os.path.isfile(path):
         pytest.skip(f"{path} missing (`make llama-cpp`)")
-    from pdkv.bench.offline_llamacpp import LlamaCppPeer
+    from pdkv.bench.offline.llamacpp import LlamaCppPeer
 
     n = 6
     prompts = parity_prompts[:2]
@@ -314,7 +314,7 @@ def _toy_greedy(prompt, n, vocab):
 
 
 def test_peer_runs_the_batch_as_sequences_one_decode_per_step(monkeypatch):
-    from pdkv.bench.offline_llamacpp import LlamaCppPeer
+    from pdkv.bench.offline.llamacpp import LlamaCppPeer
 
     fake = _FakeLlamaCpp()
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)

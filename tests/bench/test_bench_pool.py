@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from pdkv.bench.pool import add_cli_args, format_table, max_loadable_tokens, summarize_tier
+from pdkv.bench.pool.cli import add_cli_args, format_table, max_loadable_tokens, summarize_tier
 
 
 def _sample(cold: float, hot: float, hit: int = 2048, identical: bool = True) -> dict:

@@ -11,12 +11,13 @@ import pytest
 
 from pdkv.bench.results import write_result_json
 from pdkv.bench.serve.client import build_payload, chunk_text, parse_endpoint
+from pdkv.bench.serve.config import BenchConfig
 from pdkv.bench.serve.datasets import WordTokenizer, ids_to_prompt, sample_lengths
 from pdkv.bench.serve.metrics import compute_metrics, parse_goodput, parse_percentiles
 from pdkv.bench.serve.phases import ttft_phases
 from pdkv.bench.serve.records import RequestResult, SampleRequest
 from pdkv.bench.serve.report import build_result, format_result_table
-from pdkv.bench.serve.runner import BenchConfig, arrival_times
+from pdkv.bench.serve.runner import arrival_times
 from pdkv.bench.serve.server_metrics import (
     combine_deltas,
     counter_deltas,

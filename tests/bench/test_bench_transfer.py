@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from pdkv.bench.transfer import (
+from pdkv.bench.transfer.cli import (
     BLOCK_BYTES,
     REGION,
     Producer,
@@ -20,7 +20,7 @@ from pdkv.bench.transfer import (
     pattern_bytes,
     run_transfer_bench,
 )
-from pdkv.bench.transfer_report import (
+from pdkv.bench.transfer.report import (
     SHM_TARGET,
     TCP_TARGET,
     TCP_TARGET_MIN_MIB,

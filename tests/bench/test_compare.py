@@ -11,15 +11,15 @@ import time
 
 import pytest
 
-from pdkv.bench.compare_args import report_paths
-from pdkv.bench.compare_report import (
+from pdkv.bench.compare.args import report_paths
+from pdkv.bench.compare.report import (
     counter_deltas,
     engine_counters,
     format_bytes,
     markdown_table,
     summarize_run,
 )
-from pdkv.bench.compare_topologies import TopologySpec, parse_topologies, unsupported_reason
+from pdkv.bench.compare.topologies import TopologySpec, parse_topologies, unsupported_reason
 
 METRICS = """# TYPE pdkv:kv_transfer_bytes_received_total counter
 pdkv:kv_transfer_bytes_received_total{model_name="smollm2"} 1000.0
@@ -151,7 +151,7 @@ def test_compare_quick_end_to_end(tmp_path):
 
 
 def test_offload_topology_and_its_exposed_wait_share():
-    from pdkv.bench.compare_topologies import with_flag
+    from pdkv.bench.compare.topologies import with_flag
 
     (spec,) = parse_topologies("colocated+offload")
     assert (spec.mode, spec.offload, spec.pool, spec.instances) == ("colocated", True, False, 1)

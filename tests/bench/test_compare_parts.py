@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from pdkv.bench.compare_args import add_cli_args, parse_int_list, resolve_args, sweep
-from pdkv.bench.compare_explain import explain, measured_noise, pool_hit_rate
-from pdkv.bench.compare_netns import cap_topology, inner_argv, strip_inner
-from pdkv.bench.compare_phases import PHASE_GROUPS, latency_samples, phase_groups
-from pdkv.bench.compare_plan import (
+from pdkv.bench.compare.args import add_cli_args, parse_int_list, resolve_args, sweep
+from pdkv.bench.compare.explain import explain, measured_noise, pool_hit_rate
+from pdkv.bench.compare.netns import cap_topology, inner_argv, strip_inner
+from pdkv.bench.compare.phases import PHASE_GROUPS, latency_samples, phase_groups
+from pdkv.bench.compare.plan import (
     PlanContext,
     breakeven_lines,
     calibrate_fixed,
@@ -103,7 +103,7 @@ def test_plan_predictions_use_the_calibrated_fixed_cost_and_the_tier_bandwidth()
 
 
 def test_breakeven_lines_come_from_the_planner_with_the_measured_prefill_rate():
-    from pdkv.bench.compare_output import plan_model
+    from pdkv.bench.compare.output import plan_model
 
     rows = [_row("colocated", 1024, "cold", 0.0, phase_groups={"prefill": 10240.0}),
             _row("colocated", 128, "cold", 0.0, phase_groups={"prefill": 2000.0}),
@@ -118,7 +118,7 @@ def test_breakeven_lines_come_from_the_planner_with_the_measured_prefill_rate():
     n_star = costs.breakeven_tokens(b, 0.0, 100.0, link, fixed)
     assert any(f"above {int(-(-n_star // 1))} tokens" in x and "tcp-loopback" in x for x in lines)
     h = costs.pool_breakeven_hit_rate(128, b, 0.0, 100.0, costs_link := __import__(
-        "pdkv.bench.compare_plan", fromlist=["tier_link"]).tier_link("disk"), fixed)
+        "pdkv.bench.compare.plan", fromlist=["tier_link"]).tier_link("disk"), fixed)
     assert costs_link.bandwidth == 1e9
     assert any(x.startswith("128-token prompts") and f"{h:.3g}" in x for x in lines)
     assert "no cold run" in breakeven_lines(plan_model("smollm2"), [128], None, PlanContext("tcp", "disk"))[0]
@@ -160,8 +160,8 @@ def test_explanations_follow_the_measured_rows():
 
 
 def test_cap_topology_moves_prefill_into_p_namespace():
-    from pdkv.bench.compare_topologies import TopologySpec, launcher_args
-    from pdkv.router import launcher
+    from pdkv.bench.compare.topologies import TopologySpec, launcher_args
+    from pdkv.launch import launcher
 
     args = argparse.Namespace(model="smollm2", kv_transfer="tcp", threads_per_engine=1, routing="round_robin",
                               engine_args=["--num-kv-blocks", "64"])
@@ -187,7 +187,7 @@ def test_cap_topology_moves_prefill_into_p_namespace():
 
 def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib")
-    from pdkv.bench.compare_plots import write_plots
+    from pdkv.bench.compare.plots import write_plots
 
     rows = [_row("pd", 128, "cold", 900.0, phase_groups=phase_groups(_ttft(PD_PHASES)), tpots_ms=[1.0, 2.0],
                  itls_ms=[1.0, 3.0], p2p_bytes=2.0**20, prefix_hit_rates={"d": 0.5}),

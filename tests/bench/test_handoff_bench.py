@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdkv.bench.handoff import run_handoff_bench
-from pdkv.bench.transfer_runner import run_transfer_bench
+from pdkv.bench.handoff.cli import run_handoff_bench
+from pdkv.bench.transfer.runner import run_transfer_bench
 
 pytestmark = pytest.mark.slow
 

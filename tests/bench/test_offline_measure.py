@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdkv.bench.offline_measure import measure, throughputs
+from pdkv.bench.offline.measure import measure, throughputs
 
 
 def test_decode_part_is_taken_inside_each_run_not_as_a_difference_of_runs():

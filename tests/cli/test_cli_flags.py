@@ -134,13 +134,13 @@ def test_generate_logs_the_engines_start_up_lines(tiny_llama_kv2):
 
 
 def test_profile_step_takes_num_threads():
-    from pdkv.bench.profile_step import build_parser as profile_parser
+    from pdkv.bench.model.profile_step import build_parser as profile_parser
 
     assert profile_parser().parse_args(["--num-threads", "1"]).num_threads == 1
 
 
 def test_one_thread_is_singular_in_up_listing():
-    from pdkv.router.launcher import Child
+    from pdkv.launch.launcher import Child
 
     assert Child("p0", "http://x", [], {}, role="prefill", threads=1).describe() == "p0: prefill, http://x, 1 thread, log -"
     assert ", 2 threads," in Child("p0", "http://x", [], {}, role="prefill", threads=2).describe()

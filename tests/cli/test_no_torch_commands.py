@@ -13,7 +13,7 @@ import sys
 CHILD = """
 import sys
 import uvicorn
-import pdkv.router.demo, pdkv.router.launcher as launcher, pdkv.router.proxy, pdkv.router.proxy_cli
+import pdkv.launch.demo, pdkv.launch.launcher as launcher, pdkv.router.proxy, pdkv.router.proxy_cli
 from pdkv import cli
 
 ran = []

@@ -36,18 +36,13 @@ from pdkv.kv_transfer.connector.p2p_worker import P2PConnectorWorker  # noqa: E4
 from pdkv.kv_transfer.engine.base import ReadOp, TransferError  # noqa: E402
 from pdkv.kv_transfer.engine.tcp import TcpTransferEngine  # noqa: E402
 from pdkv.kv_transfer.wire import connect, recv_msg, send_msg  # noqa: E402
+from pdkv.launch.ports import free_port  # noqa: E402
 
 LAYOUT = {"model_digest": "m", "dtype": "float32", "block_size": 4, "num_layers": 1, "num_kv_heads": 1,
           "head_size": 8, "kv_layout": "cross_layer"}
 NB = 16
 SHAPE = (NB, 1, 2, 4, 1, 8)  # blocks, layers, K/V, block tokens, KV heads, head size: 256 B/block
 TOKENS = list(range(100, 112))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_worker(role: str, engine_id: str, **extra: Any) -> tuple[P2PConnectorWorker, torch.Tensor]:

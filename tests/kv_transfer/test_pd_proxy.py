@@ -460,7 +460,7 @@ def test_pdkv_up_pd_demo_bench_serve_and_request_logs(tmp_path, capsys):
     with vLLM's flag names runs through the proxy and counts input tokens with the model's
     tokenizer (the proxy forwards /v1/models, /tokenize and /detokenize to D); each engine logs
     one line per finished request (D's name the pulled tokens and bytes) and stats lines."""
-    from pdkv.router.demo import run_demo
+    from pdkv.launch.demo import run_demo
 
     logs = tmp_path / "logs"
     up = subprocess.Popen(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from system_packages import require_reason
 
-from pdkv.kvpool import services
+from pdkv.launch import services
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

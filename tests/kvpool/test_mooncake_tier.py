@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from pdkv.kvpool import services
 from pdkv.kvpool.tiers.base import TierError
 from pdkv.kvpool.tiers.mooncake import MooncakeTier, import_store_class
+from pdkv.launch.ports import free_port
 
 SMALL_BUFFER = 4 << 20  # values above 1 MiB take the registered-buffer path
 
@@ -140,7 +140,7 @@ def test_dead_master_at_construction_fails_fast():
     pytest.importorskip("mooncake.store")
     start = time.monotonic()
     with pytest.raises(TierError) as ei:
-        MooncakeTier(f"127.0.0.1:{services.free_port()}", timeout_s=2.0)
+        MooncakeTier(f"127.0.0.1:{free_port()}", timeout_s=2.0)
     assert ei.value.kind == "unavailable"
     assert time.monotonic() - start < 5.0
 

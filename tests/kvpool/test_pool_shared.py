@@ -90,7 +90,7 @@ def test_another_instance_with_another_hash_seed_hits_what_one_stored(redis_serv
 
 def test_redis_killed_mid_run_turns_into_misses_and_failure_counts(tmp_path):
     from pdkv import LLM, SamplingParams
-    from pdkv.kvpool.services import start_redis
+    from pdkv.launch.services import start_redis
 
     service = start_redis()
     cfg = json.dumps({"kv_connector": "KVPoolConnector", "kv_role": "kv_both",

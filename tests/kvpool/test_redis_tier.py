@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from pdkv.kvpool import services
 from pdkv.kvpool.tiers.base import TierError
 from pdkv.kvpool.tiers.redis import RedisTier
+from pdkv.launch.ports import free_port
 
 
 @pytest.fixture
@@ -139,7 +139,7 @@ def test_bad_arguments():
 
 
 def test_unreachable_server_fails_fast():
-    t = RedisTier(f"redis://127.0.0.1:{services.free_port()}/0", timeout_s=1.0)
+    t = RedisTier(f"redis://127.0.0.1:{free_port()}/0", timeout_s=1.0)
     start = time.monotonic()
     with pytest.raises(TierError) as ei:
         t.get("k")

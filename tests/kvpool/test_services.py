@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from pdkv.kvpool import services
+from pdkv.launch import services
 
 
 def _gone(pid: int) -> bool:

@@ -1,5 +1,5 @@
 """`--cpu-linear auto` and `--dtype bfloat16` on SmolLM2 (issue 14), measured as `pdkv bench
-dtype` does (pdkv/bench/dtype_parity.py): 3 prompts x 6 greedy tokens, prefilled in one batch
+dtype` does (pdkv/bench/model/dtype_parity.py): 3 prompts x 6 greedy tokens, prefilled in one batch
 and decoded batched through the engine's model code, on one torch thread (small batches).
 
 * auto == torch: a model under `--cpu-linear auto` (its table timed at load)
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdkv.bench.dtype_parity import compare_dtypes, load_with_linear
-from pdkv.bench.kv_quant import PROMPTS, greedy_run
+from pdkv.bench.model.dtype_parity import compare_dtypes, load_with_linear
+from pdkv.bench.model.kv_quant import PROMPTS, greedy_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 

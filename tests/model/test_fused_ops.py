@@ -124,7 +124,7 @@ def test_no_fused_ops_flag_and_bench_names():
     `NAME:no-fused` backends run the same attention backend without the fused ops."""
     import argparse
 
-    from pdkv.bench.offline_backends import split_backend
+    from pdkv.bench.offline.backends import split_backend
     from pdkv.engine.arg_utils import EngineArgs
 
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())

@@ -1,5 +1,5 @@
 """int8 / fp8 KV cache on SmolLM2 within a stated tolerance of the float32 cache (issue 12,
-acceptance 3), measured as `pdkv bench kvquant` does (pdkv/bench/kv_quant.py): 4 prompts x 8
+acceptance 3), measured as `pdkv bench kvquant` does (pdkv/bench/model/kv_quant.py): 4 prompts x 8
 greedy tokens. The bounds are loose on purpose (a few times what was measured; README, "Quantized
 KV cache", has the figures of a larger run): first-step max |logit difference|, first tokens,
 and the greedy common-prefix agreement with the float32 cache."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdkv.bench.kv_quant import PROMPTS, measure
+from pdkv.bench.model.kv_quant import PROMPTS, measure
 
 pytestmark = pytest.mark.slow
 

@@ -111,7 +111,7 @@ def test_panel_is_the_default_and_unknown_modes_are_refused():
 
 
 def test_cpu_linear_bench_table_has_prefill_and_decode_rows_with_ratios():
-    from pdkv.bench.offline_backends import format_backend_table
+    from pdkv.bench.offline.backends import format_backend_table
 
     def tp(pre: float, dec: float) -> dict:
         return {"prefill_tok_s": pre, "decode_tok_s": dec}

@@ -167,7 +167,7 @@ def test_flag_and_config():
 
 
 def test_backend_table_names_ratio_and_load():
-    from pdkv.bench.offline_backends import format_backend_table
+    from pdkv.bench.offline.backends import format_backend_table
 
     tp = {"decode_tok_s": 100.0}
     result = {"model": "smollm2", "dtype": "float32", "num_threads": 2, "input_len": 128, "output_len": 32,

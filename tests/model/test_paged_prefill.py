@@ -138,8 +138,8 @@ def test_bad_inputs_raise(cpu_ops):
 
 
 def test_backend_bench_prefill_table_and_cases():
-    from pdkv.bench.offline import parse_prefill_cases
-    from pdkv.bench.offline_backends import format_backend_table
+    from pdkv.bench.offline.backends import format_backend_table
+    from pdkv.bench.offline.cli import parse_prefill_cases
 
     assert parse_prefill_cases("1x512, 32x128") == ((1, 512), (32, 128))
     assert parse_prefill_cases("") == ()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pdkv.bench.chaos_load import CANCELLED, LoadResult, Outcome, make_plan
+from pdkv.bench.chaos.load import CANCELLED, LoadResult, Outcome, make_plan
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""`pdkv up --mode pd` port choice (pdkv/router/launcher.py): a producer at tp N listens on
+"""`pdkv up --mode pd` port choice (pdkv/launch/launcher.py): a producer at tp N listens on
 kv_port + r and transfer_port + r for its ranks r, so the launcher hands out N consecutive free
 ports for each and no other child gets one of them. Torch-free, no process started."""
 
@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from pdkv.router import launcher
+from pdkv.launch import launcher, ports
 
 
 def test_a_tp2_prefill_engine_gets_two_consecutive_ports_no_other_child_uses(monkeypatch):
@@ -58,13 +58,13 @@ def test_a_run_of_free_ports_skips_a_bound_one(monkeypatch):
     import itertools
     import random
 
-    monkeypatch.setattr(launcher, "socket", types.SimpleNamespace(socket=_FakeSocket))
+    monkeypatch.setattr(ports, "socket", types.SimpleNamespace(socket=_FakeSocket))
     down = itertools.count()  # candidates from the top down, so 21001 (next to the bound 21002) comes first
     monkeypatch.setattr(random, "randint", lambda low, high: high - next(down) % (high - low + 1))
     _FakeSocket.busy = {21002}
     taken = {20999, 21003}  # handed out already; with 21002 bound only 21000-21001 is a free run
-    port = launcher.free_port(taken, low=20999, high=21004, count=2)
+    port = ports.free_port(taken, low=20999, high=21004, count=2)
     assert port == 21000 and {21000, 21001} <= taken
     _FakeSocket.busy = {21000}  # now the only run left, 21004-21005, lies past `high`
     with pytest.raises(RuntimeError, match="no 2 free consecutive"):
-        launcher.free_port({20999, 21003, 21001}, low=20999, high=21004, count=2)
+        ports.free_port({20999, 21003, 21001}, low=20999, high=21004, count=2)

@@ -133,7 +133,7 @@ def test_engines_report_the_pool_chunk_size():
 def test_proxy_modules_do_not_import_torch():
     import subprocess
 
-    code = ("import sys, pdkv.router.proxy, pdkv.router.prefix_keys, pdkv.router.launcher; "
+    code = ("import sys, pdkv.router.proxy, pdkv.router.prefix_keys, pdkv.launch.launcher; "
             "from pdkv.router.prefix_keys import RequestKeyer; RequestKeyer(None).token_ids({'prompt': [1]}, False); "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -204,7 +204,7 @@ def test_colocated_round_robin_alternates_and_counts_errors(colocated):
 
 
 def test_colocated_unreachable_backend_is_502():
-    from pdkv.router.launcher import free_port
+    from pdkv.launch.ports import free_port
 
     dead = f"http://127.0.0.1:{free_port(set())}"
     srv = ServerThread(build_proxy_app([], [], "least_loaded", backend_urls=[dead]))

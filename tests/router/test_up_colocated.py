@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from pdkv.router import launcher
+from pdkv.launch import launcher
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -59,7 +59,7 @@ def test_refused_combinations(argv, match):
 
 
 def test_routing_compare_reads_counters_by_label():
-    from pdkv.bench.routing_compare import total
+    from pdkv.bench.compare.routing import total
 
     samples = {'pdkv:kv_pool_hit_tokens_total{model_name="m",tier="all"}': 64.0,
                'pdkv:kv_pool_hit_tokens_total{model_name="m",tier="redis"}': 64.0,

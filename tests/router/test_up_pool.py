@@ -15,7 +15,7 @@ import httpx
 import pytest
 from system_packages import in_ci
 
-from pdkv.router.launcher import free_port
+from pdkv.launch.ports import free_port
 
 CHUNK = 32
 PROMPT = " ".join(f"Step {i}: the river carries water down to the sea." for i in range(12))
@@ -23,7 +23,7 @@ PROMPT = " ".join(f"Step {i}: the river carries water down to the sea." for i in
 
 def _redis_ready() -> bool:
     try:
-        from pdkv.kvpool.services import start_redis  # noqa: F401
+        from pdkv.launch.services import start_redis  # noqa: F401
     except ImportError:
         return False
     import shutil
@@ -140,7 +140,7 @@ def test_up_pd_with_a_dram_pool_is_a_clear_error_and_other_tiers_get_a_multiconn
     import argparse
     import json
 
-    from pdkv.router import launcher
+    from pdkv.launch import launcher
     from pdkv.router.pool_topology import pool_kv_transfer_config, pool_tier_spec
 
     parser = launcher.add_cli_args(argparse.ArgumentParser())

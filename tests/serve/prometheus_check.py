@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 
+from pdkv.launch.ports import free_port
 from pdkv.procgroup import stop_process_group
-from pdkv.router.launcher import free_port
 
 SCRAPE_INTERVAL_S = 1.0
 RATE_WINDOW = "30s"

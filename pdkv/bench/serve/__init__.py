@@ -8,7 +8,7 @@ transfer bytes from its Prometheus `/metrics` when present.
 
 Modules: `datasets` (prompts and token counts), `client` (one timed SSE request), `metrics`
 (pure aggregate arithmetic), `server_metrics` (Prometheus deltas), `runner` (the benchmark
-loop), `report` (table and JSON), `cli` (flags).
+loop), `report` (table and JSON), `config` (`BenchConfig`), `cli` (flags).
 
 Usage::
 
@@ -21,8 +21,9 @@ Register it with `add_cli_args(parser)` and `parser.set_defaults(func=main)`.
 """
 
 from pdkv.bench.serve.cli import add_cli_args, config_from_args, main
+from pdkv.bench.serve.config import BenchConfig
 from pdkv.bench.serve.metrics import compute_metrics
-from pdkv.bench.serve.runner import BenchConfig, run_benchmark, run_serve_bench
+from pdkv.bench.serve.runner import run_benchmark, run_serve_bench
 
 __all__ = [
     "BenchConfig",

@@ -6,13 +6,14 @@ import argparse
 import os
 import sys
 import time
-from typing import Any
+from collections.abc import Mapping
 
 from pdkv.bench.results import write_result_json
 from pdkv.bench.serve.client import parse_endpoint
+from pdkv.bench.serve.config import DATASETS, BenchConfig
 from pdkv.bench.serve.metrics import parse_goodput, parse_percentiles
 from pdkv.bench.serve.report import format_errors, format_result_table
-from pdkv.bench.serve.runner import DATASETS, BenchConfig, run_serve_bench
+from pdkv.bench.serve.runner import run_serve_bench
 
 
 def _endpoint(value: str) -> str:
@@ -128,7 +129,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
 
 
-def result_path(args: argparse.Namespace, result: dict[str, Any]) -> str | None:
+def result_path(args: argparse.Namespace, result: Mapping[str, object]) -> str | None:
     """Where to write the result: --result-json, else with --save-result
     --result-dir/--result-filename (default name as vLLM's, with pdkv's endpoint), else None."""
     if args.result_json:
@@ -137,10 +138,12 @@ def result_path(args: argparse.Namespace, result: dict[str, Any]) -> str | None:
         return None
     name = args.result_filename
     if not name:
-        model = str(result.get("config", {}).get("model") or "model").replace("/", "_")
+        config = result.get("config")
+        conf = config if isinstance(config, dict) else {}
+        model = str(conf.get("model") or "model").replace("/", "_")
         rate = result.get("request_rate")
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        name = f"pdkv-{result.get('config', {}).get('endpoint', 'completions')}-{rate}qps-{model}-{stamp}.json"
+        name = f"pdkv-{conf.get('endpoint', 'completions')}-{rate}qps-{model}-{stamp}.json"
     return os.path.join(args.result_dir, name)
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
 
 import httpx
 
 from pdkv.bench.serve.records import RequestResult, SampleRequest
+from pdkv.jsontypes import JSONObject, as_object
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -40,11 +40,12 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 
 def build_payload(
     endpoint: str, model: str, sample: SampleRequest, ignore_eos: bool = True
-) -> dict[str, Any]:
+) -> JSONObject:
     """The JSON body of one streamed request for `endpoint` ("completions" or "chat")."""
-    payload: dict[str, Any] = {"model": model}
+    payload: JSONObject = {"model": model}
     if endpoint == "chat":
-        payload["messages"] = sample.messages or [{"role": "user", "content": sample.prompt}]
+        messages = sample.messages or [{"role": "user", "content": sample.prompt}]
+        payload["messages"] = [{k: v for k, v in m.items()} for m in messages]
     else:
         payload["prompt"] = sample.prompt
     payload.update(
@@ -58,7 +59,7 @@ def build_payload(
     return payload
 
 
-def chunk_text(data: dict[str, Any], endpoint: str) -> str | None:
+def chunk_text(data: JSONObject, endpoint: str) -> str | None:
     """The text a parsed chunk carries (None when it has no choices, e.g. the usage chunk).
 
     For chat this is `delta.content` (or `delta.reasoning_content` / `delta.reasoning`);
@@ -67,12 +68,19 @@ def chunk_text(data: dict[str, Any], endpoint: str) -> str | None:
     choices = data.get("choices")
     if not choices:
         return None
-    choice = choices[0]
+    if not isinstance(choices, list):
+        raise TypeError(f"choices must be a JSON array, got {type(choices).__name__}")
+    choice = as_object(choices[0], "a choice")
     if endpoint == "chat":
-        delta = choice.get("delta") or {}
+        delta = as_object(choice.get("delta") or {}, "a choice's delta")
         # Reasoning models stream their thinking in a separate field; it is output too.
-        return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
-    return choice.get("text") or ""
+        text = (delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+                or "")
+    else:
+        text = choice.get("text") or ""
+    if not isinstance(text, str):
+        raise TypeError(f"a choice's text must be a string, got {type(text).__name__}")
+    return text
 
 
 async def send_request(

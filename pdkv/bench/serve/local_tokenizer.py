@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class LocalTokenizer:
@@ -14,7 +17,7 @@ class LocalTokenizer:
 
     name = "local"
 
-    def __init__(self, hf_tokenizer: Any, source: str) -> None:
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase, source: str) -> None:
         self.hf = hf_tokenizer
         self.source = source
 

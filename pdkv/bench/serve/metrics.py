@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -120,7 +119,7 @@ def compute_metrics(
     duration: float,
     selected_percentiles: Sequence[float],
     goodput_slos: Mapping[str, float] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, float | None]:
     """Aggregate per-request measurements into the benchmark metrics (see the module doc).
 
     Args:
@@ -160,7 +159,7 @@ def compute_metrics(
             if all(per_metric[name][i] <= slo / MS_PER_S for name, slo in slos.items()):
                 good += 1
 
-    result: dict[str, Any] = {
+    result: dict[str, float | None] = {
         "duration": duration,
         "completed": len(ok),
         "failed": len(request_results) - len(ok),

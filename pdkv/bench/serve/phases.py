@@ -16,29 +16,56 @@ Reported per phase: mean and p99 in ms (numpy's linear interpolation).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 
 from pdkv.bench.serve.records import RequestResult
+from pdkv.jsontypes import JSONObject
 
 MS_PER_S = 1000.0
 CLIENT_RESIDUAL = "client_residual"
 
 
-def _phases(timings: dict[str, Any]) -> dict[str, float]:
+class PhaseStats(TypedDict):
+    """One phase over the requests, in ms."""
+
+    mean_ms: float
+    p99_ms: float
+
+
+class SumOverTTFT(TypedDict):
+    """Sum of a request's server phases / its client TTFT: mean, min, max (None: no TTFT)."""
+
+    mean: float | None
+    min: float | None
+    max: float | None
+
+
+class TTFTPhases(TypedDict):
+    """The "ttft_phases" of a result (see `ttft_phases`)."""
+
+    num_requests: int
+    modes: list[str]
+    phases: dict[str, PhaseStats]
+    mean_phase_sum_ms: float
+    mean_client_ttft_ms: float
+    sum_over_ttft: SumOverTTFT
+
+
+def _phases(timings: JSONObject) -> dict[str, float]:
     raw = timings.get("phases")
     if not isinstance(raw, dict):
         return {}
     return {str(k): float(v) for k, v in raw.items() if isinstance(v, (int, float))}
 
 
-def _total(timings: dict[str, Any], phases: dict[str, float]) -> float:
+def _total(timings: JSONObject, phases: dict[str, float]) -> float:
     total = timings.get("total")
     return float(total) if isinstance(total, (int, float)) else sum(phases.values())
 
 
-def ttft_phases(results: Sequence[RequestResult]) -> dict[str, Any] | None:
+def ttft_phases(results: Sequence[RequestResult]) -> TTFTPhases | None:
     """Aggregate the TTFT phases (see the module doc).
 
     Returns:
@@ -67,7 +94,7 @@ def ttft_phases(results: Sequence[RequestResult]) -> dict[str, Any] | None:
         ttfts.append(r.ttft)
         modes.add(str(t.get("mode") or t.get("source") or "engine"))
     names.append(CLIENT_RESIDUAL)
-    out_phases: dict[str, dict[str, float]] = {}
+    out_phases: dict[str, PhaseStats] = {}
     for name in names:
         values = np.asarray([p.get(name, 0.0) for p in per_request], dtype=np.float64)
         out_phases[name] = {"mean_ms": float(values.mean()) * MS_PER_S,

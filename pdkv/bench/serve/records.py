@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from pdkv.jsontypes import JSONObject
 
 
 @dataclass
@@ -58,4 +59,4 @@ class RequestResult:
     generated_text: str = ""
     start_time: float = 0.0
     queue_time: float = 0.0
-    pdkv_timings: dict[str, Any] | None = None
+    pdkv_timings: JSONObject | None = None

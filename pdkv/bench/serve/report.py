@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pdkv.bench.results import jsonable
+from pdkv.bench.serve.config import BenchConfig
 from pdkv.bench.serve.metrics import percentile_key, request_tpot
-from pdkv.bench.serve.phases import ttft_phases
+from pdkv.bench.serve.phases import TTFTPhases, ttft_phases
 from pdkv.bench.serve.records import RequestResult
 
 _W = 50
@@ -32,17 +33,17 @@ _METRIC_BLOCKS = (
 )
 
 
-def config_dict(cfg: Any) -> dict[str, Any]:
+def config_dict(cfg: BenchConfig) -> dict[str, object]:
     """The settings of a `BenchConfig` as plain JSON values, API key redacted."""
     out = dataclasses.asdict(cfg)
     if out.get("api_key"):
         out["api_key"] = "<redacted>"
-    return jsonable(out)
+    return {k: jsonable(v) for k, v in out.items()}
 
 
-def build_result(cfg: Any, model: str, tokenizer: str, metrics: dict[str, Any],
-                 results: Sequence[RequestResult],
-                 server_metrics: dict[str, Any] | None) -> dict[str, Any]:
+def build_result(cfg: BenchConfig, model: str, tokenizer: str,
+                 metrics: Mapping[str, float | None], results: Sequence[RequestResult],
+                 server_metrics: Mapping[str, object] | None) -> dict[str, Any]:
     """Assemble the result dict (see the module doc) from the metrics and per-request results."""
     conf = config_dict(cfg)
     conf.update(model=model, api_url=cfg.api_url, tokenizer=tokenizer)
@@ -76,7 +77,7 @@ def build_result(cfg: Any, model: str, tokenizer: str, metrics: dict[str, Any],
     return result
 
 
-def _row(label: str, value: Any, fmt: str = "") -> str:
+def _row(label: str, value: object, fmt: str = "") -> str:
     return f"{label:<40} {format(value, fmt):<10}"
 
 
@@ -148,7 +149,7 @@ SERVER_ROWS = (
 """(server_metrics key, printed label) of the counters in the table, in order."""
 
 
-def format_phases(phases: dict[str, Any]) -> list[str]:
+def format_phases(phases: TTFTPhases) -> list[str]:
     """The "TTFT Phases" block: mean and p99 per phase (ms), the sum against client TTFT."""
     lines = ["{s:{c}^{n}}".format(s="TTFT Phases (server pdkv_timings)", n=_W, c="-")]
     lines.append(f"{'Phase (requests: ' + str(phases['num_requests']) + ')':<30} {'mean ms':>9} {'p99 ms':>9}")
@@ -157,10 +158,11 @@ def format_phases(phases: dict[str, Any]) -> list[str]:
     lines.append(_row("Mean sum of server phases (ms):", phases["mean_phase_sum_ms"], ".2f"))
     lines.append(_row("Mean client TTFT (ms):", phases["mean_client_ttft_ms"], ".2f"))
     ratio = phases["sum_over_ttft"]
-    if ratio.get("mean") is not None:
-        lines.append(_row("Sum / client TTFT, mean (%):", 100.0 * ratio["mean"], ".1f"))
+    mean, low, high = ratio["mean"], ratio["min"], ratio["max"]
+    if mean is not None and low is not None and high is not None:  # all set, or none
+        lines.append(_row("Sum / client TTFT, mean (%):", 100.0 * mean, ".1f"))
         lines.append(_row("Sum / client TTFT, min..max (%):",
-                          f"{100.0 * ratio['min']:.1f}..{100.0 * ratio['max']:.1f}"))
+                          f"{100.0 * low:.1f}..{100.0 * high:.1f}"))
     return lines
 
 

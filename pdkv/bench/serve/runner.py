@@ -19,7 +19,6 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -27,83 +26,14 @@ import numpy as np
 from tqdm import tqdm
 
 from pdkv.bench.serve import datasets
-from pdkv.bench.serve.client import ENDPOINT_PATHS, auth_headers, send_request
+from pdkv.bench.serve.client import auth_headers, send_request
+from pdkv.bench.serve.config import BenchConfig
 from pdkv.bench.serve.local_tokenizer import load_local_tokenizer_async
 from pdkv.bench.serve.metrics import compute_metrics
 from pdkv.bench.serve.records import RequestResult, SampleRequest
 from pdkv.bench.serve.report import build_result
 from pdkv.bench.serve.server_metrics import combine_deltas, metrics_targets, scrape_all
 from pdkv.bench.serve.sharegpt import sharegpt_dataset
-
-DATASETS = ("random", "prefix-repetition", "multi-turn", "jsonl", "sharegpt")
-
-
-@dataclass
-class BenchConfig:
-    """Settings of one `pdkv bench serve` run (lengths in tokens, rates in req/s, SLOs in ms)."""
-
-    base_url: str = "http://127.0.0.1:8000"
-    endpoint: str = "completions"
-    model: str | None = None
-    dataset: str = "random"
-    dataset_path: str | None = None
-    num_prompts: int = 1000
-    input_len: int = 1024
-    output_len: int = 128
-    range_ratio: float = 0.0
-    prefix_len: int = 256
-    num_prefixes: int = 4
-    num_turns: int = 4
-    vocab_size: int = 49152
-    request_rate: float = math.inf
-    burstiness: float = 1.0
-    max_concurrency: int | None = None
-    seed: int = 0
-    goodput: dict[str, float] = field(default_factory=dict)
-    percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0])
-    api_key: str | None = None
-    metrics_url: str | None = None
-    scrape_metrics: bool = True
-    disable_tqdm: bool = False
-    ignore_eos: bool = True
-    request_timeout: float = 6 * 3600.0
-    tokenizer: str | None = None
-    """Local tokenizer (alias, HF id, folder) used when the server has no /tokenize (None: the
-    model name)."""
-    sharegpt_output_len: int | None = None
-
-    def __post_init__(self) -> None:
-        """Validate the settings that would otherwise fail late."""
-        if self.dataset not in DATASETS:
-            raise ValueError(f"unknown dataset {self.dataset!r}: use one of {DATASETS}")
-        if self.dataset in ("jsonl", "sharegpt") and not self.dataset_path:
-            raise ValueError(f"--dataset {self.dataset} needs --dataset-path FILE")
-        if self.endpoint not in ENDPOINT_PATHS:
-            raise ValueError(f"unknown endpoint {self.endpoint!r}")
-        if self.num_prompts < 1:
-            raise ValueError("--num-prompts must be >= 1")
-        if not self.request_rate > 0:
-            raise ValueError("--request-rate must be > 0 (or inf)")
-        if not self.burstiness > 0:
-            raise ValueError("--burstiness must be > 0")
-        if self.num_turns < 1:
-            raise ValueError("--num-turns must be >= 1")
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError("--max-concurrency must be >= 1")
-        self.base_url = self.base_url.rstrip("/")
-
-    @property
-    def api_url(self) -> str:
-        """The full URL requests are POSTed to."""
-        return self.base_url + ENDPOINT_PATHS[self.endpoint]
-
-    @property
-    def metrics_urls(self) -> list[str] | None:
-        """The Prometheus URLs given (`metrics_url`, comma-separated), None when not given (then
-        BASE_URL/metrics and, behind a pdkv proxy, its engines': server_metrics.metrics_targets)."""
-        if not self.metrics_url:
-            return None
-        return [u.strip() for u in self.metrics_url.split(",") if u.strip()]
 
 
 def arrival_times(n: int, request_rate: float, seed: int, burstiness: float = 1.0) -> list[float]:
@@ -191,7 +121,7 @@ async def dispatch(client: httpx.AsyncClient, cfg: BenchConfig, model: str,
     return results, duration
 
 
-async def run_benchmark(cfg: BenchConfig, log: Callable[[str], Any] = print) -> dict[str, Any]:
+async def run_benchmark(cfg: BenchConfig, log: Callable[[str], object] = print) -> dict[str, Any]:
     """Run the whole benchmark against `cfg.base_url`; returns the result dict (see report)."""
     headers = auth_headers(cfg.api_key)
     timeout = httpx.Timeout(cfg.request_timeout, connect=60.0)
@@ -221,7 +151,8 @@ async def run_benchmark(cfg: BenchConfig, log: Callable[[str], Any] = print) -> 
 
 
 async def pick_tokenizer(client: httpx.AsyncClient, cfg: BenchConfig, model: str,
-                         headers: dict[str, str], log: Callable[[str], Any]) -> datasets.PromptTokenizer:
+                         headers: dict[str, str],
+                         log: Callable[[str], object]) -> datasets.PromptTokenizer:
     """The server's tokenizer (/tokenize + /detokenize); without them the model's own loaded
     locally (`cfg.tokenizer`, else the model name: an alias, HF id in the local cache or
     folder); failing that, one word per token (with a warning)."""
@@ -239,6 +170,6 @@ async def pick_tokenizer(client: httpx.AsyncClient, cfg: BenchConfig, model: str
     return local
 
 
-def run_serve_bench(cfg: BenchConfig, log: Callable[[str], Any] = print) -> dict[str, Any]:
+def run_serve_bench(cfg: BenchConfig, log: Callable[[str], object] = print) -> dict[str, Any]:
     """Synchronous wrapper of `run_benchmark` (starts its own event loop)."""
     return asyncio.run(run_benchmark(cfg, log))

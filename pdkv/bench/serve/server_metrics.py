@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -99,7 +98,7 @@ def select_counters(samples: Samples | dict[str, float]) -> dict[str, float]:
 
 
 def counter_deltas(before: dict[str, float] | None,
-                   after: dict[str, float] | None) -> dict[str, Any] | None:
+                   after: dict[str, float] | None) -> dict[str, float | None] | None:
     """Deltas of the counters present after the run on one target (a counter absent before
     it started at 0), plus the prefix cache hit rate.
 
@@ -110,22 +109,21 @@ def counter_deltas(before: dict[str, float] | None,
     """
     if before is None or after is None:
         return None
-    out: dict[str, Any] = {}
-    for key in COUNTERS:
-        if key in after:  # a labelled counter has no sample before its first increment: 0
-            out[key] = after[key] - before.get(key, 0.0)
-    _hit_rate(out)
-    return out
+    # a labelled counter has no sample before its first increment: 0
+    counts = {key: after[key] - before.get(key, 0.0) for key in COUNTERS if key in after}
+    return {**counts, **_hit_rate(counts)}
 
 
-def _hit_rate(out: dict[str, Any]) -> None:
-    if "prefix_cache_queries" in out and "prefix_cache_hits" in out:
-        q = out["prefix_cache_queries"]
-        out["prefix_cache_hit_rate"] = out["prefix_cache_hits"] / q if q > 0 else None
+def _hit_rate(counts: Mapping[str, float]) -> dict[str, float | None]:
+    """{"prefix_cache_hit_rate": hits / queries (None without queries)} when both are there."""
+    if "prefix_cache_queries" in counts and "prefix_cache_hits" in counts:
+        q = counts["prefix_cache_queries"]
+        return {"prefix_cache_hit_rate": counts["prefix_cache_hits"] / q if q > 0 else None}
+    return {}
 
 
 def combine_deltas(before: Mapping[str, dict[str, float] | None],
-                   after: Mapping[str, dict[str, float] | None]) -> dict[str, Any] | None:
+                   after: Mapping[str, dict[str, float] | None]) -> dict[str, object] | None:
     """Deltas over several targets (keyed by URL): each key summed over the targets that have
     it, the hit rate of the sums, and `sources` {url: that target's deltas or None}.
 
@@ -136,14 +134,12 @@ def combine_deltas(before: Mapping[str, dict[str, float] | None],
     good = [d for d in sources.values() if d is not None]
     if not good:
         return None
-    out: dict[str, Any] = {}
+    sums: dict[str, float] = {}
     for key in COUNTERS:
-        values = [d[key] for d in good if key in d]
+        values = [v for d in good if (v := d.get(key)) is not None]
         if values:
-            out[key] = sum(values)
-    _hit_rate(out)
-    out["sources"] = sources
-    return out
+            sums[key] = sum(values)
+    return {**sums, **_hit_rate(sums), "sources": sources}
 
 
 async def scrape_counters(client: httpx.AsyncClient, url: str,

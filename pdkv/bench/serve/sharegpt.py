@@ -13,12 +13,12 @@ or prompt + output more than 2048.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import numpy as np
 
 from pdkv.bench.serve.datasets import PromptTokenizer
 from pdkv.bench.serve.records import SampleRequest
+from pdkv.jsontypes import JSONValue
 
 MIN_LEN = 4
 MAX_PROMPT_LEN = 1024
@@ -33,7 +33,7 @@ def load_pairs(path: str) -> list[tuple[str, str]]:
     """
     with open(path) as f:
         try:
-            data: Any = json.load(f)
+            data: JSONValue = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not JSON ({e}); expected ShareGPT's list of conversations") from None
     if not isinstance(data, list):

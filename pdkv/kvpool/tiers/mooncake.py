@@ -1,6 +1,6 @@
 """Mooncake Store tier: chunks as objects in a Mooncake Store, through `MooncakeDistributedStore`
 as a pure client (global_segment_size=0: the memory lives in the store process started by
-`pdkv.kvpool.services.start_mooncake`), metadata "P2PHANDSHAKE", transfer protocol tcp or rdma.
+`pdkv.launch.services.start_mooncake`), metadata "P2PHANDSHAKE", transfer protocol tcp or rdma.
 
 Store semantics handled here (measured: /work/shared/reference/MOONCAKE.md, error codes from
 mooncake-store/include/types.h):

@@ -1,0 +1,331 @@
+"""`pdkv bench handoff`: the P→D KV handoff time of one request, measured, beside `pdkv plan`'s
+prediction for the same bytes.
+
+For each transfer engine a prefill (P) and a decode (D) engine run as two processes
+(pdkv.bench.handoff.peer), like a separately launched prefill and decode server; this process
+sends each prompt to P (prefill leg, max_tokens=1), hands P's kv_transfer_params to D, and D
+pulls the prompt's KV over the P2P connector. Measured: the consumer's transfer time of that pull
+(claim, read, done acknowledgement; KVConnectorOutput.transfer_seconds) and the bytes D received.
+Predicted: `pdkv plan --kv-bytes <bytes>` on the engine's link preset (tcp-loopback / shm) or a
+measured --link-bandwidth, with the fixed cost measured by a one-block probe pull first
+(pdkv.bench.handoff.compare). PASS when within --tolerance (30 %).
+
+`--link-rate 1gbit` runs P and D in two network namespaces joined by a veth pair whose ends carry
+a tbf qdisc at that rate (pdkv.bench.netns; root and iproute2 needed, otherwise skipped with a
+message): P binds and advertises 10.77.0.1, D (and this driver's requests) come from 10.77.0.2,
+and the prediction uses `--link-bandwidth <rate in bytes/s>`. Only tcp crosses a network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
+from typing import IO, TypedDict, TypeVar
+
+from pdkv.bench.handoff.compare import (
+    DEFAULT_TOLERANCE,
+    Comparison,
+    compare,
+    engine_link,
+    fixed_from_probe,
+    format_table,
+)
+from pdkv.bench.handoff.peer import DecodeReply, HandoffRequest, PrefillReply
+from pdkv.bench.netns import NetnsPair, rate_bytes_per_s, unavailable_reason
+from pdkv.bench.results import write_result_json
+from pdkv.jsontypes import JSONObject
+
+T = TypeVar("T")
+
+
+class HandoffResult(TypedDict, total=False):
+    """What `run_handoff_bench` returns: the run's config, probes, rows and verdict, or only
+    `skipped` (why the namespaces could not be made)."""
+
+    config: dict[str, object]
+    probes: dict[str, dict[str, float]]
+    rows: list[dict[str, object]]
+    preset_rows: list[dict[str, object]]
+    all_pass: bool
+    skipped: str
+
+ENGINES = ("tcp", "shm")
+DEFAULT_PROMPT_LENS = (1024, 4096, 8192)
+MODEL_MAX_LEN = 8192  # SmolLM2's max_position_embeddings
+BLOCK_TOKENS = 16
+PROBE_TOKENS = BLOCK_TOKENS  # one block: the fixed-cost probe
+READY_TIMEOUT_S = 300.0
+REPLY_TIMEOUT_S = 1200.0
+VOCAB_LOW, VOCAB_HIGH = 1000, 49152
+
+
+class _Peer:
+    """A handoff_peer process: JSON lines in, JSON lines out, stderr to a log file."""
+
+    def __init__(self, argv: list[str], log_path: str) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in close()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True, env=env)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()
+
+    def _read(self, stream: IO[str] | None) -> None:
+        assert stream is not None
+        for line in stream:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _log_tail(self) -> str:
+        with open(self.log_path) as f:
+            return "".join(f.readlines()[-15:])
+
+    def recv(self, timeout: float) -> str:
+        """The next JSON reply line; raises RuntimeError on exit, timeout or an {"error"} reply."""
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"no reply within {timeout:g} s; log tail:\n{self._log_tail()}") from None
+        if line is None:
+            raise RuntimeError(f"peer exited (rc {self.proc.wait(10)}); log tail:\n{self._log_tail()}")
+        msg: JSONObject = json.loads(line)
+        if "error" in msg:
+            raise RuntimeError(f"peer failed: {msg['error']}; log tail:\n{self._log_tail()}")
+        return line
+
+    def call(self, msg: HandoffRequest, timeout: float = REPLY_TIMEOUT_S) -> str:
+        """Send `msg`, return the reply line (as `recv`)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return self.recv(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """EOF on stdin, then wait; kill after `timeout` s."""
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+def prompt_tokens(length: int, seed: int) -> list[int]:
+    """`length` token ids drawn uniformly from [1000, 49152) (clear of special tokens)."""
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(length)]
+
+
+def capped_lengths(prompt_lens: Sequence[int], max_model_len: int = MODEL_MAX_LEN) -> list[int]:
+    """Prompt lengths clipped to max_model_len − 1 (one position stays free for the output
+    token), in the given order without duplicates.
+
+    Raises:
+        ValueError: an empty list or a length < 1.
+    """
+    if not prompt_lens or any(n < 1 for n in prompt_lens):
+        raise ValueError(f"prompt lengths must be >= 1, got {list(prompt_lens)}")
+    return list(dict.fromkeys(min(n, max_model_len - 1) for n in prompt_lens))
+
+
+@contextlib.contextmanager
+def _peers(transfer: str, lens: Sequence[int], pair: NetnsPair | None, log_dir: str) -> Iterator[tuple[_Peer, _Peer]]:
+    max_len = min(MODEL_MAX_LEN, max(lens) + BLOCK_TOKENS)
+    blocks = -(-max_len // BLOCK_TOKENS) + 8  # the longest prompt plus the probe
+    common = ["--transfer", transfer, "--num-kv-blocks", str(blocks), "--max-model-len", str(max_len)]
+    py = [sys.executable, "-m", "pdkv.bench.handoff.peer"]
+    host = pair.host("p") if pair else "127.0.0.1"
+    p_argv = (pair.exec_prefix("p") if pair else []) + py + ["p", "--host", host] + common
+    d_argv = (pair.exec_prefix("d") if pair else []) + py + ["d"] + common
+    p = _Peer(p_argv, os.path.join(log_dir, f"p-{transfer}.log"))
+    d = None
+    try:
+        d = _Peer(d_argv, os.path.join(log_dir, f"d-{transfer}.log"))
+        p.recv(READY_TIMEOUT_S)
+        d.recv(READY_TIMEOUT_S)
+        yield p, d
+    finally:
+        if d is not None:
+            d.close()
+        p.close()
+
+
+def _handoff(p: _Peer, d: _Peer, ids: list[int]) -> tuple[PrefillReply, DecodeReply]:
+    pre: PrefillReply = json.loads(p.call({"prompt_token_ids": ids}))
+    got: DecodeReply = json.loads(
+        d.call({"prompt_token_ids": ids, "kv_transfer_params": pre["kv_transfer_params"]}))
+    return pre, got
+
+
+def run_handoff_bench(transfers: Sequence[str] = ENGINES, prompt_lens: Sequence[int] = DEFAULT_PROMPT_LENS,
+                      link_rate: str | None = None, bandwidths: dict[str, float] | None = None,
+                      fixed_s: float | None = None, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0,
+                      print_table: bool = True) -> HandoffResult:
+    """Measure one request's handoff per transfer engine and prompt length and compare each with
+    `pdkv plan`.
+
+    Args:
+        transfers: transfer engines (tcp, shm); with link_rate only tcp.
+        prompt_lens: prompt tokens (clipped to 8191: SmolLM2 holds 8192 positions).
+        link_rate: tc rate (e.g. "1gbit") of a namespace-pair link P and D talk over; None =
+            loopback in the root namespace.
+        bandwidths: measured effective bytes/s per engine (`pdkv bench transfer`) replacing the
+            preset's; ignored with link_rate.
+        fixed_s: per-handoff fixed cost (s) for the prediction; None = measured by a one-block
+            probe pull before the prompts.
+        tolerance: PASS when |measured − predicted| ≤ tolerance · predicted.
+        seed: prompt token seed.
+        print_table: print progress and the table.
+
+    Returns:
+        {"config": {...}, "rows": [Comparison fields + ratio, pass, plan_command],
+        "preset_rows": the same against the presets when `bandwidths` replaced them,
+        "probes": {transfer: {"seconds", "first_seconds", "bytes", "fixed_s"}}, "all_pass": bool
+        (judged on "rows")} or, when the
+        namespaces cannot be made, {"skipped": reason}.
+
+    Raises:
+        ValueError: bad engines, lengths or rate.
+        RuntimeError: a peer failed, timed out, or an ip/tc command failed.
+    """
+    transfers = list(dict.fromkeys(transfers))
+    bad = [t for t in transfers if t not in ENGINES]
+    if not transfers or bad:
+        raise ValueError(f"transfers must be from {ENGINES}, got {transfers}")
+    lens = capped_lengths(prompt_lens)
+    rate_bps = rate_bytes_per_s(link_rate) if link_rate else None
+    if link_rate and transfers != ["tcp"]:
+        raise ValueError("--link-rate caps a network link: only --transfer tcp crosses one")
+    say = print if print_table else (lambda *a, **k: None)
+    if link_rate:
+        reason = unavailable_reason()
+        if reason:
+            say(f"pdkv bench handoff --link-rate {link_rate}: skipped: {reason}")
+            return {"skipped": reason}
+    rows: list[Comparison] = []
+    preset_rows: list[Comparison] = []  # the same measurements against the presets (reference)
+    probes: dict[str, dict[str, float]] = {}
+    config: dict[str, object] = {"transfers": transfers, "prompt_lens": lens,
+                                 "link_rate": link_rate,
+              "bandwidths": bandwidths or {}, "fixed_s": fixed_s, "tolerance": tolerance, "seed": seed}
+    with tempfile.TemporaryDirectory(prefix="pdkv-handoff-") as log_dir, \
+            (NetnsPair(rate=link_rate) if link_rate else contextlib.nullcontext()) as pair:
+        if pair is not None:
+            say(f"namespaces {pair.ns('p')} ({pair.host('p')}) and {pair.ns('d')} ({pair.host('d')}); "
+                f"{pair.qdisc('p')}")
+        for transfer in transfers:
+            link = engine_link(transfer, (bandwidths or {}).get(transfer), rate_bps, link_rate or "")
+            say(f"[{transfer}] starting P and D ...", flush=True)
+            with _peers(transfer, lens, pair, log_dir) as (p, d):
+                # Two one-block probes: the first also pays the handshake and the data
+                # connection (cached per peer afterwards); the second is the steady-state cost.
+                _, cold = _handoff(p, d, prompt_tokens(PROBE_TOKENS, seed + 998))
+                _, probe = _handoff(p, d, prompt_tokens(PROBE_TOKENS, seed + 999))
+                probe_s = sum(probe["transfer_seconds"])
+                fixed = fixed_s if fixed_s is not None else fixed_from_probe(probe_s, probe["bytes"], link)
+                probes[transfer] = {"seconds": probe_s, "bytes": probe["bytes"], "fixed_s": fixed,
+                                    "first_seconds": sum(cold["transfer_seconds"])}
+                say(f"[{transfer}] probe: {PROBE_TOKENS} tokens, {probe['bytes']:.0f} B in "
+                    f"{probe_s * 1e3:.2f} ms (first pull {probes[transfer]['first_seconds'] * 1e3:.2f} ms) → "
+                    f"fixed cost {fixed * 1e3:.2f} ms", flush=True)
+                for i, n in enumerate(lens):
+                    pre, got = _handoff(p, d, prompt_tokens(n, seed + i))
+                    row = compare(transfer, link, n, got["bytes"], sum(got["transfer_seconds"]),
+                                  fixed, pre["prefill_s"])
+                    rows.append(row)
+                    if link.name == "custom" and not link_rate:  # the preset too, for reference
+                        preset_rows.append(compare(transfer, engine_link(transfer), n, row.nbytes,
+                                                   row.measured_s, fixed, row.prefill_s))
+                    say(f"[{transfer}] {n} tokens: prefill {pre['prefill_s']:.1f} s, handoff "
+                        f"{row.measured_s * 1e3:.1f} ms measured / {row.predicted_s * 1e3:.1f} ms "
+                        f"predicted ({row.plan_command()})", flush=True)
+    if print_table:
+        print()
+        print(format_table(rows, tolerance))
+        if preset_rows:
+            print("\nthe same measurements against the link presets (not judged):")
+            print(format_table(preset_rows, tolerance))
+    return {
+        "config": config,
+        "probes": probes,
+        "rows": [dict(asdict(r), ratio=r.ratio, measured_gbps=r.measured_gbps,
+                      plan_command=r.plan_command(), **{"pass": r.within(tolerance)}) for r in rows],
+        "preset_rows": [dict(asdict(r), ratio=r.ratio, plan_command=r.plan_command(),
+                             **{"pass": r.within(tolerance)}) for r in preset_rows],
+        "all_pass": all(r.within(tolerance) for r in rows),
+    }
+
+
+def _parse_list(text: str, kind: Callable[[str], T]) -> list[T]:
+    try:
+        vals = [kind(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+    if not vals:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+    return vals
+
+
+def _parse_bandwidths(values: list[str] | None) -> dict[str, float]:
+    out = {}
+    for v in values or []:
+        engine, _, bw = v.partition("=")
+        if engine not in ENGINES or not bw:
+            raise ValueError(f"--link-bandwidth takes ENGINE=BYTES_PER_S with ENGINE in {ENGINES}, got {v!r}")
+        out[engine] = float(bw)
+    return out
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `pdkv bench handoff` flags."""
+    parser.add_argument("--transfer", type=lambda s: _parse_list(s, str), default=None,
+                        help="comma-separated transfer engines from tcp,shm (default tcp,shm; tcp "
+                             "with --link-rate)")
+    parser.add_argument("--prompt-lens", type=lambda s: _parse_list(s, int), default=",".join(map(str, DEFAULT_PROMPT_LENS)),
+                        help="comma-separated prompt lengths in tokens (8192 runs as 8191)")
+    parser.add_argument("--link-rate", default=None,
+                        help="cap the P→D link with tbf at this rate (e.g. 1gbit): P and D in two "
+                             "network namespaces (root, iproute2); tcp only")
+    parser.add_argument("--link-bandwidth", action="append", default=None, metavar="ENGINE=B/s",
+                        help="measured effective bandwidth replacing the preset's (from `pdkv bench "
+                             "transfer`), e.g. tcp=2.1e9; repeatable")
+    parser.add_argument("--fixed-cost", type=float, default=None,
+                        help="per-handoff fixed cost, seconds (default: measured by a one-block probe)")
+    parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                        help="PASS when |measured − predicted| <= tolerance × predicted")
+    parser.add_argument("--seed", type=int, default=0, help="prompt token seed")
+    parser.add_argument("--result-json", default=None, help="write the result dict to this file")
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run from `add_cli_args` flags; exit code 0 when every row passes (or the run was skipped), 1
+    otherwise."""
+    # A plain `kill` unwinds like Ctrl-C: peers stop and the namespaces are deleted.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    transfers = args.transfer or (["tcp"] if args.link_rate else list(ENGINES))
+    result = run_handoff_bench(transfers, args.prompt_lens, args.link_rate,
+                               _parse_bandwidths(args.link_bandwidth), args.fixed_cost,
+                               args.tolerance, args.seed)
+    if args.result_json:
+        write_result_json(result, args.result_json)
+    return 0 if result.get("skipped") or result["all_pass"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(add_cli_args(argparse.ArgumentParser(description=__doc__)).parse_args()))

@@ -1,0 +1,362 @@
+"""`pdkv up`: start a whole local topology (colocated, or P/D with a proxy) as processes on free
+ports, wait until healthy, print the endpoint, stop everything on Ctrl-C or when a child dies.
+With `--pool TIER` (colocated) the engine gets a KVPoolConnector and the server the tier needs
+(redis-server, or mooncake_master plus its store process) is started first and stopped last.
+`--mode colocated --num-instances N` (N > 1) starts N kv_both instances (sharing the pool, if any)
+behind a proxy in colocated mode that routes with `--routing`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from pdkv.launch.ports import free_port
+from pdkv.launch.services import start_pool_server
+from pdkv.router.policies import DEFAULT_MAX_IMBALANCE, POLICIES
+from pdkv.router.pool_topology import (
+    DEFAULT_CHUNK_SIZE,
+    POOL_TIERS,
+    PoolServer,
+    pool_kv_transfer_config,
+    pool_tier_spec,
+)
+
+
+def engine_world_size(engine_args: list[str]) -> int:
+    """Worker ranks of an engine started with `engine_args`: its TP size (`--tensor-parallel-size
+    N` / `-tp N`, default 1; DCP ranks are TP ranks, as in vLLM)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    known, _ = parser.parse_known_args([a for a in engine_args if a != "--"])
+    return max(1, int(known.tensor_parallel_size))
+
+
+@dataclass
+class Child:
+    """One process of the topology: `role` says what it does (prefill / decode / colocated
+    engine / proxy), `threads` its torch CPU threads (0: not an engine)."""
+
+    name: str
+    url: str
+    cmd: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: str = ""
+    role: str = ""
+    threads: int = 0
+
+    def describe(self) -> str:
+        """One line for `pdkv up`'s listing: name, role, URL, threads, log file."""
+        threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}" if self.threads else "-"
+        return f"{self.name}: {self.role}, {self.url}, {threads}, log {self.log_path or '-'}"
+
+
+@dataclass
+class Topology:
+    """Processes to start; `endpoint` is what clients talk to; `services` are servers started
+    before the children (a pool tier's), stopped after them."""
+
+    children: list[Child] = field(default_factory=list)
+    endpoint: str = ""
+    services: list[PoolServer] = field(default_factory=list)
+
+    def start(self, log_dir: str) -> None:
+        os.makedirs(log_dir, exist_ok=True)
+        for c in self.children:
+            c.log_path = os.path.join(log_dir, f"{c.name}.log")
+            log = open(c.log_path, "wb")  # noqa: SIM115 - owned by the child process
+            c.proc = subprocess.Popen(c.cmd, stdout=log, stderr=subprocess.STDOUT, env=c.env,
+                                      start_new_session=True)
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Raises RuntimeError when a child dies or is not healthy in time (names it + its log)."""
+        deadline = time.monotonic() + timeout
+        pending = list(self.children)
+        while pending:
+            for c in list(pending):
+                assert c.proc is not None
+                if c.proc.poll() is not None:
+                    raise RuntimeError(f"{c.name} exited with {c.proc.returncode}; see {c.log_path}")
+                try:
+                    if httpx.get(c.url + "/health", timeout=2.0).status_code == 200:
+                        pending.remove(c)
+                except httpx.HTTPError:
+                    pass
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"not healthy after {timeout:.0f} s: {[c.name for c in pending]}")
+            if pending:
+                time.sleep(0.5)
+
+    def start_healthy(self, log_dir: str, timeout: float) -> bool:
+        """Start every child and wait until all are healthy. On failure print why (and the last
+        lines of each dead child's log) to stderr and return False; the caller still stops the
+        rest with stop()."""
+        self.start(log_dir)
+        try:
+            self.wait_healthy(timeout)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            for c in self.children:
+                if c.proc is not None and c.proc.poll() is not None:
+                    print(f"--- last lines of {c.log_path}:\n{_tail(c.log_path)}", file=sys.stderr)
+            return False
+        return True
+
+    def dead_child(self) -> Child | None:
+        for c in self.children:
+            if c.proc is not None and c.proc.poll() is not None:
+                return c
+        return None
+
+    def dead_service(self) -> PoolServer | None:
+        return next((s for s in self.services if not s.alive()), None)
+
+    def stop(self) -> None:
+        """Stop the children (SIGTERM to each process group, SIGKILL after 15 s), then the
+        services (each with its own deadline)."""
+        try:
+            self._stop_children()
+        finally:
+            for svc in reversed(self.services):
+                svc.stop(5.0)
+
+    def _stop_children(self) -> None:
+        for c in reversed(self.children):
+            if c.proc is not None and c.proc.poll() is None:
+                os.killpg(c.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for c in self.children:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(c.proc.pid, signal.SIGKILL)
+                c.proc.wait(5)
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = None) -> Topology:
+    """Commands for the chosen mode; engine flags after `--` are passed to every engine;
+    `kv_transfer_config` (a KV pool's) goes to the engine (colocated) or, under P/D, into a
+    MultiConnector on every engine: P = [P2P producer, pool producer], D = [pool consumer, P2P
+    consumer]."""
+    host = "127.0.0.1"
+    py = [sys.executable, "-m", "pdkv.cli"]
+    engine_flags = ["--model", args.model, *args.engine_args]
+    if getattr(args, "disable_log_requests", False):
+        engine_flags.append("--disable-log-requests")
+    n_engines = args.num_instances if args.mode == "colocated" else args.num_prefill + args.num_decode
+    threads = args.threads_per_engine or max(1, (os.cpu_count() or 1) // n_engines)
+    env = dict(os.environ, PDKV_NUM_THREADS=str(threads))
+    topo = Topology()
+    taken: set[int] = set()
+    if args.mode == "colocated":
+        kv = ["--kv-transfer-config", kv_transfer_config] if kv_transfer_config else []
+        if args.num_instances == 1:
+            port = args.port or free_port(taken)
+            topo.children.append(Child("engine", f"http://{host}:{port}", py + [
+                "serve", *engine_flags, "--host", host, "--port", str(port), *kv], env,
+                role="colocated engine" + (" (kv_both, pool)" if kv else ""), threads=threads))
+            topo.endpoint = f"http://{host}:{port}"
+            return topo
+        urls = []
+        for i in range(args.num_instances):
+            port = free_port(taken)
+            urls.append(f"http://{host}:{port}")
+            topo.children.append(Child(f"engine{i}", urls[-1], py + [
+                "serve", *engine_flags, "--host", host, "--port", str(port), *kv], env,
+                role="colocated engine" + (" (kv_both, pool)" if kv else ""), threads=threads))
+        port = args.port or free_port(taken)
+        topo.children.append(Child("proxy", f"http://{host}:{port}", py + [
+            "proxy", "--backends", ",".join(urls), "--host", host, "--port", str(port),
+            *_routing_flags(args)], dict(os.environ), role=f"proxy (colocated, {args.routing})"))
+        topo.endpoint = f"http://{host}:{port}"
+        return topo
+    prefill_urls: list[str] = []
+    decode_urls: list[str] = []
+    for role, count, urls in (("kv_producer", args.num_prefill, prefill_urls),
+                              ("kv_consumer", args.num_decode, decode_urls)):
+        for i in range(count):
+            port = free_port(taken)
+            extra: dict[str, object] = {"transfer": args.kv_transfer}
+            if role == "kv_producer":  # every listening port is chosen here, none ephemeral
+                ranks = engine_world_size(args.engine_args)  # rank r listens on port + r
+                extra.update(kv_port=free_port(taken, count=ranks), transfer_port=free_port(taken, count=ranks))
+            cfg: dict[str, object] = {"kv_connector": "P2PConnector", "kv_role": role,
+                                      "kv_load_failure_policy": args.kv_load_failure_policy,
+                                      "kv_connector_extra_config": extra}
+            if kv_transfer_config:  # P/D + pool: P saves into the pool, D loads from it first
+                pool = dict(json.loads(kv_transfer_config), kv_role=role)
+                children = [cfg, pool] if role == "kv_producer" else [pool, cfg]
+                cfg = {"kv_connector": "MultiConnector", "kv_role": role,
+                       "kv_connector_extra_config": {"connectors": children}}
+            name = ("prefill" if role == "kv_producer" else "decode") + str(i)
+            what = "prefill (kv_producer)" if role == "kv_producer" else "decode (kv_consumer)"
+            topo.children.append(Child(name, f"http://{host}:{port}", py + [
+                "serve", *engine_flags, "--host", host, "--port", str(port),
+                "--kv-transfer-config", json.dumps(cfg)], env,
+                role=what + (", pool" if kv_transfer_config else ""), threads=threads))
+            urls.append(f"http://{host}:{port}")
+    port = args.port or free_port(taken)
+    topo.children.append(Child("proxy", f"http://{host}:{port}", py + [
+        "proxy", "--prefill", ",".join(prefill_urls), "--decode", ",".join(decode_urls),
+        "--host", host, "--port", str(port), *_routing_flags(args), *_skip_flags(args)], dict(os.environ),
+        role=f"proxy (P/D, {args.routing})"))
+    topo.endpoint = f"http://{host}:{port}"
+    return topo
+
+
+def _skip_flags(args: argparse.Namespace) -> list[str]:
+    """--skip-prefill-on-pool-hit for the P/D proxy (with the model as its tokenizer)."""
+    if not getattr(args, "skip_prefill_on_pool_hit", False):
+        return []
+    flags = ["--skip-prefill-on-pool-hit"]
+    return flags if args.routing == "prefix_aware" else flags + ["--tokenizer", args.model]
+
+
+def _routing_flags(args: argparse.Namespace) -> list[str]:
+    """The proxy's routing flags; prefix_aware gets the engines' model as its tokenizer."""
+    flags = ["--routing", args.routing]
+    if args.routing == "prefix_aware":
+        flags += ["--tokenizer", args.model,
+                  "--prefix-aware-max-imbalance", str(args.prefix_aware_max_imbalance)]
+    return flags
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Raises ValueError for a combination `pdkv up` cannot start (naming what can)."""
+    if args.num_prefill < 1 or args.num_decode < 1:
+        raise ValueError("--num-prefill and --num-decode must be >= 1")
+    if args.num_instances < 1:
+        raise ValueError("--num-instances must be >= 1")
+    if args.num_instances > 1 and args.mode != "colocated":
+        raise ValueError("--num-instances is for --mode colocated (P/D: --num-prefill / --num-decode)")
+    if getattr(args, "skip_prefill_on_pool_hit", False) and (args.mode != "pd" or args.pool is None):
+        raise ValueError("--skip-prefill-on-pool-hit needs --mode pd with --pool disk|redis|mooncake")
+    if args.pool == "dram" and args.mode == "pd":
+        raise ValueError("--pool dram lives inside one process; P and D are separate processes: "
+                         "use --pool disk, redis or mooncake with --mode pd")
+    if args.pool == "dram" and args.num_instances > 1:
+        raise ValueError("a dram pool lives inside one engine process and cannot be shared by "
+                         f"{args.num_instances} instances: use --pool disk, redis or mooncake")
+    own = any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=")
+              for a in getattr(args, "engine_args", []) or [])
+    if own and (args.mode == "pd" or args.pool is not None):
+        raise ValueError("pdkv up sets the engines' --kv-transfer-config itself with --mode pd or --pool "
+                         "(P2PConnector over --kv-transfer, pools with --pool): leave it out of the engine flags "
+                         "after --, or start the engines with pdkv serve")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", default="smollm2", help="alias (smollm2) or HF folder")
+    parser.add_argument("--mode", choices=["colocated", "pd"], default="pd",
+                        help="one engine, or prefill + decode engines behind a proxy")
+    parser.add_argument("--num-prefill", type=int, default=1, help="prefill engines (pd)")
+    parser.add_argument("--num-decode", type=int, default=1, help="decode engines (pd)")
+    parser.add_argument("--skip-prefill-on-pool-hit", action="store_true",
+                        help="pd with --pool: the proxy sends a prompt straight to D when (by its record) the "
+                             "pool holds every loadable chunk of it")
+    parser.add_argument("--num-instances", type=int, default=1,
+                        help="colocated: kv_both instances; more than 1 puts a proxy in front (--routing) and "
+                             "shares the --pool among them")
+    parser.add_argument("--kv-transfer", choices=["tcp", "shm", "mooncake"], default="tcp",
+                        help="transfer engine (mooncake needs the optional package and libibverbs1)")
+    parser.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="fail",
+                        help="what a decode engine does when a KV pull fails")
+    parser.add_argument("--pool", choices=POOL_TIERS, default=None,
+                        help="a KV pool with this tier (colocated: KVPoolConnector kv_both; pd: a MultiConnector "
+                             "on P and D, not dram): dram 1 GiB; disk 4 GiB under $PDKV_CACHE/kvpool, kept "
+                             "across runs; redis / mooncake (1 GiB) start their server on a free loopback port, "
+                             "stopped with the rest")
+    parser.add_argument("--pool-chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
+                        help="pool chunk in tokens (a multiple of the block size)")
+    parser.add_argument("--routing", choices=sorted(POLICIES), default="round_robin",
+                        help="proxy routing within each pool (prefix_aware: the instance whose prefix the proxy "
+                             "routed there before, bounded by load)")
+    parser.add_argument("--prefix-aware-max-imbalance", type=float, default=DEFAULT_MAX_IMBALANCE,
+                        help="prefix_aware: most in-flight share above the mean an instance takes for its prefix")
+    parser.add_argument("--port", type=int, default=0,
+                        help="the proxy's (pd, colocated with N > 1) or the server's (colocated); 0 = free")
+    parser.add_argument("--threads-per-engine", type=int, default=0, help="0 = cores / engines")
+    parser.add_argument("--log-dir", default="pdkv-logs", help="one log file per process")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="engines write no line per finished request")
+    parser.add_argument("--health-timeout", type=float, default=300.0)
+    parser.add_argument("--demo", action="store_true",
+                        help="send demo chat prompts through the endpoint, print answers and timings, then stop")
+    parser.add_argument("engine_args", nargs=argparse.REMAINDER,
+                        help="after --: flags for every engine (e.g. -- --num-kv-blocks 512)")
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    check_args(args)
+    args.engine_args = [a for a in args.engine_args if a != "--"]
+
+    def _terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM/SIGINT (also when started in the background): stop all
+
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _terminate)
+    services: list[PoolServer] = []
+    topo = Topology(services=services)  # until the real one is built: stops what started so far
+    try:
+        kv_config = None
+        if args.pool is not None:
+            os.makedirs(args.log_dir, exist_ok=True)
+            try:
+                server = start_pool_server(args.pool, args.log_dir)
+            except RuntimeError as e:
+                print(f"error: pool server for {args.pool}: {e}", file=sys.stderr)
+                return 1
+            if server is not None:
+                services.append(server)
+            kv_config = pool_kv_transfer_config(pool_tier_spec(args.pool, server), args.pool_chunk_size)
+            print(f"pool: {args.pool}" + (f" at {server.address} (pids {server.pids})" if server else "")
+                  + f", chunk {args.pool_chunk_size} tokens", flush=True)
+        topo = build_topology(args, kv_config)
+        topo.services = services
+        print(f"starting {len(topo.children)} processes: {[c.name for c in topo.children]} "
+              f"(logs in {args.log_dir}/)", flush=True)
+        if not topo.start_healthy(args.log_dir, args.health_timeout):
+            return 1
+        for c in topo.children:
+            print(f"  {c.describe()}", flush=True)
+        print(f"ready: {topo.endpoint}  (OpenAI API at {topo.endpoint}/v1)", flush=True)
+        if args.demo:
+            from pdkv.launch.demo import run_demo
+
+            run_demo(topo.endpoint, [c.url for c in topo.children if c.name.startswith("decode")], args.model)
+            return 0
+        while True:
+            dead = topo.dead_child()
+            if dead is not None:
+                print(f"{dead.name} exited ({dead.proc.returncode if dead.proc else '?'}); stopping all; "
+                      f"see {dead.log_path}", file=sys.stderr)
+                return 1
+            dead_svc = topo.dead_service()
+            if dead_svc is not None:
+                print(f"pool server {dead_svc.address} exited; stopping all", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("stopping", flush=True)
+        return 0
+    finally:
+        topo.stop()
