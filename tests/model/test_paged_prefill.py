@@ -156,3 +156,19 @@ def test_backend_bench_prefill_table_and_cases():
     table = format_backend_table(result)
     assert "| prefill B x L | torch prefill tok/s | cpu_paged prefill tok/s | cpu_paged / torch |" in table
     assert "| 32 x 128 | 1000.0 | 1500.0 | 1.50x | NO |" in table
+
+
+def test_backend_bench_runs_decode_and_prefill_cases_on_a_tiny_model():
+    """The comparison itself, end to end on a tiny model: both engines decode and prefill the
+    same tokens (it once unpacked run_pdkv's three values into two and failed on every prefill
+    case)."""
+    from pdkv.bench.offline.backends import run_backend_bench
+
+    result = run_backend_bench(model="tiny-llama-kv2", backends=("torch", "cpu_paged"),
+                               batch_sizes=(2,), input_len=8, output_len=3, num_threads=1,
+                               prefill_cases=((2, 16),), verbose=False)
+    (case,) = result["prefill"]
+    assert (case["batch_size"], case["input_len"]) == (2, 16)
+    assert case["greedy_equal"] == {"torch": True, "cpu_paged": True}
+    assert case["cpu_paged"]["prefill_tok_s"] > 0
+    assert result["results"][0]["greedy_equal"] == {"torch": True, "cpu_paged": True}

@@ -160,7 +160,7 @@ def _prefill_case(engines: dict[str, LLM], tokenizer: PreTrainedTokenizerBase, b
     for name, llm in engines.items():
         best = float("inf")
         for _ in range(max(1, repeats)):
-            dt, toks[name] = run_pdkv(llm, prompts, 1, device)
+            dt, toks[name], _ = run_pdkv(llm, prompts, 1, device)
             best = min(best, dt)
         entry[name] = {"prefill_s": best, "prefill_tok_s": b * n / best}
     names = list(engines)
