@@ -36,6 +36,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from pdkv.modelspec.hf_config import spec_from_hf_config
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "DeepseekV3ForCausalLM",
                            "Qwen3NextForCausalLM", "KimiLinearForCausalLM")
 KIMI_ARCHITECTURES = ("KimiLinearForCausalLM",)
@@ -328,10 +330,8 @@ def sliding_layers(cfg: dict[str, Any], arch: str) -> tuple[int | None, tuple[st
 
 def hybrid_state_kinds(cfg: dict[str, object]) -> list[str]:
     """The non-full-attention state kinds an HF config.json declares ("sliding_window", "mla",
-    "linear_state"), read by the cost model's parser (`pdkv.plan.model`); [] for a dense model
+    "linear_state"), read by the cost model's parser (`pdkv.modelspec.hf_config`); [] for a dense model
     or a config that parser cannot read."""
-    from pdkv.plan.model import spec_from_hf_config
-
     try:
         spec = spec_from_hf_config(dict(cfg))
     except (ValueError, KeyError, TypeError):

@@ -6,8 +6,9 @@ import argparse
 import sys
 from typing import Any
 
-from pdkv.plan import costs, dtypes, links
-from pdkv.plan.model import spec_from_hf_config
+from pdkv.modelspec import dtypes
+from pdkv.modelspec.hf_config import spec_from_hf_config
+from pdkv.plan import costs, links
 from pdkv.plan.planner import PlanInputs, make_plan
 from pdkv.plan.report import render_json, render_text
 from pdkv.plan.resolve import bundled_names, load_config

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pdkv.modelspec.dtypes import ElementType, element_type
+from pdkv.modelspec.groups import MLA, FullAttention, LinearState, SlidingWindow
+from pdkv.modelspec.hf_config import ModelSpec
 from pdkv.plan import afd, capacity, costs
-from pdkv.plan.dtypes import ElementType, element_type
-from pdkv.plan.groups import MLA, FullAttention, LinearState, SlidingWindow
 from pdkv.plan.links import Link
-from pdkv.plan.model import ModelSpec
 
 Value = float | int | str | None
 

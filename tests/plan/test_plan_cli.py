@@ -99,7 +99,7 @@ def test_handoff_names_the_pull_case_and_the_layerwise_case(capsys):
 
 
 def test_sliding_window_blocks_are_those_of_the_window():
-    from pdkv.plan.groups import SlidingWindow
+    from pdkv.modelspec.groups import SlidingWindow
 
     g = SlidingWindow(num_layers=1, num_kv_heads=1, head_dim=8, window=40)
     assert g.block_tokens_held(30, 16) == 32  # blocks 0..1

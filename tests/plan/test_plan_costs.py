@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdkv.modelspec.hf_config import spec_from_hf_config
 from pdkv.plan.afd import activation_traffic
 from pdkv.plan.capacity import pd_ratio
 from pdkv.plan.costs import (
@@ -14,7 +15,6 @@ from pdkv.plan.costs import (
     pool_breakeven_hit_rate,
 )
 from pdkv.plan.links import PRESETS, Link
-from pdkv.plan.model import spec_from_hf_config
 from pdkv.plan.planner import PlanInputs, check_parallel, make_plan
 from pdkv.plan.resolve import load_config
 

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from pdkv.plan.dtypes import element_type
-from pdkv.plan.groups import MLA, FullAttention, LinearState, SlidingWindow, heads_per_rank
-from pdkv.plan.model import spec_from_hf_config
+from pdkv.modelspec.dtypes import element_type
+from pdkv.modelspec.groups import MLA, FullAttention, LinearState, SlidingWindow, heads_per_rank
+from pdkv.modelspec.hf_config import spec_from_hf_config
 from pdkv.plan.resolve import load_config
 
 FP32, BF16 = element_type("fp32"), element_type("bf16")

@@ -23,7 +23,7 @@ from pdkv.bench.compare.plan import (
 )
 from pdkv.bench.compare.plots import write_plots
 from pdkv.bench.compare.report import render_report
-from pdkv.plan.model import ModelSpec, spec_from_hf_config
+from pdkv.modelspec.hf_config import ModelSpec, spec_from_hf_config
 from pdkv.plan.resolve import load_config
 
 

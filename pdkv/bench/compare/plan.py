@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdkv.bench.handoff.compare import engine_link, fixed_from_probe
+from pdkv.modelspec.hf_config import ModelSpec
 from pdkv.plan import costs, links
-from pdkv.plan.model import ModelSpec
 from pdkv.plan.planner import Figure, PlanInputs, make_plan
 
 #: Assumed effective read bandwidth of each pool tier, bytes/s, with where it comes from.

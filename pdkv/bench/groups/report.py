@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from typing import TypedDict
 
 from pdkv.cache.specs import window_first_block
-from pdkv.plan.dtypes import element_type
-from pdkv.plan.groups import LinearState
-from pdkv.plan.model import spec_from_hf_config
+from pdkv.modelspec.dtypes import element_type
+from pdkv.modelspec.groups import LinearState
+from pdkv.modelspec.hf_config import spec_from_hf_config
 from pdkv.plan.resolve import load_config
 
 

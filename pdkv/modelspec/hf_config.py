@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdkv.plan.groups import MLA, FullAttention, LinearState, SlidingWindow, StateGroup
+from pdkv.modelspec.groups import MLA, FullAttention, LinearState, SlidingWindow, StateGroup
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"

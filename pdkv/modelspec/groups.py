@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdkv.plan.dtypes import ElementType
+from pdkv.modelspec.dtypes import ElementType
 
 
 def heads_per_rank(num_heads: int, tp: int) -> int:
