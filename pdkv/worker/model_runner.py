@@ -8,9 +8,9 @@ drive a worker in another process.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorOutput, 
 from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.kv_transfer.connector.p2p_compat import MLA_KV_LAYOUT
 from pdkv.kv_transfer.reshard_state import LAYOUT_KEY as STATE_LAYOUT_KEY
+from pdkv.model.arch_config import LlamaArchConfig
 from pdkv.model.fused_ops import set_fused_ops
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
@@ -42,10 +43,13 @@ from pdkv.worker.attn_metadata import (
     build_linear_state_metadata,
 )
 from pdkv.worker.cuda_graphs import build_decode_graphs, decode_step_inputs
-from pdkv.worker.kv_cache import allocate_kv_cache, gdn_state_geometry, make_kv_cache_config
+from pdkv.worker.kv_cache import allocate_kv_cache, gdn_state_geometry
 
 if TYPE_CHECKING:
     from pdkv.parallel.context import ParallelContext
+
+KVCacheSizer = Callable[[LlamaArchConfig, "int | None"], KVCacheConfig]
+"""(the model's architecture, KV budget in bytes or None) -> the KV cache one rank allocates."""
 
 
 @dataclass
@@ -85,9 +89,14 @@ class ModelRunner:
         parallel: this rank's TP/DCP context (None: one process holds the whole model). With DCP
             the block tables are logical (block_size × dcp tokens per block id) and this rank
             stores the K/V of the tokens it owns (pdkv.parallel.layout).
+        kv_cache_config: asked once, after the weights are loaded, for the KV cache this rank
+            allocates: called with the model's architecture and the KV budget in bytes measured
+            now (with gpu_memory_utilization and no num_kv_blocks; else None). The executor sizes
+            it (pdkv.executor.base.size_kv_cache); the runner never does.
 
     Raises:
-        ValueError: max_model_len exceeds the model's positions, or the KV cache is too small.
+        ValueError: max_model_len exceeds the model's positions, or (from kv_cache_config) the
+            KV cache is too small.
     """
 
     KV_LAYOUT = "blocks_layers_kv_tokens_heads_dim"
@@ -96,8 +105,9 @@ class ModelRunner:
         self,
         model_config: ModelConfig,
         cache_config: CacheConfig,
-        kv_transfer_config: KVTransferConfig | None = None,
-        parallel: ParallelContext | None = None,
+        kv_transfer_config: KVTransferConfig | None,
+        parallel: ParallelContext | None,
+        kv_cache_config: KVCacheSizer,
     ) -> None:
         self.model_config = model_config
         self.parallel = parallel
@@ -121,17 +131,12 @@ class ModelRunner:
             )
         self.eos_token_id = arch.eos_token_id
         self.block_size = cache_config.block_size
+        budget: int | None = None
         if cache_config.num_kv_blocks is None and cache_config.gpu_memory_utilization is not None:
             from pdkv.worker.memory import free_memory_bytes, kv_budget_bytes
 
             budget = kv_budget_bytes(free_memory_bytes(self.device), cache_config.gpu_memory_utilization)
-            cache_config = dataclasses.replace(cache_config, kv_cache_memory_bytes=budget)
-        dcp = parallel.dcp_size if parallel is not None else 1
-        self.kv_cache_config: KVCacheConfig = make_kv_cache_config(
-            arch, cache_config, model_config.dtype, model_config.max_model_len,
-            num_kv_heads=self.model.num_local_kv_heads, dcp_size=dcp,
-            tp_size=parallel.tp_size if parallel is not None else 1,
-        )
+        self.kv_cache_config: KVCacheConfig = kv_cache_config(arch, budget)
         self.layout = {
             "model_digest": model_digest(model_config.path),
             "dtype": model_config.dtype,
