@@ -79,8 +79,9 @@ class ConfigTracer:
 
     def _record(self, frame: FrameType, index: int, what: str) -> None:
         rel = os.path.relpath(frame.f_code.co_filename, ROOT)
-        self.frames.append((index, rel, frame.f_code.co_qualname
-                            if hasattr(frame.f_code, "co_qualname") else frame.f_code.co_name, what))
+        code = frame.f_code
+        name = code.co_qualname if hasattr(code, "co_qualname") else code.co_name
+        self.frames.append((index, rel, name, what))
         self._recorded.add(id(frame))
 
     def __call__(self, frame: FrameType, event: str, arg: object) -> Callable[..., Any] | None:

@@ -14,6 +14,7 @@ from pdkv.engine.output_processor import OutputProcessor
 from pdkv.executor.base import Executor
 from pdkv.executor.inproc import InProcExecutor
 from pdkv.executor.multiproc import MultiprocExecutor
+from pdkv.jsontypes import JSONObject
 from pdkv.kv_transfer.connector.base import KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.model.structured import compile_grammar
@@ -96,7 +97,7 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: JSONObject | None = None,
     ) -> tuple[Request, str | None]:
         """Validate and tokenize one prompt without queuing it.
 

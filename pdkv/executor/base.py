@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from pdkv.cache.specs import KVCacheConfig
     from pdkv.kv_transfer.connector.base import KVConnectorBase
     from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput
-    from pdkv.worker.model_runner import ModelRunner, StepTimings
+    from pdkv.worker.model_runner import ModelRunner
 
 
 class Executor(Protocol):
@@ -33,7 +33,6 @@ class Executor(Protocol):
             in flight, when those halves cannot wake the engine loop (other processes); None when
             they can.
         vocab_size, eos_token_id: the model's.
-        timings: seconds of the last step's phases (rank 0's).
         model_runner: the ModelRunner when the model runs in this process (inspection by tests
             and benchmarks), else None.
     """
@@ -58,9 +57,6 @@ class Executor(Protocol):
 
     @property
     def eos_token_id(self) -> int | None: ...
-
-    @property
-    def timings(self) -> StepTimings: ...
 
     @property
     def model_runner(self) -> ModelRunner | None: ...

@@ -9,7 +9,7 @@ from pdkv.model.arch_config import LlamaArchConfig
 from pdkv.parallel.layout import ParallelLayout
 from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput
 from pdkv.worker.kv_cache import size_kv_cache
-from pdkv.worker.model_runner import ModelRunner, StepTimings
+from pdkv.worker.model_runner import ModelRunner
 
 
 class InProcExecutor:
@@ -48,11 +48,6 @@ class InProcExecutor:
     def model_runner(self) -> ModelRunner:
         """The runner (inspection: tests, benchmarks)."""
         return self.runner
-
-    @property
-    def timings(self) -> StepTimings:
-        """Seconds of the last step's phases."""
-        return self.runner.timings
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on the runner."""

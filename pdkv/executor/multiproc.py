@@ -155,8 +155,10 @@ class MultiprocExecutor:
         if all(len(a) == 2 and a[1] for a in addresses):  # P2P producer: a control server per rank
             self.connector_shared.update(control_address=addresses[0], control_endpoints=addresses)
         self.kv_cache_config: KVCacheConfig = scheduler_view(per_rank, self.layout_.dcp_size)
-        logger.info("%d worker processes (tp %d, dcp %d, %s): pids %s", self.world_size, self.layout_.tp_size,
-                    self.layout_.dcp_size, "replicated weights" if self.layout_.dcp_replicated else "vLLM mode",
+        lay = self.layout_
+        logger.info("%d worker processes (tp %d, dcp %d, %s): pids %s", self.world_size,
+                    lay.tp_size, lay.dcp_size,
+                    "replicated weights" if lay.dcp_replicated else "vLLM mode",
                     [p.pid for p in self._procs])
 
     @property

@@ -46,6 +46,8 @@ from pdkv.worker.cuda_graphs import build_decode_graphs, decode_step_inputs
 from pdkv.worker.kv_cache import allocate_kv_cache, gdn_state_geometry
 
 if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
     from pdkv.parallel.context import ParallelContext
 
 KVCacheSizer = Callable[[LlamaArchConfig, "int | None"], KVCacheConfig]
@@ -66,7 +68,7 @@ class CachedRequestState:
     stop_ids: tuple[int, ...] = field(default_factory=tuple)
     # prompt_logprobs requests: entry of each prompt position computed so far ([0] is None).
     prompt_logprobs: list[list[LogprobEntry] | None] | None = None
-    matcher: Any = None  # structured output: the request's llguidance LLMatcher
+    matcher: LLMatcher | None = None  # structured output: the request's grammar matcher
 
 
 @dataclass
@@ -179,8 +181,10 @@ class ModelRunner:
         self._grammars: GrammarMatchers | None = None  # built by the first structured request
         # CUDA graphs of decode steps (on CUDA unless --enforce-eager; None: every step eager)
         self.decode_graphs = build_decode_graphs(
-            model_config, self.model, self.kv_cache_config.groups, self.kv_caches, self.block_size,
-            self.device, parallel.layout.world_size if parallel is not None else 1, self.connector is not None)
+            () if model_config.enforce_eager else model_config.cudagraph_capture_sizes,
+            model_config.max_model_len, self.model, self.kv_cache_config.groups, self.kv_caches,
+            self.block_size, self.device, parallel.layout.world_size if parallel is not None else 1,
+            self.connector is not None)
 
     @property
     def vocab_size(self) -> int:
@@ -220,13 +224,14 @@ class ModelRunner:
                 blocks.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _matcher(self, params: SamplingParams, output_ids: list[int]) -> Any:
+    def _matcher(self, params: SamplingParams, output_ids: list[int]) -> LLMatcher | None:
         if params.structured_outputs is None:
             return None
         if self._grammars is None:
             self._grammars = GrammarMatchers(
                 Tokenizer(self.model_config.path).hf, self.model.cfg.vocab_size, self.eos_token_id)
-        return self._grammars.matcher(params.structured_outputs, list(output_ids))
+        matcher: LLMatcher = self._grammars.matcher(params.structured_outputs, list(output_ids))
+        return matcher
 
     # -------------------------------------------------------------- execution
     @torch.inference_mode()
