@@ -8,10 +8,18 @@ to anything pdkv itself builds and reads field by field.
 
 from __future__ import annotations
 
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
-JSONValue: TypeAlias = "None | bool | int | float | str | list[JSONValue] | dict[str, JSONValue]"
-JSONObject: TypeAlias = "dict[str, JSONValue]"
+if TYPE_CHECKING:
+    JSONValue: TypeAlias = (
+        "None | bool | int | float | str | list[JSONValue] | dict[str, JSONValue]")
+    JSONObject: TypeAlias = "dict[str, JSONValue]"
+else:
+    # At run time the names are plain types that msgspec and pydantic can resolve (they cannot
+    # follow the recursive alias): a field typed JSONValue decodes any JSON value, JSONObject any
+    # object, as the checked alias says.
+    JSONValue = object
+    JSONObject = dict[str, object]
 
 
 def as_object(value: object, what: str) -> JSONObject:

@@ -20,9 +20,10 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 from pdkv.engine.llm_engine import LLMEngine, PromptType
+from pdkv.jsontypes import JSONObject
 from pdkv.outputs import RequestOutput
 from pdkv.request import Request
 from pdkv.sampling_params import SamplingParams
@@ -52,6 +53,35 @@ class _Stream:
 StepObserver = Callable[[list[RequestOutput], SchedulerStats, float], None]
 
 
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Add:
+    """Queue a request (made by make_request) in the engine."""
+
+    request: Request
+    prompt_text: str | None
+
+
+@dataclass(frozen=True)
+class _Abort:
+    """Abort a request at any stage."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Run `run(engine)` on the loop thread (it reports its own result or exception)."""
+
+    run: Callable[[LLMEngine], None]
+
+
+_Command = _Add | _Abort | _Call | None
+"""What the loop thread's queue carries; None only wakes the loop."""
+
+
 class AsyncLLM:
     """Thread-backed async front of one LLMEngine.
 
@@ -64,7 +94,7 @@ class AsyncLLM:
     def __init__(self, engine: LLMEngine, step_observer: StepObserver | None = None) -> None:
         self.engine = engine
         self.step_observer = step_observer
-        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._commands: queue.Queue[_Command] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -83,7 +113,7 @@ class AsyncLLM:
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the loop (waits up to `timeout` s for it) and shut the engine down."""
         self._stop.set()
-        self._commands.put(("wake", None))
+        self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
         self._shutdown_engine()
@@ -111,7 +141,7 @@ class AsyncLLM:
         prompt: PromptType,
         params: SamplingParams,
         request_id: str | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: JSONObject | None = None,
         cache_salt: str | None = None,
     ) -> tuple[Request, str | None]:
         """Validate and tokenize (caller's thread). Raises ValueError on bad input."""
@@ -136,7 +166,7 @@ class AsyncLLM:
             if rid in self._streams:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._streams[rid] = stream
-        self._commands.put(("add", (request, prompt_text)))
+        self._commands.put(_Add(request, prompt_text))
         finished = False
         try:
             while True:
@@ -156,7 +186,7 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Abort a request at any stage (thread-safe, asynchronous)."""
-        self._commands.put(("abort", request_id))
+        self._commands.put(_Abort(request_id))
 
     async def reset_prefix_cache(self, timeout_s: float = 10.0) -> bool:
         """Reset the engine's prefix cache on the loop thread (LLMEngine.reset_prefix_cache).
@@ -171,37 +201,49 @@ class AsyncLLM:
         """
         return bool(await self._call_async(lambda engine: engine.reset_prefix_cache(), timeout_s))
 
-    async def _call_async(self, fn: Callable[[LLMEngine], Any], timeout_s: float) -> Any:
+    async def _call_async(self, fn: Callable[[LLMEngine], T], timeout_s: float) -> T:
         """Run fn(engine) as a command on the loop thread; await its result for at most
         `timeout_s` seconds (TimeoutError). fn's exception is raised here."""
         if not self.is_running:
             raise EngineDeadError("engine is not running")
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
+        future: asyncio.Future[T] = loop.create_future()
 
-        def settle(ok: bool, value: Any) -> None:  # runs on `loop`
+        def settle(outcome: tuple[T] | Exception) -> None:  # runs on `loop`
             if future.done():  # the caller gave up (timeout, cancellation)
                 return
-            if ok:
-                future.set_result(value)
+            if isinstance(outcome, Exception):
+                future.set_exception(outcome)
             else:
-                future.set_exception(value)
+                future.set_result(outcome[0])
 
-        def reply(ok: bool, value: Any) -> None:  # runs on the engine loop thread
+        def run(engine: LLMEngine) -> None:  # runs on the engine loop thread
+            outcome: tuple[T] | Exception
+            try:
+                outcome = (fn(engine),)
+            except Exception as e:  # noqa: BLE001 - the caller gets it
+                outcome = e
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed
-                loop.call_soon_threadsafe(settle, ok, value)
+                loop.call_soon_threadsafe(settle, outcome)
 
-        self._commands.put(("call_async", (fn, reply)))
+        self._commands.put(_Call(run))
         return await asyncio.wait_for(future, timeout_s)
 
-    def call(self, fn: Callable[[LLMEngine], Any], timeout: float = 10.0) -> Any:
+    def call(self, fn: Callable[[LLMEngine], T], timeout: float = 10.0) -> T:
         """Run fn(engine) in the loop thread and return its result (for stats in tests)."""
-        done: queue.Queue[Any] = queue.Queue()
-        self._commands.put(("call", (fn, done)))
-        ok, value = done.get(timeout=timeout)
-        if not ok:
-            raise value
-        return value
+        done: queue.Queue[tuple[T] | Exception] = queue.Queue()
+
+        def run(engine: LLMEngine) -> None:
+            try:
+                done.put((fn(engine),))
+            except Exception as e:  # noqa: BLE001
+                done.put(e)
+
+        self._commands.put(_Call(run))
+        outcome = done.get(timeout=timeout)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome[0]
 
     # ---------------------------------------------------------------- the loop
     def _run(self) -> None:
@@ -257,58 +299,46 @@ class AsyncLLM:
 
     def _wake(self) -> None:
         # Connector threads call this; Queue.put on an unbounded queue never blocks.
-        self._commands.put(("wake", None))
+        self._commands.put(None)
 
     def _drain(self, timeout: float | None) -> None:
         """Handle every queued command; wait up to `timeout` s for the first (None: forever,
         0: do not wait). A command or wakeup may unblock waiting requests: no pause after it."""
         try:
             if timeout == 0.0:
-                cmd, arg = self._commands.get_nowait()
+                cmd = self._commands.get_nowait()
             else:
-                cmd, arg = self._commands.get(timeout=timeout)
+                cmd = self._commands.get(timeout=timeout)
         except queue.Empty:
             return
         self._empty_steps = 0
         while True:
-            self._handle(cmd, arg)
+            self._handle(cmd)
             try:
-                cmd, arg = self._commands.get_nowait()
+                cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
 
-    def _handle(self, cmd: str, arg: Any) -> None:
+    def _handle(self, cmd: _Command) -> None:
         engine = self.engine
-        if cmd == "add":
-            request, text = arg
+        if isinstance(cmd, _Add):
+            request = cmd.request
             with self._lock:
                 alive = request.request_id in self._streams
             if not alive:  # the client left before the request reached the loop
                 return
             try:
-                engine.add_request(request, text)
+                engine.add_request(request, cmd.prompt_text)
             except ValueError as e:
                 self._deliver(request.request_id, e)
-        elif cmd == "abort":
-            outs = engine.abort_request([arg])
+        elif isinstance(cmd, _Abort):
+            outs = engine.abort_request([cmd.request_id])
             for out in outs:
                 self._deliver(out.request_id, out)
             if self.step_observer is not None:
                 self.step_observer(outs, engine.scheduler.stats(), time.monotonic())
-        elif cmd == "call":
-            fn, done = arg
-            try:
-                done.put((True, fn(engine)))
-            except Exception as e:  # noqa: BLE001
-                done.put((False, e))
-        elif cmd == "call_async":
-            fn, reply = arg
-            try:
-                result = fn(engine)
-            except Exception as e:  # noqa: BLE001 - the caller gets it
-                reply(False, e)
-            else:
-                reply(True, result)
+        elif isinstance(cmd, _Call):
+            cmd.run(engine)
 
     def _die(self, error: BaseException) -> None:
         """The engine failed: its state (scheduler, held blocks, connector reports of the

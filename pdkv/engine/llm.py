@@ -78,7 +78,7 @@ class LLM:
         elif not isinstance(prompts, (list, tuple)):
             raise ValueError(f"unsupported prompt type {type(prompts).__name__}")
         elif prompts and all(isinstance(t, int) for t in prompts):
-            prompt_list = [list(prompts)]  # type: ignore[arg-type]
+            prompt_list = [list(prompts)]
         else:
             prompt_list = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:

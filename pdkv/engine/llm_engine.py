@@ -6,12 +6,15 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdkv.config import EngineConfig
 from pdkv.engine.arg_utils import EngineArgs
 from pdkv.engine.output_processor import OutputProcessor
+from pdkv.executor.base import Executor
+from pdkv.executor.inproc import InProcExecutor
 from pdkv.executor.multiproc import MultiprocExecutor
+from pdkv.jsontypes import JSONObject
 from pdkv.kv_transfer.connector.base import KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.model.structured import compile_grammar
@@ -20,19 +23,19 @@ from pdkv.request import Request, RequestStatus
 from pdkv.sampling_params import SamplingParams
 from pdkv.sched.scheduler import Scheduler
 from pdkv.tokenizer import Tokenizer
-from pdkv.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from pdkv.worker.model_runner import ModelRunner
 
 PromptType = str | dict[str, Any] | list[int]
-
-# How often the engine steps while worker processes' connector halves have loads in flight.
-MULTIPROC_POLL_S = 0.005
 
 # Most top log-probabilities a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
 
 
 class LLMEngine:
-    """One engine: tokenizer, scheduler (with its KV cache manager) and model runner.
+    """One engine: tokenizer, scheduler (with its KV cache manager) and the executor that runs
+    the model (in this process or on TP/DCP worker processes; pdkv.executor.base.Executor).
 
     Not thread-safe: the owner calls add_request / abort_request / step from one thread.
 
@@ -44,32 +47,43 @@ class LLMEngine:
         self.config = config
         self.tokenizer = Tokenizer(config.model_config.path)
         kvt = config.kv_transfer_config
-        self.runner: ModelRunner | MultiprocExecutor
-        if config.parallel_config.world_size > 1:  # one worker process per TP/DCP rank
+        # Derived values, read once: the TP/DCP layout, the logical block size, the load policy.
+        layout = config.parallel_config.layout()
+        block_size = config.scheduler_block_size
+        load_failure_policy = kvt.load_failure_policy if kvt else "fail"
+        self.executor: Executor
+        if layout.world_size > 1:  # one worker process per TP/DCP rank
             import torch
 
-            self.runner = MultiprocExecutor(config, num_threads=torch.get_num_threads())
+            self.executor = MultiprocExecutor(config, layout, num_threads=torch.get_num_threads())
         else:
-            self.runner = ModelRunner(config.model_config, config.cache_config, kvt)
+            self.executor = InProcExecutor(config, layout)
         self.connector = None
         if kvt is not None:
             self.connector = create_connector(
-                kvt, KVConnectorRole.SCHEDULER, self.runner.kv_cache_config, self.runner.layout,
-                self.runner.connector_shared,
+                kvt, KVConnectorRole.SCHEDULER, self.executor.kv_cache_config,
+                self.executor.kv_layout, self.executor.connector_startup,
             )
         self.scheduler = Scheduler(
             config.scheduler_config,
-            dataclasses.replace(config.cache_config, block_size=config.scheduler_block_size),
-            self.runner.kv_cache_config,
+            dataclasses.replace(config.cache_config, block_size=block_size),
+            self.executor.kv_cache_config,
             connector=self.connector,
-            kv_load_failure_policy=kvt.load_failure_policy if kvt else "fail",
+            kv_load_failure_policy=load_failure_policy,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.vocab_size = self.runner.vocab_size
-        self.eos_token_id = self.runner.eos_token_id
+        self.vocab_size = self.executor.vocab_size
+        self.eos_token_id = self.executor.eos_token_id
         self._ids = itertools.count()
         self.num_steps = 0
         self.last_num_scheduled_tokens = 0
+
+    @property
+    def runner(self) -> ModelRunner | Executor:
+        """The model runner in this process, else the executor (a name kept for the server's
+        /kv_layout and fault injection, benchmarks and tests; the engine itself uses
+        `executor`)."""
+        return self.executor.model_runner or self.executor
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -83,7 +97,7 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: JSONObject | None = None,
     ) -> tuple[Request, str | None]:
         """Validate and tokenize one prompt without queuing it.
 
@@ -193,7 +207,7 @@ class LLMEngine:
         """Run one engine step; returns outputs of requests that produced tokens or finished."""
         sched_out = self.scheduler.schedule()
         self.last_num_scheduled_tokens = sched_out.total_num_scheduled_tokens
-        runner_out = self.runner.execute_model(sched_out)
+        runner_out = self.executor.execute_model(sched_out)
         updates = self.scheduler.update_from_output(sched_out, runner_out)
         self.num_steps += 1
         outputs = []
@@ -229,25 +243,27 @@ class LLMEngine:
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
         """Give both connector halves the callback that wakes the engine loop (any thread)."""
-        for connector in (self.connector, self.runner.connector):
+        for connector in (self.connector, self.executor.connector):
             if connector is not None:
                 connector.set_wakeup(wakeup)
 
     def next_deadline(self) -> float | None:
         """Earliest time.monotonic() at which a connector needs a step (lease expiry or
         renewal), or None."""
-        times = [c.next_deadline() for c in (self.connector, self.runner.connector) if c is not None]
+        times = [c.next_deadline() for c in (self.connector, self.executor.connector)
+                 if c is not None]
         found = [t for t in times if t is not None]
-        if isinstance(self.runner, MultiprocExecutor) and self.connector is not None and (
+        poll = self.executor.poll_interval_s
+        if poll is not None and self.connector is not None and (
                 self.scheduler.waiting_for_remote or self.connector.has_pending_work()):
-            # The worker halves live in other processes and cannot wake this loop: poll.
-            found.append(time.monotonic() + MULTIPROC_POLL_S)
+            # The worker halves cannot wake this loop (other processes): poll.
+            found.append(time.monotonic() + poll)
         return min(found) if found else None
 
     def kv_cache_summary(self) -> str:
         """One line for the start-up log: logical blocks x tokens and MiB per rank (with DCP each
         rank stores 1/dcp of every request's KV)."""
-        par, kv = self.config.parallel_config, self.runner.kv_cache_config
+        par, kv = self.config.parallel_config, self.executor.kv_cache_config
         dcp = par.decode_context_parallel_size
         split = (f"; tp {par.tensor_parallel_size}, dcp {dcp}: each rank stores 1/{dcp} of every request's KV"
                  if par.world_size > 1 else "")
@@ -256,10 +272,11 @@ class LLMEngine:
 
     def workers_alive(self) -> bool:
         """False once a worker process of a TP/DCP engine has exited (always True in-process)."""
-        return not isinstance(self.runner, MultiprocExecutor) or not self.runner.dead_workers()
+        return not self.executor.dead_workers()
 
     def shutdown(self) -> None:
-        self.runner.shutdown()
+        """Stop the executor (its worker processes, if any) and the KV connector's worker half."""
+        self.executor.shutdown()
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()

@@ -1,16 +1,33 @@
 """Typed msgpack messages between the engine process and its worker processes (msgspec).
 
-The engine sends `WorkerInit` once per rank, then an `ExecuteModel` per step (the scheduler's
-output, the same to every rank) and `Shutdown` at the end. Every rank answers `WorkerReady` once
-and a `StepResult` per step; a rank that fails answers `WorkerFailed` and exits.
+Start-up: the engine sends `WorkerInit` to every rank; each loads its weights and answers
+`WorkerLoaded` (with its KV budget when memory decides it); the engine sizes the KV cache once
+and sends the result to every rank (`InitKVCache`); each allocates it and answers `WorkerReady`.
+Then the engine sends an `ExecuteModel` per step (the scheduler's output, the same to every
+rank), answered by a `StepResult` per rank, and `Shutdown` at the end. A rank that fails answers
+`WorkerFailed` and exits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import msgspec
 
+from pdkv.cache.specs import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    LinearStateSpec,
+    MLASpec,
+    SlidingWindowSpec,
+)
 from pdkv.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig
 from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput
+
+_SPEC_TYPES: dict[str, type[KVCacheSpec]] = {
+    cls.__name__: cls for cls in (FullAttentionSpec, SlidingWindowSpec, MLASpec, LinearStateSpec)}
 
 
 class WorkerInit(msgspec.Struct, tag=True, kw_only=True):
@@ -31,24 +48,70 @@ class WorkerInit(msgspec.Struct, tag=True, kw_only=True):
     num_threads: int
 
 
-class WorkerReady(msgspec.Struct, tag=True, kw_only=True):
-    """A rank loaded its weight shard and allocated its KV cache.
+class WorkerLoaded(msgspec.Struct, tag=True, kw_only=True):
+    """A rank loaded its weight shard and waits for `InitKVCache`.
 
     Attributes:
-        num_blocks: KV blocks it allocated (every rank must agree).
-        kv_cache_bytes: bytes of its KV cache.
+        kv_budget_bytes: the KV cache budget measured now, in bytes (gpu_memory_utilization of
+            the free memory, when that sizes the cache), else None.
+    """
+
+    rank: int
+    kv_budget_bytes: int | None
+
+
+class KVCacheGroupWire(msgspec.Struct, kw_only=True):
+    """One KV cache group: its layers, its spec's class name and the spec's fields."""
+
+    layer_indices: tuple[int, ...]
+    kind: str
+    spec: dict[str, object]
+
+
+class InitKVCache(msgspec.Struct, tag=True, kw_only=True):
+    """The KV cache every rank allocates (blocks of block_size tokens, the rank's KV heads),
+    sized once by the engine (pdkv.executor.base.size_kv_cache)."""
+
+    num_blocks: int
+    groups: list[KVCacheGroupWire]
+
+    @classmethod
+    def from_config(cls, kv: KVCacheConfig) -> InitKVCache:
+        """The message carrying `kv`."""
+        return cls(num_blocks=kv.num_blocks, groups=[
+            KVCacheGroupWire(layer_indices=g.layer_indices, kind=type(g.spec).__name__,
+                             spec=msgspec.to_builtins(g.spec))
+            for g in kv.groups])
+
+    def to_config(self) -> KVCacheConfig:
+        """The KVCacheConfig sent (equal to the one given to from_config).
+
+        Raises:
+            ValueError: an unknown spec kind.
+        """
+        groups = []
+        for g in self.groups:
+            if g.kind not in _SPEC_TYPES:
+                raise ValueError(f"unknown KV cache spec {g.kind!r}")
+            spec = msgspec.convert(g.spec, _SPEC_TYPES[g.kind])
+            groups.append(KVCacheGroupSpec(layer_indices=tuple(g.layer_indices), spec=spec))
+        return KVCacheConfig(num_blocks=self.num_blocks, groups=tuple(groups))
+
+
+class WorkerReady(msgspec.Struct, tag=True, kw_only=True):
+    """A rank allocated the KV cache of `InitKVCache`.
+
+    Attributes:
         layout: its KV layout fingerprint (connector / `GET /kv_layout`).
         vocab_size, eos_token_id: the model's.
         control_address: [host, port] of its P2P producer control server; [] when it has none.
     """
 
     rank: int
-    num_blocks: int
-    kv_cache_bytes: int
-    layout: dict[str, object]
+    layout: Mapping[str, object]
     vocab_size: int
     eos_token_id: int | None
-    control_address: list[object] = msgspec.field(default_factory=list)
+    control_address: list[str | int] = msgspec.field(default_factory=list)
 
 
 class ExecuteModel(msgspec.Struct, tag=True, kw_only=True):
@@ -98,5 +161,5 @@ class WorkerFailed(msgspec.Struct, tag=True, kw_only=True):
     error: str
 
 
-ToWorker = WorkerInit | ExecuteModel | ReadKVBlocks | Shutdown
-FromWorker = WorkerReady | StepResult | KVBlocks | WorkerFailed
+ToWorker = WorkerInit | InitKVCache | ExecuteModel | ReadKVBlocks | Shutdown
+FromWorker = WorkerLoaded | WorkerReady | StepResult | KVBlocks | WorkerFailed

@@ -12,7 +12,6 @@ MultiprocExecutor plays the same role; its message queue is shared memory, ours 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -20,16 +19,18 @@ import socket
 import time
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
+from pdkv.cache.kv_layout import KVLayout
 from pdkv.cache.specs import KVCacheConfig
 from pdkv.config import EngineConfig
 from pdkv.executor.aggregate import KVOutputAggregator
 from pdkv.executor.messages import (
     ExecuteModel,
     FromWorker,
+    InitKVCache,
     KVBlocks,
     ReadKVBlocks,
     Shutdown,
@@ -37,16 +38,25 @@ from pdkv.executor.messages import (
     ToWorker,
     WorkerFailed,
     WorkerInit,
+    WorkerLoaded,
     WorkerReady,
 )
 from pdkv.executor.worker_proc import run_worker
 from pdkv.kv_transfer.connector.base import KVConnectorBase
+from pdkv.kv_transfer.connector.startup import ConnectorStartup
 from pdkv.model.llama import LlamaArchConfig
+from pdkv.parallel.layout import ParallelLayout
 from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput
-from pdkv.worker.kv_cache import make_kv_cache_config
-from pdkv.worker.model_runner import StepTimings
+from pdkv.worker.kv_cache import scheduler_view, size_kv_cache
+from pdkv.worker.model_runner import ModelRunner, StepTimings
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
+
+MULTIPROC_POLL_S = 0.005
+"""Seconds between engine steps while the workers' connector halves have loads in flight."""
 
 
 class WorkerDiedError(RuntimeError):
@@ -60,41 +70,46 @@ def _free_port() -> int:
 
 
 class MultiprocExecutor:
-    """Runs the model on `parallel_config.world_size` worker processes.
+    """Runs the model on `parallel_config.world_size` worker processes: the `Executor` of a
+    TP/DCP engine (pdkv.executor.base).
 
-    Presents what the engine needs of a ModelRunner: `kv_cache_config` (the scheduler's logical
-    view: blocks of block_size × DCP tokens), `layout`, `connector_shared` (P2P producer: rank 0's
-    "control_address" and every rank's "control_endpoints"), `vocab_size`,
-    `eos_token_id`, `execute_model`, `timings`, `connector` (None: connector halves live in the
-    workers) and `shutdown`.
+    Start-up: every rank loads its weight shard; this executor sizes the KV cache once
+    (`size_kv_cache`: before any process starts when the configuration fixes the size, else
+    from the smallest budget the ranks measured) and sends the result to every rank.
+    `kv_cache_config` is the scheduler's logical view (blocks of block_size × DCP tokens);
+    `connector` is None (the connector halves live in the workers, which cannot wake the
+    engine loop: `poll_interval_s`); `connector_shared` holds the P2P producer's rank 0
+    "control_address" and every rank's "control_endpoints".
 
     Args:
-        config: the engine's configuration (world size > 1).
+        config: the engine's configuration.
+        layout: its TP/DCP layout (`config.parallel_config.layout()`, world size > 1).
         num_threads: torch CPU threads in all; each worker gets an equal share (at least 1).
 
     Raises:
         WorkerDiedError: a worker failed or exited during start-up (its traceback in the message).
-        TimeoutError: a worker did not report ready within worker_timeout_s.
-        ValueError: the model's heads do not fit the layout (named), or ranks disagree on the
-            KV block count.
+        TimeoutError: a worker did not report within worker_timeout_s.
+        ValueError: the model's heads do not fit the layout (named), or the KV cache cannot hold
+            one request of max_model_len tokens.
     """
 
-    def __init__(self, config: EngineConfig, num_threads: int) -> None:
+    poll_interval_s: float | None = MULTIPROC_POLL_S
+    model_runner: ModelRunner | None = None  # the runners live in the worker processes
+
+    def __init__(self, config: EngineConfig, layout: ParallelLayout, num_threads: int) -> None:
         par = config.parallel_config
-        self.layout_ = par.layout()
+        self.layout_ = layout
         arch = LlamaArchConfig.from_hf_folder(config.model_config.path)
         self.layout_.check_heads(arch.num_heads, arch.num_kv_heads)
+        per_rank: KVCacheConfig | None = None
         if config.cache_config.gpu_memory_utilization is None or config.cache_config.num_kv_blocks:
-            # The ranks would size their caches the same way: a pool too small for one request
-            # is refused here, before any process starts (ValueError naming the values).
-            make_kv_cache_config(arch, config.cache_config, config.model_config.dtype,
-                                 config.model_config.max_model_len,
-                                 num_kv_heads=self.layout_.kv_heads_per_rank(arch.num_kv_heads),
-                                 dcp_size=self.layout_.dcp_size, tp_size=self.layout_.tp_size)
-        self.world_size = par.world_size
+            # The size does not depend on memory: a pool too small for one request is refused
+            # here, before any process starts (ValueError naming the values).
+            per_rank = size_kv_cache(config, self.layout_, arch, None)
+        self.world_size = self.layout_.world_size
         self.timeout_s = par.worker_timeout_s
         self.connector: KVConnectorBase | None = None
-        self.connector_shared: dict[str, object] = {}
+        self.connector_startup = ConnectorStartup()
         self.timings = StepTimings()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromWorker)
@@ -117,31 +132,36 @@ class MultiprocExecutor:
                     rank=rank, model_config=config.model_config, cache_config=config.cache_config,
                     parallel_config=par, kv_transfer_config=config.kv_transfer_config,
                     init_method=f"tcp://127.0.0.1:{port}", num_threads=threads))
-            readies = [self._recv(rank, time.monotonic() + self.timeout_s, "start-up") for rank in range(self.world_size)]
+            loaded = [self._recv(rank, time.monotonic() + self.timeout_s, "start-up")
+                      for rank in range(self.world_size)]
+            if per_rank is None:  # the smallest budget, so that every rank's pool fits
+                budgets = [m.kv_budget_bytes for m in loaded if isinstance(m, WorkerLoaded)]
+                per_rank = size_kv_cache(config, self.layout_, arch,
+                                         min(b for b in budgets if b is not None))
+            init_kv = InitKVCache.from_config(per_rank)
+            for rank in range(self.world_size):
+                self._send(rank, init_kv)
+            readies = [self._recv(rank, time.monotonic() + self.timeout_s, "start-up")
+                       for rank in range(self.world_size)]
         except BaseException:
             self.shutdown()
             raise
         ready = [r for r in readies if isinstance(r, WorkerReady)]
-        blocks = {r.num_blocks for r in ready}
-        if len(blocks) != 1:
-            self.shutdown()
-            raise ValueError(f"worker ranks allocated different KV block counts {sorted(blocks)}: set --num-kv-blocks")
         head = ready[0]
-        self.num_blocks = head.num_blocks
-        self.kv_cache_bytes_per_rank = head.kv_cache_bytes
-        self.layout = dict(head.layout)
+        self.num_blocks = per_rank.num_blocks
+        self.kv_cache_bytes_per_rank = per_rank.total_bytes
+        self.kv_layout = KVLayout.from_wire(head.layout)
         self.vocab_size = head.vocab_size
-        self.eos_token_id = head.eos_token_id
+        self.eos_token_id: int | None = head.eos_token_id
         addresses = [list(r.control_address) for r in ready]
         if all(len(a) == 2 and a[1] for a in addresses):  # P2P producer: a control server per rank
-            self.connector_shared.update(control_address=addresses[0], control_endpoints=addresses)
-        cache = dataclasses.replace(config.cache_config, num_kv_blocks=self.num_blocks)
-        self.kv_cache_config: KVCacheConfig = make_kv_cache_config(
-            arch, cache, config.model_config.dtype, config.model_config.max_model_len,
-            num_kv_heads=self.layout_.kv_heads_per_rank(arch.num_kv_heads), dcp_size=self.layout_.dcp_size,
-            logical=True, tp_size=self.layout_.tp_size)
-        logger.info("%d worker processes (tp %d, dcp %d, %s): pids %s", self.world_size, par.tensor_parallel_size,
-                    par.decode_context_parallel_size, "replicated weights" if par.dcp_replicated else "vLLM mode",
+            self.connector_startup = ConnectorStartup(control_address=addresses[0],
+                                                      control_endpoints=addresses)
+        self.kv_cache_config: KVCacheConfig = scheduler_view(per_rank, self.layout_.dcp_size)
+        lay = self.layout_
+        logger.info("%d worker processes (tp %d, dcp %d, %s): pids %s", self.world_size,
+                    lay.tp_size, lay.dcp_size,
+                    "replicated weights" if lay.dcp_replicated else "vLLM mode",
                     [p.pid for p in self._procs])
 
     @property
@@ -163,7 +183,8 @@ class MultiprocExecutor:
         proc = self._procs[rank]
         return WorkerDiedError(f"worker rank {rank} (pid {proc.pid}) {what}; exit code {proc.exitcode}")
 
-    def _recv(self, rank: int, deadline: float, what: str) -> WorkerReady | StepResult | KVBlocks:
+    def _recv(self, rank: int, deadline: float,
+              what: str) -> WorkerLoaded | WorkerReady | StepResult | KVBlocks:
         """The next message of `rank`, watching every worker's sentinel until `deadline`."""
         conn = self._conns[rank]
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
@@ -212,7 +233,7 @@ class MultiprocExecutor:
         out.kv_connector_output = self._kv_outputs.aggregate([s.output.kv_connector_output for s in steps])
         return out
 
-    def read_kv_blocks(self, block_ids: list[int]) -> list[Any]:
+    def read_kv_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
         """Every rank's copy of these blocks of KV cache group 0 (inspection: tests compare a
         DCP shard with the producer's KV). Returns per rank a torch tensor [len(block_ids), layers,
         2, block_size, local KV heads, head_size].

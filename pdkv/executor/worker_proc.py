@@ -11,12 +11,14 @@ import dataclasses
 import logging
 import traceback
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from pdkv.executor.messages import (
     ExecuteModel,
     FromWorker,
+    InitKVCache,
     KVBlocks,
     ReadKVBlocks,
     Shutdown,
@@ -24,8 +26,13 @@ from pdkv.executor.messages import (
     ToWorker,
     WorkerFailed,
     WorkerInit,
+    WorkerLoaded,
     WorkerReady,
 )
+
+if TYPE_CHECKING:
+    from pdkv.cache.specs import KVCacheConfig
+    from pdkv.model.arch_config import LlamaArchConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +69,20 @@ def run_worker(conn: Connection) -> None:
             torch.cuda.set_device(torch.device(model_config.device))
         ctx = init_distributed(par.layout(), rank, init.init_method, backend="nccl" if cuda else "gloo",
                                timeout_s=par.worker_timeout_s)
-        runner = ModelRunner(model_config, init.cache_config, init.kv_transfer_config, parallel=ctx)
-        kv = runner.kv_cache_config
-        send(WorkerReady(rank=rank, num_blocks=kv.num_blocks, kv_cache_bytes=kv.total_bytes,
-                         layout=dict(runner.layout), vocab_size=runner.vocab_size,
-                         eos_token_id=runner.eos_token_id,
-                         control_address=list(runner.connector_shared.get("control_address") or [])))
+
+        def kv_cache_from_engine(arch: LlamaArchConfig, budget_bytes: int | None) -> KVCacheConfig:
+            """Report this rank's budget; the engine sizes the KV cache once for every rank."""
+            send(WorkerLoaded(rank=rank, kv_budget_bytes=budget_bytes))
+            msg = decoder.decode(conn.recv_bytes())
+            if not isinstance(msg, InitKVCache):
+                raise RuntimeError(f"expected InitKVCache, got {type(msg).__name__}")
+            return msg.to_config()
+
+        runner = ModelRunner(model_config, init.cache_config, init.kv_transfer_config, ctx,
+                             kv_cache_from_engine)
+        send(WorkerReady(rank=rank, layout=runner.kv_layout.to_wire(),
+                         vocab_size=runner.vocab_size, eos_token_id=runner.eos_token_id,
+                         control_address=list(runner.connector_startup.control_address or [])))
         while True:
             try:
                 msg = decoder.decode(conn.recv_bytes())

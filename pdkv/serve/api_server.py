@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
@@ -103,7 +103,7 @@ class KVLayoutInfo(TypedDict):
 
     kv_role: str
     engine_id: str
-    layout: dict[str, object]
+    layout: Mapping[str, object]
     pool_chunk_size: int | None
 
 
@@ -233,7 +233,7 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
         kvt = llm.engine.config.kv_transfer_config
         if kvt is None:
             raise APIError("this engine has no kv connector (no --kv-transfer-config)", 404, "NotFoundError")
-        return {"kv_role": kvt.kv_role, "engine_id": kvt.engine_id, "layout": dict(llm.engine.runner.layout),
+        return {"kv_role": kvt.kv_role, "engine_id": kvt.engine_id, "layout": llm.engine.executor.kv_layout.to_wire(),
                 "pool_chunk_size": pool_chunk_size(kvt.kv_connector, kvt.kv_connector_extra_config)}
 
     @app.post("/reset_prefix_cache")

@@ -32,10 +32,17 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import torch
+    from torch.cuda import _POOL_HANDLE
+
+    from pdkv.cache.specs import KVCacheGroupSpec
+    from pdkv.model.attention import AttentionMetadata
+    from pdkv.model.kv_quant import KVCacheLayer
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +72,7 @@ def padded_size(batch: int, sizes: Sequence[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def pad_rows(rows: Sequence[Any], size: int) -> list[Any]:
+def pad_rows(rows: Sequence[T], size: int) -> list[T]:
     """`rows` followed by copies of its last element up to `size` entries (padded rows repeat the
     last real row; see the module docstring). Raises ValueError when rows is empty or longer."""
     if not rows or len(rows) > size:
@@ -73,7 +80,8 @@ def pad_rows(rows: Sequence[Any], size: int) -> list[Any]:
     return list(rows) + [rows[-1]] * (size - len(rows))
 
 
-def graphable(groups: Sequence[Any], kv_caches: Sequence[Any], world_size: int, has_connector: bool) -> str | None:
+def graphable(groups: Sequence[KVCacheGroupSpec], kv_caches: Sequence[KVCacheLayer],
+              world_size: int, has_connector: bool) -> str | None:
     """None when decode steps can run as graphs, else why not (one phrase). groups: the KV cache
     config's groups (their `spec`); kv_caches: the per-layer caches; world_size: TP x DCP ranks
     (collectives are not captured: more than one rank stays eager)."""
@@ -95,24 +103,25 @@ def graphable(groups: Sequence[Any], kv_caches: Sequence[Any], world_size: int, 
     return None
 
 
-def build_decode_graphs(model_config: Any, model: Callable[..., torch.Tensor], groups: Sequence[Any],
-                        kv_caches: list[Any], block_size: int, device: torch.device, world_size: int,
-                        has_connector: bool) -> DecodeGraphs | None:
-    """The model runner's DecodeGraphs: on a CUDA device, unless model_config.enforce_eager or
-    no capture sizes, when `graphable` allows (else one info log line saying why); None: every
-    step runs eagerly."""
-    sizes = model_config.cudagraph_capture_sizes
-    if device.type != "cuda" or model_config.enforce_eager or not sizes:
+def build_decode_graphs(sizes: Sequence[int], max_model_len: int,
+                        model: Callable[..., torch.Tensor], groups: Sequence[KVCacheGroupSpec],
+                        kv_caches: list[KVCacheLayer], block_size: int, device: torch.device,
+                        world_size: int, has_connector: bool) -> DecodeGraphs | None:
+    """The model runner's DecodeGraphs: on a CUDA device with capture sizes (decode batch sizes,
+    ascending; () under enforce_eager), when `graphable` allows (else one info log line saying
+    why); None: every step runs eagerly. max_model_len: longest sequence in tokens."""
+    if device.type != "cuda" or not sizes:
         return None
     why = graphable(groups, kv_caches, world_size, has_connector)
     if why is not None:
         logger.info("CUDA graphs off (%s): decode steps run eagerly", why)
         return None
-    return DecodeGraphs(model, kv_caches, len(groups), block_size, model_config.max_model_len, sizes, device,
+    return DecodeGraphs(model, kv_caches, len(groups), block_size, max_model_len, sizes, device,
                         use_graphs=True)
 
 
-def decode_metadata(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> Any:
+def decode_metadata(tables: torch.Tensor, positions: torch.Tensor,
+                    block_size: int) -> AttentionMetadata:
     """AttentionMetadata of a decode step from device tensors only (no host read, so it can be
     captured): tables [B, W] long (padded), positions [B] long (the new token's position; the
     row's keys are 0 .. position). Masked keys read the row's newest key (always written)."""
@@ -151,9 +160,9 @@ class DecodeGraphs:
             static-buffer forward eagerly (the CPU test of the path).
     """
 
-    def __init__(self, forward: Callable[..., torch.Tensor], kv_caches: list[Any], num_groups: int,
-                 block_size: int, max_model_len: int, sizes: Sequence[int], device: torch.device,
-                 use_graphs: bool) -> None:
+    def __init__(self, forward: Callable[..., torch.Tensor], kv_caches: list[KVCacheLayer],
+                 num_groups: int, block_size: int, max_model_len: int, sizes: Sequence[int],
+                 device: torch.device, use_graphs: bool) -> None:
         import torch
 
         self.forward, self.kv_caches = forward, kv_caches
@@ -163,8 +172,9 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
         self.positions = torch.zeros(top, dtype=torch.long, device=device)
         self.tables = torch.zeros(num_groups, top, self.width, dtype=torch.long, device=device)
-        self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # size -> (CUDAGraph, output logits)
-        self.pool: Any = None  # one memory pool shared by every captured graph
+        # size -> (CUDAGraph, output logits)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool: _POOL_HANDLE | None = None  # one memory pool shared by every captured graph
 
     def fits(self, batch: int) -> bool:
         """True when a decode step of `batch` requests has a captured size."""
@@ -208,7 +218,7 @@ class DecodeGraphs:
         rows into a graph sharing the others' memory pool."""
         import torch
 
-        stream = torch.cuda.Stream()
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves it untyped
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self._step(size)
@@ -221,8 +231,27 @@ class DecodeGraphs:
         self.graphs[size] = (graph, out)
 
 
-def decode_step_inputs(scheduled: dict[str, int], requests: dict[str, Any], graphs: DecodeGraphs
-                       ) -> tuple[list[int], list[int], list[list[list[int]]], list[Any]] | None:
+class DecodeRequest(Protocol):
+    """What decode_step_inputs reads of a request's state (the runner's CachedRequestState)."""
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def block_ids(self) -> tuple[list[int], ...]: ...
+
+    @property
+    def prompt_logprobs(self) -> object: ...
+
+
+R = TypeVar("R", bound=DecodeRequest)
+
+
+def decode_step_inputs(scheduled: dict[str, int], requests: dict[str, R], graphs: DecodeGraphs
+                       ) -> tuple[list[int], list[int], list[list[list[int]]], list[R]] | None:
     """Inputs of a step the graphs can run, else None (run it eagerly).
 
     Args:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -18,10 +19,11 @@ from pdkv.cache.specs import (
     SlidingWindowSpec,
     canonical_kv_cache_dtype,
 )
-from pdkv.config import CacheConfig
+from pdkv.config import CacheConfig, EngineConfig
 from pdkv.kv_transfer.reshard_state import StateGeometry
 from pdkv.model.arch_config import LlamaArchConfig, attention_groups
 from pdkv.model.kv_quant import KVCacheLayer, QuantKVCache
+from pdkv.parallel.layout import ParallelLayout
 
 
 def check_sliding_window_parallel(arch: LlamaArchConfig, dcp_size: int) -> None:
@@ -136,6 +138,44 @@ def make_kv_cache_config(
             "num_kv_blocks / kv_cache_memory_bytes or lower max_model_len"
         )
     return KVCacheConfig(num_blocks=num_blocks, groups=tuple(groups))
+
+
+def size_kv_cache(config: EngineConfig, layout: ParallelLayout, arch: LlamaArchConfig,
+                  budget_bytes: int | None) -> KVCacheConfig:
+    """The engine's KV cache as each rank allocates it (blocks of block_size tokens, this rank's
+    KV heads): the one place where an engine sizes it, once for every rank (its executor calls
+    this; pdkv.executor).
+
+    Args:
+        layout: the engine's TP/DCP layout (`config.parallel_config.layout()`).
+        budget_bytes: the memory budget measured after the weights were loaded (the smallest of
+            the ranks', with --gpu-memory-utilization), replacing kv_cache_memory_bytes; None:
+            the configured num_kv_blocks or kv_cache_memory_bytes.
+
+    Raises:
+        ValueError: the pool cannot hold one request of max_model_len tokens, or the model does
+            not support the layout (make_kv_cache_config).
+    """
+    cache = config.cache_config
+    if budget_bytes is not None:
+        cache = dataclasses.replace(cache, kv_cache_memory_bytes=budget_bytes)
+    model = config.model_config
+    return make_kv_cache_config(arch, cache, model.dtype, model.max_model_len,
+                                num_kv_heads=layout.kv_heads_per_rank(arch.num_kv_heads),
+                                dcp_size=layout.dcp_size, tp_size=layout.tp_size)
+
+
+def scheduler_view(per_rank: KVCacheConfig, dcp_size: int) -> KVCacheConfig:
+    """The scheduler's view of a KV cache sized by `size_kv_cache`: the same blocks, each of
+    block_size × dcp_size tokens (K/V specs; make_kv_cache_config(logical=True)'s result)."""
+    if dcp_size == 1:
+        return per_rank
+    groups = tuple(
+        KVCacheGroupSpec(layer_indices=g.layer_indices, spec=dataclasses.replace(
+            g.spec, block_size=g.spec.block_size * dcp_size))
+        if isinstance(g.spec, FullAttentionSpec) else g
+        for g in per_rank.groups)
+    return KVCacheConfig(num_blocks=per_rank.num_blocks, groups=groups)
 
 
 def allocate_kv_cache(

@@ -8,9 +8,9 @@ drive a worker in another process.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorOutput, 
 from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.kv_transfer.connector.p2p_compat import MLA_KV_LAYOUT
 from pdkv.kv_transfer.connector.startup import ConnectorStartup
+from pdkv.model.arch_config import LlamaArchConfig
 from pdkv.model.fused_ops import set_fused_ops
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
@@ -43,10 +44,15 @@ from pdkv.worker.attn_metadata import (
     build_linear_state_metadata,
 )
 from pdkv.worker.cuda_graphs import build_decode_graphs, decode_step_inputs
-from pdkv.worker.kv_cache import allocate_kv_cache, gdn_state_geometry, make_kv_cache_config
+from pdkv.worker.kv_cache import allocate_kv_cache, gdn_state_geometry
 
 if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
     from pdkv.parallel.context import ParallelContext
+
+KVCacheSizer = Callable[[LlamaArchConfig, "int | None"], KVCacheConfig]
+"""(the model's architecture, KV budget in bytes or None) -> the KV cache one rank allocates."""
 
 
 @dataclass
@@ -63,7 +69,7 @@ class CachedRequestState:
     stop_ids: tuple[int, ...] = field(default_factory=tuple)
     # prompt_logprobs requests: entry of each prompt position computed so far ([0] is None).
     prompt_logprobs: list[list[LogprobEntry] | None] | None = None
-    matcher: Any = None  # structured output: the request's llguidance LLMatcher
+    matcher: LLMatcher | None = None  # structured output: the request's grammar matcher
 
 
 @dataclass
@@ -86,9 +92,14 @@ class ModelRunner:
         parallel: this rank's TP/DCP context (None: one process holds the whole model). With DCP
             the block tables are logical (block_size × dcp tokens per block id) and this rank
             stores the K/V of the tokens it owns (pdkv.parallel.layout).
+        kv_cache_config: asked once, after the weights are loaded, for the KV cache this rank
+            allocates: called with the model's architecture and the KV budget in bytes measured
+            now (with gpu_memory_utilization and no num_kv_blocks; else None). The executor sizes
+            it (pdkv.executor.base.size_kv_cache); the runner never does.
 
     Raises:
-        ValueError: max_model_len exceeds the model's positions, or the KV cache is too small.
+        ValueError: max_model_len exceeds the model's positions, or (from kv_cache_config) the
+            KV cache is too small.
     """
 
     KV_LAYOUT = "blocks_layers_kv_tokens_heads_dim"
@@ -97,8 +108,9 @@ class ModelRunner:
         self,
         model_config: ModelConfig,
         cache_config: CacheConfig,
-        kv_transfer_config: KVTransferConfig | None = None,
-        parallel: ParallelContext | None = None,
+        kv_transfer_config: KVTransferConfig | None,
+        parallel: ParallelContext | None,
+        kv_cache_config: KVCacheSizer,
     ) -> None:
         self.model_config = model_config
         self.parallel = parallel
@@ -122,17 +134,12 @@ class ModelRunner:
             )
         self.eos_token_id = arch.eos_token_id
         self.block_size = cache_config.block_size
+        budget: int | None = None
         if cache_config.num_kv_blocks is None and cache_config.gpu_memory_utilization is not None:
             from pdkv.worker.memory import free_memory_bytes, kv_budget_bytes
 
             budget = kv_budget_bytes(free_memory_bytes(self.device), cache_config.gpu_memory_utilization)
-            cache_config = dataclasses.replace(cache_config, kv_cache_memory_bytes=budget)
-        dcp = parallel.dcp_size if parallel is not None else 1
-        self.kv_cache_config: KVCacheConfig = make_kv_cache_config(
-            arch, cache_config, model_config.dtype, model_config.max_model_len,
-            num_kv_heads=self.model.num_local_kv_heads, dcp_size=dcp,
-            tp_size=parallel.tp_size if parallel is not None else 1,
-        )
+        self.kv_cache_config: KVCacheConfig = kv_cache_config(arch, budget)
         # Quantized KV (issue 12): identity for P/D (a different value refuses the pair) and
         # part of the pool namespace ("kv_quant"; None = not quantized).
         kv_dtype: str = getattr(self.kv_cache_config.groups[0].spec, "cache_dtype", "auto")
@@ -150,7 +157,6 @@ class ModelRunner:
             interleave=lay.interleave if lay else None,
             dcp_replicated=lay.dcp_replicated if lay else None,
             num_local_kv_heads=self.model.num_local_kv_heads if lay else None)
-        self.layout = self.kv_layout.to_wire()  # for the executor and GET /kv_layout
         # Start-up values both connector halves of this engine share (see the factory).
         self.connector_startup = ConnectorStartup()
         if parallel is not None:
@@ -163,8 +169,6 @@ class ModelRunner:
                 kv_transfer_config, KVConnectorRole.WORKER, self.kv_cache_config, self.kv_layout,
                 self.connector_startup,
             )
-        # By name, with what the worker half filled in, for the engine's scheduler half.
-        self.connector_shared: dict[str, Any] = self.connector_startup.as_shared()
         self.kv_cache_groups, self.kv_caches = allocate_kv_cache(
             self.kv_cache_config, self.dtype, self.device,
             self.connector.kv_cache_buffer if self.connector is not None else None,
@@ -176,8 +180,10 @@ class ModelRunner:
         self._grammars: GrammarMatchers | None = None  # built by the first structured request
         # CUDA graphs of decode steps (on CUDA unless --enforce-eager; None: every step eager)
         self.decode_graphs = build_decode_graphs(
-            model_config, self.model, self.kv_cache_config.groups, self.kv_caches, self.block_size,
-            self.device, parallel.layout.world_size if parallel is not None else 1, self.connector is not None)
+            () if model_config.enforce_eager else model_config.cudagraph_capture_sizes,
+            model_config.max_model_len, self.model, self.kv_cache_config.groups, self.kv_caches,
+            self.block_size, self.device, parallel.layout.world_size if parallel is not None else 1,
+            self.connector is not None)
 
     @property
     def vocab_size(self) -> int:
@@ -217,13 +223,14 @@ class ModelRunner:
                 blocks.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _matcher(self, params: SamplingParams, output_ids: list[int]) -> Any:
+    def _matcher(self, params: SamplingParams, output_ids: list[int]) -> LLMatcher | None:
         if params.structured_outputs is None:
             return None
         if self._grammars is None:
             self._grammars = GrammarMatchers(
                 Tokenizer(self.model_config.path).hf, self.model.cfg.vocab_size, self.eos_token_id)
-        return self._grammars.matcher(params.structured_outputs, list(output_ids))
+        matcher: LLMatcher = self._grammars.matcher(params.structured_outputs, list(output_ids))
+        return matcher
 
     # -------------------------------------------------------------- execution
     @torch.inference_mode()

@@ -71,7 +71,7 @@ def idle(*llms: LLM) -> bool:
 def test_pd_equals_colocated_and_moves_the_quantized_page_bytes(engines):
     dtype, p, d, _, prompts, refs, _ = engines
     assert p.llm_engine.runner.kv_cache_config.block_bytes(0) == BLOCK_BYTES
-    assert p.llm_engine.runner.layout["kv_cache_dtype"] == {"int8": "int8", "fp8": "fp8_e4m3"}[dtype]
+    assert p.llm_engine.executor.kv_layout.kv_cache_dtype == {"int8": "int8", "fp8": "fp8_e4m3"}[dtype]
     assert p.reset_prefix_cache() and d.reset_prefix_cache()
     stats = d.llm_engine.scheduler.kv_stats
     params = [prefill(p, {"prompt_token_ids": ids}).kv_transfer_params for ids in prompts]
@@ -104,7 +104,7 @@ def test_pool_cold_equals_hot_equals_colocated(engines):
 def test_conversions_of_quantized_pages_are_refused_and_pool_namespaces_differ(engines):
     dtype, p, *_ = engines
     runner = p.llm_engine.runner
-    mine = dict(runner.layout)
+    mine = runner.kv_layout.to_wire()
     assert quantized_conversion_error(mine, {"layout": mine}) == ""
     # Equal dtypes: re-blocking and re-sharding convert (both planes of the page are planned).
     assert quantized_conversion_error(mine, {"layout": {**mine, "block_size": 32}}) == ""

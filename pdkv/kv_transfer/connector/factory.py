@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from pdkv.cache.kv_layout import KVLayout
 from pdkv.cache.specs import KVCacheConfig
 from pdkv.config import KVTransferConfig
@@ -14,16 +12,13 @@ CONNECTORS = ("P2PConnector", "KVPoolConnector", "MultiConnector", "OffloadingCo
 
 
 def create_connector(config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
-                     layout: KVLayout | Mapping[str, object],
-                     startup: ConnectorStartup | Mapping[str, object]) -> KVConnectorBase:
+                     layout: KVLayout, startup: ConnectorStartup) -> KVConnectorBase:
     """Build one half of the connector named in `config`.
 
     Args:
-        layout: this engine's KV layout; its wire form (a dict, e.g. from a worker process) is
-            parsed here (`KVLayout.from_wire`).
+        layout: this engine's KV layout.
         startup: the start-up values both halves of one engine share (see ConnectorStartup;
-            the worker half is built first and fills in what it binds); the by-name dict form
-            (`ConnectorStartup.as_shared`) is parsed here, keeping its address list and store.
+            the worker half is built first and fills in what it binds).
 
     Raises:
         ValueError: unknown connector name, invalid connector settings, a malformed layout or
@@ -43,9 +38,7 @@ def create_connector(config: KVTransferConfig, role: KVConnectorRole, kv_cache_c
             "and KVPoolConnector do, issue 11): run this model without it or with one of those")
     if config.kv_connector not in CONNECTORS:
         raise ValueError(f"unknown kv_connector {config.kv_connector!r}; known: {CONNECTORS}")
-    lay = layout if isinstance(layout, KVLayout) else KVLayout.from_wire(layout)
-    if not isinstance(startup, ConnectorStartup):
-        startup = ConnectorStartup.from_shared(startup)
+    lay = layout
     if config.kv_connector == "P2PConnector":
         from pdkv.kv_transfer.connector.p2p import P2PConnector
 

@@ -1,0 +1,64 @@
+"""InProcExecutor: the model runs in the engine process, on one ModelRunner."""
+
+from __future__ import annotations
+
+from pdkv.cache.kv_layout import KVLayout
+from pdkv.cache.specs import KVCacheConfig
+from pdkv.config import EngineConfig
+from pdkv.kv_transfer.connector.base import KVConnectorBase
+from pdkv.kv_transfer.connector.startup import ConnectorStartup
+from pdkv.model.arch_config import LlamaArchConfig
+from pdkv.parallel.layout import ParallelLayout
+from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput
+from pdkv.worker.kv_cache import size_kv_cache
+from pdkv.worker.model_runner import ModelRunner
+
+
+class InProcExecutor:
+    """One ModelRunner in this process (world size 1): the `Executor` of a single-rank engine.
+
+    The runner loads the weights, then this executor sizes its KV cache (`size_kv_cache`, once)
+    and the runner allocates it and builds the worker half of the KV connector, if any.
+
+    Args:
+        config: the engine's configuration.
+        layout: its TP/DCP layout (`config.parallel_config.layout()`, world size 1).
+
+    Raises:
+        ValueError: max_model_len exceeds the model's positions, or the KV cache cannot hold one
+            request of max_model_len tokens (named values).
+    """
+
+    poll_interval_s: float | None = None  # the connector's worker half wakes the loop itself
+
+    def __init__(self, config: EngineConfig, layout: ParallelLayout) -> None:
+        self._config = config
+        self._layout = layout
+        self.runner = ModelRunner(config.model_config, config.cache_config,
+                                  config.kv_transfer_config, None, self._size)
+        self.kv_cache_config: KVCacheConfig = self.runner.kv_cache_config
+        self.kv_layout: KVLayout = self.runner.kv_layout
+        self.connector_startup: ConnectorStartup = self.runner.connector_startup
+        self.connector: KVConnectorBase | None = self.runner.connector
+        self.vocab_size = self.runner.vocab_size
+        self.eos_token_id: int | None = self.runner.eos_token_id
+
+    def _size(self, arch: LlamaArchConfig, budget_bytes: int | None) -> KVCacheConfig:
+        return size_kv_cache(self._config, self._layout, arch, budget_bytes)
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        """The runner (inspection: tests, benchmarks)."""
+        return self.runner
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on the runner."""
+        return self.runner.execute_model(scheduler_output)
+
+    def dead_workers(self) -> list[int]:
+        """No worker processes: always []."""
+        return []
+
+    def shutdown(self) -> None:
+        """Shut the runner's connector half down (the model is freed with the executor)."""
+        self.runner.shutdown()
