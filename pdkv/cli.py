@@ -27,7 +27,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from pdkv.engine.arg_utils import EngineArgs
 
     # As `pdkv serve`: the engine's start-up lines (the --cpu-linear auto table, fallbacks) show.
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
     prompts = list(args.prompt or [])
     if args.prompts_file:
@@ -218,8 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = disabled")
     gen.add_argument("--sampling-seed", type=int, default=None, help="seed of random sampling")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    gen.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                     help="logging level of the engine's messages")
+    gen.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="logging level of the engine's messages",
+    )
     gen.set_defaults(func=_cmd_generate)
 
     from pdkv.serve import api_server

@@ -60,7 +60,9 @@ class ModelConfig:
                 f"attention_backend must be 'auto', 'torch' or 'cpu_paged', got {self.attention_backend!r}"
             )
         if self.cpu_linear not in ("panel", "onednn", "auto", "torch"):
-            raise ValueError(f"cpu_linear must be 'panel', 'onednn', 'auto' or 'torch', got {self.cpu_linear!r}")
+            raise ValueError(
+                f"cpu_linear must be 'panel', 'onednn', 'auto' or 'torch', got {self.cpu_linear!r}"
+            )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.max_model_len < 1:
@@ -97,7 +99,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.cache_dtype!r}"
+            )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -142,7 +146,9 @@ class SchedulerConfig:
             raise ValueError("max_mixed_prefill_tokens needs chunked prefill (a prompt that "
                              "cannot be split cannot be capped)")
         if not 0.0 <= self.remote_kv_watermark < 1.0:
-            raise ValueError(f"remote_kv_watermark must be in [0, 1), got {self.remote_kv_watermark}")
+            raise ValueError(
+                f"remote_kv_watermark must be in [0, 1), got {self.remote_kv_watermark}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -320,7 +326,9 @@ class KVTransferConfig:
                  "kv_load_failure_policy"}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown --kv-transfer-config fields {unknown}; known: {sorted(known)}")
+            raise ValueError(
+                f"unknown --kv-transfer-config fields {unknown}; known: {sorted(known)}"
+            )
         if "kv_connector" not in data or "kv_role" not in data:
             raise ValueError("--kv-transfer-config needs kv_connector and kv_role")
         return KVTransferConfig(**data)

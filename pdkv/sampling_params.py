@@ -44,10 +44,16 @@ class StructuredOutputsParams:
         given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
                  if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, "
-                             f"json_object; got {given or 'none'}")
-        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
-            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+            raise ValueError(
+                f"structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object; got {given or 'none'}"
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError(
+                f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -134,7 +140,11 @@ class SamplingParams:
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "min_p"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+            ):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
@@ -156,7 +166,9 @@ class SamplingParams:
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
         if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+            raise ValueError(
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."
+            )
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.prompt_logprobs is not None and (
@@ -170,11 +182,15 @@ class SamplingParams:
         ):
             raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or self.logprobs < 0
+            not isinstance(self.logprobs, int)
+            or isinstance(self.logprobs, bool)
+            or self.logprobs < 0
         ):
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs!r}")
         if len(self.stop) > MAX_STOP or len(self.stop_token_ids) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings and {MAX_STOP} stop_token_ids are allowed")
+            raise ValueError(
+                f"at most {MAX_STOP} stop strings and {MAX_STOP} stop_token_ids are allowed"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):

@@ -60,7 +60,9 @@ class Tokenizer:
             )
         )
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
         """Token ids of the rendered chat (the template carries its own special tokens)."""
         text = self.apply_chat_template(messages, add_generation_prompt)
         return list(self._tok.encode(text, add_special_tokens=False))

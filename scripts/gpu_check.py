@@ -48,8 +48,14 @@ def hf_run(model, prompts: list[list[int]], n: int, device: str) -> tuple[list[l
     _sync(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
     _sync(device)
     return out[:, ids.shape[1]:].tolist(), time.perf_counter() - t0
 
@@ -85,13 +91,21 @@ def main(argv: list[str] | None = None) -> int:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(a.device).eval()
     vocab = hf.config.vocab_size
     batches = [int(b) for b in a.batches.split(",")]
-    common = {"device": a.device, "max_model_len": a.input_len + max(a.output_len, a.parity_tokens) + 16,
-              "max_num_seqs": max(batches + [a.parity_prompts]), "num_kv_blocks": 2048,
-              "enable_prefix_caching": False}  # every timed run prefills, as HF does
+    common = {
+        "device": a.device,
+        "max_model_len": a.input_len + max(a.output_len, a.parity_tokens) + 16,
+        "max_num_seqs": max(batches + [a.parity_prompts]),
+        "num_kv_blocks": 2048,
+        "enable_prefix_caching": False,
+    }  # every timed run prefills, as HF does
     engines = {"pdkv": LLM(path, **common), "pdkv_eager": LLM(path, enforce_eager=True, **common)}
     graphs = engines["pdkv"].llm_engine.runner.decode_graphs
-    result: dict = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
-                    "model": a.model, "cuda_graphs": graphs is not None, "torch": torch.__version__}
+    result: dict = {
+        "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
+        "model": a.model,
+        "cuda_graphs": graphs is not None,
+        "torch": torch.__version__,
+    }
     prompts = _prompts(a.parity_prompts, a.input_len, vocab, seed=1)
     ref, _ = hf_run(hf, prompts, a.parity_tokens, a.device)
     for name, llm in engines.items():
@@ -102,8 +116,12 @@ def main(argv: list[str] | None = None) -> int:
               f"({a.parity_tokens} tokens)")
     for b in batches:
         ps = _prompts(b, a.input_len, vocab, seed=2 + b)
-        rates = {name: decode_rate(lambda n, llm=llm, ps=ps: pdkv_run(llm, ps, n, a.device), b, a.output_len)
-                 for name, llm in engines.items()}
+        rates = {
+            name: decode_rate(
+                lambda n, llm=llm, ps=ps: pdkv_run(llm, ps, n, a.device), b, a.output_len
+            )
+            for name, llm in engines.items()
+        }
         rates["hf"] = decode_rate(lambda n, ps=ps: hf_run(hf, ps, n, a.device), b, a.output_len)
         result[f"decode_tok_s_batch{b}"] = {k: round(v, 1) for k, v in rates.items()}
         print(f"decode tok/s, batch {b}: " + ", ".join(f"{k} {v:.1f}" for k, v in rates.items())
@@ -114,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.result_json:
         with open(a.result_json, "w") as f:
             json.dump(result, f, indent=1)
-    parity_ok = all(result[f"parity_{n}"].split("/")[0] == result[f"parity_{n}"].split("/")[1] for n in engines)
+    parity_ok = all(
+        result[f"parity_{n}"].split("/")[0] == result[f"parity_{n}"].split("/")[1] for n in engines
+    )
     return 0 if parity_ok else 1
 
 

@@ -14,7 +14,9 @@ import pytest
 
 _PRESENT: dict[str, Callable[[], bool]] = {
     "g++": lambda: shutil.which(os.environ.get("CXX") or "c++") is not None,
-    "python3-dev": lambda: os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h")),
+    "python3-dev": lambda: os.path.isfile(
+        os.path.join(sysconfig.get_paths()["include"], "Python.h")
+    ),
     "redis-server": lambda: shutil.which("redis-server") is not None,
     "libibverbs1": lambda: ctypes.util.find_library("ibverbs") is not None,
     "iproute2": lambda: shutil.which("ip") is not None and shutil.which("tc") is not None,

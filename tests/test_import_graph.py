@@ -16,7 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # The layers, lowest first; a module's layer is its first name under pdkv (a package or a
 # top-level module). A layer may import the layers before it in this list, never after.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("sampling_params", "procgroup", "cli_parser", "outputs", "block_hashing", "jsontypes"),  # leaves
+    (
+        "sampling_params",
+        "procgroup",
+        "cli_parser",
+        "outputs",
+        "block_hashing",
+        "jsontypes",
+    ),  # leaves
     ("request",),  # a request and its state
     ("cache",),  # blocks, block pool, KV cache manager (torch-free)
     ("modelspec",),  # a model's state groups from its HF config (torch-free)
@@ -58,7 +65,9 @@ def modules(root: Path = ROOT) -> dict[str, Path]:
     return {module_name(p, root): p for p in sorted((root / "pdkv").rglob("*.py"))}
 
 
-def _targets(node: ast.AST, importer: str, is_package: bool, known: dict[str, Path]) -> Iterator[str]:
+def _targets(
+    node: ast.AST, importer: str, is_package: bool, known: dict[str, Path]
+) -> Iterator[str]:
     """The pdkv modules an import statement names (`from pdkv.x import y`: pdkv.x.y when that is
     a module, else pdkv.x)."""
     if isinstance(node, ast.Import):
@@ -136,19 +145,25 @@ def cycles(graph: dict[str, set[str]]) -> set[tuple[str, ...]]:
 
 
 def test_every_module_is_in_a_layer():
-    assert {layer(m) for m in modules()} <= set(RANK), sorted({layer(m) for m in modules()} - set(RANK))
+    assert {layer(m) for m in modules()} <= set(RANK), sorted(
+        {layer(m) for m in modules()} - set(RANK)
+    )
 
 
 def test_no_import_points_up_the_layering_beyond_the_known_debt():
     found = upward_imports(import_graph())
     assert found - KNOWN_UPWARD == set(), f"new upward imports: {sorted(found - KNOWN_UPWARD)}"
-    assert KNOWN_UPWARD - found == set(), f"paid debt, delete from KNOWN_UPWARD: {sorted(KNOWN_UPWARD - found)}"
+    assert KNOWN_UPWARD - found == set(), (
+        f"paid debt, delete from KNOWN_UPWARD: {sorted(KNOWN_UPWARD - found)}"
+    )
 
 
 def test_no_import_cycle_beyond_the_known_debt():
     found = cycles(import_graph())
     assert found - KNOWN_CYCLES == set(), f"new cycles: {sorted(found - KNOWN_CYCLES)}"
-    assert KNOWN_CYCLES - found == set(), f"paid debt, delete from KNOWN_CYCLES: {sorted(KNOWN_CYCLES - found)}"
+    assert KNOWN_CYCLES - found == set(), (
+        f"paid debt, delete from KNOWN_CYCLES: {sorted(KNOWN_CYCLES - found)}"
+    )
 
 
 def test_the_checks_see_function_local_and_type_only_imports(tmp_path):

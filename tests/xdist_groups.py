@@ -67,7 +67,9 @@ def session_fixtures(item: pytest.Item) -> set[str]:
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return set()
-    return {name for name, defs in info.name2fixturedefs.items() if defs and defs[-1].scope == "session"}
+    return {
+        name for name, defs in info.name2fixturedefs.items() if defs and defs[-1].scope == "session"
+    }
 
 
 def module_id(item: pytest.Item) -> str:

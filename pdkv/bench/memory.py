@@ -109,13 +109,49 @@ def build_memory_topology(args: argparse.Namespace) -> Topology:
     engine_port, proxy_port = free_port(taken), free_port(taken)
     engine_url = f"http://{HOST}:{engine_port}"
     topo = Topology()
-    topo.children.append(Child("launcher", engine_url, py + [
-        "up", "--mode", "colocated", "--model", args.model, "--port", str(engine_port), "--disable-log-requests",
-        "--log-dir", os.path.join(args.log_dir, "up"), "--health-timeout", str(args.health_timeout),
-        "--", *args.engine_args], dict(os.environ)))
-    topo.children.append(Child("proxy", f"http://{HOST}:{proxy_port}", py + [
-        "proxy", "--backends", engine_url, "--host", HOST, "--port", str(proxy_port), "--log-level", "warning"],
-        dict(os.environ)))
+    topo.children.append(
+        Child(
+            "launcher",
+            engine_url,
+            py
+            + [
+                "up",
+                "--mode",
+                "colocated",
+                "--model",
+                args.model,
+                "--port",
+                str(engine_port),
+                "--disable-log-requests",
+                "--log-dir",
+                os.path.join(args.log_dir, "up"),
+                "--health-timeout",
+                str(args.health_timeout),
+                "--",
+                *args.engine_args,
+            ],
+            dict(os.environ),
+        )
+    )
+    topo.children.append(
+        Child(
+            "proxy",
+            f"http://{HOST}:{proxy_port}",
+            py
+            + [
+                "proxy",
+                "--backends",
+                engine_url,
+                "--host",
+                HOST,
+                "--port",
+                str(proxy_port),
+                "--log-level",
+                "warning",
+            ],
+            dict(os.environ),
+        )
+    )
     topo.endpoint = topo.children[1].url
     return topo
 
@@ -145,13 +181,18 @@ def measure(topo: Topology, engine: int, max_tokens: int) -> dict[str, tuple[Rss
     pids = {"serve": engine, "launcher": launcher.proc.pid, "proxy": proxy.proc.pid}
 
     def snapshot() -> dict[str, Rss]:
-        return {name: tree_rss(pid) if name == "serve" else process_rss(pid) for name, pid in pids.items()}
+        return {
+            name: tree_rss(pid) if name == "serve" else process_rss(pid)
+            for name, pid in pids.items()
+        }
 
     before = snapshot()
     with httpx.Client(timeout=600.0) as client:
         model = client.get(topo.endpoint + "/v1/models").json()["data"][0]["id"]
-        r = client.post(topo.endpoint + "/v1/completions",
-                        json={"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0})
+        r = client.post(
+            topo.endpoint + "/v1/completions",
+            json={"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0},
+        )
         if r.status_code != 200:
             raise RuntimeError(f"request through the proxy failed: {r.status_code} {r.text[:300]}")
     after = snapshot()
@@ -161,24 +202,36 @@ def measure(topo: Topology, engine: int, max_tokens: int) -> dict[str, tuple[Rss
 def report(results: dict[str, tuple[Rss, Rss]], engine_args: list[str]) -> str:
     """The table: RSS after start and after one request, its parts, torch loaded, goal met."""
     goals = {"serve": SERVE_GOAL_BYTES, "launcher": LIGHT_GOAL_BYTES, "proxy": LIGHT_GOAL_BYTES}
-    labels = {"serve": "pdkv serve (engine)", "launcher": "pdkv up (launcher)", "proxy": "pdkv proxy"}
+    labels = {
+        "serve": "pdkv serve (engine)",
+        "launcher": "pdkv up (launcher)",
+        "proxy": "pdkv proxy",
+    }
     mb = 1e6
     lines = [f"engine flags: {' '.join(engine_args) or '(defaults)'}; RSS in MB (10^6 bytes)",
              f"{'process':<22}{'started':>9}{'1 request':>11}{'anon':>8}{'file':>8}{'shmem':>8}"
              f"{'torch':>7}{'goal':>7}  met"]
     for name, (start, done) in results.items():
-        lines.append(f"{labels[name]:<22}{start.total / mb:>9.0f}{done.total / mb:>11.0f}{done.anon / mb:>8.0f}"
-                     f"{done.file / mb:>8.0f}{done.shmem / mb:>8.0f}{'yes' if done.torch_loaded else 'no':>7}"
-                     f"{goals[name] / mb:>7.0f}  {'yes' if done.total <= goals[name] else 'NO'}")
+        lines.append(
+            f"{labels[name]:<22}{start.total / mb:>9.0f}{done.total / mb:>11.0f}{done.anon / mb:>8.0f}"
+            f"{done.file / mb:>8.0f}{done.shmem / mb:>8.0f}{'yes' if done.torch_loaded else 'no':>7}"
+            f"{goals[name] / mb:>7.0f}  {'yes' if done.total <= goals[name] else 'NO'}"
+        )
     return "\n".join(lines)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `pdkv bench memory` flags to `parser`."""
     parser.add_argument("--model", default="smollm2", help="model of the engine")
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens the one request generates")
-    parser.add_argument("--log-dir", default="pdkv-logs/bench-memory", help="one log file per process")
-    parser.add_argument("--health-timeout", type=float, default=600.0, help="seconds to wait for start-up")
+    parser.add_argument(
+        "--max-tokens", type=int, default=16, help="tokens the one request generates"
+    )
+    parser.add_argument(
+        "--log-dir", default="pdkv-logs/bench-memory", help="one log file per process"
+    )
+    parser.add_argument(
+        "--health-timeout", type=float, default=600.0, help="seconds to wait for start-up"
+    )
     parser.add_argument("engine_args", nargs=argparse.REMAINDER,
                         help="after --: engine flags (default none: a default `pdkv serve`)")
     return parser

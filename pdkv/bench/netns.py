@@ -146,7 +146,16 @@ class NetnsPair:
         for side in ("p", "d"):
             ns = self.ns(side)
             cmds += [
-                ["ip", "-n", ns, "addr", "add", f"{self.host(side)}/{PREFIX_LEN}", "dev", self.dev(side)],
+                [
+                    "ip",
+                    "-n",
+                    ns,
+                    "addr",
+                    "add",
+                    f"{self.host(side)}/{PREFIX_LEN}",
+                    "dev",
+                    self.dev(side),
+                ],
                 ["ip", "-n", ns, "link", "set", self.dev(side), "up"],
                 ["ip", "-n", ns, "link", "set", "lo", "up"],
             ]
@@ -164,7 +173,9 @@ class NetnsPair:
 
     def qdisc(self, side: str) -> str:
         """`tc qdisc show` of side's veth end (to print what the run used)."""
-        return _run(["tc", "-n", self.ns(side), "qdisc", "show", "dev", self.dev(side)]).stdout.strip()
+        return _run(
+            ["tc", "-n", self.ns(side), "qdisc", "show", "dev", self.dev(side)]
+        ).stdout.strip()
 
     def __enter__(self) -> NetnsPair:
         self.setup()

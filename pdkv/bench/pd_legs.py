@@ -40,7 +40,12 @@ class PDEngines:
     """The P and D engines of a run, built on first use, keyed by (role, block size, tp)."""
 
     def __init__(self, path: str, max_len: int, transfer: str, num_threads: int | None) -> None:
-        self.path, self.max_len, self.transfer, self.num_threads = path, max_len, transfer, num_threads
+        self.path, self.max_len, self.transfer, self.num_threads = (
+            path,
+            max_len,
+            transfer,
+            num_threads,
+        )
         self.built: dict[tuple[str, int, int], LLM] = {}
 
     def get(self, role: str, block_size: int, tp: int) -> LLM:
@@ -50,10 +55,16 @@ class PDEngines:
         key = (role, block_size, tp)
         if key not in self.built:
             kw: dict[str, int] = {"tensor_parallel_size": tp} if tp > 1 else {}
-            self.built[key] = LLM(self.path, cpu_linear="torch", block_size=block_size, max_model_len=self.max_len,
-                                  num_kv_blocks=2 * -(-self.max_len // block_size) + EXTRA_BLOCKS,
-                                  num_threads=self.num_threads, kv_transfer_config=kv_config(role, self.transfer),
-                                  **kw)
+            self.built[key] = LLM(
+                self.path,
+                cpu_linear="torch",
+                block_size=block_size,
+                max_model_len=self.max_len,
+                num_kv_blocks=2 * -(-self.max_len // block_size) + EXTRA_BLOCKS,
+                num_threads=self.num_threads,
+                kv_transfer_config=kv_config(role, self.transfer),
+                **kw,
+            )
         return self.built[key]
 
     def shutdown(self) -> None:
@@ -92,8 +103,11 @@ def prefill(p: LLM, prompt: list[int]) -> JSONObject:
     from pdkv import SamplingParams
 
     eng = p.llm_engine
-    req, text = eng.make_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1),
-                                 kv_transfer_params={"do_remote_decode": True})
+    req, text = eng.make_request(
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0, max_tokens=1),
+        kv_transfer_params={"do_remote_decode": True},
+    )
     eng.add_request(req, text)
     out: list[RequestOutput] = []
 
@@ -120,9 +134,11 @@ def decode(p: LLM, d: LLM, prompt: list[int], params: JSONObject) -> Pull:
     eng, sched = d.llm_engine, d.llm_engine.scheduler
     sched.stats()  # drain transfer times of earlier pulls
     before = dict(sched.kv_stats)
-    req, text = eng.make_request({"prompt_token_ids": prompt},
-                                 SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
-                                 kv_transfer_params=params)
+    req, text = eng.make_request(
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+        kv_transfer_params=params,
+    )
     eng.add_request(req, text)
     out: list[RequestOutput] = []
 
@@ -133,12 +149,16 @@ def decode(p: LLM, d: LLM, prompt: list[int], params: JSONObject) -> Pull:
 
     step_until([], step, "D's decode")
     if req.num_local_hit_tokens:
-        raise RuntimeError(f"D had {req.num_local_hit_tokens} local prefix-hit tokens: the pull was not whole")
+        raise RuntimeError(
+            f"D had {req.num_local_hit_tokens} local prefix-hit tokens: the pull was not whole"
+        )
     after = sched.kv_stats
     seconds = list(sched.stats().transfer_seconds or [])
     if not seconds:
         raise RuntimeError("no KV pull was recorded: see D's log")
-    return {"tokens": list(out[0].outputs[0].token_ids),
-            "bytes": int(after.get("kv_bytes_received", 0.0) - before.get("kv_bytes_received", 0.0)),
-            "read_ops": int(after.get("kv_read_ops", 0.0) - before.get("kv_read_ops", 0.0)),
-            "transfer_s": max(seconds)}
+    return {
+        "tokens": list(out[0].outputs[0].token_ids),
+        "bytes": int(after.get("kv_bytes_received", 0.0) - before.get("kv_bytes_received", 0.0)),
+        "read_ops": int(after.get("kv_read_ops", 0.0) - before.get("kv_read_ops", 0.0)),
+        "transfer_s": max(seconds),
+    }

@@ -29,17 +29,26 @@ from pdkv.bench.serve.runner import run_serve_bench
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Flags of `pdkv bench prefill-cap` (workload flags as in `pdkv bench serve`)."""
-    parser.add_argument("--caps", default="0,32,64,128,256",
-                        help="comma-separated --max-mixed-prefill-tokens values (0 = no cap, the peer)")
+    parser.add_argument(
+        "--caps",
+        default="0,32,64,128,256",
+        help="comma-separated --max-mixed-prefill-tokens values (0 = no cap, the peer)",
+    )
     parser.add_argument("--model", default="smollm2", help="alias or HF folder")
     parser.add_argument("--input-len", type=int, default=512, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=32, help="output tokens per request")
     parser.add_argument("--num-prompts", type=int, default=24, help="requests per cap")
     parser.add_argument("--request-rate", type=float, default=0.5, help="Poisson arrivals, req/s")
     parser.add_argument("--max-concurrency", type=int, default=4, help="requests in flight at most")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts and arrivals")
-    parser.add_argument("--log-dir", default="pdkv-logs/prefill-cap", help="server logs, one folder per cap")
-    parser.add_argument("--health-timeout", type=float, default=300.0, help="s to wait for a server")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the random prompts and arrivals"
+    )
+    parser.add_argument(
+        "--log-dir", default="pdkv-logs/prefill-cap", help="server logs, one folder per cap"
+    )
+    parser.add_argument(
+        "--health-timeout", type=float, default=300.0, help="s to wait for a server"
+    )
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     parser.add_argument("engine_args", nargs=argparse.REMAINDER,
                         help="after --: engine flags for every run (e.g. --num-kv-blocks 1024)")
@@ -78,8 +87,10 @@ def run_cap(cap: int, args: argparse.Namespace) -> CapRow:
             raise RuntimeError(f"cap {cap}: the server did not start; see {log_dir}/")
         with httpx.Client(timeout=120.0) as client:
             model = client.get(topo.endpoint + "/v1/models").json()["data"][0]["id"]
-            client.post(topo.endpoint + "/v1/completions",  # warm-up: first-call costs out of the run
-                        json={"model": model, "prompt": "warm up", "max_tokens": 2})
+            client.post(
+                topo.endpoint + "/v1/completions",  # warm-up: first-call costs out of the run
+                json={"model": model, "prompt": "warm up", "max_tokens": 2},
+            )
         cfg = BenchConfig(base_url=topo.endpoint, model=model, dataset="random",
                           num_prompts=args.num_prompts, input_len=args.input_len,
                           output_len=args.output_len, request_rate=args.request_rate,
@@ -99,13 +110,21 @@ def run_cap(cap: int, args: argparse.Namespace) -> CapRow:
 def render(rows: list[CapRow]) -> str:
     """Markdown table of the rows; ratios against the row with cap 0 (when present)."""
     base = next((r for r in rows if r["cap"] == 0), None)
-    lines = ["| cap (tokens) | TTFT mean / p99 (ms) | TPOT mean (ms) | ITL p99 (ms) | ITL p99 / TPOT mean "
-             "| TTFT mean vs no cap | failed |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| cap (tokens) | TTFT mean / p99 (ms) | TPOT mean (ms) | ITL p99 (ms) | ITL p99 / TPOT mean "
+        "| TTFT mean vs no cap | failed |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        vs = f"{r['mean_ttft_ms'] / base['mean_ttft_ms']:.2f}x" if base and base["mean_ttft_ms"] else "-"
+        vs = (
+            f"{r['mean_ttft_ms'] / base['mean_ttft_ms']:.2f}x"
+            if base and base["mean_ttft_ms"]
+            else "-"
+        )
         lines.append(
             f"| {r['cap'] or 'none'} | {r['mean_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['mean_tpot_ms']:.0f} "
-            f"| {r['p99_itl_ms']:.0f} | {r['p99_itl_ms'] / r['mean_tpot_ms']:.2f} | {vs} | {r['failed']} |")
+            f"| {r['p99_itl_ms']:.0f} | {r['p99_itl_ms'] / r['mean_tpot_ms']:.2f} | {vs} | {r['failed']} |"
+        )
     return "\n".join(lines)
 
 
@@ -117,9 +136,11 @@ def main(args: argparse.Namespace) -> int:
     load = os.getloadavg()[0]
     t0 = time.monotonic()
     rows = [run_cap(c, args) for c in caps]
-    print(f"pdkv bench prefill-cap: {args.model}, {args.num_prompts} prompts x {args.input_len} tokens -> "
-          f"{args.output_len}, {args.request_rate} req/s, concurrency {args.max_concurrency}; "
-          f"load average {load:.1f} at start, {time.monotonic() - t0:.0f} s")
+    print(
+        f"pdkv bench prefill-cap: {args.model}, {args.num_prompts} prompts x {args.input_len} tokens -> "
+        f"{args.output_len}, {args.request_rate} req/s, concurrency {args.max_concurrency}; "
+        f"load average {load:.1f} at start, {time.monotonic() - t0:.0f} s"
+    )
     print(render(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -113,7 +113,9 @@ class KVCacheManager:
 
     def num_blocks_of(self, request_id: str) -> int:
         """Blocks the request holds, all groups, null-block entries not counted."""
-        return sum(1 for m in self.managers for b in m.req_to_blocks.get(request_id, ()) if not b.is_null)
+        return sum(
+            1 for m in self.managers for b in m.req_to_blocks.get(request_id, ()) if not b.is_null
+        )
 
     def empty_blocks(self) -> KVCacheBlocks:
         return KVCacheBlocks(tuple([] for _ in self.managers))

@@ -77,7 +77,9 @@ class EngineArgs:
                 f"max_model_len={max_len} exceeds the model's max_position_embeddings="
                 f"{arch.max_position_embeddings}"
             )
-        check_sliding_window_parallel(arch, self.decode_context_parallel_size)  # before the head rules
+        check_sliding_window_parallel(
+            arch, self.decode_context_parallel_size
+        )  # before the head rules
         ParallelConfig(  # vLLM's head constraints, before any process starts
             tensor_parallel_size=self.tensor_parallel_size,
             decode_context_parallel_size=self.decode_context_parallel_size,
@@ -101,7 +103,9 @@ class EngineArgs:
                 cpu_linear=self.cpu_linear,
                 attention_backend=self.attention_backend,
                 enforce_eager=self.enforce_eager,
-                cudagraph_capture_sizes=tuple(capture_sizes(self.max_num_seqs)) if device.startswith("cuda") else (),
+                cudagraph_capture_sizes=tuple(capture_sizes(self.max_num_seqs))
+                if device.startswith("cuda")
+                else (),
                 fused_ops=self.fused_ops,
             ),
             cache_config=CacheConfig(
@@ -118,10 +122,13 @@ class EngineArgs:
                 max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 max_mixed_prefill_tokens=default_mixed_prefill_cap(
-                    self.max_mixed_prefill_tokens, device, self.enable_chunked_prefill),
+                    self.max_mixed_prefill_tokens, device, self.enable_chunked_prefill
+                ),
             ),
             kv_transfer_config=(
-                KVTransferConfig.from_json(self.kv_transfer_config) if self.kv_transfer_config else None
+                KVTransferConfig.from_json(self.kv_transfer_config)
+                if self.kv_transfer_config
+                else None
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -137,11 +144,18 @@ class EngineArgs:
         """Add the engine flags (vLLM names) to `parser`."""
         d = EngineArgs()
         g = parser.add_argument_group("engine")
-        g.add_argument("--model", default=d.model,
-                       help="alias (smollm2; tiny-llama-kv1, tiny-llama-kv2: random tiny Llamas for "
-                            "tp/dcp tests), HF id (resolved offline: the HF cache) or HF folder")
-        g.add_argument("--served-model-name", nargs="+", default=None,
-                       help="model id(s) clients may use; the first is reported (unset: the model value)")
+        g.add_argument(
+            "--model",
+            default=d.model,
+            help="alias (smollm2; tiny-llama-kv1, tiny-llama-kv2: random tiny Llamas for "
+            "tp/dcp tests), HF id (resolved offline: the HF cache) or HF folder",
+        )
+        g.add_argument(
+            "--served-model-name",
+            nargs="+",
+            default=None,
+            help="model id(s) clients may use; the first is reported (unset: the model value)",
+        )
         g.add_argument("--dtype", default=d.dtype, choices=["float32", "float16", "bfloat16"],
                        help="weights, activations and KV cache")
         g.add_argument("--device", default=None, help="cpu | cuda[:N] (unset: cuda if present)")
@@ -149,24 +163,45 @@ class EngineArgs:
         g.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt + output in tokens (unset: the model's)")
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-        g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (unset: from --kv-cache-memory-bytes)")
-        g.add_argument("--kv-cache-memory-bytes", type=int, default=d.kv_cache_memory_bytes,
-                       help="KV cache budget when neither --num-kv-blocks nor --gpu-memory-utilization is given")
-        g.add_argument("--gpu-memory-utilization", type=float, default=None,
-                       help="KV cache = this fraction of the memory free after loading the weights (GPU: free "
-                            "device memory; CPU: available RAM), unless --num-kv-blocks is given")
-        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
-                       help="auto = the model dtype (--dtype); int8 or fp8 (= fp8_e4m3): 1 byte per value "
-                            "plus a float32 scale per token and KV head (K and V)")
-        g.add_argument("--enforce-eager", action="store_true",
-                       help="no CUDA graphs for decode steps (default on CUDA: graphs for batch sizes 1, 2, 4, 8, "
-                            "16, ... up to --max-num-seqs; the CPU always runs eagerly)")
+        g.add_argument(
+            "--num-kv-blocks",
+            type=int,
+            default=None,
+            help="KV blocks (unset: from --kv-cache-memory-bytes)",
+        )
+        g.add_argument(
+            "--kv-cache-memory-bytes",
+            type=int,
+            default=d.kv_cache_memory_bytes,
+            help="KV cache budget when neither --num-kv-blocks nor --gpu-memory-utilization is given",
+        )
+        g.add_argument(
+            "--gpu-memory-utilization",
+            type=float,
+            default=None,
+            help="KV cache = this fraction of the memory free after loading the weights (GPU: free "
+            "device memory; CPU: available RAM), unless --num-kv-blocks is given",
+        )
+        g.add_argument(
+            "--kv-cache-dtype",
+            default=d.kv_cache_dtype,
+            help="auto = the model dtype (--dtype); int8 or fp8 (= fp8_e4m3): 1 byte per value "
+            "plus a float32 scale per token and KV head (K and V)",
+        )
+        g.add_argument(
+            "--enforce-eager",
+            action="store_true",
+            help="no CUDA graphs for decode steps (default on CUDA: graphs for batch sizes 1, 2, 4, 8, "
+            "16, ... up to --max-num-seqs; the CPU always runs eagerly)",
+        )
         g.add_argument(
             "--enable-prefix-caching",
             action=argparse.BooleanOptionalAction,
             default=d.enable_prefix_caching,
         )
-        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests running at once")
+        g.add_argument(
+            "--max-num-seqs", type=int, default=d.max_num_seqs, help="requests running at once"
+        )
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help="token budget of one engine step")
         g.add_argument(
@@ -174,35 +209,67 @@ class EngineArgs:
             action=argparse.BooleanOptionalAction,
             default=d.enable_chunked_prefill,
         )
-        g.add_argument("--max-mixed-prefill-tokens", type=int, default=d.max_mixed_prefill_tokens,
-                       help="most prompt tokens in a step that also runs decodes (0 = no cap; default "
-                            f"{CPU_MIXED_PREFILL_TOKENS} on CPU, 0 on CUDA): bounds the inter-token latency "
-                            "tail behind long prefills")
+        g.add_argument(
+            "--max-mixed-prefill-tokens",
+            type=int,
+            default=d.max_mixed_prefill_tokens,
+            help="most prompt tokens in a step that also runs decodes (0 = no cap; default "
+            f"{CPU_MIXED_PREFILL_TOKENS} on CPU, 0 on CUDA): bounds the inter-token latency "
+            "tail behind long prefills",
+        )
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="TP ranks: one worker process each (torch.distributed, gloo on CPU)")
-        g.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1,
-                       help="DCP ranks sharing each request's KV; carved out of TP (vLLM) when tp > 1, "
-                            "ranks that replicate the weights when tp is 1")
-        g.add_argument("--cp-kv-cache-interleave-size", type=int, default=d.cp_kv_cache_interleave_size,
-                       help="consecutive tokens stored on one DCP rank (must equal --block-size with a "
-                            "KV connector)")
-        g.add_argument("--dcp-replicate-weights", action=argparse.BooleanOptionalAction, default=None,
-                       help="DCP ranks each hold a whole TP shard (world size tp x dcp); default: only "
-                            "when tp is 1")
-        g.add_argument("--distributed-init-port", type=int, default=d.distributed_init_port,
-                       help="127.0.0.1 port of the workers' torch.distributed rendezvous (0: a free one)")
-        g.add_argument("--cpu-linear", default=d.cpu_linear, choices=["panel", "onednn", "auto", "torch"],
-                       help="CPU matmuls: panel (float32 / bfloat16 weights packed for pdkv's AVX2 kernel; else "
-                            "onednn), onednn (oneDNN's packed weights), auto (one weight copy; BLAS or "
-                            "oneDNN per row count from a table timed at start-up and logged) or torch (BLAS)")
-        g.add_argument("--attention-backend", default=d.attention_backend,
-                       choices=["auto", "torch", "cpu_paged"],
-                       help="decode attention: torch (gather blocks + SDPA) or cpu_paged (C++ op reading "
-                            "K/V from the blocks in place); auto = cpu_paged on CPU when built (make "
-                            "setup), torch for CUDA, quantized KV, DCP and MLA")
-        g.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=d.fused_ops,
-                       help="C++ fused RMSNorm / residual add / RoPE / SiLU-mul on CPU float32 when "
-                            "built (make setup); --no-fused-ops: the torch ops (reference path)")
+        g.add_argument(
+            "--decode-context-parallel-size",
+            "-dcp",
+            type=int,
+            default=1,
+            help="DCP ranks sharing each request's KV; carved out of TP (vLLM) when tp > 1, "
+            "ranks that replicate the weights when tp is 1",
+        )
+        g.add_argument(
+            "--cp-kv-cache-interleave-size",
+            type=int,
+            default=d.cp_kv_cache_interleave_size,
+            help="consecutive tokens stored on one DCP rank (must equal --block-size with a "
+            "KV connector)",
+        )
+        g.add_argument(
+            "--dcp-replicate-weights",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="DCP ranks each hold a whole TP shard (world size tp x dcp); default: only "
+            "when tp is 1",
+        )
+        g.add_argument(
+            "--distributed-init-port",
+            type=int,
+            default=d.distributed_init_port,
+            help="127.0.0.1 port of the workers' torch.distributed rendezvous (0: a free one)",
+        )
+        g.add_argument(
+            "--cpu-linear",
+            default=d.cpu_linear,
+            choices=["panel", "onednn", "auto", "torch"],
+            help="CPU matmuls: panel (float32 / bfloat16 weights packed for pdkv's AVX2 kernel; else "
+            "onednn), onednn (oneDNN's packed weights), auto (one weight copy; BLAS or "
+            "oneDNN per row count from a table timed at start-up and logged) or torch (BLAS)",
+        )
+        g.add_argument(
+            "--attention-backend",
+            default=d.attention_backend,
+            choices=["auto", "torch", "cpu_paged"],
+            help="decode attention: torch (gather blocks + SDPA) or cpu_paged (C++ op reading "
+            "K/V from the blocks in place); auto = cpu_paged on CPU when built (make "
+            "setup), torch for CUDA, quantized KV, DCP and MLA",
+        )
+        g.add_argument(
+            "--fused-ops",
+            action=argparse.BooleanOptionalAction,
+            default=d.fused_ops,
+            help="C++ fused RMSNorm / residual add / RoPE / SiLU-mul on CPU float32 when "
+            "built (make setup); --no-fused-ops: the torch ops (reference path)",
+        )
         g.add_argument(
             "--kv-transfer-config",
             default=None,
@@ -229,9 +296,13 @@ class EngineArgs:
         tag = getattr(args, "model_tag", None)
         if tag:  # `pdkv serve MODEL`
             if kwargs.get("model") not in (None, EngineArgs.model, tag):
-                raise ValueError(f"two models given: MODEL {tag!r} and --model {kwargs['model']!r}; give one")
+                raise ValueError(
+                    f"two models given: MODEL {tag!r} and --model {kwargs['model']!r}; give one"
+                )
             kwargs["model"] = tag
-        if isinstance(kwargs.get("served_model_name"), list):  # several names: the first is reported
+        if isinstance(
+            kwargs.get("served_model_name"), list
+        ):  # several names: the first is reported
             kwargs["served_model_name"] = kwargs["served_model_name"][0]
         return EngineArgs(**kwargs)
 

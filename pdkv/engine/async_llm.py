@@ -149,7 +149,9 @@ class AsyncLLM:
             prompt, params, request_id, cache_salt=cache_salt, kv_transfer_params=kv_transfer_params
         )
 
-    async def generate(self, request: Request, prompt_text: str | None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request: Request, prompt_text: str | None
+    ) -> AsyncIterator[RequestOutput]:
         """Queue the request and yield its outputs step by step until it finishes.
 
         Leaving the iterator early (client disconnect, cancellation) aborts the request.

@@ -117,11 +117,15 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
-            raise ValueError(f"stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(
+                f"stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}")
         if params.prompt_logprobs is not None and params.prompt_logprobs > MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be at most {MAX_LOGPROBS}, got {params.prompt_logprobs}")
+            raise ValueError(
+                f"prompt_logprobs must be at most {MAX_LOGPROBS}, got {params.prompt_logprobs}"
+            )
         bad_bias = [t for t in params.logit_bias or {} if t >= self.vocab_size]
         if bad_bias:
             raise ValueError(
@@ -178,7 +182,9 @@ class LLMEngine:
         if request.kv_transfer_params:
             if self.connector is None:
                 if request.kv_transfer_params.get("do_remote_prefill"):
-                    raise ValueError("kv_transfer_params.do_remote_prefill needs an engine with --kv-transfer-config")
+                    raise ValueError(
+                        "kv_transfer_params.do_remote_prefill needs an engine with --kv-transfer-config"
+                    )
                 request.kv_transfer_params = None  # nothing to hand over without a connector
             else:
                 self.connector.validate_request(request)
@@ -265,8 +271,11 @@ class LLMEngine:
         rank stores 1/dcp of every request's KV)."""
         par, kv = self.config.parallel_config, self.executor.kv_cache_config
         dcp = par.decode_context_parallel_size
-        split = (f"; tp {par.tensor_parallel_size}, dcp {dcp}: each rank stores 1/{dcp} of every request's KV"
-                 if par.world_size > 1 else "")
+        split = (
+            f"; tp {par.tensor_parallel_size}, dcp {dcp}: each rank stores 1/{dcp} of every request's KV"
+            if par.world_size > 1
+            else ""
+        )
         return (f"{kv.num_blocks} blocks x {self.config.scheduler_block_size} tokens "
                 f"({kv.total_bytes / dcp / 2**20:.1f} MiB per rank{split})")
 

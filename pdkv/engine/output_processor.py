@@ -35,7 +35,9 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int]) -> str:
         """Append tokens; returns the newly completed text (maybe "")."""
         self.token_ids.extend(token_ids)
-        prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset], self.skip)
+        prefix = self.tokenizer.decode(
+            self.token_ids[self.prefix_offset : self.read_offset], self.skip
+        )
         full = self.tokenizer.decode(self.token_ids[self.prefix_offset :], self.skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset = self.read_offset
@@ -45,7 +47,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is held back (called when the request finishes)."""
-        prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset], self.skip)
+        prefix = self.tokenizer.decode(
+            self.token_ids[self.prefix_offset : self.read_offset], self.skip
+        )
         full = self.tokenizer.decode(self.token_ids[self.prefix_offset :], self.skip)
         self.prefix_offset = self.read_offset = len(self.token_ids)
         return full[len(prefix) :]
@@ -101,7 +105,9 @@ class OutputProcessor:
                 st.logprobs.append(self._logprob_dict(entry))
                 st.cumulative_logprob = (st.cumulative_logprob or 0.0) + entry[0][1]
         if update.prompt_logprobs is not None and st.prompt_logprobs is None:
-            st.prompt_logprobs = [None if e is None else self._logprob_dict(e) for e in update.prompt_logprobs]
+            st.prompt_logprobs = [
+                None if e is None else self._logprob_dict(e) for e in update.prompt_logprobs
+            ]
         text_ids = update.new_token_ids
         stop_token = update.finished and req.status == RequestStatus.FINISHED_STOPPED
         if stop_token and text_ids and not st.include_stop:

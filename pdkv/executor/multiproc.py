@@ -123,7 +123,9 @@ class MultiprocExecutor:
         try:
             for rank in range(self.world_size):
                 parent, child = ctx.Pipe(duplex=True)
-                proc = ctx.Process(target=run_worker, args=(child,), name=f"pdkv-worker-{rank}", daemon=True)
+                proc = ctx.Process(
+                    target=run_worker, args=(child,), name=f"pdkv-worker-{rank}", daemon=True
+                )
                 proc.start()
                 child.close()
                 self._conns.append(parent)
@@ -181,7 +183,9 @@ class MultiprocExecutor:
 
     def _died(self, rank: int, what: str) -> WorkerDiedError:
         proc = self._procs[rank]
-        return WorkerDiedError(f"worker rank {rank} (pid {proc.pid}) {what}; exit code {proc.exitcode}")
+        return WorkerDiedError(
+            f"worker rank {rank} (pid {proc.pid}) {what}; exit code {proc.exitcode}"
+        )
 
     def _recv(self, rank: int, deadline: float,
               what: str) -> WorkerLoaded | WorkerReady | StepResult | KVBlocks:
@@ -191,7 +195,9 @@ class MultiprocExecutor:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"worker rank {rank} sent nothing within {self.timeout_s:.0f} s ({what})")
+                raise TimeoutError(
+                    f"worker rank {rank} sent nothing within {self.timeout_s:.0f} s ({what})"
+                )
             ready = wait([conn, *sentinels], timeout=left)
             if conn in ready:
                 try:
@@ -227,10 +233,15 @@ class MultiprocExecutor:
         results = [self._recv(rank, deadline, "a step") for rank in range(self.world_size)]
         steps = [r for r in results if isinstance(r, StepResult)]
         forward = steps[0].forward_s if steps else 0.0
-        self.timings = StepTimings(forward=forward, sample=max(0.0, time.perf_counter() - t0 - forward),
-                                   dcp_comm=steps[0].dcp_comm_s if steps else 0.0)
+        self.timings = StepTimings(
+            forward=forward,
+            sample=max(0.0, time.perf_counter() - t0 - forward),
+            dcp_comm=steps[0].dcp_comm_s if steps else 0.0,
+        )
         out = steps[0].output
-        out.kv_connector_output = self._kv_outputs.aggregate([s.output.kv_connector_output for s in steps])
+        out.kv_connector_output = self._kv_outputs.aggregate(
+            [s.output.kv_connector_output for s in steps]
+        )
         return out
 
     def read_kv_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
@@ -251,7 +262,9 @@ class MultiprocExecutor:
             msg = self._recv(rank, deadline, "a KV read")
             assert isinstance(msg, KVBlocks)
             dtype = getattr(torch, msg.dtype)
-            out.append(torch.frombuffer(bytearray(msg.data), dtype=torch.uint8).view(dtype).view(msg.shape))
+            out.append(
+                torch.frombuffer(bytearray(msg.data), dtype=torch.uint8).view(dtype).view(msg.shape)
+            )
         return out
 
     def shutdown(self) -> None:

@@ -65,10 +65,17 @@ def run_worker(conn: Connection) -> None:
         par, model_config = init.parallel_config, init.model_config
         cuda = model_config.device.startswith("cuda")
         if model_config.device == "cuda":  # one GPU per rank (nccl needs distinct devices)
-            model_config = dataclasses.replace(model_config, device=f"cuda:{rank % torch.cuda.device_count()}")
+            model_config = dataclasses.replace(
+                model_config, device=f"cuda:{rank % torch.cuda.device_count()}"
+            )
             torch.cuda.set_device(torch.device(model_config.device))
-        ctx = init_distributed(par.layout(), rank, init.init_method, backend="nccl" if cuda else "gloo",
-                               timeout_s=par.worker_timeout_s)
+        ctx = init_distributed(
+            par.layout(),
+            rank,
+            init.init_method,
+            backend="nccl" if cuda else "gloo",
+            timeout_s=par.worker_timeout_s,
+        )
 
         def kv_cache_from_engine(arch: LlamaArchConfig, budget_bytes: int | None) -> KVCacheConfig:
             """Report this rank's budget; the engine sizes the KV cache once for every rank."""
@@ -91,9 +98,19 @@ def run_worker(conn: Connection) -> None:
             if isinstance(msg, Shutdown):
                 return
             if isinstance(msg, ReadKVBlocks):
-                t = runner.kv_cache_groups[0][torch.tensor(msg.block_ids, dtype=torch.long)].contiguous().cpu()
-                send(KVBlocks(rank=rank, data=t.view(torch.uint8).numpy().tobytes(), shape=list(t.shape),
-                              dtype=str(t.dtype).removeprefix("torch.")))
+                t = (
+                    runner.kv_cache_groups[0][torch.tensor(msg.block_ids, dtype=torch.long)]
+                    .contiguous()
+                    .cpu()
+                )
+                send(
+                    KVBlocks(
+                        rank=rank,
+                        data=t.view(torch.uint8).numpy().tobytes(),
+                        shape=list(t.shape),
+                        dtype=str(t.dtype).removeprefix("torch."),
+                    )
+                )
                 continue
             if not isinstance(msg, ExecuteModel):
                 raise RuntimeError(f"unexpected message {type(msg).__name__}")
@@ -101,7 +118,9 @@ def run_worker(conn: Connection) -> None:
             meta = sched_out.kv_connector_metadata
             if meta is not None and runner.connector is not None:
                 # Sent as a plain map (the field is untyped): rebuild the connector's own type.
-                sched_out.kv_connector_metadata = msgspec.convert(meta, type(runner.connector).metadata_type())
+                sched_out.kv_connector_metadata = msgspec.convert(
+                    meta, type(runner.connector).metadata_type()
+                )
             out = runner.execute_model(sched_out)
             send(StepResult(rank=rank, output=out, forward_s=runner.timings.forward,
                             dcp_comm_s=runner.timings.dcp_comm))

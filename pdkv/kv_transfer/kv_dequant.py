@@ -12,8 +12,16 @@ from pdkv.model.kv_quant import dequantize
 from pdkv.model.loader import TORCH_DTYPES
 
 
-def dequantize_blocks(staged: memoryview, dest: memoryview, dest_block_ids: list[int], block_size: int,
-                      num_kv_heads: int, head_size: int, cache_dtype: str, dtype: str) -> None:
+def dequantize_blocks(
+    staged: memoryview,
+    dest: memoryview,
+    dest_block_ids: list[int],
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    cache_dtype: str,
+    dtype: str,
+) -> None:
     """Write the staged quantized blocks (in order) into `dest`'s blocks `dest_block_ids`.
 
     Args:
@@ -33,11 +41,20 @@ def dequantize_blocks(staged: memoryview, dest: memoryview, dest_block_ids: list
         return
     layers, rest = divmod(len(staged), n * page)
     if rest or layers == 0:
-        raise ValueError(f"{len(staged)} staged bytes are not {n} quantized blocks of {page}-byte pages")
+        raise ValueError(
+            f"{len(staged)} staged bytes are not {n} quantized blocks of {page}-byte pages"
+        )
     src = torch.frombuffer(staged, dtype=torch.uint8).view(n, layers, page)
     data = src[:, :, :values].reshape(n, layers, 2, block_size, num_kv_heads, head_size)
-    scales = src[:, :, values:].contiguous().view(torch.float32).view(n, layers, 2, block_size, num_kv_heads)
+    scales = (
+        src[:, :, values:]
+        .contiguous()
+        .view(torch.float32)
+        .view(n, layers, 2, block_size, num_kv_heads)
+    )
     torch_dtype = TORCH_DTYPES[dtype]
     out = torch.frombuffer(dest, dtype=torch.uint8).view(torch_dtype)
     out = out.view(-1, layers, 2, block_size, num_kv_heads, head_size)
-    out[torch.tensor(dest_block_ids, dtype=torch.long)] = dequantize(data, scales, cache_dtype, torch_dtype)
+    out[torch.tensor(dest_block_ids, dtype=torch.long)] = dequantize(
+        data, scales, cache_dtype, torch_dtype
+    )

@@ -40,9 +40,18 @@ class Copy(NamedTuple):
     nbytes: int
 
 
-def plan_reblock(p_block_ids: Sequence[int], p_block_size: int, d_block_ids: Sequence[int], d_block_size: int,
-                 num_layers: int, row_bytes: int | Sequence[int], first_token: int, end_token: int,
-                 p_first_block: int = 0, d_first_block: int = 0) -> list[Copy]:
+def plan_reblock(
+    p_block_ids: Sequence[int],
+    p_block_size: int,
+    d_block_ids: Sequence[int],
+    d_block_size: int,
+    num_layers: int,
+    row_bytes: int | Sequence[int],
+    first_token: int,
+    end_token: int,
+    p_first_block: int = 0,
+    d_first_block: int = 0,
+) -> list[Copy]:
     """The copies that move tokens [first_token, end_token) of every layer's K and V.
 
     Args:
@@ -96,8 +105,14 @@ def plan_reblock(p_block_ids: Sequence[int], p_block_size: int, d_block_ids: Seq
             p_at, d_at = p_base + layer * p_bb // num_layers, d_base + layer * d_bb // num_layers
             for row in rows:  # the page's planes, in order
                 for k in range(2):
-                    _append(copies, Copy(p_at + (k * p_block_size + ps) * row, d_at + (k * d_block_size + ds) * row,
-                                         n * row))
+                    _append(
+                        copies,
+                        Copy(
+                            p_at + (k * p_block_size + ps) * row,
+                            d_at + (k * d_block_size + ds) * row,
+                            n * row,
+                        ),
+                    )
                 p_at += 2 * p_block_size * row
                 d_at += 2 * d_block_size * row
         t += n
@@ -108,7 +123,10 @@ def _whole_blocks(p_ids: Sequence[int], d_ids: Sequence[int], p_first: int, d_fi
                   first_block: int, end_block: int, block_bytes: int) -> list[Copy]:
     copies: list[Copy] = []
     for k in range(first_block, end_block):
-        _append(copies, Copy(p_ids[k - p_first] * block_bytes, d_ids[k - d_first] * block_bytes, block_bytes))
+        _append(
+            copies,
+            Copy(p_ids[k - p_first] * block_bytes, d_ids[k - d_first] * block_bytes, block_bytes),
+        )
     return copies
 
 
@@ -116,7 +134,10 @@ def _append(copies: list[Copy], c: Copy) -> None:
     """Append `c`, merged into the last copy when contiguous with it on both sides."""
     if copies:
         last = copies[-1]
-        if last.remote_offset + last.nbytes == c.remote_offset and last.local_offset + last.nbytes == c.local_offset:
+        if (
+            last.remote_offset + last.nbytes == c.remote_offset
+            and last.local_offset + last.nbytes == c.local_offset
+        ):
             copies[-1] = Copy(last.remote_offset, last.local_offset, last.nbytes + c.nbytes)
             return
     copies.append(c)

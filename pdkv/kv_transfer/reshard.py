@@ -60,7 +60,9 @@ def _holders(tp: int, num_kv_heads: int, head: int) -> list[int]:
 
 def _check(side: str, tp: int, num_kv_heads: int) -> None:
     if tp < 1 or num_kv_heads < 1:
-        raise ValueError(f"{side} tensor_parallel_size={tp} and num_kv_heads={num_kv_heads} must be >= 1")
+        raise ValueError(
+            f"{side} tensor_parallel_size={tp} and num_kv_heads={num_kv_heads} must be >= 1"
+        )
     try:  # query heads chosen so that only the KV-head rule can fail
         ParallelLayout(tp_size=tp).check_heads(tp * num_kv_heads, num_kv_heads)
     except ValueError as e:
@@ -89,7 +91,12 @@ def plan_head_reads(p_tp: int, d_tp: int, num_kv_heads: int) -> dict[int, list[H
             p = holders[d % len(holders)]
             p_head = start + i - p_lay.kv_head_start(p, num_kv_heads)
             last = reads[-1] if reads else None
-            if last and last.p_rank == p and last.p_head + last.count == p_head and last.d_head + last.count == i:
+            if (
+                last
+                and last.p_rank == p
+                and last.p_head + last.count == p_head
+                and last.d_head + last.count == i
+            ):
                 reads[-1] = last._replace(count=last.count + 1)
             else:
                 reads.append(HeadRead(p, p_head, i, 1))
@@ -97,7 +104,9 @@ def plan_head_reads(p_tp: int, d_tp: int, num_kv_heads: int) -> dict[int, list[H
     return plan
 
 
-def plan_segment_reads(segment_sizes: Sequence[int], p_tp: int, d_tp: int) -> dict[int, list[SegmentRead]]:
+def plan_segment_reads(
+    segment_sizes: Sequence[int], p_tp: int, d_tp: int
+) -> dict[int, list[SegmentRead]]:
     """For each consumer rank, the reads that rebuild its local shard of a tensor whose sharded
     dimension concatenates segments of `segment_sizes` elements, each split evenly over tp.
 
@@ -107,12 +116,16 @@ def plan_segment_reads(segment_sizes: Sequence[int], p_tp: int, d_tp: int) -> di
         ValueError: a size below 1, or p_tp or d_tp not dividing a segment (both named).
     """
     if p_tp < 1 or d_tp < 1 or not segment_sizes or min(segment_sizes) < 1:
-        raise ValueError(f"segment_sizes={list(segment_sizes)}, p_tp={p_tp} and d_tp={d_tp} must be >= 1")
+        raise ValueError(
+            f"segment_sizes={list(segment_sizes)}, p_tp={p_tp} and d_tp={d_tp} must be >= 1"
+        )
     for tp, side in ((p_tp, "producer"), (d_tp, "consumer")):
         bad = [s for s in segment_sizes if s % tp]
         if bad:
-            raise ValueError(f"{side} tensor_parallel_size={tp} does not divide segment size(s) {bad} "
-                             f"of {list(segment_sizes)}")
+            raise ValueError(
+                f"{side} tensor_parallel_size={tp} does not divide segment size(s) {bad} "
+                f"of {list(segment_sizes)}"
+            )
     plan: dict[int, list[SegmentRead]] = {}
     for d in range(d_tp):
         reads: list[SegmentRead] = []
@@ -137,9 +150,16 @@ def plan_segment_reads(segment_sizes: Sequence[int], p_tp: int, d_tp: int) -> di
     return plan
 
 
-def plan_head_copies(p_block_ids: Sequence[int], d_block_ids: Sequence[int], block_size: int, num_layers: int,
-                     head_bytes: int | Sequence[int], p_heads: int, d_heads: int,
-                     reads: Sequence[HeadRead]) -> list[Copy]:
+def plan_head_copies(
+    p_block_ids: Sequence[int],
+    d_block_ids: Sequence[int],
+    block_size: int,
+    num_layers: int,
+    head_bytes: int | Sequence[int],
+    p_heads: int,
+    d_heads: int,
+    reads: Sequence[HeadRead],
+) -> list[Copy]:
     """The byte copies that fill the consumer's heads of blocks `d_block_ids` from the producer's
     `p_block_ids` (paired in order, equal block sizes), for `reads` (one producer rank's, from
     plan_head_reads).
@@ -166,10 +186,20 @@ def plan_head_copies(p_block_ids: Sequence[int], d_block_ids: Sequence[int], blo
     if not units or min(block_size, num_layers, p_heads, d_heads, *units) <= 0:
         raise ValueError("block_size, num_layers, head_bytes and head counts must be positive")
     if len(p_block_ids) != len(d_block_ids):
-        raise ValueError(f"{len(p_block_ids)} producer blocks paired with {len(d_block_ids)} consumer blocks")
+        raise ValueError(
+            f"{len(p_block_ids)} producer blocks paired with {len(d_block_ids)} consumer blocks"
+        )
     for r in reads:
-        if r.count < 1 or r.p_head < 0 or r.d_head < 0 or r.p_head + r.count > p_heads or r.d_head + r.count > d_heads:
-            raise ValueError(f"{r} lies outside the producer's {p_heads} or the consumer's {d_heads} local heads")
+        if (
+            r.count < 1
+            or r.p_head < 0
+            or r.d_head < 0
+            or r.p_head + r.count > p_heads
+            or r.d_head + r.count > d_heads
+        ):
+            raise ValueError(
+                f"{r} lies outside the producer's {p_heads} or the consumer's {d_heads} local heads"
+            )
     rows = 2 * block_size  # rows of one plane of one layer
     p_bb, d_bb = num_layers * rows * p_heads * sum(units), num_layers * rows * d_heads * sum(units)
     copies: list[Copy] = []
@@ -179,7 +209,10 @@ def plan_head_copies(p_block_ids: Sequence[int], d_block_ids: Sequence[int], blo
             for unit in units:  # the page's planes, in order
                 for _row in range(rows):
                     for r in reads:
-                        append_merged(copies, Copy(p_at + r.p_head * unit, d_at + r.d_head * unit, r.count * unit))
+                        append_merged(
+                            copies,
+                            Copy(p_at + r.p_head * unit, d_at + r.d_head * unit, r.count * unit),
+                        )
                     p_at += p_heads * unit
                     d_at += d_heads * unit
     return copies

@@ -23,8 +23,15 @@ from pdkv.kv_transfer.reshard import HeadRead, SegmentRead, plan_head_reads, pla
 # StateGeometry and its layout key live with the KV layout (pdkv.cache.kv_layout).
 
 
-def plan_state_copies(geom: StateGeometry, p_tp: int, d_tp: int, d_rank: int, p_slot: int, d_slot: int,
-                      p_rank: int | None = None) -> list[Copy]:
+def plan_state_copies(
+    geom: StateGeometry,
+    p_tp: int,
+    d_tp: int,
+    d_rank: int,
+    p_slot: int,
+    d_slot: int,
+    p_rank: int | None = None,
+) -> list[Copy]:
     """The byte copies that rebuild consumer TP rank `d_rank`'s slot `d_slot` from the producer
     ranks' slot `p_slot` (offsets from each side's group region: slot × slot_bytes(tp) + layer ×
     page_bytes(tp) + offset in the page); only those from producer rank `p_rank` when given.
@@ -50,11 +57,19 @@ def plan_state_copies(geom: StateGeometry, p_tp: int, d_tp: int, d_rank: int, p_
         d_at = d_slot * geom.slot_bytes(d_tp) + layer * d_page
         for c in conv:
             if p_rank is None or c.p_rank == p_rank:
-                append_merged(copies, Copy(p_at + c.p_offset * row, d_at + c.d_offset * row, c.length * row))
+                append_merged(
+                    copies, Copy(p_at + c.p_offset * row, d_at + c.d_offset * row, c.length * row)
+                )
         for h in rec:
             if p_rank is None or h.p_rank == p_rank:
-                append_merged(copies, Copy(p_at + p_conv + h.p_head * head, d_at + d_conv + h.d_head * head,
-                                           h.count * head))
+                append_merged(
+                    copies,
+                    Copy(
+                        p_at + p_conv + h.p_head * head,
+                        d_at + d_conv + h.d_head * head,
+                        h.count * head,
+                    ),
+                )
     return copies
 
 
@@ -68,9 +83,13 @@ def plan_state_reads(geom: StateGeometry, p_tp: int, d_tp: int
     """
     for tp, side in ((p_tp, "producer"), (d_tp, "consumer")):
         if tp < 1 or geom.rec_heads % tp:
-            raise ValueError(f"{side} tensor_parallel_size={tp} does not divide the model's {geom.rec_heads} "
-                             "linear-attention value heads")
-    return plan_segment_reads(geom.conv_segments, p_tp, d_tp), plan_head_reads(p_tp, d_tp, geom.rec_heads)
+            raise ValueError(
+                f"{side} tensor_parallel_size={tp} does not divide the model's {geom.rec_heads} "
+                "linear-attention value heads"
+            )
+    return plan_segment_reads(geom.conv_segments, p_tp, d_tp), plan_head_reads(
+        p_tp, d_tp, geom.rec_heads
+    )
 
 
 def state_producer_ranks(geom: StateGeometry, p_tp: int, d_tp: int) -> dict[int, set[int]]:

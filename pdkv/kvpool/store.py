@@ -171,7 +171,9 @@ class KVPoolStore:
             run += 1
         return run
 
-    def get(self, key: str, num_tokens: int, group_lengths: Sequence[int]) -> list[memoryview] | None:
+    def get(
+        self, key: str, num_tokens: int, group_lengths: Sequence[int]
+    ) -> list[memoryview] | None:
         """The chunk's per-group payloads, or None when no tier has a valid copy.
 
         Fastest tier first; each value is verified (`decode_chunk`): a corrupt one is removed from

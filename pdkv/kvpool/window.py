@@ -32,7 +32,9 @@ def first_stored_block(chunk_size: int, block_size: int, window: int | None) -> 
     return max(0, chunk_size - window + 1) // block_size
 
 
-def load_first_block(num_local_tokens: int, hit_end: int, block_size: int, window: int | None) -> int:
+def load_first_block(
+    num_local_tokens: int, hit_end: int, block_size: int, window: int | None
+) -> int:
     """First block index (absolute, in the request) a load of tokens [F, L) writes for a group.
 
     Args:

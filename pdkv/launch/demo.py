@@ -19,13 +19,23 @@ def _metric(url: str, name: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+    return sum(
+        s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name
+    )
 
 
-def chat_stream(endpoint: str, model: str, prompt: str, max_tokens: int = 64) -> dict[str, float | str | int]:
+def chat_stream(
+    endpoint: str, model: str, prompt: str, max_tokens: int = 64
+) -> dict[str, float | str | int]:
     """One streamed chat request; client-side TTFT/TPOT (s) and usage."""
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     first = last = None
     text, usage = "", {}
@@ -50,8 +60,13 @@ def chat_stream(endpoint: str, model: str, prompt: str, max_tokens: int = 64) ->
     n = int(usage.get("completion_tokens", 0))
     ttft = (first - t0) if first else float("nan")
     tpot = ((last - first) / (n - 1)) if first and last and n > 1 else float("nan")
-    return {"text": text, "ttft": ttft, "tpot": tpot, "prompt_tokens": int(usage.get("prompt_tokens", 0)),
-            "completion_tokens": n}
+    return {
+        "text": text,
+        "ttft": ttft,
+        "tpot": tpot,
+        "prompt_tokens": int(usage.get("prompt_tokens", 0)),
+        "completion_tokens": n,
+    }
 
 
 def run_demo(endpoint: str, decode_urls: list[str], model: str) -> None:

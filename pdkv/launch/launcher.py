@@ -55,7 +55,9 @@ class Child:
 
     def describe(self) -> str:
         """One line for `pdkv up`'s listing: name, role, URL, threads, log file."""
-        threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}" if self.threads else "-"
+        threads = (
+            f"{self.threads} thread{'s' if self.threads != 1 else ''}" if self.threads else "-"
+        )
         return f"{self.name}: {self.role}, {self.url}, {threads}, log {self.log_path or '-'}"
 
 
@@ -84,14 +86,18 @@ class Topology:
             for c in list(pending):
                 assert c.proc is not None
                 if c.proc.poll() is not None:
-                    raise RuntimeError(f"{c.name} exited with {c.proc.returncode}; see {c.log_path}")
+                    raise RuntimeError(
+                        f"{c.name} exited with {c.proc.returncode}; see {c.log_path}"
+                    )
                 try:
                     if httpx.get(c.url + "/health", timeout=2.0).status_code == 200:
                         pending.remove(c)
                 except httpx.HTTPError:
                     pass
             if pending and time.monotonic() > deadline:
-                raise RuntimeError(f"not healthy after {timeout:.0f} s: {[c.name for c in pending]}")
+                raise RuntimeError(
+                    f"not healthy after {timeout:.0f} s: {[c.name for c in pending]}"
+                )
             if pending:
                 time.sleep(0.5)
 
@@ -161,7 +167,9 @@ def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = No
     engine_flags = ["--model", args.model, *args.engine_args]
     if getattr(args, "disable_log_requests", False):
         engine_flags.append("--disable-log-requests")
-    n_engines = args.num_instances if args.mode == "colocated" else args.num_prefill + args.num_decode
+    n_engines = (
+        args.num_instances if args.mode == "colocated" else args.num_prefill + args.num_decode
+    )
     threads = args.threads_per_engine or max(1, (os.cpu_count() or 1) // n_engines)
     env = dict(os.environ, PDKV_NUM_THREADS=str(threads))
     topo = Topology()
@@ -197,7 +205,10 @@ def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = No
             extra: dict[str, object] = {"transfer": args.kv_transfer}
             if role == "kv_producer":  # every listening port is chosen here, none ephemeral
                 ranks = engine_world_size(args.engine_args)  # rank r listens on port + r
-                extra.update(kv_port=free_port(taken, count=ranks), transfer_port=free_port(taken, count=ranks))
+                extra.update(
+                    kv_port=free_port(taken, count=ranks),
+                    transfer_port=free_port(taken, count=ranks),
+                )
             cfg: dict[str, object] = {"kv_connector": "P2PConnector", "kv_role": role,
                                       "kv_load_failure_policy": args.kv_load_failure_policy,
                                       "kv_connector_extra_config": extra}
@@ -214,10 +225,28 @@ def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = No
                 role=what + (", pool" if kv_transfer_config else ""), threads=threads))
             urls.append(f"http://{host}:{port}")
     port = args.port or free_port(taken)
-    topo.children.append(Child("proxy", f"http://{host}:{port}", py + [
-        "proxy", "--prefill", ",".join(prefill_urls), "--decode", ",".join(decode_urls),
-        "--host", host, "--port", str(port), *_routing_flags(args), *_skip_flags(args)], dict(os.environ),
-        role=f"proxy (P/D, {args.routing})"))
+    topo.children.append(
+        Child(
+            "proxy",
+            f"http://{host}:{port}",
+            py
+            + [
+                "proxy",
+                "--prefill",
+                ",".join(prefill_urls),
+                "--decode",
+                ",".join(decode_urls),
+                "--host",
+                host,
+                "--port",
+                str(port),
+                *_routing_flags(args),
+                *_skip_flags(args),
+            ],
+            dict(os.environ),
+            role=f"proxy (P/D, {args.routing})",
+        )
+    )
     topo.endpoint = f"http://{host}:{port}"
     return topo
 
@@ -246,9 +275,15 @@ def check_args(args: argparse.Namespace) -> None:
     if args.num_instances < 1:
         raise ValueError("--num-instances must be >= 1")
     if args.num_instances > 1 and args.mode != "colocated":
-        raise ValueError("--num-instances is for --mode colocated (P/D: --num-prefill / --num-decode)")
-    if getattr(args, "skip_prefill_on_pool_hit", False) and (args.mode != "pd" or args.pool is None):
-        raise ValueError("--skip-prefill-on-pool-hit needs --mode pd with --pool disk|redis|mooncake")
+        raise ValueError(
+            "--num-instances is for --mode colocated (P/D: --num-prefill / --num-decode)"
+        )
+    if getattr(args, "skip_prefill_on_pool_hit", False) and (
+        args.mode != "pd" or args.pool is None
+    ):
+        raise ValueError(
+            "--skip-prefill-on-pool-hit needs --mode pd with --pool disk|redis|mooncake"
+        )
     if args.pool == "dram" and args.mode == "pd":
         raise ValueError("--pool dram lives inside one process; P and D are separate processes: "
                          "use --pool disk, redis or mooncake with --mode pd")
@@ -258,9 +293,11 @@ def check_args(args: argparse.Namespace) -> None:
     own = any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=")
               for a in getattr(args, "engine_args", []) or [])
     if own and (args.mode == "pd" or args.pool is not None):
-        raise ValueError("pdkv up sets the engines' --kv-transfer-config itself with --mode pd or --pool "
-                         "(P2PConnector over --kv-transfer, pools with --pool): leave it out of the engine flags "
-                         "after --, or start the engines with pdkv serve")
+        raise ValueError(
+            "pdkv up sets the engines' --kv-transfer-config itself with --mode pd or --pool "
+            "(P2PConnector over --kv-transfer, pools with --pool): leave it out of the engine flags "
+            "after --, or start the engines with pdkv serve"
+        )
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -269,37 +306,67 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="one engine, or prefill + decode engines behind a proxy")
     parser.add_argument("--num-prefill", type=int, default=1, help="prefill engines (pd)")
     parser.add_argument("--num-decode", type=int, default=1, help="decode engines (pd)")
-    parser.add_argument("--skip-prefill-on-pool-hit", action="store_true",
-                        help="pd with --pool: the proxy sends a prompt straight to D when (by its record) the "
-                             "pool holds every loadable chunk of it")
-    parser.add_argument("--num-instances", type=int, default=1,
-                        help="colocated: kv_both instances; more than 1 puts a proxy in front (--routing) and "
-                             "shares the --pool among them")
-    parser.add_argument("--kv-transfer", choices=["tcp", "shm", "mooncake"], default="tcp",
-                        help="transfer engine (mooncake needs the optional package and libibverbs1)")
+    parser.add_argument(
+        "--skip-prefill-on-pool-hit",
+        action="store_true",
+        help="pd with --pool: the proxy sends a prompt straight to D when (by its record) the "
+        "pool holds every loadable chunk of it",
+    )
+    parser.add_argument(
+        "--num-instances",
+        type=int,
+        default=1,
+        help="colocated: kv_both instances; more than 1 puts a proxy in front (--routing) and "
+        "shares the --pool among them",
+    )
+    parser.add_argument(
+        "--kv-transfer",
+        choices=["tcp", "shm", "mooncake"],
+        default="tcp",
+        help="transfer engine (mooncake needs the optional package and libibverbs1)",
+    )
     parser.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="fail",
                         help="what a decode engine does when a KV pull fails")
-    parser.add_argument("--pool", choices=POOL_TIERS, default=None,
-                        help="a KV pool with this tier (colocated: KVPoolConnector kv_both; pd: a MultiConnector "
-                             "on P and D, not dram): dram 1 GiB; disk 4 GiB under $PDKV_CACHE/kvpool, kept "
-                             "across runs; redis / mooncake (1 GiB) start their server on a free loopback port, "
-                             "stopped with the rest")
+    parser.add_argument(
+        "--pool",
+        choices=POOL_TIERS,
+        default=None,
+        help="a KV pool with this tier (colocated: KVPoolConnector kv_both; pd: a MultiConnector "
+        "on P and D, not dram): dram 1 GiB; disk 4 GiB under $PDKV_CACHE/kvpool, kept "
+        "across runs; redis / mooncake (1 GiB) start their server on a free loopback port, "
+        "stopped with the rest",
+    )
     parser.add_argument("--pool-chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
                         help="pool chunk in tokens (a multiple of the block size)")
-    parser.add_argument("--routing", choices=sorted(POLICIES), default="round_robin",
-                        help="proxy routing within each pool (prefix_aware: the instance whose prefix the proxy "
-                             "routed there before, bounded by load)")
-    parser.add_argument("--prefix-aware-max-imbalance", type=float, default=DEFAULT_MAX_IMBALANCE,
-                        help="prefix_aware: most in-flight share above the mean an instance takes for its prefix")
-    parser.add_argument("--port", type=int, default=0,
-                        help="the proxy's (pd, colocated with N > 1) or the server's (colocated); 0 = free")
+    parser.add_argument(
+        "--routing",
+        choices=sorted(POLICIES),
+        default="round_robin",
+        help="proxy routing within each pool (prefix_aware: the instance whose prefix the proxy "
+        "routed there before, bounded by load)",
+    )
+    parser.add_argument(
+        "--prefix-aware-max-imbalance",
+        type=float,
+        default=DEFAULT_MAX_IMBALANCE,
+        help="prefix_aware: most in-flight share above the mean an instance takes for its prefix",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="the proxy's (pd, colocated with N > 1) or the server's (colocated); 0 = free",
+    )
     parser.add_argument("--threads-per-engine", type=int, default=0, help="0 = cores / engines")
     parser.add_argument("--log-dir", default="pdkv-logs", help="one log file per process")
     parser.add_argument("--disable-log-requests", action="store_true",
                         help="engines write no line per finished request")
     parser.add_argument("--health-timeout", type=float, default=300.0)
-    parser.add_argument("--demo", action="store_true",
-                        help="send demo chat prompts through the endpoint, print answers and timings, then stop")
+    parser.add_argument(
+        "--demo",
+        action="store_true",
+        help="send demo chat prompts through the endpoint, print answers and timings, then stop",
+    )
     parser.add_argument("engine_args", nargs=argparse.REMAINDER,
                         help="after --: flags for every engine (e.g. -- --num-kv-blocks 512)")
     return parser
@@ -327,9 +394,15 @@ def main(args: argparse.Namespace) -> int:
                 return 1
             if server is not None:
                 services.append(server)
-            kv_config = pool_kv_transfer_config(pool_tier_spec(args.pool, server), args.pool_chunk_size)
-            print(f"pool: {args.pool}" + (f" at {server.address} (pids {server.pids})" if server else "")
-                  + f", chunk {args.pool_chunk_size} tokens", flush=True)
+            kv_config = pool_kv_transfer_config(
+                pool_tier_spec(args.pool, server), args.pool_chunk_size
+            )
+            print(
+                f"pool: {args.pool}"
+                + (f" at {server.address} (pids {server.pids})" if server else "")
+                + f", chunk {args.pool_chunk_size} tokens",
+                flush=True,
+            )
         topo = build_topology(args, kv_config)
         topo.services = services
         print(f"starting {len(topo.children)} processes: {[c.name for c in topo.children]} "
@@ -342,13 +415,20 @@ def main(args: argparse.Namespace) -> int:
         if args.demo:
             from pdkv.launch.demo import run_demo
 
-            run_demo(topo.endpoint, [c.url for c in topo.children if c.name.startswith("decode")], args.model)
+            run_demo(
+                topo.endpoint,
+                [c.url for c in topo.children if c.name.startswith("decode")],
+                args.model,
+            )
             return 0
         while True:
             dead = topo.dead_child()
             if dead is not None:
-                print(f"{dead.name} exited ({dead.proc.returncode if dead.proc else '?'}); stopping all; "
-                      f"see {dead.log_path}", file=sys.stderr)
+                print(
+                    f"{dead.name} exited ({dead.proc.returncode if dead.proc else '?'}); stopping all; "
+                    f"see {dead.log_path}",
+                    file=sys.stderr,
+                )
                 return 1
             dead_svc = topo.dead_service()
             if dead_svc is not None:

@@ -36,16 +36,28 @@ FEATURES: tuple[Axis, ...] = (
     Axis("pd-pool", "P/D + pool (MultiConnector: pool prefix, then P's rest)"),
     Axis("pd-colocated-pool", "PD-colocated + pool (kv_both instances sharing one pool)"),
     Axis("tp", "tensor parallelism (--tensor-parallel-size 2; 3 on SmolLM2)"),
-    Axis("dcp", "decode context parallelism (--decode-context-parallel-size 2; vLLM mode at tp 2, "
-                "replicated weights at tp 1)"),
+    Axis(
+        "dcp",
+        "decode context parallelism (--decode-context-parallel-size 2; vLLM mode at tp 2, "
+        "replicated weights at tp 1)",
+    ),
     Axis("pd-dcp", "P/D into DCP: P tp 1 → D tp 2 + dcp 2, each D rank pulls its shard (tcp)"),
     Axis("pd-reshard", "P/D from P tp 1 to D tp 2, each D rank pulls its KV heads (tcp)"),
     Axis("pd-reblock", "P/D between block sizes 16 and 32, KV mapped by token position (tcp)"),
-    Axis("hetero-tp", "P/D from a P at tp 2 to D tp 1 and tp 2, each D rank pulls its heads from the P ranks "
-                      "holding them (tcp)"),
-    Axis("quantized-kv", "quantized KV cache (--kv-cache-dtype int8 / fp8): P/D, pool and offload = colocated of the same dtype"),
-    Axis("hybrid-sliding-window", "hybrid state: sliding-window attention (window-group blocks freed "
-                                  "early, per-window prefix hits)"),
+    Axis(
+        "hetero-tp",
+        "P/D from a P at tp 2 to D tp 1 and tp 2, each D rank pulls its heads from the P ranks "
+        "holding them (tcp)",
+    ),
+    Axis(
+        "quantized-kv",
+        "quantized KV cache (--kv-cache-dtype int8 / fp8): P/D, pool and offload = colocated of the same dtype",
+    ),
+    Axis(
+        "hybrid-sliding-window",
+        "hybrid state: sliding-window attention (window-group blocks freed "
+        "early, per-window prefix hits)",
+    ),
     Axis("hybrid-mla", "hybrid state: MLA latents"),
     Axis("hybrid-linear", "hybrid state: linear attention (conv + recurrent state)"),
 )
@@ -53,18 +65,44 @@ FEATURES: tuple[Axis, ...] = (
 MODELS: tuple[Axis, ...] = (
     Axis("smollm2", "SmolLM2-135M-Instruct (real weights)"),
     Axis("tiny-llama", "random 2-layer Llama, SmolLM2 tokenizer (made by the test)"),
-    Axis("tiny-llama-kv1", "random 4-layer Llama, 4 query heads, 1 KV head (`--model tiny-llama-kv1`)"),
-    Axis("tiny-llama-kv2", "random 4-layer Llama, 4 query heads, 2 KV heads (`--model tiny-llama-kv2`)"),
-    Axis("tiny-swa", "random 4-layer Qwen2, sliding window 40 on layers 0 and 2 (`--model tiny-swa`)"),
-    Axis("tiny-mla", "random 4-layer DeepSeek-V3, MLA latent 48 + rope 16, dense MLPs (`--model tiny-mla`)"),
-    Axis("tiny-gdn", "random 4-layer Qwen3-Next, Gated DeltaNet on layers 0 and 2, full attention on 1 and 3, "
-                     "dense MLPs (`--model tiny-gdn`)"),
-    Axis("tiny-kda-mla", "random 4-layer Kimi-Linear, KDA on layers 0 and 2, MLA on 1 and 3, dense MLPs "
-                         "(`--model tiny-kda-mla`)"),
-    Axis("deepseek-v3", "DeepSeek-V3 config.json (MLA + MoE), pdkv/plan/configs; its MLA runs on `tiny-mla`"),
-    Axis("qwen3-next", "Qwen3-Next-80B-A3B config.json (Gated DeltaNet + full attention, MoE); its linear "
-                       "state runs on `tiny-gdn`"),
-    Axis("kimi-linear", "Kimi-Linear-48B-A3B config.json (KDA + MLA, MoE); its state runs on `tiny-kda-mla`"),
+    Axis(
+        "tiny-llama-kv1",
+        "random 4-layer Llama, 4 query heads, 1 KV head (`--model tiny-llama-kv1`)",
+    ),
+    Axis(
+        "tiny-llama-kv2",
+        "random 4-layer Llama, 4 query heads, 2 KV heads (`--model tiny-llama-kv2`)",
+    ),
+    Axis(
+        "tiny-swa", "random 4-layer Qwen2, sliding window 40 on layers 0 and 2 (`--model tiny-swa`)"
+    ),
+    Axis(
+        "tiny-mla",
+        "random 4-layer DeepSeek-V3, MLA latent 48 + rope 16, dense MLPs (`--model tiny-mla`)",
+    ),
+    Axis(
+        "tiny-gdn",
+        "random 4-layer Qwen3-Next, Gated DeltaNet on layers 0 and 2, full attention on 1 and 3, "
+        "dense MLPs (`--model tiny-gdn`)",
+    ),
+    Axis(
+        "tiny-kda-mla",
+        "random 4-layer Kimi-Linear, KDA on layers 0 and 2, MLA on 1 and 3, dense MLPs "
+        "(`--model tiny-kda-mla`)",
+    ),
+    Axis(
+        "deepseek-v3",
+        "DeepSeek-V3 config.json (MLA + MoE), pdkv/plan/configs; its MLA runs on `tiny-mla`",
+    ),
+    Axis(
+        "qwen3-next",
+        "Qwen3-Next-80B-A3B config.json (Gated DeltaNet + full attention, MoE); its linear "
+        "state runs on `tiny-gdn`",
+    ),
+    Axis(
+        "kimi-linear",
+        "Kimi-Linear-48B-A3B config.json (KDA + MLA, MoE); its state runs on `tiny-kda-mla`",
+    ),
 )
 
 FEATURE_IDS = tuple(a.id for a in FEATURES)

@@ -80,7 +80,9 @@ class Cell:
         return "python -m pytest -q " + " ".join(shlex.quote(t) for t in self.tests)
 
 
-def cell_status(expect: str, outcomes: list[CheckOutcome | None], nodeids: list[str]) -> tuple[str, str]:
+def cell_status(
+    expect: str, outcomes: list[CheckOutcome | None], nodeids: list[str]
+) -> tuple[str, str]:
     """(status, detail) of one cell from its tests' outcomes (None: the test never reported).
 
     Raises:

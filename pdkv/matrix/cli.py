@@ -33,17 +33,26 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help="only the checks that load neither SmolLM2 nor HF's model (seconds); "
                              "merged into the page at --out like any partial run")
-    parser.add_argument("--out", default=DEFAULT_OUT,
-                        help="Markdown path (relative to the current folder); the JSON goes beside it. A full "
-                             "run rewrites it; a partial run (--quick, --models, --features) merges its cells "
-                             "into it: cells it did not re-run are kept, re-checked ones are stamped with this "
-                             "run's date and commit (a page that does not exist yet gets only this run's cells)")
+    parser.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        help="Markdown path (relative to the current folder); the JSON goes beside it. A full "
+        "run rewrites it; a partial run (--quick, --models, --features) merges its cells "
+        "into it: cells it did not re-run are kept, re-checked ones are stamped with this "
+        "run's date and commit (a page that does not exist yet gets only this run's cells)",
+    )
     parser.add_argument("--no-merge", action="store_true",
                         help="a partial run writes only its own cells (every other cell becomes ·)")
-    parser.add_argument("--models", nargs="+", help=f"model ids to check (default all: {', '.join(MODEL_IDS)})")
-    parser.add_argument("--features", nargs="+", help=f"feature ids (default all: {', '.join(FEATURE_IDS)})")
+    parser.add_argument(
+        "--models", nargs="+", help=f"model ids to check (default all: {', '.join(MODEL_IDS)})"
+    )
+    parser.add_argument(
+        "--features", nargs="+", help=f"feature ids (default all: {', '.join(FEATURE_IDS)})"
+    )
     parser.add_argument("--tests", nargs="+", default=["tests"], help="where the tagged tests are")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="deadline of the whole run (s)")
+    parser.add_argument(
+        "--timeout", type=float, default=3600.0, help="deadline of the whole run (s)"
+    )
     parser.add_argument("--test-timeout", type=float, default=None,
                         help="per-test limit (s) for pytest-timeout (unset: the project's)")
     return parser
@@ -91,14 +100,18 @@ def main(args: argparse.Namespace) -> int:
         try:
             old = read_json(json_path(args.out))
         except (OSError, ValueError) as e:
-            print(f"error: cannot merge into {json_path(args.out)} ({e}); use --no-merge or another --out",
-                  file=sys.stderr)
+            print(
+                f"error: cannot merge into {json_path(args.out)} ({e}); use --no-merge or another --out",
+                file=sys.stderr,
+            )
             return 2
         data = merge(old, data)
         kept = f" (merged: {len(cells)} re-checked, {len(data['cells']) - len(cells)} kept from the earlier run)"
     write(args.out, data)
     failed = [c for c in cells if c.status == FAILED]
-    print(f"wrote {args.out} and {json_path(args.out)}: {len(cells)} cells, {len(failed)} failed{kept}")
+    print(
+        f"wrote {args.out} and {json_path(args.out)}: {len(cells)} cells, {len(failed)} failed{kept}"
+    )
     for c in failed:
         print(f"  failed: {c.feature} × {c.model}: {c.detail}")
     return 1 if failed else 0

@@ -51,7 +51,12 @@ def item_tags(item: pytest.Item) -> list[Tag]:
         model = str(mark.kwargs.get("model", "smollm2"))
         expect = str(mark.kwargs.get("expect", EXPECT_VERIFIED))
         bad = [f for f in mark.args if f not in FEATURE_IDS]
-        if not mark.args or bad or model not in MODEL_IDS or expect not in (EXPECT_VERIFIED, EXPECT_UNSUPPORTED):
+        if (
+            not mark.args
+            or bad
+            or model not in MODEL_IDS
+            or expect not in (EXPECT_VERIFIED, EXPECT_UNSUPPORTED)
+        ):
             raise pytest.UsageError(
                 f"{item.nodeid}: bad matrix marker {mark.args} {mark.kwargs}: features must be in "
                 f"{FEATURE_IDS}, model in {MODEL_IDS}, expect 'verified' or 'unsupported'"
@@ -82,10 +87,14 @@ class MatrixReporter:
 
     def _wanted(self, tag: Tag) -> bool:
         model, feature, _ = tag
-        return (not self.models or model in self.models) and (not self.features or feature in self.features)
+        return (not self.models or model in self.models) and (
+            not self.features or feature in self.features
+        )
 
     @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+    def pytest_collection_modifyitems(
+        self, config: pytest.Config, items: list[pytest.Item]
+    ) -> None:
         keep: list[pytest.Item] = []
         listed: list[CollectedItem] = []
         tagged: dict[str, list[str]] = {}
@@ -97,7 +106,9 @@ class MatrixReporter:
             slow = item.get_closest_marker("slow") is not None
             if tags and not (self.quick and slow):
                 keep.append(item)
-                listed.append({"nodeid": item.nodeid, "tags": [list(t) for t in tags], "slow": slow})
+                listed.append(
+                    {"nodeid": item.nodeid, "tags": [list(t) for t in tags], "slow": slow}
+                )
         dropped = [i for i in items if i not in keep]
         if dropped:
             config.hook.pytest_deselected(items=dropped)
@@ -136,7 +147,9 @@ def _skip_reason(longrepr: object) -> str:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("pdkv matrix")
-    g.addoption("--matrix-report", default=None, help="run only matrix-tagged tests; JSON lines here")
+    g.addoption(
+        "--matrix-report", default=None, help="run only matrix-tagged tests; JSON lines here"
+    )
     g.addoption("--matrix-models", default="", help="comma-separated model ids (default: all)")
     g.addoption("--matrix-features", default="", help="comma-separated feature ids (default: all)")
     g.addoption("--matrix-quick", action="store_true", help="leave out tests marked slow")

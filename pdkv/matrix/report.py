@@ -100,7 +100,9 @@ def merge(old: MatrixDoc, new: MatrixDoc) -> MatrixDoc:
     lists each partial run since: {generated, command, commit, cells}. `tagged` takes new's
     lists. Cells come in catalog order (features, then models)."""
     cells: dict[tuple[str, str], CellRecord] = {
-        (c["feature"], c["model"]): {**c, "checked": c.get("checked", _stamp(old))} for c in old["cells"]}
+        (c["feature"], c["model"]): {**c, "checked": c.get("checked", _stamp(old))}
+        for c in old["cells"]
+    }
     for c in new["cells"]:
         cells[(c["feature"], c["model"])] = {**c, "checked": _stamp(new)}
 
@@ -170,17 +172,25 @@ def render_markdown(data: MatrixDoc) -> str:
         "|---|" + "---|" * len(models),
     ]
     for f in features:
-        row = [SYMBOLS[cells[(f.id, m.id)]["status"]] if (f.id, m.id) in cells else "·" for m in models]
+        row = [
+            SYMBOLS[cells[(f.id, m.id)]["status"]] if (f.id, m.id) in cells else "·" for m in models
+        ]
         out.append(f"| {f.title} (`{f.id}`) | " + " | ".join(row) + " |")
     out += ["", "Models:"]
     out += [f"- `{m.id}`: {m.title}" for m in models]
     # A merged page says when each cell was last checked (a full run checked them all at once).
     checked_col = " checked |" if merged else ""
-    out += ["", "## Cells", "", "| feature | model | status | quick | detail | check |" + checked_col,
-            "|---|---|---|---|---|---|" + ("---|" if merged else "")]
+    out += [
+        "",
+        "## Cells",
+        "",
+        "| feature | model | status | quick | detail | check |" + checked_col,
+        "|---|---|---|---|---|---|" + ("---|" if merged else ""),
+    ]
     for c in data["cells"]:
         out.append(
             f"| `{c['feature']}` | `{c['model']}` | {c['status']} | {'yes' if c['quick'] else ''} | "
-            f"{_esc(c['detail'])} | `{_esc(c['command'])}` |" + (f" {c.get('checked', '')} |" if merged else "")
+            f"{_esc(c['detail'])} | `{_esc(c['command'])}` |"
+            + (f" {c.get('checked', '')} |" if merged else "")
         )
     return "\n".join(out) + "\n"

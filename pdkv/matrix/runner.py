@@ -90,7 +90,9 @@ class _Progress:
     announced: set[tuple[str, str]] = field(default_factory=set)
 
 
-def run_matrix(opts: MatrixOptions, say: Callable[[str], None] = print) -> tuple[list[Cell], dict[str, list[str]]]:
+def run_matrix(
+    opts: MatrixOptions, say: Callable[[str], None] = print
+) -> tuple[list[Cell], dict[str, list[str]]]:
     """Run the checks; return the cells (catalog order) and every tagged test collected, selected
     or not, by "model/feature" (what a full run would check).
 
@@ -128,7 +130,9 @@ def run_matrix(opts: MatrixOptions, say: Callable[[str], None] = print) -> tuple
         if not state.collected:
             raise RuntimeError(f"pytest exited {proc.returncode} before collecting:\n{tail}")
         if any(it["nodeid"] not in state.results for it in state.items):
-            say(f"some tests never reported (pytest exit {proc.returncode}); its output ends:\n{tail}")
+            say(
+                f"some tests never reported (pytest exit {proc.returncode}); its output ends:\n{tail}"
+            )
     return build_cells(state.items, state.results), state.tagged
 
 
@@ -138,7 +142,9 @@ def _env(opts: MatrixOptions) -> dict[str, str]:
     return env
 
 
-def _read_events(path: str, offset: int, state: _Progress, say: Callable[[str], None], t0: float) -> int:
+def _read_events(
+    path: str, offset: int, state: _Progress, say: Callable[[str], None], t0: float
+) -> int:
     if not os.path.exists(path):
         return offset
     with open(path, "rb") as f:
@@ -155,7 +161,12 @@ def _read_events(path: str, offset: int, state: _Progress, say: Callable[[str], 
                 say(f"{len(cells)} cells, {len(state.items)} tests")
             else:
                 state.results[event["nodeid"]] = CheckOutcome(
-                    event["nodeid"], event["outcome"], event["message"], event["detail"], event["seconds"])
+                    event["nodeid"],
+                    event["outcome"],
+                    event["message"],
+                    event["detail"],
+                    event["seconds"],
+                )
                 _announce(state, say, t0)
     return offset
 

@@ -38,8 +38,14 @@ from typing import Any
 
 from pdkv.modelspec.hf_config import spec_from_hf_config
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "DeepseekV3ForCausalLM",
-                           "Qwen3NextForCausalLM", "KimiLinearForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MistralForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Qwen3NextForCausalLM",
+    "KimiLinearForCausalLM",
+)
 KIMI_ARCHITECTURES = ("KimiLinearForCausalLM",)
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 LINEAR_ARCHITECTURES = ("Qwen3NextForCausalLM",)
@@ -196,7 +202,9 @@ def mla_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
         )
     rope_params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope_params.get("rope_type", rope_params.get("type", "default")) != "default":
-        raise ValueError(f"{path}: rope {rope_params} is not supported for MLA yet (default rope only)")
+        raise ValueError(
+            f"{path}: rope {rope_params} is not supported for MLA yet (default rope only)"
+        )
     if cfg.get("attention_bias"):
         raise ValueError(f"{path}: attention_bias is not supported for MLA")
     rank, rope = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
@@ -222,24 +230,33 @@ def linear_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
     moe = [i for i in range(n) if i not in dense and cfg.get("num_experts") and (i + 1) % step == 0]
     if moe:
         which = f"{moe[0]}..{moe[-1]}" if moe == list(range(moe[0], moe[-1] + 1)) else str(moe)
-        raise ValueError(f"{path}: layers {which} are mixture-of-experts (num_experts={cfg['num_experts']}); "
-                         "only dense MLPs are implemented (set mlp_only_layers to every layer)")
+        raise ValueError(
+            f"{path}: layers {which} are mixture-of-experts (num_experts={cfg['num_experts']}); "
+            "only dense MLPs are implemented (set mlp_only_layers to every layer)"
+        )
     types = cfg.get("layer_types")
     if types is None:
         k = int(cfg.get("full_attention_interval", 4))
         types = [FULL if (i + 1) % k == 0 else LINEAR for i in range(n)]
     if len(types) != n or any(t not in (FULL, LINEAR) for t in types):
-        raise ValueError(f"{path}: layer_types {types} must name {n} layers, each {FULL!r} or {LINEAR!r}")
+        raise ValueError(
+            f"{path}: layer_types {types} must name {n} layers, each {FULL!r} or {LINEAR!r}"
+        )
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"{path}: rope {rope} is not supported for Qwen3-Next yet (default rope only)")
+        raise ValueError(
+            f"{path}: rope {rope} is not supported for Qwen3-Next yet (default rope only)"
+        )
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
     return dict(
-        layer_types=tuple(types), linear_num_key_heads=int(cfg["linear_num_key_heads"]),
-        linear_key_head_dim=int(cfg["linear_key_head_dim"]), linear_num_value_heads=int(cfg["linear_num_value_heads"]),
+        layer_types=tuple(types),
+        linear_num_key_heads=int(cfg["linear_num_key_heads"]),
+        linear_key_head_dim=int(cfg["linear_key_head_dim"]),
+        linear_num_value_heads=int(cfg["linear_num_value_heads"]),
         linear_value_head_dim=int(cfg["linear_value_head_dim"]),
-        linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)), rotary_dim=int(head_dim * factor),
+        linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
+        rotary_dim=int(head_dim * factor),
         qkv_bias=bool(cfg.get("attention_bias", False)),
     )
 
@@ -263,7 +280,9 @@ def kimi_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
     if types is None:
         types = [FULL if i and i % 4 == 0 else LINEAR for i in range(n)]
     if len(types) != n or any(t not in (FULL, LINEAR) for t in types):
-        raise ValueError(f"{path}: layer_types {types} must name {n} layers, each {FULL!r} or {LINEAR!r}")
+        raise ValueError(
+            f"{path}: layer_types {types} must name {n} layers, each {FULL!r} or {LINEAR!r}"
+        )
     mlp = cfg.get("mlp_layer_types")
     if mlp is None:
         dense = int(cfg.get("first_k_dense_replace", 1))
@@ -271,8 +290,10 @@ def kimi_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
     moe = [i for i, t in enumerate(mlp) if t != "dense"]
     if moe:
         which = f"{moe[0]}..{moe[-1]}" if moe == list(range(moe[0], moe[-1] + 1)) else str(moe)
-        raise ValueError(f"{path}: layers {which} are mixture-of-experts; only dense MLPs are implemented "
-                         "(set mlp_layer_types to 'dense' for every layer)")
+        raise ValueError(
+            f"{path}: layers {which} are mixture-of-experts; only dense MLPs are implemented "
+            "(set mlp_layer_types to 'dense' for every layer)"
+        )
     if cfg.get("attention_bias"):
         raise ValueError(f"{path}: attention_bias is not supported for MLA")
     heads = int(lac.get("num_heads", cfg.get("linear_num_heads", 32)))
@@ -280,12 +301,22 @@ def kimi_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
     kernel = int(lac.get("short_conv_kernel_size", cfg.get("linear_conv_kernel_dim", 4)))
     rank, rope = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
     return dict(
-        num_kv_heads=1, head_dim=rank + rope, kv_lora_rank=rank, qk_rope_head_dim=rope,
-        q_lora_rank=cfg.get("q_lora_rank"), qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
-        v_head_dim=int(cfg["v_head_dim"]), layer_types=tuple(types),
-        linear_num_key_heads=heads, linear_key_head_dim=width, linear_num_value_heads=heads,
-        linear_value_head_dim=width, linear_conv_kernel_dim=kernel,
-        max_position_embeddings=int(cfg.get("model_max_length", cfg.get("max_position_embeddings", 4096))),
+        num_kv_heads=1,
+        head_dim=rank + rope,
+        kv_lora_rank=rank,
+        qk_rope_head_dim=rope,
+        q_lora_rank=cfg.get("q_lora_rank"),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+        layer_types=tuple(types),
+        linear_num_key_heads=heads,
+        linear_key_head_dim=width,
+        linear_num_value_heads=heads,
+        linear_value_head_dim=width,
+        linear_conv_kernel_dim=kernel,
+        max_position_embeddings=int(
+            cfg.get("model_max_length", cfg.get("max_position_embeddings", 4096))
+        ),
         tie_word_embeddings=False,  # HF's KimiLinearForCausalLM has its own lm_head whatever the flag says
     )
 

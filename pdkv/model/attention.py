@@ -123,7 +123,9 @@ PrefillAttentionFn = Callable[
 [T, H, D]) -> None: the prefill half of paged_attention, writes the rows of meta.prefills."""
 
 
-WriteKVFn = Callable[[Any, torch.Tensor, torch.Tensor, AttentionMetadata], tuple[torch.Tensor, torch.Tensor]]
+WriteKVFn = Callable[
+    [Any, torch.Tensor, torch.Tensor, AttentionMetadata], tuple[torch.Tensor, torch.Tensor]
+]
 """(kv_cache, k, v [T, kvh, D], meta) -> (k, v as read back): the KV write of paged_attention."""
 
 
@@ -181,8 +183,13 @@ def paged_attention(
 
 
 def _prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCacheLayer, meta: AttentionMetadata,
-    scale: float, out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: KVCacheLayer,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
 ) -> None:
     """The prefill runs of the step (reference path), one SDPA per run: a run without context
     attends over this step's k, v; a run with context gathers its keys from the blocks first.
@@ -202,7 +209,9 @@ def _prefill_attention(
             total = seq.context_len + n
             # First key any query needs: 0, or with a window the first block holding key
             # context_len - W + 1 (blocks before it may be freed: never read).
-            first_block = 0 if window is None else max(0, seq.context_len - window + 1) // block_size
+            first_block = (
+                0 if window is None else max(0, seq.context_len - window + 1) // block_size
+            )
             lo = first_block * block_size
             if seq.context_len == 0:  # n > W: this step's keys, no cache read
                 ks, vs = k[seq.start : seq.end], v[seq.start : seq.end]
@@ -236,7 +245,9 @@ def _decode_attention(
     block_size, num_kv_heads, head_size = kv_cache.shape[-3], kv_cache.shape[-2], kv_cache.shape[-1]
     if meta.decode_mask is not None:  # B > 1: masked positions read the row's newest key
         assert meta.decode_key_blocks is not None and meta.decode_key_offsets is not None
-        ks = read_kv(kv_cache, 0, meta.decode_key_blocks, meta.decode_key_offsets)  # [B, keys, KVH, D]
+        ks = read_kv(
+            kv_cache, 0, meta.decode_key_blocks, meta.decode_key_offsets
+        )  # [B, keys, KVH, D]
         vs = read_kv(kv_cache, 1, meta.decode_key_blocks, meta.decode_key_offsets)
     else:
         ks = read_kv(kv_cache, 0, meta.decode_block_tables).view(bsz, -1, num_kv_heads, head_size)

@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from pdkv.model.attention import AttentionMetadata
 
 
-def write_latent(kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, meta: AttentionMetadata) -> None:
+def write_latent(
+    kv_cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, meta: AttentionMetadata
+) -> None:
     """Store the step's [T, kv_lora_rank] latents and [T, qk_rope_head_dim] rope'd keys into
     their slots (one row of kv_lora_rank + qk_rope_head_dim per token)."""
     kv_cache[meta.slot_block_ids, meta.slot_offsets] = torch.cat((latent, k_pe), dim=-1)
@@ -46,7 +48,9 @@ def expand_kv(entries: torch.Tensor, kv_b: torch.Tensor, kv_lora_rank: int, qk_n
     """
     latent, k_pe = entries[..., :kv_lora_rank], entries[..., kv_lora_rank:]
     kv = F.linear(latent, kv_b)
-    kv = kv.view(*kv.shape[:-1], -1, qk_nope_head_dim + v_head_dim).transpose(-3, -2)  # [..., H, S, nope+v]
+    kv = kv.view(*kv.shape[:-1], -1, qk_nope_head_dim + v_head_dim).transpose(
+        -3, -2
+    )  # [..., H, S, nope+v]
     k_nope, v = kv.split([qk_nope_head_dim, v_head_dim], dim=-1)
     k_pe = k_pe.unsqueeze(-3).expand(*k_nope.shape[:-1], k_pe.shape[-1])
     return torch.cat((k_nope, k_pe), dim=-1), v
@@ -100,15 +104,32 @@ def mla_attention(
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
         out[seq.start : seq.end] = o.transpose(0, 1)
     if meta.decode_token_idx is not None:
-        dec = _decode(q[meta.decode_token_idx], kv_cache, meta, kv_b, rank, scale, qk_nope_head_dim, v_head_dim)
+        dec = _decode(
+            q[meta.decode_token_idx],
+            kv_cache,
+            meta,
+            kv_b,
+            rank,
+            scale,
+            qk_nope_head_dim,
+            v_head_dim,
+        )
         if meta.all_decode:
             return dec
         out[meta.decode_token_idx] = dec
     return out
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, kv_b: torch.Tensor, rank: int,
-            scale: float, nope: int, v_dim: int) -> torch.Tensor:
+def _decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    kv_b: torch.Tensor,
+    rank: int,
+    scale: float,
+    nope: int,
+    v_dim: int,
+) -> torch.Tensor:
     """One query token per request over its whole context. q: [B, H, D] -> [B, H, v_dim].
     Reads only written slots (the cache is allocated with torch.empty; see pdkv.model.attention)."""
     assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
@@ -120,5 +141,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, kv
         entries = kv_cache[meta.decode_block_tables].view(bsz, -1, kv_cache.shape[-1])
         entries = entries[:, : meta.decode_seq_lens_cpu[0]]
     k, v = expand_kv(entries, kv_b, rank, nope, v_dim)  # [B, H, S, .]
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale
+    )
     return o.squeeze(2)

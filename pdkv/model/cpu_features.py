@@ -37,12 +37,17 @@ class CpuFeatures:
     @property
     def onednn_bf16(self) -> bool:
         """oneDNN has a bf16 matmul kernel here (native, or AVX-512 / AVX-NE-CONVERT converting)."""
-        return self.native_bf16 or any(all(f in self.flags for f in group) for group in CONVERT_BF16_FLAGS)
+        return self.native_bf16 or any(
+            all(f in self.flags for f in group) for group in CONVERT_BF16_FLAGS
+        )
 
     def describe(self) -> str:
         """The bf16-relevant flags present, e.g. "amx_bf16 avx512_bf16 avx512f" or "none"."""
-        names = [f for f in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx_ne_convert", "avx2")
-                 if f in self.flags]
+        names = [
+            f
+            for f in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx_ne_convert", "avx2")
+            if f in self.flags
+        ]
         return " ".join(names) or "none"
 
 
@@ -73,6 +78,8 @@ def dtype_warning(dtype: str, device: str, features: CpuFeatures) -> str | None:
         return None
     if dtype == "bfloat16" and features.native_bf16:
         return None
-    return (f"--dtype {dtype} on a CPU without {' / '.join(NATIVE_BF16_FLAGS)} (flags: {features.describe()}): "
-            "torch / oneDNN matmuls are emulated and slower than float32 (--cpu-linear panel, the default, "
-            "reads bfloat16 weights and computes in float32; auto picks an upcast kernel where faster)")
+    return (
+        f"--dtype {dtype} on a CPU without {' / '.join(NATIVE_BF16_FLAGS)} (flags: {features.describe()}): "
+        "torch / oneDNN matmuls are emulated and slower than float32 (--cpu-linear panel, the default, "
+        "reads bfloat16 weights and computes in float32; auto picks an upcast kernel where faster)"
+    )

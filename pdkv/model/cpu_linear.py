@@ -67,7 +67,11 @@ def setup_cpu_linear(model: LlamaForCausalLM, mode: str, dtype: str, device: str
         return CpuLinearSetup("torch")
     why = panel_linear_unavailable(model.embed) if mode == "panel" else "not asked for"
     # The panel kernel widens bf16 weights in registers: nothing is emulated, no warning.
-    warning = None if why is None and dtype == "bfloat16" else dtype_warning(dtype, device, read_cpu_features())
+    warning = (
+        None
+        if why is None and dtype == "bfloat16"
+        else dtype_warning(dtype, device, read_cpu_features())
+    )
     if warning:
         logger.warning(warning)
     if mode == "panel":
@@ -81,7 +85,9 @@ def setup_cpu_linear(model: LlamaForCausalLM, mode: str, dtype: str, device: str
     if mode == "onednn":
         if model.pack_cpu_weights():
             return CpuLinearSetup(mode, None, warning)
-        mode = "auto"  # no oneDNN kernel for this dtype here (bf16 without AVX-512 / AMX): the table
+        mode = (
+            "auto"  # no oneDNN kernel for this dtype here (bf16 without AVX-512 / AMX): the table
+        )
     weights = model.linear_weights() if mode == "auto" else []
     if not weights:
         return CpuLinearSetup("torch" if mode == "torch" else "auto", None, warning)

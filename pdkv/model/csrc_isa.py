@@ -77,7 +77,9 @@ class IsaCheck:
 def _include_flags() -> list[str]:
     from torch.utils.cpp_extension import include_paths
 
-    return [f for p in [*include_paths(), sysconfig.get_paths()["include"]] for f in ("-isystem", p)]
+    return [
+        f for p in [*include_paths(), sysconfig.get_paths()["include"]] for f in ("-isystem", p)
+    ]
 
 
 def _compiler_version(cxx: str) -> str:
@@ -91,14 +93,22 @@ def _key(source: Path, march: str, headers: tuple[Path, ...], cxx_version: str) 
     import torch
 
     h = hashlib.sha256()
-    for part in (source.name.encode(), source.read_bytes(),
-                 *(f.name.encode() + f.read_bytes() for f in headers),
-                 march.encode(), " ".join(FLAGS).encode(), torch.__version__.encode(), cxx_version.encode()):
+    for part in (
+        source.name.encode(),
+        source.read_bytes(),
+        *(f.name.encode() + f.read_bytes() for f in headers),
+        march.encode(),
+        " ".join(FLAGS).encode(),
+        torch.__version__.encode(),
+        cxx_version.encode(),
+    ):
         h.update(part)
     return h.hexdigest()[:24]
 
 
-def check_one(source: Path, march: str, cxx: str, cache: Path | None, cxx_version: str = "") -> IsaCheck:
+def check_one(
+    source: Path, march: str, cxx: str, cache: Path | None, cxx_version: str = ""
+) -> IsaCheck:
     """Compile `source` with -fsyntax-only for `march` (or read the cached result).
 
     Args:
@@ -109,7 +119,9 @@ def check_one(source: Path, march: str, cxx: str, cache: Path | None, cxx_versio
         cxx_version: the compiler's `--version` text (part of the cache key).
     """
     headers = tuple(sorted(source.parent.glob("*.h")))
-    path = cache / f"{_key(source, march, headers, cxx_version)}.json" if cache is not None else None
+    path = (
+        cache / f"{_key(source, march, headers, cxx_version)}.json" if cache is not None else None
+    )
     if path is not None and path.exists():
         data = json.loads(path.read_text())
         return IsaCheck(source.name, march, data["ok"], data["error"], 0.0, True)
@@ -153,7 +165,9 @@ def check(sources: tuple[Path, ...] = SOURCES, targets: tuple[str, ...] = tuple(
 
     cxx = compiler()
     if cxx is None:
-        raise RuntimeError("no C++ compiler ($CXX or c++): install g++ (scripts/system-packages.sh)")
+        raise RuntimeError(
+            "no C++ compiler ($CXX or c++): install g++ (scripts/system-packages.sh)"
+        )
     version = _compiler_version(cxx)
     cache = Path(cache_dir or cache_root()) / "csrc-isa"
     pairs = [(s, m) for s in sources for m in targets]
@@ -164,7 +178,9 @@ def check(sources: tuple[Path, ...] = SOURCES, targets: tuple[str, ...] = tuple(
 def main(argv: list[str] | None = None) -> int:
     """`python -m pdkv.model.csrc_isa`: check the ops (or the given files) for every ISA."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("files", nargs="*", type=Path, help="C++ files to check (default: pdkv/model/csrc/*.cpp)")
+    p.add_argument(
+        "files", nargs="*", type=Path, help="C++ files to check (default: pdkv/model/csrc/*.cpp)"
+    )
     p.add_argument("--march", action="append", choices=tuple(ISA_TARGETS),
                    help="a target (repeatable; default: all)")
     p.add_argument("-j", "--jobs", type=int, default=2, help="compilers at once")

@@ -89,7 +89,12 @@ def build_dcp_metadata(
 
 
 def dcp_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCacheLayer, meta: DCPMetadata, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: KVCacheLayer,
+    meta: DCPMetadata,
+    scale: float,
 ) -> torch.Tensor:
     """Attention of this rank's query heads over the whole context, stored across the DCP group.
 

@@ -52,10 +52,16 @@ class MLALayer(nn.Module):
         self.parallel = parallel
         tp = parallel.tp_size
         if cfg.num_heads % tp or cfg.intermediate_size % tp:
-            raise ValueError(f"tensor_parallel_size={tp} must divide the model's {cfg.num_heads} heads and "
-                             f"intermediate_size={cfg.intermediate_size}")
+            raise ValueError(
+                f"tensor_parallel_size={tp} must divide the model's {cfg.num_heads} heads and "
+                f"intermediate_size={cfg.intermediate_size}"
+            )
         self.num_heads = cfg.num_heads // tp
-        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.nope, self.rope, self.v_dim = (
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+        )
         self.rank = cfg.kv_lora_rank
         self.eps = cfg.rms_norm_eps
         self.scale = (self.nope + self.rope) ** -0.5
@@ -90,14 +96,22 @@ class MLALayer(nn.Module):
             x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
         return apply_rope(x.contiguous(), cos, sin)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """hidden: [T, hidden] -> [T, hidden]; kv_cache: this layer's [blocks, bs, rank + rope]."""
         t = hidden.shape[0]
         pk = self.packed
         x = rms_norm(hidden, self.input_norm, self.eps)
         if self.q_a is not None and self.q_a_norm is not None:
-            q = linear(rms_norm(F.linear(x, self.q_a), self.q_a_norm, self.eps), self.q_proj, pk["q_proj"])
+            q = linear(
+                rms_norm(F.linear(x, self.q_a), self.q_a_norm, self.eps), self.q_proj, pk["q_proj"]
+            )
         else:
             q = linear(x, self.q_proj, pk["q_proj"])
         q = q.view(t, self.num_heads, self.nope + self.rope)
@@ -105,7 +119,9 @@ class MLALayer(nn.Module):
         latent = rms_norm(ckv[:, : self.rank].contiguous(), self.kv_a_norm, self.eps)
         k_pe = self._rope(ckv[:, None, self.rank :], cos, sin)[:, 0]
         q = torch.cat((q[..., : self.nope], self._rope(q[..., self.nope :], cos, sin)), dim=-1)
-        attn = mla_attention(q, latent, k_pe, kv_cache, meta, self.kv_b, self.scale, self.nope, self.v_dim)
+        attn = mla_attention(
+            q, latent, k_pe, kv_cache, meta, self.kv_b, self.scale, self.nope, self.v_dim
+        )
         tp = self.parallel
         hidden = hidden + tp.all_reduce_tp(linear(attn.reshape(t, -1), self.o_proj, pk["o_proj"]))
         x = rms_norm(hidden, self.post_attn_norm, self.eps)
@@ -132,14 +148,25 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         self.cfg = cfg
         self.parallel = parallel or ParallelContext.single()
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(MLALayer(cfg, dtype, self.parallel) for _ in range(cfg.num_layers))
+        self.embed = nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.layers = nn.ModuleList(
+            MLALayer(cfg, dtype, self.parallel) for _ in range(cfg.num_layers)
+        )
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.lm_head = (None if cfg.tie_word_embeddings else
-                        nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False))
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Parameter(
+                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
+            )
+        )
         self.head_packed: torch.Tensor | None = None
         self.layer_groups = [0] * cfg.num_layers
-        cos, sin = rope_cos_sin(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.max_position_embeddings, device)
+        cos, sin = rope_cos_sin(
+            cfg.qk_rope_head_dim, cfg.rope_theta, cfg.max_position_embeddings, device
+        )
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
 
@@ -171,7 +198,11 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             put(layer.input_norm, r.whole(p + "input_layernorm.weight"), p + "input_layernorm")
-            put(layer.post_attn_norm, r.whole(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
+            put(
+                layer.post_attn_norm,
+                r.whole(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm",
+            )
             if layer.q_a is not None and layer.q_a_norm is not None:
                 put(layer.q_a, r.whole(a + "q_a_proj.weight"), a + "q_a_proj")
                 put(layer.q_a_norm, r.whole(a + "q_a_layernorm.weight"), a + "q_a_layernorm")
@@ -183,6 +214,11 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             put(layer.kv_b, r.rows(a + "kv_b_proj.weight", kv_rows), a + "kv_b_proj")
             put(layer.o_proj, r.cols(a + "o_proj.weight", o_cols), a + "o_proj")
             m = p + "mlp."
-            put(layer.gate_up, torch.cat([r.rows(m + "gate_proj.weight", i_rows), r.rows(m + "up_proj.weight", i_rows)]),
-                p + "gate_up")
+            put(
+                layer.gate_up,
+                torch.cat(
+                    [r.rows(m + "gate_proj.weight", i_rows), r.rows(m + "up_proj.weight", i_rows)]
+                ),
+                p + "gate_up",
+            )
             put(layer.down, r.cols(m + "down_proj.weight", i_rows), p + "down_proj")

@@ -40,7 +40,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.ops.pdkv.fused_rms_norm(x, weight, eps)
 
 
-def add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rms_norm_(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
     """residual += x (in place, [T, N]); returns RMSNorm(residual) as a new [T, N] tensor."""
     return torch.ops.pdkv.fused_add_rms_norm_(residual, x, weight, eps)
 

@@ -42,8 +42,9 @@ class LinearStateMetadata:
     decode_batches: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...] | None = None
 
 
-def decode_runs(requests: tuple[tuple[int, int, int, tuple[tuple[int, int], ...]], ...], device: torch.device
-                ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]:
+def decode_runs(
+    requests: tuple[tuple[int, int, int, tuple[tuple[int, int], ...]], ...], device: torch.device
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]:
     """(rows, source slots, destination slots) of each maximal run of consecutive decodes among
     LinearStateMetadata.requests, as long tensors on `device`, in order."""
     runs: list[list[tuple[int, int, int]]] = []
@@ -58,12 +59,16 @@ def decode_runs(requests: tuple[tuple[int, int, int, tuple[tuple[int, int], ...]
         runs.append(cur)
     out = []
     for run in runs:
-        rows, src_slots, dst_slots = (torch.tensor(col, dtype=torch.long, device=device) for col in zip(*run))
+        rows, src_slots, dst_slots = (
+            torch.tensor(col, dtype=torch.long, device=device) for col in zip(*run)
+        )
         out.append((rows, src_slots, dst_slots))
     return tuple(out)
 
 
-def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv with SiLU over one request's new tokens, continuing from a window.
 
     Args:
@@ -91,8 +96,14 @@ def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Te
     return F.silu(out), full[:, :, 1:]
 
 
-def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def recurrent_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of B requests through the rule (the recurrent form's operations, batched).
 
     Args:
@@ -131,8 +142,14 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     return q, k, v, g.t().float(), beta.t().float()
 
 
-def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                               beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule one token at a time.
 
     Args:
@@ -174,7 +191,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     system = (k_beta @ k.transpose(-1, -2)) * decay
     intra = (q @ k.transpose(-1, -2)) * decay
     new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    k_cum = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(
+        system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True
+    )
     q = q * cum.exp()[..., None]
     k = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]
@@ -187,8 +206,14 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return out.reshape(h, -1, out.shape[-1])[:, :n].transpose(0, 1), s
 
 
-def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrent form for one token (decode), the chunked form for more (prefill), as HF."""
     if v.shape[0] == 1:
         return recurrent_gated_delta_rule(q, k, v, g, beta, state)

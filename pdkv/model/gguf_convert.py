@@ -113,7 +113,9 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> None:
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, f)
+        json.dump(
+            {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, f
+        )
 
     from transformers import AutoTokenizer
 

@@ -54,7 +54,9 @@ def _syncing_index(index: Any) -> bool:
     for it in items:
         if isinstance(it, torch.Tensor) and it.dtype == torch.bool:
             return True
-        if isinstance(it, slice) and any(isinstance(b, torch.Tensor) for b in (it.start, it.stop, it.step)):
+        if isinstance(it, slice) and any(
+            isinstance(b, torch.Tensor) for b in (it.start, it.stop, it.step)
+        ):
             return True
     return False
 
@@ -78,7 +80,12 @@ class HostSyncGuard(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         what = None if func in self.allowed else SYNC_FUNCTIONS.get(func)
-        if what is None and func is torch.Tensor.__getitem__ and len(args) > 1 and _syncing_index(args[1]):
+        if (
+            what is None
+            and func is torch.Tensor.__getitem__
+            and len(args) > 1
+            and _syncing_index(args[1])
+        ):
             what = "boolean-mask or tensor-bounded slice indexing"
         if what is not None:
             raise HostSyncError(f"host sync in a guarded region (the model forward): {what}")

@@ -51,8 +51,14 @@ def kda_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     return (s * q[..., None]).sum(dim=-2), s
 
 
-def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule one token at a time.
 
     Args:
@@ -69,8 +75,15 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     return out, s
 
 
-def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule in chunks of `chunk` tokens (same arguments and results as `recurrent_kda`):
     within a chunk the updates are solved at once (a unit lower-triangular system whose entries
     carry the per-channel decay between the two tokens), across chunks the state is carried.
@@ -85,14 +98,22 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     beta = F.pad(beta, (0, pad))
     h = v.shape[0]
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    q, k, g, k_beta, v_beta = (x.reshape(h, -1, chunk, x.shape[-1]) for x in (q, k, g, k_beta, v_beta))
+    q, k, g, k_beta, v_beta = (
+        x.reshape(h, -1, chunk, x.shape[-1]) for x in (q, k, g, k_beta, v_beta)
+    )
     cum = g.cumsum(dim=-2)  # [h, chunks, chunk, dk]
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cum[..., :, None, :] - cum[..., None, :, :]).masked_fill(upper[..., None], float("-inf")).exp()
+    decay = (
+        (cum[..., :, None, :] - cum[..., None, :, :])
+        .masked_fill(upper[..., None], float("-inf"))
+        .exp()
+    )
     system = torch.einsum("hcid,hcjd,hcijd->hcij", k_beta, k, decay)
     intra = torch.einsum("hcid,hcjd,hcijd->hcij", q, k, decay)
     new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    k_cum = torch.linalg.solve_triangular(system, k_beta * cum.exp(), upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(
+        system, k_beta * cum.exp(), upper=False, unitriangular=True
+    )
     q = q * cum.exp()
     last = cum[..., -1:, :]  # [h, chunks, 1, dk]
     k = k * (last - cum).exp()

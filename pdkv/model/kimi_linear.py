@@ -70,8 +70,14 @@ class KDALayer(_MLPMixin, StateSlotMixin):
     def split_qkv(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(x.reshape(c.shape[0], self.heads, self.d) for x in c.chunk(3, dim=-1))  # type: ignore[return-value]
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: torch.Tensor,
-                meta: LinearStateMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        state: torch.Tensor,
+        meta: LinearStateMetadata,
+    ) -> torch.Tensor:
         """hidden: [T, hidden] -> [T, hidden]; state: this layer's [slots, bytes] uint8 (each
         request's state read from its source slot, or zero when fresh; the state after each of
         its segments written to that segment's slot)."""
@@ -111,7 +117,8 @@ class KimiLinearForCausalLM(LlamaForCausalLM):
             raise ValueError(
                 f"{cfg.architecture}: tensor / decode context parallelism is not supported with "
                 "linear-attention (Kimi Delta Attention) layers yet; use tensor_parallel_size=1 and "
-                "decode_context_parallel_size=1")
+                "decode_context_parallel_size=1"
+            )
         nn.Module.__init__(self)
         self.parallel = parallel or ParallelContext.single()
         self.cfg = cfg
@@ -120,7 +127,11 @@ class KimiLinearForCausalLM(LlamaForCausalLM):
             KDALayer(cfg, dtype) if t == LINEAR else KimiMLALayer(cfg, dtype, self.parallel)
             for t in cfg.layer_types)
         self.norm = _param(cfg.hidden_size, dtype=dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        )
         self.head_packed: torch.Tensor | None = None
         groups = attention_groups(cfg)
         self.layer_groups = [len(groups)] * cfg.num_layers  # KDA layers: the last group
@@ -156,17 +167,38 @@ class KimiLinearForCausalLM(LlamaForCausalLM):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             put(layer.input_norm, r.whole(p + "input_layernorm.weight"), p + "input_layernorm")
-            put(layer.post_attn_norm, r.whole(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
+            put(
+                layer.post_attn_norm,
+                r.whole(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm",
+            )
             m = p + "block_sparse_moe."  # the checkpoint's name for a dense layer's MLP as well
-            put(layer.gate_up, torch.cat([r.whole(m + "gate_proj.weight"), r.whole(m + "up_proj.weight")]),
-                p + "gate_up")
+            put(
+                layer.gate_up,
+                torch.cat([r.whole(m + "gate_proj.weight"), r.whole(m + "up_proj.weight")]),
+                p + "gate_up",
+            )
             put(layer.down, r.whole(m + "down_proj.weight"), m + "down_proj")
             if isinstance(layer, KDALayer):
-                put(layer.qkv, torch.cat([r.whole(a + f"{n}_proj.weight") for n in "qkv"]), a + "qkv")
-                put(layer.conv, torch.cat([r.whole(a + f"{n}_conv1d.weight")[:, 0] for n in "qkv"]), a + "conv1d")
-                for name, param in (("f_a_proj", layer.f_a), ("f_b_proj", layer.f_b), ("b_proj", layer.b_proj),
-                                    ("g_a_proj", layer.g_a), ("g_b_proj", layer.g_b), ("o_norm", layer.o_norm),
-                                    ("o_proj", layer.o_proj)):
+                put(
+                    layer.qkv,
+                    torch.cat([r.whole(a + f"{n}_proj.weight") for n in "qkv"]),
+                    a + "qkv",
+                )
+                put(
+                    layer.conv,
+                    torch.cat([r.whole(a + f"{n}_conv1d.weight")[:, 0] for n in "qkv"]),
+                    a + "conv1d",
+                )
+                for name, param in (
+                    ("f_a_proj", layer.f_a),
+                    ("f_b_proj", layer.f_b),
+                    ("b_proj", layer.b_proj),
+                    ("g_a_proj", layer.g_a),
+                    ("g_b_proj", layer.g_b),
+                    ("o_norm", layer.o_norm),
+                    ("o_proj", layer.o_proj),
+                ):
                     put(param, r.whole(a + name + ".weight"), a + name)
                 put(layer.dt_bias, r.whole(a + "dt_bias").reshape(-1), a + "dt_bias")
                 put(layer.a_log, r.whole(a + "A_log").reshape(-1), a + "A_log")

@@ -65,7 +65,9 @@ def quantize(x: torch.Tensor, cache_dtype: str) -> tuple[torch.Tensor, torch.Ten
     return q.view(torch.uint8), scale
 
 
-def dequantize(data: torch.Tensor, scales: torch.Tensor, cache_dtype: str, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(
+    data: torch.Tensor, scales: torch.Tensor, cache_dtype: str, dtype: torch.dtype
+) -> torch.Tensor:
     """Inverse of `quantize`: data [..., D] uint8, scales [...] float32 -> [..., D] in `dtype`."""
     return (data.view(QUANT_DTYPES[cache_dtype]).float() * scales[..., None]).to(dtype)
 
@@ -95,7 +97,9 @@ class QuantKVCache:
     def device(self) -> torch.device:
         return self.data.device
 
-    def write(self, kv: int, blocks: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def write(
+        self, kv: int, blocks: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor
+    ) -> torch.Tensor:
         """Quantize x [T, H, D] into slots (blocks[i], offsets[i]) of K (kv 0) or V (kv 1);
         returns the dequantized values (what a later read of those slots gives), [T, H, D]."""
         q, s = quantize(x, self.cache_dtype)
@@ -106,7 +110,9 @@ class QuantKVCache:
     def read(self, kv: int, *index: torch.Tensor) -> torch.Tensor:
         """Dequantized K (kv 0) or V (kv 1) at `index` (as plain indexing of a [2, N, bs, H, D]
         cache after its first dimension), in compute_dtype."""
-        return dequantize(self.data[(kv, *index)], self.scales[(kv, *index)], self.cache_dtype, self.compute_dtype)
+        return dequantize(
+            self.data[(kv, *index)], self.scales[(kv, *index)], self.cache_dtype, self.compute_dtype
+        )
 
 
 KVCacheLayer = torch.Tensor | QuantKVCache

@@ -60,7 +60,9 @@ class LinearDispatch:
 
     table: LinearTable
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [T, in] @ weight[out, in].T + bias with the backend of bucket(T)."""
         return BACKENDS[self.table.backend_for(x.shape[0])](x, weight, bias)
 
@@ -87,7 +89,8 @@ class LinearTuning:
     def describe(self) -> str:
         """One log line: the table, then per bucket the microseconds per backend."""
         cells = "; ".join(
-            f"{b}: " + " ".join(f"{n} {t * 1e6:.0f}us" for n, t in self.timings[b].items()) for b in self.timings
+            f"{b}: " + " ".join(f"{n} {t * 1e6:.0f}us" for n, t in self.timings[b].items())
+            for b in self.timings
         )
         return (f"cpu-linear auto table [{self.table.describe()}] from {self.rounds} round(s) in "
                 f"{self.seconds * 1e3:.0f} ms ({cells})")
@@ -145,8 +148,13 @@ def tune_linear(
     if unknown or not names:
         raise ValueError(f"unknown backends {unknown}; known: {sorted(BACKENDS)}")
     w0 = weights[0]
-    inputs = {b: {w.shape[1]: torch.randn(b, w.shape[1], dtype=w0.dtype, device=w0.device) for w in weights}
-              for b in buckets}
+    inputs = {
+        b: {
+            w.shape[1]: torch.randn(b, w.shape[1], dtype=w0.dtype, device=w0.device)
+            for w in weights
+        }
+        for b in buckets
+    }
     # Fastest call per (bucket, backend, weight); the backends of one weight run back to back so
     # that drift and other processes' bursts hit them alike.
     best: dict[tuple[int, str, int], float] = {}
@@ -190,6 +198,12 @@ def tune_linear(
                 rounds += 1
     finally:
         torch.set_num_threads(threads)
-    timings = {b: {n: sum(best[(b, n, i)] for i in range(len(weights))) for n in names if (b, n, 0) in best}
-               for b in buckets}
-    return LinearTuning(build_table(timings, BACKEND_ORDER), timings, names, rounds, time.monotonic() - wall0)
+    timings = {
+        b: {
+            n: sum(best[(b, n, i)] for i in range(len(weights))) for n in names if (b, n, 0) in best
+        }
+        for b in buckets
+    }
+    return LinearTuning(
+        build_table(timings, BACKEND_ORDER), timings, names, rounds, time.monotonic() - wall0
+    )

@@ -55,7 +55,9 @@ class LinearTable:
         return " ".join(f"{b}:{n}" for b, n in zip(self.buckets, self.backends))
 
 
-def build_table(timings: Mapping[int, Mapping[str, float]], order: Sequence[str] = ()) -> LinearTable:
+def build_table(
+    timings: Mapping[int, Mapping[str, float]], order: Sequence[str] = ()
+) -> LinearTable:
     """The fastest backend per bucket.
 
     Args:

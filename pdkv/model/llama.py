@@ -30,7 +30,9 @@ __all__ = ["SUPPORTED_ARCHITECTURES", "LlamaArchConfig", "LlamaForCausalLM", "hy
 
 # (q [T, H, D], k [T, KVH, D], v [T, KVH, D], kv_cache, meta, scale) -> [T, H, D]; the layer's
 # one attention call (paged_attention today; a DCP variant plugs in here).
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+AttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
+]
 
 
 def rope_cos_sin(
@@ -99,7 +101,9 @@ class LlamaLayer(nn.Module):
         h, i = cfg.hidden_size, cfg.intermediate_size // tp
         self.input_norm = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
         self.post_attn_norm = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
-        self.qkv = nn.Parameter(torch.empty(q_size + 2 * kv_size, h, dtype=dtype), requires_grad=False)
+        self.qkv = nn.Parameter(
+            torch.empty(q_size + 2 * kv_size, h, dtype=dtype), requires_grad=False
+        )
         self.qkv_bias = (
             nn.Parameter(torch.empty(q_size + 2 * kv_size, dtype=dtype), requires_grad=False)
             if cfg.qkv_bias
@@ -110,7 +114,12 @@ class LlamaLayer(nn.Module):
         self.down = nn.Parameter(torch.empty(h, i, dtype=dtype), requires_grad=False)
         # oneDNN-packed weights (pack_cpu_weights), which then replace the plain ones; a
         # LinearDispatch (--cpu-linear auto) over the plain ones; None = plain F.linear.
-        self.packed: dict[str, PackedLinear] = {"qkv": None, "o_proj": None, "gate_up": None, "down": None}
+        self.packed: dict[str, PackedLinear] = {
+            "qkv": None,
+            "o_proj": None,
+            "gate_up": None,
+            "down": None,
+        }
         # C++ fused small ops (pdkv.model.fused_ops.set_fused_ops); False = the torch ops.
         self.fused_ops = False
 
@@ -141,7 +150,11 @@ class LlamaLayer(nn.Module):
         and returned."""
         t = hidden.shape[0]
         fused = self.fused_ops
-        x = fused_ops.rms_norm(hidden, self.input_norm, self.eps) if fused else rms_norm(hidden, self.input_norm, self.eps)
+        x = (
+            fused_ops.rms_norm(hidden, self.input_norm, self.eps)
+            if fused
+            else rms_norm(hidden, self.input_norm, self.eps)
+        )
         pk = self.packed
         qkv = linear(x, self.qkv, pk["qkv"], self.qkv_bias)
         # q and k heads are rotated together (one pass of elementwise ops).
@@ -201,7 +214,9 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def _without_data(param: torch.Tensor) -> nn.Parameter:
     """A stand-in for a weight whose only copy is now packed: same shape and dtype on the meta
     device (no memory; reading its values raises)."""
-    return nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False)
+    return nn.Parameter(
+        torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -250,12 +265,16 @@ class LlamaForCausalLM(nn.Module):
         self.embed = nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
         )
-        self.layers = nn.ModuleList(LlamaLayer(cfg, dtype, self.parallel) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaLayer(cfg, dtype, self.parallel) for _ in range(cfg.num_layers)
+        )
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+            else nn.Parameter(
+                torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
+            )
         )
         self.head_packed: PackedLinear = None
         # KV cache group of each layer (pdkv.worker.kv_cache makes one group per entry).
@@ -322,12 +341,16 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             self.head_packed = packer(self.embed)
             if self.head_packed is not None and self.embed_file_map is not None:
-                self.embed_file_map.madvise(mmap.MADV_DONTNEED)  # unmodified private pages: reloaded on use
+                self.embed_file_map.madvise(
+                    mmap.MADV_DONTNEED
+                )  # unmodified private pages: reloaded on use
         else:
             self.head_packed = packer(self.lm_head)
             if self.head_packed is not None:
                 self.lm_head = _without_data(self.lm_head)
-        return self.head_packed is not None and all(layer.pack_cpu_weights(packer) for layer in self.layers)
+        return self.head_packed is not None and all(
+            layer.pack_cpu_weights(packer) for layer in self.layers
+        )
 
     def linear_weights(self) -> list[torch.Tensor]:
         """One layer's projection weights ([out, in], in forward order): the shapes a step's

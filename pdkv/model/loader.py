@@ -29,7 +29,9 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def load_model(path: str, dtype: str, device: str, parallel: ParallelContext | None = None) -> LlamaForCausalLM:
+def load_model(
+    path: str, dtype: str, device: str, parallel: ParallelContext | None = None
+) -> LlamaForCausalLM:
     """Build the model (this rank's shard of it) from `path` (config.json + *.safetensors) in
     `dtype` on `device`.
 
@@ -50,7 +52,9 @@ def load_model(path: str, dtype: str, device: str, parallel: ParallelContext | N
 
     def put(param: torch.nn.Parameter, value: torch.Tensor, name: str) -> None:
         if tuple(param.shape) != tuple(value.shape):
-            raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
+            raise ValueError(
+                f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}"
+            )
         param.data.copy_(value.to(tdtype))
 
     if cfg.has_linear_state and cfg.is_mla:  # KimiLinearForCausalLM (pdkv/model/kimi_linear.py)
@@ -103,15 +107,25 @@ def load_model(path: str, dtype: str, device: str, parallel: ParallelContext | N
             p = f"model.layers.{i}."
             a = p + "self_attn."
             put(layer.input_norm, r.whole(p + "input_layernorm.weight"), p + "input_layernorm")
-            put(layer.post_attn_norm, r.whole(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
+            put(
+                layer.post_attn_norm,
+                r.whole(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm",
+            )
             rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
-            put(layer.qkv, torch.cat([r.rows(a + f"{n}_proj.weight", rows[n]) for n in "qkv"]), p + "qkv")
+            put(
+                layer.qkv,
+                torch.cat([r.rows(a + f"{n}_proj.weight", rows[n]) for n in "qkv"]),
+                p + "qkv",
+            )
             if layer.qkv_bias is not None:
                 bias = torch.cat([r.rows(a + f"{n}_proj.bias", rows[n]) for n in "qkv"])
                 put(layer.qkv_bias, bias, p + "qkv_bias")
             put(layer.o_proj, r.cols(a + "o_proj.weight", q_rows), p + "o_proj")
             m = p + "mlp."
-            gate_up = torch.cat([r.rows(m + "gate_proj.weight", i_rows), r.rows(m + "up_proj.weight", i_rows)])
+            gate_up = torch.cat(
+                [r.rows(m + "gate_proj.weight", i_rows), r.rows(m + "up_proj.weight", i_rows)]
+            )
             put(layer.gate_up, gate_up, p + "gate_up")
             put(layer.down, r.cols(m + "down_proj.weight", i_rows), p + "down_proj")
         _check_all_read(path, r)
@@ -184,7 +198,9 @@ class _ShardReader:
             start, end = info["data_offsets"]
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         count = (end - start) // dtype.itemsize
-        return torch.frombuffer(mm, dtype=dtype, count=count, offset=8 + header_len + start).view(info["shape"]), mm
+        return torch.frombuffer(mm, dtype=dtype, count=count, offset=8 + header_len + start).view(
+            info["shape"]
+        ), mm
 
     def skip(self, name: str) -> None:
         self._where.pop(name, None)

@@ -72,7 +72,9 @@ def paged_decode(
         RuntimeError: the op is not loaded (`pdkv.model.paged_decode_build.load`), or shapes,
             dtypes or a block table too short for its seq len.
     """
-    return torch.ops.pdkv.paged_decode(q, kv_cache, block_tables, seq_lens, scale, sliding_window or 0)
+    return torch.ops.pdkv.paged_decode(
+        q, kv_cache, block_tables, seq_lens, scale, sliding_window or 0
+    )
 
 
 def paged_decode_attention(
@@ -103,8 +105,13 @@ def write_kv_fused(
     Raises:
         RuntimeError: a slot outside the cache, or shapes / dtypes that do not match it.
     """
-    if (not isinstance(kv_cache, torch.Tensor) or kv_cache.device.type != "cpu"
-            or not _heads_contiguous(kv_cache) or not _heads_contiguous(k) or not _heads_contiguous(v)):
+    if (
+        not isinstance(kv_cache, torch.Tensor)
+        or kv_cache.device.type != "cpu"
+        or not _heads_contiguous(kv_cache)
+        or not _heads_contiguous(k)
+        or not _heads_contiguous(v)
+    ):
         from pdkv.model.attention import write_kv
 
         return write_kv(kv_cache, k, v, meta)
@@ -139,13 +146,21 @@ def resolve_attention_backend(
     from pdkv.model.paged_decode_build import cpu_ops_hidden, load
 
     if requested not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
+        raise ValueError(
+            f"attention_backend must be one of {ATTENTION_BACKENDS}, got {requested!r}"
+        )
     if requested == "torch":
         return "torch"
-    unsupported = [why for cond, why in (
-        (device != "cpu", f"device {device}"), (cache_dtype != "auto", f"kv cache dtype {cache_dtype}"),
-        (dcp_size > 1, "decode context parallelism"), (is_mla, "an MLA model"),
-    ) if cond]
+    unsupported = [
+        why
+        for cond, why in (
+            (device != "cpu", f"device {device}"),
+            (cache_dtype != "auto", f"kv cache dtype {cache_dtype}"),
+            (dcp_size > 1, "decode context parallelism"),
+            (is_mla, "an MLA model"),
+        )
+        if cond
+    ]
     if unsupported:
         if requested == "cpu_paged":
             logger.warning("attention backend cpu_paged does not support %s: using torch",

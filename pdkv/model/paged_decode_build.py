@@ -117,9 +117,14 @@ def build_paths(cache_dir: str | None = None) -> BuildPaths:
     from pdkv.model.registry import cache_dir as cache_root
 
     h = hashlib.sha256()
-    for part in (*(f.name.encode() + f.read_bytes() for f in (*SOURCES, *HEADERS)), " ".join(CFLAGS).encode(),
-                 torch.__version__.encode(),
-                 sys.version.encode(), platform.machine().encode(), _cpu_flags().encode()):
+    for part in (
+        *(f.name.encode() + f.read_bytes() for f in (*SOURCES, *HEADERS)),
+        " ".join(CFLAGS).encode(),
+        torch.__version__.encode(),
+        sys.version.encode(),
+        platform.machine().encode(),
+        _cpu_flags().encode(),
+    ):
         h.update(part)
     key = h.hexdigest()[:16]
     base = Path(cache_dir or cache_root()) / "ext"
@@ -224,7 +229,9 @@ def load(cache_dir: str | None = None, allow_build: bool = True) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """`python -m pdkv.model.paged_decode_build --build`: build (or rebuild after a failure)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--build", action="store_true", help="build the op if not cached, even after a failure")
+    p.add_argument(
+        "--build", action="store_true", help="build the op if not cached, even after a failure"
+    )
     p.add_argument("--compile", nargs=2, metavar=("DIR", "NAME"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.compile:
@@ -233,8 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     paths = build_paths()
     isa = f"-march=native, ATen vector ISA {native_isa()}"
     if compiler() is None:
-        print(f"pdkv C++ CPU ops: no C++ compiler ({os.environ.get('CXX') or 'c++'} not found): the engine "
-              "will run the torch paths (install one: scripts/system-packages.sh)", file=sys.stderr)
+        print(
+            f"pdkv C++ CPU ops: no C++ compiler ({os.environ.get('CXX') or 'c++'} not found): the engine "
+            "will run the torch paths (install one: scripts/system-packages.sh)",
+            file=sys.stderr,
+        )
         return 0
     t0 = time.monotonic()
     why = build(paths, force=args.build)
@@ -256,7 +266,11 @@ def native_isa() -> str:
         isa = "AVX2"
     else:
         isa = "DEFAULT"
-    extras = [name for flag, name in (("avx512_bf16", "AVX512_BF16"), ("amx_tile", "AMX")) if flag in flags]
+    extras = [
+        name
+        for flag, name in (("avx512_bf16", "AVX512_BF16"), ("amx_tile", "AMX"))
+        if flag in flags
+    ]
     return " + ".join([isa, *extras])
 
 

@@ -72,8 +72,13 @@ def paged_prefill(
 
 
 def paged_prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-    scale: float, out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
 ) -> None:
     """Drop-in for `pdkv.model.attention._prefill_attention`: writes the rows of meta.prefills in
     `out` [T, H, D] with one op call. A cache that is not one plain CPU tensor (a quantized

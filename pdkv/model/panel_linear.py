@@ -134,8 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("--shapes", default="1152x576,576x576,3072x576,576x1536",
-                   help="comma-separated NxK projection shapes of one layer (default: SmolLM2-135M)")
+    p.add_argument(
+        "--shapes",
+        default="1152x576,576x576,3072x576,576x1536",
+        help="comma-separated NxK projection shapes of one layer (default: SmolLM2-135M)",
+    )
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--rows", default="1,8,32,64,512", help="comma-separated row counts")
     p.add_argument("--num-threads", type=int, default=2)
@@ -151,18 +154,32 @@ def main(argv: list[str] | None = None) -> int:
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
     panels = [PanelWeight(pack_panels(w), w.shape[0]) for w in weights]
     flops_per_row = 2 * sum(w.numel() for w in weights)
-    print(f"{len(weights)} projections ({args.layers} layers of {args.shapes}), {args.num_threads} thread{'s' if args.num_threads != 1 else ''}")
-    print(f"{'rows':>5} {'onednn ms':>10} {'panel ms':>9} {'panel/onednn time':>18} {'panel GFLOP/s':>14}")
+    print(
+        f"{len(weights)} projections ({args.layers} layers of {args.shapes}), {args.num_threads} thread{'s' if args.num_threads != 1 else ''}"
+    )
+    print(
+        f"{'rows':>5} {'onednn ms':>10} {'panel ms':>9} {'panel/onednn time':>18} {'panel GFLOP/s':>14}"
+    )
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
             xs = {k: torch.randn(rows, k) for (_, k) in shapes}
-            best = {"onednn": _best_seconds(lambda xs=xs: [
+            best = {
+                "onednn": _best_seconds(
+                    lambda xs=xs: [
                         torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], pk, None, "none", [], "")
-                        for w, pk in zip(weights, onednn)], args.repeats),
-                    "panel": _best_seconds(lambda xs=xs: [pw(xs[w.shape[1]]) for w, pw in zip(weights, panels)],
-                                           args.repeats)}
-            print(f"{rows:>5} {best['onednn'] * 1e3:>10.1f} {best['panel'] * 1e3:>9.1f} "
-                  f"{best['panel'] / best['onednn']:>18.2f} {flops_per_row * rows / best['panel'] / 1e9:>14.0f}")
+                        for w, pk in zip(weights, onednn)
+                    ],
+                    args.repeats,
+                ),
+                "panel": _best_seconds(
+                    lambda xs=xs: [pw(xs[w.shape[1]]) for w, pw in zip(weights, panels)],
+                    args.repeats,
+                ),
+            }
+            print(
+                f"{rows:>5} {best['onednn'] * 1e3:>10.1f} {best['panel'] * 1e3:>9.1f} "
+                f"{best['panel'] / best['onednn']:>18.2f} {flops_per_row * rows / best['panel'] / 1e9:>14.0f}"
+            )
     return 0
 
 

@@ -57,7 +57,9 @@ class _MLPMixin(nn.Module):
 
     parallel: ParallelContext
 
-    def _init_mlp(self, cfg: LlamaArchConfig, dtype: torch.dtype, parallel: ParallelContext | None = None) -> None:
+    def _init_mlp(
+        self, cfg: LlamaArchConfig, dtype: torch.dtype, parallel: ParallelContext | None = None
+    ) -> None:
         """The rank's slice of the intermediate size (gate_up column-, down row-parallel)."""
         self.parallel = parallel or ParallelContext.single()
         h, i = cfg.hidden_size, cfg.intermediate_size // self.parallel.tp_size
@@ -88,11 +90,20 @@ class GatedAttentionLayer(_MLPMixin):
         q, kv, h = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim, cfg.hidden_size
         self.q_size, self.kv_size = q, kv
         self.qkv = _param(2 * q + 2 * kv, h, dtype=dtype)  # [q and gate interleaved per head, k, v]
-        self.q_norm, self.k_norm = _param(cfg.head_dim, dtype=dtype), _param(cfg.head_dim, dtype=dtype)
+        self.q_norm, self.k_norm = (
+            _param(cfg.head_dim, dtype=dtype),
+            _param(cfg.head_dim, dtype=dtype),
+        )
         self.o_proj = _param(h, q, dtype=dtype)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """hidden: [T, hidden] -> [T, hidden]; kv_cache: this layer's [2, blocks, bs, kvh, D]."""
         t, d, rd = hidden.shape[0], self.head_dim, self.rotary_dim
         x = rms_norm(hidden, self.input_norm, self.eps)
@@ -105,8 +116,12 @@ class GatedAttentionLayer(_MLPMixin):
         k = rms_norm(k.reshape(-1, d), self.k_norm, self.eps).view(t, self.num_kv_heads, d)
         q = torch.cat((apply_rope(q[..., :rd].contiguous(), cos, sin), q[..., rd:]), dim=-1)
         k = torch.cat((apply_rope(k[..., :rd].contiguous(), cos, sin), k[..., rd:]), dim=-1)
-        attn = paged_attention(q, k, v.contiguous(), kv_cache, meta, d**-0.5).reshape(t, self.q_size)
-        hidden = hidden + self.parallel.all_reduce_tp(linear(attn * torch.sigmoid(gate), self.o_proj, None))
+        attn = paged_attention(q, k, v.contiguous(), kv_cache, meta, d**-0.5).reshape(
+            t, self.q_size
+        )
+        hidden = hidden + self.parallel.all_reduce_tp(
+            linear(attn * torch.sigmoid(gate), self.o_proj, None)
+        )
         return self._mlp(hidden)
 
 
@@ -147,10 +162,23 @@ class GatedDeltaNetLayer(_MLPMixin, StateSlotMixin):
         ba = proj[:, self.nk * qkvz_w :].view(t, self.nk, 2 * r)
         q, k, v, z = torch.split(qkvz, [self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
         b, a = ba[..., :r].reshape(t, self.nv), ba[..., r:].reshape(t, self.nv)
-        return q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), z.reshape(t, self.nv, self.dv), b, a
+        return (
+            q.reshape(t, -1),
+            k.reshape(t, -1),
+            v.reshape(t, -1),
+            z.reshape(t, self.nv, self.dv),
+            b,
+            a,
+        )
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: torch.Tensor,
-                meta: LinearStateMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        state: torch.Tensor,
+        meta: LinearStateMetadata,
+    ) -> torch.Tensor:
         """hidden: [T, hidden] -> [T, hidden]; state: this layer's [slots, bytes] uint8 (each
         request's state is read from its source slot, or zero when fresh, and the state after each
         of its segments written to that segment's slot)."""
@@ -159,23 +187,34 @@ class GatedDeltaNetLayer(_MLPMixin, StateSlotMixin):
         mixed = torch.cat((q, k, v), dim=-1)
         beta = b.sigmoid()
         g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out = torch.empty(hidden.shape[0], self.nv, self.dv, dtype=torch.float32, device=hidden.device)
+        out = torch.empty(
+            hidden.shape[0], self.nv, self.dv, dtype=torch.float32, device=hidden.device
+        )
         self.run_state(meta, mixed, g, beta, state, out)
         o = out.to(hidden.dtype).reshape(-1, self.dv)
         normed = rms_norm_gated(o, self.norm, z.reshape(-1, self.dv), self.eps)
-        hidden = hidden + self.parallel.all_reduce_tp(linear(normed.reshape(hidden.shape[0], -1), self.out_proj, None))
+        hidden = hidden + self.parallel.all_reduce_tp(
+            linear(normed.reshape(hidden.shape[0], -1), self.out_proj, None)
+        )
         return self._mlp(hidden)
 
 
-def _qkv(layer: GatedDeltaNetLayer, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _qkv(
+    layer: GatedDeltaNetLayer, c: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Conv output [T, conv_dim] -> q, k [T, Hk, dk] and v [T, Hv, dv]."""
     key = layer.nk * layer.dk
     t = c.shape[0]
-    return (c[:, :key].reshape(t, layer.nk, layer.dk), c[:, key : 2 * key].reshape(t, layer.nk, layer.dk),
-            c[:, 2 * key :].reshape(t, layer.nv, layer.dv))
+    return (
+        c[:, :key].reshape(t, layer.nk, layer.dk),
+        c[:, key : 2 * key].reshape(t, layer.nk, layer.dk),
+        c[:, 2 * key :].reshape(t, layer.nv, layer.dv),
+    )
 
 
-def rms_norm_gated(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_gated(
+    x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float
+) -> torch.Tensor:
     """HF Qwen3NextRMSNormGated: weight * norm(x) * silu(gate), normalised and gated in float32."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -208,14 +247,20 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
             else GatedAttentionLayer(cfg, dtype, self.parallel)
             for t in cfg.layer_types)
         self.norm = _param(cfg.hidden_size, dtype=dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        )
         self.head_packed: torch.Tensor | None = None
         groups = attention_groups(cfg)
         self.layer_groups = [len(groups)] * cfg.num_layers  # linear layers: the last group
         for g, (_, layers) in enumerate(groups):
             for i in layers:
                 self.layer_groups[i] = g
-        cos, sin = rope_cos_sin(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device)
+        cos, sin = rope_cos_sin(
+            cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, device
+        )
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
 
@@ -249,10 +294,19 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             put(layer.input_norm, plus1(p + "input_layernorm.weight"), p + "input_layernorm")
-            put(layer.post_attn_norm, plus1(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
+            put(
+                layer.post_attn_norm,
+                plus1(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm",
+            )
             m = p + "mlp."
-            put(layer.gate_up, torch.cat([r.rows(m + "gate_proj.weight", i_rows), r.rows(m + "up_proj.weight", i_rows)]),
-                p + "gate_up")
+            put(
+                layer.gate_up,
+                torch.cat(
+                    [r.rows(m + "gate_proj.weight", i_rows), r.rows(m + "up_proj.weight", i_rows)]
+                ),
+                p + "gate_up",
+            )
             put(layer.down, r.cols(m + "down_proj.weight", i_rows), m + "down_proj")
             if isinstance(layer, GatedDeltaNetLayer):
                 _load_linear(layer, r, put, p + "linear_attn.", rank)
@@ -260,17 +314,30 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
                 assert isinstance(layer, GatedAttentionLayer)
                 a = p + "self_attn."
                 kv_rows = slice(kv0 * d, (kv0 + kv_heads) * d)
-                qkv = [r.rows(a + "q_proj.weight", slice(rank * heads * 2 * d, (rank + 1) * heads * 2 * d)),
-                       r.rows(a + "k_proj.weight", kv_rows), r.rows(a + "v_proj.weight", kv_rows)]
+                qkv = [
+                    r.rows(
+                        a + "q_proj.weight", slice(rank * heads * 2 * d, (rank + 1) * heads * 2 * d)
+                    ),
+                    r.rows(a + "k_proj.weight", kv_rows),
+                    r.rows(a + "v_proj.weight", kv_rows),
+                ]
                 put(layer.qkv, torch.cat(qkv), a + "qkv")
                 put(layer.q_norm, plus1(a + "q_norm.weight"), a + "q_norm")
                 put(layer.k_norm, plus1(a + "k_norm.weight"), a + "k_norm")
-                put(layer.o_proj, r.cols(a + "o_proj.weight", slice(rank * heads * d, (rank + 1) * heads * d)),
-                    a + "o_proj")
+                put(
+                    layer.o_proj,
+                    r.cols(a + "o_proj.weight", slice(rank * heads * d, (rank + 1) * heads * d)),
+                    a + "o_proj",
+                )
 
 
-def _load_linear(layer: GatedDeltaNetLayer, r: Any, put: Callable[[nn.Parameter, torch.Tensor, str], None],
-                 a: str, rank: int) -> None:
+def _load_linear(
+    layer: GatedDeltaNetLayer,
+    r: Any,
+    put: Callable[[nn.Parameter, torch.Tensor, str], None],
+    a: str,
+    rank: int,
+) -> None:
     """TP rank `rank`'s shard of one Gated DeltaNet layer (`a`: its "linear_attn." prefix): its
     key-head groups' rows of in_proj_qkvz / in_proj_ba, its q | k | v conv channels, its value
     heads' dt_bias, A_log and out_proj columns."""
@@ -288,7 +355,11 @@ def _load_linear(layer: GatedDeltaNetLayer, r: Any, put: Callable[[nn.Parameter,
     put(layer.dt_bias, r.rows(a + "dt_bias", slice(v0, v0 + nv)), a + "dt_bias")
     put(layer.a_log, r.rows(a + "A_log", slice(v0, v0 + nv)), a + "A_log")
     put(layer.norm, r.whole(a + "norm.weight"), a + "norm")
-    put(layer.out_proj, r.cols(a + "out_proj.weight", slice(v0 * dv, (v0 + nv) * dv)), a + "out_proj")
+    put(
+        layer.out_proj,
+        r.cols(a + "out_proj.weight", slice(v0 * dv, (v0 + nv) * dv)),
+        a + "out_proj",
+    )
 
 
 def check_parallel(cfg: LlamaArchConfig, layout: ParallelLayout) -> None:
@@ -304,12 +375,16 @@ def check_parallel(cfg: LlamaArchConfig, layout: ParallelLayout) -> None:
         raise ValueError(
             f"{cfg.architecture}: decode_context_parallel_size={layout.dcp_size} is not supported with "
             "linear-attention (Gated DeltaNet) layers yet (their state is one slot per request, not "
-            "blocks of tokens to shard); use decode_context_parallel_size=1")
+            "blocks of tokens to shard); use decode_context_parallel_size=1"
+        )
     tp = layout.tp_size
     if cfg.linear_num_key_heads % tp:
         raise ValueError(
             f"tensor_parallel_size={tp} must divide the model's {cfg.linear_num_key_heads} linear-attention "
-            f"key heads ({cfg.architecture}: each rank holds whole key-head groups, as in vLLM)")
+            f"key heads ({cfg.architecture}: each rank holds whole key-head groups, as in vLLM)"
+        )
     layout.check_heads(cfg.num_heads, cfg.num_kv_heads)
     if cfg.intermediate_size % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide the model's intermediate_size={cfg.intermediate_size}")
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide the model's intermediate_size={cfg.intermediate_size}"
+        )

@@ -98,15 +98,18 @@ def _from_hf_cache(repo_id: str) -> str:
         ValueError: not cached (or cached without config.json / *.safetensors); the message
             says how to get it.
     """
-    how = (f"download it first (needs network): `huggingface-cli download {repo_id}`, or pass a local "
-           f"folder with config.json and *.safetensors; aliases that need no download: {known_names()}")
+    how = (
+        f"download it first (needs network): `huggingface-cli download {repo_id}`, or pass a local "
+        f"folder with config.json and *.safetensors; aliases that need no download: {known_names()}"
+    )
     try:
         from huggingface_hub import snapshot_download
 
         folder = str(snapshot_download(repo_id, local_files_only=True))
     except Exception as e:  # LocalEntryNotFoundError, a bad id (HFValidationError), ...
-        raise ValueError(f"model {repo_id!r} is not in the local Hugging Face cache ({type(e).__name__}); "
-                         f"{how}") from None
+        raise ValueError(
+            f"model {repo_id!r} is not in the local Hugging Face cache ({type(e).__name__}); {how}"
+        ) from None
     has_weights = any(f.endswith(".safetensors") for f in os.listdir(folder))
     if not os.path.isfile(os.path.join(folder, "config.json")) or not has_weights:
         raise ValueError(f"model {repo_id!r} is in the HF cache ({folder}) without config.json and "

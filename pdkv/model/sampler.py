@@ -109,7 +109,9 @@ def sample_tensors(logits: torch.Tensor, rows: list[SamplingRow]) -> SampledToke
         rows: S SamplingRows, in the same order.
     """
     want = [r.params.logprobs for r in rows]
-    raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if any(n is not None for n in want) else None
+    raw_logprobs = (
+        torch.log_softmax(logits.float(), dim=-1) if any(n is not None for n in want) else None
+    )
 
     x = process_logits(logits, rows)
     tokens = x.argmax(dim=-1)
@@ -119,7 +121,11 @@ def sample_tensors(logits: torch.Tensor, rows: list[SamplingRow]) -> SampledToke
         probs = rx.softmax(-1)
         for j, i in enumerate(random_idx):
             tokens[i : i + 1] = torch.multinomial(probs[j], 1, generator=rows[i].generator)
-    table = None if raw_logprobs is None else logprob_table(raw_logprobs, tokens, max(n or 0 for n in want))
+    table = (
+        None
+        if raw_logprobs is None
+        else logprob_table(raw_logprobs, tokens, max(n or 0 for n in want))
+    )
     return SampledTokens(tokens, table, want)
 
 
@@ -165,8 +171,11 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
             ri += [i] * len(bias)
             ti += list(bias)
             vals += list(bias.values())
-        x.index_put_((_long(ri, x), _long(ti, x)), torch.tensor(vals, dtype=x.dtype, device=x.device),
-                     accumulate=True)
+        x.index_put_(
+            (_long(ri, x), _long(ti, x)),
+            torch.tensor(vals, dtype=x.dtype, device=x.device),
+            accumulate=True,
+        )
     if masked:
         ri = [i for i, ids in masked for _ in ids]
         ti = [t for _, ids in masked for t in ids]
@@ -201,8 +210,12 @@ def apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     ukeys = torch.tensor(list(out_counts), dtype=torch.long, device=dev)
     counts = torch.tensor(list(out_counts.values()), dtype=x.dtype, device=dev)
     urows = ukeys // vocab
-    rep = torch.tensor([r.params.repetition_penalty for r in rows], dtype=x.dtype, device=dev)[urows]
-    freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=x.dtype, device=dev)[urows]
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], dtype=x.dtype, device=dev)[
+        urows
+    ]
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=x.dtype, device=dev)[
+        urows
+    ]
     pres = torch.tensor([r.params.presence_penalty for r in rows], dtype=x.dtype, device=dev)[urows]
     flat = x.view(-1)  # x is contiguous: process_logits passes a fresh x[rows]
     vals = flat[ukeys]

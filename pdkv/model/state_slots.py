@@ -47,8 +47,15 @@ class StateSlotMixin:
         rec = state[:, self.conv_bytes :].view(torch.float32).view(s, *self.rec_shape)
         return conv, rec
 
-    def run_state(self, meta: LinearStateMetadata, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  state: torch.Tensor, out: torch.Tensor) -> None:
+    def run_state(
+        self,
+        meta: LinearStateMetadata,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
         """Every request of the step: conv over `mixed` [T, conv_dim], then the rule with decay
         `g` and `beta`, into `out` [T, Hv, dv] (float32), reading and writing `state`."""
         conv_state, rec_state = self.state_views(state)
@@ -68,9 +75,18 @@ class StateSlotMixin:
         if pending:
             self._decode_batch(batches[run], mixed, g, beta, conv_state, rec_state, out)
 
-    def _run_request(self, start: int, src: int, segments: tuple[tuple[int, int], ...], mixed: torch.Tensor,
-                     g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
-                     out: torch.Tensor) -> None:
+    def _run_request(
+        self,
+        start: int,
+        src: int,
+        segments: tuple[tuple[int, int], ...],
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        conv_state: torch.Tensor,
+        rec_state: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
         """One request's tokens from its source state (zero when src < 0), segment by segment,
         each segment's final state written to its slot."""
         if src < 0:
@@ -86,9 +102,16 @@ class StateSlotMixin:
             conv_state[dst], rec_state[dst] = conv, rec
             at += length
 
-    def _decode_batch(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], mixed: torch.Tensor,
-                      g: torch.Tensor, beta: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
-                      out: torch.Tensor) -> None:
+    def _decode_batch(
+        self,
+        batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        conv_state: torch.Tensor,
+        rec_state: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
         """One token each of a run of decodes, batched: (flat rows, source slots, destination
         slots) long tensors (LinearStateMetadata.decode_batches)."""
         rows, src, dst = batch

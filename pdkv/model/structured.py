@@ -87,9 +87,12 @@ def apply_grammar_masks(x: torch.Tensor, rows: list[int], matchers: list[Any]) -
     expanded and applied in one tensor operation."""
     vocab = x.shape[1]
     words = (vocab + 31) // 32
-    masks = torch.stack([
-        torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)[:words] for m in matchers
-    ]).to(x.device)
+    masks = torch.stack(
+        [
+            torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)[:words]
+            for m in matchers
+        ]
+    ).to(x.device)
     bits = torch.arange(32, dtype=torch.int32, device=x.device)
     allowed = ((masks[:, :, None] >> bits) & 1).reshape(len(rows), -1)[:, :vocab].bool()
     idx = torch.tensor(rows, dtype=torch.long, device=x.device)

@@ -185,12 +185,18 @@ def build_tiny_llama(spec: TinyModelSpec, out_dir: str, tokenizer_dir: str) -> N
     import transformers
 
     common = dict(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
         max_position_embeddings=spec.max_position_embeddings,
-        rope_theta=spec.rope_theta, tie_word_embeddings=True, initializer_range=spec.initializer_range,
-        bos_token_id=spec.bos_token_id, eos_token_id=spec.eos_token_id,
+        rope_theta=spec.rope_theta,
+        tie_word_embeddings=True,
+        initializer_range=spec.initializer_range,
+        bos_token_id=spec.bos_token_id,
+        eos_token_id=spec.eos_token_id,
     )
     if spec.architecture == "DeepseekV3ForCausalLM":
         del common["num_key_value_heads"]
@@ -202,22 +208,33 @@ def build_tiny_llama(spec: TinyModelSpec, out_dir: str, tokenizer_dir: str) -> N
         )
     elif spec.architecture == "Qwen3NextForCausalLM":
         cfg = transformers.Qwen3NextConfig(
-            **common, head_dim=spec.head_dim, layer_types=list(spec.layer_types or ()),
-            linear_num_key_heads=spec.linear_num_key_heads, linear_key_head_dim=spec.linear_key_head_dim,
+            **common,
+            head_dim=spec.head_dim,
+            layer_types=list(spec.layer_types or ()),
+            linear_num_key_heads=spec.linear_num_key_heads,
+            linear_key_head_dim=spec.linear_key_head_dim,
             linear_num_value_heads=spec.linear_num_value_heads,
             linear_value_head_dim=spec.linear_value_head_dim,
             linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
-            mlp_only_layers=list(range(spec.num_hidden_layers)), num_experts=0,
+            mlp_only_layers=list(range(spec.num_hidden_layers)),
+            num_experts=0,
         )
     elif spec.architecture == "KimiLinearForCausalLM":
         del common["max_position_embeddings"], common["rope_theta"]
         common["tie_word_embeddings"] = False  # HF's KimiLinearForCausalLM never ties lm_head
         cfg = transformers.KimiLinearConfig(
-            **common, model_max_length=spec.max_position_embeddings, pad_token_id=None, q_lora_rank=None,
-            kv_lora_rank=spec.kv_lora_rank, qk_rope_head_dim=spec.qk_rope_head_dim,
-            qk_nope_head_dim=spec.qk_nope_head_dim, v_head_dim=spec.v_head_dim,
-            layer_types=list(spec.layer_types or ()), mlp_layer_types=["dense"] * spec.num_hidden_layers,
-            linear_num_heads=spec.linear_num_heads, linear_head_dim=spec.linear_head_dim,
+            **common,
+            model_max_length=spec.max_position_embeddings,
+            pad_token_id=None,
+            q_lora_rank=None,
+            kv_lora_rank=spec.kv_lora_rank,
+            qk_rope_head_dim=spec.qk_rope_head_dim,
+            qk_nope_head_dim=spec.qk_nope_head_dim,
+            v_head_dim=spec.v_head_dim,
+            layer_types=list(spec.layer_types or ()),
+            mlp_layer_types=["dense"] * spec.num_hidden_layers,
+            linear_num_heads=spec.linear_num_heads,
+            linear_head_dim=spec.linear_head_dim,
             linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
         )
     elif spec.architecture == "Qwen2ForCausalLM":

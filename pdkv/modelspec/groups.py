@@ -51,7 +51,9 @@ class FullAttention:
         h = heads_per_rank(self.num_kv_heads, tp)
         scale = f" + {dt.scale_bytes} B scale" if dt.scale_bytes else ""
         shard = "" if tp == 1 else f" (tp={tp}: {h} of {self.num_kv_heads} heads per rank)"
-        return f"2·{self.num_layers} layers·{h} kv heads·({self.head_dim}·{dt.bytes} B{scale}){shard}"
+        return (
+            f"2·{self.num_layers} layers·{h} kv heads·({self.head_dim}·{dt.bytes} B{scale}){shard}"
+        )
 
     def tokens_held(self, num_tokens: int) -> int:
         return num_tokens

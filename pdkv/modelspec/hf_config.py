@@ -79,7 +79,11 @@ def _layer_types(c: dict[str, Any], n: int) -> list[str]:
     pattern = c.get("sliding_window_pattern")
     if window and pattern:
         return [FULL if (i + 1) % int(pattern) == 0 else SLIDING for i in range(n)]
-    if window and c.get("use_sliding_window", True) and window < c.get("max_position_embeddings", 1 << 62):
+    if (
+        window
+        and c.get("use_sliding_window", True)
+        and window < c.get("max_position_embeddings", 1 << 62)
+    ):
         return [SLIDING] * n
     return [FULL] * n
 
@@ -129,7 +133,9 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
         else:
             groups.append(FullAttention(n_full, kv_heads, head_dim))
     if n_slide:
-        groups.append(SlidingWindow(n_slide, kv_heads, head_dim, window=_require(c, "sliding_window")))
+        groups.append(
+            SlidingWindow(n_slide, kv_heads, head_dim, window=_require(c, "sliding_window"))
+        )
     if n_lin:
         groups.append(_linear_group(c, n_lin))
     dtype = str(c.get("torch_dtype") or c.get("dtype") or "bfloat16")

@@ -75,7 +75,9 @@ class ParallelContext:
         if self.tp_size == 1:
             return x
         if self.tp_group is None:
-            raise RuntimeError(f"tensor_parallel_size={self.tp_size} but rank {self.rank} has no TP process group")
+            raise RuntimeError(
+                f"tensor_parallel_size={self.tp_size} but rank {self.rank} has no TP process group"
+            )
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.tp_group)
         return x
 
@@ -89,7 +91,9 @@ class ParallelContext:
         if self.dcp_size == 1:
             return x
         if self.dcp_group is None:
-            raise RuntimeError(f"decode_context_parallel_size={self.dcp_size} but rank {self.rank} has no DCP group")
+            raise RuntimeError(
+                f"decode_context_parallel_size={self.dcp_size} but rank {self.rank} has no DCP group"
+            )
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in self.dcp_ranks]
         dist.all_gather(parts, x, group=self.dcp_group)
@@ -132,7 +136,9 @@ def init_distributed(
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside the world of {world} processes")
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout
+    )
     tp_group: dist.ProcessGroup | None = None
     dcp_group: dist.ProcessGroup | None = None
     tp_ranks: tuple[int, ...] = (rank,)

@@ -70,13 +70,17 @@ class ParallelLayout:
     def tp_groups(self) -> list[list[int]]:
         """Every TP group's ranks (create process groups in this order on every rank)."""
         if self.dcp_replicated:
-            return [[d * self.tp_size + t for t in range(self.tp_size)] for d in range(self.dcp_size)]
+            return [
+                [d * self.tp_size + t for t in range(self.tp_size)] for d in range(self.dcp_size)
+            ]
         return [list(range(self.tp_size))]
 
     def dcp_groups(self) -> list[list[int]]:
         """Every DCP group's ranks, in DCP-rank order."""
         if self.dcp_replicated:
-            return [[d * self.tp_size + t for d in range(self.dcp_size)] for t in range(self.tp_size)]
+            return [
+                [d * self.tp_size + t for d in range(self.dcp_size)] for t in range(self.tp_size)
+            ]
         n = self.dcp_size
         return [list(range(g * n, (g + 1) * n)) for g in range(self.tp_size // n)]
 
@@ -90,12 +94,18 @@ class ParallelLayout:
         """
         tp = self.tp_size
         if num_heads % tp:
-            raise ValueError(f"tensor_parallel_size={tp} must divide the model's {num_heads} attention heads")
+            raise ValueError(
+                f"tensor_parallel_size={tp} must divide the model's {num_heads} attention heads"
+            )
         if num_kv_heads % tp and tp % num_kv_heads:
             raise ValueError(
                 f"tensor_parallel_size={tp} and the model's {num_kv_heads} KV heads must divide one another"
             )
-        if self.dcp_size > 1 and not self.dcp_replicated and (tp < num_kv_heads or (tp // num_kv_heads) % self.dcp_size):
+        if (
+            self.dcp_size > 1
+            and not self.dcp_replicated
+            and (tp < num_kv_heads or (tp // num_kv_heads) % self.dcp_size)
+        ):
             raise ValueError(
                 f"decode_context_parallel_size={self.dcp_size} (vLLM mode) needs tensor_parallel_size / KV heads "
                 f"to be a multiple of it; got tensor_parallel_size={tp} with {num_kv_heads} KV heads "
@@ -126,7 +136,9 @@ def dcp_local_index(pos: int, interleave: int, dcp_size: int) -> int:
 
 def dcp_global_position(local: int, dcp_rank: int, interleave: int, dcp_size: int) -> int:
     """Inverse of dcp_local_index on rank `dcp_rank`: the token position of local index `local`."""
-    return (local // interleave) * interleave * dcp_size + dcp_rank * interleave + local % interleave
+    return (
+        (local // interleave) * interleave * dcp_size + dcp_rank * interleave + local % interleave
+    )
 
 
 def dcp_local_len(num_tokens: int, dcp_rank: int, interleave: int, dcp_size: int) -> int:

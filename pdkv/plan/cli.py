@@ -17,15 +17,21 @@ from pdkv.plan.resolve import bundled_names, load_config
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     """The `pdkv plan` options."""
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="alias (smollm2), bundled config (" + ", ".join(bundled_names())
-                     + "), a folder with config.json, or a config.json path")
+    src.add_argument(
+        "--model",
+        help="alias (smollm2), bundled config ("
+        + ", ".join(bundled_names())
+        + "), a folder with config.json, or a config.json path",
+    )
     src.add_argument("--kv-bytes", type=float, help="KV bytes of one request instead of a model")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="output tokens (P:D ratio)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", *dtypes.NAMES),
                    help="KV cache dtype; auto = the config's dtype")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (shards KV heads)")
-    p.add_argument("--dcp", type=int, default=1, help="decode-context-parallel size (shards tokens)")
+    p.add_argument(
+        "--dcp", type=int, default=1, help="decode-context-parallel size (shards tokens)"
+    )
     p.add_argument("--link", default=None, choices=tuple(links.PRESETS),
                    help="link preset (default tcp-loopback unless --link-bandwidth is given)")
     p.add_argument("--link-bandwidth", type=float, default=None, help="effective bytes/s")
@@ -34,15 +40,21 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="scheduling cost per handoff, seconds")
     p.add_argument("--layout-overhead", type=float, default=0.0,
                    help="layout conversion cost per handoff, seconds")
-    p.add_argument("--prefill-tps", type=float, default=None, help="measured prefill tok/s of one P")
+    p.add_argument(
+        "--prefill-tps", type=float, default=None, help="measured prefill tok/s of one P"
+    )
     p.add_argument("--decode-tps", type=float, default=None,
                    help="measured aggregate decode tok/s of one D at its working batch")
     p.add_argument("--target-ttft", type=float, default=None, help="TTFT target, seconds")
     p.add_argument("--target-tpot", type=float, default=None, help="TPOT target, seconds")
     p.add_argument("--act-dtype", default="auto", choices=("auto", *dtypes.NAMES),
                    help="activation dtype for the attention-FFN estimate (auto: the model's dtype)")
-    p.add_argument("--block-size", type=int, default=16,
-                   help="tokens per KV cache block: P/D moves whole blocks (pdkv's and vLLM's default 16)")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="tokens per KV cache block: P/D moves whole blocks (pdkv's and vLLM's default 16)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -76,10 +88,19 @@ def main(args: argparse.Namespace) -> int:
         target_tpot=args.target_tpot, act_dtype=args.act_dtype, block_size=args.block_size)
     figures = make_plan(inp)
     summary: dict[str, Any] = {
-        "model": args.model, "config": source, "kv_bytes": args.kv_bytes,
-        "prompt_len": args.prompt_len, "output_len": args.output_len, "kv_dtype": args.kv_dtype,
-        "tp": args.tp, "dcp": args.dcp, "block_size": args.block_size, "link": inp.link.name, "prefill_tps": args.prefill_tps,
-        "decode_tps": args.decode_tps, "target_ttft": args.target_ttft,
+        "model": args.model,
+        "config": source,
+        "kv_bytes": args.kv_bytes,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "kv_dtype": args.kv_dtype,
+        "tp": args.tp,
+        "dcp": args.dcp,
+        "block_size": args.block_size,
+        "link": inp.link.name,
+        "prefill_tps": args.prefill_tps,
+        "decode_tps": args.decode_tps,
+        "target_ttft": args.target_ttft,
         "target_tpot": args.target_tpot,
     }
     if args.json:
@@ -90,6 +111,8 @@ def main(args: argparse.Namespace) -> int:
               "  " + ", ".join(f"{k}={v}" for k, v in summary.items()
                                if v is not None and k not in ("model", "config", "kv_bytes"))]
     if model:
-        header.append("  groups: " + "; ".join(f"{g.kind} × {g.num_layers} layers" for g in model.groups))
+        header.append(
+            "  groups: " + "; ".join(f"{g.kind} × {g.num_layers} layers" for g in model.groups)
+        )
     sys.stdout.write(render_text(header, figures))
     return 0

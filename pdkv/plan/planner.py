@@ -99,9 +99,17 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
             " (the config's dtype)" if inp.kv_dtype == "auto" else "")
         for g in m.groups:
             if isinstance(g, LinearState):
-                add(Figure(f"state_bytes_per_request.{g.kind}", "state", f"{g.variant} state per request",
-                           g.request_bytes(st, 1), "B",
-                           g.formula(st, 1) + f"; state dtype {st.name} (the model's), not token-sharded"))
+                add(
+                    Figure(
+                        f"state_bytes_per_request.{g.kind}",
+                        "state",
+                        f"{g.variant} state per request",
+                        g.request_bytes(st, 1),
+                        "B",
+                        g.formula(st, 1)
+                        + f"; state dtype {st.name} (the model's), not token-sharded",
+                    )
+                )
             else:
                 label = {FullAttention: "full attention", SlidingWindow: "sliding window",
                          MLA: "MLA latent"}[type(g)]
@@ -119,13 +127,22 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
                 g.request_bytes(st, 1) for g in m.groups)
             add(Figure("request_bytes", "state", f"KV of a {T}-token prompt, whole model",
                        total_bytes, "B", "bytes per token × tokens held + per-request state, tp=1"))
-            block_bytes = sum(g.token_bytes(kv, 1) * g.block_tokens_held(T, bs) for g in m.groups) + sum(
-                g.request_bytes(st, 1) for g in m.groups)
+            block_bytes = sum(
+                g.token_bytes(kv, 1) * g.block_tokens_held(T, bs) for g in m.groups
+            ) + sum(g.request_bytes(st, 1) for g in m.groups)
             window_note = (" (a window group: the blocks of its window)"
                            if any(isinstance(g, SlidingWindow) for g in m.groups) else "")
-            add(Figure("request_block_bytes", "state", f"the same in whole blocks of {bs} tokens",
-                       block_bytes, "B", f"ceil({T} / {bs}) blocks per group{window_note}: the KV cache "
-                       "and P/D move whole blocks (--block-size)"))
+            add(
+                Figure(
+                    "request_block_bytes",
+                    "state",
+                    f"the same in whole blocks of {bs} tokens",
+                    block_bytes,
+                    "B",
+                    f"ceil({T} / {bs}) blocks per group{window_note}: the KV cache "
+                    "and P/D move whole blocks (--block-size)",
+                )
+            )
         add(Figure("rank_bytes_per_token", "rank", "KV per token on one rank", rank_tok, "B",
                    "; ".join(g.formula(kv, inp.tp) for g in m.groups
                                                 if not isinstance(g, LinearState))))
@@ -140,16 +157,34 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
                         for g in m.groups) + rank_req
             add(Figure("rank_tokens", "rank", "tokens on one rank", rank_tokens, "tokens",
                        f"ceil({T} / dcp={inp.dcp}); DCP puts token t on rank (t // I) % dcp"))
-            terms = [f"{g.token_bytes(kv, inp.tp)} B × {g.tokens_held(rank_tokens)} tokens ({g.kind})"
-                     for g in m.groups if not isinstance(g, LinearState)]
+            terms = [
+                f"{g.token_bytes(kv, inp.tp)} B × {g.tokens_held(rank_tokens)} tokens ({g.kind})"
+                for g in m.groups
+                if not isinstance(g, LinearState)
+            ]
             add(Figure("rank_bytes", "rank", "KV of the prompt on one rank", exact, "B",
                        " + ".join(terms) + (f" + {rank_req} B state" if rank_req else "")
                        + f"; tp={inp.tp}, dcp={inp.dcp}"))
-            add(Figure("rank_block_bytes", "rank", f"the same in whole blocks of {bs} tokens (what moves)",
-                       moved, "B", f"ceil({rank_tokens} / {bs}) blocks per group: P/D moves whole blocks"))
-            add(Figure("cluster_bytes", "rank", f"KV moved by the {inp.tp} rank(s) of one instance",
-                       moved * inp.tp, "B",
-                       "ranks × per-rank bytes in whole blocks: each D rank pulls its own shard or replica"))
+            add(
+                Figure(
+                    "rank_block_bytes",
+                    "rank",
+                    f"the same in whole blocks of {bs} tokens (what moves)",
+                    moved,
+                    "B",
+                    f"ceil({rank_tokens} / {bs}) blocks per group: P/D moves whole blocks",
+                )
+            )
+            add(
+                Figure(
+                    "cluster_bytes",
+                    "rank",
+                    f"KV moved by the {inp.tp} rank(s) of one instance",
+                    moved * inp.tp,
+                    "B",
+                    "ranks × per-rank bytes in whole blocks: each D rank pulls its own shard or replica",
+                )
+            )
     else:
         moved = inp.kv_bytes
         rank_req = 0
@@ -160,8 +195,11 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
     if moved is not None:
         prefill_s = T / inp.prefill_tps if (T and inp.prefill_tps) else None
         h = costs.handoff(moved, link, inp.fixed)
-        scope = ("one rank's whole blocks over its own link; ranks move in parallel" if inp.model else
-                 "--kv-bytes over one link")
+        scope = (
+            "one rank's whole blocks over its own link; ranks move in parallel"
+            if inp.model
+            else "--kv-bytes over one link"
+        )
         add(Figure("handoff_bytes", "handoff", "bytes per link", moved, "B", scope))
         add(Figure("wire_s", "handoff", "wire time", h.wire, "s",
                    f"{moved:.4g} B / {link.bandwidth:.4g} B/s"))
@@ -172,18 +210,42 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
                    "(assumed; --sched-overhead)"))
         add(Figure("layout_s", "handoff", "layout conversion", inp.fixed.layout, "s",
                    "0: P and D share tp, block size and dtype (--layout-overhead otherwise)"))
-        add(Figure("handoff_s", "handoff", "handoff time", h.total, "s",
-                   "wire + handshake + scheduling + layout, all after the prefill: KV published once "
-                   "the prefill ends, as pdkv's connectors (pull) do today"))
+        add(
+            Figure(
+                "handoff_s",
+                "handoff",
+                "handoff time",
+                h.total,
+                "s",
+                "wire + handshake + scheduling + layout, all after the prefill: KV published once "
+                "the prefill ends, as pdkv's connectors (pull) do today",
+            )
+        )
         if prefill_s is not None:
             hl = costs.handoff(moved, link, inp.fixed, L, prefill_s)
             add(Figure("prefill_s", "handoff", "prefill compute", prefill_s, "s",
                        f"{T} tokens / {inp.prefill_tps:g} tok/s (--prefill-tps)"))
-            add(Figure("overlap_hidden_s", "handoff", "if KV were published layer by layer: hidden",
-                       hl.hidden, "s", f"(L−1)/L · min(wire, prefill) with L={L} layers: the wire time a "
-                       "layer-wise push (not in pdkv yet) would overlap with the prefill"))
-            add(Figure("handoff_layerwise_s", "handoff", "if KV were published layer by layer: handoff",
-                       hl.total, "s", "handoff time − hidden: what would remain after the prefill"))
+            add(
+                Figure(
+                    "overlap_hidden_s",
+                    "handoff",
+                    "if KV were published layer by layer: hidden",
+                    hl.hidden,
+                    "s",
+                    f"(L−1)/L · min(wire, prefill) with L={L} layers: the wire time a "
+                    "layer-wise push (not in pdkv yet) would overlap with the prefill",
+                )
+            )
+            add(
+                Figure(
+                    "handoff_layerwise_s",
+                    "handoff",
+                    "if KV were published layer by layer: handoff",
+                    hl.total,
+                    "s",
+                    "handoff time − hidden: what would remain after the prefill",
+                )
+            )
             add(Figure("handoff_share_of_ttft", "handoff", "handoff / (prefill + handoff)",
                         h.total / (prefill_s + h.total), "ratio",
                         "share of an unloaded P/D TTFT spent moving KV (no queueing, no overlap)"))
@@ -191,28 +253,56 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
     # --- recompute vs reload ----------------------------------------------------------------
     if inp.prefill_tps and b_eff:
         n_star = costs.breakeven_tokens(b_eff, rank_req, inp.prefill_tps, link, inp.fixed)
-        why = (f"n* = (F + S/W) / (1/P − b/W): F={inp.fixed.total(link):.3g} s fixed, "
-               f"S={rank_req} B state, b={b_eff:.6g} B/token per link, W={link.bandwidth:.4g} B/s, "
-               f"P={inp.prefill_tps:g} tok/s; recompute taken as linear in n (no n² attention term)")
-        add(Figure("breakeven_tokens", "reload", "reload beats recompute above",
-                   None if n_star is None else math.ceil(n_star), "tokens",
-                   why if n_star is not None else
-                   f"never: loading a token ({b_eff:.4g} B / {link.bandwidth:.4g} B/s) is slower than "
-                   f"computing it (1/{inp.prefill_tps:g} s)"))
+        why = (
+            f"n* = (F + S/W) / (1/P − b/W): F={inp.fixed.total(link):.3g} s fixed, "
+            f"S={rank_req} B state, b={b_eff:.6g} B/token per link, W={link.bandwidth:.4g} B/s, "
+            f"P={inp.prefill_tps:g} tok/s; recompute taken as linear in n (no n² attention term)"
+        )
+        add(
+            Figure(
+                "breakeven_tokens",
+                "reload",
+                "reload beats recompute above",
+                None if n_star is None else math.ceil(n_star),
+                "tokens",
+                why
+                if n_star is not None
+                else f"never: loading a token ({b_eff:.4g} B / {link.bandwidth:.4g} B/s) is slower than "
+                f"computing it (1/{inp.prefill_tps:g} s)",
+            )
+        )
         if T:
             hr = costs.pool_breakeven_hit_rate(T, b_eff, rank_req, inp.prefill_tps, link, inp.fixed)
-            note = ("h* = (F + S/W) / (n · (1/P − b/W)) for the prompt length n; above 1: a pool "
-                    "does not pay at this length") if hr is not None else "no hit rate pays on this link"
-            add(Figure("pool_breakeven_hit_rate", "reload", f"pool pays above this hit rate (n={T})",
-                       hr, "ratio", note))
+            note = (
+                (
+                    "h* = (F + S/W) / (n · (1/P − b/W)) for the prompt length n; above 1: a pool "
+                    "does not pay at this length"
+                )
+                if hr is not None
+                else "no hit rate pays on this link"
+            )
+            add(
+                Figure(
+                    "pool_breakeven_hit_rate",
+                    "reload",
+                    f"pool pays above this hit rate (n={T})",
+                    hr,
+                    "ratio",
+                    note,
+                )
+            )
 
     # --- P:D ratio --------------------------------------------------------------------------
     if T and inp.prefill_tps and inp.decode_tps:
         hs = costs.handoff(moved or 0.0, link, inp.fixed).total
         r = capacity.pd_ratio(T, inp.output_len, inp.prefill_tps, inp.decode_tps, hs,
                               inp.target_ttft, inp.target_tpot)
-        ttft = (f"target TTFT {inp.target_ttft:g} s → P utilisation ρ = 2B/(s+2B), B = TTFT − s − "
-                f"handoff (M/D/1 mean wait)" if inp.target_ttft is not None else "no TTFT target: ρ = 1")
+        ttft = (
+            f"target TTFT {inp.target_ttft:g} s → P utilisation ρ = 2B/(s+2B), B = TTFT − s − "
+            f"handoff (M/D/1 mean wait)"
+            if inp.target_ttft is not None
+            else "no TTFT target: ρ = 1"
+        )
         add(Figure("pd_ratio", "pd", "prefill instances per decode instance", r.p_per_d, "ratio",
                    f"P:D = (D/n_out) / (ρ·P/n_in), n_in={T}, n_out={inp.output_len}, "
                    f"P={inp.prefill_tps:g}, D={inp.decode_tps:g} tok/s; {ttft}"
@@ -229,7 +319,11 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
 
     # --- attention-FFN disaggregation (paper estimate) ---------------------------------------
     if inp.model is not None:
-        act = element_type(inp.model.dtype) if inp.act_dtype == "auto" else element_type(inp.act_dtype)
+        act = (
+            element_type(inp.model.dtype)
+            if inp.act_dtype == "auto"
+            else element_type(inp.act_dtype)
+        )
         why_act = "the model's dtype" if inp.act_dtype == "auto" else "--act-dtype"
         tokens = T or 1
         t = afd.activation_traffic(inp.model.hidden_size, tokens, L, act.bytes,
@@ -242,7 +336,14 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
         add(Figure("afd_model_both", "afd", f"all {L} layers, both directions", t.model_both, "B",
                    f"2 · {L} layers · " + base))
         if inp.model.experts_per_token > 1:
-            add(Figure("afd_moe_dispatch", "afd", "per layer to FFN, MoE dispatch upper bound",
-                       t.moe_dispatch_upper, "B",
-                       f"× top-k {inp.model.experts_per_token} when every chosen expert is on another node"))
+            add(
+                Figure(
+                    "afd_moe_dispatch",
+                    "afd",
+                    "per layer to FFN, MoE dispatch upper bound",
+                    t.moe_dispatch_upper,
+                    "B",
+                    f"× top-k {inp.model.experts_per_token} when every chosen expert is on another node",
+                )
+            )
     return figs

@@ -59,8 +59,10 @@ def _find(model: str) -> str:
         path = os.path.join(cache_dir(), "models", model, "config.json")
         if os.path.isfile(path):
             return path
-        raise ValueError(f"{model} is built on first use: run `pdkv generate --model {model} --prompt hi "
-                         "--max-tokens 1` once, then plan it")
+        raise ValueError(
+            f"{model} is built on first use: run `pdkv generate --model {model} --prompt hi "
+            "--max-tokens 1` once, then plan it"
+        )
     raise ValueError(
         f"unknown model {model!r}: give a config.json path, a folder with config.json, or one of "
         f"{', '.join(bundled_names())}")

@@ -62,7 +62,9 @@ def json_int(value: JSONValue) -> int:
                     f"not '{type(value).__name__}'")
 
 
-async def fetch_info(client: httpx.AsyncClient, url: str, timeout: float = 5.0) -> BackendInfo | None:
+async def fetch_info(
+    client: httpx.AsyncClient, url: str, timeout: float = 5.0
+) -> BackendInfo | None:
     """GET url/kv_layout and url/v1/models; None when the engine is unreachable or answers
     anything unexpected (then nothing is known and the caller asks again later)."""
     try:
@@ -76,7 +78,11 @@ async def fetch_info(client: httpx.AsyncClient, url: str, timeout: float = 5.0) 
     elif lay.status_code == 200:
         try:
             data = lay.json()
-            role, engine_id, layout = str(data["kv_role"]), str(data["engine_id"]), dict(data["layout"])
+            role, engine_id, layout = (
+                str(data["kv_role"]),
+                str(data["engine_id"]),
+                dict(data["layout"]),
+            )
             raw_chunk = data.get("pool_chunk_size")
             chunk = int(raw_chunk) if raw_chunk is not None else None
         except (ValueError, KeyError, TypeError, AttributeError):
@@ -108,7 +114,9 @@ def unknown_model(model: JSONValue, infos: list[BackendInfo | None]) -> str | No
     return f"The model `{model}` does not exist; this deployment serves {names}."
 
 
-def pair_mismatch(p_url: str, p: BackendInfo | None, d_url: str, d: BackendInfo | None) -> str | None:
+def pair_mismatch(
+    p_url: str, p: BackendInfo | None, d_url: str, d: BackendInfo | None
+) -> str | None:
     """Why prefill engine `p` and decode engine `d` cannot work together, naming both values
     (the connector's own layout check), or None when they can or not enough is known."""
     if p is None or d is None:
@@ -153,6 +161,8 @@ class BackendInfos:
     async def ensure(self, client: httpx.AsyncClient, urls: list[str]) -> None:
         """Refresh the ones that are unknown or stale (concurrently)."""
         now = time.monotonic()
-        stale = [u for u in urls if (i := self._infos.get(u)) is None or now - i.fetched_at > self.ttl]
+        stale = [
+            u for u in urls if (i := self._infos.get(u)) is None or now - i.fetched_at > self.ttl
+        ]
         if stale:
             await asyncio.gather(*(self.refresh(client, u) for u in stale))

@@ -97,7 +97,9 @@ class ChatTokenizer:
             from jinja2.ext import loopcontrols
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+            )
             env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
                 x, indent=indent, ensure_ascii=ensure_ascii)
             env.globals["raise_exception"] = _raise_exception
@@ -122,8 +124,9 @@ class ChatTokenizer:
         from jinja2.exceptions import TemplateError
 
         try:
-            text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self._specials)
+            text = self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._specials
+            )
         except TemplateError as e:
             raise KeysUnavailable(f"chat template: {e}") from None
         with self._lock:

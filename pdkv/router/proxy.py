@@ -120,7 +120,9 @@ def build_proxy_app(
     """
     colocated = [Backend(u.rstrip("/")) for u in backend_urls or []]
     if colocated and (prefill_urls or decode_urls):
-        raise ValueError("give either --backends (colocated) or --prefill and --decode (P/D), not both")
+        raise ValueError(
+            "give either --backends (colocated) or --prefill and --decode (P/D), not both"
+        )
     if not colocated and (not prefill_urls or not decode_urls):
         raise ValueError("the proxy needs at least one prefill and one decode URL, or --backends")
     prefills = [Backend(u.rstrip("/")) for u in prefill_urls]
@@ -129,7 +131,9 @@ def build_proxy_app(
     decode_policy: RoutingPolicy = make_policy(routing, prefix_aware)
     whole_policy: RoutingPolicy = make_policy(routing, prefix_aware)
     if skip_prefill_on_pool_hit and colocated:
-        raise ValueError("--skip-prefill-on-pool-hit is for P/D (--prefill/--decode) with a shared pool")
+        raise ValueError(
+            "--skip-prefill-on-pool-hit is for P/D (--prefill/--decode) with a shared pool"
+        )
     pool_record = PoolRecord(pool_record_entries) if skip_prefill_on_pool_hit else None
     infos = BackendInfos(info_ttl)
     keyer = RequestKeyer(tokenizer)
@@ -140,7 +144,9 @@ def build_proxy_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
-        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), limits=limits)
+        state["client"] = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, connect=5.0), limits=limits
+        )
         yield
         if releases:
             await asyncio.wait(releases, timeout=10.0)
@@ -208,7 +214,9 @@ def build_proxy_app(
         backends = prefills + decodes + colocated
         for b, ok in zip(backends, await asyncio.gather(*(probe(b) for b in backends))):
             if not ok:
-                return error_response(f"backend {b.url} is not healthy", 503, "ServiceUnavailableError")
+                return error_response(
+                    f"backend {b.url} is not healthy", 503, "ServiceUnavailableError"
+                )
         why = first_mismatch()
         if why:
             return error_response(why, 503, "ServiceUnavailableError")
@@ -218,7 +226,11 @@ def build_proxy_app(
     async def reset_prefix_cache(raw: Request) -> Response:
         """Every backend forgets its prefix cache (pdkv.router.proxy_admin: each one's answer; a
         409 from one that has blocks in use)."""
-        headers = {"Authorization": raw.headers["authorization"]} if "authorization" in raw.headers else {}
+        headers = (
+            {"Authorization": raw.headers["authorization"]}
+            if "authorization" in raw.headers
+            else {}
+        )
         roles = ([("backend", b.url) for b in colocated] if colocated else
                  [("prefill", b.url) for b in prefills] + [("decode", b.url) for b in decodes])
         return await fan_out(state["client"], roles, "/reset_prefix_cache", headers)
@@ -226,7 +238,9 @@ def build_proxy_app(
     @app.get("/v1/models")
     async def models() -> Response:
         try:
-            r = await state["client"].get((decodes or colocated)[0].url + "/v1/models", timeout=10.0)
+            r = await state["client"].get(
+                (decodes or colocated)[0].url + "/v1/models", timeout=10.0
+            )
         except httpx.HTTPError as e:
             return error_response(f"decode backend unreachable: {e}", 502, "BadGateway")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
@@ -235,10 +249,18 @@ def build_proxy_app(
     @app.post("/detokenize")
     async def tokens(raw: Request) -> Response:
         """Passed to the first decode engine (or instance): every engine serves one model."""
-        headers = {"Authorization": raw.headers["authorization"]} if "authorization" in raw.headers else {}
+        headers = (
+            {"Authorization": raw.headers["authorization"]}
+            if "authorization" in raw.headers
+            else {}
+        )
         try:
-            r = await state["client"].post((decodes or colocated)[0].url + raw.url.path, content=await raw.body(),
-                                           headers={"Content-Type": "application/json", **headers}, timeout=30.0)
+            r = await state["client"].post(
+                (decodes or colocated)[0].url + raw.url.path,
+                content=await raw.body(),
+                headers={"Content-Type": "application/json", **headers},
+                timeout=30.0,
+            )
         except httpx.HTTPError as e:
             return error_response(f"backend unreachable: {e}", 502, "BadGateway")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
@@ -278,7 +300,9 @@ def build_proxy_app(
         except ClientDisconnected:  # during the prefill leg or a non-streamed decode leg
             return error_response("client disconnected", 499, "ClientClosedRequest")
 
-    async def _precheck(p: Backend, d: Backend, length: LengthCheck, headers: dict[str, str]) -> Response | None:
+    async def _precheck(
+        p: Backend, d: Backend, length: LengthCheck, headers: dict[str, str]
+    ) -> Response | None:
         """The layout and prompt-length checks, before anything reaches P."""
         client = state["client"]
         await infos.ensure(client, [p.url, d.url])
@@ -315,7 +339,12 @@ def build_proxy_app(
         """(prompt tokens, chunk size, the prompt's full-chunk hashes) when P and D use one pool
         chunking, else None (then nothing is skipped or recorded)."""
         ip, idd = infos.get(p.url), infos.get(d.url)
-        if ip is None or idd is None or not ip.pool_chunk_size or ip.pool_chunk_size != idd.pool_chunk_size:
+        if (
+            ip is None
+            or idd is None
+            or not ip.pool_chunk_size
+            or ip.pool_chunk_size != idd.pool_chunk_size
+        ):
             return None
         block = ip.block_size or DEFAULT_BLOCK_SIZE
         if (idd.block_size or DEFAULT_BLOCK_SIZE) != block:
@@ -358,7 +387,9 @@ def build_proxy_app(
         refused = await sender.length_check(b, length, headers)
         if refused is not None:
             return refused
-        return await sender.decode_leg(b, path, body, headers, None, bool(body.get("stream")), clock, leg="whole")
+        return await sender.decode_leg(
+            b, path, body, headers, None, bool(body.get("stream")), clock, leg="whole"
+        )
 
     async def _legs(body: JSONObject, path: str, headers: dict[str, str], length: LengthCheck,
                     chat: bool, clock: RequestClock) -> Response:
@@ -366,8 +397,14 @@ def build_proxy_app(
         p = (await _decide(prefill_policy, prefills, "prefill", body, chat, length))[0].backend
         # Prefer decode engines known to fit this P; when none does, the check below names why.
         await infos.ensure(client, [p.url] + [b.url for b in decodes])
-        fits = [b for b in decodes if pair_mismatch(p.url, infos.get(p.url), b.url, infos.get(b.url)) is None]
-        decision, length = await _decide(decode_policy, fits or decodes, "decode", body, chat, length)
+        fits = [
+            b
+            for b in decodes
+            if pair_mismatch(p.url, infos.get(p.url), b.url, infos.get(b.url)) is None
+        ]
+        decision, length = await _decide(
+            decode_policy, fits or decodes, "decode", body, chat, length
+        )
         d = decision.backend
         refused = await _precheck(p, d, length, headers)
         if refused is not None:
@@ -379,7 +416,9 @@ def build_proxy_app(
                 # The pool holds the prompt (as far as the proxy knows): D loads it, no P leg.
                 metrics.prefill_skipped.inc()
                 clock.mode = "pd_skip_prefill"
-                return await sender.decode_leg(d, path, body, headers, None, bool(body.get("stream")), clock)
+                return await sender.decode_leg(
+                    d, path, body, headers, None, bool(body.get("stream")), clock
+                )
         p.inflight += 1
         metrics.requests.labels(p.url, "prefill").inc()
         started = clock.p_sent = time.monotonic()
@@ -402,7 +441,9 @@ def build_proxy_app(
             clock.p_timings = answer.get("pdkv_timings")
         except (ValueError, AttributeError):
             metrics.errors.labels("prefill", "bad_response").inc()
-            return error_response(f"prefill backend {p.url} answered 200 without a JSON object", 502, "BadGateway")
+            return error_response(
+                f"prefill backend {p.url} answered 200 without a JSON object", 502, "BadGateway"
+            )
         if pool_chunks and pool_record is not None:
             pool_record.add(pool_chunks[2])  # P saved the prompt's full chunks into the pool
         decode = dict(body)
@@ -412,7 +453,9 @@ def build_proxy_app(
             if before_decode is not None:
                 await before_decode(params)
             sent = True
-            return await sender.decode_leg(d, path, decode, headers, params, bool(body.get("stream")), clock)
+            return await sender.decode_leg(
+                d, path, decode, headers, params, bool(body.get("stream")), clock
+            )
         except BaseException:  # the client left (cancellation) or a bug
             if not sent:  # D never saw the request: nobody else will release P's blocks
                 release_soon(params)

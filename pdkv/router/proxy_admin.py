@@ -64,7 +64,12 @@ async def fan_out(client: httpx.AsyncClient, backends: list[tuple[str, str]], pa
         try:
             r = await client.post(url + path, headers=headers, timeout=timeout_s)
         except httpx.HTTPError as e:
-            return {"url": url, "role": role, "status": 502, "message": f"unreachable: {type(e).__name__}: {e}"}
+            return {
+                "url": url,
+                "role": role,
+                "status": 502,
+                "message": f"unreachable: {type(e).__name__}: {e}",
+            }
         return {"url": url, "role": role, "status": r.status_code, "message": _message(r)}
 
     results = list(await asyncio.gather(*(one(role, url) for role, url in backends)))

@@ -18,28 +18,51 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `pdkv proxy` flags to `parser`."""
     parser.add_argument("--prefill", default="", help="P/D: prefill engine URL(s), comma-separated")
     parser.add_argument("--decode", default="", help="P/D: decode engine URL(s), comma-separated")
-    parser.add_argument("--backends", default="",
-                        help="colocated: kv_both instance URL(s), comma-separated; each request goes whole to one")
+    parser.add_argument(
+        "--backends",
+        default="",
+        help="colocated: kv_both instance URL(s), comma-separated; each request goes whole to one",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address")
     parser.add_argument("--port", type=int, default=8000, help="bind port")
     parser.add_argument("--routing", default="round_robin", choices=sorted(POLICIES),
                         help="policy within each pool")
-    parser.add_argument("--tokenizer", default=None,
-                        help="prefix_aware: model folder or alias whose tokenizer and chat template the proxy "
-                             "uses to compute chunk hashes (without it only token-id prompts have them)")
-    parser.add_argument("--prefix-aware-max-imbalance", type=float, default=DEFAULT_MAX_IMBALANCE,
-                        help="prefix_aware: an instance takes a request for its prefix only while its in-flight "
-                             "count stays within (1 + this) x the mean (or is 1)")
-    parser.add_argument("--prefix-aware-max-entries", type=int, default=DEFAULT_MAX_ENTRIES,
-                        help="prefix_aware: most (instance, chunk hash) pairs remembered (LRU; ~200 B each)")
-    parser.add_argument("--skip-prefill-on-pool-hit", action="store_true",
-                        help="P/D with a shared KV pool: send a request straight to D when the proxy's record "
-                             "says the pool holds every loadable chunk of its prompt (needs --tokenizer for "
-                             "text prompts); a wrong belief only costs D a local prefill")
-    parser.add_argument("--pool-record-entries", type=int, default=POOL_RECORD_ENTRIES,
-                        help="chunk hashes the proxy remembers for --skip-prefill-on-pool-hit (LRU)")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="prefix_aware: model folder or alias whose tokenizer and chat template the proxy "
+        "uses to compute chunk hashes (without it only token-id prompts have them)",
+    )
+    parser.add_argument(
+        "--prefix-aware-max-imbalance",
+        type=float,
+        default=DEFAULT_MAX_IMBALANCE,
+        help="prefix_aware: an instance takes a request for its prefix only while its in-flight "
+        "count stays within (1 + this) x the mean (or is 1)",
+    )
+    parser.add_argument(
+        "--prefix-aware-max-entries",
+        type=int,
+        default=DEFAULT_MAX_ENTRIES,
+        help="prefix_aware: most (instance, chunk hash) pairs remembered (LRU; ~200 B each)",
+    )
+    parser.add_argument(
+        "--skip-prefill-on-pool-hit",
+        action="store_true",
+        help="P/D with a shared KV pool: send a request straight to D when the proxy's record "
+        "says the pool holds every loadable chunk of its prompt (needs --tokenizer for "
+        "text prompts); a wrong belief only costs D a local prefill",
+    )
+    parser.add_argument(
+        "--pool-record-entries",
+        type=int,
+        default=POOL_RECORD_ENTRIES,
+        help="chunk hashes the proxy remembers for --skip-prefill-on-pool-hit (LRU)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="per-leg timeout (s)")
-    parser.add_argument("--log-level", default="info", help="uvicorn log level (info logs each request)")
+    parser.add_argument(
+        "--log-level", default="info", help="uvicorn log level (info logs each request)"
+    )
     return parser
 
 
@@ -53,12 +76,23 @@ def main(args: argparse.Namespace) -> int:
         return [u for u in value.split(",") if u]
 
     app = build_proxy_app(
-        urls(args.prefill), urls(args.decode), args.routing, args.timeout, backend_urls=urls(args.backends),
+        urls(args.prefill),
+        urls(args.decode),
+        args.routing,
+        args.timeout,
+        backend_urls=urls(args.backends),
         tokenizer=args.tokenizer,
-        prefix_aware=PrefixAwareConfig(args.prefix_aware_max_imbalance, args.prefix_aware_max_entries),
-        skip_prefill_on_pool_hit=args.skip_prefill_on_pool_hit, pool_record_entries=args.pool_record_entries,
+        prefix_aware=PrefixAwareConfig(
+            args.prefix_aware_max_imbalance, args.prefix_aware_max_entries
+        ),
+        skip_prefill_on_pool_hit=args.skip_prefill_on_pool_hit,
+        pool_record_entries=args.pool_record_entries,
     )
-    where = (f"backends {args.backends}" if args.backends else f"prefill {args.prefill} decode {args.decode}")
+    where = (
+        f"backends {args.backends}"
+        if args.backends
+        else f"prefill {args.prefill} decode {args.decode}"
+    )
     print(f"pdkv proxy on http://{args.host}:{args.port}: {where} ({args.routing})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -36,7 +36,9 @@ class LegSender:
     metrics: ProxyMetrics
     release_soon: Callable[[JSONValue], None]
 
-    async def length_check(self, d: Backend, length: LengthCheck, headers: dict[str, str]) -> Response | None:
+    async def length_check(
+        self, d: Backend, length: LengthCheck, headers: dict[str, str]
+    ) -> Response | None:
         """400 when prompt + max_tokens does not fit `d`'s max_model_len (D's own message)."""
         client = self.client()
         d_info = self.infos.get(d.url)
@@ -44,14 +46,22 @@ class LegSender:
         if length.max_tokens is None or max_len is None:
             return None
         count = length.prompt_ids
-        if count is None and length.upper_bound is not None and length.fits(length.upper_bound, max_len) is None:
+        if (
+            count is None
+            and length.upper_bound is not None
+            and length.fits(length.upper_bound, max_len) is None
+        ):
             return None
         if count is None and length.tokenize_body is not None:
             # D's own count; when D cannot tell, D still enforces the limit on the decode leg.
             try:
-                r = await client.post(d.url + "/tokenize", json=length.tokenize_body, headers=headers, timeout=30.0)
+                r = await client.post(
+                    d.url + "/tokenize", json=length.tokenize_body, headers=headers, timeout=30.0
+                )
                 if 400 <= r.status_code < 500 and r.status_code != 404:  # P would reject it too
-                    return Response(r.content, status_code=r.status_code, media_type="application/json")
+                    return Response(
+                        r.content, status_code=r.status_code, media_type="application/json"
+                    )
                 count = int(r.json()["count"]) if r.status_code == 200 else None
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 count = None
@@ -106,8 +116,11 @@ class LegSender:
             self.release_soon(params)
             self.metrics.errors.labels(leg, error_kind(resp.status_code, content)).inc()
             return self.backend_error(d, resp.status_code, content)
-        return StreamingResponse(self.relay(resp, d, leg, started, StreamStitcher(clock)), media_type="text/event-stream",
-                                 headers={"X-Request-Id": headers["X-Request-Id"]})
+        return StreamingResponse(
+            self.relay(resp, d, leg, started, StreamStitcher(clock)),
+            media_type="text/event-stream",
+            headers={"X-Request-Id": headers["X-Request-Id"]},
+        )
 
     def backend_error(self, d: Backend, status: int, content: bytes) -> Response:
         """D's error, passed through; a layout mismatch is the deployment's fault (503), not the
@@ -136,7 +149,14 @@ class LegSender:
         except httpx.HTTPError as e:
             self.metrics.errors.labels(leg, "stream").inc()
             what = "decode stream" if leg == "decode" else "stream"
-            err = {"error": {"message": f"{what} failed: {e}", "type": "BadGateway", "param": None, "code": 502}}
+            err = {
+                "error": {
+                    "message": f"{what} failed: {e}",
+                    "type": "BadGateway",
+                    "param": None,
+                    "code": 502,
+                }
+            }
             yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
         finally:
             d.inflight -= 1

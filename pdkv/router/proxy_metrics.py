@@ -9,7 +9,24 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+LEG_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 """Histogram buckets of a leg's latency (s)."""
 
 
@@ -33,17 +50,39 @@ class ProxyMetrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("pdkv:proxy_requests", "Legs sent to each backend", ["backend", "leg"], registry=r)
-        self.decisions = Counter("pdkv:proxy_routing_decisions", "Routing decisions by policy and reason",
-                                 ["policy", "reason", "leg"], registry=r)
-        self.matched_tokens = Counter("pdkv:proxy_prefix_matched_tokens",
-                                      "Prompt tokens the chosen backend held by the proxy's record", ["backend"],
-                                      registry=r)
-        self.prefill_skipped = Counter("pdkv:proxy_prefill_legs_skipped",
-                                       "Prefill legs skipped because the pool held the whole prompt", registry=r)
-        self.errors = Counter("pdkv:proxy_errors", "Failed legs, and requests the proxy refused (leg proxy), by leg and kind", ["leg", "kind"], registry=r)
-        self.latency = Histogram("pdkv:proxy_leg_latency_seconds", "Leg latency, send to last byte (s)", ["leg"],
-                                 registry=r, buckets=LEG_BUCKETS)
+        self.requests = Counter(
+            "pdkv:proxy_requests", "Legs sent to each backend", ["backend", "leg"], registry=r
+        )
+        self.decisions = Counter(
+            "pdkv:proxy_routing_decisions",
+            "Routing decisions by policy and reason",
+            ["policy", "reason", "leg"],
+            registry=r,
+        )
+        self.matched_tokens = Counter(
+            "pdkv:proxy_prefix_matched_tokens",
+            "Prompt tokens the chosen backend held by the proxy's record",
+            ["backend"],
+            registry=r,
+        )
+        self.prefill_skipped = Counter(
+            "pdkv:proxy_prefill_legs_skipped",
+            "Prefill legs skipped because the pool held the whole prompt",
+            registry=r,
+        )
+        self.errors = Counter(
+            "pdkv:proxy_errors",
+            "Failed legs, and requests the proxy refused (leg proxy), by leg and kind",
+            ["leg", "kind"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "pdkv:proxy_leg_latency_seconds",
+            "Leg latency, send to last byte (s)",
+            ["leg"],
+            registry=r,
+            buckets=LEG_BUCKETS,
+        )
 
     def render(self) -> bytes:
         """Prometheus text exposition."""

@@ -12,7 +12,9 @@ from fastapi.responses import JSONResponse
 from pdkv.jsontypes import JSONObject, JSONValue
 
 
-def error_response(message: str, status: int, err_type: str, param: str | None = None) -> JSONResponse:
+def error_response(
+    message: str, status: int, err_type: str, param: str | None = None
+) -> JSONResponse:
     """OpenAI's error JSON with HTTP status `status` (`param`: the request field at fault)."""
     body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
@@ -64,7 +66,11 @@ def release_prefill(params: JSONObject) -> bool:
 
 def releasable(params: JSONValue) -> TypeGuard[JSONObject]:
     """Whether P's kv_transfer_params name blocks that can be released."""
-    return isinstance(params, dict) and bool(params.get("remote_host")) and "remote_request_id" in params
+    return (
+        isinstance(params, dict)
+        and bool(params.get("remote_host"))
+        and "remote_request_id" in params
+    )
 
 
 def is_layout_error(content: bytes) -> bool:

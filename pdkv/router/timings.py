@@ -46,7 +46,14 @@ _D_MAP = {"input": "d_input", "queue": "d_queue", "kv_wait": "transfer", "prefil
           "output": "d_output"}
 _WHOLE_MAP = {name: name for name in ENGINE_PHASES}
 
-PD_PHASES = ("proxy", *_P_MAP.values(), "p_residual", "proxy_between", *_D_MAP.values(), "d_residual")
+PD_PHASES = (
+    "proxy",
+    *_P_MAP.values(),
+    "p_residual",
+    "proxy_between",
+    *_D_MAP.values(),
+    "d_residual",
+)
 """Phase names of a stitched P/D `pdkv_timings`, in request order."""
 COLOCATED_PHASES = ("proxy", *ENGINE_PHASES, "residual")
 """Phase names of a stitched colocated `pdkv_timings`, in request order."""

@@ -56,7 +56,9 @@ def parse_body(raw: bytes) -> JSONObject:
         raise BadRequest("request body must be a JSON object")
     where = find_lone_surrogate(body)
     if where is not None:
-        raise BadRequest(f"request body contains a lone surrogate (invalid Unicode) in a string ({where})")
+        raise BadRequest(
+            f"request body contains a lone surrogate (invalid Unicode) in a string ({where})"
+        )
     return body
 
 
@@ -80,9 +82,11 @@ class LengthCheck:
         """None when prompt + max_tokens fits, else D's error message."""
         if self.max_tokens is None or prompt_tokens + self.max_tokens <= max_model_len:
             return None
-        return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{prompt_tokens + self.max_tokens} tokens ({prompt_tokens} in the prompt, {self.max_tokens} "
-                "for the completion). Reduce the prompt or max_tokens.")
+        return (
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + self.max_tokens} tokens ({prompt_tokens} in the prompt, {self.max_tokens} "
+            "for the completion). Reduce the prompt or max_tokens."
+        )
 
 
 def _validation_message(e: ValidationError) -> str:
@@ -110,7 +114,9 @@ def check_body(body: JSONObject, chat: bool) -> LengthCheck:
     except ValidationError as e:
         raise BadRequest(_validation_message(e)) from None
     if isinstance(req, ChatCompletionRequest):
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     else:
         max_tokens, name = req.max_tokens, "max_tokens"

@@ -79,7 +79,9 @@ class KVConnectorState:
 
     def num_blocks_held(self) -> int:
         """Blocks (all groups) of finished requests whose free is delayed."""
-        return sum(self.kv_cache_manager.num_blocks_of(r.request_id) for r in self.delayed_free.values())
+        return sum(
+            self.kv_cache_manager.num_blocks_of(r.request_id) for r in self.delayed_free.values()
+        )
 
     def drain_transfer_seconds(self) -> list[float]:
         """Transfer durations (s) reported since the last call."""

@@ -186,7 +186,12 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            plan.add(request, new_blocks.get_block_ids(), self.kv_cache_manager.get_block_ids, self._worker_known)
+            plan.add(
+                request,
+                new_blocks.get_block_ids(),
+                self.kv_cache_manager.get_block_ids,
+                self._worker_known,
+            )
             plan.spend(request.request_id, num_new, prefill=remaining > 1)
             idx += 1
 
@@ -266,12 +271,19 @@ class Scheduler:
                 request.num_computed_tokens += num_external
             if request.num_cached_tokens < 0:  # local prefix hits + tokens loaded by a connector
                 request.num_cached_tokens = request.num_computed_tokens
-                request.num_external_tokens = request.num_computed_tokens - request.num_local_hit_tokens
+                request.num_external_tokens = (
+                    request.num_computed_tokens - request.num_local_hit_tokens
+                )
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = now
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            plan.add(request, new_blocks.get_block_ids(), self.kv_cache_manager.get_block_ids, self._worker_known)
+            plan.add(
+                request,
+                new_blocks.get_block_ids(),
+                self.kv_cache_manager.get_block_ids,
+                self._worker_known,
+            )
             plan.spend(request.request_id, num_new, prefill=is_prefill)
         self.waiting.extendleft(reversed(skipped))
 
@@ -321,7 +333,9 @@ class Scheduler:
             if done:
                 self._free_request(request)
                 finished.append(request)
-            self._handed_over.append(RequestUpdate(request, request.output_token_ids[-1:], None, done))
+            self._handed_over.append(
+                RequestUpdate(request, request.output_token_ids[-1:], None, done)
+            )
         self.kv_state.handed_over = []
         return finished
 
@@ -344,7 +358,9 @@ class Scheduler:
         Returns one RequestUpdate per request that got tokens this step.
         """
         state = self.kv_state
-        updates = [RequestUpdate(r, [], None, True) for r in state.finished_outside] + self._handed_over
+        updates = [
+            RequestUpdate(r, [], None, True) for r in state.finished_outside
+        ] + self._handed_over
         state.finished_outside, self._handed_over = [], []
         if runner_output.kv_connector_output is not None:
             state.apply_output(runner_output.kv_connector_output)
@@ -362,7 +378,9 @@ class Scheduler:
                 self.running.remove(request)
                 self._free_request(request)
             logprobs = runner_output.logprobs.get(req_id) if runner_output.logprobs else None
-            prompt_lps = runner_output.prompt_logprobs.get(req_id) if runner_output.prompt_logprobs else None
+            prompt_lps = (
+                runner_output.prompt_logprobs.get(req_id) if runner_output.prompt_logprobs else None
+            )
             updates.append(RequestUpdate(request, token_ids, logprobs, finished, prompt_lps))
         return updates
 

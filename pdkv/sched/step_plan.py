@@ -57,11 +57,22 @@ class StepPlan:
         gains its id), else as a delta of the blocks it got this step."""
         req_id = request.request_id
         if req_id in worker_known:
-            self.cached_reqs.append(CachedRequestData(
-                req_id=req_id, new_block_ids=new_block_ids, num_computed_tokens=request.num_computed_tokens))
+            self.cached_reqs.append(
+                CachedRequestData(
+                    req_id=req_id,
+                    new_block_ids=new_block_ids,
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
         else:
             worker_known.add(req_id)
-            self.new_reqs.append(NewRequestData(
-                req_id=req_id, token_ids=list(request.all_token_ids), num_prompt_tokens=request.num_prompt_tokens,
-                sampling_params=request.sampling_params, block_ids=block_ids_of(req_id),
-                num_computed_tokens=request.num_computed_tokens))
+            self.new_reqs.append(
+                NewRequestData(
+                    req_id=req_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling_params=request.sampling_params,
+                    block_ids=block_ids_of(req_id),
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )

@@ -126,7 +126,9 @@ class SafeJSONResponse(JSONResponse):
     surrogate) can make rendering fail."""
 
     def render(self, content: object) -> bytes:
-        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+        return json.dumps(
+            content, ensure_ascii=True, allow_nan=False, separators=(",", ":")
+        ).encode("ascii")
 
 
 def pool_chunk_size(kv_connector: str, extra: object) -> int | None:
@@ -164,7 +166,9 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
         llm.shutdown()
 
     app = FastAPI(title="pdkv", lifespan=lifespan, default_response_class=SafeJSONResponse)
-    handlers = OpenAIHandlers(llm, config.served_model_name, tokenizers, aliases=config.extra_model_names)
+    handlers = OpenAIHandlers(
+        llm, config.served_model_name, tokenizers, aliases=config.extra_model_names
+    )
     max_model_len = handlers.max_model_len
 
     @app.exception_handler(APIError)
@@ -178,7 +182,9 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
             loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
             msg = str(err.get("msg", "")).removeprefix("Value error, ")
             parts.append(f"{loc}: {msg}" if loc else msg)
-        return SafeJSONResponse(APIError("; ".join(parts) or "invalid request").body(), status_code=400)
+        return SafeJSONResponse(
+            APIError("; ".join(parts) or "invalid request").body(), status_code=400
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -232,9 +238,15 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
         its KV pool's chunk size (None without a pool); 404 when no kv connector is configured."""
         kvt = llm.engine.config.kv_transfer_config
         if kvt is None:
-            raise APIError("this engine has no kv connector (no --kv-transfer-config)", 404, "NotFoundError")
-        return {"kv_role": kvt.kv_role, "engine_id": kvt.engine_id, "layout": llm.engine.executor.kv_layout.to_wire(),
-                "pool_chunk_size": pool_chunk_size(kvt.kv_connector, kvt.kv_connector_extra_config)}
+            raise APIError(
+                "this engine has no kv connector (no --kv-transfer-config)", 404, "NotFoundError"
+            )
+        return {
+            "kv_role": kvt.kv_role,
+            "engine_id": kvt.engine_id,
+            "layout": llm.engine.executor.kv_layout.to_wire(),
+            "pool_chunk_size": pool_chunk_size(kvt.kv_connector, kvt.kv_connector_extra_config),
+        }
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
@@ -250,7 +262,8 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
         except TimeoutError:
             raise APIError(
                 f"the engine did not reset its prefix cache within {RESET_PREFIX_CACHE_TIMEOUT_S:g} s",
-                504, "GatewayTimeoutError",
+                504,
+                "GatewayTimeoutError",
             ) from None
         if not ok:
             raise APIError(
@@ -268,7 +281,9 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
                 msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
             except ValueError as e:
                 raise APIError(str(e)) from None
-            ids = await handlers.tokenize(lambda tok: tok.encode_chat(msgs, req.add_generation_prompt))
+            ids = await handlers.tokenize(
+                lambda tok: tok.encode_chat(msgs, req.add_generation_prompt)
+            )
         elif req.prompt is not None:
             prompt = req.prompt
             ids = await handlers.tokenize(lambda tok: tok.encode(prompt))
@@ -304,7 +319,9 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
         headers = {"X-Request-Id": p.request_id}
         if p.stream:
             return StreamingResponse(
-                handlers.stream_response(p, outputs), media_type="text/event-stream", headers=headers
+                handlers.stream_response(p, outputs),
+                media_type="text/event-stream",
+                headers=headers,
             )
         body = await _until_done_or_disconnect(handlers.full_response(p, outputs), raw)
         return SafeJSONResponse(body, headers=headers)
@@ -336,15 +353,22 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add `pdkv serve`'s flags: MODEL (positional, or --model), the engine flags, the server's."""
     from pdkv.engine.arg_utils import EngineArgs
 
-    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="alias (smollm2; tiny-llama-kv1, tiny-llama-kv2), HF id or model folder "
-                             "(same as --model, which it overrides)")
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="alias (smollm2; tiny-llama-kv1, tiny-llama-kv2), HF id or model folder "
+        "(same as --model, which it overrides)",
+    )
     EngineArgs.add_cli_args(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None)
-    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
     g.add_argument("--disable-log-requests", action="store_true",
                    help="no log line per finished request")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
@@ -378,7 +402,9 @@ def step_observer(metrics: ServerMetrics, args: argparse.Namespace) -> StepObser
     line every --log-stats-interval s and one line per finished request."""
     observers: list[StepObserver] = [metrics.observe_step]
     if not getattr(args, "disable_log_stats", False):
-        observers.append(StatsLogger(getattr(args, "log_stats_interval", DEFAULT_STATS_INTERVAL_S)).observe)
+        observers.append(
+            StatsLogger(getattr(args, "log_stats_interval", DEFAULT_STATS_INTERVAL_S)).observe
+        )
     if not getattr(args, "disable_log_requests", False):
         observers.append(RequestLogger().observe)
 
@@ -410,7 +436,9 @@ def main(args: argparse.Namespace) -> int:
     from pdkv.engine.arg_utils import EngineArgs
     from pdkv.engine.llm_engine import LLMEngine
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     engine_args = EngineArgs.from_cli_args(args)
     sock = bind_socket(args.host, args.port)
     logger.info("engine args: %s", engine_args.summary())
@@ -427,16 +455,30 @@ def main(args: argparse.Namespace) -> int:
     logger.info("KV cache: %s", engine.kv_cache_summary())
     fault_at = os.environ.get(FAULT_STEP_ENV)
     if fault_at:
-        logger.warning("%s=%s: the engine will fail on purpose (tests only)", FAULT_STEP_ENV, fault_at)
+        logger.warning(
+            "%s=%s: the engine will fail on purpose (tests only)", FAULT_STEP_ENV, fault_at
+        )
         inject_step_fault(engine, int(fault_at))
     name = engine.config.model_config.served_model_name
     metrics = ServerMetrics(name, max_model_len=engine.config.model_config.max_model_len)
     llm = AsyncLLM(engine, step_observer(metrics, args))
-    config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,
-                         extra_model_names=tuple((args.served_model_name or [])[1:]))
+    config = ServeConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=name,
+        extra_model_names=tuple((args.served_model_name or [])[1:]),
+    )
     app = build_app(llm, config, metrics)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=10))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=10,
+        )
+    )
 
     def on_engine_dead(error: BaseException) -> None:
         server.should_exit = True  # uvicorn polls this flag: stop serving, then main returns 1

@@ -15,7 +15,9 @@ from pdkv.outputs import RequestOutput
 _DONE = object()
 
 
-async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge_streams(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield (sequence index, output) from every stream as they come, until all finished.
 
     An error in any stream is raised here; leaving early (or an error) cancels the other

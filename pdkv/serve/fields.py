@@ -41,7 +41,9 @@ def unsupported_field(req: CompletionRequest | ChatCompletionRequest) -> tuple[s
     return None
 
 
-def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
+def structured_outputs(
+    req: CompletionRequest | ChatCompletionRequest,
+) -> StructuredOutputsParams | None:
     """The grammar a body asks for: response_format json_object / json_schema (OpenAI),
     guided_json / guided_regex / guided_choice / guided_grammar or structured_outputs (vLLM).
 
@@ -91,7 +93,13 @@ def prompt_logprobs_wanted(req: CompletionRequest | ChatCompletionRequest) -> in
 
 
 def structured_field(req: CompletionRequest | ChatCompletionRequest) -> str:
-    for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+    for name in (
+        "response_format",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+    ):
         if getattr(req, name) is not None:
             return name
     return "structured_outputs"
@@ -99,10 +107,31 @@ def structured_field(req: CompletionRequest | ChatCompletionRequest) -> str:
 
 def field_in(message: str) -> str | None:
     """The request field a validation message starts with or names ("min_p must be ...")."""
-    for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                 "structured_outputs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                 "logit_bias", "prompt_logprobs", "logprobs", "temperature", "top_p", "top_k",
-                 "seed", "max_tokens", "min_tokens", "stop_token_ids", "stop", "n", "kv_transfer_params"):
+    for name in (
+        "response_format",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+        "logit_bias",
+        "prompt_logprobs",
+        "logprobs",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "max_tokens",
+        "min_tokens",
+        "stop_token_ids",
+        "stop",
+        "n",
+        "kv_transfer_params",
+    ):
         if message.startswith((name + " ", name + ":", name + ".")) or f" {name} " in message:
             return name
     return None

@@ -136,7 +136,9 @@ class OpenAIHandlers:
         except ValueError as e:
             raise APIError(str(e)) from None
 
-    async def prepare_completion(self, req: CompletionRequest, request_id: str | None) -> PreparedRequest:
+    async def prepare_completion(
+        self, req: CompletionRequest, request_id: str | None
+    ) -> PreparedRequest:
         """Validate and tokenize a completion body. Raises APIError (400) on bad input."""
         received = time.monotonic()
         self.check_model(req.model)
@@ -151,10 +153,14 @@ class OpenAIHandlers:
         if req.echo:
             prepared.echo = True
             if prepared.prompt_text is None:
-                prepared.prompt_text = await self.tokenize(lambda tok: tok.decode(ids, skip_special_tokens=False))
+                prepared.prompt_text = await self.tokenize(
+                    lambda tok: tok.decode(ids, skip_special_tokens=False)
+                )
         return prepared
 
-    async def prepare_chat(self, req: ChatCompletionRequest, request_id: str | None) -> PreparedRequest:
+    async def prepare_chat(
+        self, req: ChatCompletionRequest, request_id: str | None
+    ) -> PreparedRequest:
         """Validate, render and tokenize a chat body. Raises APIError (400) on bad input."""
         received = time.monotonic()
         self.check_model(req.model)
@@ -168,9 +174,13 @@ class OpenAIHandlers:
             return text, list(tok.hf.encode(text, add_special_tokens=False))
 
         text, ids = await self.tokenize(render)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return self._prepare(req, request_id, ids, text, max_tokens, logprobs, chat=True, received=received)
+        return self._prepare(
+            req, request_id, ids, text, max_tokens, logprobs, chat=True, received=received
+        )
 
     def _prepare(
         self,
@@ -220,7 +230,9 @@ class OpenAIHandlers:
                 n=req.n,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                repetition_penalty=1.0
+                if req.repetition_penalty is None
+                else req.repetition_penalty,
                 min_p=req.min_p or 0.0,
                 prompt_logprobs=prompt_logprobs_wanted(req),
                 structured_outputs=structured_outputs(req),
@@ -340,7 +352,9 @@ class OpenAIHandlers:
             "pdkv_timings": engine_timings(p.received, first.metrics, time.monotonic()),
         }
 
-    async def stream_response(self, p: PreparedRequest, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    async def stream_response(
+        self, p: PreparedRequest, outputs: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[str]:
         """SSE events: content deltas (choice index = sequence), a final chunk per sequence with
         finish_reason (and kv_transfer_params, `pdkv_timings`: pdkv.serve.timings), usage, then
         [DONE]. With echo, each sequence starts with the prompt text."""
@@ -365,7 +379,11 @@ class OpenAIHandlers:
                 comp = out.outputs[0]
                 if comp.finish_reason == "error":
                     raise APIError(out.error or "request failed", 500, "InternalServerError")
-                lps = comp.logprobs[len(comp.logprobs) - len(comp.delta_token_ids):] if comp.logprobs else None
+                lps = (
+                    comp.logprobs[len(comp.logprobs) - len(comp.delta_token_ids) :]
+                    if comp.logprobs
+                    else None
+                )
                 if not comp.delta_text and not out.finished and not lps:
                     continue
                 choice: StreamChoice = {"index": index, "finish_reason": comp.finish_reason}
@@ -374,7 +392,9 @@ class OpenAIHandlers:
                     choice["logprobs"] = chat_logprobs(comp.delta_token_ids, lps, self._token_str)
                 else:
                     choice["text"] = comp.delta_text
-                    choice["logprobs"] = completion_logprobs(comp.delta_token_ids, lps, self._token_str)
+                    choice["logprobs"] = completion_logprobs(
+                        comp.delta_token_ids, lps, self._token_str
+                    )
                 if out.finished:
                     choice["stop_reason"] = comp.stop_reason
                 if out.prompt_logprobs is not None and index not in prompt_lp_sent:
@@ -386,7 +406,10 @@ class OpenAIHandlers:
                 if out.finished:
                     chunk["kv_transfer_params"] = out.kv_transfer_params
                     chunk["pdkv_timings"] = engine_timings(
-                        p.received, out.metrics, first_text if first_text is not None else time.monotonic())
+                        p.received,
+                        out.metrics,
+                        first_text if first_text is not None else time.monotonic(),
+                    )
                 yield _sse(chunk)
         except APIError as e:
             yield _sse(e.body())

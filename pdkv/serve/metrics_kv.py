@@ -93,7 +93,9 @@ class KVTransferMetrics:
         labelvalues: their values for this server.
     """
 
-    def __init__(self, registry: CollectorRegistry, labelnames: list[str], labelvalues: list[str]) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, labelnames: list[str], labelvalues: list[str]
+    ) -> None:
         r, labels, values = registry, labelnames, labelvalues
         self._values = values
 
@@ -103,19 +105,35 @@ class KVTransferMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=r).labels(*values)
 
-        self.bytes_received = counter("pdkv:kv_transfer_bytes_received", "KV bytes pulled from prefill engines")
-        self.bytes_sent = counter(
-            "pdkv:kv_transfer_bytes_sent", "KV bytes decode engines read from this engine (as they report)"
+        self.bytes_received = counter(
+            "pdkv:kv_transfer_bytes_received", "KV bytes pulled from prefill engines"
         )
-        self.transfer_time = Histogram("pdkv:kv_transfer_seconds", "Duration of one KV pull (s)", labels,
-                                       registry=r, buckets=TRANSFER_BUCKETS).labels(*values)
-        self.waiting_remote = gauge("pdkv:num_requests_waiting_for_remote_kv", "Requests waiting for remote KV")
-        self.blocks_held = gauge("pdkv:num_blocks_held_for_remote", "Blocks held until a remote engine reads them")
+        self.bytes_sent = counter(
+            "pdkv:kv_transfer_bytes_sent",
+            "KV bytes decode engines read from this engine (as they report)",
+        )
+        self.transfer_time = Histogram(
+            "pdkv:kv_transfer_seconds",
+            "Duration of one KV pull (s)",
+            labels,
+            registry=r,
+            buckets=TRANSFER_BUCKETS,
+        ).labels(*values)
+        self.waiting_remote = gauge(
+            "pdkv:num_requests_waiting_for_remote_kv", "Requests waiting for remote KV"
+        )
+        self.blocks_held = gauge(
+            "pdkv:num_blocks_held_for_remote", "Blocks held until a remote engine reads them"
+        )
         self.lease_expirations = counter(
-            "pdkv:kv_lease_expirations", "Requests whose held blocks were freed at lease expiry (never read)"
+            "pdkv:kv_lease_expirations",
+            "Requests whose held blocks were freed at lease expiry (never read)",
         )
         self.load_failures = Counter(
-            "pdkv:kv_load_failures", "Failed KV loads by load-failure policy", labels + ["policy"], registry=r
+            "pdkv:kv_load_failures",
+            "Failed KV loads by load-failure policy",
+            labels + ["policy"],
+            registry=r,
         )
         for policy in LOAD_FAILURE_POLICIES:
             self.load_failures.labels(*values, policy)
@@ -139,7 +157,10 @@ class KVTransferMetrics:
         }
         self._ignored: set[str] = set()
         self.offload_metrics: dict[str, Counter | Gauge] = {
-            **{name: counter(f"pdkv:kv_offload_{name}", doc) for name, doc in OFFLOAD_COUNTERS.items()},
+            **{
+                name: counter(f"pdkv:kv_offload_{name}", doc)
+                for name, doc in OFFLOAD_COUNTERS.items()
+            },
             **{name: gauge(f"pdkv:kv_offload_{name}", doc) for name, doc in OFFLOAD_GAUGES.items()},
         }
 
@@ -169,7 +190,11 @@ class KVTransferMetrics:
             self.transfer_time.observe(seconds)
         for key, samples in (stats.kv_observations or {}).items():
             parts = key.split(":")
-            hist = self.pool_histograms.get(parts[2]) if len(parts) == 3 and parts[0] == "pool" else None
+            hist = (
+                self.pool_histograms.get(parts[2])
+                if len(parts) == 3 and parts[0] == "pool"
+                else None
+            )
             if hist is None:
                 self._ignore(key)
                 continue

@@ -221,13 +221,17 @@ def chat_logprobs(ids: list[int], lps: list[dict[int, Logprob]] | None,
     for t, lp in zip(ids, lps):
         s = token_str(t)
         top = sorted(((k, v.logprob) for k, v in lp.items()), key=lambda kv: -kv[1])
-        content.append({
-            "token": s,
-            "logprob": lp[t].logprob if t in lp else None,
-            "bytes": list(s.encode()),
-            "top_logprobs": [{"token": (ks := token_str(k)), "logprob": v, "bytes": list(ks.encode())}
-                             for k, v in top],
-        })
+        content.append(
+            {
+                "token": s,
+                "logprob": lp[t].logprob if t in lp else None,
+                "bytes": list(s.encode()),
+                "top_logprobs": [
+                    {"token": (ks := token_str(k)), "logprob": v, "bytes": list(ks.encode())}
+                    for k, v in top
+                ],
+            }
+        )
     return {"content": content}
 
 
@@ -236,6 +240,12 @@ def prompt_logprobs_json(out: RequestOutput) -> PromptLogprobsJSON | None:
     {token_id: {"logprob", "rank", "decoded_token"}}."""
     if out.prompt_logprobs is None:
         return None
-    return [None if d is None else {str(t): {"logprob": v.logprob, "rank": v.rank,
-                                             "decoded_token": v.decoded_token} for t, v in d.items()}
-            for d in out.prompt_logprobs]
+    return [
+        None
+        if d is None
+        else {
+            str(t): {"logprob": v.logprob, "rank": v.rank, "decoded_token": v.decoded_token}
+            for t, v in d.items()
+        }
+        for d in out.prompt_logprobs
+    ]

@@ -64,7 +64,9 @@ def build_attention_metadata(
         else:
             nblocks = -(-(c + n) // bs)
             pre_tables.append(table[:nblocks])
-            prefills.append(PrefillSeq(start, start + n, c, torch.tensor(table[:nblocks], device=device)))
+            prefills.append(
+                PrefillSeq(start, start + n, c, torch.tensor(table[:nblocks], device=device))
+            )
     decode_token_idx = decode_tables = decode_lens = decode_mask = key_blocks = key_offsets = None
     if dec_idx:
         width = max(len(t) for t in dec_tables)
@@ -78,10 +80,13 @@ def build_attention_metadata(
                 decode_mask = (keys[None, :] < decode_lens[:, None])[:, None, None, :]
             else:  # key j of row i is position first_i + j
                 rel = decode_lens - torch.tensor(dec_first, device=device)
-                visible = (keys[None, :] < rel[:, None]) & (keys[None, :] >= rel[:, None] - sliding_window)
+                visible = (keys[None, :] < rel[:, None]) & (
+                    keys[None, :] >= rel[:, None] - sliding_window
+                )
                 decode_mask = visible[:, None, None, :]
-            key_blocks, key_offsets = _decode_key_slots(decode_tables, decode_mask[:, 0, 0], dec_lens,
-                                                        dec_first, bs)
+            key_blocks, key_offsets = _decode_key_slots(
+                decode_tables, decode_mask[:, 0, 0], dec_lens, dec_first, bs
+            )
     return AttentionMetadata(
         slot_block_ids=torch.tensor(slot_blocks, dtype=torch.long, device=device),
         slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
@@ -111,11 +116,15 @@ def _prefill_batch_fields(prefills: list[PrefillSeq], tables: list[list[int]],
     token_idx = None if contiguous else torch.cat(
         [torch.arange(seq.start, seq.end, device=device) for seq in prefills])
     return {
-        "prefill_cu_seqlens": torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.long, device=device),
-        "prefill_context_lens": torch.tensor([seq.context_len for seq in prefills], dtype=torch.long,
-                                             device=device),
-        "prefill_block_tables": torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long,
-                                             device=device),
+        "prefill_cu_seqlens": torch.tensor(
+            [0, *itertools.accumulate(lens)], dtype=torch.long, device=device
+        ),
+        "prefill_context_lens": torch.tensor(
+            [seq.context_len for seq in prefills], dtype=torch.long, device=device
+        ),
+        "prefill_block_tables": torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device
+        ),
         "prefill_token_idx": token_idx,
         "prefill_slice": (prefills[0].start, prefills[-1].end) if contiguous else None,
     }
@@ -129,13 +138,18 @@ def _decode_key_slots(
     (position len_i - 1, written this step) elsewhere, so a masked position never reads a slot
     that was never written (it may hold NaN; see pdkv.model.attention)."""
     keys = torch.arange(visible.shape[1], device=tables.device)[None, :]
-    newest = (torch.tensor(lens, device=tables.device) - 1 - torch.tensor(first, device=tables.device))[:, None]
+    newest = (
+        torch.tensor(lens, device=tables.device) - 1 - torch.tensor(first, device=tables.device)
+    )[:, None]
     rel = torch.where(visible, keys, newest)
     return tables.gather(1, rel // block_size), rel % block_size
 
 
 def build_dcp_attention_metadata(
-    parallel: ParallelContext, requests: Sequence[StepRequest], block_size: int, device: torch.device,
+    parallel: ParallelContext,
+    requests: Sequence[StepRequest],
+    block_size: int,
+    device: torch.device,
 ) -> AttentionMetadata:
     """With DCP this rank writes and attends only the tokens it stores (its shard): the
     metadata carries `dcp` (pdkv.model.dcp_attention.DCPMetadata) and no local slots."""

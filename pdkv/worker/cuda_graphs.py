@@ -180,7 +180,9 @@ class DecodeGraphs:
         """True when a decode step of `batch` requests has a captured size."""
         return padded_size(batch, self.sizes) is not None
 
-    def run(self, input_ids: list[int], positions: list[int], tables: Sequence[Sequence[list[int]]]) -> torch.Tensor:
+    def run(
+        self, input_ids: list[int], positions: list[int], tables: Sequence[Sequence[list[int]]]
+    ) -> torch.Tensor:
         """Logits [B, vocab] of a decode step of B requests (B <= the largest size).
 
         Args:
@@ -192,10 +194,19 @@ class DecodeGraphs:
         bsz = len(input_ids)
         size = padded_size(bsz, self.sizes)
         assert size is not None, f"decode batch {bsz} above the largest capture size"
-        self.input_ids[:size].copy_(torch.tensor(pad_rows(input_ids, size), device="cpu"), non_blocking=True)
-        self.positions[:size].copy_(torch.tensor(pad_rows(positions, size), device="cpu"), non_blocking=True)
-        host = [[t[: self.width] + [0] * (self.width - len(t)) for t in pad_rows(group, size)] for group in tables]
-        self.tables[:, :size].copy_(torch.tensor(host, dtype=torch.long, device="cpu"), non_blocking=True)
+        self.input_ids[:size].copy_(
+            torch.tensor(pad_rows(input_ids, size), device="cpu"), non_blocking=True
+        )
+        self.positions[:size].copy_(
+            torch.tensor(pad_rows(positions, size), device="cpu"), non_blocking=True
+        )
+        host = [
+            [t[: self.width] + [0] * (self.width - len(t)) for t in pad_rows(group, size)]
+            for group in tables
+        ]
+        self.tables[:, :size].copy_(
+            torch.tensor(host, dtype=torch.long, device="cpu"), non_blocking=True
+        )
         if not self.use_graphs:
             return self._step(size)[:bsz]
         if size not in self.graphs:
@@ -211,7 +222,9 @@ class DecodeGraphs:
         metas = [decode_metadata(self.tables[g, :size], self.positions[:size], self.block_size)
                  for g in range(self.tables.shape[0])]
         idx = torch.arange(size, device=self.input_ids.device)
-        return self.forward(self.input_ids[:size], self.positions[:size], self.kv_caches, metas, idx)
+        return self.forward(
+            self.input_ids[:size], self.positions[:size], self.kv_caches, metas, idx
+        )
 
     def _capture(self, size: int) -> None:
         """Warm up on a side stream (as torch's docs require), then capture the step of `size`

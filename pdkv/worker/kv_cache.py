@@ -55,15 +55,23 @@ def check_sliding_window_parallel(arch: LlamaArchConfig, dcp_size: int) -> None:
         )
 
 
-def linear_state_spec(arch: LlamaArchConfig, block_size: int, dtype: str, tp_size: int = 1) -> LinearStateSpec:
+def linear_state_spec(
+    arch: LlamaArchConfig, block_size: int, dtype: str, tp_size: int = 1
+) -> LinearStateSpec:
     """The Gated DeltaNet state of one layer on one of `tp_size` TP ranks (pdkv/model/
     qwen3_next.py's byte layout): conv window [conv_dim / tp, kernel - 1] in the model dtype (the
     rank's q | k | v channels), recurrent state [value heads / tp, dk, dv] in float32."""
     return LinearStateSpec(
-        block_size=block_size, conv_shape=(arch.linear_conv_dim // tp_size, arch.linear_conv_kernel_dim - 1),
-        recurrent_shape=(arch.linear_num_value_heads // tp_size, arch.linear_key_head_dim,
-                         arch.linear_value_head_dim),
-        conv_dtype=dtype, recurrent_dtype="float32")
+        block_size=block_size,
+        conv_shape=(arch.linear_conv_dim // tp_size, arch.linear_conv_kernel_dim - 1),
+        recurrent_shape=(
+            arch.linear_num_value_heads // tp_size,
+            arch.linear_key_head_dim,
+            arch.linear_value_head_dim,
+        ),
+        conv_dtype=dtype,
+        recurrent_dtype="float32",
+    )
 
 
 def gdn_state_geometry(arch: LlamaArchConfig, dtype: str) -> StateGeometry:
@@ -72,10 +80,13 @@ def gdn_state_geometry(arch: LlamaArchConfig, dtype: str) -> StateGeometry:
     reshard_state.py)."""
     key = arch.linear_num_key_heads * arch.linear_key_head_dim
     return StateGeometry(
-        group=len(attention_groups(arch)), num_layers=len(arch.linear_layers),
+        group=len(attention_groups(arch)),
+        num_layers=len(arch.linear_layers),
         conv_segments=(key, key, arch.linear_num_value_heads * arch.linear_value_head_dim),
         conv_row_bytes=(arch.linear_conv_kernel_dim - 1) * DTYPE_BYTES[dtype],
-        rec_heads=arch.linear_num_value_heads, rec_head_bytes=arch.linear_key_head_dim * arch.linear_value_head_dim * 4)
+        rec_heads=arch.linear_num_value_heads,
+        rec_head_bytes=arch.linear_key_head_dim * arch.linear_value_head_dim * 4,
+    )
 
 
 def make_kv_cache_config(
@@ -123,10 +134,17 @@ def make_kv_cache_config(
             dtype=dtype, cache_dtype=cache_dtype, sliding_window=window)
         groups.append(KVCacheGroupSpec(layer_indices=layers, spec=spec))
     if arch.has_linear_state:  # one state slot per request, after the attention groups
-        groups.append(KVCacheGroupSpec(layer_indices=arch.linear_layers, spec=linear_state_spec(arch, block_size, dtype, tp_size)))
+        groups.append(
+            KVCacheGroupSpec(
+                layer_indices=arch.linear_layers,
+                spec=linear_state_spec(arch, block_size, dtype, tp_size),
+            )
+        )
     group_bytes = sum(g.spec.page_size_bytes * len(g.layer_indices) for g in groups)
     physical_block_bytes = group_bytes // (dcp_size if logical else 1)
-    num_blocks = cache_config.num_kv_blocks or cache_config.kv_cache_memory_bytes // physical_block_bytes
+    num_blocks = (
+        cache_config.num_kv_blocks or cache_config.kv_cache_memory_bytes // physical_block_bytes
+    )
     needed = -(-max_model_len // (block_size * dcp_size))
     if arch.has_linear_state:  # with prefix caching a slot per block, and the pool's null block
         needed += 1
@@ -221,15 +239,19 @@ def allocate_kv_cache(
         n, layers = kv_cache_config.num_blocks, len(g.layer_indices)
         shape: tuple[int, ...]
         elem = dtype
-        if isinstance(spec, LinearStateSpec):  # raw bytes: the layer views its conv / recurrent parts
+        if isinstance(
+            spec, LinearStateSpec
+        ):  # raw bytes: the layer views its conv / recurrent parts
             shape = (n, layers, spec.page_size_bytes)
             elem = torch.uint8
         elif isinstance(spec, MLASpec):
             shape = (n, layers, spec.block_size, spec.entry_size)
         elif isinstance(spec, FullAttentionSpec) and spec.quantized:
             if spec.quant_data_bytes % SCALE_BYTES:
-                raise ValueError(f"quantized KV page of {spec.quant_data_bytes} value bytes leaves its "
-                                 "float32 scales unaligned: block_size x num_kv_heads x head_size must be even")
+                raise ValueError(
+                    f"quantized KV page of {spec.quant_data_bytes} value bytes leaves its "
+                    "float32 scales unaligned: block_size x num_kv_heads x head_size must be even"
+                )
             shape = (n, layers, spec.page_size_bytes)
             elem = torch.uint8
         elif isinstance(spec, FullAttentionSpec):
@@ -237,7 +259,11 @@ def allocate_kv_cache(
         else:
             raise ValueError(f"no KV cache layout for a {spec.kind} group")
         nbytes = kv_cache_config.block_bytes(len(groups)) * n
-        buf = buffer_fn(len(groups), nbytes) if buffer_fn is not None and device.type == "cpu" else None
+        buf = (
+            buffer_fn(len(groups), nbytes)
+            if buffer_fn is not None and device.type == "cpu"
+            else None
+        )
         if buf is not None:
             t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(elem).view(shape)
         else:
@@ -248,7 +274,9 @@ def allocate_kv_cache(
                 layer_views[layer] = t[:, j]
             elif isinstance(spec, FullAttentionSpec) and spec.quantized:
                 page = t[:, j]
-                data = page[:, : spec.quant_data_bytes].view(n, 2, spec.block_size, spec.num_kv_heads, spec.head_size)
+                data = page[:, : spec.quant_data_bytes].view(
+                    n, 2, spec.block_size, spec.num_kv_heads, spec.head_size
+                )
                 scales = page[:, spec.quant_data_bytes :].view(torch.float32).view(
                     n, 2, spec.block_size, spec.num_kv_heads)
                 layer_views[layer] = QuantKVCache(data.transpose(0, 1), scales.transpose(0, 1),

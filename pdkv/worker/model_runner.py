@@ -121,11 +121,18 @@ class ModelRunner:
         )
         from pdkv.model.cpu_linear import setup_cpu_linear
 
-        self.cpu_linear = setup_cpu_linear(self.model, model_config.cpu_linear, model_config.dtype, model_config.device)
+        self.cpu_linear = setup_cpu_linear(
+            self.model, model_config.cpu_linear, model_config.dtype, model_config.device
+        )
         arch = self.model.cfg
         self.attention_backend = install_attention_backend(
-            self.model, model_config.attention_backend, model_config.device, cache_config.cache_dtype,
-            parallel.dcp_size if parallel is not None else 1, arch.is_mla)
+            self.model,
+            model_config.attention_backend,
+            model_config.device,
+            cache_config.cache_dtype,
+            parallel.dcp_size if parallel is not None else 1,
+            arch.is_mla,
+        )
         self.fused_ops = set_fused_ops(self.model, model_config.fused_ops)
         if model_config.max_model_len > arch.max_position_embeddings:
             raise ValueError(
@@ -138,7 +145,9 @@ class ModelRunner:
         if cache_config.num_kv_blocks is None and cache_config.gpu_memory_utilization is not None:
             from pdkv.worker.memory import free_memory_bytes, kv_budget_bytes
 
-            budget = kv_budget_bytes(free_memory_bytes(self.device), cache_config.gpu_memory_utilization)
+            budget = kv_budget_bytes(
+                free_memory_bytes(self.device), cache_config.gpu_memory_utilization
+            )
         self.kv_cache_config: KVCacheConfig = kv_cache_config(arch, budget)
         # Quantized KV (issue 12): identity for P/D (a different value refuses the pair) and
         # part of the pool namespace ("kv_quant"; None = not quantized).
@@ -245,9 +254,13 @@ class ModelRunner:
         if out.total_num_scheduled_tokens == 0:
             if conn is None:
                 return EMPTY_MODEL_RUNNER_OUTPUT
-            return ModelRunnerOutput(sampled_token_ids={}, kv_connector_output=self._connector_output(out))
+            return ModelRunnerOutput(
+                sampled_token_ids={}, kv_connector_output=self._connector_output(out)
+            )
         graphs = self.decode_graphs
-        graph_in = decode_step_inputs(out.num_scheduled_tokens, self.requests, graphs) if graphs else None
+        graph_in = (
+            decode_step_inputs(out.num_scheduled_tokens, self.requests, graphs) if graphs else None
+        )
         meta: list[Any] | None = None
         if graphs is not None and graph_in is not None:  # a decode step: replay its CUDA graph
             ids, pos, tables, sampled_reqs = graph_in
@@ -255,7 +268,9 @@ class ModelRunner:
             t1 = time.perf_counter()
             logits = graphs.run(ids, pos, tables)
         else:
-            input_ids, positions, meta, logits_idx, sampled_reqs, prompt_rows = self._prepare_inputs(out)
+            input_ids, positions, meta, logits_idx, sampled_reqs, prompt_rows = (
+                self._prepare_inputs(out)
+            )
             t1 = time.perf_counter()
             logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
         t2 = time.perf_counter()
@@ -288,11 +303,19 @@ class ModelRunner:
         for req_id, n in out.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
         t3 = time.perf_counter()
-        self.timings = StepTimings(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2,
-                                   dcp_comm=meta[0].dcp.comm_seconds if meta and meta[0].dcp is not None else 0.0)
+        self.timings = StepTimings(
+            prepare=t1 - t0,
+            forward=t2 - t1,
+            sample=t3 - t2,
+            dcp_comm=meta[0].dcp.comm_seconds if meta and meta[0].dcp is not None else 0.0,
+        )
         kv_out = self._connector_output(out) if conn is not None else None
-        return ModelRunnerOutput(sampled_token_ids=result, logprobs=lp_out or None, kv_connector_output=kv_out,
-                                 prompt_logprobs=prompt_lp or None)
+        return ModelRunnerOutput(
+            sampled_token_ids=result,
+            logprobs=lp_out or None,
+            kv_connector_output=kv_out,
+            prompt_logprobs=prompt_lp or None,
+        )
 
     def _prompt_logprobs(self, logits: torch.Tensor,
                          rows: list[tuple[CachedRequestState, int, int]]) -> None:
@@ -303,7 +326,9 @@ class ModelRunner:
         for state, first, count in rows:
             part = lps[at : at + count]
             at += count
-            targets = torch.tensor(state.token_ids[first + 1 : first + 1 + count], device=lps.device)
+            targets = torch.tensor(
+                state.token_ids[first + 1 : first + 1 + count], device=lps.device
+            )
             target_lp = part.gather(1, targets[:, None])
             ranks = ((part > target_lp).sum(-1) + 1).tolist()
             k = state.sampling_params.prompt_logprobs or 0
@@ -311,9 +336,13 @@ class ModelRunner:
             top_ids = top.indices.tolist() if top is not None else [[]] * count
             top_lps = top.values.tolist() if top is not None else [[]] * count
             assert state.prompt_logprobs is not None
-            for j, (t, lp, rank) in enumerate(zip(targets.tolist(), target_lp[:, 0].tolist(), ranks)):
+            for j, (t, lp, rank) in enumerate(
+                zip(targets.tolist(), target_lp[:, 0].tolist(), ranks)
+            ):
                 state.prompt_logprobs.append(
-                    [(t, lp, rank)] + [(i, v, r + 1) for r, (i, v) in enumerate(zip(top_ids[j], top_lps[j]))])
+                    [(t, lp, rank)]
+                    + [(i, v, r + 1) for r, (i, v) in enumerate(zip(top_ids[j], top_lps[j]))]
+                )
 
     def _connector_output(self, out: SchedulerOutput) -> KVConnectorOutput:
         conn = self.connector

@@ -39,7 +39,12 @@ GAPS_S = (0.100, 0.050, 0.040, 0.060)
 CONTENT = ("a", "bc", "d")
 COMPLETION_TOKENS = 4
 MODEL = "mock-model"
-TIMINGS = {"source": "engine", "unit": "s", "total": 0.12, "phases": {"queue": 0.02, "prefill": 0.1}}
+TIMINGS = {
+    "source": "engine",
+    "unit": "s",
+    "total": 0.12,
+    "phases": {"queue": 0.02, "prefill": 0.1},
+}
 
 
 @dataclass

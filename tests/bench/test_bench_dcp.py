@@ -11,10 +11,29 @@ from pdkv.bench.dcp.report import kv_bytes_per_token, kv_tokens_per_rank, percen
 from pdkv.cli import main
 
 ROW_KEYS = {
-    "config", "baseline", "tp", "dcp", "context_len", "prompt_tokens", "context_tokens", "kv_tokens_per_rank",
-    "kv_bytes_per_token_per_rank", "kv_bytes_per_rank", "blocks", "block_bytes_per_rank",
-    "kv_measured_bytes_per_rank", "step_median_ms", "step_p90_ms", "dcp_comm_median_ms", "comm_share",
-    "kv_ratio", "kv_measured_ratio", "step_ratio", "step_s", "forward_s", "dcp_comm_s",
+    "config",
+    "baseline",
+    "tp",
+    "dcp",
+    "context_len",
+    "prompt_tokens",
+    "context_tokens",
+    "kv_tokens_per_rank",
+    "kv_bytes_per_token_per_rank",
+    "kv_bytes_per_rank",
+    "blocks",
+    "block_bytes_per_rank",
+    "kv_measured_bytes_per_rank",
+    "step_median_ms",
+    "step_p90_ms",
+    "dcp_comm_median_ms",
+    "comm_share",
+    "kv_ratio",
+    "kv_measured_ratio",
+    "step_ratio",
+    "step_s",
+    "forward_s",
+    "dcp_comm_s",
 }
 
 
@@ -46,7 +65,9 @@ def test_quick_dcp2_halves_kv_per_rank(tiny_llama_kv2, tmp_path):
     for n in QUICK_CONTEXT_LENS:
         one, two = rows["dcp1", n], rows["dcp2", n]
         block = two["block_bytes_per_rank"]
-        assert one["kv_bytes_per_token_per_rank"] == two["kv_bytes_per_token_per_rank"]  # weights replicated
+        assert (
+            one["kv_bytes_per_token_per_rank"] == two["kv_bytes_per_token_per_rank"]
+        )  # weights replicated
         for key in ("kv_bytes_per_rank", "kv_measured_bytes_per_rank"):
             assert abs(two[key] - one[key] / 2) <= block, (key, one[key], two[key])
         assert abs(two["kv_ratio"] - 0.5) <= block / one["kv_bytes_per_rank"]

@@ -35,11 +35,18 @@ def test_real_size_rows_match_hand_computed_figures():
     by = {(r["model"], r["kind"]): r for r in rows}
     full, swa = by["gemma-3-27b", "full_attention"], by["gemma-3-27b", "sliding_window"]
     assert (full["layers"], swa["layers"]) == (10, 52)  # 5 local layers per global one, 62 layers
-    assert full["bytes_per_token"] == 2 * 10 * 16 * 128 * 2  # K/V x layers x KV heads x head dim x bf16
-    assert swa["held"]["4096"] == swa["held"]["1024"] == 1024 * 2 * 52 * 16 * 128 * 2  # the window only
+    assert (
+        full["bytes_per_token"] == 2 * 10 * 16 * 128 * 2
+    )  # K/V x layers x KV heads x head dim x bf16
+    assert (
+        swa["held"]["4096"] == swa["held"]["1024"] == 1024 * 2 * 52 * 16 * 128 * 2
+    )  # the window only
     assert full["held"]["4096"] == 4 * full["held"]["1024"]
     lin = by["qwen3-next-80b-a3b", "linear_state"]
-    assert lin["bytes_per_token"] == 0 and lin["held"]["1024"] == lin["held"]["4096"] == lin["bytes_per_request"] > 0
+    assert (
+        lin["bytes_per_token"] == 0
+        and lin["held"]["1024"] == lin["held"]["4096"] == lin["bytes_per_request"] > 0
+    )
     table = format_real_size(rows, (1024, 4096))
     assert "gemma-3-27b" in table and "total" in table
 
@@ -60,7 +67,9 @@ def test_tiny_swa_pull_moves_the_formula_bytes(tiny_swa):
     (row,) = run_model(tiny_swa, [150], repeats=1, transfer="tcp", seed=0, num_threads=1)
     kinds = {g["kind"]: g for g in row["groups"]}
     assert kinds["full_attention"]["blocks"] == 10 and kinds["sliding_window"]["blocks"] == 4
-    assert row["bytes_received"] == row["formula_bytes"] == 14 * kinds["full_attention"]["block_bytes"]
+    assert (
+        row["bytes_received"] == row["formula_bytes"] == 14 * kinds["full_attention"]["block_bytes"]
+    )
 
 
 def test_blocks_moved_of_a_linear_state_group_is_one_slot():

@@ -23,10 +23,22 @@ from pdkv.cli import main
 TINY_KV2_TOKEN_BYTES = 4 * 2 * 2 * 32 * 4  # layers x K/V x KV heads x head_dim x fp32
 
 
-def _row(case: str, n: int, nbytes: int, ops: int, seconds: float, outputs: list[list[int]]) -> dict:
-    return {"case": case, "p_block_size": 16, "d_block_size": 32 if case != "same" else 16, "d_tp": 1,
-            "prompt_tokens": n, "p_blocks": n // 16, "needed_bytes": nbytes, "bytes_received": nbytes, "read_ops": ops,
-            "transfer_s": seconds, "outputs": outputs}
+def _row(
+    case: str, n: int, nbytes: int, ops: int, seconds: float, outputs: list[list[int]]
+) -> dict:
+    return {
+        "case": case,
+        "p_block_size": 16,
+        "d_block_size": 32 if case != "same" else 16,
+        "d_tp": 1,
+        "prompt_tokens": n,
+        "p_blocks": n // 16,
+        "needed_bytes": nbytes,
+        "bytes_received": nbytes,
+        "read_ops": ops,
+        "transfer_s": seconds,
+        "outputs": outputs,
+    }
 
 
 def test_report_ratios_check_and_table():
@@ -39,14 +51,24 @@ def test_report_ratios_check_and_table():
     ]
     add_ratios(rows)
     same, reblock, reshard, same128, lonely = rows
-    assert (same["bytes_ratio"], same["read_ops_ratio"], same["transfer_ratio"], same["check"]) == (1.0, 1.0, 1.0, OK)
+    assert (same["bytes_ratio"], same["read_ops_ratio"], same["transfer_ratio"], same["check"]) == (
+        1.0,
+        1.0,
+        1.0,
+        OK,
+    )
     assert reblock["bytes_ratio"] == 1.0 and reblock["read_ops_ratio"] == 24.0
     assert reblock["transfer_ratio"] == pytest.approx(2.5) and reblock["check"] == OK
     assert reshard["read_ops_ratio"] == 256.0 and reshard["check"] == MISMATCH
     assert same128["check"] == OK
     assert lonely["check"] == NO_BASELINE and math.isnan(lonely["read_ops_ratio"])
-    assert failed_checks(rows) == [f"reshard-tp2 @ 64 tokens: {MISMATCH}", f"reblock-d32 @ 256 tokens: {NO_BASELINE}"]
-    table = format_table({"rows": rows, "bytes_per_token": 16, "repeats": 2, "transfer": "tcp", "cpu_count": 2})
+    assert failed_checks(rows) == [
+        f"reshard-tp2 @ 64 tokens: {MISMATCH}",
+        f"reblock-d32 @ 256 tokens: {NO_BASELINE}",
+    ]
+    table = format_table(
+        {"rows": rows, "bytes_per_token": 16, "repeats": 2, "transfer": "tcp", "cpu_count": 2}
+    )
     lines = table.splitlines()
     assert len(lines) == 1 + len(rows) + 4
     assert lines[2].split()[-4:] == ["1.00", "24.0", "2.50", OK]
@@ -77,7 +99,10 @@ def test_same_and_reblocked_handoffs_move_equal_bytes_in_more_reads(tiny_llama_k
 def test_cli_exits_1_on_an_output_mismatch_and_still_writes_json(monkeypatch, tmp_path, capsys):
     from pdkv.bench.hetero import cli as hetero
 
-    rows = [_row("same", 64, 1000, 2, 0.01, [[5, 6]]), _row("reblock-d32", 64, 1000, 48, 0.02, [[5, 7]])]
+    rows = [
+        _row("same", 64, 1000, 2, 0.01, [[5, 6]]),
+        _row("reblock-d32", 64, 1000, 48, 0.02, [[5, 7]]),
+    ]
     add_ratios(rows)
     monkeypatch.setattr(hetero, "run_hetero_bench", lambda *a, **k: {"rows": rows})
     out = tmp_path / "hetero.json"

@@ -44,10 +44,23 @@ def test_rss_and_descendants_of_a_process_tree():
 
 
 def test_report_marks_each_goal():
-    small, big = Rss(50_000_000, 40_000_000, 10_000_000, 0, False), Rss(SERVE_GOAL_BYTES + 1, 0, 0, 0, True)
-    text = report({"serve": (big, big), "launcher": (small, small), "proxy": (small, Rss(LIGHT_GOAL_BYTES + 1,
-                                                                                        0, 0, 0, False))}, [])
+    small, big = (
+        Rss(50_000_000, 40_000_000, 10_000_000, 0, False),
+        Rss(SERVE_GOAL_BYTES + 1, 0, 0, 0, True),
+    )
+    text = report(
+        {
+            "serve": (big, big),
+            "launcher": (small, small),
+            "proxy": (small, Rss(LIGHT_GOAL_BYTES + 1, 0, 0, 0, False)),
+        },
+        [],
+    )
     lines = text.splitlines()
     assert lines[0].startswith("engine flags: (defaults)")
-    assert lines[2].split()[-1] == "NO" and lines[3].split()[-1] == "yes" and lines[4].split()[-1] == "NO"
+    assert (
+        lines[2].split()[-1] == "NO"
+        and lines[3].split()[-1] == "yes"
+        and lines[4].split()[-1] == "NO"
+    )
     assert lines[2].split()[-3] == "yes" and lines[3].split()[-3] == "no"  # torch column

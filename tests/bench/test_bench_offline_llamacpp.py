@@ -20,8 +20,12 @@ from pdkv.bench.offline.report import format_workload_table, goal_for, workload_
 
 
 def test_gguf_path_names_model_and_outtype(tmp_path):
-    assert gguf_path("smollm2", "float32", str(tmp_path)) == str(tmp_path / "gguf" / "smollm2-f32.gguf")
-    assert gguf_path("/m/SmolLM2-135M/", "bfloat16", str(tmp_path)).endswith("gguf/smollm2-135m-bf16.gguf")
+    assert gguf_path("smollm2", "float32", str(tmp_path)) == str(
+        tmp_path / "gguf" / "smollm2-f32.gguf"
+    )
+    assert gguf_path("/m/SmolLM2-135M/", "bfloat16", str(tmp_path)).endswith(
+        "gguf/smollm2-135m-bf16.gguf"
+    )
     with pytest.raises(ValueError, match="float16"):
         gguf_path("smollm2", "float16", str(tmp_path))
 
@@ -80,7 +84,9 @@ def test_converter_is_unpacked_and_run_with_its_gguf_py(tmp_path):
     _sdist(sdist)
     conv = extract_converter(str(sdist), str(tmp_path / "src"))
     assert os.path.isfile(os.path.join(conv, "convert_hf_to_gguf.py"))
-    assert os.path.isdir(os.path.join(conv, "conversion")) and os.path.isdir(os.path.join(conv, "gguf-py"))
+    assert os.path.isdir(os.path.join(conv, "conversion")) and os.path.isdir(
+        os.path.join(conv, "gguf-py")
+    )
     assert not os.path.exists(os.path.join(conv, "ggml"))  # only the converter's parts
     out = str(tmp_path / "gguf" / "m-f32.gguf")
     convert(conv, "/models/m", "f32", out)
@@ -116,10 +122,18 @@ def _entry(b, pdkv, hf, llamacpp, same):
 def _result():
     e = _entry
     return {
-        "dtype": "float32", "num_threads": 2, "input_len": 128, "llama_cpp_python_version": "0.3.36",
-        "long_prefill": {"input_len": 512, "batch_size": 1, "pdkv": _sys(1200.0, None),
-                         "hf": _sys(1000.0, None), "llamacpp": _sys(800.0, None),
-                         "greedy_match_requests_all": 1},
+        "dtype": "float32",
+        "num_threads": 2,
+        "input_len": 128,
+        "llama_cpp_python_version": "0.3.36",
+        "long_prefill": {
+            "input_len": 512,
+            "batch_size": 1,
+            "pdkv": _sys(1200.0, None),
+            "hf": _sys(1000.0, None),
+            "llamacpp": _sys(800.0, None),
+            "greedy_match_requests_all": 1,
+        },
         "results": [
             e(1, (700.0, 30.0), (400.0, 31.0), (600.0, 40.0), 1),
             e(8, (600.0, 160.0), (700.0, 120.0), (500.0, 150.0), 8),
@@ -146,7 +160,10 @@ def test_workload_rows_ratios_goals_and_token_match():
     by = {r["workload"]: r for r in rows}
     assert by["prefill 512, batch 1"]["ratio"] == pytest.approx(1.5)
     assert by["prefill 512, batch 1"]["met"] is True  # 1.5 >= 1.5
-    assert by["decode, batch 1"]["ratio"] == pytest.approx(0.75) and by["decode, batch 1"]["met"] is False
+    assert (
+        by["decode, batch 1"]["ratio"] == pytest.approx(0.75)
+        and by["decode, batch 1"]["met"] is False
+    )
     assert by["decode, 32 sequences (aggregate)"]["ratio"] == pytest.approx(2.0)
     assert by["decode, 32 sequences (aggregate)"]["met"] is True
     assert by["decode, 8 sequences (aggregate)"]["goal"] is None
@@ -160,7 +177,10 @@ def test_workload_rows_ratios_goals_and_token_match():
     assert "pdkv / llama.cpp" in table and "llama-cpp-python 0.3.36" in table
     lines = {ln.split("|")[0].strip(): ln for ln in table.splitlines() if "|" in ln}
     assert "0.75" in lines["decode, batch 1"] and "missed" in lines["decode, batch 1"]
-    assert "met" in lines["prefill 512, batch 1"] and "31/32" in lines["decode, 32 sequences (aggregate)"]
+    assert (
+        "met" in lines["prefill 512, batch 1"]
+        and "31/32" in lines["decode, 32 sequences (aggregate)"]
+    )
     assert "greedy tokens identical on all systems: no" in table
     assert "goals (issue 14) met: 2/3" in table
 
@@ -181,12 +201,28 @@ def test_workload_table_says_yes_when_all_tokens_match_and_handles_missing_figur
 def test_per_batch_table_carries_the_skip_message():
     from pdkv.bench.offline.report import format_table
 
-    result = {"model": "smollm2", "dtype": "float32", "device": "cpu", "num_threads": 2,
-              "input_len": 8, "output_len": 2, "torch_version": "t", "transformers_version": "x",
-              "repeats": 1, "greedy_match": None,
-              "results": [{"batch_size": 1, "pdkv": _sys(10.0, 2.0), "hf": None,
-                           "prefill_ratio": None, "decode_ratio": None}],
-              "llamacpp_skipped": "llama.cpp skipped: GGUF /x missing; `make llama-cpp` converts it"}
+    result = {
+        "model": "smollm2",
+        "dtype": "float32",
+        "device": "cpu",
+        "num_threads": 2,
+        "input_len": 8,
+        "output_len": 2,
+        "torch_version": "t",
+        "transformers_version": "x",
+        "repeats": 1,
+        "greedy_match": None,
+        "results": [
+            {
+                "batch_size": 1,
+                "pdkv": _sys(10.0, 2.0),
+                "hf": None,
+                "prefill_ratio": None,
+                "decode_ratio": None,
+            }
+        ],
+        "llamacpp_skipped": "llama.cpp skipped: GGUF /x missing; `make llama-cpp` converts it",
+    }
     assert format_table(result).endswith(result["llamacpp_skipped"])
 
 
@@ -259,7 +295,9 @@ class _FakeLlamaCpp:
 
     def llama_batch_init(self, n, embd, n_seq_max):
         ids = [(ctypes.c_int32 * n_seq_max)() for _ in range(n)]
-        seq = (ctypes.POINTER(ctypes.c_int32) * n)(*[ctypes.cast(a, ctypes.POINTER(ctypes.c_int32)) for a in ids])
+        seq = (ctypes.POINTER(ctypes.c_int32) * n)(
+            *[ctypes.cast(a, ctypes.POINTER(ctypes.c_int32)) for a in ids]
+        )
         b = types.SimpleNamespace(
             n_tokens=0, capacity=n, keep=ids,
             token=ctypes.cast((ctypes.c_int32 * n)(), ctypes.POINTER(ctypes.c_int32)),
@@ -274,7 +312,9 @@ class _FakeLlamaCpp:
     def llama_decode(self, ctx, b):
         p = ctx.params
         assert b.n_tokens <= min(b.capacity, p.n_batch, p.n_ubatch)
-        rows = [(b.token[i], b.pos[i], b.seq_id[i][0], bool(b.logits[i])) for i in range(b.n_tokens)]
+        rows = [
+            (b.token[i], b.pos[i], b.seq_id[i][0], bool(b.logits[i])) for i in range(b.n_tokens)
+        ]
         assert all(b.n_seq_id[i] == 1 for i in range(b.n_tokens))
         self.decodes.append((b.n_tokens, rows))
         outs = []
@@ -331,7 +371,9 @@ def test_peer_runs_the_batch_as_sequences_one_decode_per_step(monkeypatch):
     prefill = fake.decodes[0][1]
     assert [r[3] for r in prefill] == [i % 5 == 4 for i in range(15)]
     assert [r[2] for r in prefill] == [0] * 5 + [1] * 5 + [2] * 5
-    assert [r[2] for r in fake.decodes[1][1]] == [0, 1, 2] and [r[1] for r in fake.decodes[3][1]] == [7, 7, 7]
+    assert [r[2] for r in fake.decodes[1][1]] == [0, 1, 2] and [
+        r[1] for r in fake.decodes[3][1]
+    ] == [7, 7, 7]
     # Same shape again: the context is reused and its cache cleared.
     assert peer.run(prompts, 2)[1] == [t[:2] for t in toks] and len(fake.contexts) == 1
     peer.close()

@@ -32,7 +32,9 @@ def test_summary_takes_medians_and_judges_the_tier_target():
 
 
 def test_short_hits_and_differing_outputs_are_flagged():
-    row = summarize_tier("dram", [_sample(1.0, 0.05), _sample(1.0, 0.05, hit=1792, identical=False)], 2048)
+    row = summarize_tier(
+        "dram", [_sample(1.0, 0.05), _sample(1.0, 0.05, hit=1792, identical=False)], 2048
+    )
     assert not row["hits_ok"] and not row["identical"]
     result = {"model": "smollm2", "block_size": 16, "chunk_size": 256, "prompt_len": 2049,
               "repeats": 2, "max_tokens": 8, "expected_hit_tokens": 2048, "no_pool_ttft_ms": 950.0,

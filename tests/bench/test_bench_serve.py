@@ -64,7 +64,10 @@ def test_request_timings_match_the_mock(mock, endpoint):
     r = _run(mock, endpoint=endpoint, num_prompts=1)
     assert r["completed"] == 1 and r["failed"] == 0, r["errors"]
     # vLLM's top-level keys of a --save-result file
-    assert r["backend"] == ("openai-chat" if endpoint == "chat" else "openai") and r["num_prompts"] == 1
+    assert (
+        r["backend"] == ("openai-chat" if endpoint == "chat" else "openai")
+        and r["num_prompts"] == 1
+    )
     assert r["model_id"] == r["config"]["model"] and r["tokenizer_id"] and len(r["date"]) == 15
     ttft_ms, e2el_ms = r["ttfts"][0] * 1000, r["latencies"][0] * 1000
     itl_ms = [g * 1000 for g in r["itls"][0]]
@@ -81,7 +84,9 @@ def test_request_timings_match_the_mock(mock, endpoint):
     assert r["tpots"][0] * 1000 == pytest.approx(tpot_ms, rel=1e-12)
     assert r["mean_tpot_ms"] == pytest.approx(tpot_ms, rel=1e-12)
     assert abs(tpot_ms - (E2EL_MS - TTFT_MS) / 3) <= LATE_MS / 2
-    assert r["mean_ttft_ms"] == pytest.approx(ttft_ms) and r["mean_e2el_ms"] == pytest.approx(e2el_ms)
+    assert r["mean_ttft_ms"] == pytest.approx(ttft_ms) and r["mean_e2el_ms"] == pytest.approx(
+        e2el_ms
+    )
     assert r["median_itl_ms"] == pytest.approx(sum(itl_ms) / 2)
     # prompt tokens from usage: the mock counts the prompt's words.
     assert r["input_lens"] == [8] and r["total_input_tokens"] == 8
@@ -227,8 +232,12 @@ def test_word_fallback_without_tokenize(mock):
 
 def test_metrics_scrape_delta(mock):
     r = _run(mock, num_prompts=5)
-    totals = {"prefix_cache_queries": 50.0, "prefix_cache_hits": 20.0, "kv_p2p_bytes_received": 5000.0,
-              "prefix_cache_hit_rate": 0.4}
+    totals = {
+        "prefix_cache_queries": 50.0,
+        "prefix_cache_hits": 20.0,
+        "kv_p2p_bytes_received": 5000.0,
+        "prefix_cache_hit_rate": 0.4,
+    }
     assert r["server_metrics"] == {**totals, "sources": {mock.base_url + "/metrics": totals}}
     mock.state.metrics = False
     assert _run(mock, num_prompts=1)["server_metrics"] is None
@@ -298,7 +307,10 @@ def test_multi_turn_conversations_extend_turn_by_turn(mock, endpoint):
             for t in (1, 2):
                 assert msgs[t][: len(msgs[t - 1])] == msgs[t - 1]  # the earlier turns, unchanged
                 assert msgs[t][-2]["role"] == "assistant" and msgs[t][-1]["role"] == "user"
-                assert len(msgs[t][-2]["content"].split()) == 4 and len(msgs[t][-1]["content"].split()) == 5
+                assert (
+                    len(msgs[t][-2]["content"].split()) == 4
+                    and len(msgs[t][-1]["content"].split()) == 5
+                )
         else:
             prompts = [p["prompt"] for p in turns]
             assert prompts[1].startswith(prompts[0]) and prompts[2].startswith(prompts[1])
@@ -307,4 +319,6 @@ def test_multi_turn_conversations_extend_turn_by_turn(mock, endpoint):
     mock.state.reset()
     _run(mock, dataset="multi-turn", endpoint=endpoint, num_prompts=3, num_turns=3, input_len=5,
          output_len=4, max_concurrency=1)
-    assert [str(p.get("messages") or p.get("prompt")) for p in mock.state.payloads] == first  # seeded, same order
+    assert [
+        str(p.get("messages") or p.get("prompt")) for p in mock.state.payloads
+    ] == first  # seeded, same order

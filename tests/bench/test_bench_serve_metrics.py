@@ -182,10 +182,18 @@ def test_prometheus_parsing_and_deltas():
     vllm = select_counters(parse_counters(
         "vllm:prefix_cache_queries_total 10\nvllm:prefix_cache_hits_total 5\n"))
     assert vllm == {"prefix_cache_queries": 10.0, "prefix_cache_hits": 5.0}
-    after = {"prefix_cache_queries": 350.0, "prefix_cache_hits": 110.0, "kv_p2p_bytes_received": 8.0}
+    after = {
+        "prefix_cache_queries": 350.0,
+        "prefix_cache_hits": 110.0,
+        "kv_p2p_bytes_received": 8.0,
+    }
     d = counter_deltas(picked, after)
-    assert d == {"prefix_cache_queries": 200.0, "prefix_cache_hits": 80.0, "kv_p2p_bytes_received": 8.0,
-                 "prefix_cache_hit_rate": 0.4}  # kv bytes absent before: counted from 0
+    assert d == {
+        "prefix_cache_queries": 200.0,
+        "prefix_cache_hits": 80.0,
+        "kv_p2p_bytes_received": 8.0,
+        "prefix_cache_hit_rate": 0.4,
+    }  # kv bytes absent before: counted from 0
     assert counter_deltas(picked, picked)["prefix_cache_hit_rate"] is None
     assert counter_deltas(None, after) is None
     assert counter_deltas({}, {}) == {}
@@ -251,10 +259,16 @@ def test_ttft_phases_mean_p99_and_sum_against_client_ttft():
     assert ph["sum_over_ttft"] == pytest.approx({"mean": 0.85, "min": 0.8, "max": 0.9})
     assert ttft_phases([_ok(0.2, [], 0.2, 1)]) is None
     cfg = BenchConfig(num_prompts=2)
-    result = build_result(cfg, "m", "server", compute_metrics(results, 1.0, cfg.percentiles), results, None)
+    result = build_result(
+        cfg, "m", "server", compute_metrics(results, 1.0, cfg.percentiles), results, None
+    )
     assert result["ttft_phases"] == ph and result["pdkv_timings"][:3] == [pd, skip, None]
     table = format_result_table(result)
-    assert "TTFT Phases" in table and "client_residual" in table and "Sum / client TTFT, mean (%):" in table
+    assert (
+        "TTFT Phases" in table
+        and "client_residual" in table
+        and "Sum / client TTFT, mean (%):" in table
+    )
 
 
 PD_METRICS = """\
@@ -274,12 +288,20 @@ def test_real_kv_byte_names_proxy_legs_and_several_targets():
     picked = select_counters(parse_samples(PD_METRICS))
     assert picked == {"kv_p2p_bytes_received": 4096.0, "kv_pool_bytes_read": 120.0,
                       "proxy_prefill_legs": 3.0, "proxy_decode_legs": 5.0, "proxy_whole_legs": 0.0}
-    before = {"a": {"kv_p2p_bytes_received": 100.0, "proxy_decode_legs": 1.0},
-              "b": {"kv_p2p_bytes_received": 0.0, "prefix_cache_queries": 10.0, "prefix_cache_hits": 0.0},
-              "c": None}
-    after = {"a": {"kv_p2p_bytes_received": 300.0, "proxy_decode_legs": 3.0},
-             "b": {"kv_p2p_bytes_received": 50.0, "prefix_cache_queries": 30.0, "prefix_cache_hits": 5.0},
-             "c": {"kv_p2p_bytes_received": 1e9}}
+    before = {
+        "a": {"kv_p2p_bytes_received": 100.0, "proxy_decode_legs": 1.0},
+        "b": {"kv_p2p_bytes_received": 0.0, "prefix_cache_queries": 10.0, "prefix_cache_hits": 0.0},
+        "c": None,
+    }
+    after = {
+        "a": {"kv_p2p_bytes_received": 300.0, "proxy_decode_legs": 3.0},
+        "b": {
+            "kv_p2p_bytes_received": 50.0,
+            "prefix_cache_queries": 30.0,
+            "prefix_cache_hits": 5.0,
+        },
+        "c": {"kv_p2p_bytes_received": 1e9},
+    }
     d = combine_deltas(before, after)
     assert d["kv_p2p_bytes_received"] == 250.0 and d["proxy_decode_legs"] == 2.0
     assert d["prefix_cache_hit_rate"] == pytest.approx(0.25)

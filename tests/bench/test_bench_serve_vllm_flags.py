@@ -22,23 +22,69 @@ from pdkv.cli import build_parser  # noqa: E402
 
 
 def _conv(q: str, a: str) -> dict:
-    return {"id": q[:5], "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+    return {
+        "id": q[:5],
+        "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}],
+    }
 
 
 def test_vllm_flag_names_are_aliases(tmp_path):
-    args = build_parser().parse_args([
-        "bench", "serve", "--backend", "openai-chat", "--dataset-name", "random", "--random-input-len", "32",
-        "--random-output-len", "8", "--random-range-ratio", "0.1", "--save-result", "--result-dir", str(tmp_path),
-        "--num-prompts", "3"])
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "serve",
+            "--backend",
+            "openai-chat",
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            "32",
+            "--random-output-len",
+            "8",
+            "--random-range-ratio",
+            "0.1",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--num-prompts",
+            "3",
+        ]
+    )
     cfg = config_from_args(args)
-    assert (cfg.endpoint, cfg.dataset, cfg.input_len, cfg.output_len, cfg.range_ratio) == ("chat", "random", 32, 8, 0.1)
-    assert config_from_args(build_parser().parse_args(["bench", "serve", "--backend", "openai"])).endpoint == "completions"
+    assert (cfg.endpoint, cfg.dataset, cfg.input_len, cfg.output_len, cfg.range_ratio) == (
+        "chat",
+        "random",
+        32,
+        8,
+        0.1,
+    )
+    assert (
+        config_from_args(
+            build_parser().parse_args(["bench", "serve", "--backend", "openai"])
+        ).endpoint
+        == "completions"
+    )
     # --ignore-eos (vLLM's flag) and pdkv's default are on; --no-ignore-eos turns it off
-    assert cfg.ignore_eos and config_from_args(build_parser().parse_args(["bench", "serve", "--ignore-eos"])).ignore_eos
-    assert not config_from_args(build_parser().parse_args(["bench", "serve", "--no-ignore-eos"])).ignore_eos
-    assert config_from_args(build_parser().parse_args(["bench", "serve", "--metric-percentiles", "25,75"])).percentiles == [25.0, 75.0]
-    path = result_path(args, {"config": {"model": "org/m", "endpoint": "chat"}, "request_rate": "inf"})
-    assert path is not None and path.startswith(str(tmp_path / "pdkv-chat-infqps-org_m-")) and path.endswith(".json")
+    assert (
+        cfg.ignore_eos
+        and config_from_args(
+            build_parser().parse_args(["bench", "serve", "--ignore-eos"])
+        ).ignore_eos
+    )
+    assert not config_from_args(
+        build_parser().parse_args(["bench", "serve", "--no-ignore-eos"])
+    ).ignore_eos
+    assert config_from_args(
+        build_parser().parse_args(["bench", "serve", "--metric-percentiles", "25,75"])
+    ).percentiles == [25.0, 75.0]
+    path = result_path(
+        args, {"config": {"model": "org/m", "endpoint": "chat"}, "request_rate": "inf"}
+    )
+    assert (
+        path is not None
+        and path.startswith(str(tmp_path / "pdkv-chat-infqps-org_m-"))
+        and path.endswith(".json")
+    )
     args.result_filename = "r.json"
     assert result_path(args, {}) == str(tmp_path / "r.json")
 
@@ -53,11 +99,19 @@ def test_sharegpt_samples_first_two_turns_with_vllm_filters(tmp_path):
     samples = asyncio.run(sharegpt_dataset(WordTokenizer(), str(path), num_prompts=10, seed=0))
     assert sorted((s.prompt, s.prompt_len, s.output_len) for s in samples) == [
         ("one two three four five", 5, 6), ("six seven eight nine", 4, 4)]
-    fixed = asyncio.run(sharegpt_dataset(WordTokenizer(), str(path), num_prompts=10, seed=0, output_len=2))
-    assert len(fixed) == 2 and {s.output_len for s in fixed} == {2}  # the 2-word prompt is still too short
-    short = asyncio.run(sharegpt_dataset(WordTokenizer(), str(path), num_prompts=10, seed=0, output_len=1))
+    fixed = asyncio.run(
+        sharegpt_dataset(WordTokenizer(), str(path), num_prompts=10, seed=0, output_len=2)
+    )
+    assert len(fixed) == 2 and {s.output_len for s in fixed} == {
+        2
+    }  # the 2-word prompt is still too short
+    short = asyncio.run(
+        sharegpt_dataset(WordTokenizer(), str(path), num_prompts=10, seed=0, output_len=1)
+    )
     assert len(short) == 2  # a fixed output length is taken as given
-    assert len(asyncio.run(sharegpt_dataset(WordTokenizer(), str(path), num_prompts=1, seed=3))) == 1
+    assert (
+        len(asyncio.run(sharegpt_dataset(WordTokenizer(), str(path), num_prompts=1, seed=3))) == 1
+    )
     path.write_text("{}")
     with pytest.raises(ValueError, match="JSON list"):
         asyncio.run(sharegpt_dataset(WordTokenizer(), str(path), 1, 0))
@@ -71,13 +125,31 @@ def test_without_tokenize_the_model_tokenizer_counts_input_tokens(tmp_path, hf_t
     with MockServer() as mock:
         mock.state.tokenize = False
         messages: list[str] = []
-        r = run_serve_bench(BenchConfig(base_url=mock.base_url, dataset="sharegpt", dataset_path=str(path),
-                                        num_prompts=2, tokenizer="smollm2", disable_tqdm=True, scrape_metrics=False),
-                            log=messages.append)
+        r = run_serve_bench(
+            BenchConfig(
+                base_url=mock.base_url,
+                dataset="sharegpt",
+                dataset_path=str(path),
+                num_prompts=2,
+                tokenizer="smollm2",
+                disable_tqdm=True,
+                scrape_metrics=False,
+            ),
+            log=messages.append,
+        )
         mock.state.usage = False  # no usage: the client-side count is what gets reported
-        r2 = run_serve_bench(BenchConfig(base_url=mock.base_url, dataset="sharegpt", dataset_path=str(path),
-                                         num_prompts=2, tokenizer="smollm2", disable_tqdm=True, scrape_metrics=False),
-                             log=messages.append)
+        r2 = run_serve_bench(
+            BenchConfig(
+                base_url=mock.base_url,
+                dataset="sharegpt",
+                dataset_path=str(path),
+                num_prompts=2,
+                tokenizer="smollm2",
+                disable_tqdm=True,
+                scrape_metrics=False,
+            ),
+            log=messages.append,
+        )
     assert r["config"]["tokenizer"] == "local" and r["completed"] == 2
     assert any("counting tokens with the tokenizer of 'smollm2'" in m for m in messages)
     expected = {p: len(hf_tokenizer.encode(p, add_special_tokens=False)) for p in prompts}

@@ -50,7 +50,10 @@ def test_pattern_is_position_dependent_and_sliceable():
 def test_block_read_ops_cover_the_payload_in_kv_blocks():
     dest = memoryview(bytearray(1 << 20))
     ops = block_read_ops(1 << 20, dest)
-    assert [(op.offset, op.length) for op in ops] == [(0, BLOCK_BYTES), (BLOCK_BYTES, (1 << 20) - BLOCK_BYTES)]
+    assert [(op.offset, op.length) for op in ops] == [
+        (0, BLOCK_BYTES),
+        (BLOCK_BYTES, (1 << 20) - BLOCK_BYTES),
+    ]
     assert all(op.region == REGION and len(op.dest) == op.length for op in ops)
 
 
@@ -68,7 +71,10 @@ def test_small_run_reports_verified_positive_bandwidths():
         assert min(m["gbps"]) <= m["median_gbps"] <= m["best_gbps"]
         for g, s in zip(m["gbps"], m["seconds"]):
             assert math.isclose(g, (1 << 20) / s / 1e9)
-    for key, eng, peer in (("tcp/raw_socket", "tcp", "raw_socket"), ("shm/memcpy", "shm", "memcpy")):
+    for key, eng, peer in (
+        ("tcp/raw_socket", "tcp", "raw_socket"),
+        ("shm/memcpy", "shm", "memcpy"),
+    ):
         r = size["ratios"][key]
         assert math.isclose(r["best"], methods[eng]["best_gbps"] / methods[peer]["best_gbps"])
         assert math.isclose(r["median"], methods[eng]["median_gbps"] / methods[peer]["median_gbps"])
@@ -91,8 +97,18 @@ def test_targets_and_ratios_from_known_numbers():
     big = size_result(16, 16 << 20, 4, 3, methods)
     assert big["ratios"]["tcp/raw_socket"] == {"best": 0.8, "median": 0.6}
     assert big["ratios"]["shm/memcpy"] == {"best": 0.4, "median": 0.75}
-    assert big["targets"]["tcp/raw_socket"] == {"target": TCP_TARGET, "ratio": 0.8, "applies": True, "pass": True}
-    assert big["targets"]["shm/memcpy"] == {"target": SHM_TARGET, "ratio": 0.4, "applies": True, "pass": False}
+    assert big["targets"]["tcp/raw_socket"] == {
+        "target": TCP_TARGET,
+        "ratio": 0.8,
+        "applies": True,
+        "pass": True,
+    }
+    assert big["targets"]["shm/memcpy"] == {
+        "target": SHM_TARGET,
+        "ratio": 0.4,
+        "applies": True,
+        "pass": False,
+    }
     # Below TCP_TARGET_MIN_MIB the tcp target does not apply; the shm one always does.
     small = size_result(TCP_TARGET_MIN_MIB - 1, 1 << 20, 1, 3, methods)
     assert small["targets"]["tcp/raw_socket"]["applies"] is False
@@ -119,7 +135,9 @@ def test_engine_reads_scattered_ranges_from_a_producer_process(kind):
         try:
             dest = np.full(1_000_000, 0xA5, dtype=np.uint8)
             dv = memoryview(dest)
-            ops = [ReadOp(REGION, off, n, dv[at : at + n]) for (off, n), at in zip(ranges, dest_places)]
+            ops = [
+                ReadOp(REGION, off, n, dv[at : at + n]) for (off, n), at in zip(ranges, dest_places)
+            ]
             assert eng.read(peer, ops, time.monotonic() + 10) == sum(n for _, n in ranges)
             for (off, n), at in zip(ranges, dest_places):
                 assert np.array_equal(dest[at : at + n], pattern_bytes(off, n)), (off, n)
@@ -138,7 +156,10 @@ def test_engine_reads_scattered_ranges_from_a_producer_process(kind):
                     eng.read(peer, [bad], time.monotonic() + 5)
             # ... and the engine keeps working afterwards.
             out = bytearray(4096)
-            assert eng.read(peer, [ReadOp(REGION, 777, 4096, memoryview(out))], time.monotonic() + 5) == 4096
+            assert (
+                eng.read(peer, [ReadOp(REGION, 777, 4096, memoryview(out))], time.monotonic() + 5)
+                == 4096
+            )
             assert bytes(out) == pattern_bytes(777, 4096).tobytes()
         finally:
             eng.close()
@@ -154,7 +175,9 @@ def test_tcp_read_from_a_dead_producer_fails_fast():
         peer = prod.wait_ready()
         pooled = TcpTransferEngine()
         out = bytearray(64)
-        assert pooled.read(peer, [ReadOp(REGION, 0, 64, memoryview(out))], time.monotonic() + 5) == 64
+        assert (
+            pooled.read(peer, [ReadOp(REGION, 0, 64, memoryview(out))], time.monotonic() + 5) == 64
+        )
     finally:
         prod.kill()
     fresh = TcpTransferEngine()
@@ -193,7 +216,11 @@ def test_cli_args_and_main_write_result_json(tmp_path, capsys):
     assert args.sizes == [1, 16] and args.repeats == 3 and args.engines == ["tcp"]
     assert args.verify is True and args.result_json is None
     defaults = parser.parse_args([])
-    assert defaults.sizes == [1, 16, 256] and defaults.repeats == 5 and defaults.engines == ["tcp", "shm"]
+    assert (
+        defaults.sizes == [1, 16, 256]
+        and defaults.repeats == 5
+        and defaults.engines == ["tcp", "shm"]
+    )
     for bad in (["--sizes", "0"], ["--sizes", "a"], ["--engines", "rdma"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)

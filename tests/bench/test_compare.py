@@ -41,11 +41,23 @@ RESULT = {"completed": 6, "failed": 0, "mean_ttft_ms": 1234.4, "p99_ttft_ms": 20
 
 def test_parse_topologies_names_modes_pools_and_instances():
     specs = parse_topologies("colocated, pd,pd+pool,pd+pool+skip,colocated+pool,colocated2+pool")
-    assert specs == [TopologySpec("colocated", "colocated", False), TopologySpec("pd", "pd", False),
-                     TopologySpec("pd+pool", "pd", True), TopologySpec("pd+pool+skip", "pd", True, 1, True),
-                     TopologySpec("colocated+pool", "colocated", True),
-                     TopologySpec("colocated2+pool", "colocated", True, 2)]
-    for bad in ("pdd", "pd2", "colocated,colocated", "", "colocated0", "pd+skip", "colocated+pool+skip"):
+    assert specs == [
+        TopologySpec("colocated", "colocated", False),
+        TopologySpec("pd", "pd", False),
+        TopologySpec("pd+pool", "pd", True),
+        TopologySpec("pd+pool+skip", "pd", True, 1, True),
+        TopologySpec("colocated+pool", "colocated", True),
+        TopologySpec("colocated2+pool", "colocated", True, 2),
+    ]
+    for bad in (
+        "pdd",
+        "pd2",
+        "colocated,colocated",
+        "",
+        "colocated0",
+        "pd+skip",
+        "colocated+pool+skip",
+    ):
         with pytest.raises(ValueError):
             parse_topologies(bad)
 
@@ -55,9 +67,13 @@ def test_unsupported_topologies_are_named_with_a_reason():
     assert "--num-instances" in (unsupported_reason(two, "disk", instances_ok=False) or "")
     assert unsupported_reason(two, "disk", instances_ok=True) is None
     skip = TopologySpec("pd+pool+skip", "pd", True, 1, True)
-    assert "--skip-prefill-on-pool-hit" in (unsupported_reason(skip, "disk", True, skip_ok=False) or "")
+    assert "--skip-prefill-on-pool-hit" in (
+        unsupported_reason(skip, "disk", True, skip_ok=False) or ""
+    )
     assert "dram" in (unsupported_reason(TopologySpec("pd+pool", "pd", True), "dram", True) or "")
-    assert unsupported_reason(TopologySpec("colocated+pool", "colocated", True), "dram", False) is None
+    assert (
+        unsupported_reason(TopologySpec("colocated+pool", "colocated", True), "dram", False) is None
+    )
 
 
 def test_engine_counters_sum_label_sets_and_read_the_save_queue():
@@ -69,7 +85,10 @@ def test_engine_counters_sum_label_sets_and_read_the_save_queue():
 def test_counter_deltas_take_a_series_missing_before_as_zero():
     before = {"d": {"p2p_bytes": 100.0}, "p": {}}
     after = {"d": {"p2p_bytes": 350.0, "pool_hit_tokens": 64.0, "save_queue_depth": 2.0}, "p": {}}
-    assert counter_deltas(before, after) == {"d": {"p2p_bytes": 250.0, "pool_hit_tokens": 64.0}, "p": {}}
+    assert counter_deltas(before, after) == {
+        "d": {"p2p_bytes": 250.0, "pool_hit_tokens": 64.0},
+        "p": {},
+    }
 
 
 def test_summarize_run_sums_paths_over_engines_and_keeps_hit_rates_per_engine():
@@ -86,20 +105,37 @@ def test_summarize_run_sums_paths_over_engines_and_keeps_hit_rates_per_engine():
 
 
 def test_markdown_table_has_a_header_and_one_line_per_row():
-    rows = [summarize_run("colocated", "cold", RESULT, {"engine": {"p2p_bytes": 0.0}}),
-            summarize_run("pd", "hot", RESULT, {"prefill0": {"prefix_queries": 10.0, "prefix_hits": 5.0},
-                                                "decode0": {"p2p_bytes": 3.0 * 2**20}})]
+    rows = [
+        summarize_run("colocated", "cold", RESULT, {"engine": {"p2p_bytes": 0.0}}),
+        summarize_run(
+            "pd",
+            "hot",
+            RESULT,
+            {
+                "prefill0": {"prefix_queries": 10.0, "prefix_hits": 5.0},
+                "decode0": {"p2p_bytes": 3.0 * 2**20},
+            },
+        ),
+    ]
     lines = markdown_table(rows).splitlines()
     assert len(lines) == 4 and lines[0].startswith("| topology | prompt | conc | cache |")
     cells = [c.strip() for c in lines[3].strip("|").split("|")]
     assert cells[:6] == ["pd", "-", "-", "hot", "6", "1234"]
     assert "3.0 MiB" in cells and "prefill0 50%" in cells
     assert cells[-3] == "prefill0 50%"  # decode0 had no query: not listed
-    assert format_bytes(None) == "-" and format_bytes(512) == "512 B" and format_bytes(1536) == "1.5 KiB"
+    assert (
+        format_bytes(None) == "-"
+        and format_bytes(512) == "512 B"
+        and format_bytes(1536) == "1.5 KiB"
+    )
 
 
 def test_report_paths_for_a_file_and_a_folder():
-    assert report_paths("docs/COMPARE.md") == ("docs/COMPARE.md", "docs/compare", "docs/compare/compare.json")
+    assert report_paths("docs/COMPARE.md") == (
+        "docs/COMPARE.md",
+        "docs/compare",
+        "docs/compare/compare.json",
+    )
     assert report_paths("out") == ("out/COMPARE.md", "out", "out/compare.json")
 
 
@@ -114,7 +150,11 @@ def test_compare_quick_end_to_end(tmp_path):
     elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = (out / "COMPARE.md").read_text()
-    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| topology")]
+    rows = [
+        line
+        for line in text.splitlines()
+        if line.startswith("| ") and not line.startswith("| topology")
+    ]
     table = [tuple(c.strip() for c in r.strip("|").split("|")[:5]) for r in rows[:6]]
     assert table == [(t, n, "2", cache, "2") for t in ("colocated", "pd")
                      for n, cache in (("16", "cold"), ("64", "cold"), ("64", "hot"))]
@@ -128,8 +168,13 @@ def test_compare_quick_end_to_end(tmp_path):
     assert pd["phase_groups"]["prefill"] > 0 and pd["phase_groups"]["transfer"] > 0
     assert pd["pred_handoff_ms"] > 0 and pd["meas_handoff_ms"] > 0
     assert len(pd["tpots_ms"]) == 2 and pd["itls_ms"]
-    for section in ("## TTFT phases", "## Plan vs measured", "## Break-even", "## When it does not pay",
-                    "P/D TTFT"):
+    for section in (
+        "## TTFT phases",
+        "## Plan vs measured",
+        "## Break-even",
+        "## When it does not pay",
+        "P/D TTFT",
+    ):
         assert section in text
     assert "pdkv compare --quick" in text and "CPUs" in text
     try:

@@ -23,16 +23,32 @@ from pdkv.bench.compare.plan import (
 from pdkv.bench.netns import NetnsPair
 from pdkv.plan import costs, links
 
-PD_PHASES = {"proxy": 1, "p_input": 2, "p_queue": 3, "p_kv_wait": 0, "p_prefill": 400, "p_output": 4,
-             "p_residual": 5, "proxy_between": 6, "d_input": 7, "d_queue": 8, "transfer": 50,
-             "d_first_step": 30, "d_output": 9, "d_residual": 10, "client_residual": 11}
+PD_PHASES = {
+    "proxy": 1,
+    "p_input": 2,
+    "p_queue": 3,
+    "p_kv_wait": 0,
+    "p_prefill": 400,
+    "p_output": 4,
+    "p_residual": 5,
+    "proxy_between": 6,
+    "d_input": 7,
+    "d_queue": 8,
+    "transfer": 50,
+    "d_first_step": 30,
+    "d_output": 9,
+    "d_residual": 10,
+    "client_residual": 11,
+}
 
 
 def _ttft(phases: dict[str, float]) -> dict:
     return {"phases": {k: {"mean_ms": float(v), "p99_ms": float(v)} for k, v in phases.items()}}
 
 
-def _row(topology: str, n: int, cache: str, ttft: float, tpot: float = 100.0, c: int = 1, **kw) -> dict:
+def _row(
+    topology: str, n: int, cache: str, ttft: float, tpot: float = 100.0, c: int = 1, **kw
+) -> dict:
     return dict({"topology": topology, "input_len": n, "max_concurrency": c, "cache": cache,
                  "completed": 4, "mean_ttft_ms": ttft, "mean_tpot_ms": tpot}, **kw)
 
@@ -52,7 +68,9 @@ def test_sweep_lists_give_every_point_its_own_seed_and_quick_is_small():
     assert args.input_lens == [16, 64] and args.max_concurrency == [2] and args.num_prompts == 2
     args = resolve_args(add_cli_args(argparse.ArgumentParser()).parse_args(
         ["--input-len", "256", "--max-concurrency", "0,2", "--link-rate", "1gbit"]))
-    assert args.input_lens == [256] and args.max_concurrency == [0, 2] and args.link_rate_bps == 1.25e8
+    assert (
+        args.input_lens == [256] and args.max_concurrency == [0, 2] and args.link_rate_bps == 1.25e8
+    )
 
 
 def test_phase_groups_fold_pd_and_colocated_phases_and_add_up():
@@ -76,30 +94,53 @@ def test_plan_predictions_use_the_calibrated_fixed_cost_and_the_tier_bandwidth()
     # The first pd run after start-up (here the short prompt) paid first-use costs: left out.
     first = _row("pd", 16, "cold", 500.0, p2p_bytes=4 * 737280.0, raw_phases={"transfer": 60.0})
     short = _row("pd", 16, "hot", 500.0, p2p_bytes=4 * 737280.0, raw_phases={"transfer": 8.0})
-    long_ = _row("pd", 1024, "cold", 9000.0, p2p_bytes=4 * 47185920.0, raw_phases={"transfer": 90.0},
-                 phase_groups={"transfer": 90.0})
+    long_ = _row(
+        "pd",
+        1024,
+        "cold",
+        9000.0,
+        p2p_bytes=4 * 47185920.0,
+        raw_phases={"transfer": 90.0},
+        phase_groups={"transfer": 90.0},
+    )
     mid = _row("pd", 1024, "hot", 9000.0, p2p_bytes=4 * 47185920.0, raw_phases={"transfer": 30.0})
 
     def f_of(r: dict) -> float:
-        return max(0.0, r["raw_phases"]["transfer"] / 1e3 - r["p2p_bytes"] / 4 / link.bandwidth - 2 * link.latency)
+        return max(
+            0.0,
+            r["raw_phases"]["transfer"] / 1e3
+            - r["p2p_bytes"] / 4 / link.bandwidth
+            - 2 * link.latency,
+        )
 
     f, why = calibrate_fixed([first, short, long_, mid], ctx)
-    assert f == pytest.approx(sorted(map(f_of, (short, long_, mid)))[1])  # the median of the warm runs
+    assert f == pytest.approx(
+        sorted(map(f_of, (short, long_, mid)))[1]
+    )  # the median of the warm runs
     assert f < f_of(first)
     assert "median over 3 warm pd run(s) (12 handoffs" in why and "first pd run left out" in why
     only, why = calibrate_fixed([first], ctx)
     assert only == pytest.approx(f_of(first)) and "no warm run" in why
     p = predict_row(long_, ctx, f)
     assert p["p2p_bytes_per_request"] == 47185920.0
-    assert p["pred_handoff_ms"] == pytest.approx(1e3 * (47185920.0 / link.bandwidth + 2 * link.latency + f))
-    assert p["meas_handoff_ms"] == 90.0 and p["meas_transfer_ms"] == 90.0 and p["pred_pool_ms"] is None
+    assert p["pred_handoff_ms"] == pytest.approx(
+        1e3 * (47185920.0 / link.bandwidth + 2 * link.latency + f)
+    )
+    assert (
+        p["meas_handoff_ms"] == 90.0 and p["meas_transfer_ms"] == 90.0 and p["pred_pool_ms"] is None
+    )
     pool = predict_row(_row("colocated+pool", 1024, "hot", 900.0, pool_bytes_read=4e9,
                             phase_groups={"transfer": 700.0}), ctx)
     assert pool["pred_pool_ms"] == pytest.approx(1000.0)  # 1e9 B per request at the assumed 1 GB/s
     assert pool["pred_handoff_ms"] is None and pool["meas_transfer_ms"] == 700.0
-    capped = predict_row(dict(long_, link_rate="1gbit"), PlanContext("tcp", "disk", "1gbit", 1.25e8), 0.0)
+    capped = predict_row(
+        dict(long_, link_rate="1gbit"), PlanContext("tcp", "disk", "1gbit", 1.25e8), 0.0
+    )
     assert capped["pred_handoff_ms"] == pytest.approx(1e3 * 47185920.0 / 1.25e8)
-    assert predict_row(_row("colocated", 1024, "cold", 1.0, p2p_bytes=0.0), ctx)["pred_transfer_ms"] is None
+    assert (
+        predict_row(_row("colocated", 1024, "cold", 1.0, p2p_bytes=0.0), ctx)["pred_transfer_ms"]
+        is None
+    )
 
 
 def test_breakeven_lines_come_from_the_planner_with_the_measured_prefill_rate():
@@ -110,8 +151,9 @@ def test_breakeven_lines_come_from_the_planner_with_the_measured_prefill_rate():
             _row("pd", 1024, "cold", 0.0, phase_groups={"prefill": 1.0})]
     tps, how = measured_prefill_tps(rows)
     assert tps == pytest.approx(100.0) and "colocated cold" in how
-    lines = breakeven_lines(plan_model("smollm2"), [128, 1024], (tps, how), PlanContext("tcp", "disk"),
-                            fixed_s=0.05)
+    lines = breakeven_lines(
+        plan_model("smollm2"), [128, 1024], (tps, how), PlanContext("tcp", "disk"), fixed_s=0.05
+    )
     b = 46080.0  # SmolLM2 fp32: 2 · 30 layers · 3 KV heads · 64 · 4 B
     link = links.link("tcp-loopback")
     fixed = costs.FixedCosts(scheduling=0.05)
@@ -121,19 +163,32 @@ def test_breakeven_lines_come_from_the_planner_with_the_measured_prefill_rate():
         "pdkv.bench.compare.plan", fromlist=["tier_link"]).tier_link("disk"), fixed)
     assert costs_link.bandwidth == 1e9
     assert any(x.startswith("128-token prompts") and f"{h:.3g}" in x for x in lines)
-    assert "no cold run" in breakeven_lines(plan_model("smollm2"), [128], None, PlanContext("tcp", "disk"))[0]
-    no_pool = breakeven_lines(plan_model("smollm2"), [128, 1024], (tps, how), PlanContext("tcp", "disk"),
-                              fixed_s=0.05, pool_ran=False)
+    assert (
+        "no cold run"
+        in breakeven_lines(plan_model("smollm2"), [128], None, PlanContext("tcp", "disk"))[0]
+    )
+    no_pool = breakeven_lines(
+        plan_model("smollm2"),
+        [128, 1024],
+        (tps, how),
+        PlanContext("tcp", "disk"),
+        fixed_s=0.05,
+        pool_ran=False,
+    )
     assert not any("pool" in x for x in no_pool) and any("tcp-loopback" in x for x in no_pool)
 
 
 def test_explanations_follow_the_measured_rows():
-    rows = [_row("colocated", 128, "cold", 500.0, tpot=100.0), _row("pd", 128, "cold", 900.0, tpot=100.0,
-                                                                   phase_groups={"hold": 10, "transfer": 40}),
-            _row("colocated", 1024, "cold", 9000.0, tpot=300.0), _row("pd", 1024, "cold", 5000.0, tpot=100.0),
-            _row("colocated+pool", 128, "cold", 520.0), _row("colocated+pool", 128, "hot", 510.0, pool_hit_tokens=0.0),
-            _row("colocated+pool", 1024, "cold", 9100.0),
-            _row("colocated+pool", 1024, "hot", 2000.0, pool_hit_tokens=4 * 896.0)]
+    rows = [
+        _row("colocated", 128, "cold", 500.0, tpot=100.0),
+        _row("pd", 128, "cold", 900.0, tpot=100.0, phase_groups={"hold": 10, "transfer": 40}),
+        _row("colocated", 1024, "cold", 9000.0, tpot=300.0),
+        _row("pd", 1024, "cold", 5000.0, tpot=100.0),
+        _row("colocated+pool", 128, "cold", 520.0),
+        _row("colocated+pool", 128, "hot", 510.0, pool_hit_tokens=0.0),
+        _row("colocated+pool", 1024, "cold", 9100.0),
+        _row("colocated+pool", 1024, "hot", 2000.0, pool_hit_tokens=4 * 896.0),
+    ]
     text = explain(rows)
     pd_short = next(x for x in text if x.startswith("128-token prompts"))
     assert "+80%, slower" in pd_short and "does not pay" in pd_short and "= 50 ms" in pd_short
@@ -163,16 +218,25 @@ def test_cap_topology_moves_prefill_into_p_namespace():
     from pdkv.bench.compare.topologies import TopologySpec, launcher_args
     from pdkv.launch import launcher
 
-    args = argparse.Namespace(model="smollm2", kv_transfer="tcp", threads_per_engine=1, routing="round_robin",
-                              engine_args=["--num-kv-blocks", "64"])
-    topo = launcher.build_topology(launcher_args(TopologySpec("pd@1gbit", "pd", False, link_rate="1gbit"),
-                                                 args, "/tmp/x"), None)
+    args = argparse.Namespace(
+        model="smollm2",
+        kv_transfer="tcp",
+        threads_per_engine=1,
+        routing="round_robin",
+        engine_args=["--num-kv-blocks", "64"],
+    )
+    topo = launcher.build_topology(
+        launcher_args(TopologySpec("pd@1gbit", "pd", False, link_rate="1gbit"), args, "/tmp/x"),
+        None,
+    )
     pair = NetnsPair(prefix="pdkvc", rate="1gbit")
     old = next(c.url for c in topo.children if c.name == "prefill0")
     cap_topology(topo, pair)
     p = next(c for c in topo.children if c.name == "prefill0")
     assert p.cmd[:4] == ["ip", "netns", "exec", "pdkvc-p"]
-    assert p.cmd[p.cmd.index("--host") + 1] == "10.77.0.1" and p.url == old.replace("127.0.0.1", "10.77.0.1")
+    assert p.cmd[p.cmd.index("--host") + 1] == "10.77.0.1" and p.url == old.replace(
+        "127.0.0.1", "10.77.0.1"
+    )
     extra = json.loads(p.cmd[p.cmd.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
     assert extra["kv_host"] == extra["kv_advertise_host"] == "10.77.0.1"
     proxy = next(c for c in topo.children if c.name == "proxy")
@@ -180,8 +244,19 @@ def test_cap_topology_moves_prefill_into_p_namespace():
     d = next(c for c in topo.children if c.name == "decode0")
     assert d.cmd[0] != "ip" and "127.0.0.1" in d.url
     argv = inner_argv("py", ["--link-rate", "1gbit", "--", "--num-kv-blocks", "64"], "pdkvc")
-    assert argv == ["py", "-m", "pdkv.cli", "compare", "--netns-inner", "pdkvc", "--link-rate", "1gbit",
-                    "--", "--num-kv-blocks", "64"]
+    assert argv == [
+        "py",
+        "-m",
+        "pdkv.cli",
+        "compare",
+        "--netns-inner",
+        "pdkvc",
+        "--link-rate",
+        "1gbit",
+        "--",
+        "--num-kv-blocks",
+        "64",
+    ]
     assert strip_inner(argv[4:]) == ["--link-rate", "1gbit", "--", "--num-kv-blocks", "64"]
 
 
@@ -189,12 +264,27 @@ def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib")
     from pdkv.bench.compare.plots import write_plots
 
-    rows = [_row("pd", 128, "cold", 900.0, phase_groups=phase_groups(_ttft(PD_PHASES)), tpots_ms=[1.0, 2.0],
-                 itls_ms=[1.0, 3.0], p2p_bytes=2.0**20, prefix_hit_rates={"d": 0.5}),
-            _row("colocated", 128, "hot", 500.0, pool_hit_tokens=64.0)]
+    rows = [
+        _row(
+            "pd",
+            128,
+            "cold",
+            900.0,
+            phase_groups=phase_groups(_ttft(PD_PHASES)),
+            tpots_ms=[1.0, 2.0],
+            itls_ms=[1.0, 3.0],
+            p2p_bytes=2.0**20,
+            prefix_hit_rates={"d": 0.5},
+        ),
+        _row("colocated", 128, "hot", 500.0, pool_hit_tokens=64.0),
+    ]
     names = write_plots(rows, str(tmp_path), "c_")
     assert names == ["c_phases.png", "c_tpot_itl.png", "c_bytes.png", "c_hit_rates.png"]
     assert all((tmp_path / n).stat().st_size > 1000 for n in names)
     # No pool and no hit anywhere: no empty hit-rate axis.
     quiet = [dict(r, pool_hit_tokens=None, prefix_hit_rates={"d": 0.0}) for r in rows]
-    assert write_plots(quiet, str(tmp_path / "q"), "c_") == ["c_phases.png", "c_tpot_itl.png", "c_bytes.png"]
+    assert write_plots(quiet, str(tmp_path / "q"), "c_") == [
+        "c_phases.png",
+        "c_tpot_itl.png",
+        "c_bytes.png",
+    ]

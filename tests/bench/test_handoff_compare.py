@@ -21,7 +21,9 @@ def test_prediction_is_bytes_over_bandwidth_plus_fixed_and_ratio_judged():
     link = links.Link("custom", 1e9, 0.0, "test")
     row = compare("tcp", link, 1024, 50 * MB, measured_s=0.070, fixed_s=0.005)
     assert row.wire_s == pytest.approx(0.050)
-    assert row.predicted_s == pytest.approx(0.055)  # 50 MB / 1 GB/s + 5 ms, no handshake at latency 0
+    assert row.predicted_s == pytest.approx(
+        0.055
+    )  # 50 MB / 1 GB/s + 5 ms, no handshake at latency 0
     assert row.ratio == pytest.approx(0.070 / 0.055)
     assert row.within(0.30) and not row.within(0.20)
     fast = compare("tcp", link, 1024, 50 * MB, measured_s=0.030, fixed_s=0.005)

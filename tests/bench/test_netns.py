@@ -33,16 +33,24 @@ def test_pair_connects_caps_and_is_removed():
         try:
             assert server.stdout is not None
             port = server.stdout.readline().strip()
-            client = ("import socket,sys; c=socket.create_connection((sys.argv[1],int(sys.argv[2])),5); "
-                      "print(c.recv(2).decode())")
-            got = subprocess.run(pair.exec_prefix("d") + ["python3", "-c", client, pair.host("p"), port],
-                                 capture_output=True, text=True, timeout=20)
+            client = (
+                "import socket,sys; c=socket.create_connection((sys.argv[1],int(sys.argv[2])),5); "
+                "print(c.recv(2).decode())"
+            )
+            got = subprocess.run(
+                pair.exec_prefix("d") + ["python3", "-c", client, pair.host("p"), port],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
             assert got.stdout.strip() == "ok", got.stderr
         finally:
             server.kill()
             server.wait(10)
     assert _ours() == set()
-    assert subprocess.run(["ip", "link", "show", pair.dev("p")], capture_output=True).returncode != 0
+    assert (
+        subprocess.run(["ip", "link", "show", pair.dev("p")], capture_output=True).returncode != 0
+    )
 
 
 def test_failed_setup_removes_what_it_made():

@@ -24,7 +24,9 @@ def test_decode_part_is_taken_inside_each_run_not_as_a_difference_of_runs():
     assert pre == 4.0  # best 1-token run
     assert total == pytest.approx(4.0 + 2.0)  # best prefill + the decode part, not 8 s - 4 s
     row = throughputs(3, 128, 8, pre, total)
-    assert row["decode_s"] == pytest.approx(2.0) and row["decode_tok_s"] == pytest.approx(3 * 7 / 2.0)
+    assert row["decode_s"] == pytest.approx(2.0) and row["decode_tok_s"] == pytest.approx(
+        3 * 7 / 2.0
+    )
 
 
 def test_a_zero_decode_part_is_measured_again():

@@ -9,25 +9,46 @@ from pdkv.engine.arg_utils import CPU_MIXED_PREFILL_TOKENS, EngineArgs, default_
 
 
 def test_flag_reaches_the_scheduler_config():
-    args = build_parser().parse_args(["serve", "tiny-llama-kv2", "--max-mixed-prefill-tokens", "96"])
+    args = build_parser().parse_args(
+        ["serve", "tiny-llama-kv2", "--max-mixed-prefill-tokens", "96"]
+    )
     cfg = EngineArgs.from_cli_args(args).create_engine_config()
     assert cfg.scheduler_config.max_mixed_prefill_tokens == 96
     default = EngineArgs.from_cli_args(build_parser().parse_args(["serve", "tiny-llama-kv2"]))
-    assert default.create_engine_config().scheduler_config.max_mixed_prefill_tokens == CPU_MIXED_PREFILL_TOKENS == 64
+    assert (
+        default.create_engine_config().scheduler_config.max_mixed_prefill_tokens
+        == CPU_MIXED_PREFILL_TOKENS
+        == 64
+    )
     off = build_parser().parse_args(["serve", "tiny-llama-kv2", "--max-mixed-prefill-tokens", "0"])
-    assert EngineArgs.from_cli_args(off).create_engine_config().scheduler_config.max_mixed_prefill_tokens == 0
+    assert (
+        EngineArgs.from_cli_args(off)
+        .create_engine_config()
+        .scheduler_config.max_mixed_prefill_tokens
+        == 0
+    )
 
 
 def test_default_cap_is_for_cpu_with_chunked_prefill_only():
     assert default_mixed_prefill_cap(None, "cpu", True) == CPU_MIXED_PREFILL_TOKENS
     assert default_mixed_prefill_cap(None, "cuda", True) == 0
     assert default_mixed_prefill_cap(None, "cpu", False) == 0
-    assert default_mixed_prefill_cap(0, "cpu", True) == 0 and default_mixed_prefill_cap(8, "cuda", True) == 8
+    assert (
+        default_mixed_prefill_cap(0, "cpu", True) == 0
+        and default_mixed_prefill_cap(8, "cuda", True) == 8
+    )
 
 
 def _row(cap: int, ttft: float, tpot: float, itl99: float) -> dict[str, float]:
-    return {"cap": cap, "failed": 0, "mean_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "mean_tpot_ms": tpot,
-            "p99_itl_ms": itl99, "mean_itl_ms": tpot}
+    return {
+        "cap": cap,
+        "failed": 0,
+        "mean_ttft_ms": ttft,
+        "p99_ttft_ms": 2 * ttft,
+        "mean_tpot_ms": tpot,
+        "p99_itl_ms": itl99,
+        "mean_itl_ms": tpot,
+    }
 
 
 def test_table_ratios_are_against_the_uncapped_row():

@@ -18,7 +18,9 @@ from pdkv.request import Request
 from pdkv.sampling_params import SamplingParams
 
 BS = 4
-LINEAR = LinearStateSpec(BS, conv_shape=(256, 3), recurrent_shape=(4, 32, 32), conv_dtype="bfloat16")
+LINEAR = LinearStateSpec(
+    BS, conv_shape=(256, 3), recurrent_shape=(4, 32, 32), conv_dtype="bfloat16"
+)
 
 
 def make_manager(num_blocks: int = 16, caching: bool = False) -> KVCacheManager:
@@ -136,14 +138,25 @@ def test_make_kv_cache_config_puts_the_linear_group_last_and_counts_its_slot(tin
     # one contiguous row per slot: what P/D and the pool would move
     assert groups[1][3].is_contiguous() and views[0].data_ptr() == groups[1].data_ptr()
     budget = make_kv_cache_config(
-        arch, CacheConfig(block_size=16, kv_cache_memory_bytes=10 * (cfg.block_bytes(0) + cfg.block_bytes(1))),
-        "float32", 128)
+        arch,
+        CacheConfig(
+            block_size=16, kv_cache_memory_bytes=10 * (cfg.block_bytes(0) + cfg.block_bytes(1))
+        ),
+        "float32",
+        128,
+    )
     assert budget.num_blocks == 10
     # 128 tokens = 8 blocks of 16, plus the linear pool's null block
-    with pytest.raises(ValueError, match=r"cannot hold one request of max_model_len=128 tokens \(9 blocks\)"):
+    with pytest.raises(
+        ValueError, match=r"cannot hold one request of max_model_len=128 tokens \(9 blocks\)"
+    ):
         make_kv_cache_config(arch, CacheConfig(block_size=16, num_kv_blocks=8), "float32", 128)
-    with pytest.raises(ValueError, match="decode_context_parallel_size=2 is not supported with linear-attention"):
-        make_kv_cache_config(arch, CacheConfig(block_size=16, num_kv_blocks=8), "float32", 128, dcp_size=2)
+    with pytest.raises(
+        ValueError, match="decode_context_parallel_size=2 is not supported with linear-attention"
+    ):
+        make_kv_cache_config(
+            arch, CacheConfig(block_size=16, num_kv_blocks=8), "float32", 128, dcp_size=2
+        )
 
 
 def test_connectors_refuse_a_linear_state_group():
@@ -153,8 +166,16 @@ def test_connectors_refuse_a_linear_state_group():
 
     cfg = make_manager().config
     for name in CONNECTORS:
-        if name in ("P2PConnector", "KVPoolConnector"):  # they move the state slot (test_pd_gdn.py, test_pool_gdn_engine.py)
+        if name in (
+            "P2PConnector",
+            "KVPoolConnector",
+        ):  # they move the state slot (test_pd_gdn.py, test_pool_gdn_engine.py)
             continue
         with pytest.raises(ValueError, match="does not move linear-attention state"):
-            create_connector(KVTransferConfig(kv_connector=name, kv_role="kv_both"), KVConnectorRole.SCHEDULER,
-                             cfg, {}, {})
+            create_connector(
+                KVTransferConfig(kv_connector=name, kv_role="kv_both"),
+                KVConnectorRole.SCHEDULER,
+                cfg,
+                {},
+                {},
+            )

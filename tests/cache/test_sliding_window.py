@@ -218,9 +218,12 @@ def test_hybrid_hit_is_the_longest_length_every_group_can_give():
             fill_pool(pool, req.block_hashes, mask)
         cap = req.num_tokens - 1
         want = max(
-            nb * bs for nb in range(cap // bs + 1)
+            nb * bs
+            for nb in range(cap // bs + 1)
             if all(masks[0][:nb])
-            and all(brute_hit(m[:nb], bs, w, nb * bs) == nb * bs for m, w in zip(masks[1:], windows))
+            and all(
+                brute_hit(m[:nb], bs, w, nb * bs) == nb * bs for m, w in zip(masks[1:], windows)
+            )
         )
         hits, num_hit = mgr.get_computed_blocks(req)
         assert num_hit == want

@@ -21,7 +21,9 @@ def parser() -> argparse.ArgumentParser:
     return build_parser()
 
 
-def _error(parser: argparse.ArgumentParser, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+def _error(
+    parser: argparse.ArgumentParser, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> str:
     with pytest.raises(SystemExit) as e:
         parser.parse_args(argv)
     assert e.value.code == 2
@@ -38,10 +40,28 @@ def test_serve_takes_the_model_positionally_or_as_flag(parser):
 
 
 def test_vllm_engine_flags(parser):
-    args = parser.parse_args(["serve", "smollm2", "--served-model-name", "a", "b", "--kv-cache-dtype", "auto",
-                              "--gpu-memory-utilization", "0.5", "--enforce-eager", "--disable-log-requests",
-                              "--log-stats-interval", "0.5"])
-    assert args.served_model_name == ["a", "b"] and args.disable_log_requests and args.log_stats_interval == 0.5
+    args = parser.parse_args(
+        [
+            "serve",
+            "smollm2",
+            "--served-model-name",
+            "a",
+            "b",
+            "--kv-cache-dtype",
+            "auto",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--enforce-eager",
+            "--disable-log-requests",
+            "--log-stats-interval",
+            "0.5",
+        ]
+    )
+    assert (
+        args.served_model_name == ["a", "b"]
+        and args.disable_log_requests
+        and args.log_stats_interval == 0.5
+    )
     ea = EngineArgs.from_cli_args(args)
     assert ea.served_model_name == "a"  # the first is reported
     assert (ea.gpu_memory_utilization, ea.enforce_eager, ea.kv_cache_dtype) == (0.5, True, "auto")
@@ -52,7 +72,10 @@ def test_kv_cache_dtype_values():
     auto; anything else is refused naming the accepted values."""
     cfg = EngineArgs(kv_cache_dtype="fp8").create_engine_config()
     assert cfg.cache_config.cache_dtype == "fp8_e4m3"
-    assert EngineArgs(kv_cache_dtype="float32").create_engine_config().cache_config.cache_dtype == "auto"
+    assert (
+        EngineArgs(kv_cache_dtype="float32").create_engine_config().cache_config.cache_dtype
+        == "auto"
+    )
     with pytest.raises(ValueError, match="'int8', 'fp8'"):
         EngineArgs(kv_cache_dtype="fp4").create_engine_config()
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
@@ -66,10 +89,14 @@ def test_kv_budget_is_the_fraction_of_free_memory():
 
 
 def test_abbreviations_are_refused_and_typos_get_a_suggestion(parser, capsys):
-    err = _error(parser, ["serve", "--max-num", "3"], capsys)  # argparse's default would take --max-num-seqs
+    err = _error(
+        parser, ["serve", "--max-num", "3"], capsys
+    )  # argparse's default would take --max-num-seqs
     assert "unrecognized arguments: --max-num" in err and "did you mean --max-num-seqs?" in err
     assert "did you mean --model?" in _error(parser, ["serve", "--modle", "x"], capsys)
-    assert "did you mean --num-prompts?" in _error(parser, ["bench", "serve", "--num-prompt", "3"], capsys)
+    assert "did you mean --num-prompts?" in _error(
+        parser, ["bench", "serve", "--num-prompt", "3"], capsys
+    )
     assert "did you mean --num-prefill?" in _error(parser, ["up", "--num-prefil", "2"], capsys)
     assert "did you mean 'serve'?" in _error(parser, ["serv"], capsys)
 
@@ -88,7 +115,10 @@ def test_suggestions_come_from_the_chosen_subcommand():
 
 def test_hf_id_of_an_alias_resolves_offline(monkeypatch):
     monkeypatch.setattr(registry, "_materialize", lambda spec: "/models/" + spec.folder_name)
-    assert registry.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "/models/SmolLM2-135M-Instruct"
+    assert (
+        registry.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+        == "/models/SmolLM2-135M-Instruct"
+    )
 
 
 def test_hf_id_from_the_local_cache_or_a_message_saying_how_to_get_it(monkeypatch, tmp_path):
@@ -117,7 +147,10 @@ def test_an_unknown_flag_shows_the_usage_of_its_subcommand(capsys):
         main(["up", "--mdoe", "pd"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: pdkv up ") and "pdkv up: error: unrecognized arguments: --mdoe; did you mean --mode?" in err
+    assert (
+        err.startswith("usage: pdkv up ")
+        and "pdkv up: error: unrecognized arguments: --mdoe; did you mean --mode?" in err
+    )
 
 
 def test_generate_logs_the_engines_start_up_lines(tiny_llama_kv2):
@@ -142,5 +175,8 @@ def test_profile_step_takes_num_threads():
 def test_one_thread_is_singular_in_up_listing():
     from pdkv.launch.launcher import Child
 
-    assert Child("p0", "http://x", [], {}, role="prefill", threads=1).describe() == "p0: prefill, http://x, 1 thread, log -"
+    assert (
+        Child("p0", "http://x", [], {}, role="prefill", threads=1).describe()
+        == "p0: prefill, http://x, 1 thread, log -"
+    )
     assert ", 2 threads," in Child("p0", "http://x", [], {}, role="prefill", threads=2).describe()

@@ -32,8 +32,16 @@ print("torch modules", sorted(m for m in sys.modules if m == "torch" or m.starts
 
 def test_up_and_proxy_run_without_importing_torch(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], capture_output=True, text=True,
-                         timeout=120, env=env, cwd=os.getcwd())
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=os.getcwd(),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "ran [3, 3, 'FastAPI']" in out.stdout, out.stdout  # both topologies built, the proxy app too
+    assert "ran [3, 3, 'FastAPI']" in out.stdout, (
+        out.stdout
+    )  # both topologies built, the proxy app too
     assert "torch modules []" in out.stdout, out.stdout

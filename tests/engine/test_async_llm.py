@@ -38,7 +38,9 @@ def _engine(role: str, lease_s: float = 60.0) -> Any:
                kv_transfer_config=_kv_config(role, lease_s)).llm_engine
 
 
-async def _run(llm: AsyncLLM, prompt: Any, params: SamplingParams, kv: dict[str, Any] | None = None) -> Any:
+async def _run(
+    llm: AsyncLLM, prompt: Any, params: SamplingParams, kv: dict[str, Any] | None = None
+) -> Any:
     """The final output of one request (or the exception its stream raised)."""
     request, text = llm.make_request(prompt, params, kv_transfer_params=kv)
     final = None
@@ -49,7 +51,9 @@ async def _run(llm: AsyncLLM, prompt: Any, params: SamplingParams, kv: dict[str,
 
 async def _http_after_death(llm: AsyncLLM) -> tuple[int, httpx.Response]:
     app = build_app(llm, ServeConfig(), ServerMetrics("smollm2"))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://t"
+    ) as client:
         health = await client.get("/health")
         completion = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
     return health.status_code, completion
@@ -102,7 +106,9 @@ def test_failed_step_kills_engine_with_connector(monkeypatch):
         assert isinstance(got, EngineDeadError) and "injected device fault" in str(got)
         assert not llm.is_running
         assert isinstance(llm.errored, RuntimeError)
-        _wait(lambda: bool(deaths), 10.0, "dead callbacks not called")  # they run after the shutdown
+        _wait(
+            lambda: bool(deaths), 10.0, "dead callbacks not called"
+        )  # they run after the shutdown
         assert deaths == [llm.errored]
         # New requests are refused at once; the server front says so too.
         with pytest.raises(EngineDeadError):
@@ -128,9 +134,13 @@ def test_idle_loop_holding_blocks_sleeps():
         leg = asyncio.run(asyncio.wait_for(
             _run(llm, PROMPT, SamplingParams(temperature=0, max_tokens=1), PREFILL_LEG), 60))
         assert leg.kv_transfer_params is not None
-        steps_before = llm.call(lambda e: (e.num_steps, e.scheduler.stats().num_blocks_held_for_remote))
+        steps_before = llm.call(
+            lambda e: (e.num_steps, e.scheduler.stats().num_blocks_held_for_remote)
+        )
         time.sleep(1.0)
-        steps_after = llm.call(lambda e: (e.num_steps, e.scheduler.stats().num_blocks_held_for_remote))
+        steps_after = llm.call(
+            lambda e: (e.num_steps, e.scheduler.stats().num_blocks_held_for_remote)
+        )
         assert steps_before[1] > 0 and steps_after[1] > 0, "blocks should stay held (lease 60 s)"
         # The old loop stepped about every millisecond here (hundreds of steps); the event-driven
         # loop steps only for the two `call` commands.
@@ -149,14 +159,18 @@ def test_decode_resumes_on_pull_wakeup_not_at_deadline():
         params = SamplingParams(temperature=0, max_tokens=8)
 
         async def main() -> tuple[Any, float]:
-            leg = await _run(producer, PROMPT, SamplingParams(temperature=0, max_tokens=1), PREFILL_LEG)
+            leg = await _run(
+                producer, PROMPT, SamplingParams(temperature=0, max_tokens=1), PREFILL_LEG
+            )
             t0 = time.monotonic()
             out = await _run(consumer, PROMPT, params, leg.kv_transfer_params)
             return out, time.monotonic() - t0
 
         out, elapsed = asyncio.run(asyncio.wait_for(main(), 120))
         assert out.finished and len(out.outputs[0].token_ids) == 8
-        assert elapsed < 10.0, f"decode took {elapsed:.1f} s: it waited for a deadline, not the wakeup"
+        assert elapsed < 10.0, (
+            f"decode took {elapsed:.1f} s: it waited for a deadline, not the wakeup"
+        )
         stats = consumer.call(lambda e: e.scheduler.kv_stats.get("kv_transfers", 0))
         assert stats == 1, "the KV was pulled, not recomputed"
         # The producer frees its blocks once the consumer's read is done (its own wakeup).
@@ -179,11 +193,18 @@ def test_request_starved_of_blocks_backs_off_then_runs_at_lease_expiry():
     try:
         async def main() -> tuple[int, Any]:
             await _run(llm, prompt, one, PREFILL_LEG)
-            second = asyncio.ensure_future(_run(llm, prompt | {"prompt_token_ids": list(range(2000, 2100))},
-                                                one, PREFILL_LEG))
+            second = asyncio.ensure_future(
+                _run(llm, prompt | {"prompt_token_ids": list(range(2000, 2100))}, one, PREFILL_LEG)
+            )
             await asyncio.sleep(0.3)
-            held, waiting, steps0 = await asyncio.to_thread(llm.call, lambda e: (
-                e.scheduler.stats().num_blocks_held_for_remote, e.scheduler.stats().num_waiting, e.num_steps))
+            held, waiting, steps0 = await asyncio.to_thread(
+                llm.call,
+                lambda e: (
+                    e.scheduler.stats().num_blocks_held_for_remote,
+                    e.scheduler.stats().num_waiting,
+                    e.num_steps,
+                ),
+            )
             assert held > 0 and waiting == 1, "the second leg should be waiting for blocks"
             await asyncio.sleep(1.0)
             steps1 = await asyncio.to_thread(llm.call, lambda e: e.num_steps)

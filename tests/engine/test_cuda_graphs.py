@@ -18,7 +18,13 @@ def test_capture_sizes_follow_vllm_defaults_up_to_max_num_seqs():
     assert capture_sizes(6) == [1, 2, 4, 6]
     assert capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
     big = capture_sizes(1000)
-    assert big[:5] == [1, 2, 4, 8, 16] and big[-1] == 512 and 248 in big and 264 not in big and 272 in big
+    assert (
+        big[:5] == [1, 2, 4, 8, 16]
+        and big[-1] == 512
+        and 248 in big
+        and 264 not in big
+        and 272 in big
+    )
     assert capture_sizes(128, max_capture_size=20) == [1, 2, 4, 8, 16, 20]
     with pytest.raises(ValueError):
         capture_sizes(0)
@@ -26,7 +32,17 @@ def test_capture_sizes_follow_vllm_defaults_up_to_max_num_seqs():
 
 def test_padded_size_is_the_smallest_captured_size_that_fits():
     sizes = capture_sizes(32)
-    assert [padded_size(b, sizes) for b in (1, 2, 3, 4, 5, 8, 9, 17, 32)] == [1, 2, 4, 4, 8, 8, 16, 24, 32]
+    assert [padded_size(b, sizes) for b in (1, 2, 3, 4, 5, 8, 9, 17, 32)] == [
+        1,
+        2,
+        4,
+        4,
+        8,
+        8,
+        16,
+        24,
+        32,
+    ]
     assert padded_size(33, sizes) is None
     assert pad_rows([3, 7], 4) == [3, 7, 7, 7]
     with pytest.raises(ValueError):
@@ -34,8 +50,15 @@ def test_padded_size_is_the_smallest_captured_size_that_fits():
 
 
 def _engine(path: str, **kw) -> LLM:
-    return LLM(path, cpu_linear="torch", attention_backend="torch", num_kv_blocks=64, max_model_len=96,
-               max_num_seqs=8, **kw)
+    return LLM(
+        path,
+        cpu_linear="torch",
+        attention_backend="torch",
+        num_kv_blocks=64,
+        max_model_len=96,
+        max_num_seqs=8,
+        **kw,
+    )
 
 
 PROMPTS = [[(i * 7919 + 13 * n) % 40000 + 100 for i in range(n)] for n in (21, 9, 35, 17, 40)]
@@ -70,8 +93,16 @@ def test_padded_static_decode_path_matches_the_eager_path(name, request):
         with HostSyncGuard():
             return runner.model(*args)
 
-    runner.decode_graphs = DecodeGraphs(guarded, runner.kv_caches, len(runner.kv_cache_config.groups),
-                                        runner.block_size, 96, capture_sizes(8), runner.device, use_graphs=False)
+    runner.decode_graphs = DecodeGraphs(
+        guarded,
+        runner.kv_caches,
+        len(runner.kv_cache_config.groups),
+        runner.block_size,
+        96,
+        capture_sizes(8),
+        runner.device,
+        use_graphs=False,
+    )
     assert _tokens(llm) == want
     assert {1, 4, 8} <= set(sizes_run) and set(sizes_run) <= {1, 2, 4, 8}  # padded sizes only
     llm.llm_engine.shutdown()

@@ -57,7 +57,9 @@ def test_batch_matches_hf(parity_prompts, hf_reference, cpu_linear, attention_ba
         if why is not None:
             pytest.skip(f"panel kernel unavailable: {why}")
         assert isinstance(model.head_packed, PanelWeight)
-        assert all(isinstance(p, PanelWeight) for layer in model.layers for p in layer.packed.values())
+        assert all(
+            isinstance(p, PanelWeight) for layer in model.layers for p in layer.packed.values()
+        )
     elif model.head_packed is None:
         pytest.skip("oneDNN is not available in this torch build")
     outputs = _generate(llm, parity_prompts)
@@ -160,8 +162,15 @@ def test_batched_prefill_op_matches_hf(parity_prompts, hf_model, monkeypatch):
         return op(q, kv_cache, cu_seqlens, context_lens, *args, **kwargs)
 
     monkeypatch.setattr(pp, "paged_prefill", recording_op)
-    llm = LLM("smollm2", block_size=16, num_kv_blocks=64, max_model_len=256, attention_backend="cpu_paged",
-              enable_prefix_caching=True, max_num_batched_tokens=80)
+    llm = LLM(
+        "smollm2",
+        block_size=16,
+        num_kv_blocks=64,
+        max_model_len=256,
+        attention_backend="cpu_paged",
+        enable_prefix_caching=True,
+        max_num_batched_tokens=80,
+    )
     assert llm.llm_engine.runner.attention_backend == "cpu_paged"
     prompts, n = parity_prompts[3:6], 4  # 63, 64 and 65 tokens: 80-token steps split them
     reference = [hf_greedy(hf_model, p, n) for p in prompts]

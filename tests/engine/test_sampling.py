@@ -24,10 +24,14 @@ def _tokens(llm, params, prompt=PROMPT):
 
 
 def test_seeded_sampling_is_reproducible(llm):
-    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    p = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True
+    )
     a = _tokens(llm, p).token_ids
     b = _tokens(llm, p).token_ids
-    c = _tokens(llm, SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)).token_ids
+    c = _tokens(
+        llm, SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)
+    ).token_ids
     assert a == b
     assert a != c
     # Batched with other requests, the seeded request draws the same tokens.
@@ -57,7 +61,10 @@ def test_stop_token_ids_and_min_tokens(llm):
     assert out.token_ids == greedy.token_ids[: first + 1]
     # min_tokens masks the stop token until enough tokens were produced.
     out = _tokens(
-        llm, SamplingParams(temperature=0, max_tokens=20, min_tokens=first + 2, stop_token_ids=[stop_tok])
+        llm,
+        SamplingParams(
+            temperature=0, max_tokens=20, min_tokens=first + 2, stop_token_ids=[stop_tok]
+        ),
     )
     assert len(out.token_ids) >= first + 2
 
@@ -147,5 +154,7 @@ def test_structured_output_in_a_mixed_batch(llm):
     assert outs[0].outputs[0].finish_reason == "stop"
     assert outs[1].outputs[0].text == _tokens(llm, free).text  # the mask stays in its row
     with pytest.raises(ValueError, match="grammar is invalid"):
-        llm.generate(PROMPT, SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-")))
+        llm.generate(
+            PROMPT, SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-"))
+        )
     assert_no_leak(llm)

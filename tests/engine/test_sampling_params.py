@@ -47,9 +47,17 @@ def test_out_of_range_raises(kwargs, field):
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"seed": SEED_MAX}, {"seed": SEED_MIN}, {"seed": -1}, {"temperature": 0}, {"temperature": 1e6},
-        {"top_p": 1e-9}, {"top_k": -1}, {"top_k": 10**9}, {"logprobs": 0},
-        {"stop": ["x"] * MAX_STOP}, {"stop_token_ids": list(range(MAX_STOP))},
+        {"seed": SEED_MAX},
+        {"seed": SEED_MIN},
+        {"seed": -1},
+        {"temperature": 0},
+        {"temperature": 1e6},
+        {"top_p": 1e-9},
+        {"top_k": -1},
+        {"top_k": 10**9},
+        {"logprobs": 0},
+        {"stop": ["x"] * MAX_STOP},
+        {"stop_token_ids": list(range(MAX_STOP))},
         {"include_stop_str_in_output": True},
     ],
 )

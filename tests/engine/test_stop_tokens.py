@@ -33,7 +33,9 @@ def test_stop_token_text_is_not_output_unless_asked(llm):
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == tok.decode(ids[:k])
     assert tok.decode(ids[: k + 1]) != out.text  # the stop token has text of its own
-    kept = _greedy(llm, PROMPT, max_tokens=12, stop_token_ids=[stop], include_stop_str_in_output=True)
+    kept = _greedy(
+        llm, PROMPT, max_tokens=12, stop_token_ids=[stop], include_stop_str_in_output=True
+    )
     assert kept.token_ids == ids[: k + 1]
     assert kept.text == tok.decode(ids[: k + 1])
 
@@ -45,7 +47,9 @@ def test_eos_text_is_not_output_even_with_special_tokens(llm):
     out = _greedy(llm, prompt, max_tokens=64, skip_special_tokens=False)
     assert out.token_ids[-1] == eos and out.finish_reason == "stop"
     assert out.text == tok.decode(out.token_ids[:-1], skip_special_tokens=False)
-    kept = _greedy(llm, prompt, max_tokens=64, skip_special_tokens=False, include_stop_str_in_output=True)
+    kept = _greedy(
+        llm, prompt, max_tokens=64, skip_special_tokens=False, include_stop_str_in_output=True
+    )
     assert kept.text == tok.decode(kept.token_ids, skip_special_tokens=False)
     assert kept.text.endswith(tok.decode([eos], skip_special_tokens=False))
 
@@ -56,5 +60,7 @@ def test_stop_string_kept_only_when_asked(llm):
     at = full.index(stop)
     cut = _greedy(llm, PROMPT, max_tokens=24, ignore_eos=True, stop=[stop])
     assert cut.text == full[:at] and cut.stop_reason == stop
-    kept = _greedy(llm, PROMPT, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+    kept = _greedy(
+        llm, PROMPT, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+    )
     assert kept.text == full[: at + len(stop)] and kept.finish_reason == "stop"

@@ -34,7 +34,9 @@ class FakeEngine(TransferEngine):
     def peer_info(self) -> dict[str, Any]:
         return {}
 
-    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None) -> int:
+    def read(
+        self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None
+    ) -> int:
         src = self.source
         assert src is not None
         for op in ops:

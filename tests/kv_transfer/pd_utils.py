@@ -22,8 +22,13 @@ def pd_config(role: str, transfer: str, policy: str = "fail", **extra: Any) -> s
 def make_pd(transfer: str, policy: str = "fail", num_kv_blocks: int = 256, max_model_len: int = 512,
             d_prefix_caching: bool = True, p_extra: dict[str, Any] | None = None,
             d_block_size: int = 16, p_block_size: int = 16) -> tuple[LLM, LLM]:
-    p = LLM("smollm2", num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, block_size=p_block_size,
-            kv_transfer_config=pd_config("kv_producer", transfer, **(p_extra or {})))
+    p = LLM(
+        "smollm2",
+        num_kv_blocks=num_kv_blocks,
+        max_model_len=max_model_len,
+        block_size=p_block_size,
+        kv_transfer_config=pd_config("kv_producer", transfer, **(p_extra or {})),
+    )
     d = LLM("smollm2", num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
             enable_prefix_caching=d_prefix_caching, block_size=d_block_size,
             kv_transfer_config=pd_config("kv_consumer", transfer, policy))
@@ -55,7 +60,9 @@ def pump(engines: list[LLM], until, timeout: float = 120.0) -> None:
         time.sleep(0.001)
 
 
-def decode(p: LLM, d: LLM, prompts: list[Any], params_list: list[dict | None], sp: SamplingParams) -> list[RequestOutput]:
+def decode(
+    p: LLM, d: LLM, prompts: list[Any], params_list: list[dict | None], sp: SamplingParams
+) -> list[RequestOutput]:
     """The decode leg for several requests at once; P is stepped too (it serves the reads)."""
     eng = d.llm_engine
     ids = []
@@ -83,8 +90,11 @@ def free_blocks(llm: LLM) -> int:
 def settle(p: LLM, d: LLM, timeout: float = 30.0) -> None:
     """Step both until neither holds blocks or has KV work (leases, notifications)."""
     def idle() -> bool:
-        return all(not e.llm_engine.has_work() and free_blocks(e) == e.llm_engine.scheduler.kv_cache_manager.block_pools[0].num_blocks
-                   for e in (p, d))
+        return all(
+            not e.llm_engine.has_work()
+            and free_blocks(e) == e.llm_engine.scheduler.kv_cache_manager.block_pools[0].num_blocks
+            for e in (p, d)
+        )
     pump([p, d], idle, timeout)
 
 

@@ -43,20 +43,26 @@ class FakeChild(KVConnectorBase):
         self.errors: dict[str, str] = {}
         self.bad: set[tuple[int, int]] = set()
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         if self.offer is None:
             return None, False
         n = min(self.offer, request.num_tokens - num_computed_tokens)
         return (n, True) if n > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: Any, num_external_tokens: int
+    ) -> None:
         self.allocs.append((request.request_id, list(blocks.get_block_ids()[0]),
                             request.num_computed_tokens, num_external_tokens))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return KVConnectorMetadata()
 
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self.delay_free, ({"from": self.config.kv_connector} if self.delay_free else None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -72,7 +78,9 @@ class FakeChild(KVConnectorBase):
         return b
 
 
-def make(monkeypatch, policies: tuple[str, str] = ("", "")) -> tuple[Scheduler, MultiConnector, MultiConnector]:
+def make(
+    monkeypatch, policies: tuple[str, str] = ("", "")
+) -> tuple[Scheduler, MultiConnector, MultiConnector]:
     def fake_child(cfg: KVTransferConfig, role: KVConnectorRole, *args: object) -> FakeChild:
         return FakeChild(cfg, role)
 
@@ -102,7 +110,9 @@ def step(sched: Scheduler, worker: MultiConnector) -> KVConnectorOutput:
 
     sampled = {rid: [7] for rid, n in out.num_scheduled_tokens.items()
                if sched.requests[rid].num_computed_tokens >= sched.requests[rid].num_tokens}
-    sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled, kv_connector_output=kv))
+    sched.update_from_output(
+        out, ModelRunnerOutput(sampled_token_ids=sampled, kv_connector_output=kv)
+    )
     return kv
 
 
@@ -115,16 +125,31 @@ def free(sched: Scheduler) -> int:
 
 
 def test_child_configs_inherit_role_and_engine_id_and_reject_bad_specs():
-    cfg = KVTransferConfig("MultiConnector", "kv_consumer", engine_id="e1", kv_connector_extra_config={
-        "connectors": [{"kv_connector": "KVPoolConnector"}, {"kv_connector": "P2PConnector", "kv_role": "kv_producer"}]})
+    cfg = KVTransferConfig(
+        "MultiConnector",
+        "kv_consumer",
+        engine_id="e1",
+        kv_connector_extra_config={
+            "connectors": [
+                {"kv_connector": "KVPoolConnector"},
+                {"kv_connector": "P2PConnector", "kv_role": "kv_producer"},
+            ]
+        },
+    )
     pool, p2p = child_configs(cfg)
-    assert (pool.kv_role, pool.engine_id, pool.load_failure_policy) == ("kv_consumer", "e1", "recompute")
+    assert (pool.kv_role, pool.engine_id, pool.load_failure_policy) == (
+        "kv_consumer",
+        "e1",
+        "recompute",
+    )
     assert (p2p.kv_role, p2p.load_failure_policy) == ("kv_producer", "fail")
     for bad in ({"connectors": []}, {"connectors": [{"kv_connector": "MultiConnector"}]},
                 {"connectors": [{"kv_connector": "P2PConnector", "typo": 1}]},
                 {"connectors": [{"kv_connector": "P2PConnector"}], "extra": 1}):
         with pytest.raises(ValueError):
-            child_configs(KVTransferConfig("MultiConnector", "kv_both", kv_connector_extra_config=bad))
+            child_configs(
+                KVTransferConfig("MultiConnector", "kv_both", kv_connector_extra_config=bad)
+            )
 
 
 @pytest.mark.parametrize("order", ["in_order", "reversed", "early"])

@@ -25,8 +25,13 @@ MODES = ("drop", "reuse", "save_on_evict")
 
 
 def offload_config(mode: str, cpu_bytes: int = 64 << 20) -> str:
-    return json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                       "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes, "eviction_mode": mode}})
+    return json.dumps(
+        {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes, "eviction_mode": mode},
+        }
+    )
 
 
 def make_llm(mode: str | None) -> LLM:
@@ -144,7 +149,9 @@ def test_resent_prompt_is_served_from_host_blocks(offloaded, prompts, reference)
         assert host_tokens > 0 and stats["offload:hits"] * BLOCK == host_tokens
         assert stats["offload:recompute_tokens_avoided"] == stats["offload:hits"] * BLOCK
         assert stats["offload:copies_h2d"] == stats["offload:hits"]
-        assert stats["offload:bytes_h2d"] == stats["offload:copies_h2d"] * block_bytes(offloaded["llm"])
+        assert stats["offload:bytes_h2d"] == stats["offload:copies_h2d"] * block_bytes(
+            offloaded["llm"]
+        )
     assert_baseline(offloaded["llm"])
 
 
@@ -159,7 +166,9 @@ def test_eviction_modes_copy_what_their_definitions_predict(offloaded):
     assert len(evictions) > len(set(evictions)), "the workload must evict a hash twice"
     expected = {"drop": 0, "reuse": len(set(evictions)), "save_on_evict": len(evictions)}
     assert stats.get("offload:copies_d2h", 0) == expected[offloaded["mode"]]
-    assert stats.get("offload:bytes_d2h", 0) == expected[offloaded["mode"]] * block_bytes(offloaded["llm"])
+    assert stats.get("offload:bytes_d2h", 0) == expected[offloaded["mode"]] * block_bytes(
+        offloaded["llm"]
+    )
     if offloaded["mode"] == "reuse":
         assert stats["offload:reuse_skips"] == len(evictions) - len(set(evictions))
     assert stats.get("offload:exposed_wait_seconds", 0) >= 0
@@ -183,5 +192,8 @@ def test_preempted_request_resumes_by_swap_in(offloaded, reference):
         assert max(resumed) > BLOCK
     else:
         assert max(resumed) <= BLOCK
-        assert llm.llm_engine.scheduler.kv_stats["offload:hits"] > offloaded["seq_stats"]["offload:hits"]
+        assert (
+            llm.llm_engine.scheduler.kv_stats["offload:hits"]
+            > offloaded["seq_stats"]["offload:hits"]
+        )
     assert_baseline(llm)

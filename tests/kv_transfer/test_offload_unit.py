@@ -26,8 +26,13 @@ from pdkv.sched.output import SchedulerOutput
 LAYOUT = KVLayout("m", "float32", 4, 1, 1, 8, "cross_layer")  # unused by these connectors
 
 BS = 2
-EMPTY_STEP = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=[], num_scheduled_tokens={},
-                             total_num_scheduled_tokens=0, finished_req_ids=set())
+EMPTY_STEP = SchedulerOutput(
+    scheduled_new_reqs=[],
+    scheduled_cached_reqs=[],
+    num_scheduled_tokens={},
+    total_num_scheduled_tokens=0,
+    finished_req_ids=set(),
+)
 
 
 # ------------------------------------------------------------------ block pool hook
@@ -38,7 +43,9 @@ def test_hook_sees_hash_and_id_before_the_block_is_handed_out():
     def hook(block_hash: bytes, block_id: int) -> None:
         block = pool.blocks[block_id]
         # Still cached and free: nothing can have been scheduled to overwrite it yet.
-        seen.append((block_hash, block_id, pool.get_cached_block(block_hash) is block, block.ref_cnt))
+        seen.append(
+            (block_hash, block_id, pool.get_cached_block(block_hash) is block, block.ref_cnt)
+        )
 
     pool.set_eviction_hook(hook)
     a, b = pool.get_new_blocks(2)

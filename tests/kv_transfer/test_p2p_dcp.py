@@ -37,8 +37,15 @@ from pdkv.sampling_params import SamplingParams
 
 BS = 4  # tokens per physical block (P's and each D rank's)
 N = 2  # D's DCP size
-P_LAYOUT = {"model_digest": "m", "dtype": "float32", "block_size": BS, "num_layers": 2, "num_kv_heads": 1,
-            "head_size": 8, "kv_layout": "cross_layer"}
+P_LAYOUT = {
+    "model_digest": "m",
+    "dtype": "float32",
+    "block_size": BS,
+    "num_layers": 2,
+    "num_kv_heads": 1,
+    "head_size": 8,
+    "kv_layout": "cross_layer",
+}
 D_LAYOUT = {**P_LAYOUT, "tp_size": 2, "dcp_size": N, "interleave": BS, "dcp_replicated": False,
             "num_local_kv_heads": 1}
 SHAPE = (48, 2, 2, BS, 1, 8)  # blocks, layers, K/V, block tokens, KV heads, head size
@@ -103,7 +110,9 @@ def wait_loaded(results: WorkerResults, rid: str, timeout: float = 10.0) -> str 
 
 
 # --------------------------------------------------------------------- scheduler half
-def d_scheduler(layout: dict[str, Any] | None = None, logical_bs: int = BS * N) -> P2PConnectorScheduler:
+def d_scheduler(
+    layout: dict[str, Any] | None = None, logical_bs: int = BS * N
+) -> P2PConnectorScheduler:
     return P2PConnectorScheduler(cfg("kv_consumer", "D"), KVLayout.from_wire(layout or D_LAYOUT),
                                  logical_bs, ["127.0.0.1", 0])
 
@@ -163,15 +172,23 @@ def test_scheduler_maps_each_remote_block_to_the_logical_block_holding_it():
 
 
 def test_scheduler_at_dcp_1_pairs_blocks_one_to_one():
-    layout = {k: v for k, v in D_LAYOUT.items() if k not in ("tp_size", "dcp_size", "num_local_kv_heads")}
+    layout = {
+        k: v for k, v in D_LAYOUT.items() if k not in ("tp_size", "dcp_size", "num_local_kv_heads")
+    }
     sched = d_scheduler(layout, logical_bs=BS)
     d = Request("d", list(range(100, 110)), SamplingParams(max_tokens=4), BS,
                 kv_transfer_params=p_params(10, [5, 6, 7]))
     sched.validate_request(d)
     d.num_computed_tokens = BS
-    sched.update_state_after_alloc(d, KVCacheBlocks(([KVCacheBlock(b, ref_cnt=1) for b in [8, 9]],)), 6)
+    sched.update_state_after_alloc(
+        d, KVCacheBlocks(([KVCacheBlock(b, ref_cnt=1) for b in [8, 9]],)), 6
+    )
     (spec,) = sched.build_connector_meta().reqs_to_recv
-    assert (spec.remote_first_block, spec.remote_block_ids, spec.local_block_ids) == (1, ([6, 7],), ([8, 9],))
+    assert (spec.remote_first_block, spec.remote_block_ids, spec.local_block_ids) == (
+        1,
+        ([6, 7],),
+        ([8, 9],),
+    )
 
 
 @pytest.mark.parametrize(("layout", "over", "words"), [
@@ -226,7 +243,9 @@ def test_a_grant_with_two_readers_ends_after_done_from_both():
     nonce, digest = prod.hold("r", [3, 4, 5, 6], list(range(16)))
     assert prod.claim("r", nonce, digest, readers=2, reader=0).ok
     assert prod.notify(request_id="r", kind="done", nbytes=10, nonce=nonce, reader=0, readers=2)
-    assert prod.notify(request_id="r", kind="done", nbytes=10, nonce=nonce, reader=0, readers=2)  # repeated
+    assert prod.notify(
+        request_id="r", kind="done", nbytes=10, nonce=nonce, reader=0, readers=2
+    )  # repeated
     assert prod.pending()
     # The second reader can still claim and read its blocks.
     assert prod.claim("r", nonce, digest, readers=2, reader=1).ok
@@ -289,8 +308,9 @@ def run_ranks(prod: Producer, peers: dict[str, FakeEngine], spec: RecvSpec, size
     return ranks
 
 
-def grant_spec(prod: Producer, n_tokens: int, p_blocks: list[int], d_hit: list[int], d_new: list[int]
-               ) -> RecvSpec:
+def grant_spec(
+    prod: Producer, n_tokens: int, p_blocks: list[int], d_hit: list[int], d_new: list[int]
+) -> RecvSpec:
     """Hold `p_blocks` on P for the prompt and return D's RecvSpec for them (as the scheduler makes it)."""
     spec = recv_spec(n_tokens, p_blocks, d_hit, d_new)
     nonce, _ = prod.hold("p", p_blocks, list(range(100, 100 + n_tokens)))
@@ -306,8 +326,13 @@ def test_each_rank_reads_only_the_blocks_of_its_shard_and_both_say_done():
     ranks = run_ranks(prod, peers, spec)
     (e0, e1) = (side.engine for side, _, _ in ranks)
     assert isinstance(e0, FakeEngine) and isinstance(e1, FakeEngine)
-    read = [[(op.offset // BLOCK_BYTES, op.length // BLOCK_BYTES) for _, op in e.ops] for e in (e0, e1)]
-    assert read == [[(42, 1), (44, 1), (46, 1)], [(43, 1), (45, 1), (47, 1)]]  # (K0 + i) % 2 == rank
+    read = [
+        [(op.offset // BLOCK_BYTES, op.length // BLOCK_BYTES) for _, op in e.ops] for e in (e0, e1)
+    ]
+    assert read == [
+        [(42, 1), (44, 1), (46, 1)],
+        [(43, 1), (45, 1), (47, 1)],
+    ]  # (K0 + i) % 2 == rank
     assert not prod.pending() and prod.results.take_stats()[0]["kv_bytes_sent"] == 6 * BLOCK_BYTES
 
 
@@ -363,7 +388,9 @@ def test_only_dcp_rank_0_sends_the_schedulers_notices():
     ranks = []
     for r in range(N):
         side, _, _ = consumer(prod, peers, r)
-        side._control = lambda remote, msg, reply_type, deadline, r=r: sent.append((r, msg)) or prod.side._handle(msg)  # type: ignore[method-assign]
+        side._control = lambda remote, msg, reply_type, deadline, r=r: (
+            sent.append((r, msg)) or prod.side._handle(msg)
+        )  # type: ignore[method-assign]
         ranks.append(side)
     nonce, _ = prod.hold("x", [1, 2], list(range(8)))
     try:

@@ -82,7 +82,9 @@ class ReadFromRanks(FakeEngine):
         self.sources = sources
         self.by_rank: dict[int, int] = {}
 
-    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None) -> int:
+    def read(
+        self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None
+    ) -> int:
         self.source = self.sources[peer["p_rank"]]
         n = super().read(peer, ops, deadline, grant)
         self.by_rank[peer["p_rank"]] = self.by_rank.get(peer["p_rank"], 0) + n
@@ -90,8 +92,15 @@ class ReadFromRanks(FakeEngine):
 
 
 def layout(heads: int, tp: int) -> dict[str, Any]:
-    lay = {"model_digest": "m", "dtype": "float32", "block_size": BS, "num_layers": LAYERS, "num_kv_heads": heads,
-           "head_size": HEAD, "kv_layout": "cross_layer"}
+    lay = {
+        "model_digest": "m",
+        "dtype": "float32",
+        "block_size": BS,
+        "num_layers": LAYERS,
+        "num_kv_heads": heads,
+        "head_size": HEAD,
+        "kv_layout": "cross_layer",
+    }
     if tp > 1:
         lay.update(tp_size=tp, dcp_size=1, interleave=1, dcp_replicated=False,
                    num_local_kv_heads=ParallelLayout(tp_size=tp).kv_heads_per_rank(heads))
@@ -111,8 +120,15 @@ class Run:
     D at `d_tp` pulls them into `d_blocks`. `drop_done_to`: a P rank the consumers never tell
     "done" (break check: its grant must stay held)."""
 
-    def __init__(self, heads: int, d_tp: int, p_blocks: list[int], d_blocks: list[int], p_tp: int = 2,
-                 drop_done_to: int | None = None) -> None:
+    def __init__(
+        self,
+        heads: int,
+        d_tp: int,
+        p_blocks: list[int],
+        d_blocks: list[int],
+        p_tp: int = 2,
+        drop_done_to: int | None = None,
+    ) -> None:
         p_lay, d_lay = layout(heads, p_tp), layout(heads, d_tp)
         p_par, d_par = ParallelLayout(tp_size=p_tp), ParallelLayout(tp_size=d_tp)
         self.kv = torch.randn(NBLOCKS, LAYERS, 2, BS, heads, HEAD)
@@ -125,7 +141,9 @@ class Run:
             eng, res = RankEngine(r), WorkerResults(lambda: None)
             prod = ProducerSide(cfg("kv_producer", "P"), KVLayout.from_wire(p_lay), eng, res,
                                 [bb(p_local)])
-            eng.register_region("g0", view(self.kv[:, :, :, :, start : start + p_local].contiguous()))
+            eng.register_region(
+                "g0", view(self.kv[:, :, :, :, start : start + p_local].contiguous())
+            )
             prod.hold([SendSpec("p", (p_blocks,), 30.0, nonce, digest)])
             self.engines.append(eng)
             self.producers.append(prod)
@@ -134,21 +152,36 @@ class Run:
         p_sched = P2PConnectorScheduler(cfg("kv_producer", "P"), KVLayout.from_wire(p_lay), BS,
                                         list(ENDPOINTS[0]),
                                         control_endpoints=[list(e) for e in ENDPOINTS[:p_tp]])
-        req = Request("p", tokens, SamplingParams(max_tokens=1), BS, kv_transfer_params={"do_remote_decode": True})
+        req = Request(
+            "p",
+            tokens,
+            SamplingParams(max_tokens=1),
+            BS,
+            kv_transfer_params={"do_remote_decode": True},
+        )
         req.status = RequestStatus.FINISHED_LENGTH_CAPPED
         _, params = p_sched.request_finished(req, (p_blocks,))
-        assert params is not None and params["tp_size"] == p_tp and params["endpoints"] == ENDPOINTS[:p_tp]
+        assert (
+            params is not None
+            and params["tp_size"] == p_tp
+            and params["endpoints"] == ENDPOINTS[:p_tp]
+        )
         params["remote_nonce"] = nonce
         d_sched = P2PConnectorScheduler(cfg("kv_consumer", "D"), KVLayout.from_wire(d_lay), BS,
                                         ["127.0.0.1", 0])
         d = Request("d", tokens, SamplingParams(max_tokens=4), BS, kv_transfer_params=params)
         d_sched.validate_request(d)
-        d_sched.update_state_after_alloc(d, KVCacheBlocks(([KVCacheBlock(b, ref_cnt=1) for b in d_blocks],)),
-                                         len(tokens))
+        d_sched.update_state_after_alloc(
+            d, KVCacheBlocks(([KVCacheBlock(b, ref_cnt=1) for b in d_blocks],)), len(tokens)
+        )
         (spec,) = d_sched.build_connector_meta().reqs_to_recv
         assert [r.port for r in spec.remote_ranks] == [1001 + r for r in range(p_tp)]
         d_local = d_par.kv_heads_per_rank(heads)
-        self.d_kvs, self.d_engines, self.contacts = [], [], []  # contacts: per D rank, (P rank, message kind)
+        self.d_kvs, self.d_engines, self.contacts = (
+            [],
+            [],
+            [],
+        )  # contacts: per D rank, (P rank, message kind)
         self.received: list[int] = []
         sides, results = [], []
         for rank in range(d_tp):
@@ -159,9 +192,17 @@ class Run:
                                 rank=rank, world_size=d_tp)
             seen: list[tuple[int, str]] = []
 
-            def control(remote: Any, msg: Any, reply_type: Any, deadline: float, seen: list = seen) -> Any:
+            def control(
+                remote: Any, msg: Any, reply_type: Any, deadline: float, seen: list = seen
+            ) -> Any:
                 p = remote.port - 1001
-                kind = "claim" if isinstance(msg, Claim) else msg.kind if isinstance(msg, Notify) else "handshake"
+                kind = (
+                    "claim"
+                    if isinstance(msg, Claim)
+                    else msg.kind
+                    if isinstance(msg, Notify)
+                    else "handshake"
+                )
                 seen.append((p, kind))
                 if kind == "done" and p == drop_done_to:
                     from pdkv.kv_transfer.connector.p2p_messages import Ack
@@ -198,7 +239,10 @@ def test_d_pulls_each_head_once_from_a_p_rank_holding_it(d_tp):
     # Bytes moved = what D stores: every head of every block once.
     assert sum(run.received) == len(p_blocks) * bb(2)
     if d_tp == 2:  # each D rank reads (and talks) only to the P rank holding its head
-        assert [e.by_rank for e in run.d_engines] == [{0: len(p_blocks) * bb(1)}, {1: len(p_blocks) * bb(1)}]
+        assert [e.by_rank for e in run.d_engines] == [
+            {0: len(p_blocks) * bb(1)},
+            {1: len(p_blocks) * bb(1)},
+        ]
         assert [{p for p, _ in seen} for seen in run.contacts] == [{0}, {1}]
     else:  # D tp 1 reads head 0 from P rank 0, head 1 from P rank 1
         assert run.d_engines[0].by_rank == {0: len(p_blocks) * bb(1), 1: len(p_blocks) * bb(1)}
@@ -248,6 +292,8 @@ def test_a_p_at_tp_2_into_dcp_is_refused_naming_both():
               "remote_nonce": "n", "prompt_digest": prompt_digest(tokens, None), "tp_size": 2,
               "endpoints": ENDPOINTS, "num_tokens": len(tokens), "layout": layout(2, 2)}
     with pytest.raises(ValueError) as e:
-        d_sched.validate_request(Request("d", tokens, SamplingParams(max_tokens=4), BS, kv_transfer_params=params))
+        d_sched.validate_request(
+            Request("d", tokens, SamplingParams(max_tokens=4), BS, kv_transfer_params=params)
+        )
     assert "a prefill engine at tp_size=2 into a DCP decode engine" in str(e.value)
     assert "decode_context_parallel_size=2" in str(e.value)

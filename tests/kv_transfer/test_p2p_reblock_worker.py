@@ -43,7 +43,9 @@ def block_bytes(bs: int) -> int:
     return LAYERS * 2 * bs * HEADS * HEAD * 4
 
 
-@pytest.mark.parametrize(("p_bs", "d_bs", "hit"), [(4, 8, 0), (8, 4, 0), (4, 8, 8), (8, 4, 4), (8, 4, 12)])
+@pytest.mark.parametrize(
+    ("p_bs", "d_bs", "hit"), [(4, 8, 0), (8, 4, 0), (4, 8, 8), (8, 4, 4), (8, 4, 12)]
+)
 def test_d_rebuilds_every_prompt_token_from_p_blocks_of_another_size(p_bs, d_bs, hit):
     n_tokens = 21
     tokens = list(range(100, 100 + n_tokens))
@@ -59,7 +61,13 @@ def test_d_rebuilds_every_prompt_token_from_p_blocks_of_another_size(p_bs, d_bs,
     p_sched = P2PConnectorScheduler(cfg("kv_producer", "P"),
                                     KVLayout.from_wire({**BASE, "block_size": p_bs}), p_bs,
                                     ["127.0.0.1", 1])
-    r = Request("p", tokens, SamplingParams(max_tokens=1), p_bs, kv_transfer_params={"do_remote_decode": True})
+    r = Request(
+        "p",
+        tokens,
+        SamplingParams(max_tokens=1),
+        p_bs,
+        kv_transfer_params={"do_remote_decode": True},
+    )
     r.status = RequestStatus.FINISHED_LENGTH_CAPPED
     _, params = p_sched.request_finished(r, (p_blocks,))
     assert params is not None
@@ -72,8 +80,9 @@ def test_d_rebuilds_every_prompt_token_from_p_blocks_of_another_size(p_bs, d_bs,
     d_sched.validate_request(d)
     d.num_computed_tokens = hit
     ext, _ = d_sched.get_num_new_matched_tokens(d, hit)
-    d_sched.update_state_after_alloc(d, KVCacheBlocks(([KVCacheBlock(b, ref_cnt=1) for b in d_table[hit // d_bs:]],)),
-                                     ext)
+    d_sched.update_state_after_alloc(
+        d, KVCacheBlocks(([KVCacheBlock(b, ref_cnt=1) for b in d_table[hit // d_bs :]],)), ext
+    )
     (spec,) = d_sched.build_connector_meta().reqs_to_recv
     d_engine = FakeEngine()
     d_engine.source = p_engine
@@ -97,7 +106,10 @@ def test_d_rebuilds_every_prompt_token_from_p_blocks_of_another_size(p_bs, d_bs,
             assert not got.any(), f"token {t} (a local hit) was written"
         else:
             assert torch.equal(got, p_kv[p_blocks[t // p_bs], :, :, t % p_bs]), f"token {t}"
-    assert results.take_stats()[0]["kv_bytes_received"] == (n_tokens - hit) * LAYERS * 2 * HEADS * HEAD * 4
+    assert (
+        results.take_stats()[0]["kv_bytes_received"]
+        == (n_tokens - hit) * LAYERS * 2 * HEADS * HEAD * 4
+    )
     untouched = [b for b in range(NBLOCKS) if b not in d_table]
     assert not d_kv[untouched].any()
     # Every slot of D past the prompt is untouched too.
@@ -115,6 +127,11 @@ def test_the_producer_serves_sub_block_ranges_of_held_blocks_only():
     reply = prod._handle(Claim("r", nonce, digest, "P"))
     assert isinstance(reply, ClaimReply) and reply.ok
     bb, row = block_bytes(4), HEADS * HEAD * 4
-    assert p_engine.authorizer(("r", nonce), "g0", [(5 * bb + 3 * row, 2 * row), (7 * bb + row, row)]) is None
+    assert (
+        p_engine.authorizer(("r", nonce), "g0", [(5 * bb + 3 * row, 2 * row), (7 * bb + row, row)])
+        is None
+    )
     assert p_engine.authorizer(("r", nonce), "g0", [(6 * bb + row, row)]) is not None  # not held
-    assert p_engine.authorizer(("r", nonce), "g0", [(5 * bb + bb - row, 2 * row)]) is not None  # spills into 6
+    assert (
+        p_engine.authorizer(("r", nonce), "g0", [(5 * bb + bb - row, 2 * row)]) is not None
+    )  # spills into 6

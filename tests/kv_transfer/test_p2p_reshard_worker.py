@@ -39,8 +39,15 @@ def view(kv: torch.Tensor) -> memoryview:
 
 
 def layouts(heads: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    p = {"model_digest": "m", "dtype": "float32", "block_size": BS, "num_layers": LAYERS, "num_kv_heads": heads,
-         "head_size": HEAD, "kv_layout": "cross_layer"}
+    p = {
+        "model_digest": "m",
+        "dtype": "float32",
+        "block_size": BS,
+        "num_layers": LAYERS,
+        "num_kv_heads": heads,
+        "head_size": HEAD,
+        "kv_layout": "cross_layer",
+    }
     d = {**p, "tp_size": TP, "dcp_size": 1, "interleave": 1, "dcp_replicated": False,
          "num_local_kv_heads": max(1, heads // TP)}
     return p, d
@@ -50,8 +57,9 @@ def bb(heads: int) -> int:
     return LAYERS * 2 * BS * heads * HEAD * 4
 
 
-def run(heads: int, n_tokens: int, p_blocks: list[int], d_blocks: list[int]
-        ) -> tuple[torch.Tensor, list[torch.Tensor], ProducerSide, WorkerResults, list[WorkerResults]]:
+def run(
+    heads: int, n_tokens: int, p_blocks: list[int], d_blocks: list[int]
+) -> tuple[torch.Tensor, list[torch.Tensor], ProducerSide, WorkerResults, list[WorkerResults]]:
     """P holds `p_blocks` for the prompt; D's scheduler half maps them onto `d_blocks`; both D
     ranks pull. Returns P's KV, each rank's KV, P's side and results, and each rank's results."""
     p_lay, d_lay = layouts(heads)
@@ -67,7 +75,9 @@ def run(heads: int, n_tokens: int, p_blocks: list[int], d_blocks: list[int]
     # D's scheduler half builds the RecvSpec from P's kv_transfer_params.
     p_sched = P2PConnectorScheduler(cfg("kv_producer", "P"), KVLayout.from_wire(p_lay), BS,
                                     ["127.0.0.1", 1])
-    r = Request("p", tokens, SamplingParams(max_tokens=1), BS, kv_transfer_params={"do_remote_decode": True})
+    r = Request(
+        "p", tokens, SamplingParams(max_tokens=1), BS, kv_transfer_params={"do_remote_decode": True}
+    )
     r.status = RequestStatus.FINISHED_LENGTH_CAPPED
     _, params = p_sched.request_finished(r, (p_blocks,))
     assert params is not None
@@ -75,7 +85,9 @@ def run(heads: int, n_tokens: int, p_blocks: list[int], d_blocks: list[int]
                                     ["127.0.0.1", 0])
     d = Request("d", tokens, SamplingParams(max_tokens=4), BS, kv_transfer_params=params)
     d_sched.validate_request(d)
-    d_sched.update_state_after_alloc(d, KVCacheBlocks(([KVCacheBlock(b, ref_cnt=1) for b in d_blocks],)), n_tokens)
+    d_sched.update_state_after_alloc(
+        d, KVCacheBlocks(([KVCacheBlock(b, ref_cnt=1) for b in d_blocks],)), n_tokens
+    )
     (spec,) = d_sched.build_connector_meta().reqs_to_recv
     spec.remote, spec.remote_nonce = REMOTE, nonce
     local = d_lay["num_local_kv_heads"]
@@ -132,7 +144,9 @@ def test_only_global_rank_0_sends_the_schedulers_notices():
         side = ConsumerSide(cfg("kv_consumer", "D"), KVLayout.from_wire(d_lay),
                             FakeEngine(p_engine), WorkerResults(lambda: None),
                             [], [], rank=rank, world_size=TP)
-        side._control = lambda remote, msg, reply_type, deadline, r=rank: sent.append(r) or prod._handle(msg)  # type: ignore[method-assign]
+        side._control = lambda remote, msg, reply_type, deadline, r=rank: (
+            sent.append(r) or prod._handle(msg)
+        )  # type: ignore[method-assign]
         sides.append(side)
     try:
         for side in sides:

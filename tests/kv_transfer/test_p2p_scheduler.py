@@ -77,7 +77,9 @@ def test_producer_request_finished_holds_blocks_and_returns_full_params(status):
         "num_tokens": 10,
         "layout": LAYOUT,
     }
-    assert all(params[k] is not None for k in REQUIRED_PARAMS if k not in ("remote_nonce", "prompt_digest"))
+    assert all(
+        params[k] is not None for k in REQUIRED_PARAMS if k not in ("remote_nonce", "prompt_digest")
+    )
     # Copies, not aliases of the scheduler's lists or of the connector's layout.
     block_ids[0].append(99)
     assert params["remote_block_ids"][0] == [3, 4, 5]
@@ -88,7 +90,9 @@ def test_producer_request_finished_holds_blocks_and_returns_full_params(status):
     assert prod.has_pending_work()
     meta = prod.build_connector_meta()
     assert isinstance(meta, P2PConnectorMetadata)
-    assert meta.reqs_to_send == [SendSpec("r1", block_ids, LEASE, nonce, prompt_digest(r.prompt_token_ids, None))]
+    assert meta.reqs_to_send == [
+        SendSpec("r1", block_ids, LEASE, nonce, prompt_digest(r.prompt_token_ids, None))
+    ]
     assert meta.reqs_to_recv == [] and meta.notifications == []
     assert empty_meta(prod.build_connector_meta())  # reset after one step
     # Still held until the worker reports the send finished.
@@ -349,7 +353,9 @@ def test_re_blocking_into_dcp_or_several_groups_is_refused_naming_both_sizes():
                                    KVLayout.from_wire(dict(LAYOUT, block_size=8)),
                                    8, list(PRODUCER_ADDR), num_groups=2)
     with pytest.raises(ValueError, match="block_size=8 .*block_size=4.*one KV cache group"):
-        groups.validate_request(req("r", 10, remote_params(remote_block_ids=[[1, 2, 3], [4, 5, 6]])))
+        groups.validate_request(
+            req("r", 10, remote_params(remote_block_ids=[[1, 2, 3], [4, 5, 6]]))
+        )
 
 
 def test_validate_rejects_params_without_a_layout():
@@ -386,15 +392,24 @@ def test_validate_rejects_roles_that_cannot_honour_the_params():
         make("kv_consumer").validate_request(req("r", 10, {"do_remote_decode": True}))
 
 
-@pytest.mark.parametrize("over, match", [
-    ({"layout": {**LAYOUT, "block_size": 8}, "block_size": 8}, r"remote_block_ids\[0\] lists 3 blocks .* = 2 blocks"),
-    ({"remote_block_ids": [[50, 51]]}, r"remote_block_ids\[0\] lists 2 blocks .* = 3 blocks"),
-    ({"remote_block_ids": [[50, -1, 52]]}, "non-negative integer block ids"),
-    ({"remote_block_ids": [[50, True, 52]]}, "non-negative integer block ids"),
-    ({"layout": {**LAYOUT, "block_size": 2.0}}, "layout.block_size must be a positive integer"),
-    # a layout block size whose count happens to fit, but not the params' own block_size
-    ({"layout": {**LAYOUT, "block_size": 5}}, "kv_transfer_params.block_size=4 and layout.block_size=5 differ"),
-])
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        (
+            {"layout": {**LAYOUT, "block_size": 8}, "block_size": 8},
+            r"remote_block_ids\[0\] lists 3 blocks .* = 2 blocks",
+        ),
+        ({"remote_block_ids": [[50, 51]]}, r"remote_block_ids\[0\] lists 2 blocks .* = 3 blocks"),
+        ({"remote_block_ids": [[50, -1, 52]]}, "non-negative integer block ids"),
+        ({"remote_block_ids": [[50, True, 52]]}, "non-negative integer block ids"),
+        ({"layout": {**LAYOUT, "block_size": 2.0}}, "layout.block_size must be a positive integer"),
+        # a layout block size whose count happens to fit, but not the params' own block_size
+        (
+            {"layout": {**LAYOUT, "block_size": 5}},
+            "kv_transfer_params.block_size=4 and layout.block_size=5 differ",
+        ),
+    ],
+)
 def test_validate_rejects_params_that_contradict_themselves(over, match):
     """10 tokens in blocks of 4 are 3 blocks: a layout claiming 8 (or a list of 2) does not fit."""
     assert LAYOUT["block_size"] == 4

@@ -107,8 +107,14 @@ def test_params_of_another_prompt_become_a_load_error_without_contacting_the_pro
     (spec,) = meta.reqs_to_recv
     assert "prompt_digest does not match" in spec.error and meta.notifications == []
     # The same prompt under another cache_salt is another prompt too.
-    salted = Request("s", list(range(20, 30)), SamplingParams(max_tokens=8), BS, cache_salt="tenant-b",
-                     kv_transfer_params=remote_params())
+    salted = Request(
+        "s",
+        list(range(20, 30)),
+        SamplingParams(max_tokens=8),
+        BS,
+        cache_salt="tenant-b",
+        kv_transfer_params=remote_params(),
+    )
     cons.update_state_after_alloc(salted, blocks([4, 5, 6]), 10)
     assert "prompt_digest does not match" in cons.build_connector_meta().reqs_to_recv[0].error
 

@@ -47,7 +47,9 @@ def test_window_group_pulls_exactly_the_blocks_the_resumed_token_reads(n, hits):
     full_local, swa_local = spec.local_block_ids
     full_remote, swa_remote = spec.remote_block_ids
     # Full attention: every block from the local hits on, one to one.
-    assert full_local == list(range(k0, num_blocks)) and full_remote == [100 + i for i in range(k0, num_blocks)]
+    assert full_local == list(range(k0, num_blocks)) and full_remote == [
+        100 + i for i in range(k0, num_blocks)
+    ]
     # Sliding window: the blocks the resumed token reads (those after the local hits).
     want = sorted(b for b in brute_force_needed_blocks(n) if b >= k0)
     assert swa_local == [50 + b for b in want] and swa_remote == [200 + b for b in want]
@@ -61,7 +63,10 @@ def test_without_a_window_the_pairs_and_first_blocks_are_unchanged():
     r = req("r", 25, remote_params(25, remote_block_ids=[list(range(7)), list(range(10, 17))]))
     cons.update_state_after_alloc(r, blocks(list(range(7)), list(range(20, 27))), 25)
     (spec,) = cons.build_connector_meta().reqs_to_recv
-    assert spec.group_first_blocks == () and spec.remote_block_ids == (list(range(7)), list(range(10, 17)))
+    assert spec.group_first_blocks == () and spec.remote_block_ids == (
+        list(range(7)),
+        list(range(10, 17)),
+    )
 
 
 def test_window_count_must_match_the_groups():
@@ -76,7 +81,9 @@ def test_connectors_that_cannot_move_a_window_group_refuse_it_at_start_up(name):
     full = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8)
     swa = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=8, sliding_window=W)
     cfg = KVTransferConfig(name, "kv_both")
-    kv = KVCacheConfig(num_blocks=8, groups=(KVCacheGroupSpec((0,), full), KVCacheGroupSpec((1,), swa)))
+    kv = KVCacheConfig(
+        num_blocks=8, groups=(KVCacheGroupSpec((0,), full), KVCacheGroupSpec((1,), swa))
+    )
     with pytest.raises(ValueError, match=f"{name} does not move sliding-window"):
         create_connector(cfg, KVConnectorRole.SCHEDULER, kv, dict(LAYOUT), {})
 
@@ -87,5 +94,9 @@ def test_producer_counts_no_null_block_of_a_window_group_as_held():
                                  num_groups=2, sliding_windows=(None, W))
     r = req("r", 12, {"do_remote_decode": True}, status=RequestStatus.FINISHED_LENGTH_CAPPED)
     delay, params = prod.request_finished(r, ([0, 1, 2], [NULL_BLOCK_ID, 5, 6]))
-    assert delay and params is not None and params["remote_block_ids"] == [[0, 1, 2], [NULL_BLOCK_ID, 5, 6]]
+    assert (
+        delay
+        and params is not None
+        and params["remote_block_ids"] == [[0, 1, 2], [NULL_BLOCK_ID, 5, 6]]
+    )
     assert prod.num_blocks_held == 5  # block 0 of the full group is a real block

@@ -131,7 +131,9 @@ def test_a_kept_connection_the_producer_dropped_is_replaced_not_a_failed_read():
     try:
         for _ in range(2):
             dest = bytearray(64)
-            n = d.read(p.peer_info(), [ReadOp("g0", 10, 64, memoryview(dest))], time.monotonic() + 10)
+            n = d.read(
+                p.peer_info(), [ReadOp("g0", 10, 64, memoryview(dest))], time.monotonic() + 10
+            )
             assert n == 64 and bytes(dest) == data[10:74]
             (kept,) = d._conns.values()
             assert _closed_by_peer(kept)  # P dropped it after its idle timeout
@@ -161,7 +163,12 @@ def test_tcp_server_serves_only_what_the_authorizer_allows():
     peer = prod.peer_info()
     try:
         out = bytearray(50)
-        assert cons.read(peer, [ReadOp("g0", 50, 50, memoryview(out))], time.monotonic() + 5, ("r", "n")) == 50
+        assert (
+            cons.read(
+                peer, [ReadOp("g0", 50, 50, memoryview(out))], time.monotonic() + 5, ("r", "n")
+            )
+            == 50
+        )
         assert bytes(out) == data[50:100]
         for grant, op in [
             (("r", "n"), ReadOp("g0", 90, 20, memoryview(bytearray(20)))),  # past the grant

@@ -38,8 +38,15 @@ from pdkv.kv_transfer.engine.tcp import TcpTransferEngine  # noqa: E402
 from pdkv.kv_transfer.wire import connect, recv_msg, send_msg  # noqa: E402
 from pdkv.launch.ports import free_port  # noqa: E402
 
-LAYOUT = {"model_digest": "m", "dtype": "float32", "block_size": 4, "num_layers": 1, "num_kv_heads": 1,
-          "head_size": 8, "kv_layout": "cross_layer"}
+LAYOUT = {
+    "model_digest": "m",
+    "dtype": "float32",
+    "block_size": 4,
+    "num_layers": 1,
+    "num_kv_heads": 1,
+    "head_size": 8,
+    "kv_layout": "cross_layer",
+}
 NB = 16
 SHAPE = (NB, 1, 2, 4, 1, 8)  # blocks, layers, K/V, block tokens, KV heads, head size: 256 B/block
 TOKENS = list(range(100, 112))
@@ -75,7 +82,9 @@ def hold(prod: P2PConnectorWorker, rid: str, blocks: list[int], tokens: list[int
          lease: float = 30.0) -> tuple[str, str]:
     """Hold `blocks` under a new grant; returns (nonce, prompt digest) as P's params carry them."""
     nonce, digest = secrets.token_hex(16), prompt_digest(tokens, None)
-    prod.start_load_kv(P2PConnectorMetadata(reqs_to_send=[SendSpec(rid, (blocks,), lease, nonce, digest)]))
+    prod.start_load_kv(
+        P2PConnectorMetadata(reqs_to_send=[SendSpec(rid, (blocks,), lease, nonce, digest)])
+    )
     return nonce, digest
 
 
@@ -84,13 +93,22 @@ def remote_of(prod: P2PConnectorWorker) -> RemoteEngine:
     return RemoteEngine(prod.config.engine_id, str(host), int(port))
 
 
-def spec(rid: str, remote: RemoteEngine, remote_rid: str, nonce: str, local: list[int], remote_ids: list[int],
-         tokens: list[int] = TOKENS) -> RecvSpec:
+def spec(
+    rid: str,
+    remote: RemoteEngine,
+    remote_rid: str,
+    nonce: str,
+    local: list[int],
+    remote_ids: list[int],
+    tokens: list[int] = TOKENS,
+) -> RecvSpec:
     return RecvSpec(rid, remote, remote_rid, (local,), (remote_ids,), dict(LAYOUT), nonce,
                     prompt_digest(tokens, None))
 
 
-def pull(cons: P2PConnectorWorker, specs: list[RecvSpec], timeout: float = 20.0) -> dict[str, str | None]:
+def pull(
+    cons: P2PConnectorWorker, specs: list[RecvSpec], timeout: float = 20.0
+) -> dict[str, str | None]:
     """Submit pulls and step the consumer until all ended: request id -> error (None = loaded)."""
     cons.start_load_kv(P2PConnectorMetadata(reqs_to_recv=specs))
     return wait_loads(cons, {s.request_id for s in specs}, timeout)
@@ -138,10 +156,28 @@ def test_forged_block_ids_are_refused_and_nothing_is_written(workers):
     try:
         out = bytearray(256)
         with pytest.raises(TransferError, match="outside the blocks held"):
-            raw.read(peer, [ReadOp("g0", 9 * 256, 256, memoryview(out))], time.monotonic() + 5, ("r", nonce))
+            raw.read(
+                peer,
+                [ReadOp("g0", 9 * 256, 256, memoryview(out))],
+                time.monotonic() + 5,
+                ("r", nonce),
+            )
         with pytest.raises(TransferError, match="no claimed grant"):
-            raw.read(peer, [ReadOp("g0", 3 * 256, 256, memoryview(out))], time.monotonic() + 5, ("r", "guess"))
-        assert raw.read(peer, [ReadOp("g0", 3 * 256, 256, memoryview(out))], time.monotonic() + 5, ("r", nonce)) == 256
+            raw.read(
+                peer,
+                [ReadOp("g0", 3 * 256, 256, memoryview(out))],
+                time.monotonic() + 5,
+                ("r", "guess"),
+            )
+        assert (
+            raw.read(
+                peer,
+                [ReadOp("g0", 3 * 256, 256, memoryview(out))],
+                time.monotonic() + 5,
+                ("r", nonce),
+            )
+            == 256
+        )
     finally:
         raw.close()
 
@@ -164,7 +200,9 @@ def test_a_prompt_digest_mismatch_is_refused_by_the_producer_and_keeps_the_grant
     cons, dkv = workers("kv_consumer", "D")
     nonce, _ = hold(prod, "r", [2, 3])
     other_prompt = [t + 1 for t in TOKENS]  # same length, different tokens
-    errors = pull(cons, [spec("d1", remote_of(prod), "r", nonce, [0, 1], [2, 3], tokens=other_prompt)])
+    errors = pull(
+        cons, [spec("d1", remote_of(prod), "r", nonce, [0, 1], [2, 3], tokens=other_prompt)]
+    )
     assert "prompt digest mismatch" in str(errors["d1"]) and not dkv.any()
     assert prod.has_pending()  # D did not release a grant that is not its own
     assert pull(cons, [spec("d2", remote_of(prod), "r", nonce, [0, 1], [2, 3])]) == {"d2": None}
@@ -173,7 +211,9 @@ def test_a_prompt_digest_mismatch_is_refused_by_the_producer_and_keeps_the_grant
 def test_a_spec_refused_by_the_scheduler_fails_without_contacting_anyone(workers):
     cons, _ = workers("kv_consumer", "D")
     nowhere = RemoteEngine("P", "127.0.0.1", free_port())
-    refused = RecvSpec("d", nowhere, "r", ([0],), ([1],), dict(LAYOUT), "n", "x", error="digest differs")
+    refused = RecvSpec(
+        "d", nowhere, "r", ([0],), ([1],), dict(LAYOUT), "n", "x", error="digest differs"
+    )
     assert pull(cons, [refused], timeout=5) == {"d": "digest differs"}
     assert cons.get_block_ids_with_load_errors() == {(0, 0)}
 
@@ -253,7 +293,9 @@ class BlackHole:
 def test_a_black_hole_producer_stalls_neither_other_pulls_nor_its_own_deadlines(workers):
     timeout = 4.0
     prod, _ = workers("kv_producer", "P")
-    cons, _ = workers("kv_consumer", "D", transfer_timeout=timeout, kv_pulls_per_peer=2, kv_pull_threads=4)
+    cons, _ = workers(
+        "kv_consumer", "D", transfer_timeout=timeout, kv_pulls_per_peer=2, kv_pull_threads=4
+    )
     hole = BlackHole()
     try:
         dead = RemoteEngine("dead", "127.0.0.1", hole.port)
@@ -266,7 +308,9 @@ def test_a_black_hole_producer_stalls_neither_other_pulls_nor_its_own_deadlines(
             good.append(spec(f"good{i}", remote_of(prod), f"r{i}", nonce, [8 + i], [i]))
         results = pull(cons, good)
         assert results == {"good0": None, "good1": None}
-        assert not any(k.startswith("dead") for k in results)  # those can only end at their deadline
+        assert not any(
+            k.startswith("dead") for k in results
+        )  # those can only end at their deadline
         wait_loads(cons, {f"dead{i}" for i in range(6)}, timeout=3 * timeout, results=results)
         elapsed = time.monotonic() - t0
         assert all(results[f"dead{i}"] for i in range(6))
@@ -283,7 +327,9 @@ def test_leases_are_renewed_until_the_read_begins(workers):
     nonce_a, _ = hold(prod, "a", [1])
     # b's grant starts with a 0.6 s lease: only renewals keep it while its pull waits behind a's.
     nonce_b, digest = secrets.token_hex(16), prompt_digest(TOKENS, None)
-    prod.start_load_kv(P2PConnectorMetadata(reqs_to_send=[SendSpec("b", ([2],), 0.6, nonce_b, digest)]))
+    prod.start_load_kv(
+        P2PConnectorMetadata(reqs_to_send=[SendSpec("b", ([2],), 0.6, nonce_b, digest)])
+    )
     cons.start_load_kv(P2PConnectorMetadata(reqs_to_recv=[
         spec("da", remote_of(prod), "a", nonce_a, [0], [1]),
         spec("db", remote_of(prod), "b", nonce_b, [1], [2])]))
@@ -300,7 +346,9 @@ def test_leases_are_renewed_until_the_read_begins(workers):
 
 
 def test_a_kv_cache_outside_cpu_memory_is_refused_at_registration():
-    cfg = KVTransferConfig("P2PConnector", "kv_consumer", engine_id="D", kv_connector_extra_config={})
+    cfg = KVTransferConfig(
+        "P2PConnector", "kv_consumer", engine_id="D", kv_connector_extra_config={}
+    )
     w = P2PConnectorWorker(cfg, KVLayout.from_wire(LAYOUT), ["127.0.0.1", 0])
     try:
         with pytest.raises(ValueError, match="KV cache in CPU memory.*meta"):

@@ -52,7 +52,9 @@ def test_client_max_tokens_one(pd, colocated):
 def test_first_generated_token_is_eos(pd, colocated):
     p, d = pd
     ids = _chat_ids(colocated, "What is the capital of France?")
-    answer = colocated.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=32))[0]
+    answer = colocated.generate(
+        {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=32)
+    )[0]
     eos = colocated.llm_engine.eos_token_id
     assert answer.outputs[0].token_ids[-1] == eos
     prompt = {"prompt_token_ids": ids + answer.outputs[0].token_ids[:-1]}  # the answer, minus EOS
@@ -74,7 +76,10 @@ def test_prefill_engine_gone_after_returning_params(policy, colocated):
         out = decode(p, d, [PROMPT], [params], GREEDY)[0]
         assert time.monotonic() - t0 < 30
         if policy == "recompute":
-            assert out.outputs[0].token_ids == colocated.generate(PROMPT, GREEDY)[0].outputs[0].token_ids
+            assert (
+                out.outputs[0].token_ids
+                == colocated.generate(PROMPT, GREEDY)[0].outputs[0].token_ids
+            )
             assert d.llm_engine.scheduler.kv_stats["kv_load_failures_recompute"] == 1
         else:
             assert out.outputs[0].finish_reason == "error"

@@ -53,9 +53,14 @@ def engines(tiny_gdn):
 
 
 def idle(*llms: LLM) -> bool:
-    return all(not e.llm_engine.has_work() and all(
-        pool.num_free_blocks == pool.num_usable_blocks for pool in e.llm_engine.scheduler.kv_cache_manager.block_pools)
-        for e in llms)
+    return all(
+        not e.llm_engine.has_work()
+        and all(
+            pool.num_free_blocks == pool.num_usable_blocks
+            for pool in e.llm_engine.scheduler.kv_cache_manager.block_pools
+        )
+        for e in llms
+    )
 
 
 @pytest.mark.slow  # loads the model twice
@@ -108,7 +113,9 @@ def test_producer_token_can_end_the_request_at_decode(engines):
     prm = prefill(p, {"prompt_token_ids": prompts[2]}).kv_transfer_params
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     out = decode(p, d, [{"prompt_token_ids": prompts[2]}], [prm], one)[0]
-    assert list(out.outputs[0].token_ids) == refs[2][:1] and out.outputs[0].finish_reason == "length"
+    assert (
+        list(out.outputs[0].token_ids) == refs[2][:1] and out.outputs[0].finish_reason == "length"
+    )
     prm = prefill(p, {"prompt_token_ids": prompts[0]}).kv_transfer_params
     stop = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[refs[0][0]])
     out = decode(p, d, [{"prompt_token_ids": prompts[0]}], [prm], stop)[0]

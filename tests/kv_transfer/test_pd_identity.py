@@ -39,13 +39,23 @@ def _mooncake_available() -> bool:
 TRANSFERS = [
     pytest.param("tcp", marks=pytest.mark.matrix("pd-tcp")),
     pytest.param("shm", marks=pytest.mark.matrix("pd-shm")),
-    pytest.param("mooncake", marks=[pytest.mark.matrix("pd-mooncake"), pytest.mark.skipif(
-        not _mooncake_available() and not in_ci(), reason="mooncake-transfer-engine-non-cuda / libibverbs1 not installed")]),
+    pytest.param(
+        "mooncake",
+        marks=[
+            pytest.mark.matrix("pd-mooncake"),
+            pytest.mark.skipif(
+                not _mooncake_available() and not in_ci(),
+                reason="mooncake-transfer-engine-non-cuda / libibverbs1 not installed",
+            ),
+        ],
+    ),
 ]
 
 
 @pytest.mark.parametrize("transfer", TRANSFERS)
-def test_pd_matches_colocated_and_moves_prompt_blocks(transfer, parity_prompts, colocated_reference):
+def test_pd_matches_colocated_and_moves_prompt_blocks(
+    transfer, parity_prompts, colocated_reference
+):
     # D without prefix caching so every request pulls all of its prompt's blocks. Every prompt is
     # prefilled before the first pull: a long lease keeps a slow machine from expiring them.
     p, d = make_pd(transfer, d_prefix_caching=False, p_extra={"kv_lease_duration": 600.0})

@@ -41,37 +41,67 @@ FP32_BLOCK_BYTES = LAYERS * 2 * BS * HEADS * HEAD * 4
 
 
 def pool_config() -> str:
-    return json.dumps({"kv_connector": "KVPoolConnector", "kv_role": "kv_both",
-                       "kv_connector_extra_config": {"chunk_size": CHUNK,
-                                                     "tiers": [{"name": "dram", "capacity_bytes": 1 << 26}]}})
+    return json.dumps(
+        {
+            "kv_connector": "KVPoolConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "chunk_size": CHUNK,
+                "tiers": [{"name": "dram", "capacity_bytes": 1 << 26}],
+            },
+        }
+    )
 
 
 @pytest.fixture(scope="module", params=["int8", "fp8"])
 def engines(request, tiny_llama_kv2):
     """(kv_cache_dtype, P, D, pool engine, prompts, colocated greedy outputs of P)."""
-    kw = dict(cpu_linear="torch", num_kv_blocks=48, max_model_len=256, block_size=BS, kv_cache_dtype=request.param)
-    p = LLM(tiny_llama_kv2, **kw, kv_transfer_config=pd_config("kv_both", "tcp", kv_lease_duration=600.0))
+    kw = dict(
+        cpu_linear="torch",
+        num_kv_blocks=48,
+        max_model_len=256,
+        block_size=BS,
+        kv_cache_dtype=request.param,
+    )
+    p = LLM(
+        tiny_llama_kv2,
+        **kw,
+        kv_transfer_config=pd_config("kv_both", "tcp", kv_lease_duration=600.0),
+    )
     d = LLM(tiny_llama_kv2, **kw, kv_transfer_config=pd_config("kv_consumer", "tcp"))
     pool = LLM(tiny_llama_kv2, **kw, kv_transfer_config=pool_config())
-    d_auto = LLM(tiny_llama_kv2, **{**kw, "kv_cache_dtype": "auto"}, kv_transfer_config=pd_config("kv_consumer", "tcp"))
+    d_auto = LLM(
+        tiny_llama_kv2,
+        **{**kw, "kv_cache_dtype": "auto"},
+        kv_transfer_config=pd_config("kv_consumer", "tcp"),
+    )
     try:
         prompts = [[(i * 7919 + 13 * n) % 40000 + 100 for i in range(n)] for n in PROMPT_LENS]
-        refs = [o.outputs[0].token_ids for o in p.generate([{"prompt_token_ids": x} for x in prompts], GREEDY)]
+        refs = [
+            o.outputs[0].token_ids
+            for o in p.generate([{"prompt_token_ids": x} for x in prompts], GREEDY)
+        ]
         yield request.param, p, d, pool, prompts, refs, d_auto
     finally:
         shutdown(p, d, pool, d_auto)
 
 
 def idle(*llms: LLM) -> bool:
-    return all(not e.llm_engine.has_work() and e.llm_engine.scheduler.kv_cache_manager.num_free_blocks
-               == e.llm_engine.scheduler.num_blocks for e in llms)
+    return all(
+        not e.llm_engine.has_work()
+        and e.llm_engine.scheduler.kv_cache_manager.num_free_blocks
+        == e.llm_engine.scheduler.num_blocks
+        for e in llms
+    )
 
 
 @pytest.mark.matrix("quantized-kv", model="tiny-llama-kv2")
 def test_pd_equals_colocated_and_moves_the_quantized_page_bytes(engines):
     dtype, p, d, _, prompts, refs, _ = engines
     assert p.llm_engine.runner.kv_cache_config.block_bytes(0) == BLOCK_BYTES
-    assert p.llm_engine.executor.kv_layout.kv_cache_dtype == {"int8": "int8", "fp8": "fp8_e4m3"}[dtype]
+    assert (
+        p.llm_engine.executor.kv_layout.kv_cache_dtype == {"int8": "int8", "fp8": "fp8_e4m3"}[dtype]
+    )
     assert p.reset_prefix_cache() and d.reset_prefix_cache()
     stats = d.llm_engine.scheduler.kv_stats
     params = [prefill(p, {"prompt_token_ids": ids}).kv_transfer_params for ids in prompts]
@@ -84,8 +114,12 @@ def test_pd_equals_colocated_and_moves_the_quantized_page_bytes(engines):
     pump([p, d], lambda: idle(p, d))
     # A producer whose KV is stored in another dtype is refused before any byte moves.
     other = {**params[0], "layout": {**params[0]["layout"], "kv_cache_dtype": "auto"}}
-    with pytest.raises(ValueError, match=r"kv_cache_dtype: producer='auto' consumer='(int8|fp8_e4m3)'"):
-        d.llm_engine.make_request({"prompt_token_ids": prompts[0]}, GREEDY, kv_transfer_params=other)
+    with pytest.raises(
+        ValueError, match=r"kv_cache_dtype: producer='auto' consumer='(int8|fp8_e4m3)'"
+    ):
+        d.llm_engine.make_request(
+            {"prompt_token_ids": prompts[0]}, GREEDY, kv_transfer_params=other
+        )
 
 
 @pytest.mark.matrix("quantized-kv", model="tiny-llama-kv2")
@@ -108,20 +142,38 @@ def test_conversions_of_quantized_pages_are_refused_and_pool_namespaces_differ(e
     assert quantized_conversion_error(mine, {"layout": mine}) == ""
     # Equal dtypes: re-blocking and re-sharding convert (both planes of the page are planned).
     assert quantized_conversion_error(mine, {"layout": {**mine, "block_size": 32}}) == ""
-    assert quantized_conversion_error({**mine, "tp_size": 2, "num_local_kv_heads": 1}, {"layout": mine}) == ""
+    assert (
+        quantized_conversion_error(
+            {**mine, "tp_size": 2, "num_local_kv_heads": 1}, {"layout": mine}
+        )
+        == ""
+    )
     auto = {**mine, "kv_cache_dtype": "auto"}
-    assert quantized_conversion_error(auto, {"layout": {**auto, "block_size": 32}}) == ""  # not quantized
+    assert (
+        quantized_conversion_error(auto, {"layout": {**auto, "block_size": 32}}) == ""
+    )  # not quantized
     # Dequantizing on arrival takes whole blocks only: not with re-blocking, re-sharding or into DCP.
     msg = quantized_conversion_error(auto, {"layout": {**mine, "block_size": 32}})
-    assert "block_size=16" in msg and "block_size=32" in msg and "re-blocking while dequantizing" in msg
-    msg = quantized_conversion_error({**auto, "tp_size": 2, "num_local_kv_heads": 1}, {"layout": mine})
+    assert (
+        "block_size=16" in msg
+        and "block_size=32" in msg
+        and "re-blocking while dequantizing" in msg
+    )
+    msg = quantized_conversion_error(
+        {**auto, "tp_size": 2, "num_local_kv_heads": 1}, {"layout": mine}
+    )
     assert "re-sharding while dequantizing" in msg and "tp_size=2" in msg
     assert "DCP" in quantized_conversion_error({**auto, "dcp_size": 2}, {"layout": mine})
     quant = PoolNamespace.from_layout(KVLayout.from_wire(mine), runner.kv_cache_config, CHUNK)
     plain_cfg = runner.kv_cache_config.__class__(
         runner.kv_cache_config.num_blocks,
-        tuple(g.__class__(g.layer_indices, g.spec.__class__(**{**g.spec.__dict__, "cache_dtype": "auto"}))
-              for g in runner.kv_cache_config.groups))
+        tuple(
+            g.__class__(
+                g.layer_indices, g.spec.__class__(**{**g.spec.__dict__, "cache_dtype": "auto"})
+            )
+            for g in runner.kv_cache_config.groups
+        ),
+    )
     plain_layout = KVLayout.from_wire({**mine, "kv_cache_dtype": "auto", "kv_quant": ""})
     plain = PoolNamespace.from_layout(plain_layout, plain_cfg, CHUNK)
     assert quant.kv_quant.startswith(mine["kv_cache_dtype"]) and plain.kv_quant == ""
@@ -134,8 +186,16 @@ def test_cpu_offload_brings_quantized_blocks_back(engines, tiny_llama_kv2):
     the host and A's return loads them back (and vice versa); outputs equal the colocated ones,
     and each host copy is one quantized block (values + scales)."""
     dtype, _, _, _, prompts, refs, _ = engines
-    cfg = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                      "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 24, "eviction_mode": "save_on_evict"}})
+    cfg = json.dumps(
+        {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "cpu_bytes_to_use": 1 << 24,
+                "eviction_mode": "save_on_evict",
+            },
+        }
+    )
     llm = LLM(tiny_llama_kv2, cpu_linear="torch", num_kv_blocks=7, max_model_len=112, block_size=BS,
               kv_cache_dtype=dtype, kv_transfer_config=cfg)
     try:
@@ -163,7 +223,9 @@ def test_quantized_producer_into_an_unquantized_decode_is_dequantized_on_arrival
     params = prefill(p, {"prompt_token_ids": ids}).kv_transfer_params
     out = decode(p, d_auto, [{"prompt_token_ids": ids}], [params], GREEDY)[0]
     assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
-    assert stats["kv_bytes_received"] - before == -(-len(ids) // BS) * BLOCK_BYTES  # quantized bytes moved
+    assert (
+        stats["kv_bytes_received"] - before == -(-len(ids) // BS) * BLOCK_BYTES
+    )  # quantized bytes moved
     # Every full prompt block D cached holds exactly P's values x scales, in float32.
     cached = 0
     for h in hash_request_tokens(ids, BS):
@@ -175,7 +237,9 @@ def test_quantized_producer_into_an_unquantized_decode_is_dequantized_on_arrival
         p_caches = p.llm_engine.runner.kv_caches
         for layer, d_layer in enumerate(d_auto.llm_engine.runner.kv_caches):
             q = p_caches[layer]
-            want = dequantize(q.data[:, pb.block_id], q.scales[:, pb.block_id], q.cache_dtype, torch.float32)
+            want = dequantize(
+                q.data[:, pb.block_id], q.scales[:, pb.block_id], q.cache_dtype, torch.float32
+            )
             assert torch.equal(d_layer[:, db.block_id], want)
     assert cached == len(ids) // BS
     pump([p, d_auto], lambda: idle(p, d_auto))
@@ -187,8 +251,15 @@ def test_reblocked_quantized_pd_equals_colocated(engines, tiny_llama_kv2):
     position; tokens equal the colocated engine's, and D receives each prompt token's rows of
     both planes, every layer (all but the part D recomputes: here nothing, a fresh D)."""
     dtype, p, _, _, prompts, refs, _ = engines
-    d32 = LLM(tiny_llama_kv2, cpu_linear="torch", num_kv_blocks=24, max_model_len=256, block_size=32,
-              kv_cache_dtype=dtype, kv_transfer_config=pd_config("kv_consumer", "tcp"))
+    d32 = LLM(
+        tiny_llama_kv2,
+        cpu_linear="torch",
+        num_kv_blocks=24,
+        max_model_len=256,
+        block_size=32,
+        kv_cache_dtype=dtype,
+        kv_transfer_config=pd_config("kv_consumer", "tcp"),
+    )
     try:
         assert p.reset_prefix_cache()
         stats = d32.llm_engine.scheduler.kv_stats
@@ -196,7 +267,9 @@ def test_reblocked_quantized_pd_equals_colocated(engines, tiny_llama_kv2):
         before = stats.get("kv_bytes_received", 0.0)
         outs = decode(p, d32, [{"prompt_token_ids": ids} for ids in prompts], params, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == refs
-        token_bytes = LAYERS * 2 * HEADS * (HEAD + 4)  # values + one float32 scale per head, K and V
+        token_bytes = (
+            LAYERS * 2 * HEADS * (HEAD + 4)
+        )  # values + one float32 scale per head, K and V
         assert stats["kv_bytes_received"] - before == sum(PROMPT_LENS) * token_bytes
         pump([p, d32], lambda: idle(p, d32))
     finally:

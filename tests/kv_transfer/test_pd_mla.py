@@ -36,16 +36,24 @@ def engines(tiny_mla):
     d = LLM(tiny_mla, **kw, kv_transfer_config=pd_config("kv_consumer", "tcp"))
     try:
         prompts = [[(i * 7919 + 13 * n) % 40000 + 100 for i in range(n)] for n in PROMPT_LENS]
-        refs = [o.outputs[0].token_ids for o in p.generate([{"prompt_token_ids": x} for x in prompts], GREEDY)]
+        refs = [
+            o.outputs[0].token_ids
+            for o in p.generate([{"prompt_token_ids": x} for x in prompts], GREEDY)
+        ]
         yield p, d, prompts, refs
     finally:
         shutdown(p, d)
 
 
 def idle(*llms: LLM) -> bool:
-    return all(not e.llm_engine.has_work() and all(
-        pool.num_free_blocks == pool.num_usable_blocks for pool in e.llm_engine.scheduler.kv_cache_manager.block_pools)
-        for e in llms)
+    return all(
+        not e.llm_engine.has_work()
+        and all(
+            pool.num_free_blocks == pool.num_usable_blocks
+            for pool in e.llm_engine.scheduler.kv_cache_manager.block_pools
+        )
+        for e in llms
+    )
 
 
 @pytest.mark.slow  # loads the model twice
@@ -60,21 +68,27 @@ def test_pd_matches_colocated_and_moves_the_latent_formula(engines):
     before = stats.get("kv_bytes_received", 0.0)
     outs = decode(p, d, [{"prompt_token_ids": ids} for ids in prompts], params, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == refs
-    assert stats["kv_bytes_received"] - before == sum(-(-n // BS) for n in PROMPT_LENS) * BLOCK_BYTES
+    assert (
+        stats["kv_bytes_received"] - before == sum(-(-n // BS) for n in PROMPT_LENS) * BLOCK_BYTES
+    )
     pump([p, d], lambda: idle(p, d))
     # Again: D hits the 144 tokens it kept, pulls only the last block.
     before = stats["kv_bytes_received"]
     again = prefill(p, {"prompt_token_ids": prompts[1]}).kv_transfer_params
     out = decode(p, d, [{"prompt_token_ids": prompts[1]}], [again], GREEDY)[0]
     assert out.outputs[0].token_ids == refs[1]
-    assert out.metrics is not None and out.num_cached_tokens - out.metrics.num_external_tokens == 144
+    assert (
+        out.metrics is not None and out.num_cached_tokens - out.metrics.num_external_tokens == 144
+    )
     assert stats["kv_bytes_received"] - before == BLOCK_BYTES
     pump([p, d], lambda: idle(p, d))
 
 
 def test_reblock_and_multi_rank_producer_are_refused_on_mla():
     layout = {"block_size": 16, "kv_layout": MLA_KV_LAYOUT, "num_kv_heads": 1}
-    assert shard_error({**layout, "tp_size": 2, "num_local_kv_heads": 1}, {"layout": layout}, 1) == ""
+    assert (
+        shard_error({**layout, "tp_size": 2, "num_local_kv_heads": 1}, {"layout": layout}, 1) == ""
+    )
     msg = shard_error(layout, {"layout": {**layout, "block_size": 32}}, 1)
     assert "block_size=16 differs from the producer's block_size=32 on an MLA model" in msg
     msg = shard_error(layout, {"layout": layout, "tp_size": 2}, 1)

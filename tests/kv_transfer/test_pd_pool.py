@@ -19,9 +19,17 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
 def multi(role: str, pool_dir: str) -> str:
-    p2p: dict[str, Any] = {"kv_connector": "P2PConnector", "kv_connector_extra_config": {"transfer": "tcp"}}
-    pool = {"kv_connector": "KVPoolConnector", "kv_connector_extra_config": {
-        "chunk_size": CHUNK, "tiers": [{"name": "disk", "path": pool_dir, "capacity_bytes": 1 << 30}]}}
+    p2p: dict[str, Any] = {
+        "kv_connector": "P2PConnector",
+        "kv_connector_extra_config": {"transfer": "tcp"},
+    }
+    pool = {
+        "kv_connector": "KVPoolConnector",
+        "kv_connector_extra_config": {
+            "chunk_size": CHUNK,
+            "tiers": [{"name": "disk", "path": pool_dir, "capacity_bytes": 1 << 30}],
+        },
+    }
     children = [p2p, pool] if role == "kv_producer" else [pool, p2p]
     return json.dumps({"kv_connector": "MultiConnector", "kv_role": role,
                        "kv_connector_extra_config": {"connectors": children}})

@@ -52,7 +52,9 @@ class _Stack:
     def __init__(self, transfer: str, policy: str = "fail", proxy: bool = True) -> None:
         self.servers: list[RemoteServer] = []
         try:
-            self.p = self._start(["serve", *ENGINE, "--kv-transfer-config", pd_config("kv_producer", transfer)])
+            self.p = self._start(
+                ["serve", *ENGINE, "--kv-transfer-config", pd_config("kv_producer", transfer)]
+            )
             self.d = self._start(["serve", *ENGINE, "--kv-transfer-config",
                                   pd_config("kv_consumer", transfer, policy)])
             for srv in self.servers:
@@ -99,9 +101,23 @@ def parity_refs(parity_reference_24):
     return parity_reference_24
 
 
-@pytest.mark.parametrize("transfer", ["tcp", "shm", pytest.param("mooncake", marks=pytest.mark.skipif(
-    not _mooncake_available() and not in_ci(), reason="mooncake-transfer-engine-non-cuda / libibverbs1 not installed"))])
-def test_parity_prompts_through_proxy_match_colocated(transfer, parity_prompts, parity_refs, request):
+@pytest.mark.parametrize(
+    "transfer",
+    [
+        "tcp",
+        "shm",
+        pytest.param(
+            "mooncake",
+            marks=pytest.mark.skipif(
+                not _mooncake_available() and not in_ci(),
+                reason="mooncake-transfer-engine-non-cuda / libibverbs1 not installed",
+            ),
+        ),
+    ],
+)
+def test_parity_prompts_through_proxy_match_colocated(
+    transfer, parity_prompts, parity_refs, request
+):
     """The ten block-boundary chat prompts (63..129 tokens) through a 1P1D proxy, five at a time
     (the engines batch them). tcp uses the module's stack and all ten; shm and mooncake (the
     same connector over another transfer engine) every other one, to keep the suite's time."""
@@ -113,15 +129,21 @@ def test_parity_prompts_through_proxy_match_colocated(transfer, parity_prompts, 
         client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0)
 
         def one(ids: list[int]) -> Any:
-            return client.completions.create(model="smollm2", prompt=ids, max_tokens=24, temperature=0)
+            return client.completions.create(
+                model="smollm2", prompt=ids, max_tokens=24, temperature=0
+            )
 
         with ThreadPoolExecutor(5) as pool:
             outs = list(pool.map(one, parity_prompts))
         for ids, ref, out in zip(parity_prompts, parity_refs, outs):
-            assert out.choices[0].text == ref.outputs[0].text, f"{len(ids)}-token prompt via {transfer}"
+            assert out.choices[0].text == ref.outputs[0].text, (
+                f"{len(ids)}-token prompt via {transfer}"
+            )
             assert out.usage.completion_tokens == len(ref.outputs[0].token_ids)
             assert out.usage.prompt_tokens == len(ids)
-        received = metric_value(httpx.get(d.url + "/metrics").text, "pdkv:kv_transfer_bytes_received_total")
+        received = metric_value(
+            httpx.get(d.url + "/metrics").text, "pdkv:kv_transfer_bytes_received_total"
+        )
         assert received > 0
         assert wait_for_metric(p.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
         assert wait_for_metric(d.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
@@ -137,11 +159,17 @@ def test_prefill_process_killed_after_params_recompute(reference):
     try:
         body = {"model": "smollm2", "prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0}
         leg = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
-        params = httpx.post(stack.p.url + "/v1/completions", json=leg, timeout=60).json()["kv_transfer_params"]
+        params = httpx.post(stack.p.url + "/v1/completions", json=leg, timeout=60).json()[
+            "kv_transfer_params"
+        ]
         os.killpg(stack.p.proc.pid, signal.SIGKILL)
         stack.p.proc.wait(10)
         t0 = time.monotonic()
-        r = httpx.post(stack.d.url + "/v1/completions", json={**body, "kv_transfer_params": params}, timeout=120)
+        r = httpx.post(
+            stack.d.url + "/v1/completions",
+            json={**body, "kv_transfer_params": params},
+            timeout=120,
+        )
         assert time.monotonic() - t0 < 60
         assert r.status_code == 200
         ref = reference.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20))[0]
@@ -168,7 +196,9 @@ def test_proxy_outputs_match_colocated(pd_stack, reference):
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="x")
     refs = reference.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20))
     for prompt, ref in zip(PROMPTS, refs):
-        out = client.completions.create(model="smollm2", prompt=prompt, max_tokens=20, temperature=0)
+        out = client.completions.create(
+            model="smollm2", prompt=prompt, max_tokens=20, temperature=0
+        )
         assert out.choices[0].text == ref.outputs[0].text
         assert out.usage.completion_tokens == len(ref.outputs[0].token_ids)
         assert out.usage.prompt_tokens_details.cached_tokens == len(ref.prompt_token_ids) - 1
@@ -177,9 +207,13 @@ def test_proxy_outputs_match_colocated(pd_stack, reference):
         assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.outputs[0].text
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     ref = reference.chat([msgs], SamplingParams(temperature=0, max_tokens=16))[0]
-    out = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=16, temperature=0)
+    out = client.chat.completions.create(
+        model="smollm2", messages=msgs, max_tokens=16, temperature=0
+    )
     assert out.choices[0].message.content == ref.outputs[0].text
-    received = metric_value(httpx.get(d.url + "/metrics").text, "pdkv:kv_transfer_bytes_received_total")
+    received = metric_value(
+        httpx.get(d.url + "/metrics").text, "pdkv:kv_transfer_bytes_received_total"
+    )
     assert received > 0
     assert wait_for_metric(p.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
     assert wait_for_metric(d.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
@@ -200,8 +234,13 @@ def test_pd_prompt_token_counts_sum_and_grafana_pd_panels_are_live(pd_stack):
     p, d, proxy = pd_stack
     assert wait_for_metric(d.url, "pdkv:num_requests_running", 0) == 0
     p0, d0 = _sources(p.url), _sources(d.url)
-    body = {"model": "smollm2", "prompt": "A field guide to the mosses of the northern forest, part two:",
-            "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": "smollm2",
+        "prompt": "A field guide to the mosses of the northern forest, part two:",
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     n = r.json()["usage"]["prompt_tokens"]
@@ -238,9 +277,25 @@ def test_every_dashboard_panel_queried_through_a_real_prometheus(pd_stack, tmp_p
         while set(prom.targets_up().values()) != {"up"} or len(prom.targets_up()) != 3:
             assert time.monotonic() < deadline, prom.targets_up()
             time.sleep(0.5)
-        rc = pdkv_main(["bench", "serve", "--base-url", proxy.url, "--backend", "openai", "--dataset-name", "random",
-                        "--random-input-len", "32", "--random-output-len", "4", "--num-prompts", "4",
-                        "--disable-tqdm"])
+        rc = pdkv_main(
+            [
+                "bench",
+                "serve",
+                "--base-url",
+                proxy.url,
+                "--backend",
+                "openai",
+                "--dataset-name",
+                "random",
+                "--random-input-len",
+                "32",
+                "--random-output-len",
+                "4",
+                "--num-prompts",
+                "4",
+                "--disable-tqdm",
+            ]
+        )
         assert rc == 0, capsys.readouterr().out
         # Two scrapes after the run, so every rate() window holds the run's increments.
         settle = time.monotonic() + 60
@@ -259,7 +314,9 @@ def test_every_dashboard_panel_queried_through_a_real_prometheus(pd_stack, tmp_p
                 empty.append(panel["title"])
         assert live_empty == [], f"always-live panels without data: {live_empty}"
         assert empty == [], f"panels without data whose description does not say why: {empty}"
-        assert any(s["metric"].get("job") == "pdkv" for s in prom.query("pdkv:proxy_requests_total"))
+        assert any(
+            s["metric"].get("job") == "pdkv" for s in prom.query("pdkv:proxy_requests_total")
+        )
 
 
 def test_sampling_options_carried_to_decode_match_colocated(pd_stack, reference):
@@ -276,7 +333,9 @@ def test_sampling_options_carried_to_decode_match_colocated(pd_stack, reference)
     extra = {k: options[k] for k in ("repetition_penalty", "min_p")}
     std = {k: v for k, v in options.items() if k not in extra}
     std["logit_bias"] = {"13": -100}
-    out = client.completions.create(model="smollm2", prompt=prompt, max_tokens=8, extra_body=extra, **std)
+    out = client.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=8, extra_body=extra, **std
+    )
     assert out.choices[0].text == ref.text
     for field, kw in (("n", {"n": 2}), ("prompt_logprobs", {"extra_body": {"prompt_logprobs": 1}})):
         with pytest.raises(openai.BadRequestError, match=field):
@@ -285,12 +344,16 @@ def test_sampling_options_carried_to_decode_match_colocated(pd_stack, reference)
 
 def test_over_length_prompt_is_400_without_transfer(pd_stack):
     p, d, proxy = pd_stack
-    before = metric_value(httpx.get(d.url + "/metrics").text, "pdkv:kv_transfer_bytes_received_total")
+    before = metric_value(
+        httpx.get(d.url + "/metrics").text, "pdkv:kv_transfer_bytes_received_total"
+    )
     r = httpx.post(proxy.url + "/v1/completions", timeout=60,
                    json={"model": "smollm2", "prompt": [1] * (MAX_LEN + 10), "max_tokens": 4})
     assert r.status_code == 400
     assert "maximum context length" in r.json()["error"]["message"]
-    after = metric_value(httpx.get(d.url + "/metrics").text, "pdkv:kv_transfer_bytes_received_total")
+    after = metric_value(
+        httpx.get(d.url + "/metrics").text, "pdkv:kv_transfer_bytes_received_total"
+    )
     assert after == before
     assert _free(p.url) == BLOCKS and _free(d.url) == BLOCKS
     assert metric_value(httpx.get(p.url + "/metrics").text, "pdkv:num_blocks_held_for_remote") == 0
@@ -298,7 +361,9 @@ def test_over_length_prompt_is_400_without_transfer(pd_stack):
 
 def _counters(url: str) -> tuple[float, float]:
     text = httpx.get(url + "/metrics", timeout=10).text
-    return metric_value(text, "pdkv:prompt_tokens_total"), metric_value(text, "pdkv:request_success_total")
+    return metric_value(text, "pdkv:prompt_tokens_total"), metric_value(
+        text, "pdkv:request_success_total"
+    )
 
 
 @pytest.mark.parametrize("body", [
@@ -338,7 +403,9 @@ def test_client_gone_after_prefill_releases_p_blocks_before_the_lease(pd_stack):
         reached.set()
         await asyncio.sleep(60)  # cancelled by the disconnect
 
-    expirations = metric_value(httpx.get(p.url + "/metrics").text, "pdkv:kv_lease_expirations_total")
+    expirations = metric_value(
+        httpx.get(p.url + "/metrics").text, "pdkv:kv_lease_expirations_total"
+    )
     server = ServerThread(build_proxy_app([p.url], [d.url], before_decode=hold))
     try:
         body = json.dumps({"model": "smollm2", "prompt": PROMPTS[2], "max_tokens": 8}).encode()
@@ -350,14 +417,22 @@ def test_client_gone_after_prefill_releases_p_blocks_before_the_lease(pd_stack):
         assert time.monotonic() - t0 < 15  # the lease is 30 s
         text = httpx.get(p.url + "/metrics").text
         assert metric_value(text, "pdkv:kv_lease_expirations_total") == expirations
-        assert metric_value(httpx.get(d.url + "/metrics").text, "pdkv:num_requests_waiting_for_remote_kv") == 0
+        assert (
+            metric_value(
+                httpx.get(d.url + "/metrics").text, "pdkv:num_requests_waiting_for_remote_kv"
+            )
+            == 0
+        )
     finally:
         server.stop()
 
 
 def _reasons(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=10).text
-    return {r: metric_value(text, "pdkv:request_success_total", finished_reason=r) for r in ("abort", "length")}
+    return {
+        r: metric_value(text, "pdkv:request_success_total", finished_reason=r)
+        for r in ("abort", "length")
+    }
 
 
 def test_client_disconnect_mid_stream_aborts_decode_and_frees_both_sides(pd_stack):
@@ -367,7 +442,10 @@ def test_client_disconnect_mid_stream_aborts_decode_and_frees_both_sides(pd_stac
     before = _reasons(d.url)
     body = {"model": "smollm2", "prompt": "Tell me a long story.", "max_tokens": MAX_LEN - 20,
             "ignore_eos": True, "stream": True, "temperature": 0}
-    with httpx.Client(timeout=60) as c, c.stream("POST", proxy.url + "/v1/completions", json=body) as r:
+    with (
+        httpx.Client(timeout=60) as c,
+        c.stream("POST", proxy.url + "/v1/completions", json=body) as r,
+    ):
         assert r.status_code == 200
         n = 0
         for line in r.iter_lines():
@@ -386,8 +464,15 @@ def test_client_disconnect_during_non_streamed_decode_aborts_it(pd_stack):
     """The client leaves once D is running its request (seen on D's metrics, not timed)."""
     p, d, proxy = pd_stack
     before = _reasons(d.url)
-    body = json.dumps({"model": "smollm2", "prompt": "Tell me a long story.", "max_tokens": MAX_LEN - 20,
-                       "ignore_eos": True, "temperature": 0}).encode()
+    body = json.dumps(
+        {
+            "model": "smollm2",
+            "prompt": "Tell me a long story.",
+            "max_tokens": MAX_LEN - 20,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+    ).encode()
     with _send_raw(int(proxy.url.rsplit(":", 1)[1]), body):
         assert wait_for_metric(d.url, "pdkv:num_requests_running", 1, timeout=60) == 1
     assert wait_for_metric(d.url, "pdkv:num_requests_running", 0) == 0
@@ -423,7 +508,9 @@ def test_layout_mismatch_is_503_on_health_and_requests(pd_stack):
 def test_unreachable_decode_is_502(pd_stack):
     p, _, _ = pd_stack
     dead = f"http://127.0.0.1:{free_port()}"
-    with RemoteServer(["proxy", "--prefill", p.url, "--decode", dead], health_path="/ping") as proxy:
+    with RemoteServer(
+        ["proxy", "--prefill", p.url, "--decode", dead], health_path="/ping"
+    ) as proxy:
         assert httpx.get(proxy.url + "/health", timeout=30).status_code == 503
         r = httpx.post(proxy.url + "/v1/completions", timeout=60,
                        json={"model": "smollm2", "prompt": "Hello", "max_tokens": 4})
@@ -471,9 +558,14 @@ def test_pdkv_up_pd_demo_bench_serve_and_request_logs(tmp_path, capsys):
     try:
         listing = "".join(_read_until(up, "ready: ", timeout=400))
         endpoint = listing.split("ready: ")[1].split()[0]
-        for name, role in (("prefill0", "prefill (kv_producer)"), ("decode0", "decode (kv_consumer)")):
+        for name, role in (
+            ("prefill0", "prefill (kv_producer)"),
+            ("decode0", "decode (kv_consumer)"),
+        ):
             assert f"  {name}: {role}, http://127.0.0.1:" in listing
-            assert re.search(rf" \d+ threads?, log {re.escape(str(logs / name))}\.log", listing), listing
+            assert re.search(rf" \d+ threads?, log {re.escape(str(logs / name))}\.log", listing), (
+                listing
+            )
         assert "  proxy: proxy (P/D, round_robin), " + endpoint in listing
         d_url = listing.split("  decode0: decode (kv_consumer), ")[1].split(",")[0]
 
@@ -485,9 +577,30 @@ def test_pdkv_up_pd_demo_bench_serve_and_request_logs(tmp_path, capsys):
         from pdkv.cli import main as pdkv_main
 
         t0 = time.monotonic()
-        rc = pdkv_main(["bench", "serve", "--base-url", endpoint, "--backend", "openai", "--dataset-name", "random",
-                        "--random-input-len", "32", "--random-output-len", "4", "--num-prompts", "2", "--save-result",
-                        "--result-dir", str(tmp_path), "--result-filename", "bench.json", "--disable-tqdm"])
+        rc = pdkv_main(
+            [
+                "bench",
+                "serve",
+                "--base-url",
+                endpoint,
+                "--backend",
+                "openai",
+                "--dataset-name",
+                "random",
+                "--random-input-len",
+                "32",
+                "--random-output-len",
+                "4",
+                "--num-prompts",
+                "2",
+                "--save-result",
+                "--result-dir",
+                str(tmp_path),
+                "--result-filename",
+                "bench.json",
+                "--disable-tqdm",
+            ]
+        )
         print(f"bench serve took {time.monotonic() - t0:.1f} s")
         assert rc == 0, capsys.readouterr().out
         result = json.loads((tmp_path / "bench.json").read_text())

@@ -40,7 +40,9 @@ def engines(parity_prompts):
 
 @pytest.mark.matrix("pd-reblock", model="smollm2")
 @pytest.mark.parametrize(("p_bs", "d_bs"), [(16, 32), (32, 16)])
-def test_reblocked_pd_matches_colocated_including_a_local_prefix_hit(p_bs, d_bs, engines, parity_prompts):
+def test_reblocked_pd_matches_colocated_including_a_local_prefix_hit(
+    p_bs, d_bs, engines, parity_prompts
+):
     llms, refs = engines
     p, d = llms[p_bs], llms[d_bs]
     for e in (p, d):

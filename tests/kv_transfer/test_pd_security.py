@@ -29,14 +29,25 @@ TIMEOUT = 4.0
 
 
 def kv_config(role: str, policy: str = "fail", engine_id: str = "", **extra: Any) -> str:
-    return json.dumps({"kv_connector": "P2PConnector", "kv_role": role, "engine_id": engine_id,
-                       "kv_load_failure_policy": policy,
-                       "kv_connector_extra_config": {"transfer": "tcp", "transfer_timeout": TIMEOUT, **extra}})
+    return json.dumps(
+        {
+            "kv_connector": "P2PConnector",
+            "kv_role": role,
+            "engine_id": engine_id,
+            "kv_load_failure_policy": policy,
+            "kv_connector_extra_config": {"transfer": "tcp", "transfer_timeout": TIMEOUT, **extra},
+        }
+    )
 
 
 def engine(role: str, policy: str = "fail", engine_id: str = "", **extra: Any) -> LLM:
-    return LLM("smollm2", num_kv_blocks=96, max_model_len=256, enable_prefix_caching=role == "kv_producer",
-               kv_transfer_config=kv_config(role, policy, engine_id, **extra))
+    return LLM(
+        "smollm2",
+        num_kv_blocks=96,
+        max_model_len=256,
+        enable_prefix_caching=role == "kv_producer",
+        kv_transfer_config=kv_config(role, policy, engine_id, **extra),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +64,33 @@ def prompts():
 
 def prefill(p: LLM, prompt: Any, rid: str | None = None) -> dict[str, Any]:
     eng = p.llm_engine
-    req, text = eng.make_request(prompt, SamplingParams(temperature=0, max_tokens=1), request_id=rid,
-                                 kv_transfer_params={"do_remote_decode": True})
+    req, text = eng.make_request(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=1),
+        request_id=rid,
+        kv_transfer_params={"do_remote_decode": True},
+    )
     eng.add_request(req, text)
     out: list[RequestOutput] = []
-    pump([], lambda: bool(out.extend(o for o in eng.step() if o.finished and o.request_id == req.request_id)
-                          or out), 60)
+    pump(
+        [],
+        lambda: bool(
+            out.extend(o for o in eng.step() if o.finished and o.request_id == req.request_id)
+            or out
+        ),
+        60,
+    )
     assert out[0].kv_transfer_params is not None
     return dict(out[0].kv_transfer_params)
 
 
-def decode(producers: list[LLM], d: LLM, items: list[tuple[Any, dict[str, Any]]], rid: str | None = None,
-           timeout: float = 60.0) -> list[RequestOutput]:
+def decode(
+    producers: list[LLM],
+    d: LLM,
+    items: list[tuple[Any, dict[str, Any]]],
+    rid: str | None = None,
+    timeout: float = 60.0,
+) -> list[RequestOutput]:
     eng = d.llm_engine
     ids = []
     for prompt, params in items:
@@ -148,15 +174,31 @@ def test_params_that_contradict_themselves_are_refused_at_admission(prompts):
         assert len(params["remote_block_ids"][0]) == -(-n // 16)
         layout = params["layout"]
         for forged, match in (
-            ({**params, "block_size": 4, "layout": {**layout, "block_size": 4}},
-             r"remote_block_ids\[0\] lists .* layout.block_size 4"),
-            ({**params, "layout": {**layout, "block_size": "16"}}, "layout.block_size must be a positive integer"),
-            ({**params, "layout": {**layout, "block_size": 0}}, "layout.block_size must be a positive integer"),
+            (
+                {**params, "block_size": 4, "layout": {**layout, "block_size": 4}},
+                r"remote_block_ids\[0\] lists .* layout.block_size 4",
+            ),
+            (
+                {**params, "layout": {**layout, "block_size": "16"}},
+                "layout.block_size must be a positive integer",
+            ),
+            (
+                {**params, "layout": {**layout, "block_size": 0}},
+                "layout.block_size must be a positive integer",
+            ),
             # a layout block size the params' own block_size contradicts (whatever the count)
-            ({**params, "layout": {**layout, "block_size": 32}}, "block_size=16 and layout.block_size=32 differ"),
+            (
+                {**params, "layout": {**layout, "block_size": 32}},
+                "block_size=16 and layout.block_size=32 differ",
+            ),
             ({**params, "layout": None}, "layout must be an object"),
-            ({**params, "remote_block_ids": [[str(b) for b in g] for g in params["remote_block_ids"]]},
-             r"remote_block_ids\[0\] must be a list of non-negative integer block ids"),
+            (
+                {
+                    **params,
+                    "remote_block_ids": [[str(b) for b in g] for g in params["remote_block_ids"]],
+                },
+                r"remote_block_ids\[0\] must be a list of non-negative integer block ids",
+            ),
         ):
             with pytest.raises(ValueError, match=match):
                 d.llm_engine.make_request(a, GREEDY, kv_transfer_params=forged)
@@ -169,8 +211,13 @@ def test_params_that_contradict_themselves_are_refused_at_admission(prompts):
 def test_the_servers_400_names_kv_transfer_params_in_error_param():
     from pdkv.serve.fields import field_in
 
-    assert field_in("kv_transfer_params.remote_block_ids[0] lists 1 blocks but ...") == "kv_transfer_params"
-    assert field_in("kv_transfer_params cover 9 tokens but the prompt has 10") == "kv_transfer_params"
+    assert (
+        field_in("kv_transfer_params.remote_block_ids[0] lists 1 blocks but ...")
+        == "kv_transfer_params"
+    )
+    assert (
+        field_in("kv_transfer_params cover 9 tokens but the prompt has 10") == "kv_transfer_params"
+    )
 
 
 def test_a_black_hole_producer_stalls_nobody_else(prompts):
@@ -205,7 +252,11 @@ def test_a_black_hole_producer_stalls_nobody_else(prompts):
                     dead_ended_at.append(time.monotonic() - t0)
                     if not loaded_before_first_dead_ended:
                         loaded_before_first_dead_ended.append(
-                            all(r.request_id not in eng.scheduler.waiting_for_remote for r in good_reqs))
+                            all(
+                                r.request_id not in eng.scheduler.waiting_for_remote
+                                for r in good_reqs
+                            )
+                        )
             p.llm_engine.step()
             return len(outs) == len(reqs)
 

@@ -45,7 +45,10 @@ def engines(tiny_swa):
     d = LLM(tiny_swa, **kw, kv_transfer_config=pd_config("kv_consumer", "tcp"))
     try:
         prompts = [[(i * 7919 + 13 * n) % 40000 + 100 for i in range(n)] for n in PROMPT_LENS]
-        refs = [o.outputs[0].token_ids for o in p.generate([{"prompt_token_ids": x} for x in prompts], GREEDY)]
+        refs = [
+            o.outputs[0].token_ids
+            for o in p.generate([{"prompt_token_ids": x} for x in prompts], GREEDY)
+        ]
         yield p, d, prompts, refs
     finally:
         shutdown(p, d)
@@ -53,9 +56,14 @@ def engines(tiny_swa):
 
 def idle(*llms: LLM) -> bool:
     """No work and every pool of every engine fully free (null blocks excluded)."""
-    return all(not e.llm_engine.has_work() and all(
-        pool.num_free_blocks == pool.num_usable_blocks for pool in e.llm_engine.scheduler.kv_cache_manager.block_pools)
-        for e in llms)
+    return all(
+        not e.llm_engine.has_work()
+        and all(
+            pool.num_free_blocks == pool.num_usable_blocks
+            for pool in e.llm_engine.scheduler.kv_cache_manager.block_pools
+        )
+        for e in llms
+    )
 
 
 @pytest.mark.matrix("pd-tcp", model="tiny-swa")
@@ -75,14 +83,22 @@ def test_pd_matches_colocated_and_pulls_only_the_window(engines):
         assert out.outputs[0].token_ids == refs[i], f"prompt of {len(prompts[i])} tokens"
     expect = sum((-(-len(ids) // BS) + window_blocks(len(ids))) * BLOCK_BYTES for ids in prompts)
     assert stats["kv_bytes_received"] - before == expect
-    assert max(window_blocks(n) for n in PROMPT_LENS) == -(-(W - 1) // BS) + 1  # bounded by the window
+    assert (
+        max(window_blocks(n) for n in PROMPT_LENS) == -(-(W - 1) // BS) + 1
+    )  # bounded by the window
     pump([p, d], lambda: idle(p, d))
 
 
 def test_d_prefix_hit_pulls_only_the_rest(engines):
     p, d, prompts, refs = engines
     ids, ref = prompts[3], refs[3]  # 203 tokens
-    decode(p, d, [{"prompt_token_ids": ids}], [prefill(p, {"prompt_token_ids": ids}).kv_transfer_params], GREEDY)
+    decode(
+        p,
+        d,
+        [{"prompt_token_ids": ids}],
+        [prefill(p, {"prompt_token_ids": ids}).kv_transfer_params],
+        GREEDY,
+    )
     stats = d.llm_engine.scheduler.kv_stats
     before = stats["kv_bytes_received"]
     again = prefill(p, {"prompt_token_ids": ids}).kv_transfer_params

@@ -39,10 +39,14 @@ def p_cache(ids: list[int], bs: int, num_blocks: int, first_block: int = 0) -> b
 def apply(copies: list[Copy], src: bytearray, dst: bytearray) -> None:
     for c in copies:
         assert c.nbytes > 0 and c.nbytes % ROW == 0
-        dst[c.local_offset : c.local_offset + c.nbytes] = src[c.remote_offset : c.remote_offset + c.nbytes]
+        dst[c.local_offset : c.local_offset + c.nbytes] = src[
+            c.remote_offset : c.remote_offset + c.nbytes
+        ]
 
 
-def run_case(rng: random.Random, p_bs: int, d_bs: int, first: int, end: int) -> tuple[list[Copy], bytearray, dict]:
+def run_case(
+    rng: random.Random, p_bs: int, d_bs: int, first: int, end: int
+) -> tuple[list[Copy], bytearray, dict]:
     """Random P and D block tables covering [first, end) (from the blocks holding `first`)."""
     nblocks = 24
     p_first, d_first = first // p_bs, first // d_bs
@@ -81,7 +85,9 @@ def test_every_token_row_lands_in_place_and_nothing_else_is_written(p_bs, d_bs):
                 continue
             if whole and off // (LAYERS * 2 * d_bs * ROW) in info["d_ids"]:
                 continue  # whole-block copies: the last block's slots past `end` come along
-            assert dst[off : off + ROW] == EMPTY, f"row at {off} outside [{first}, {end}) was written"
+            assert dst[off : off + ROW] == EMPTY, (
+                f"row at {off} outside [{first}, {end}) was written"
+            )
 
 
 @pytest.mark.parametrize("bs", [16, 32])
@@ -89,8 +95,14 @@ def test_equal_block_sizes_copy_whole_blocks(bs):
     bb = LAYERS * 2 * bs * ROW
     copies = plan_reblock([7, 3, 4, 9], bs, [1, 2, 3, 8], bs, LAYERS, ROW, 0, 3 * bs + 5)
     # blocks (3, 4) -> (2, 3) are consecutive on both sides: one copy
-    assert copies == [Copy(7 * bb, 1 * bb, bb), Copy(3 * bb, 2 * bb, 2 * bb), Copy(9 * bb, 8 * bb, bb)]
-    tail = plan_reblock([3, 4], bs, [5, 6], bs, LAYERS, ROW, 2 * bs, 3 * bs + 1, p_first_block=2, d_first_block=2)
+    assert copies == [
+        Copy(7 * bb, 1 * bb, bb),
+        Copy(3 * bb, 2 * bb, 2 * bb),
+        Copy(9 * bb, 8 * bb, bb),
+    ]
+    tail = plan_reblock(
+        [3, 4], bs, [5, 6], bs, LAYERS, ROW, 2 * bs, 3 * bs + 1, p_first_block=2, d_first_block=2
+    )
     assert tail == [Copy(3 * bb, 5 * bb, 2 * bb)]  # mid-table start, last block partial
 
 
@@ -100,9 +112,16 @@ def test_sixteen_to_thirty_two_is_one_copy_per_layer_kv_and_p_block():
     assert sum(c.nbytes for c in copies) == 40 * LAYERS * 2 * ROW
 
 
-@pytest.mark.parametrize(("first", "end", "pf", "df", "np_", "nd"), [
-    (0, 0, 0, 0, 1, 1), (5, 3, 0, 0, 1, 1), (0, 40, 0, 0, 2, 2), (0, 40, 0, 0, 3, 1), (16, 20, 2, 0, 1, 1),
-])
+@pytest.mark.parametrize(
+    ("first", "end", "pf", "df", "np_", "nd"),
+    [
+        (0, 0, 0, 0, 1, 1),
+        (5, 3, 0, 0, 1, 1),
+        (0, 40, 0, 0, 2, 2),
+        (0, 40, 0, 0, 3, 1),
+        (16, 20, 2, 0, 1, 1),
+    ],
+)
 def test_ranges_the_blocks_do_not_cover_are_refused(first, end, pf, df, np_, nd):
     with pytest.raises(ValueError):
         plan_reblock(list(range(np_)), 16, list(range(nd)), 32, LAYERS, ROW, first, end, pf, df)
@@ -115,7 +134,12 @@ VALUES, SCALES = 6, 2  # bytes of one token row in each plane (1-byte values, th
 def quant_row_at(block_id: int, bs: int, layer: int, plane: int, kv: int, slot: int) -> int:
     page = 2 * bs * (VALUES + SCALES)
     base = 2 * bs * VALUES if plane else 0
-    return block_id * LAYERS * page + layer * page + base + (kv * bs + slot) * (SCALES if plane else VALUES)
+    return (
+        block_id * LAYERS * page
+        + layer * page
+        + base
+        + (kv * bs + slot) * (SCALES if plane else VALUES)
+    )
 
 
 def quant_marker(layer: int, plane: int, kv: int, token: int) -> bytes:
@@ -144,11 +168,17 @@ def test_quantized_pages_move_values_and_scales_rows_of_every_token(p_bs, d_bs):
                     for plane in range(2):
                         for kv in range(2):
                             off = quant_row_at(b, p_bs, layer, plane, kv, slot)
-                            src[off : off + (SCALES if plane else VALUES)] = quant_marker(layer, plane, kv, t)
+                            src[off : off + (SCALES if plane else VALUES)] = quant_marker(
+                                layer, plane, kv, t
+                            )
         dst = bytearray(b"\xee" * (nblocks * LAYERS * 2 * d_bs * (VALUES + SCALES)))
-        copies = plan_reblock(p_ids, p_bs, d_ids, d_bs, LAYERS, (VALUES, SCALES), first, end, p_first, d_first)
+        copies = plan_reblock(
+            p_ids, p_bs, d_ids, d_bs, LAYERS, (VALUES, SCALES), first, end, p_first, d_first
+        )
         for c in copies:
-            dst[c.local_offset : c.local_offset + c.nbytes] = src[c.remote_offset : c.remote_offset + c.nbytes]
+            dst[c.local_offset : c.local_offset + c.nbytes] = src[
+                c.remote_offset : c.remote_offset + c.nbytes
+            ]
         written = set()
         for t in range(first, end):
             b = d_ids[t // d_bs - d_first]
@@ -157,7 +187,12 @@ def test_quantized_pages_move_values_and_scales_rows_of_every_token(p_bs, d_bs):
                     for kv in range(2):
                         off = quant_row_at(b, d_bs, layer, plane, kv, t % d_bs)
                         n = SCALES if plane else VALUES
-                        assert dst[off : off + n] == quant_marker(layer, plane, kv, t), (t, layer, plane, kv)
+                        assert dst[off : off + n] == quant_marker(layer, plane, kv, t), (
+                            t,
+                            layer,
+                            plane,
+                            kv,
+                        )
                         written.update(range(off, off + n))
         whole = p_bs == d_bs and first % p_bs == 0
         block_bytes = LAYERS * 2 * d_bs * (VALUES + SCALES)

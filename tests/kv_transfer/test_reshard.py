@@ -20,7 +20,11 @@ def allowed(tp: int, heads: int) -> bool:
     return heads % tp == 0 or tp % heads == 0
 
 
-COMBOS = [(p, d, h) for p, d, h in itertools.product(SIZES, SIZES, SIZES) if allowed(p, h) and allowed(d, h)]
+COMBOS = [
+    (p, d, h)
+    for p, d, h in itertools.product(SIZES, SIZES, SIZES)
+    if allowed(p, h) and allowed(d, h)
+]
 
 
 def test_every_allowed_layout_up_to_8_is_covered():
@@ -89,15 +93,21 @@ def test_segment_reads_rebuild_each_d_shard_bitwise(sizes):
             want = shard(full, sizes, d_tp, d)
             got = torch.full_like(want, -1)
             for r in plan[d]:
-                got[r.d_offset : r.d_offset + r.length] = p_shards[r.p_rank][r.p_offset : r.p_offset + r.length]
+                got[r.d_offset : r.d_offset + r.length] = p_shards[r.p_rank][
+                    r.p_offset : r.p_offset + r.length
+                ]
             assert torch.equal(got, want), (sizes, p_tp, d_tp, d)
             assert sum(r.length for r in plan[d]) == want.numel()  # nothing read twice
 
 
 def test_segment_reads_merge_contiguous_runs_and_refuse_uneven_splits():
     assert plan_segment_reads([8], 1, 2) == {0: [(0, 0, 0, 4)], 1: [(0, 4, 0, 4)]}
-    assert plan_segment_reads([4, 4], 2, 1) == {0: [(0, 0, 0, 2), (1, 0, 2, 2), (0, 2, 4, 2), (1, 2, 6, 2)]}
-    with pytest.raises(ValueError, match=r"consumer tensor_parallel_size=3 does not divide segment size\(s\) \[8"):
+    assert plan_segment_reads([4, 4], 2, 1) == {
+        0: [(0, 0, 0, 2), (1, 0, 2, 2), (0, 2, 4, 2), (1, 2, 6, 2)]
+    }
+    with pytest.raises(
+        ValueError, match=r"consumer tensor_parallel_size=3 does not divide segment size\(s\) \[8"
+    ):
         plan_segment_reads([6, 8], 1, 3)
 
 
@@ -106,13 +116,17 @@ LAYERS, BS, HD = 2, 4, 3  # head_size 3 float32 = 12 bytes
 
 
 def blocks(n: int, heads: int, seed: int) -> torch.Tensor:
-    return (torch.arange(n * LAYERS * 2 * BS * heads * HD, dtype=torch.float32) + seed).reshape(n, LAYERS, 2, BS, heads, HD)
+    return (torch.arange(n * LAYERS * 2 * BS * heads * HD, dtype=torch.float32) + seed).reshape(
+        n, LAYERS, 2, BS, heads, HD
+    )
 
 
 def apply(copies, src: torch.Tensor, dst: torch.Tensor) -> None:
     s, t = src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)
     for c in copies:
-        t[c.local_offset : c.local_offset + c.nbytes] = s[c.remote_offset : c.remote_offset + c.nbytes]
+        t[c.local_offset : c.local_offset + c.nbytes] = s[
+            c.remote_offset : c.remote_offset + c.nbytes
+        ]
 
 
 @pytest.mark.parametrize(("d_tp", "heads"), [(2, 2), (2, 1), (2, 4), (4, 8), (4, 2)])
@@ -138,8 +152,13 @@ def test_head_copies_fill_each_d_rank_with_its_heads_of_ps_blocks(d_tp, heads):
 
 def test_equal_heads_give_whole_block_copies_and_bad_reads_raise():
     bb = LAYERS * 2 * BS * 2 * HD * 4
-    copies = plan_head_copies([3, 4, 7], [0, 1, 2], BS, LAYERS, HD * 4, 2, 2, [HeadRead(0, 0, 0, 2)])
-    assert [(c.remote_offset, c.local_offset, c.nbytes) for c in copies] == [(3 * bb, 0, 2 * bb), (7 * bb, 2 * bb, bb)]
+    copies = plan_head_copies(
+        [3, 4, 7], [0, 1, 2], BS, LAYERS, HD * 4, 2, 2, [HeadRead(0, 0, 0, 2)]
+    )
+    assert [(c.remote_offset, c.local_offset, c.nbytes) for c in copies] == [
+        (3 * bb, 0, 2 * bb),
+        (7 * bb, 2 * bb, bb),
+    ]
     with pytest.raises(ValueError, match="outside"):
         plan_head_copies([0], [0], BS, LAYERS, HD * 4, 2, 1, [HeadRead(0, 1, 0, 2)])
     with pytest.raises(ValueError, match="2 producer blocks paired with 1"):
@@ -150,13 +169,24 @@ def test_head_copies_of_a_quantized_page_move_each_heads_values_and_scales():
     """Two planes per layer (values [2, BS, heads, HD] bytes, then float32 scales [2, BS, heads]):
     each D rank gets exactly its heads of both planes, and bytes moved = one copy of P's blocks."""
     heads, d_tp = 4, 2
-    vals = torch.arange(6 * LAYERS * 2 * BS * heads * HD, dtype=torch.int32).remainder(251).to(torch.uint8)
+    vals = (
+        torch.arange(6 * LAYERS * 2 * BS * heads * HD, dtype=torch.int32)
+        .remainder(251)
+        .to(torch.uint8)
+    )
     vals = vals.reshape(6, LAYERS, 2, BS, heads, HD)
-    scales = torch.arange(6 * LAYERS * 2 * BS * heads, dtype=torch.float32).reshape(6, LAYERS, 2, BS, heads) + 0.5
+    scales = (
+        torch.arange(6 * LAYERS * 2 * BS * heads, dtype=torch.float32).reshape(
+            6, LAYERS, 2, BS, heads
+        )
+        + 0.5
+    )
 
     def pages(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:  # [blocks, layers, page bytes]
         n = v.shape[0]
-        return torch.cat([v.reshape(n, LAYERS, -1), s.reshape(n, LAYERS, -1).view(torch.uint8)], dim=-1)
+        return torch.cat(
+            [v.reshape(n, LAYERS, -1), s.reshape(n, LAYERS, -1).view(torch.uint8)], dim=-1
+        )
 
     src = pages(vals, scales)
     p_ids, d_ids = [4, 1, 5], [2, 0, 3]

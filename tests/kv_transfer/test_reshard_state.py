@@ -16,8 +16,14 @@ from pdkv.kv_transfer.connector.p2p_compat import state_error
 from pdkv.kv_transfer.reshard_state import StateGeometry, plan_state_copies, state_producer_ranks
 
 KERNEL, DK, DV = 4, 3, 2
-GEOM = StateGeometry(group=1, num_layers=2, conv_segments=(4 * DK, 4 * DK, 8 * DV), conv_row_bytes=(KERNEL - 1) * 4,
-                     rec_heads=8, rec_head_bytes=DK * DV * 4)
+GEOM = StateGeometry(
+    group=1,
+    num_layers=2,
+    conv_segments=(4 * DK, 4 * DK, 8 * DV),
+    conv_row_bytes=(KERNEL - 1) * 4,
+    rec_heads=8,
+    rec_head_bytes=DK * DV * 4,
+)
 SLOTS = 3
 
 
@@ -26,7 +32,10 @@ def full_state(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     float32, each element a distinct marker (segment, layer and position encoded)."""
     c = sum(GEOM.conv_segments)
     conv = torch.arange(c * (KERNEL - 1), dtype=torch.float32).view(c, KERNEL - 1) + 1000 * layer
-    rec = -torch.arange(GEOM.rec_heads * DK * DV, dtype=torch.float32).view(GEOM.rec_heads, DK, DV) - 1000 * layer
+    rec = (
+        -torch.arange(GEOM.rec_heads * DK * DV, dtype=torch.float32).view(GEOM.rec_heads, DK, DV)
+        - 1000 * layer
+    )
     return conv, rec
 
 
@@ -52,7 +61,9 @@ def test_every_consumer_rank_rebuilds_its_slot_bitwise(p_tp, d_tp):
     p_regions = []
     for p in range(p_tp):
         region = torch.zeros(SLOTS * GEOM.slot_bytes(p_tp), dtype=torch.uint8)
-        region[p_slot * GEOM.slot_bytes(p_tp) : (p_slot + 1) * GEOM.slot_bytes(p_tp)] = local_slot(p_tp, p)
+        region[p_slot * GEOM.slot_bytes(p_tp) : (p_slot + 1) * GEOM.slot_bytes(p_tp)] = local_slot(
+            p_tp, p
+        )
         p_regions.append(region)
     for d in range(d_tp):
         size = GEOM.slot_bytes(d_tp)
@@ -63,17 +74,28 @@ def test_every_consumer_rank_rebuilds_its_slot_bitwise(p_tp, d_tp):
             copies = plan_state_copies(GEOM, p_tp, d_tp, d, p_slot, d_slot, p)
             assert bool(copies) == (p in ranks)
             for c in copies:
-                region[c.local_offset : c.local_offset + c.nbytes] = p_regions[p][c.remote_offset : c.remote_offset + c.nbytes]
+                region[c.local_offset : c.local_offset + c.nbytes] = p_regions[p][
+                    c.remote_offset : c.remote_offset + c.nbytes
+                ]
                 moved += c.nbytes
-        assert torch.equal(region[d_slot * size : (d_slot + 1) * size], local_slot(d_tp, d)), (p_tp, d_tp, d)
+        assert torch.equal(region[d_slot * size : (d_slot + 1) * size], local_slot(d_tp, d)), (
+            p_tp,
+            d_tp,
+            d,
+        )
         assert moved == size  # each byte read once: bytes moved = what D needs
-        assert (region[: d_slot * size] == 0xAB).all() and (region[(d_slot + 1) * size :] == 0xAB).all()
+        assert (region[: d_slot * size] == 0xAB).all() and (
+            region[(d_slot + 1) * size :] == 0xAB
+        ).all()
 
 
 def test_equal_tp_moves_a_whole_slot_and_bad_sizes_raise():
-    assert plan_state_copies(GEOM, 2, 2, 1, 5, 7) == [(5 * GEOM.slot_bytes(2), 7 * GEOM.slot_bytes(2),
-                                                        GEOM.slot_bytes(2))]
-    with pytest.raises(ValueError, match="consumer tensor_parallel_size=3 does not divide the model's 8"):
+    assert plan_state_copies(GEOM, 2, 2, 1, 5, 7) == [
+        (5 * GEOM.slot_bytes(2), 7 * GEOM.slot_bytes(2), GEOM.slot_bytes(2))
+    ]
+    with pytest.raises(
+        ValueError, match="consumer tensor_parallel_size=3 does not divide the model's 8"
+    ):
         plan_state_copies(GEOM, 1, 3, 0, 0, 0)
     with pytest.raises(ValueError, match="outside tensor_parallel_size=2"):
         plan_state_copies(GEOM, 1, 2, 2, 0, 0)
@@ -99,4 +121,6 @@ def test_scheduler_half_refuses_a_tp_pair_the_state_cannot_split():
     assert state_error(dict(mine, tp_size=3), p).startswith(
         "re-sharding the linear-state slot from producer tp_size=1 to consumer tp_size=3")
     other = dict(GEOM.to_layout(), rec_heads=4)
-    assert "linear-state geometry" in state_error(mine, {"tp_size": 1, "layout": {"linear_state": other}})
+    assert "linear-state geometry" in state_error(
+        mine, {"tp_size": 1, "layout": {"linear_state": other}}
+    )

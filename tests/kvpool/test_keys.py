@@ -56,12 +56,26 @@ def test_keys_reproducible_across_processes() -> None:
     assert out[0] == out[1] == here
 
 
-@pytest.mark.parametrize("field,value", [
-    ("model_digest", "abc124"), ("dtype", "bfloat16"), ("block_size", 32), ("kv_layout", "other"),
-    ("groups", ("full_attention:layers=0-29:block_size=16:dtype=float32:head_size=64:num_kv_heads=4",)),
-    ("groups", BASE.groups * 2), ("chunk_size", 128), ("tp_rank", 1), ("tp_size", 2),
-    ("dcp_rank", 1), ("dcp_size", 2), ("kv_quant", "fp8"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("model_digest", "abc124"),
+        ("dtype", "bfloat16"),
+        ("block_size", 32),
+        ("kv_layout", "other"),
+        (
+            "groups",
+            ("full_attention:layers=0-29:block_size=16:dtype=float32:head_size=64:num_kv_heads=4",),
+        ),
+        ("groups", BASE.groups * 2),
+        ("chunk_size", 128),
+        ("tp_rank", 1),
+        ("tp_size", 2),
+        ("dcp_rank", 1),
+        ("dcp_size", 2),
+        ("kv_quant", "fp8"),
+    ],
+)
 def test_fingerprint_changes_with_each_field(field: str, value: object) -> None:
     extra = {"tp_size": 2} if field == "tp_rank" else {"dcp_size": 2} if field == "dcp_rank" else {}
     changed = dataclasses.replace(BASE, **{field: value, **extra})
@@ -97,7 +111,9 @@ def test_from_layout() -> None:
     assert PoolNamespace.from_layout(KVLayout.from_wire(LAYOUT), _kv_config(layers=29),
                                      64).fingerprint != base
     spec = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64)
-    assert describe_group(KVCacheGroupSpec((0, 2, 4), spec)).startswith("full_attention:layers=0,2,4:")
+    assert describe_group(KVCacheGroupSpec((0, 2, 4), spec)).startswith(
+        "full_attention:layers=0,2,4:"
+    )
 
 
 @pytest.mark.parametrize("chunk_size", [0, -16, 24, 8])

@@ -96,13 +96,17 @@ def test_cold_then_hot_is_token_identical_and_hits_whole_chunks(tier, tmp_path, 
     stats = llm.llm_engine.scheduler.kv_stats
     assert stats["pool:all:hit_tokens"] == 192 + 128
     # Every request's prefix-cache lookup is counted, pool-loaded ones too (vLLM's counters).
-    assert llm.llm_engine.scheduler.kv_cache_manager.prefix_cache_stats.queries == 2 * sum(map(len, prompts))
+    assert llm.llm_engine.scheduler.kv_cache_manager.prefix_cache_stats.queries == 2 * sum(
+        map(len, prompts)
+    )
     assert stats[f"pool:{tier}:chunks_read"] == 3 + 2
     assert_baseline(llm)
     llm.llm_engine.shutdown()
 
 
-def test_disk_tier_hits_survive_a_restart_and_a_salt_or_block_size_change_misses(tmp_path, prompts, reference):
+def test_disk_tier_hits_survive_a_restart_and_a_salt_or_block_size_change_misses(
+    tmp_path, prompts, reference
+):
     spec = {"name": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}
     first = make_llm([spec])
     run(first, prompts[:1])
@@ -123,7 +127,9 @@ def test_disk_tier_hits_survive_a_restart_and_a_salt_or_block_size_change_misses
     other_blocks.llm_engine.shutdown()
 
 
-def test_corrupted_and_truncated_files_are_misses_with_the_cold_output(tmp_path, prompts, reference):
+def test_corrupted_and_truncated_files_are_misses_with_the_cold_output(
+    tmp_path, prompts, reference
+):
     spec = {"name": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}
     llm = make_llm([spec])
     run(llm, prompts[:1])  # 200 tokens: 3 chunks stored
@@ -177,7 +183,9 @@ def with_tier(monkeypatch, tier: Tier) -> None:
     monkeypatch.setattr(pool, "build_store", lambda cfg: KVPoolStore([tier]))
 
 
-def test_entry_evicted_between_lookup_and_load_gives_the_cold_output(monkeypatch, prompts, reference):
+def test_entry_evicted_between_lookup_and_load_gives_the_cold_output(
+    monkeypatch, prompts, reference
+):
     tier = VanishingTier(1 << 30)
     with_tier(monkeypatch, tier)
     llm = make_llm([{"name": "dram"}])
@@ -224,7 +232,9 @@ def test_abort_during_a_load_frees_blocks_only_after_the_load_ends(monkeypatch, 
 
 
 @pytest.mark.matrix("pd-colocated-pool")
-def test_chunked_prefill_stores_every_full_chunk_and_another_instance_loads_them(tmp_path, plain, reference, prompts):
+def test_chunked_prefill_stores_every_full_chunk_and_another_instance_loads_them(
+    tmp_path, plain, reference, prompts
+):
     spec = {"name": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 30}
     long_prompt = prompt_ids(plain, 400, 7)
     want = run(plain, [long_prompt])[0].outputs[0].token_ids

@@ -25,15 +25,26 @@ KW = dict(cpu_linear="torch", num_kv_blocks=32, max_model_len=256, block_size=BS
 @pytest.mark.matrix("pool-dram", "hybrid-mla", model="tiny-mla")
 def test_pool_cold_then_hot_equals_colocated_and_loads_the_latent_formula(tiny_mla):
     prompts = [[(i * 7919 + 13 * n) % 40000 + 100 for i in range(n)] for n in PROMPT_LENS]
-    cfg = json.dumps({"kv_connector": "KVPoolConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
-        "chunk_size": CHUNK, "tiers": [{"name": "dram", "capacity_bytes": 1 << 26}]}})
+    cfg = json.dumps(
+        {
+            "kv_connector": "KVPoolConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "chunk_size": CHUNK,
+                "tiers": [{"name": "dram", "capacity_bytes": 1 << 26}],
+            },
+        }
+    )
     llm = LLM(tiny_mla, max_num_batched_tokens=32, kv_transfer_config=cfg, **KW)
     try:
         def run():
             return llm.generate([{"prompt_token_ids": x} for x in prompts], GREEDY)
 
         plain = LLM(tiny_mla, **KW)
-        refs = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": x} for x in prompts], GREEDY)]
+        refs = [
+            o.outputs[0].token_ids
+            for o in plain.generate([{"prompt_token_ids": x} for x in prompts], GREEDY)
+        ]
         plain.llm_engine.shutdown()
         cold = run()
         assert [o.outputs[0].token_ids for o in cold] == refs
@@ -48,7 +59,9 @@ def test_pool_cold_then_hot_equals_colocated_and_loads_the_latent_formula(tiny_m
         hits = [(n - 1) // CHUNK * CHUNK for n in PROMPT_LENS]
         assert [o.outputs[0].token_ids for o in hot] == refs
         assert [o.num_cached_tokens for o in hot] == hits == [96, 0]
-        assert [o.kv_load_bytes.get("pool", 0) for o in hot] == [h // BS * BLOCK_BYTES for h in hits]
+        assert [o.kv_load_bytes.get("pool", 0) for o in hot] == [
+            h // BS * BLOCK_BYTES for h in hits
+        ]
         pools = llm.llm_engine.scheduler.kv_cache_manager.block_pools
         assert all(p.num_free_blocks == p.num_usable_blocks for p in pools)
     finally:

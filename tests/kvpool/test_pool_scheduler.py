@@ -100,13 +100,18 @@ def test_load_spec_maps_chunks_to_new_blocks_and_skips_local_hits():
     assert [c.key for c in spec.chunks] == keys
     assert [(c.block_ids, c.first_blocks) for c in spec.chunks] == [
         (((11,),), (1,)), (((12, 13),), (0,)), (((14, 15),), (0,))]
-    assert sched.take_scheduler_stats() == {"pool:all:lookup_tokens": 20.0, "pool:all:hit_tokens": 20.0}
+    assert sched.take_scheduler_stats() == {
+        "pool:all:lookup_tokens": 20.0,
+        "pool:all:hit_tokens": 20.0,
+    }
 
 
 def test_a_producer_never_looks_up_and_a_failed_load_is_not_offered_again():
     tier = DramTier(1 << 20)
     cfg = KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_producer")
-    prod = PoolConnectorScheduler(cfg, PoolConnectorConfig(chunk_size=CHUNK), KVPoolStore([tier]), FP, BS, 1)
+    prod = PoolConnectorScheduler(
+        cfg, PoolConnectorConfig(chunk_size=CHUNK), KVPoolStore([tier]), FP, BS, 1
+    )
     req = request(29)
     store_prefix(tier, req, 3)
     assert prod.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -118,7 +123,9 @@ def test_a_producer_never_looks_up_and_a_failed_load_is_not_offered_again():
     sched.update_state_after_alloc(req, Blocks([1, 2, 3, 4, 5, 6]), 24)  # type: ignore[arg-type]
     assert sched.request_finished(req, ([1, 2, 3, 4, 5, 6],))[0] is True  # load in flight
     sched.on_new_request(req)
-    sched.update_connector_output(KVConnectorOutput(finished_recving={"r"}, load_errors={"r": "gone"}))
+    sched.update_connector_output(
+        KVConnectorOutput(finished_recving={"r"}, load_errors={"r": "gone"})
+    )
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
 
 

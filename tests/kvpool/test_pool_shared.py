@@ -53,7 +53,9 @@ def local_llm(tier: dict[str, Any]) -> Any:
 
 
 @pytest.mark.matrix("pool-redis", "pool-mooncake")
-def test_another_instance_with_another_hash_seed_hits_what_one_stored(redis_service, mooncake_service):
+def test_another_instance_with_another_hash_seed_hits_what_one_stored(
+    redis_service, mooncake_service
+):
     """Instance B (`pdkv serve`, its own PYTHONHASHSEED) reads a redis and a Mooncake Store
     (tiers [redis, mooncake]); instances A1 and A2 (this process, another seed) each stored one
     prompt in one of them. B hits both fully, with A's greedy output, from the right tier."""
@@ -74,7 +76,10 @@ def test_another_instance_with_another_hash_seed_hits_what_one_stored(redis_serv
             assert out.num_cached_tokens == 0
             stored[backend] = out.outputs[0].text
             assert a.llm_engine.runner.connector.store.flush(30.0)  # type: ignore[union-attr]
-            assert a.llm_engine.scheduler.kv_stats[f"pool:{backend}:chunks_written"] == PROMPT_LEN // CHUNK
+            assert (
+                a.llm_engine.scheduler.kv_stats[f"pool:{backend}:chunks_written"]
+                == PROMPT_LEN // CHUNK
+            )
             kv = a.llm_engine.scheduler.kv_cache_manager
             assert kv.num_free_blocks == a.llm_engine.scheduler.num_blocks  # back to baseline
             a.llm_engine.shutdown()

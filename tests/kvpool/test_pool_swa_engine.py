@@ -33,7 +33,10 @@ def window_blocks(hit: int) -> int:
 def prompts_and_refs(tiny_swa):
     plain = LLM(tiny_swa, **KW)
     prompts = [[(i * 7919 + 13 * n) % 40000 + 100 for i in range(n)] for n in PROMPT_LENS]
-    refs = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": x} for x in prompts], GREEDY)]
+    refs = [
+        o.outputs[0].token_ids
+        for o in plain.generate([{"prompt_token_ids": x} for x in prompts], GREEDY)
+    ]
     plain.llm_engine.shutdown()
     return prompts, refs
 
@@ -42,13 +45,25 @@ def prompts_and_refs(tiny_swa):
     pytest.param("dram", 32, marks=pytest.mark.matrix("pool-dram", model="tiny-swa")),
     pytest.param("dram", 64, marks=pytest.mark.matrix("pool-dram", model="tiny-swa")),
     pytest.param("disk", 64, marks=pytest.mark.matrix("pool-disk", model="tiny-swa"))])
-def test_pool_cold_then_hot_equals_colocated_and_loads_only_the_window(tiny_swa, prompts_and_refs, tier, chunk,
-                                                                      tmp_path):
+def test_pool_cold_then_hot_equals_colocated_and_loads_only_the_window(
+    tiny_swa, prompts_and_refs, tier, chunk, tmp_path
+):
     prompts, refs = prompts_and_refs
-    spec = {"name": tier, "capacity_bytes": 1 << 28, **({"path": str(tmp_path)} if tier == "disk" else {})}
-    cfg = json.dumps({"kv_connector": "KVPoolConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
-        "chunk_size": chunk, "tiers": [spec]}})
-    llm = LLM(tiny_swa, max_num_batched_tokens=32, kv_transfer_config=cfg, **KW)  # prefill in 32-token steps
+    spec = {
+        "name": tier,
+        "capacity_bytes": 1 << 28,
+        **({"path": str(tmp_path)} if tier == "disk" else {}),
+    }
+    cfg = json.dumps(
+        {
+            "kv_connector": "KVPoolConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"chunk_size": chunk, "tiers": [spec]},
+        }
+    )
+    llm = LLM(
+        tiny_swa, max_num_batched_tokens=32, kv_transfer_config=cfg, **KW
+    )  # prefill in 32-token steps
     try:
         def run():
             return llm.generate([{"prompt_token_ids": x} for x in prompts], GREEDY)
@@ -75,8 +90,12 @@ def test_pool_cold_then_hot_equals_colocated_and_loads_only_the_window(tiny_swa,
         assert loaded == [(h // BS + window_blocks(h)) * BLOCK_BYTES for h in hits]
         assert max(window_blocks(h) for h in hits) <= -(-(W - 1) // BS) + 1
         sched = llm.llm_engine.scheduler
-        assert all(p.num_free_blocks == p.num_usable_blocks for p in sched.kv_cache_manager.block_pools)
-        if chunk == 32:  # a load failing at its third chunk restarts from the local hits (none here)
+        assert all(
+            p.num_free_blocks == p.num_usable_blocks for p in sched.kv_cache_manager.block_pools
+        )
+        if (
+            chunk == 32
+        ):  # a load failing at its third chunk restarts from the local hits (none here)
             (pool_tier,) = store.tiers
             reads, get = [], pool_tier.get
             pool_tier.get = lambda key: None if reads.append(key) or len(reads) == 3 else get(key)  # type: ignore[method-assign]
@@ -84,6 +103,8 @@ def test_pool_cold_then_hot_equals_colocated_and_loads_only_the_window(tiny_swa,
             again = llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY)
             assert again[0].outputs[0].token_ids == refs[0] and len(reads) == 3
             assert stats["kv_load_failures_recompute"] == 1
-            assert all(p.num_free_blocks == p.num_usable_blocks for p in sched.kv_cache_manager.block_pools)
+            assert all(
+                p.num_free_blocks == p.num_usable_blocks for p in sched.kv_cache_manager.block_pools
+            )
     finally:
         llm.llm_engine.shutdown()

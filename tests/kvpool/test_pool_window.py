@@ -22,8 +22,18 @@ FP = "f" * 32
 WIN = 1000  # window-group block id = WIN + block index (the full group: the index itself)
 
 # (block size, chunk size, window): W - 1 < C, W - 1 == C, W - 1 > C (reaching 2-3 chunks back).
-CASES = [(4, 8, 3), (4, 8, 5), (4, 8, 9), (4, 8, 10), (4, 16, 7), (4, 8, 17), (4, 8, 23), (2, 4, 11),
-         (4, 4, 6), (4, 16, 40)]
+CASES = [
+    (4, 8, 3),
+    (4, 8, 5),
+    (4, 8, 9),
+    (4, 8, 10),
+    (4, 16, 7),
+    (4, 8, 17),
+    (4, 8, 23),
+    (2, 4, 11),
+    (4, 4, 6),
+    (4, 16, 40),
+]
 
 
 def stored(j: int, bs: int, c: int, w: int) -> list[int]:
@@ -47,8 +57,9 @@ def held(b: int, before: int, bs: int, w: int) -> bool:
 
 def make(tier: DramTier, bs: int, c: int, w: int) -> PoolConnectorScheduler:
     cfg = KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_both")
-    return PoolConnectorScheduler(cfg, PoolConnectorConfig(chunk_size=c), KVPoolStore([tier]), FP, bs, 2,
-                                  (None, w))
+    return PoolConnectorScheduler(
+        cfg, PoolConnectorConfig(chunk_size=c), KVPoolStore([tier]), FP, bs, 2, (None, w)
+    )
 
 
 def request(n: int, bs: int) -> Request:
@@ -60,7 +71,9 @@ def step(sched: PoolConnectorScheduler, req: Request, n: int, table: tuple[list[
     req.num_computed_tokens += n  # the scheduler advances it before build_connector_meta
     new = [SimpleNamespace(req_id="r", block_ids=table)] if table is not None else []
     cached = [] if table is not None else [SimpleNamespace(req_id="r", new_block_ids=([], []))]
-    out = SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens={"r": n})
+    out = SimpleNamespace(
+        scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens={"r": n}
+    )
     return sched.build_connector_meta(out).saves  # type: ignore[arg-type]
 
 
@@ -82,7 +95,9 @@ def test_each_chunk_stores_its_tail_window_while_every_block_of_it_is_held(bs, c
             for ref in spec.chunks:
                 j = keys.index(ref.key)
                 saved[j] = ref.block_ids
-                assert all(held(i - WIN, before, bs, w) for i in ref.block_ids[1])  # never a freed block
+                assert all(
+                    held(i - WIN, before, bs, w) for i in ref.block_ids[1]
+                )  # never a freed block
         first = False
     assert sorted(saved) == list(range(6))
     for j, ids in saved.items():
@@ -104,14 +119,20 @@ def test_a_local_hit_saves_only_the_chunks_whose_tail_window_is_still_held(bs, c
     (spec,) = step(sched, req, n - f, table)
     keys = [chunk_key(FP, h) for h in chunk_hashes(req.block_hashes, bs, c, 6 * c)]
     got = {keys.index(ref.key): [i - WIN for i in ref.block_ids[1]] for ref in spec.chunks}
-    want = {j: stored(j, bs, c, w) for j in range(6) if all(held(b, f, bs, w) for b in stored(j, bs, c, w))}
+    want = {
+        j: stored(j, bs, c, w)
+        for j in range(6)
+        if all(held(b, f, bs, w) for b in stored(j, bs, c, w))
+    }
     assert got == want and 5 in got
 
 
 @pytest.mark.parametrize(("bs", "c", "w"), CASES)
 @pytest.mark.parametrize("f_blocks", [0, 1, 3, 5, 9, 14])
 @pytest.mark.parametrize("hit_chunks", [1, 2, 4])
-def test_a_hit_loads_the_window_of_its_end_each_block_from_a_chunk_that_stored_it(bs, c, w, f_blocks, hit_chunks):
+def test_a_hit_loads_the_window_of_its_end_each_block_from_a_chunk_that_stored_it(
+    bs, c, w, f_blocks, hit_chunks
+):
     tier = DramTier(1 << 20)
     sched = make(tier, bs, c, w)
     f = f_blocks * bs

@@ -51,7 +51,11 @@ def tiny_reference(tiny_llama_hf, tiny_prompts) -> list[list[int]]:
     model, out = tiny_llama_hf[1], []
     with torch.inference_mode():
         for p in tiny_prompts:
-            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=TINY_NEW_TOKENS, do_sample=False)
+            ids = model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=TINY_NEW_TOKENS,
+                do_sample=False,
+            )
             out.append(ids[0, len(p):].tolist())
     return out

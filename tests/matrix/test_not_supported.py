@@ -87,34 +87,70 @@ def test_decode_takes_a_prefill_at_tp_2_but_refuses_one_it_cannot_convert():
               "remote_nonce": "n", "prompt_digest": prompt_digest(prompt, None),
               "num_tokens": len(prompt), "layout": dict(layout), "tp_size": 2,
               "endpoints": [["127.0.0.1", 1], ["127.0.0.1", 2]]}
-    cons.validate_request(Request("ok", prompt, SamplingParams(max_tokens=4), 16, kv_transfer_params=params))
+    cons.validate_request(
+        Request("ok", prompt, SamplingParams(max_tokens=4), 16, kv_transfer_params=params)
+    )
     with pytest.raises(ValueError, match="issue 12") as e:
-        cons.validate_request(Request("d", prompt, SamplingParams(max_tokens=4), 16, kv_transfer_params={
-            **params, "layout": {**layout, "block_size": 2}, "remote_block_ids": [list(range(1, 11))]}))
+        cons.validate_request(
+            Request(
+                "d",
+                prompt,
+                SamplingParams(max_tokens=4),
+                16,
+                kv_transfer_params={
+                    **params,
+                    "layout": {**layout, "block_size": 2},
+                    "remote_block_ids": [list(range(1, 11))],
+                },
+            )
+        )
     assert "tp_size=2 with block_size=2 and decode block_size=16" in str(e.value)
     with pytest.raises(ValueError, match="one .host, port. per producer TP rank .tp_size=2."):
-        cons.validate_request(Request("e", prompt, SamplingParams(max_tokens=4), 16,
-                                      kv_transfer_params={**params, "endpoints": [["127.0.0.1", 1]]}))
+        cons.validate_request(
+            Request(
+                "e",
+                prompt,
+                SamplingParams(max_tokens=4),
+                16,
+                kv_transfer_params={**params, "endpoints": [["127.0.0.1", 1]]},
+            )
+        )
 
 
 # The real configs' state (MLA, linear attention) runs: the hybrid-mla / hybrid-linear rows are
 # verified on their tiny stand-ins. What the real ones lack is their mixture-of-experts layers, so
 # they are refused at start-up (before any weight is read): a `colocated` cell, not a state row.
 HYBRIDS = [
-    pytest.param("deepseek-v3", "layers 3..60 are mixture-of-experts (first_k_dense_replace=3, n_routed_experts=256)",
-                 id="deepseek-v3", marks=pytest.mark.matrix("colocated", model="deepseek-v3", expect="unsupported")),
-    pytest.param("qwen3-next-80b-a3b", "layers 0..47 are mixture-of-experts (num_experts=512)",
-                 id="qwen3-next", marks=pytest.mark.matrix("colocated", model="qwen3-next", expect="unsupported")),
-    pytest.param("kimi-linear-48b-a3b", "layers 1..26 are mixture-of-experts",
-                 id="kimi-linear", marks=pytest.mark.matrix("colocated", model="kimi-linear", expect="unsupported")),
+    pytest.param(
+        "deepseek-v3",
+        "layers 3..60 are mixture-of-experts (first_k_dense_replace=3, n_routed_experts=256)",
+        id="deepseek-v3",
+        marks=pytest.mark.matrix("colocated", model="deepseek-v3", expect="unsupported"),
+    ),
+    pytest.param(
+        "qwen3-next-80b-a3b",
+        "layers 0..47 are mixture-of-experts (num_experts=512)",
+        id="qwen3-next",
+        marks=pytest.mark.matrix("colocated", model="qwen3-next", expect="unsupported"),
+    ),
+    pytest.param(
+        "kimi-linear-48b-a3b",
+        "layers 1..26 are mixture-of-experts",
+        id="kimi-linear",
+        marks=pytest.mark.matrix("colocated", model="kimi-linear", expect="unsupported"),
+    ),
 ]
 
 
 @pytest.mark.parametrize("name, why", HYBRIDS)
-def test_hybrid_state_configs_are_refused_for_their_moe_layers(name, why, tmp_path, capsys, record_property):
+def test_hybrid_state_configs_are_refused_for_their_moe_layers(
+    name, why, tmp_path, capsys, record_property
+):
     cfg = json.loads((PLAN_CONFIGS / f"{name}.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     msg = refused(capsys, ["--model", os.fspath(tmp_path)]).replace(os.fspath(tmp_path), "<folder>")
-    assert msg.startswith("<folder>: ") and why in msg and "only dense MLPs are implemented" in msg, msg
+    assert (
+        msg.startswith("<folder>: ") and why in msg and "only dense MLPs are implemented" in msg
+    ), msg
     assert "state" not in msg and "issue 11" not in msg, msg  # the state itself is supported
     record_property(DETAIL_PROPERTY, msg)

@@ -31,9 +31,30 @@ def test_markdown_is_the_rendering_of_the_json_and_made_by_the_full_run():
 
 def test_quick_run_gives_the_committed_quick_cells(tmp_path):
     out = tmp_path / "matrix.md"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (os.fspath(ROOT), os.environ.get("PYTHONPATH", "")) if x))
-    proc = subprocess.run([sys.executable, "-m", "pdkv.cli", "matrix", "--quick", "--out", os.fspath(out),
-                           "--timeout", "540"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            x for x in (os.fspath(ROOT), os.environ.get("PYTHONPATH", "")) if x
+        ),
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdkv.cli",
+            "matrix",
+            "--quick",
+            "--out",
+            os.fspath(out),
+            "--timeout",
+            "540",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     now = read_json(json_path(os.fspath(out)))
     got = {(c["model"], c["feature"]): c["status"] for c in now["cells"]}
@@ -47,4 +68,6 @@ def test_quick_run_gives_the_committed_quick_cells(tmp_path):
     for cell in committed()["cells"]:
         key = f"{cell['model']}/{cell['feature']}"
         missing = set(cell["tests"]) - set(now["tagged"].get(key, []))
-        assert not missing, f"{key} is {cell['status']} in {DOC.name} but {sorted(missing)} no longer check it"
+        assert not missing, (
+            f"{key} is {cell['status']} in {DOC.name} but {sorted(missing)} no longer check it"
+        )

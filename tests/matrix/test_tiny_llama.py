@@ -59,7 +59,9 @@ def test_resent_prompts_hit_whole_blocks(tiny_llama, tiny_prompts, tiny_referenc
     run(llm, tiny_prompts)
     again = run(llm, tiny_prompts)
     assert tokens(again) == tiny_reference
-    assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // BLOCK * BLOCK for p in tiny_prompts]
+    assert [o.num_cached_tokens for o in again] == [
+        (len(p) - 1) // BLOCK * BLOCK for p in tiny_prompts
+    ]
     assert_baseline(llm)
 
 
@@ -83,7 +85,9 @@ def test_preemption_matches_hf(tiny_llama, tiny_prompts, tiny_reference):
     pytest.param("shm", marks=pytest.mark.matrix("pd-shm", model="tiny-llama")),
 ])
 def test_pd_matches_hf(transfer, tiny_llama, tiny_prompts, tiny_reference):
-    p = tiny(tiny_llama, kv_transfer_config=pd_config("kv_producer", transfer, kv_lease_duration=600.0))
+    p = tiny(
+        tiny_llama, kv_transfer_config=pd_config("kv_producer", transfer, kv_lease_duration=600.0)
+    )
     d = tiny(tiny_llama, enable_prefix_caching=False,
              kv_transfer_config=pd_config("kv_consumer", transfer))
     try:

@@ -27,7 +27,9 @@ class PagedBatch:
     full: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def paged_batch(reqs: list[tuple[int, int]], bs: int, nblocks: int, kvh: int, h: int, d: int) -> PagedBatch:
+def paged_batch(
+    reqs: list[tuple[int, int]], bs: int, nblocks: int, kvh: int, h: int, d: int
+) -> PagedBatch:
     """One step over `reqs` ((context_len, new tokens) each; one new token = a decode)."""
     cache = torch.full((2, nblocks, bs, kvh, d), float("nan"))
     perm = torch.randperm(nblocks).tolist()

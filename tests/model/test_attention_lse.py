@@ -56,7 +56,9 @@ def test_merge_of_shards_equals_full_attention(shard_lens):
     outs, lses = [], []
     for r in range(len(shard_lens)):
         mine = owner == r
-        o, s = attention_with_lse(q, k[mine], v[mine], torch.ones(t, int(mine.sum()), dtype=torch.bool), SCALE)
+        o, s = attention_with_lse(
+            q, k[mine], v[mine], torch.ones(t, int(mine.sum()), dtype=torch.bool), SCALE
+        )
         outs.append(o)
         lses.append(s)
     out, lse = merge_attn_states(torch.stack(outs), torch.stack(lses))
@@ -116,7 +118,15 @@ def test_single_shard_equals_paged_attention():
     batch = paged_batch(reqs, bs, nblocks, KVH, H, D)
     seqs, start = [], 0
     for (ctx, n), table in zip(reqs, batch.tables):
-        seqs.append(ShardSeq(start, start + n, torch.arange(ctx, ctx + n), torch.tensor(table), torch.arange(ctx + n)))
+        seqs.append(
+            ShardSeq(
+                start,
+                start + n,
+                torch.arange(ctx, ctx + n),
+                torch.tensor(table),
+                torch.arange(ctx + n),
+            )
+        )
         start += n
     q = batch.q
     sdpa = paged_attention(q, batch.k, batch.v, batch.cache, batch.meta, SCALE)
@@ -168,11 +178,15 @@ def test_simulated_dcp_equals_full_causal_attention(dcp, interleave, bs):
         assert torch.equal(torch.cat(key_positions).sort().values, torch.arange(total))
         refs.append((start, start + n, kk, vv, torch.arange(total)[None, :] <= qpos[:, None]))
         start += n
-    assert 0 in [dcp_local_len(interleave, r, interleave, dcp) for r in range(dcp)]  # an empty shard
+    assert 0 in [
+        dcp_local_len(interleave, r, interleave, dcp) for r in range(dcp)
+    ]  # an empty shard
     partial = [shard_attention(q, caches[r], rank_seqs[r], SCALE) for r in range(dcp)]
     for o, s in partial:
         assert not o.isnan().any() and not s.isnan().any()
-    out, lse = merge_attn_states(torch.stack([o for o, _ in partial]), torch.stack([s for _, s in partial]))
+    out, lse = merge_attn_states(
+        torch.stack([o for o, _ in partial]), torch.stack([s for _, s in partial])
+    )
     assert not out.isnan().any() and not lse.isnan().any()
     for a, b, kk, vv, visible in refs:
         ref_out, ref_lse = _dense(q[a:b], kk, vv, visible)
@@ -200,6 +214,8 @@ def test_shard_attention_empty_shard_and_uncovered_rows():
     for row in (0, 1, 2, 3, 5):  # empty shard, uncovered, key in the future, uncovered
         assert torch.equal(out[row], torch.zeros(H, D)) and torch.isneginf(lse[row]).all()
     rep = H // KVH
-    torch.testing.assert_close(out[4], v.repeat_interleave(rep, dim=0))  # one visible key: its value
+    torch.testing.assert_close(
+        out[4], v.repeat_interleave(rep, dim=0)
+    )  # one visible key: its value
     scores = (q[4] * k.repeat_interleave(rep, dim=0)).sum(-1) * SCALE
     torch.testing.assert_close(lse[4], scores)

@@ -43,8 +43,12 @@ def test_auto_table_gives_the_tokens_of_plain_blas(torch_model, model_path, prom
     from pdkv.model.linear_table import LinearTable
 
     auto, described = load_with_linear(model_path, "float32", "auto")
-    assert described.startswith("1:") and set(auto.layers[0].packed.values()) != {None}, described  # the table ran
-    assert auto.head_packed is not None and not auto.layers[0].qkv.is_meta  # one plain copy, dispatched
+    assert described.startswith("1:") and set(auto.layers[0].packed.values()) != {None}, (
+        described
+    )  # the table ran
+    assert (
+        auto.head_packed is not None and not auto.layers[0].qkv.is_meta
+    )  # one plain copy, dispatched
     ref_logits, ref, _ = greedy_run(torch_model, prompts, MAX_TOKENS, "auto")
     logits, toks, _ = greedy_run(auto, prompts, MAX_TOKENS, "auto")
     assert toks == ref
@@ -65,8 +69,12 @@ def test_bf16_stays_within_tolerance_of_float32(torch_model, model_path, prompts
     model, resolved = load_with_linear(model_path, "bfloat16", linear)
     if linear == "panel" and resolved != "panel":
         pytest.skip(f"panel kernel unavailable here (resolved to {resolved})")
-    rows = compare_dtypes({"float32": (torch_model, "torch"), "bfloat16": (model, resolved)}, prompts, MAX_TOKENS)
+    rows = compare_dtypes(
+        {"float32": (torch_model, "torch"), "bfloat16": (model, resolved)}, prompts, MAX_TOKENS
+    )
     bf16 = rows[1]
     assert bf16.dtype == "bfloat16"
     assert 0 < bf16.max_abs_logit_diff <= MAX_LOGIT_DIFF, bf16
-    assert bf16.first_token_same >= MIN_FIRST_SAME and bf16.prefix_agreement >= MIN_PREFIX_AGREEMENT, bf16
+    assert (
+        bf16.first_token_same >= MIN_FIRST_SAME and bf16.prefix_agreement >= MIN_PREFIX_AGREEMENT
+    ), bf16

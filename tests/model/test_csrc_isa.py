@@ -40,7 +40,10 @@ def compiler_present() -> None:
 def test_every_op_compiles_for_every_isa(compiler_present):
     results = csrc_isa.check()
     assert {(r.source, r.march) for r in results} == {
-        (s.name, m) for s in SOURCES for m in ("x86-64-v2", "x86-64-v3", "x86-64-v4", "sapphirerapids")}
+        (s.name, m)
+        for s in SOURCES
+        for m in ("x86-64-v2", "x86-64-v3", "x86-64-v4", "sapphirerapids")
+    }
     failed = [f"{r.source} -march={r.march}: {r.error}" for r in results if not r.ok]
     assert not failed, "\n".join(failed)
 
@@ -80,8 +83,11 @@ def test_setup_build_fails_on_a_compiler_error(monkeypatch, capsys, tmp_path):
     """`make setup` runs this main: a compiler error is exit status 1 with the error printed."""
     monkeypatch.setenv("PDKV_CACHE", str(tmp_path))
     monkeypatch.setattr(paged_decode_build, "compiler", lambda: "/usr/bin/c++")
-    monkeypatch.setattr(paged_decode_build, "build",
-                        lambda paths, force=False: "build failed: fused_ops.cpp:52:40: error: no matching function")
+    monkeypatch.setattr(
+        paged_decode_build,
+        "build",
+        lambda paths, force=False: "build failed: fused_ops.cpp:52:40: error: no matching function",
+    )
     assert paged_decode_build.main([]) == 1
     err = capsys.readouterr().err
     assert "fused_ops.cpp:52:40: error: no matching function" in err and "ATen vector ISA" in err

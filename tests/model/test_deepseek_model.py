@@ -17,15 +17,31 @@ BS = 4
 
 
 @pytest.mark.slow  # HF transformers' model
-@pytest.mark.parametrize(("q_lora_rank", "interleave"), [(None, True), (24, False)], ids=["no-q-lora", "q-lora"])
+@pytest.mark.parametrize(
+    ("q_lora_rank", "interleave"), [(None, True), (24, False)], ids=["no-q-lora", "q-lora"]
+)
 def test_forward_matches_hf_over_two_chunks(tmp_path, q_lora_rank, interleave):
     import transformers
 
     cfg = transformers.DeepseekV3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
-        v_head_dim=12, first_k_dense_replace=2, n_routed_experts=1, rope_interleave=interleave,
-        max_position_embeddings=64, initializer_range=0.3, tie_word_embeddings=False)
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        first_k_dense_replace=2,
+        n_routed_experts=1,
+        rope_interleave=interleave,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         transformers.DeepseekV3ForCausalLM(cfg).save_pretrained(tmp_path)

@@ -31,8 +31,12 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def folders(tiny_llama_kv1, tiny_llama_kv2, tiny_swa, tiny_mla, tiny_gdn, tiny_kda_mla) -> dict[str, str]:
-    return dict(zip(TINY, (tiny_llama_kv1, tiny_llama_kv2, tiny_swa, tiny_mla, tiny_gdn, tiny_kda_mla)))
+def folders(
+    tiny_llama_kv1, tiny_llama_kv2, tiny_swa, tiny_mla, tiny_gdn, tiny_kda_mla
+) -> dict[str, str]:
+    return dict(
+        zip(TINY, (tiny_llama_kv1, tiny_llama_kv2, tiny_swa, tiny_mla, tiny_gdn, tiny_kda_mla))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +52,12 @@ def hf_tokens(folders, prompts) -> dict[str, list[list[int]]]:
         refs[name] = []
         for p in prompts:
             with torch.inference_mode():
-                seq = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                     max_new_tokens=NEW_TOKENS, do_sample=False)
+                seq = model.generate(
+                    torch.tensor([p]),
+                    attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                    max_new_tokens=NEW_TOKENS,
+                    do_sample=False,
+                )
             refs[name].append(seq[0, len(p):].tolist())
     return refs
 
@@ -75,7 +83,10 @@ def assert_no_leak(llm: LLM) -> None:
 
 def _packed_kinds(model: Any) -> set[str]:
     """Type names of the model's packed projections (LM head and every layer's)."""
-    slots = [model.head_packed, *(p for layer in model.layers for p in getattr(layer, "packed", {}).values())]
+    slots = [
+        model.head_packed,
+        *(p for layer in model.layers for p in getattr(layer, "packed", {}).values()),
+    ]
     return {type(p).__name__ for p in slots}
 
 
@@ -87,7 +98,9 @@ def _assert_on_fallbacks(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("name", TINY)
-def test_tiny_model_defaults_match_hf_with_the_ops_hidden(name, folders, prompts, hf_tokens, ops_hidden):
+def test_tiny_model_defaults_match_hf_with_the_ops_hidden(
+    name, folders, prompts, hf_tokens, ops_hidden
+):
     llm = LLM(folders[name], num_kv_blocks=64, max_model_len=128)
     _assert_on_fallbacks(llm)
     assert _greedy(llm, prompts) == hf_tokens[name]
@@ -96,8 +109,9 @@ def test_tiny_model_defaults_match_hf_with_the_ops_hidden(name, folders, prompts
 
 @pytest.mark.parametrize("name", ("tiny-llama-kv2", "tiny-mla"))
 @pytest.mark.parametrize("cpu_linear", CPU_LINEARS)
-def test_each_cpu_linear_matches_hf_with_the_ops_hidden(name, cpu_linear, folders, prompts, hf_tokens,
-                                                        ops_hidden):
+def test_each_cpu_linear_matches_hf_with_the_ops_hidden(
+    name, cpu_linear, folders, prompts, hf_tokens, ops_hidden
+):
     llm = LLM(folders[name], cpu_linear=cpu_linear, num_kv_blocks=64, max_model_len=128)
     _assert_on_fallbacks(llm)
     if cpu_linear == "torch":
@@ -107,7 +121,9 @@ def test_each_cpu_linear_matches_hf_with_the_ops_hidden(name, cpu_linear, folder
 
 
 @pytest.mark.parametrize("cpu_linear", CPU_LINEARS)
-def test_tiny_mla_each_cpu_linear_matches_hf_with_the_ops(cpu_linear, cpu_ops, folders, prompts, hf_tokens):
+def test_tiny_mla_each_cpu_linear_matches_hf_with_the_ops(
+    cpu_linear, cpu_ops, folders, prompts, hf_tokens
+):
     llm = LLM(folders["tiny-mla"], cpu_linear=cpu_linear, num_kv_blocks=64, max_model_len=128)
     model: Any = llm.llm_engine.runner.model
     if cpu_linear == "panel" and panel_linear_unavailable(model.embed) is None:
@@ -120,8 +136,11 @@ def test_smollm2_defaults_match_hf_with_the_ops_hidden(parity_prompts, hf_refere
     llm = LLM("smollm2", block_size=16, num_kv_blocks=256, max_model_len=512)
     _assert_on_fallbacks(llm)
     assert max(len(r) for r in hf_reference) <= SMOLLM2_NEW_TOKENS
-    outs = llm.generate([{"prompt_token_ids": p} for p in parity_prompts],
-                        SamplingParams(temperature=0.0, max_tokens=SMOLLM2_NEW_TOKENS), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in parity_prompts],
+        SamplingParams(temperature=0.0, max_tokens=SMOLLM2_NEW_TOKENS),
+        use_tqdm=False,
+    )
     for i, (out, ref) in enumerate(zip(outs, hf_reference)):
         assert out.outputs[0].token_ids == ref, f"prompt {i}"
     assert_no_leak(llm)

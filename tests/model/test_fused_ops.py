@@ -39,8 +39,9 @@ def test_add_rms_norm_updates_residual_in_place(cpu_ops, t, n):
     assert out.data_ptr() != residual.data_ptr()
 
 
-@pytest.mark.parametrize(("t", "heads", "kv_heads", "d"), [(1, 9, 3, 64), (17, 8, 2, 128), (5, 3, 1, 10),
-                                                           (40, 4, 4, 6)])
+@pytest.mark.parametrize(
+    ("t", "heads", "kv_heads", "d"), [(1, 9, 3, 64), (17, 8, 2, 128), (5, 3, 1, 10), (40, 4, 4, 6)]
+)
 def test_rope_in_place_equals_apply_rope(cpu_ops, t, heads, kv_heads, d):
     """q and k heads of a qkv row (strided view, v after them untouched), rotated in place, give
     apply_rope's bits."""
@@ -78,10 +79,23 @@ def test_ops_reject_wrong_inputs(cpu_ops):
 
 def _tiny_llama(dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     """Two random layers, GQA 4:2, odd widths (head 10, hidden 40, intermediate 36)."""
-    cfg = LlamaArchConfig(architecture="LlamaForCausalLM", vocab_size=97, hidden_size=40, intermediate_size=36, num_layers=2, num_heads=4,
-                          num_kv_heads=2, head_dim=10, rope_theta=10000.0, rms_norm_eps=1e-6,
-                          max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=True,
-                          bos_token_id=None, eos_token_id=None)
+    cfg = LlamaArchConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=97,
+        hidden_size=40,
+        intermediate_size=36,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=10,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     model = LlamaForCausalLM(cfg, dtype, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -97,7 +111,9 @@ def test_layer_with_fused_ops_matches_torch_layer(cpu_ops):
     reqs = [(0, 5, 0, [1, 2]), (5, 1, 7, [3, 4])]  # (start, new tokens, context, block table)
     meta = build_attention_metadata(reqs, 6, 4, torch.device("cpu"))
     ids, pos = torch.tensor([3, 14, 15, 92, 65, 35]), torch.tensor([0, 1, 2, 3, 4, 7])
-    cache0 = [torch.randn(2, 5, 4, 2, 10, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    cache0 = [
+        torch.randn(2, 5, 4, 2, 10, generator=torch.Generator().manual_seed(i)) for i in range(2)
+    ]
     runs = {}
     for on in (False, True):
         assert fused_ops.set_fused_ops(model, on) == on

@@ -24,13 +24,21 @@ def run(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]
 
 @pytest.mark.matrix("preemption", model="tiny-gdn")
 def test_small_cache_reuses_slots_preempts_and_matches_the_roomy_engine(tiny_gdn):
-    prompts = [[(i * 7919 + 13 * n) % 40000 + 100 for i in range(n)] for n in (40, 9, 33, 52, 17, 40)]
+    prompts = [
+        [(i * 7919 + 13 * n) % 40000 + 100 for i in range(n)] for n in (40, 9, 33, 52, 17, 40)
+    ]
     ref, _ = run(LLM(tiny_gdn, cpu_linear="torch", num_kv_blocks=64, max_model_len=64), prompts)
     # 5 blocks of 16 per group: at most ~2 requests fit at once, so the rest wait, reuse freed
     # slots (holding other requests' states) or are preempted and recomputed. No prefix caching:
     # one slot per request, no checkpoints, no hit (prompts 0 and 5 are equal).
-    small = LLM(tiny_gdn, cpu_linear="torch", num_kv_blocks=5, max_model_len=64, max_num_batched_tokens=24,
-                enable_prefix_caching=False)
+    small = LLM(
+        tiny_gdn,
+        cpu_linear="torch",
+        num_kv_blocks=5,
+        max_model_len=64,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=False,
+    )
     got, cached = run(small, prompts)
     assert got == ref and cached == [0] * len(prompts)
     again, cached = run(small, prompts[::-1])
@@ -48,7 +56,9 @@ def test_prefix_hit_resumes_from_a_checkpoint_with_the_cold_output(tiny_gdn):
     variants = [base[:35] + [500 + j] * (3 + 7 * j) for j in range(3)]
     cold, _ = run(LLM(tiny_gdn, cpu_linear="torch", num_kv_blocks=64, max_model_len=96,
                       enable_prefix_caching=False), [base, *variants])
-    hot = LLM(tiny_gdn, cpu_linear="torch", num_kv_blocks=64, max_model_len=96, max_num_batched_tokens=24)
+    hot = LLM(
+        tiny_gdn, cpu_linear="torch", num_kv_blocks=64, max_model_len=96, max_num_batched_tokens=24
+    )
     first, cached = run(hot, [base])
     assert first == cold[:1] and cached == [0]
     got, cached = run(hot, variants)  # several hits in one step, chunked after the hit
@@ -69,11 +79,34 @@ def test_parallel_and_connectors_are_refused_at_start_up(tiny_gdn):
     from pdkv.parallel.layout import ParallelLayout
 
     with pytest.raises(ValueError, match="does not move linear-attention state"):
-        LLM(tiny_gdn, cpu_linear="torch", num_kv_blocks=8, max_model_len=64,
-            kv_transfer_config=json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}))
+        LLM(
+            tiny_gdn,
+            cpu_linear="torch",
+            num_kv_blocks=8,
+            max_model_len=64,
+            kv_transfer_config=json.dumps(
+                {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+            ),
+        )
     # tp 2 splits the 2 linear key heads (tests/parallel/test_pd_gdn_tp.py); tp 4 and DCP do not.
-    with pytest.raises(ValueError, match="tensor_parallel_size=4 must divide the model's 2 linear-attention key heads"):
-        load_model(tiny_gdn, "float32", "cpu", ParallelContext(layout=ParallelLayout(tp_size=4), tp_ranks=(0, 1, 2, 3)))
-    with pytest.raises(ValueError, match="decode_context_parallel_size=2 is not supported with linear-attention"):
-        load_model(tiny_gdn, "float32", "cpu",
-                   ParallelContext(layout=ParallelLayout(dcp_size=2, dcp_replicated=True), dcp_ranks=(0, 1)))
+    with pytest.raises(
+        ValueError,
+        match="tensor_parallel_size=4 must divide the model's 2 linear-attention key heads",
+    ):
+        load_model(
+            tiny_gdn,
+            "float32",
+            "cpu",
+            ParallelContext(layout=ParallelLayout(tp_size=4), tp_ranks=(0, 1, 2, 3)),
+        )
+    with pytest.raises(
+        ValueError, match="decode_context_parallel_size=2 is not supported with linear-attention"
+    ):
+        load_model(
+            tiny_gdn,
+            "float32",
+            "cpu",
+            ParallelContext(
+                layout=ParallelLayout(dcp_size=2, dcp_replicated=True), dcp_ranks=(0, 1)
+            ),
+        )

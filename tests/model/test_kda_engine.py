@@ -33,7 +33,10 @@ def test_groups_are_mla_and_linear_state_with_the_spec_bytes(tiny_kda_mla):
     assert isinstance(lin.spec, LinearStateSpec) and lin.layer_indices == (0, 2)
     assert lin.spec.conv_shape == (3 * 2 * 32, 3) and lin.spec.recurrent_shape == (2, 32, 32)
     # per block: MLA 16 tokens x (48 + 16) x 4 B; per slot: conv 192 x 3 x 4 B + state 2 x 32 x 32 x 4 B
-    assert (mla.spec.page_size_bytes, lin.spec.page_size_bytes) == (4096, 192 * 3 * 4 + 2 * 32 * 32 * 4)
+    assert (mla.spec.page_size_bytes, lin.spec.page_size_bytes) == (
+        4096,
+        192 * 3 * 4 + 2 * 32 * 32 * 4,
+    )
 
 
 def test_prefix_hit_resumes_from_a_checkpoint_with_the_cold_output(tiny_kda_mla):
@@ -42,7 +45,13 @@ def test_prefix_hit_resumes_from_a_checkpoint_with_the_cold_output(tiny_kda_mla)
     variants = [base[:35] + [500 + j] * (3 + 7 * j) for j in range(2)]
     cold, _ = run(LLM(tiny_kda_mla, cpu_linear="torch", num_kv_blocks=64, max_model_len=96,
                       enable_prefix_caching=False), [base, *variants])
-    hot = LLM(tiny_kda_mla, cpu_linear="torch", num_kv_blocks=64, max_model_len=96, max_num_batched_tokens=24)
+    hot = LLM(
+        tiny_kda_mla,
+        cpu_linear="torch",
+        num_kv_blocks=64,
+        max_model_len=96,
+        max_num_batched_tokens=24,
+    )
     first, cached = run(hot, [base])
     assert first == cold[:1] and cached == [0]
     got, cached = run(hot, variants)  # hits in one step, chunked after the hit
@@ -62,10 +71,31 @@ def test_parallel_and_connectors_are_refused_at_start_up(tiny_kda_mla):
 
     # P2P and the pool move its state (tests/kv_transfer/test_pd_kda_mla.py); offload does not.
     with pytest.raises(ValueError, match="does not move linear-attention state"):
-        LLM(tiny_kda_mla, cpu_linear="torch", num_kv_blocks=8, max_model_len=64,
-            kv_transfer_config=json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}))
-    with pytest.raises(ValueError, match="not supported with linear-attention \\(Kimi Delta Attention\\)"):
-        load_model(tiny_kda_mla, "float32", "cpu", ParallelContext(layout=ParallelLayout(tp_size=2), tp_ranks=(0, 1)))
-    with pytest.raises(ValueError, match="decode_context_parallel_size=2 is not supported with linear-attention"):
-        make_kv_cache_config(LlamaArchConfig.from_hf_folder(tiny_kda_mla), CacheConfig(block_size=16, num_kv_blocks=64),
-                             "float32", 128, dcp_size=2)
+        LLM(
+            tiny_kda_mla,
+            cpu_linear="torch",
+            num_kv_blocks=8,
+            max_model_len=64,
+            kv_transfer_config=json.dumps(
+                {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+            ),
+        )
+    with pytest.raises(
+        ValueError, match="not supported with linear-attention \\(Kimi Delta Attention\\)"
+    ):
+        load_model(
+            tiny_kda_mla,
+            "float32",
+            "cpu",
+            ParallelContext(layout=ParallelLayout(tp_size=2), tp_ranks=(0, 1)),
+        )
+    with pytest.raises(
+        ValueError, match="decode_context_parallel_size=2 is not supported with linear-attention"
+    ):
+        make_kv_cache_config(
+            LlamaArchConfig.from_hf_folder(tiny_kda_mla),
+            CacheConfig(block_size=16, num_kv_blocks=64),
+            "float32",
+            128,
+            dcp_size=2,
+        )

@@ -24,11 +24,28 @@ def _build(tmp_path):
     import transformers
 
     cfg = transformers.KimiLinearConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=2, kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
-        v_head_dim=12, layer_types=["linear_attention", "full_attention", "linear_attention"],
-        mlp_layer_types=["dense"] * 3, linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=4,
-        model_max_length=256, initializer_range=0.3, pad_token_id=None, bos_token_id=1, eos_token_id=2)
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=24,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        mlp_layer_types=["dense"] * 3,
+        linear_num_heads=2,
+        linear_head_dim=8,
+        linear_conv_kernel_dim=4,
+        model_max_length=256,
+        initializer_range=0.3,
+        pad_token_id=None,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = transformers.KimiLinearForCausalLM(cfg)
@@ -49,7 +66,9 @@ def test_forward_matches_hf_over_two_chunks(tmp_path):
         model = load_model(str(tmp_path), "float32", "cpu")
         layer0 = model.layers[0]
         state_bytes = layer0.conv_bytes + 2 * 8 * 8 * 4
-        states = torch.full((3, 2, state_bytes), 64, dtype=torch.uint8)  # garbage: a fresh slot is zeroed
+        states = torch.full(
+            (3, 2, state_bytes), 64, dtype=torch.uint8
+        )  # garbage: a fresh slot is zeroed
         latents = torch.zeros(48, BS, 24 + 8)
         caches = [states[:, 0], latents, states[:, 1]]
         table = [i * 7 % 48 for i in range(19)]  # scattered blocks
@@ -96,6 +115,8 @@ def test_batched_decode_step_equals_each_request_alone():
     states = torch.randn(3, 2, 8, 6, generator=torch.Generator().manual_seed(5))
     out, new = kda_step(q, k, v, decay, beta, states)
     for b in range(3):
-        o, s = recurrent_kda(q[b, None], k[b, None], v[b, None], decay[b, None], beta[b, None], states[b])
+        o, s = recurrent_kda(
+            q[b, None], k[b, None], v[b, None], decay[b, None], beta[b, None], states[b]
+        )
         torch.testing.assert_close(out[b], o[0])
         torch.testing.assert_close(new[b], s)

@@ -37,7 +37,9 @@ def sample(shape: tuple[int, ...]) -> torch.Tensor:
 def test_round_trip_error_is_within_the_bound(cache_dtype):
     x = sample((64, H, 128))
     data, scales = quantize(x, cache_dtype)
-    assert data.dtype == torch.uint8 and scales.dtype == torch.float32 and scales.shape == x.shape[:-1]
+    assert (
+        data.dtype == torch.uint8 and scales.dtype == torch.float32 and scales.shape == x.shape[:-1]
+    )
     amax = x.abs().amax(-1)
     torch.testing.assert_close(scales, torch.where(amax > 0, amax / QMAX[cache_dtype], 1.0))
     err = (dequantize(data, scales, cache_dtype, torch.float32) - x).abs()
@@ -50,15 +52,24 @@ def test_round_trip_error_is_within_the_bound(cache_dtype):
     assert (err[1] == 0).all()  # zero rows come back exactly
     # The absmax element maps to ±qmax and comes back up to float32 rounding.
     top = x.abs().argmax(-1, keepdim=True)
-    assert (data.view(torch.int8 if cache_dtype == "int8" else torch.float8_e4m3fn).float().abs().gather(-1, top)[0]
-            == QMAX[cache_dtype]).all()
+    assert (
+        data.view(torch.int8 if cache_dtype == "int8" else torch.float8_e4m3fn)
+        .float()
+        .abs()
+        .gather(-1, top)[0]
+        == QMAX[cache_dtype]
+    ).all()
     torch.testing.assert_close(dequantize(data, scales, cache_dtype, torch.float32).gather(-1, top),
                                x.gather(-1, top), rtol=1e-6, atol=0)
 
 
 def test_kv_cache_dtype_names():
     assert canonical_kv_cache_dtype("fp8", "float32") == "fp8_e4m3"
-    assert canonical_kv_cache_dtype("float32", "float32") == canonical_kv_cache_dtype("auto", "bfloat16") == "auto"
+    assert (
+        canonical_kv_cache_dtype("float32", "float32")
+        == canonical_kv_cache_dtype("auto", "bfloat16")
+        == "auto"
+    )
     assert canonical_kv_cache_dtype("int8", "float32") == "int8"
     with pytest.raises(ValueError, match="'fp4'"):
         canonical_kv_cache_dtype("fp4", "float32")
@@ -67,8 +78,12 @@ def test_kv_cache_dtype_names():
 
 
 def quant_config(cache_dtype: str, num_blocks: int = 6, layers: int = 3) -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype="float32", cache_dtype=cache_dtype)
-    return KVCacheConfig(num_blocks=num_blocks, groups=(KVCacheGroupSpec(tuple(range(layers)), spec),))
+    spec = FullAttentionSpec(
+        block_size=BS, num_kv_heads=H, head_size=D, dtype="float32", cache_dtype=cache_dtype
+    )
+    return KVCacheConfig(
+        num_blocks=num_blocks, groups=(KVCacheGroupSpec(tuple(range(layers)), spec),)
+    )
 
 
 @pytest.mark.parametrize("cache_dtype", QUANT)
@@ -93,9 +108,13 @@ def test_page_layout_is_values_then_scales_in_one_contiguous_block(cache_dtype):
     v_data = page + BS * H * D  # layer 1's page, after its K values
     assert torch.equal(raw[v_data : v_data + BS * H * D], data.reshape(-1))
     v_scales = page + 2 * BS * H * D + BS * H * 4
-    assert torch.equal(raw[v_scales : v_scales + BS * H * 4].view(torch.float32), scales.reshape(-1))
+    assert torch.equal(
+        raw[v_scales : v_scales + BS * H * 4].view(torch.float32), scales.reshape(-1)
+    )
     assert int(group.count_nonzero()) == int(raw.count_nonzero())  # nothing outside block 4
-    torch.testing.assert_close(cache.read(1, blocks, offsets), dequantize(data, scales, cache_dtype, torch.float32))
+    torch.testing.assert_close(
+        cache.read(1, blocks, offsets), dequantize(data, scales, cache_dtype, torch.float32)
+    )
 
 
 @pytest.mark.parametrize("cache_dtype", QUANT)
@@ -103,7 +122,9 @@ def test_attention_reads_the_dequantized_values(cache_dtype):
     """paged_attention (prefill without and with context, decode) and shard_attention over a
     quantized cache equal the same calls over a plain cache holding the dequantized K/V."""
     g = torch.Generator().manual_seed(1)
-    (groups, layers) = allocate_kv_cache(quant_config(cache_dtype, layers=1), torch.float32, torch.device("cpu"))
+    (groups, layers) = allocate_kv_cache(
+        quant_config(cache_dtype, layers=1), torch.float32, torch.device("cpu")
+    )
     groups[0].zero_()  # torch.empty: the last check compares every slot with the zeroed plain cache
     qcache = layers[0]
     assert isinstance(qcache, QuantKVCache)
@@ -113,15 +134,25 @@ def test_attention_reads_the_dequantized_values(cache_dtype):
     for n in (5, 3, 1, 1):  # prefill 5, a chunk of 3 over that context, then two decodes
         t = 2 * n
         q, k, v = (torch.randn(t, hh, D, generator=g) for hh in (4, H, H))
-        meta = build_attention_metadata([(0, n, ctx, tables[0]), (n, n, ctx, tables[1])], t, BS, torch.device("cpu"))
+        meta = build_attention_metadata(
+            [(0, n, ctx, tables[0]), (n, n, ctx, tables[1])], t, BS, torch.device("cpu")
+        )
         out_q = paged_attention(q, k, v, qcache, meta, D**-0.5)
         kd = dequantize(*quantize(k, cache_dtype), cache_dtype, torch.float32)
         vd = dequantize(*quantize(v, cache_dtype), cache_dtype, torch.float32)
         out_p = paged_attention(q, kd, vd, plain, meta, D**-0.5)
         torch.testing.assert_close(out_q, out_p, rtol=0, atol=1e-6)
         ctx += n
-        seqs = [ShardSeq(i * n, (i + 1) * n, torch.arange(ctx - n, ctx), torch.tensor(tables[i]), torch.arange(ctx))
-                for i in range(2)]
+        seqs = [
+            ShardSeq(
+                i * n,
+                (i + 1) * n,
+                torch.arange(ctx - n, ctx),
+                torch.tensor(tables[i]),
+                torch.arange(ctx),
+            )
+            for i in range(2)
+        ]
         oq, lq = shard_attention(q, qcache, seqs, D**-0.5)
         op, lp = shard_attention(q, plain, seqs, D**-0.5)
         torch.testing.assert_close(oq, op, rtol=0, atol=1e-6)

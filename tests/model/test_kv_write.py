@@ -41,13 +41,19 @@ def test_same_cache_as_the_indexed_write(dtype):
     # per-layer [2, blocks, ...] views are not contiguous.
     buf = torch.randn(BLOCKS, 3, 2, BS, KVH, D, generator=g).to(dtype)
     ref_buf, got_buf = buf.clone(), buf.clone()
-    ref, got, fill = ref_buf[:, 1].transpose(0, 1), got_buf[:, 1].transpose(0, 1), buf[:, 1].transpose(0, 1)
+    ref, got, fill = (
+        ref_buf[:, 1].transpose(0, 1),
+        got_buf[:, 1].transpose(0, 1),
+        buf[:, 1].transpose(0, 1),
+    )
     assert not got.is_contiguous()
     write_kv(ref, k, v, meta)
     rk, rv = write_kv_fused(got, k, v, meta)
     assert rk is k and rv is v
     assert torch.equal(got_buf, ref_buf)  # the other layers untouched too
-    assert torch.equal(got[0, 8, 1], k[7]) and torch.equal(got[1, 5, 2], v[6])  # slots as the tables say
+    assert torch.equal(got[0, 8, 1], k[7]) and torch.equal(
+        got[1, 5, 2], v[6]
+    )  # slots as the tables say
     untouched = torch.ones(BLOCKS, BS, dtype=torch.bool)
     untouched[3, :] = False
     untouched[5, :3] = False
@@ -58,7 +64,10 @@ def test_same_cache_as_the_indexed_write(dtype):
 def test_a_slot_outside_the_cache_is_refused_with_its_position():
     meta = _meta([(0, 2, [BLOCKS])], 2)  # block id one past the end
     cache = torch.zeros(2, BLOCKS, BS, KVH, D)
-    with pytest.raises(RuntimeError, match=f"token 0 has slot \\(block {BLOCKS}, offset 0\\) outside {BLOCKS} blocks"):
+    with pytest.raises(
+        RuntimeError,
+        match=f"token 0 has slot \\(block {BLOCKS}, offset 0\\) outside {BLOCKS} blocks",
+    ):
         write_kv_fused(cache, torch.ones(2, KVH, D), torch.ones(2, KVH, D), meta)
     assert not cache.any()
 
@@ -67,7 +76,9 @@ def test_mismatched_dtype_or_shape_is_refused():
     meta = _meta([(0, 2, [0])], 2)
     cache = torch.zeros(2, BLOCKS, BS, KVH, D)
     with pytest.raises(RuntimeError, match="k is BFloat16, the cache Float"):
-        write_kv_fused(cache, torch.ones(2, KVH, D, dtype=torch.bfloat16), torch.ones(2, KVH, D), meta)
+        write_kv_fused(
+            cache, torch.ones(2, KVH, D, dtype=torch.bfloat16), torch.ones(2, KVH, D), meta
+        )
     with pytest.raises(RuntimeError, match="v must be"):
         write_kv_fused(cache, torch.ones(2, KVH, D), torch.ones(2, KVH + 1, D), meta)
 

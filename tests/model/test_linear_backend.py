@@ -105,7 +105,11 @@ def test_panel_is_the_default_and_unknown_modes_are_refused():
     from pdkv.engine.arg_utils import EngineArgs
 
     args = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args([])
-    assert EngineArgs.from_cli_args(args).cpu_linear == "panel" == ModelConfig(model="m", path="p").cpu_linear
+    assert (
+        EngineArgs.from_cli_args(args).cpu_linear
+        == "panel"
+        == ModelConfig(model="m", path="p").cpu_linear
+    )
     with pytest.raises(ValueError, match="cpu_linear"):
         ModelConfig(model="m", path="p", cpu_linear="blas")
 
@@ -116,13 +120,29 @@ def test_cpu_linear_bench_table_has_prefill_and_decode_rows_with_ratios():
     def tp(pre: float, dec: float) -> dict:
         return {"prefill_tok_s": pre, "decode_tok_s": dec}
 
-    result = {"model": "smollm2", "dtype": "float32", "num_threads": 2, "input_len": 128, "output_len": 16,
-              "host_cpu": "cpu", "backends": ["torch", "auto"], "knob": "cpu_linear",
-              "backends_used": {"torch": "torch", "auto": "1:torch 8:onednn"},
-              "results": [{"batch_size": 8, "torch": tp(100.0, 20.0), "auto": tp(150.0, 30.0),
-                           "prefill_ratio": {"torch": 1.0, "auto": 1.5}, "decode_ratio": {"torch": 1.0, "auto": 1.5},
-                           "greedy_equal": {"torch": True, "auto": True}}],
-              "host_load_avg_1m": [3.5, 3.9], "host_cpu_count": 2}
+    result = {
+        "model": "smollm2",
+        "dtype": "float32",
+        "num_threads": 2,
+        "input_len": 128,
+        "output_len": 16,
+        "host_cpu": "cpu",
+        "backends": ["torch", "auto"],
+        "knob": "cpu_linear",
+        "backends_used": {"torch": "torch", "auto": "1:torch 8:onednn"},
+        "results": [
+            {
+                "batch_size": 8,
+                "torch": tp(100.0, 20.0),
+                "auto": tp(150.0, 30.0),
+                "prefill_ratio": {"torch": 1.0, "auto": 1.5},
+                "decode_ratio": {"torch": 1.0, "auto": 1.5},
+                "greedy_equal": {"torch": True, "auto": True},
+            }
+        ],
+        "host_load_avg_1m": [3.5, 3.9],
+        "host_cpu_count": 2,
+    }
     table = format_backend_table(result)
     assert "| 8 | prefill | 100.0 | 150.0 | 1.50x | yes |" in table
     assert "| 8 | decode | 20.0 | 30.0 | 1.50x | yes |" in table
@@ -157,7 +177,9 @@ def test_bf16_warning_only_where_matmuls_are_emulated(monkeypatch):
     from pdkv.model import cpu_linear
     from pdkv.model.cpu_features import CpuFeatures
 
-    monkeypatch.setattr(cpu_linear, "read_cpu_features", lambda: CpuFeatures(frozenset({"avx2", "fma"})))
+    monkeypatch.setattr(
+        cpu_linear, "read_cpu_features", lambda: CpuFeatures(frozenset({"avx2", "fma"}))
+    )
     monkeypatch.setattr(cpu_linear, "panel_linear_unavailable", lambda w: None)
 
     class Model:

@@ -12,7 +12,21 @@ from pdkv.model.linear_table import LinearTable, build_table
 def test_tokens_go_to_the_nearest_bucket_on_a_log_scale():
     t = LinearTable((1, 8, 32, 64, 512), ("a", "b", "c", "d", "e"))
     # boundaries: sqrt(8) = 2.83, 16, 45.3, 181
-    expect = {1: 0, 2: 0, 3: 1, 8: 1, 15: 1, 16: 2, 32: 2, 45: 2, 46: 3, 181: 3, 182: 4, 512: 4, 100000: 4}
+    expect = {
+        1: 0,
+        2: 0,
+        3: 1,
+        8: 1,
+        15: 1,
+        16: 2,
+        32: 2,
+        45: 2,
+        46: 3,
+        181: 3,
+        182: 4,
+        512: 4,
+        100000: 4,
+    }
     assert {n: t.bucket_index(n) for n in expect} == expect
     assert t.backend_for(1) == "a" and t.backend_for(5) == "b" and t.backend_for(4096) == "e"
     assert t.describe() == "1:a 8:b 32:c 64:d 512:e"
@@ -37,7 +51,9 @@ def test_build_table_keeps_the_fastest_measured_backend_per_bucket():
     t = build_table(timings, order=("onednn", "torch"))
     assert t.buckets == (1, 8, 64, 512)
     assert t.backends == ("torch", "onednn", "onednn", "upcast")
-    assert build_table({8: {"torch": 1.0, "onednn": 1.0}}).backends == ("onednn",)  # no order: by name
+    assert build_table({8: {"torch": 1.0, "onednn": 1.0}}).backends == (
+        "onednn",
+    )  # no order: by name
     with pytest.raises(ValueError):
         build_table({})
     with pytest.raises(ValueError):
@@ -63,7 +79,11 @@ def test_bf16_flags_from_cpuinfo():
     zen2 = parse_cpuinfo("flags : fpu sse2 avx2 fma\n")
     assert not zen2.native_bf16 and not zen2.onednn_bf16 and zen2.describe() == "avx2"
     assert parse_cpuinfo("no flags here").flags == frozenset()
-    assert parse_cpuinfo("Features : fp asimd bf16\n").flags == {"fp", "asimd", "bf16"}  # aarch64's key
+    assert parse_cpuinfo("Features : fp asimd bf16\n").flags == {
+        "fp",
+        "asimd",
+        "bf16",
+    }  # aarch64's key
 
 
 def test_bf16_is_allowed_everywhere_and_warned_about_without_native_support():

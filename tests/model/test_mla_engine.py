@@ -34,8 +34,12 @@ def hf_tokens(tiny_mla, prompts) -> list[list[int]]:
     out = []
     for p in prompts:
         with torch.inference_mode():
-            seq = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=NEW_TOKENS, do_sample=False)
+            seq = model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+            )
         out.append(seq[0, len(p):].tolist())
     return out
 
@@ -51,8 +55,17 @@ def test_config_has_the_documented_shape(tiny_mla):
         cfg = json.load(f)
     assert cfg["architectures"] == ["DeepseekV3ForCausalLM"]
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]) == (128, 4, 4)
-    assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]) == (48, 16, 32, 32)
-    assert (cfg["q_lora_rank"], cfg["first_k_dense_replace"], cfg["rope_interleave"]) == (None, 4, True)
+    assert (
+        cfg["kv_lora_rank"],
+        cfg["qk_rope_head_dim"],
+        cfg["qk_nope_head_dim"],
+        cfg["v_head_dim"],
+    ) == (48, 16, 32, 32)
+    assert (cfg["q_lora_rank"], cfg["first_k_dense_replace"], cfg["rope_interleave"]) == (
+        None,
+        4,
+        True,
+    )
     assert cfg["rope_parameters"]["rope_type"] == "default" and cfg["vocab_size"] == 49152
 
 
@@ -63,8 +76,12 @@ def test_one_mla_group_of_latent_rows(tiny_mla):
     runner: Any = llm.llm_engine.runner
     (group,) = runner.kv_cache_config.groups
     assert group.layer_indices == (0, 1, 2, 3)
-    assert group.spec == MLASpec(block_size=16, kv_lora_rank=48, qk_rope_head_dim=16, dtype="float32")
-    assert runner.kv_cache_config.block_bytes(0) == 4 * 16 * (48 + 16) * 4  # layers x tokens x entry x fp32
+    assert group.spec == MLASpec(
+        block_size=16, kv_lora_rank=48, qk_rope_head_dim=16, dtype="float32"
+    )
+    assert (
+        runner.kv_cache_config.block_bytes(0) == 4 * 16 * (48 + 16) * 4
+    )  # layers x tokens x entry x fp32
     assert tuple(runner.kv_cache_groups[0].shape) == (8, 4, 16, 64)
     assert tuple(runner.kv_caches[1].shape) == (8, 16, 64)
 
@@ -73,7 +90,9 @@ def test_one_mla_group_of_latent_rows(tiny_mla):
 def test_alone_matches_hf(tiny_mla, prompts, hf_tokens):
     """One request at a time: decodes of batch 1 (the exact-slice path) after an uncached and a
     prefix-cached chunked prefill."""
-    llm = LLM(tiny_mla, cpu_linear="torch", num_kv_blocks=32, max_model_len=128, max_num_batched_tokens=16)
+    llm = LLM(
+        tiny_mla, cpu_linear="torch", num_kv_blocks=32, max_model_len=128, max_num_batched_tokens=16
+    )
     for p, ref in zip(prompts, hf_tokens):
         assert tokens(llm, [p])[0] == [ref]
     again, cached = tokens(llm, prompts[1:])
@@ -83,7 +102,9 @@ def test_alone_matches_hf(tiny_mla, prompts, hf_tokens):
 def test_dcp_is_refused_on_an_mla_model(tiny_mla):
     from pdkv.engine.arg_utils import EngineArgs
 
-    with pytest.raises(ValueError, match="decode_context_parallel_size=2 is not supported with multi-head latent"):
+    with pytest.raises(
+        ValueError, match="decode_context_parallel_size=2 is not supported with multi-head latent"
+    ):
         EngineArgs(model=tiny_mla, decode_context_parallel_size=2).create_engine_config()
 
 

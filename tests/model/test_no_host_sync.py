@@ -38,8 +38,15 @@ def test_guard_lets_device_side_ops_through():
 def _guarded_generate(path: str, prompts: list[list[int]], **kw) -> list[list[int]]:
     """Greedy outputs with the guard around every forward of the engine's model; checks that
     the steps included prefill-only, decode-only (B == 1 and B > 1) and mixed ones."""
-    llm = LLM(path, cpu_linear="torch", attention_backend="torch", num_kv_blocks=64, max_model_len=128,
-              max_num_batched_tokens=24, **kw)
+    llm = LLM(
+        path,
+        cpu_linear="torch",
+        attention_backend="torch",
+        num_kv_blocks=64,
+        max_model_len=128,
+        max_num_batched_tokens=24,
+        **kw,
+    )
     runner = llm.llm_engine.runner
     model = runner.model
     inner = model.forward
@@ -69,7 +76,9 @@ def _guarded_generate(path: str, prompts: list[list[int]], **kw) -> list[list[in
 PROMPTS = [[(i * 7919 + 13 * n) % 40000 + 100 for i in range(n)] for n in (20, 9, 33, 17, 40)]
 
 
-@pytest.mark.parametrize("name", ["tiny_llama_kv2", "tiny_swa", "tiny_mla", "tiny_gdn", "tiny_kda_mla"])
+@pytest.mark.parametrize(
+    "name", ["tiny_llama_kv2", "tiny_swa", "tiny_mla", "tiny_gdn", "tiny_kda_mla"]
+)
 def test_forward_has_no_host_sync(name, request):
     path = request.getfixturevalue(name)
     got = _guarded_generate(path, PROMPTS)

@@ -23,9 +23,17 @@ def folder(request, tmp_path_factory) -> tuple[str, bool]:
     from transformers import LlamaForCausalLM as HFLlama
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                      num_hidden_layers=2, vocab_size=512, head_dim=16, max_position_embeddings=128,
-                      tie_word_embeddings=request.param)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        vocab_size=512,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=request.param,
+    )
     path = str(tmp_path_factory.mktemp("one_copy"))
     HFLlama(cfg).save_pretrained(path)
     return path, request.param
@@ -43,9 +51,13 @@ def _in_file_map(t: torch.Tensor, file_name: str) -> bool:
 
 def _logits(model: LlamaForCausalLM) -> torch.Tensor:
     cfg = model.cfg
-    caches = [torch.empty(2, NUM_BLOCKS, BLOCK, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
-    meta = build_attention_metadata([(0, PROMPT_LEN, 0, list(range(NUM_BLOCKS)))], PROMPT_LEN, BLOCK,
-                                    torch.device("cpu"))
+    caches = [
+        torch.empty(2, NUM_BLOCKS, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+        for _ in range(cfg.num_layers)
+    ]
+    meta = build_attention_metadata(
+        [(0, PROMPT_LEN, 0, list(range(NUM_BLOCKS)))], PROMPT_LEN, BLOCK, torch.device("cpu")
+    )
     ids = torch.tensor([(37 * i + 11) % cfg.vocab_size for i in range(PROMPT_LEN)])
     with torch.inference_mode():
         return model(ids, torch.arange(PROMPT_LEN), caches, meta, torch.arange(PROMPT_LEN))
@@ -61,13 +73,17 @@ def test_packed_model_keeps_one_copy_and_same_logits(folder, kind):
     packer = pack_panel_weight if kind == "panel" else pack_linear_weight
     plain = load_model(path, "float32", "cpu")
     packed = load_model(path, "float32", "cpu")
-    assert packed.pack_cpu_weights(packer) and packed.pack_cpu_weights(packer)  # a second call keeps them
+    assert packed.pack_cpu_weights(packer) and packed.pack_cpu_weights(
+        packer
+    )  # a second call keeps them
     for layer in packed.layers:
         for name in PROJECTIONS:
             assert getattr(layer, name).is_meta and layer.packed[name] is not None, name
             assert isinstance(layer.packed[name], PanelWeight) == (kind == "panel")
             assert getattr(layer, name).shape == getattr(plain.layers[0], name).shape
     assert packed.head_packed is not None and not packed.embed.is_meta
-    assert _in_file_map(packed.embed, "model.safetensors") and _in_file_map(plain.embed, "model.safetensors")
+    assert _in_file_map(packed.embed, "model.safetensors") and _in_file_map(
+        plain.embed, "model.safetensors"
+    )
     assert (packed.lm_head is None) == tied and (tied or packed.lm_head.is_meta)
     torch.testing.assert_close(_logits(packed), _logits(plain), rtol=1e-4, atol=1e-4)

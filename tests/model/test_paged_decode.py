@@ -71,7 +71,9 @@ def test_op_equals_brute_force_and_torch_path(cpu_ops, group, window):
         if bsz > 1:
             lens[1] = 3 * BS  # ends exactly on a block boundary
         q, cache, tables, meta = _case(gen, lens, kvh=2, group=group, window=window)
-        out, lse = paged_decode(q, cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window)
+        out, lse = paged_decode(
+            q, cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window
+        )
         assert out.shape == q.shape and lse.dtype == torch.float32
         assert not out.isnan().any(), "NaN in unwritten slots leaked"
         ref_out, ref_lse = _brute(q, cache, tables, lens, window, scale)
@@ -160,7 +162,9 @@ def test_flag_and_config():
     from pdkv.config import ModelConfig
     from pdkv.engine.arg_utils import EngineArgs
 
-    args = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(["--attention-backend", "cpu_paged"])
+    args = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(
+        ["--attention-backend", "cpu_paged"]
+    )
     assert EngineArgs.from_cli_args(args).attention_backend == "cpu_paged"
     with pytest.raises(ValueError, match="attention_backend"):
         ModelConfig(model="m", path="p", attention_backend="flash")
@@ -170,13 +174,27 @@ def test_backend_table_names_ratio_and_load():
     from pdkv.bench.offline.backends import format_backend_table
 
     tp = {"decode_tok_s": 100.0}
-    result = {"model": "smollm2", "dtype": "float32", "num_threads": 2, "input_len": 128, "output_len": 32,
-              "host_cpu": "cpu", "backends": ["torch", "cpu_paged"],
-              "backends_used": {"torch": "torch", "cpu_paged": "cpu_paged"},
-              "results": [{"batch_size": 32, "torch": tp, "cpu_paged": {"decode_tok_s": 150.0},
-                           "decode_ratio": {"torch": 1.0, "cpu_paged": 1.5},
-                           "greedy_equal": {"torch": True, "cpu_paged": True}}],
-              "host_load_avg_1m": [3.5, 3.9], "host_cpu_count": 2}
+    result = {
+        "model": "smollm2",
+        "dtype": "float32",
+        "num_threads": 2,
+        "input_len": 128,
+        "output_len": 32,
+        "host_cpu": "cpu",
+        "backends": ["torch", "cpu_paged"],
+        "backends_used": {"torch": "torch", "cpu_paged": "cpu_paged"},
+        "results": [
+            {
+                "batch_size": 32,
+                "torch": tp,
+                "cpu_paged": {"decode_tok_s": 150.0},
+                "decode_ratio": {"torch": 1.0, "cpu_paged": 1.5},
+                "greedy_equal": {"torch": True, "cpu_paged": True},
+            }
+        ],
+        "host_load_avg_1m": [3.5, 3.9],
+        "host_cpu_count": 2,
+    }
     table = format_backend_table(result)
     assert "| 32 | 100.0 | 150.0 | 1.50x | yes |" in table
     assert "3.50 / 3.90 on 2 CPUs" in table

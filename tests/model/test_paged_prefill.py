@@ -16,8 +16,14 @@ from pdkv.worker.attn_metadata import build_attention_metadata
 BS, D, NUM_BLOCKS = 4, 16, 96
 
 
-def _case(gen: torch.Generator, runs: list[tuple[int, int]], kvh: int, group: int, window: int | None,
-          dtype: torch.dtype = torch.float32):
+def _case(
+    gen: torch.Generator,
+    runs: list[tuple[int, int]],
+    kvh: int,
+    group: int,
+    window: int | None,
+    dtype: torch.dtype = torch.float32,
+):
     """Requests (query count n, context c) in flat order; a cache whose every slot no query may
     read holds NaN (past each request's last token, unowned blocks, table holes left of a
     window); returns q, cache, tables, step requests and metadata."""
@@ -119,7 +125,10 @@ def test_paged_attention_with_decodes_between_runs(cpu_ops, window):
     k, v = cache[0][slots].clone(), cache[1][slots].clone()
     cache[:, meta.slot_block_ids, meta.slot_offsets] = float("nan")  # written by the call below
     outs = []
-    for kw in ({}, {"decode_attention": paged_decode_attention, "prefill_attention": paged_prefill_attention}):
+    for kw in (
+        {},
+        {"decode_attention": paged_decode_attention, "prefill_attention": paged_prefill_attention},
+    ):
         outs.append(paged_attention(q, k, v, cache.clone(), meta, D**-0.5, **kw))
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(outs[1].double(), ref_out, atol=2e-5, rtol=1e-4)
@@ -145,16 +154,34 @@ def test_backend_bench_prefill_table_and_cases():
     assert parse_prefill_cases("") == ()
     with pytest.raises(ValueError, match="BxL"):
         parse_prefill_cases("512")
-    result = {"model": "smollm2", "dtype": "float32", "num_threads": 2, "input_len": 128, "output_len": 32,
-              "host_cpu": "cpu", "backends": ["torch", "cpu_paged"],
-              "backends_used": {"torch": "torch", "cpu_paged": "cpu_paged"}, "results": [],
-              "prefill": [{"batch_size": 32, "input_len": 128, "torch": {"prefill_tok_s": 1000.0},
-                           "cpu_paged": {"prefill_tok_s": 1500.0},
-                           "prefill_ratio": {"torch": 1.0, "cpu_paged": 1.5},
-                           "greedy_equal": {"torch": True, "cpu_paged": False}}],
-              "host_load_avg_1m": [3.5, 3.9], "host_cpu_count": 2}
+    result = {
+        "model": "smollm2",
+        "dtype": "float32",
+        "num_threads": 2,
+        "input_len": 128,
+        "output_len": 32,
+        "host_cpu": "cpu",
+        "backends": ["torch", "cpu_paged"],
+        "backends_used": {"torch": "torch", "cpu_paged": "cpu_paged"},
+        "results": [],
+        "prefill": [
+            {
+                "batch_size": 32,
+                "input_len": 128,
+                "torch": {"prefill_tok_s": 1000.0},
+                "cpu_paged": {"prefill_tok_s": 1500.0},
+                "prefill_ratio": {"torch": 1.0, "cpu_paged": 1.5},
+                "greedy_equal": {"torch": True, "cpu_paged": False},
+            }
+        ],
+        "host_load_avg_1m": [3.5, 3.9],
+        "host_cpu_count": 2,
+    }
     table = format_backend_table(result)
-    assert "| prefill B x L | torch prefill tok/s | cpu_paged prefill tok/s | cpu_paged / torch |" in table
+    assert (
+        "| prefill B x L | torch prefill tok/s | cpu_paged prefill tok/s | cpu_paged / torch |"
+        in table
+    )
     assert "| 32 x 128 | 1000.0 | 1500.0 | 1.50x | NO |" in table
 
 

@@ -101,11 +101,15 @@ def test_bfloat16_panels_widen_exactly_and_accumulate_in_float32():
         ref = x.double() @ w.double().T  # bf16 -> float is exact
         assert ((y.double() - ref).abs() <= _error_bound(x, w.float())).all(), m
         xb = x.to(torch.bfloat16)  # the engine's bf16 activations: widened, summed, rounded once
-        assert torch.equal(pw(xb), torch.ops.pdkv.panel_linear(xb.float(), pw.panels, 72, None).to(torch.bfloat16))
+        assert torch.equal(
+            pw(xb), torch.ops.pdkv.panel_linear(xb.float(), pw.panels, 72, None).to(torch.bfloat16)
+        )
 
 
 def test_unavailable_for_other_dtypes():
-    assert "float32 and bfloat16 only" in str(panel_linear_unavailable(torch.zeros(1, dtype=torch.float16)))
+    assert "float32 and bfloat16 only" in str(
+        panel_linear_unavailable(torch.zeros(1, dtype=torch.float16))
+    )
     assert panel_linear_unavailable(torch.zeros(1, dtype=torch.bfloat16)) is None
 
 

@@ -30,11 +30,25 @@ def _build(tmp_path, nk: int = 2, nv: int = 4):
     import transformers
 
     cfg = transformers.Qwen3NextConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention"],
-        linear_num_key_heads=nk, linear_key_head_dim=8, linear_num_value_heads=nv, linear_value_head_dim=12,
-        linear_conv_kernel_dim=4, mlp_only_layers=[0, 1, 2], num_experts=0, max_position_embeddings=256,
-        initializer_range=0.3, tie_word_embeddings=False)
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=nk,
+        linear_key_head_dim=8,
+        linear_num_value_heads=nv,
+        linear_value_head_dim=12,
+        linear_conv_kernel_dim=4,
+        mlp_only_layers=[0, 1, 2],
+        num_experts=0,
+        max_position_embeddings=256,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = transformers.Qwen3NextForCausalLM(cfg)
@@ -55,7 +69,9 @@ def test_forward_matches_hf_over_two_chunks(tmp_path):
         model = load_model(str(tmp_path), "float32", "cpu")
         layer0 = model.layers[0]
         state_bytes = layer0.conv_bytes + 4 * 4 * 8 * 12
-        states = torch.full((3, 2, state_bytes), 64, dtype=torch.uint8)  # garbage (floats ~3): a fresh slot is zeroed
+        states = torch.full(
+            (3, 2, state_bytes), 64, dtype=torch.uint8
+        )  # garbage (floats ~3): a fresh slot is zeroed
         attn_cache = torch.zeros(2, 48, BS, 1, 16)
         caches = [states[:, 0], attn_cache, states[:, 1]]
         table = [i * 7 % 48 for i in range(19)]  # scattered blocks
@@ -84,7 +100,9 @@ def test_chunked_rule_equals_recurrent_rule_with_a_carried_state():
     torch.testing.assert_close(s_c, s_r, atol=1e-4, rtol=1e-4)
     # split in two at a non-chunk boundary: the state carries exactly
     out_a, s_a = chunk_gated_delta_rule(q[:23], k[:23], v[:23], decay[:23], beta[:23], s0, chunk=16)
-    out_b, s_b = chunk_gated_delta_rule(q[23:], k[23:], v[23:], decay[23:], beta[23:], s_a, chunk=16)
+    out_b, s_b = chunk_gated_delta_rule(
+        q[23:], k[23:], v[23:], decay[23:], beta[23:], s_a, chunk=16
+    )
     torch.testing.assert_close(torch.cat((out_a, out_b)), out_r, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(s_b, s_r, atol=1e-4, rtol=1e-4)
 
@@ -108,11 +126,16 @@ def test_batched_decode_step_equals_each_request_alone():
     decay, beta = -torch.rand(b, hv, generator=g), torch.rand(b, hv, generator=g)
     s0 = torch.randn(b, hv, dk, dv, generator=g)
     out, s = recurrent_step(q, k, v, decay, beta, s0)
-    x, win, w = torch.randn(b, ch, generator=g), torch.randn(b, ch, 3, generator=g), torch.randn(ch, 4, generator=g)
+    x, win, w = (
+        torch.randn(b, ch, generator=g),
+        torch.randn(b, ch, 3, generator=g),
+        torch.randn(ch, 4, generator=g),
+    )
     c, new_win = causal_conv_step(x, win, w)
     for i in range(b):
-        o1, s1 = recurrent_gated_delta_rule(q[i : i + 1], k[i : i + 1], v[i : i + 1], decay[i : i + 1],
-                                            beta[i : i + 1], s0[i])
+        o1, s1 = recurrent_gated_delta_rule(
+            q[i : i + 1], k[i : i + 1], v[i : i + 1], decay[i : i + 1], beta[i : i + 1], s0[i]
+        )
         torch.testing.assert_close(out[i], o1[0])
         torch.testing.assert_close(s[i], s1)
         c1, w1 = causal_conv(x[i : i + 1], win[i], w)

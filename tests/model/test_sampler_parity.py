@@ -41,12 +41,28 @@ def _rows() -> list[SamplingRow]:
     both = prompt + output
     return [
         SamplingRow(SamplingParams(temperature=0), None, (), both, len(prompt)),
-        SamplingRow(SamplingParams(temperature=0, repetition_penalty=1.7), None, (), both, len(prompt)),
-        SamplingRow(SamplingParams(temperature=0, frequency_penalty=1.3), None, (), both, len(prompt)),
-        SamplingRow(SamplingParams(temperature=0, presence_penalty=-0.8), None, (3, 7), both, len(prompt)),
-        SamplingRow(SamplingParams(temperature=0, repetition_penalty=0.6, frequency_penalty=-2.0,
-                                   presence_penalty=2.0, logit_bias={1: 5.0, 2: -300.0}),
-                    None, (), both[:15], 12),
+        SamplingRow(
+            SamplingParams(temperature=0, repetition_penalty=1.7), None, (), both, len(prompt)
+        ),
+        SamplingRow(
+            SamplingParams(temperature=0, frequency_penalty=1.3), None, (), both, len(prompt)
+        ),
+        SamplingRow(
+            SamplingParams(temperature=0, presence_penalty=-0.8), None, (3, 7), both, len(prompt)
+        ),
+        SamplingRow(
+            SamplingParams(
+                temperature=0,
+                repetition_penalty=0.6,
+                frequency_penalty=-2.0,
+                presence_penalty=2.0,
+                logit_bias={1: 5.0, 2: -300.0},
+            ),
+            None,
+            (),
+            both[:15],
+            12,
+        ),
         SamplingRow(SamplingParams(temperature=0, logit_bias={4: 100.0}), None, (), [5, 6], 2),
     ]
 
@@ -63,7 +79,9 @@ def test_penalties_bias_and_mask_match_reference():
     # logit_bias is clamped to [-100, 100] (OpenAI's range); token 4 wins row 5.
     assert rows[4].params.logit_bias == {1: 5.0, 2: -100.0}
     tokens, _ = sample(logits, rows)
-    assert tokens == [int(torch.tensor(_reference(logits[i].tolist(), r)).argmax()) for i, r in enumerate(rows)]
+    assert tokens == [
+        int(torch.tensor(_reference(logits[i].tolist(), r)).argmax()) for i, r in enumerate(rows)
+    ]
     assert tokens[5] == 4
 
 
@@ -125,7 +143,16 @@ class _CountHostReads(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy"):
+        if name in (
+            "tolist",
+            "item",
+            "__int__",
+            "__float__",
+            "__bool__",
+            "__index__",
+            "cpu",
+            "numpy",
+        ):
             self.calls.append(name)
         return func(*args, **(kwargs or {}))
 
@@ -138,13 +165,21 @@ def test_sampling_keeps_ids_on_device_and_copies_once():
     from pdkv.model.sampler import sample_tensors
 
     logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(4)) * 3
-    params = [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0.8, top_p=0.9, seed=1),
-              SamplingParams(temperature=0), SamplingParams(temperature=1.0, min_p=0.05, top_k=5, logprobs=0),
-              SamplingParams(temperature=0, logprobs=3, frequency_penalty=0.5)]
+    params = [
+        SamplingParams(temperature=0, logprobs=2),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, min_p=0.05, top_k=5, logprobs=0),
+        SamplingParams(temperature=0, logprobs=3, frequency_penalty=0.5),
+    ]
 
     def rows() -> list[SamplingRow]:
-        return [SamplingRow(p, None if p.greedy else torch.Generator().manual_seed(10 + i), (), [1, 2, 3], 2)
-                for i, p in enumerate(params)]
+        return [
+            SamplingRow(
+                p, None if p.greedy else torch.Generator().manual_seed(10 + i), (), [1, 2, 3], 2
+            )
+            for i, p in enumerate(params)
+        ]
 
     with HostSyncGuard(allow_host_to_device=True):
         out = sample_tensors(logits, rows())
@@ -161,11 +196,16 @@ def test_sampling_keeps_ids_on_device_and_copies_once():
             assert tokens[i] == int(x[i].argmax())
         else:
             probs = _random_logits(x[i : i + 1], [p]).softmax(-1)
-            assert tokens[i] == int(torch.multinomial(probs[0], 1, generator=want_rows[i].generator))
+            assert tokens[i] == int(
+                torch.multinomial(probs[0], 1, generator=want_rows[i].generator)
+            )
         if p.logprobs is not None:
             lp = raw[i, tokens[i]]
             top = torch.topk(raw[i], p.logprobs) if p.logprobs else None
             want = [(tokens[i], float(lp), int((raw[i] > lp).sum()) + 1)]
             if top is not None:
-                want += [(int(t), float(v), r + 1) for r, (t, v) in enumerate(zip(top.indices, top.values))]
+                want += [
+                    (int(t), float(v), r + 1)
+                    for r, (t, v) in enumerate(zip(top.indices, top.values))
+                ]
             assert entries[i] == want

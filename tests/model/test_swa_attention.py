@@ -17,8 +17,14 @@ BS, KVH, H, D = 16, 2, 4, 8
 HUGE = 1e4
 
 
-def brute_force(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: range, window: int | None,
-                scale: float) -> torch.Tensor:
+def brute_force(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: range,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
     """q [n, H, D] at `positions` over all keys k, v [L, KVH, D]: masked softmax in float64."""
     rep = H // KVH
     kk, vv = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
@@ -43,7 +49,10 @@ def run_step(reqs: list[tuple[int, int]], window: int | None, garbage: bool, see
     start = 0
     for c, n in reqs:
         table = [perm.pop() for _ in range(-(-(c + n) // BS))]
-        kk, vv = torch.randn(c + n, KVH, D, generator=gen), torch.randn(c + n, KVH, D, generator=gen)
+        kk, vv = (
+            torch.randn(c + n, KVH, D, generator=gen),
+            torch.randn(c + n, KVH, D, generator=gen),
+        )
         for p in range(c):
             cache[0, table[p // BS], p % BS], cache[1, table[p // BS], p % BS] = kk[p], vv[p]
         if garbage and window is not None:
@@ -87,7 +96,10 @@ def test_window_changes_the_brute_force_output():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, H, D, generator=gen), torch.randn(90, KVH, D, generator=gen),
                torch.randn(90, KVH, D, generator=gen))
-    windowed, dense = brute_force(q, k, v, range(87, 90), 40, D**-0.5), brute_force(q, k, v, range(87, 90), None, D**-0.5)
+    windowed, dense = (
+        brute_force(q, k, v, range(87, 90), 40, D**-0.5),
+        brute_force(q, k, v, range(87, 90), None, D**-0.5),
+    )
     assert (windowed - dense).abs().max() > 1e-2
 
 
@@ -108,10 +120,15 @@ def test_shard_attention_window_merged_over_two_ranks_matches_brute_force(window
         kpos = torch.arange(rank, ctx + n, 2)
         nb = -(-len(kpos) // BS)
         cache = torch.full((2, nb, BS, KVH, D), float("nan"))
-        cache[0].view(-1, KVH, D)[: len(kpos)], cache[1].view(-1, KVH, D)[: len(kpos)] = k[kpos], v[kpos]
+        cache[0].view(-1, KVH, D)[: len(kpos)], cache[1].view(-1, KVH, D)[: len(kpos)] = (
+            k[kpos],
+            v[kpos],
+        )
         seq = ShardSeq(0, n, qpos, torch.arange(nb), kpos)
         o, s = shard_attention(q, cache, [seq], D**-0.5, sliding_window=window)
         outs.append(o)
         lses.append(s)
     out, _ = merge_attn_states(torch.stack(outs), torch.stack(lses))
-    torch.testing.assert_close(out, brute_force(q, k, v, range(ctx, ctx + n), window, D**-0.5), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        out, brute_force(q, k, v, range(ctx, ctx + n), window, D**-0.5), atol=1e-5, rtol=1e-4
+    )

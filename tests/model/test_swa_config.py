@@ -26,13 +26,26 @@ def arch_of(tmp_path, hf_cfg) -> LlamaArchConfig:
 
 
 QWEN2_CASES = [
-    pytest.param(dict(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=40,
-                      use_sliding_window=True), id="layer-types"),
+    pytest.param(
+        dict(
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            sliding_window=40,
+            use_sliding_window=True,
+        ),
+        id="layer-types",
+    ),
     # use_sliding_window false: Qwen2Config drops the window, whatever layer_types says.
-    pytest.param(dict(layer_types=["sliding_attention"] * 4, sliding_window=40, use_sliding_window=False),
-                 id="use-sliding-window-off"),
-    pytest.param(dict(sliding_window=40, use_sliding_window=True, max_window_layers=2), id="max-window-layers"),
-    pytest.param(dict(sliding_window=40, use_sliding_window=True), id="max-window-layers-default-28"),
+    pytest.param(
+        dict(layer_types=["sliding_attention"] * 4, sliding_window=40, use_sliding_window=False),
+        id="use-sliding-window-off",
+    ),
+    pytest.param(
+        dict(sliding_window=40, use_sliding_window=True, max_window_layers=2),
+        id="max-window-layers",
+    ),
+    pytest.param(
+        dict(sliding_window=40, use_sliding_window=True), id="max-window-layers-default-28"
+    ),
 ]
 
 
@@ -77,9 +90,15 @@ def test_kv_cache_groups_per_spec_share_one_block_count():
                                                   dtype="float32", sliding_window=40)
     assert kv.num_blocks == 100  # budget // (sum of the groups' block bytes): 5 layers' pages
     assert kv.total_bytes == 100 * 5 * page
-    dense = make_kv_cache_config(dataclasses.replace(arch, layer_types=(f,) * 5, sliding_window=None),
-                                 cc, "float32", 256)
+    dense = make_kv_cache_config(
+        dataclasses.replace(arch, layer_types=(f,) * 5, sliding_window=None), cc, "float32", 256
+    )
     assert dense.num_blocks == 100 and len(dense.groups) == 1
-    assert dense.groups[0].layer_indices == tuple(range(5)) and type(dense.groups[0].spec) is FullAttentionSpec
-    with pytest.raises(ValueError, match="decode_context_parallel_size=2 is not supported with sliding-window"):
+    assert (
+        dense.groups[0].layer_indices == tuple(range(5))
+        and type(dense.groups[0].spec) is FullAttentionSpec
+    )
+    with pytest.raises(
+        ValueError, match="decode_context_parallel_size=2 is not supported with sliding-window"
+    ):
         make_kv_cache_config(arch, cc, "float32", 256, dcp_size=2)

@@ -35,7 +35,9 @@ def _hf(folder: str, dtype: Any, window: bool = True) -> Any:
     if not window:
         cfg.use_sliding_window, cfg.sliding_window = False, None
         cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers
-    model = AutoModelForCausalLM.from_pretrained(folder, config=cfg, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, config=cfg, dtype=getattr(torch, dtype)
+    ).eval()
     model.generation_config.eos_token_id = None
     return model
 
@@ -46,7 +48,11 @@ def hf_runs(tiny_swa, prompts) -> list[dict[str, Any]]:
     step's top-1 minus top-2 logit and the largest |fp32 - fp64| logit."""
     import torch
 
-    model, nowin, model64 = _hf(tiny_swa, "float32"), _hf(tiny_swa, "float32", False), _hf(tiny_swa, "float64")
+    model, nowin, model64 = (
+        _hf(tiny_swa, "float32"),
+        _hf(tiny_swa, "float32", False),
+        _hf(tiny_swa, "float64"),
+    )
     runs = []
     for p in prompts:
         ids, mask = torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long)
@@ -57,9 +63,14 @@ def hf_runs(tiny_swa, prompts) -> list[dict[str, Any]]:
             logits = torch.stack(out.logits)[:, 0].double()
             ref64 = model64(out.sequences[:, :-1]).logits[0, len(p) - 1:]
         top2 = logits.topk(2, dim=-1).values
-        runs.append({"tokens": out.sequences[0, len(p):].tolist(), "no_window": plain[0, len(p):].tolist(),
-                     "margins": (top2[:, 0] - top2[:, 1]).tolist(),
-                     "rounding": (logits - ref64).abs().max().item()})
+        runs.append(
+            {
+                "tokens": out.sequences[0, len(p) :].tolist(),
+                "no_window": plain[0, len(p) :].tolist(),
+                "margins": (top2[:, 0] - top2[:, 1]).tolist(),
+                "rounding": (logits - ref64).abs().max().item(),
+            }
+        )
     return runs
 
 
@@ -87,11 +98,15 @@ def tokens(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[in
 
 
 @pytest.mark.slow  # loads HF's model (out of `pdkv matrix --quick`)
-@pytest.mark.matrix("hybrid-sliding-window", "colocated", "chunked-prefill", "prefix-caching", model="tiny-swa")
+@pytest.mark.matrix(
+    "hybrid-sliding-window", "colocated", "chunked-prefill", "prefix-caching", model="tiny-swa"
+)
 def test_greedy_matches_hf_plain_chunked_cached_and_alone(tiny_swa, prompts, hf_runs):
     ref = [r["tokens"] for r in hf_runs]
     plain = LLM(tiny_swa, cpu_linear="torch", num_kv_blocks=64, max_model_len=256)
-    assert len(plain.llm_engine.scheduler.kv_cache_manager.block_pools) == 2  # sliding + full groups
+    assert (
+        len(plain.llm_engine.scheduler.kv_cache_manager.block_pools) == 2
+    )  # sliding + full groups
     assert tokens(plain, prompts)[0] == ref  # prefills without context (n > W), decodes B = 3
     # 16 tokens a step: the 45- and 150-token prompts prefill in 3 and 10 chunks (with context).
     chunked = LLM(tiny_swa, cpu_linear="torch", num_kv_blocks=64, max_model_len=256,
@@ -109,12 +124,16 @@ def test_greedy_matches_hf_plain_chunked_cached_and_alone(tiny_swa, prompts, hf_
 def test_dcp_is_refused_on_a_sliding_window_model(tiny_swa):
     from pdkv.engine.arg_utils import EngineArgs
 
-    with pytest.raises(ValueError, match="decode_context_parallel_size=2 is not supported with sliding-window"):
+    with pytest.raises(
+        ValueError, match="decode_context_parallel_size=2 is not supported with sliding-window"
+    ):
         EngineArgs(model=tiny_swa, decode_context_parallel_size=2).create_engine_config()
     # Also where the head rules would refuse first (vLLM-mode DCP 2 at tp 2 on 2 KV heads): the
     # window is named, not a head count the window would refuse anyway.
     with pytest.raises(ValueError, match="not supported with sliding-window"):
-        EngineArgs(model=tiny_swa, tensor_parallel_size=2, decode_context_parallel_size=2).create_engine_config()
+        EngineArgs(
+            model=tiny_swa, tensor_parallel_size=2, decode_context_parallel_size=2
+        ).create_engine_config()
 
 
 @pytest.mark.slow  # two worker processes
@@ -123,8 +142,14 @@ def test_tp2_matches_hf(tiny_swa, prompts, hf_runs):
     """TP 2 (one KV head per rank in both groups), chunked prefill, then a prefix-cache resend:
     HF's tokens, as at TP 1."""
     ref = [r["tokens"] for r in hf_runs]
-    llm = LLM(tiny_swa, cpu_linear="torch", num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32,
-              tensor_parallel_size=2)
+    llm = LLM(
+        tiny_swa,
+        cpu_linear="torch",
+        num_kv_blocks=64,
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        tensor_parallel_size=2,
+    )
     try:
         assert tokens(llm, prompts)[0] == ref
         again, cached = tokens(llm, prompts)

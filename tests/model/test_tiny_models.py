@@ -26,8 +26,15 @@ NAMES = ("tiny-llama-kv1", "tiny-llama-kv2", "tiny-mla", "tiny-gdn", "tiny-kda-m
 # Support matrix cells the parity test verifies per model (and the hybrid-state row of its state).
 HYBRID_ROWS = {"tiny-mla": ("hybrid-mla",), "tiny-gdn": ("hybrid-linear",),
                "tiny-kda-mla": ("hybrid-mla", "hybrid-linear")}
-PARITY = [pytest.param(n, marks=pytest.mark.matrix("colocated", "chunked-prefill", "prefix-caching",
-                                                   *HYBRID_ROWS.get(n, ()), model=n)) for n in NAMES]
+PARITY = [
+    pytest.param(
+        n,
+        marks=pytest.mark.matrix(
+            "colocated", "chunked-prefill", "prefix-caching", *HYBRID_ROWS.get(n, ()), model=n
+        ),
+    )
+    for n in NAMES
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +44,13 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def folders(tiny_llama_kv1, tiny_llama_kv2, tiny_mla, tiny_gdn, tiny_kda_mla) -> dict[str, str]:
-    return {"tiny-llama-kv1": tiny_llama_kv1, "tiny-llama-kv2": tiny_llama_kv2, "tiny-mla": tiny_mla,
-            "tiny-gdn": tiny_gdn, "tiny-kda-mla": tiny_kda_mla}
+    return {
+        "tiny-llama-kv1": tiny_llama_kv1,
+        "tiny-llama-kv2": tiny_llama_kv2,
+        "tiny-mla": tiny_mla,
+        "tiny-gdn": tiny_gdn,
+        "tiny-kda-mla": tiny_kda_mla,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +68,14 @@ def hf_runs(folders, prompts) -> dict[str, list[dict[str, Any]]]:
         runs[name] = []
         for p in prompts:
             with torch.inference_mode():
-                out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                     max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                                     return_dict_in_generate=True)
+                out = model.generate(
+                    torch.tensor([p]),
+                    attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                    max_new_tokens=NEW_TOKENS,
+                    do_sample=False,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                )
                 logits = torch.stack(out.logits)[:, 0].double()
                 seq = out.sequences[:, :-1]
                 ref64 = model64(seq).logits[0, len(p) - 1:]
@@ -106,9 +123,17 @@ def test_config_has_the_documented_shape(folders):
     for name, kv_heads in (("tiny-llama-kv1", 1), ("tiny-llama-kv2", 2)):
         with open(os.path.join(folders[name], "config.json")) as f:
             cfg = json.load(f)
-        assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 4, kv_heads)
+        assert (
+            cfg["num_hidden_layers"],
+            cfg["num_attention_heads"],
+            cfg["num_key_value_heads"],
+        ) == (4, 4, kv_heads)
         assert (cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]) == (128, 32, 256)
-        assert (cfg["vocab_size"], cfg["max_position_embeddings"], cfg["tie_word_embeddings"]) == (49152, 8192, True)
+        assert (cfg["vocab_size"], cfg["max_position_embeddings"], cfg["tie_word_embeddings"]) == (
+            49152,
+            8192,
+            True,
+        )
         assert os.path.isfile(os.path.join(folders[name], "tokenizer.json"))
 
 
@@ -119,11 +144,15 @@ def test_second_resolve_reuses_the_folder(tiny_llama_cache, tiny_llama_kv1, monk
     def no_build(*args: object) -> None:
         raise AssertionError("rebuilt")
 
-    mtimes = {f: os.stat(os.path.join(tiny_llama_kv1, f)).st_mtime_ns for f in os.listdir(tiny_llama_kv1)}
+    mtimes = {
+        f: os.stat(os.path.join(tiny_llama_kv1, f)).st_mtime_ns for f in os.listdir(tiny_llama_kv1)
+    }
     monkeypatch.setenv("PDKV_CACHE", tiny_llama_cache)
     monkeypatch.setattr(tiny, "build_tiny_llama", no_build)
     assert resolve_model("tiny-llama-kv1") == tiny_llama_kv1
-    assert {f: os.stat(os.path.join(tiny_llama_kv1, f)).st_mtime_ns for f in os.listdir(tiny_llama_kv1)} == mtimes
+    assert {
+        f: os.stat(os.path.join(tiny_llama_kv1, f)).st_mtime_ns for f in os.listdir(tiny_llama_kv1)
+    } == mtimes
 
 
 def test_racing_resolvers_build_once(tmp_path, model_path, monkeypatch):
@@ -155,4 +184,5 @@ def test_racing_resolvers_build_once(tmp_path, model_path, monkeypatch):
     assert len(builds) == 1
     assert second["path"] == first == str(tmp_path / "models" / "tiny-llama-kv2")
     assert sorted(os.listdir(tmp_path / "models")) == sorted(
-        [os.path.basename(model_path), "tiny-llama-kv2", "tiny-llama-kv2.lock"])  # no temp folder left
+        [os.path.basename(model_path), "tiny-llama-kv2", "tiny-llama-kv2.lock"]
+    )  # no temp folder left

@@ -13,7 +13,12 @@ from pdkv import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-PROMPT_LENS = (10, 17, 45, 150)  # decodes of different lengths in one batch; 150 > tiny-swa's window 40
+PROMPT_LENS = (
+    10,
+    17,
+    45,
+    150,
+)  # decodes of different lengths in one batch; 150 > tiny-swa's window 40
 NEW_TOKENS = 12
 # 32 tokens a step: long prompts prefill in chunks (with context) next to running decodes.
 ENGINE_KW = dict(cpu_linear="torch", num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)

@@ -22,7 +22,9 @@ def kv_config(role: str, **extra: Any) -> str:
 
 
 def engine(model: str, **kw: Any) -> LLM:
-    return LLM(model, cpu_linear="torch", block_size=BLOCK, num_kv_blocks=48, max_model_len=256, **kw)
+    return LLM(
+        model, cpu_linear="torch", block_size=BLOCK, num_kv_blocks=48, max_model_len=256, **kw
+    )
 
 
 def step_until(engines: list[LLM], done: Any, timeout: float = 120.0) -> None:
@@ -38,8 +40,11 @@ def prefill(p: LLM, prompt: list[int], tp: int = 1) -> tuple[dict[str, Any], int
     """P's leg (max_tokens 1, do_remote_decode) on a P at `tp`: (kv_transfer_params, P's cached
     prompt tokens)."""
     eng = p.llm_engine
-    req, text = eng.make_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=1),
-                                 kv_transfer_params={"do_remote_decode": True})
+    req, text = eng.make_request(
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0, max_tokens=1),
+        kv_transfer_params={"do_remote_decode": True},
+    )
     eng.add_request(req, text)
     out: list[Any] = []
     step_until([], lambda: out or any(o.finished and out.append(o) for o in eng.step()))
@@ -49,7 +54,9 @@ def prefill(p: LLM, prompt: list[int], tp: int = 1) -> tuple[dict[str, Any], int
     return params, out[0].num_cached_tokens
 
 
-def decode(p: LLM, d: LLM, prompt: list[int], params: dict[str, Any]) -> tuple[Any, list[int], list[Any], int]:
+def decode(
+    p: LLM, d: LLM, prompt: list[int], params: dict[str, Any]
+) -> tuple[Any, list[int], list[Any], int]:
     """D's leg (P is stepped too: it serves the reads): (D's finished output, D's block table,
     each rank's copy of those blocks as torch tensors, D's local prefix-hit tokens). The blocks
     are read once the pull ended and the request runs."""
@@ -69,7 +76,9 @@ def decode(p: LLM, d: LLM, prompt: list[int], params: dict[str, Any]) -> tuple[A
         return step() or (running and req.num_computed_tokens >= len(prompt))
 
     step_until([], pulled)
-    assert not out, f"the request ended before its KV was inspected: {out[0].outputs[0].finish_reason}"
+    assert not out, (
+        f"the request ended before its KV was inspected: {out[0].outputs[0].finish_reason}"
+    )
     table = list(eng.scheduler.kv_cache_manager.get_block_ids(rid)[0])
     runner = eng.runner
     shards = (runner.read_kv_blocks(table) if hasattr(runner, "read_kv_blocks")  # a single-rank D:

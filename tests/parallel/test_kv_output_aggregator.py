@@ -18,12 +18,23 @@ def test_finished_only_when_every_rank_reported_across_steps():
 
 def test_failures_of_any_rank_count_and_bytes_add_up():
     agg = KVOutputAggregator(2)
-    out = agg.aggregate([
-        Out(invalid_block_ids={(0, 3)}, load_errors={"a": "rank 0 broke"}, request_bytes={"a": {"p2p": 10.0}},
-            stats={"bytes": 10.0}, transfer_seconds=[0.1]),
-        Out(invalid_block_ids={(0, 4)}, request_bytes={"a": {"p2p": 5.0}}, stats={"bytes": 5.0},
-            transfer_seconds=[0.2]),
-    ])
+    out = agg.aggregate(
+        [
+            Out(
+                invalid_block_ids={(0, 3)},
+                load_errors={"a": "rank 0 broke"},
+                request_bytes={"a": {"p2p": 10.0}},
+                stats={"bytes": 10.0},
+                transfer_seconds=[0.1],
+            ),
+            Out(
+                invalid_block_ids={(0, 4)},
+                request_bytes={"a": {"p2p": 5.0}},
+                stats={"bytes": 5.0},
+                transfer_seconds=[0.2],
+            ),
+        ]
+    )
     assert out is not None
     assert out.invalid_block_ids == {(0, 3), (0, 4)} and out.load_errors == {"a": "rank 0 broke"}
     assert out.request_bytes == {"a": {"p2p": 15.0}} and out.stats == {"bytes": 15.0}

@@ -37,7 +37,11 @@ def test_logical_block_fills_one_physical_block_per_rank(block_size, interleave,
 
 def test_vllm_mode_groups_share_a_kv_head():
     lay = ParallelLayout(tp_size=4, dcp_size=2)
-    assert lay.world_size == 4 and lay.dcp_groups() == [[0, 1], [2, 3]] and lay.tp_groups() == [[0, 1, 2, 3]]
+    assert (
+        lay.world_size == 4
+        and lay.dcp_groups() == [[0, 1], [2, 3]]
+        and lay.tp_groups() == [[0, 1, 2, 3]]
+    )
     lay.check_heads(num_heads=8, num_kv_heads=2)
     for group in lay.dcp_groups():
         assert len({lay.kv_head_start(r, 2) for r in group}) == 1

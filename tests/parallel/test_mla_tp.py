@@ -18,7 +18,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]  # 
 
 @pytest.mark.matrix("tp", "pd-reshard", model="tiny-mla")
 def test_tp2_matches_tp1_and_pulls_whole_latent_blocks_from_a_tp1_producer(tiny_mla):
-    prompts = [[(i * 7919 + 13) % 30000 + 100 for i in range(70)], [(i * 31 + 7) % 30000 + 200 for i in range(21)]]
+    prompts = [
+        [(i * 7919 + 13) % 30000 + 100 for i in range(70)],
+        [(i * 31 + 7) % 30000 + 200 for i in range(21)],
+    ]
     p = engine(tiny_mla, kv_transfer_config=kv_config("kv_producer"))
     d: LLM | None = None
     try:
@@ -31,7 +34,9 @@ def test_tp2_matches_tp1_and_pulls_whole_latent_blocks_from_a_tp1_producer(tiny_
             assert [list(o.outputs[0].token_ids) for o in outs] == want
             assert [o.num_cached_tokens for o in outs] == cached
         assert d.reset_prefix_cache()
-        p_cache = p.llm_engine.runner.kv_cache_groups[0]  # [blocks, layers, block_size, latent + rope]
+        p_cache = p.llm_engine.runner.kv_cache_groups[
+            0
+        ]  # [blocks, layers, block_size, latent + rope]
         for prompt, expect in zip(prompts, want):
             params, _ = prefill(p, prompt)
             p_kv = p_cache[torch.tensor(params["remote_block_ids"][0])].clone()
@@ -41,7 +46,9 @@ def test_tp2_matches_tp1_and_pulls_whole_latent_blocks_from_a_tp1_producer(tiny_
             for rank, shard in enumerate(shards):  # D recomputes the last prompt token itself
                 for pos in range(len(prompt) - 1):
                     blk, off = pos // BLOCK, pos % BLOCK
-                    assert torch.equal(shard[blk, :, off], p_kv[blk, :, off]), f"rank {rank}, position {pos}"
+                    assert torch.equal(shard[blk, :, off], p_kv[blk, :, off]), (
+                        f"rank {rank}, position {pos}"
+                    )
     finally:
         if d is not None:
             d.llm_engine.shutdown()

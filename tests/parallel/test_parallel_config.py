@@ -23,7 +23,9 @@ def refused(capsys, argv: list[str]) -> str:
 
 
 @pytest.mark.parametrize("connector", [P2P, POOL], ids=["p2p", "pool"])
-def test_interleave_other_than_block_size_with_a_connector_is_refused(capsys, model_path, connector):
+def test_interleave_other_than_block_size_with_a_connector_is_refused(
+    capsys, model_path, connector
+):
     err = refused(capsys, ["--model", model_path, "-dcp", "2", "--block-size", "16",
                            "--kv-transfer-config", json.dumps(connector)])
     assert "cp_kv_cache_interleave_size=1 must equal block_size=16" in err
@@ -31,29 +33,49 @@ def test_interleave_other_than_block_size_with_a_connector_is_refused(capsys, mo
 
 
 def test_interleave_equal_to_block_size_with_a_connector_is_accepted():
-    cfg = EngineConfig(ModelConfig(model="m", path="/m"), CacheConfig(block_size=16),
-                       parallel_config=ParallelConfig(decode_context_parallel_size=2, cp_kv_cache_interleave_size=16),
-                       kv_transfer_config=KVTransferConfig(**P2P))
+    cfg = EngineConfig(
+        ModelConfig(model="m", path="/m"),
+        CacheConfig(block_size=16),
+        parallel_config=ParallelConfig(
+            decode_context_parallel_size=2, cp_kv_cache_interleave_size=16
+        ),
+        kv_transfer_config=KVTransferConfig(**P2P),
+    )
     assert cfg.scheduler_block_size == 32 and cfg.parallel_config.world_size == 2
 
 
 def test_interleave_must_divide_the_block_size():
     with pytest.raises(ValueError, match="cp_kv_cache_interleave_size=5 must divide block_size=16"):
-        EngineConfig(ModelConfig(model="m", path="/m"), CacheConfig(block_size=16),
-                     parallel_config=ParallelConfig(decode_context_parallel_size=2, cp_kv_cache_interleave_size=5))
+        EngineConfig(
+            ModelConfig(model="m", path="/m"),
+            CacheConfig(block_size=16),
+            parallel_config=ParallelConfig(
+                decode_context_parallel_size=2, cp_kv_cache_interleave_size=5
+            ),
+        )
 
 
 def test_dcp_mode_and_world_size():
     assert ParallelConfig(decode_context_parallel_size=2).dcp_replicated  # tp 1: replicated weights
     vllm = ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2)
     assert not vllm.dcp_replicated and vllm.world_size == 2
-    both = ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2, dcp_replicate_weights=True)
+    both = ParallelConfig(
+        tensor_parallel_size=2, decode_context_parallel_size=2, dcp_replicate_weights=True
+    )
     assert both.world_size == 4
     with pytest.raises(ValueError, match="must divide tensor_parallel_size=3"):
         ParallelConfig(tensor_parallel_size=3, decode_context_parallel_size=2)
 
 
-def test_a_dcp_pool_too_small_for_one_request_is_refused_before_workers_start(capsys, tiny_llama_kv2):
-    err = refused(capsys, ["--model", tiny_llama_kv2, "-dcp", "2", "--num-kv-blocks", "8", "--max-model-len", "512"])
-    assert "KV cache of 8 blocks x 16 tokens x 2 DCP ranks cannot hold one request of max_model_len=512" in err
+def test_a_dcp_pool_too_small_for_one_request_is_refused_before_workers_start(
+    capsys, tiny_llama_kv2
+):
+    err = refused(
+        capsys,
+        ["--model", tiny_llama_kv2, "-dcp", "2", "--num-kv-blocks", "8", "--max-model-len", "512"],
+    )
+    assert (
+        "KV cache of 8 blocks x 16 tokens x 2 DCP ranks cannot hold one request of max_model_len=512"
+        in err
+    )
     assert "Traceback" not in err and "WorkerDiedError" not in err

@@ -17,8 +17,11 @@ pytestmark = pytest.mark.slow  # worker processes: `pdkv matrix --quick` leaves 
 @pytest.mark.matrix("pd-dcp", model="tiny-llama-kv1")
 def test_pd_into_dcp_matches_colocated_and_rebuilds_p_kv(tiny_llama_kv1):
     base = [(i * 7919 + 13) % 30000 + 100 for i in range(70)]
-    prompts = [base, [(i * 31 + 7) % 30000 + 200 for i in range(45)],
-               base[:50] + [(i * 17 + 3) % 30000 + 300 for i in range(30)]]  # shares 3 P blocks of base
+    prompts = [
+        base,
+        [(i * 31 + 7) % 30000 + 200 for i in range(45)],
+        base[:50] + [(i * 17 + 3) % 30000 + 300 for i in range(30)],
+    ]  # shares 3 P blocks of base
     ref = engine(tiny_llama_kv1)
     try:
         want = [list(o.outputs[0].token_ids) for o in ref.generate(
@@ -43,8 +46,12 @@ def test_pd_into_dcp_matches_colocated_and_rebuilds_p_kv(tiny_llama_kv1):
             for pos in range(len(prompt) - 1):
                 blk, off = pos // BLOCK, pos % BLOCK
                 mine = by_dcp[blk % 2][pos // (2 * BLOCK), :, :, off]
-                assert torch.equal(mine, p_kv[blk, :, :, off]), f"position {pos} of a {len(prompt)}-token prompt"
-            if prompt is prompts[2]:  # P served 48 tokens from its cache, D one 32-token logical block
+                assert torch.equal(mine, p_kv[blk, :, :, off]), (
+                    f"position {pos} of a {len(prompt)}-token prompt"
+                )
+            if (
+                prompt is prompts[2]
+            ):  # P served 48 tokens from its cache, D one 32-token logical block
                 assert p_cached == 48 and d_hit == 32
     finally:
         d.llm_engine.shutdown()

@@ -28,8 +28,15 @@ SLOT_BYTES = 2 * (256 * 3 + 4 * 32 * 32) * 4
 
 
 def _engine(model: str, tp: int) -> LLM:
-    return LLM(model, cpu_linear="torch", block_size=BLOCK, num_kv_blocks=32, max_model_len=128,
-               tensor_parallel_size=tp, kv_transfer_config=kv_config("kv_both", kv_lease_duration=600))
+    return LLM(
+        model,
+        cpu_linear="torch",
+        block_size=BLOCK,
+        num_kv_blocks=32,
+        max_model_len=128,
+        tensor_parallel_size=tp,
+        kv_transfer_config=kv_config("kv_both", kv_lease_duration=600),
+    )
 
 
 def free(llm: LLM) -> int:
@@ -72,6 +79,8 @@ def test_pd_across_tp_matches_colocated_and_frees_p(engines, p_tp, d_tp):
         # What D lacks: the blocks past its local prefix hit (the colocated run cached some), one slot.
         blocks = -(-len(prompt) // BLOCK) - hit // BLOCK
         assert out.kv_load_bytes == {"p2p": blocks * FULL_BLOCK_BYTES + SLOT_BYTES}
-        assert list(out.outputs[0].token_ids) == want, f"P tp {p_tp} -> D tp {d_tp}, {len(prompt)}-token prompt"
+        assert list(out.outputs[0].token_ids) == want, (
+            f"P tp {p_tp} -> D tp {d_tp}, {len(prompt)}-token prompt"
+        )
         # P frees the request's blocks and slot only after every P rank's grant ended.
         step_until([p], lambda: free(p) == baseline and not p.llm_engine.has_work(), timeout=30)

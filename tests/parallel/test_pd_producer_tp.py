@@ -36,37 +36,55 @@ def test_p_tp2_to_d_tp1_and_tp2_match_colocated_and_free_p_blocks(tiny_llama_kv2
     finally:
         ref.llm_engine.shutdown()
     # A lease far beyond the wait below: only "done" from every reader frees a P rank's blocks.
-    p = engine(tiny_llama_kv2, tensor_parallel_size=2, kv_transfer_config=kv_config("kv_producer", kv_lease_duration=600))
+    p = engine(
+        tiny_llama_kv2,
+        tensor_parallel_size=2,
+        kv_transfer_config=kv_config("kv_producer", kv_lease_duration=600),
+    )
     ds: list[LLM] = []
     try:
         ds.append(engine(tiny_llama_kv2, kv_transfer_config=kv_config("kv_consumer")))
-        ds.append(engine(tiny_llama_kv2, tensor_parallel_size=2, kv_transfer_config=kv_config("kv_consumer")))
+        ds.append(
+            engine(
+                tiny_llama_kv2, tensor_parallel_size=2, kv_transfer_config=kv_config("kv_consumer")
+            )
+        )
         baseline = free(p)
         for d in ds:
             d_tp = d.llm_engine.config.parallel_config.tensor_parallel_size
             for prompt, expect in zip(prompts, want):
                 params, _ = prefill(p, prompt, tp=2)
                 assert params["endpoints"][0] == [params["remote_host"], params["remote_port"]]
-                assert len({tuple(e) for e in params["endpoints"]}) == 2  # a control server per P rank
+                assert (
+                    len({tuple(e) for e in params["endpoints"]}) == 2
+                )  # a control server per P rank
                 p_blocks = params["remote_block_ids"][0]
                 # P's KV of those blocks, both ranks' heads (P holds them until D is done).
                 p_kv = torch.cat(p.llm_engine.runner.read_kv_blocks(p_blocks), dim=-2)
                 out, _, shards, _ = decode(p, d, prompt, params)
-                assert list(out.outputs[0].token_ids) == expect, f"D tp {d_tp}, {len(prompt)}-token prompt"
+                assert list(out.outputs[0].token_ids) == expect, (
+                    f"D tp {d_tp}, {len(prompt)}-token prompt"
+                )
                 # Bytes moved = what D stores: every head of every block P sent, once.
                 assert out.kv_load_bytes == {"p2p": p_kv.numel() * p_kv.element_size()}
                 if len(prompt) % BLOCK == 0:
-                    per_token = p_kv[0, :, :, 0].numel() * p_kv.element_size()  # layers × K/V × heads
+                    per_token = (
+                        p_kv[0, :, :, 0].numel() * p_kv.element_size()
+                    )  # layers × K/V × heads
                     assert out.kv_load_bytes["p2p"] == len(prompt) * per_token
                 local = HEADS // d_tp
                 for rank, shard in enumerate(shards):
                     # D recomputes the last prompt token itself; every other position came from P.
                     for pos in range(len(prompt) - 1):
                         blk, off = pos // BLOCK, pos % BLOCK
-                        assert torch.equal(shard[blk, :, :, off], p_kv[blk, :, :, off, rank * local : (rank + 1) * local]), \
-                            f"D tp {d_tp} rank {rank}, position {pos}"
+                        assert torch.equal(
+                            shard[blk, :, :, off],
+                            p_kv[blk, :, :, off, rank * local : (rank + 1) * local],
+                        ), f"D tp {d_tp} rank {rank}, position {pos}"
                 # P frees the request's blocks only after both P ranks' grants ended.
-                step_until([p], lambda: free(p) == baseline and not p.llm_engine.has_work(), timeout=20)
+                step_until(
+                    [p], lambda: free(p) == baseline and not p.llm_engine.has_work(), timeout=20
+                )
     finally:
         for d in ds:
             d.llm_engine.shutdown()

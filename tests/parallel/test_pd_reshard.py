@@ -44,8 +44,9 @@ def check(model: str, prompts: list[list[int]], heads: int) -> None:
                 # D recomputes the last prompt token itself; every other position came from P.
                 for pos in range(len(prompt) - 1):
                     blk, off = pos // BLOCK, pos % BLOCK
-                    assert torch.equal(shard[blk, :, :, off], p_kv[blk, :, :, off, start : start + local]), \
-                        f"rank {rank}, position {pos} of a {len(prompt)}-token prompt"
+                    assert torch.equal(
+                        shard[blk, :, :, off], p_kv[blk, :, :, off, start : start + local]
+                    ), f"rank {rank}, position {pos} of a {len(prompt)}-token prompt"
     finally:
         if d is not None:
             d.llm_engine.shutdown()
@@ -54,7 +55,10 @@ def check(model: str, prompts: list[list[int]], heads: int) -> None:
 
 @pytest.mark.matrix("pd-reshard", model="tiny-llama-kv2")
 def test_p_tp1_to_d_tp2_splits_kv2_heads_and_matches_colocated(tiny_llama_kv2):
-    prompts = [[(i * 7919 + 13) % 30000 + 100 for i in range(70)], [(i * 31 + 7) % 30000 + 200 for i in range(21)]]
+    prompts = [
+        [(i * 7919 + 13) % 30000 + 100 for i in range(70)],
+        [(i * 31 + 7) % 30000 + 200 for i in range(21)],
+    ]
     check(tiny_llama_kv2, prompts, heads=2)
 
 
@@ -72,7 +76,11 @@ def test_p_tp1_to_d_tp2_reshards_int8_pages_and_matches_colocated(tiny_llama_kv2
     p = engine(tiny_llama_kv2, kv_cache_dtype="int8", kv_transfer_config=kv_config("kv_producer"))
     d: LLM | None = None
     try:
-        want = list(p.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+        want = list(
+            p.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+            .outputs[0]
+            .token_ids
+        )
         d = engine(tiny_llama_kv2, tensor_parallel_size=2, kv_cache_dtype="int8",
                    kv_transfer_config=kv_config("kv_consumer"))
         params, _ = prefill(p, prompt)

@@ -88,21 +88,54 @@ def check_parallel(model: str, lens: tuple[int, ...] = PROMPT_LENS, **kw: Any) -
 
 
 TINY_CASES = [
-    pytest.param("kv1", {"tensor_parallel_size": 2}, id="kv1-tp2",
-                 marks=pytest.mark.matrix("tp", model="tiny-llama-kv1")),
-    pytest.param("kv2", {"tensor_parallel_size": 2}, id="kv2-tp2",
-                 marks=pytest.mark.matrix("tp", model="tiny-llama-kv2")),
-    pytest.param("kv1", {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}, id="kv1-tp2-dcp2-i1",
-                 marks=pytest.mark.matrix("dcp", model="tiny-llama-kv1")),
-    pytest.param("kv1", {"tensor_parallel_size": 2, "decode_context_parallel_size": 2,
-                         "cp_kv_cache_interleave_size": BLOCK}, id="kv1-tp2-dcp2-i16"),
-    pytest.param("kv2", {"decode_context_parallel_size": 2}, id="kv2-dcp2-replicated-i1",
-                 marks=pytest.mark.matrix("dcp", model="tiny-llama-kv2")),
-    pytest.param("kv2", {"decode_context_parallel_size": 2, "cp_kv_cache_interleave_size": BLOCK},
-                 id="kv2-dcp2-replicated-i16"),
+    pytest.param(
+        "kv1",
+        {"tensor_parallel_size": 2},
+        id="kv1-tp2",
+        marks=pytest.mark.matrix("tp", model="tiny-llama-kv1"),
+    ),
+    pytest.param(
+        "kv2",
+        {"tensor_parallel_size": 2},
+        id="kv2-tp2",
+        marks=pytest.mark.matrix("tp", model="tiny-llama-kv2"),
+    ),
+    pytest.param(
+        "kv1",
+        {"tensor_parallel_size": 2, "decode_context_parallel_size": 2},
+        id="kv1-tp2-dcp2-i1",
+        marks=pytest.mark.matrix("dcp", model="tiny-llama-kv1"),
+    ),
+    pytest.param(
+        "kv1",
+        {
+            "tensor_parallel_size": 2,
+            "decode_context_parallel_size": 2,
+            "cp_kv_cache_interleave_size": BLOCK,
+        },
+        id="kv1-tp2-dcp2-i16",
+    ),
+    pytest.param(
+        "kv2",
+        {"decode_context_parallel_size": 2},
+        id="kv2-dcp2-replicated-i1",
+        marks=pytest.mark.matrix("dcp", model="tiny-llama-kv2"),
+    ),
+    pytest.param(
+        "kv2",
+        {"decode_context_parallel_size": 2, "cp_kv_cache_interleave_size": BLOCK},
+        id="kv2-dcp2-replicated-i16",
+    ),
     # Replicated DCP at tp 2: four processes, DCP groups {0, 2} and {1, 3} (one per TP shard).
-    pytest.param("kv2", {"tensor_parallel_size": 2, "decode_context_parallel_size": 2,
-                         "dcp_replicate_weights": True}, id="kv2-tp2-dcp2-replicated"),
+    pytest.param(
+        "kv2",
+        {
+            "tensor_parallel_size": 2,
+            "decode_context_parallel_size": 2,
+            "dcp_replicate_weights": True,
+        },
+        id="kv2-tp2-dcp2-replicated",
+    ),
 ]
 
 
@@ -137,7 +170,8 @@ def test_dcp_prefix_hash_granularity_is_the_logical_block(tiny_llama_kv2):
     try:
         # 48 blocks x 16 tokens per rank x 4 layers x K/V x 2 heads x 32 x fp32 = 1.5 MiB per rank.
         assert llm.llm_engine.kv_cache_summary() == (
-            "48 blocks x 32 tokens (1.5 MiB per rank; tp 1, dcp 2: each rank stores 1/2 of every request's KV)")
+            "48 blocks x 32 tokens (1.5 MiB per rank; tp 1, dcp 2: each rank stores 1/2 of every request's KV)"
+        )
         run(llm, [first])
         out = run(llm, [second])
         assert out[0].num_cached_tokens == 128

@@ -29,9 +29,16 @@ def _build_tiny_llama(path: str, num_kv_heads: int, num_heads: int = HEADS) -> s
 
     torch.manual_seed(num_kv_heads)
     cfg = LlamaConfig(
-        hidden_size=HEAD_DIM * num_heads, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        intermediate_size=INTER, num_hidden_layers=LAYERS, vocab_size=VOCAB, head_dim=HEAD_DIM,
-        initializer_range=0.2, max_position_embeddings=128, tie_word_embeddings=False,
+        hidden_size=HEAD_DIM * num_heads,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        vocab_size=VOCAB,
+        head_dim=HEAD_DIM,
+        initializer_range=0.2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
     )
     HFLlama(cfg).save_pretrained(path)
     return path
@@ -50,28 +57,49 @@ def _meta(positions: list[int], decode: bool) -> AttentionMetadata:
     pos = torch.tensor(positions)
     blocks, offsets = table[pos // BLOCK], pos % BLOCK
     if not decode:
-        return AttentionMetadata(blocks, offsets, [PrefillSeq(0, len(positions), 0, table)], None, None, None, None)
+        return AttentionMetadata(
+            blocks, offsets, [PrefillSeq(0, len(positions), 0, table)], None, None, None, None
+        )
     seq_len = torch.tensor([positions[-1] + 1])
-    return AttentionMetadata(blocks, offsets, [], torch.tensor([0]), table[None], seq_len, None, all_decode=True,
-                             decode_seq_lens_cpu=(positions[-1] + 1,))
+    return AttentionMetadata(
+        blocks,
+        offsets,
+        [],
+        torch.tensor([0]),
+        table[None],
+        seq_len,
+        None,
+        all_decode=True,
+        decode_seq_lens_cpu=(positions[-1] + 1,),
+    )
 
 
 def _prompt() -> list[int]:
     return [(37 * i + 11) % VOCAB for i in range(PROMPT_LEN)]
 
 
-def _run(model: LlamaForCausalLM, next_token: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _run(
+    model: LlamaForCausalLM, next_token: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Prefill of the prompt (logits of every position), then one decode step of `next_token`
     (default: the prefill's greedy token). Returns (prefill logits, decode logits, token)."""
     cfg = model.cfg
-    caches = [torch.zeros(2, NUM_BLOCKS, BLOCK, model.num_local_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    caches = [
+        torch.zeros(2, NUM_BLOCKS, BLOCK, model.num_local_kv_heads, cfg.head_dim)
+        for _ in range(cfg.num_layers)
+    ]
     with torch.inference_mode():
         ids = torch.tensor(_prompt())
         pos = list(range(PROMPT_LEN))
         prefill = model(ids, torch.tensor(pos), caches, _meta(pos, False), torch.arange(PROMPT_LEN))
         tok = int(prefill[-1].argmax()) if next_token is None else next_token
-        decode = model(torch.tensor([tok]), torch.tensor([PROMPT_LEN]), caches, _meta([PROMPT_LEN], True),
-                       torch.tensor([0]))
+        decode = model(
+            torch.tensor([tok]),
+            torch.tensor([PROMPT_LEN]),
+            caches,
+            _meta([PROMPT_LEN], True),
+            torch.tensor([0]),
+        )
     return prefill, decode, tok
 
 
@@ -89,7 +117,9 @@ def _worker(rank: int, init_methods: list[str], paths: list[str], out_dir: str) 
                       os.path.join(out_dir, f"m{i}_r{rank}.safetensors"))
     finally:
         ctx.destroy()
-    ctx = init_distributed(ParallelLayout(dcp_size=2, dcp_replicated=True), rank, init_methods[1], timeout_s=60)
+    ctx = init_distributed(
+        ParallelLayout(dcp_size=2, dcp_replicated=True), rank, init_methods[1], timeout_s=60
+    )
     try:
         x = torch.full((1, 2), float(ctx.dcp_rank))
         out = {"gathered": ctx.all_gather_dcp(x, dim=0), "reduced": ctx.all_reduce_tp(x.clone())}
@@ -112,7 +142,9 @@ def test_tp2_logits_match_single_rank(tiny_models, tmp_path):
     paths = [tiny_models[1], tiny_models[2]]
     init_methods = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(2)]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, init_methods, paths, str(tmp_path))) for r in range(2)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, init_methods, paths, str(tmp_path))) for r in range(2)
+    ]
     for p in procs:
         p.start()
     try:
@@ -127,7 +159,9 @@ def test_tp2_logits_match_single_rank(tiny_models, tmp_path):
     for i, path in enumerate(paths):
         prefill, _, tok = _run(load_model(path, "float32", "cpu"))
         top2 = prefill.topk(2, dim=-1).values
-        assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-3  # greedy margins well above the tolerance
+        assert (
+            float((top2[:, 0] - top2[:, 1]).min()) > 1e-3
+        )  # greedy margins well above the tolerance
         _, decode, _ = _run(load_model(path, "float32", "cpu"), tok)
         for r in range(2):
             got = load_file(str(tmp_path / f"m{i}_r{r}.safetensors"))
@@ -138,7 +172,9 @@ def test_tp2_logits_match_single_rank(tiny_models, tmp_path):
             assert int(got["decode"].argmax()) == int(decode.argmax())
     for r in range(2):
         got = load_file(str(tmp_path / f"dcp_r{r}.safetensors"))
-        assert torch.equal(got["gathered"], torch.tensor([[0.0, 0.0], [1.0, 1.0]]))  # DCP-rank order
+        assert torch.equal(
+            got["gathered"], torch.tensor([[0.0, 0.0], [1.0, 1.0]])
+        )  # DCP-rank order
         assert torch.equal(got["reduced"], torch.full((1, 2), float(r)))  # tp 1: identity
 
 
@@ -149,7 +185,9 @@ def test_each_rank_reads_its_shard(tiny_models, kvh):
     q, kv, i = HEADS * HEAD_DIM, kvh * HEAD_DIM, INTER
     fl = full.layers[1]
     for rank in range(2):
-        m = load_model(tiny_models[kvh], "float32", "cpu", ParallelContext(ParallelLayout(tp_size=2), rank))
+        m = load_model(
+            tiny_models[kvh], "float32", "cpu", ParallelContext(ParallelLayout(tp_size=2), rank)
+        )
         assert m.num_local_kv_heads == 1  # kvh 1: replicated; kvh 2: one each
         layer = m.layers[1]
         assert tuple(layer.qkv.shape) == (q // 2 + 2 * HEAD_DIM, HIDDEN)
@@ -165,7 +203,11 @@ def test_each_rank_reads_its_shard(tiny_models, kvh):
         ir = slice(rank * i // 2, (rank + 1) * i // 2)
         assert torch.equal(layer.gate_up, torch.cat([fl.gate_up[ir], fl.gate_up[i:][ir]]))
         assert torch.equal(layer.down, fl.down[:, ir])
-        assert torch.equal(m.embed, full.embed) and m.lm_head is not None and torch.equal(m.lm_head, full.lm_head)
+        assert (
+            torch.equal(m.embed, full.embed)
+            and m.lm_head is not None
+            and torch.equal(m.lm_head, full.lm_head)
+        )
 
 
 @pytest.mark.parametrize("heads,inter,message", [
@@ -176,8 +218,15 @@ def test_layout_error_reaches_load_model(tmp_path, heads, inter, message):
     """The layout checks run before any weight is read: a config.json alone is enough."""
     import json
 
-    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": heads * HEAD_DIM,
-           "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": 1}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": VOCAB,
+        "hidden_size": heads * HEAD_DIM,
+        "intermediate_size": inter,
+        "num_hidden_layers": 1,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 1,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=message):
         load_model(str(tmp_path), "float32", "cpu", ParallelContext(ParallelLayout(tp_size=2), 0))

@@ -32,19 +32,38 @@ def spawned_workers(pid: int) -> list[int]:
 
 
 def test_killed_worker_makes_the_server_unhealthy_and_exit(tiny_llama_kv1):
-    srv = RemoteServer(["serve", tiny_llama_kv1, "-tp", "2", "--num-kv-blocks", "32", "--max-model-len", "512",
-                        "--cpu-linear", "torch"])
+    srv = RemoteServer(
+        [
+            "serve",
+            tiny_llama_kv1,
+            "-tp",
+            "2",
+            "--num-kv-blocks",
+            "32",
+            "--max-model-len",
+            "512",
+            "--cpu-linear",
+            "torch",
+        ]
+    )
     try:
         workers = spawned_workers(srv.proc.pid)
         assert len(workers) == 2, workers
-        body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-                "stream": True}
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": 400,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         result: dict[str, object] = {}
         started = threading.Event()
 
         def stream() -> None:
             try:
-                with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=DEADLINE_S) as r:
+                with httpx.stream(
+                    "POST", srv.url + "/v1/completions", json=body, timeout=DEADLINE_S
+                ) as r:
                     result["status"] = r.status_code
                     lines = []
                     for line in r.iter_lines():

@@ -73,7 +73,12 @@ def test_prompt_bytes_exact_and_in_whole_blocks_as_pd_moves_them(capsys):
     `pdkv up --demo` reports as moved); the handoff is planned on the blocks."""
     f = run_json(capsys, "--model", "smollm2", "--prompt-len", "37")
     assert f["request_bytes"]["value"] == f["rank_bytes"]["value"] == 46_080 * 37 == 1_704_960
-    assert f["request_block_bytes"]["value"] == f["rank_block_bytes"]["value"] == 46_080 * 48 == 2_211_840
+    assert (
+        f["request_block_bytes"]["value"]
+        == f["rank_block_bytes"]["value"]
+        == 46_080 * 48
+        == 2_211_840
+    )
     assert f["handoff_bytes"]["value"] == 2_211_840
     assert f["wire_s"]["value"] == pytest.approx(2_211_840 / 2.7e9)
     f = run_json(capsys, "--model", "smollm2", "--prompt-len", "37", "--block-size", "32")

@@ -130,10 +130,24 @@ def test_a_tiny_model_resolves_to_its_built_folder_or_says_how_to_build_it(tmp_p
         load_config("tiny-swa")
     folder = tmp_path / "models" / "tiny-swa"
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen2ForCausalLM"], "hidden_size": 128, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "use_sliding_window": True, "sliding_window": 40,
-        "layer_types": ["sliding_attention", "full_attention"] * 2, "torch_dtype": "float32"}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "hidden_size": 128,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "use_sliding_window": True,
+                "sliding_window": 40,
+                "layer_types": ["sliding_attention", "full_attention"] * 2,
+                "torch_dtype": "float32",
+            }
+        )
+    )
     cfg, path = load_config("tiny-swa")
     assert path == os.path.join(str(folder), "config.json")
-    assert sorted(g.kind for g in spec_from_hf_config(cfg).groups) == ["full_attention", "sliding_window"]
+    assert sorted(g.kind for g in spec_from_hf_config(cfg).groups) == [
+        "full_attention",
+        "sliding_window",
+    ]

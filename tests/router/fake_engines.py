@@ -28,7 +28,9 @@ class ServerThread:
     def __init__(self, app: FastAPI, port: int = 0) -> None:
         self.port = port or free_port(set())
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 10
@@ -79,8 +81,14 @@ class FakeEngine:
             decode answer sends "decoded" then a final chunk carrying it.
     """
 
-    def __init__(self, role: str | None, layout: dict[str, Any] | None = None, max_model_len: int = 512,
-                 port: int = 0, pool_chunk_size: int | None = None) -> None:
+    def __init__(
+        self,
+        role: str | None,
+        layout: dict[str, Any] | None = None,
+        max_model_len: int = 512,
+        port: int = 0,
+        pool_chunk_size: int | None = None,
+    ) -> None:
         self.hits: Counter[str] = Counter()
         self.role = role
         self.layout = dict(layout or LAYOUT)
@@ -106,9 +114,15 @@ class FakeEngine:
                 if self.prefill_hold is not None:
                     self.prefill_reached.set()
                     await asyncio.to_thread(self.prefill_hold.wait, 30)
-                answer = {"choices": [{"text": "x"}], "kv_transfer_params": {
-                    "do_remote_prefill": True, "remote_request_id": "r-" + req.headers["X-Request-Id"],
-                    "remote_host": "127.0.0.1" if self.control_port else None, "remote_port": self.control_port}}
+                answer = {
+                    "choices": [{"text": "x"}],
+                    "kv_transfer_params": {
+                        "do_remote_prefill": True,
+                        "remote_request_id": "r-" + req.headers["X-Request-Id"],
+                        "remote_host": "127.0.0.1" if self.control_port else None,
+                        "remote_port": self.control_port,
+                    },
+                }
                 if self.timings is not None:
                     answer["pdkv_timings"] = self.timings
                 return answer
@@ -116,8 +130,17 @@ class FakeEngine:
             self.decode_params.append(body.get("kv_transfer_params"))
             if self.decode_error:
                 status, message = self.decode_error
-                return JSONResponse({"error": {"message": message, "type": "BadRequestError", "param": None,
-                                               "code": status}}, status_code=status)
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": message,
+                            "type": "BadRequestError",
+                            "param": None,
+                            "code": status,
+                        }
+                    },
+                    status_code=status,
+                )
             if body.get("stream"):
                 return StreamingResponse(self._stream(), media_type="text/event-stream")
             answer = {"choices": [{"text": "decoded"}]}
@@ -148,7 +171,10 @@ class FakeEngine:
 
         @app.get("/v1/models")
         async def models() -> Any:
-            return {"object": "list", "data": [{"id": "smollm2", "max_model_len": self.max_model_len}]}
+            return {
+                "object": "list",
+                "data": [{"id": "smollm2", "max_model_len": self.max_model_len}],
+            }
 
         @app.get("/health")
         async def health() -> Any:
@@ -159,9 +185,17 @@ class FakeEngine:
             self.hits["reset_prefix_cache"] += 1
             self.reset_auth.append(req.headers.get("authorization"))
             if self.reset_status != 200:
-                return JSONResponse({"error": {"message": "prefix cache not reset: KV cache blocks are in use",
-                                               "type": "ConflictError", "param": None,
-                                               "code": self.reset_status}}, status_code=self.reset_status)
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": "prefix cache not reset: KV cache blocks are in use",
+                            "type": "ConflictError",
+                            "param": None,
+                            "code": self.reset_status,
+                        }
+                    },
+                    status_code=self.reset_status,
+                )
             return JSONResponse(None, status_code=200)
 
         self.server = ServerThread(app, port)

@@ -17,15 +17,27 @@ pytestmark = pytest.mark.slow
 
 
 def _client(kv_transfer_config: str | None) -> TestClient:
-    engine = LLMEngine.from_engine_args(EngineArgs(model="smollm2", num_kv_blocks=16, max_model_len=128,
-                                                   kv_transfer_config=kv_transfer_config))
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            model="smollm2",
+            num_kv_blocks=16,
+            max_model_len=128,
+            kv_transfer_config=kv_transfer_config,
+        )
+    )
     app = build_app(AsyncLLM(engine), ServeConfig(), ServerMetrics("smollm2"))
     return TestClient(app)
 
 
 def test_kv_layout_reports_role_engine_id_and_layout():
-    cfg = json.dumps({"kv_connector": "P2PConnector", "kv_role": "kv_producer", "engine_id": "engine-7",
-                      "kv_connector_extra_config": {"transfer": "tcp"}})
+    cfg = json.dumps(
+        {
+            "kv_connector": "P2PConnector",
+            "kv_role": "kv_producer",
+            "engine_id": "engine-7",
+            "kv_connector_extra_config": {"transfer": "tcp"},
+        }
+    )
     with _client(cfg) as client:
         r = client.get("/kv_layout")
     assert r.status_code == 200
@@ -40,4 +52,7 @@ def test_kv_layout_is_404_without_a_connector():
     with _client(None) as client:
         r = client.get("/kv_layout")
     assert r.status_code == 404
-    assert r.json()["error"]["type"] == "NotFoundError" and "no kv connector" in r.json()["error"]["message"]
+    assert (
+        r.json()["error"]["type"] == "NotFoundError"
+        and "no kv connector" in r.json()["error"]["message"]
+    )

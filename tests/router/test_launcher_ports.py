@@ -20,14 +20,18 @@ def test_a_tp2_prefill_engine_gets_two_consecutive_ports_no_other_child_uses(mon
     counter = itertools.count()  # candidate ports in order, so that neighbours are tried first
     monkeypatch.setattr(random, "randint", lambda low, high: low + next(counter) % (high - low + 1))
     parser = launcher.add_cli_args(argparse.ArgumentParser())
-    args = parser.parse_args(["--mode", "pd", "--num-prefill", "2", "--", "--tensor-parallel-size", "2"])
+    args = parser.parse_args(
+        ["--mode", "pd", "--num-prefill", "2", "--", "--tensor-parallel-size", "2"]
+    )
     assert launcher.engine_world_size(args.engine_args) == 2
     topo = launcher.build_topology(args)
     taken: list[int] = []
     for child in topo.children:
         taken.append(int(child.cmd[child.cmd.index("--port") + 1]))
         if "--kv-transfer-config" in child.cmd:
-            extra = json.loads(child.cmd[child.cmd.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+            extra = json.loads(child.cmd[child.cmd.index("--kv-transfer-config") + 1])[
+                "kv_connector_extra_config"
+            ]
             for key in ("kv_port", "transfer_port"):
                 if key in extra:
                     taken += [extra[key], extra[key] + 1]  # ranks 0 and 1
@@ -59,7 +63,9 @@ def test_a_run_of_free_ports_skips_a_bound_one(monkeypatch):
     import random
 
     monkeypatch.setattr(ports, "socket", types.SimpleNamespace(socket=_FakeSocket))
-    down = itertools.count()  # candidates from the top down, so 21001 (next to the bound 21002) comes first
+    down = (
+        itertools.count()
+    )  # candidates from the top down, so 21001 (next to the bound 21002) comes first
     monkeypatch.setattr(random, "randint", lambda low, high: high - next(down) % (high - low + 1))
     _FakeSocket.busy = {21002}
     taken = {20999, 21003}  # handed out already; with 21002 bound only 21000-21001 is a free run

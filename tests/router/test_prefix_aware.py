@@ -133,9 +133,11 @@ def test_engines_report_the_pool_chunk_size():
 def test_proxy_modules_do_not_import_torch():
     import subprocess
 
-    code = ("import sys, pdkv.router.proxy, pdkv.router.prefix_keys, pdkv.launch.launcher; "
-            "from pdkv.router.prefix_keys import RequestKeyer; RequestKeyer(None).token_ids({'prompt': [1]}, False); "
-            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    code = (
+        "import sys, pdkv.router.proxy, pdkv.router.prefix_keys, pdkv.launch.launcher; "
+        "from pdkv.router.prefix_keys import RequestKeyer; RequestKeyer(None).token_ids({'prompt': [1]}, False); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -158,13 +160,18 @@ def colocated():
 
 
 def _post(url: str, prompt: list[int], stream: bool = False) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "stream": stream},
-                      timeout=10)
+    return httpx.post(
+        url + "/v1/completions",
+        json={"prompt": prompt, "max_tokens": 4, "stream": stream},
+        timeout=10,
+    )
 
 
 def _metric(url: str, line_start: str) -> float:
     text = httpx.get(url + "/metrics", timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start)
+    )
 
 
 def test_colocated_prefix_aware_sends_a_continuation_where_its_prefix_went(colocated):
@@ -173,15 +180,33 @@ def test_colocated_prefix_aware_sends_a_continuation_where_its_prefix_went(coloc
     conv_a, conv_b = list(range(100, 148)), list(range(500, 548))  # 3 blocks each
     seen = []
     # Round-robin would alternate 0, 1, 0, 1, 0; the continuations follow their prefixes instead.
-    for prompt in (conv_a, conv_b, conv_b + [7] * 20, conv_a + list(range(900, 940)), conv_a + [1] * 100):
+    for prompt in (
+        conv_a,
+        conv_b,
+        conv_b + [7] * 20,
+        conv_a + list(range(900, 940)),
+        conv_a + [1] * 100,
+    ):
         before = [e.hits["decode"] for e in engines]
         r = _post(url, prompt, stream=len(seen) % 2 == 1)
         assert r.status_code == 200
         seen.append([e.hits["decode"] - b for e, b in zip(engines, before)].index(1))
     assert seen[0] != seen[1]  # idle tie: spread
     assert seen[2] == seen[1] and seen[3] == seen[4] == seen[0]
-    assert _metric(url, 'pdkv:proxy_routing_decisions_total{leg="whole",policy="prefix_aware",reason="prefix_hit"}') == 3
-    assert _metric(url, 'pdkv:proxy_routing_decisions_total{leg="whole",policy="prefix_aware",reason="no_match"}') == 2
+    assert (
+        _metric(
+            url,
+            'pdkv:proxy_routing_decisions_total{leg="whole",policy="prefix_aware",reason="prefix_hit"}',
+        )
+        == 3
+    )
+    assert (
+        _metric(
+            url,
+            'pdkv:proxy_routing_decisions_total{leg="whole",policy="prefix_aware",reason="no_match"}',
+        )
+        == 2
+    )
     assert _metric(url, "pdkv:proxy_prefix_matched_tokens_total") == 3 * 48
     home = engines[seen[0]].url
     assert _metric(url, f'pdkv:proxy_requests_total{{backend="{home}",leg="whole"}}') == 3
@@ -199,8 +224,16 @@ def test_colocated_round_robin_alternates_and_counts_errors(colocated):
     engines[1].decode_error = (400, "nope")
     codes = sorted(_post(url, [1, 2]).status_code for _ in range(2))
     assert codes == [200, 400]  # the backend's error passes through
-    assert _metric(url, 'pdkv:proxy_errors_total{kind="client",leg="whole"}') == 1  # a 4xx: the client's
-    assert _metric(url, 'pdkv:proxy_routing_decisions_total{leg="whole",policy="round_robin",reason="round_robin"}') == 6
+    assert (
+        _metric(url, 'pdkv:proxy_errors_total{kind="client",leg="whole"}') == 1
+    )  # a 4xx: the client's
+    assert (
+        _metric(
+            url,
+            'pdkv:proxy_routing_decisions_total{leg="whole",policy="round_robin",reason="round_robin"}',
+        )
+        == 6
+    )
 
 
 def test_colocated_unreachable_backend_is_502():

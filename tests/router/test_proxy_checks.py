@@ -39,19 +39,29 @@ def test_parse_body_keeps_valid_unicode_and_numbers():
     assert body == {"prompt": "café \U0001F600", "temperature": 0.5, "n": 1}
 
 
-@pytest.mark.parametrize("body, chat, match", [
-    ({"prompt": "x", "max_tokens": 0}, False, "max_tokens must be at least 1, got 0"),
-    ({"prompt": "x", "max_tokens": -3}, False, "at least 1"),
-    ({"prompt": "x", "max_tokens": "many"}, False, "max_tokens"),
-    ({"prompt": "x", "max_tokens": 2.5}, False, "max_tokens"),
-    ({"prompt": "x", "max_tokens": True}, False, "must be an integer"),
-    ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, False, "min_tokens"),
-    ({"prompt": "x", "min_tokens": -1}, False, "min_tokens"),
-    ({"prompt": "x", "stream_options": "yes"}, False, "stream_options"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, True,
-     "max_completion_tokens must be at least 1"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, True, "max_tokens must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "body, chat, match",
+    [
+        ({"prompt": "x", "max_tokens": 0}, False, "max_tokens must be at least 1, got 0"),
+        ({"prompt": "x", "max_tokens": -3}, False, "at least 1"),
+        ({"prompt": "x", "max_tokens": "many"}, False, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 2.5}, False, "max_tokens"),
+        ({"prompt": "x", "max_tokens": True}, False, "must be an integer"),
+        ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, False, "min_tokens"),
+        ({"prompt": "x", "min_tokens": -1}, False, "min_tokens"),
+        ({"prompt": "x", "stream_options": "yes"}, False, "stream_options"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+            True,
+            "max_completion_tokens must be at least 1",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+            True,
+            "max_tokens must be at least 1",
+        ),
+    ],
+)
 def test_check_body_rejects_what_the_prefill_leg_would_hide(body, chat, match):
     with pytest.raises(BadRequest, match=match):
         check_body(body, chat)
@@ -69,7 +79,9 @@ def test_check_body_length_inputs():
 class _Stack:
     """A fake P (with a fake control server), a fake D and an in-process proxy."""
 
-    def __init__(self, d_layout=None, before_decode=None, start_d=True, d_port=0, info_ttl=5.0) -> None:
+    def __init__(
+        self, d_layout=None, before_decode=None, start_d=True, d_port=0, info_ttl=5.0
+    ) -> None:
         self.control = FakeControl()
         self.p = FakeEngine("kv_producer")
         self.p.control_port = self.control.port
@@ -100,13 +112,20 @@ def _post(url: str, content: bytes | None = None, **kw) -> httpx.Response:
 
 
 def test_bad_json_and_bodies_are_400_json_without_a_prefill_leg(stack):
-    for raw in (b'{"prompt": "x", "max_tokens": 4, "temperature": NaN}', b'{"prompt": "\\ud800", "max_tokens": 4}',
-                b'{"prompt": "x", "top_p": 1e400}', b'{"prompt": "x", "max_tokens": 0}'):
+    for raw in (
+        b'{"prompt": "x", "max_tokens": 4, "temperature": NaN}',
+        b'{"prompt": "\\ud800", "max_tokens": 4}',
+        b'{"prompt": "x", "top_p": 1e400}',
+        b'{"prompt": "x", "max_tokens": 0}',
+    ):
         r = _post(stack.url, raw, headers={"Content-Type": "application/json"})
         assert r.status_code == 400, raw
         assert r.json()["error"]["type"] == "BadRequestError" and r.json()["error"]["code"] == 400
     assert stack.p.hits["prefill"] == 0 and stack.d.hits["decode"] == 0
-    assert _post(stack.url, json={"prompt": "x", "max_tokens": 4}).json()["choices"][0]["text"] == "decoded"
+    assert (
+        _post(stack.url, json={"prompt": "x", "max_tokens": 4}).json()["choices"][0]["text"]
+        == "decoded"
+    )
     assert stack.p.hits["prefill"] == 1
 
 
@@ -115,7 +134,10 @@ def test_over_length_is_400_without_a_prefill_leg(stack):
     assert r.status_code == 400 and "maximum context length is 512" in r.json()["error"]["message"]
     assert stack.d.hits["tokenize"] == 0  # token ids: counted, not tokenized
     r = _post(stack.url, json={"prompt": "word " * 100, "max_tokens": 413})  # fake D: 100 tokens
-    assert r.status_code == 400 and "(100 in the prompt, 413 for the completion)" in r.json()["error"]["message"]
+    assert (
+        r.status_code == 400
+        and "(100 in the prompt, 413 for the completion)" in r.json()["error"]["message"]
+    )
     assert stack.d.hits["tokenize"] == 1
     assert stack.p.hits["prefill"] == 0
     assert _post(stack.url, json={"prompt": "short", "max_tokens": 8}).status_code == 200
@@ -134,9 +156,16 @@ def test_layout_mismatch_is_503_on_health_and_requests():
         h = httpx.get(s.url + "/health", timeout=10)
         assert h.status_code == 503
         message = h.json()["error"]["message"]
-        assert "head_size: producer=64 consumer=32" in message and s.p.url in message and s.d.url in message
+        assert (
+            "head_size: producer=64 consumer=32" in message
+            and s.p.url in message
+            and s.d.url in message
+        )
         r = _post(s.url, json={"prompt": "x", "max_tokens": 4})
-        assert r.status_code == 503 and "head_size: producer=64 consumer=32" in r.json()["error"]["message"]
+        assert (
+            r.status_code == 503
+            and "head_size: producer=64 consumer=32" in r.json()["error"]["message"]
+        )
         assert s.p.hits["prefill"] == 0
         s.d.layout = dict(LAYOUT)  # D "restarts" with P's layout: the next probe sees it
         assert httpx.get(s.url + "/health", timeout=10).status_code == 200
@@ -156,7 +185,9 @@ def test_a_mixed_decode_pool_routes_only_to_engines_that_fit():
     proxy = ServerThread(build_proxy_app([p.url], [bad.url, good.url]))
     try:
         assert httpx.get(proxy.url + "/health", timeout=10).status_code == 503
-        codes = [_post(proxy.url, json={"prompt": "x", "max_tokens": 4}).status_code for _ in range(4)]
+        codes = [
+            _post(proxy.url, json={"prompt": "x", "max_tokens": 4}).status_code for _ in range(4)
+        ]
         assert codes == [200] * 4
         assert good.hits["decode"] == 4 and bad.hits["decode"] == 0 and p.hits["prefill"] == 4
     finally:
@@ -176,7 +207,10 @@ def test_a_decode_engine_that_starts_after_the_proxy_is_checked():
         s.d = FakeEngine("kv_consumer", {**LAYOUT, "dtype": "bfloat16"}, port=s.d_port)
         before = s.p.hits["prefill"]
         r = _post(s.url, json={"prompt": "x", "max_tokens": 4})
-        assert r.status_code == 503 and "dtype: producer='float32' consumer='bfloat16'" in r.json()["error"]["message"]
+        assert (
+            r.status_code == 503
+            and "dtype: producer='float32' consumer='bfloat16'" in r.json()["error"]["message"]
+        )
         assert s.p.hits["prefill"] == before
         assert httpx.get(s.url + "/health", timeout=10).status_code == 503
     finally:
@@ -191,7 +225,10 @@ def test_a_wrong_role_is_503(stack):
 
 def test_a_layout_mismatch_reported_by_decode_is_503_and_releases(stack):
     """Layouts changed within the proxy's cache window: D's 400 becomes a 503."""
-    stack.d.decode_error = (400, "KV layout mismatch between prefill and decode engines (dtype: ...)")
+    stack.d.decode_error = (
+        400,
+        "KV layout mismatch between prefill and decode engines (dtype: ...)",
+    )
     r = _post(stack.url, json={"prompt": "x", "max_tokens": 4})
     assert r.status_code == 503 and "KV layout mismatch" in r.json()["error"]["message"]
     assert stack.control.got.wait(10) and stack.control.notices[0][1] == "release"
@@ -212,8 +249,11 @@ def test_client_gone_between_the_legs_releases_prefill_blocks():
     try:
         body = b'{"prompt": "x", "max_tokens": 4}'
         with socket.create_connection(("127.0.0.1", s.proxy.port), timeout=10) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: gone-1\r\n"
-                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: gone-1\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(body), body)
+            )
             assert reached.wait(10)
         assert s.control.got.wait(10)
         assert s.control.notices == [("r-gone-1", "release")]
@@ -236,7 +276,10 @@ def test_an_unexpected_proxy_error_is_500_json_not_text():
     try:
         r = _post(s.url, json={"prompt": "x", "max_tokens": 4})
         assert r.status_code == 500
-        assert r.json()["error"]["type"] == "InternalServerError" and "hook failed" in r.json()["error"]["message"]
+        assert (
+            r.json()["error"]["type"] == "InternalServerError"
+            and "hook failed" in r.json()["error"]["message"]
+        )
         assert s.control.got.wait(10) and s.control.notices[0][1] == "release"
     finally:
         s.stop()
@@ -262,15 +305,24 @@ def test_a_block_size_difference_pairs_unless_decode_has_dcp():
         return BackendInfo(role, "e", {**LAYOUT, **layout}, 512, 0.0, None)
 
     assert pair_mismatch("p", info("kv_producer"), "d", info("kv_consumer", block_size=32)) is None
-    msg = pair_mismatch("p", info("kv_producer"), "d", info("kv_consumer", block_size=32, dcp_size=2))
-    assert msg is not None and "block_size=32" in msg and "block_size=16" in msg and "dcp_size=2" in msg
+    msg = pair_mismatch(
+        "p", info("kv_producer"), "d", info("kv_consumer", block_size=32, dcp_size=2)
+    )
+    assert (
+        msg is not None
+        and "block_size=32" in msg
+        and "block_size=16" in msg
+        and "dcp_size=2" in msg
+    )
     assert pair_mismatch("p", info("kv_producer"), "d", info("kv_consumer", dcp_size=2)) is None
     # A prefill engine at tp 2 hands over one head slice per rank in whole blocks: neither a
     # block size change nor a DCP decode engine pairs with it (the decode engine's own refusals).
     p_tp2 = info("kv_producer", tp_size=2)
     assert pair_mismatch("p", p_tp2, "d", info("kv_consumer")) is None
     msg = pair_mismatch("p", p_tp2, "d", info("kv_consumer", block_size=32))
-    assert msg is not None and "tp_size=2" in msg and "block_size=16" in msg and "block_size=32" in msg
+    assert (
+        msg is not None and "tp_size=2" in msg and "block_size=16" in msg and "block_size=32" in msg
+    )
     msg = pair_mismatch("p", p_tp2, "d", info("kv_consumer", dcp_size=2))
     assert msg is not None and "tp_size=2 into a DCP decode engine" in msg
 
@@ -280,24 +332,42 @@ def _proxy_errors(url: str) -> dict[tuple[str, str], float]:
     out: dict[tuple[str, str], float] = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         if line.startswith("pdkv:proxy_errors_total{"):
-            labels = dict(kv.split("=") for kv in line[line.index("{") + 1:line.index("}")].split(","))
-            out[(labels["leg"].strip('"'), labels["kind"].strip('"'))] = float(line.rsplit(" ", 1)[1])
+            labels = dict(
+                kv.split("=") for kv in line[line.index("{") + 1 : line.index("}")].split(",")
+            )
+            out[(labels["leg"].strip('"'), labels["kind"].strip('"'))] = float(
+                line.rsplit(" ", 1)[1]
+            )
     return out
 
 
 def test_an_unknown_model_is_404_at_the_proxy_before_any_leg(stack):
     """vLLM's 404 NotFoundError, decided from the backends' /v1/models; counted as the client's
     error, not a proxy or backend failure."""
-    for path, body in (("/v1/completions", {"model": "gpt-4", "prompt": "x", "max_tokens": 4}),
-                       ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]})):
+    for path, body in (
+        ("/v1/completions", {"model": "gpt-4", "prompt": "x", "max_tokens": 4}),
+        ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
+    ):
         r = httpx.post(stack.url + path, json=body, timeout=10)
         assert r.status_code == 404, r.text
         err = r.json()["error"]
         assert err["type"] == "NotFoundError" and err["code"] == 404 and err["param"] == "model"
-        assert f"The model `{body['model']}` does not exist; this deployment serves `smollm2`" in err["message"]
-    assert stack.p.hits["prefill"] == 0 and stack.d.hits["decode"] == 0 and stack.d.hits["tokenize"] == 0
-    assert _post(stack.url, json={"model": "smollm2", "prompt": "x", "max_tokens": 4}).status_code == 200
-    assert _post(stack.url, json={"prompt": "x", "max_tokens": 4}).status_code == 200  # no model: the default
+        assert (
+            f"The model `{body['model']}` does not exist; this deployment serves `smollm2`"
+            in err["message"]
+        )
+    assert (
+        stack.p.hits["prefill"] == 0
+        and stack.d.hits["decode"] == 0
+        and stack.d.hits["tokenize"] == 0
+    )
+    assert (
+        _post(stack.url, json={"model": "smollm2", "prompt": "x", "max_tokens": 4}).status_code
+        == 200
+    )
+    assert (
+        _post(stack.url, json={"prompt": "x", "max_tokens": 4}).status_code == 200
+    )  # no model: the default
     errors = _proxy_errors(stack.url)
     assert errors.get(("proxy", "client")) == 2
     assert not any(kind == "status" for _, kind in errors)
@@ -321,13 +391,18 @@ def test_unknown_model_needs_a_reported_name_and_error_kind_reads_the_layout():
     assert unknown_model("alias", [served, None]) is None
     assert unknown_model(None, [served]) is None
     assert unknown_model("x", [silent, None]) is None  # nothing reported: the engine decides
-    assert unknown_model("x", [served, silent]) == "The model `x` does not exist; this deployment serves `smollm2`, `alias`."
+    assert (
+        unknown_model("x", [served, silent])
+        == "The model `x` does not exist; this deployment serves `smollm2`, `alias`."
+    )
     assert error_kind(404) == "client" and error_kind(503) == "status"
     assert error_kind(400, b'{"error": {"message": "KV layout mismatch (dtype)"}}') == "status"
 
 
 def test_reset_prefix_cache_goes_to_every_backend_and_reports_each(stack):
-    r = httpx.post(stack.url + "/reset_prefix_cache", headers={"Authorization": "Bearer k"}, timeout=10)
+    r = httpx.post(
+        stack.url + "/reset_prefix_cache", headers={"Authorization": "Bearer k"}, timeout=10
+    )
     assert r.status_code == 200, r.text
     assert r.json()["backends"] == [
         {"url": stack.p.url, "role": "prefill", "status": 200, "message": None},
@@ -341,7 +416,10 @@ def test_reset_prefix_cache_goes_to_every_backend_and_reports_each(stack):
     body = r.json()
     assert [b["status"] for b in body["backends"]] == [200, 409]
     assert "blocks are in use" in body["backends"][1]["message"]
-    assert "1 of 2 backends succeeded" in body["error"]["message"] and stack.d.url in body["error"]["message"]
+    assert (
+        "1 of 2 backends succeeded" in body["error"]["message"]
+        and stack.d.url in body["error"]["message"]
+    )
     assert stack.p.hits["reset_prefix_cache"] == 2
 
 
@@ -351,7 +429,11 @@ def test_reset_prefix_cache_reports_an_unreachable_backend_as_502():
         r = httpx.post(s.url + "/reset_prefix_cache", timeout=30)
         assert r.status_code == 502
         prefill, decode = r.json()["backends"]
-        assert prefill["status"] == 200 and decode["status"] == 502 and "unreachable" in decode["message"]
+        assert (
+            prefill["status"] == 200
+            and decode["status"] == 502
+            and "unreachable" in decode["message"]
+        )
     finally:
         s.stop()
 
@@ -362,7 +444,9 @@ def test_reset_prefix_cache_in_colocated_mode_goes_to_every_instance():
     try:
         r = httpx.post(proxy.url + "/reset_prefix_cache", timeout=10)
         assert r.status_code == 200
-        assert [(b["role"], b["url"]) for b in r.json()["backends"]] == [("backend", e.url) for e in engines]
+        assert [(b["role"], b["url"]) for b in r.json()["backends"]] == [
+            ("backend", e.url) for e in engines
+        ]
         assert [e.hits["reset_prefix_cache"] for e in engines] == [1, 1]
     finally:
         proxy.stop()

@@ -61,7 +61,9 @@ class _Mock:
         async def health():
             return {}
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 10
@@ -85,8 +87,14 @@ def test_proxy_spreads_sequential_requests_over_both_pools(routing):
         app = build_proxy_app([mocks[0].url, mocks[1].url], [mocks[2].url, mocks[3].url], routing)
         proxy = _ProxyThread(app)
         try:
-            texts = [httpx.post(proxy.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4},
-                                timeout=10).json()["choices"][0]["text"] for _ in range(8)]
+            texts = [
+                httpx.post(
+                    proxy.url + "/v1/completions",
+                    json={"prompt": "hi", "max_tokens": 4},
+                    timeout=10,
+                ).json()["choices"][0]["text"]
+                for _ in range(8)
+            ]
         finally:
             proxy.stop()
         assert hits == Counter({"p0": 4, "p1": 4, "d0": 4, "d1": 4})
@@ -102,7 +110,9 @@ class _ProxyThread:
     def __init__(self, app: FastAPI) -> None:
         self.port = free_port(set())
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 10

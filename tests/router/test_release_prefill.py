@@ -25,8 +25,13 @@ def test_release_reaches_every_producer_rank():
     seen1: list[Notify] = []
     (s0, p0), (s1, p1) = control_server(seen0), control_server(seen1)
     try:
-        params = {"remote_host": "127.0.0.1", "remote_port": p0, "remote_request_id": "r1", "remote_nonce": "n1",
-                  "endpoints": [["127.0.0.1", p0], ["127.0.0.1", p1]]}
+        params = {
+            "remote_host": "127.0.0.1",
+            "remote_port": p0,
+            "remote_request_id": "r1",
+            "remote_nonce": "n1",
+            "endpoints": [["127.0.0.1", p0], ["127.0.0.1", p1]],
+        }
         assert release_prefill(params)
         for seen in (seen0, seen1):
             assert [(n.request_id, n.kind, n.nonce) for n in seen] == [("r1", "release", "n1")]
@@ -44,7 +49,9 @@ def test_one_rank_refusing_is_reported_and_tp1_params_still_work():
                   "endpoints": [["127.0.0.1", p0], ["127.0.0.1", p1]]}
         assert not release_prefill(params)
         assert len(seen0) == len(seen1) == 1
-        assert release_prefill({"remote_host": "127.0.0.1", "remote_port": p0, "remote_request_id": "r3"})
+        assert release_prefill(
+            {"remote_host": "127.0.0.1", "remote_port": p0, "remote_request_id": "r3"}
+        )
         assert [n.request_id for n in seen0] == ["r2", "r3"] and len(seen1) == 1
     finally:
         stop_server(s0)

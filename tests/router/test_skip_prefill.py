@@ -34,7 +34,9 @@ def pd():
 
 
 def _post(url: str, prompt: list[int], **extra: object) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4, **extra}, timeout=10)
+    return httpx.post(
+        url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4, **extra}, timeout=10
+    )
 
 
 def _skipped(url: str) -> float:

@@ -31,7 +31,13 @@ def test_engine_phases_add_up_to_the_total():
                        last_token_time=None, finished_time=None, kv_wait_time=1.25)
     t = engine_timings(9.75, m, 12.125)
     assert t is not None and list(t["phases"]) == list(ENGINE_PHASES)
-    assert t["phases"] == {"input": 0.25, "queue": 0.5, "kv_wait": 1.25, "prefill": 0.25, "output": 0.125}
+    assert t["phases"] == {
+        "input": 0.25,
+        "queue": 0.5,
+        "kv_wait": 1.25,
+        "prefill": 0.25,
+        "output": 0.125,
+    }
     assert t["total"] == 2.375 == pytest.approx(sum(t["phases"].values()))
     # No first token: nothing to decompose.
     m.first_token_time = None
@@ -44,9 +50,22 @@ def test_pd_stitching_arithmetic():
     t = c.stitch(D_T)
     ph = t["phases"]
     assert list(ph) == list(PD_PHASES) and t["mode"] == "pd" and t["source"] == "proxy"
-    expect = {"proxy": 0.01, "p_input": 0.01, "p_queue": 0.04, "p_kv_wait": 0.0, "p_prefill": 0.4,
-              "p_output": 0.05, "p_residual": 0.09, "proxy_between": 0.02, "d_input": 0.02,
-              "d_queue": 0.01, "transfer": 0.2, "d_first_step": 0.06, "d_output": 0.01, "d_residual": 0.08}
+    expect = {
+        "proxy": 0.01,
+        "p_input": 0.01,
+        "p_queue": 0.04,
+        "p_kv_wait": 0.0,
+        "p_prefill": 0.4,
+        "p_output": 0.05,
+        "p_residual": 0.09,
+        "proxy_between": 0.02,
+        "d_input": 0.02,
+        "d_queue": 0.01,
+        "transfer": 0.2,
+        "d_first_step": 0.06,
+        "d_output": 0.01,
+        "d_residual": 0.08,
+    }
     assert ph == pytest.approx(expect, abs=1e-6)
     assert t["total"] == pytest.approx(1.0) == pytest.approx(sum(ph.values()))
     assert t["legs"] == {"prefill": P_T, "decode": D_T}
@@ -61,7 +80,9 @@ def test_skip_prefill_and_colocated_stitching_and_missing_engine_timings():
     assert list(col["phases"]) == list(COLOCATED_PHASES) and col["phases"]["kv_wait"] == 0.2
     assert col["phases"]["residual"] == pytest.approx(0.1) and col["legs"] == {"whole": D_T}
     # A backend without pdkv_timings: its whole leg is residual.
-    bare = RequestClock(received=0.0, mode="pd", p_sent=0.0, p_done=0.5, d_sent=0.5, d_first=0.75).stitch(None)
+    bare = RequestClock(
+        received=0.0, mode="pd", p_sent=0.0, p_done=0.5, d_sent=0.5, d_first=0.75
+    ).stitch(None)
     assert bare["phases"]["p_residual"] == 0.5 and bare["phases"]["d_residual"] == 0.25
     assert bare["phases"]["transfer"] == 0.0
     with pytest.raises(ValueError):
@@ -122,7 +143,9 @@ def test_proxy_returns_stitched_timings_non_streamed_and_streamed(pd):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
     _check_pd(r.json()["pdkv_timings"])
     events = []
-    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=10) as resp:
+    with httpx.stream(
+        "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=10
+    ) as resp:
         for line in resp.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 events.append(json.loads(line[len("data: "):]))
@@ -138,7 +161,9 @@ def test_colocated_proxy_passes_the_engine_timings_through_with_its_own():
     b.timings = D_T
     srv = ServerThread(build_proxy_app([], [], backend_urls=[b.url]))
     try:
-        r = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=10)
+        r = httpx.post(
+            srv.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=10
+        )
         t = r.json()["pdkv_timings"]
         assert t["mode"] == "colocated" and list(t["phases"]) == list(COLOCATED_PHASES)
         assert {k: t["phases"][k] for k in ENGINE_PHASES} == D_T["phases"]

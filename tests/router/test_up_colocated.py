@@ -24,7 +24,9 @@ def test_n_instances_share_the_pool_behind_a_prefix_aware_proxy():
     assert names == ["engine0", "engine1", "engine2", "proxy"]
     engines, proxy = topo.children[:3], topo.children[3]
     for e in engines:  # every instance gets the same pool config
-        assert e.cmd[e.cmd.index("--kv-transfer-config") + 1] == '{"kv_connector": "KVPoolConnector"}'
+        assert (
+            e.cmd[e.cmd.index("--kv-transfer-config") + 1] == '{"kv_connector": "KVPoolConnector"}'
+        )
     backends = proxy.cmd[proxy.cmd.index("--backends") + 1].split(",")
     assert backends == [e.url for e in engines]
     assert proxy.cmd[proxy.cmd.index("--routing") + 1] == "prefix_aware"
@@ -34,10 +36,19 @@ def test_n_instances_share_the_pool_behind_a_prefix_aware_proxy():
 
 
 def test_a_colocated_engine_without_a_pool_takes_the_users_kv_transfer_config():
-    args = _args("--mode", "colocated", "--", "--kv-transfer-config", '{"kv_connector": "OffloadingConnector"}')
+    args = _args(
+        "--mode",
+        "colocated",
+        "--",
+        "--kv-transfer-config",
+        '{"kv_connector": "OffloadingConnector"}',
+    )
     launcher.check_args(args)
     (engine,) = launcher.build_topology(args).children
-    assert engine.cmd[engine.cmd.index("--kv-transfer-config") + 1] == '{"kv_connector": "OffloadingConnector"}'
+    assert (
+        engine.cmd[engine.cmd.index("--kv-transfer-config") + 1]
+        == '{"kv_connector": "OffloadingConnector"}'
+    )
 
 
 def test_one_instance_has_no_proxy():
@@ -74,8 +85,14 @@ def test_pd_listing_names_role_url_threads_log_and_forwards_disable_log_requests
     topo = launcher.build_topology(args)
     p, d, proxy = topo.children
     p.log_path = "logs/prefill0.log"
-    assert p.describe() == f"prefill0: prefill (kv_producer), {p.url}, 3 threads, log logs/prefill0.log"
+    assert (
+        p.describe()
+        == f"prefill0: prefill (kv_producer), {p.url}, 3 threads, log logs/prefill0.log"
+    )
     assert d.describe().startswith(f"decode0: decode (kv_consumer), {d.url}, 3 threads, log ")
     assert proxy.describe().startswith(f"proxy: proxy (P/D, round_robin), {proxy.url}, -, log ")
     assert "--disable-log-requests" in p.cmd and "--disable-log-requests" in d.cmd
-    assert "--disable-log-requests" not in launcher.build_topology(_args("--mode", "pd")).children[0].cmd
+    assert (
+        "--disable-log-requests"
+        not in launcher.build_topology(_args("--mode", "pd")).children[0].cmd
+    )

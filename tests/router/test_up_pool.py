@@ -38,9 +38,26 @@ needs_redis = pytest.mark.skipif(not _redis_ready() and not in_ci(),
 
 def _up(tmp_path, tier: str, port: int, *engine: str) -> tuple[subprocess.Popen[bytes], str]:
     out = tmp_path / "up.out"
-    cmd = [sys.executable, "-m", "pdkv.cli", "up", "--mode", "colocated", "--pool", tier,
-           "--pool-chunk-size", str(CHUNK), "--port", str(port), "--log-dir", str(tmp_path / "logs"),
-           "--threads-per-engine", "2", "--", *engine]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdkv.cli",
+        "up",
+        "--mode",
+        "colocated",
+        "--pool",
+        tier,
+        "--pool-chunk-size",
+        str(CHUNK),
+        "--port",
+        str(port),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--threads-per-engine",
+        "2",
+        "--",
+        *engine,
+    ]
     with open(out, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, str(out)
@@ -81,7 +98,9 @@ def _complete(url: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tier", [pytest.param("redis", marks=needs_redis)])  # dram: test_pool_engine
+@pytest.mark.parametrize(
+    "tier", [pytest.param("redis", marks=needs_redis)]
+)  # dram: test_pool_engine
 def test_up_colocated_pool_serves_a_repeated_prompt_from_the_pool(tmp_path, tier):
     port = free_port(set())
     url = f"http://127.0.0.1:{port}"
@@ -152,7 +171,9 @@ def test_up_pd_with_a_dram_pool_is_a_clear_error_and_other_tiers_get_a_multiconn
                for c in topo.children if "--kv-transfer-config" in c.cmd}
     p, d = configs["prefill0"], configs["decode0"]
     assert p["kv_connector"] == d["kv_connector"] == "MultiConnector"
-    assert [(c["kv_connector"], c["kv_role"]) for c in p["kv_connector_extra_config"]["connectors"]] == [
-        ("P2PConnector", "kv_producer"), ("KVPoolConnector", "kv_producer")]
-    assert [(c["kv_connector"], c["kv_role"]) for c in d["kv_connector_extra_config"]["connectors"]] == [
-        ("KVPoolConnector", "kv_consumer"), ("P2PConnector", "kv_consumer")]
+    assert [
+        (c["kv_connector"], c["kv_role"]) for c in p["kv_connector_extra_config"]["connectors"]
+    ] == [("P2PConnector", "kv_producer"), ("KVPoolConnector", "kv_producer")]
+    assert [
+        (c["kv_connector"], c["kv_role"]) for c in d["kv_connector_extra_config"]["connectors"]
+    ] == [("KVPoolConnector", "kv_consumer"), ("P2PConnector", "kv_consumer")]

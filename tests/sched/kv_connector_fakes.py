@@ -113,7 +113,10 @@ class FakeConnector(KVConnectorBase):
         if rid in self.inflight:
             return self.delay_inflight, None
         p = request.kv_transfer_params or {}
-        ok = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+        ok = request.status in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+        )
         if p.get("do_remote_decode") and ok and any(block_ids):
             self.held.add(rid)
             return True, {
@@ -217,7 +220,8 @@ def make_scheduler(
     spec = FullAttentionSpec(BS, num_kv_heads=1, head_size=8)
     swa = SlidingWindowSpec(BS, num_kv_heads=1, head_size=8, sliding_window=window or 1)
     kv_config = KVCacheConfig(
-        num_blocks, tuple(KVCacheGroupSpec((g,), swa if window and g else spec) for g in range(num_groups))
+        num_blocks,
+        tuple(KVCacheGroupSpec((g,), swa if window and g else spec) for g in range(num_groups)),
     )
     conn = FakeConnector(kv_config, delay_inflight=delay_inflight)
     sched = Scheduler(

@@ -118,7 +118,11 @@ def test_a_partly_failed_load_with_a_window_group_restarts_from_the_local_hits()
     step(sched, worker)
     full_table = sched.kv_cache_manager.get_block_ids("r")[0]
     worker.load(sched, r)
-    step(sched, worker, KVConnectorOutput(finished_recving={"r"}, invalid_block_ids={(0, full_table[2])}))
+    step(
+        sched,
+        worker,
+        KVConnectorOutput(finished_recving={"r"}, invalid_block_ids={(0, full_table[2])}),
+    )
     out, _ = step(sched, worker)
     assert out.num_scheduled_tokens == {"r": 11}  # not 8: blocks 0-1 of the window group never came
     assert sched.kv_stats["kv_load_failures_recompute"] == 1

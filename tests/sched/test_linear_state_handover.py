@@ -22,13 +22,19 @@ P_TOKEN = 7  # the fake model never samples an id below 100
 
 
 def make(policy: str = "fail") -> tuple[Scheduler, FakeConnector]:
-    groups = (KVCacheGroupSpec((1,), FullAttentionSpec(BS, num_kv_heads=1, head_size=8)),
-              KVCacheGroupSpec((0,), LinearStateSpec(BS, conv_shape=(8, 3), recurrent_shape=(1, 4, 4))))
+    groups = (
+        KVCacheGroupSpec((1,), FullAttentionSpec(BS, num_kv_heads=1, head_size=8)),
+        KVCacheGroupSpec((0,), LinearStateSpec(BS, conv_shape=(8, 3), recurrent_shape=(1, 4, 4))),
+    )
     kv_config = KVCacheConfig(NUM_BLOCKS, groups)
     conn = FakeConnector(kv_config)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=128),
-                      CacheConfig(block_size=BS, num_kv_blocks=NUM_BLOCKS, enable_prefix_caching=True),
-                      kv_config, connector=conn, kv_load_failure_policy=policy)
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=128),
+        CacheConfig(block_size=BS, num_kv_blocks=NUM_BLOCKS, enable_prefix_caching=True),
+        kv_config,
+        connector=conn,
+        kv_load_failure_policy=policy,
+    )
     return sched, conn
 
 
@@ -38,8 +44,11 @@ def remote(rid: str, prompt: list[int], max_tokens: int) -> Request:
 
 
 def all_free(sched: Scheduler) -> bool:
-    return (all(p.num_free_blocks == p.num_usable_blocks for p in sched.kv_cache_manager.block_pools)
-            and not sched.requests and not sched.kv_state.delayed_free)
+    return (
+        all(p.num_free_blocks == p.num_usable_blocks for p in sched.kv_cache_manager.block_pools)
+        and not sched.requests
+        and not sched.kv_state.delayed_free
+    )
 
 
 def test_a_full_load_resumes_at_n_with_the_producers_token_first():
@@ -92,9 +101,15 @@ def test_a_failed_load_under_recompute_prefills_locally_without_the_producers_to
     worker.load(sched, r)
     # Only the last block is reported bad: blocks 0 and 1 of group 0 hold good KV, but the load
     # wrote no state slot for their end, so the request starts over.
-    step(sched, worker, KVConnectorOutput(finished_recving={"r"}, invalid_block_ids=in_group0(table[-1:])))
+    step(
+        sched,
+        worker,
+        KVConnectorOutput(finished_recving={"r"}, invalid_block_ids=in_group0(table[-1:])),
+    )
     out, _ = step(sched, worker)
-    assert out.num_scheduled_tokens == {"r": 10} and out.scheduled_new_reqs[0].num_computed_tokens == 0
+    assert (
+        out.num_scheduled_tokens == {"r": 10} and out.scheduled_new_reqs[0].num_computed_tokens == 0
+    )
     while sched.has_unfinished_requests():
         step(sched, worker)
     assert P_TOKEN not in r.output_token_ids and r.num_output_tokens == 2

@@ -22,21 +22,27 @@ from pdkv.sched.scheduler import Scheduler
 
 
 def make(cap: int, budget: int = 64, num_blocks: int = 128) -> Scheduler:
-    kv = KVCacheConfig(num_blocks, (KVCacheGroupSpec((0,), FullAttentionSpec(BS, num_kv_heads=1, head_size=8)),))
+    kv = KVCacheConfig(
+        num_blocks, (KVCacheGroupSpec((0,), FullAttentionSpec(BS, num_kv_heads=1, head_size=8)),)
+    )
     return Scheduler(
         SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget, max_model_len=256,
                         max_mixed_prefill_tokens=cap),
         CacheConfig(block_size=BS, num_kv_blocks=num_blocks), kv)
 
 
-def prefill_tokens(sched: Scheduler, out: SchedulerOutput, before: dict[str, int]) -> tuple[int, int]:
+def prefill_tokens(
+    sched: Scheduler, out: SchedulerOutput, before: dict[str, int]
+) -> tuple[int, int]:
     """(prompt-chunk tokens, decode requests) of a step, from the tokens each request had left."""
     chunks = sum(n for r, n in out.num_scheduled_tokens.items() if before[r] > 1)
     decodes = sum(1 for r, n in out.num_scheduled_tokens.items() if before[r] == 1)
     return chunks, decodes
 
 
-def run(cap: int, arrivals: dict[int, list[tuple[str, int, int]]]) -> tuple[Trace, list[tuple[int, int]]]:
+def run(
+    cap: int, arrivals: dict[int, list[tuple[str, int, int]]]
+) -> tuple[Trace, list[tuple[int, int]]]:
     """Step until done; `arrivals[step]` = requests (id, prompt length, max_tokens) added before
     that step. Returns the trace and (prompt tokens, decodes) per step."""
     sched = make(cap)
@@ -48,7 +54,9 @@ def run(cap: int, arrivals: dict[int, list[tuple[str, int, int]]]) -> tuple[Trac
             sched.add_request(make_request(rid, prompt_of(len(rid) + n, n), max_tokens=m))
         if not sched.has_unfinished_requests() and i > max(arrivals):
             break
-        before = {r.request_id: r.num_tokens - r.num_computed_tokens for r in sched.requests.values()}
+        before = {
+            r.request_id: r.num_tokens - r.num_computed_tokens for r in sched.requests.values()
+        }
         out = step(sched, runner, trace)
         mix.append(prefill_tokens(sched, out, before))
     assert_all_free(sched, runner)
@@ -80,4 +88,6 @@ def test_cap_validation():
     with pytest.raises(ValueError, match="max_mixed_prefill_tokens must be >= 0"):
         SchedulerConfig(max_mixed_prefill_tokens=-1)
     with pytest.raises(ValueError, match="needs chunked prefill"):
-        SchedulerConfig(max_mixed_prefill_tokens=64, enable_chunked_prefill=False, max_num_batched_tokens=8192)
+        SchedulerConfig(
+            max_mixed_prefill_tokens=64, enable_chunked_prefill=False, max_num_batched_tokens=8192
+        )

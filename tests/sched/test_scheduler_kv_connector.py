@@ -244,7 +244,9 @@ def test_load_failure_under_recompute_keeps_the_blocks_before_the_first_invalid_
     worker.load(sched, r)  # block 0 landed; block 1 (and what follows) is reported invalid
     for p in range(BS, len(prompt)):
         worker.kv[table[p // BS]][p % BS] = (-1,)
-    step(sched, worker, KVConnectorOutput(finished_recving={"r"}, invalid_block_ids={(0, table[1])}))
+    step(
+        sched, worker, KVConnectorOutput(finished_recving={"r"}, invalid_block_ids={(0, table[1])})
+    )
     out, _ = step(sched, worker)
     assert out.num_scheduled_tokens == {"r": 11 - BS}  # recomputed from block 1 on
     assert r.num_cached_tokens == BS and block_ids(sched, "r") == table  # blocks kept

@@ -155,8 +155,14 @@ def test_kv_stats_accumulate_and_transfer_times_are_drained():
     worker = FakeWorker()
     step(sched, worker, KVConnectorOutput(stats={"kv_bytes_received": 100.0, "kv_transfers": 1.0},
                                           transfer_seconds=[0.5]))
-    step(sched, worker, KVConnectorOutput(stats={"kv_bytes_received": 50.0, "lease_expirations": 2.0},
-                                          transfer_seconds=[0.25, 0.125]))
+    step(
+        sched,
+        worker,
+        KVConnectorOutput(
+            stats={"kv_bytes_received": 50.0, "lease_expirations": 2.0},
+            transfer_seconds=[0.25, 0.125],
+        ),
+    )
     step(sched, worker)  # no report: nothing changes
     expected = {"kv_bytes_received": 150.0, "kv_transfers": 1.0, "lease_expirations": 2.0}
     assert sched.kv_stats == expected
@@ -291,8 +297,13 @@ def test_invalid_blocks_of_an_aborted_load_do_not_poison_later_loads():
     table = block_ids(sched, "a")
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     # Its pull then fails: the worker reports it as received, with its blocks invalid.
-    step(sched, worker, KVConnectorOutput(finished_recving={"a"}, invalid_block_ids=in_group0(table),
-                                          load_errors={"a": "timeout"}))
+    step(
+        sched,
+        worker,
+        KVConnectorOutput(
+            finished_recving={"a"}, invalid_block_ids=in_group0(table), load_errors={"a": "timeout"}
+        ),
+    )
     assert sched.kv_cache_manager.num_free_blocks == 3
     b = remote_req("b", prompt_of(51, 12))
     sched.add_request(b)

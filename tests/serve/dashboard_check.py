@@ -49,7 +49,9 @@ def selectors(expr: str) -> list[tuple[str, dict[str, str]]]:
     """(metric name, fixed equality matchers) for every `pdkv:` metric in a PromQL expression."""
     out = []
     for name, braces in METRIC_RE.findall(expr):
-        fixed = {k: v for k, op, v in MATCHER_RE.findall(braces or "") if op == "=" and "$" not in v}
+        fixed = {
+            k: v for k, op, v in MATCHER_RE.findall(braces or "") if op == "=" and "$" not in v
+        }
         out.append((name, fixed))
     return out
 

@@ -64,16 +64,28 @@ def prometheus(targets: list[str], folder: Path) -> Iterator[Prometheus]:
         "    static_configs:\n"
         f"      - targets: [{', '.join(repr(t) for t in targets)}]\n")
     log = open(folder / "prometheus.log", "wb")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=folder, env=dict(os.environ),
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={folder / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=folder,
+        env=dict(os.environ),
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited: {(folder / 'prometheus.log').read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"prometheus exited: {(folder / 'prometheus.log').read_text()[-2000:]}"
+                )
             try:
                 if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
                     break

@@ -26,17 +26,36 @@ class RemoteServer:
         avoid: ports not to take (those of servers started beside this one, not yet bound).
     """
 
-    def __init__(self, args: list[str], health_path: str = "/health", timeout: float = 180.0,
-                 env: dict[str, str] | None = None, wait: bool = True, avoid: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        health_path: str = "/health",
+        timeout: float = 180.0,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+        avoid: tuple[int, ...] = (),
+    ) -> None:
         self.port = free_port()
         while self.port in avoid:
             self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PDKV_NUM_THREADS=os.environ.get("PDKV_NUM_THREADS", "2"), **(env or {}))
+        env = dict(
+            os.environ, PDKV_NUM_THREADS=os.environ.get("PDKV_NUM_THREADS", "2"), **(env or {})
+        )
         self.log = open(os.environ.get("PDKV_TEST_SERVER_LOG", os.devnull), "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdkv.cli", *args, "--host", "127.0.0.1", "--port", str(self.port),
-             "--log-level", "warning"],
+            [
+                sys.executable,
+                "-m",
+                "pdkv.cli",
+                *args,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+            ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=env,

@@ -22,5 +22,7 @@ def test_busy_port_fails_before_the_model_loads(monkeypatch, capsys):
         assert main(["serve", "smollm2", "--port", str(port), "--max-model-len", "256"]) != 0
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and "choose another --port" in err
-    with pytest.raises(AssertionError, match="started loading"):  # a free port gets as far as loading
+    with pytest.raises(
+        AssertionError, match="started loading"
+    ):  # a free port gets as far as loading
         main(["serve", "smollm2", "--port", "0", "--max-model-len", "256"])

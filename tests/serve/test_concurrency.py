@@ -51,7 +51,9 @@ class _RunningWatcher:
     def _poll(self) -> None:
         with httpx.Client(timeout=10) as c:
             while not self._stop.is_set():
-                running = metric_value(c.get(self.url + "/metrics").text, "pdkv:num_requests_running")
+                running = metric_value(
+                    c.get(self.url + "/metrics").text, "pdkv:num_requests_running"
+                )
                 self.peak = max(self.peak, running)
                 self._stop.wait(0.02)
 
@@ -73,7 +75,9 @@ def test_64_concurrent_streams_are_batched_and_match_offline(server, reference_l
     prompts = [_prompt(i) for i in range(N_CLIENTS)]
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
+        client = openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300
+        )
         return await asyncio.gather(*(_one(client, p, MAX_TOKENS) for p in prompts))
 
     with _RunningWatcher(server.url) as watcher:
@@ -86,14 +90,18 @@ def test_64_concurrent_streams_are_batched_and_match_offline(server, reference_l
 
 def test_overlong_prompts_tokenized_concurrently_do_not_disturb_streams(server, reference_llm):
     n_long, n_streams, max_tokens = 200, 8, 24
-    long_prompts = [f"{i} " + "the quick brown fox jumps over the lazy dog " * 150 for i in range(n_long)]
+    long_prompts = [
+        f"{i} " + "the quick brown fox jumps over the lazy dog " * 150 for i in range(n_long)
+    ]
     stream_prompts = [_prompt(100 + i) for i in range(n_streams)]
 
     async def reject(client: httpx.AsyncClient, prompt: str) -> httpx.Response:
         return await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4})
 
     async def main():
-        oai = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
+        oai = openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300
+        )
         limits = httpx.Limits(max_connections=n_long + 8)
         async with httpx.AsyncClient(base_url=server.url, timeout=300, limits=limits) as client:
             streams = [asyncio.ensure_future(_one(oai, p, max_tokens)) for p in stream_prompts]

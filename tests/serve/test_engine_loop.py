@@ -24,8 +24,17 @@ LEASE_S = 8.0
 def _producer_args(lease_s: float) -> list[str]:
     cfg = {"kv_connector": "P2PConnector", "kv_role": "kv_producer",
            "kv_connector_extra_config": {"transfer": "tcp", "kv_lease_duration": lease_s}}
-    return ["serve", "--model", "smollm2", "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-model-len", "256",
-            "--kv-transfer-config", json.dumps(cfg)]
+    return [
+        "serve",
+        "--model",
+        "smollm2",
+        "--num-kv-blocks",
+        str(NUM_KV_BLOCKS),
+        "--max-model-len",
+        "256",
+        "--kv-transfer-config",
+        json.dumps(cfg),
+    ]
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
@@ -63,8 +72,23 @@ def _read_lines(stream, lines: list[str]) -> None:
 
 def test_failed_step_ends_serve_with_error_and_up_reports_it(tmp_path):
     env = dict(os.environ, PDKV_FAULT_STEP_RAISE_AT="4", PDKV_NUM_THREADS="2")
-    cmd = [sys.executable, "-m", "pdkv.cli", "up", "--mode", "colocated", "--log-dir", str(tmp_path),
-           "--health-timeout", "240", "--", "--num-kv-blocks", "64", "--max-model-len", "256"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdkv.cli",
+        "up",
+        "--mode",
+        "colocated",
+        "--log-dir",
+        str(tmp_path),
+        "--health-timeout",
+        "240",
+        "--",
+        "--num-kv-blocks",
+        "64",
+        "--max-model-len",
+        "256",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                             start_new_session=True)
     out: list[str] = []
@@ -81,7 +105,12 @@ def test_failed_step_ends_serve_with_error_and_up_reports_it(tmp_path):
             time.sleep(0.5)
         url = next(line for line in out if line.startswith("ready: ")).split()[1]
         # Steps 1-3 run this request's prefill and first decodes; step 4 raises.
-        body = {"prompt": "Once upon a time", "max_tokens": 50, "temperature": 0, "ignore_eos": True}
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": 50,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         r = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 503, r.text
         assert "engine died" in r.json()["error"]["message"]

@@ -31,12 +31,25 @@ def test_every_panel_lists_its_metrics_and_queries_only_declared_ones():
         assert names and listed_metrics(p) == names, p["title"]
         assert p["datasource"]["uid"] == "${datasource}"
         for t in p["targets"]:
-            assert 'model_name=~"$model_name"' in t["expr"] and 'instance=~"$instance"' in t["expr"], t["expr"]
+            assert (
+                'model_name=~"$model_name"' in t["expr"] and 'instance=~"$instance"' in t["expr"]
+            ), t["expr"]
     scopes = [live_scope(p) for p in ps]
     assert scopes.count("any deployment") >= 6 and scopes.count("P/D") >= 3
     titles = " ".join(p["title"] for p in ps).lower()
-    for topic in ("first token", "per output token", "inter-token", "end-to-end", "throughput",
-                  "kv cache usage", "prefix cache", "kv pool", "kv transfer", "pull time", "failures"):
+    for topic in (
+        "first token",
+        "per output token",
+        "inter-token",
+        "end-to-end",
+        "throughput",
+        "kv cache usage",
+        "prefix cache",
+        "kv pool",
+        "kv transfer",
+        "pull time",
+        "failures",
+    ):
         assert topic in titles, topic
     # Before any request: every queried metric is declared by the server's registry.
     assert problems(dash, [ServerMetrics("m").render().decode()], set()) == []
@@ -53,8 +66,13 @@ def test_selector_regex():
 @pytest.mark.slow
 def test_always_live_panels_have_data_after_a_short_run(server):
     dash = load()
-    body = {"model": "smollm2", "prompt": "A short story about a lighthouse keeper:", "max_tokens": 4,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": "smollm2",
+        "prompt": "A short story about a lighthouse keeper:",
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     for _ in range(2):  # the second one hits the prefix cache
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text

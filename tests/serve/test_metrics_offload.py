@@ -44,7 +44,9 @@ def test_offload_counters_and_gauges():
 
 def test_every_documented_offload_name_is_exported():
     m = ServerMetrics("smollm2")
-    m.observe_step([], _stats({f"offload:{n}": 7.0 for n in [*OFFLOAD_COUNTERS, *OFFLOAD_GAUGES]}), 0.0)
+    m.observe_step(
+        [], _stats({f"offload:{n}": 7.0 for n in [*OFFLOAD_COUNTERS, *OFFLOAD_GAUGES]}), 0.0
+    )
     for name in OFFLOAD_COUNTERS:
         assert _get(m, f"pdkv:kv_offload_{name}_total") == 7.0, name
     for name in OFFLOAD_GAUGES:

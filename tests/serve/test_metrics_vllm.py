@@ -18,35 +18,64 @@ from pdkv.serve.metrics import (
 
 # vLLM's families and types (vllm/v1/metrics/loggers.py), under the pdkv: prefix.
 VLLM_FAMILIES = {
-    "num_requests_running": "gauge", "num_requests_waiting": "gauge", "kv_cache_usage_perc": "gauge",
-    "prefix_cache_queries": "counter", "prefix_cache_hits": "counter", "num_preemptions": "counter",
-    "prompt_tokens": "counter", "prompt_tokens_by_source": "counter", "prompt_tokens_cached": "counter",
-    "generation_tokens": "counter", "request_success": "counter",
-    "request_prompt_tokens": "histogram", "request_generation_tokens": "histogram",
-    "request_max_num_generation_tokens": "histogram", "request_params_max_tokens": "histogram",
-    "time_to_first_token_seconds": "histogram", "inter_token_latency_seconds": "histogram",
-    "time_per_output_token_seconds": "histogram", "request_time_per_output_token_seconds": "histogram",
-    "e2e_request_latency_seconds": "histogram", "request_queue_time_seconds": "histogram",
-    "request_inference_time_seconds": "histogram", "request_prefill_time_seconds": "histogram",
+    "num_requests_running": "gauge",
+    "num_requests_waiting": "gauge",
+    "kv_cache_usage_perc": "gauge",
+    "prefix_cache_queries": "counter",
+    "prefix_cache_hits": "counter",
+    "num_preemptions": "counter",
+    "prompt_tokens": "counter",
+    "prompt_tokens_by_source": "counter",
+    "prompt_tokens_cached": "counter",
+    "generation_tokens": "counter",
+    "request_success": "counter",
+    "request_prompt_tokens": "histogram",
+    "request_generation_tokens": "histogram",
+    "request_max_num_generation_tokens": "histogram",
+    "request_params_max_tokens": "histogram",
+    "time_to_first_token_seconds": "histogram",
+    "inter_token_latency_seconds": "histogram",
+    "time_per_output_token_seconds": "histogram",
+    "request_time_per_output_token_seconds": "histogram",
+    "e2e_request_latency_seconds": "histogram",
+    "request_queue_time_seconds": "histogram",
+    "request_inference_time_seconds": "histogram",
+    "request_prefill_time_seconds": "histogram",
     "request_decode_time_seconds": "histogram",
 }
 
 
 def _stats(**kw: float) -> SchedulerStats:
-    base = dict(num_running=1, num_waiting=0, kv_cache_usage=0.25, num_free_blocks=48, num_preemptions=0)
+    base = dict(
+        num_running=1, num_waiting=0, kv_cache_usage=0.25, num_free_blocks=48, num_preemptions=0
+    )
     return SchedulerStats(**{**base, **kw})  # type: ignore[arg-type]
 
 
 def _out(rid: str, n_prompt: int, new: list[int], so_far: list[int], m: RequestMetrics, *,
          cached: int = 0, reason: str | None = None) -> RequestOutput:
-    comp = CompletionOutput(index=0, text="", token_ids=so_far, finish_reason=reason, delta_token_ids=new)
-    return RequestOutput(request_id=rid, prompt=None, prompt_token_ids=list(range(n_prompt)), outputs=[comp],
-                         finished=reason is not None, num_cached_tokens=cached, metrics=m)
+    comp = CompletionOutput(
+        index=0, text="", token_ids=so_far, finish_reason=reason, delta_token_ids=new
+    )
+    return RequestOutput(
+        request_id=rid,
+        prompt=None,
+        prompt_token_ids=list(range(n_prompt)),
+        outputs=[comp],
+        finished=reason is not None,
+        num_cached_tokens=cached,
+        metrics=m,
+    )
 
 
 def _metrics(**kw: float) -> RequestMetrics:
-    base = dict(arrival_time=100.0, first_scheduled_time=None, first_token_time=None, last_token_time=None,
-                finished_time=None)
+    base = dict(
+        arrival_time=100.0,
+        first_scheduled_time=None,
+        first_token_time=None,
+        last_token_time=None,
+        finished_time=None,
+    )
     return RequestMetrics(**{**base, **kw})  # type: ignore[arg-type]
 
 
@@ -59,15 +88,27 @@ def _samples(m: ServerMetrics) -> dict[str, list]:
 
 
 def _value(samples: dict[str, list], name: str, **labels: str) -> float:
-    return sum(s.value for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for s in samples.get(name, [])
+        if all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def _buckets(samples: dict[str, list], name: str) -> list[float]:
     return [float(s.labels["le"]) for s in samples[name + "_bucket"] if s.labels["le"] != "+Inf"]
 
 
-def _run_request(m: ServerMetrics, rid: str, n_prompt: int, cached: int, external: int, max_tokens: int,
-                 token_times: list[float], kv_wait: float = 0.0) -> None:
+def _run_request(
+    m: ServerMetrics,
+    rid: str,
+    n_prompt: int,
+    cached: int,
+    external: int,
+    max_tokens: int,
+    token_times: list[float],
+    kv_wait: float = 0.0,
+) -> None:
     """One request through three kinds of step: first token, more tokens, finish."""
     timing = dict(first_scheduled_time=100.5, first_token_time=token_times[0], kv_wait_time=kv_wait,
                   num_external_tokens=external, max_tokens_param=max_tokens)
@@ -94,8 +135,13 @@ def test_families_types_buckets_and_labels_are_vllms():
                  "request_time_per_output_token_seconds"):
         assert _buckets(s, f"pdkv:{name}") == list(TOKEN_LATENCY_BUCKETS), name
     assert TOKEN_LATENCY_BUCKETS[0] == 0.01 and TOKEN_LATENCY_BUCKETS[-1] == 80.0
-    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
-                 "request_decode_time_seconds", "request_inference_time_seconds"):
+    for name in (
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
+    ):
         assert _buckets(s, f"pdkv:{name}") == list(REQUEST_LATENCY_BUCKETS), name
     assert REQUEST_LATENCY_BUCKETS[0] == 0.3 and REQUEST_LATENCY_BUCKETS[-1] == 7680.0
     for name in ("request_prompt_tokens", "request_generation_tokens", "request_params_max_tokens",
@@ -110,7 +156,9 @@ def test_families_types_buckets_and_labels_are_vllms():
     # Finish reasons and prompt sources exist from the start (a rate() has a series to read).
     fresh = _samples(ServerMetrics("m"))
     for reason in ("stop", "length", "abort", "error"):
-        assert any(x.labels["finished_reason"] == reason for x in fresh["pdkv:request_success_total"])
+        assert any(
+            x.labels["finished_reason"] == reason for x in fresh["pdkv:request_success_total"]
+        )
     assert {x.labels["source"] for x in fresh["pdkv:prompt_tokens_by_source_total"]} == {
         "local_compute", "local_cache_hit", "external_kv_transfer"}
 
@@ -162,11 +210,23 @@ def test_prompt_tokens_by_source_sum_over_prefill_and_decode_engines():
     def src(s: dict[str, list], source: str) -> float:
         return _value(s, "pdkv:prompt_tokens_by_source_total", source=source)
 
-    assert (src(sp, "local_compute"), src(sp, "local_cache_hit"), src(sp, "external_kv_transfer")) == (24, 16, 0)
-    assert (src(sd, "local_compute"), src(sd, "local_cache_hit"), src(sd, "external_kv_transfer")) == (1, 8, 31)
+    assert (
+        src(sp, "local_compute"),
+        src(sp, "local_cache_hit"),
+        src(sp, "external_kv_transfer"),
+    ) == (24, 16, 0)
+    assert (
+        src(sd, "local_compute"),
+        src(sd, "local_cache_hit"),
+        src(sd, "external_kv_transfer"),
+    ) == (1, 8, 31)
     for s in (sp, sd):
         total = _value(s, "pdkv:prompt_tokens_total")
-        assert total == 40 == sum(src(s, x) for x in ("local_compute", "local_cache_hit", "external_kv_transfer"))
+        assert (
+            total
+            == 40
+            == sum(src(s, x) for x in ("local_compute", "local_cache_hit", "external_kv_transfer"))
+        )
         assert _value(s, "pdkv:prompt_tokens_cached_total") == total - src(s, "local_compute")
     assert src(sp, "local_compute") + src(sd, "local_compute") == 25
 
@@ -189,12 +249,28 @@ def test_prompt_tokens_counted_once_at_the_first_token_not_for_requests_without_
 
 def test_scheduler_gauges_and_cumulative_counters():
     m = ServerMetrics("m")
-    m.observe_step([], _stats(prefix_cache_queries=40, prefix_cache_hits=16, num_preemptions=1), 1.0)
-    m.observe_step([], _stats(num_running=0, num_waiting=3, kv_cache_usage=0.5, num_free_blocks=7,
-                              prefix_cache_queries=100, prefix_cache_hits=16, num_preemptions=2), 2.0)
+    m.observe_step(
+        [], _stats(prefix_cache_queries=40, prefix_cache_hits=16, num_preemptions=1), 1.0
+    )
+    m.observe_step(
+        [],
+        _stats(
+            num_running=0,
+            num_waiting=3,
+            kv_cache_usage=0.5,
+            num_free_blocks=7,
+            prefix_cache_queries=100,
+            prefix_cache_hits=16,
+            num_preemptions=2,
+        ),
+        2.0,
+    )
     s = _samples(m)
     assert _value(s, "pdkv:prefix_cache_queries_total") == 100
     assert _value(s, "pdkv:prefix_cache_hits_total") == 16
     assert _value(s, "pdkv:num_preemptions_total") == 2
-    assert (_value(s, "pdkv:num_requests_running"), _value(s, "pdkv:num_requests_waiting")) == (0, 3)
+    assert (_value(s, "pdkv:num_requests_running"), _value(s, "pdkv:num_requests_waiting")) == (
+        0,
+        3,
+    )
     assert (_value(s, "pdkv:kv_cache_usage_perc"), _value(s, "pdkv:num_free_blocks")) == (0.5, 7)

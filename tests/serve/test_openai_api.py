@@ -29,10 +29,15 @@ def _greedy(reference_llm, prompt=None, messages=None, n=24):
 
 def test_models_lists_served_model(client):
     models = client.models.list()
-    assert [m.id for m in models.data] == ["smollm2", "pdkv-alias"]  # --served-model-name smollm2 pdkv-alias
+    assert [m.id for m in models.data] == [
+        "smollm2",
+        "pdkv-alias",
+    ]  # --served-model-name smollm2 pdkv-alias
     out = client.completions.create(model="pdkv-alias", prompt=PROMPT, max_tokens=1)
     assert out.model == "smollm2"  # every name is accepted, the first is reported
-    with pytest.raises(openai.NotFoundError, match="does not exist; this server serves `smollm2`, `pdkv-alias`"):
+    with pytest.raises(
+        openai.NotFoundError, match="does not exist; this server serves `smollm2`, `pdkv-alias`"
+    ):
         client.completions.create(model="pdkv-alias-2", prompt=PROMPT, max_tokens=1)
 
 
@@ -56,7 +61,9 @@ def test_completion_stream_matches_offline(client, reference_llm):
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == ref.outputs[0].text
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.outputs[0].finish_reason
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.outputs[
+        0
+    ].finish_reason
     usage = chunks[-1].usage
     assert usage.completion_tokens == len(ref.outputs[0].token_ids)
     assert usage.prompt_tokens == len(ref.prompt_token_ids)
@@ -64,7 +71,9 @@ def test_completion_stream_matches_offline(client, reference_llm):
 
 def test_chat_matches_offline(client, reference_llm):
     ref = _greedy(reference_llm, messages=MESSAGES)
-    out = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=24, temperature=0)
+    out = client.chat.completions.create(
+        model="smollm2", messages=MESSAGES, max_tokens=24, temperature=0
+    )
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == ref.outputs[0].text
     assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
@@ -85,9 +94,15 @@ def test_chat_stream_matches_offline(client, reference_llm):
 
 
 def test_cached_tokens_on_repeated_long_prompt(client):
-    long_prompt = " ".join(f"Sentence number {i} talks about the sea and the sky." for i in range(20))
-    first = client.completions.create(model="smollm2", prompt=long_prompt, max_tokens=4, temperature=0)
-    again = client.completions.create(model="smollm2", prompt=long_prompt, max_tokens=4, temperature=0)
+    long_prompt = " ".join(
+        f"Sentence number {i} talks about the sea and the sky." for i in range(20)
+    )
+    first = client.completions.create(
+        model="smollm2", prompt=long_prompt, max_tokens=4, temperature=0
+    )
+    again = client.completions.create(
+        model="smollm2", prompt=long_prompt, max_tokens=4, temperature=0
+    )
     n = first.usage.prompt_tokens
     assert n > 64
     assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16

@@ -35,7 +35,11 @@ def _offline(llm, **kw):
 
 def test_penalties_change_greedy_output_like_offline(client, reference_llm):
     plain = _complete(client, temperature=0).choices[0].text
-    for field in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 1.8}):
+    for field in (
+        {"frequency_penalty": 2.0},
+        {"presence_penalty": 2.0},
+        {"repetition_penalty": 1.8},
+    ):
         extra = {k: v for k, v in field.items() if k == "repetition_penalty"}
         std = {k: v for k, v in field.items() if k != "repetition_penalty"}
         out = _complete(client, temperature=0, extra_body=extra, **std).choices[0].text
@@ -46,7 +50,10 @@ def test_penalties_change_greedy_output_like_offline(client, reference_llm):
 def test_logit_bias_bans_a_token(client, reference_llm):
     plain = _offline(reference_llm, temperature=0)[0].token_ids
     out = _complete(client, temperature=0, logit_bias={str(plain[0]): -100}, logprobs=0)
-    assert out.choices[0].text == _offline(reference_llm, temperature=0, logit_bias={plain[0]: -100})[0].text
+    assert (
+        out.choices[0].text
+        == _offline(reference_llm, temperature=0, logit_bias={plain[0]: -100})[0].text
+    )
     assert out.choices[0].text != reference_llm.get_tokenizer().decode(plain)
 
 
@@ -92,8 +99,12 @@ def test_structured_output_follows_the_grammar(client):
                                                "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}
     out = client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "Invent a person."}], max_tokens=40,
-        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+        model="smollm2",
+        messages=[{"role": "user", "content": "Invent a person."}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+    )
     assert out.choices[0].finish_reason == "stop"
     value = json.loads(out.choices[0].message.content)
     # The schema checked by hand (jsonschema is not installed): exactly these keys and types.
@@ -101,10 +112,24 @@ def test_structured_output_follows_the_grammar(client):
     assert isinstance(value["name"], str) and len(value["name"]) <= 8
     assert isinstance(value["age"], int) and not isinstance(value["age"], bool)
     choices = ["red", "green", "blue"]
-    assert _complete(client, temperature=1.0, seed=1, extra_body={"guided_choice": choices}).choices[0].text in choices
-    regex = _complete(client, temperature=0, extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"}).choices[0].text
+    assert (
+        _complete(client, temperature=1.0, seed=1, extra_body={"guided_choice": choices})
+        .choices[0]
+        .text
+        in choices
+    )
+    regex = (
+        _complete(client, temperature=0, extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"})
+        .choices[0]
+        .text
+    )
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", regex)
-    obj = _complete(client, temperature=0, max_tokens=30, extra_body={"response_format": {"type": "json_object"}})
+    obj = _complete(
+        client,
+        temperature=0,
+        max_tokens=30,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(obj.choices[0].text), dict)
     else:
@@ -147,7 +172,9 @@ def test_unsupported_or_invalid_field_is_a_400_naming_it(client, kwargs, field):
     with pytest.raises(openai.BadRequestError) as e:
         _complete(client, **kwargs)
     assert field in e.value.message
-    assert e.value.body["param"] in message_fields(e.value.message)  # error.param names a field of the message
+    assert e.value.body["param"] in message_fields(
+        e.value.message
+    )  # error.param names a field of the message
 
 
 def test_chat_rejects_tools_and_ignores_unknown_fields(client):
@@ -163,7 +190,9 @@ def test_unknown_field_is_logged_not_rejected(caplog):
     from pdkv.serve.protocol import ChatCompletionRequest
 
     with caplog.at_level("WARNING", logger="pdkv.serve.protocol"):
-        req = ChatCompletionRequest.model_validate({"messages": MESSAGES, "no_such_field": 1, "top_k": 3})
+        req = ChatCompletionRequest.model_validate(
+            {"messages": MESSAGES, "no_such_field": 1, "top_k": 3}
+        )
     assert req.top_k == 3
     assert "ignored: ['no_such_field']" in caplog.text
 

@@ -26,11 +26,15 @@ class FakeEngine:
     """The parts of LLMEngine the loop and the route use; reset_prefix_cache answers `ok`,
     after waiting for `release` (a stuck loop) when it is given."""
 
-    def __init__(self, model_path: str, ok: bool = True, release: threading.Event | None = None) -> None:
+    def __init__(
+        self, model_path: str, ok: bool = True, release: threading.Event | None = None
+    ) -> None:
         self.ok, self.release = ok, release
         self.calls: list[str] = []
         self.last_num_scheduled_tokens = 0
-        self.config = SimpleNamespace(model_config=SimpleNamespace(path=model_path, max_model_len=256))
+        self.config = SimpleNamespace(
+            model_config=SimpleNamespace(path=model_path, max_model_len=256)
+        )
 
     def reset_prefix_cache(self) -> bool:
         self.calls.append(threading.current_thread().name)
@@ -56,7 +60,9 @@ class FakeEngine:
 
 async def _post_reset(llm: AsyncLLM, model_path: str) -> httpx.Response:
     app = build_app(llm, ServeConfig(), ServerMetrics("smollm2"))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://t"
+    ) as client:
         return await client.post("/reset_prefix_cache")
 
 
@@ -112,12 +118,17 @@ def test_reset_on_a_dead_engine_is_503(model_path):
 
 
 def _prefix_hits(url: str) -> float:
-    return metric_value(httpx.get(url + "/metrics", timeout=10).text, "pdkv:prefix_cache_hits_total")
+    return metric_value(
+        httpx.get(url + "/metrics", timeout=10).text, "pdkv:prefix_cache_hits_total"
+    )
 
 
 def _complete(url: str, prompt: str) -> dict[str, Any]:
-    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0},
-                   timeout=60)
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"prompt": prompt, "max_tokens": 2, "temperature": 0},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     body: dict[str, Any] = r.json()
     return body
@@ -136,7 +147,9 @@ def _reset_when_idle(url: str, timeout: float = 30.0) -> httpx.Response:
 
 def test_identical_prompt_hits_before_reset_and_misses_after(server):
     # A prompt no other test sends (several full blocks), so only this test's requests match it.
-    prompt = f"[{uuid.uuid4().hex}] " + " ".join(f"Line {i} is about rivers and hills." for i in range(12))
+    prompt = f"[{uuid.uuid4().hex}] " + " ".join(
+        f"Line {i} is about rivers and hills." for i in range(12)
+    )
     first = _complete(server.url, prompt)
     n = first["usage"]["prompt_tokens"]
     assert n > 48

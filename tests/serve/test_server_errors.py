@@ -18,8 +18,16 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     ("path", "body", "message"),
     [
         ("/v1/completions", {**GOOD, "prompt": ""}, "prompt is empty"),
-        ("/v1/completions", {**GOOD, "prompt": [1] * (MAX_MODEL_LEN + 3)}, "maximum context length"),
-        ("/v1/completions", {**GOOD, "prompt": [1] * 100, "max_tokens": MAX_MODEL_LEN}, "maximum context length"),
+        (
+            "/v1/completions",
+            {**GOOD, "prompt": [1] * (MAX_MODEL_LEN + 3)},
+            "maximum context length",
+        ),
+        (
+            "/v1/completions",
+            {**GOOD, "prompt": [1] * 100, "max_tokens": MAX_MODEL_LEN},
+            "maximum context length",
+        ),
         ("/v1/completions", {**GOOD, "max_tokens": 0}, "max_tokens must be at least 1"),
         ("/v1/completions", {**GOOD, "top_p": 1.5}, "top_p must be in"),
         ("/v1/completions", {**GOOD, "temperature": -0.5}, "temperature must be >= 0"),
@@ -27,11 +35,22 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         ("/v1/completions", {**GOOD, "prompt": {"not": "a prompt"}}, "prompt"),
         ("/v1/completions", {"max_tokens": 4}, "prompt"),
         ("/v1/completions", {**GOOD, "prompt": [1, 2, 10**9]}, "outside the vocabulary"),
-        ("/v1/completions", {**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]},
-         "tools: tool calling is not supported"),
+        (
+            "/v1/completions",
+            {**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tools: tool calling is not supported",
+        ),
         ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
-        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "role"),
-        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, "max_tokens must be at least 1"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "wizard", "content": "x"}]},
+            "role",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "max_completion_tokens": -1},
+            "max_tokens must be at least 1",
+        ),
     ],
 )
 def test_bad_request_is_400_then_server_serves(server, path, body, message):

@@ -14,9 +14,19 @@ from pdkv.serve.handlers import OpenAIHandlers, PreparedRequest
 
 
 def _prepared(chat: bool) -> PreparedRequest:
-    return PreparedRequest(request_id="r1", created=0, model="smollm2", prompt_ids=[1], prompt_text=None,
-                           params=SamplingParams(), stream=True, include_usage=False, chat=chat,
-                           kv_transfer_params=None, cache_salt=None)
+    return PreparedRequest(
+        request_id="r1",
+        created=0,
+        model="smollm2",
+        prompt_ids=[1],
+        prompt_text=None,
+        params=SamplingParams(),
+        stream=True,
+        include_usage=False,
+        chat=chat,
+        kv_transfer_params=None,
+        cache_salt=None,
+    )
 
 
 @pytest.mark.parametrize("chat", [False, True])

@@ -59,7 +59,9 @@ def test_tokenizer_instances_stay_on_one_thread_and_off_the_event_loop(monkeypat
 
         async def main() -> list[httpx.Response]:
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://t", timeout=120
+            ) as c:
                 chat = {"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 6,
                         "temperature": 0, "logprobs": True, "top_logprobs": 2}
                 return list(await asyncio.gather(

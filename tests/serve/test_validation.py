@@ -26,7 +26,11 @@ BAD: list[tuple[str, str, str]] = [
     ("/v1/completions", json.dumps({**GOOD, "temperature": 1, "seed": -(2**63) - 1}), "seed"),
     ("/v1/completions", json.dumps({**GOOD, "seed": 10**30}), "seed"),
     ("/v1/completions", '{"prompt": "Hi", "max_tokens": 4, "temperature": NaN}', "temperature"),
-    ("/v1/completions", '{"prompt": "Hi", "max_tokens": 4, "temperature": Infinity}', "temperature"),
+    (
+        "/v1/completions",
+        '{"prompt": "Hi", "max_tokens": 4, "temperature": Infinity}',
+        "temperature",
+    ),
     ("/v1/completions", '{"prompt": "Hi", "max_tokens": 4, "temperature": 1e400}', "temperature"),
     ("/v1/completions", '{"prompt": "Hi", "max_tokens": 4, "top_p": NaN}', "top_p"),
     ("/v1/completions", '{"prompt": "Hi", "max_tokens": 4, "top_p": -Infinity}', "top_p"),
@@ -46,25 +50,53 @@ BAD: list[tuple[str, str, str]] = [
     ("/v1/completions", json.dumps({**GOOD, "stop": [""]}), "stop"),
     ("/v1/completions", json.dumps({**GOOD, "n": 0}), "n must be at least 1"),
     ("/v1/completions", json.dumps({**GOOD, "n": 65}), "n must be at most 64"),
-    ("/v1/chat/completions", json.dumps({**CHAT, "top_logprobs": 21, "logprobs": True}), "top_logprobs"),
+    (
+        "/v1/chat/completions",
+        json.dumps({**CHAT, "top_logprobs": 21, "logprobs": True}),
+        "top_logprobs",
+    ),
     ("/v1/chat/completions", json.dumps({**CHAT, "temperature": 1, "seed": 2**63}), "seed"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "top_p": NaN}', "top_p"),
+    (
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": "Hi"}], "top_p": NaN}',
+        "top_p",
+    ),
     # Lone surrogates (valid JSON escapes, not Unicode) anywhere in a body.
-    ("/v1/completions", '{"prompt": "Hello \\ud800", "max_tokens": 4}', "prompt is not valid Unicode"),
-    ("/v1/completions", '{"prompt": "Hi", "stop": ["\\udfff"], "max_tokens": 4}', "stop.0 is not valid Unicode"),
+    (
+        "/v1/completions",
+        '{"prompt": "Hello \\ud800", "max_tokens": 4}',
+        "prompt is not valid Unicode",
+    ),
+    (
+        "/v1/completions",
+        '{"prompt": "Hi", "stop": ["\\udfff"], "max_tokens": 4}',
+        "stop.0 is not valid Unicode",
+    ),
     ("/v1/completions", '{"prompt": "Hi", "model": "\\ud800"}', "model is not valid Unicode"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
-     "messages.0.content is not valid Unicode"),
-    ("/v1/chat/completions",
-     '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}', "not valid Unicode"),
+    (
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+        "messages.0.content is not valid Unicode",
+    ),
+    (
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+        "not valid Unicode",
+    ),
     ("/tokenize", '{"prompt": "\\ud83d"}', "prompt is not valid Unicode"),
 ]
 
 
-@pytest.mark.parametrize(("path", "raw", "words"), BAD, ids=[f"{i}-{b[2][:20]}" for i, b in enumerate(BAD)])
+@pytest.mark.parametrize(
+    ("path", "raw", "words"), BAD, ids=[f"{i}-{b[2][:20]}" for i, b in enumerate(BAD)]
+)
 def test_bad_value_is_400(server, path, raw, words):
-    r = httpx.post(server.url + path, content=raw.encode(), headers={"Content-Type": "application/json"},
-                   timeout=60)
+    r = httpx.post(
+        server.url + path,
+        content=raw.encode(),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == 400 and err["type"] == "BadRequestError"
@@ -72,8 +104,12 @@ def test_bad_value_is_400(server, path, raw, words):
 
 
 def test_invalid_utf8_body_is_openai_400(server):
-    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "a\xff\xfe", "max_tokens": 2}',
-                   headers={"Content-Type": "application/json"}, timeout=30)
+    r = httpx.post(
+        server.url + "/v1/completions",
+        content=b'{"prompt": "a\xff\xfe", "max_tokens": 2}',
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == 400
     assert r.json()["error"]["code"] == 400
 
@@ -89,7 +125,9 @@ def test_seed_range_limits_are_accepted(server, seed):
 
 def test_bad_requests_never_fail_a_concurrent_good_one(server, reference_llm):
     prompt, max_tokens = "The capital of France is", 48
-    ref = reference_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    ref = reference_llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    )
 
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:

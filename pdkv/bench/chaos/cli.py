@@ -43,9 +43,17 @@ def build_chaos_topology(args: argparse.Namespace) -> Topology:
     env = dict(os.environ, PDKV_NUM_THREADS=str(args.threads_per_engine))
     taken: set[int] = set()
     p_port, d_port, proxy_port = free_port(taken), free_port(taken), free_port(taken)
-    p_cfg = {"kv_connector": "P2PConnector", "kv_role": "kv_producer", "engine_id": "chaos-prefill",
-             "kv_connector_extra_config": {"transfer": "tcp", "kv_port": free_port(taken),
-                                           "transfer_port": free_port(taken), "kv_lease_duration": args.lease}}
+    p_cfg = {
+        "kv_connector": "P2PConnector",
+        "kv_role": "kv_producer",
+        "engine_id": "chaos-prefill",
+        "kv_connector_extra_config": {
+            "transfer": "tcp",
+            "kv_port": free_port(taken),
+            "transfer_port": free_port(taken),
+            "kv_lease_duration": args.lease,
+        },
+    }
     d_cfg = {"kv_connector": "P2PConnector", "kv_role": "kv_consumer",
              "kv_load_failure_policy": args.kv_load_failure_policy,
              "kv_connector_extra_config": {"transfer": "tcp"}}
@@ -53,9 +61,27 @@ def build_chaos_topology(args: argparse.Namespace) -> Topology:
     for name, port, cfg in (("prefill", p_port, p_cfg), ("decode", d_port, d_cfg)):
         topo.children.append(Child(name, f"http://{HOST}:{port}", py + [
             *engine, "--port", str(port), "--kv-transfer-config", json.dumps(cfg)], env))
-    topo.children.append(Child("proxy", f"http://{HOST}:{proxy_port}", py + [
-        "proxy", "--prefill", topo.children[0].url, "--decode", topo.children[1].url, "--host", HOST,
-        "--port", str(proxy_port), "--log-level", "warning"], dict(os.environ)))
+    topo.children.append(
+        Child(
+            "proxy",
+            f"http://{HOST}:{proxy_port}",
+            py
+            + [
+                "proxy",
+                "--prefill",
+                topo.children[0].url,
+                "--decode",
+                topo.children[1].url,
+                "--host",
+                HOST,
+                "--port",
+                str(proxy_port),
+                "--log-level",
+                "warning",
+            ],
+            dict(os.environ),
+        )
+    )
     topo.endpoint = topo.children[2].url
     return topo
 
@@ -68,7 +94,9 @@ def _metric(url: str, name: str) -> float | None:
         text = httpx.get(url + "/metrics", timeout=5.0).text
     except httpx.HTTPError:
         return None
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+    return sum(
+        s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name
+    )
 
 
 def _healthy(url: str) -> bool:
@@ -90,11 +118,15 @@ def restart_child(c: Child, timeout: float) -> tuple[float, float]:
     killed = time.monotonic()
     c.proc.wait(10)
     log = open(c.log_path, "ab")  # noqa: SIM115 - owned by the child process
-    c.proc = subprocess.Popen(c.cmd, stdout=log, stderr=subprocess.STDOUT, env=c.env, start_new_session=True)
+    c.proc = subprocess.Popen(
+        c.cmd, stdout=log, stderr=subprocess.STDOUT, env=c.env, start_new_session=True
+    )
     deadline = killed + timeout
     while not _healthy(c.url):
         if c.proc.poll() is not None:
-            raise RuntimeError(f"{c.name} exited with {c.proc.returncode} after its restart; see {c.log_path}")
+            raise RuntimeError(
+                f"{c.name} exited with {c.proc.returncode} after its restart; see {c.log_path}"
+            )
         if time.monotonic() > deadline:
             raise RuntimeError(f"{c.name} not healthy {timeout:.0f} s after its restart")
         time.sleep(0.2)
@@ -114,7 +146,9 @@ def _prefill_seconds(p_url: str, model: str, prompt: str) -> float:
     return statistics.median(times)
 
 
-def _wait_blocks(urls: dict[str, str], start: dict[str, float], deadline: float) -> dict[str, float | None]:
+def _wait_blocks(
+    urls: dict[str, str], start: dict[str, float], deadline: float
+) -> dict[str, float | None]:
     """Poll num_free_blocks until every engine is back at its start value or `deadline`."""
     now: dict[str, float | None] = {}
     while True:
@@ -132,15 +166,23 @@ def check(result: LoadResult, engines_up: bool, blocks_start: dict[str, float],
     if not engines_up:
         failures.append("an engine is down at the end")
     if counts["failed_outside_restart_window"]:
-        bad = [o.error or str(o.status) for o in result.outcomes if o.failed and not result.in_window(o)]
-        failures.append(f"{counts['failed_outside_restart_window']} failures outside the restart window: {bad[:3]}")
+        bad = [
+            o.error or str(o.status)
+            for o in result.outcomes
+            if o.failed and not result.in_window(o)
+        ]
+        failures.append(
+            f"{counts['failed_outside_restart_window']} failures outside the restart window: {bad[:3]}"
+        )
     if counts["client_errors_4xx"]:
         failures.append(f"{counts['client_errors_4xx']} requests got a 4xx")
     first = result.first_after_restart
     if first is None or first.status != 200:
         # Needs D to reconnect to a restarted P (issue 7, item 8b).
-        failures.append(f"the first request after the restart failed: {first.status if first else None} "
-                        f"{first.error if first else ''}")
+        failures.append(
+            f"the first request after the restart failed: {first.status if first else None} "
+            f"{first.error if first else ''}"
+        )
     for name, value in blocks_end.items():
         if value != blocks_start[name]:
             failures.append(f"{name} free blocks {value} != start value {blocks_start[name]}")
@@ -153,7 +195,9 @@ def run(args: argparse.Namespace, topo: Topology) -> int:
     warm = Planned("The river stone and the silver cloud", 2, False, None)
     first = Planned("After the restart the garden lantern", 4, False, None)
     prefill_s = _prefill_seconds(p.url, args.model, " ".join(["river stone cloud light"] * 9))
-    outcome = asyncio.run(run_load(topo.endpoint, args.model, [warm], 1, -1, _no_restart, warm, 60.0))
+    outcome = asyncio.run(
+        run_load(topo.endpoint, args.model, [warm], 1, -1, _no_restart, warm, 60.0)
+    )
     if outcome.outcomes[0].status != 200:
         print(f"error: the warm-up request failed: {outcome.outcomes[0].error}", file=sys.stderr)
         return 1
@@ -166,19 +210,39 @@ def run(args: argparse.Namespace, topo: Topology) -> int:
         return await asyncio.to_thread(restart_child, p, args.restart_timeout)
 
     t0 = time.monotonic()
-    result = asyncio.run(run_load(topo.endpoint, args.model, plan, args.concurrency,
-                                  int(len(plan) * args.restart_at), restart, first, args.request_timeout))
+    result = asyncio.run(
+        run_load(
+            topo.endpoint,
+            args.model,
+            plan,
+            args.concurrency,
+            int(len(plan) * args.restart_at),
+            restart,
+            first,
+            args.request_timeout,
+        )
+    )
     load_s = time.monotonic() - t0
     end = _wait_blocks(urls, start, time.monotonic() + args.lease + args.margin)
-    engines_up = all(c.proc is not None and c.proc.poll() is None and _healthy(c.url) for c in (p, d))
+    engines_up = all(
+        c.proc is not None and c.proc.poll() is None and _healthy(c.url) for c in (p, d)
+    )
     counts = result.counts()
     lo, hi = result.window
-    report = {**counts, "restart_window_s": round(hi - lo, 2),
-              "first_after_restart": result.first_after_restart.status if result.first_after_restart else None,
-              "prefill_s": round(prefill_s, 3), "load_s": round(load_s, 1),
-              "free_blocks_start": start, "free_blocks_end": end, "engines_up": engines_up,
-              "p_lease_expirations_since_restart": _metric(p.url, "pdkv:kv_lease_expirations_total"),
-              "d_kv_load_failures": _metric(d.url, "pdkv:kv_load_failures_total")}
+    report = {
+        **counts,
+        "restart_window_s": round(hi - lo, 2),
+        "first_after_restart": result.first_after_restart.status
+        if result.first_after_restart
+        else None,
+        "prefill_s": round(prefill_s, 3),
+        "load_s": round(load_s, 1),
+        "free_blocks_start": start,
+        "free_blocks_end": end,
+        "engines_up": engines_up,
+        "p_lease_expirations_since_restart": _metric(p.url, "pdkv:kv_lease_expirations_total"),
+        "d_kv_load_failures": _metric(d.url, "pdkv:kv_load_failures_total"),
+    }
     for key, value in report.items():
         print(f"{key}: {value}", flush=True)
     failures = check(result, engines_up, start, end)
@@ -195,21 +259,41 @@ async def _no_restart() -> tuple[float, float]:
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """`pdkv bench chaos` flags (defaults: the full run; CI: --num-requests 50 --lease 3)."""
     parser.add_argument("--model", default="smollm2", help="model name or folder")
-    parser.add_argument("--num-requests", type=int, default=500, help="requests sent through the proxy")
+    parser.add_argument(
+        "--num-requests", type=int, default=500, help="requests sent through the proxy"
+    )
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight at once")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the request plan (lengths, cancels)")
-    parser.add_argument("--cancel-fraction", type=float, default=0.3, help="requests the client cancels")
-    parser.add_argument("--cancel-window-ms", type=float, default=50.0,
-                        help="cancels land uniformly in a window this wide around the prefill's completion")
-    parser.add_argument("--max-tokens", type=int, default=16, help="outputs are 1..this many tokens")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds the request plan (lengths, cancels)"
+    )
+    parser.add_argument(
+        "--cancel-fraction", type=float, default=0.3, help="requests the client cancels"
+    )
+    parser.add_argument(
+        "--cancel-window-ms",
+        type=float,
+        default=50.0,
+        help="cancels land uniformly in a window this wide around the prefill's completion",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=16, help="outputs are 1..this many tokens"
+    )
     parser.add_argument("--lease", type=float, default=30.0, help="P's kv_lease_duration (s)")
-    parser.add_argument("--margin", type=float, default=5.0, help="free blocks must be back by lease + this (s)")
-    parser.add_argument("--restart-at", type=float, default=0.5, help="restart P when this fraction was sent")
-    parser.add_argument("--restart-timeout", type=float, default=120.0, help="P must be healthy again in (s)")
+    parser.add_argument(
+        "--margin", type=float, default=5.0, help="free blocks must be back by lease + this (s)"
+    )
+    parser.add_argument(
+        "--restart-at", type=float, default=0.5, help="restart P when this fraction was sent"
+    )
+    parser.add_argument(
+        "--restart-timeout", type=float, default=120.0, help="P must be healthy again in (s)"
+    )
     parser.add_argument("--request-timeout", type=float, default=120.0, help="per request (s)")
     parser.add_argument("--num-kv-blocks", type=int, default=256, help="KV blocks per engine")
     parser.add_argument("--max-model-len", type=int, default=512, help="per engine")
-    parser.add_argument("--threads-per-engine", type=int, default=1, help="torch threads per engine")
+    parser.add_argument(
+        "--threads-per-engine", type=int, default=1, help="torch threads per engine"
+    )
     parser.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="fail",
                         help="D's policy (fail: a failed pull shows as an error)")
     parser.add_argument("--health-timeout", type=float, default=180.0, help="start-up deadline (s)")

@@ -12,9 +12,32 @@ from dataclasses import dataclass, field
 
 import httpx
 
-WORDS = ("river", "stone", "cloud", "light", "garden", "music", "paper", "window", "silver", "forest",
-         "engine", "winter", "market", "letter", "bridge", "candle", "ocean", "thunder", "harbor",
-         "lantern", "meadow", "copper", "violin", "tower")
+WORDS = (
+    "river",
+    "stone",
+    "cloud",
+    "light",
+    "garden",
+    "music",
+    "paper",
+    "window",
+    "silver",
+    "forest",
+    "engine",
+    "winter",
+    "market",
+    "letter",
+    "bridge",
+    "candle",
+    "ocean",
+    "thunder",
+    "harbor",
+    "lantern",
+    "meadow",
+    "copper",
+    "violin",
+    "tower",
+)
 
 CANCELLED = -1  # Outcome.status of a request the client cancelled
 TRANSPORT = 0  # Outcome.status when no HTTP answer came (refused, reset, timeout)
@@ -93,7 +116,9 @@ async def send_one(client: httpx.AsyncClient, endpoint: str, model: str, item: P
     try:
         status, error = await asyncio.wait_for(call(), limit)
     except asyncio.TimeoutError:
-        status, error = (CANCELLED, "") if item.cancel_after is not None else (TRANSPORT, "timed out")
+        status, error = (
+            (CANCELLED, "") if item.cancel_after is not None else (TRANSPORT, "timed out")
+        )
     except httpx.HTTPError as e:
         status, error = TRANSPORT, f"{type(e).__name__}: {e}"
     return Outcome(status, start, time.monotonic(), error)
@@ -127,9 +152,16 @@ class LoadResult:
         }
 
 
-async def run_load(endpoint: str, model: str, plan: list[Planned], concurrency: int, restart_at: int,
-                   restart: Callable[[], Awaitable[tuple[float, float]]], first: Planned,
-                   timeout: float) -> LoadResult:
+async def run_load(
+    endpoint: str,
+    model: str,
+    plan: list[Planned],
+    concurrency: int,
+    restart_at: int,
+    restart: Callable[[], Awaitable[tuple[float, float]]],
+    first: Planned,
+    timeout: float,
+) -> LoadResult:
     """Send `plan` with `concurrency` workers. When request `restart_at` is due, new requests
     pause (those in flight go on) while `restart()` runs (it returns the window: kill time and
     healthy-again time); then `first` is sent alone and the plan resumes."""
@@ -139,14 +171,18 @@ async def run_load(endpoint: str, model: str, plan: list[Planned], concurrency: 
     next_index = iter(range(len(plan)))
     limits = httpx.Limits(max_connections=concurrency + 4)
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), limits=limits) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout, connect=5.0), limits=limits
+    ) as client:
 
         async def worker() -> None:
             for i in next_index:
                 if i == restart_at:
                     running.clear()
                     result.window = await restart()
-                    result.first_after_restart = await send_one(client, endpoint, model, first, timeout)
+                    result.first_after_restart = await send_one(
+                        client, endpoint, model, first, timeout
+                    )
                     running.set()
                 await asyncio.wait_for(running.wait(), timeout)
                 result.outcomes.append(await send_one(client, endpoint, model, plan[i], timeout))

@@ -58,8 +58,12 @@ def sweep(input_lens: list[int], concurrencies: list[int], seed: int,
     hot at each, or (`hot_longest_only`, --quick) hot only at the longest prompt."""
     pairs = [(n, c) for n in input_lens for c in concurrencies]
     longest = max(input_lens)
-    return [RunPoint(n, c, seed + i, ("cold", "hot") if n == longest or not hot_longest_only else ("cold",))
-            for i, (n, c) in enumerate(pairs)]
+    return [
+        RunPoint(
+            n, c, seed + i, ("cold", "hot") if n == longest or not hot_longest_only else ("cold",)
+        )
+        for i, (n, c) in enumerate(pairs)
+    ]
 
 
 def bench_config(args: argparse.Namespace, point: RunPoint) -> BenchConfig:
@@ -102,14 +106,21 @@ def report_notes(args: argparse.Namespace) -> list[str]:
         "Without a pool, hot repeats cold (a control for noise). Engines start once per topology.",
     ]
     if pool:
-        notes.append(f"The pool holds whole chunks of {c} tokens and the last prompt token is always computed: "
-                     f"{hits} tokens can hit.")
+        notes.append(
+            f"The pool holds whole chunks of {c} tokens and the last prompt token is always computed: "
+            f"{hits} tokens can hit."
+        )
     notes += [
         "P2P bytes: KV that decode engines pulled from prefill engines"
-        + ("; pool bytes: read from / written to the pool tier (`" + args.pool_tier + "`)" if pool else "")
+        + (
+            "; pool bytes: read from / written to the pool tier (`" + args.pool_tier + "`)"
+            if pool
+            else ""
+        )
         + "; each the delta of the engines' Prometheus counters over the run.",
         "prefix cache hit rate: per engine, prompt tokens found in its own prefix cache / looked "
-        "up; tokens pulled from P" + (" or loaded from the pool" if pool else "")
+        "up; tokens pulled from P"
+        + (" or loaded from the pool" if pool else "")
         + " are not prefix cache hits (see the bytes columns).",
         "TTFT phases: the servers' `pdkv_timings` per request, folded into queue, prefill, hold "
         "(P answered → D asked), transfer (KV pull / pool or offload load), D queue, D first step "
@@ -119,56 +130,86 @@ def report_notes(args: argparse.Namespace) -> list[str]:
         "unmeasured warm-up request (a short prompt) goes through the endpoint.",
     ]
     if offload:
-        notes.append(f"colocated+offload: the engine's KV cache is cut to {OFFLOAD_NUM_KV_BLOCKS} blocks (the "
-                     "prompts do not fit) with an OffloadingConnector host store; offload wait share = the "
-                     "copies' exposed wait / the run's duration.")
+        notes.append(
+            f"colocated+offload: the engine's KV cache is cut to {OFFLOAD_NUM_KV_BLOCKS} blocks (the "
+            "prompts do not fit) with an OffloadingConnector host store; offload wait share = the "
+            "copies' exposed wait / the run's duration."
+        )
     return notes
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `pdkv compare` flags (lengths in tokens, rates in req/s)."""
-    parser.add_argument("--topologies", default=None,
-                        help=f"comma-separated (default {DEFAULT_TOPOLOGIES}; --quick: {QUICK_TOPOLOGIES}; "
-                             "also colocated+offload, colocated2+pool)")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"tiny sizes for CI: prompts of {QUICK_INPUT_LENS} tokens (hot only for the "
-                             f"longest), concurrency {QUICK_CONCURRENCY}, 2 prompts, 4 output tokens, "
-                             f"{QUICK_TOPOLOGIES}")
+    parser.add_argument(
+        "--topologies",
+        default=None,
+        help=f"comma-separated (default {DEFAULT_TOPOLOGIES}; --quick: {QUICK_TOPOLOGIES}; "
+        "also colocated+offload, colocated2+pool)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"tiny sizes for CI: prompts of {QUICK_INPUT_LENS} tokens (hot only for the "
+        f"longest), concurrency {QUICK_CONCURRENCY}, 2 prompts, 4 output tokens, "
+        f"{QUICK_TOPOLOGIES}",
+    )
     parser.add_argument("--model", default="smollm2", help="alias (smollm2) or HF folder")
-    parser.add_argument("--pool-tier", choices=POOL_TIERS, default="disk",
-                        help="tier of the +pool topologies (P and D are separate processes: not dram)")
+    parser.add_argument(
+        "--pool-tier",
+        choices=POOL_TIERS,
+        default="disk",
+        help="tier of the +pool topologies (P and D are separate processes: not dram)",
+    )
     parser.add_argument("--pool-chunk-size", type=int, default=128, help="pool chunk in tokens")
     parser.add_argument("--kv-transfer", choices=["tcp", "shm", "mooncake"], default="tcp",
                         help="P/D transfer engine")
     parser.add_argument("--routing", default="round_robin",
                         help="proxy routing of the colocatedN topologies (as `pdkv up --routing`)")
     parser.add_argument("--threads-per-engine", type=int, default=0, help="0 = cores / engines")
-    parser.add_argument("--input-lens", "--input-len", dest="input_lens", default=None,
-                        help=f"comma-separated prompt lengths in tokens (default {DEFAULT_INPUT_LENS}: "
-                             "short and long)")
+    parser.add_argument(
+        "--input-lens",
+        "--input-len",
+        dest="input_lens",
+        default=None,
+        help=f"comma-separated prompt lengths in tokens (default {DEFAULT_INPUT_LENS}: "
+        "short and long)",
+    )
     parser.add_argument("--output-len", type=int, default=None, help="max_tokens (default 16)")
-    parser.add_argument("--num-prompts", type=int, default=None, help="requests per run (default 2)")
-    parser.add_argument("--max-concurrency", default=None,
-                        help=f"comma-separated concurrency sweep (default {DEFAULT_CONCURRENCY}; 0 = unbounded)")
+    parser.add_argument(
+        "--num-prompts", type=int, default=None, help="requests per run (default 2)"
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        default=None,
+        help=f"comma-separated concurrency sweep (default {DEFAULT_CONCURRENCY}; 0 = unbounded)",
+    )
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="mean arrivals per second (Poisson); inf sends all at once")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    parser.add_argument("--link-rate", default=None,
-                        help="also run pd with P behind a link capped at this rate (tc syntax, e.g. "
-                             "1gbit): network namespaces + tbf, root and iproute2 needed (skipped "
-                             "with a message otherwise)")
+    parser.add_argument(
+        "--link-rate",
+        default=None,
+        help="also run pd with P behind a link capped at this rate (tc syntax, e.g. "
+        "1gbit): network namespaces + tbf, root and iproute2 needed (skipped "
+        "with a message otherwise)",
+    )
     parser.add_argument("--netns-inner", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--from-json", default=None,
                         help="run nothing: rewrite the report (--out) from this compare.json, e.g. "
                              "after a change to the report code; give the measured run's flags")
     parser.add_argument("--out", default="docs/COMPARE.md",
                         help="report: a .md file (plots beside it in a folder) or a folder")
-    parser.add_argument("--log-dir", default="pdkv-logs/compare", help="one folder of logs per topology")
+    parser.add_argument(
+        "--log-dir", default="pdkv-logs/compare", help="one folder of logs per topology"
+    )
     parser.add_argument("--health-timeout", type=float, default=300.0, help="s per topology start")
     parser.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    parser.add_argument("engine_args", nargs=argparse.REMAINDER,
-                        help=f"after --: flags for every engine (default {' '.join(DEFAULT_ENGINE_ARGS)})")
+    parser.add_argument(
+        "engine_args",
+        nargs=argparse.REMAINDER,
+        help=f"after --: flags for every engine (default {' '.join(DEFAULT_ENGINE_ARGS)})",
+    )
     return parser
 
 
@@ -177,8 +218,9 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     sizes or a bad rate."""
     quick = args.quick
     args.topologies = args.topologies or (QUICK_TOPOLOGIES if quick else DEFAULT_TOPOLOGIES)
-    args.input_lens = parse_int_list(args.input_lens or (QUICK_INPUT_LENS if quick else DEFAULT_INPUT_LENS),
-                                     "--input-lens", 1)
+    args.input_lens = parse_int_list(
+        args.input_lens or (QUICK_INPUT_LENS if quick else DEFAULT_INPUT_LENS), "--input-lens", 1
+    )
     args.max_concurrency = parse_int_list(
         str(args.max_concurrency) if args.max_concurrency is not None else
         (QUICK_CONCURRENCY if quick else DEFAULT_CONCURRENCY), "--max-concurrency", 0)

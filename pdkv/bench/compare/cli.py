@@ -101,8 +101,10 @@ def drain_pool_saves(client: httpx.Client, engines: dict[str, str], model: str,
             raise RuntimeError(f"pool saves still queued after {timeout_s:.0f} s on {busy}")
         time.sleep(0.2)
         for name in busy:
-            client.post(engines[name] + "/v1/completions",
-                        json={"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0})
+            client.post(
+                engines[name] + "/v1/completions",
+                json={"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0},
+            )
 
 
 def warm_up(client: httpx.Client, endpoint: str, model: str, chunk_tokens: int) -> None:
@@ -150,8 +152,13 @@ def _pool_config(args: argparse.Namespace, log_dir: str,
     return pool_kv_transfer_config(spec, args.pool_chunk_size)
 
 
-def run_topology(spec: TopologySpec, args: argparse.Namespace, points: Sequence[RunPoint],
-                 log: Callable[[str], Any], step: Callable[[str], Any] = lambda s: None) -> list[dict[str, Any]]:
+def run_topology(
+    spec: TopologySpec,
+    args: argparse.Namespace,
+    points: Sequence[RunPoint],
+    log: Callable[[str], Any],
+    step: Callable[[str], Any] = lambda s: None,
+) -> list[dict[str, Any]]:
     """Start `spec`, run every sweep point cold then hot, stop it; returns the summary rows
     (`summarize_run`'s keys plus input_len, max_concurrency, link_rate, phase_groups, raw_phases,
     tpots_ms, itls_ms). `step(label)` is called before each run (the progress bar).
@@ -164,13 +171,22 @@ def run_topology(spec: TopologySpec, args: argparse.Namespace, points: Sequence[
         kv_config = _pool_config(args, log_dir, services) if spec.pool else None
         up_args = launcher_args(spec, args, log_dir)
         if spec.offload:  # a KV cache smaller than the working set; evicted blocks go to the host
-            kv_config = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                                    "kv_connector_extra_config": {"cpu_bytes_to_use": OFFLOAD_CPU_BYTES}})
-            up_args.engine_args = with_flag(up_args.engine_args, "--num-kv-blocks", str(OFFLOAD_NUM_KV_BLOCKS))
+            kv_config = json.dumps(
+                {
+                    "kv_connector": "OffloadingConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"cpu_bytes_to_use": OFFLOAD_CPU_BYTES},
+                }
+            )
+            up_args.engine_args = with_flag(
+                up_args.engine_args, "--num-kv-blocks", str(OFFLOAD_NUM_KV_BLOCKS)
+            )
         topo = launcher.build_topology(up_args, kv_config)
         topo.services = services
         if spec.link_rate:
-            cap_topology(topo, NetnsPair(prefix=args.netns_inner or NETNS_PREFIX, rate=spec.link_rate))
+            cap_topology(
+                topo, NetnsPair(prefix=args.netns_inner or NETNS_PREFIX, rate=spec.link_rate)
+            )
         log(f"[{spec.name}] starting {[c.name for c in topo.children]} (logs in {log_dir}/)")
         if not topo.start_healthy(log_dir, args.health_timeout):
             raise RuntimeError(f"{spec.name} did not start; see {log_dir}/")
@@ -182,7 +198,9 @@ def run_topology(spec: TopologySpec, args: argparse.Namespace, points: Sequence[
             for point in points:
                 bench = bench_config(args, point)
                 for cache in point.caches:
-                    step(f"{spec.name} {point.input_len} tok c{point.max_concurrency or 'inf'} {cache}")
+                    step(
+                        f"{spec.name} {point.input_len} tok c{point.max_concurrency or 'inf'} {cache}"
+                    )
                     if cache == "hot":
                         reset_prefix_caches(client, engines)
                     before = drain_pool_saves(client, engines, model)
@@ -190,10 +208,14 @@ def run_topology(spec: TopologySpec, args: argparse.Namespace, points: Sequence[
                                              log=lambda s: None)
                     after = drain_pool_saves(client, engines, model)
                     row = summarize_run(spec.name, cache, result, counter_deltas(before, after))
-                    row.update(input_len=point.input_len, max_concurrency=point.max_concurrency,
-                               link_rate=spec.link_rate, phase_groups=phase_groups(result.get("ttft_phases")),
-                               raw_phases=raw_phase_means(result.get("ttft_phases")),
-                               **latency_samples(result))
+                    row.update(
+                        input_len=point.input_len,
+                        max_concurrency=point.max_concurrency,
+                        link_rate=spec.link_rate,
+                        phase_groups=phase_groups(result.get("ttft_phases")),
+                        raw_phases=raw_phase_means(result.get("ttft_phases")),
+                        **latency_samples(result),
+                    )
                     errors = [e for e in result["errors"] if e]
                     if errors:
                         row["errors"] = errors[:3]
@@ -205,7 +227,9 @@ def run_topology(spec: TopologySpec, args: argparse.Namespace, points: Sequence[
         raise RuntimeError(f"{spec.name}: {e}") from e
     finally:
         topo.stop()
-        shutil.rmtree(os.path.join(log_dir, "kvpool"), ignore_errors=True)  # a disk pool: ~KV of the run
+        shutil.rmtree(
+            os.path.join(log_dir, "kvpool"), ignore_errors=True
+        )  # a disk pool: ~KV of the run
 
 
 class _Progress:
@@ -260,9 +284,14 @@ def main(args: argparse.Namespace) -> int:
         if reason is None and not args.netns_inner:
             return run_inside(sys.executable, after, args.link_rate)
         if reason is None:
-            specs.append(TopologySpec(capped_name(args.link_rate), "pd", False, link_rate=args.link_rate))
+            specs.append(
+                TopologySpec(capped_name(args.link_rate), "pd", False, link_rate=args.link_rate)
+            )
         else:
-            print(f"pdkv compare --link-rate {args.link_rate}: skipped the capped link: {reason}", flush=True)
+            print(
+                f"pdkv compare --link-rate {args.link_rate}: skipped the capped link: {reason}",
+                flush=True,
+            )
             skipped[capped_name(args.link_rate)] = f"skipped: {reason}"
     command = ("pdkv compare " + shlex.join(strip_inner(after))).strip()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -283,7 +312,9 @@ def main(args: argparse.Namespace) -> int:
     progress = _Progress(sum(len(p.caches) for p in points) * len(runnable), args.disable_tqdm)
     try:
         for i, spec in enumerate(runnable, 1):
-            progress.write(f"[{i}/{len(runnable)}] {spec.name} ({time.monotonic() - t0:.0f} s so far)")
+            progress.write(
+                f"[{i}/{len(runnable)}] {spec.name} ({time.monotonic() - t0:.0f} s so far)"
+            )
             try:
                 new = run_topology(spec, args, points, progress.write, progress)
             except RuntimeError as e:

@@ -78,16 +78,26 @@ def explain_pd(rows: Sequence[Row], noise: float = NOISE) -> list[str]:
             f"P/D adds hold + transfer + D first step = {added:.0f} ms per request; TPOT "
             f"{pd['mean_tpot_ms']:.0f} vs {colo['mean_tpot_ms']:.0f} ms "
             f"({_verdict(pd['mean_tpot_ms'], colo['mean_tpot_ms'], noise)}). "
-            + ("P/D pays on TTFT here." if pays else "P/D does not pay on TTFT here"
-               + (" (it may on TPOT: decode no longer waits behind prefills)."
-                  if pd["mean_tpot_ms"] < colo["mean_tpot_ms"] * (1 - noise) else ".")))
+            + (
+                "P/D pays on TTFT here."
+                if pays
+                else "P/D does not pay on TTFT here"
+                + (
+                    " (it may on TPOT: decode no longer waits behind prefills)."
+                    if pd["mean_tpot_ms"] < colo["mean_tpot_ms"] * (1 - noise)
+                    else "."
+                )
+            )
+        )
     return out
 
 
 def explain_pool(rows: Sequence[Row], noise: float = NOISE) -> list[str]:
     """Each `X+pool...` topology against `X` (same prompt length and concurrency)."""
     idx, out = _index(rows), []
-    for (topo, n, c, cache), r in sorted(idx.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+    for (topo, n, c, cache), r in sorted(
+        idx.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])
+    ):
         if "+pool" not in topo or cache != "cold":
             continue
         base_name = topo.split("+pool")[0]
@@ -98,11 +108,13 @@ def explain_pool(rows: Sequence[Row], noise: float = NOISE) -> list[str]:
         h = pool_hit_rate(hot)
         rate = f"{h or 0.0:.0%}"
         pays = hot["mean_ttft_ms"] < base["mean_ttft_ms"] * (1 - noise)
-        line = (f"`{topo}`, {n}-token prompts, concurrency {c}: cold (hit rate 0: the pool only costs "
-                f"its saves) TTFT {_ms(r['mean_ttft_ms'])} vs `{base_name}` {_ms(base['mean_ttft_ms'])} "
-                f"({_verdict(r['mean_ttft_ms'], base['mean_ttft_ms'], noise)}); hot (pool hit "
-                f"rate {rate}) TTFT {_ms(hot['mean_ttft_ms'])} "
-                f"({_verdict(hot['mean_ttft_ms'], base['mean_ttft_ms'], noise)} vs `{base_name}` cold). ")
+        line = (
+            f"`{topo}`, {n}-token prompts, concurrency {c}: cold (hit rate 0: the pool only costs "
+            f"its saves) TTFT {_ms(r['mean_ttft_ms'])} vs `{base_name}` {_ms(base['mean_ttft_ms'])} "
+            f"({_verdict(r['mean_ttft_ms'], base['mean_ttft_ms'], noise)}); hot (pool hit "
+            f"rate {rate}) TTFT {_ms(hot['mean_ttft_ms'])} "
+            f"({_verdict(hot['mean_ttft_ms'], base['mean_ttft_ms'], noise)} vs `{base_name}` cold). "
+        )
         if not h:
             line += ("The pool served no token of these prompts (a prompt must span more than one "
                      "whole chunk): it cannot pay at this length.")
@@ -120,11 +132,17 @@ def explain_offload(rows: Sequence[Row], noise: float = NOISE) -> list[str]:
         if topo != "colocated+offload" or cache != "hot" or base is None:
             continue
         share = r.get("offload_wait_share")
-        out.append(f"CPU offload, {n}-token prompts, concurrency {c}: hot TTFT {_ms(r['mean_ttft_ms'])} vs "
-                   f"colocated {_ms(base['mean_ttft_ms'])} ({_verdict(r['mean_ttft_ms'], base['mean_ttft_ms'], noise)})"
-                   + ("" if share is None else f"; copies' exposed wait {share:.1%} of the run") + ". "
-                   + ("Offload pays here." if r["mean_ttft_ms"] < base["mean_ttft_ms"] * (1 - noise)
-                      else "Offload does not pay here."))
+        out.append(
+            f"CPU offload, {n}-token prompts, concurrency {c}: hot TTFT {_ms(r['mean_ttft_ms'])} vs "
+            f"colocated {_ms(base['mean_ttft_ms'])} ({_verdict(r['mean_ttft_ms'], base['mean_ttft_ms'], noise)})"
+            + ("" if share is None else f"; copies' exposed wait {share:.1%} of the run")
+            + ". "
+            + (
+                "Offload pays here."
+                if r["mean_ttft_ms"] < base["mean_ttft_ms"] * (1 - noise)
+                else "Offload does not pay here."
+            )
+        )
     return out
 
 
@@ -135,19 +153,30 @@ def explain_link(rows: Sequence[Row], noise: float = NOISE) -> list[str]:
         if not r.get("link_rate") or cache != "cold":
             continue
         pd, colo = idx.get(("pd", n, c, "cold")), idx.get(("colocated", n, c, "cold"))
-        parts = [f"`{topo}` ({r['link_rate']}), {n}-token prompts, concurrency {c}: TTFT {_ms(r['mean_ttft_ms'])}"]
+        parts = [
+            f"`{topo}` ({r['link_rate']}), {n}-token prompts, concurrency {c}: TTFT {_ms(r['mean_ttft_ms'])}"
+        ]
         if pd is not None:
-            parts.append(f"pd over loopback {_ms(pd['mean_ttft_ms'])} ({_verdict(r['mean_ttft_ms'], pd['mean_ttft_ms'], noise)})")
+            parts.append(
+                f"pd over loopback {_ms(pd['mean_ttft_ms'])} ({_verdict(r['mean_ttft_ms'], pd['mean_ttft_ms'], noise)})"
+            )
         if colo is not None:
-            parts.append(f"colocated {_ms(colo['mean_ttft_ms'])} ({_verdict(r['mean_ttft_ms'], colo['mean_ttft_ms'], noise)})")
+            parts.append(
+                f"colocated {_ms(colo['mean_ttft_ms'])} ({_verdict(r['mean_ttft_ms'], colo['mean_ttft_ms'], noise)})"
+            )
         line = "; ".join(parts) + (f"; handoff measured {_ms(r.get('meas_handoff_ms'))}, plan "
                                    f"{_ms(r.get('pred_handoff_ms'))}. ")
         if pd is not None:
-            line += (f"The capped link adds {r['mean_ttft_ms'] - pd['mean_ttft_ms']:+.0f} ms to TTFT "
-                     f"({_group(r, 'transfer') - _group(pd, 'transfer'):+.0f} ms in the transfer phase). ")
+            line += (
+                f"The capped link adds {r['mean_ttft_ms'] - pd['mean_ttft_ms']:+.0f} ms to TTFT "
+                f"({_group(r, 'transfer') - _group(pd, 'transfer'):+.0f} ms in the transfer phase). "
+            )
         if colo is not None:
-            line += ("P/D over this link still pays on TTFT." if r["mean_ttft_ms"] < colo["mean_ttft_ms"] * (1 - noise)
-                     else "P/D over this link does not pay on TTFT.")
+            line += (
+                "P/D over this link still pays on TTFT."
+                if r["mean_ttft_ms"] < colo["mean_ttft_ms"] * (1 - noise)
+                else "P/D over this link does not pay on TTFT."
+            )
         out.append(line)
     return out
 
@@ -156,9 +185,11 @@ def explain(rows: Sequence[Row]) -> list[str]:
     """All generated statements (Markdown bullets' text): the noise threshold, then P/D, pool,
     offload, link in order."""
     noise = measured_noise(rows)
-    head = [f"Differences within ±{noise:.0%} are called no clear difference: the largest gap between "
-            "hot and cold mean TTFT of a topology without a pool (hot repeats cold there) in this run, "
-            f"at least {NOISE:.0%}."]
+    head = [
+        f"Differences within ±{noise:.0%} are called no clear difference: the largest gap between "
+        "hot and cold mean TTFT of a topology without a pool (hot repeats cold there) in this run, "
+        f"at least {NOISE:.0%}."
+    ]
     body = (explain_pd(rows, noise) + explain_pool(rows, noise) + explain_offload(rows, noise)
             + explain_link(rows, noise))
     return head + body if body else []

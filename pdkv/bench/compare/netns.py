@@ -95,7 +95,9 @@ def cap_topology(topo: launcher.Topology, pair: NetnsPair) -> None:
     cmd[i + 1] = ",".join(moved.get(u, u) for u in cmd[i + 1].split(","))
 
 
-def run_inside(python: str, compare_args: Sequence[str], rate: str, prefix: str = NETNS_PREFIX) -> int:
+def run_inside(
+    python: str, compare_args: Sequence[str], rate: str, prefix: str = NETNS_PREFIX
+) -> int:
     """Create the capped namespace pair, run the comparison inside D's namespace, delete the
     pair; returns the child's exit code.
 
@@ -103,8 +105,11 @@ def run_inside(python: str, compare_args: Sequence[str], rate: str, prefix: str 
         RuntimeError: the namespaces could not be made (not root, no iproute2, an ip/tc error).
     """
     with NetnsPair(prefix=prefix, rate=rate) as pair:
-        print(f"namespaces {pair.ns('p')} ({pair.host('p')}) and {pair.ns('d')} ({pair.host('d')}): "
-              f"{pair.qdisc('p')}", flush=True)
+        print(
+            f"namespaces {pair.ns('p')} ({pair.host('p')}) and {pair.ns('d')} ({pair.host('d')}): "
+            f"{pair.qdisc('p')}",
+            flush=True,
+        )
         proc = subprocess.Popen(pair.exec_prefix("d") + inner_argv(python, compare_args, prefix))
         try:
             return proc.wait()

@@ -38,9 +38,17 @@ def rerender(args: argparse.Namespace, path: str, rendered_by: str) -> str:
         data = json.load(f)
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise ValueError(f"{path} is not a pdkv compare.json")
-    return write_report(data["rows"], args, command=data.get("command", "?"), date=data.get("date", "?"),
-                        skipped=data.get("skipped", {}), total_s=0.0, machine=data.get("machine"),
-                        workload=data.get("workload"), rendered_by=rendered_by)
+    return write_report(
+        data["rows"],
+        args,
+        command=data.get("command", "?"),
+        date=data.get("date", "?"),
+        skipped=data.get("skipped", {}),
+        total_s=0.0,
+        machine=data.get("machine"),
+        workload=data.get("workload"),
+        rendered_by=rendered_by,
+    )
 
 
 def plan_model(name: str) -> ModelSpec | None:
@@ -55,13 +63,19 @@ def plan_model(name: str) -> ModelSpec | None:
 def workload_text(args: argparse.Namespace, total_s: float) -> str:
     """One line describing the sweep."""
     conc = ", ".join(str(c) if c else "unbounded" for c in args.max_concurrency)
-    return (f"random prompts of {', '.join(map(str, args.input_lens))} tokens, {args.output_len} "
-            f"output tokens, {args.num_prompts} prompts per run, max concurrency {conc}, request "
-            f"rate {args.request_rate}, seed {args.seed}; model {args.model}; "
-            + (f"pool tier {args.pool_tier}, chunk {args.pool_chunk_size} tokens; "
-               if "pool" in str(args.topologies) else "")
-            + f"transfer {args.kv_transfer}"
-            + (f"; capped link {args.link_rate}" if args.link_rate else "") + f"; total {total_s:.0f} s")
+    return (
+        f"random prompts of {', '.join(map(str, args.input_lens))} tokens, {args.output_len} "
+        f"output tokens, {args.num_prompts} prompts per run, max concurrency {conc}, request "
+        f"rate {args.request_rate}, seed {args.seed}; model {args.model}; "
+        + (
+            f"pool tier {args.pool_tier}, chunk {args.pool_chunk_size} tokens; "
+            if "pool" in str(args.topologies)
+            else ""
+        )
+        + f"transfer {args.kv_transfer}"
+        + (f"; capped link {args.link_rate}" if args.link_rate else "")
+        + f"; total {total_s:.0f} s"
+    )
 
 
 def write_report(rows: list[dict[str, Any]], args: argparse.Namespace, *, command: str, date: str,
@@ -83,10 +97,15 @@ def write_report(rows: list[dict[str, Any]], args: argparse.Namespace, *, comman
     prefill = measured_prefill_tps(rows)
     f_s = fixed[0] if fixed else None
     pool_ran = any("pool" in r["topology"] for r in rows)
-    breakeven = breakeven_lines(model, args.input_lens, prefill, ctx, fixed_s=f_s, pool_ran=pool_ran)
+    breakeven = breakeven_lines(
+        model, args.input_lens, prefill, ctx, fixed_s=f_s, pool_ran=pool_ran
+    )
     if any(r.get("link_rate") for r in rows):
-        breakeven += [x for x in breakeven_lines(model, args.input_lens, prefill, ctx, True, f_s, pool_ran)
-                      if x.startswith("P/D link")]
+        breakeven += [
+            x
+            for x in breakeven_lines(model, args.input_lens, prefill, ctx, True, f_s, pool_ran)
+            if x.startswith("P/D link")
+        ]
     md_path, plot_dir, json_path = report_paths(args.out)
     plots: list[str] = []
     plot_note = None
@@ -108,10 +127,18 @@ def write_report(rows: list[dict[str, Any]], args: argparse.Namespace, *, comman
     sections = [(t, lines) for t, lines in sections if lines and lines[0]]
     if rendered_by:
         workload += f"; report re-rendered from its compare.json by `{rendered_by}`"
-    text = render_report(rows, command=command, date=date, machine=machine,
-                         workload=workload,
-                         notes=report_notes(args) + plan_assumptions(ctx, fixed, pool_ran), skipped=skipped,
-                         plots=plots, plot_note=plot_note, sections=sections)
+    text = render_report(
+        rows,
+        command=command,
+        date=date,
+        machine=machine,
+        workload=workload,
+        notes=report_notes(args) + plan_assumptions(ctx, fixed, pool_ran),
+        skipped=skipped,
+        plots=plots,
+        plot_note=plot_note,
+        sections=sections,
+    )
     os.makedirs(os.path.dirname(md_path) or ".", exist_ok=True)
     os.makedirs(plot_dir, exist_ok=True)
     with open(md_path, "w") as f:

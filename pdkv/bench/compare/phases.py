@@ -72,13 +72,19 @@ def stacked_totals(rows: Sequence[Mapping[str, Any]]) -> list[float]:
 
 def phase_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """Markdown table of the mean phase groups (ms) of every row that has them ("" if none)."""
-    lines = ["| topology | prompt | conc | cache | " + " | ".join(PHASE_GROUPS) + " | sum | client TTFT |",
-             "|" + "---|" * (len(PHASE_GROUPS) + 6)]
+    lines = [
+        "| topology | prompt | conc | cache | "
+        + " | ".join(PHASE_GROUPS)
+        + " | sum | client TTFT |",
+        "|" + "---|" * (len(PHASE_GROUPS) + 6),
+    ]
     for r in rows:
         g = r.get("phase_groups")
         if not g:
             continue
         cells = " | ".join(f"{g.get(k, 0.0):.0f}" for k in PHASE_GROUPS)
-        lines.append(f"| {r['topology']} | {r.get('input_len')} | {r.get('max_concurrency')} | {r['cache']} | "
-                     f"{cells} | {sum(g.values()):.0f} | {r['mean_ttft_ms']:.0f} |")
+        lines.append(
+            f"| {r['topology']} | {r.get('input_len')} | {r.get('max_concurrency')} | {r['cache']} | "
+            f"{cells} | {sum(g.values()):.0f} | {r['mean_ttft_ms']:.0f} |"
+        )
     return "\n".join(lines) if len(lines) > 2 else ""

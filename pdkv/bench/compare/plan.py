@@ -30,10 +30,16 @@ from pdkv.plan.planner import Figure, PlanInputs, make_plan
 
 #: Assumed effective read bandwidth of each pool tier, bytes/s, with where it comes from.
 TIER_BANDWIDTH: dict[str, tuple[float, str]] = {
-    "disk": (1.0e9, "disk tier: files in the page cache of this box, 1 GB/s assumed (read + "
-                    "deserialise, one process)"),
+    "disk": (
+        1.0e9,
+        "disk tier: files in the page cache of this box, 1 GB/s assumed (read + "
+        "deserialise, one process)",
+    ),
     "redis": (0.5e9, "redis tier: one local redis over loopback TCP, 0.5 GB/s assumed"),
-    "mooncake": (2.7e9, "mooncake tier: a local store over loopback, the tcp-loopback preset's 2.7 GB/s"),
+    "mooncake": (
+        2.7e9,
+        "mooncake tier: a local store over loopback, the tcp-loopback preset's 2.7 GB/s",
+    ),
     "dram": (5.0e9, "dram tier: in-process copies, 5 GB/s assumed"),
 }
 #: The engine's KV element type on this CPU build (fp32: 2·30·3·64·4 = 46080 B/token for SmolLM2).
@@ -73,7 +79,9 @@ def _per_request(row: Mapping[str, Any], key: str) -> float | None:
     return float(v) / n if v is not None and n > 0 else None
 
 
-def calibrate_fixed(rows: Sequence[Mapping[str, Any]], ctx: PlanContext) -> tuple[float, str] | None:
+def calibrate_fixed(
+    rows: Sequence[Mapping[str, Any]], ctx: PlanContext
+) -> tuple[float, str] | None:
     """The per-handoff fixed cost F (s) measured in the run, as `pdkv bench handoff`'s probe
     does: a run's mean measured handoff (`pd`, loopback) minus its wire time and the handshake
     term (pdkv.bench.handoff.compare.fixed_from_probe), never below 0; F is the median over the
@@ -89,15 +97,22 @@ def calibrate_fixed(rows: Sequence[Mapping[str, Any]], ctx: PlanContext) -> tupl
         return None
     warm = cands[1:] or cands
     link = pd_link(ctx, False)
-    f = statistics.median(fixed_from_probe(r["raw_phases"]["transfer"] / 1e3, r["p2p_bytes"] / r["completed"], link)
-                          for r in warm)
+    f = statistics.median(
+        fixed_from_probe(r["raw_phases"]["transfer"] / 1e3, r["p2p_bytes"] / r["completed"], link)
+        for r in warm
+    )
     handoffs = sum(int(r["completed"]) for r in warm)
     runs = ", ".join(f"{r['input_len']} tok {r['cache']} c{r['max_concurrency']}" for r in warm)
-    which = (f"the median over {len(warm)} warm pd run(s) ({handoffs} handoffs: {runs}; the first pd run "
-             "left out)" if warm is not cands else
-             f"the only pd run ({handoffs} handoffs: {runs}; no warm run to calibrate on)")
-    return f, (f"F = {f * 1e3:.1f} ms: each run's mean measured handoff minus its wire time and handshake, "
-               f"as `pdkv bench handoff`'s probe; {which}")
+    which = (
+        f"the median over {len(warm)} warm pd run(s) ({handoffs} handoffs: {runs}; the first pd run "
+        "left out)"
+        if warm is not cands
+        else f"the only pd run ({handoffs} handoffs: {runs}; no warm run to calibrate on)"
+    )
+    return f, (
+        f"F = {f * 1e3:.1f} ms: each run's mean measured handoff minus its wire time and handshake, "
+        f"as `pdkv bench handoff`'s probe; {which}"
+    )
 
 
 def predict_row(row: Mapping[str, Any], ctx: PlanContext,
@@ -147,7 +162,11 @@ def measured_prefill_tps(rows: Sequence[Mapping[str, Any]]) -> tuple[float, str]
         if r.get("cache") != "cold" or "pool" in r["topology"] or "offload" in r["topology"] \
                 or r.get("link_rate") or not pre:
             continue
-        key = (int(r["topology"].startswith("colocated")), int(r["input_len"]), -int(r["max_concurrency"] or 0))
+        key = (
+            int(r["topology"].startswith("colocated")),
+            int(r["input_len"]),
+            -int(r["max_concurrency"] or 0),
+        )
         if best is None or key > best[0]:
             tps = r["input_len"] / (pre / 1e3)
             best = (key, tps, f"{r['input_len']} tokens / {pre:.0f} ms mean prefill phase of "
@@ -159,9 +178,15 @@ def _figure(figs: Sequence[Figure], key: str) -> Figure | None:
     return next((f for f in figs if f.key == key), None)
 
 
-def breakeven_lines(model: ModelSpec | None, input_lens: Sequence[int], prefill: tuple[float, str] | None,
-                    ctx: PlanContext, capped: bool = False, fixed_s: float | None = None,
-                    pool_ran: bool = True) -> list[str]:
+def breakeven_lines(
+    model: ModelSpec | None,
+    input_lens: Sequence[int],
+    prefill: tuple[float, str] | None,
+    ctx: PlanContext,
+    capped: bool = False,
+    fixed_s: float | None = None,
+    pool_ran: bool = True,
+) -> list[str]:
     """The plan's break-even statements, one line each, with their inputs (Markdown); `fixed_s`:
     the per-transfer fixed cost (s; `calibrate_fixed`), else `pdkv plan`'s default; `pool_ran`:
     whether the run had a pool topology (else no pool-tier lines: nothing measured them).
@@ -177,17 +202,30 @@ def breakeven_lines(model: ModelSpec | None, input_lens: Sequence[int], prefill:
     out = [f"prefill throughput P = {tps:.0f} tokens/s ({how}); KV dtype {ENGINE_KV_DTYPE} "
            "(the engine's on this build)."]
     pd_what = f"P/D link capped at {ctx.link_rate}" if capped and ctx.link_rate else "P/D link"
-    targets = [(pd_link(ctx, capped), pd_what)] + ([(tier_link(ctx.pool_tier), "pool tier")] if pool_ran else [])
+    targets = [(pd_link(ctx, capped), pd_what)] + (
+        [(tier_link(ctx.pool_tier), "pool tier")] if pool_ran else []
+    )
     for link, what in targets:
         for n in input_lens:
             fixed = costs.FixedCosts() if fixed_s is None else costs.FixedCosts(scheduling=fixed_s)
-            figs = make_plan(PlanInputs(link=link, model=model, prompt_len=n, kv_dtype=ENGINE_KV_DTYPE,
-                                        prefill_tps=tps, fixed=fixed))
+            figs = make_plan(
+                PlanInputs(
+                    link=link,
+                    model=model,
+                    prompt_len=n,
+                    kv_dtype=ENGINE_KV_DTYPE,
+                    prefill_tps=tps,
+                    fixed=fixed,
+                )
+            )
             if n == input_lens[0]:
                 be = _figure(figs, "breakeven_tokens")
                 if be is not None:
-                    claim = (f"reload beats recompute above {be.value} tokens" if be.value is not None
-                             else "reload never beats recompute")
+                    claim = (
+                        f"reload beats recompute above {be.value} tokens"
+                        if be.value is not None
+                        else "reload never beats recompute"
+                    )
                     name = "" if link.name == "custom" else f" `{link.name}`"
                     out.append(f"{what}{name} ({link.bandwidth / 1e9:.3g} GB/s): {claim} "
                                f"({be.assumption}).")
@@ -206,9 +244,11 @@ def plan_table(rows: Sequence[Mapping[str, Any]]) -> str:
     from pdkv.bench.compare.report import format_bytes
 
     pool = any(r.get("pool_bytes_per_request") for r in rows)
-    head = ("| topology | prompt | conc | cache | KV P2P / req | plan handoff (ms) | measured handoff (ms) "
-            + ("| pool read / req | plan pool load (ms) " if pool else "")
-            + "| plan transfer (ms) | measured transfer (ms) |")
+    head = (
+        "| topology | prompt | conc | cache | KV P2P / req | plan handoff (ms) | measured handoff (ms) "
+        + ("| pool read / req | plan pool load (ms) " if pool else "")
+        + "| plan transfer (ms) | measured transfer (ms) |"
+    )
     lines = [head, "|" + "---|" * (11 if pool else 9)]
 
     def ms(v: Any) -> str:
@@ -217,29 +257,43 @@ def plan_table(rows: Sequence[Mapping[str, Any]]) -> str:
     for r in rows:
         if r.get("pred_transfer_ms") is None:
             continue
-        pool_cells = (f"{format_bytes(r.get('pool_bytes_per_request'))} | {ms(r.get('pred_pool_ms'))} | "
-                      if pool else "")
-        lines.append(f"| {r['topology']} | {r['input_len']} | {r['max_concurrency']} | {r['cache']} | "
-                     f"{format_bytes(r.get('p2p_bytes_per_request'))} | {ms(r.get('pred_handoff_ms'))} | "
-                     f"{ms(r.get('meas_handoff_ms'))} | {pool_cells}{ms(r.get('pred_transfer_ms'))} | "
-                     f"{ms(r.get('meas_transfer_ms'))} |")
+        pool_cells = (
+            f"{format_bytes(r.get('pool_bytes_per_request'))} | {ms(r.get('pred_pool_ms'))} | "
+            if pool
+            else ""
+        )
+        lines.append(
+            f"| {r['topology']} | {r['input_len']} | {r['max_concurrency']} | {r['cache']} | "
+            f"{format_bytes(r.get('p2p_bytes_per_request'))} | {ms(r.get('pred_handoff_ms'))} | "
+            f"{ms(r.get('meas_handoff_ms'))} | {pool_cells}{ms(r.get('pred_transfer_ms'))} | "
+            f"{ms(r.get('meas_transfer_ms'))} |"
+        )
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
-def plan_assumptions(ctx: PlanContext, fixed: tuple[float, str] | None = None, pool_ran: bool = True) -> list[str]:
+def plan_assumptions(
+    ctx: PlanContext, fixed: tuple[float, str] | None = None, pool_ran: bool = True
+) -> list[str]:
     """The assumptions behind the predictions, for the report notes (`fixed`: `calibrate_fixed`;
     `pool_ran`: a pool topology ran, else no pool-load note)."""
     pd = pd_link(ctx, False)
     f_s = fixed[0] if fixed else costs.FixedCosts().scheduling
     how = fixed[1] if fixed else "`pdkv plan`'s default scheduling term"
-    out = [f"plan handoff: `pdkv plan --kv-bytes <P2P bytes per request> --link {pd.name} "
-           f"--sched-overhead {f_s:.4g}` arithmetic: bytes / {pd.bandwidth:.3g} B/s + handshake 2 × "
-           f"{pd.latency:g} s + F ({how}; link: {pd.note}).",
-           *([f"plan pool load: pool bytes read per request / {tier_link(ctx.pool_tier).bandwidth:.3g} B/s "
-              f"({tier_link(ctx.pool_tier).note}); in P/D + pool the plan transfer is handoff + pool load."]
-             if pool_ran else []),
-           "measured handoff: D's `transfer` phase (its KV wait: claim, pull, done, and the scheduler "
-           "steps around them); measured transfer: the transfer group (see the phases plot)."]
+    out = [
+        f"plan handoff: `pdkv plan --kv-bytes <P2P bytes per request> --link {pd.name} "
+        f"--sched-overhead {f_s:.4g}` arithmetic: bytes / {pd.bandwidth:.3g} B/s + handshake 2 × "
+        f"{pd.latency:g} s + F ({how}; link: {pd.note}).",
+        *(
+            [
+                f"plan pool load: pool bytes read per request / {tier_link(ctx.pool_tier).bandwidth:.3g} B/s "
+                f"({tier_link(ctx.pool_tier).note}); in P/D + pool the plan transfer is handoff + pool load."
+            ]
+            if pool_ran
+            else []
+        ),
+        "measured handoff: D's `transfer` phase (its KV wait: claim, pull, done, and the scheduler "
+        "steps around them); measured transfer: the transfer group (see the phases plot).",
+    ]
     if ctx.link_rate_bps:
         out.append(f"capped link: {ctx.link_rate} = {ctx.link_rate_bps:.4g} B/s (tbf) taken as the "
                    "effective rate, latency 0.")

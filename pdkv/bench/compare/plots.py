@@ -71,8 +71,12 @@ def write_plots(rows: Sequence[Mapping[str, Any]], folder: str, prefix: str) -> 
     fig, ax = plt.subplots(figsize=(width, 4.5))
     tp = [r.get("tpots_ms") or [0.0] for r in rows]
     it = [r.get("itls_ms") or [0.0] for r in rows]
-    b1 = ax.boxplot(tp, positions=[x - 0.18 for x in xs], widths=0.3, showfliers=False, patch_artist=True)
-    b2 = ax.boxplot(it, positions=[x + 0.18 for x in xs], widths=0.3, showfliers=False, patch_artist=True)
+    b1 = ax.boxplot(
+        tp, positions=[x - 0.18 for x in xs], widths=0.3, showfliers=False, patch_artist=True
+    )
+    b2 = ax.boxplot(
+        it, positions=[x + 0.18 for x in xs], widths=0.3, showfliers=False, patch_artist=True
+    )
     for patch in b1["boxes"]:
         patch.set_facecolor("tab:blue")
     for patch in b2["boxes"]:
@@ -82,9 +86,22 @@ def write_plots(rows: Sequence[Mapping[str, Any]], folder: str, prefix: str) -> 
     save(fig, ax, "tpot_itl", "TPOT and ITL distributions (no outliers drawn)", "ms")
 
     for name, title, unit, series in (
-        ("bytes", "KV bytes moved", "MiB", (("p2p_bytes", "P2P"), ("pool_bytes_read", "pool read"),
-                                           ("pool_bytes_written", "pool written"))),
-        ("hit_rates", "hit rates", "%", (("pool", "pool hit rate"), ("prefix", "prefix cache hit rate"))),
+        (
+            "bytes",
+            "KV bytes moved",
+            "MiB",
+            (
+                ("p2p_bytes", "P2P"),
+                ("pool_bytes_read", "pool read"),
+                ("pool_bytes_written", "pool written"),
+            ),
+        ),
+        (
+            "hit_rates",
+            "hit rates",
+            "%",
+            (("pool", "pool hit rate"), ("prefix", "prefix cache hit rate")),
+        ),
     ):
         values: list[tuple[str, list[float]]] = []
         for key, label in series:

@@ -145,7 +145,9 @@ def _cell(value: Any, fmt: str) -> str:
     if fmt == "rates":
         if not value:
             return "-"
-        return " / ".join(f"{e} {'-' if r is None else f'{100 * r:.0f}%'}" for e, r in value.items())
+        return " / ".join(
+            f"{e} {'-' if r is None else f'{100 * r:.0f}%'}" for e, r in value.items()
+        )
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return format(value, fmt)

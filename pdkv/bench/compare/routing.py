@@ -63,11 +63,31 @@ class PolicyResult(TypedDict):
 def run_policy(routing: str, args: argparse.Namespace, log_dir: str) -> PolicyResult:
     """One topology with `routing`, the workload, the instances' counters. Raises RuntimeError
     when the topology does not come up within --health-timeout seconds."""
-    cmd = [sys.executable, "-m", "pdkv.cli", "up", "--mode", "colocated", "--num-instances", str(args.num_instances),
-           "--pool", args.pool, "--pool-chunk-size", str(args.pool_chunk_size), "--routing", routing,
-           "--model", args.model, "--log-dir", os.path.join(log_dir, routing),
-           "--threads-per-engine", str(args.threads_per_engine)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdkv.cli",
+        "up",
+        "--mode",
+        "colocated",
+        "--num-instances",
+        str(args.num_instances),
+        "--pool",
+        args.pool,
+        "--pool-chunk-size",
+        str(args.pool_chunk_size),
+        "--routing",
+        routing,
+        "--model",
+        args.model,
+        "--log-dir",
+        os.path.join(log_dir, routing),
+        "--threads-per-engine",
+        str(args.threads_per_engine),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         urls: dict[str, str] = {}
         endpoint = ""
@@ -76,16 +96,28 @@ def run_policy(routing: str, args: argparse.Namespace, log_dir: str) -> PolicyRe
         while not endpoint:
             line = proc.stdout.readline()
             if not line or time.monotonic() > deadline:
-                raise RuntimeError(f"pdkv up ({routing}) did not become ready; logs in {log_dir}/{routing}")
+                raise RuntimeError(
+                    f"pdkv up ({routing}) did not become ready; logs in {log_dir}/{routing}"
+                )
             m = re.match(r"\s+(engine\d+|proxy): (http://\S+)", line)
             if m:
                 urls[m.group(1)] = m.group(2)
             if line.startswith("ready: "):
                 endpoint = line.split()[1]
         engines = {n: u for n, u in urls.items() if n.startswith("engine")}
-        cfg = BenchConfig(base_url=endpoint, endpoint="chat", dataset="multi-turn", num_prompts=args.conversations,
-                          num_turns=args.turns, input_len=args.input_len, output_len=args.output_len,
-                          max_concurrency=1, seed=args.seed, scrape_metrics=False, disable_tqdm=True)
+        cfg = BenchConfig(
+            base_url=endpoint,
+            endpoint="chat",
+            dataset="multi-turn",
+            num_prompts=args.conversations,
+            num_turns=args.turns,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            max_concurrency=1,
+            seed=args.seed,
+            scrape_metrics=False,
+            disable_tqdm=True,
+        )
         bench = run_serve_bench(cfg, log=lambda s: None)
         per: dict[str, dict[str, float]] = {}
         for name, url in sorted(engines.items()):
@@ -98,27 +130,42 @@ def run_policy(routing: str, args: argparse.Namespace, log_dir: str) -> PolicyRe
                      if k.startswith("pdkv:proxy_routing_decisions_total")}
         queried = sum(p["prompt_tokens"] for p in per.values())
         hits = sum(p["prefix_hits"] + p["pool_hits"] for p in per.values())
-        return {"routing": routing, "completed": bench["completed"], "instances": per, "decisions": decisions,
-                "hit_rate": hits / queried if queried else 0.0}
+        return {
+            "routing": routing,
+            "completed": bench["completed"],
+            "instances": per,
+            "decisions": decisions,
+            "hit_rate": hits / queried if queried else 0.0,
+        }
     finally:
         stop_process_group(proc, 60, 10)
 
 
 def format_report(results: list[PolicyResult]) -> str:
     """A plain-text table: per policy and instance, prompt / prefix-hit / pool-hit tokens."""
-    lines = [f"{'routing':<14}{'instance':<10}{'prompt tok':>11}{'prefix hit':>11}{'pool hit':>10}{'hit rate':>10}"]
+    lines = [
+        f"{'routing':<14}{'instance':<10}{'prompt tok':>11}{'prefix hit':>11}{'pool hit':>10}{'hit rate':>10}"
+    ]
     for r in results:
         for name, p in r["instances"].items():
-            rate = (p["prefix_hits"] + p["pool_hits"]) / p["prompt_tokens"] if p["prompt_tokens"] else 0.0
+            rate = (
+                (p["prefix_hits"] + p["pool_hits"]) / p["prompt_tokens"]
+                if p["prompt_tokens"]
+                else 0.0
+            )
             lines.append(f"{r['routing']:<14}{name:<10}{p['prompt_tokens']:>11.0f}{p['prefix_hits']:>11.0f}"
                          f"{p['pool_hits']:>10.0f}{rate:>10.1%}")
         decisions = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["decisions"].items()))
-        lines.append(f"{r['routing']:<14}{'all':<10}{'':>11}{'':>11}{'':>10}{r['hit_rate']:>10.1%}   ({decisions})")
+        lines.append(
+            f"{r['routing']:<14}{'all':<10}{'':>11}{'':>11}{'':>10}{r['hit_rate']:>10.1%}   ({decisions})"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--routing", nargs="+", default=["round_robin", "prefix_aware"])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--num-instances", type=int, default=2)
@@ -127,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conversations", type=int, default=3)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--input-len", type=int, default=40, help="new question tokens per turn")
-    ap.add_argument("--output-len", type=int, default=8, help="answer tokens (generated and in later prompts)")
+    ap.add_argument(
+        "--output-len", type=int, default=8, help="answer tokens (generated and in later prompts)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads-per-engine", type=int, default=1)
     ap.add_argument("--health-timeout", type=float, default=300.0)

@@ -44,13 +44,17 @@ def parse_topologies(text: str) -> list[TopologySpec]:
             continue
         m = _TOPOLOGY_RE.match(name)
         if m is None:
-            raise ValueError(f"unknown topology {name!r}: use colocated, pd, pd+pool, pd+pool+skip "
-                             "(the proxy skips P on a pool hit), colocated+pool or colocatedN[+pool] "
-                             "(N instances behind the routing proxy)")
+            raise ValueError(
+                f"unknown topology {name!r}: use colocated, pd, pd+pool, pd+pool+skip "
+                "(the proxy skips P on a pool hit), colocated+pool or colocatedN[+pool] "
+                "(N instances behind the routing proxy)"
+            )
         mode, count, pool, skip = m.group(1), m.group(2), bool(m.group(3)), bool(m.group(4))
         offload = bool(m.group(5))
         if offload and (mode != "colocated" or count or pool or skip):
-            raise ValueError(f"topology {name!r}: +offload is for one colocated engine (colocated+offload)")
+            raise ValueError(
+                f"topology {name!r}: +offload is for one colocated engine (colocated+offload)"
+            )
         if mode == "pd" and count:
             raise ValueError(f"topology {name!r}: pd is 1P1D here; no instance count")
         if skip and not (mode == "pd" and pool):

@@ -84,9 +84,11 @@ DEFAULT_CONFIGS = ("dcp1", "dcp2")
 def note(configs: Sequence[BenchConfig]) -> str:
     """The caveat printed with the table: cores vs worker processes."""
     procs = max(ParallelLayout(c.tp, c.dcp, dcp_replicated=c.tp == 1).world_size for c in configs)
-    return (f"Note: this machine has {os.cpu_count()} CPU cores; the {procs} worker processes of the "
-            "largest config compete for them (and with any other load), so decode time at dcp 2 here is "
-            "not a speed-up measurement: the KV bytes per rank are the point.")
+    return (
+        f"Note: this machine has {os.cpu_count()} CPU cores; the {procs} worker processes of the "
+        "largest config compete for them (and with any other load), so decode time at dcp 2 here is "
+        "not a speed-up measurement: the KV bytes per rank are the point."
+    )
 
 
 def prompt_ids(length: int, vocab_size: int, seed: int) -> list[int]:
@@ -95,7 +97,9 @@ def prompt_ids(length: int, vocab_size: int, seed: int) -> list[int]:
     return [rng.randrange(VOCAB_LOW, vocab_size) for _ in range(length)]
 
 
-def sizes(context_lens: Sequence[int], decode_steps: int, model_max_len: int) -> tuple[int, list[int]]:
+def sizes(
+    context_lens: Sequence[int], decode_steps: int, model_max_len: int
+) -> tuple[int, list[int]]:
     """(max_model_len, prompt lengths): max_model_len fits the longest context plus the decode
     tokens, capped at the model's max_position_embeddings; a prompt that would not fit then is
     shortened to max_model_len − decode_steps − 2 tokens.
@@ -108,7 +112,9 @@ def sizes(context_lens: Sequence[int], decode_steps: int, model_max_len: int) ->
     max_len = min(model_max_len, max(context_lens) + decode_steps + 2)
     room = max_len - decode_steps - 2
     if room < 1:
-        raise ValueError(f"max_model_len={max_len} leaves no prompt room for {decode_steps} decode steps")
+        raise ValueError(
+            f"max_model_len={max_len} leaves no prompt room for {decode_steps} decode steps"
+        )
     return max_len, [min(n, room) for n in context_lens]
 
 
@@ -126,7 +132,9 @@ def _measure(llm: LLM, cfg: BenchConfig, prompt: list[int], decode_steps: int,
         t0 = time.perf_counter()
         while req.num_output_tokens < 1:  # prefill (chunked) until the first token
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{cfg.name}: prefill of {len(prompt)} tokens not done in {STEP_DEADLINE_S:g} s")
+                raise TimeoutError(
+                    f"{cfg.name}: prefill of {len(prompt)} tokens not done in {STEP_DEADLINE_S:g} s"
+                )
             engine.step()
         prefill_s = time.perf_counter() - t0
         step_s, forward_s, comm_s = [], [], []
@@ -135,7 +143,9 @@ def _measure(llm: LLM, cfg: BenchConfig, prompt: list[int], decode_steps: int,
             engine.step()
             step_s.append(time.perf_counter() - t0)
             if engine.last_num_scheduled_tokens != 1:
-                raise RuntimeError(f"{cfg.name}: a decode step scheduled {engine.last_num_scheduled_tokens} tokens")
+                raise RuntimeError(
+                    f"{cfg.name}: a decode step scheduled {engine.last_num_scheduled_tokens} tokens"
+                )
             forward_s.append(engine.runner.timings.forward)
             comm_s.append(engine.runner.timings.dcp_comm)
         kv_config = engine.runner.kv_cache_config
@@ -143,16 +153,26 @@ def _measure(llm: LLM, cfg: BenchConfig, prompt: list[int], decode_steps: int,
         tokens = req.num_computed_tokens
     finally:
         engine.abort_request([req.request_id])
-    block_bytes_per_rank = kv_config.block_bytes(0) // cfg.dcp  # logical block = dcp physical blocks
+    block_bytes_per_rank = (
+        kv_config.block_bytes(0) // cfg.dcp
+    )  # logical block = dcp physical blocks
     tokens_per_rank = kv_tokens_per_rank(tokens, interleave, cfg.dcp)
     return {
-        "prompt_tokens": len(prompt), "context_tokens": tokens, "kv_tokens_per_rank": tokens_per_rank,
-        "kv_bytes_per_token_per_rank": per_token, "kv_bytes_per_rank": tokens_per_rank * per_token,
-        "blocks": blocks, "block_bytes_per_rank": block_bytes_per_rank,
+        "prompt_tokens": len(prompt),
+        "context_tokens": tokens,
+        "kv_tokens_per_rank": tokens_per_rank,
+        "kv_bytes_per_token_per_rank": per_token,
+        "kv_bytes_per_rank": tokens_per_rank * per_token,
+        "blocks": blocks,
+        "block_bytes_per_rank": block_bytes_per_rank,
         "kv_measured_bytes_per_rank": blocks * block_bytes_per_rank,
-        "pool_bytes_per_rank": kv_config.total_bytes // cfg.dcp, "prefill_s": prefill_s,
-        "decode_steps": decode_steps, **step_stats(step_s, forward_s, comm_s),
-        "step_s": step_s, "forward_s": forward_s, "dcp_comm_s": comm_s,
+        "pool_bytes_per_rank": kv_config.total_bytes // cfg.dcp,
+        "prefill_s": prefill_s,
+        "decode_steps": decode_steps,
+        **step_stats(step_s, forward_s, comm_s),
+        "step_s": step_s,
+        "forward_s": forward_s,
+        "dcp_comm_s": comm_s,
     }
 
 
@@ -189,7 +209,9 @@ def run_config(cfg: BenchConfig, model: str, context_lens: Sequence[int], decode
         rows: list[DcpRow] = []
         for ctx, n in zip(context_lens, prompt_lens):
             prompt = prompt_ids(n, engine.vocab_size, seed + ctx)
-            row = _measure(llm, cfg, prompt, decode_steps, per_token, interleave if cfg.dcp > 1 else 1)
+            row = _measure(
+                llm, cfg, prompt, decode_steps, per_token, interleave if cfg.dcp > 1 else 1
+            )
             rows.append(DcpRow(config=cfg.name, baseline=cfg.baseline, model=model, tp=cfg.tp,
                                dcp=cfg.dcp, interleave=interleave, context_len=ctx,
                                **row))  # type: ignore[typeddict-item]  # ratios: add_ratios
@@ -198,10 +220,17 @@ def run_config(cfg: BenchConfig, model: str, context_lens: Sequence[int], decode
         llm.llm_engine.shutdown()
 
 
-def run_dcp_bench(configs: Sequence[str] = DEFAULT_CONFIGS, context_lens: Sequence[int] = DEFAULT_CONTEXT_LENS,
-                  decode_steps: int = DEFAULT_DECODE_STEPS, model: str = "tiny-llama-kv2",
-                  vllm_model: str = "tiny-llama-kv1", interleave: int = 1, seed: int = 0,
-                  num_threads: int | None = None, print_table: bool = True) -> DcpResult:
+def run_dcp_bench(
+    configs: Sequence[str] = DEFAULT_CONFIGS,
+    context_lens: Sequence[int] = DEFAULT_CONTEXT_LENS,
+    decode_steps: int = DEFAULT_DECODE_STEPS,
+    model: str = "tiny-llama-kv2",
+    vllm_model: str = "tiny-llama-kv1",
+    interleave: int = 1,
+    seed: int = 0,
+    num_threads: int | None = None,
+    print_table: bool = True,
+) -> DcpResult:
     """Every config of `configs` (names of CONFIGS) at every context length, in one run.
 
     Returns:
@@ -222,10 +251,18 @@ def run_dcp_bench(configs: Sequence[str] = DEFAULT_CONFIGS, context_lens: Sequen
         rows += run_config(cfg, vllm_model if cfg.vllm_model else model, context_lens, decode_steps,
                            interleave, seed, num_threads)
     add_ratios(rows)
-    result: DcpResult = {"rows": rows, "baselines": {c.name: c.baseline for c in chosen},
-                         "note": note(chosen),
-              "cpu_count": os.cpu_count(), "context_lens": list(context_lens), "decode_steps": decode_steps,
-              "model": model, "vllm_model": vllm_model, "block_size": BLOCK_TOKENS, "interleave": interleave}
+    result: DcpResult = {
+        "rows": rows,
+        "baselines": {c.name: c.baseline for c in chosen},
+        "note": note(chosen),
+        "cpu_count": os.cpu_count(),
+        "context_lens": list(context_lens),
+        "decode_steps": decode_steps,
+        "model": model,
+        "vllm_model": vllm_model,
+        "block_size": BLOCK_TOKENS,
+        "interleave": interleave,
+    }
     if print_table:
         print(format_table(result))
     return result
@@ -233,19 +270,42 @@ def run_dcp_bench(configs: Sequence[str] = DEFAULT_CONFIGS, context_lens: Sequen
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     """Flags of `pdkv bench dcp`."""
-    p.add_argument("--model", default="tiny-llama-kv2", help="model of dcp1 / dcp2 (alias or folder)")
-    p.add_argument("--vllm-model", default="tiny-llama-kv1",
-                   help="model of tp2 / tp2-dcp2 (vLLM mode needs tp / KV heads to be a multiple of dcp)")
-    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help=f"comma-separated, of {', '.join(CONFIGS)}; ratios vs dcp1 (tp2-dcp2 vs tp2)")
-    p.add_argument("--context-lens", default=",".join(map(str, DEFAULT_CONTEXT_LENS)),
-                   help="prompt tokens per request, comma-separated (capped to the model's max length)")
-    p.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS, help="timed decode steps per context")
-    p.add_argument("--cp-kv-cache-interleave-size", type=int, default=1, help="DCP interleave I (tokens)")
+    p.add_argument(
+        "--model", default="tiny-llama-kv2", help="model of dcp1 / dcp2 (alias or folder)"
+    )
+    p.add_argument(
+        "--vllm-model",
+        default="tiny-llama-kv1",
+        help="model of tp2 / tp2-dcp2 (vLLM mode needs tp / KV heads to be a multiple of dcp)",
+    )
+    p.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"comma-separated, of {', '.join(CONFIGS)}; ratios vs dcp1 (tp2-dcp2 vs tp2)",
+    )
+    p.add_argument(
+        "--context-lens",
+        default=",".join(map(str, DEFAULT_CONTEXT_LENS)),
+        help="prompt tokens per request, comma-separated (capped to the model's max length)",
+    )
+    p.add_argument(
+        "--decode-steps",
+        type=int,
+        default=DEFAULT_DECODE_STEPS,
+        help="timed decode steps per context",
+    )
+    p.add_argument(
+        "--cp-kv-cache-interleave-size", type=int, default=1, help="DCP interleave I (tokens)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
-    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (split among workers)")
-    p.add_argument("--quick", action="store_true",
-                   help=f"contexts {','.join(map(str, QUICK_CONTEXT_LENS))}, {QUICK_DECODE_STEPS} decode steps")
+    p.add_argument(
+        "--num-threads", type=int, default=None, help="torch CPU threads (split among workers)"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"contexts {','.join(map(str, QUICK_CONTEXT_LENS))}, {QUICK_DECODE_STEPS} decode steps",
+    )
     p.add_argument("--json", default=None, help="write the result (rows) as JSON to this path")
 
 
@@ -253,9 +313,16 @@ def main(args: argparse.Namespace) -> int:
     """Run the benchmark from parsed flags; 0 on success."""
     contexts = list(QUICK_CONTEXT_LENS) if args.quick else parse_ints(args.context_lens)
     steps = QUICK_DECODE_STEPS if args.quick else args.decode_steps
-    result = run_dcp_bench([c.strip() for c in args.configs.split(",") if c.strip()], contexts, steps,
-                           args.model, args.vllm_model, args.cp_kv_cache_interleave_size, args.seed,
-                           args.num_threads)
+    result = run_dcp_bench(
+        [c.strip() for c in args.configs.split(",") if c.strip()],
+        contexts,
+        steps,
+        args.model,
+        args.vllm_model,
+        args.cp_kv_cache_interleave_size,
+        args.seed,
+        args.num_threads,
+    )
     if args.json:
         write_result_json(result, args.json)
         print(f"wrote {args.json}")

@@ -79,7 +79,9 @@ class DcpResult(TypedDict):
     interleave: int
 
 
-def kv_bytes_per_token(num_layers: int, local_kv_heads: int, head_size: int, dtype_bytes: int) -> int:
+def kv_bytes_per_token(
+    num_layers: int, local_kv_heads: int, head_size: int, dtype_bytes: int
+) -> int:
     """Bytes one rank stores per token it owns: layers × 2 × local KV heads × head_size × dtype bytes."""
     return num_layers * 2 * local_kv_heads * head_size * dtype_bytes
 
@@ -131,7 +133,9 @@ def add_ratios(rows: list[DcpRow]) -> None:
             r["kv_ratio"] = r["kv_measured_ratio"] = r["step_ratio"] = float("nan")
             continue
         r["kv_ratio"] = _ratio(r["kv_bytes_per_rank"], base["kv_bytes_per_rank"])
-        r["kv_measured_ratio"] = _ratio(r["kv_measured_bytes_per_rank"], base["kv_measured_bytes_per_rank"])
+        r["kv_measured_ratio"] = _ratio(
+            r["kv_measured_bytes_per_rank"], base["kv_measured_bytes_per_rank"]
+        )
         r["step_ratio"] = _ratio(r["step_median_ms"], base["step_median_ms"])
 
 
@@ -156,7 +160,8 @@ def format_table(result: DcpResult) -> str:
         "context: prompt tokens asked for; KV tok: prompt (capped to the model's length) + decode tokens held. "
         "KV/rank: tokens on the fullest rank x layers x 2 x local KV heads x head_size x dtype bytes; "
         "measured: blocks the request holds x physical block bytes per rank. Ratios: "
-        + ", ".join(f"{c} relative to {b}" for c, b in result["baselines"].items() if b) + ".",
+        + ", ".join(f"{c} relative to {b}" for c, b in result["baselines"].items() if b)
+        + ".",
         "comm: DCP all-gathers + LSE merge per decode step (rank 0), % of the forward pass.",
         result["note"],
     ]

@@ -61,9 +61,16 @@ def _group_plan(llm: LLM, num_tokens: int) -> list[GroupPlan]:
     for g, (group, window) in enumerate(zip(kv.groups, kv.sliding_windows)):
         bs, bb = group.spec.block_size, kv.block_bytes(g)
         linear = group.spec.kind == "linear_state"  # a block is a state slot: bytes per request
-        rows.append({"kind": group.spec.kind, "layers": len(group.layer_indices), "window": window,
-                     "blocks": blocks_moved(num_tokens, bs, window, per_request=linear), "block_bytes": bb,
-                     "bytes_per_token": 0 if linear else bb // bs})
+        rows.append(
+            {
+                "kind": group.spec.kind,
+                "layers": len(group.layer_indices),
+                "window": window,
+                "blocks": blocks_moved(num_tokens, bs, window, per_request=linear),
+                "block_bytes": bb,
+                "bytes_per_token": 0 if linear else bb // bs,
+            }
+        )
     return rows
 
 
@@ -95,7 +102,9 @@ def run_model(model: str, prompt_lens: Sequence[int], repeats: int, transfer: st
             settle(p, d)
             received = {leg["bytes"] for leg in legs}
             if len(received) != 1:
-                raise RuntimeError(f"{model}, {n} tokens: bytes received differ between repeats: {sorted(received)}")
+                raise RuntimeError(
+                    f"{model}, {n} tokens: bytes received differ between repeats: {sorted(received)}"
+                )
             groups = _group_plan(d, n)
             rows.append({"model": model, "prompt_tokens": n, "groups": groups,
                          "formula_bytes": sum(g["blocks"] * g["block_bytes"] for g in groups),
@@ -107,10 +116,16 @@ def run_model(model: str, prompt_lens: Sequence[int], repeats: int, transfer: st
     return rows
 
 
-def run_groups_bench(models: Sequence[str] = DEFAULT_MODELS, prompt_lens: Sequence[int] = DEFAULT_PROMPT_LENS,
-                     repeats: int = 3, transfer: str = "tcp", seed: int = 0, num_threads: int | None = None,
-                     real_models: Sequence[str] = REAL_MODELS,
-                     print_tables: bool = True) -> GroupsResult:
+def run_groups_bench(
+    models: Sequence[str] = DEFAULT_MODELS,
+    prompt_lens: Sequence[int] = DEFAULT_PROMPT_LENS,
+    repeats: int = 3,
+    transfer: str = "tcp",
+    seed: int = 0,
+    num_threads: int | None = None,
+    real_models: Sequence[str] = REAL_MODELS,
+    print_tables: bool = True,
+) -> GroupsResult:
     """The measured rows of every model (ratios against PEER when it ran) and the real-size rows.
 
     Raises:
@@ -119,35 +134,59 @@ def run_groups_bench(models: Sequence[str] = DEFAULT_MODELS, prompt_lens: Sequen
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     real = real_size_rows(real_models, prompt_lens)
-    rows = [r for m in models for r in run_model(m, prompt_lens, repeats, transfer, seed, num_threads)]
+    rows = [
+        r for m in models for r in run_model(m, prompt_lens, repeats, transfer, seed, num_threads)
+    ]
     add_peer_ratios(rows, PEER)
-    result: GroupsResult = {"rows": rows, "real_size": real, "peer": PEER, "repeats": repeats,
-                            "transfer": transfer,
-              "cpu_count": os.cpu_count(), "prompt_lens": list(prompt_lens), "block_size": BLOCK_SIZE}
+    result: GroupsResult = {
+        "rows": rows,
+        "real_size": real,
+        "peer": PEER,
+        "repeats": repeats,
+        "transfer": transfer,
+        "cpu_count": os.cpu_count(),
+        "prompt_lens": list(prompt_lens),
+        "block_size": BLOCK_SIZE,
+    }
     if print_tables:
         print(format_measured(rows))
-        print(f"\nbytes x / time x: ratio to {PEER} (full attention, same hidden size, heads and layers) at the same prompt "
-              f"length; xfer: median over {repeats} whole pulls (claim -> done ack), transfer {transfer!r}.\n")
+        print(
+            f"\nbytes x / time x: ratio to {PEER} (full attention, same hidden size, heads and layers) at the same prompt "
+            f"length; xfer: median over {repeats} whole pulls (claim -> done ack), transfer {transfer!r}.\n"
+        )
         print(format_real_size(real, prompt_lens))
-        print("\nReal-size rows: `pdkv plan`'s model of the published configs (tp 1, the config's dtype; "
-              "a sliding-window group holds at most its window, a linear state one slot per request).")
+        print(
+            "\nReal-size rows: `pdkv plan`'s model of the published configs (tp 1, the config's dtype; "
+            "a sliding-window group holds at most its window, a linear state one slot per request)."
+        )
     return result
 
 
 def failed_checks(result: GroupsResult) -> list[str]:
     """Rows whose measured bytes differ from the per-group formula."""
-    return [f"{r['model']} at {r['prompt_tokens']} tokens: received {r['bytes_received']} B, formula "
-            f"{r['formula_bytes']} B" for r in result["rows"] if r["bytes_received"] != r["formula_bytes"]]
+    return [
+        f"{r['model']} at {r['prompt_tokens']} tokens: received {r['bytes_received']} B, formula "
+        f"{r['formula_bytes']} B"
+        for r in result["rows"]
+        if r["bytes_received"] != r["formula_bytes"]
+    ]
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     """Flags of `pdkv bench groups`."""
-    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                   help=f"comma-separated models (aliases or folders); ratios vs {PEER} when it runs")
+    p.add_argument(
+        "--models",
+        default=",".join(DEFAULT_MODELS),
+        help=f"comma-separated models (aliases or folders); ratios vs {PEER} when it runs",
+    )
     p.add_argument("--prompt-lens", default=",".join(map(str, DEFAULT_PROMPT_LENS)),
                    help="prompt tokens, comma-separated (capped to the model's max length)")
-    p.add_argument("--repeats", type=int, default=3, help="whole pulls per model and length (time: median)")
-    p.add_argument("--transfer", default="tcp", help="P2P transfer engine (kv_connector_extra_config.transfer)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="whole pulls per model and length (time: median)"
+    )
+    p.add_argument(
+        "--transfer", default="tcp", help="P2P transfer engine (kv_connector_extra_config.transfer)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads per engine")
     p.add_argument("--real-models", default=",".join(REAL_MODELS),
@@ -158,9 +197,15 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run from parsed flags; 1 when a model's measured bytes differ from the formula."""
     lens = parse_ints(args.prompt_lens)
-    result = run_groups_bench([m.strip() for m in args.models.split(",") if m.strip()], lens, args.repeats,
-                              args.transfer, args.seed, args.num_threads,
-                              [m.strip() for m in args.real_models.split(",") if m.strip()])
+    result = run_groups_bench(
+        [m.strip() for m in args.models.split(",") if m.strip()],
+        lens,
+        args.repeats,
+        args.transfer,
+        args.seed,
+        args.num_threads,
+        [m.strip() for m in args.real_models.split(",") if m.strip()],
+    )
     if args.json:
         write_result_json(result, args.json)
         print(f"wrote {args.json}")

@@ -79,7 +79,9 @@ class GroupsResult(TypedDict):
 REAL_MODELS = ("gemma-3-27b", "deepseek-v3", "qwen3-next-80b-a3b", "kimi-linear-48b-a3b")
 
 
-def blocks_moved(num_tokens: int, block_size: int, window: int | None, per_request: bool = False) -> int:
+def blocks_moved(
+    num_tokens: int, block_size: int, window: int | None, per_request: bool = False
+) -> int:
     """Blocks of one group D pulls for an n-token prompt (no local hits): all ⌈n / bs⌉ for full
     attention (and MLA), the window rule above for a sliding-window group, and one state slot
     for a linear-state group (`per_request`: the state after all n tokens, whatever n).
@@ -110,9 +112,20 @@ def real_size_rows(models: Sequence[str] = REAL_MODELS, prompt_lens: Sequence[in
         dt = element_type(spec.dtype)
         for g in spec.groups:
             per_token = 0 if isinstance(g, LinearState) else g.token_bytes(dt)
-            rows.append({"model": name, "kind": g.kind, "layers": g.num_layers, "dtype": spec.dtype,
-                         "bytes_per_token": per_token, "bytes_per_request": g.request_bytes(dt),
-                         "held": {str(n): g.tokens_held(n) * per_token + g.request_bytes(dt) for n in prompt_lens}})
+            rows.append(
+                {
+                    "model": name,
+                    "kind": g.kind,
+                    "layers": g.num_layers,
+                    "dtype": spec.dtype,
+                    "bytes_per_token": per_token,
+                    "bytes_per_request": g.request_bytes(dt),
+                    "held": {
+                        str(n): g.tokens_held(n) * per_token + g.request_bytes(dt)
+                        for n in prompt_lens
+                    },
+                }
+            )
     return rows
 
 
@@ -128,11 +141,16 @@ def format_real_size(rows: list[RealSizeRow], prompt_lens: Sequence[int]) -> str
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
         for r in mine:
-            lines.append(f"{model:>20} {r['kind']:>15} {r['layers']:>6} {r['bytes_per_token']:>9,} "
-                         f"{r['bytes_per_request']:>10,}" + "".join(f" {_mib(r['held'][str(n)]):>11}" for n in prompt_lens))
-        lines.append(f"{model:>20} {'total':>15} {sum(r['layers'] for r in mine):>6} "
-                     f"{sum(r['bytes_per_token'] for r in mine):>9,} {sum(r['bytes_per_request'] for r in mine):>10,}"
-                     + "".join(f" {_mib(sum(r['held'][str(n)] for r in mine)):>11}" for n in prompt_lens))
+            lines.append(
+                f"{model:>20} {r['kind']:>15} {r['layers']:>6} {r['bytes_per_token']:>9,} "
+                f"{r['bytes_per_request']:>10,}"
+                + "".join(f" {_mib(r['held'][str(n)]):>11}" for n in prompt_lens)
+            )
+        lines.append(
+            f"{model:>20} {'total':>15} {sum(r['layers'] for r in mine):>6} "
+            f"{sum(r['bytes_per_token'] for r in mine):>9,} {sum(r['bytes_per_request'] for r in mine):>10,}"
+            + "".join(f" {_mib(sum(r['held'][str(n)] for r in mine)):>11}" for n in prompt_lens)
+        )
     return "\n".join(lines)
 
 
@@ -140,14 +158,20 @@ def format_measured(rows: list[MeasuredRow]) -> str:
     """The measured table: per (model, prompt length), each group's blocks and bytes by the
     formula, D's measured bytes (must equal their sum), handoff time and the ratios to the
     peer model's row of the same length."""
-    head = (f"{'model':>15} {'prompt':>6} {'groups (kind: blocks x B/block)':>52} {'MiB formula':>11} "
-            f"{'MiB recv':>9} {'xfer p50 ms':>11} {'bytes x':>7} {'time x':>7} {'check':>6}")
+    head = (
+        f"{'model':>15} {'prompt':>6} {'groups (kind: blocks x B/block)':>52} {'MiB formula':>11} "
+        f"{'MiB recv':>9} {'xfer p50 ms':>11} {'bytes x':>7} {'time x':>7} {'check':>6}"
+    )
     lines = [head]
     for r in rows:
-        groups = "; ".join(f"{g['kind']}: {g['blocks']} x {g['block_bytes']:,}" for g in r["groups"])
-        lines.append(f"{r['model']:>15} {r['prompt_tokens']:>6} {groups:>52} {_mib(r['formula_bytes']):>11} "
-                     f"{_mib(r['bytes_received']):>9} {r['transfer_s'] * 1e3:>11.2f} {r.get('bytes_ratio', 1.0):>7.3f} "
-                     f"{r.get('time_ratio', 1.0):>7.2f} {'ok' if r['bytes_received'] == r['formula_bytes'] else 'BYTES':>6}")
+        groups = "; ".join(
+            f"{g['kind']}: {g['blocks']} x {g['block_bytes']:,}" for g in r["groups"]
+        )
+        lines.append(
+            f"{r['model']:>15} {r['prompt_tokens']:>6} {groups:>52} {_mib(r['formula_bytes']):>11} "
+            f"{_mib(r['bytes_received']):>9} {r['transfer_s'] * 1e3:>11.2f} {r.get('bytes_ratio', 1.0):>7.3f} "
+            f"{r.get('time_ratio', 1.0):>7.2f} {'ok' if r['bytes_received'] == r['formula_bytes'] else 'BYTES':>6}"
+        )
     return "\n".join(lines)
 
 

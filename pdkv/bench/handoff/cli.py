@@ -97,9 +97,13 @@ class _Peer:
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise RuntimeError(f"no reply within {timeout:g} s; log tail:\n{self._log_tail()}") from None
+            raise RuntimeError(
+                f"no reply within {timeout:g} s; log tail:\n{self._log_tail()}"
+            ) from None
         if line is None:
-            raise RuntimeError(f"peer exited (rc {self.proc.wait(10)}); log tail:\n{self._log_tail()}")
+            raise RuntimeError(
+                f"peer exited (rc {self.proc.wait(10)}); log tail:\n{self._log_tail()}"
+            )
         msg: JSONObject = json.loads(line)
         if "error" in msg:
             raise RuntimeError(f"peer failed: {msg['error']}; log tail:\n{self._log_tail()}")
@@ -144,10 +148,19 @@ def capped_lengths(prompt_lens: Sequence[int], max_model_len: int = MODEL_MAX_LE
 
 
 @contextlib.contextmanager
-def _peers(transfer: str, lens: Sequence[int], pair: NetnsPair | None, log_dir: str) -> Iterator[tuple[_Peer, _Peer]]:
+def _peers(
+    transfer: str, lens: Sequence[int], pair: NetnsPair | None, log_dir: str
+) -> Iterator[tuple[_Peer, _Peer]]:
     max_len = min(MODEL_MAX_LEN, max(lens) + BLOCK_TOKENS)
     blocks = -(-max_len // BLOCK_TOKENS) + 8  # the longest prompt plus the probe
-    common = ["--transfer", transfer, "--num-kv-blocks", str(blocks), "--max-model-len", str(max_len)]
+    common = [
+        "--transfer",
+        transfer,
+        "--num-kv-blocks",
+        str(blocks),
+        "--max-model-len",
+        str(max_len),
+    ]
     py = [sys.executable, "-m", "pdkv.bench.handoff.peer"]
     host = pair.host("p") if pair else "127.0.0.1"
     p_argv = (pair.exec_prefix("p") if pair else []) + py + ["p", "--host", host] + common
@@ -172,10 +185,16 @@ def _handoff(p: _Peer, d: _Peer, ids: list[int]) -> tuple[PrefillReply, DecodeRe
     return pre, got
 
 
-def run_handoff_bench(transfers: Sequence[str] = ENGINES, prompt_lens: Sequence[int] = DEFAULT_PROMPT_LENS,
-                      link_rate: str | None = None, bandwidths: dict[str, float] | None = None,
-                      fixed_s: float | None = None, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0,
-                      print_table: bool = True) -> HandoffResult:
+def run_handoff_bench(
+    transfers: Sequence[str] = ENGINES,
+    prompt_lens: Sequence[int] = DEFAULT_PROMPT_LENS,
+    link_rate: str | None = None,
+    bandwidths: dict[str, float] | None = None,
+    fixed_s: float | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+    seed: int = 0,
+    print_table: bool = True,
+) -> HandoffResult:
     """Measure one request's handoff per transfer engine and prompt length and compare each with
     `pdkv plan`.
 
@@ -220,16 +239,26 @@ def run_handoff_bench(transfers: Sequence[str] = ENGINES, prompt_lens: Sequence[
     rows: list[Comparison] = []
     preset_rows: list[Comparison] = []  # the same measurements against the presets (reference)
     probes: dict[str, dict[str, float]] = {}
-    config: dict[str, object] = {"transfers": transfers, "prompt_lens": lens,
-                                 "link_rate": link_rate,
-              "bandwidths": bandwidths or {}, "fixed_s": fixed_s, "tolerance": tolerance, "seed": seed}
+    config: dict[str, object] = {
+        "transfers": transfers,
+        "prompt_lens": lens,
+        "link_rate": link_rate,
+        "bandwidths": bandwidths or {},
+        "fixed_s": fixed_s,
+        "tolerance": tolerance,
+        "seed": seed,
+    }
     with tempfile.TemporaryDirectory(prefix="pdkv-handoff-") as log_dir, \
             (NetnsPair(rate=link_rate) if link_rate else contextlib.nullcontext()) as pair:
         if pair is not None:
-            say(f"namespaces {pair.ns('p')} ({pair.host('p')}) and {pair.ns('d')} ({pair.host('d')}); "
-                f"{pair.qdisc('p')}")
+            say(
+                f"namespaces {pair.ns('p')} ({pair.host('p')}) and {pair.ns('d')} ({pair.host('d')}); "
+                f"{pair.qdisc('p')}"
+            )
         for transfer in transfers:
-            link = engine_link(transfer, (bandwidths or {}).get(transfer), rate_bps, link_rate or "")
+            link = engine_link(
+                transfer, (bandwidths or {}).get(transfer), rate_bps, link_rate or ""
+            )
             say(f"[{transfer}] starting P and D ...", flush=True)
             with _peers(transfer, lens, pair, log_dir) as (p, d):
                 # Two one-block probes: the first also pays the handshake and the data
@@ -237,12 +266,19 @@ def run_handoff_bench(transfers: Sequence[str] = ENGINES, prompt_lens: Sequence[
                 _, cold = _handoff(p, d, prompt_tokens(PROBE_TOKENS, seed + 998))
                 _, probe = _handoff(p, d, prompt_tokens(PROBE_TOKENS, seed + 999))
                 probe_s = sum(probe["transfer_seconds"])
-                fixed = fixed_s if fixed_s is not None else fixed_from_probe(probe_s, probe["bytes"], link)
+                fixed = (
+                    fixed_s
+                    if fixed_s is not None
+                    else fixed_from_probe(probe_s, probe["bytes"], link)
+                )
                 probes[transfer] = {"seconds": probe_s, "bytes": probe["bytes"], "fixed_s": fixed,
                                     "first_seconds": sum(cold["transfer_seconds"])}
-                say(f"[{transfer}] probe: {PROBE_TOKENS} tokens, {probe['bytes']:.0f} B in "
+                say(
+                    f"[{transfer}] probe: {PROBE_TOKENS} tokens, {probe['bytes']:.0f} B in "
                     f"{probe_s * 1e3:.2f} ms (first pull {probes[transfer]['first_seconds'] * 1e3:.2f} ms) → "
-                    f"fixed cost {fixed * 1e3:.2f} ms", flush=True)
+                    f"fixed cost {fixed * 1e3:.2f} ms",
+                    flush=True,
+                )
                 for i, n in enumerate(lens):
                     pre, got = _handoff(p, d, prompt_tokens(n, seed + i))
                     row = compare(transfer, link, n, got["bytes"], sum(got["transfer_seconds"]),
@@ -263,10 +299,25 @@ def run_handoff_bench(transfers: Sequence[str] = ENGINES, prompt_lens: Sequence[
     return {
         "config": config,
         "probes": probes,
-        "rows": [dict(asdict(r), ratio=r.ratio, measured_gbps=r.measured_gbps,
-                      plan_command=r.plan_command(), **{"pass": r.within(tolerance)}) for r in rows],
-        "preset_rows": [dict(asdict(r), ratio=r.ratio, plan_command=r.plan_command(),
-                             **{"pass": r.within(tolerance)}) for r in preset_rows],
+        "rows": [
+            dict(
+                asdict(r),
+                ratio=r.ratio,
+                measured_gbps=r.measured_gbps,
+                plan_command=r.plan_command(),
+                **{"pass": r.within(tolerance)},
+            )
+            for r in rows
+        ],
+        "preset_rows": [
+            dict(
+                asdict(r),
+                ratio=r.ratio,
+                plan_command=r.plan_command(),
+                **{"pass": r.within(tolerance)},
+            )
+            for r in preset_rows
+        ],
         "all_pass": all(r.within(tolerance) for r in rows),
     }
 
@@ -286,7 +337,9 @@ def _parse_bandwidths(values: list[str] | None) -> dict[str, float]:
     for v in values or []:
         engine, _, bw = v.partition("=")
         if engine not in ENGINES or not bw:
-            raise ValueError(f"--link-bandwidth takes ENGINE=BYTES_PER_S with ENGINE in {ENGINES}, got {v!r}")
+            raise ValueError(
+                f"--link-bandwidth takes ENGINE=BYTES_PER_S with ENGINE in {ENGINES}, got {v!r}"
+            )
         out[engine] = float(bw)
     return out
 
@@ -296,16 +349,29 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--transfer", type=lambda s: _parse_list(s, str), default=None,
                         help="comma-separated transfer engines from tcp,shm (default tcp,shm; tcp "
                              "with --link-rate)")
-    parser.add_argument("--prompt-lens", type=lambda s: _parse_list(s, int), default=",".join(map(str, DEFAULT_PROMPT_LENS)),
-                        help="comma-separated prompt lengths in tokens (8192 runs as 8191)")
+    parser.add_argument(
+        "--prompt-lens",
+        type=lambda s: _parse_list(s, int),
+        default=",".join(map(str, DEFAULT_PROMPT_LENS)),
+        help="comma-separated prompt lengths in tokens (8192 runs as 8191)",
+    )
     parser.add_argument("--link-rate", default=None,
                         help="cap the P→D link with tbf at this rate (e.g. 1gbit): P and D in two "
                              "network namespaces (root, iproute2); tcp only")
-    parser.add_argument("--link-bandwidth", action="append", default=None, metavar="ENGINE=B/s",
-                        help="measured effective bandwidth replacing the preset's (from `pdkv bench "
-                             "transfer`), e.g. tcp=2.1e9; repeatable")
-    parser.add_argument("--fixed-cost", type=float, default=None,
-                        help="per-handoff fixed cost, seconds (default: measured by a one-block probe)")
+    parser.add_argument(
+        "--link-bandwidth",
+        action="append",
+        default=None,
+        metavar="ENGINE=B/s",
+        help="measured effective bandwidth replacing the preset's (from `pdkv bench "
+        "transfer`), e.g. tcp=2.1e9; repeatable",
+    )
+    parser.add_argument(
+        "--fixed-cost",
+        type=float,
+        default=None,
+        help="per-handoff fixed cost, seconds (default: measured by a one-block probe)",
+    )
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                         help="PASS when |measured − predicted| <= tolerance × predicted")
     parser.add_argument("--seed", type=int, default=0, help="prompt token seed")

@@ -35,7 +35,9 @@ def engine_link(transfer: str, bandwidth: float | None = None, rate_bps: float |
                           f"tbf rate {rate_name or rate_bps} = {rate_bps:g} B/s taken as the "
                           "effective rate (`pdkv plan --link-bandwidth`); latency 0")
     if transfer not in ENGINE_PRESETS:
-        raise ValueError(f"no link preset for transfer {transfer!r}; known: {', '.join(ENGINE_PRESETS)}")
+        raise ValueError(
+            f"no link preset for transfer {transfer!r}; known: {', '.join(ENGINE_PRESETS)}"
+        )
     return links.link(ENGINE_PRESETS[transfer]).with_overrides(bandwidth, None)
 
 

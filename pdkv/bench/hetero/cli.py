@@ -103,20 +103,37 @@ def run_case(engines: PDEngines, case: Case, prompt: list[int], repeats: int,
         legs.append(decode(p, d, prompt, params))
     settle(p, d)
     times = [leg["transfer_s"] for leg in legs]
-    ops = [leg["read_ops"] for leg in legs]  # depends on how contiguous the blocks are on both sides
-    return {"case": case.name, "p_block_size": case.p_block_size, "d_block_size": case.d_block_size,
-            "d_tp": case.d_tp, "p_tp": 1, "prompt_tokens": len(prompt), "needed_bytes": len(prompt) * per_token,
-            "p_blocks": _constant(p_blocks, "P's blocks", case.name),
-            "bytes_received": _constant([leg["bytes"] for leg in legs], "bytes received", case.name),
-            "read_ops": statistics.median_low(ops), "read_ops_all": ops,
-            "transfer_s": median_seconds(times), "transfer_s_all": times,
-            "outputs": [leg["tokens"] for leg in legs]}
+    ops = [
+        leg["read_ops"] for leg in legs
+    ]  # depends on how contiguous the blocks are on both sides
+    return {
+        "case": case.name,
+        "p_block_size": case.p_block_size,
+        "d_block_size": case.d_block_size,
+        "d_tp": case.d_tp,
+        "p_tp": 1,
+        "prompt_tokens": len(prompt),
+        "needed_bytes": len(prompt) * per_token,
+        "p_blocks": _constant(p_blocks, "P's blocks", case.name),
+        "bytes_received": _constant([leg["bytes"] for leg in legs], "bytes received", case.name),
+        "read_ops": statistics.median_low(ops),
+        "read_ops_all": ops,
+        "transfer_s": median_seconds(times),
+        "transfer_s_all": times,
+        "outputs": [leg["tokens"] for leg in legs],
+    }
 
 
-def run_hetero_bench(cases: Sequence[str] = DEFAULT_CASES, prompt_lens: Sequence[int] = DEFAULT_PROMPT_LENS,
-                     model: str = "tiny-llama-kv2", repeats: int = DEFAULT_REPEATS, transfer: str = "tcp",
-                     seed: int = 0, num_threads: int | None = None,
-                     print_table: bool = True) -> HeteroResult:
+def run_hetero_bench(
+    cases: Sequence[str] = DEFAULT_CASES,
+    prompt_lens: Sequence[int] = DEFAULT_PROMPT_LENS,
+    model: str = "tiny-llama-kv2",
+    repeats: int = DEFAULT_REPEATS,
+    transfer: str = "tcp",
+    seed: int = 0,
+    num_threads: int | None = None,
+    print_table: bool = True,
+) -> HeteroResult:
     """Every case of `cases` (names of CASES; `same` is added when missing: it is the baseline)
     at every prompt length, in one run.
 
@@ -149,16 +166,32 @@ def run_hetero_bench(cases: Sequence[str] = DEFAULT_CASES, prompt_lens: Sequence
                 case = CASES[name]
                 if not per_token:
                     eng = engines.get("kv_producer", case.p_block_size, 1).llm_engine
-                    per_token = kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                                                   DTYPE_BYTES[eng.config.model_config.dtype])
-                rows.append(run_case(engines, case, prompt_ids(n, arch.vocab_size, seed + n), repeats, per_token))
+                    per_token = kv_bytes_per_token(
+                        arch.num_layers,
+                        arch.num_kv_heads,
+                        arch.head_dim,
+                        DTYPE_BYTES[eng.config.model_config.dtype],
+                    )
+                rows.append(
+                    run_case(
+                        engines, case, prompt_ids(n, arch.vocab_size, seed + n), repeats, per_token
+                    )
+                )
     finally:
         engines.shutdown()
     add_ratios(rows)
-    result: HeteroResult = {"rows": rows, "baseline": BASELINE, "bytes_per_token": per_token,
-                            "repeats": repeats,
-              "transfer": transfer, "cpu_count": os.cpu_count(), "model": model, "prompt_lens": list(prompt_lens),
-              "new_tokens": NEW_TOKENS, "cases": names}
+    result: HeteroResult = {
+        "rows": rows,
+        "baseline": BASELINE,
+        "bytes_per_token": per_token,
+        "repeats": repeats,
+        "transfer": transfer,
+        "cpu_count": os.cpu_count(),
+        "model": model,
+        "prompt_lens": list(prompt_lens),
+        "new_tokens": NEW_TOKENS,
+        "cases": names,
+    }
     if print_table:
         print(format_table(result))
     return result
@@ -166,14 +199,21 @@ def run_hetero_bench(cases: Sequence[str] = DEFAULT_CASES, prompt_lens: Sequence
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     """Flags of `pdkv bench hetero`."""
-    p.add_argument("--model", default="tiny-llama-kv2", help="model (alias or folder); smollm2 works too")
-    p.add_argument("--cases", default=",".join(DEFAULT_CASES),
-                   help=f"comma-separated, of {', '.join(CASES)}; ratios vs {BASELINE} (always run)")
+    p.add_argument(
+        "--model", default="tiny-llama-kv2", help="model (alias or folder); smollm2 works too"
+    )
+    p.add_argument(
+        "--cases",
+        default=",".join(DEFAULT_CASES),
+        help=f"comma-separated, of {', '.join(CASES)}; ratios vs {BASELINE} (always run)",
+    )
     p.add_argument("--prompt-lens", default=",".join(map(str, DEFAULT_PROMPT_LENS)),
                    help="prompt tokens, comma-separated (capped to the model's max length)")
     p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
                    help="pulls per case and length (transfer time: their median)")
-    p.add_argument("--transfer", default="tcp", help="P2P transfer engine (kv_connector_extra_config.transfer)")
+    p.add_argument(
+        "--transfer", default="tcp", help="P2P transfer engine (kv_connector_extra_config.transfer)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads per engine")
     p.add_argument("--json", default=None, help="write the result (rows) as JSON to this path")
@@ -182,8 +222,15 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark from parsed flags; 0 when every case's output equals the same-layout
     case's, 1 otherwise (the JSON is written either way)."""
-    result = run_hetero_bench([c.strip() for c in args.cases.split(",") if c.strip()], parse_ints(args.prompt_lens),
-                              args.model, args.repeats, args.transfer, args.seed, args.num_threads)
+    result = run_hetero_bench(
+        [c.strip() for c in args.cases.split(",") if c.strip()],
+        parse_ints(args.prompt_lens),
+        args.model,
+        args.repeats,
+        args.transfer,
+        args.seed,
+        args.num_threads,
+    )
     if args.json:
         write_result_json(result, args.json)
         print(f"wrote {args.json}")

@@ -97,7 +97,9 @@ def add_ratios(rows: list[HeteroRow], baseline: str = BASELINE) -> None:
 
 def failed_checks(rows: list[HeteroRow]) -> list[str]:
     """'case @ N tokens' of every row whose check is not OK (run add_ratios first)."""
-    return [f"{r['case']} @ {r['prompt_tokens']} tokens: {r['check']}" for r in rows if r["check"] != OK]
+    return [
+        f"{r['case']} @ {r['prompt_tokens']} tokens: {r['check']}" for r in rows if r["check"] != OK
+    ]
 
 
 def _mib(nbytes: float) -> str:

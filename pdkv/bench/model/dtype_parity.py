@@ -41,7 +41,9 @@ class DtypeRow:
     seconds: float
 
 
-def load_with_linear(path: str, dtype: str, cpu_linear: str = "auto") -> tuple[LlamaForCausalLM, str]:
+def load_with_linear(
+    path: str, dtype: str, cpu_linear: str = "auto"
+) -> tuple[LlamaForCausalLM, str]:
     """A CPU model in `dtype` with `cpu_linear` applied; returns (model, what the mode resolved to)."""
     model = load_model(path, dtype, "cpu")
     return model, setup_cpu_linear(model, cpu_linear, dtype, "cpu").describe()
@@ -60,12 +62,20 @@ def compare_dtypes(models: dict[str, tuple[LlamaForCausalLM, str]], prompts: lis
         secs = time.perf_counter() - t0
         if ref_logits is None:
             ref_logits, ref = logits, toks
-        rows.append(DtypeRow(
-            dtype=dtype, cpu_linear=linear, max_abs_logit_diff=float((logits - ref_logits).abs().max()),
-            first_token_same=sum(a[0] == b[0] for a, b in zip(toks, ref)),
-            prefix_agreement=sum(common_prefix(a, b) for a, b in zip(toks, ref)) / (len(prompts) * max_tokens),
-            sequences_identical=sum(a == b for a, b in zip(toks, ref)),
-            num_prompts=len(prompts), max_tokens=max_tokens, seconds=secs))
+        rows.append(
+            DtypeRow(
+                dtype=dtype,
+                cpu_linear=linear,
+                max_abs_logit_diff=float((logits - ref_logits).abs().max()),
+                first_token_same=sum(a[0] == b[0] for a, b in zip(toks, ref)),
+                prefix_agreement=sum(common_prefix(a, b) for a, b in zip(toks, ref))
+                / (len(prompts) * max_tokens),
+                sequences_identical=sum(a == b for a, b in zip(toks, ref)),
+                num_prompts=len(prompts),
+                max_tokens=max_tokens,
+                seconds=secs,
+            )
+        )
     return rows
 
 
@@ -74,16 +84,20 @@ def format_rows(rows: list[DtypeRow]) -> str:
     lines = [f"{'dtype':<9} {'max|dlogit| step1':>17} {'step1 same':>10} {'prefix agree':>12} "
              f"{'identical':>9} {'seconds':>8}  cpu-linear"]
     for r in rows:
-        lines.append(f"{r.dtype:<9} {r.max_abs_logit_diff:>17.4f} {r.first_token_same:>5}/{r.num_prompts:<4} "
-                     f"{r.prefix_agreement:>12.3f} {r.sequences_identical:>4}/{r.num_prompts:<4} "
-                     f"{r.seconds:>8.1f}  {r.cpu_linear}")
+        lines.append(
+            f"{r.dtype:<9} {r.max_abs_logit_diff:>17.4f} {r.first_token_same:>5}/{r.num_prompts:<4} "
+            f"{r.prefix_agreement:>12.3f} {r.sequences_identical:>4}/{r.num_prompts:<4} "
+            f"{r.seconds:>8.1f}  {r.cpu_linear}"
+        )
     return "\n".join(lines)
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     """`pdkv bench dtype` flags (tokens; threads)."""
     add_greedy_run_args(p)
-    p.add_argument("--dtypes", default="bfloat16", help="dtypes to compare with float32, e.g. bfloat16,float16")
+    p.add_argument(
+        "--dtypes", default="bfloat16", help="dtypes to compare with float32, e.g. bfloat16,float16"
+    )
     p.add_argument("--cpu-linear", default="panel", choices=["panel", "onednn", "auto", "torch"],
                    help="matmuls of both models, as the engine's --cpu-linear")
 
@@ -97,11 +111,15 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     path = resolve_model(args.model)
     prompts = [Tokenizer(path).encode(t) for t in PROMPTS[: args.num_prompts]]
-    dtypes = ["float32"] + [d.strip() for d in args.dtypes.split(",") if d.strip() and d.strip() != "float32"]
+    dtypes = ["float32"] + [
+        d.strip() for d in args.dtypes.split(",") if d.strip() and d.strip() != "float32"
+    ]
     models = {d: load_with_linear(path, d, args.cpu_linear) for d in dtypes}
     rows = compare_dtypes(models, prompts, args.max_tokens)
-    print(f"{args.model}: {len(prompts)} prompts x {args.max_tokens} greedy tokens, reference float32, "
-          f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''}; CPU bf16 flags: {read_cpu_features().describe()}")
+    print(
+        f"{args.model}: {len(prompts)} prompts x {args.max_tokens} greedy tokens, reference float32, "
+        f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''}; CPU bf16 flags: {read_cpu_features().describe()}"
+    )
     print(format_rows(rows))
     if args.json:
         result: dict[str, object] = {"model": args.model, "rows": [asdict(r) for r in rows]}

@@ -56,8 +56,13 @@ class QuantRow:
     seconds: float
 
 
-def greedy_run(model: LlamaForCausalLM, prompts: list[list[int]], max_tokens: int, kv_cache_dtype: str,
-               block_size: int = 16) -> tuple[torch.Tensor, list[list[int]], int]:
+def greedy_run(
+    model: LlamaForCausalLM,
+    prompts: list[list[int]],
+    max_tokens: int,
+    kv_cache_dtype: str,
+    block_size: int = 16,
+) -> tuple[torch.Tensor, list[list[int]], int]:
     """Prefill `prompts` in one batch and decode `max_tokens` greedy tokens each over a fresh KV
     cache of `kv_cache_dtype`. Returns (first-step logits [N, vocab] float32, tokens per prompt,
     bytes of one block of one layer)."""
@@ -85,10 +90,20 @@ def greedy_run(model: LlamaForCausalLM, prompts: list[list[int]], max_tokens: in
         out = [[int(t)] for t in logits.argmax(-1)]
         for step in range(1, max_tokens):
             ctx = [len(p) + step - 1 for p in prompts]
-            meta = build_attention_metadata([(i, 1, c, t) for i, (c, t) in enumerate(zip(ctx, tables))],
-                                            len(prompts), block_size, dev)
+            meta = build_attention_metadata(
+                [(i, 1, c, t) for i, (c, t) in enumerate(zip(ctx, tables))],
+                len(prompts),
+                block_size,
+                dev,
+            )
             ids = torch.tensor([o[-1] for o in out], device=dev)
-            logits = model(ids, torch.tensor(ctx, device=dev), caches, meta, torch.arange(len(prompts), device=dev))
+            logits = model(
+                ids,
+                torch.tensor(ctx, device=dev),
+                caches,
+                meta,
+                torch.arange(len(prompts), device=dev),
+            )
             for o, t in zip(out, logits.argmax(-1)):
                 o.append(int(t))
     spec = kv_config.groups[0].spec
@@ -105,35 +120,62 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def measure(model: LlamaForCausalLM, prompts: list[list[int]], max_tokens: int,
-            kv_cache_dtypes: tuple[str, ...] = ("int8", "fp8"), block_size: int = 16) -> list[QuantRow]:
+def measure(
+    model: LlamaForCausalLM,
+    prompts: list[list[int]],
+    max_tokens: int,
+    kv_cache_dtypes: tuple[str, ...] = ("int8", "fp8"),
+    block_size: int = 16,
+) -> list[QuantRow]:
     """auto's row first (its own reference), then one row per quantized dtype."""
     t0 = time.perf_counter()
     ref_logits, ref, ref_page = greedy_run(model, prompts, max_tokens, "auto", block_size)
-    rows = [QuantRow("auto", ref_page / block_size, 0.0, len(prompts), 1.0, len(prompts), len(prompts), max_tokens,
-                     time.perf_counter() - t0)]
+    rows = [
+        QuantRow(
+            "auto",
+            ref_page / block_size,
+            0.0,
+            len(prompts),
+            1.0,
+            len(prompts),
+            len(prompts),
+            max_tokens,
+            time.perf_counter() - t0,
+        )
+    ]
     for dt in kv_cache_dtypes:
         t0 = time.perf_counter()
         logits, toks, page = greedy_run(model, prompts, max_tokens, dt, block_size)
-        rows.append(QuantRow(
-            kv_cache_dtype=dt, bytes_per_token_layer=page / block_size,
-            max_abs_logit_diff=float((logits - ref_logits).abs().max()),
-            first_token_same=sum(a[0] == b[0] for a, b in zip(toks, ref)),
-            prefix_agreement=sum(common_prefix(a, b) for a, b in zip(toks, ref)) / (len(prompts) * max_tokens),
-            sequences_identical=sum(a == b for a, b in zip(toks, ref)),
-            num_prompts=len(prompts), max_tokens=max_tokens, seconds=time.perf_counter() - t0))
+        rows.append(
+            QuantRow(
+                kv_cache_dtype=dt,
+                bytes_per_token_layer=page / block_size,
+                max_abs_logit_diff=float((logits - ref_logits).abs().max()),
+                first_token_same=sum(a[0] == b[0] for a, b in zip(toks, ref)),
+                prefix_agreement=sum(common_prefix(a, b) for a, b in zip(toks, ref))
+                / (len(prompts) * max_tokens),
+                sequences_identical=sum(a == b for a, b in zip(toks, ref)),
+                num_prompts=len(prompts),
+                max_tokens=max_tokens,
+                seconds=time.perf_counter() - t0,
+            )
+        )
     return rows
 
 
 def format_rows(rows: list[QuantRow]) -> str:
     """A fixed-width table of the rows."""
-    head = (f"{'kv_cache_dtype':<14} {'B/token/layer':>13} {'max|dlogit| step1':>17} {'step1 same':>10} "
-            f"{'prefix agree':>12} {'identical':>9} {'seconds':>8}")
+    head = (
+        f"{'kv_cache_dtype':<14} {'B/token/layer':>13} {'max|dlogit| step1':>17} {'step1 same':>10} "
+        f"{'prefix agree':>12} {'identical':>9} {'seconds':>8}"
+    )
     lines = [head]
     for r in rows:
-        lines.append(f"{r.kv_cache_dtype:<14} {r.bytes_per_token_layer:>13.0f} {r.max_abs_logit_diff:>17.4f} "
-                     f"{r.first_token_same:>5}/{r.num_prompts:<4} {r.prefix_agreement:>12.3f} "
-                     f"{r.sequences_identical:>4}/{r.num_prompts:<4} {r.seconds:>8.1f}")
+        lines.append(
+            f"{r.kv_cache_dtype:<14} {r.bytes_per_token_layer:>13.0f} {r.max_abs_logit_diff:>17.4f} "
+            f"{r.first_token_same:>5}/{r.num_prompts:<4} {r.prefix_agreement:>12.3f} "
+            f"{r.sequences_identical:>4}/{r.num_prompts:<4} {r.seconds:>8.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -141,15 +183,21 @@ def add_greedy_run_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by the greedy-agreement benchmarks (`pdkv bench kvquant`, `pdkv bench dtype`):
     model, prompts, tokens per prompt, threads, JSON output."""
     p.add_argument("--model", default="smollm2", help="registry name or model folder")
-    p.add_argument("--num-prompts", type=int, default=len(PROMPTS), help=f"prompts (at most {len(PROMPTS)})")
+    p.add_argument(
+        "--num-prompts", type=int, default=len(PROMPTS), help=f"prompts (at most {len(PROMPTS)})"
+    )
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
-    p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument(
+        "--num-threads", type=int, default=0, help="torch CPU threads (0: torch's default)"
+    )
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     add_greedy_run_args(p)
-    p.add_argument("--kv-cache-dtypes", default="int8,fp8", help="quantized dtypes to compare with auto")
+    p.add_argument(
+        "--kv-cache-dtypes", default="int8,fp8", help="quantized dtypes to compare with auto"
+    )
     p.add_argument("--block-size", type=int, default=16)
 
 

@@ -28,12 +28,31 @@ if TYPE_CHECKING:
     from pdkv.model.llama import LlamaForCausalLM
 
 GROUPS: dict[str, tuple[str, ...]] = {
-    "linear": ("aten::addmm", "aten::mm", "aten::linear", "mkldnn::_linear_pointwise", "aten::matmul",
-               "pdkv::panel_linear"),
-    "attention": ("aten::_scaled_dot_product", "aten::scaled_dot_product", "pdkv::paged_decode",
-                  "pdkv::paged_prefill",
-                  "aten::index", "aten::masked_fill", "aten::softmax", "aten::bmm"),
-    "rmsnorm": ("aten::rms_norm", "aten::_fused_rms_norm", "aten::rsqrt", "aten::pow", "aten::mean"),
+    "linear": (
+        "aten::addmm",
+        "aten::mm",
+        "aten::linear",
+        "mkldnn::_linear_pointwise",
+        "aten::matmul",
+        "pdkv::panel_linear",
+    ),
+    "attention": (
+        "aten::_scaled_dot_product",
+        "aten::scaled_dot_product",
+        "pdkv::paged_decode",
+        "pdkv::paged_prefill",
+        "aten::index",
+        "aten::masked_fill",
+        "aten::softmax",
+        "aten::bmm",
+    ),
+    "rmsnorm": (
+        "aten::rms_norm",
+        "aten::_fused_rms_norm",
+        "aten::rsqrt",
+        "aten::pow",
+        "aten::mean",
+    ),
     "rope": ("aten::flip",),
     "silu*mul": ("aten::silu",),
     "residual add": ("aten::add",),
@@ -117,7 +136,9 @@ def profile_cases(model: LlamaForCausalLM, cases: Sequence[tuple[str, int, int, 
             step()
         sums: dict[str, float] = defaultdict(float)
         for ev in prof.key_averages(group_by_input_shape=True):
-            sums[_group(ev.key, ev.input_shapes or (), model.cfg.hidden_size)] += ev.self_cpu_time_total  # microseconds
+            sums[_group(ev.key, ev.input_shapes or (), model.cfg.hidden_size)] += (
+                ev.self_cpu_time_total
+            )  # microseconds
         total = sum(sums.values()) or 1.0
         out.append({
             "label": label, "step_ms": best * 1e3,
@@ -130,7 +151,11 @@ def profile_cases(model: LlamaForCausalLM, cases: Sequence[tuple[str, int, int, 
 def format_profile(rows: list[StepProfile], title: str) -> str:
     """Markdown table: one row per case, the share of each group in percent."""
     groups = [*GROUPS, "other"]
-    lines = [title, "| step | step ms | " + " | ".join(groups) + " |", "|---" * (len(groups) + 2) + "|"]
+    lines = [
+        title,
+        "| step | step ms | " + " | ".join(groups) + " |",
+        "|---" * (len(groups) + 2) + "|",
+    ]
     for r in rows:
         lines.append(f"| {r['label']} | {r['step_ms']:.1f} | "
                      + " | ".join(f"{100 * r['shares'][g]:.1f} %" for g in groups) + " |")
@@ -150,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=512, help="prefill tokens (0: none)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--attention-backend", default="auto", help="auto, torch or cpu_paged")
-    p.add_argument("--no-fused-ops", action="store_true", help="the torch small ops (reference path)")
+    p.add_argument(
+        "--no-fused-ops", action="store_true", help="the torch small ops (reference path)"
+    )
     p.add_argument("--cpu-linear", default="panel", choices=CPU_LINEARS,
                    help="the matmuls, as the engine's --cpu-linear (default: the engine's default)")
     return p
@@ -170,12 +197,19 @@ def main(argv: list[str] | None = None) -> int:
     linear = setup_cpu_linear(model, args.cpu_linear, "float32", "cpu").describe()
     backend = install_attention_backend(model, args.attention_backend, "cpu", "auto", 1, False)
     fused = set_fused_ops(model, not args.no_fused_ops)
-    cases = [(f"decode B={b}", b, 1, args.context) for b in map(int, args.decode_batches.split(",")) if b]
+    cases = [
+        (f"decode B={b}", b, 1, args.context) for b in map(int, args.decode_batches.split(",")) if b
+    ]
     if args.prefill:
         cases.append((f"prefill {args.prefill}", 1, args.prefill, 0))
     rows = profile_cases(model, cases, repeats=args.repeats)
-    print(format_profile(rows, f"{args.model} float32, {args.num_threads} thread{'s' if args.num_threads != 1 else ''}, linear {linear}, attention {backend}, "
-                               f"fused ops {'on' if fused else 'off'}, context {args.context}"))
+    print(
+        format_profile(
+            rows,
+            f"{args.model} float32, {args.num_threads} thread{'s' if args.num_threads != 1 else ''}, linear {linear}, attention {backend}, "
+            f"fused ops {'on' if fused else 'off'}, context {args.context}",
+        )
+    )
     return 0
 
 

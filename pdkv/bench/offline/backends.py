@@ -100,15 +100,27 @@ def run_backend_bench(
     try:
         load_before = os.getloadavg()[0]
         bs = _BLOCK_SIZE
-        shapes = [(b, input_len + output_len) for b in batch_sizes] + [(b, n + 1) for b, n in prefill_cases]
+        shapes = [(b, input_len + output_len) for b in batch_sizes] + [
+            (b, n + 1) for b, n in prefill_cases
+        ]
         max_b = max(b for b, _ in shapes)
         max_len = max(n for _, n in shapes) + bs
         blocks = max(b * (-(-n // bs) + 1) for b, n in shapes) + 16
         step_tokens = max([max(batch_sizes) * input_len] + [b * n for b, n in prefill_cases])
         engines = {
-            name: LLM(model=model, dtype=dtype, seed=seed, block_size=bs, num_kv_blocks=blocks,
-                      max_model_len=max_len, max_num_seqs=max_b, max_num_batched_tokens=step_tokens,
-                      enable_prefix_caching=False, num_threads=num_threads, **_engine_knobs(knob, name))
+            name: LLM(
+                model=model,
+                dtype=dtype,
+                seed=seed,
+                block_size=bs,
+                num_kv_blocks=blocks,
+                max_model_len=max_len,
+                max_num_seqs=max_b,
+                max_num_batched_tokens=step_tokens,
+                enable_prefix_caching=False,
+                num_threads=num_threads,
+                **_engine_knobs(knob, name),
+            )
             for name in backends
         }
         first = engines[backends[0]]
@@ -118,13 +130,21 @@ def run_backend_bench(
             run_pdkv(llm, prompts[:2], 2, device)
         results = []
         for b in batch_sizes:
-            entry: dict[str, Any] = {"batch_size": b, "decode_ratio": {}, "prefill_ratio": {}, "greedy_equal": {}}
+            entry: dict[str, Any] = {
+                "batch_size": b,
+                "decode_ratio": {},
+                "prefill_ratio": {},
+                "greedy_equal": {},
+            }
             toks: dict[str, list[list[int]]] = {}
             for name, llm in engines.items():
                 pre, tot, toks[name], extra = measure(
                     functools.partial(run_pdkv, llm, prompts[:b], device=device), output_len,
                     repeats)
-                entry[name] = {**throughputs(b, input_len, output_len, pre, tot), "extra_runs": extra}
+                entry[name] = {
+                    **throughputs(b, input_len, output_len, pre, tot),
+                    "extra_runs": extra,
+                }
             for name in backends:
                 entry["decode_ratio"][name] = ratio(entry[name]["decode_tok_s"],
                                                     entry[backends[0]]["decode_tok_s"])
@@ -135,11 +155,19 @@ def run_backend_bench(
         prefill = [_prefill_case(engines, first.get_tokenizer(), b, n, seed, repeats, device)
                    for b, n in prefill_cases]
         result: dict[str, Any] = {
-            "model": model, "dtype": dtype, "num_threads": torch.get_num_threads(),
-            "input_len": input_len, "output_len": output_len, "backends": list(backends),
-            "knob": knob, "backends_used": {n: _resolved(e, knob) for n, e in engines.items()},
-            "results": results, "prefill": prefill, "host_load_avg_1m": [load_before, os.getloadavg()[0]],
-            "host_cpu_count": os.cpu_count(), "host_cpu": cpu_description(),
+            "model": model,
+            "dtype": dtype,
+            "num_threads": torch.get_num_threads(),
+            "input_len": input_len,
+            "output_len": output_len,
+            "backends": list(backends),
+            "knob": knob,
+            "backends_used": {n: _resolved(e, knob) for n, e in engines.items()},
+            "results": results,
+            "prefill": prefill,
+            "host_load_avg_1m": [load_before, os.getloadavg()[0]],
+            "host_cpu_count": os.cpu_count(),
+            "host_cpu": cpu_description(),
         }
         result["table"] = format_backend_table(result)
         if verbose:
@@ -155,7 +183,12 @@ def _prefill_case(engines: dict[str, LLM], tokenizer: PreTrainedTokenizerBase, b
     """Prefill tok/s of every engine for B prompts of n tokens (one output token, best of repeats);
     ratios against the first engine."""
     prompts = build_prompts(tokenizer, b, n, seed)
-    entry: dict[str, Any] = {"batch_size": b, "input_len": n, "prefill_ratio": {}, "greedy_equal": {}}
+    entry: dict[str, Any] = {
+        "batch_size": b,
+        "input_len": n,
+        "prefill_ratio": {},
+        "greedy_equal": {},
+    }
     toks: dict[str, list[list[int]]] = {}
     for name, llm in engines.items():
         best = float("inf")
@@ -165,7 +198,9 @@ def _prefill_case(engines: dict[str, LLM], tokenizer: PreTrainedTokenizerBase, b
         entry[name] = {"prefill_s": best, "prefill_tok_s": b * n / best}
     names = list(engines)
     for name in names:
-        entry["prefill_ratio"][name] = ratio(entry[name]["prefill_tok_s"], entry[names[0]]["prefill_tok_s"])
+        entry["prefill_ratio"][name] = ratio(
+            entry[name]["prefill_tok_s"], entry[names[0]]["prefill_tok_s"]
+        )
         entry["greedy_equal"][name] = toks[name] == toks[names[0]]
     return entry
 
@@ -200,8 +235,12 @@ def format_backend_table(result: dict[str, Any]) -> str:
         f"{result['num_threads']} thread{'s' if result['num_threads'] != 1 else ''}, {result['input_len']} prompt + {result['output_len']} "
         f"output tokens; {result['host_cpu']}",
         "backends: " + ", ".join(f"{n} (ran {used[n]})" for n in names),
-        "| batch | " + ("phase | " if by_linear else "") + " | ".join(f"{n} tok/s" for n in names)
-        + " | " + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " | greedy equal |",
+        "| batch | "
+        + ("phase | " if by_linear else "")
+        + " | ".join(f"{n} tok/s" for n in names)
+        + " | "
+        + " | ".join(f"{n} / {names[0]}" for n in names[1:])
+        + " | greedy equal |",
         "|---" * (1 + by_linear + 2 * len(names) - 1 + 1) + "|",
     ]
     for e in result["results"]:
@@ -229,5 +268,7 @@ def format_backend_table(result: dict[str, Any]) -> str:
                 + f" | {'yes' if all(e['greedy_equal'].values()) else 'NO'} |"
             )
     lo, hi = result["host_load_avg_1m"]
-    lines.append(f"host load average (1 min) before / after: {lo:.2f} / {hi:.2f} on {result['host_cpu_count']} CPUs")
+    lines.append(
+        f"host load average (1 min) before / after: {lo:.2f} / {hi:.2f} on {result['host_cpu_count']} CPUs"
+    )
     return "\n".join(lines)

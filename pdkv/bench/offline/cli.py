@@ -75,7 +75,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=sorted(TORCH_DTYPES))
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads for both")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=1, help="timed runs per measurement (best kept)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="timed runs per measurement (best kept)"
+    )
     parser.add_argument(
         "--peer", dest="peers", type=_parse_peers, default=["hf"],
         help="systems measured beside pdkv: hf, llama.cpp (comma-separated; none: pdkv only). "
@@ -83,18 +85,23 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "issue 14's goals; it is skipped with a message when not built (`make llama-cpp`)",
     )
     parser.add_argument(
-        "--long-prefill-len", type=int, default=None,
+        "--long-prefill-len",
+        type=int,
+        default=None,
         help="prompt tokens of the extra batch-1 prefill (default 512 with --peer llama.cpp; 0: off)",
     )
     parser.add_argument("--no-hf", dest="include_hf", action="store_false",
                         help="skip HF transformers (removes hf from --peer)")
-    parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warmup runs")
+    parser.add_argument(
+        "--no-warmup", dest="warmup", action="store_false", help="skip the warmup runs"
+    )
     parser.add_argument("--result-json", default=None, help="write the result dict to this file")
     parser.add_argument(
-        "--attention-backends", default=None,
+        "--attention-backends",
+        default=None,
         help="compare pdkv's decode per --attention-backend instead of pdkv vs HF, e.g. "
-             "torch,cpu_paged (ratios against the first; pdkv/bench/offline/backends.py); a name "
-             "ending in :no-fused runs without the fused small ops, e.g. cpu_paged,cpu_paged:no-fused",
+        "torch,cpu_paged (ratios against the first; pdkv/bench/offline/backends.py); a name "
+        "ending in :no-fused runs without the fused small ops, e.g. cpu_paged,cpu_paged:no-fused",
     )
     parser.add_argument(
         "--prefill-cases", default="1x512,32x128",
@@ -132,9 +139,16 @@ def main(args: argparse.Namespace) -> int:
         knob = "cpu_linear" if args.cpu_linears else "attention_backend"
         values = args.cpu_linears or args.attention_backends
         result = run_backend_bench(
-            model=args.model, backends=[b.strip() for b in values.split(",") if b.strip()],
-            batch_sizes=tuple(args.batch_sizes), input_len=args.input_len, output_len=args.output_len,
-            dtype=args.dtype, num_threads=args.num_threads, seed=args.seed, repeats=args.repeats, knob=knob,
+            model=args.model,
+            backends=[b.strip() for b in values.split(",") if b.strip()],
+            batch_sizes=tuple(args.batch_sizes),
+            input_len=args.input_len,
+            output_len=args.output_len,
+            dtype=args.dtype,
+            num_threads=args.num_threads,
+            seed=args.seed,
+            repeats=args.repeats,
+            knob=knob,
             prefill_cases=parse_prefill_cases(args.prefill_cases),
         )
         if args.result_json:

@@ -140,7 +140,9 @@ class LlamaCppPeer:
         row = self._ll.llama_get_logits_ith(self._ctx, i)
         return int(np.ctypeslib.as_array(row, shape=(self._n_vocab,)).argmax())
 
-    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], float]:
+    def run(
+        self, prompts: list[list[int]], max_tokens: int
+    ) -> tuple[float, list[list[int]], float]:
         """Seconds to prefill `prompts` and generate `max_tokens` greedy tokens for each, each
         prompt's generated token ids, and the seconds until the first tokens (the prefill
         `llama_decode` and its argmaxes); a `pdkv.bench.offline.measure.Timed`.

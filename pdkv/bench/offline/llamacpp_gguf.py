@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     """Convert `--model` to each `--dtypes` GGUF that is not there yet; prints the paths."""
     from pdkv.model.registry import resolve_model
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--sdist", required=True, help="llama_cpp_python-<version>.tar.gz")
     p.add_argument("--model", default="smollm2", help="pdkv model alias or HF folder")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32,bfloat16")

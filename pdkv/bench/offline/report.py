@@ -16,8 +16,13 @@ def cpu_description() -> str:
             info = f.read()
     except OSError:
         return "unknown"
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")),
+        "?",
+    )
+    flags = next(
+        (ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []
+    )
     ext = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     return f"{model} ({', '.join(ext) or 'no avx2'})"
 
@@ -123,7 +128,9 @@ def workload_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     lp = result.get("long_prefill")
     if lp:
         n = lp["input_len"]
-        rows.append(_row(f"prefill {n}, batch 1", lp, "prefill_tok_s", goal_for("long_prefill", 1, n)))
+        rows.append(
+            _row(f"prefill {n}, batch 1", lp, "prefill_tok_s", goal_for("long_prefill", 1, n))
+        )
     for e in result["results"]:
         b = e["batch_size"]
         name = "decode, batch 1" if b == 1 else f"decode, {b} sequences (aggregate)"
@@ -131,7 +138,9 @@ def workload_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     for e in result["results"]:
         b = e["batch_size"]
         if b > 1:
-            rows.append(_row(f"prefill {b} x {result['input_len']} in one step", e, "prefill_tok_s", None))
+            rows.append(
+                _row(f"prefill {b} x {result['input_len']} in one step", e, "prefill_tok_s", None)
+            )
     return rows
 
 
@@ -157,8 +166,10 @@ def format_workload_table(result: dict[str, Any]) -> str:
         f"pdkv vs HF transformers vs llama.cpp (llama-cpp-python "
         f"{result.get('llama_cpp_python_version') or '?'}, GGUF {result['dtype']}), same token ids, "
         f"{result['num_threads']} thread{'s' if result['num_threads'] != 1 else ''} each",
-        " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                   for i, (c, w) in enumerate(zip(cols, widths, strict=True))),
+        " | ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cols, widths, strict=True))
+        ),
         "-+-".join("-" * w for w in widths),
     ]
     for t in text:

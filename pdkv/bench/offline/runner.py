@@ -238,7 +238,10 @@ def _bench(
                 pre, tot, toks[name], extra = measure(
                     functools.partial(run, prompts), output_len, repeats
                 )
-                entry[name] = {**throughputs(b, input_len, output_len, pre, tot), "extra_runs": extra}
+                entry[name] = {
+                    **throughputs(b, input_len, output_len, pre, tot),
+                    "extra_runs": extra,
+                }
             for key in ("prefill_ratio", "decode_ratio", "greedy_match_requests",
                         "llamacpp_prefill_ratio", "llamacpp_decode_ratio",
                         "llamacpp_greedy_match_requests", "greedy_match_requests_all"):

@@ -44,21 +44,33 @@ def _parse_tiers(text: str) -> list[str]:
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `pdkv bench pool` flags to `parser`."""
-    parser.add_argument("--tiers", type=_parse_tiers, default="dram,disk",
-                        help="comma-separated tiers, each measured alone, from dram,disk,redis,mooncake "
-                             "(redis/mooncake start their server; skipped when it is not installed)")
+    parser.add_argument(
+        "--tiers",
+        type=_parse_tiers,
+        default="dram,disk",
+        help="comma-separated tiers, each measured alone, from dram,disk,redis,mooncake "
+        "(redis/mooncake start their server; skipped when it is not installed)",
+    )
     parser.add_argument("--chunk-size", type=int, default=256, help="pool chunk (tokens)")
     parser.add_argument("--prompt-len", type=int, default=2049,
                         help="prompt tokens; a full hit is ((n-1)//chunk)*chunk tokens")
-    parser.add_argument("--repeats", type=int, default=3, help="distinct prompts per tier (medians)")
-    parser.add_argument("--max-tokens", type=int, default=8, help="greedy output tokens per request")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="distinct prompts per tier (medians)"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=8, help="greedy output tokens per request"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random-token prompts")
     parser.add_argument("--model", default="smollm2", help="alias (smollm2) or HF folder")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--work-dir", default=None,
                         help="where the disk tier writes (unset: a temporary directory, removed)")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
-    parser.add_argument("--result-json", default=None, help="also write the result dict to this file")
+    parser.add_argument(
+        "--json", action="store_true", help="print the result as JSON instead of the table"
+    )
+    parser.add_argument(
+        "--result-json", default=None, help="also write the result dict to this file"
+    )
     return parser
 
 

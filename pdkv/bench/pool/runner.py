@@ -164,14 +164,22 @@ def run_pool_bench(
     if bad:
         raise ValueError(f"unknown tiers {bad}; known: {', '.join(TIERS)}")
     if chunk_size <= 0 or chunk_size % block_size:
-        raise ValueError(f"chunk_size {chunk_size} must be a positive multiple of the block size {block_size}")
+        raise ValueError(
+            f"chunk_size {chunk_size} must be a positive multiple of the block size {block_size}"
+        )
     if prompt_len <= 0 or repeats <= 0:
         raise ValueError("prompt_len and repeats must be positive")
     say = print if verbose else (lambda *a, **k: None)
     expected = max_loadable_tokens(prompt_len, chunk_size)
     result: PoolResult = {
-        "model": model, "block_size": block_size, "chunk_size": chunk_size, "prompt_len": prompt_len,
-        "repeats": repeats, "max_tokens": max_tokens, "seed": seed, "expected_hit_tokens": expected,
+        "model": model,
+        "block_size": block_size,
+        "chunk_size": chunk_size,
+        "prompt_len": prompt_len,
+        "repeats": repeats,
+        "max_tokens": max_tokens,
+        "seed": seed,
+        "expected_hit_tokens": expected,
         "tiers": {},
     }
     own_dir = work_dir is None
@@ -196,8 +204,20 @@ def run_pool_bench(
         result["no_pool_ttft_s"] = ttfts
         for tier in tiers:
             try:
-                result["tiers"][tier] = _run_tier(tier, work, model, block_size, chunk_size, prompt_len,
-                                                  max_tokens, warm, prompts, reference, expected, say)
+                result["tiers"][tier] = _run_tier(
+                    tier,
+                    work,
+                    model,
+                    block_size,
+                    chunk_size,
+                    prompt_len,
+                    max_tokens,
+                    warm,
+                    prompts,
+                    reference,
+                    expected,
+                    say,
+                )
             except RuntimeError as e:
                 say(f"{tier}: skipped: {e}", flush=True)
                 result["tiers"][tier] = {"skipped": str(e)}
@@ -212,9 +232,20 @@ def run_pool_bench(
     return result
 
 
-def _run_tier(tier: str, work: str, model: str, block_size: int, chunk_size: int, prompt_len: int,
-              max_tokens: int, warm: list[int], prompts: list[list[int]], reference: list[list[int]],
-              expected: int, say: Callable[..., object]) -> TierSummary:
+def _run_tier(
+    tier: str,
+    work: str,
+    model: str,
+    block_size: int,
+    chunk_size: int,
+    prompt_len: int,
+    max_tokens: int,
+    warm: list[int],
+    prompts: list[list[int]],
+    reference: list[list[int]],
+    expected: int,
+    say: Callable[..., object],
+) -> TierSummary:
     with tier_spec(tier, work) as spec:
         eng = _Engine(model, block_size, prompt_len, max_tokens, _pool_config(spec, chunk_size))
         try:
@@ -225,10 +256,13 @@ def _run_tier(tier: str, work: str, model: str, block_size: int, chunk_size: int
                 m, cold_tokens, hot_tokens = _cold_hot(eng, tier, p)
                 s: PoolSample = {**m, "identical": cold_tokens == hot_tokens == ref}
                 samples.append(s)
-                say(f"{tier:<8} repeat {i}: cold {s['cold_ttft_s'] * 1000:.0f} ms, hot "
+                say(
+                    f"{tier:<8} repeat {i}: cold {s['cold_ttft_s'] * 1000:.0f} ms, hot "
                     f"{s['hot_ttft_s'] * 1000:.0f} ms, hit {s['hit_tokens']}/{expected} tokens, "
                     f"{s['bytes_read'] / 1e6:.0f} MB read in {s['load_s'] * 1000:.0f} ms, identical "
-                    f"{s['identical']} ({time.perf_counter() - t0:.0f} s)", flush=True)
+                    f"{s['identical']} ({time.perf_counter() - t0:.0f} s)",
+                    flush=True,
+                )
         finally:
             eng.shutdown()
     summary = summarize_tier(tier, samples, expected)

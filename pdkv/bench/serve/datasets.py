@@ -240,7 +240,9 @@ async def multi_turn_dataset(tok: PromptTokenizer, num_conversations: int, num_t
     `messages`; its `prompt` is their `transcript` (completions endpoint).
     """
     if num_conversations < 1 or num_turns < 1:
-        raise ValueError(f"multi-turn needs >= 1 conversation and turn, got {num_conversations} x {num_turns}")
+        raise ValueError(
+            f"multi-turn needs >= 1 conversation and turn, got {num_conversations} x {num_turns}"
+        )
     rng = np.random.default_rng(seed)
     pieces = [[(random_ids(rng, input_len, vocab_size), random_ids(rng, output_len, vocab_size))
                for _ in range(num_turns)] for _ in range(num_conversations)]
@@ -258,7 +260,9 @@ async def multi_turn_dataset(tok: PromptTokenizer, num_conversations: int, num_t
                 messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
             messages.append({"role": "user", "content": conv[t][0]})
             prompt = transcript(messages)
-            samples.append(SampleRequest(prompt, len(await tok.encode(prompt)), output_len, messages))
+            samples.append(
+                SampleRequest(prompt, len(await tok.encode(prompt)), output_len, messages)
+            )
     return samples
 
 

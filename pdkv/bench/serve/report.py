@@ -119,7 +119,9 @@ def format_result_table(result: dict[str, Any]) -> str:
     if server:
         lines.append("{s:{c}^{n}}".format(s="Server Counters (delta)", n=_W, c="-"))
         if "prefix_cache_queries" in server:
-            lines.append(_row("Prefix cache queries (tokens):", server["prefix_cache_queries"], ".0f"))
+            lines.append(
+                _row("Prefix cache queries (tokens):", server["prefix_cache_queries"], ".0f")
+            )
         if "prefix_cache_hits" in server:
             lines.append(_row("Prefix cache hits (tokens):", server["prefix_cache_hits"], ".0f"))
         if server.get("prefix_cache_hit_rate") is not None:
@@ -152,7 +154,9 @@ SERVER_ROWS = (
 def format_phases(phases: TTFTPhases) -> list[str]:
     """The "TTFT Phases" block: mean and p99 per phase (ms), the sum against client TTFT."""
     lines = ["{s:{c}^{n}}".format(s="TTFT Phases (server pdkv_timings)", n=_W, c="-")]
-    lines.append(f"{'Phase (requests: ' + str(phases['num_requests']) + ')':<30} {'mean ms':>9} {'p99 ms':>9}")
+    lines.append(
+        f"{'Phase (requests: ' + str(phases['num_requests']) + ')':<30} {'mean ms':>9} {'p99 ms':>9}"
+    )
     for name, v in phases["phases"].items():
         lines.append(f"{name:<30} {v['mean_ms']:>9.2f} {v['p99_ms']:>9.2f}")
     lines.append(_row("Mean sum of server phases (ms):", phases["mean_phase_sum_ms"], ".2f"))

@@ -76,7 +76,9 @@ async def build_dataset(cfg: BenchConfig, tok: datasets.PromptTokenizer) -> list
             cfg.num_prefixes, cfg.range_ratio, cfg.vocab_size, cfg.seed)
     assert cfg.dataset_path is not None
     if cfg.dataset == "sharegpt":
-        return await sharegpt_dataset(tok, cfg.dataset_path, cfg.num_prompts, cfg.seed, cfg.sharegpt_output_len)
+        return await sharegpt_dataset(
+            tok, cfg.dataset_path, cfg.num_prompts, cfg.seed, cfg.sharegpt_output_len
+        )
     return await datasets.jsonl_dataset(tok, cfg.dataset_path, cfg.num_prompts, cfg.output_len)
 
 
@@ -166,7 +168,9 @@ async def pick_tokenizer(client: httpx.AsyncClient, cfg: BenchConfig, model: str
         log(f"WARNING: the server has no /tokenize and no local tokenizer for {name!r} ({e}); "
             "prompt lengths are counted in words (give --tokenizer)")
         return tok
-    log(f"the server has no /tokenize; counting tokens with the tokenizer of {name!r} ({local.source})")
+    log(
+        f"the server has no /tokenize; counting tokens with the tokenizer of {name!r} ({local.source})"
+    )
     return local
 
 

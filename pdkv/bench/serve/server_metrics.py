@@ -42,8 +42,12 @@ class CounterSpec:
 
 
 COUNTERS: dict[str, CounterSpec] = {
-    "prefix_cache_queries": CounterSpec(("pdkv:prefix_cache_queries_total", "vllm:prefix_cache_queries_total")),
-    "prefix_cache_hits": CounterSpec(("pdkv:prefix_cache_hits_total", "vllm:prefix_cache_hits_total")),
+    "prefix_cache_queries": CounterSpec(
+        ("pdkv:prefix_cache_queries_total", "vllm:prefix_cache_queries_total")
+    ),
+    "prefix_cache_hits": CounterSpec(
+        ("pdkv:prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
+    ),
     "kv_p2p_bytes_received": CounterSpec(("pdkv:kv_transfer_bytes_received_total",)),
     "kv_p2p_bytes_sent": CounterSpec(("pdkv:kv_transfer_bytes_sent_total",)),
     "kv_pool_bytes_read": CounterSpec(("pdkv:kv_pool_bytes_read_total",)),

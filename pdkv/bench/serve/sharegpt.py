@@ -35,7 +35,9 @@ def load_pairs(path: str) -> list[tuple[str, str]]:
         try:
             data: JSONValue = json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not JSON ({e}); expected ShareGPT's list of conversations") from None
+            raise ValueError(
+                f"{path}: not JSON ({e}); expected ShareGPT's list of conversations"
+            ) from None
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of {{\"conversations\": [...]}}")
     pairs = []

@@ -91,7 +91,9 @@ def _parse_int_list(text: str) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
     if not vals or any(v <= 0 for v in vals):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return vals

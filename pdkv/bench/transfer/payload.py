@@ -8,7 +8,9 @@ import numpy as np
 from pdkv.kv_transfer.engine.base import ReadOp
 
 MIB = 1 << 20
-BLOCK_BYTES = 737_280  # one SmolLM2 fp32 KV block: 16 tokens * 30 layers * 2 (K,V) * 3 heads * 64 * 4 B
+BLOCK_BYTES = (
+    737_280  # one SmolLM2 fp32 KV block: 16 tokens * 30 layers * 2 (K,V) * 3 heads * 64 * 4 B
+)
 REGION = "kv"
 _PATTERN_MUL = np.uint64(0x9E3779B97F4A7C15)
 _PATTERN_ADD = np.uint64(0x0123456789ABCDEF)

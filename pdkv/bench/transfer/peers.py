@@ -57,7 +57,9 @@ def _producer_main(kind: str, nbytes: int, send: Callable[[JSONObject], None],
             raw_srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             raw_srv.bind(("127.0.0.1", 0))
             raw_srv.listen(8)
-            threading.Thread(target=_raw_serve, args=(raw_srv, memoryview(buf)), daemon=True).start()
+            threading.Thread(
+                target=_raw_serve, args=(raw_srv, memoryview(buf)), daemon=True
+            ).start()
             peer = {"host": "127.0.0.1", "port": raw_srv.getsockname()[1]}
         else:
             raise ValueError(f"unknown producer kind {kind!r}")

@@ -136,7 +136,9 @@ def run_transfer_bench(
                 fn()
                 if verify:
                     if not matches_pattern(dest_buf, nbytes):
-                        raise RuntimeError(f"{name}: payload of {size} MiB does not match the pattern")
+                        raise RuntimeError(
+                            f"{name}: payload of {size} MiB does not match the pattern"
+                        )
                     verified[name] = True
             # Timed repeats, methods interleaved so they see the same machine state.
             for _ in range(reps):

@@ -11,8 +11,13 @@ from pdkv.kv_transfer.connector.startup import ConnectorStartup
 CONNECTORS = ("P2PConnector", "KVPoolConnector", "MultiConnector", "OffloadingConnector")
 
 
-def create_connector(config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
-                     layout: KVLayout, startup: ConnectorStartup) -> KVConnectorBase:
+def create_connector(
+    config: KVTransferConfig,
+    role: KVConnectorRole,
+    kv_cache_config: KVCacheConfig,
+    layout: KVLayout,
+    startup: ConnectorStartup,
+) -> KVConnectorBase:
     """Build one half of the connector named in `config`.
 
     Args:
@@ -31,8 +36,11 @@ def create_connector(config: KVTransferConfig, role: KVConnectorRole, kv_cache_c
         raise ValueError(
             f"{config.kv_connector} does not move linear-attention state (Gated DeltaNet: one state "
             "slot per request) yet: only P2PConnector (P/D) and KVPoolConnector are supported on "
-            "this model (issue 11); offloading and MultiConnector are not")
-    if config.kv_connector not in ("P2PConnector", "KVPoolConnector") and any(w is not None for w in kv_cache_config.sliding_windows):
+            "this model (issue 11); offloading and MultiConnector are not"
+        )
+    if config.kv_connector not in ("P2PConnector", "KVPoolConnector") and any(
+        w is not None for w in kv_cache_config.sliding_windows
+    ):
         raise ValueError(
             f"{config.kv_connector} does not move sliding-window KV cache groups yet (P2PConnector "
             "and KVPoolConnector do, issue 11): run this model without it or with one of those")

@@ -73,8 +73,10 @@ def child_configs(config: KVTransferConfig) -> list[KVTransferConfig]:
     """
     specs = config.kv_connector_extra_config.get("connectors")
     if not isinstance(specs, list) or not specs or not all(isinstance(s, dict) for s in specs):
-        raise ValueError('MultiConnector needs kv_connector_extra_config.connectors: a non-empty '
-                         'list of connector configs such as {"kv_connector": "KVPoolConnector", ...}')
+        raise ValueError(
+            "MultiConnector needs kv_connector_extra_config.connectors: a non-empty "
+            'list of connector configs such as {"kv_connector": "KVPoolConnector", ...}'
+        )
     unknown = sorted(set(config.kv_connector_extra_config) - {"connectors"})
     if unknown:
         raise ValueError(f"unknown MultiConnector settings {unknown}; known: ['connectors']")
@@ -83,14 +85,22 @@ def child_configs(config: KVTransferConfig) -> list[KVTransferConfig]:
         known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_load_failure_policy"}
         bad = sorted(set(spec) - known)
         if bad:
-            raise ValueError(f"unknown fields {bad} in a MultiConnector child; known: {sorted(known)}")
+            raise ValueError(
+                f"unknown fields {bad} in a MultiConnector child; known: {sorted(known)}"
+            )
         if spec.get("kv_connector") in (None, "MultiConnector"):
-            raise ValueError("each MultiConnector child needs a kv_connector other than MultiConnector")
-        out.append(KVTransferConfig(
-            kv_connector=str(spec["kv_connector"]), kv_role=str(spec.get("kv_role", config.kv_role)),
-            engine_id=config.engine_id,
-            kv_connector_extra_config=dict(spec.get("kv_connector_extra_config") or {}),
-            kv_load_failure_policy=str(spec.get("kv_load_failure_policy", ""))))
+            raise ValueError(
+                "each MultiConnector child needs a kv_connector other than MultiConnector"
+            )
+        out.append(
+            KVTransferConfig(
+                kv_connector=str(spec["kv_connector"]),
+                kv_role=str(spec.get("kv_role", config.kv_role)),
+                engine_id=config.engine_id,
+                kv_connector_extra_config=dict(spec.get("kv_connector_extra_config") or {}),
+                kv_load_failure_policy=str(spec.get("kv_load_failure_policy", "")),
+            )
+        )
     return out
 
 
@@ -112,8 +122,15 @@ class MultiConnector(KVConnectorBase):
         ValueError: bad child configs (see `child_configs`) or a child's own settings.
     """
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
-                 layout: KVLayout, startup: ConnectorStartup, create_child: ChildFactory) -> None:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+        layout: KVLayout,
+        startup: ConnectorStartup,
+        create_child: ChildFactory,
+    ) -> None:
         super().__init__(config, role, kv_cache_config, layout)
         self.child_configs = child_configs(config)
         self.children = [create_child(c, role, kv_cache_config, layout, startup)
@@ -140,7 +157,9 @@ class MultiConnector(KVConnectorBase):
         for c in self.children:
             c.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         computed, plan = num_computed_tokens, list[tuple[int, int, int]]()
         for i, child in enumerate(self.children):
             n, load_async = child.get_num_new_matched_tokens(request, computed)
@@ -161,7 +180,9 @@ class MultiConnector(KVConnectorBase):
         total = computed - num_computed_tokens
         return (total, True) if total > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         rid = request.request_id
         plan = self._plans.pop(rid, [])
         if num_external_tokens <= 0:

@@ -40,8 +40,13 @@ class OffloadingConnector(RoleDelegatingConnector):
         ValueError: kv_role other than kv_both, or bad settings (unknown keys, bad mode).
     """
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
-                 layout: KVLayout) -> None:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+        layout: KVLayout,
+    ) -> None:
         super().__init__(config, role, kv_cache_config, layout)
         if config.kv_role != "kv_both":
             raise ValueError(f"OffloadingConnector needs kv_role 'kv_both', got {config.kv_role!r}")
@@ -51,8 +56,9 @@ class OffloadingConnector(RoleDelegatingConnector):
         self.worker = None
         if role == KVConnectorRole.SCHEDULER:
             block_size = kv_cache_config.groups[0].spec.block_size
-            self.scheduler = OffloadConnectorScheduler(self.offload, self.num_host_slots, block_size,
-                                                       len(kv_cache_config.groups))
+            self.scheduler = OffloadConnectorScheduler(
+                self.offload, self.num_host_slots, block_size, len(kv_cache_config.groups)
+            )
         else:
             from pdkv.kv_transfer.connector.offload_worker import OffloadConnectorWorker
 

@@ -46,16 +46,22 @@ class OffloadConfig:
         """
         unknown = sorted(set(extra) - set(_KNOWN))
         if unknown:
-            raise ValueError(f"unknown OffloadingConnector settings {unknown}; known: {sorted(_KNOWN)}")
+            raise ValueError(
+                f"unknown OffloadingConnector settings {unknown}; known: {sorted(_KNOWN)}"
+            )
         kw: dict[str, Any] = {}
         if "cpu_bytes_to_use" in extra:
             value = extra["cpu_bytes_to_use"]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"OffloadingConnector cpu_bytes_to_use must be an integer >= 0, got {value!r}")
+                raise ValueError(
+                    f"OffloadingConnector cpu_bytes_to_use must be an integer >= 0, got {value!r}"
+                )
             kw["cpu_bytes_to_use"] = value
         if "eviction_mode" in extra:
             mode = extra["eviction_mode"]
             if mode not in EVICTION_MODES:
-                raise ValueError(f"OffloadingConnector eviction_mode must be one of {EVICTION_MODES}, got {mode!r}")
+                raise ValueError(
+                    f"OffloadingConnector eviction_mode must be one of {EVICTION_MODES}, got {mode!r}"
+                )
             kw["eviction_mode"] = mode
         return OffloadConfig(**kw)

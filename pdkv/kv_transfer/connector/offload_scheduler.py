@@ -41,7 +41,9 @@ class OffloadConnectorScheduler:
         num_groups: KV cache groups.
     """
 
-    def __init__(self, offload: OffloadConfig, num_host_slots: int, block_size: int, num_groups: int) -> None:
+    def __init__(
+        self, offload: OffloadConfig, num_host_slots: int, block_size: int, num_groups: int
+    ) -> None:
         self.offload = offload
         self.mode = offload.eviction_mode
         self.block_size = block_size
@@ -103,7 +105,9 @@ class OffloadConnectorScheduler:
         return copies
 
     # --------------------------------------------------------------------- loads
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """Tokens of the host-held blocks right after the local hits (whole blocks, never the
         last token), loaded synchronously; (0, False) in mode "drop" or on a miss."""
         n = self._num_host_blocks(request, num_computed_tokens)
@@ -119,7 +123,9 @@ class OffloadConnectorScheduler:
             n += 1
         return n
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         """Plan the H2D copies of the loaded blocks into the request's first new blocks."""
         if num_external_tokens <= 0:
             return

@@ -43,7 +43,9 @@ class OffloadConnectorWorker:
         if any(t.device.type != "cpu" for t in kv_caches):
             raise ValueError("OffloadingConnector supports a CPU KV cache only so far")
         self._device = [t.view(torch.uint8).view(t.shape[0], -1) for t in kv_caches]
-        self.host = [torch.empty((self.num_host_slots, d.shape[1]), dtype=torch.uint8) for d in self._device]
+        self.host = [
+            torch.empty((self.num_host_slots, d.shape[1]), dtype=torch.uint8) for d in self._device
+        ]
 
     def _count(self, key: str, value: float) -> None:
         self._stats["offload:" + key] = self._stats.get("offload:" + key, 0.0) + value

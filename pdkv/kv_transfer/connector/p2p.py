@@ -51,11 +51,19 @@ class P2PConnector(KVConnectorBase):
     half lists them in kv_transfer_params "endpoints").
     """
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
-                 layout: KVLayout, control_address: Address | None = None,
-                 dcp_rank: int = 0, dcp_size: int = 1, rank: int | None = None,
-                 world_size: int | None = None,
-                 control_endpoints: list[Address] | None = None) -> None:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+        layout: KVLayout,
+        control_address: Address | None = None,
+        dcp_rank: int = 0,
+        dcp_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
+        control_endpoints: list[Address] | None = None,
+    ) -> None:
         super().__init__(config, role, kv_cache_config, layout)
         address: Address = control_address if control_address is not None else ["127.0.0.1", 0]
         block_size = kv_cache_config.groups[0].spec.block_size
@@ -85,11 +93,15 @@ class P2PConnector(KVConnectorBase):
         assert self.scheduler is not None
         self.scheduler.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         assert self.scheduler is not None
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 

@@ -29,13 +29,17 @@ def mla_error(layout: Mapping[str, object], p: Mapping[str, object]) -> str:
     rows by token) and producers at tp > 1 are refused."""
     theirs = params_layout(p)
     if layout.get("block_size") != theirs.get("block_size"):
-        return (f"decode block_size={layout.get('block_size')} differs from the producer's "
-                f"block_size={theirs.get('block_size')} on an MLA model: re-blocking maps K/V rows and "
-                "is not supported for latent blocks; use equal block sizes")
+        return (
+            f"decode block_size={layout.get('block_size')} differs from the producer's "
+            f"block_size={theirs.get('block_size')} on an MLA model: re-blocking maps K/V rows and "
+            "is not supported for latent blocks; use equal block sizes"
+        )
     if p.get("tp_size", 1) != 1:
-        return (f"a producer at tp_size={p.get('tp_size')} on an MLA model is not supported: the latent "
-                "is replicated on every rank, so run the producer at tp 1 (each decode rank then reads "
-                "whole blocks from it)")
+        return (
+            f"a producer at tp_size={p.get('tp_size')} on an MLA model is not supported: the latent "
+            "is replicated on every rank, so run the producer at tp 1 (each decode rank then reads "
+            "whole blocks from it)"
+        )
     return ""
 
 
@@ -68,8 +72,10 @@ def params_consistency_error(p: Mapping[str, object], num_tokens: int,
         return f"kv_transfer_params.layout.block_size must be a positive integer, got {bs!r:.40}"
     top = p.get("block_size", bs)
     if top != bs:
-        return (f"kv_transfer_params.block_size={top!r:.20} and layout.block_size={bs} differ: a producer "
-                "sends the same block size in both")
+        return (
+            f"kv_transfer_params.block_size={top!r:.20} and layout.block_size={bs} differ: a producer "
+            "sends the same block size in both"
+        )
     expected = -(-num_tokens // bs)
     groups = p["remote_block_ids"]
     if not isinstance(groups, list | tuple):
@@ -83,8 +89,10 @@ def params_consistency_error(p: Mapping[str, object], num_tokens: int,
         if len(ids) != want:
             what = ("one linear-state slot" if linear else
                     f"ceil({num_tokens} tokens / layout.block_size {bs}) = {expected} blocks")
-            return (f"kv_transfer_params.remote_block_ids[{g}] lists {len(ids)} blocks but the params "
-                    f"describe {what}: block ids, num_tokens and layout.block_size disagree")
+            return (
+                f"kv_transfer_params.remote_block_ids[{g}] lists {len(ids)} blocks but the params "
+                f"describe {what}: block ids, num_tokens and layout.block_size disagree"
+            )
     return ""
 
 
@@ -109,14 +117,18 @@ def shard_error(layout: Mapping[str, object], p: Mapping[str, object], num_group
     my_heads = mine.get("num_local_kv_heads", mine.get("num_kv_heads"))
     if my_heads != theirs.get("num_kv_heads"):  # this rank stores a subset of P's heads
         if my_dcp > 1:
-            return (f"each decode rank stores {my_heads} of the producer's {theirs.get('num_kv_heads')} KV "
-                    f"heads (tp_size={my_tp}) and decode_context_parallel_size={my_dcp}: re-sharding KV "
-                    "heads into a DCP decode engine is not supported (issue 12)")
+            return (
+                f"each decode rank stores {my_heads} of the producer's {theirs.get('num_kv_heads')} KV "
+                f"heads (tp_size={my_tp}) and decode_context_parallel_size={my_dcp}: re-sharding KV "
+                "heads into a DCP decode engine is not supported (issue 12)"
+            )
         if mine.get("block_size") != theirs.get("block_size"):
-            return (f"each decode rank stores {my_heads} of the producer's {theirs.get('num_kv_heads')} KV "
-                    f"heads (tp_size={my_tp}) and decode block_size={mine.get('block_size')} differs from "
-                    f"the producer's block_size={theirs.get('block_size')}: re-sharding and re-blocking "
-                    "at once is not supported (issue 12)")
+            return (
+                f"each decode rank stores {my_heads} of the producer's {theirs.get('num_kv_heads')} KV "
+                f"heads (tp_size={my_tp}) and decode block_size={mine.get('block_size')} differs from "
+                f"the producer's block_size={theirs.get('block_size')}: re-sharding and re-blocking "
+                "at once is not supported (issue 12)"
+            )
         return ""
     converting = conversion_error(mine, theirs)
     if converting:
@@ -139,21 +151,29 @@ def quantized_conversion_error(layout: Mapping[str, object], p: Mapping[str, obj
     mine, theirs = layout, params_layout(p)
     dtype = mine.get("kv_cache_dtype", "auto")
     p_dtype = theirs.get("kv_cache_dtype", "auto")
-    if not (dtype == "auto" and p_dtype in QUANTIZED_KV_CACHE_DTYPES):  # equal dtypes, or refused elsewhere
+    if not (
+        dtype == "auto" and p_dtype in QUANTIZED_KV_CACHE_DTYPES
+    ):  # equal dtypes, or refused elsewhere
         return ""
     head = f"producer kv_cache_dtype={p_dtype!r} into decode kv_cache_dtype={dtype!r}"
     why = "dequantizing on arrival takes the producer's whole blocks at equal layouts"
     if as_int(mine.get("dcp_size", 1)) > 1:
-        return (f"{head} with decode_context_parallel_size={mine.get('dcp_size')}: dequantizing into a "
-                "DCP decode engine is not supported")
+        return (
+            f"{head} with decode_context_parallel_size={mine.get('dcp_size')}: dequantizing into a "
+            "DCP decode engine is not supported"
+        )
     if mine.get("block_size") != theirs.get("block_size"):
-        return (f"{head} with decode block_size={mine.get('block_size')} and the producer's "
-                f"block_size={theirs.get('block_size')}: re-blocking while dequantizing is not supported ({why})")
+        return (
+            f"{head} with decode block_size={mine.get('block_size')} and the producer's "
+            f"block_size={theirs.get('block_size')}: re-blocking while dequantizing is not supported ({why})"
+        )
     my_heads = mine.get("num_local_kv_heads", mine.get("num_kv_heads"))
     if p.get("tp_size", 1) != 1 or my_heads != theirs.get("num_kv_heads"):
-        return (f"{head} from producer tp_size={p.get('tp_size', 1)} ({theirs.get('num_kv_heads')} KV heads) into "
-                f"tp_size={mine.get('tp_size', 1)} ({my_heads} KV heads per rank): re-sharding while "
-                f"dequantizing is not supported ({why})")
+        return (
+            f"{head} from producer tp_size={p.get('tp_size', 1)} ({theirs.get('num_kv_heads')} KV heads) into "
+            f"tp_size={mine.get('tp_size', 1)} ({my_heads} KV heads per rank): re-sharding while "
+            f"dequantizing is not supported ({why})"
+        )
     return ""
 
 
@@ -171,8 +191,10 @@ def state_error(layout: Mapping[str, object], p: Mapping[str, object]) -> str:
     if mine is None or my_tp == p_tp:
         return ""
     if theirs != mine:
-        return (f"producer tp_size={p_tp} into consumer tp_size={my_tp}: the producer's linear-state "
-                f"geometry {theirs} differs from this engine's {mine}: its state slot cannot be re-sharded")
+        return (
+            f"producer tp_size={p_tp} into consumer tp_size={my_tp}: the producer's linear-state "
+            f"geometry {theirs} differs from this engine's {mine}: its state slot cannot be re-sharded"
+        )
     try:
         plan_state_reads(mine, as_int(p_tp), my_tp)
     except (TypeError, ValueError) as e:
@@ -189,13 +211,17 @@ def producer_tp_error(layout: Mapping[str, object], p: Mapping[str, object]) -> 
     if not isinstance(p_tp, int) or p_tp < 1:
         return f"kv_transfer_params.tp_size must be a positive integer, got {p_tp!r}"
     if my_dcp > 1:
-        return (f"a prefill engine at tp_size={p_tp} into a DCP decode engine (consumer tp_size={my_tp}, "
-                f"decode_context_parallel_size={my_dcp}) is not supported: P must run tp 1 for P/D "
-                "into DCP (issue 12)")
+        return (
+            f"a prefill engine at tp_size={p_tp} into a DCP decode engine (consumer tp_size={my_tp}, "
+            f"decode_context_parallel_size={my_dcp}) is not supported: P must run tp 1 for P/D "
+            "into DCP (issue 12)"
+        )
     if mine.get("block_size") != theirs.get("block_size"):
-        return (f"a prefill engine at tp_size={p_tp} with block_size={theirs.get('block_size')} and decode "
-                f"block_size={mine.get('block_size')} (consumer tp_size={my_tp}): re-sharding from a "
-                "multi-rank producer and re-blocking at once is not supported (issue 12)")
+        return (
+            f"a prefill engine at tp_size={p_tp} with block_size={theirs.get('block_size')} and decode "
+            f"block_size={mine.get('block_size')} (consumer tp_size={my_tp}): re-sharding from a "
+            "multi-rank producer and re-blocking at once is not supported (issue 12)"
+        )
     endpoints = p.get("endpoints")
     if (not isinstance(endpoints, list) or len(endpoints) != p_tp
             or not all(isinstance(e, list | tuple) and len(e) == 2 for e in endpoints)):

@@ -171,9 +171,13 @@ class ConsumerSide:
                 del self._unclaimed[pull.spec.request_id]
         for spec in renew:
             for remote in spec.remote_ranks or (spec.remote,):
-                self._send_notice(NotifySpec(remote, spec.remote_request_id, "renew", spec.remote_nonce))
+                self._send_notice(
+                    NotifySpec(remote, spec.remote_request_id, "renew", spec.remote_nonce)
+                )
         for pull in late:
-            self._failed(pull.spec, TransferError("transfer deadline passed while waiting for the producer"))
+            self._failed(
+                pull.spec, TransferError("transfer deadline passed while waiting for the producer")
+            )
 
     def next_deadline(self) -> float | None:
         """When `tick` must next run (a renewal or a queued pull's deadline), or None."""
@@ -184,14 +188,26 @@ class ConsumerSide:
     # ---------------------------------------------------------------- notices
     def _send_notice(self, note: NotifySpec) -> None:
         if not self._notices.submit(note.remote, lambda: self._notify_quietly(note)):
-            logger.info("notice queue to %s full: %s for %s dropped", note.remote, note.kind, note.remote_request_id)
+            logger.info(
+                "notice queue to %s full: %s for %s dropped",
+                note.remote,
+                note.kind,
+                note.remote_request_id,
+            )
 
     def _notify_quietly(self, note: NotifySpec) -> None:
-        msg = Notify(note.remote_request_id, note.kind, nonce=note.remote_nonce, engine_id=note.remote.engine_id)
+        msg = Notify(
+            note.remote_request_id,
+            note.kind,
+            nonce=note.remote_nonce,
+            engine_id=note.remote.engine_id,
+        )
         try:
             self._control(note.remote, msg, Ack, time.monotonic() + NOTICE_TIMEOUT_S)
         except TransferError as e:
-            logger.info("notification %s for %s not delivered: %s", note.kind, note.remote_request_id, e)
+            logger.info(
+                "notification %s for %s not delivered: %s", note.kind, note.remote_request_id, e
+            )
 
     # ------------------------------------------------------------------ pulls
     def _control(self, remote: RemoteEngine, msg: Handshake | Notify | Claim, reply_type: type[R],
@@ -231,8 +247,14 @@ class ConsumerSide:
         consumer ranks (default this engine's world size); returns the producer's handshake."""
         remote = spec.remote if remote is None else remote
         peer = self._handshake(remote, pull.deadline)
-        claim = Claim(spec.remote_request_id, spec.remote_nonce, spec.prompt_digest, remote.engine_id,
-                      readers=self.world_size if readers is None else readers, reader=self.rank)
+        claim = Claim(
+            spec.remote_request_id,
+            spec.remote_nonce,
+            spec.prompt_digest,
+            remote.engine_id,
+            readers=self.world_size if readers is None else readers,
+            reader=self.rank,
+        )
         reply: ClaimReply = self._control(remote, claim, ClaimReply, pull.deadline)
         if reply.incarnation and reply.incarnation != peer.incarnation:  # the producer restarted
             self._forget(remote)
@@ -243,11 +265,19 @@ class ConsumerSide:
             pull.claimed = True
             self._unclaimed.pop(spec.request_id, None)
         for g, remote_ids in enumerate(spec.remote_block_ids):
-            first = spec.group_first_blocks[g] if spec.group_first_blocks else spec.remote_first_block
-            held = reply.block_ids[g][first : first + len(remote_ids)] if g < len(reply.block_ids) else []
+            first = (
+                spec.group_first_blocks[g] if spec.group_first_blocks else spec.remote_first_block
+            )
+            held = (
+                reply.block_ids[g][first : first + len(remote_ids)]
+                if g < len(reply.block_ids)
+                else []
+            )
             if held != list(remote_ids):
-                raise TransferError(f"kv_transfer_params.remote_block_ids (group {g}) are not the blocks "
-                                    "the producer holds for this request")
+                raise TransferError(
+                    f"kv_transfer_params.remote_block_ids (group {g}) are not the blocks "
+                    "the producer holds for this request"
+                )
         return peer
 
     def _run(self, pull: _Pull) -> None:
@@ -283,8 +313,15 @@ class ConsumerSide:
         nbytes = self.engine.read(peer.peer_info, ops, pull.deadline, grant) if ops else 0
         if finish is not None:
             finish()
-        done = Notify(spec.remote_request_id, "done", nbytes, spec.remote_nonce, spec.remote.engine_id,
-                      reader=self.rank, readers=self.world_size)
+        done = Notify(
+            spec.remote_request_id,
+            "done",
+            nbytes,
+            spec.remote_nonce,
+            spec.remote.engine_id,
+            reader=self.rank,
+            readers=self.world_size,
+        )
         ack = self._control(spec.remote, done, Ack, pull.deadline)
         if not ack.ok:  # the producer may have reused the blocks: the data is not trustworthy
             raise TransferError(f"producer did not confirm the read: {ack.error}")
@@ -312,18 +349,31 @@ class ConsumerSide:
             raise TransferError(f"re-sharding plan: {e}") from None
         p_heads = ParallelLayout(tp_size=p_tp).kv_heads_per_rank(heads)
         d_heads = ParallelLayout(tp_size=d_tp).kv_heads_per_rank(heads)
-        peers = {p: self._claim(spec, pull, spec.remote_ranks[p], len(ds)) for p, ds in readers.items() if me in ds}
+        peers = {
+            p: self._claim(spec, pull, spec.remote_ranks[p], len(ds))
+            for p, ds in readers.items()
+            if me in ds
+        }
         grant = (spec.remote_request_id, spec.remote_nonce)
         read: dict[int, int] = {}
         n_ops = 0
         for p, peer in peers.items():
-            ops = self.plan.copy_ops(spec, peer, p_heads, d_heads, [r for r in reads if r.p_rank == p], p_tp, p)
+            ops = self.plan.copy_ops(
+                spec, peer, p_heads, d_heads, [r for r in reads if r.p_rank == p], p_tp, p
+            )
             read[p] = self.engine.read(peer.peer_info, ops, pull.deadline, grant) if ops else 0
             n_ops += len(ops)
         for p in peers:
             remote = spec.remote_ranks[p]
-            done = Notify(spec.remote_request_id, "done", read[p], spec.remote_nonce, remote.engine_id,
-                          reader=self.rank, readers=len(readers[p]))
+            done = Notify(
+                spec.remote_request_id,
+                "done",
+                read[p],
+                spec.remote_nonce,
+                remote.engine_id,
+                reader=self.rank,
+                readers=len(readers[p]),
+            )
             ack = self._control(remote, done, Ack, pull.deadline)
             if not ack.ok:  # that rank may have reused the blocks: the data is not trustworthy
                 raise TransferError(f"producer rank {p} did not confirm the read: {ack.error}")
@@ -336,7 +386,9 @@ class ConsumerSide:
             return
         for remote in spec.remote_ranks or (spec.remote,):
             self._forget(remote)
-            self._send_notice(NotifySpec(remote, spec.remote_request_id, "release", spec.remote_nonce))
+            self._send_notice(
+                NotifySpec(remote, spec.remote_request_id, "release", spec.remote_nonce)
+            )
 
     def shutdown(self) -> None:
         self._pull_pool.shutdown(wait=False, cancel_futures=True)

@@ -157,8 +157,16 @@ class Ack(msgspec.Struct):
     error: str = ""
 
 
-LAYOUT_KEYS = ("model_digest", "dtype", "block_size", "num_layers", "num_kv_heads", "head_size", "kv_layout",
-               "kv_cache_dtype")
+LAYOUT_KEYS = (
+    "model_digest",
+    "dtype",
+    "block_size",
+    "num_layers",
+    "num_kv_heads",
+    "head_size",
+    "kv_layout",
+    "kv_cache_dtype",
+)
 LAYOUT_DEFAULTS = {"kv_cache_dtype": "auto"}
 """Value of a LAYOUT_KEYS field a layout may omit (one published before the field existed)."""
 CONVERTIBLE_KEYS = ("block_size", "kv_cache_dtype")
@@ -193,30 +201,40 @@ def conversion_error(mine: Mapping[str, object], theirs: Mapping[str, object]) -
     p_dt = theirs.get("kv_cache_dtype", LAYOUT_DEFAULTS["kv_cache_dtype"])
     d_dt = mine.get("kv_cache_dtype", LAYOUT_DEFAULTS["kv_cache_dtype"])
     if p_dt != d_dt and d_dt != "auto":
-        return (f"KV layout mismatch between prefill and decode engines (kv_cache_dtype: producer={p_dt!r} "
-                f"consumer={d_dt!r}): only a quantized producer into a decode engine with "
-                "kv_cache_dtype='auto' converts (dequantized on arrival); re-quantizing would not "
-                "give what the decode engine computes itself")
+        return (
+            f"KV layout mismatch between prefill and decode engines (kv_cache_dtype: producer={p_dt!r} "
+            f"consumer={d_dt!r}): only a quantized producer into a decode engine with "
+            "kv_cache_dtype='auto' converts (dequantized on arrival); re-quantizing would not "
+            "give what the decode engine computes itself"
+        )
     if p_dt != d_dt and mine.get("block_size") != theirs.get("block_size"):
-        return (f"producer kv_cache_dtype={p_dt!r} into decode kv_cache_dtype={d_dt!r} with block_size "
-                f"{theirs.get('block_size')} -> {mine.get('block_size')}: dequantizing and re-blocking at "
-                "once is not supported")
+        return (
+            f"producer kv_cache_dtype={p_dt!r} into decode kv_cache_dtype={d_dt!r} with block_size "
+            f"{theirs.get('block_size')} -> {mine.get('block_size')}: dequantizing and re-blocking at "
+            "once is not supported"
+        )
     p_tp = theirs.get("tp_size", 1)
     if isinstance(p_tp, int) and p_tp > 1:  # one endpoint per P rank: whole blocks per head slice
         if as_int(mine.get("dcp_size", 1)) > 1:
-            return (f"a prefill engine at tp_size={p_tp} into a DCP decode engine (decode_context_parallel_size="
-                    f"{mine.get('dcp_size')}) is not supported: P must run tp 1 for P/D into DCP")
+            return (
+                f"a prefill engine at tp_size={p_tp} into a DCP decode engine (decode_context_parallel_size="
+                f"{mine.get('dcp_size')}) is not supported: P must run tp 1 for P/D into DCP"
+            )
         if mine.get("block_size") != theirs.get("block_size"):
-            return (f"a prefill engine at tp_size={p_tp} with block_size={theirs.get('block_size')} and decode "
-                    f"block_size={mine.get('block_size')}: re-sharding from a multi-rank producer and "
-                    "re-blocking at once is not supported")
+            return (
+                f"a prefill engine at tp_size={p_tp} with block_size={theirs.get('block_size')} and decode "
+                f"block_size={mine.get('block_size')}: re-sharding from a multi-rank producer and "
+                "re-blocking at once is not supported"
+            )
     if mine.get("block_size") == theirs.get("block_size"):
         return None
     dcp = as_int(mine.get("dcp_size", 1))
     if dcp > 1:
-        return (f"decode block_size={mine.get('block_size')} (per rank, dcp_size={dcp}) differs from "
-                f"the producer's block_size={theirs.get('block_size')}: re-blocking into a DCP decode "
-                "engine is not supported")
+        return (
+            f"decode block_size={mine.get('block_size')} (per rank, dcp_size={dcp}) differs from "
+            f"the producer's block_size={theirs.get('block_size')}: re-blocking into a DCP decode "
+            "engine is not supported"
+        )
     return None
 
 
@@ -238,7 +256,9 @@ def prompt_digest(token_ids: Sequence[int], cache_salt: str | None) -> str:
     return hashlib.sha256(payload).hexdigest()
 
 
-def send_release(host: str, port: int, request_id: str, timeout: float = 5.0, nonce: str = "") -> bool:
+def send_release(
+    host: str, port: int, request_id: str, timeout: float = 5.0, nonce: str = ""
+) -> bool:
     """Tell a producer's control server that grant (`request_id`, `nonce`) will never be read
     (blocking; used by the proxy when a decode leg fails). Returns whether the producer
     acknowledged (a wrong or missing nonce is refused: the lease then bounds the hold)."""

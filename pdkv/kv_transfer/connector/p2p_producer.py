@@ -124,7 +124,9 @@ class ProducerSide:
         now = time.monotonic()
         with self._lock:
             for grant in [g for g, h in self._held.items() if now > h.deadline]:
-                logger.warning("KV lease of request %s expired before the consumer read it", grant[0])
+                logger.warning(
+                    "KV lease of request %s expired before the consumer read it", grant[0]
+                )
                 self._finish_send(grant, "expired")
             for grant in [g for g, e in self._early.items() if now > e[1]]:
                 del self._early[grant]
@@ -144,7 +146,9 @@ class ProducerSide:
             self.results.send_finished(grant[0], how, nbytes)
 
     # --------------------------------------------------------- data plane
-    def authorize(self, grant: Grant | None, region: str, ranges: list[tuple[int, int]]) -> str | None:
+    def authorize(
+        self, grant: Grant | None, region: str, ranges: list[tuple[int, int]]
+    ) -> str | None:
         """Transfer-engine threads: None when every (offset, length) of `region` ("g<group>")
         lies inside blocks held for `grant` and the grant was claimed; else why not."""
         if grant is None:
@@ -163,7 +167,9 @@ class ProducerSide:
             if n <= 0:
                 continue
             first, last = off // bb, (off + n - 1) // bb
-            if last - first + 1 > len(allowed) or any(b not in allowed for b in range(first, last + 1)):
+            if last - first + 1 > len(allowed) or any(
+                b not in allowed for b in range(first, last + 1)
+            ):
                 return f"range {off}+{n} of {region!r} is outside the blocks held for {grant[0]!r}"
         return None
 
@@ -191,7 +197,11 @@ class ProducerSide:
                                   block_bytes=list(self.block_bytes), incarnation=self.incarnation)
         if msg.engine_id and msg.engine_id != self.config.engine_id:
             error = f"this is engine {self.config.engine_id!r}, not {msg.engine_id!r}"
-            return ClaimReply(False, error=error) if isinstance(msg, Claim) else Ack(False, error=error)
+            return (
+                ClaimReply(False, error=error)
+                if isinstance(msg, Claim)
+                else Ack(False, error=error)
+            )
         grant = (msg.request_id, msg.nonce)
         with self._lock:
             # The HTTP response with the params can overtake the engine step that registers the
@@ -231,12 +241,17 @@ class ProducerSide:
             return ClaimReply(False, error=f"unknown or expired request {msg.request_id!r}",
                               incarnation=self.incarnation)
         if msg.prompt_digest != held.digest:
-            return ClaimReply(False, error="prompt digest mismatch: the held KV belongs to another prompt",
-                              incarnation=self.incarnation)
+            return ClaimReply(
+                False,
+                error="prompt digest mismatch: the held KV belongs to another prompt",
+                incarnation=self.incarnation,
+            )
         held.claimed = True
         held.readers = max(held.readers, msg.readers)
         held.deadline = max(held.deadline, time.monotonic() + self.lease_s)
-        return ClaimReply(True, block_ids=[list(g) for g in held.block_ids], incarnation=self.incarnation)
+        return ClaimReply(
+            True, block_ids=[list(g) for g in held.block_ids], incarnation=self.incarnation
+        )
 
     def shutdown(self) -> None:
         if self._server is not None:

@@ -53,13 +53,19 @@ class ReadPlanner:
             return self.head_ops(spec, peer, p_heads, d_heads)
         ops: list[ReadOp] = []
         n, r, first = self.dcp_size, self.dcp_rank, spec.remote_first_block
-        for g, (all_local, all_remote) in enumerate(zip(spec.local_block_ids, spec.remote_block_ids)):
-            if self.state is not None and g == self.state.group and self.tp != 1:  # P tp 1, this rank's share
+        for g, (all_local, all_remote) in enumerate(
+            zip(spec.local_block_ids, spec.remote_block_ids)
+        ):
+            if (
+                self.state is not None and g == self.state.group and self.tp != 1
+            ):  # P tp 1, this rank's share
                 ops.extend(self.state_ops(g, spec, peer, 1, 0))
                 continue
             bb = self.block_bytes[g]
             if peer.block_bytes[g] != bb:
-                raise TransferError(f"block bytes differ: producer {peer.block_bytes[g]}, consumer {bb}")
+                raise TransferError(
+                    f"block bytes differ: producer {peer.block_bytes[g]}, consumer {bb}"
+                )
             mine = [i for i in range(len(all_local)) if (first + i) % n == r]
             local = [all_local[i] for i in mine]
             remote = [all_remote[i] for i in mine]
@@ -67,7 +73,11 @@ class ReadPlanner:
             i = 0
             while i < len(local):
                 j = i + 1
-                while j < len(local) and local[j] == local[j - 1] + 1 and remote[j] == remote[j - 1] + 1:
+                while (
+                    j < len(local)
+                    and local[j] == local[j - 1] + 1
+                    and remote[j] == remote[j - 1] + 1
+                ):
                     j += 1
                 nbytes = (j - i) * bb
                 dest = self.regions[g][local[i] * bb : local[i] * bb + nbytes]
@@ -99,7 +109,9 @@ class ReadPlanner:
         return (spec.remote_layout.get("kv_cache_dtype", "auto") in QUANTIZED_KV_CACHE_DTYPES
                 and self.layout.cache_dtype == "auto")
 
-    def dequant_ops(self, spec: RecvSpec, peer: HandshakeReply) -> tuple[list[ReadOp], Callable[[], None]]:
+    def dequant_ops(
+        self, spec: RecvSpec, peer: HandshakeReply
+    ) -> tuple[list[ReadOp], Callable[[], None]]:
         """Reads of the producer's whole quantized blocks into staging memory (one op per block;
         bytes moved = the producer's smaller blocks), and the step that dequantizes them into
         this engine's blocks (pdkv/kv_transfer/kv_dequant.py), to run once the reads finished.
@@ -121,10 +133,15 @@ class ReadPlanner:
             p_bb, bb = peer.block_bytes[g], self.block_bytes[g]
             layers = p_bb // page
             if p_bb % page or not layers or bb % (layers * 2 * bs * heads * head):
-                raise TransferError(f"producer block bytes {p_bb} are not quantized pages of {page} bytes "
-                                    f"for this engine's block bytes {bb}")
+                raise TransferError(
+                    f"producer block bytes {p_bb} are not quantized pages of {page} bytes "
+                    f"for this engine's block bytes {bb}"
+                )
             staged = memoryview(bytearray(p_bb * len(remote)))
-            ops.extend(ReadOp(f"g{g}", r * p_bb, p_bb, staged[i * p_bb : (i + 1) * p_bb]) for i, r in enumerate(remote))
+            ops.extend(
+                ReadOp(f"g{g}", r * p_bb, p_bb, staged[i * p_bb : (i + 1) * p_bb])
+                for i, r in enumerate(remote)
+            )
             steps.append(functools.partial(
                 dequantize_blocks, staged, self.regions[g], list(local), bs, heads, head,
                 str(lay["kv_cache_dtype"]), self.layout.dtype))
@@ -151,19 +168,40 @@ class ReadPlanner:
             layers, units = self.head_planes(bb, d_bs, heads)
             rows = [heads * u for u in units]  # a token row of each plane
             if not rows or p_bb != layers * 2 * p_bs * sum(rows):
-                raise TransferError(f"block bytes do not re-block: producer {p_bb} for block_size {p_bs}, "
-                                    f"consumer {bb} for block_size {d_bs}, {layers} layers, token rows {rows}")
+                raise TransferError(
+                    f"block bytes do not re-block: producer {p_bb} for block_size {p_bs}, "
+                    f"consumer {bb} for block_size {d_bs}, {layers} layers, token rows {rows}"
+                )
             try:
-                copies = plan_reblock(remote, p_bs, local, d_bs, layers, rows, spec.first_token, spec.end_token,
-                                      spec.remote_first_block, spec.first_token // d_bs)
+                copies = plan_reblock(
+                    remote,
+                    p_bs,
+                    local,
+                    d_bs,
+                    layers,
+                    rows,
+                    spec.first_token,
+                    spec.end_token,
+                    spec.remote_first_block,
+                    spec.first_token // d_bs,
+                )
             except ValueError as e:
                 raise TransferError(f"re-blocking plan: {e}") from None
             region = self.regions[g]
-            ops.extend(ReadOp(f"g{g}", c.remote_offset, c.nbytes, region[c.local_offset : c.local_offset + c.nbytes])
-                       for c in copies)
+            ops.extend(
+                ReadOp(
+                    f"g{g}",
+                    c.remote_offset,
+                    c.nbytes,
+                    region[c.local_offset : c.local_offset + c.nbytes],
+                )
+                for c in copies
+            )
         return ops
 
-    def head_ops(self, spec: RecvSpec, peer: HandshakeReply, p_heads: int, d_heads: int) -> list[ReadOp]:
+    def head_ops(
+        self, spec: RecvSpec, peer: HandshakeReply, p_heads: int, d_heads: int
+    ) -> list[ReadOp]:
         """Re-sharding reads (this rank stores `d_heads` of the producer's `p_heads` KV heads; P tp
         1, dcp 1, equal block sizes): one ReadOp per copy of plan_head_copies, per group.
 
@@ -198,16 +236,27 @@ class ReadPlanner:
             bb, p_bb = self.block_bytes[g], peer.block_bytes[g]
             layers, units = self.head_planes(bb, bs, d_heads)
             if not units or p_bb != layers * 2 * bs * p_heads * sum(units):
-                raise TransferError(f"block bytes do not re-shard: producer {p_bb} for {p_heads} KV heads, "
-                                    f"consumer {bb} for {d_heads}, block_size {bs}, {layers} layers, "
-                                    f"bytes per head {units}")
+                raise TransferError(
+                    f"block bytes do not re-shard: producer {p_bb} for {p_heads} KV heads, "
+                    f"consumer {bb} for {d_heads}, block_size {bs}, {layers} layers, "
+                    f"bytes per head {units}"
+                )
             region = self.regions[g]
             copies = plan_head_copies(remote, local, bs, layers, units, p_heads, d_heads, reads)
-            ops.extend(ReadOp(f"g{g}", c.remote_offset, c.nbytes, region[c.local_offset : c.local_offset + c.nbytes])
-                       for c in copies)
+            ops.extend(
+                ReadOp(
+                    f"g{g}",
+                    c.remote_offset,
+                    c.nbytes,
+                    region[c.local_offset : c.local_offset + c.nbytes],
+                )
+                for c in copies
+            )
         return ops
 
-    def state_ops(self, g: int, spec: RecvSpec, peer: HandshakeReply, p_tp: int, p_rank: int) -> list[ReadOp]:
+    def state_ops(
+        self, g: int, spec: RecvSpec, peer: HandshakeReply, p_tp: int, p_rank: int
+    ) -> list[ReadOp]:
         """The reads of this rank's share of each linear-state slot of group `g` from producer TP
         rank `p_rank` of `p_tp` (`peer`): one ReadOp per copy of plan_state_copies (conv channels
         per q | k | v segment, recurrent state per value head).
@@ -220,9 +269,11 @@ class ReadPlanner:
         assert geom is not None
         bb, p_bb = self.block_bytes[g], peer.block_bytes[g]
         if bb != geom.slot_bytes(self.tp) or p_bb != geom.slot_bytes(p_tp):
-            raise TransferError(f"linear-state slot bytes do not re-shard: producer {p_bb} at tp_size={p_tp}, "
-                                f"consumer {bb} at tp_size={self.tp} (expected {geom.slot_bytes(p_tp)} and "
-                                f"{geom.slot_bytes(self.tp)})")
+            raise TransferError(
+                f"linear-state slot bytes do not re-shard: producer {p_bb} at tp_size={p_tp}, "
+                f"consumer {bb} at tp_size={self.tp} (expected {geom.slot_bytes(p_tp)} and "
+                f"{geom.slot_bytes(self.tp)})"
+            )
         me = ParallelLayout(tp_size=self.tp).tp_rank(self.rank)
         region, ops = self.regions[g], list[ReadOp]()
         for local, remote in zip(spec.local_block_ids[g], spec.remote_block_ids[g]):
@@ -230,6 +281,13 @@ class ReadPlanner:
                 copies = plan_state_copies(geom, p_tp, self.tp, me, remote, local, p_rank)
             except ValueError as e:
                 raise TransferError(f"linear-state re-sharding plan: {e}") from None
-            ops.extend(ReadOp(f"g{g}", c.remote_offset, c.nbytes, region[c.local_offset : c.local_offset + c.nbytes])
-                       for c in copies)
+            ops.extend(
+                ReadOp(
+                    f"g{g}",
+                    c.remote_offset,
+                    c.nbytes,
+                    region[c.local_offset : c.local_offset + c.nbytes],
+                )
+                for c in copies
+            )
         return ops

@@ -74,8 +74,15 @@ if TYPE_CHECKING:
     from pdkv.config import KVTransferConfig
     from pdkv.request import Request
 
-REQUIRED_PARAMS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_port",
-                   "remote_nonce", "prompt_digest")
+REQUIRED_PARAMS = (
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_block_ids",
+    "remote_host",
+    "remote_port",
+    "remote_nonce",
+    "prompt_digest",
+)
 
 
 class P2PConnectorScheduler:
@@ -167,7 +174,9 @@ class P2PConnectorScheduler:
 
     def _remote(self, request: Request) -> tuple[RemoteEngine, str]:
         p = request.kv_transfer_params or {}
-        remote = RemoteEngine(str(p["remote_engine_id"]), str(p["remote_host"]), int(p["remote_port"]))
+        remote = RemoteEngine(
+            str(p["remote_engine_id"]), str(p["remote_host"]), int(p["remote_port"])
+        )
         return remote, str(p["remote_request_id"])
 
     @staticmethod
@@ -199,13 +208,17 @@ class P2PConnectorScheduler:
         if self._wants_remote_prefill(request) and not self._digest_error(request):
             self._waiting_remote[request.request_id] = self._notices(request, "renew")
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         if not self._wants_remote_prefill(request):
             return 0, False
         n = request.num_prompt_tokens - num_computed_tokens
         return (n, True) if n > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         if not self._wants_remote_prefill(request):
             return
         p = request.kv_transfer_params or {}
@@ -224,15 +237,30 @@ class P2PConnectorScheduler:
                 first, local_ids, remote_ids = self._block_map(request, local)
             firsts: tuple[int, ...] = ()
             if any(w is not None for w in self.sliding_windows):
-                firsts, local_ids, remote_ids = self._window_only(request, first, local_ids, remote_ids)
+                firsts, local_ids, remote_ids = self._window_only(
+                    request, first, local_ids, remote_ids
+                )
             if any(self.linear_groups):
-                firsts, local_ids, remote_ids = self._last_slot_only(request, first, local_ids, remote_ids)
-            self._to_recv.append(RecvSpec(
-                request.request_id, remote, remote_rid, local_ids, remote_ids, dict(p.get("layout") or {}),
-                remote_nonce=str(p.get("remote_nonce", "")),
-                prompt_digest=prompt_digest(request.prompt_token_ids, request.cache_salt),
-                remote_first_block=first, error=error, group_first_blocks=firsts,
-                remote_ranks=self._remote_ranks(request), **reblock))
+                firsts, local_ids, remote_ids = self._last_slot_only(
+                    request, first, local_ids, remote_ids
+                )
+            self._to_recv.append(
+                RecvSpec(
+                    request.request_id,
+                    remote,
+                    remote_rid,
+                    local_ids,
+                    remote_ids,
+                    dict(p.get("layout") or {}),
+                    remote_nonce=str(p.get("remote_nonce", "")),
+                    prompt_digest=prompt_digest(request.prompt_token_ids, request.cache_salt),
+                    remote_first_block=first,
+                    error=error,
+                    group_first_blocks=firsts,
+                    remote_ranks=self._remote_ranks(request),
+                    **reblock,
+                )
+            )
             self._inflight_recv.add(request.request_id)
         else:  # everything was local: the producer can let go
             self._notify.extend(self._notices(request, "release"))
@@ -250,7 +278,13 @@ class P2PConnectorScheduler:
         p_bs = int(dict(p.get("layout") or {}).get("block_size", self.block_size))
         k0 = request.num_computed_tokens // p_bs
         if n == 1:  # one block of P per block of D
-            return k0, new_blocks, tuple(list(g[k0 : k0 + len(lg)]) for g, lg in zip(p["remote_block_ids"], new_blocks))
+            return (
+                k0,
+                new_blocks,
+                tuple(
+                    list(g[k0 : k0 + len(lg)]) for g, lg in zip(p["remote_block_ids"], new_blocks)
+                ),
+            )
         hit = request.num_computed_tokens // self.block_size  # logical blocks not in new_blocks
         local_ids, remote_ids = [], []
         for g, lg in zip(p["remote_block_ids"], new_blocks):
@@ -299,7 +333,9 @@ class P2PConnectorScheduler:
         """
         p = request.kv_transfer_params or {}
         firsts, local, remote = [], [], []
-        for linear, lg, rg, granted in zip(self.linear_groups, local_ids, remote_ids, p["remote_block_ids"]):
+        for linear, lg, rg, granted in zip(
+            self.linear_groups, local_ids, remote_ids, p["remote_block_ids"]
+        ):
             firsts.append(0 if linear else first)
             local.append(list(lg[-1:]) if linear else list(lg))
             remote.append(list(granted[-1:]) if linear else list(rg))
@@ -342,10 +378,15 @@ class P2PConnectorScheduler:
         if rid in self._inflight_recv:  # aborted during the pull: free after it ends
             return True, None
         if self._wants_remote_prefill(request):  # aborted before pulling: let P go
-            if self._waiting_remote.pop(rid, None) is not None:  # (never for another prompt's grant)
+            if (
+                self._waiting_remote.pop(rid, None) is not None
+            ):  # (never for another prompt's grant)
                 self._notify.extend(self._notices(request, "release"))
             return False, None
-        done_ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        done_ok = request.status in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        )
         if not (p.get("do_remote_decode") and self.config.is_kv_producer and done_ok):
             return False, None
         if not any(block_ids):
@@ -358,7 +399,9 @@ class P2PConnectorScheduler:
         held = sum(len(g) if w is None else sum(1 for b in g if b != NULL_BLOCK_ID)
                    for w, g in zip(windows, block_ids))
         if any(self.linear_groups):  # one slot per linear group: the state after all n tokens
-            block_ids = tuple(list(g[-1:]) if linear else g for linear, g in zip(self.linear_groups, block_ids))
+            block_ids = tuple(
+                list(g[-1:]) if linear else g for linear, g in zip(self.linear_groups, block_ids)
+            )
             if not request.output_token_ids:
                 return False, None
             extra["first_token"] = int(request.output_token_ids[0])

@@ -34,7 +34,9 @@ def advertised_host(bind_host: str, configured: str | None) -> str:
     to 127.0.0.1; never a wildcard address."""
     if configured:
         if configured in WILDCARD_HOSTS:
-            raise ValueError(f"kv_advertise_host must be an address peers can connect to, not {configured!r}")
+            raise ValueError(
+                f"kv_advertise_host must be an address peers can connect to, not {configured!r}"
+            )
         return configured
     if bind_host not in WILDCARD_HOSTS:
         return bind_host
@@ -137,7 +139,11 @@ class P2PConnectorWorker:
     def next_deadline(self) -> float | None:
         """Earliest time.monotonic() the engine must step for this half: a lease expiry of
         blocks held for consumers, a renewal or deadline of a pull not yet reading; or None."""
-        times = [t for t in (self.producer.next_deadline(), self.consumer.next_deadline()) if t is not None]
+        times = [
+            t
+            for t in (self.producer.next_deadline(), self.consumer.next_deadline())
+            if t is not None
+        ]
         return min(times, default=None)
 
     # ------------------------------------------------------------ per step

@@ -77,16 +77,26 @@ class KVPoolConnector(RoleDelegatingConnector):
             bad tier specs).
     """
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
-                 layout: KVLayout, startup: ConnectorStartup) -> None:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+        layout: KVLayout,
+        startup: ConnectorStartup,
+    ) -> None:
         super().__init__(config, role, kv_cache_config, layout)
         block_size = kv_cache_config.groups[0].spec.block_size
         self.pool = PoolConnectorConfig.from_extra(config.kv_connector_extra_config, block_size)
         store = startup.pool_store
         if store is None:
             store = startup.pool_store = build_store(self.pool)
-            logger.info("KV pool (%s): chunk %d tokens, tiers %s", config.kv_role, self.pool.chunk_size,
-                        ", ".join(_describe(t) for t in self.pool.tiers))
+            logger.info(
+                "KV pool (%s): chunk %d tokens, tiers %s",
+                config.kv_role,
+                self.pool.chunk_size,
+                ", ".join(_describe(t) for t in self.pool.tiers),
+            )
         self.store: KVPoolStore = store
         self.namespace = PoolNamespace.from_layout(layout, kv_cache_config, self.pool.chunk_size)
         # A linear-state group is stored and loaded like a window of 2 tokens (pdkv.kvpool.window):
@@ -98,8 +108,15 @@ class KVPoolConnector(RoleDelegatingConnector):
         self.scheduler: PoolConnectorScheduler | None = None
         self.worker: PoolConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = PoolConnectorScheduler(config, self.pool, store, self.namespace.fingerprint,
-                                                    block_size, len(kv_cache_config.groups), windows)
+            self.scheduler = PoolConnectorScheduler(
+                config,
+                self.pool,
+                store,
+                self.namespace.fingerprint,
+                block_size,
+                len(kv_cache_config.groups),
+                windows,
+            )
         else:
             from pdkv.kv_transfer.connector.pool_worker import PoolConnectorWorker
 

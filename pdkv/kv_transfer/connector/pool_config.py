@@ -66,7 +66,11 @@ class PoolConnectorConfig:
             kw["save_decode_tokens"] = bool(extra["save_decode_tokens"])
         if "tiers" in extra:
             tiers = extra["tiers"]
-            if not isinstance(tiers, list) or not tiers or not all(isinstance(t, dict) for t in tiers):
+            if (
+                not isinstance(tiers, list)
+                or not tiers
+                or not all(isinstance(t, dict) for t in tiers)
+            ):
                 raise ValueError("KVPoolConnector 'tiers' must be a non-empty list of objects "
                                  'such as {"name": "dram", "capacity_bytes": 1073741824}')
             kw["tiers"] = tuple(dict(t) for t in tiers)

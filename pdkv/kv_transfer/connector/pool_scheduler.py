@@ -72,7 +72,9 @@ class PoolConnectorScheduler:
         self.blocks_per_chunk = pool.chunk_size // block_size
         self.windows = tuple(sliding_windows) or (None,) * num_groups
         # Per group, the first block of a chunk its pool value holds (window groups: the tail).
-        self.stored_first = tuple(first_stored_block(self.chunk, block_size, w) for w in self.windows)
+        self.stored_first = tuple(
+            first_stored_block(self.chunk, block_size, w) for w in self.windows
+        )
         self._requests: dict[str, Request] = {}
         self._tables: dict[str, list[list[int]]] = {}
         self._saved_chunks: dict[str, int] = {}
@@ -89,7 +91,9 @@ class PoolConnectorScheduler:
         self._stats[key] = self._stats.get(key, 0.0) + value
 
     def _keys(self, request: Request, first_chunk: int, end_chunk: int) -> list[str]:
-        hashes = chunk_hashes(request.block_hashes, self.block_size, self.chunk, end_chunk * self.chunk)
+        hashes = chunk_hashes(
+            request.block_hashes, self.block_size, self.chunk, end_chunk * self.chunk
+        )
         return [chunk_key(self.fingerprint, h) for h in hashes[first_chunk:end_chunk]]
 
     def _lookup(self, request: Request, first_chunk: int, keys: list[str]) -> int | None:
@@ -128,7 +132,9 @@ class PoolConnectorScheduler:
     def on_new_request(self, request: Request) -> None:
         self._requests[request.request_id] = request
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         rid = request.request_id
         if not self.config.is_kv_consumer or rid in self._failed:
             return 0, False
@@ -143,12 +149,16 @@ class PoolConnectorScheduler:
         num_external = (first_chunk + hits) * self.chunk - num_computed_tokens
         return (num_external, True) if num_external > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         rid = request.request_id
         entry = self._lookups.pop(rid, None)
         if entry is not None and entry.hits is not None:
             # Tokens the pool could have served beyond the local prefix cache, and those it did.
-            asked = max_loadable_tokens(request.num_tokens, self.chunk) - request.num_computed_tokens
+            asked = (
+                max_loadable_tokens(request.num_tokens, self.chunk) - request.num_computed_tokens
+            )
             self._count("pool:all:lookup_tokens", asked)
             self._count("pool:all:hit_tokens", num_external_tokens)
         if num_external_tokens <= 0:

@@ -68,8 +68,11 @@ class PoolConnectorWorker:
     def _chunk_group_bytes(self) -> list[int]:
         """Bytes per group in one pool value (window groups: the chunk's tail blocks only)."""
         windows = self.sliding_windows or (None,) * len(self._caches)
-        return [c.shape[1] * (self.blocks_per_chunk - first_stored_block(self.pool.chunk_size, self.block_size, w))
-                for c, w in zip(self._caches, windows)]
+        return [
+            c.shape[1]
+            * (self.blocks_per_chunk - first_stored_block(self.pool.chunk_size, self.block_size, w))
+            for c, w in zip(self._caches, windows)
+        ]
 
     # -------------------------------------------------------------------- loads
     def start_load_kv(self, meta: PoolConnectorMetadata) -> None:
@@ -86,7 +89,9 @@ class PoolConnectorWorker:
                 if time.monotonic() > deadline:
                     error = f"pool load passed its deadline ({self.pool.load_timeout_s:g} s)"
                 else:
-                    payloads = self.store.get(chunk.key, self.pool.chunk_size, self._chunk_group_bytes)
+                    payloads = self.store.get(
+                        chunk.key, self.pool.chunk_size, self._chunk_group_bytes
+                    )
                     if payloads is None:
                         error = f"pool entry {chunk.key} is gone (evicted, expired or corrupt)"
                     else:
@@ -94,7 +99,9 @@ class PoolConnectorWorker:
                             first = chunk.first_blocks[g] if chunk.first_blocks else 0
                             src = _as_blocks(payload, self._caches[g].shape[1])[first:]
                             dst = self._caches[g]
-                            for j, block_id in enumerate(ids):  # row copies: faster than index_copy_ here
+                            for j, block_id in enumerate(
+                                ids
+                            ):  # row copies: faster than index_copy_ here
                                 dst[block_id].copy_(src[j])
                             nbytes += len(ids) * self._caches[g].shape[1]
             except Exception as e:  # a broken tier or a bad value must not kill the loader
@@ -106,8 +113,12 @@ class PoolConnectorWorker:
             if error:
                 self._errors[spec.request_id] = error
                 for chunk in spec.chunks[failed_at:]:
-                    self._invalid.update((g, b) for g, ids in enumerate(chunk.block_ids) for b in ids)
-                self._stats["pool:all:load_failures"] = self._stats.get("pool:all:load_failures", 0.0) + 1
+                    self._invalid.update(
+                        (g, b) for g, ids in enumerate(chunk.block_ids) for b in ids
+                    )
+                self._stats["pool:all:load_failures"] = (
+                    self._stats.get("pool:all:load_failures", 0.0) + 1
+                )
             self._finished.add(spec.request_id)
             self._request_bytes[spec.request_id] = {"pool": float(nbytes)}
         self._wakeup()

@@ -106,7 +106,9 @@ class TransferEngine(ABC):
         """What a consumer needs to read this engine's regions (sent in the handshake)."""
 
     @abstractmethod
-    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None) -> int:
+    def read(
+        self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None
+    ) -> int:
         """Perform the reads; returns bytes read.
 
         Args:

@@ -74,10 +74,14 @@ class MooncakeTransferEngine(TransferEngine):
             self._host = advertise_host
 
     def peer_info(self) -> dict[str, Any]:
-        return {"session": f"{self._host}:{self._te.get_rpc_port()}",
-                "regions": {k: list(v) for k, v in self._regions.items() if not k.startswith("local:")}}
+        return {
+            "session": f"{self._host}:{self._te.get_rpc_port()}",
+            "regions": {k: list(v) for k, v in self._regions.items() if not k.startswith("local:")},
+        }
 
-    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None) -> int:
+    def read(
+        self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None
+    ) -> int:
         regions = peer.get("regions", {})
         locals_, remotes, lengths = [], [], []
         for op in ops:

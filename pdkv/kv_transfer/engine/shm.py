@@ -43,17 +43,23 @@ class ShmTransferEngine(TransferEngine):
 
     def register_region(self, name: str, buffer: memoryview) -> None:
         if name not in self._names:
-            raise ValueError(f"region {name!r} is not in shared memory: allocate it with allocate()")
+            raise ValueError(
+                f"region {name!r} is not in shared memory: allocate it with allocate()"
+            )
 
     def peer_info(self) -> dict[str, Any]:
         return {"segments": dict(self._names)}
 
-    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None) -> int:
+    def read(
+        self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None
+    ) -> int:
         segments = peer.get("segments", {})
         total = 0
         for op in ops:
             if len(op.dest.cast("B")) < op.length or op.length < 0:
-                raise TransferError(f"destination of {len(op.dest)} bytes is shorter than {op.length}")
+                raise TransferError(
+                    f"destination of {len(op.dest)} bytes is shorter than {op.length}"
+                )
         for op in coalesce(ops):
             if time.monotonic() > deadline:
                 raise TransferError("transfer deadline passed")

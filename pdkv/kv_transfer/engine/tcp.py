@@ -63,7 +63,9 @@ class TcpTransferEngine(TransferEngine):
 
     name = "tcp"
 
-    def __init__(self, port: int = 0, max_connections: int = 64, idle_timeout: float = 60.0) -> None:
+    def __init__(
+        self, port: int = 0, max_connections: int = 64, idle_timeout: float = 60.0
+    ) -> None:
         self._regions: dict[str, memoryview] = {}
         self._port = port
         self._max_connections = max_connections
@@ -118,7 +120,9 @@ class TcpTransferEngine(TransferEngine):
                 return
 
     # ---------------------------------------------------------------- client
-    def read(self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None) -> int:
+    def read(
+        self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None
+    ) -> int:
         """Read `ops` from the peer's registered regions into their destinations.
 
         A connection kept from an earlier read may have been closed by the peer meanwhile (its
@@ -143,8 +147,16 @@ class TcpTransferEngine(TransferEngine):
         self._release(key, sock)
         return total
 
-    def _read_on(self, sock: socket.socket, key: tuple[str, int], by_region: dict[str, list[ReadOp]],
-                 rid: str, nonce: str, deadline: float, stale_ok: bool) -> int:
+    def _read_on(
+        self,
+        sock: socket.socket,
+        key: tuple[str, int],
+        by_region: dict[str, list[ReadOp]],
+        rid: str,
+        nonce: str,
+        deadline: float,
+        stale_ok: bool,
+    ) -> int:
         """One attempt on `sock` (closed on any failure). Raises _StaleConnection instead of
         TransferError when `stale_ok` and nothing was received yet."""
         total = 0
@@ -152,7 +164,10 @@ class TcpTransferEngine(TransferEngine):
         try:
             for region, region_ops in by_region.items():
                 self._set_timeout(sock, deadline)
-                send_msg(sock, _ReadRequest(region, [(op.offset, op.length) for op in region_ops], rid, nonce))
+                send_msg(
+                    sock,
+                    _ReadRequest(region, [(op.offset, op.length) for op in region_ops], rid, nonce),
+                )
                 reply = recv_msg(sock, _ReadReply, deadline)
                 replied = True
                 if not reply.ok:
@@ -178,7 +193,9 @@ class TcpTransferEngine(TransferEngine):
             raise TransferError("transfer deadline passed")
         sock.settimeout(left)
 
-    def _connection(self, key: tuple[str, int], deadline: float, fresh: bool = False) -> tuple[socket.socket, bool]:
+    def _connection(
+        self, key: tuple[str, int], deadline: float, fresh: bool = False
+    ) -> tuple[socket.socket, bool]:
         """(a connection to `key`, whether it was kept from an earlier read)."""
         if not fresh:
             with self._conn_lock:
