@@ -1,4 +1,6 @@
-"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos, pool, handoff, dcp, hetero, groups, prefill-cap, kvquant, dtype, memory} | compare | plan | matrix."""
+"""`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos,
+pool, handoff, dcp, hetero, groups, prefill-cap, kvquant, dtype, memory} | compare | plan |
+matrix."""
 
 from __future__ import annotations
 
@@ -72,8 +74,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             f"TTFT {_ms(ttft)}, TPOT {_ms(tpot)}, E2EL {_ms(e2e)}"
         )
     print(
-        f"\n{len(outputs)} request{'s' if len(outputs) != 1 else ''}, {total_out} output tokens in {wall:.2f} s "
-        f"({total_out / wall:.1f} tok/s); model load {t_load:.1f} s"
+        f"\n{len(outputs)} request{'s' if len(outputs) != 1 else ''}, {total_out} output tokens in "
+        f"{wall:.2f} s ({total_out / wall:.1f} tok/s); model load {t_load:.1f} s"
     )
     return 0
 

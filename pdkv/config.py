@@ -27,11 +27,11 @@ class ModelConfig:
         max_model_len: longest sequence (prompt + output) in tokens.
         seed: base seed for random sampling of requests that give none.
         served_model_name: the name reported to clients.
-        cpu_linear: "panel" (the default: float32 / bfloat16 weights packed in 16-row panels for pdkv's AVX2
-            kernel, pdkv/model/panel_linear.py; elsewhere onednn), "onednn" (packed-weight oneDNN
-            matmuls where oneDNN has a kernel for the dtype, else auto's table), "auto" (one plain
-            weight copy; BLAS or oneDNN per row count from a table timed at start-up,
-            pdkv/model/cpu_linear.py) or "torch" (BLAS).
+        cpu_linear: "panel" (the default: float32 / bfloat16 weights packed in 16-row panels
+            for pdkv's AVX2 kernel, pdkv/model/panel_linear.py; elsewhere onednn), "onednn"
+            (packed-weight oneDNN matmuls where oneDNN has a kernel for the dtype, else auto's
+            table), "auto" (one plain weight copy; BLAS or oneDNN per row count from a table
+            timed at start-up, pdkv/model/cpu_linear.py) or "torch" (BLAS).
         attention_backend: vLLM's `--attention-backend`: "auto", "torch" (gather + SDPA) or
             "cpu_paged" (decode reads K/V from the blocks in place; pdkv/model/paged_decode.py).
         enforce_eager: vLLM's `--enforce-eager`: no CUDA graphs (the CPU is always eager).
@@ -57,7 +57,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch", "cpu_paged"):
             raise ValueError(
-                f"attention_backend must be 'auto', 'torch' or 'cpu_paged', got {self.attention_backend!r}"
+                "attention_backend must be 'auto', 'torch' or 'cpu_paged', got "
+                f"{self.attention_backend!r}"
             )
         if self.cpu_linear not in ("panel", "onednn", "auto", "torch"):
             raise ValueError(
@@ -235,8 +236,8 @@ class EngineConfig:
         interleave, kvt = par.cp_kv_cache_interleave_size, self.kv_transfer_config
         if par.decode_context_parallel_size > 1 and bs % interleave:
             raise ValueError(
-                f"cp_kv_cache_interleave_size={interleave} must divide block_size={bs} (each rank's "
-                "share of a logical block fills whole physical blocks)"
+                f"cp_kv_cache_interleave_size={interleave} must divide block_size={bs} (each "
+                "rank's share of a logical block fills whole physical blocks)"
             )
         if par.decode_context_parallel_size > 1 and kvt is not None and interleave != bs:
             raise ValueError(
@@ -247,8 +248,8 @@ class EngineConfig:
         if par.world_size > 1 and kvt is not None and kvt.kv_connector != "P2PConnector":
             raise ValueError(
                 f"{kvt.kv_connector} with tensor_parallel_size={par.tensor_parallel_size} / "
-                f"decode_context_parallel_size={par.decode_context_parallel_size} is not supported yet: "
-                "with worker processes only P2PConnector (P/D into TP/DCP) is"
+                f"decode_context_parallel_size={par.decode_context_parallel_size} is not supported "
+                "yet: with worker processes only P2PConnector (P/D into TP/DCP) is"
             )
 
 

@@ -52,7 +52,8 @@ class StructuredOutputsParams:
             not self.choice or not all(isinstance(c, str) for c in self.choice)
         ):
             raise ValueError(
-                f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}"
+                "structured_outputs.choice must be a non-empty list of strings, got "
+                f"{self.choice!r}"
             )
 
 

@@ -131,13 +131,15 @@ def _build_tiny(cache: str, name: str) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_llama_kv1(tiny_llama_cache) -> str:
-    """Folder of `tiny-llama-kv1` (4 q heads, 1 KV head; pdkv/model/tiny.py), built once per session."""
+    """Folder of `tiny-llama-kv1` (4 q heads, 1 KV head; pdkv/model/tiny.py), built once per
+    session."""
     return _build_tiny(tiny_llama_cache, "tiny-llama-kv1")
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_kv2(tiny_llama_cache) -> str:
-    """Folder of `tiny-llama-kv2` (4 q heads, 2 KV heads; pdkv/model/tiny.py), built once per session."""
+    """Folder of `tiny-llama-kv2` (4 q heads, 2 KV heads; pdkv/model/tiny.py), built once per
+    session."""
     return _build_tiny(tiny_llama_cache, "tiny-llama-kv2")
 
 

@@ -28,7 +28,8 @@ def assign_groups(items: list[pytest.Item]) -> None:
 def module_groups(uses: dict[str, set[str]]) -> dict[str, str]:
     """Group name per module, given the session fixtures each module's tests use: modules linked
     by a SHARED_SESSION_FIXTURES fixture (directly or through a chain of modules) get one group,
-    "session-<its first such fixture>"; any other module is a group of its own, named by its path."""
+    "session-<its first such fixture>"; any other module is a group of its own, named by its
+    path."""
     parent = {m: m for m in uses}
 
     def root(m: str) -> str:

@@ -127,10 +127,10 @@ class KVCacheManager:
         Each group finds its own hit (full attention: the cached prefix; sliding window: the
         longest length whose window blocks are cached); the hit is the longest length L that
         every group can give (vLLM's HybridKVCacheCoordinator): groups are searched again with
-        max_length = the shortest hit so far until all agree. At least one token is always left to compute (its logits give the next token), so the
-        hit is capped at num_tokens - 1. A request asking for prompt_logprobs gets no hit (every
-        prompt position's logits are needed; vLLM skips the cache read too). Side-effect free
-        (may be called again next step).
+        max_length = the shortest hit so far until all agree. At least one token is always left to
+        compute (its logits give the next token), so the hit is capped at num_tokens - 1. A request
+        asking for prompt_logprobs gets no hit (every prompt position's logits are needed; vLLM
+        skips the cache read too). Side-effect free (may be called again next step).
 
         Returns:
             (blocks per group, number of computed tokens they cover).

@@ -60,7 +60,8 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
-    """vLLM's flag: no CUDA graphs for decode steps (pdkv.worker.cuda_graphs); the CPU is always eager."""
+    """vLLM's flag: no CUDA graphs for decode steps (pdkv.worker.cuda_graphs); the CPU is always
+    eager."""
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model and build the configs.
@@ -173,7 +174,8 @@ class EngineArgs:
             "--kv-cache-memory-bytes",
             type=int,
             default=d.kv_cache_memory_bytes,
-            help="KV cache budget when neither --num-kv-blocks nor --gpu-memory-utilization is given",
+            help="KV cache budget when neither --num-kv-blocks nor --gpu-memory-utilization "
+            "is given",
         )
         g.add_argument(
             "--gpu-memory-utilization",
@@ -191,8 +193,8 @@ class EngineArgs:
         g.add_argument(
             "--enforce-eager",
             action="store_true",
-            help="no CUDA graphs for decode steps (default on CUDA: graphs for batch sizes 1, 2, 4, 8, "
-            "16, ... up to --max-num-seqs; the CPU always runs eagerly)",
+            help="no CUDA graphs for decode steps (default on CUDA: graphs for batch sizes 1, "
+            "2, 4, 8, 16, ... up to --max-num-seqs; the CPU always runs eagerly)",
         )
         g.add_argument(
             "--enable-prefix-caching",
@@ -251,9 +253,10 @@ class EngineArgs:
             "--cpu-linear",
             default=d.cpu_linear,
             choices=["panel", "onednn", "auto", "torch"],
-            help="CPU matmuls: panel (float32 / bfloat16 weights packed for pdkv's AVX2 kernel; else "
-            "onednn), onednn (oneDNN's packed weights), auto (one weight copy; BLAS or "
-            "oneDNN per row count from a table timed at start-up and logged) or torch (BLAS)",
+            help="CPU matmuls: panel (float32 / bfloat16 weights packed for pdkv's AVX2 "
+            "kernel; else onednn), onednn (oneDNN's packed weights), auto (one weight copy; "
+            "BLAS or oneDNN per row count from a table timed at start-up and logged) or torch "
+            "(BLAS)",
         )
         g.add_argument(
             "--attention-backend",
@@ -273,7 +276,8 @@ class EngineArgs:
         g.add_argument(
             "--kv-transfer-config",
             default=None,
-            help='KV connector JSON, e.g. \'{"kv_connector": "P2PConnector", "kv_role": "kv_producer"}\'',
+            help="KV connector JSON, e.g. "
+            '\'{"kv_connector": "P2PConnector", "kv_role": "kv_producer"}\'',
         )
         g.add_argument(
             "--num-threads",

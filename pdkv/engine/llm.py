@@ -41,7 +41,8 @@ class LLM:
     max_model_len, dtype, device, seed, ...), with vLLM's names: gpu_memory_utilization (the
     KV cache is that fraction of the memory free after loading the weights: free device
     memory on a GPU, available RAM on the CPU; ignored when num_kv_blocks is given),
-    kv_cache_dtype ("auto"), enforce_eager (no CUDA graphs for decode steps; the CPU is always eager).
+    kv_cache_dtype ("auto"), enforce_eager (no CUDA graphs for decode steps; the CPU is always
+    eager).
 
     Raises:
         ValueError: unknown model or bad engine option.

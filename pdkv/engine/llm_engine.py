@@ -183,7 +183,8 @@ class LLMEngine:
             if self.connector is None:
                 if request.kv_transfer_params.get("do_remote_prefill"):
                     raise ValueError(
-                        "kv_transfer_params.do_remote_prefill needs an engine with --kv-transfer-config"
+                        "kv_transfer_params.do_remote_prefill needs an engine with "
+                        "--kv-transfer-config"
                     )
                 request.kv_transfer_params = None  # nothing to hand over without a connector
             else:
@@ -272,7 +273,8 @@ class LLMEngine:
         par, kv = self.config.parallel_config, self.executor.kv_cache_config
         dcp = par.decode_context_parallel_size
         split = (
-            f"; tp {par.tensor_parallel_size}, dcp {dcp}: each rank stores 1/{dcp} of every request's KV"
+            f"; tp {par.tensor_parallel_size}, dcp {dcp}: each rank stores 1/{dcp} of every "
+            "request's KV"
             if par.world_size > 1
             else ""
         )

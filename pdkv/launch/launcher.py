@@ -295,8 +295,8 @@ def check_args(args: argparse.Namespace) -> None:
     if own and (args.mode == "pd" or args.pool is not None):
         raise ValueError(
             "pdkv up sets the engines' --kv-transfer-config itself with --mode pd or --pool "
-            "(P2PConnector over --kv-transfer, pools with --pool): leave it out of the engine flags "
-            "after --, or start the engines with pdkv serve"
+            "(P2PConnector over --kv-transfer, pools with --pool): leave it out of the engine "
+            "flags after --, or start the engines with pdkv serve"
         )
 
 
@@ -425,8 +425,8 @@ def main(args: argparse.Namespace) -> int:
             dead = topo.dead_child()
             if dead is not None:
                 print(
-                    f"{dead.name} exited ({dead.proc.returncode if dead.proc else '?'}); stopping all; "
-                    f"see {dead.log_path}",
+                    f"{dead.name} exited ({dead.proc.returncode if dead.proc else '?'}); stopping "
+                    f"all; see {dead.log_path}",
                     file=sys.stderr,
                 )
                 return 1

@@ -51,7 +51,8 @@ FEATURES: tuple[Axis, ...] = (
     ),
     Axis(
         "quantized-kv",
-        "quantized KV cache (--kv-cache-dtype int8 / fp8): P/D, pool and offload = colocated of the same dtype",
+        "quantized KV cache (--kv-cache-dtype int8 / fp8): P/D, pool and offload = colocated of "
+        "the same dtype",
     ),
     Axis(
         "hybrid-sliding-window",

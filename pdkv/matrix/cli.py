@@ -101,16 +101,19 @@ def main(args: argparse.Namespace) -> int:
             old = read_json(json_path(args.out))
         except (OSError, ValueError) as e:
             print(
-                f"error: cannot merge into {json_path(args.out)} ({e}); use --no-merge or another --out",
+                f"error: cannot merge into {json_path(args.out)} ({e}); use --no-merge or another "
+                "--out",
                 file=sys.stderr,
             )
             return 2
         data = merge(old, data)
-        kept = f" (merged: {len(cells)} re-checked, {len(data['cells']) - len(cells)} kept from the earlier run)"
+        kept_n = len(data["cells"]) - len(cells)
+        kept = f" (merged: {len(cells)} re-checked, {kept_n} kept from the earlier run)"
     write(args.out, data)
     failed = [c for c in cells if c.status == FAILED]
     print(
-        f"wrote {args.out} and {json_path(args.out)}: {len(cells)} cells, {len(failed)} failed{kept}"
+        f"wrote {args.out} and {json_path(args.out)}: {len(cells)} cells, {len(failed)} "
+        f"failed{kept}"
     )
     for c in failed:
         print(f"  failed: {c.feature} × {c.model}: {c.detail}")

@@ -131,7 +131,8 @@ def run_matrix(
             raise RuntimeError(f"pytest exited {proc.returncode} before collecting:\n{tail}")
         if any(it["nodeid"] not in state.results for it in state.items):
             say(
-                f"some tests never reported (pytest exit {proc.returncode}); its output ends:\n{tail}"
+                f"some tests never reported (pytest exit {proc.returncode}); its output "
+                f"ends:\n{tail}"
             )
     return build_cells(state.items, state.results), state.tagged
 

@@ -92,7 +92,8 @@ class ParallelContext:
             return x
         if self.dcp_group is None:
             raise RuntimeError(
-                f"decode_context_parallel_size={self.dcp_size} but rank {self.rank} has no DCP group"
+                f"decode_context_parallel_size={self.dcp_size} but rank {self.rank} has no DCP "
+                "group"
             )
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in self.dcp_ranks]

@@ -44,14 +44,16 @@ class ParallelLayout:
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.dcp_size < 1 or self.interleave < 1:
             raise ValueError(
-                f"tensor_parallel_size={self.tp_size}, decode_context_parallel_size={self.dcp_size} and "
+                f"tensor_parallel_size={self.tp_size}, "
+                f"decode_context_parallel_size={self.dcp_size} and "
                 f"cp_kv_cache_interleave_size={self.interleave} must all be >= 1"
             )
         if not self.dcp_replicated and self.tp_size % self.dcp_size:
             raise ValueError(
-                f"decode_context_parallel_size={self.dcp_size} must divide tensor_parallel_size="
-                f"{self.tp_size} (vLLM carves DCP out of TP); with tensor_parallel_size=1 or "
-                "--dcp-replicate-weights, DCP ranks replicate the weights instead (world size tp x dcp)"
+                f"decode_context_parallel_size={self.dcp_size} must divide "
+                f"tensor_parallel_size={self.tp_size} (vLLM carves DCP out of TP); with "
+                "tensor_parallel_size=1 or --dcp-replicate-weights, DCP ranks replicate the "
+                "weights instead (world size tp x dcp)"
             )
 
     @property
@@ -99,7 +101,8 @@ class ParallelLayout:
             )
         if num_kv_heads % tp and tp % num_kv_heads:
             raise ValueError(
-                f"tensor_parallel_size={tp} and the model's {num_kv_heads} KV heads must divide one another"
+                f"tensor_parallel_size={tp} and the model's {num_kv_heads} KV heads must divide "
+                "one another"
             )
         if (
             self.dcp_size > 1
@@ -107,9 +110,10 @@ class ParallelLayout:
             and (tp < num_kv_heads or (tp // num_kv_heads) % self.dcp_size)
         ):
             raise ValueError(
-                f"decode_context_parallel_size={self.dcp_size} (vLLM mode) needs tensor_parallel_size / KV heads "
-                f"to be a multiple of it; got tensor_parallel_size={tp} with {num_kv_heads} KV heads "
-                "(use tensor_parallel_size=1 for DCP ranks that replicate the weights)"
+                f"decode_context_parallel_size={self.dcp_size} (vLLM mode) needs "
+                "tensor_parallel_size / KV heads to be a multiple of it; got "
+                f"tensor_parallel_size={tp} with {num_kv_heads} KV heads (use "
+                "tensor_parallel_size=1 for DCP ranks that replicate the weights)"
             )
 
     def kv_heads_per_rank(self, num_kv_heads: int) -> int:
@@ -117,7 +121,8 @@ class ParallelLayout:
         return max(1, num_kv_heads // self.tp_size)
 
     def kv_head_start(self, rank: int, num_kv_heads: int) -> int:
-        """First KV head of `rank` (tp / KV heads consecutive ranks share one head when tp exceeds them)."""
+        """First KV head of `rank` (tp / KV heads consecutive ranks share one head when tp
+        exceeds them)."""
         tp = self.tp_size
         if tp <= num_kv_heads:
             return self.tp_rank(rank) * (num_kv_heads // tp)

@@ -1,4 +1,5 @@
-"""Handoff time, layer-wise overlap, recompute-vs-reload break-even (pure arithmetic, seconds and bytes).
+"""Handoff time, layer-wise overlap, recompute-vs-reload break-even (pure arithmetic, seconds
+and bytes).
 
 Handoff (MISSION R11):
     handoff = bytes / effective_bandwidth + fixed − hidden

@@ -46,9 +46,9 @@ def _rdma(gbit: int) -> Link:
         f"rdma-{gbit}",
         line * RDMA_EFFICIENCY,
         5e-6,
-        f"{gbit} Gbit/s NIC = {line / 1e9:g} GB/s line rate × {RDMA_EFFICIENCY:.0%} "
-        "efficiency (assumed: between vLLM MooncakeConnector's 71 % and the Mooncake Transfer Engine's "
-        "87 % of line rate), one NIC per rank; 5 µs latency (assumed)",
+        f"{gbit} Gbit/s NIC = {line / 1e9:g} GB/s line rate × {RDMA_EFFICIENCY:.0%} efficiency "
+        "(assumed: between vLLM MooncakeConnector's 71 % and the Mooncake Transfer Engine's 87 % "
+        "of line rate), one NIC per rank; 5 µs latency (assumed)",
     )
 
 

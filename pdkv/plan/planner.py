@@ -182,7 +182,8 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
                     f"KV moved by the {inp.tp} rank(s) of one instance",
                     moved * inp.tp,
                     "B",
-                    "ranks × per-rank bytes in whole blocks: each D rank pulls its own shard or replica",
+                    "ranks × per-rank bytes in whole blocks: each D rank pulls its own shard or "
+                    "replica",
                 )
             )
     else:
@@ -267,8 +268,8 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
                 "tokens",
                 why
                 if n_star is not None
-                else f"never: loading a token ({b_eff:.4g} B / {link.bandwidth:.4g} B/s) is slower than "
-                f"computing it (1/{inp.prefill_tps:g} s)",
+                else f"never: loading a token ({b_eff:.4g} B / {link.bandwidth:.4g} B/s) is "
+                f"slower than computing it (1/{inp.prefill_tps:g} s)",
             )
         )
         if T:
@@ -328,7 +329,8 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
         tokens = T or 1
         t = afd.activation_traffic(inp.model.hidden_size, tokens, L, act.bytes,
                                    inp.model.experts_per_token)
-        base = f"hidden {inp.model.hidden_size} · {tokens} tokens · {act.bytes} B ({act.name}, {why_act})"
+        base = (f"hidden {inp.model.hidden_size} · {tokens} tokens · {act.bytes} B "
+                f"({act.name}, {why_act})")
         add(Figure("afd_layer_direction", "afd", "per layer, per direction", t.per_layer_direction,
                    "B", base + "; paper estimate, not a pdkv feature"))
         add(Figure("afd_layer_both", "afd", "per layer, both directions", t.per_layer_both, "B",
@@ -343,7 +345,8 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
                     "per layer to FFN, MoE dispatch upper bound",
                     t.moe_dispatch_upper,
                     "B",
-                    f"× top-k {inp.model.experts_per_token} when every chosen expert is on another node",
+                    f"× top-k {inp.model.experts_per_token} when every chosen expert is on another "
+                    "node",
                 )
             )
     return figs

@@ -312,7 +312,8 @@ def build_proxy_app(
         return await sender.length_check(d, length, headers)
 
     async def _token_ids(body: JSONObject, chat: bool) -> list[int] | None:
-        """The prompt's token ids as the engines will see them, or None (routing then falls back)."""
+        """The prompt's token ids as the engines will see them, or None (routing then falls
+        back)."""
         try:
             return await asyncio.to_thread(keyer.token_ids, body, chat)
         except KeysUnavailable as e:

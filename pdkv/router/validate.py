@@ -83,9 +83,9 @@ class LengthCheck:
         if self.max_tokens is None or prompt_tokens + self.max_tokens <= max_model_len:
             return None
         return (
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_tokens + self.max_tokens} tokens ({prompt_tokens} in the prompt, {self.max_tokens} "
-            "for the completion). Reduce the prompt or max_tokens."
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + self.max_tokens} tokens ({prompt_tokens} in the prompt, "
+            f"{self.max_tokens} for the completion). Reduce the prompt or max_tokens."
         )
 
 

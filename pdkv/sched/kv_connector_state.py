@@ -122,10 +122,11 @@ class KVConnectorState:
         loaded tokens), but never all of them: when the load reached the last token, that token
         is recomputed to get its logits; except on a model with a linear-state group, whose load
         of the whole prompt carries the producer's first token: it is appended (drained from
-        `handed_over` by the scheduler) and the request resumes after all n prompt tokens. A failed load under "recompute" keeps the loaded blocks
-        before the first invalid one (as vLLM does) and recomputes from there; with nothing
-        valid the request starts over (its blocks freed, the connector asked again, which must
-        not offer the same load twice). Under "fail" the request ends with FINISHED_ERROR.
+        `handed_over` by the scheduler) and the request resumes after all n prompt tokens. A failed
+        load under "recompute" keeps the loaded blocks before the first invalid one (as vLLM does)
+        and recomputes from there; with nothing valid the request starts over (its blocks freed, the
+        connector asked again, which must not offer the same load twice). Under "fail" the request
+        ends with FINISHED_ERROR.
 
         Returns:
             (to_resume, failed): `to_resume` go back to the front of the waiting queue, in

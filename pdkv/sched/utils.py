@@ -1,4 +1,5 @@
-"""Stop conditions of a request (torch-free), as vLLM's `check_stop` (vllm/v1/core/sched/utils.py)."""
+"""Stop conditions of a request (torch-free), as vLLM's `check_stop`
+(vllm/v1/core/sched/utils.py)."""
 
 from __future__ import annotations
 

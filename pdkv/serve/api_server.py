@@ -261,7 +261,8 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
             raise APIError(str(e), 503, "ServiceUnavailableError") from None
         except TimeoutError:
             raise APIError(
-                f"the engine did not reset its prefix cache within {RESET_PREFIX_CACHE_TIMEOUT_S:g} s",
+                "the engine did not reset its prefix cache within "
+                f"{RESET_PREFIX_CACHE_TIMEOUT_S:g} s",
                 504,
                 "GatewayTimeoutError",
             ) from None

@@ -62,7 +62,8 @@ OFFLOAD_COUNTERS: dict[str, str] = {
     "exposed_wait_seconds": "Time steps waited for offload copies before their forward pass (s)",
     "recompute_tokens_avoided": "Tokens loaded from the host store instead of recomputed",
     "hits": "Blocks found in the host store and loaded",
-    "reuse_skips": "Evicted blocks not copied because the host store already held them (mode reuse)",
+    "reuse_skips": (
+        "Evicted blocks not copied because the host store already held them (mode reuse)"),
     "store_skips": "Evicted blocks not copied for lack of a free host slot",
     "host_evictions": "Blocks dropped from the host store (LRU)",
 }

@@ -18,8 +18,8 @@ of B requests is captured once per capture size and replayed:
   "skip slot -1" write such as vLLM's PAD_SLOT_ID kernel); their logits are dropped.
 
 Only plain full-attention (and MLA) KV caches are graphed: sliding-window groups, linear-state
-groups, quantized KV, TP / DCP (collectives) and KV connectors stay eager (`graphable`). The key range is
-the whole max_model_len for every row (masked), so graphs trade attention work for launch
+groups, quantized KV, TP / DCP (collectives) and KV connectors stay eager (`graphable`). The key
+range is the whole max_model_len for every row (masked), so graphs trade attention work for launch
 overhead; the benefit is measured by `scripts/gpu_check.sh`, not assumed.
 
 The pure-Python parts (sizes, padding) import no torch at module level; `DecodeGraphs` runs the

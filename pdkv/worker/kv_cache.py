@@ -37,8 +37,8 @@ def check_sliding_window_parallel(arch: LlamaArchConfig, dcp_size: int) -> None:
     if dcp_size > 1 and arch.has_linear_state:
         raise ValueError(
             f"decode_context_parallel_size={dcp_size} is not supported with linear-attention "
-            f"(Gated DeltaNet) layers yet ({arch.architecture}: their state is one slot per request, "
-            "not blocks of tokens to shard); use decode_context_parallel_size=1"
+            f"(Gated DeltaNet) layers yet ({arch.architecture}: their state is one slot per "
+            "request, not blocks of tokens to shard); use decode_context_parallel_size=1"
         )
     if dcp_size > 1 and arch.is_mla:
         raise ValueError(
@@ -49,9 +49,10 @@ def check_sliding_window_parallel(arch: LlamaArchConfig, dcp_size: int) -> None:
     if dcp_size > 1 and arch.sliding_window is not None:
         raise ValueError(
             f"decode_context_parallel_size={dcp_size} is not supported with sliding-window "
-            f"attention yet ({arch.architecture} slides {arch.layer_types.count('sliding_attention')} "
-            f"of {arch.num_layers} layers over {arch.sliding_window} tokens); use "
-            "decode_context_parallel_size=1 (tensor parallelism works)"
+            f"attention yet ({arch.architecture} slides "
+            f"{arch.layer_types.count('sliding_attention')} of {arch.num_layers} layers over "
+            f"{arch.sliding_window} tokens); use decode_context_parallel_size=1 (tensor "
+            "parallelism works)"
         )
 
 
@@ -94,12 +95,11 @@ def make_kv_cache_config(
     num_kv_heads: int | None = None, dcp_size: int = 1, logical: bool = False, tp_size: int = 1,
 ) -> KVCacheConfig:
     """One KV cache group per attention kind: FullAttentionSpec for full layers (MLASpec on an
-    MLA model), SlidingWindowSpec(window) for sliding ones, in the order of each group's first layer (a dense
-    model is one FullAttention group holding every layer); linear-attention layers form one
+    MLA model), SlidingWindowSpec(window) for sliding ones, in the order of each group's first layer
+    (a dense model is one FullAttention group holding every layer); linear-attention layers form one
     LinearStateSpec group after those (so group 0 is always an attention group), one slot per
-    request. Every group's pool has num_blocks
-    blocks, from the config or the memory budget (per rank):
-    num_blocks = kv_cache_memory_bytes // (sum over groups of one block's bytes).
+    request. Every group's pool has num_blocks blocks, from the config or the memory budget (per
+    rank): num_blocks = kv_cache_memory_bytes // (sum over groups of one block's bytes).
 
     Args:
         num_kv_heads: KV heads this rank stores (TP shards them; default: all of the model's).

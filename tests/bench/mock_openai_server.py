@@ -13,8 +13,9 @@ The "d" chunk carries `pdkv_timings` (TIMINGS: phases queue 20 ms + prefill 100 
 
 so TTFT ≈ 150 ms, ITL ≈ [40, 60] ms, E2EL ≈ 250 ms, output tokens 4 (from usage; 3 chunks).
 A prompt containing "FAIL" gets HTTP 400. `/tokenize` / `/detokenize` treat each whitespace
-word as a token ("w123" <-> id 123; ids >= `vocab_size` are rejected); `/metrics` serves Prometheus counters that grow by 10
-queries, 4 hits and 1000 KV bytes pulled (`pdkv:kv_transfer_bytes_received_total`) per finished request; `/v1/models` lists "mock-model".
+word as a token ("w123" <-> id 123; ids >= `vocab_size` are rejected); `/metrics` serves
+Prometheus counters that grow by 10 queries, 4 hits and 1000 KV bytes pulled
+(`pdkv:kv_transfer_bytes_received_total`) per finished request; `/v1/models` lists "mock-model".
 `MockState` switches parts off (tokenize, metrics, usage) and records what came in.
 """
 

@@ -366,7 +366,8 @@ def test_peer_runs_the_batch_as_sequences_one_decode_per_step(monkeypatch):
     ctx = fake.contexts[-1].params
     assert (ctx.n_ctx, ctx.n_seq_max, ctx.n_batch, ctx.n_ubatch) == (3 * (5 + 4), 3, 15, 15)
     assert ctx.n_threads == ctx.n_threads_batch == 2 and ctx.type_k == ctx.type_v == 0  # F32 KV
-    # One llama_decode for the whole prefill (logits at each prompt's last token), then one per step.
+    # One llama_decode for the whole prefill (logits at each prompt's last token), then one per
+    # step.
     assert [n for n, _ in fake.decodes] == [15, 3, 3, 3]
     prefill = fake.decodes[0][1]
     assert [r[3] for r in prefill] == [i % 5 == 4 for i in range(15)]

@@ -1,4 +1,5 @@
-"""Block tables, prefix hits and freeing (pdkv/cache/kv_cache_manager.py, single_type_manager.py)."""
+"""Block tables, prefix hits and freeing (pdkv/cache/kv_cache_manager.py,
+single_type_manager.py)."""
 
 from __future__ import annotations
 

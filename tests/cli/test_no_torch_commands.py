@@ -17,7 +17,14 @@ import pdkv.launch.demo, pdkv.launch.launcher as launcher, pdkv.router.proxy, pd
 from pdkv import cli
 
 ran = []
-launcher.Topology.start_healthy = lambda self, log_dir, timeout: ran.append(len(self.children)) or False
+
+
+def start_healthy(self, log_dir, timeout):
+    ran.append(len(self.children))
+    return False
+
+
+launcher.Topology.start_healthy = start_healthy
 uvicorn.run = lambda app, **kw: ran.append(type(app).__name__)
 log_dir = sys.argv[1]
 assert cli.main(["up", "--mode", "pd", "--log-dir", log_dir, "--", "--num-kv-blocks", "64"]) == 1

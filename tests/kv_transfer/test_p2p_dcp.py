@@ -311,7 +311,8 @@ def run_ranks(prod: Producer, peers: dict[str, FakeEngine], spec: RecvSpec, size
 def grant_spec(
     prod: Producer, n_tokens: int, p_blocks: list[int], d_hit: list[int], d_new: list[int]
 ) -> RecvSpec:
-    """Hold `p_blocks` on P for the prompt and return D's RecvSpec for them (as the scheduler makes it)."""
+    """Hold `p_blocks` on P for the prompt and return D's RecvSpec for them (as the scheduler
+    makes it)."""
     spec = recv_spec(n_tokens, p_blocks, d_hit, d_new)
     nonce, _ = prod.hold("p", p_blocks, list(range(100, 100 + n_tokens)))
     spec.remote = REMOTE

@@ -314,7 +314,8 @@ def test_a_black_hole_producer_stalls_neither_other_pulls_nor_its_own_deadlines(
         wait_loads(cons, {f"dead{i}" for i in range(6)}, timeout=3 * timeout, results=results)
         elapsed = time.monotonic() - t0
         assert all(results[f"dead{i}"] for i in range(6))
-        # Deadlines are stamped at submit: the queued ones end with the first, not one timeout later.
+        # Deadlines are stamped at submit: the queued ones end with the first, not one timeout
+        # later.
         assert elapsed < 2 * timeout
     finally:
         hole.close()

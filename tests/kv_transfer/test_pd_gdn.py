@@ -2,7 +2,8 @@
 connector over tcp: D pulls the state slot after all n prompt tokens plus every full-attention
 block, takes P's sampled token as its first output token and resumes at n; greedy output equals
 the colocated engine's. Bytes = ceil(n / block_size) full-attention blocks + one state slot
-(independent of n); D never registers the slots it allocated but did not load. P's token ends the request at D when it is a stop token or max_tokens=1.
+(independent of n); D never registers the slots it allocated but did not load. P's token ends
+the request at D when it is a stop token or max_tokens=1.
 No block or slot is left held on either side. Issue 11, acceptance 2 for tiny-gdn (P/D part)."""
 
 from __future__ import annotations

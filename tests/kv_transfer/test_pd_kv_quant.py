@@ -152,7 +152,8 @@ def test_conversions_of_quantized_pages_are_refused_and_pool_namespaces_differ(e
     assert (
         quantized_conversion_error(auto, {"layout": {**auto, "block_size": 32}}) == ""
     )  # not quantized
-    # Dequantizing on arrival takes whole blocks only: not with re-blocking, re-sharding or into DCP.
+    # Dequantizing on arrival takes whole blocks only: not with re-blocking, re-sharding or into
+    # DCP.
     msg = quantized_conversion_error(auto, {"layout": {**mine, "block_size": 32}})
     assert (
         "block_size=16" in msg

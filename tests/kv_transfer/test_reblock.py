@@ -1,5 +1,5 @@
-"""Re-blocking planner (pdkv/kv_transfer/reblock.py): copies applied to a byte-array "P cache" with a
-distinct marker per (layer, K/V, token) land every token row of the range at D's (block, layer,
+"""Re-blocking planner (pdkv/kv_transfer/reblock.py): copies applied to a byte-array "P cache" with
+a distinct marker per (layer, K/V, token) land every token row of the range at D's (block, layer,
 K/V, slot) and write nothing else. Torch-free."""
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ def stored(j: int, bs: int, c: int, w: int) -> list[int]:
 
 
 def needed(f: int, hit_end: int, bs: int, w: int) -> list[int]:
-    """Brute force: blocks with a token t, F <= t < L, that a query at L or later reads (t > L - W)."""
+    """Brute force: blocks with a token t, F <= t < L, that a query at L or later reads
+    (t > L - W)."""
     return [b for b in range(f // bs, hit_end // bs)
             if any(f <= t < hit_end and t > hit_end - w for t in range(b * bs, (b + 1) * bs))]
 

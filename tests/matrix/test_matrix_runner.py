@@ -86,7 +86,8 @@ def test_markdown_shows_every_cell_with_its_command_and_escapes_pipes():
         in md
     )
     assert (
-        "| `tp` | `smollm2` | not supported | yes | x \\| y: issue 10 | `python -m pytest -q 't.py::f[a\\|b]'` |"
+        "| `tp` | `smollm2` | not supported | yes | x \\| y: issue 10 | "
+        "`python -m pytest -q 't.py::f[a\\|b]'` |"
         in md
     )
 

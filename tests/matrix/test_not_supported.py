@@ -2,7 +2,8 @@
 accepted: what heterogeneous TP cannot convert (issue 12), the mixture-of-experts layers of the real
 hybrid-state models (their MLA / linear state runs, verified on tiny-mla, tiny-gdn, tiny-kda-mla);
 so are TP/DCP sizes the model's heads do not allow. These are the matrix's "not supported" cells;
-each records the error text it saw (`matrix_detail`). No model weights are loaded: the refusals come first."""
+each records the error text it saw (`matrix_detail`). No model weights are loaded: the refusals
+come first."""
 
 from __future__ import annotations
 

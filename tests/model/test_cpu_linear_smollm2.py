@@ -5,11 +5,12 @@ and decoded batched through the engine's model code, on one torch thread (small 
 * auto == torch: a model under `--cpu-linear auto` (its table timed at load)
   and a forced table that alternates oneDNN and BLAS across buckets give exactly the greedy
   tokens of plain F.linear.
-* bf16 within tolerance of float32. Stated thresholds (README, "Matmul per shape and bf16 on CPU", has the figures of
-  a larger run): first-step max |logit difference| <= 1.5, all prompts but one with the same
-  first token (of 3 here), greedy common-prefix agreement >= 0.5. Measured here (AVX2 EPYC, no native bf16):
-  see README; bf16 rounds weights and activations to 8 mantissa bits, so tokens may diverge
-  after a near-tie and everything after a divergence is a different continuation.
+* bf16 within tolerance of float32. Stated thresholds (README, "Matmul per shape and bf16 on
+  CPU", has the figures of a larger run): first-step max |logit difference| <= 1.5, all prompts
+  but one with the same first token (of 3 here), greedy common-prefix agreement >= 0.5.
+  Measured here (AVX2 EPYC, no native bf16): see README; bf16 rounds weights and activations to
+  8 mantissa bits, so tokens may diverge after a near-tie and everything after a divergence is a
+  different continuation.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def test_auto_table_gives_the_tokens_of_plain_blas(torch_model, model_path, prom
     logits, toks, _ = greedy_run(auto, prompts, MAX_TOKENS, "auto")
     assert toks == ref
     assert float((logits - ref_logits).abs().max()) < 1e-2
-    # every bucket boundary crossed by the prefill (many rows) and decode (3 rows: bucket 4, BLAS; prefills of ~20 rows: bucket 64, oneDNN)
+    # every bucket boundary crossed by the prefill (many rows) and decode (3 rows: bucket 4, BLAS;
+    # prefills of ~20 rows: bucket 64, oneDNN)
     mixed = LinearTable((1, 4, 64), ("onednn", "torch", "onednn"))
     torch_model.use_linear_dispatch(LinearDispatch(mixed))
     try:

@@ -32,7 +32,8 @@ def test_groups_are_mla_and_linear_state_with_the_spec_bytes(tiny_kda_mla):
     assert isinstance(mla.spec, MLASpec) and mla.layer_indices == (1, 3)
     assert isinstance(lin.spec, LinearStateSpec) and lin.layer_indices == (0, 2)
     assert lin.spec.conv_shape == (3 * 2 * 32, 3) and lin.spec.recurrent_shape == (2, 32, 32)
-    # per block: MLA 16 tokens x (48 + 16) x 4 B; per slot: conv 192 x 3 x 4 B + state 2 x 32 x 32 x 4 B
+    # per block: MLA 16 tokens x (48 + 16) x 4 B; per slot: conv 192 x 3 x 4 B + state
+    # 2 x 32 x 32 x 4 B
     assert (mla.spec.page_size_bytes, lin.spec.page_size_bytes) == (
         4096,
         192 * 3 * 4 + 2 * 32 * 32 * 4,

@@ -1,5 +1,5 @@
-"""The C++ batched paged prefill op (pdkv/model/paged_prefill.py) against brute-force softmax and the
-torch path (`_prefill_attention`): several runs of different lengths in one call, context > 0
+"""The C++ batched paged prefill op (pdkv/model/paged_prefill.py) against brute-force softmax and
+the torch path (`_prefill_attention`): several runs of different lengths in one call, context > 0
 (prefix hits, chunked prefill), GQA, sliding window, shuffled block tables with holes, NaN in every
 slot no query may read, decodes interleaved with the runs; and paged_attention with both halves."""
 

@@ -1,6 +1,7 @@
-"""tiny-llama-kv1 / tiny-llama-kv2 / tiny-mla / tiny-gdn / tiny-kda-mla (pdkv/model/tiny.py): pdkv's greedy output equals HF
-transformers' on the same folder (plain, chunked prefill, prefix-cache resend); HF's greedy margins
-stay well above fp32 rounding; the folder is built once, also when two resolvers race."""
+"""tiny-llama-kv1 / tiny-llama-kv2 / tiny-mla / tiny-gdn / tiny-kda-mla (pdkv/model/tiny.py):
+pdkv's greedy output equals HF transformers' on the same folder (plain, chunked prefill,
+prefix-cache resend); HF's greedy margins stay well above fp32 rounding; the folder is built once,
+also when two resolvers race."""
 
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ def test_greedy_matches_hf_plain_chunked_and_cached(name, folders, prompts, hf_r
     assert tokens(chunked, prompts)[0] == ref
     again, cached = tokens(chunked, prompts)
     assert again == ref
-    # tiny-gdn / tiny-kda-mla: the linear state resumes from the checkpoint at the hit's block boundary
+    # tiny-gdn / tiny-kda-mla: the linear state resumes from the checkpoint at the hit's block
+    # boundary
     assert cached == [(len(p) - 1) // BLOCK * BLOCK for p in prompts]
     for pool in chunked.llm_engine.scheduler.kv_cache_manager.block_pools:  # every group: no leak
         assert pool.num_free_blocks == pool.num_usable_blocks

@@ -75,7 +75,8 @@ def test_a_dcp_pool_too_small_for_one_request_is_refused_before_workers_start(
         ["--model", tiny_llama_kv2, "-dcp", "2", "--num-kv-blocks", "8", "--max-model-len", "512"],
     )
     assert (
-        "KV cache of 8 blocks x 16 tokens x 2 DCP ranks cannot hold one request of max_model_len=512"
+        "KV cache of 8 blocks x 16 tokens x 2 DCP ranks cannot hold one request of "
+        "max_model_len=512"
         in err
     )
     assert "Traceback" not in err and "WorkerDiedError" not in err

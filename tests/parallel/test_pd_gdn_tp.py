@@ -9,7 +9,8 @@ P2P kv_both over tcp.
   moved = what D stores (every full-attention block of the prompt + one whole slot, summed over
   D's ranks), and P's pool returns to full (every P rank's grant ended).
 
-Issue 12, acceptance 2 (tiny-gdn). The planner's bitwise rebuild: tests/kv_transfer/test_reshard_state.py."""
+Issue 12, acceptance 2 (tiny-gdn). The planner's bitwise rebuild:
+tests/kv_transfer/test_reshard_state.py."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.slow  # worker processes: `pdkv matrix --quick` leaves 
 PROMPT_LENS = (9, 37)  # shorter than a block; neither a block nor a multiple
 # Full attention: 2 layers x 2 KV heads x 32 x (K, V) x fp32 = 1,024 B a token, 16,384 B a block.
 FULL_BLOCK_BYTES = 2 * 2 * 32 * 2 * 4 * BLOCK
-# Linear state slot: 2 layers x (conv 256 x 3 + recurrent 4 x 32 x 32) x fp32 = 38,912 B (all ranks).
+# Linear state slot: 2 layers x (conv 256 x 3 + recurrent 4 x 32 x 32) x fp32 = 38,912 B (all
+# ranks).
 SLOT_BYTES = 2 * (256 * 3 + 4 * 32 * 32) * 4
 
 
@@ -76,7 +78,8 @@ def test_pd_across_tp_matches_colocated_and_frees_p(engines, p_tp, d_tp):
     for prompt, want in zip(prompts, refs):
         params, _ = prefill(p, prompt, tp=p_tp)
         out, _, _, hit = decode(p, d, prompt, params)
-        # What D lacks: the blocks past its local prefix hit (the colocated run cached some), one slot.
+        # What D lacks: the blocks past its local prefix hit (the colocated run cached some), one
+        # slot.
         blocks = -(-len(prompt) // BLOCK) - hit // BLOCK
         assert out.kv_load_bytes == {"p2p": blocks * FULL_BLOCK_BYTES + SLOT_BYTES}
         assert list(out.outputs[0].token_ids) == want, (

@@ -1,9 +1,9 @@
 """A prefill engine at tp 2 end to end: P (tp 2, two worker processes, a control server per rank)
 → D at tp 1 and → D at tp 2 (dcp 1) over the P2P connector (tcp), on tiny-llama-kv2 (one KV
-head per P rank). D's greedy tokens equal a colocated tp-1 engine's; D's KV of every pulled position equals P's (both ranks' heads, from P's workers); D
-received every head of every block once (a 64-token prompt: prompt tokens × bytes per token);
-and P's blocks come back to its pool on every rank (the scheduler frees them only after each P
-rank reported its grant done).
+head per P rank). D's greedy tokens equal a colocated tp-1 engine's; D's KV of every pulled
+position equals P's (both ranks' heads, from P's workers); D received every head of every block
+once (a 64-token prompt: prompt tokens × bytes per token); and P's blocks come back to its pool on
+every rank (the scheduler frees them only after each P rank reported its grant done).
 
 Issue 12 (P tp 2 → D tp 1, P tp 2 → D tp 2). Which P rank each D rank contacts is checked with
 fakes in tests/kv_transfer/test_p2p_producer_tp.py."""

@@ -170,7 +170,8 @@ def test_dcp_prefix_hash_granularity_is_the_logical_block(tiny_llama_kv2):
     try:
         # 48 blocks x 16 tokens per rank x 4 layers x K/V x 2 heads x 32 x fp32 = 1.5 MiB per rank.
         assert llm.llm_engine.kv_cache_summary() == (
-            "48 blocks x 32 tokens (1.5 MiB per rank; tp 1, dcp 2: each rank stores 1/2 of every request's KV)"
+            "48 blocks x 32 tokens (1.5 MiB per rank; tp 1, dcp 2: each rank stores 1/2 of "
+            "every request's KV)"
         )
         run(llm, [first])
         out = run(llm, [second])

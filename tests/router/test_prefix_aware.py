@@ -135,7 +135,8 @@ def test_proxy_modules_do_not_import_torch():
 
     code = (
         "import sys, pdkv.router.proxy, pdkv.router.prefix_keys, pdkv.launch.launcher; "
-        "from pdkv.router.prefix_keys import RequestKeyer; RequestKeyer(None).token_ids({'prompt': [1]}, False); "
+        "from pdkv.router.prefix_keys import RequestKeyer; "
+        "RequestKeyer(None).token_ids({'prompt': [1]}, False); "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

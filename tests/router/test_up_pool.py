@@ -31,7 +31,8 @@ def _redis_ready() -> bool:
     return shutil.which("redis-server") is not None
 
 
-# Skips on a developer box without redis-server; under CI=true (which installs it) the test runs and fails.
+# Skips on a developer box without redis-server; under CI=true (which installs it) the test runs and
+# fails.
 needs_redis = pytest.mark.skipif(not _redis_ready() and not in_ci(),
                                  reason="needs redis-server (sudo apt-get install -y redis-server)")
 

@@ -1,5 +1,6 @@
 """Continuous batching, chunked prefill and preemption (pdkv/sched/scheduler.py), driven by the
-torch-free fake model runner of scheduler_fakes.py. Stop conditions and the rest: test_scheduler_stops.py."""
+torch-free fake model runner of scheduler_fakes.py. Stop conditions and the rest:
+test_scheduler_stops.py."""
 
 from __future__ import annotations
 

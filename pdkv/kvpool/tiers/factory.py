@@ -2,10 +2,11 @@
 
 Specs (JSON objects in `kv_connector_extra_config["tiers"]`):
 
-    {"name": "dram", "capacity_bytes": int}                       default 1 GiB
-    {"name": "disk", "path": str, "capacity_bytes": int}          default f"{default_dir}/kvpool", 4 GiB
+    {"name": "dram", "capacity_bytes": int}                  default 1 GiB
+    {"name": "disk", "path": str, "capacity_bytes": int}     default 4 GiB under
+                                                             f"{default_dir}/kvpool"
     {"name": "redis", "url": str, "ttl_s": float, "timeout_s": float}
-    {"name": "mooncake", "master": "host:port", ...}              keys as MooncakeTier takes them
+    {"name": "mooncake", "master": "host:port", ...}         keys as MooncakeTier takes them
 
 The redis and mooncake modules import their client libraries, so they are imported only when
 such a tier is asked for.

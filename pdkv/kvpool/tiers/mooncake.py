@@ -183,7 +183,8 @@ class MooncakeTier(Tier):
             raise ValueError(f"mooncake master must be 'host:port', got {master!r}")
         if local_buffer_bytes <= 0 or not timeout_s > 0:
             raise ValueError(
-                f"local_buffer_bytes and timeout_s must be > 0, got {local_buffer_bytes}, {timeout_s}"
+                f"local_buffer_bytes and timeout_s must be > 0, got {local_buffer_bytes}, "
+                f"{timeout_s}"
             )
         store_cls = import_store_class()
         self._master = master
