@@ -3,7 +3,8 @@
 One slot of the linear-state group (pdkv/worker/kv_cache.py, pdkv/model/qwen3_next.py) holds,
 per linear layer l, a page of
 
-    [conv window: local channels × (K - 1) values][recurrent state: local value heads × dk × dv float32]
+    [conv window: local channels × (K - 1) values][recurrent state:
+        local value heads × dk × dv float32]
 
 at l × page_bytes(tp), page_bytes(tp) = channels / tp × conv_row_bytes + value heads / tp ×
 rec_head_bytes. A TP rank's conv channels are [q part | k part | v part], each segment split over

@@ -12,9 +12,9 @@ form; their architectures are not implemented here.
 
 Multi-head latent attention (`DeepseekV3ForCausalLM`, decoder in pdkv/model/deepseek.py): every
 layer is MLA with a dense MLP (a q LoRA rank is supported; MoE layers, yarn rope and attention
-biases are refused). The KV cache stores one latent + rope'd key vector per token, so `num_kv_heads` is 1 (the
-vector is replicated across TP ranks, as vLLM) and `head_dim` is its width,
-kv_lora_rank + qk_rope_head_dim.
+biases are refused). The KV cache stores one latent + rope'd key vector per token, so
+`num_kv_heads` is 1 (the vector is replicated across TP ranks, as vLLM) and `head_dim` is its
+width, kv_lora_rank + qk_rope_head_dim.
 
 Gated DeltaNet linear attention (`Qwen3NextForCausalLM`, decoder in pdkv/model/qwen3_next.py):
 `layer_types` "linear_attention" / "full_attention" (or every `full_attention_interval`-th layer
@@ -106,7 +106,8 @@ class LlamaArchConfig:
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
-        """Indices of the linear-attention layers (their state is one group, one slot per request)."""
+        """Indices of the linear-attention layers (their state is one group, one slot per
+        request)."""
         return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
 
     @property
@@ -196,9 +197,9 @@ def mla_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
     dense = int(cfg.get("first_k_dense_replace") or 0)
     if cfg.get("n_routed_experts") and dense < n:
         raise ValueError(
-            f"{path}: layers {dense}..{n - 1} are mixture-of-experts (first_k_dense_replace={dense}, "
-            f"n_routed_experts={cfg['n_routed_experts']}); only dense MLPs are implemented "
-            "(set first_k_dense_replace to num_hidden_layers)"
+            f"{path}: layers {dense}..{n - 1} are mixture-of-experts "
+            f"(first_k_dense_replace={dense}, n_routed_experts={cfg['n_routed_experts']}); only "
+            "dense MLPs are implemented (set first_k_dense_replace to num_hidden_layers)"
         )
     rope_params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope_params.get("rope_type", rope_params.get("type", "default")) != "default":
@@ -317,7 +318,8 @@ def kimi_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
         max_position_embeddings=int(
             cfg.get("model_max_length", cfg.get("max_position_embeddings", 4096))
         ),
-        tie_word_embeddings=False,  # HF's KimiLinearForCausalLM has its own lm_head whatever the flag says
+        # HF's KimiLinearForCausalLM has its own lm_head whatever the flag says
+        tie_word_embeddings=False,
     )
 
 
@@ -361,8 +363,8 @@ def sliding_layers(cfg: dict[str, Any], arch: str) -> tuple[int | None, tuple[st
 
 def hybrid_state_kinds(cfg: dict[str, object]) -> list[str]:
     """The non-full-attention state kinds an HF config.json declares ("sliding_window", "mla",
-    "linear_state"), read by the cost model's parser (`pdkv.modelspec.hf_config`); [] for a dense model
-    or a config that parser cannot read."""
+    "linear_state"), read by the cost model's parser (`pdkv.modelspec.hf_config`); [] for a dense
+    model or a config that parser cannot read."""
     try:
         spec = spec_from_hf_config(dict(cfg))
     except (ValueError, KeyError, TypeError):

@@ -52,7 +52,8 @@ def gather_keys(
     Args:
         kv_cache: [2, num_blocks, block_size, num_kv_heads, head_size] (0 = K, 1 = V), or a
             QuantKVCache (then dequantized to its compute dtype).
-        block_table: [nb] long; local key l is in block_table[l // block_size], offset l % block_size.
+        block_table: [nb] long; local key l is in block_table[l // block_size], offset
+            l % block_size.
         num_keys: how many local keys (tokens) to read.
 
     Returns:
@@ -118,8 +119,8 @@ def shard_attention(
 
     Args:
         q: [T, H, D] queries of the flat batch.
-        kv_cache: [2, num_blocks, block_size, KVH, D] (0 = K, 1 = V) or a QuantKVCache; GQA: query head h uses KV
-            head h // (H // KVH).
+        kv_cache: [2, num_blocks, block_size, KVH, D] (0 = K, 1 = V) or a QuantKVCache; GQA:
+            query head h uses KV head h // (H // KVH).
         seqs: the requests; their row ranges must not overlap.
         scale: softmax scale (1/sqrt(head_size)).
         sliding_window: W in tokens, or None for full causal attention.

@@ -79,7 +79,8 @@ def dtype_warning(dtype: str, device: str, features: CpuFeatures) -> str | None:
     if dtype == "bfloat16" and features.native_bf16:
         return None
     return (
-        f"--dtype {dtype} on a CPU without {' / '.join(NATIVE_BF16_FLAGS)} (flags: {features.describe()}): "
-        "torch / oneDNN matmuls are emulated and slower than float32 (--cpu-linear panel, the default, "
-        "reads bfloat16 weights and computes in float32; auto picks an upcast kernel where faster)"
+        f"--dtype {dtype} on a CPU without {' / '.join(NATIVE_BF16_FLAGS)} "
+        f"(flags: {features.describe()}): torch / oneDNN matmuls are emulated and slower than "
+        "float32 (--cpu-linear panel, the default, reads bfloat16 weights and computes in "
+        "float32; auto picks an upcast kernel where faster)"
     )

@@ -1,8 +1,8 @@
 """Start-up wiring of `--cpu-linear` (panel | onednn | torch | auto) and the CPU dtype check.
 
 * panel (the default): weights packed in 16-row panels for pdkv's AVX2 kernel, replacing the
-  plain ones (pdkv/model/panel_linear.py); float32 or bfloat16: elsewhere (another dtype, no AVX2 / FMA,
-  the extension not built) it is onednn.
+  plain ones (pdkv/model/panel_linear.py); float32 or bfloat16: elsewhere (another dtype, no
+  AVX2 / FMA, the extension not built) it is onednn.
 * onednn: packed oneDNN weights replacing the plain ones (LlamaForCausalLM.pack_cpu_weights);
   where oneDNN has no kernel for the dtype, auto.
 * torch: plain weights, F.linear.

@@ -192,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for r in results:
             how = "cached" if r.cached else f"{r.seconds:.1f} s"
-            line = f"{r.source:20s} {r.march:15s} {ISA_TARGETS[r.march]:22s} {'ok' if r.ok else 'FAILED'} ({how})"
+            line = (
+                f"{r.source:20s} {r.march:15s} {ISA_TARGETS[r.march]:22s} "
+                f"{'ok' if r.ok else 'FAILED'} ({how})"
+            )
             print(line + (f"\n    {r.error}" if r.error else ""))
     failed = [r for r in results if not r.ok]
     print(f"{len(results) - len(failed)} of {len(results)} compiled", file=sys.stderr)

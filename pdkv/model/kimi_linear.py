@@ -116,8 +116,8 @@ class KimiLinearForCausalLM(LlamaForCausalLM):
         if parallel is not None and parallel.layout.world_size > 1:
             raise ValueError(
                 f"{cfg.architecture}: tensor / decode context parallelism is not supported with "
-                "linear-attention (Kimi Delta Attention) layers yet; use tensor_parallel_size=1 and "
-                "decode_context_parallel_size=1"
+                "linear-attention (Kimi Delta Attention) layers yet; use tensor_parallel_size=1 "
+                "and decode_context_parallel_size=1"
             )
         nn.Module.__init__(self)
         self.parallel = parallel or ParallelContext.single()

@@ -89,7 +89,8 @@ class LlamaLayer(nn.Module):
         self.parallel.layout.check_heads(cfg.num_heads, cfg.num_kv_heads)
         if cfg.intermediate_size % tp:
             raise ValueError(
-                f"tensor_parallel_size={tp} must divide the model's intermediate_size={cfg.intermediate_size}"
+                f"tensor_parallel_size={tp} must divide the model's "
+                f"intermediate_size={cfg.intermediate_size}"
             )
         self.num_heads = cfg.num_heads // tp
         self.num_kv_heads = self.parallel.layout.kv_heads_per_rank(cfg.num_kv_heads)

@@ -168,7 +168,10 @@ def build(paths: BuildPaths, force: bool = False, timeout_s: float = BUILD_TIMEO
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    return f"timed out after {timeout_s:.0f} s waiting for another build ({paths.lock})"
+                    return (
+                        f"timed out after {timeout_s:.0f} s waiting for another build "
+                        f"({paths.lock})"
+                    )
                 time.sleep(0.2)
         try:
             if paths.library.exists():  # another process built it while we waited
@@ -190,7 +193,10 @@ def build(paths: BuildPaths, force: bool = False, timeout_s: float = BUILD_TIMEO
                 tail = output.splitlines()[-40:]
                 paths.directory.mkdir(parents=True, exist_ok=True)
                 paths.failed.write_text("\n".join([f"first error: {first}", *tail]) + "\n")
-                return f"build failed: {first or (tail[-1] if tail else f'exit status {proc.returncode}')}"
+                return (
+                    "build failed: "
+                    f"{first or (tail[-1] if tail else f'exit status {proc.returncode}')}"
+                )
             if paths.failed.exists():
                 paths.failed.unlink()
             return None
@@ -241,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     isa = f"-march=native, ATen vector ISA {native_isa()}"
     if compiler() is None:
         print(
-            f"pdkv C++ CPU ops: no C++ compiler ({os.environ.get('CXX') or 'c++'} not found): the engine "
-            "will run the torch paths (install one: scripts/system-packages.sh)",
+            f"pdkv C++ CPU ops: no C++ compiler ({os.environ.get('CXX') or 'c++'} not found): the "
+            "engine will run the torch paths (install one: scripts/system-packages.sh)",
             file=sys.stderr,
         )
         return 0

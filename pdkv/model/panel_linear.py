@@ -155,10 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     panels = [PanelWeight(pack_panels(w), w.shape[0]) for w in weights]
     flops_per_row = 2 * sum(w.numel() for w in weights)
     print(
-        f"{len(weights)} projections ({args.layers} layers of {args.shapes}), {args.num_threads} thread{'s' if args.num_threads != 1 else ''}"
+        f"{len(weights)} projections ({args.layers} layers of {args.shapes}), "
+        f"{args.num_threads} thread{'s' if args.num_threads != 1 else ''}"
     )
     print(
-        f"{'rows':>5} {'onednn ms':>10} {'panel ms':>9} {'panel/onednn time':>18} {'panel GFLOP/s':>14}"
+        f"{'rows':>5} {'onednn ms':>10} {'panel ms':>9} "
+        f"{'panel/onednn time':>18} {'panel GFLOP/s':>14}"
     )
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
@@ -178,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             }
             print(
                 f"{rows:>5} {best['onednn'] * 1e3:>10.1f} {best['panel'] * 1e3:>9.1f} "
-                f"{best['panel'] / best['onednn']:>18.2f} {flops_per_row * rows / best['panel'] / 1e9:>14.0f}"
+                f"{best['panel'] / best['onednn']:>18.2f} "
+                f"{flops_per_row * rows / best['panel'] / 1e9:>14.0f}"
             )
     return 0
 

@@ -373,18 +373,20 @@ def check_parallel(cfg: LlamaArchConfig, layout: ParallelLayout) -> None:
     """
     if layout.dcp_size > 1:
         raise ValueError(
-            f"{cfg.architecture}: decode_context_parallel_size={layout.dcp_size} is not supported with "
-            "linear-attention (Gated DeltaNet) layers yet (their state is one slot per request, not "
-            "blocks of tokens to shard); use decode_context_parallel_size=1"
+            f"{cfg.architecture}: decode_context_parallel_size={layout.dcp_size} is not supported "
+            "with linear-attention (Gated DeltaNet) layers yet (their state is one slot per "
+            "request, not blocks of tokens to shard); use decode_context_parallel_size=1"
         )
     tp = layout.tp_size
     if cfg.linear_num_key_heads % tp:
         raise ValueError(
-            f"tensor_parallel_size={tp} must divide the model's {cfg.linear_num_key_heads} linear-attention "
-            f"key heads ({cfg.architecture}: each rank holds whole key-head groups, as in vLLM)"
+            f"tensor_parallel_size={tp} must divide the model's {cfg.linear_num_key_heads} "
+            f"linear-attention key heads ({cfg.architecture}: each rank holds whole key-head "
+            "groups, as in vLLM)"
         )
     layout.check_heads(cfg.num_heads, cfg.num_kv_heads)
     if cfg.intermediate_size % tp:
         raise ValueError(
-            f"tensor_parallel_size={tp} must divide the model's intermediate_size={cfg.intermediate_size}"
+            f"tensor_parallel_size={tp} must divide the model's "
+            f"intermediate_size={cfg.intermediate_size}"
         )

@@ -6,8 +6,9 @@ model.safetensors, SmolLM2's tokenizer files) built with transformers' `LlamaCon
 `Qwen2ForCausalLM` (q/k/v biases) whose `layer_types` interleave sliding-window and full
 attention (sliding_window 40 tokens, deliberately not a multiple of the block size 16); `tiny-mla`
 is a `DeepseekV3ForCausalLM` of the same hidden size, heads and layers (MLA: latent 48, rope 16,
-nope 32, v 32, no q LoRA, dense MLP on every layer, default rope with HF's rope_interleave). `pdkv.model.registry.resolve_model` builds them on first use
-under `$PDKV_CACHE/models/<name>` and reuses them after.
+nope 32, v 32, no q LoRA, dense MLP on every layer, default rope with HF's rope_interleave).
+`pdkv.model.registry.resolve_model` builds them on first use under `$PDKV_CACHE/models/<name>`
+and reuses them after.
 
 Why these sizes:
 - 4 query heads of head_dim 32 (hidden 128): tp 2 gives 2 query heads per rank; the model is
@@ -64,8 +65,8 @@ class TinyModelSpec:
     """Shape of one tiny random decoder; sizes in elements, lengths in tokens.
 
     `architecture` is "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3NextForCausalLM" (with the
-    linear_* Gated DeltaNet widths) or "DeepseekV3ForCausalLM" (with
-    the MLA widths kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim); `layer_types` (Qwen2 only, HF
+    linear_* Gated DeltaNet widths) or "DeepseekV3ForCausalLM" (with the MLA widths
+    kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim); `layer_types` (Qwen2 only, HF
     names "sliding_attention" / "full_attention") and `sliding_window` (tokens, HF semantics: the
     query at p sees keys p - W < k <= p) make a sliding-window model.
     """

@@ -34,9 +34,9 @@ def create_connector(
     linear = [g.spec.kind for g in kv_cache_config.groups if g.spec.kind == "linear_state"]
     if linear and config.kv_connector not in ("P2PConnector", "KVPoolConnector"):
         raise ValueError(
-            f"{config.kv_connector} does not move linear-attention state (Gated DeltaNet: one state "
-            "slot per request) yet: only P2PConnector (P/D) and KVPoolConnector are supported on "
-            "this model (issue 11); offloading and MultiConnector are not"
+            f"{config.kv_connector} does not move linear-attention state (Gated DeltaNet: one "
+            "state slot per request) yet: only P2PConnector (P/D) and KVPoolConnector are "
+            "supported on this model (issue 11); offloading and MultiConnector are not"
         )
     if config.kv_connector not in ("P2PConnector", "KVPoolConnector") and any(
         w is not None for w in kv_cache_config.sliding_windows

@@ -61,7 +61,8 @@ class OffloadConfig:
             mode = extra["eviction_mode"]
             if mode not in EVICTION_MODES:
                 raise ValueError(
-                    f"OffloadingConnector eviction_mode must be one of {EVICTION_MODES}, got {mode!r}"
+                    f"OffloadingConnector eviction_mode must be one of {EVICTION_MODES}, "
+                    f"got {mode!r}"
                 )
             kw["eviction_mode"] = mode
         return OffloadConfig(**kw)

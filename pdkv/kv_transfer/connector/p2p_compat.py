@@ -36,9 +36,9 @@ def mla_error(layout: Mapping[str, object], p: Mapping[str, object]) -> str:
         )
     if p.get("tp_size", 1) != 1:
         return (
-            f"a producer at tp_size={p.get('tp_size')} on an MLA model is not supported: the latent "
-            "is replicated on every rank, so run the producer at tp 1 (each decode rank then reads "
-            "whole blocks from it)"
+            f"a producer at tp_size={p.get('tp_size')} on an MLA model is not supported: the "
+            "latent is replicated on every rank, so run the producer at tp 1 (each decode rank "
+            "then reads whole blocks from it)"
         )
     return ""
 
@@ -54,7 +54,8 @@ def params_consistency_error(p: Mapping[str, object], num_tokens: int,
     corrupted on the way are a 400 naming the field, not a failed load.
 
     What a producer sends (P2PSchedulerConnector.request_finished): `layout.block_size` a
-    positive integer, equal to the params' own `block_size` when present; `remote_block_ids` one list of non-negative block ids per KV cache group,
+    positive integer, equal to the params' own `block_size` when present; `remote_block_ids` one
+    list of non-negative block ids per KV cache group,
     ceil(num_tokens / layout.block_size) of them in each attention group (a sliding-window
     group's blocks before its window are the null block, still listed) and one state slot in each
     linear-attention group.
@@ -73,8 +74,8 @@ def params_consistency_error(p: Mapping[str, object], num_tokens: int,
     top = p.get("block_size", bs)
     if top != bs:
         return (
-            f"kv_transfer_params.block_size={top!r:.20} and layout.block_size={bs} differ: a producer "
-            "sends the same block size in both"
+            f"kv_transfer_params.block_size={top!r:.20} and layout.block_size={bs} differ: a "
+            "producer sends the same block size in both"
         )
     expected = -(-num_tokens // bs)
     groups = p["remote_block_ids"]
@@ -118,16 +119,18 @@ def shard_error(layout: Mapping[str, object], p: Mapping[str, object], num_group
     if my_heads != theirs.get("num_kv_heads"):  # this rank stores a subset of P's heads
         if my_dcp > 1:
             return (
-                f"each decode rank stores {my_heads} of the producer's {theirs.get('num_kv_heads')} KV "
-                f"heads (tp_size={my_tp}) and decode_context_parallel_size={my_dcp}: re-sharding KV "
-                "heads into a DCP decode engine is not supported (issue 12)"
+                f"each decode rank stores {my_heads} of the producer's "
+                f"{theirs.get('num_kv_heads')} KV heads (tp_size={my_tp}) and "
+                f"decode_context_parallel_size={my_dcp}: re-sharding KV heads into a DCP decode "
+                "engine is not supported (issue 12)"
             )
         if mine.get("block_size") != theirs.get("block_size"):
             return (
-                f"each decode rank stores {my_heads} of the producer's {theirs.get('num_kv_heads')} KV "
-                f"heads (tp_size={my_tp}) and decode block_size={mine.get('block_size')} differs from "
-                f"the producer's block_size={theirs.get('block_size')}: re-sharding and re-blocking "
-                "at once is not supported (issue 12)"
+                f"each decode rank stores {my_heads} of the producer's "
+                f"{theirs.get('num_kv_heads')} KV heads (tp_size={my_tp}) and decode "
+                f"block_size={mine.get('block_size')} differs from the producer's "
+                f"block_size={theirs.get('block_size')}: re-sharding and re-blocking at once is "
+                "not supported (issue 12)"
             )
         return ""
     converting = conversion_error(mine, theirs)
@@ -165,14 +168,16 @@ def quantized_conversion_error(layout: Mapping[str, object], p: Mapping[str, obj
     if mine.get("block_size") != theirs.get("block_size"):
         return (
             f"{head} with decode block_size={mine.get('block_size')} and the producer's "
-            f"block_size={theirs.get('block_size')}: re-blocking while dequantizing is not supported ({why})"
+            f"block_size={theirs.get('block_size')}: re-blocking while dequantizing is not "
+            f"supported ({why})"
         )
     my_heads = mine.get("num_local_kv_heads", mine.get("num_kv_heads"))
     if p.get("tp_size", 1) != 1 or my_heads != theirs.get("num_kv_heads"):
         return (
-            f"{head} from producer tp_size={p.get('tp_size', 1)} ({theirs.get('num_kv_heads')} KV heads) into "
-            f"tp_size={mine.get('tp_size', 1)} ({my_heads} KV heads per rank): re-sharding while "
-            f"dequantizing is not supported ({why})"
+            f"{head} from producer tp_size={p.get('tp_size', 1)} "
+            f"({theirs.get('num_kv_heads')} KV heads) into tp_size={mine.get('tp_size', 1)} "
+            f"({my_heads} KV heads per rank): re-sharding while dequantizing is not supported "
+            f"({why})"
         )
     return ""
 
@@ -193,12 +198,16 @@ def state_error(layout: Mapping[str, object], p: Mapping[str, object]) -> str:
     if theirs != mine:
         return (
             f"producer tp_size={p_tp} into consumer tp_size={my_tp}: the producer's linear-state "
-            f"geometry {theirs} differs from this engine's {mine}: its state slot cannot be re-sharded"
+            f"geometry {theirs} differs from this engine's {mine}: its state slot cannot be "
+            "re-sharded"
         )
     try:
         plan_state_reads(mine, as_int(p_tp), my_tp)
     except (TypeError, ValueError) as e:
-        return f"re-sharding the linear-state slot from producer tp_size={p_tp} to consumer tp_size={my_tp}: {e}"
+        return (
+            f"re-sharding the linear-state slot from producer tp_size={p_tp} to consumer "
+            f"tp_size={my_tp}: {e}"
+        )
     return ""
 
 
@@ -212,15 +221,15 @@ def producer_tp_error(layout: Mapping[str, object], p: Mapping[str, object]) -> 
         return f"kv_transfer_params.tp_size must be a positive integer, got {p_tp!r}"
     if my_dcp > 1:
         return (
-            f"a prefill engine at tp_size={p_tp} into a DCP decode engine (consumer tp_size={my_tp}, "
-            f"decode_context_parallel_size={my_dcp}) is not supported: P must run tp 1 for P/D "
-            "into DCP (issue 12)"
+            f"a prefill engine at tp_size={p_tp} into a DCP decode engine (consumer "
+            f"tp_size={my_tp}, decode_context_parallel_size={my_dcp}) is not supported: P must "
+            "run tp 1 for P/D into DCP (issue 12)"
         )
     if mine.get("block_size") != theirs.get("block_size"):
         return (
-            f"a prefill engine at tp_size={p_tp} with block_size={theirs.get('block_size')} and decode "
-            f"block_size={mine.get('block_size')} (consumer tp_size={my_tp}): re-sharding from a "
-            "multi-rank producer and re-blocking at once is not supported (issue 12)"
+            f"a prefill engine at tp_size={p_tp} with block_size={theirs.get('block_size')} and "
+            f"decode block_size={mine.get('block_size')} (consumer tp_size={my_tp}): re-sharding "
+            "from a multi-rank producer and re-blocking at once is not supported (issue 12)"
         )
     endpoints = p.get("endpoints")
     if (not isinstance(endpoints, list) or len(endpoints) != p_tp

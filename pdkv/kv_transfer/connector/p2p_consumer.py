@@ -24,8 +24,9 @@ rank), reads, then says "done" to each, so every P rank frees its blocks after i
 A linear-state slot (Gated DeltaNet) is rebuilt from the P ranks holding its conv channels and
 value heads (pdkv/kv_transfer/reshard_state.py); those P ranks count among the ones it contacts.
 
-With a producer at tp 1, every rank of the engine claims the grant (Claim.readers = world size, reader = global rank) and
-says "done", even one with nothing to read, so the producer frees the blocks after the last rank."""
+With a producer at tp 1, every rank of the engine claims the grant (Claim.readers = world size,
+reader = global rank) and says "done", even one with nothing to read, so the producer frees the
+blocks after the last rank."""
 
 from __future__ import annotations
 

@@ -202,29 +202,31 @@ def conversion_error(mine: Mapping[str, object], theirs: Mapping[str, object]) -
     d_dt = mine.get("kv_cache_dtype", LAYOUT_DEFAULTS["kv_cache_dtype"])
     if p_dt != d_dt and d_dt != "auto":
         return (
-            f"KV layout mismatch between prefill and decode engines (kv_cache_dtype: producer={p_dt!r} "
-            f"consumer={d_dt!r}): only a quantized producer into a decode engine with "
+            "KV layout mismatch between prefill and decode engines (kv_cache_dtype: "
+            f"producer={p_dt!r} consumer={d_dt!r}): only a quantized producer into a decode "
+            "engine with "
             "kv_cache_dtype='auto' converts (dequantized on arrival); re-quantizing would not "
             "give what the decode engine computes itself"
         )
     if p_dt != d_dt and mine.get("block_size") != theirs.get("block_size"):
         return (
-            f"producer kv_cache_dtype={p_dt!r} into decode kv_cache_dtype={d_dt!r} with block_size "
-            f"{theirs.get('block_size')} -> {mine.get('block_size')}: dequantizing and re-blocking at "
-            "once is not supported"
+            f"producer kv_cache_dtype={p_dt!r} into decode kv_cache_dtype={d_dt!r} with "
+            f"block_size {theirs.get('block_size')} -> {mine.get('block_size')}: dequantizing and "
+            "re-blocking at once is not supported"
         )
     p_tp = theirs.get("tp_size", 1)
     if isinstance(p_tp, int) and p_tp > 1:  # one endpoint per P rank: whole blocks per head slice
         if as_int(mine.get("dcp_size", 1)) > 1:
             return (
-                f"a prefill engine at tp_size={p_tp} into a DCP decode engine (decode_context_parallel_size="
-                f"{mine.get('dcp_size')}) is not supported: P must run tp 1 for P/D into DCP"
+                f"a prefill engine at tp_size={p_tp} into a DCP decode engine "
+                f"(decode_context_parallel_size={mine.get('dcp_size')}) is not supported: P must "
+                "run tp 1 for P/D into DCP"
             )
         if mine.get("block_size") != theirs.get("block_size"):
             return (
-                f"a prefill engine at tp_size={p_tp} with block_size={theirs.get('block_size')} and decode "
-                f"block_size={mine.get('block_size')}: re-sharding from a multi-rank producer and "
-                "re-blocking at once is not supported"
+                f"a prefill engine at tp_size={p_tp} with block_size={theirs.get('block_size')} "
+                f"and decode block_size={mine.get('block_size')}: re-sharding from a multi-rank "
+                "producer and re-blocking at once is not supported"
             )
     if mine.get("block_size") == theirs.get("block_size"):
         return None

@@ -118,7 +118,8 @@ class P2PConnectorWorker:
             if t.device.type != "cpu":
                 raise ValueError(
                     f"P2PConnector transfers need the KV cache in CPU memory, but group {g} is on "
-                    f"{t.device}: run this engine with a CPU KV cache or without --kv-transfer-config"
+                    f"{t.device}: run this engine with a CPU KV cache or without "
+                    "--kv-transfer-config"
                 )
         for g, t in enumerate(kv_caches):
             flat = t.view(-1).view(torch.uint8)
