@@ -76,7 +76,8 @@ def parents() -> dict[int, int]:
                 stat = f.read()
         except OSError:
             continue  # exited meanwhile
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split at the last ')'.
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split at the
+        # last ')'.
         parent[int(name)] = int(stat.rsplit(")", 1)[1].split()[1])
     return parent
 
@@ -103,7 +104,8 @@ def tree_rss(pid: int) -> Rss:
 
 
 def build_memory_topology(args: argparse.Namespace) -> Topology:
-    """The launcher (`pdkv up`, healthy when the engine it starts is) and the proxy, in that order."""
+    """The launcher (`pdkv up`, healthy when the engine it starts is) and the proxy, in that
+    order."""
     py = [sys.executable, "-m", "pdkv.cli"]
     taken: set[int] = set()
     engine_port, proxy_port = free_port(taken), free_port(taken)
@@ -213,8 +215,9 @@ def report(results: dict[str, tuple[Rss, Rss]], engine_args: list[str]) -> str:
              f"{'torch':>7}{'goal':>7}  met"]
     for name, (start, done) in results.items():
         lines.append(
-            f"{labels[name]:<22}{start.total / mb:>9.0f}{done.total / mb:>11.0f}{done.anon / mb:>8.0f}"
-            f"{done.file / mb:>8.0f}{done.shmem / mb:>8.0f}{'yes' if done.torch_loaded else 'no':>7}"
+            f"{labels[name]:<22}{start.total / mb:>9.0f}{done.total / mb:>11.0f}"
+            f"{done.anon / mb:>8.0f}{done.file / mb:>8.0f}{done.shmem / mb:>8.0f}"
+            f"{'yes' if done.torch_loaded else 'no':>7}"
             f"{goals[name] / mb:>7.0f}  {'yes' if done.total <= goals[name] else 'NO'}"
         )
     return "\n".join(lines)

@@ -22,7 +22,8 @@ EXTRA_BLOCKS = 4
 
 
 def kv_config(role: str, transfer: str) -> str:
-    """kv_transfer_config JSON of a P2PConnector engine in `role` over transfer engine `transfer`."""
+    """kv_transfer_config JSON of a P2PConnector engine in `role` over transfer engine
+    `transfer`."""
     return json.dumps({"kv_connector": "P2PConnector", "kv_role": role,
                        "kv_connector_extra_config": {"transfer": transfer}})
 

@@ -111,8 +111,8 @@ def render(rows: list[CapRow]) -> str:
     """Markdown table of the rows; ratios against the row with cap 0 (when present)."""
     base = next((r for r in rows if r["cap"] == 0), None)
     lines = [
-        "| cap (tokens) | TTFT mean / p99 (ms) | TPOT mean (ms) | ITL p99 (ms) | ITL p99 / TPOT mean "
-        "| TTFT mean vs no cap | failed |",
+        "| cap (tokens) | TTFT mean / p99 (ms) | TPOT mean (ms) | ITL p99 (ms) | ITL p99 / TPOT "
+        "mean | TTFT mean vs no cap | failed |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -122,8 +122,10 @@ def render(rows: list[CapRow]) -> str:
             else "-"
         )
         lines.append(
-            f"| {r['cap'] or 'none'} | {r['mean_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['mean_tpot_ms']:.0f} "
-            f"| {r['p99_itl_ms']:.0f} | {r['p99_itl_ms'] / r['mean_tpot_ms']:.2f} | {vs} | {r['failed']} |"
+            f"| {r['cap'] or 'none'} | {r['mean_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
+            f"{r['mean_tpot_ms']:.0f} "
+            f"| {r['p99_itl_ms']:.0f} | {r['p99_itl_ms'] / r['mean_tpot_ms']:.2f} | {vs} | "
+            f"{r['failed']} |"
         )
     return "\n".join(lines)
 
@@ -137,7 +139,8 @@ def main(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     rows = [run_cap(c, args) for c in caps]
     print(
-        f"pdkv bench prefill-cap: {args.model}, {args.num_prompts} prompts x {args.input_len} tokens -> "
+        f"pdkv bench prefill-cap: {args.model}, {args.num_prompts} prompts x {args.input_len} "
+        "tokens -> "
         f"{args.output_len}, {args.request_rate} req/s, concurrency {args.max_concurrency}; "
         f"load average {load:.1f} at start, {time.monotonic() - t0:.0f} s"
     )

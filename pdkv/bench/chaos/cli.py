@@ -172,7 +172,8 @@ def check(result: LoadResult, engines_up: bool, blocks_start: dict[str, float],
             if o.failed and not result.in_window(o)
         ]
         failures.append(
-            f"{counts['failed_outside_restart_window']} failures outside the restart window: {bad[:3]}"
+            f"{counts['failed_outside_restart_window']} failures outside the restart window: "
+            f"{bad[:3]}"
         )
     if counts["client_errors_4xx"]:
         failures.append(f"{counts['client_errors_4xx']} requests got a 4xx")

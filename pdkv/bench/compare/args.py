@@ -107,8 +107,8 @@ def report_notes(args: argparse.Namespace) -> list[str]:
     ]
     if pool:
         notes.append(
-            f"The pool holds whole chunks of {c} tokens and the last prompt token is always computed: "
-            f"{hits} tokens can hit."
+            f"The pool holds whole chunks of {c} tokens and the last prompt token is always "
+            f"computed: {hits} tokens can hit."
         )
     notes += [
         "P2P bytes: KV that decode engines pulled from prefill engines"
@@ -131,9 +131,9 @@ def report_notes(args: argparse.Namespace) -> list[str]:
     ]
     if offload:
         notes.append(
-            f"colocated+offload: the engine's KV cache is cut to {OFFLOAD_NUM_KV_BLOCKS} blocks (the "
-            "prompts do not fit) with an OffloadingConnector host store; offload wait share = the "
-            "copies' exposed wait / the run's duration."
+            f"colocated+offload: the engine's KV cache is cut to {OFFLOAD_NUM_KV_BLOCKS} blocks "
+            "(the prompts do not fit) with an OffloadingConnector host store; offload wait share = "
+            "the copies' exposed wait / the run's duration."
         )
     return notes
 

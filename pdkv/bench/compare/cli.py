@@ -199,7 +199,8 @@ def run_topology(
                 bench = bench_config(args, point)
                 for cache in point.caches:
                     step(
-                        f"{spec.name} {point.input_len} tok c{point.max_concurrency or 'inf'} {cache}"
+                        f"{spec.name} {point.input_len} tok c{point.max_concurrency or 'inf'} "
+                        f"{cache}"
                     )
                     if cache == "hot":
                         reset_prefix_caches(client, engines)

@@ -74,7 +74,8 @@ def explain_pd(rows: Sequence[Row], noise: float = NOISE) -> list[str]:
         pays = pd["mean_ttft_ms"] < colo["mean_ttft_ms"] * (1 - noise)
         out.append(
             f"{n}-token prompts, concurrency {c}: P/D TTFT {_ms(pd['mean_ttft_ms'])} vs colocated "
-            f"{_ms(colo['mean_ttft_ms'])} ({_verdict(pd['mean_ttft_ms'], colo['mean_ttft_ms'], noise)}); "
+            f"{_ms(colo['mean_ttft_ms'])} "
+            f"({_verdict(pd['mean_ttft_ms'], colo['mean_ttft_ms'], noise)}); "
             f"P/D adds hold + transfer + D first step = {added:.0f} ms per request; TPOT "
             f"{pd['mean_tpot_ms']:.0f} vs {colo['mean_tpot_ms']:.0f} ms "
             f"({_verdict(pd['mean_tpot_ms'], colo['mean_tpot_ms'], noise)}). "
@@ -110,10 +111,12 @@ def explain_pool(rows: Sequence[Row], noise: float = NOISE) -> list[str]:
         pays = hot["mean_ttft_ms"] < base["mean_ttft_ms"] * (1 - noise)
         line = (
             f"`{topo}`, {n}-token prompts, concurrency {c}: cold (hit rate 0: the pool only costs "
-            f"its saves) TTFT {_ms(r['mean_ttft_ms'])} vs `{base_name}` {_ms(base['mean_ttft_ms'])} "
+            f"its saves) TTFT {_ms(r['mean_ttft_ms'])} vs `{base_name}` "
+            f"{_ms(base['mean_ttft_ms'])} "
             f"({_verdict(r['mean_ttft_ms'], base['mean_ttft_ms'], noise)}); hot (pool hit "
             f"rate {rate}) TTFT {_ms(hot['mean_ttft_ms'])} "
-            f"({_verdict(hot['mean_ttft_ms'], base['mean_ttft_ms'], noise)} vs `{base_name}` cold). "
+            f"({_verdict(hot['mean_ttft_ms'], base['mean_ttft_ms'], noise)} vs `{base_name}` "
+            "cold). "
         )
         if not h:
             line += ("The pool served no token of these prompts (a prompt must span more than one "
@@ -133,8 +136,9 @@ def explain_offload(rows: Sequence[Row], noise: float = NOISE) -> list[str]:
             continue
         share = r.get("offload_wait_share")
         out.append(
-            f"CPU offload, {n}-token prompts, concurrency {c}: hot TTFT {_ms(r['mean_ttft_ms'])} vs "
-            f"colocated {_ms(base['mean_ttft_ms'])} ({_verdict(r['mean_ttft_ms'], base['mean_ttft_ms'], noise)})"
+            f"CPU offload, {n}-token prompts, concurrency {c}: hot TTFT {_ms(r['mean_ttft_ms'])} "
+            f"vs colocated {_ms(base['mean_ttft_ms'])} "
+            f"({_verdict(r['mean_ttft_ms'], base['mean_ttft_ms'], noise)})"
             + ("" if share is None else f"; copies' exposed wait {share:.1%} of the run")
             + ". "
             + (
@@ -154,22 +158,26 @@ def explain_link(rows: Sequence[Row], noise: float = NOISE) -> list[str]:
             continue
         pd, colo = idx.get(("pd", n, c, "cold")), idx.get(("colocated", n, c, "cold"))
         parts = [
-            f"`{topo}` ({r['link_rate']}), {n}-token prompts, concurrency {c}: TTFT {_ms(r['mean_ttft_ms'])}"
+            f"`{topo}` ({r['link_rate']}), {n}-token prompts, concurrency {c}: TTFT "
+            f"{_ms(r['mean_ttft_ms'])}"
         ]
         if pd is not None:
             parts.append(
-                f"pd over loopback {_ms(pd['mean_ttft_ms'])} ({_verdict(r['mean_ttft_ms'], pd['mean_ttft_ms'], noise)})"
+                f"pd over loopback {_ms(pd['mean_ttft_ms'])} "
+                f"({_verdict(r['mean_ttft_ms'], pd['mean_ttft_ms'], noise)})"
             )
         if colo is not None:
             parts.append(
-                f"colocated {_ms(colo['mean_ttft_ms'])} ({_verdict(r['mean_ttft_ms'], colo['mean_ttft_ms'], noise)})"
+                f"colocated {_ms(colo['mean_ttft_ms'])} "
+                f"({_verdict(r['mean_ttft_ms'], colo['mean_ttft_ms'], noise)})"
             )
         line = "; ".join(parts) + (f"; handoff measured {_ms(r.get('meas_handoff_ms'))}, plan "
                                    f"{_ms(r.get('pred_handoff_ms'))}. ")
         if pd is not None:
             line += (
                 f"The capped link adds {r['mean_ttft_ms'] - pd['mean_ttft_ms']:+.0f} ms to TTFT "
-                f"({_group(r, 'transfer') - _group(pd, 'transfer'):+.0f} ms in the transfer phase). "
+                f"({_group(r, 'transfer') - _group(pd, 'transfer'):+.0f} ms in the transfer "
+                "phase). "
             )
         if colo is not None:
             line += (

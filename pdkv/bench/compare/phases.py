@@ -84,7 +84,7 @@ def phase_table(rows: Sequence[Mapping[str, Any]]) -> str:
             continue
         cells = " | ".join(f"{g.get(k, 0.0):.0f}" for k in PHASE_GROUPS)
         lines.append(
-            f"| {r['topology']} | {r.get('input_len')} | {r.get('max_concurrency')} | {r['cache']} | "
-            f"{cells} | {sum(g.values()):.0f} | {r['mean_ttft_ms']:.0f} |"
+            f"| {r['topology']} | {r.get('input_len')} | {r.get('max_concurrency')} | {r['cache']} "
+            f"| {cells} | {sum(g.values()):.0f} | {r['mean_ttft_ms']:.0f} |"
         )
     return "\n".join(lines) if len(lines) > 2 else ""

@@ -104,14 +104,14 @@ def calibrate_fixed(
     handoffs = sum(int(r["completed"]) for r in warm)
     runs = ", ".join(f"{r['input_len']} tok {r['cache']} c{r['max_concurrency']}" for r in warm)
     which = (
-        f"the median over {len(warm)} warm pd run(s) ({handoffs} handoffs: {runs}; the first pd run "
-        "left out)"
+        f"the median over {len(warm)} warm pd run(s) ({handoffs} handoffs: {runs}; the first pd "
+        "run left out)"
         if warm is not cands
         else f"the only pd run ({handoffs} handoffs: {runs}; no warm run to calibrate on)"
     )
     return f, (
-        f"F = {f * 1e3:.1f} ms: each run's mean measured handoff minus its wire time and handshake, "
-        f"as `pdkv bench handoff`'s probe; {which}"
+        f"F = {f * 1e3:.1f} ms: each run's mean measured handoff minus its wire time and "
+        f"handshake, as `pdkv bench handoff`'s probe; {which}"
     )
 
 
@@ -245,7 +245,8 @@ def plan_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
     pool = any(r.get("pool_bytes_per_request") for r in rows)
     head = (
-        "| topology | prompt | conc | cache | KV P2P / req | plan handoff (ms) | measured handoff (ms) "
+        "| topology | prompt | conc | cache | KV P2P / req | plan handoff (ms) | measured handoff "
+        "(ms) "
         + ("| pool read / req | plan pool load (ms) " if pool else "")
         + "| plan transfer (ms) | measured transfer (ms) |"
     )
@@ -285,8 +286,10 @@ def plan_assumptions(
         f"{pd.latency:g} s + F ({how}; link: {pd.note}).",
         *(
             [
-                f"plan pool load: pool bytes read per request / {tier_link(ctx.pool_tier).bandwidth:.3g} B/s "
-                f"({tier_link(ctx.pool_tier).note}); in P/D + pool the plan transfer is handoff + pool load."
+                "plan pool load: pool bytes read per request / "
+                f"{tier_link(ctx.pool_tier).bandwidth:.3g} B/s "
+                f"({tier_link(ctx.pool_tier).note}); in P/D + pool the plan transfer is handoff + "
+                "pool load."
             ]
             if pool_ran
             else []

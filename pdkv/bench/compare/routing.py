@@ -144,7 +144,8 @@ def run_policy(routing: str, args: argparse.Namespace, log_dir: str) -> PolicyRe
 def format_report(results: list[PolicyResult]) -> str:
     """A plain-text table: per policy and instance, prompt / prefix-hit / pool-hit tokens."""
     lines = [
-        f"{'routing':<14}{'instance':<10}{'prompt tok':>11}{'prefix hit':>11}{'pool hit':>10}{'hit rate':>10}"
+        f"{'routing':<14}{'instance':<10}{'prompt tok':>11}{'prefix hit':>11}{'pool hit':>10}"
+        f"{'hit rate':>10}"
     ]
     for r in results:
         for name, p in r["instances"].items():
@@ -157,7 +158,8 @@ def format_report(results: list[PolicyResult]) -> str:
                          f"{p['pool_hits']:>10.0f}{rate:>10.1%}")
         decisions = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["decisions"].items()))
         lines.append(
-            f"{r['routing']:<14}{'all':<10}{'':>11}{'':>11}{'':>10}{r['hit_rate']:>10.1%}   ({decisions})"
+            f"{r['routing']:<14}{'all':<10}{'':>11}{'':>11}{'':>10}{r['hit_rate']:>10.1%}   "
+            f"({decisions})"
         )
     return "\n".join(lines)
 

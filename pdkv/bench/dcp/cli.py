@@ -86,8 +86,8 @@ def note(configs: Sequence[BenchConfig]) -> str:
     procs = max(ParallelLayout(c.tp, c.dcp, dcp_replicated=c.tp == 1).world_size for c in configs)
     return (
         f"Note: this machine has {os.cpu_count()} CPU cores; the {procs} worker processes of the "
-        "largest config compete for them (and with any other load), so decode time at dcp 2 here is "
-        "not a speed-up measurement: the KV bytes per rank are the point."
+        "largest config compete for them (and with any other load), so decode time at dcp 2 here "
+        "is not a speed-up measurement: the KV bytes per rank are the point."
     )
 
 
@@ -304,7 +304,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help=f"contexts {','.join(map(str, QUICK_CONTEXT_LENS))}, {QUICK_DECODE_STEPS} decode steps",
+        help=(
+            f"contexts {','.join(map(str, QUICK_CONTEXT_LENS))}, {QUICK_DECODE_STEPS} decode "
+            "steps"
+        ),
     )
     p.add_argument("--json", default=None, help="write the result (rows) as JSON to this path")
 

@@ -82,7 +82,8 @@ class DcpResult(TypedDict):
 def kv_bytes_per_token(
     num_layers: int, local_kv_heads: int, head_size: int, dtype_bytes: int
 ) -> int:
-    """Bytes one rank stores per token it owns: layers × 2 × local KV heads × head_size × dtype bytes."""
+    """Bytes one rank stores per token it owns: layers × 2 × local KV heads × head_size × dtype
+    bytes."""
     return num_layers * 2 * local_kv_heads * head_size * dtype_bytes
 
 
@@ -146,20 +147,23 @@ def _mib(nbytes: int) -> str:
 def format_table(result: DcpResult) -> str:
     """The table of a `run_dcp_bench` result (KV in MiB = 2^20 bytes, times in ms) and its note."""
     lines = [
-        f"{'config':>9} {'context':>7} {'KV tok':>6} {'KV/rank MiB':>11} {'measured':>9} {'KV ratio':>8} "
+        f"{'config':>9} {'context':>7} {'KV tok':>6} {'KV/rank MiB':>11} {'measured':>9} "
+        f"{'KV ratio':>8} "
         f"{'step p50 ms':>11} {'p90 ms':>8} {'step ratio':>10} {'comm ms':>8} {'comm %':>7}",
     ]
     for r in result["rows"]:
         lines.append(
-            f"{r['config']:>9} {r['context_len']:>7} {r['context_tokens']:>6} {_mib(r['kv_bytes_per_rank']):>11} "
+            f"{r['config']:>9} {r['context_len']:>7} {r['context_tokens']:>6} "
+            f"{_mib(r['kv_bytes_per_rank']):>11} "
             f"{_mib(r['kv_measured_bytes_per_rank']):>9} {r['kv_ratio']:>8.3f} "
             f"{r['step_median_ms']:>11.2f} {r['step_p90_ms']:>8.2f} {r['step_ratio']:>10.2f} "
             f"{r['dcp_comm_median_ms']:>8.2f} {100 * r['comm_share']:>6.1f}%"
         )
     lines += [
-        "context: prompt tokens asked for; KV tok: prompt (capped to the model's length) + decode tokens held. "
-        "KV/rank: tokens on the fullest rank x layers x 2 x local KV heads x head_size x dtype bytes; "
-        "measured: blocks the request holds x physical block bytes per rank. Ratios: "
+        "context: prompt tokens asked for; KV tok: prompt (capped to the model's length) + decode "
+        "tokens held. "
+        "KV/rank: tokens on the fullest rank x layers x 2 x local KV heads x head_size x dtype "
+        "bytes; measured: blocks the request holds x physical block bytes per rank. Ratios: "
         + ", ".join(f"{c} relative to {b}" for c, b in result["baselines"].items() if b)
         + ".",
         "comm: DCP all-gathers + LSE merge per decode step (rank 0), % of the forward pass.",

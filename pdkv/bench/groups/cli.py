@@ -103,7 +103,8 @@ def run_model(model: str, prompt_lens: Sequence[int], repeats: int, transfer: st
             received = {leg["bytes"] for leg in legs}
             if len(received) != 1:
                 raise RuntimeError(
-                    f"{model}, {n} tokens: bytes received differ between repeats: {sorted(received)}"
+                    f"{model}, {n} tokens: bytes received differ between repeats: "
+                    f"{sorted(received)}"
                 )
             groups = _group_plan(d, n)
             rows.append({"model": model, "prompt_tokens": n, "groups": groups,
@@ -151,13 +152,16 @@ def run_groups_bench(
     if print_tables:
         print(format_measured(rows))
         print(
-            f"\nbytes x / time x: ratio to {PEER} (full attention, same hidden size, heads and layers) at the same prompt "
-            f"length; xfer: median over {repeats} whole pulls (claim -> done ack), transfer {transfer!r}.\n"
+            f"\nbytes x / time x: ratio to {PEER} (full attention, same hidden size, heads and "
+            "layers) at the same prompt "
+            f"length; xfer: median over {repeats} whole pulls (claim -> done ack), transfer "
+            f"{transfer!r}.\n"
         )
         print(format_real_size(real, prompt_lens))
         print(
-            "\nReal-size rows: `pdkv plan`'s model of the published configs (tp 1, the config's dtype; "
-            "a sliding-window group holds at most its window, a linear state one slot per request)."
+            "\nReal-size rows: `pdkv plan`'s model of the published configs (tp 1, the config's "
+            "dtype; a sliding-window group holds at most its window, a linear state one slot per "
+            "request)."
         )
     return result
 

@@ -148,7 +148,8 @@ def format_real_size(rows: list[RealSizeRow], prompt_lens: Sequence[int]) -> str
             )
         lines.append(
             f"{model:>20} {'total':>15} {sum(r['layers'] for r in mine):>6} "
-            f"{sum(r['bytes_per_token'] for r in mine):>9,} {sum(r['bytes_per_request'] for r in mine):>10,}"
+            f"{sum(r['bytes_per_token'] for r in mine):>9,} "
+            f"{sum(r['bytes_per_request'] for r in mine):>10,}"
             + "".join(f" {_mib(sum(r['held'][str(n)] for r in mine)):>11}" for n in prompt_lens)
         )
     return "\n".join(lines)
@@ -169,8 +170,9 @@ def format_measured(rows: list[MeasuredRow]) -> str:
         )
         lines.append(
             f"{r['model']:>15} {r['prompt_tokens']:>6} {groups:>52} {_mib(r['formula_bytes']):>11} "
-            f"{_mib(r['bytes_received']):>9} {r['transfer_s'] * 1e3:>11.2f} {r.get('bytes_ratio', 1.0):>7.3f} "
-            f"{r.get('time_ratio', 1.0):>7.2f} {'ok' if r['bytes_received'] == r['formula_bytes'] else 'BYTES':>6}"
+            f"{_mib(r['bytes_received']):>9} {r['transfer_s'] * 1e3:>11.2f} "
+            f"{r.get('bytes_ratio', 1.0):>7.3f} {r.get('time_ratio', 1.0):>7.2f} "
+            f"{'ok' if r['bytes_received'] == r['formula_bytes'] else 'BYTES':>6}"
         )
     return "\n".join(lines)
 

@@ -252,8 +252,8 @@ def run_handoff_bench(
             (NetnsPair(rate=link_rate) if link_rate else contextlib.nullcontext()) as pair:
         if pair is not None:
             say(
-                f"namespaces {pair.ns('p')} ({pair.host('p')}) and {pair.ns('d')} ({pair.host('d')}); "
-                f"{pair.qdisc('p')}"
+                f"namespaces {pair.ns('p')} ({pair.host('p')}) and {pair.ns('d')} "
+                f"({pair.host('d')}); {pair.qdisc('p')}"
             )
         for transfer in transfers:
             link = engine_link(
@@ -275,7 +275,8 @@ def run_handoff_bench(
                                     "first_seconds": sum(cold["transfer_seconds"])}
                 say(
                     f"[{transfer}] probe: {PROBE_TOKENS} tokens, {probe['bytes']:.0f} B in "
-                    f"{probe_s * 1e3:.2f} ms (first pull {probes[transfer]['first_seconds'] * 1e3:.2f} ms) → "
+                    f"{probe_s * 1e3:.2f} ms (first pull "
+                    f"{probes[transfer]['first_seconds'] * 1e3:.2f} ms) → "
                     f"fixed cost {fixed * 1e3:.2f} ms",
                     flush=True,
                 )

@@ -110,25 +110,32 @@ def format_table(result: HeteroResult) -> str:
     """The table of a `run_hetero_bench` result (bytes in MiB = 2^20 bytes, times in ms) and
     the notes below it."""
     lines = [
-        f"{'case':>12} {'P bs':>4} {'D bs':>4} {'D tp':>4} {'prompt':>6} {'P blks':>6} {'MiB recv':>8} {'need MiB':>8} "
-        f"{'read ops':>8} {'xfer p50 ms':>11} {'bytes x':>7} {'ops x':>7} {'time x':>6} {'check':>8}",
+        f"{'case':>12} {'P bs':>4} {'D bs':>4} {'D tp':>4} {'prompt':>6} {'P blks':>6} "
+        f"{'MiB recv':>8} {'need MiB':>8} "
+        f"{'read ops':>8} {'xfer p50 ms':>11} {'bytes x':>7} {'ops x':>7} {'time x':>6} "
+        f"{'check':>8}",
     ]
     for r in result["rows"]:
         lines.append(
-            f"{r['case']:>12} {r['p_block_size']:>4} {r['d_block_size']:>4} {r['d_tp']:>4} {r['prompt_tokens']:>6} "
-            f"{r['p_blocks']:>6} {_mib(r['bytes_received']):>8} {_mib(r['needed_bytes']):>8} {r['read_ops']:>8} "
+            f"{r['case']:>12} {r['p_block_size']:>4} {r['d_block_size']:>4} {r['d_tp']:>4} "
+            f"{r['prompt_tokens']:>6} "
+            f"{r['p_blocks']:>6} {_mib(r['bytes_received']):>8} {_mib(r['needed_bytes']):>8} "
+            f"{r['read_ops']:>8} "
             f"{r['transfer_s'] * 1e3:>11.2f} {r['bytes_ratio']:>7.2f} {r['read_ops_ratio']:>7.1f} "
             f"{r['transfer_ratio']:>6.2f} {r['check']:>8}"
         )
     lines += [
-        f"MiB recv: KV bytes D received per pull (all ranks); need: prompt tokens x {result['bytes_per_token']} "
+        "MiB recv: KV bytes D received per pull (all ranks); need: prompt tokens x "
+        f"{result['bytes_per_token']} "
         "bytes per token (layers x K/V x KV heads x head_size x dtype bytes).",
-        "P blks: P blocks pulled. read ops: ReadOps D submitted per pull (all ranks; median of the repeats); "
-        "a same-layout pull reads each run of blocks consecutive on both sides at once: 1 to P blks reads.",
-        f"xfer: median over {result['repeats']} pulls of claim -> done ack (the slowest rank at tp > 1). "
-        "x: ratio to the same-layout case at the same prompt length. "
+        "P blks: P blocks pulled. read ops: ReadOps D submitted per pull (all ranks; median of the "
+        "repeats); "
+        "a same-layout pull reads each run of blocks consecutive on both sides at once: 1 to P "
+        "blks reads.",
+        f"xfer: median over {result['repeats']} pulls of claim -> done ack (the slowest rank at tp "
+        "> 1). x: ratio to the same-layout case at the same prompt length. "
         "check: D's greedy tokens equal the same-layout case's.",
-        f"Transfer {result['transfer']!r}, P and D on one host; {result['cpu_count']} CPUs. Every pull is whole: "
-        "D's prefix cache is reset before each.",
+        f"Transfer {result['transfer']!r}, P and D on one host; {result['cpu_count']} CPUs. Every "
+        "pull is whole: D's prefix cache is reset before each.",
     ]
     return "\n".join(lines)

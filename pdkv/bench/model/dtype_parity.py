@@ -3,10 +3,10 @@ outputs from float32, and how long the same greedy run takes in each.
 
 Method (the kvquant bench's, pdkv/bench/model/kv_quant.py, with the model dtype varied instead of
 the KV cache's): the model is loaded in float32 and in the dtype under test, each with the
-`--cpu-linear` mode given (default panel, the engine's; auto times its table on that dtype); N prompts are
-prefilled in one batch and decoded greedily for M tokens over a KV cache of the model dtype.
-Reported against float32: first-step max |logit difference| (whole vocabulary), prompts with the
-same first token, greedy common-prefix agreement (summed prefix / (N x M)), prompts identical in
+`--cpu-linear` mode given (default panel, the engine's; auto times its table on that dtype); N
+prompts are prefilled in one batch and decoded greedily for M tokens over a KV cache of the model
+dtype. Reported against float32: first-step max |logit difference| (whole vocabulary), prompts with
+the same first token, greedy common-prefix agreement (summed prefix / (N x M)), prompts identical in
 all M tokens, and each run's seconds. The CPU's bf16 flags are printed (pdkv/model/cpu_features.py).
 """
 
@@ -44,7 +44,8 @@ class DtypeRow:
 def load_with_linear(
     path: str, dtype: str, cpu_linear: str = "auto"
 ) -> tuple[LlamaForCausalLM, str]:
-    """A CPU model in `dtype` with `cpu_linear` applied; returns (model, what the mode resolved to)."""
+    """A CPU model in `dtype` with `cpu_linear` applied; returns (model, what the mode resolved
+    to)."""
     model = load_model(path, dtype, "cpu")
     return model, setup_cpu_linear(model, cpu_linear, dtype, "cpu").describe()
 
@@ -85,7 +86,8 @@ def format_rows(rows: list[DtypeRow]) -> str:
              f"{'identical':>9} {'seconds':>8}  cpu-linear"]
     for r in rows:
         lines.append(
-            f"{r.dtype:<9} {r.max_abs_logit_diff:>17.4f} {r.first_token_same:>5}/{r.num_prompts:<4} "
+            f"{r.dtype:<9} {r.max_abs_logit_diff:>17.4f} "
+            f"{r.first_token_same:>5}/{r.num_prompts:<4} "
             f"{r.prefix_agreement:>12.3f} {r.sequences_identical:>4}/{r.num_prompts:<4} "
             f"{r.seconds:>8.1f}  {r.cpu_linear}"
         )
@@ -117,8 +119,10 @@ def main(args: argparse.Namespace) -> int:
     models = {d: load_with_linear(path, d, args.cpu_linear) for d in dtypes}
     rows = compare_dtypes(models, prompts, args.max_tokens)
     print(
-        f"{args.model}: {len(prompts)} prompts x {args.max_tokens} greedy tokens, reference float32, "
-        f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''}; CPU bf16 flags: {read_cpu_features().describe()}"
+        f"{args.model}: {len(prompts)} prompts x {args.max_tokens} greedy tokens, reference "
+        "float32, "
+        f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''}; CPU bf16 "
+        f"flags: {read_cpu_features().describe()}"
     )
     print(format_rows(rows))
     if args.json:

@@ -166,13 +166,14 @@ def measure(
 def format_rows(rows: list[QuantRow]) -> str:
     """A fixed-width table of the rows."""
     head = (
-        f"{'kv_cache_dtype':<14} {'B/token/layer':>13} {'max|dlogit| step1':>17} {'step1 same':>10} "
-        f"{'prefix agree':>12} {'identical':>9} {'seconds':>8}"
+        f"{'kv_cache_dtype':<14} {'B/token/layer':>13} {'max|dlogit| step1':>17} "
+        f"{'step1 same':>10} {'prefix agree':>12} {'identical':>9} {'seconds':>8}"
     )
     lines = [head]
     for r in rows:
         lines.append(
-            f"{r.kv_cache_dtype:<14} {r.bytes_per_token_layer:>13.0f} {r.max_abs_logit_diff:>17.4f} "
+            f"{r.kv_cache_dtype:<14} {r.bytes_per_token_layer:>13.0f} "
+            f"{r.max_abs_logit_diff:>17.4f} "
             f"{r.first_token_same:>5}/{r.num_prompts:<4} {r.prefix_agreement:>12.3f} "
             f"{r.sequences_identical:>4}/{r.num_prompts:<4} {r.seconds:>8.1f}"
         )

@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         format_profile(
             rows,
-            f"{args.model} float32, {args.num_threads} thread{'s' if args.num_threads != 1 else ''}, linear {linear}, attention {backend}, "
+            f"{args.model} float32, {args.num_threads} "
+            f"thread{'s' if args.num_threads != 1 else ''}, linear {linear}, attention {backend}, "
             f"fused ops {'on' if fused else 'off'}, context {args.context}",
         )
     )

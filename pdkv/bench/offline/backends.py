@@ -232,7 +232,8 @@ def format_backend_table(result: dict[str, Any]) -> str:
     what = "CPU matmul (--cpu-linear)" if by_linear else "attention backend (decode tok/s)"
     lines = [
         f"pdkv by {what}: {result['model']} {result['dtype']}, "
-        f"{result['num_threads']} thread{'s' if result['num_threads'] != 1 else ''}, {result['input_len']} prompt + {result['output_len']} "
+        f"{result['num_threads']} thread{'s' if result['num_threads'] != 1 else ''}, "
+        f"{result['input_len']} prompt + {result['output_len']} "
         f"output tokens; {result['host_cpu']}",
         "backends: " + ", ".join(f"{n} (ran {used[n]})" for n in names),
         "| batch | "
@@ -269,6 +270,7 @@ def format_backend_table(result: dict[str, Any]) -> str:
             )
     lo, hi = result["host_load_avg_1m"]
     lines.append(
-        f"host load average (1 min) before / after: {lo:.2f} / {hi:.2f} on {result['host_cpu_count']} CPUs"
+        f"host load average (1 min) before / after: {lo:.2f} / {hi:.2f} on "
+        f"{result['host_cpu_count']} CPUs"
     )
     return "\n".join(lines)

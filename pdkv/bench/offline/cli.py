@@ -88,7 +88,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--long-prefill-len",
         type=int,
         default=None,
-        help="prompt tokens of the extra batch-1 prefill (default 512 with --peer llama.cpp; 0: off)",
+        help=(
+            "prompt tokens of the extra batch-1 prefill (default 512 with --peer llama.cpp; "
+            "0: off)"
+        ),
     )
     parser.add_argument("--no-hf", dest="include_hf", action="store_false",
                         help="skip HF transformers (removes hf from --peer)")

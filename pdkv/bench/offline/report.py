@@ -164,8 +164,8 @@ def format_workload_table(result: dict[str, Any]) -> str:
     widths = [max(len(c), *(len(t[i]) for t in text)) for i, c in enumerate(cols)]
     lines = [
         f"pdkv vs HF transformers vs llama.cpp (llama-cpp-python "
-        f"{result.get('llama_cpp_python_version') or '?'}, GGUF {result['dtype']}), same token ids, "
-        f"{result['num_threads']} thread{'s' if result['num_threads'] != 1 else ''} each",
+        f"{result.get('llama_cpp_python_version') or '?'}, GGUF {result['dtype']}), same token "
+        f"ids, {result['num_threads']} thread{'s' if result['num_threads'] != 1 else ''} each",
         " | ".join(
             c.ljust(w) if i == 0 else c.rjust(w)
             for i, (c, w) in enumerate(zip(cols, widths, strict=True))

@@ -1,4 +1,5 @@
-"""The `pdkv bench offline` run: build pdkv and its peers, time every batch size, assemble the result.
+"""The `pdkv bench offline` run: build pdkv and its peers, time every batch size, assemble the
+result.
 
 Peers: "hf" (HF transformers, `offline_measure.run_hf`) and "llama.cpp" (llama-cpp-python's C API,
 `offline_llamacpp.LlamaCppPeer`). Each system runs the same token ids, one after the other, with

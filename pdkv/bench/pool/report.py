@@ -132,7 +132,8 @@ def format_table(result: PoolResult) -> str:
     n, c = result["prompt_len"], result["chunk_size"]
     lines = [
         f"pdkv bench pool: {result['model']}, block {result['block_size']}, chunk {c} tokens, "
-        f"prompt {n} tokens, {result['repeats']} repeats (medians), {result['max_tokens']} output tokens",
+        f"prompt {n} tokens, {result['repeats']} repeats (medians), {result['max_tokens']} output "
+        "tokens",
         f"full hit = ((n-1)//C)*C = (({n}-1)//{c})*{c} = {result['expected_hit_tokens']} tokens "
         "(the last prompt token is never loaded)",
         f"no pool: TTFT {result['no_pool_ttft_ms']:.0f} ms (same prompts, same run)",

@@ -259,8 +259,8 @@ def _run_tier(
                 say(
                     f"{tier:<8} repeat {i}: cold {s['cold_ttft_s'] * 1000:.0f} ms, hot "
                     f"{s['hot_ttft_s'] * 1000:.0f} ms, hit {s['hit_tokens']}/{expected} tokens, "
-                    f"{s['bytes_read'] / 1e6:.0f} MB read in {s['load_s'] * 1000:.0f} ms, identical "
-                    f"{s['identical']} ({time.perf_counter() - t0:.0f} s)",
+                    f"{s['bytes_read'] / 1e6:.0f} MB read in {s['load_s'] * 1000:.0f} ms, "
+                    f"identical {s['identical']} ({time.perf_counter() - t0:.0f} s)",
                     flush=True,
                 )
         finally:

@@ -155,7 +155,8 @@ def format_phases(phases: TTFTPhases) -> list[str]:
     """The "TTFT Phases" block: mean and p99 per phase (ms), the sum against client TTFT."""
     lines = ["{s:{c}^{n}}".format(s="TTFT Phases (server pdkv_timings)", n=_W, c="-")]
     lines.append(
-        f"{'Phase (requests: ' + str(phases['num_requests']) + ')':<30} {'mean ms':>9} {'p99 ms':>9}"
+        f"{'Phase (requests: ' + str(phases['num_requests']) + ')':<30} {'mean ms':>9} "
+        f"{'p99 ms':>9}"
     )
     for name, v in phases["phases"].items():
         lines.append(f"{name:<30} {v['mean_ms']:>9.2f} {v['p99_ms']:>9.2f}")

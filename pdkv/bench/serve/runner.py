@@ -169,7 +169,8 @@ async def pick_tokenizer(client: httpx.AsyncClient, cfg: BenchConfig, model: str
             "prompt lengths are counted in words (give --tokenizer)")
         return tok
     log(
-        f"the server has no /tokenize; counting tokens with the tokenizer of {name!r} ({local.source})"
+        f"the server has no /tokenize; counting tokens with the tokenizer of {name!r} "
+        f"({local.source})"
     )
     return local
 

@@ -35,7 +35,8 @@ def pattern_bytes(offset: int, nbytes: int) -> np.ndarray:
 
 
 def fill_pattern(buf: memoryview) -> None:
-    """Fill `buf` (any writable buffer, bytes) with `pattern_bytes(0, len(buf))`, in 16 MiB chunks."""
+    """Fill `buf` (any writable buffer, bytes) with `pattern_bytes(0, len(buf))`, in 16 MiB
+    chunks."""
     arr = np.frombuffer(buf, dtype=np.uint8)
     try:
         for off in range(0, len(arr), _CHUNK):
