@@ -43,7 +43,8 @@ class FullAttention:
     kind: str = "full_attention"
 
     def token_bytes(self, dt: ElementType, tp: int = 1) -> int:
-        """Bytes per token on one rank: 2 (K,V) · layers · heads/rank · (head_dim · elem + scale)."""
+        """Bytes per token on one rank: 2 (K,V) · layers · heads/rank · (head_dim · elem +
+        scale)."""
         h = heads_per_rank(self.num_kv_heads, tp)
         return 2 * self.num_layers * h * (self.head_dim * dt.bytes + dt.scale_bytes)
 
@@ -79,7 +80,8 @@ class SlidingWindow(FullAttention):
     def block_tokens_held(self, num_tokens: int, block_size: int) -> int:
         """Token slots of the blocks P/D moves for a prompt of `num_tokens`: D resumes at the last
         prompt token and keeps the window of that token's block boundary B, blocks
-        (B − window + 1) // block_size .. (n − 1) // block_size (pdkv.cache.specs.window_first_block)."""
+        (B − window + 1) // block_size .. (n − 1) // block_size
+        (pdkv.cache.specs.window_first_block)."""
         if num_tokens == 0:
             return 0
         last = (num_tokens - 1) // block_size
@@ -108,7 +110,8 @@ class MLA:
     def formula(self, dt: ElementType, tp: int = 1) -> str:
         scale = f" + {dt.scale_bytes} B scale" if dt.scale_bytes else ""
         rep = "" if tp == 1 else f" (replicated on each of tp={tp} ranks)"
-        return f"({self.kv_lora_rank}+{self.rope_dim})·{dt.bytes} B{scale}·{self.num_layers} layers{rep}"
+        return (f"({self.kv_lora_rank}+{self.rope_dim})·{dt.bytes} B{scale}·"
+                f"{self.num_layers} layers{rep}")
 
     def tokens_held(self, num_tokens: int) -> int:
         return num_tokens
