@@ -99,8 +99,9 @@ def start_server(host: str, port: int, handler: Callable[[socket.socket], None],
         try:
             handler(conn)
         finally:
-            conn.close()
+            # The slot first: a peer that sees the close and connects again at once is served.
             slots.release()
+            conn.close()
 
     def accept_loop() -> None:
         while True:
