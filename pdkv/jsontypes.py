@@ -22,6 +22,18 @@ else:
     JSONObject = dict[str, object]
 
 
+def as_int(value: object) -> int:
+    """`int(value)` of a JSON number or numeric string (a boolean is an int, as for int()).
+
+    Raises:
+        TypeError: null, an array or an object.
+        ValueError: a string that is not an integer.
+    """
+    if isinstance(value, int | float | str):
+        return int(value)
+    raise TypeError(f"int() argument must be a string or a number, not {type(value).__name__!r}")
+
+
 def as_object(value: object, what: str) -> JSONObject:
     """`value` as a JSON object.
 

@@ -12,22 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from pdkv.jsontypes import JSONObject
+from pdkv.jsontypes import JSONObject, as_int
 
 LAYOUT_KEY = "linear_state"
 """Key of the state geometry in an engine's layout (wire form)."""
-
-
-def as_int(value: object) -> int:
-    """`int(value)` of a wire value (a number or a numeric string).
-
-    Raises:
-        TypeError: value is not a number or a string.
-        ValueError: a string that is not a number.
-    """
-    if isinstance(value, int | float | str):
-        return int(value)
-    raise TypeError(f"int() argument must be a string or a number, not {type(value).__name__!r}")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from pdkv.jsontypes import JSONObject, JSONValue
+from pdkv.jsontypes import JSONObject, JSONValue, as_int
 from pdkv.kv_transfer.connector.p2p_messages import conversion_error, layout_mismatch
 
 PRODUCER_ROLES = ("kv_producer", "kv_both")
@@ -44,22 +44,9 @@ class BackendInfo:
     def block_size(self) -> int | None:
         """Tokens per KV block from the layout (None when unknown)."""
         try:
-            return json_int(self.layout["block_size"]) if self.layout else None
+            return as_int(self.layout["block_size"]) if self.layout else None
         except (KeyError, TypeError, ValueError):
             return None
-
-
-def json_int(value: JSONValue) -> int:
-    """`int(value)` of a JSON number or numeric string.
-
-    Raises:
-        TypeError: null, an array or an object (a boolean is an int, as for int()).
-        ValueError: a string that is not an integer.
-    """
-    if isinstance(value, (int, float, str)):
-        return int(value)
-    raise TypeError(f"int() argument must be a string, a bytes-like object or a real number, "
-                    f"not '{type(value).__name__}'")
 
 
 async def fetch_info(

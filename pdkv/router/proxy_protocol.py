@@ -47,8 +47,8 @@ def release_prefill(params: JSONObject) -> bool:
     holds the blocks on every rank: the release goes to each control endpoint in `endpoints`
     (rank order; `remote_host`/`remote_port` is rank 0's). The one place that maps the params
     onto the connector's release helper. Returns whether every rank acknowledged."""
+    from pdkv.jsontypes import as_int
     from pdkv.kv_transfer.connector.p2p_messages import send_release
-    from pdkv.router.backend_info import json_int
 
     endpoints = params.get("endpoints") or [[params["remote_host"], params["remote_port"]]]
     if not isinstance(endpoints, list):
@@ -58,7 +58,7 @@ def release_prefill(params: JSONObject) -> bool:
         if not isinstance(endpoint, list):
             raise TypeError(f"an endpoint must be [host, port], got {endpoint!r:.60}")
         host, port = endpoint
-        acks.append(send_release(host=str(host), port=json_int(port),
+        acks.append(send_release(host=str(host), port=as_int(port),
                                  request_id=str(params["remote_request_id"]),
                                  nonce=str(params.get("remote_nonce", ""))))
     return all(acks)

@@ -14,22 +14,11 @@ Unicode); value ranges are checked by SamplingParams and the engine.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Literal, TypeAlias
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-if TYPE_CHECKING:
-    from pdkv.jsontypes import JSONObject, JSONValue
-
-    # Fields holding JSON as the client sent it (FastAPI's json.loads: pdkv.jsontypes).
-    JSONField: TypeAlias = JSONValue
-    JSONObjectField: TypeAlias = JSONObject
-else:
-    # pydantic cannot evaluate pdkv.jsontypes' string aliases, and these fields' contents are
-    # not validated (they never were: a value passes through as parsed); `object` is what
-    # tells pydantic so (any value kept as is).
-    JSONField = object
-    JSONObjectField = dict[str, object]
+from pdkv.jsontypes import JSONObject, JSONValue
 
 logger = logging.getLogger(__name__)
 
@@ -102,21 +91,21 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    kv_transfer_params: JSONObjectField | None = None
+    kv_transfer_params: JSONObject | None = None
     cache_salt: str | None = None
     user: str | None = None
     # Structured output (OpenAI's response_format, vLLM's guided_* / structured_outputs) and
     # tool calling: declared so that the handlers can answer 400 naming them.
-    response_format: JSONObjectField | None = None
-    guided_json: JSONField = None
+    response_format: JSONObject | None = None
+    guided_json: JSONValue = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: JSONObjectField | None = None
-    tools: list[JSONObjectField] | None = None
-    tool_choice: JSONField = None
-    functions: list[JSONObjectField] | None = None
-    function_call: JSONField = None
+    structured_outputs: JSONObject | None = None
+    tools: list[JSONObject] | None = None
+    tool_choice: JSONValue = None
+    functions: list[JSONObject] | None = None
+    function_call: JSONValue = None
     parallel_tool_calls: bool | None = None
 
 
@@ -134,7 +123,7 @@ class CompletionRequest(_SamplingFields):
 class ChatMessage(_Body):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[JSONObjectField] | None = None
+    content: str | list[JSONObject] | None = None
 
     def text(self) -> str:
         """The message text (text parts joined; other parts are rejected).

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, TypeGuard
 
-from pdkv.cache.kv_layout import as_int
 from pdkv.cache.specs import QUANTIZED_KV_CACHE_DTYPES
+from pdkv.jsontypes import as_int
 from pdkv.kv_transfer.connector.p2p_messages import conversion_error, params_layout
 from pdkv.kv_transfer.reshard import plan_head_reads
 from pdkv.kv_transfer.reshard_state import StateGeometry, plan_state_reads

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from pdkv.cache.kv_layout import as_int
+from pdkv.jsontypes import as_int
 from pdkv.kv_transfer.connector.base import KVConnectorMetadata
 
 

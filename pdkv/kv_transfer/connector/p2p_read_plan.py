@@ -9,8 +9,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from pdkv.cache.kv_layout import KVLayout, as_int
+from pdkv.cache.kv_layout import KVLayout
 from pdkv.cache.specs import DTYPE_BYTES, QUANTIZED_KV_CACHE_DTYPES
+from pdkv.jsontypes import as_int
 from pdkv.kv_transfer.connector.p2p_messages import HandshakeReply, RecvSpec
 from pdkv.kv_transfer.engine.base import ReadOp, TransferError
 from pdkv.kv_transfer.reblock import plan_reblock
