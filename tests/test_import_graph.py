@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "outputs",
         "block_hashing",
         "jsontypes",
+        "ports",
     ),  # leaves
     ("request",),  # a request and its state
     ("cache",),  # blocks, block pool, KV cache manager (torch-free)

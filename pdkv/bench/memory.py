@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import httpx
 
 from pdkv.launch.launcher import Child, Topology
-from pdkv.launch.ports import free_port
+from pdkv.ports import free_port
 
 HOST = "127.0.0.1"
 SERVE_GOAL_BYTES = 1_200_000_000

@@ -15,7 +15,6 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
-import socket
 import time
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -46,6 +45,7 @@ from pdkv.kv_transfer.connector.base import KVConnectorBase
 from pdkv.kv_transfer.connector.startup import ConnectorStartup
 from pdkv.model.llama import LlamaArchConfig
 from pdkv.parallel.layout import ParallelLayout
+from pdkv.ports import free_port
 from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput
 from pdkv.worker.kv_cache import scheduler_view, size_kv_cache
 from pdkv.worker.model_runner import ModelRunner, StepTimings
@@ -61,12 +61,6 @@ MULTIPROC_POLL_S = 0.005
 
 class WorkerDiedError(RuntimeError):
     """A worker process exited or failed; the engine cannot continue."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class MultiprocExecutor:
@@ -116,7 +110,7 @@ class MultiprocExecutor:
         self._closed = False
         self._kv_outputs = KVOutputAggregator(self.world_size)
         ctx = mp.get_context("spawn")
-        port = par.distributed_init_port or _free_port()
+        port = par.distributed_init_port or free_port()
         threads = max(1, num_threads // self.world_size)
         self._conns: list[Connection] = []
         self._procs: list[BaseProcess] = []

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pdkv.launch.ports import free_port
 from pdkv.launch.services import start_pool_server
+from pdkv.ports import free_port
 from pdkv.router.policies import DEFAULT_MAX_IMBALANCE, POLICIES
 from pdkv.router.pool_topology import (
     DEFAULT_CHUNK_SIZE,

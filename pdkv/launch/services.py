@@ -22,7 +22,7 @@ from functools import partial
 from pathlib import Path
 from types import TracebackType
 
-from pdkv.launch.ports import free_port
+from pdkv.ports import free_port
 from pdkv.router.pool_topology import MOONCAKE_SEGMENT_BYTES, POOL_TIERS, PoolServer
 
 REDIS_INSTALL_HINT = "install it with `apt-get install -y redis-server`"

@@ -36,7 +36,7 @@ from pdkv.kv_transfer.connector.p2p_worker import P2PConnectorWorker  # noqa: E4
 from pdkv.kv_transfer.engine.base import ReadOp, TransferError  # noqa: E402
 from pdkv.kv_transfer.engine.tcp import TcpTransferEngine  # noqa: E402
 from pdkv.kv_transfer.wire import connect, recv_msg, send_msg  # noqa: E402
-from pdkv.launch.ports import free_port  # noqa: E402
+from pdkv.ports import free_port  # noqa: E402
 
 LAYOUT = {
     "model_digest": "m",

@@ -13,7 +13,7 @@ import pytest
 
 from pdkv.kvpool.tiers.base import TierError
 from pdkv.kvpool.tiers.mooncake import MooncakeTier, import_store_class
-from pdkv.launch.ports import free_port
+from pdkv.ports import free_port
 
 SMALL_BUFFER = 4 << 20  # values above 1 MiB take the registered-buffer path
 

@@ -12,7 +12,7 @@ import pytest
 
 from pdkv.kvpool.tiers.base import TierError
 from pdkv.kvpool.tiers.redis import RedisTier
-from pdkv.launch.ports import free_port
+from pdkv.ports import free_port
 
 
 @pytest.fixture

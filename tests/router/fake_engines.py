@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdkv.kv_transfer.connector.p2p_messages import Ack, Notify
 from pdkv.kv_transfer.wire import WireError, recv_msg, send_msg, start_server, stop_server
-from pdkv.launch.ports import free_port
+from pdkv.ports import free_port
 
 LAYOUT = {"model_digest": "abc", "dtype": "float32", "block_size": 16, "num_layers": 30,
           "num_kv_heads": 3, "head_size": 64, "kv_layout": "NHD"}

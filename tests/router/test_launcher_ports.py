@@ -10,7 +10,8 @@ import types
 
 import pytest
 
-from pdkv.launch import launcher, ports
+from pdkv import ports
+from pdkv.launch import launcher
 
 
 def test_a_tp2_prefill_engine_gets_two_consecutive_ports_no_other_child_uses(monkeypatch):

@@ -238,7 +238,7 @@ def test_colocated_round_robin_alternates_and_counts_errors(colocated):
 
 
 def test_colocated_unreachable_backend_is_502():
-    from pdkv.launch.ports import free_port
+    from pdkv.ports import free_port
 
     dead = f"http://127.0.0.1:{free_port(set())}"
     srv = ServerThread(build_proxy_app([], [], "least_loaded", backend_urls=[dead]))

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from fake_engines import LAYOUT, FakeControl, FakeEngine, ServerThread
 
-from pdkv.launch.ports import free_port
+from pdkv.ports import free_port
 from pdkv.router.proxy import build_proxy_app
 from pdkv.router.validate import BadRequest, check_body, parse_body
 

@@ -12,7 +12,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from pdkv.launch.ports import free_port
+from pdkv.ports import free_port
 from pdkv.router.policies import Backend, LeastLoaded, RoundRobin, make_policy
 from pdkv.router.proxy import build_proxy_app, prefill_body
 

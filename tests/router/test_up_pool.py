@@ -15,7 +15,7 @@ import httpx
 import pytest
 from system_packages import in_ci
 
-from pdkv.launch.ports import free_port
+from pdkv.ports import free_port
 
 CHUNK = 32
 PROMPT = " ".join(f"Step {i}: the river carries water down to the sea." for i in range(12))

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from pdkv.launch.ports import free_port
+from pdkv.ports import free_port
 from pdkv.procgroup import stop_process_group
 
 SCRAPE_INTERVAL_S = 1.0

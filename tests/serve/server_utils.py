@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from pdkv.launch.ports import free_port
+from pdkv.ports import free_port
 
 
 class RemoteServer:

@@ -30,7 +30,7 @@ import httpx
 
 from pdkv.bench.chaos.load import LoadResult, Planned, make_plan, run_load
 from pdkv.launch.launcher import Child, Topology
-from pdkv.launch.ports import free_port
+from pdkv.ports import free_port
 
 HOST = "127.0.0.1"
 
