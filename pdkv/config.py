@@ -255,8 +255,6 @@ class EngineConfig:
 
 _KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 _LOAD_FAILURE_POLICIES = ("recompute", "fail")
-POOL_CONNECTORS = ("KVPoolConnector",)
-"""Connectors whose loads are best effort (default load-failure policy "recompute")."""
 
 
 @dataclass(frozen=True)
@@ -269,7 +267,8 @@ class KVTransferConfig:
         engine_id: this engine's id in kv_transfer_params (default: a random uuid4 hex).
         kv_connector_extra_config: connector-specific settings (e.g. transfer, kv_port).
         kv_load_failure_policy: "recompute" (rerun the prefill locally) or "fail"; "" (unset)
-            means the connector's default, see `load_failure_policy`.
+            means the connector's default (pdkv.kv_transfer.connector.spec: "recompute" for a
+            KV pool, whose loads are best effort, "fail" for P/D, vLLM's default on decode).
     """
 
     kv_connector: str
@@ -290,15 +289,6 @@ class KVTransferConfig:
             import uuid
 
             object.__setattr__(self, "engine_id", uuid.uuid4().hex)
-
-    @property
-    def load_failure_policy(self) -> str:
-        """The policy in force: the configured one, else "recompute" for a KV pool connector
-        (a pool never guarantees a hit, so a lost entry is recomputed) and "fail" for P/D
-        connectors (vLLM's default for a decode engine)."""
-        if self.kv_load_failure_policy:
-            return self.kv_load_failure_policy
-        return "recompute" if self.kv_connector in POOL_CONNECTORS else "fail"
 
     @property
     def is_kv_producer(self) -> bool:

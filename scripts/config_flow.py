@@ -69,8 +69,33 @@ def load(root: Path) -> dict[str, Module]:
     return mods
 
 
+OBJECTS = False  # set by --objects: follow config objects only, not values derived from them
+PARTS = ("model_config", "cache_config", "scheduler_config", "parallel_config",
+         "kv_transfer_config")
+"""EngineConfig's fields that are config dataclasses (what scripts/config_path.py follows)."""
+
+
+def is_config(expr: ast.AST, tainted: set[str]) -> bool:
+    """Whether `expr` IS a config object: a tainted name (`x`, `self.x`), one of EngineConfig's
+    config parts read from one (`config.cache_config`, `self.config.parallel_config`; PARTS), or
+    `replace(<that>, ...)`."""
+    if isinstance(expr, ast.Name):
+        return expr.id in tainted
+    if isinstance(expr, ast.Attribute):
+        if isinstance(expr.value, ast.Name) and f"{expr.value.id}.{expr.attr}" in tainted:
+            return True
+        return expr.attr in PARTS and is_config(expr.value, tainted)
+    if isinstance(expr, ast.Call) and isinstance(expr.func, (ast.Name, ast.Attribute)):
+        name = expr.func.id if isinstance(expr.func, ast.Name) else expr.func.attr
+        return name == "replace" and bool(expr.args) and is_config(expr.args[0], tainted)
+    return False
+
+
 def reads(expr: ast.AST, tainted: set[str]) -> bool:
-    """Whether `expr` reads a tainted name (`x` or `self.x`)."""
+    """Whether `expr` reads a tainted name (`x` or `self.x`); with --objects, whether it IS a
+    config object (see `is_config`)."""
+    if OBJECTS:
+        return is_config(expr, tainted)
     for node in ast.walk(expr):
         if isinstance(node, ast.Name) and node.id in tainted:
             return True
@@ -179,7 +204,12 @@ def main() -> int:
     ap.add_argument("--root", default=str(Path(__file__).resolve().parents[1]),
                     help="repository root (default: this checkout)")
     ap.add_argument("--functions", action="store_true", help="list every function entered")
+    ap.add_argument("--objects", action="store_true",
+                    help="follow the config objects themselves (the config and its *_config "
+                         "parts), not every value read from them")
     args = ap.parse_args()
+    global OBJECTS
+    OBJECTS = args.objects
     root = Path(args.root)
     mods = load(root)
     flow = Flow(mods)

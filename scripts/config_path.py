@@ -21,6 +21,7 @@ Definitions (what the numbers printed mean):
 
 Usage (the repository root on PYTHONPATH):
     python scripts/config_path.py [--model tiny-llama-kv2] [--tp 1] [--dcp 1] [--frames]
+        [--kv-transfer-config '{"kv_connector": "P2PConnector", "kv_role": "kv_producer"}']
 Exits 0; prints the counts and the path (with --frames, every frame: file, function).
 """
 
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny-llama-kv2")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     parser.add_argument("--dcp", type=int, default=1, help="decode_context_parallel_size")
+    parser.add_argument("--kv-transfer-config", default=None,
+                        help="vLLM's --kv-transfer-config JSON (e.g. a P2PConnector producer)")
     parser.add_argument("--frames", action="store_true", help="print every frame recorded")
     args = parser.parse_args(argv)
 
@@ -142,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
 
     config = EngineArgs(model=args.model, dtype="float32", device="cpu", max_model_len=256,
                         num_kv_blocks=64, tensor_parallel_size=args.tp,
-                        decode_context_parallel_size=args.dcp).create_engine_config()
+                        decode_context_parallel_size=args.dcp,
+                        kv_transfer_config=args.kv_transfer_config).create_engine_config()
     tracer = ConfigTracer(config_objects(config))
     threading.settrace(tracer)
     sys.settrace(tracer)
@@ -154,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     engine.shutdown()
 
     path = path_of(tracer.frames)
-    print(f"model {args.model}, tp {args.tp}, dcp {args.dcp}: {len(tracer.frames)} frames hold "
-          f"the config")
+    kvt = config.kv_transfer_config
+    conn = f"{kvt.kv_connector} {kvt.kv_role}" if kvt else "no connector"
+    print(f"model {args.model}, tp {args.tp}, dcp {args.dcp}, {conn}: {len(tracer.frames)} "
+          "frames hold the config")
     print(f"files entered: {len(set(path))}")
     print(f"returns: {returns(path)}")
     print("path:")

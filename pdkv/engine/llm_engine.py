@@ -17,6 +17,7 @@ from pdkv.executor.multiproc import MultiprocExecutor
 from pdkv.jsontypes import JSONObject
 from pdkv.kv_transfer.connector.base import KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
+from pdkv.kv_transfer.connector.spec import connector_spec
 from pdkv.model.structured import compile_grammar
 from pdkv.outputs import RequestOutput
 from pdkv.request import Request, RequestStatus
@@ -45,23 +46,24 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer = Tokenizer(config.model_config.path)
         kvt = config.kv_transfer_config
-        # Derived values, read once: the TP/DCP layout, the logical block size, the load policy.
+        # Read once, here: the connector's spec (its settings are checked before the model
+        # loads; the connectors get only the spec), the TP/DCP layout, the logical block size.
+        spec = connector_spec(kvt, config.cache_config.block_size) if kvt is not None else None
         layout = config.parallel_config.layout()
         block_size = config.scheduler_block_size
-        load_failure_policy = kvt.load_failure_policy if kvt else "fail"
+        self.tokenizer = Tokenizer(config.model_config.path)
         self.executor: Executor
         if layout.world_size > 1:  # one worker process per TP/DCP rank
             import torch
 
             self.executor = MultiprocExecutor(config, layout, num_threads=torch.get_num_threads())
         else:
-            self.executor = InProcExecutor(config, layout)
+            self.executor = InProcExecutor(config, layout, spec)
         self.connector = None
-        if kvt is not None:
+        if spec is not None:
             self.connector = create_connector(
-                kvt, KVConnectorRole.SCHEDULER, self.executor.kv_cache_config,
+                spec, KVConnectorRole.SCHEDULER, self.executor.kv_cache_config,
                 self.executor.kv_layout, self.executor.connector_startup,
             )
         self.scheduler = Scheduler(
@@ -69,7 +71,7 @@ class LLMEngine:
             dataclasses.replace(config.cache_config, block_size=block_size),
             self.executor.kv_cache_config,
             connector=self.connector,
-            kv_load_failure_policy=load_failure_policy,
+            kv_load_failure_policy=spec.load_failure_policy if spec is not None else "fail",
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = self.executor.vocab_size

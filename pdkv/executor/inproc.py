@@ -6,6 +6,7 @@ from pdkv.cache.kv_layout import KVLayout
 from pdkv.cache.specs import KVCacheConfig
 from pdkv.config import EngineConfig
 from pdkv.kv_transfer.connector.base import KVConnectorBase
+from pdkv.kv_transfer.connector.spec import ConnectorSpec
 from pdkv.kv_transfer.connector.startup import ConnectorStartup
 from pdkv.model.arch_config import LlamaArchConfig
 from pdkv.parallel.layout import ParallelLayout
@@ -23,6 +24,8 @@ class InProcExecutor:
     Args:
         config: the engine's configuration.
         layout: its TP/DCP layout (`config.parallel_config.layout()`, world size 1).
+        connector: the KV connector's spec (`connector_spec` of config.kv_transfer_config),
+            None without one; the runner builds its worker half.
 
     Raises:
         ValueError: max_model_len exceeds the model's positions, or the KV cache cannot hold one
@@ -31,11 +34,12 @@ class InProcExecutor:
 
     poll_interval_s: float | None = None  # the connector's worker half wakes the loop itself
 
-    def __init__(self, config: EngineConfig, layout: ParallelLayout) -> None:
+    def __init__(self, config: EngineConfig, layout: ParallelLayout,
+                 connector: ConnectorSpec | None) -> None:
         self._config = config
         self._layout = layout
-        self.runner = ModelRunner(config.model_config, config.cache_config,
-                                  config.kv_transfer_config, None, self._size)
+        self.runner = ModelRunner(config.model_config, config.cache_config, connector, None,
+                                  self._size)
         self.kv_cache_config: KVCacheConfig = self.runner.kv_cache_config
         self.kv_layout: KVLayout = self.runner.kv_layout
         self.connector_startup: ConnectorStartup = self.runner.connector_startup

@@ -59,6 +59,7 @@ def run_worker(conn: Connection) -> None:
         import torch
 
         torch.set_num_threads(init.num_threads)
+        from pdkv.kv_transfer.connector.spec import connector_spec
         from pdkv.parallel.context import init_distributed
         from pdkv.worker.model_runner import ModelRunner
 
@@ -85,8 +86,9 @@ def run_worker(conn: Connection) -> None:
                 raise RuntimeError(f"expected InitKVCache, got {type(msg).__name__}")
             return msg.to_config()
 
-        runner = ModelRunner(model_config, init.cache_config, init.kv_transfer_config, ctx,
-                             kv_cache_from_engine)
+        kvt = init.kv_transfer_config  # this process's copy: its spec is parsed once, here
+        spec = connector_spec(kvt, init.cache_config.block_size) if kvt is not None else None
+        runner = ModelRunner(model_config, init.cache_config, spec, ctx, kv_cache_from_engine)
         send(WorkerReady(rank=rank, layout=runner.kv_layout.to_wire(),
                          vocab_size=runner.vocab_size, eos_token_id=runner.eos_token_id,
                          control_address=list(runner.connector_startup.control_address or [])))

@@ -18,10 +18,11 @@ import torch
 
 from pdkv.cache.kv_layout import KVLayout
 from pdkv.cache.specs import KVCacheConfig, LinearStateSpec
-from pdkv.config import CacheConfig, KVTransferConfig, ModelConfig
+from pdkv.config import CacheConfig, ModelConfig
 from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.kv_transfer.connector.p2p_compat import MLA_KV_LAYOUT
+from pdkv.kv_transfer.connector.spec import ConnectorSpec
 from pdkv.kv_transfer.connector.startup import ConnectorStartup
 from pdkv.model.arch_config import LlamaArchConfig
 from pdkv.model.fused_ops import set_fused_ops
@@ -88,7 +89,8 @@ class ModelRunner:
     Args:
         model_config: model path, dtype, device, max_model_len, seed.
         cache_config: block size and KV cache budget.
-        kv_transfer_config: when set, the worker half of that KV connector is built here.
+        connector: the KV connector's spec (`connector_spec`), when set its worker half is
+            built here.
         parallel: this rank's TP/DCP context (None: one process holds the whole model). With DCP
             the block tables are logical (block_size × dcp tokens per block id) and this rank
             stores the K/V of the tokens it owns (pdkv.parallel.layout).
@@ -108,7 +110,7 @@ class ModelRunner:
         self,
         model_config: ModelConfig,
         cache_config: CacheConfig,
-        kv_transfer_config: KVTransferConfig | None,
+        connector: ConnectorSpec | None,
         parallel: ParallelContext | None,
         kv_cache_config: KVCacheSizer,
     ) -> None:
@@ -173,9 +175,9 @@ class ModelRunner:
                 dcp_rank=parallel.dcp_rank, dcp_size=parallel.dcp_size, rank=parallel.rank,
                 world_size=parallel.layout.world_size)
         self.connector: KVConnectorBase | None = None
-        if kv_transfer_config is not None:
+        if connector is not None:
             self.connector = create_connector(
-                kv_transfer_config, KVConnectorRole.WORKER, self.kv_cache_config, self.kv_layout,
+                connector, KVConnectorRole.WORKER, self.kv_cache_config, self.kv_layout,
                 self.connector_startup,
             )
         self.kv_cache_groups, self.kv_caches = allocate_kv_cache(

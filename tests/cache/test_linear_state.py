@@ -162,7 +162,8 @@ def test_make_kv_cache_config_puts_the_linear_group_last_and_counts_its_slot(tin
 def test_connectors_refuse_a_linear_state_group():
     from pdkv.config import KVTransferConfig
     from pdkv.kv_transfer.connector.base import KVConnectorRole
-    from pdkv.kv_transfer.connector.factory import CONNECTORS, create_connector
+    from pdkv.kv_transfer.connector.factory import create_connector
+    from pdkv.kv_transfer.connector.spec import CONNECTORS, connector_spec
 
     cfg = make_manager().config
     for name in CONNECTORS:
@@ -173,7 +174,10 @@ def test_connectors_refuse_a_linear_state_group():
             continue
         with pytest.raises(ValueError, match="does not move linear-attention state"):
             create_connector(
-                KVTransferConfig(kv_connector=name, kv_role="kv_both"),
+                connector_spec(KVTransferConfig(
+                    kv_connector=name, kv_role="kv_both", kv_connector_extra_config=(
+                        {"connectors": [{"kv_connector": "P2PConnector"}]}
+                        if name == "MultiConnector" else {})), 16),
                 KVConnectorRole.SCHEDULER,
                 cfg,
                 {},

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from pdkv.config import KVTransferConfig
+from pdkv.kv_transfer.connector.spec import P2PSpec, connector_spec
 from pdkv.kv_transfer.engine.base import Grant, ReadOp, TransferEngine, TransferError
 
 
@@ -48,10 +49,13 @@ class FakeEngine(TransferEngine):
         return sum(op.length for op in ops)
 
 
-def cfg(role: str, engine_id: str) -> KVTransferConfig:
-    """A P2P kv_transfer_config for one side (transfer_timeout 10 s)."""
-    return KVTransferConfig("P2PConnector", role, engine_id=engine_id,
-                            kv_connector_extra_config={"transfer_timeout": 10.0})
+def cfg(role: str, engine_id: str) -> P2PSpec:
+    """A P2P connector's spec for one side (transfer_timeout 10 s)."""
+    spec = connector_spec(KVTransferConfig("P2PConnector", role, engine_id=engine_id,
+                                           kv_connector_extra_config={"transfer_timeout": 10.0}),
+                          16)
+    assert isinstance(spec, P2PSpec)
+    return spec
 
 
 def wait_loaded(results: Any, rid: str, timeout: float = 10.0) -> None:

@@ -15,6 +15,7 @@ from pdkv.kv_transfer.connector.p2p_messages import (
     prompt_digest,
 )
 from pdkv.kv_transfer.connector.p2p_scheduler import P2PConnectorScheduler
+from pdkv.kv_transfer.connector.spec import P2PSpec, connector_spec
 from pdkv.request import Request, RequestStatus
 from pdkv.sampling_params import SamplingParams
 
@@ -33,10 +34,18 @@ PRODUCER_ADDR = ["10.1.2.3", 47001]
 REMOTE = RemoteEngine("prefill-0", "10.1.2.3", 47001)
 
 
+def consumer_spec() -> P2PSpec:
+    """A P2P consumer's spec with default settings."""
+    spec = connector_spec(KVTransferConfig("P2PConnector", "kv_consumer"), BS)
+    assert isinstance(spec, P2PSpec)
+    return spec
+
+
 def make(role: str, engine_id: str = "engine-0", layout: dict[str, Any] | None = None,
          lease: float = LEASE) -> P2PConnectorScheduler:
-    cfg = KVTransferConfig("P2PConnector", role, engine_id=engine_id,
-                           kv_connector_extra_config={"kv_lease_duration": lease})
+    cfg = connector_spec(KVTransferConfig("P2PConnector", role, engine_id=engine_id,
+                                          kv_connector_extra_config={"kv_lease_duration": lease}),
+                         BS)
     return P2PConnectorScheduler(cfg, KVLayout.from_wire(layout or LAYOUT), BS, list(PRODUCER_ADDR))
 
 

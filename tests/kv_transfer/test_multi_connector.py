@@ -16,7 +16,8 @@ from pdkv.kv_transfer.connector.base import (
     KVConnectorOutput,
     KVConnectorRole,
 )
-from pdkv.kv_transfer.connector.multi import MultiConnector, child_configs
+from pdkv.kv_transfer.connector.multi import MultiConnector
+from pdkv.kv_transfer.connector.spec import ConnectorSpec, MultiSpec, connector_spec
 from pdkv.kv_transfer.connector.startup import ConnectorStartup
 from pdkv.request import Request, RequestStatus
 from pdkv.sampling_params import SamplingParams
@@ -63,7 +64,7 @@ class FakeChild(KVConnectorBase):
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.delay_free, ({"from": self.config.kv_connector} if self.delay_free else None)
+        return self.delay_free, ({"from": self.spec.kv_connector} if self.delay_free else None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         s, r, self.sending, self.recving = self.sending, self.recving, set(), set()
@@ -81,12 +82,14 @@ class FakeChild(KVConnectorBase):
 def make(
     monkeypatch, policies: tuple[str, str] = ("", "")
 ) -> tuple[Scheduler, MultiConnector, MultiConnector]:
-    def fake_child(cfg: KVTransferConfig, role: KVConnectorRole, *args: object) -> FakeChild:
-        return FakeChild(cfg, role)
+    def fake_child(spec: ConnectorSpec, role: KVConnectorRole, *args: object) -> FakeChild:
+        return FakeChild(spec, role)
 
-    cfg = KVTransferConfig("MultiConnector", "kv_both", kv_connector_extra_config={"connectors": [
-        {"kv_connector": "KVPoolConnector", "kv_load_failure_policy": policies[0]},
-        {"kv_connector": "P2PConnector", "kv_load_failure_policy": policies[1]}]})
+    cfg = connector_spec(KVTransferConfig("MultiConnector", "kv_both", kv_connector_extra_config={
+        "connectors": [
+            {"kv_connector": "KVPoolConnector", "kv_load_failure_policy": policies[0]},
+            {"kv_connector": "P2PConnector", "kv_load_failure_policy": policies[1]}]}), BS)
+    assert isinstance(cfg, MultiSpec)
     sched_half = MultiConnector(cfg, KVConnectorRole.SCHEDULER, KV_CONFIG, LAYOUT,
                                 ConnectorStartup(), fake_child)
     worker_half = MultiConnector(cfg, KVConnectorRole.WORKER, KV_CONFIG, LAYOUT, ConnectorStartup(),
@@ -124,7 +127,7 @@ def free(sched: Scheduler) -> int:
     return sched.kv_cache_manager.num_free_blocks
 
 
-def test_child_configs_inherit_role_and_engine_id_and_reject_bad_specs():
+def test_child_specs_inherit_role_and_engine_id_and_reject_bad_specs():
     cfg = KVTransferConfig(
         "MultiConnector",
         "kv_consumer",
@@ -136,7 +139,9 @@ def test_child_configs_inherit_role_and_engine_id_and_reject_bad_specs():
             ]
         },
     )
-    pool, p2p = child_configs(cfg)
+    multi = connector_spec(cfg, BS)
+    assert isinstance(multi, MultiSpec)
+    pool, p2p = multi.children
     assert (pool.kv_role, pool.engine_id, pool.load_failure_policy) == (
         "kv_consumer",
         "e1",
@@ -147,8 +152,8 @@ def test_child_configs_inherit_role_and_engine_id_and_reject_bad_specs():
                 {"connectors": [{"kv_connector": "P2PConnector", "typo": 1}]},
                 {"connectors": [{"kv_connector": "P2PConnector"}], "extra": 1}):
         with pytest.raises(ValueError):
-            child_configs(
-                KVTransferConfig("MultiConnector", "kv_both", kv_connector_extra_config=bad)
+            connector_spec(
+                KVTransferConfig("MultiConnector", "kv_both", kv_connector_extra_config=bad), BS
             )
 
 

@@ -14,11 +14,10 @@ from pdkv.cache.kv_layout import KVLayout
 from pdkv.cache.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from pdkv.config import KVTransferConfig
 from pdkv.kv_transfer.connector.base import KVConnectorOutput, KVConnectorRole
-from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.kv_transfer.connector.offload import OffloadingConnector
 from pdkv.kv_transfer.connector.offload_config import OffloadConfig
 from pdkv.kv_transfer.connector.offload_index import HostBlockIndex
-from pdkv.kv_transfer.connector.startup import ConnectorStartup
+from pdkv.kv_transfer.connector.spec import OffloadSpec, connector_spec
 from pdkv.request import Request
 from pdkv.sampling_params import SamplingParams
 from pdkv.sched.output import SchedulerOutput
@@ -103,7 +102,7 @@ def test_settings_are_checked():
             OffloadConfig.from_extra(bad)
     cfg = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_producer")
     with pytest.raises(ValueError, match="kv_both"):
-        create_connector(cfg, KVConnectorRole.SCHEDULER, kv_config(4), LAYOUT, ConnectorStartup())
+        connector_spec(cfg, BS)
     # Slots: bytes // (one block summed over groups); block = 2 * BS * 1 * 1 * 4 bytes = 16.
     assert OffloadConfig(cpu_bytes_to_use=100).num_host_slots(kv_config(4, groups=2)) == 3
 
@@ -126,8 +125,10 @@ class FakeEngine:
     def __init__(self, mode: str, num_blocks: int = 4) -> None:
         self.cfg = kv_config(num_blocks)
         extra = {"cpu_bytes_to_use": 16 * 8, "eviction_mode": mode}
-        tc = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                              kv_connector_extra_config=extra)
+        tc = connector_spec(KVTransferConfig(kv_connector="OffloadingConnector",
+                                             kv_role="kv_both", kv_connector_extra_config=extra),
+                            BS)
+        assert isinstance(tc, OffloadSpec)
         self.sched = OffloadingConnector(tc, KVConnectorRole.SCHEDULER, self.cfg, LAYOUT)
         self.worker = OffloadingConnector(tc, KVConnectorRole.WORKER, self.cfg, LAYOUT)
         self.mgr = KVCacheManager(self.cfg, True, num_blocks * BS)

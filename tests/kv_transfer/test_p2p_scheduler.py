@@ -16,6 +16,7 @@ from p2p_sched_utils import (
     PRODUCER_ADDR,
     REMOTE,
     blocks,
+    consumer_spec,
     empty_meta,
     make,
     remote_params,
@@ -23,7 +24,6 @@ from p2p_sched_utils import (
 )
 
 from pdkv.cache.kv_layout import KVLayout
-from pdkv.config import KVTransferConfig
 from pdkv.kv_transfer.connector.base import KVConnectorOutput
 from pdkv.kv_transfer.connector.p2p_messages import (
     LAYOUT_KEYS,
@@ -319,7 +319,7 @@ def test_validate_rejects_a_layout_mismatch_naming_both_values(key, theirs, mine
     (8, 2, [52, 53, 54], [13, 14]),  # a local hit of one D block: from P block 2 on
 ])
 def test_a_producer_with_another_block_size_is_re_blocked_by_token(hit, first_block, remote, local):
-    cons = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"),
+    cons = P2PConnectorScheduler(consumer_spec(),
                                  KVLayout.from_wire(dict(LAYOUT, block_size=8)),
                                  8, list(PRODUCER_ADDR))
     params = remote_params(18, [[50, 51, 52, 53, 54]], layout=dict(LAYOUT))  # P: block_size 4
@@ -343,13 +343,13 @@ def test_same_block_size_leaves_the_re_blocking_fields_unset():
 
 
 def test_re_blocking_into_dcp_or_several_groups_is_refused_naming_both_sizes():
-    dcp = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"),
+    dcp = P2PConnectorScheduler(consumer_spec(),
                                 KVLayout.from_wire(dict(LAYOUT, block_size=8, dcp_size=2,
                                                         tp_size=2)),
                                 16, list(PRODUCER_ADDR))
     with pytest.raises(ValueError, match="block_size=8 .*dcp_size=2.*block_size=4"):
         dcp.validate_request(req("r", 10, remote_params()))
-    groups = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"),
+    groups = P2PConnectorScheduler(consumer_spec(),
                                    KVLayout.from_wire(dict(LAYOUT, block_size=8)),
                                    8, list(PRODUCER_ADDR), num_groups=2)
     with pytest.raises(ValueError, match="block_size=8 .*block_size=4.*one KV cache group"):

@@ -25,6 +25,7 @@ from pdkv.kv_transfer.connector.p2p_messages import (
     prompt_digest,
 )
 from pdkv.kv_transfer.connector.p2p_scheduler import P2PConnectorScheduler
+from pdkv.kv_transfer.connector.spec import connector_spec
 from pdkv.request import Request, RequestStatus
 from pdkv.sampling_params import SamplingParams
 
@@ -89,7 +90,7 @@ def test_renewal_interval_follows_the_configured_lease(monkeypatch):
 
 
 def test_default_lease_is_thirty_seconds():
-    cfg = KVTransferConfig("P2PConnector", "kv_producer", engine_id="e")
+    cfg = connector_spec(KVTransferConfig("P2PConnector", "kv_producer", engine_id="e"), BS)
     assert P2PConnectorScheduler(cfg, KVLayout.from_wire(LAYOUT), BS,
                                  list(PRODUCER_ADDR)).lease_s == 30.0
 

@@ -11,14 +11,23 @@ from pdkv.config import KVTransferConfig
 from pdkv.kv_transfer.connector.base import KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.kv_transfer.connector.p2p_scheduler import P2PConnectorScheduler
+from pdkv.kv_transfer.connector.spec import connector_spec
 from pdkv.request import RequestStatus
-from tests.kv_transfer.p2p_sched_utils import BS, LAYOUT, PRODUCER_ADDR, blocks, remote_params, req
+from tests.kv_transfer.p2p_sched_utils import (
+    BS,
+    LAYOUT,
+    PRODUCER_ADDR,
+    blocks,
+    consumer_spec,
+    remote_params,
+    req,
+)
 
 W = 10  # window in tokens: the query at p reads keys p - 9 .. p
 
 
 def consumer() -> P2PConnectorScheduler:
-    return P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"),
+    return P2PConnectorScheduler(consumer_spec(),
                                  KVLayout.from_wire(LAYOUT), BS,
                                  list(PRODUCER_ADDR), num_groups=2, sliding_windows=(None, W))
 
@@ -57,7 +66,7 @@ def test_window_group_pulls_exactly_the_blocks_the_resumed_token_reads(n, hits):
 
 
 def test_without_a_window_the_pairs_and_first_blocks_are_unchanged():
-    cons = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"),
+    cons = P2PConnectorScheduler(consumer_spec(),
                                  KVLayout.from_wire(LAYOUT), BS,
                                  list(PRODUCER_ADDR), num_groups=2)
     r = req("r", 25, remote_params(25, remote_block_ids=[list(range(7)), list(range(10, 17))]))
@@ -71,7 +80,7 @@ def test_without_a_window_the_pairs_and_first_blocks_are_unchanged():
 
 def test_window_count_must_match_the_groups():
     with pytest.raises(ValueError, match="1 sliding windows for 2 groups"):
-        P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"),
+        P2PConnectorScheduler(consumer_spec(),
                               KVLayout.from_wire(LAYOUT), BS,
                               list(PRODUCER_ADDR), num_groups=2, sliding_windows=(W,))
 
@@ -80,7 +89,9 @@ def test_window_count_must_match_the_groups():
 def test_connectors_that_cannot_move_a_window_group_refuse_it_at_start_up(name):
     full = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8)
     swa = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=8, sliding_window=W)
-    cfg = KVTransferConfig(name, "kv_both")
+    cfg = connector_spec(KVTransferConfig(name, "kv_both", kv_connector_extra_config=(
+        {"connectors": [{"kv_connector": "P2PConnector"}]} if name == "MultiConnector" else {})),
+        BS)
     kv = KVCacheConfig(
         num_blocks=8, groups=(KVCacheGroupSpec((0,), full), KVCacheGroupSpec((1,), swa))
     )
@@ -89,7 +100,7 @@ def test_connectors_that_cannot_move_a_window_group_refuse_it_at_start_up(name):
 
 
 def test_producer_counts_no_null_block_of_a_window_group_as_held():
-    cfg = KVTransferConfig("P2PConnector", "kv_producer", engine_id="P")
+    cfg = connector_spec(KVTransferConfig("P2PConnector", "kv_producer", engine_id="P"), BS)
     prod = P2PConnectorScheduler(cfg, KVLayout.from_wire(LAYOUT), BS, list(PRODUCER_ADDR),
                                  num_groups=2, sliding_windows=(None, W))
     r = req("r", 12, {"do_remote_decode": True}, status=RequestStatus.FINISHED_LENGTH_CAPPED)

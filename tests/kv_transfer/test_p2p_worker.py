@@ -33,6 +33,7 @@ from pdkv.kv_transfer.connector.p2p_messages import (  # noqa: E402
     prompt_digest,
 )
 from pdkv.kv_transfer.connector.p2p_worker import P2PConnectorWorker  # noqa: E402
+from pdkv.kv_transfer.connector.spec import connector_spec
 from pdkv.kv_transfer.engine.base import ReadOp, TransferError  # noqa: E402
 from pdkv.kv_transfer.engine.tcp import TcpTransferEngine  # noqa: E402
 from pdkv.kv_transfer.wire import connect, recv_msg, send_msg  # noqa: E402
@@ -55,7 +56,7 @@ TOKENS = list(range(100, 112))
 def make_worker(role: str, engine_id: str, **extra: Any) -> tuple[P2PConnectorWorker, torch.Tensor]:
     cfg = KVTransferConfig("P2PConnector", role, engine_id=engine_id,
                            kv_connector_extra_config={"transfer": "tcp", **extra})
-    w = P2PConnectorWorker(cfg, KVLayout.from_wire(LAYOUT), ["127.0.0.1", 0])
+    w = P2PConnectorWorker(connector_spec(cfg, 4), KVLayout.from_wire(LAYOUT), ["127.0.0.1", 0])
     if role == "kv_producer":
         kv = torch.arange(torch.Size(SHAPE).numel(), dtype=torch.float32).reshape(SHAPE)
     else:
@@ -90,7 +91,7 @@ def hold(prod: P2PConnectorWorker, rid: str, blocks: list[int], tokens: list[int
 
 def remote_of(prod: P2PConnectorWorker) -> RemoteEngine:
     host, port = prod.control_address
-    return RemoteEngine(prod.config.engine_id, str(host), int(port))
+    return RemoteEngine(prod.spec.engine_id, str(host), int(port))
 
 
 def spec(
@@ -350,7 +351,7 @@ def test_a_kv_cache_outside_cpu_memory_is_refused_at_registration():
     cfg = KVTransferConfig(
         "P2PConnector", "kv_consumer", engine_id="D", kv_connector_extra_config={}
     )
-    w = P2PConnectorWorker(cfg, KVLayout.from_wire(LAYOUT), ["127.0.0.1", 0])
+    w = P2PConnectorWorker(connector_spec(cfg, 4), KVLayout.from_wire(LAYOUT), ["127.0.0.1", 0])
     try:
         with pytest.raises(ValueError, match="KV cache in CPU memory.*meta"):
             w.register_kv_caches([torch.empty(SHAPE, device="meta")])

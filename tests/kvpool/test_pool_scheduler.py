@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pdkv.config import KVTransferConfig
 from pdkv.kv_transfer.connector.pool_config import PoolConnectorConfig
 from pdkv.kv_transfer.connector.pool_scheduler import PoolConnectorScheduler
+from pdkv.kv_transfer.connector.spec import connector_spec
 from pdkv.kvpool.keys import chunk_hashes, chunk_key
 from pdkv.kvpool.store import KVPoolStore
 from pdkv.kvpool.tiers.dram import DramTier
@@ -44,7 +45,7 @@ class Blocks:
 
 
 def make(tier: DramTier, lookup_timeout_s: float = 30.0) -> PoolConnectorScheduler:
-    cfg = KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_both")
+    cfg = connector_spec(KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_both"), BS)
     pool = PoolConnectorConfig(chunk_size=CHUNK, lookup_timeout_s=lookup_timeout_s)
     return PoolConnectorScheduler(cfg, pool, KVPoolStore([tier]), FP, BS, 1)
 
@@ -108,7 +109,8 @@ def test_load_spec_maps_chunks_to_new_blocks_and_skips_local_hits():
 
 def test_a_producer_never_looks_up_and_a_failed_load_is_not_offered_again():
     tier = DramTier(1 << 20)
-    cfg = KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_producer")
+    cfg = connector_spec(KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_producer"),
+                         BS)
     prod = PoolConnectorScheduler(
         cfg, PoolConnectorConfig(chunk_size=CHUNK), KVPoolStore([tier]), FP, BS, 1
     )

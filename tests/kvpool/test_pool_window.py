@@ -12,6 +12,7 @@ import pytest
 from pdkv.config import KVTransferConfig
 from pdkv.kv_transfer.connector.pool_config import PoolConnectorConfig
 from pdkv.kv_transfer.connector.pool_scheduler import PoolConnectorScheduler
+from pdkv.kv_transfer.connector.spec import connector_spec
 from pdkv.kvpool.keys import chunk_hashes, chunk_key
 from pdkv.kvpool.store import KVPoolStore
 from pdkv.kvpool.tiers.dram import DramTier
@@ -57,7 +58,7 @@ def held(b: int, before: int, bs: int, w: int) -> bool:
 
 
 def make(tier: DramTier, bs: int, c: int, w: int) -> PoolConnectorScheduler:
-    cfg = KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_both")
+    cfg = connector_spec(KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_both"), bs)
     return PoolConnectorScheduler(
         cfg, PoolConnectorConfig(chunk_size=c), KVPoolStore([tier]), FP, bs, 2, (None, w)
     )

@@ -74,12 +74,14 @@ def test_decode_takes_a_prefill_at_tp_2_but_refuses_one_it_cannot_convert():
     from pdkv.config import KVTransferConfig
     from pdkv.kv_transfer.connector.p2p_messages import LAYOUT_KEYS, prompt_digest
     from pdkv.kv_transfer.connector.p2p_scheduler import P2PConnectorScheduler
+    from pdkv.kv_transfer.connector.spec import connector_spec
     from pdkv.request import Request
     from pdkv.sampling_params import SamplingParams
 
     layout = {**{k: 1 for k in LAYOUT_KEYS}, "block_size": 16,  # 20 tokens: 2 blocks of 16
               **{k: "1" for k in ("model_digest", "dtype", "kv_layout", "kv_cache_dtype")}}
-    cons = P2PConnectorScheduler(KVTransferConfig("P2PConnector", "kv_consumer"),
+    cons = P2PConnectorScheduler(connector_spec(KVTransferConfig("P2PConnector", "kv_consumer"),
+                                                16),
                                  KVLayout.from_wire(layout), 16,
                                  ["127.0.0.1", 1])
     prompt = list(range(20, 40))

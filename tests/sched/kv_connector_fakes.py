@@ -15,13 +15,14 @@ import pytest
 from pdkv.cache.kv_cache_manager import KVCacheBlocks
 from pdkv.cache.single_type_manager import cdiv
 from pdkv.cache.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
-from pdkv.config import CacheConfig, KVTransferConfig, SchedulerConfig
+from pdkv.config import CacheConfig, SchedulerConfig
 from pdkv.kv_transfer.connector.base import (
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorOutput,
     KVConnectorRole,
 )
+from pdkv.kv_transfer.connector.spec import ConnectorSpec
 from pdkv.request import Request, RequestStatus
 from pdkv.sampling_params import SamplingParams
 from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -52,7 +53,7 @@ class FakeConnector(KVConnectorBase):
 
     def __init__(self, kv_cache_config: KVCacheConfig, delay_inflight: bool = True) -> None:
         super().__init__(
-            KVTransferConfig("Fake", "kv_both", engine_id="fake-engine"),
+            ConnectorSpec("Fake", "kv_both", "fake-engine", "fail"),
             KVConnectorRole.SCHEDULER,
             kv_cache_config,
             {},
@@ -122,7 +123,7 @@ class FakeConnector(KVConnectorBase):
             return True, {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
-                "remote_engine_id": self.config.engine_id,
+                "remote_engine_id": self.spec.engine_id,
                 "remote_request_id": rid,
                 "remote_block_ids": [list(g) for g in block_ids],
                 "num_tokens": request.num_prompt_tokens,

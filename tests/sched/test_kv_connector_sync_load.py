@@ -12,12 +12,13 @@ from kv_connector_fakes import BS, FakeWorker, assert_all_free, local_req, promp
 from pdkv.cache.kv_cache_manager import KVCacheBlocks
 from pdkv.cache.single_type_manager import cdiv
 from pdkv.cache.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from pdkv.config import CacheConfig, KVTransferConfig, SchedulerConfig
+from pdkv.config import CacheConfig, SchedulerConfig
 from pdkv.kv_transfer.connector.base import (
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from pdkv.kv_transfer.connector.spec import ConnectorSpec
 from pdkv.request import Request, RequestStatus
 from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput
 from pdkv.sched.scheduler import Scheduler
@@ -41,7 +42,7 @@ class SyncConnector(KVConnectorBase):
     tokens of a prompt and loads them synchronously."""
 
     def __init__(self, kv_cache_config: KVCacheConfig) -> None:
-        super().__init__(KVTransferConfig("Fake", "kv_both", engine_id="e"),
+        super().__init__(ConnectorSpec("Fake", "kv_both", "e", "fail"),
                          KVConnectorRole.SCHEDULER, kv_cache_config, {})
         self.external: dict[str, int] = {}
         self.alloc_calls: list[tuple[str, int, int]] = []  # (id, num_computed, num_external)

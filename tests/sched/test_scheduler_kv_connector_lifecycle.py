@@ -29,6 +29,7 @@ from pdkv.kv_transfer.connector.base import (
 )
 from pdkv.kv_transfer.connector.p2p import P2PConnector
 from pdkv.kv_transfer.connector.p2p_messages import P2PConnectorMetadata, prompt_digest
+from pdkv.kv_transfer.connector.spec import connector_spec
 from pdkv.request import Request, RequestStatus
 from pdkv.sampling_params import SamplingParams
 from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -243,7 +244,7 @@ def test_real_p2p_connector_scheduler_half_drives_a_remote_prefill():
     )
     layout = {"model_digest": "m", "dtype": "float32", "block_size": BS, "num_layers": 1,
               "num_kv_heads": 1, "head_size": 8, "kv_layout": "cross_layer"}
-    cfg = KVTransferConfig("P2PConnector", "kv_consumer", engine_id="d0")
+    cfg = connector_spec(KVTransferConfig("P2PConnector", "kv_consumer", engine_id="d0"), BS)
     conn = P2PConnector(cfg, KVConnectorRole.SCHEDULER, kv_config, KVLayout.from_wire(layout),
                         ["127.0.0.1", 9])
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=128),

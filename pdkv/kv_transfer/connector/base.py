@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from pdkv.cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from pdkv.cache.kv_layout import KVLayout
     from pdkv.cache.specs import KVCacheConfig
-    from pdkv.config import KVTransferConfig
+    from pdkv.kv_transfer.connector.spec import ConnectorSpec
     from pdkv.request import Request
     from pdkv.sched.output import SchedulerOutput
 
@@ -51,7 +51,7 @@ class KVConnectorBase(ABC):
     """Base class of every connector.
 
     Args:
-        config: the engine's kv_transfer_config.
+        spec: the connector's spec (name, role, engine id, its settings; `connector_spec`).
         role: which half this instance is.
         kv_cache_config: KV cache groups and block sizes of this engine.
         layout: this engine's KV layout (model digest, dtype, block size, layers, KV heads,
@@ -60,12 +60,12 @@ class KVConnectorBase(ABC):
 
     def __init__(
         self,
-        config: KVTransferConfig,
+        spec: ConnectorSpec,
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
         layout: KVLayout,
     ) -> None:
-        self.config = config
+        self.spec = spec
         self.role = role
         self.kv_cache_config = kv_cache_config
         self.layout = layout

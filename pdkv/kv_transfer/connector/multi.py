@@ -31,7 +31,6 @@ import msgspec
 
 from pdkv.cache.kv_cache_manager import KVCacheBlocks
 from pdkv.cache.kv_layout import KVLayout
-from pdkv.config import KVTransferConfig
 from pdkv.jsontypes import JSONObject
 from pdkv.kv_transfer.connector.base import (
     KVConnectorBase,
@@ -39,6 +38,7 @@ from pdkv.kv_transfer.connector.base import (
     KVConnectorOutput,
     KVConnectorRole,
 )
+from pdkv.kv_transfer.connector.spec import ConnectorSpec, MultiSpec
 from pdkv.kv_transfer.connector.startup import ConnectorStartup
 
 if TYPE_CHECKING:
@@ -64,77 +64,38 @@ class MultiConnectorMetadata(KVConnectorMetadata, kw_only=True):
     expect_send: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
 
-def child_configs(config: KVTransferConfig) -> list[KVTransferConfig]:
-    """The children's configs.
-
-    Raises:
-        ValueError: no children, a child that is not an object, a nested MultiConnector, or an
-            unknown field (named).
-    """
-    specs = config.kv_connector_extra_config.get("connectors")
-    if not isinstance(specs, list) or not specs or not all(isinstance(s, dict) for s in specs):
-        raise ValueError(
-            "MultiConnector needs kv_connector_extra_config.connectors: a non-empty "
-            'list of connector configs such as {"kv_connector": "KVPoolConnector", ...}'
-        )
-    unknown = sorted(set(config.kv_connector_extra_config) - {"connectors"})
-    if unknown:
-        raise ValueError(f"unknown MultiConnector settings {unknown}; known: ['connectors']")
-    out = []
-    for spec in specs:
-        known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_load_failure_policy"}
-        bad = sorted(set(spec) - known)
-        if bad:
-            raise ValueError(
-                f"unknown fields {bad} in a MultiConnector child; known: {sorted(known)}"
-            )
-        if spec.get("kv_connector") in (None, "MultiConnector"):
-            raise ValueError(
-                "each MultiConnector child needs a kv_connector other than MultiConnector"
-            )
-        out.append(
-            KVTransferConfig(
-                kv_connector=str(spec["kv_connector"]),
-                kv_role=str(spec.get("kv_role", config.kv_role)),
-                engine_id=config.engine_id,
-                kv_connector_extra_config=dict(spec.get("kv_connector_extra_config") or {}),
-                kv_load_failure_policy=str(spec.get("kv_load_failure_policy", "")),
-            )
-        )
-    return out
-
-
-ChildFactory = Callable[[KVTransferConfig, KVConnectorRole, "KVCacheConfig", KVLayout,
+ChildFactory = Callable[[ConnectorSpec, KVConnectorRole, "KVCacheConfig", KVLayout,
                          ConnectorStartup],
                         KVConnectorBase]
-"""(config, role, kv_cache_config, layout, startup) -> one child connector."""
+"""(spec, role, kv_cache_config, layout, startup) -> one child connector."""
 
 
 class MultiConnector(KVConnectorBase):
     """Both halves: fans calls out to the children and aggregates their answers (see module doc).
 
     Args:
-        create_child: builds one child from its config (pdkv.kv_transfer.connector.factory's
+        create_child: builds one child from its spec (pdkv.kv_transfer.connector.factory's
             `create_connector`, which passes itself: the registry imports its products, never
             the other way round).
 
     Raises:
-        ValueError: bad child configs (see `child_configs`) or a child's own settings.
+        ValueError: a child that cannot be built (the children's settings were checked when
+            `spec` was parsed, `connector_spec`).
     """
 
     def __init__(
         self,
-        config: KVTransferConfig,
+        spec: MultiSpec,
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
         layout: KVLayout,
         startup: ConnectorStartup,
         create_child: ChildFactory,
     ) -> None:
-        super().__init__(config, role, kv_cache_config, layout)
-        self.child_configs = child_configs(config)
+        super().__init__(spec, role, kv_cache_config, layout)
+        self.child_specs = spec.children
         self.children = [create_child(c, role, kv_cache_config, layout, startup)
-                         for c in self.child_configs]
+                         for c in self.child_specs]
         self.block_size = kv_cache_config.groups[0].spec.block_size
         # scheduler half
         self._plans: dict[str, list[tuple[int, int, int]]] = {}  # rid -> (child, start, tokens)
@@ -344,7 +305,7 @@ class MultiConnector(KVConnectorBase):
         for i, c in enumerate(self.children):
             for rid, msg in c.get_load_errors().items():
                 self._failed_by.setdefault(rid, set()).add(i)
-                name = self.child_configs[i].kv_connector
+                name = self.child_specs[i].kv_connector
                 errors[rid] = f"{errors[rid]}; {name}: {msg}" if rid in errors else f"{name}: {msg}"
         return errors
 
@@ -360,7 +321,7 @@ class MultiConnector(KVConnectorBase):
     def get_load_failure_policies(self) -> dict[str, str]:
         policies = {}
         for rid, kids in self._failed_by.items():
-            chosen = {self.child_configs[i].load_failure_policy for i in kids}
+            chosen = {self.child_specs[i].load_failure_policy for i in kids}
             policies[rid] = "fail" if "fail" in chosen else "recompute"
         self._failed_by = {}
         return policies

@@ -20,7 +20,6 @@ from pdkv.kv_transfer.connector.base import (
     KVConnectorRole,
     RoleDelegatingConnector,
 )
-from pdkv.kv_transfer.connector.offload_config import OffloadConfig
 from pdkv.kv_transfer.connector.offload_messages import OffloadConnectorMetadata
 from pdkv.kv_transfer.connector.offload_scheduler import OffloadConnectorScheduler
 
@@ -30,27 +29,24 @@ if TYPE_CHECKING:
     from pdkv.cache.kv_cache_manager import KVCacheManager
     from pdkv.cache.kv_layout import KVLayout
     from pdkv.cache.specs import KVCacheConfig
-    from pdkv.config import KVTransferConfig
+    from pdkv.kv_transfer.connector.spec import OffloadSpec
 
 
 class OffloadingConnector(RoleDelegatingConnector):
     """Delegates to OffloadConnectorScheduler or OffloadConnectorWorker by role.
 
-    Raises:
-        ValueError: kv_role other than kv_both, or bad settings (unknown keys, bad mode).
+    The settings (and kv_role kv_both) were checked when `spec` was parsed (`connector_spec`).
     """
 
     def __init__(
         self,
-        config: KVTransferConfig,
+        spec: OffloadSpec,
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
         layout: KVLayout,
     ) -> None:
-        super().__init__(config, role, kv_cache_config, layout)
-        if config.kv_role != "kv_both":
-            raise ValueError(f"OffloadingConnector needs kv_role 'kv_both', got {config.kv_role!r}")
-        self.offload = OffloadConfig.from_extra(config.kv_connector_extra_config)
+        super().__init__(spec, role, kv_cache_config, layout)
+        self.offload = spec.offload
         self.num_host_slots = self.offload.num_host_slots(kv_cache_config)
         self.scheduler: OffloadConnectorScheduler | None = None
         self.worker = None

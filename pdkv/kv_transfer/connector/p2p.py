@@ -22,7 +22,6 @@ from pdkv.kv_transfer.connector.base import (
     KVConnectorOutput,
     KVConnectorRole,
 )
-from pdkv.kv_transfer.connector.p2p_config import P2PConfig
 from pdkv.kv_transfer.connector.p2p_messages import P2PConnectorMetadata
 from pdkv.kv_transfer.connector.p2p_scheduler import P2PConnectorScheduler
 from pdkv.kv_transfer.connector.p2p_worker import P2PConnectorWorker
@@ -34,7 +33,7 @@ if TYPE_CHECKING:
     from pdkv.cache.kv_cache_manager import KVCacheBlocks
     from pdkv.cache.kv_layout import KVLayout
     from pdkv.cache.specs import KVCacheConfig
-    from pdkv.config import KVTransferConfig
+    from pdkv.kv_transfer.connector.spec import P2PSpec
     from pdkv.request import Request
     from pdkv.sched.output import SchedulerOutput
 
@@ -53,7 +52,7 @@ class P2PConnector(KVConnectorBase):
 
     def __init__(
         self,
-        config: KVTransferConfig,
+        spec: P2PSpec,
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
         layout: KVLayout,
@@ -64,20 +63,19 @@ class P2PConnector(KVConnectorBase):
         world_size: int | None = None,
         control_endpoints: list[Address] | None = None,
     ) -> None:
-        super().__init__(config, role, kv_cache_config, layout)
+        super().__init__(spec, role, kv_cache_config, layout)
         address: Address = control_address if control_address is not None else ["127.0.0.1", 0]
         block_size = kv_cache_config.groups[0].spec.block_size
-        settings = P2PConfig.of(config)
         self.scheduler = (
-            P2PConnectorScheduler(config, layout, block_size, address, len(kv_cache_config.groups),
+            P2PConnectorScheduler(spec, layout, block_size, address, len(kv_cache_config.groups),
                                   kv_cache_config.sliding_windows, control_endpoints,
                                   tuple(g.spec.kind == "linear_state"
-                                        for g in kv_cache_config.groups), settings)
+                                        for g in kv_cache_config.groups))
             if role == KVConnectorRole.SCHEDULER
             else None
         )
-        self.worker = (P2PConnectorWorker(config, layout, address, dcp_rank, dcp_size, rank,
-                                          world_size, settings)
+        self.worker = (P2PConnectorWorker(spec, layout, address, dcp_rank, dcp_size, rank,
+                                          world_size)
                        if role == KVConnectorRole.WORKER else None)
 
     @classmethod

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pdkv.config import KVTransferConfig
 
 _INTS = ("kv_port", "transfer_port", "kv_pulls_per_peer", "kv_pull_threads",
          "kv_server_max_connections")
@@ -47,15 +43,6 @@ class P2PConfig:
     kv_server_max_connections: int = 64
     kv_server_idle_timeout: float = 60.0
     mooncake_protocol: str = "tcp"
-
-    @staticmethod
-    def of(config: KVTransferConfig) -> P2PConfig:
-        """`from_extra(config.kv_connector_extra_config)`.
-
-        Raises:
-            ValueError: as from_extra.
-        """
-        return P2PConfig.from_extra(config.kv_connector_extra_config)
 
     @staticmethod
     def from_extra(extra: Mapping[str, object]) -> P2PConfig:

@@ -37,7 +37,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
 from pdkv.jsontypes import as_int
-from pdkv.kv_transfer.connector.p2p_config import P2PConfig
 from pdkv.kv_transfer.connector.p2p_messages import (
     Ack,
     Claim,
@@ -63,7 +62,7 @@ from pdkv.parallel.layout import ParallelLayout
 
 if TYPE_CHECKING:
     from pdkv.cache.kv_layout import KVLayout
-    from pdkv.config import KVTransferConfig
+    from pdkv.kv_transfer.connector.spec import P2PSpec
 
 R = TypeVar("R")  # the reply type of a control request
 
@@ -90,7 +89,7 @@ class _Refused(TransferError):
 
 class ConsumerSide:
     """Args:
-        config: kv_transfer_config (extra: transfer_timeout, kv_lease_duration,
+        spec: the connector (engine id; `spec.p2p`: transfer_timeout, kv_lease_duration,
             kv_pulls_per_peer, kv_pull_threads).
         layout: this engine's KV layout (its wire form is sent in handshakes).
         engine: the transfer engine reads go through.
@@ -100,26 +99,25 @@ class ConsumerSide:
         dcp_rank, dcp_size: this worker's DCP rank and the DCP size (which blocks it reads).
         rank, world_size: this worker's global rank and the engine's worker count (reader and
             readers of every grant; TP rank for re-sharding); default dcp_rank / dcp_size.
-        settings: the parsed extra config (None: parsed from `config`).
 
     Raises:
         ValueError: dcp_rank outside [0, dcp_size) or rank outside [0, world_size).
     """
 
-    def __init__(self, config: KVTransferConfig, layout: KVLayout, engine: TransferEngine,
+    def __init__(self, spec: P2PSpec, layout: KVLayout, engine: TransferEngine,
                  results: WorkerResults, regions: list[memoryview], block_bytes: list[int],
                  dcp_rank: int = 0, dcp_size: int = 1, rank: int | None = None,
-                 world_size: int | None = None, settings: P2PConfig | None = None) -> None:
+                 world_size: int | None = None) -> None:
         if not 0 <= dcp_rank < dcp_size:
             raise ValueError(f"dcp_rank={dcp_rank} must lie in [0, dcp_size={dcp_size})")
         self.rank = dcp_rank if rank is None else rank
         self.world_size = dcp_size if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank={self.rank} must lie in [0, world_size={self.world_size})")
-        s = settings if settings is not None else P2PConfig.of(config)
+        s = spec.p2p
         self.dcp_rank = dcp_rank
         self.dcp_size = dcp_size
-        self.config = config
+        self.spec = spec
         self.layout = layout
         self.engine = engine
         self.results = results
@@ -227,7 +225,7 @@ class ConsumerSide:
         with self._lock:
             reply = self._handshakes.get(remote)
         if reply is None:
-            hello = Handshake(self.config.engine_id, {**self.layout.to_wire()})
+            hello = Handshake(self.spec.engine_id, {**self.layout.to_wire()})
             reply = self._control(remote, hello, HandshakeReply, deadline)
             if not reply.ok:
                 raise TransferError(reply.error)

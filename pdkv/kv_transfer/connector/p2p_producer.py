@@ -16,7 +16,6 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from pdkv.kv_transfer.connector.p2p_config import P2PConfig
 from pdkv.kv_transfer.connector.p2p_messages import (
     Ack,
     Claim,
@@ -34,7 +33,7 @@ from pdkv.kv_transfer.wire import WireError, recv_msg, send_msg, start_server, s
 
 if TYPE_CHECKING:
     from pdkv.cache.kv_layout import KVLayout
-    from pdkv.config import KVTransferConfig
+    from pdkv.kv_transfer.connector.spec import P2PSpec
 
 logger = logging.getLogger(__name__)
 
@@ -65,20 +64,18 @@ class _Held:
 
 class ProducerSide:
     """Args:
-        config: kv_transfer_config (extra: kv_lease_duration, kv_server_max_connections,
-            kv_server_idle_timeout).
+        spec: the connector (engine id; `spec.p2p`: kv_lease_duration,
+            kv_server_max_connections, kv_server_idle_timeout).
         layout: this engine's KV layout (its wire form is checked in handshakes).
         engine: the transfer engine serving the KV regions (its authorizer is set here).
         results: where finished sends are reported.
         block_bytes: bytes per block of each KV cache group (filled at register_kv_caches).
-        settings: the parsed extra config (None: parsed from `config`).
     """
 
-    def __init__(self, config: KVTransferConfig, layout: KVLayout, engine: TransferEngine,
-                 results: WorkerResults, block_bytes: list[int],
-                 settings: P2PConfig | None = None) -> None:
-        s = settings if settings is not None else P2PConfig.of(config)
-        self.config = config
+    def __init__(self, spec: P2PSpec, layout: KVLayout, engine: TransferEngine,
+                 results: WorkerResults, block_bytes: list[int]) -> None:
+        s = spec.p2p
+        self.spec = spec
         self.layout = layout
         self.wire_layout: dict[str, object] = {**layout.to_wire()}  # handshakes compare, answer
         self.engine = engine
@@ -192,11 +189,11 @@ class ProducerSide:
             mismatch = layout_mismatch(msg.layout, self.wire_layout)
             if mismatch:
                 return HandshakeReply(False, error=mismatch)
-            return HandshakeReply(True, engine_id=self.config.engine_id, layout=self.wire_layout,
+            return HandshakeReply(True, engine_id=self.spec.engine_id, layout=self.wire_layout,
                                   transfer=self.engine.name, peer_info=self.engine.peer_info(),
                                   block_bytes=list(self.block_bytes), incarnation=self.incarnation)
-        if msg.engine_id and msg.engine_id != self.config.engine_id:
-            error = f"this is engine {self.config.engine_id!r}, not {msg.engine_id!r}"
+        if msg.engine_id and msg.engine_id != self.spec.engine_id:
+            error = f"this is engine {self.spec.engine_id!r}, not {msg.engine_id!r}"
             return (
                 ClaimReply(False, error=error)
                 if isinstance(msg, Claim)

@@ -55,7 +55,6 @@ from pdkv.kv_transfer.connector.p2p_compat import (
     params_consistency_error,
     shard_error,
 )
-from pdkv.kv_transfer.connector.p2p_config import P2PConfig
 from pdkv.kv_transfer.connector.p2p_messages import (
     NotifySpec,
     P2PConnectorMetadata,
@@ -71,7 +70,7 @@ from pdkv.request import RequestStatus
 if TYPE_CHECKING:
     from pdkv.cache.kv_cache_manager import KVCacheBlocks
     from pdkv.cache.kv_layout import KVLayout
-    from pdkv.config import KVTransferConfig
+    from pdkv.kv_transfer.connector.spec import P2PSpec
     from pdkv.request import Request
 
 REQUIRED_PARAMS = (
@@ -87,7 +86,7 @@ REQUIRED_PARAMS = (
 
 class P2PConnectorScheduler:
     """Args:
-        config: kv_transfer_config (extra: kv_host, kv_port, kv_lease_duration).
+        spec: the connector (role, engine id; `p2p.kv_lease_duration`).
         layout: this engine's KV layout.
         block_size: tokens per block.
         control_address: (host, port) of this engine's control server (producer), filled in by
@@ -95,18 +94,17 @@ class P2PConnectorScheduler:
         control_endpoints: (producer at tp > 1) every worker rank's [host, port], rank order,
             filled in by the executor at start-up; empty: [control_address].
         linear_groups: per group, whether it holds linear-attention state slots.
-        settings: the parsed extra config (None: parsed from `config`).
 
     Raises:
-        ValueError: sliding_windows not one per group, or a bad extra config value (named).
+        ValueError: sliding_windows not one per group.
     """
 
-    def __init__(self, config: KVTransferConfig, layout: KVLayout, block_size: int,
+    def __init__(self, spec: P2PSpec, layout: KVLayout, block_size: int,
                  control_address: Address, num_groups: int = 1,
                  sliding_windows: tuple[int | None, ...] = (),
                  control_endpoints: list[Address] | None = None,
-                 linear_groups: tuple[bool, ...] = (), settings: P2PConfig | None = None) -> None:
-        self.config = config
+                 linear_groups: tuple[bool, ...] = ()) -> None:
+        self.spec = spec
         # Per group: whether it holds linear-attention state slots (one slot moves per request).
         self.linear_groups = tuple(linear_groups) or (False,) * num_groups
         self.control_endpoints = control_endpoints if control_endpoints is not None else []
@@ -119,8 +117,7 @@ class P2PConnectorScheduler:
         self.wire_layout = layout.to_wire()  # compared with a producer's (kv_transfer_params)
         self.block_size = block_size
         self.control_address = control_address
-        s = settings if settings is not None else P2PConfig.of(config)
-        self.lease_s = s.kv_lease_duration
+        self.lease_s = spec.p2p.kv_lease_duration
         self._to_send: list[SendSpec] = []
         self._to_recv: list[RecvSpec] = []
         self._notify: list[NotifySpec] = []
@@ -140,7 +137,7 @@ class P2PConnectorScheduler:
         if not p:
             return
         if p.get("do_remote_prefill"):
-            if not self.config.is_kv_consumer:
+            if not self.spec.is_kv_consumer:
                 raise ValueError("kv_transfer_params.do_remote_prefill needs a kv_consumer engine")
             missing = [k for k in REQUIRED_PARAMS if p.get(k) is None]
             if missing:
@@ -169,7 +166,7 @@ class P2PConnectorScheduler:
                 error = linear_state_error(request, p)
                 if error:
                     raise ValueError(error)
-        if p.get("do_remote_decode") and not self.config.is_kv_producer:
+        if p.get("do_remote_decode") and not self.spec.is_kv_producer:
             raise ValueError("kv_transfer_params.do_remote_decode needs a kv_producer engine")
 
     def _remote(self, request: Request) -> tuple[RemoteEngine, str]:
@@ -387,7 +384,7 @@ class P2PConnectorScheduler:
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         )
-        if not (p.get("do_remote_decode") and self.config.is_kv_producer and done_ok):
+        if not (p.get("do_remote_decode") and self.spec.is_kv_producer and done_ok):
             return False, None
         if not any(block_ids):
             return False, None
@@ -411,7 +408,7 @@ class P2PConnectorScheduler:
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_engine_id": self.config.engine_id,
+            "remote_engine_id": self.spec.engine_id,
             "remote_request_id": rid,
             "remote_block_ids": [list(g) for g in block_ids],
             "remote_host": host,

@@ -9,7 +9,6 @@ import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pdkv.kv_transfer.connector.p2p_config import P2PConfig
 from pdkv.kv_transfer.connector.p2p_consumer import ConsumerSide
 from pdkv.kv_transfer.connector.p2p_messages import P2PConnectorMetadata
 from pdkv.kv_transfer.connector.p2p_producer import ProducerSide
@@ -21,7 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from pdkv.cache.kv_layout import KVLayout
-    from pdkv.config import KVTransferConfig
+    from pdkv.kv_transfer.connector.spec import P2PSpec
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +52,10 @@ def advertised_host(bind_host: str, configured: str | None) -> str:
 
 class P2PConnectorWorker:
     """Args:
-        config: kv_transfer_config (extra: transfer, kv_host (bind), kv_advertise_host (what
-            consumers connect to; default kv_host, never a wildcard), kv_port, transfer_timeout,
-            kv_lease_duration, and the bounds read by the producer and consumer sides).
+        spec: the connector; `spec.p2p` gives transfer, kv_host (bind), kv_advertise_host
+            (what consumers connect to; default kv_host, never a wildcard), kv_port,
+            transfer_timeout, kv_lease_duration, and the bounds read by the producer and
+            consumer sides.
         layout: this engine's KV layout.
         control_address: shared [host, port] list the scheduler half reads (filled here).
         dcp_rank, dcp_size: this worker's DCP rank and size (a consumer rank pulls only the
@@ -64,14 +64,13 @@ class P2PConnectorWorker:
             reads a grant; default dcp_rank / dcp_size). A configured kv_port or transfer_port
             (non-zero) is rank 0's: rank r listens on port + r (each rank of a multi-rank
             producer runs its own control and data servers).
-        settings: the parsed extra config (None: parsed from `config`).
     """
 
-    def __init__(self, config: KVTransferConfig, layout: KVLayout, control_address: Address,
+    def __init__(self, spec: P2PSpec, layout: KVLayout, control_address: Address,
                  dcp_rank: int = 0, dcp_size: int = 1, rank: int | None = None,
-                 world_size: int | None = None, settings: P2PConfig | None = None) -> None:
-        s = settings if settings is not None else P2PConfig.of(config)
-        self.config = config
+                 world_size: int | None = None) -> None:
+        s = spec.p2p
+        self.spec = spec
         self.layout = layout
         self.transfer_name = s.transfer
         offset = (dcp_rank if rank is None else rank)
@@ -86,11 +85,10 @@ class P2PConnectorWorker:
         self._block_bytes: list[int] = []
         self._wakeup: Callable[[], None] | None = None
         self.results = WorkerResults(lambda: self._wakeup)
-        self.producer = ProducerSide(config, layout, self.engine, self.results, self._block_bytes,
-                                     s)
-        self.consumer = ConsumerSide(config, layout, self.engine, self.results, self._regions,
-                                     self._block_bytes, dcp_rank, dcp_size, rank, world_size, s)
-        if config.is_kv_producer:
+        self.producer = ProducerSide(spec, layout, self.engine, self.results, self._block_bytes)
+        self.consumer = ConsumerSide(spec, layout, self.engine, self.results, self._regions,
+                                     self._block_bytes, dcp_rank, dcp_size, rank, world_size)
+        if spec.is_kv_producer:
             port = s.kv_port
             self.control_address[:] = self.producer.start(self.host, port + offset if port else 0,
                                                           self.advertise_host)
@@ -98,7 +96,7 @@ class P2PConnectorWorker:
     # ---------------------------------------------------------------- memory
     def kv_cache_buffer(self, group: int, nbytes: int) -> memoryview | None:
         """Memory for group `group`'s KV cache when the transfer engine needs its own (shm)."""
-        if self.transfer_name == "shm" and self.config.is_kv_producer:
+        if self.transfer_name == "shm" and self.spec.is_kv_producer:
             from pdkv.kv_transfer.engine.shm import ShmTransferEngine
 
             assert isinstance(self.engine, ShmTransferEngine)
@@ -126,11 +124,11 @@ class P2PConnectorWorker:
             view = flat.numpy().data
             self._regions.append(view)
             self._block_bytes.append(len(view) // t.shape[0])
-            if self.config.is_kv_producer:
+            if self.spec.is_kv_producer:
                 self.engine.register_region(f"g{g}", view)
-            if self.config.is_kv_consumer:
+            if self.spec.is_kv_consumer:
                 self.engine.register_local(f"g{g}", view)
-        if self.config.is_kv_producer:
+        if self.spec.is_kv_producer:
             self.engine.start(self.host, self.advertise_host)
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from pdkv.cache.kv_cache_manager import KVCacheManager
     from pdkv.cache.kv_layout import KVLayout
     from pdkv.cache.specs import KVCacheConfig
-    from pdkv.config import KVTransferConfig
     from pdkv.kv_transfer.connector.pool_worker import PoolConnectorWorker
+    from pdkv.kv_transfer.connector.spec import PoolSpec
     from pdkv.kv_transfer.connector.startup import ConnectorStartup
     from pdkv.request import Request
 
@@ -73,27 +73,27 @@ class KVPoolConnector(RoleDelegatingConnector):
     """Delegates to PoolConnectorScheduler or PoolConnectorWorker by role.
 
     Raises:
-        ValueError: bad settings (unknown keys, chunk size not a multiple of the block size,
-            bad tier specs).
+        ValueError: a bad tier spec (`build_store`; the other settings were checked when the
+            spec was parsed, `connector_spec`).
     """
 
     def __init__(
         self,
-        config: KVTransferConfig,
+        spec: PoolSpec,
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
         layout: KVLayout,
         startup: ConnectorStartup,
     ) -> None:
-        super().__init__(config, role, kv_cache_config, layout)
+        super().__init__(spec, role, kv_cache_config, layout)
         block_size = kv_cache_config.groups[0].spec.block_size
-        self.pool = PoolConnectorConfig.from_extra(config.kv_connector_extra_config, block_size)
+        self.pool = spec.pool
         store = startup.pool_store
         if store is None:
             store = startup.pool_store = build_store(self.pool)
             logger.info(
                 "KV pool (%s): chunk %d tokens, tiers %s",
-                config.kv_role,
+                spec.kv_role,
                 self.pool.chunk_size,
                 ", ".join(_describe(t) for t in self.pool.tiers),
             )
@@ -109,7 +109,7 @@ class KVPoolConnector(RoleDelegatingConnector):
         self.worker: PoolConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = PoolConnectorScheduler(
-                config,
+                spec,
                 self.pool,
                 store,
                 self.namespace.fingerprint,

@@ -35,7 +35,7 @@ from pdkv.kvpool.window import first_stored_block, load_first_block
 
 if TYPE_CHECKING:
     from pdkv.cache.kv_cache_manager import KVCacheBlocks
-    from pdkv.config import KVTransferConfig
+    from pdkv.kv_transfer.connector.spec import ConnectorSpec
     from pdkv.request import Request
     from pdkv.sched.output import SchedulerOutput
 
@@ -50,7 +50,7 @@ class _Lookup:
 
 class PoolConnectorScheduler:
     """Args:
-        config: kv_transfer_config (role: kv_producer saves only, kv_consumer loads only).
+        spec: the connector (role: kv_producer saves only, kv_consumer loads only).
         pool: parsed KVPoolConnector settings.
         store: the engine's pool store (shared with the worker half).
         fingerprint: the pool namespace fingerprint of this engine (keys carry it).
@@ -59,10 +59,10 @@ class PoolConnectorScheduler:
         sliding_windows: per group its sliding window in tokens or None (default: none).
     """
 
-    def __init__(self, config: KVTransferConfig, pool: PoolConnectorConfig, store: KVPoolStore,
+    def __init__(self, spec: ConnectorSpec, pool: PoolConnectorConfig, store: KVPoolStore,
                  fingerprint: str, block_size: int, num_groups: int,
                  sliding_windows: tuple[int | None, ...] = ()) -> None:
-        self.config = config
+        self.spec = spec
         self.pool = pool
         self.store = store
         self.fingerprint = fingerprint
@@ -136,7 +136,7 @@ class PoolConnectorScheduler:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         rid = request.request_id
-        if not self.config.is_kv_consumer or rid in self._failed:
+        if not self.spec.is_kv_consumer or rid in self._failed:
             return 0, False
         end_chunk = max_loadable_tokens(request.num_tokens, self.chunk) // self.chunk
         first_chunk = num_computed_tokens // self.chunk
@@ -198,7 +198,7 @@ class PoolConnectorScheduler:
             if table is not None:
                 for g, ids in zip(table, cached.new_block_ids):
                     g.extend(ids)
-        saves = self._saves(scheduler_output) if self.config.is_kv_producer else []
+        saves = self._saves(scheduler_output) if self.spec.is_kv_producer else []
         meta = PoolConnectorMetadata(loads=self._to_load, saves=saves)
         self._to_load = []
         return meta
