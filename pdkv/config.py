@@ -290,14 +290,6 @@ class KVTransferConfig:
 
             object.__setattr__(self, "engine_id", uuid.uuid4().hex)
 
-    @property
-    def is_kv_producer(self) -> bool:
-        return self.kv_role in ("kv_producer", "kv_both")
-
-    @property
-    def is_kv_consumer(self) -> bool:
-        return self.kv_role in ("kv_consumer", "kv_both")
-
     @staticmethod
     def from_json(text: str) -> KVTransferConfig:
         """Parse the CLI's JSON.

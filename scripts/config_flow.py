@@ -3,11 +3,15 @@
 
 Static, with `ast` over pdkv/, nothing imported or run:
 - Start: `LLMEngine.__init__` in pdkv/engine/llm_engine.py with its argument `config` tainted.
-- In a function, a name is tainted when it is a tainted parameter or is assigned from an
-  expression that reads a tainted name (`kvt = config.kv_transfer_config`, `lay =
-  config.parallel_config.layout()`); `self.x = <tainted>` taints `self.x` for the rest of that
-  function.
-- A call passes the configuration on when one of its arguments reads a tainted name. Its callee
+- What is followed (default): the configuration objects themselves. An expression IS the
+  configuration when it is a tainted name (`config`, `self.x`), one of EngineConfig's config
+  parts read from one (`config.cache_config`, `self.config.parallel_config`; PARTS), or
+  `dataclasses.replace(<that>, ...)`. With --values, every value read from it is followed as
+  well (`block_size = config.cache_config.block_size`, an object built from it, ...): then the
+  path is every piece of start-up code that anything derived from the configuration reaches.
+- In a function, a name (or `self.x`, for the rest of that function) is tainted when it is a
+  tainted parameter or is assigned from such an expression.
+- A call passes the configuration on when one of its arguments is such an expression. Its callee
   is resolved where the source says which function it is: a function or class of the same module
   or imported from a pdkv module (a class means its `__init__`), `module.function` of an imported
   pdkv module, `self.method` / `cls.method` in the same class, `Class.method` of a resolved class.
@@ -18,7 +22,7 @@ Static, with `ast` over pdkv/, nothing imported or run:
   collapsed. "Files entered" counts distinct files; a "return" is an entry whose file is already
   earlier on the path (the path left that file and came back to it).
 
-Usage: python scripts/config_flow.py [--root DIR] [--functions]
+Usage: python scripts/config_flow.py [--root DIR] [--values] [--functions]
 """
 
 from __future__ import annotations
@@ -69,7 +73,6 @@ def load(root: Path) -> dict[str, Module]:
     return mods
 
 
-OBJECTS = False  # set by --objects: follow config objects only, not values derived from them
 PARTS = ("model_config", "cache_config", "scheduler_config", "parallel_config",
          "kv_transfer_config")
 """EngineConfig's fields that are config dataclasses (what scripts/config_path.py follows)."""
@@ -92,10 +95,7 @@ def is_config(expr: ast.AST, tainted: set[str]) -> bool:
 
 
 def reads(expr: ast.AST, tainted: set[str]) -> bool:
-    """Whether `expr` reads a tainted name (`x` or `self.x`); with --objects, whether it IS a
-    config object (see `is_config`)."""
-    if OBJECTS:
-        return is_config(expr, tainted)
+    """Whether `expr` reads a tainted name (`x` or `self.x`) anywhere in it."""
     for node in ast.walk(expr):
         if isinstance(node, ast.Name) and node.id in tainted:
             return True
@@ -108,8 +108,9 @@ def reads(expr: ast.AST, tainted: set[str]) -> bool:
 class Flow:
     """The walk: `path` (file per function entered) and `entered` (module, function)."""
 
-    def __init__(self, mods: dict[str, Module]) -> None:
+    def __init__(self, mods: dict[str, Module], values: bool = False) -> None:
         self.mods = mods
+        self.hot = reads if values else is_config
         self.seen: set[tuple[str, str, frozenset[str]]] = set()
         self.entered: list[tuple[str, str]] = []
 
@@ -165,7 +166,7 @@ class Flow:
         for stmt in fn.body:
             for node in ast.walk(stmt):
                 if (isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None
-                        and reads(node.value, tainted)):
+                        and self.hot(node.value, tainted)):
                     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                     for t in targets:
                         for n in ast.walk(t):
@@ -177,8 +178,8 @@ class Flow:
                     self.call(mod, cls, node, tainted)
 
     def call(self, mod: Module, cls: str | None, node: ast.Call, tainted: set[str]) -> None:
-        hot_pos = [i for i, a in enumerate(node.args) if reads(a, tainted)]
-        hot_kw = [k.arg for k in node.keywords if k.arg and reads(k.value, tainted)]
+        hot_pos = [i for i, a in enumerate(node.args) if self.hot(a, tainted)]
+        hot_kw = [k.arg for k in node.keywords if k.arg and self.hot(k.value, tainted)]
         if not hot_pos and not hot_kw:
             return
         callee = self.resolve(mod, cls, node.func)
@@ -199,31 +200,37 @@ def path_of(mods: dict[str, Module], entered: list[tuple[str, str]], root: Path)
     return [f for i, f in enumerate(files) if i == 0 or files[i - 1] != f]
 
 
+def measure(root: Path, values: bool = False) -> tuple[list[str], list[tuple[str, str]]]:
+    """(the path: files relative to `root`, runs collapsed; the functions entered, in order)."""
+    mods = load(root)
+    flow = Flow(mods, values=values)
+    flow.walk(START[0], START[1], frozenset(START[2]))
+    return path_of(mods, flow.entered, root), flow.entered
+
+
+def returns_of(path: list[str]) -> int:
+    """Entries of `path` whose file is already earlier on it."""
+    return sum(1 for i, f in enumerate(path) if f in path[:i])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=str(Path(__file__).resolve().parents[1]),
                     help="repository root (default: this checkout)")
     ap.add_argument("--functions", action="store_true", help="list every function entered")
-    ap.add_argument("--objects", action="store_true",
-                    help="follow the config objects themselves (the config and its *_config "
-                         "parts), not every value read from them")
+    ap.add_argument("--values", action="store_true",
+                    help="follow every value read from the configuration too, not only the "
+                         "configuration objects")
     args = ap.parse_args()
-    global OBJECTS
-    OBJECTS = args.objects
-    root = Path(args.root)
-    mods = load(root)
-    flow = Flow(mods)
-    flow.walk(START[0], START[1], frozenset(START[2]))
-    path = path_of(mods, flow.entered, root)
-    returns = sum(1 for i, f in enumerate(path) if f in path[:i])
+    path, entered = measure(Path(args.root), args.values)
     print(f"files entered: {len(set(path))}")
-    print(f"returns: {returns}")
+    print(f"returns: {returns_of(path)}")
     print("path:")
     for f in path:
         print(f"  {f}")
     if args.functions:
         print("functions:")
-        for m, q in flow.entered:
+        for m, q in entered:
             print(f"  {m}.{q}")
     return 0
 
