@@ -33,6 +33,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         assign_groups(items)
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print the schema fuzzing case counts the tests recorded (`record_property("schema_fuzz",
+    line)`; it travels with the report from an xdist worker)."""
+    lines = [str(value) for reports in terminalreporter.stats.values() for r in reports
+             if getattr(r, "when", "") == "call"
+             for name, value in getattr(r, "user_properties", ()) if name == "schema_fuzz"]
+    if lines:
+        terminalreporter.section("schema fuzzing")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="session")
 def model_path() -> str:
     from pdkv.model.registry import resolve_model

@@ -1,0 +1,39 @@
+"""Schema fuzzing of `pdkv serve` (issue 28): every route of its OpenAPI schema (completions,
+chat, tokenize, detokenize, models, health, metrics, reset_prefix_cache, /kv_layout), a few
+hundred schemathesis cases each, against a tiny model (tests/schema_fuzz.py says what each
+response must be). The case counts are printed in the run's summary."""
+
+from __future__ import annotations
+
+import pytest
+from schema_fuzz import fuzz
+from server_utils import RemoteServer
+
+from pdkv.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+CASES = 100  # per route and mode (positive, negative)
+MODELS = {"POST /v1/completions": CompletionRequest,
+          "POST /v1/chat/completions": ChatCompletionRequest,
+          "POST /tokenize": TokenizeRequest, "POST /detokenize": DetokenizeRequest}
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    args = ["serve", "--model", "tiny-llama-kv2", "--num-kv-blocks", "64",
+            "--max-model-len", "128", "--max-num-seqs", "16"]
+    with RemoteServer(args) as srv:
+        yield srv
+
+
+def test_no_input_the_schema_allows_or_forbids_takes_the_server_down(tiny_server,
+                                                                    record_property):
+    report = fuzz(tiny_server.url, CASES, MODELS)
+    for line in report.lines():
+        record_property("schema_fuzz", f"pdkv serve: {line}")
+    assert sum(sum(c.values()) for c in report.counts.values()) >= 8 * CASES
+    assert not report.failures, "\n".join(f"{k}: {v}" for k, v in report.failures.items())
