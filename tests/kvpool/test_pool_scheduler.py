@@ -139,3 +139,33 @@ def test_a_disk_tier_without_a_path_lives_under_pdkv_cache_kvpool(tmp_path, monk
         assert store.tiers[0].path == str(tmp_path / "kvpool")  # type: ignore[attr-defined]
     finally:
         store.close()
+
+
+def test_a_remote_lookup_also_tells_which_local_hit_chunks_need_no_save():
+    from pdkv.sched.output import NewRequestData, SchedulerOutput
+
+    tier = RemoteDram()
+    tier.gate.set()
+    sched = make(tier)
+    woken = threading.Event()
+    sched.set_wakeup(woken.set)
+    req = request(29)  # chunks 0-2 are loadable and saved
+    (held,) = store_prefix(tier, req, 1)
+    sched.on_new_request(req)
+    # Chunk 0 is a local hit; the answer may be in at once (the lookup thread runs free).
+    assert sched.get_num_new_matched_tokens(req, 8) in ((None, False), (0, False))
+    assert woken.wait(30.0)
+    assert sched.get_num_new_matched_tokens(req, 8) == (0, False)  # chunk 1 is not held
+    req.num_computed_tokens = 8
+    sched.update_state_after_alloc(req, Blocks(list(range(1, 7))), 0)  # type: ignore[arg-type]
+    req.num_computed_tokens = 29  # the step computed the rest of the prompt
+    new = NewRequestData(req_id="r", token_ids=req.all_token_ids, num_prompt_tokens=29,
+                         sampling_params=req.sampling_params, block_ids=(list(range(8)),),
+                         num_computed_tokens=8)
+    out = SchedulerOutput(scheduled_new_reqs=[new], scheduled_cached_reqs=[],
+                          num_scheduled_tokens={"r": 21}, total_num_scheduled_tokens=21,
+                          finished_req_ids=set())
+    (save,) = sched.build_connector_meta(out).saves
+    saved = [c.key for c in save.chunks]
+    assert len(saved) == 2 and held not in saved
+    assert sched.take_scheduler_stats()["pool:all:save_skips"] == 1
