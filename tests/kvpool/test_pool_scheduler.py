@@ -15,6 +15,7 @@ from pdkv.kvpool.store import KVPoolStore
 from pdkv.kvpool.tiers.dram import DramTier
 from pdkv.request import Request
 from pdkv.sampling_params import SamplingParams
+from pdkv.sched.output import NewRequestData, SchedulerOutput
 
 BS, CHUNK, FP = 4, 8, "f" * 32
 
@@ -141,9 +142,19 @@ def test_a_disk_tier_without_a_path_lives_under_pdkv_cache_kvpool(tmp_path, monk
         store.close()
 
 
-def test_a_remote_lookup_also_tells_which_local_hit_chunks_need_no_save():
-    from pdkv.sched.output import NewRequestData, SchedulerOutput
+def prefill_output(req: Request, computed_before: int) -> SchedulerOutput:
+    """The scheduler output of one step that computes the rest of `req`'s prompt."""
+    n = req.num_prompt_tokens - computed_before
+    new = NewRequestData(req_id=req.request_id, token_ids=req.all_token_ids,
+                         num_prompt_tokens=req.num_prompt_tokens,
+                         sampling_params=req.sampling_params,
+                         block_ids=(list(range(1, 9)),), num_computed_tokens=computed_before)
+    return SchedulerOutput(scheduled_new_reqs=[new], scheduled_cached_reqs=[],
+                           num_scheduled_tokens={req.request_id: n},
+                           total_num_scheduled_tokens=n, finished_req_ids=set())
 
+
+def test_a_remote_lookup_also_tells_which_local_hit_chunks_need_no_save():
     tier = RemoteDram()
     tier.gate.set()
     sched = make(tier)
@@ -159,13 +170,24 @@ def test_a_remote_lookup_also_tells_which_local_hit_chunks_need_no_save():
     req.num_computed_tokens = 8
     sched.update_state_after_alloc(req, Blocks(list(range(1, 7))), 0)  # type: ignore[arg-type]
     req.num_computed_tokens = 29  # the step computed the rest of the prompt
-    new = NewRequestData(req_id="r", token_ids=req.all_token_ids, num_prompt_tokens=29,
-                         sampling_params=req.sampling_params, block_ids=(list(range(8)),),
-                         num_computed_tokens=8)
-    out = SchedulerOutput(scheduled_new_reqs=[new], scheduled_cached_reqs=[],
-                          num_scheduled_tokens={"r": 21}, total_num_scheduled_tokens=21,
-                          finished_req_ids=set())
-    (save,) = sched.build_connector_meta(out).saves
+    (save,) = sched.build_connector_meta(prefill_output(req, 8)).saves
     saved = [c.key for c in save.chunks]
     assert len(saved) == 2 and held not in saved
     assert sched.take_scheduler_stats()["pool:all:save_skips"] == 1
+
+
+def test_a_producer_saves_only_the_chunks_its_in_process_pool_lacks():
+    tier = DramTier(1 << 20)
+    cfg = KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_producer")
+    prod = PoolConnectorScheduler(
+        cfg, PoolConnectorConfig(chunk_size=CHUNK), KVPoolStore([tier]), FP, BS, 1
+    )
+    req = request(29)
+    held = store_prefix(tier, req, 2)
+    prod.on_new_request(req)
+    assert prod.get_num_new_matched_tokens(req, 0) == (0, False)  # a producer never loads
+    req.num_computed_tokens = 29
+    (save,) = prod.build_connector_meta(prefill_output(req, 0)).saves
+    (saved,) = [c.key for c in save.chunks]
+    assert saved not in held
+    assert prod.take_scheduler_stats()["pool:all:save_skips"] == 2
