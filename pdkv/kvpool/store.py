@@ -145,12 +145,21 @@ class KVPoolStore:
     # -- lookup / get ---------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[str]) -> int:
-        """Length of the leading run of `keys` present in some tier.
+        """Length of the leading run of `keys` present in some tier (see `contains`)."""
+        found = self.contains(keys)
+        run = 0
+        while run < len(found) and found[run]:
+            run += 1
+        return run
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Whether some tier holds each of `keys`.
 
         Tiers are asked fastest first, each only for the keys no earlier tier had (one
         `contains_many` call per tier); a tier that fails or backs off counts as having none.
-        Pins nothing, touches no LRU order. Blocks for a round trip per remote tier: call it off
-        the engine thread unless `all_local`. Thread-safe.
+        Pins nothing, touches no LRU order, so a key reported present may be gone by the time
+        it is read. Blocks for a round trip per remote tier: call it off the engine thread
+        unless `all_local`. Thread-safe.
         """
         pending = list(range(len(keys)))
         found = [False] * len(keys)
@@ -166,10 +175,7 @@ class KVPoolStore:
             for i, p in zip(pending, present):
                 found[i] = bool(p)
             pending = [i for i in pending if not found[i]]
-        run = 0
-        while run < len(found) and found[run]:
-            run += 1
-        return run
+        return found
 
     def get(
         self, key: str, num_tokens: int, group_lengths: Sequence[int]

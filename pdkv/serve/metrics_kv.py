@@ -45,6 +45,7 @@ POOL_COUNTERS: dict[str, str] = {
     "skipped": "KV pool accesses skipped while a tier is down",
     "save_drops": "KV pool saves dropped (save queue full)",
     "saves": "KV pool saves accepted",
+    "save_skips": "Chunk saves skipped because the KV pool already held the chunk",
     "hit_tokens": "Prompt tokens found in the KV pool",
     "lookup_tokens": "Prompt tokens looked up in the KV pool",
 }

@@ -51,3 +51,21 @@ def test_cli_rejects_unknown_tiers():
     assert parser.parse_args(["--tiers", "redis,mooncake"]).tiers == ["redis", "mooncake"]
     with pytest.raises(SystemExit):
         parser.parse_args(["--tiers", "dram,nvme"])
+
+
+def test_disk_fsync_mode_times_both_settings_without_an_engine(tmp_path, monkeypatch, capsys):
+    from pdkv.bench.pool import cli
+    from pdkv.kvpool.tiers import disk
+
+    synced: list[int] = []
+    real_fsync = disk.os.fsync
+    monkeypatch.setattr(disk.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    args = add_cli_args(argparse.ArgumentParser()).parse_args(
+        ["--disk-fsync", "--fsync-writes", "3", "--fsync-value-bytes", "4096",
+         "--work-dir", str(tmp_path), "--result-json", str(tmp_path / "r.json")])
+    assert cli.main(args) == 0
+    assert len(synced) == 3 * 2  # the fsync side only: file and directory per put
+    out = capsys.readouterr().out
+    assert "load average" in out and "cpu:" in out
+    assert [ln.split()[0] for ln in out.splitlines()[3:5]] == ["on", "off"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]  # its directory is removed

@@ -178,3 +178,91 @@ def test_an_entry_another_process_wrote_into_the_directory_is_found_and_adopted(
     assert reader.bytes_in_use() == 100
     other = DiskTier(str(tmp_path / "sub"), 1 << 20)
     assert other.get("pdkv:f:01") is None
+
+
+@pytest.mark.parametrize("fsync", [True, False])
+def test_fsync_of_the_file_and_the_directory_follows_the_option(tmp_path, monkeypatch, fsync):
+    t = DiskTier(str(tmp_path), 10_000, fsync=fsync)
+    calls: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def counting_fsync(fd: int) -> None:
+        calls.append("dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "file")
+        real_fsync(fd)
+
+    def noting_replace(src: str, dst: str) -> None:
+        calls.append("rename")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(disk_mod.os, "fsync", counting_fsync)
+    monkeypatch.setattr(disk_mod.os, "replace", noting_replace)
+    t.put("k", b"v" * 100)
+    t.put("k", b"v" * 100)  # held already: nothing written
+    assert calls == (["file", "rename", "dir"] if fsync else ["rename"])
+    assert t.get("k") == b"v" * 100
+
+
+def test_the_fsync_option_is_read_from_the_tier_spec(tmp_path):
+    from pdkv.kvpool.tiers.factory import create_tier
+
+    def disk(**extra: object) -> DiskTier:
+        tier = create_tier({"name": "disk", "path": str(tmp_path), **extra}, str(tmp_path))
+        assert isinstance(tier, DiskTier)
+        return tier
+
+    assert disk().fsync is True and disk(fsync=False).fsync is False
+    with pytest.raises(ValueError, match="fsync"):
+        disk(fsync="no")
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in _files(path))
+
+
+def test_two_tiers_on_one_directory_share_its_capacity(tmp_path):
+    path = str(tmp_path)
+    a, b = DiskTier(path, 1000), DiskTier(path, 1000)
+    for i in range(6):  # alternately, 600 bytes each: 1,200 written, room for 1,000
+        a.put(f"a{i}", bytes([i]) * 100)
+        b.put(f"b{i}", bytes([i]) * 100)
+        assert _dir_bytes(path) <= 1000
+    assert _dir_bytes(path) == 1000 and b.bytes_in_use() == 1000
+    # The two oldest files, a0 (b's eviction) and b0 (a's), are gone.
+    assert not os.path.exists(os.path.join(path, key_to_filename("a0")))
+    assert not os.path.exists(os.path.join(path, key_to_filename("b0")))
+    assert a.take_evictions() + b.take_evictions() == 2
+    # a still lists a0 (evicted by b since a's last scan): reading it is a miss, not an error.
+    assert a.get("a0") is None and a.contains_many(["a0"]) == [False]
+    # The other's entries are hits; a's read of b1 makes it the newest file for b too.
+    assert a.get("b1") == bytes([1]) * 100
+    b.put("b6", b"x" * 200)  # b scans, sees the read, evicts the two oldest: a1 and a2
+    assert _dir_bytes(path) == 1000 and b.take_evictions() == 2
+    assert [a.get(k) is None for k in ("a1", "a2", "b1", "b2")] == [True, True, False, False]
+
+
+def test_a_put_of_an_entry_another_tier_evicted_writes_it_again(tmp_path):
+    path = str(tmp_path)
+    a, b = DiskTier(path, 250), DiskTier(path, 250)
+    a.put("k", b"k" * 100)
+    b.put("x", b"x" * 100)
+    b.put("y", b"y" * 100)  # evicts a's k
+    assert not os.path.exists(os.path.join(path, key_to_filename("k")))
+    a.put("k", b"k" * 100)  # a's index still lists k: the file is gone, so it is written
+    assert b.get("k") == b"k" * 100 and _dir_bytes(path) <= 250
+
+
+def test_start_up_keeps_temporary_files_of_running_writers(tmp_path):
+    import subprocess
+    import sys
+
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = tmp_path / f".tmp-{writer.pid}-0-pdkv_x.kv"
+        live.write_bytes(b"in progress")
+        dead = tmp_path / ".tmp-999999999-0-pdkv_y.kv"
+        dead.write_bytes(b"left by a crash")
+        DiskTier(str(tmp_path), 10_000)
+        assert live.exists() and not dead.exists()
+    finally:
+        writer.kill()
+        writer.wait()

@@ -231,3 +231,29 @@ def test_concurrent_threads_small_and_large(tier, request):
     assert tier.contains_many(list(values)) == [True] * len(values)
     for k in values:
         tier.remove(k)
+
+
+def test_bytes_in_use_counts_this_instances_entries_the_store_still_holds(
+    mooncake_service, request
+):
+    mine = MooncakeTier(mooncake_service.address, local_buffer_bytes=SMALL_BUFFER, timeout_s=5.0)
+    other = MooncakeTier(mooncake_service.address, local_buffer_bytes=SMALL_BUFFER, timeout_s=5.0)
+    try:
+        a, b, c = (_key(request, n) for n in "abc")
+        assert mine.fetch_bytes_in_use() == 0
+        mine.put(a, os.urandom(64 << 10))
+        mine.put(b, os.urandom(3 * SMALL_BUFFER))
+        other.put(c, os.urandom(1000))  # another client's entry is not counted
+        assert mine.fetch_bytes_in_use() == (64 << 10) + 3 * SMALL_BUFFER
+        deadline = time.monotonic() + 30.0  # answered from the background fetch, never waited
+        while mine.bytes_in_use() != (64 << 10) + 3 * SMALL_BUFFER:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        other.remove(b)  # gone from the store behind this instance's back
+        assert mine.fetch_bytes_in_use() == 64 << 10
+        mine.remove(a)
+        assert mine.fetch_bytes_in_use() == 0
+        other.remove(c)
+    finally:
+        mine.close()
+        other.close()

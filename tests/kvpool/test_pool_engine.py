@@ -104,6 +104,31 @@ def test_cold_then_hot_is_token_identical_and_hits_whole_chunks(tier, tmp_path, 
     llm.llm_engine.shutdown()
 
 
+def test_a_repeated_prompt_writes_no_chunk_the_pool_holds(plain, prompts, reference):
+    llm = make_llm([{"name": "dram", "capacity_bytes": 1 << 30}])
+    stats = llm.llm_engine.scheduler.kv_stats
+
+    def written() -> float:
+        assert store_of(llm).flush(30.0)
+        return stats["pool:dram:chunks_written"]
+
+    assert run(llm, prompts[:1])[0].outputs[0].token_ids == reference[0]
+    assert written() == 3  # 200 tokens: 3 chunks of 64
+    again = run(llm, prompts[:1])[0]  # the local prefix cache serves it
+    assert again.num_cached_tokens == 192 and again.outputs[0].token_ids == reference[0]
+    assert written() == 3 and stats["pool:all:save_skips"] == 3
+    reset_local(llm)
+    loaded = run(llm, prompts[:1])[0]  # the pool serves it
+    assert loaded.num_cached_tokens == 192 and loaded.outputs[0].token_ids == reference[0]
+    assert written() == 3
+    longer = prompts[0] + prompts[1][:100]  # 300 tokens: chunks 0-2 held, chunk 3 new
+    want = run(plain, [longer])[0].outputs[0].token_ids
+    out = run(llm, [longer])[0]
+    assert out.outputs[0].token_ids == want and written() == 4
+    assert_baseline(llm)
+    llm.llm_engine.shutdown()
+
+
 def test_disk_tier_hits_survive_a_restart_and_a_salt_or_block_size_change_misses(
     tmp_path, prompts, reference
 ):

@@ -16,6 +16,7 @@ from pdkv.kvpool.store import KVPoolStore
 from pdkv.kvpool.tiers.dram import DramTier
 from pdkv.request import Request
 from pdkv.sampling_params import SamplingParams
+from pdkv.sched.output import NewRequestData, SchedulerOutput
 
 BS, CHUNK, FP = 4, 8, "f" * 32
 
@@ -141,3 +142,55 @@ def test_a_disk_tier_without_a_path_lives_under_pdkv_cache_kvpool(tmp_path, monk
         assert store.tiers[0].path == str(tmp_path / "kvpool")  # type: ignore[attr-defined]
     finally:
         store.close()
+
+
+def prefill_output(req: Request, computed_before: int) -> SchedulerOutput:
+    """The scheduler output of one step that computes the rest of `req`'s prompt."""
+    n = req.num_prompt_tokens - computed_before
+    new = NewRequestData(req_id=req.request_id, token_ids=req.all_token_ids,
+                         num_prompt_tokens=req.num_prompt_tokens,
+                         sampling_params=req.sampling_params,
+                         block_ids=(list(range(1, 9)),), num_computed_tokens=computed_before)
+    return SchedulerOutput(scheduled_new_reqs=[new], scheduled_cached_reqs=[],
+                           num_scheduled_tokens={req.request_id: n},
+                           total_num_scheduled_tokens=n, finished_req_ids=set())
+
+
+def test_a_remote_lookup_also_tells_which_local_hit_chunks_need_no_save():
+    tier = RemoteDram()
+    tier.gate.set()
+    sched = make(tier)
+    woken = threading.Event()
+    sched.set_wakeup(woken.set)
+    req = request(29)  # chunks 0-2 are loadable and saved
+    (held,) = store_prefix(tier, req, 1)
+    sched.on_new_request(req)
+    # Chunk 0 is a local hit; the answer may be in at once (the lookup thread runs free).
+    assert sched.get_num_new_matched_tokens(req, 8) in ((None, False), (0, False))
+    assert woken.wait(30.0)
+    assert sched.get_num_new_matched_tokens(req, 8) == (0, False)  # chunk 1 is not held
+    req.num_computed_tokens = 8
+    sched.update_state_after_alloc(req, Blocks(list(range(1, 7))), 0)  # type: ignore[arg-type]
+    req.num_computed_tokens = 29  # the step computed the rest of the prompt
+    (save,) = sched.build_connector_meta(prefill_output(req, 8)).saves
+    saved = [c.key for c in save.chunks]
+    assert len(saved) == 2 and held not in saved
+    assert sched.take_scheduler_stats()["pool:all:save_skips"] == 1
+
+
+def test_a_producer_saves_only_the_chunks_its_in_process_pool_lacks():
+    tier = DramTier(1 << 20)
+    cfg = connector_spec(KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_producer"),
+                         BS)
+    prod = PoolConnectorScheduler(
+        cfg, PoolConnectorConfig(chunk_size=CHUNK), KVPoolStore([tier]), FP, BS, 1
+    )
+    req = request(29)
+    held = store_prefix(tier, req, 2)
+    prod.on_new_request(req)
+    assert prod.get_num_new_matched_tokens(req, 0) == (0, False)  # a producer never loads
+    req.num_computed_tokens = 29
+    (save,) = prod.build_connector_meta(prefill_output(req, 0)).saves
+    (saved,) = [c.key for c in save.chunks]
+    assert saved not in held
+    assert prod.take_scheduler_stats()["pool:all:save_skips"] == 2

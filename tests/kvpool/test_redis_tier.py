@@ -170,3 +170,50 @@ def test_server_that_never_answers_times_out():
     finally:
         t.close()
         listener.close()
+
+
+def _eventually(fn, want, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while (got := fn()) != want:
+        assert time.monotonic() < deadline, f"still {got}, want {want}"
+        time.sleep(0.01)
+    return got
+
+
+def test_bytes_in_use_counts_this_instances_entries_the_server_still_holds(
+    redis_service, request
+):
+    mine = RedisTier(redis_service.address, timeout_s=2.0)
+    other = RedisTier(redis_service.address, timeout_s=2.0)
+    expiring = RedisTier(redis_service.address, ttl_s=1.0, timeout_s=2.0)
+    a, b, c, d = (_key(request, n) for n in "abcd")
+    assert mine.fetch_bytes_in_use() == 0
+    mine.put(a, os.urandom(64 << 10))
+    mine.put(b, os.urandom(3 << 20))
+    other.put(c, os.urandom(1000))  # another client's entry is not counted
+    assert mine.fetch_bytes_in_use() == (64 << 10) + (3 << 20)
+    # bytes_in_use answers at once from the last background check: 0, then the figure.
+    _eventually(mine.bytes_in_use, (64 << 10) + (3 << 20))
+    other.remove(b)  # gone from the server behind this instance's back
+    assert mine.fetch_bytes_in_use() == 64 << 10
+    mine.remove(a)
+    assert mine.fetch_bytes_in_use() == 0
+    expiring.put(d, b"x" * 100)
+    assert expiring.fetch_bytes_in_use() == 100
+    _eventually(lambda: other.get(d), None)  # expired (TTL 1 s); seen by another client
+    assert expiring.fetch_bytes_in_use() == 0
+    other.remove(c)
+    for t in (mine, other, expiring):
+        t.close()
+
+
+def test_bytes_in_use_keeps_the_last_figure_when_the_server_dies(own_redis):
+    tier = RedisTier(own_redis.address, timeout_s=1.0)
+    tier.put("pdkv:test:k", b"x" * (1 << 20))
+    _eventually(lambda: tier.bytes_in_use() >= 1 << 20, True)
+    held = tier.bytes_in_use()
+    own_redis.stop()
+    with pytest.raises(TierError):
+        tier.fetch_bytes_in_use()
+    assert tier.bytes_in_use() == held
+    tier.close()

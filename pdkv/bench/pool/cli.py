@@ -15,7 +15,9 @@ Usage::
     from pdkv.bench.pool.cli import run_pool_bench
     result = run_pool_bench(tiers=("dram", "disk"), chunk_size=256, prompt_len=2049, repeats=3)
 
-or from the CLI: `pdkv bench pool --tiers dram,disk,redis,mooncake`.
+or from the CLI: `pdkv bench pool --tiers dram,disk,redis,mooncake`. `pdkv bench pool
+--disk-fsync` measures instead what the disk tier's fsync costs per chunk written
+(`pdkv.bench.pool.fsync`, no engine).
 """
 
 # Layout: `pool_runner` (engines, tiers and their servers, the run), `pool_report` (summary,
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from pdkv.bench.pool.fsync import SMOLLM2_BYTES_PER_TOKEN, format_fsync, measure_disk_fsync
 from pdkv.bench.pool.report import TARGETS, format_table, max_loadable_tokens, summarize_tier
 from pdkv.bench.pool.runner import TIERS, run_pool_bench
 from pdkv.bench.results import jsonable, write_result_json
@@ -66,6 +69,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--work-dir", default=None,
                         help="where the disk tier writes (unset: a temporary directory, removed)")
     parser.add_argument(
+        "--disk-fsync", action="store_true",
+        help="only measure the disk tier's put time with fsync on vs off (no engine): "
+        "--fsync-writes puts of one chunk value each, into --work-dir",
+    )
+    parser.add_argument("--fsync-writes", type=int, default=20,
+                        help="puts per fsync setting (--disk-fsync)")
+    parser.add_argument(
+        "--fsync-value-bytes", type=int, default=None,
+        help="bytes per put (--disk-fsync; default: a SmolLM2 fp32 chunk, chunk-size x "
+        f"{SMOLLM2_BYTES_PER_TOKEN} B)",
+    )
+    parser.add_argument(
         "--json", action="store_true", help="print the result as JSON instead of the table"
     )
     parser.add_argument(
@@ -79,8 +94,15 @@ def main(args: argparse.Namespace) -> int:
 
     Returns:
         Process exit code: 0, or 1 when a measured tier did not hit fully or its outputs were
-        not token-identical (the TTFT targets are only reported).
+        not token-identical (the TTFT targets are only reported). `--disk-fsync`: 0.
     """
+    if args.disk_fsync:
+        value_bytes = args.fsync_value_bytes or args.chunk_size * SMOLLM2_BYTES_PER_TOKEN
+        fsync_result = measure_disk_fsync(args.work_dir, value_bytes, args.fsync_writes)
+        print(json.dumps(fsync_result, indent=2) if args.json else format_fsync(fsync_result))
+        if args.result_json:
+            write_result_json(fsync_result, args.result_json)
+        return 0
     result = run_pool_bench(
         tiers=tuple(args.tiers), chunk_size=args.chunk_size, prompt_len=args.prompt_len,
         repeats=args.repeats, max_tokens=args.max_tokens, seed=args.seed, model=args.model,

@@ -1,15 +1,20 @@
 """Scheduler half of the KVPoolConnector (torch-free).
 
-Lookups: a waiting request's loadable chunks (whole chunks before its last token, from the first
-chunk not fully in the local prefix cache) are looked up in the pool; the answer is the longest
-run of consecutive hits. With in-process tiers only (dram, disk) the lookup runs inline; with a
-remote tier (redis, mooncake) it runs on a thread and `get_num_new_matched_tokens` answers None
-("ask again") until it is in, at most `lookup_timeout_s` (then a miss). Loads: the hit chunks
-beyond the local prefix cache are loaded asynchronously into the request's new blocks
-(one PoolLoadSpec). Saves: every step, each scheduled request's chunks that became fully computed
-(prompt only unless save_decode_tokens) and were not loaded from the pool are sent to the worker
-half, which copies them out after the forward pass. Sliding-window groups store and load only
-the blocks of each chunk's tail window and of the hit's window (`pdkv.kvpool.window`).
+Lookups: a waiting request's loadable chunks (whole chunks before its last token) are looked up
+in the pool, local prefix-cache hits included; the hit is the longest run of consecutive pool hits
+from the first chunk not fully in the local prefix cache. With in-process tiers only (dram, disk)
+the lookup runs inline; with a remote tier (redis, mooncake) it runs on a thread and
+`get_num_new_matched_tokens` answers None ("ask again") until it is in, at most
+`lookup_timeout_s` (then a miss). Loads: the hit chunks beyond the local prefix cache are loaded
+asynchronously into the request's new blocks (one PoolLoadSpec). Saves: every step, each
+scheduled request's chunks that became fully computed (prompt only unless save_decode_tokens) and
+were not loaded from the pool are sent to the worker half, which copies them out after the
+forward pass. A chunk the request's lookup found in the pool is not saved again (a repeat of a
+prompt writes nothing); with a full local hit (nothing to load) or a producer-only role the
+lookup runs only when it is inline (in-process tiers), so a remote tier is never waited for just
+to skip a save. A chunk evicted between that lookup and the save stays missing: a later miss,
+never a wrong hit. Sliding-window groups store and load only the blocks of each chunk's tail
+window and of the hit's window (`pdkv.kvpool.window`).
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ if TYPE_CHECKING:
 class _Lookup:
     first_chunk: int
     deadline: float
-    future: Future[int] | None = None
+    future: Future[list[bool]] | None = None
+    present: list[bool] | None = None  # per chunk from chunk 0, once the lookup is in
     hits: int | None = None
 
 
@@ -78,6 +84,7 @@ class PoolConnectorScheduler:
         self._requests: dict[str, Request] = {}
         self._tables: dict[str, list[list[int]]] = {}
         self._saved_chunks: dict[str, int] = {}
+        self._held: dict[str, frozenset[int]] = {}  # chunks a lookup found: not saved again
         self._lookups: dict[str, _Lookup] = {}
         self._failed: set[str] = set()
         self._loading: set[str] = set()
@@ -97,33 +104,45 @@ class PoolConnectorScheduler:
         return [chunk_key(self.fingerprint, h) for h in hashes[first_chunk:end_chunk]]
 
     def _lookup(self, request: Request, first_chunk: int, keys: list[str]) -> int | None:
-        """Leading hits among `keys`, or None while a remote lookup is in flight."""
+        """Leading hits among `keys[first_chunk:]` (`keys` start at chunk 0), or None while a
+        remote lookup is in flight."""
         rid = request.request_id
         entry = self._lookups.get(rid)
         if entry is None or entry.first_chunk != first_chunk:
             entry = _Lookup(first_chunk, time.monotonic() + self.pool.lookup_timeout_s)
             self._lookups[rid] = entry
             if self.store.all_local:
-                entry.hits = self.store.lookup(keys)
+                entry.present = self.store.contains(keys)
             else:
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(2, thread_name_prefix="pdkv-pool-lookup")
-                entry.future = self._executor.submit(self.store.lookup, keys)
+                entry.future = self._executor.submit(self.store.contains, keys)
                 if self._wakeup is not None:
                     wake = self._wakeup
                     entry.future.add_done_callback(lambda _f: wake())
-        if entry.hits is None and entry.future is not None:
+        if entry.present is None and entry.future is not None:
             if entry.future.done():
                 try:
-                    entry.hits = entry.future.result()
+                    entry.present = entry.future.result()
                 except Exception:  # the store counts tier failures; here it is a miss
-                    entry.hits = 0
+                    entry.present = [False] * len(keys)
             elif time.monotonic() >= entry.deadline:
                 self._count("pool:all:lookup_timeouts", 1)
-                entry.hits = 0
+                entry.present = [False] * len(keys)
             else:
                 return None
+        if entry.hits is None:
+            assert entry.present is not None
+            hits = 0
+            for p in entry.present[first_chunk:]:
+                if not p:
+                    break
+                hits += 1
+            entry.hits = hits
         return entry.hits
+
+    def _note_held(self, rid: str, present: list[bool]) -> None:
+        self._held[rid] = frozenset(j for j, p in enumerate(present) if p)
 
     # ---------------------------------------------------------------- lifecycle
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
@@ -136,13 +155,16 @@ class PoolConnectorScheduler:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         rid = request.request_id
-        if not self.spec.is_kv_consumer or rid in self._failed:
+        if rid in self._failed:
             return 0, False
         end_chunk = max_loadable_tokens(request.num_tokens, self.chunk) // self.chunk
         first_chunk = num_computed_tokens // self.chunk
-        if first_chunk >= end_chunk:
+        if not self.spec.is_kv_consumer or first_chunk >= end_chunk:
+            # Nothing to load; an inline lookup still tells which chunks need no save.
+            if self.spec.is_kv_producer and self.store.all_local and end_chunk > 0:
+                self._note_held(rid, self.store.contains(self._keys(request, 0, end_chunk)))
             return 0, False
-        keys = self._keys(request, first_chunk, end_chunk)
+        keys = self._keys(request, 0, end_chunk)
         hits = self._lookup(request, first_chunk, keys)
         if hits is None:
             return None, False
@@ -154,6 +176,8 @@ class PoolConnectorScheduler:
     ) -> None:
         rid = request.request_id
         entry = self._lookups.pop(rid, None)
+        if entry is not None and entry.present is not None:
+            self._note_held(rid, entry.present)
         if entry is not None and entry.hits is not None:
             # Tokens the pool could have served beyond the local prefix cache, and those it did.
             asked = (
@@ -217,8 +241,13 @@ class PoolConnectorScheduler:
                 continue
             keys = self._keys(request, start, end_chunk)
             before = done_all - scheduler_output.num_scheduled_tokens[rid]
+            held = self._held.get(rid, frozenset())
+            skipped = sum(1 for j in range(start, end_chunk) if j in held)
+            if skipped:
+                self._count("pool:all:save_skips", skipped)
             chunks = tuple(c for j, key in zip(range(start, end_chunk), keys)
-                           if (c := self._save_ref(table, j, key, before)) is not None)
+                           if j not in held
+                           and (c := self._save_ref(table, j, key, before)) is not None)
             if chunks:
                 saves.append(PoolSaveSpec(rid, chunks))
             self._saved_chunks[rid] = end_chunk
@@ -250,7 +279,8 @@ class PoolConnectorScheduler:
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]
                          ) -> tuple[bool, JSONObject | None]:
         rid = request.request_id
-        for table in (self._requests, self._tables, self._saved_chunks, self._lookups):
+        for table in (self._requests, self._tables, self._saved_chunks, self._lookups,
+                      self._held):
             table.pop(rid, None)
         self._failed.discard(rid)
         # A load still writing into the blocks: free them only when it ends.

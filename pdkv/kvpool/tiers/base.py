@@ -13,8 +13,13 @@ every tier must be safe for that.
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+logger = logging.getLogger(__name__)
 
 
 class TierError(Exception):
@@ -69,7 +74,9 @@ class Tier(ABC):
         """Drop `key` if present (used when a value fails its checksum)."""
 
     def bytes_in_use(self) -> int:
-        """Bytes of values held, as far as the tier knows (0 when it cannot tell)."""
+        """Bytes of values held, as far as the tier knows (0 when it cannot tell). Called by the
+        store's `stats()` after every engine step: it never blocks on a round trip (remote tiers
+        answer from a value refreshed in the background, see `BackgroundValue`)."""
         return 0
 
     def take_evictions(self) -> int:
@@ -78,3 +85,88 @@ class Tier(ABC):
 
     def close(self) -> None:
         """Release connections and files; the tier is unusable afterwards."""
+
+
+class BackgroundValue:
+    """A number that costs a round trip to learn, read without waiting for one: `get` returns
+    the last fetched value at once and, when that is older than `max_age_s` seconds and no fetch
+    is running, starts one on a daemon thread. A fetch that raises keeps the previous value
+    (logged at debug level). Thread-safe.
+
+    Args:
+        fetch: blocking call that returns the current value (may raise).
+        max_age_s: seconds after which `get` starts a new fetch (>= 0).
+        name: thread name of the fetches.
+        clock: monotonic clock in seconds (tests pass a fake one).
+    """
+
+    def __init__(self, fetch: Callable[[], int], max_age_s: float, name: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._fetch = fetch
+        self._max_age_s = max_age_s
+        self._name = name
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._value = 0
+        self._at = float("-inf")
+        self._running = False
+
+    def get(self) -> int:
+        """The last fetched value (0 before the first fetch ends); never blocks on a fetch."""
+        with self._lock:
+            start = not self._running and self._clock() - self._at >= self._max_age_s
+            if start:
+                self._running = True
+            value = self._value
+        if start:
+            threading.Thread(target=self.refresh, name=self._name, daemon=True).start()
+        return value
+
+    def refresh(self) -> int:
+        """Fetch now, on the calling thread (blocks for the round trip); the value kept."""
+        try:
+            value: int | None = self._fetch()
+        except Exception as e:
+            logger.debug("%s: fetch failed: %r", self._name, e)
+            value = None
+        with self._lock:
+            self._running = False
+            self._at = self._clock()
+            if value is not None:
+                self._value = value
+            return self._value
+
+
+class OwnEntries:
+    """The entries one tier instance put into a shared remote store, with their value sizes, so
+    the instance can report the bytes it holds there when the store cannot say cheaply.
+    `prune` drops those the store no longer has (evicted, expired, removed by another client).
+    Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sizes: dict[str, int] = {}
+
+    def add(self, key: str, nbytes: int) -> None:
+        """Record a successful put of `nbytes` bytes under `key`."""
+        with self._lock:
+            self._sizes[key] = nbytes
+
+    def drop(self, key: str) -> None:
+        """Forget `key` (removed, or read as a miss)."""
+        with self._lock:
+            self._sizes.pop(key, None)
+
+    def keys(self) -> list[str]:
+        """The keys recorded now."""
+        with self._lock:
+            return list(self._sizes)
+
+    def prune(self, keys: Sequence[str], present: Sequence[bool]) -> int:
+        """Forget the `keys` whose `present` is False; the bytes of the entries still recorded."""
+        with self._lock:
+            for key, held in zip(keys, present):
+                if not held:
+                    self._sizes.pop(key, None)
+            return sum(self._sizes.values())

@@ -1,17 +1,33 @@
-"""Local disk tier: one file per chunk, LRU by bytes, index rebuilt at start-up (torch-free).
+"""Local disk tier: one file per chunk, LRU by bytes, capacity shared by every process that uses
+the directory (torch-free).
 
 Layout of the directory: `<name>.kv` per entry, where name is the key with ':' turned into '_'
 (and any character outside [A-Za-z0-9.-] escaped as %XX, so distinct keys never share a file);
-`.tmp-*` files are writes in progress. A put writes the whole value to a temporary file in the
-same directory and renames it over the final name (`os.replace`, atomic on POSIX), so a reader
-never sees a half-written entry under its final name; after a crash only `.tmp-*` leftovers
-remain, and start-up removes them. The index (file name → size, in LRU order) lives in memory
-and is rebuilt from the directory at start-up in mtime order; `get` refreshes a file's mtime so
-that order survives a restart. Content is verified by the store (`pdkv.kvpool.codec`), so a
-corrupted or truncated file is caught on load; no fsync, so after power loss a renamed file may
-be short or garbage, which that check turns into a miss.
+`.tmp-<pid>-*` files are writes in progress. A put writes the whole value to a temporary file in
+the same directory and renames it over the final name (`os.replace`, atomic on POSIX), so a
+reader never sees a half-written entry under its final name.
 
-One process per directory: two processes sharing a directory would each keep their own index.
+Durability (`fsync`, default on): the temporary file is fsync'ed before the rename and the
+directory after it, so once `put` returns the entry survives a power loss under its final name
+with its full contents. With fsync off a renamed file may be short or garbage after power loss;
+the store's checksum (`pdkv.kvpool.codec`) turns that into a miss, so turning it off trades a
+cold restart after a crash for cheaper writes (`pdkv bench pool --disk-fsync` measures the cost).
+Start-up removes `.tmp-*` leftovers of processes that no longer run.
+
+Capacity across processes: several processes (engines of one host) may share a directory, and
+`capacity_bytes` bounds the directory, not one process's writes. The accounting is the directory
+itself: every put lists it (under this tier's lock; one stat per file it has not seen before;
+about 4 ms per thousand entries on a loaded 2-core box) and evicts the least recently used files,
+whoever wrote them, until the new value fits. A shared counter file with a lock was the
+alternative; it was not chosen because a process that dies between its rename and its update
+leaves the counter wrong for good, while a listing cannot drift. Between puts the in-memory index
+may be stale: an entry another process evicted is still listed until the next put, and reading
+it is a miss (the vanished file is dropped from the index), never an error. Concurrent writers
+can together overshoot by the values they are writing at that moment (temporary files are not
+counted), at most one chunk each. LRU order: within one process the index keeps exact use order
+(files of other processes join it when first seen, oldest mtime first); across processes a read
+refreshes the file's mtime, and a file about to be evicted whose mtime changed since this tier
+saw it (another process read it) gets a second chance. Start-up orders the index by mtime.
 """
 
 from __future__ import annotations
@@ -20,7 +36,9 @@ import contextlib
 import errno
 import itertools
 import os
+import stat
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -49,13 +67,17 @@ def key_to_filename(key: str) -> str:
 
 
 class DiskTier(Tier):
-    """Chunks as files under `path`, at most `capacity_bytes` of file contents, LRU eviction
-    (files deleted). Thread-safe: the index is guarded by a lock; file reads and the data writes
-    run outside it (the rename and index update happen together under it).
+    """Chunks as files under `path`, at most `capacity_bytes` of `.kv` file contents in the
+    directory (all processes together, see the module docstring), LRU eviction (files deleted).
+    Thread-safe: the index is guarded by a lock, held for the rescan, rename and evictions of a
+    put; file reads and the data writes run outside it.
 
     Args:
         path: directory (created if missing).
-        capacity_bytes: most bytes of values held (> 0).
+        capacity_bytes: most bytes of values held in the directory (> 0).
+        fsync: fsync each written file before its rename and the directory after it (durable
+            once `put` returns); False skips both (faster; a crash may leave damaged entries,
+            which the store's checksum turns into misses).
 
     Raises:
         ValueError: capacity_bytes <= 0.
@@ -65,59 +87,99 @@ class DiskTier(Tier):
     name = "disk"
     local_index = True
 
-    def __init__(self, path: str, capacity_bytes: int) -> None:
+    def __init__(self, path: str, capacity_bytes: int, fsync: bool = True) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.path = path
         self.capacity_bytes = capacity_bytes
+        self.fsync = fsync
         self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()
+        # file name -> (size in bytes, mtime in ns as last seen), least recently used first
+        self._index: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._used = 0
         self._evictions = 0
         self._tmp_ids = itertools.count()
         os.makedirs(path, exist_ok=True)
-        self._rebuild()
-
-    def _rebuild(self) -> None:
-        """Remove leftover temporary files; index the entries oldest mtime first; evict down to
-        capacity (it may have shrunk since the last run)."""
-        found: list[tuple[int, str, int]] = []
-        with os.scandir(self.path) as it:
-            for entry in it:
-                try:
-                    if entry.name.startswith(TMP_PREFIX):
-                        os.unlink(entry.path)
-                    elif entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False):
-                        st = entry.stat(follow_symlinks=False)
-                        found.append((st.st_mtime_ns, entry.name, st.st_size))
-                except FileNotFoundError:
-                    continue
-        for _, name, size in sorted(found):
-            self._index[name] = size
-            self._used += size
+        self._remove_stale_temporaries()
         with self._lock:
+            self._refresh_locked()
             self._evict_locked(0)
             self._evictions = 0
+
+    def _remove_stale_temporaries(self) -> None:
+        """Delete `.tmp-<pid>-*` files whose writer is not running (a crash's leftovers); those
+        of live processes sharing the directory are writes in progress and stay."""
+        with os.scandir(self.path) as it:
+            for entry in it:
+                if not entry.name.startswith(TMP_PREFIX):
+                    continue
+                pid_text = entry.name[len(TMP_PREFIX):].split("-", 1)[0]
+                if pid_text.isdigit() and int(pid_text) != os.getpid() and _alive(int(pid_text)):
+                    continue
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+
+    def _refresh_locked(self) -> None:
+        """Make the index the directory's contents: drop entries whose file is gone and add new
+        `.kv` files (one stat each, oldest mtime first, as the most recently used). Known files
+        are not stat'ed (a value never changes; their mtime is checked when they are about to be
+        evicted). Raises OSError if the directory cannot be listed."""
+        names = {n for n in os.listdir(self.path)
+                 if n.endswith(SUFFIX) and not n.startswith(TMP_PREFIX)}
+        for name in [n for n in self._index if n not in names]:
+            del self._index[name]
+        new: list[tuple[int, str, int]] = []
+        for name in names.difference(self._index):
+            try:
+                st = os.stat(self._file(name), follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                new.append((st.st_mtime_ns, name, st.st_size))
+        for mtime, name, size in sorted(new):
+            self._index[name] = (size, mtime)
+        self._used = sum(size for size, _ in self._index.values())
 
     def _file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
-    def _evict_locked(self, incoming: int) -> None:
-        while self._index and self._used + incoming > self.capacity_bytes:
-            name, size = self._index.popitem(last=False)
+    def _evict_locked(self, incoming: int, keep: str = "") -> None:
+        """Delete least recently used files (never `keep`) until `incoming` more bytes fit.
+        Before a file goes its mtime is read: a file another process used since this tier last
+        saw it gets a second chance (moved to the most recent end, once per call); a file
+        already deleted frees its bytes but is not counted as an eviction."""
+        spared: set[str] = set()
+        while self._used + incoming > self.capacity_bytes:
+            victim = next((n for n in self._index if n != keep), None)
+            if victim is None:
+                return
+            size, seen = self._index[victim]
+            try:
+                mtime = os.stat(self._file(victim), follow_symlinks=False).st_mtime_ns
+            except FileNotFoundError:
+                del self._index[victim]
+                self._used -= size
+                continue
+            except OSError:
+                mtime = seen
+            if mtime != seen and victim not in spared:
+                spared.add(victim)
+                self._index[victim] = (size, mtime)
+                self._index.move_to_end(victim)
+                continue
+            del self._index[victim]
             self._used -= size
+            try:
+                os.unlink(self._file(victim))
+            except OSError:
+                continue  # gone already, or cannot be deleted (the next scan finds it again)
             self._evictions += 1
-            self._unlink(name)
-
-    def _unlink(self, name: str) -> None:
-        # A file that cannot be deleted stays as a stray; start-up re-indexes (and evicts) it.
-        with contextlib.suppress(OSError):
-            os.unlink(self._file(name))
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """Presence of each key: the in-memory index first, then (for keys it lacks) one stat of
         the file, so entries another process wrote into a shared directory are found and
-        adopted into the index (its capacity accounting then covers them too). No LRU touch."""
+        adopted into the index. No LRU touch. An entry another process evicted since this
+        tier's last scan may still be reported (its read is then a miss)."""
         names = [key_to_filename(k) for k in keys]
         with self._lock:
             found = [n in self._index for n in names]
@@ -127,21 +189,22 @@ class DiskTier(Tier):
         return found
 
     def _adopt(self, name: str) -> bool:
-        """Index a complete file written by another process (renamed into place: never partial)."""
+        """Index a complete file written by another process (renamed into place: never partial).
+        Nothing is evicted for it: it is already on disk, and the next put's scan counts it."""
         try:
-            size = os.stat(self._file(name)).st_size
+            st = os.stat(self._file(name))
         except OSError:
             return False
         with self._lock:
             if name not in self._index:
-                self._evict_locked(size)
-                self._index[name] = size
-                self._used += size
+                self._index[name] = (st.st_size, st.st_mtime_ns)
+                self._used += st.st_size
         return True
 
     def get(self, key: str) -> bytes | None:
         """The whole file as written (the store verifies it), or None when absent or the file
-        vanished. A hit becomes most recently used (index order and file mtime).
+        vanished (e.g. evicted by another process sharing the directory). A hit becomes most
+        recently used (index order and file mtime).
 
         Raises:
             TierError: kind "io" when the file exists but cannot be read.
@@ -161,24 +224,32 @@ class DiskTier(Tier):
             return None
         except OSError as e:
             raise TierError(f"disk read of {name} failed: {e}", "io") from e
-        with contextlib.suppress(OSError):  # LRU order across restarts is a hint only
-            os.utime(self._file(name))
+        now = time.time_ns()
+        with contextlib.suppress(OSError):  # LRU order across processes is a hint only
+            os.utime(self._file(name), ns=(now, now))
+            mtime = os.stat(self._file(name)).st_mtime_ns  # as the file system stored it
+            with self._lock:
+                entry = self._index.get(name)
+                if entry is not None:
+                    self._index[name] = (entry[0], mtime)
         return data
 
     def _forget(self, name: str) -> None:
         with self._lock:
-            size = self._index.pop(name, None)
-            if size is not None:
-                self._used -= size
+            entry = self._index.pop(name, None)
+            if entry is not None:
+                self._used -= entry[0]
 
     def put(self, key: str, value: bytes) -> None:
-        """Write `value` to a temporary file, then rename it to the key's file and index it,
-        evicting LRU files to stay under capacity. An existing key keeps its file and becomes
-        most recently used.
+        """Write `value` to a temporary file (fsync'ed when `fsync`), rename it to the key's
+        file (then fsync the directory), rescan the directory and evict LRU files, whoever wrote
+        them, until the directory holds at most `capacity_bytes`. An existing key keeps its file
+        and becomes most recently used.
 
         Raises:
-            TierError: kind "full" when len(value) > capacity_bytes; kind "io" when the write or
-                the rename fails (no file and no index entry are left behind).
+            TierError: kind "full" when len(value) > capacity_bytes; kind "io" when the write,
+                an fsync, the rename or the scan fails (no file and no index entry are left
+                behind, unless the rename succeeded: the entry is then in place).
         """
         size = len(value)
         if size > self.capacity_bytes:
@@ -187,27 +258,36 @@ class DiskTier(Tier):
             )
         name = key_to_filename(key)
         with self._lock:
-            if name in self._index:
-                self._index.move_to_end(name)
+            known = name in self._index
+        if known:
+            if os.path.exists(self._file(name)):
+                with self._lock:
+                    if name in self._index:
+                        self._index.move_to_end(name)
                 return
+            self._forget(name)  # evicted by another process: write it again
         tmp = self._file(f"{TMP_PREFIX}{os.getpid()}-{next(self._tmp_ids)}-{name}")
         try:
-            self._write(tmp, value)
+            self._write(tmp, value, self.fsync)
             with self._lock:
                 os.replace(tmp, self._file(name))
-                old = self._index.pop(name, None)  # a concurrent put of the same key
-                if old is not None:
-                    self._used -= old
-                self._evict_locked(size)
-                self._index[name] = size
-                self._used += size
+                # The scan indexes the new file with the other new ones (theirs too: they count
+                # against capacity), oldest first; this one is then the most recent.
+                self._index.pop(name, None)
+                self._refresh_locked()
+                if name in self._index:
+                    self._index.move_to_end(name)
+                self._evict_locked(0, keep=name)
+            if self.fsync:
+                _fsync_dir(self.path)
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise TierError(f"disk write of {name} failed: {e}", "io") from e
 
     @staticmethod
-    def _write(path: str, value: bytes) -> None:
+    def _write(path: str, value: bytes, fsync: bool) -> None:
+        """Write `value` to a new file at `path` (fsync'ed when asked)."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view = memoryview(value).cast("B")
@@ -216,6 +296,8 @@ class DiskTier(Tier):
                 if n <= 0:
                     raise OSError(errno.EIO, "short write")
                 view = view[n:]
+            if fsync:
+                os.fsync(fd)
         finally:
             os.close(fd)
 
@@ -223,21 +305,44 @@ class DiskTier(Tier):
         """Drop `key`'s index entry and file if present."""
         name = key_to_filename(key)
         with self._lock:
-            size = self._index.pop(name, None)
-            if size is not None:
-                self._used -= size
-            self._unlink(name)
+            entry = self._index.pop(name, None)
+            if entry is not None:
+                self._used -= entry[0]
+            with contextlib.suppress(OSError):
+                os.unlink(self._file(name))
 
     def bytes_in_use(self) -> int:
-        """Sum of the indexed file sizes."""
+        """Bytes of `.kv` files in the directory (every process's) as of this tier's last scan
+        (start-up or a put), plus entries adopted or minus entries dropped since."""
         with self._lock:
             return self._used
 
     def take_evictions(self) -> int:
-        """Entries evicted for capacity since the last call."""
+        """Files this tier deleted for capacity since the last call (another process's files
+        included; a file already gone is not counted)."""
         with self._lock:
             n, self._evictions = self._evictions, 0
             return n
 
     def close(self) -> None:
         """Nothing to release (files are closed after each call); entries stay on disk."""
+
+
+def _fsync_dir(path: str) -> None:
+    """fsync directory `path` (makes a rename or create in it durable). Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (signal 0; a permission error means it does)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

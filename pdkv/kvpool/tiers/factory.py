@@ -3,8 +3,9 @@
 Specs (JSON objects in `kv_connector_extra_config["tiers"]`):
 
     {"name": "dram", "capacity_bytes": int}                  default 1 GiB
-    {"name": "disk", "path": str, "capacity_bytes": int}     default 4 GiB under
-                                                             f"{default_dir}/kvpool"
+    {"name": "disk", "path": str, "capacity_bytes": int, "fsync": bool}
+                                                             default 4 GiB under
+                                                             f"{default_dir}/kvpool", fsync on
     {"name": "redis", "url": str, "ttl_s": float, "timeout_s": float}
     {"name": "mooncake", "master": "host:port", ...}         keys as MooncakeTier takes them
 
@@ -26,7 +27,7 @@ DEFAULT_DISK_CAPACITY_BYTES = 4 * GiB
 
 _KNOWN_KEYS: dict[str, frozenset[str]] = {
     "dram": frozenset({"name", "capacity_bytes"}),
-    "disk": frozenset({"name", "path", "capacity_bytes"}),
+    "disk": frozenset({"name", "path", "capacity_bytes", "fsync"}),
     "redis": frozenset({"name", "url", "ttl_s", "timeout_s"}),
 }
 TIER_NAMES = ("dram", "disk", "redis", "mooncake")
@@ -63,7 +64,10 @@ def create_tier(spec: Mapping[str, Any], default_dir: str) -> Tier:
         path = spec.get("path", os.path.join(default_dir, "kvpool"))
         if not isinstance(path, str) or not path:
             raise ValueError(f"disk tier path must be a non-empty string, got {path!r}")
-        return DiskTier(path, _capacity(spec, DEFAULT_DISK_CAPACITY_BYTES))
+        fsync = spec.get("fsync", True)
+        if not isinstance(fsync, bool):
+            raise ValueError(f"disk tier fsync must be true or false, got {fsync!r}")
+        return DiskTier(path, _capacity(spec, DEFAULT_DISK_CAPACITY_BYTES), fsync=fsync)
     if name == "redis":
         # Lazy: imports the redis client library.
         from pdkv.kvpool.tiers.redis import RedisTier

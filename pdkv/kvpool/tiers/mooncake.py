@@ -17,6 +17,15 @@ mooncake-store/include/types.h):
   returns and holds the GIL. So: the master's port is probed (bounded TCP connect) before setup
   and, after any failure, before the next call; every call runs on a daemon worker thread and the
   caller waits at most `timeout_s` (calls release the GIL, so the deadline fires).
+
+Bytes in use: the pure client has no call that reports the store's usage (the master exports it
+only as Prometheus metrics on its own port, which this tier is not told). So the tier reports the
+bytes of the entries this instance put that the store still holds: it remembers each key it put
+with its size (dropped on `remove` and on a `get` miss) and, in the background at most every
+`BYTES_IN_USE_MAX_AGE_S` seconds, asks the store which of them still exist (one `batch_is_exist`
+round trip) and forgets the rest (evicted by the store or removed by another client).
+`bytes_in_use` never waits for that. Instances sharing the store each report their own writes,
+so the pool's total is about their sum (a chunk two instances both put counts twice).
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
-from pdkv.kvpool.tiers.base import Tier, TierError
+from pdkv.kvpool.tiers.base import BackgroundValue, OwnEntries, Tier, TierError
 
 _T = TypeVar("_T")
 
@@ -63,6 +72,8 @@ _CODE_NAMES = {
     RPC_TIMEOUT: "RPC_TIMEOUT",
 }
 _NUM_WORKERS = 4
+BYTES_IN_USE_MAX_AGE_S = 5.0
+"""Seconds between background checks of which of this instance's entries the store holds."""
 
 
 def import_store_class() -> Any:
@@ -205,6 +216,10 @@ class MooncakeTier(Tier):
                 f"mooncake setup against master {master} failed with code {rc}", "unavailable"
             )
         self._workers = _Workers(_NUM_WORKERS)
+        self._own = OwnEntries()
+        self._in_use = BackgroundValue(
+            self.fetch_bytes_in_use, BYTES_IN_USE_MAX_AGE_S, "pdkv-mooncake-in-use"
+        )
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -284,7 +299,10 @@ class MooncakeTier(Tier):
                 raise _error("get_into", key, n)
             return bytes(memoryview(reg.buf)[:n])
 
-        return self._run("get", run)
+        value = self._run("get", run)
+        if value is None:
+            self._own.drop(key)
+        return value
 
     def put(self, key: str, value: bytes) -> None:
         """put (small) or put_from a registered buffer (large or when the local buffer is busy).
@@ -306,6 +324,7 @@ class MooncakeTier(Tier):
                 raise _error("put", key, rc)
 
         self._run("put", run)
+        self._own.add(key, len(value))
 
     def remove(self, key: str) -> None:
         """Forced remove (a read lease does not block it); absent is fine. Raises TierError."""
@@ -316,6 +335,22 @@ class MooncakeTier(Tier):
                 raise _error("remove", key, rc)
 
         self._run("remove", run)
+        self._own.drop(key)
+
+    def bytes_in_use(self) -> int:
+        """Bytes of this instance's entries the store held at the last background check (see
+        the module docstring; 0 until the first check answers). Never blocks."""
+        return self._in_use.get()
+
+    def fetch_bytes_in_use(self) -> int:
+        """Check now which entries this instance put the store still holds (one batch_is_exist
+        round trip), forget the others, and return the bytes of those it holds.
+
+        Raises:
+            TierError: the store cannot answer (nothing is forgotten then).
+        """
+        keys = self._own.keys()
+        return self._own.prune(keys, self.contains_many(keys))
 
     def close(self) -> None:
         """Close the client (its segment is empty, so no object is lost). Waits at most

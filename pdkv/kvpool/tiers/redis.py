@@ -3,6 +3,17 @@
 Protocol: one `SET key value [EX ttl]` per put, `GET` per get, one pipeline of `EXISTS` per
 `contains_many`, `DEL` per remove (redis-py 8, RESP2, no client-side retries). Every socket
 operation and connect is bounded by `timeout_s`, so a killed server costs one fast `TierError`.
+
+Bytes in use: the bytes of the values this instance put that the server still holds. The tier
+remembers each key it put with its size (dropped on `remove` and on a `get` miss) and, in the
+background at most every `BYTES_IN_USE_MAX_AGE_S` seconds, asks which still exist (one pipeline
+of EXISTS) and forgets the rest (expired, evicted by redis's maxmemory policy, removed by
+another client); `bytes_in_use` never waits for that. Instances sharing the server each report
+their own writes, so the pool's total is about their sum (a chunk two instances both put
+counts twice). `INFO memory`'s used_memory_dataset was not used: it counts the server's
+allocations, not values (a 3 MiB value takes 3.5 MiB, and a connection's query buffer moves in
+and out of it), so it is noisy for a pool of a few chunks, and it counts whatever else the
+server keeps.
 """
 
 from __future__ import annotations
@@ -13,9 +24,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from pdkv.kvpool.tiers.base import Tier, TierError
+from pdkv.kvpool.tiers.base import BackgroundValue, OwnEntries, Tier, TierError
 
 _T = TypeVar("_T")
+
+BYTES_IN_USE_MAX_AGE_S = 5.0
+"""Seconds between background checks of which of this instance's entries the server holds."""
 
 
 class RedisTier(Tier):
@@ -64,6 +78,10 @@ class RedisTier(Tier):
             retry_on_timeout=False,
             health_check_interval=0,
         )
+        self._own = OwnEntries()
+        self._in_use = BackgroundValue(
+            self.fetch_bytes_in_use, BYTES_IN_USE_MAX_AGE_S, "pdkv-redis-in-use"
+        )
 
     def _call(self, what: str, fn: Callable[[], _T]) -> _T:
         exc = self._redis_mod.exceptions
@@ -96,7 +114,10 @@ class RedisTier(Tier):
     def get(self, key: str) -> bytes | None:
         """GET; None on a miss (absent or expired). Raises TierError."""
         value = self._call("GET", lambda: self._client.get(key))
-        return None if value is None else bytes(value)
+        if value is None:
+            self._own.drop(key)
+            return None
+        return bytes(value)
 
     def put(self, key: str, value: bytes) -> None:
         """SET (with EX when a ttl is set). Raises TierError ("full" when redis answers OOM)."""
@@ -106,10 +127,28 @@ class RedisTier(Tier):
             if "OOM" in str(e):
                 raise TierError(str(e), "full") from e.__cause__
             raise
+        self._own.add(key, len(value))
 
     def remove(self, key: str) -> None:
         """DEL. Raises TierError when the server cannot answer."""
         self._call("DEL", lambda: self._client.delete(key))
+        self._own.drop(key)
+
+    def bytes_in_use(self) -> int:
+        """Bytes of this instance's entries the server held at the last background check (see
+        the module docstring; 0 until the first check answers, a failed check keeps the previous
+        figure). Never blocks."""
+        return self._in_use.get()
+
+    def fetch_bytes_in_use(self) -> int:
+        """Check now which entries this instance put the server still holds (one pipeline of
+        EXISTS), forget the others, and return the bytes of those it holds.
+
+        Raises:
+            TierError: the server cannot answer (nothing is forgotten then).
+        """
+        keys = self._own.keys()
+        return self._own.prune(keys, self.contains_many(keys))
 
     def close(self) -> None:
         """Close the connection pool (no round trip)."""
