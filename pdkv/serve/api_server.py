@@ -177,14 +177,17 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        parts = []
+        parts, params = [], []
         for err in e.errors():
-            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            where = [x for x in err.get("loc", ()) if x != "body"]
+            loc = ".".join(str(x) for x in where)
             msg = str(err.get("msg", "")).removeprefix("Value error, ")
             parts.append(f"{loc}: {msg}" if loc else msg)
-        return SafeJSONResponse(
-            APIError("; ".join(parts) or "invalid request").body(), status_code=400
-        )
+            if where and isinstance(where[0], str):
+                params.append(where[0])
+        # OpenAI's `param`: the top-level field of the first error, e.g. "guided_choice".
+        error = APIError("; ".join(parts) or "invalid request", param=params[0] if params else None)
+        return SafeJSONResponse(error.body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:

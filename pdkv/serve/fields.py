@@ -24,8 +24,8 @@ def unsupported_field(req: CompletionRequest | ChatCompletionRequest) -> tuple[s
     if req.function_call not in (None, "none"):
         return "function_call", "function calling is not supported"
     rf = req.response_format
-    if rf is not None and rf.get("type", "text") not in ("text", "json_object", "json_schema"):
-        return "response_format", f"response_format type {rf.get('type')!r} is not supported"
+    if rf is not None and rf.type not in ("text", "json_object", "json_schema"):
+        return "response_format", f"response_format type {rf.type!r} is not supported"
     if req.prompt_logprobs is not None and req.kv_transfer_params:
         return "prompt_logprobs", "prompt_logprobs is not supported with kv_transfer_params (P/D)"
     if isinstance(req, CompletionRequest):
@@ -52,14 +52,11 @@ def structured_outputs(
     """
     found: list[tuple[str, StructuredOutputsParams]] = []
     rf = req.response_format
-    if rf is not None and rf.get("type") == "json_object":
+    if rf is not None and rf.type == "json_object":
         found.append(("response_format", StructuredOutputsParams(json_object=True)))
-    elif rf is not None and rf.get("type") == "json_schema":
-        holder = rf.get("json_schema") or {}
-        if not isinstance(holder, dict):  # as `holder.get` failed before: a 500
-            raise AttributeError(f"'{type(holder).__name__}' object has no attribute 'get'")
-        schema = holder.get("schema")
-        if not isinstance(schema, dict):
+    elif rf is not None and rf.type == "json_schema":
+        schema = rf.json_schema.schema_ if rf.json_schema is not None else None
+        if schema is None:
             raise ValueError("response_format: json_schema.schema must be a JSON schema object")
         found.append(("response_format", StructuredOutputsParams(json=schema)))
     if req.guided_json is not None:

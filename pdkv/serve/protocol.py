@@ -69,6 +69,24 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI's `response_format.json_schema`: a named JSON schema (vLLM's
+    JsonSchemaResponseFormat; `schema` is the key on the wire)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: JSONObject | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`. `type`: "text", "json_object" or "json_schema" (a string
+    here, so that another type is a 400 naming response_format, pdkv.serve.fields)."""
+
+    type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Body):
 
     model: str | None = None
@@ -96,7 +114,7 @@ class _SamplingFields(_Body):
     user: str | None = None
     # Structured output (OpenAI's response_format, vLLM's guided_* / structured_outputs) and
     # tool calling: declared so that the handlers can answer 400 naming them.
-    response_format: JSONObject | None = None
+    response_format: ResponseFormat | None = None
     guided_json: JSONValue = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None

@@ -157,6 +157,13 @@ def message_fields(message: str) -> list[str]:
     ({"extra_body": {"tool_choice": "required"}}, "tool_choice"),
     ({"extra_body": {"functions": [{"name": "f"}]}}, "functions"),
     ({"extra_body": {"response_format": {"type": "xml"}}}, "response_format"),
+    # A malformed json_schema holder was a 500 ('int' object has no attribute 'get').
+    ({"extra_body": {"response_format": {"type": "json_schema", "json_schema": 5}}},
+     "response_format"),
+    ({"extra_body": {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}},
+     "response_format"),
+    # A body the model refuses names its field in `param` too.
+    ({"extra_body": {"guided_choice": [1, 2]}}, "guided_choice"),
     ({"extra_body": {"guided_regex": "[0-9"}}, "guided_regex"),
     ({"extra_body": {"guided_json": {"type": "object"}, "guided_regex": "a"}}, "guided_json"),
     ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
