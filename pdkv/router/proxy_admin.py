@@ -11,10 +11,13 @@ colocated instance, forgets its prefix cache). Not fanned out: `/v1/models`, `/t
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TypedDict
 
 import httpx
 from fastapi.responses import JSONResponse
+
+logger = logging.getLogger(__name__)
 
 FANNED_OUT_ROUTES = ("/reset_prefix_cache",)
 """Engine admin routes the proxy sends to every backend (POST)."""
@@ -64,6 +67,8 @@ async def fan_out(client: httpx.AsyncClient, backends: list[tuple[str, str]], pa
         try:
             r = await client.post(url + path, headers=headers, timeout=timeout_s)
         except httpx.HTTPError as e:
+            logger.warning("502: POST %s to %s %s failed: %s: %s", path, role, url,
+                           type(e).__name__, e)
             return {
                 "url": url,
                 "role": role,
