@@ -4,8 +4,9 @@ whole deployment is sent to every backend the proxy routes to, and the answer re
 Fanned out: `POST /reset_prefix_cache` (vLLM's route; every prefill and decode engine, or every
 colocated instance, forgets its prefix cache). Not fanned out: `/v1/models`, `/tokenize`,
 `/detokenize` (every engine serves one model: the first decode engine answers), `/health`
-(aggregated: 200 only when every backend is healthy and every P/D pair's layouts agree),
-`/metrics` (the proxy's own; `/backends` lists the engines to scrape).
+(aggregated: 200 only when every backend is healthy and every P/D pair's layouts agree; the body
+lists each backend's state), `/metrics` (the proxy's own; `/backends` lists the engines to
+scrape).
 """
 
 from __future__ import annotations
