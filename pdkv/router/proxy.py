@@ -338,8 +338,9 @@ def build_proxy_app(
         except BadRequest as e:
             metrics.errors.labels("proxy", "client").inc()
             return error_response(str(e), 400, "BadRequestError")
-        # An unknown model is the client's error: 404 as vLLM answers it, before any leg.
-        reach = [b.url for b in (colocated or [*prefills, *decodes])]
+        # An unknown model is the client's error: 404 as vLLM answers it, before any leg. (Not
+        # asking unhealthy engines: one that does not answer would delay every request.)
+        reach = [b.url for b in health_state.healthy(colocated or [*prefills, *decodes])]
         await infos.ensure(state["client"], reach)
         missing = unknown_model(body.get("model"), [infos.get(u) for u in reach])
         if missing is not None:

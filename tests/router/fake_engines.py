@@ -310,3 +310,30 @@ class KeepAliveRaceEngine:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class SilentEngine:
+    """An engine that hangs: it accepts connections and reads requests but never answers.
+
+    Attributes:
+        requests: request lines received (e.g. "GET /health"), in order.
+    """
+
+    def __init__(self) -> None:
+        self.requests: list[str] = []
+        engine = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                while line := self.rfile.readline():
+                    if line[:1].isalpha() and b" HTTP/" in line:
+                        engine.requests.append(" ".join(line.decode().split()[:2]))
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -19,6 +19,7 @@ from fake_engines import (
     FakeEngine,
     KeepAliveRaceEngine,
     ServerThread,
+    SilentEngine,
     metric,
 )
 
@@ -342,6 +343,34 @@ def test_client_gone_between_the_legs_releases_prefill_blocks():
         s.stop()
 
 
+def test_a_hung_decode_engine_is_left_alone_once_a_probe_timed_out():
+    """A D that accepts connections and never answers: the probe's timeout marks it unhealthy,
+    and requests then go to the other D without asking the hung one anything (no leg, no
+    /kv_layout or /v1/models, each of which would wait for its timeout)."""
+    control = FakeControl()
+    p = FakeEngine("kv_producer")
+    p.control_port = control.port
+    live, hung = FakeEngine("kv_consumer"), SilentEngine()
+    proxy = ServerThread(build_proxy_app(
+        [p.url], [hung.url, live.url],
+        health_check=HealthCheckConfig(interval_s=3600.0, timeout_s=0.5)))
+    try:
+        h = httpx.get(proxy.url + "/health", timeout=10)
+        states = {b["url"]: b for b in h.json()["backends"]}
+        assert h.status_code == 503 and "ReadTimeout" in states[hung.url]["error"]
+        seen = len(hung.requests)
+        codes = [
+            _post(proxy.url, json={"prompt": "x", "max_tokens": 4}).status_code for _ in range(4)
+        ]
+        assert codes == [200] * 4 and live.hits["decode"] == 4
+        assert hung.requests[seen:] == []
+    finally:
+        proxy.stop()
+        for e in (p, live, hung):
+            e.stop()
+        control.stop()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_pooled_connection_closed_as_a_leg_goes_out_is_retried_not_a_502(stream):
     """Each engine drops the first POST that arrives on a connection it already answered on
@@ -580,3 +609,10 @@ def test_reset_prefix_cache_in_colocated_mode_goes_to_every_instance():
         proxy.stop()
         for e in engines:
             e.stop()
+
+
+def test_health_check_config_refuses_what_is_not_positive():
+    for bad in ({"interval_s": 0.0}, {"timeout_s": -1.0}, {"interval_s": float("nan")}):
+        with pytest.raises(ValueError, match="must be > 0"):
+            HealthCheckConfig(**bad)
+    assert HealthCheckConfig(1.0, 0.5) == HealthCheckConfig(interval_s=1.0, timeout_s=0.5)
