@@ -565,12 +565,13 @@ def build_proxy_app(
             background(leg)
             raise
         except httpx.HTTPError as e:
-            return sender.unreachable(p, "prefill", e)
+            return sender.unreachable(p, "prefill", headers["X-Request-Id"], e)
         finally:
             clock.p_done = time.monotonic()
         if status != 200:
             if status >= 500:
-                logger.warning("prefill leg to %s answered %d: %s", p.url, status,
+                logger.warning("request %s: prefill leg to %s answered %d: %s",
+                               headers["X-Request-Id"], p.url, status,
                                content[:300].decode("utf-8", "replace"))
             metrics.errors.labels("prefill", error_kind(status, content)).inc()
             return Response(content, status_code=status, media_type="application/json")
@@ -579,8 +580,8 @@ def build_proxy_app(
             params: JSONValue = answer.get("kv_transfer_params")
             clock.p_timings = answer.get("pdkv_timings")
         except (ValueError, AttributeError):
-            logger.warning("502: prefill leg to %s answered 200 without a JSON object: %r",
-                           p.url, content[:300])
+            logger.warning("502: request %s: prefill leg to %s answered 200 without a JSON "
+                           "object: %r", headers["X-Request-Id"], p.url, content[:300])
             metrics.errors.labels("prefill", "bad_response").inc()
             return error_response(
                 f"prefill backend {p.url} answered 200 without a JSON object", 502, "BadGateway"

@@ -45,9 +45,10 @@ def describe(e: BaseException) -> str:
 async def open_leg(client: httpx.AsyncClient, url: str, body: JSONObject,
                    headers: dict[str, str], leg: str) -> httpx.Response:
     """POST `body` to `url` and read the answer's status and headers (the caller reads or
-    relays the body, then closes the response). A failure in CLOSED_UNANSWERED is retried once:
-    on a connection the pool reused, it is the keep-alive race (the request was never read);
-    the retry takes another connection.
+    relays the body, then closes the response). A failure in CLOSED_UNANSWERED is retried once,
+    on another connection (the pool discards the failed one): on a reused connection it is the
+    keep-alive race (the request was never read); an engine that did read the request and then
+    closed without an answer has aborted it, as for a client that left, so nothing runs twice.
 
     Raises:
         httpx.HTTPError: the leg failed (on the retry, for CLOSED_UNANSWERED).
@@ -81,11 +82,11 @@ class LegSender:
     release_soon: Callable[[JSONValue], None]
     health: BackendHealth
 
-    def unreachable(self, b: Backend, leg: str, e: httpx.HTTPError) -> Response:
-        """The 502 of a leg that got no answer from `b` (logged, counted, `b` marked down when
-        the error says so)."""
+    def unreachable(self, b: Backend, leg: str, rid: str, e: httpx.HTTPError) -> Response:
+        """The 502 of request `rid`'s leg that got no answer from `b` (logged, counted, `b`
+        marked down when the error says so)."""
         what = {"decode": "decode backend", "prefill": "prefill backend"}.get(leg, "backend")
-        logger.warning("502: %s leg to %s failed: %s", leg, b.url, describe(e))
+        logger.warning("502: request %s: %s leg to %s failed: %s", rid, leg, b.url, describe(e))
         self.infos.forget(b.url)
         self.health.leg_failed(b.url, e)
         self.metrics.errors.labels(leg, "unreachable").inc()
@@ -141,12 +142,12 @@ class LegSender:
                 raise
             if isinstance(e, NOT_DELIVERED):
                 self.release_soon(params)
-            return self.unreachable(d, leg, e)
+            return self.unreachable(d, leg, headers["X-Request-Id"], e)
         if resp.status_code != 200 or not stream:
             try:
                 content = await resp.aread()
             except httpx.HTTPError as e:
-                return self.unreachable(d, leg, e)
+                return self.unreachable(d, leg, headers["X-Request-Id"], e)
             finally:
                 await resp.aclose()
                 d.inflight -= 1
@@ -155,13 +156,14 @@ class LegSender:
                 return Response(stitch_response(clock, content), status_code=200,
                                 media_type="application/json")
             if resp.status_code >= 500:
-                logger.warning("%s leg to %s answered %d: %s", leg, d.url, resp.status_code,
+                logger.warning("request %s: %s leg to %s answered %d: %s", headers["X-Request-Id"],
+                               leg, d.url, resp.status_code,
                                content[:300].decode("utf-8", "replace"))
             self.release_soon(params)
             self.metrics.errors.labels(leg, error_kind(resp.status_code, content)).inc()
             return self.backend_error(d, resp.status_code, content)
         return StreamingResponse(
-            self.relay(resp, d, leg, started, StreamStitcher(clock)),
+            self.relay(resp, d, leg, started, StreamStitcher(clock), headers["X-Request-Id"]),
             media_type="text/event-stream",
             headers={"X-Request-Id": headers["X-Request-Id"]},
         )
@@ -179,7 +181,7 @@ class LegSender:
         return Response(content, status_code=status, media_type="application/json")
 
     async def relay(self, resp: httpx.Response, d: Backend, leg: str, started: float,
-                     stitcher: StreamStitcher) -> AsyncIterator[bytes]:
+                    stitcher: StreamStitcher, rid: str) -> AsyncIterator[bytes]:
         # An encoded (compressed) stream is relayed as it comes: its events cannot be read.
         plain = not resp.headers.get("content-encoding")
         try:
@@ -191,8 +193,8 @@ class LegSender:
             if rest:
                 yield rest
         except httpx.HTTPError as e:
-            logger.warning("%s stream from %s broke after it started: %s", leg, d.url,
-                           describe(e))
+            logger.warning("request %s: %s stream from %s broke after it started: %s", rid, leg,
+                           d.url, describe(e))
             self.health.leg_failed(d.url, e)
             self.metrics.errors.labels(leg, "stream").inc()
             what = "decode stream" if leg == "decode" else "stream"

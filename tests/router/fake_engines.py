@@ -116,6 +116,7 @@ class FakeEngine:
         self.decode_params: list[Any] = []  # kv_transfer_params of every decode request, in order
         self.timings: dict[str, Any] | None = None
         self.reset_status = 200  # what POST /reset_prefix_cache answers
+        self.stream_break = False  # set: a streamed decode answer breaks after its first chunk
         self.reset_auth: list[str | None] = []  # the Authorization header of each reset
         app = FastAPI()
 
@@ -218,6 +219,8 @@ class FakeEngine:
 
     async def _stream(self) -> Any:
         yield b'data: {"choices": [{"index": 0, "text": "", "finish_reason": null}]}\n\n'
+        if self.stream_break:
+            raise RuntimeError("the engine broke the stream")
         yield b'data: {"choices": [{"index": 0, "text": "decoded", "finish_reason": null}]}\n\n'
         final: dict[str, Any] = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
         if self.timings is not None:

@@ -246,11 +246,12 @@ def test_a_decode_leg_that_finds_d_down_is_502_releases_and_marks_d_unhealthy(ca
         assert httpx.get(s.url + "/health", timeout=10).status_code == 200
         s.d.stop()
         with caplog.at_level(logging.WARNING, logger="pdkv.router"):
-            r = _post(s.url, json={"prompt": "x", "max_tokens": 4})
+            r = _post(s.url, json={"prompt": "x", "max_tokens": 4},
+                      headers={"X-Request-Id": "d-gone"})
         assert r.status_code == 502 and s.p.hits["prefill"] == 1
-        assert s.control.got.wait(10) and s.control.notices[0][1] == "release"
+        assert s.control.got.wait(10) and s.control.notices == [("r-d-gone", "release")]
         [why] = [m for m in caplog.messages if m.startswith("502:")]
-        assert "decode leg to " + s.d_url in why and "ConnectError" in why
+        assert f"request d-gone: decode leg to {s.d_url} failed: ConnectError" in why
         r = _post(s.url, json={"prompt": "x", "max_tokens": 4})
         assert r.status_code == 503 and s.d_url in r.json()["error"]["message"]
         assert s.p.hits["prefill"] == 1
@@ -369,6 +370,17 @@ def test_a_hung_decode_engine_is_left_alone_once_a_probe_timed_out():
         for e in (p, live, hung):
             e.stop()
         control.stop()
+
+
+def test_a_decode_stream_that_breaks_ends_with_an_error_event_and_a_warning(stack, caplog):
+    stack.d.stream_break = True
+    body = {"prompt": "x", "max_tokens": 4, "stream": True}
+    with caplog.at_level(logging.WARNING, logger="pdkv.router"):
+        r = _post(stack.url, json=body, headers={"X-Request-Id": "broken-1"})
+    assert r.status_code == 200 and '"code": 502' in r.text and r.text.endswith("[DONE]\n\n")
+    [why] = [m for m in caplog.messages if "broke after it started" in m]
+    assert f"request broken-1: decode stream from {stack.d.url} broke" in why
+    assert metric(stack.url, "pdkv:proxy_errors_total", leg="decode", kind="stream") == 1
 
 
 @pytest.mark.parametrize("stream", [False, True])
