@@ -75,16 +75,23 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="seconds one health probe may take",
     )
     parser.add_argument(
-        "--log-level", default="info", help="uvicorn log level (info logs each request)"
+        "--log-level", default="info",
+        help="log level of uvicorn (info logs each request) and of the proxy's own log",
     )
     return parser
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the proxy until interrupted."""
+    import logging
+
     import uvicorn
 
     from pdkv.router.proxy import build_proxy_app
+
+    # The proxy's own log (502s, backend health) with time and level, as `pdkv serve` logs.
+    level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def urls(value: str) -> list[str]:
         return [u for u in value.split(",") if u]
