@@ -6,13 +6,18 @@ engine; its response's kv_transfer_params are copied into the original body, whi
 decode engine (streamed when the client streams). Both legs carry the same X-Request-Id.
 
 Before the prefill leg the proxy answers, without contacting P: 400 for a body that is not strict
-JSON or that D would reject after the prefill (pdkv.router.validate), and 503 when the chosen P
-and D have incompatible KV layouts (pdkv.router.backend_info; `/health` reports the same). A
-4xx/5xx from either leg reaches the client with its body (a layout mismatch D reports becomes a
-503); an unreachable backend is a 502; a failure after streaming started ends the stream with an
-error event; a client that disconnects aborts both legs, and one that disconnects before the
-decode leg was sent makes the proxy tell P to release the held blocks (P may have finished the
-prefill already).
+JSON or that D would reject after the prefill (pdkv.router.validate), 503 when no healthy
+prefill or decode engine is left (pdkv.router.backend_health: periodic GET /health probes, and
+legs that found an engine down; with none healthy, the pool is probed again first), and 503
+when the chosen P and D have incompatible KV layouts (pdkv.router.backend_info; `/health`
+reports the same, with each engine's state). A 4xx/5xx from either leg reaches the client with
+its body (a layout mismatch D reports becomes a 503); an unreachable backend is a 502 (logged at
+WARNING with the backend, the leg and the error); a failure after streaming started ends the
+stream with an error event; a client that disconnects aborts the decode leg. One that
+disconnects during the prefill leg does not abort it: P would keep the blocks of a prefill it
+finished under a grant only its answer names, until the lease expires; the proxy waits for that
+answer in the background (within the leg timeout) and tells P to release the grant at once. So
+does a client that leaves between the legs, and a decode leg D never received or refused.
 (Protocol: vllm tests/v1/kv_connector/nixl_integration/toy_proxy_server.py.)
 
 Colocated mode (`--backends URL,...`, like vLLM's and SGLang's routers' worker URLs): each request
@@ -34,17 +39,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdkv.jsontypes import JSONObject, JSONValue
+from pdkv.router.backend_health import BackendHealth, HealthCheckConfig
 from pdkv.router.backend_info import BackendInfos, pair_mismatch, unknown_model
 from pdkv.router.policies import (
     Backend,
@@ -63,7 +71,7 @@ from pdkv.router.prefix_keys import (
     request_chunk_hashes,
 )
 from pdkv.router.proxy_admin import fan_out
-from pdkv.router.proxy_legs import LegSender
+from pdkv.router.proxy_legs import LegSender, describe, open_leg
 from pdkv.router.proxy_metrics import ProxyMetrics
 from pdkv.router.proxy_protocol import (
     error_kind,
@@ -82,6 +90,14 @@ logger = logging.getLogger(__name__)
 BeforeDecodeHook = Callable[[JSONValue], Awaitable[None]]
 """Awaited with P's kv_transfer_params (as P sent them) between the legs."""
 
+KEEPALIVE_EXPIRY_S = 2.0
+"""Seconds the proxy keeps an idle connection to an engine: below the engines' own keep-alive
+timeout (uvicorn's 5 s), so the proxy stops reusing a connection before the engine closes it
+(reusing one that the engine closes at the same moment fails the leg without an answer)."""
+
+SHUTDOWN_WAIT_S = 10.0
+"""Seconds the proxy's shutdown waits for background releases and orphaned prefill legs."""
+
 
 def build_proxy_app(
     prefill_urls: list[str],
@@ -95,6 +111,7 @@ def build_proxy_app(
     prefix_aware: PrefixAwareConfig | None = None,
     skip_prefill_on_pool_hit: bool = False,
     pool_record_entries: int = POOL_RECORD_ENTRIES,
+    health_check: HealthCheckConfig | None = None,
 ) -> FastAPI:
     """The proxy app; one httpx.AsyncClient shared by all requests and one routing policy
     instance per pool (prefill, decode; or the colocated instances).
@@ -114,6 +131,7 @@ def build_proxy_app(
             the proxy's record (`pdkv.router.pool_record`) says the pool holds every loadable
             chunk of its prompt (needs chunk hashes: a tokenizer, or token-id prompts).
         pool_record_entries: chunk hashes that record remembers.
+        health_check: the probes of every engine's GET /health (defaults: HealthCheckConfig).
     Raises:
         ValueError: an empty pool, both modes at once, an unknown routing policy, or
             skip_prefill_on_pool_hit in colocated mode.
@@ -138,18 +156,64 @@ def build_proxy_app(
     infos = BackendInfos(info_ttl)
     keyer = RequestKeyer(tokenizer)
     metrics = ProxyMetrics()
+    roles = ([("backend", b) for b in colocated] if colocated else
+             [("prefill", b) for b in prefills] + [("decode", b) for b in decodes])
+    health_state = BackendHealth(roles, health_check or HealthCheckConfig(),
+                                 metrics.backend_healthy)
     state: dict[str, httpx.AsyncClient] = {}
-    releases: set[asyncio.Task[bool]] = set()
+    releases: set[asyncio.Future[Any]] = set()
+
+    probing: dict[str, asyncio.Future[bool]] = {}
+
+    async def probe_now(url: str) -> bool:
+        ok = await health_state.probe(state["client"], url)
+        if ok:
+            await infos.refresh(state["client"], url)
+        else:
+            infos.forget(url)
+        return ok
+
+    async def probe(url: str) -> bool:
+        """Probe one engine (joining a probe of it already under way); refresh what is known of
+        it when healthy, else forget it."""
+        task = probing.get(url)
+        if task is None:
+            task = probing[url] = asyncio.ensure_future(probe_now(url))
+            task.add_done_callback(lambda t: probing.pop(url) if probing.get(url) is t else None)
+        return await asyncio.shield(task)
+
+    async def live(pool: list[Backend]) -> list[Backend]:
+        """The healthy backends of `pool`; when none is, each is probed first (an engine that
+        just came back, e.g. restarted, is routed to at once rather than at the next periodic
+        probe)."""
+        healthy = health_state.healthy(pool)
+        if healthy:
+            return healthy
+        await asyncio.gather(*(probe(b.url) for b in pool))
+        return health_state.healthy(pool)
+
+    async def probe_all() -> None:
+        await asyncio.gather(*(probe(u) for u in dict.fromkeys(b.url for _, b in roles)))
+
+    async def probe_forever() -> None:
+        while True:
+            await probe_all()
+            await asyncio.sleep(health_state.config.interval_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200,
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
         state["client"] = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=5.0), limits=limits
         )
+        prober = asyncio.ensure_future(probe_forever())
         yield
+        prober.cancel()
         if releases:
-            await asyncio.wait(releases, timeout=10.0)
+            await asyncio.wait(releases, timeout=SHUTDOWN_WAIT_S)
+        for task in list(releases):
+            task.cancel()
         await state["client"].aclose()
 
     app = FastAPI(title="pdkv proxy", lifespan=lifespan)
@@ -159,15 +223,18 @@ def build_proxy_app(
         logger.exception("proxy error")
         return error_response(f"proxy error: {type(e).__name__}: {e}", 500, "InternalServerError")
 
+    def background(task: asyncio.Future[Any]) -> None:
+        """Keep `task` until it ends (shutdown waits for it)."""
+        releases.add(task)
+        task.add_done_callback(releases.discard)
+
     def release_soon(params: JSONValue) -> None:
         """Release P's blocks in the background (survives the request's cancellation)."""
         if not releasable(params):
             return
-        task = asyncio.ensure_future(asyncio.to_thread(release_prefill, params))
-        releases.add(task)
-        task.add_done_callback(releases.discard)
+        background(asyncio.ensure_future(asyncio.to_thread(release_prefill, params)))
 
-    sender = LegSender(lambda: state["client"], infos, metrics, release_soon)
+    sender = LegSender(lambda: state["client"], infos, metrics, release_soon, health_state)
 
     def first_mismatch() -> str | None:
         for p in prefills:
@@ -196,31 +263,19 @@ def build_proxy_app(
 
     @app.get("/health")
     async def health() -> Response:
-        """200 when every backend is healthy and every (P, D) pair's KV layouts agree; else 503
-        naming the backend or both layout values."""
-        client = state["client"]
-
-        async def probe(b: Backend) -> bool:
-            try:
-                ok = (await client.get(b.url + "/health", timeout=5.0)).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            if ok:
-                await infos.refresh(client, b.url)
-            else:
-                infos.forget(b.url)
-            return ok
-
-        backends = prefills + decodes + colocated
-        for b, ok in zip(backends, await asyncio.gather(*(probe(b) for b in backends))):
-            if not ok:
-                return error_response(
-                    f"backend {b.url} is not healthy", 503, "ServiceUnavailableError"
-                )
-        why = first_mismatch()
+        """Probes every backend now. 200 when every backend is healthy and every (P, D) pair's KV
+        layouts agree; else 503 naming the backend or both layout values. The body lists each
+        backend's state under "backends" (`pdkv.router.backend_health.BackendState`)."""
+        await probe_all()
+        report = health_state.report()
+        down = [b for b in report if not b["healthy"]]
+        why = (f"backend {down[0]['url']} is not healthy ({down[0]['error']})" if down
+               else first_mismatch())
         if why:
-            return error_response(why, 503, "ServiceUnavailableError")
-        return Response(status_code=200)
+            error = {"message": why, "type": "ServiceUnavailableError", "param": None,
+                     "code": 503}
+            return JSONResponse({"error": error, "backends": report}, status_code=503)
+        return JSONResponse({"backends": report}, status_code=200)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(raw: Request) -> Response:
@@ -237,12 +292,12 @@ def build_proxy_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
+        url = (decodes or colocated)[0].url
         try:
-            r = await state["client"].get(
-                (decodes or colocated)[0].url + "/v1/models", timeout=10.0
-            )
+            r = await state["client"].get(url + "/v1/models", timeout=10.0)
         except httpx.HTTPError as e:
-            return error_response(f"decode backend unreachable: {e}", 502, "BadGateway")
+            logger.warning("502: GET /v1/models from %s failed: %s", url, describe(e))
+            return error_response(f"backend {url} unreachable: {describe(e)}", 502, "BadGateway")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     @app.post("/tokenize")
@@ -254,15 +309,17 @@ def build_proxy_app(
             if "authorization" in raw.headers
             else {}
         )
+        url = (decodes or colocated)[0].url
         try:
             r = await state["client"].post(
-                (decodes or colocated)[0].url + raw.url.path,
+                url + raw.url.path,
                 content=await raw.body(),
                 headers={"Content-Type": "application/json", **headers},
                 timeout=30.0,
             )
         except httpx.HTTPError as e:
-            return error_response(f"backend unreachable: {e}", 502, "BadGateway")
+            logger.warning("502: POST %s to %s failed: %s", raw.url.path, url, describe(e))
+            return error_response(f"backend {url} unreachable: {describe(e)}", 502, "BadGateway")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     @app.post("/v1/completions")
@@ -281,8 +338,9 @@ def build_proxy_app(
         except BadRequest as e:
             metrics.errors.labels("proxy", "client").inc()
             return error_response(str(e), 400, "BadRequestError")
-        # An unknown model is the client's error: 404 as vLLM answers it, before any leg.
-        reach = [b.url for b in (colocated or [*prefills, *decodes])]
+        # An unknown model is the client's error: 404 as vLLM answers it, before any leg. (Not
+        # asking unhealthy engines: one that does not answer would delay every request.)
+        reach = [b.url for b in health_state.healthy(colocated or [*prefills, *decodes])]
         await infos.ensure(state["client"], reach)
         missing = unknown_model(body.get("model"), [infos.get(u) for u in reach])
         if missing is not None:
@@ -298,7 +356,17 @@ def build_proxy_app(
         try:
             return await until_done_or_disconnect(work, raw)
         except ClientDisconnected:  # during the prefill leg or a non-streamed decode leg
+            metrics.client_disconnects.labels(_phase(clock)).inc()
             return error_response("client disconnected", 499, "ClientClosedRequest")
+
+    def _phase(clock: RequestClock) -> str:
+        """What the proxy was doing for a request whose client just left (its work cancelled
+        but not yet unwound)."""
+        if clock.d_sent is not None:
+            return "decode"
+        if clock.p_sent is not None:
+            return "prefill" if clock.p_done is None else "between"
+        return "before"
 
     async def _precheck(
         p: Backend, d: Backend, length: LengthCheck, headers: dict[str, str]
@@ -379,10 +447,20 @@ def build_proxy_app(
             metrics.matched_tokens.labels(decision.backend.url).inc(decision.matched_chunks * chunk)
         return decision, length
 
+    def no_healthy(leg: str, pool: list[Backend]) -> Response:
+        """503 before any leg: no engine of `pool` is healthy (each one's reason named)."""
+        metrics.errors.labels(leg, "unavailable").inc()
+        what = {"prefill": "prefill backend", "decode": "decode backend"}.get(leg, "backend")
+        return error_response(f"no healthy {what}: {health_state.why_down(pool)}", 503,
+                              "ServiceUnavailableError")
+
     async def _whole(body: JSONObject, path: str, headers: dict[str, str], length: LengthCheck,
                      chat: bool, clock: RequestClock) -> Response:
         """Colocated mode: the whole request to one instance."""
-        decision, length = await _decide(whole_policy, colocated, "whole", body, chat, length)
+        instances = await live(colocated)
+        if not instances:
+            return no_healthy("whole", colocated)
+        decision, length = await _decide(whole_policy, instances, "whole", body, chat, length)
         b = decision.backend
         await infos.ensure(state["client"], [b.url])
         refused = await sender.length_check(b, length, headers)
@@ -392,19 +470,74 @@ def build_proxy_app(
             b, path, body, headers, None, bool(body.get("stream")), clock, leg="whole"
         )
 
+    async def _prefill_leg(p: Backend, path: str, body: JSONObject,
+                           headers: dict[str, str]) -> tuple[int, bytes]:
+        """Send the prefill leg to `p`; (status, body) of P's answer. Counts it in-flight on
+        `p` until it ends, also when it ends in the background after its client left.
+
+        Raises:
+            httpx.HTTPError: P gave no answer.
+        """
+        p.inflight += 1
+        metrics.requests.labels(p.url, "prefill").inc()
+        started = time.monotonic()
+        try:
+            r = await open_leg(state["client"], p.url + path, prefill_body(body), headers,
+                               "prefill")
+            try:
+                return r.status_code, await r.aread()
+            finally:
+                await r.aclose()
+        finally:
+            p.inflight -= 1
+            metrics.latency.labels("prefill").observe(time.monotonic() - started)
+
+    def release_orphaned(
+        p: Backend, rid: str
+    ) -> Callable[[asyncio.Task[tuple[int, bytes]]], None]:
+        """The done callback of a prefill leg whose client left: release the grant P's answer
+        names (nothing else would before the lease expires)."""
+
+        def done(leg: asyncio.Task[tuple[int, bytes]]) -> None:
+            if leg.cancelled() or leg.exception() is not None:
+                return  # no answer: P aborted the request, or a held grant's lease ends it
+            status, content = leg.result()
+            params = _params(status, content)
+            if releasable(params):
+                logger.info("request %s: client left during the prefill leg; releasing its "
+                            "grant on %s", rid, p.url)
+                release_soon(params)
+
+        return done
+
+    def _params(status: int, content: bytes) -> JSONValue:
+        """kv_transfer_params of P's 200 answer (None when absent or unreadable)."""
+        if status != 200:
+            return None
+        try:
+            answer = json.loads(content)
+            return answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        except ValueError:
+            return None
+
     async def _legs(body: JSONObject, path: str, headers: dict[str, str], length: LengthCheck,
                     chat: bool, clock: RequestClock) -> Response:
         client = state["client"]
-        p = (await _decide(prefill_policy, prefills, "prefill", body, chat, length))[0].backend
+        live_p, live_d = await asyncio.gather(live(prefills), live(decodes))
+        if not live_p:
+            return no_healthy("prefill", prefills)
+        if not live_d:  # before the prefill leg: P spends nothing on a request D cannot take
+            return no_healthy("decode", decodes)
+        p = (await _decide(prefill_policy, live_p, "prefill", body, chat, length))[0].backend
         # Prefer decode engines known to fit this P; when none does, the check below names why.
-        await infos.ensure(client, [p.url] + [b.url for b in decodes])
+        await infos.ensure(client, [p.url] + [b.url for b in live_d])
         fits = [
             b
-            for b in decodes
+            for b in live_d
             if pair_mismatch(p.url, infos.get(p.url), b.url, infos.get(b.url)) is None
         ]
         decision, length = await _decide(
-            decode_policy, fits or decodes, "decode", body, chat, length
+            decode_policy, fits or live_d, "decode", body, chat, length
         )
         d = decision.backend
         refused = await _precheck(p, d, length, headers)
@@ -420,27 +553,35 @@ def build_proxy_app(
                 return await sender.decode_leg(
                     d, path, body, headers, None, bool(body.get("stream")), clock
                 )
-        p.inflight += 1
-        metrics.requests.labels(p.url, "prefill").inc()
-        started = clock.p_sent = time.monotonic()
+        clock.p_sent = time.monotonic()
+        leg = asyncio.ensure_future(_prefill_leg(p, path, body, headers))
         try:
-            r = await client.post(p.url + path, json=prefill_body(body), headers=headers)
+            status, content = await asyncio.shield(leg)
+        except asyncio.CancelledError:
+            # The client left during the prefill leg. Aborting it would leave a prefill P already
+            # finished holding its blocks until the lease expires (only P's answer names the
+            # grant): let the leg end in the background and release what it names.
+            leg.add_done_callback(release_orphaned(p, headers["X-Request-Id"]))
+            background(leg)
+            raise
         except httpx.HTTPError as e:
-            infos.forget(p.url)
-            metrics.errors.labels("prefill", "unreachable").inc()
-            return error_response(f"prefill backend {p.url} unreachable: {e}", 502, "BadGateway")
+            return sender.unreachable(p, "prefill", headers["X-Request-Id"], e)
         finally:
             clock.p_done = time.monotonic()
-            p.inflight -= 1
-            metrics.latency.labels("prefill").observe(clock.p_done - started)
-        if r.status_code != 200:
-            metrics.errors.labels("prefill", error_kind(r.status_code, r.content)).inc()
-            return Response(r.content, status_code=r.status_code, media_type="application/json")
+        if status != 200:
+            if status >= 500:
+                logger.warning("request %s: prefill leg to %s answered %d: %s",
+                               headers["X-Request-Id"], p.url, status,
+                               content[:300].decode("utf-8", "replace"))
+            metrics.errors.labels("prefill", error_kind(status, content)).inc()
+            return Response(content, status_code=status, media_type="application/json")
         try:
-            answer = r.json()
+            answer = json.loads(content)
             params: JSONValue = answer.get("kv_transfer_params")
             clock.p_timings = answer.get("pdkv_timings")
         except (ValueError, AttributeError):
+            logger.warning("502: request %s: prefill leg to %s answered 200 without a JSON "
+                           "object: %r", headers["X-Request-Id"], p.url, content[:300])
             metrics.errors.labels("prefill", "bad_response").inc()
             return error_response(
                 f"prefill backend {p.url} answered 200 without a JSON object", 502, "BadGateway"

@@ -4,17 +4,21 @@ whole deployment is sent to every backend the proxy routes to, and the answer re
 Fanned out: `POST /reset_prefix_cache` (vLLM's route; every prefill and decode engine, or every
 colocated instance, forgets its prefix cache). Not fanned out: `/v1/models`, `/tokenize`,
 `/detokenize` (every engine serves one model: the first decode engine answers), `/health`
-(aggregated: 200 only when every backend is healthy and every P/D pair's layouts agree),
-`/metrics` (the proxy's own; `/backends` lists the engines to scrape).
+(aggregated: 200 only when every backend is healthy and every P/D pair's layouts agree; the body
+lists each backend's state), `/metrics` (the proxy's own; `/backends` lists the engines to
+scrape).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TypedDict
 
 import httpx
 from fastapi.responses import JSONResponse
+
+logger = logging.getLogger(__name__)
 
 FANNED_OUT_ROUTES = ("/reset_prefix_cache",)
 """Engine admin routes the proxy sends to every backend (POST)."""
@@ -64,6 +68,8 @@ async def fan_out(client: httpx.AsyncClient, backends: list[tuple[str, str]], pa
         try:
             r = await client.post(url + path, headers=headers, timeout=timeout_s)
         except httpx.HTTPError as e:
+            logger.warning("502: POST %s to %s %s failed: %s: %s", path, role, url,
+                           type(e).__name__, e)
             return {
                 "url": url,
                 "role": role,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdkv.router.backend_health import DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, HealthCheckConfig
 from pdkv.router.policies import (
     DEFAULT_MAX_ENTRIES,
     DEFAULT_MAX_IMBALANCE,
@@ -61,16 +62,36 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="per-leg timeout (s)")
     parser.add_argument(
-        "--log-level", default="info", help="uvicorn log level (info logs each request)"
+        "--health-check-interval-secs",
+        type=float,
+        default=DEFAULT_INTERVAL_S,
+        help="seconds between two probes of every engine's GET /health; an engine that fails "
+        "one (or refuses a leg, or times out) gets no requests until a probe succeeds",
+    )
+    parser.add_argument(
+        "--health-check-timeout-secs",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds one health probe may take",
+    )
+    parser.add_argument(
+        "--log-level", default="info",
+        help="log level of uvicorn (info logs each request) and of the proxy's own log",
     )
     return parser
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the proxy until interrupted."""
+    import logging
+
     import uvicorn
 
     from pdkv.router.proxy import build_proxy_app
+
+    # The proxy's own log (502s, backend health) with time and level, as `pdkv serve` logs.
+    level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def urls(value: str) -> list[str]:
         return [u for u in value.split(",") if u]
@@ -87,6 +108,9 @@ def main(args: argparse.Namespace) -> int:
         ),
         skip_prefill_on_pool_hit=args.skip_prefill_on_pool_hit,
         pool_record_entries=args.pool_record_entries,
+        health_check=HealthCheckConfig(
+            args.health_check_interval_secs, args.health_check_timeout_secs
+        ),
     )
     where = (
         f"backends {args.backends}"

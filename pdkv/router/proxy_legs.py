@@ -1,10 +1,15 @@
 """The proxy's requests to one engine: the decode leg of a P/D request (or a whole colocated
 request), with its error pass-through and stream relay, and the prompt-length check against the
-engine's max_model_len. Owned by `pdkv.router.proxy.build_proxy_app` (one per app)."""
+engine's max_model_len. Owned by `pdkv.router.proxy.build_proxy_app` (one per app).
+
+Every answer the proxy turns into a 502 (and every stream that breaks) is logged at WARNING with
+the backend, the leg and the exception. A leg that fails on a pooled keep-alive connection the
+engine closed as the request went out (no answer at all) is sent once more (`open_leg`)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -13,12 +18,51 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 
 from pdkv.jsontypes import JSONObject, JSONValue
+from pdkv.router.backend_health import BackendHealth
 from pdkv.router.backend_info import BackendInfos
 from pdkv.router.policies import Backend
 from pdkv.router.proxy_metrics import ProxyMetrics
 from pdkv.router.proxy_protocol import error_kind, error_response, is_layout_error
 from pdkv.router.timings import RequestClock, StreamStitcher, stitch_response
 from pdkv.router.validate import LengthCheck
+
+logger = logging.getLogger(__name__)
+
+CLOSED_UNANSWERED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+"""What httpx raises when the engine closed (or reset) the connection before any answer: the
+race of a pooled keep-alive connection that the engine's server closes for idleness just as the
+proxy sends a request on it (the engine never read that request)."""
+
+NOT_DELIVERED = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+"""Failures that prove the engine never received the leg (no connection was made)."""
+
+
+def describe(e: BaseException) -> str:
+    """An exception as `Type: message` (httpx's messages alone can be empty)."""
+    return f"{type(e).__name__}: {e}"
+
+
+async def open_leg(client: httpx.AsyncClient, url: str, body: JSONObject,
+                   headers: dict[str, str], leg: str) -> httpx.Response:
+    """POST `body` to `url` and read the answer's status and headers (the caller reads or
+    relays the body, then closes the response). A failure in CLOSED_UNANSWERED is retried once,
+    on another connection (the pool discards the failed one): on a reused connection it is the
+    keep-alive race (the request was never read); an engine that did read the request and then
+    closed without an answer has aborted it, as for a client that left, so nothing runs twice.
+
+    Raises:
+        httpx.HTTPError: the leg failed (on the retry, for CLOSED_UNANSWERED).
+    """
+    try:
+        return await client.send(
+            client.build_request("POST", url, json=body, headers=headers), stream=True
+        )
+    except CLOSED_UNANSWERED as e:
+        logger.info("%s leg to %s: connection closed before any answer (%s); sending it again",
+                    leg, url, describe(e))
+    return await client.send(
+        client.build_request("POST", url, json=body, headers=headers), stream=True
+    )
 
 
 @dataclass
@@ -28,13 +72,25 @@ class LegSender:
         infos: what the proxy knows of each engine (layout, max_model_len).
         metrics: the proxy's counters.
         release_soon: tells P to release a grant's blocks in the background (a decode leg that
-            failed before D took the request).
+            D never received, or that D refused).
+        health: each engine's health (a refused connection or a timeout marks it down).
     """
 
     client: Callable[[], httpx.AsyncClient]
     infos: BackendInfos
     metrics: ProxyMetrics
     release_soon: Callable[[JSONValue], None]
+    health: BackendHealth
+
+    def unreachable(self, b: Backend, leg: str, rid: str, e: httpx.HTTPError) -> Response:
+        """The 502 of request `rid`'s leg that got no answer from `b` (logged, counted, `b`
+        marked down when the error says so)."""
+        what = {"decode": "decode backend", "prefill": "prefill backend"}.get(leg, "backend")
+        logger.warning("502: request %s: %s leg to %s failed: %s", rid, leg, b.url, describe(e))
+        self.infos.forget(b.url)
+        self.health.leg_failed(b.url, e)
+        self.metrics.errors.labels(leg, "unreachable").inc()
+        return error_response(f"{what} {b.url} unreachable: {describe(e)}", 502, "BadGateway")
 
     async def length_check(
         self, d: Backend, length: LengthCheck, headers: dict[str, str]
@@ -71,53 +127,43 @@ class LegSender:
     async def decode_leg(self, d: Backend, path: str, decode: JSONObject, headers: dict[str, str],
                          params: JSONValue, stream: bool, clock: RequestClock,
                          leg: str = "decode") -> Response:
-        """The decode leg (P/D) or the whole request (colocated, `leg` "whole", params None)."""
-        client = self.client()
-        what = "decode backend" if leg == "decode" else "backend"
+        """The decode leg (P/D) or the whole request (colocated, `leg` "whole", params None).
+        P's grant (`params`) is released here when D never received the leg or refused it;
+        once D took it, D releases or reads it."""
         d.inflight += 1
         self.metrics.requests.labels(d.url, leg).inc()
         started = clock.d_sent = time.monotonic()
-        if not stream:
-            try:
-                r = await client.post(d.url + path, json=decode, headers=headers)
-            except httpx.HTTPError as e:
-                self.infos.forget(d.url)
-                self.release_soon(params)
-                self.metrics.errors.labels(leg, "unreachable").inc()
-                return error_response(f"{what} {d.url} unreachable: {e}", 502, "BadGateway")
-            finally:
-                d.inflight -= 1
-                self.metrics.latency.labels(leg).observe(time.monotonic() - started)
-            if r.status_code != 200:
-                self.release_soon(params)
-                self.metrics.errors.labels(leg, error_kind(r.status_code, r.content)).inc()
-                return self.backend_error(d, r.status_code, r.content)
-            return Response(stitch_response(clock, r.content), status_code=r.status_code,
-                            media_type="application/json")
         try:
-            req = client.build_request("POST", d.url + path, json=decode, headers=headers)
-            resp = await client.send(req, stream=True)
+            resp = await open_leg(self.client(), d.url + path, decode, headers, leg)
         except BaseException as e:
             d.inflight -= 1
             self.metrics.latency.labels(leg).observe(time.monotonic() - started)
             if not isinstance(e, httpx.HTTPError):
                 raise
-            self.infos.forget(d.url)
-            self.release_soon(params)
-            self.metrics.errors.labels(leg, "unreachable").inc()
-            return error_response(f"{what} {d.url} unreachable: {e}", 502, "BadGateway")
-        if resp.status_code != 200:
+            if isinstance(e, NOT_DELIVERED):
+                self.release_soon(params)
+            return self.unreachable(d, leg, headers["X-Request-Id"], e)
+        if resp.status_code != 200 or not stream:
             try:
                 content = await resp.aread()
+            except httpx.HTTPError as e:
+                return self.unreachable(d, leg, headers["X-Request-Id"], e)
             finally:
                 await resp.aclose()
                 d.inflight -= 1
                 self.metrics.latency.labels(leg).observe(time.monotonic() - started)
+            if resp.status_code == 200:
+                return Response(stitch_response(clock, content), status_code=200,
+                                media_type="application/json")
+            if resp.status_code >= 500:
+                logger.warning("request %s: %s leg to %s answered %d: %s", headers["X-Request-Id"],
+                               leg, d.url, resp.status_code,
+                               content[:300].decode("utf-8", "replace"))
             self.release_soon(params)
             self.metrics.errors.labels(leg, error_kind(resp.status_code, content)).inc()
             return self.backend_error(d, resp.status_code, content)
         return StreamingResponse(
-            self.relay(resp, d, leg, started, StreamStitcher(clock)),
+            self.relay(resp, d, leg, started, StreamStitcher(clock), headers["X-Request-Id"]),
             media_type="text/event-stream",
             headers={"X-Request-Id": headers["X-Request-Id"]},
         )
@@ -135,7 +181,7 @@ class LegSender:
         return Response(content, status_code=status, media_type="application/json")
 
     async def relay(self, resp: httpx.Response, d: Backend, leg: str, started: float,
-                     stitcher: StreamStitcher) -> AsyncIterator[bytes]:
+                    stitcher: StreamStitcher, rid: str) -> AsyncIterator[bytes]:
         # An encoded (compressed) stream is relayed as it comes: its events cannot be read.
         plain = not resp.headers.get("content-encoding")
         try:
@@ -147,6 +193,9 @@ class LegSender:
             if rest:
                 yield rest
         except httpx.HTTPError as e:
+            logger.warning("request %s: %s stream from %s broke after it started: %s", rid, leg,
+                           d.url, describe(e))
+            self.health.leg_failed(d.url, e)
             self.metrics.errors.labels(leg, "stream").inc()
             what = "decode stream" if leg == "decode" else "stream"
             err = {

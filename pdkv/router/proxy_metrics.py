@@ -7,7 +7,7 @@ with its stream).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LEG_BUCKETS = (
     0.005,
@@ -44,8 +44,15 @@ class ProxyMetrics:
         pdkv:proxy_errors_total{leg, kind}: failed legs; kind "unreachable" (502), "status" (the
             backend answered >= 500), "client" (the client's error: a backend's 4xx, or leg
             "proxy" for a request the proxy itself refused: bad body, unknown model), "stream"
-            (the stream broke after it started), "bad_response".
+            (the stream broke after it started), "bad_response", "unavailable" (503 before any
+            leg: no healthy engine in the leg's pool).
         pdkv:proxy_leg_latency_seconds{leg}: leg latency histogram (s).
+        pdkv:proxy_client_disconnects_total{phase}: clients that left before their response
+            started, by what the proxy was doing: "before" (checks, routing), "prefill" (the
+            prefill leg; its grant is released when P answers), "between" (after P answered),
+            "decode" (a non-streamed decode leg or whole request).
+        pdkv:proxy_backend_healthy{backend, role}: 1 while the proxy routes to the engine, 0
+            while it is unhealthy (`pdkv.router.backend_health`).
     """
 
     def __init__(self) -> None:
@@ -82,6 +89,18 @@ class ProxyMetrics:
             ["leg"],
             registry=r,
             buckets=LEG_BUCKETS,
+        )
+        self.client_disconnects = Counter(
+            "pdkv:proxy_client_disconnects",
+            "Clients that left before their response started, by the proxy's phase",
+            ["phase"],
+            registry=r,
+        )
+        self.backend_healthy = Gauge(
+            "pdkv:proxy_backend_healthy",
+            "1 while the proxy routes to the backend, 0 while it is unhealthy",
+            ["backend", "role"],
+            registry=r,
         )
 
     def render(self) -> bytes:

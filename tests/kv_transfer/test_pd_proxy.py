@@ -505,17 +505,23 @@ def test_layout_mismatch_is_503_on_health_and_requests(pd_stack):
         assert layout["kv_role"] == "kv_consumer" and layout["layout"]["dtype"] == "bfloat16"
 
 
-def test_unreachable_decode_is_502(pd_stack):
+def test_an_unreachable_decode_is_a_503_that_never_reaches_p(pd_stack):
+    """The only decode engine is not there: the proxy's /health says so and a request is a 503
+    before the prefill leg (P computes nothing)."""
     p, _, _ = pd_stack
     dead = f"http://127.0.0.1:{free_port()}"
     with RemoteServer(
         ["proxy", "--prefill", p.url, "--decode", dead], health_path="/ping"
     ) as proxy:
-        assert httpx.get(proxy.url + "/health", timeout=30).status_code == 503
+        h = httpx.get(proxy.url + "/health", timeout=30)
+        assert h.status_code == 503
+        assert [b["healthy"] for b in h.json()["backends"]] == [True, False]
+        before = _counters(p.url)
         r = httpx.post(proxy.url + "/v1/completions", timeout=60,
                        json={"model": "smollm2", "prompt": "Hello", "max_tokens": 4})
-        assert r.status_code == 502
-        assert "unreachable" in r.json()["error"]["message"]
+        assert r.status_code == 503
+        assert "no healthy decode backend" in r.json()["error"]["message"]
+        assert _counters(p.url) == before
 
 
 def _read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> list[str]:

@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import socketserver
 import threading
 import time
 from collections import Counter
 from typing import Any
 
+import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdkv.kv_transfer.connector.p2p_messages import Ack, Notify
 from pdkv.kv_transfer.wire import WireError, recv_msg, send_msg, start_server, stop_server
@@ -20,6 +23,18 @@ from pdkv.ports import free_port
 
 LAYOUT = {"model_digest": "abc", "dtype": "float32", "block_size": 16, "num_layers": 30,
           "num_kv_heads": 3, "head_size": 64, "kv_layout": "NHD"}
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples named `name` at url/metrics whose labels include `labels` (0 when
+    absent)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 class ServerThread:
@@ -101,6 +116,7 @@ class FakeEngine:
         self.decode_params: list[Any] = []  # kv_transfer_params of every decode request, in order
         self.timings: dict[str, Any] | None = None
         self.reset_status = 200  # what POST /reset_prefix_cache answers
+        self.stream_break = False  # set: a streamed decode answer breaks after its first chunk
         self.reset_auth: list[str | None] = []  # the Authorization header of each reset
         app = FastAPI()
 
@@ -203,6 +219,8 @@ class FakeEngine:
 
     async def _stream(self) -> Any:
         yield b'data: {"choices": [{"index": 0, "text": "", "finish_reason": null}]}\n\n'
+        if self.stream_break:
+            raise RuntimeError("the engine broke the stream")
         yield b'data: {"choices": [{"index": 0, "text": "decoded", "finish_reason": null}]}\n\n'
         final: dict[str, Any] = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
         if self.timings is not None:
@@ -213,3 +231,112 @@ class FakeEngine:
 
     def stop(self) -> None:
         self.server.stop()
+
+
+class KeepAliveRaceEngine:
+    """A fault-injecting engine on a raw HTTP/1.1 keep-alive server: the first POST that arrives
+    on a connection which already served a request is read and then dropped unanswered (the
+    connection closed), as when an engine's server closes an idle keep-alive connection just as
+    the proxy sends a request on it. Every other request is answered: GET /health, /v1/models,
+    /kv_layout (404: no connector) and POSTs (a prefill leg gets kv_transfer_params naming no
+    control server; a decode leg gets "decoded", streamed when asked).
+
+    Attributes:
+        dropped: POSTs dropped (at most 1).
+        posts: POSTs answered.
+    """
+
+    def __init__(self) -> None:
+        self.dropped = 0
+        self.posts = 0
+        self._lock = threading.Lock()
+        engine = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                served = 0
+                while True:
+                    request = self.rfile.readline()
+                    if not request:
+                        return
+                    method, path = request.decode().split()[:2]
+                    length = 0
+                    while (line := self.rfile.readline()) not in (b"\r\n", b"\n", b""):
+                        name, _, value = line.decode().partition(":")
+                        if name.strip().lower() == "content-length":
+                            length = int(value)
+                    body = self.rfile.read(length) if length else b""
+                    if method == "POST" and served and engine._drop():
+                        return  # closes the connection without an answer
+                    self.wfile.write(engine._answer(method, path, body))
+                    served += 1
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def _drop(self) -> bool:
+        with self._lock:
+            if self.dropped:
+                return False
+            self.dropped += 1
+            return True
+
+    def _answer(self, method: str, path: str, body: bytes) -> bytes:
+        status, kind = "200 OK", "application/json"
+        data: Any = {}
+        if path == "/kv_layout":
+            status, data = "404 Not Found", {"error": {"message": "no kv connector"}}
+        elif path == "/v1/models":
+            data = {"object": "list", "data": [{"id": "smollm2", "max_model_len": 512}]}
+        elif method == "POST":
+            with self._lock:
+                self.posts += 1
+            request = json.loads(body)
+            params = request.get("kv_transfer_params") or {}
+            if params.get("do_remote_decode"):
+                data = {"choices": [{"text": "x"}], "kv_transfer_params": {
+                    "do_remote_prefill": True, "remote_request_id": "r", "remote_host": None}}
+            elif request.get("stream"):
+                kind = "text/event-stream"
+                chunk = {"choices": [{"index": 0, "text": "decoded", "finish_reason": "length"}]}
+                data = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n"
+            else:
+                data = {"choices": [{"text": "decoded"}]}
+        payload = (data if isinstance(data, str) else json.dumps(data)).encode()
+        head = (f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(payload)}\r\n"
+                "Connection: keep-alive\r\n\r\n")
+        return head.encode() + payload
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class SilentEngine:
+    """An engine that hangs: it accepts connections and reads requests but never answers.
+
+    Attributes:
+        requests: request lines received (e.g. "GET /health"), in order.
+    """
+
+    def __init__(self) -> None:
+        self.requests: list[str] = []
+        engine = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                while line := self.rfile.readline():
+                    if line[:1].isalpha() and b" HTTP/" in line:
+                        engine.requests.append(" ".join(line.decode().split()[:2]))
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

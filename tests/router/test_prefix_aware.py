@@ -237,15 +237,20 @@ def test_colocated_round_robin_alternates_and_counts_errors(colocated):
     )
 
 
-def test_colocated_unreachable_backend_is_502():
-    from pdkv.ports import free_port
-
-    dead = f"http://127.0.0.1:{free_port(set())}"
-    srv = ServerThread(build_proxy_app([], [], "least_loaded", backend_urls=[dead]))
+def test_colocated_unreachable_backend_is_502_then_skipped():
+    """The instance dies after a probe found it healthy: the request that finds it down is a 502;
+    the next one is a 503 without a leg (no healthy instance is left)."""
+    engine = FakeEngine(None)
+    srv = ServerThread(build_proxy_app([], [], "least_loaded", backend_urls=[engine.url]))
     try:
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+        engine.stop()
         r = _post(srv.url, [1, 2, 3])
         assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
         assert _metric(srv.url, 'pdkv:proxy_errors_total{kind="unreachable",leg="whole"}') == 1
+        r = _post(srv.url, [1, 2, 3])
+        assert r.status_code == 503 and "no healthy backend" in r.json()["error"]["message"]
+        assert _metric(srv.url, 'pdkv:proxy_errors_total{kind="unavailable",leg="whole"}') == 1
     finally:
         srv.stop()
 

@@ -1,18 +1,30 @@
 """What the proxy answers before the prefill leg (strict JSON, fields D would reject, prompt
-length, KV layout mismatch) and the release it sends P when a client leaves between the legs.
+length, KV layout mismatch, no healthy engine), the release it sends P when a client leaves
+during or between the legs, per-engine health, and its 502s (logged; the keep-alive race retried).
 Fake engines, no model."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
+import time
 
 import httpx
 import pytest
-from fake_engines import LAYOUT, FakeControl, FakeEngine, ServerThread
+from fake_engines import (
+    LAYOUT,
+    FakeControl,
+    FakeEngine,
+    KeepAliveRaceEngine,
+    ServerThread,
+    SilentEngine,
+    metric,
+)
 
 from pdkv.ports import free_port
+from pdkv.router.backend_health import HealthCheckConfig
 from pdkv.router.proxy import build_proxy_app
 from pdkv.router.validate import BadRequest, check_body, parse_body
 
@@ -80,7 +92,8 @@ class _Stack:
     """A fake P (with a fake control server), a fake D and an in-process proxy."""
 
     def __init__(
-        self, d_layout=None, before_decode=None, start_d=True, d_port=0, info_ttl=5.0
+        self, d_layout=None, before_decode=None, start_d=True, d_port=0, info_ttl=5.0,
+        health_check=None,
     ) -> None:
         self.control = FakeControl()
         self.p = FakeEngine("kv_producer")
@@ -88,8 +101,10 @@ class _Stack:
         self.d_port = d_port or free_port(set())
         self.d_layout = d_layout
         self.d = FakeEngine("kv_consumer", d_layout, port=self.d_port) if start_d else None
-        self.proxy = ServerThread(build_proxy_app([self.p.url], [f"http://127.0.0.1:{self.d_port}"],
-                                                  before_decode=before_decode, info_ttl=info_ttl))
+        self.d_url = f"http://127.0.0.1:{self.d_port}"
+        self.proxy = ServerThread(build_proxy_app([self.p.url], [self.d_url],
+                                                  before_decode=before_decode, info_ttl=info_ttl,
+                                                  health_check=health_check))
         self.url = self.proxy.url
 
     def stop(self) -> None:
@@ -198,23 +213,90 @@ def test_a_mixed_decode_pool_routes_only_to_engines_that_fit():
 
 
 def test_a_decode_engine_that_starts_after_the_proxy_is_checked():
+    """D is down when the proxy starts: 503 without a prefill leg; once a probe (here /health's)
+    finds it up, its layout is checked before anything reaches P."""
     s = _Stack(start_d=False)
     try:
+        h = httpx.get(s.url + "/health", timeout=10)
+        states = {b["url"]: b for b in h.json()["backends"]}
+        assert h.status_code == 503
+        assert not states[s.d_url]["healthy"] and states[s.p.url]["healthy"]
         r = _post(s.url, json={"prompt": "x", "max_tokens": 4})
-        assert r.status_code == 502  # D not up yet; P was asked
-        s.control.got.wait(10)
-        assert s.control.notices and s.control.notices[0][1] == "release"
+        assert r.status_code == 503 and "no healthy decode backend" in r.json()["error"]["message"]
+        assert s.p.hits["prefill"] == 0
         s.d = FakeEngine("kv_consumer", {**LAYOUT, "dtype": "bfloat16"}, port=s.d_port)
-        before = s.p.hits["prefill"]
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 503  # the layouts differ
         r = _post(s.url, json={"prompt": "x", "max_tokens": 4})
         assert (
             r.status_code == 503
             and "dtype: producer='float32' consumer='bfloat16'" in r.json()["error"]["message"]
         )
-        assert s.p.hits["prefill"] == before
-        assert httpx.get(s.url + "/health", timeout=10).status_code == 503
+        assert s.p.hits["prefill"] == 0
     finally:
         s.stop()
+
+
+def test_a_decode_leg_that_finds_d_down_is_502_releases_and_marks_d_unhealthy(caplog):
+    """D dies after a probe found it healthy (the next probe is an hour away): the leg that finds
+    it down is a 502, logged at WARNING, and P's grant is released; the requests after it get a
+    503 before any prefill leg, until a probe finds D back (with no D healthy, each request
+    probes first)."""
+    s = _Stack(health_check=HealthCheckConfig(interval_s=3600.0))
+    try:
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+        s.d.stop()
+        with caplog.at_level(logging.WARNING, logger="pdkv.router"):
+            r = _post(s.url, json={"prompt": "x", "max_tokens": 4},
+                      headers={"X-Request-Id": "d-gone"})
+        assert r.status_code == 502 and s.p.hits["prefill"] == 1
+        assert s.control.got.wait(10) and s.control.notices == [("r-d-gone", "release")]
+        [why] = [m for m in caplog.messages if m.startswith("502:")]
+        assert f"request d-gone: decode leg to {s.d_url} failed: ConnectError" in why
+        r = _post(s.url, json={"prompt": "x", "max_tokens": 4})
+        assert r.status_code == 503 and s.d_url in r.json()["error"]["message"]
+        assert s.p.hits["prefill"] == 1
+        assert metric(s.url, "pdkv:proxy_backend_healthy", backend=s.d_url, role="decode") == 0
+        assert metric(s.url, "pdkv:proxy_backend_healthy", backend=s.p.url, role="prefill") == 1
+        s.d = FakeEngine("kv_consumer", port=s.d_port)  # back (restarted): with no healthy D,
+        # a request probes the pool first, so it is used at once
+        assert _post(s.url, json={"prompt": "x", "max_tokens": 4}).status_code == 200
+    finally:
+        s.stop()
+
+
+def test_requests_skip_a_dead_decode_engine_and_get_503_when_none_is_left():
+    """Two D engines, one never started: every request goes to the other; with both gone, the
+    proxy answers 503 and P receives no prefill leg."""
+    control = FakeControl()
+    p = FakeEngine("kv_producer")
+    p.control_port = control.port
+    live = FakeEngine("kv_consumer")
+    dead = f"http://127.0.0.1:{free_port({live.server.port, p.server.port})}"
+    proxy = ServerThread(build_proxy_app([p.url], [dead, live.url],
+                                         health_check=HealthCheckConfig(interval_s=3600.0)))
+    try:
+        h = httpx.get(proxy.url + "/health", timeout=10)
+        states = {(b["role"], b["url"]): b for b in h.json()["backends"]}
+        assert h.status_code == 503 and dead in h.json()["error"]["message"]
+        down = states["decode", dead]
+        assert not down["healthy"] and "ConnectError" in down["error"]
+        assert states["decode", live.url]["healthy"] and states["prefill", p.url]["healthy"]
+        codes = [
+            _post(proxy.url, json={"prompt": "x", "max_tokens": 4}).status_code for _ in range(6)
+        ]
+        assert codes == [200] * 6 and live.hits["decode"] == 6 and p.hits["prefill"] == 6
+        live.stop()
+        assert httpx.get(proxy.url + "/health", timeout=10).status_code == 503
+        r = _post(proxy.url, json={"prompt": "x", "max_tokens": 4})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+        assert "no healthy decode backend" in r.json()["error"]["message"]
+        assert p.hits["prefill"] == 6 and control.notices == []
+        assert metric(proxy.url, "pdkv:proxy_errors_total", leg="decode", kind="unavailable") == 1
+    finally:
+        proxy.stop()
+        for e in (p, live):
+            e.stop()
+        control.stop()
 
 
 def test_a_wrong_role_is_503(stack):
@@ -259,6 +341,93 @@ def test_client_gone_between_the_legs_releases_prefill_blocks():
         assert s.control.notices == [("r-gone-1", "release")]
         assert s.d.hits["decode"] == 0
     finally:
+        s.stop()
+
+
+def test_a_hung_decode_engine_is_left_alone_once_a_probe_timed_out():
+    """A D that accepts connections and never answers: the probe's timeout marks it unhealthy,
+    and requests then go to the other D without asking the hung one anything (no leg, no
+    /kv_layout or /v1/models, each of which would wait for its timeout)."""
+    control = FakeControl()
+    p = FakeEngine("kv_producer")
+    p.control_port = control.port
+    live, hung = FakeEngine("kv_consumer"), SilentEngine()
+    proxy = ServerThread(build_proxy_app(
+        [p.url], [hung.url, live.url],
+        health_check=HealthCheckConfig(interval_s=3600.0, timeout_s=0.5)))
+    try:
+        h = httpx.get(proxy.url + "/health", timeout=10)
+        states = {b["url"]: b for b in h.json()["backends"]}
+        assert h.status_code == 503 and "ReadTimeout" in states[hung.url]["error"]
+        seen = len(hung.requests)
+        codes = [
+            _post(proxy.url, json={"prompt": "x", "max_tokens": 4}).status_code for _ in range(4)
+        ]
+        assert codes == [200] * 4 and live.hits["decode"] == 4
+        assert hung.requests[seen:] == []
+    finally:
+        proxy.stop()
+        for e in (p, live, hung):
+            e.stop()
+        control.stop()
+
+
+def test_a_decode_stream_that_breaks_ends_with_an_error_event_and_a_warning(stack, caplog):
+    stack.d.stream_break = True
+    body = {"prompt": "x", "max_tokens": 4, "stream": True}
+    with caplog.at_level(logging.WARNING, logger="pdkv.router"):
+        r = _post(stack.url, json=body, headers={"X-Request-Id": "broken-1"})
+    assert r.status_code == 200 and '"code": 502' in r.text and r.text.endswith("[DONE]\n\n")
+    [why] = [m for m in caplog.messages if "broke after it started" in m]
+    assert f"request broken-1: decode stream from {stack.d.url} broke" in why
+    assert metric(stack.url, "pdkv:proxy_errors_total", leg="decode", kind="stream") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_pooled_connection_closed_as_a_leg_goes_out_is_retried_not_a_502(stream):
+    """Each engine drops the first POST that arrives on a connection it already answered on
+    (the keep-alive race): the proxy sends that leg again, so every request succeeds."""
+    p, d = KeepAliveRaceEngine(), KeepAliveRaceEngine()
+    proxy = ServerThread(build_proxy_app([p.url], [d.url]))
+    try:
+        for i in range(3):
+            r = _post(proxy.url, json={"prompt": "x", "max_tokens": 4, "stream": stream})
+            assert r.status_code == 200, (i, r.text)
+            assert "decoded" in r.text and "error" not in r.text
+        assert p.dropped == 1 and d.dropped == 1  # the race was hit on both legs
+        assert p.posts == 3 and d.posts == 3
+    finally:
+        proxy.stop()
+        p.stop()
+        d.stop()
+
+
+def test_client_gone_during_the_prefill_leg_releases_the_grant_p_answers_with():
+    """The client disconnects while P is prefilling (forced order: P holds its answer until the
+    proxy has counted the disconnect). P finishes and holds the blocks under a grant only its
+    answer names: the proxy still reads that answer and releases the grant at once, and D never
+    sees the request."""
+    s = _Stack()
+    s.p.prefill_hold = threading.Event()
+    try:
+        body = b'{"prompt": "x", "max_tokens": 4}'
+        with socket.create_connection(("127.0.0.1", s.proxy.port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: gone-2\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(body), body)
+            )
+            assert s.p.prefill_reached.wait(10)
+        deadline = time.monotonic() + 10
+        while metric(s.url, "pdkv:proxy_client_disconnects_total", phase="prefill") != 1:
+            assert time.monotonic() < deadline, "the proxy did not see the client leave"
+            time.sleep(0.05)
+        s.p.prefill_hold.set()
+        assert s.control.got.wait(10)
+        assert s.control.notices == [("r-gone-2", "release")]
+        assert s.d.hits["decode"] == 0
+    finally:
+        s.p.prefill_hold.set()
         s.stop()
 
 
@@ -452,3 +621,10 @@ def test_reset_prefix_cache_in_colocated_mode_goes_to_every_instance():
         proxy.stop()
         for e in engines:
             e.stop()
+
+
+def test_health_check_config_refuses_what_is_not_positive():
+    for bad in ({"interval_s": 0.0}, {"timeout_s": -1.0}, {"interval_s": float("nan")}):
+        with pytest.raises(ValueError, match="must be > 0"):
+            HealthCheckConfig(**bad)
+    assert HealthCheckConfig(1.0, 0.5) == HealthCheckConfig(interval_s=1.0, timeout_s=0.5)
