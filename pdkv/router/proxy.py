@@ -73,6 +73,7 @@ from pdkv.router.prefix_keys import (
 from pdkv.router.proxy_admin import fan_out
 from pdkv.router.proxy_legs import LegSender, describe, open_leg
 from pdkv.router.proxy_metrics import ProxyMetrics
+from pdkv.router.proxy_openapi import install_openapi, request_body
 from pdkv.router.proxy_protocol import (
     error_kind,
     error_response,
@@ -217,6 +218,7 @@ def build_proxy_app(
         await state["client"].aclose()
 
     app = FastAPI(title="pdkv proxy", lifespan=lifespan)
+    install_openapi(app)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, e: Exception) -> JSONResponse:
@@ -300,8 +302,8 @@ def build_proxy_app(
             return error_response(f"backend {url} unreachable: {describe(e)}", 502, "BadGateway")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
-    @app.post("/tokenize")
-    @app.post("/detokenize")
+    @app.post("/tokenize", openapi_extra=request_body("/tokenize"))
+    @app.post("/detokenize", openapi_extra=request_body("/detokenize"))
     async def tokens(raw: Request) -> Response:
         """Passed to the first decode engine (or instance): every engine serves one model."""
         headers = (
@@ -322,11 +324,11 @@ def build_proxy_app(
             return error_response(f"backend {url} unreachable: {describe(e)}", 502, "BadGateway")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body("/v1/completions"))
     async def completions(raw: Request) -> Response:
         return await _route(raw, "/v1/completions")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body("/v1/chat/completions"))
     async def chat(raw: Request) -> Response:
         return await _route(raw, "/v1/chat/completions")
 
