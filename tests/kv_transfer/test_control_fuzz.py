@@ -9,6 +9,7 @@ its nonce."""
 
 from __future__ import annotations
 
+import os
 import secrets
 import socket
 import struct
@@ -42,7 +43,7 @@ LAYOUT = {"model_digest": "m", "dtype": "float32", "block_size": 4, "num_layers"
           "num_kv_heads": 1, "head_size": 8, "kv_layout": "blocks_layers_kv_tokens_heads_dim"}
 SHAPE = (8, 1, 2, 4, 1, 8)
 TOKENS = list(range(100, 112))
-CASES = 200
+CASES = int(os.environ.get("PDKV_FUZZ_CASES", "200"))
 
 INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 JSON = st.recursive(

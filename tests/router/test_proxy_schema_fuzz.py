@@ -18,7 +18,8 @@ from server_utils import RemoteServer  # noqa: E402
 
 from pdkv.router.proxy_openapi import BODY_MODELS  # noqa: E402
 
-CASES = 100  # per route and mode (positive, negative)
+# Per route and mode (positive, negative); PDKV_FUZZ_CASES sets a longer run (docs/RELIABILITY.md).
+CASES = int(os.environ.get("PDKV_FUZZ_CASES", "100"))
 ENGINE = ["serve", "--model", "tiny-llama-kv2", "--num-kv-blocks", "64", "--max-model-len", "128",
           "--max-num-seqs", "16"]
 

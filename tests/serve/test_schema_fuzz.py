@@ -7,6 +7,8 @@ release is not an HTTP route: it goes to the producer's control server, typed ms
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from schema_fuzz import fuzz
 from server_utils import RemoteServer
@@ -18,7 +20,8 @@ from pdkv.serve.protocol import (
     TokenizeRequest,
 )
 
-CASES = 100  # per route and mode (positive, negative)
+# Per route and mode (positive, negative); PDKV_FUZZ_CASES sets a longer run (docs/RELIABILITY.md).
+CASES = int(os.environ.get("PDKV_FUZZ_CASES", "100"))
 MODELS = {"POST /v1/completions": CompletionRequest,
           "POST /v1/chat/completions": ChatCompletionRequest,
           "POST /tokenize": TokenizeRequest, "POST /detokenize": DetokenizeRequest}
