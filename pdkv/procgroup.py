@@ -1,11 +1,22 @@
-"""Stopping a child started with `start_new_session=True` (its own process group), so that
-whatever it started goes with it."""
+"""Processes by PID: stopping a child started with `start_new_session=True` (its own process
+group), so that whatever it started goes with it, and asking whether a process still exists."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (signal 0; a permission error means it does)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def stop_process_group(proc: subprocess.Popen[bytes] | subprocess.Popen[str], term_timeout: float,

@@ -14,21 +14,12 @@ Exit code 2 = bad arguments or mooncake missing, 1 = setup failed.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
 from types import FrameType
 
-
-def _parent_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+from pdkv.procgroup import pid_alive
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("ready", flush=True)
     while not stop.wait(1.0):
-        if args.parent_pid and not _parent_alive(args.parent_pid):
+        if args.parent_pid and not pid_alive(args.parent_pid):
             break
     rc = store.close()
     print(f"closed {rc}", flush=True)

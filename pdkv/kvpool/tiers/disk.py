@@ -43,6 +43,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from pdkv.kvpool.tiers.base import Tier, TierError
+from pdkv.procgroup import pid_alive
 
 SUFFIX = ".kv"
 TMP_PREFIX = ".tmp-"
@@ -114,7 +115,7 @@ class DiskTier(Tier):
                 if not entry.name.startswith(TMP_PREFIX):
                     continue
                 pid_text = entry.name[len(TMP_PREFIX):].split("-", 1)[0]
-                if pid_text.isdigit() and int(pid_text) != os.getpid() and _alive(int(pid_text)):
+                if pid_text.isdigit() and int(pid_text) != os.getpid() and pid_alive(int(pid_text)):
                     continue
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
@@ -335,14 +336,3 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` exists on this host (signal 0; a permission error means it does)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
