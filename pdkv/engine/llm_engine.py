@@ -24,6 +24,7 @@ from pdkv.request import Request, RequestStatus
 from pdkv.sampling_params import SamplingParams
 from pdkv.sched.scheduler import Scheduler
 from pdkv.tokenizer import Tokenizer
+from pdkv.worker.kv_cache import KVCacheSizing
 
 if TYPE_CHECKING:
     from pdkv.worker.model_runner import ModelRunner
@@ -48,18 +49,24 @@ class LLMEngine:
         self.config = config
         kvt = config.kv_transfer_config
         # Read once, here: the connector's spec (its settings are checked before the model
-        # loads; the connectors get only the spec), the TP/DCP layout, the logical block size.
+        # loads; the connectors get only the spec), the TP/DCP layout, the logical block size,
+        # what sizing the KV cache takes.
         spec = connector_spec(kvt, config.cache_config.block_size) if kvt is not None else None
         layout = config.parallel_config.layout()
         block_size = config.scheduler_block_size
         self.tokenizer = Tokenizer(config.model_config.path)
         self.executor: Executor
+        cache, model = config.cache_config, config.model_config
+        sizing = KVCacheSizing(
+            block_size=cache.block_size, dtype=model.dtype, max_model_len=model.max_model_len,
+            cache_dtype=cache.cache_dtype, num_kv_blocks=cache.num_kv_blocks,
+            kv_cache_memory_bytes=cache.kv_cache_memory_bytes, layout=layout)
         if layout.world_size > 1:  # one worker process per TP/DCP rank
             import torch
 
-            self.executor = MultiprocExecutor(config, layout, num_threads=torch.get_num_threads())
+            self.executor = MultiprocExecutor(config, sizing, num_threads=torch.get_num_threads())
         else:
-            self.executor = InProcExecutor(config, layout, spec)
+            self.executor = InProcExecutor(config, sizing, spec)
         self.connector = None
         if spec is not None:
             self.connector = create_connector(

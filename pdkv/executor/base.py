@@ -2,7 +2,7 @@
 
 Two executors implement it: `pdkv.executor.inproc.InProcExecutor` (one ModelRunner in the engine
 process) and `pdkv.executor.multiproc.MultiprocExecutor` (one worker process per TP/DCP rank).
-Either sizes the engine's KV cache once (`pdkv.worker.kv_cache.size_kv_cache`); the model
+Either sizes the engine's KV cache once (`pdkv.worker.kv_cache.make_kv_cache_config`); the model
 runners it drives receive the result and never size the cache themselves.
 """
 

@@ -9,21 +9,20 @@ from pdkv.kv_transfer.connector.base import KVConnectorBase
 from pdkv.kv_transfer.connector.spec import ConnectorSpec
 from pdkv.kv_transfer.connector.startup import ConnectorStartup
 from pdkv.model.arch_config import LlamaArchConfig
-from pdkv.parallel.layout import ParallelLayout
 from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput
-from pdkv.worker.kv_cache import size_kv_cache
+from pdkv.worker.kv_cache import KVCacheSizing, make_kv_cache_config
 from pdkv.worker.model_runner import ModelRunner
 
 
 class InProcExecutor:
     """One ModelRunner in this process (world size 1): the `Executor` of a single-rank engine.
 
-    The runner loads the weights, then this executor sizes its KV cache (`size_kv_cache`, once)
-    and the runner allocates it and builds the worker half of the KV connector, if any.
+    The runner loads the weights, then this executor sizes its KV cache (`make_kv_cache_config`,
+    once), and the runner allocates it and builds the worker half of the KV connector, if any.
 
     Args:
         config: the engine's configuration.
-        layout: its TP/DCP layout (`config.parallel_config.layout()`, world size 1).
+        sizing: what sizing the KV cache takes (read from `config` by the engine).
         connector: the KV connector's spec (`connector_spec` of config.kv_transfer_config),
             None without one; the runner builds its worker half.
 
@@ -34,10 +33,9 @@ class InProcExecutor:
 
     poll_interval_s: float | None = None  # the connector's worker half wakes the loop itself
 
-    def __init__(self, config: EngineConfig, layout: ParallelLayout,
+    def __init__(self, config: EngineConfig, sizing: KVCacheSizing,
                  connector: ConnectorSpec | None) -> None:
-        self._config = config
-        self._layout = layout
+        self._sizing = sizing
         self.runner = ModelRunner(config.model_config, config.cache_config, connector, None,
                                   self._size)
         self.kv_cache_config: KVCacheConfig = self.runner.kv_cache_config
@@ -48,7 +46,7 @@ class InProcExecutor:
         self.eos_token_id: int | None = self.runner.eos_token_id
 
     def _size(self, arch: LlamaArchConfig, budget_bytes: int | None) -> KVCacheConfig:
-        return size_kv_cache(self._config, self._layout, arch, budget_bytes)
+        return make_kv_cache_config(arch, self._sizing, budget_bytes)
 
     @property
     def model_runner(self) -> ModelRunner:

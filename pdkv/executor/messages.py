@@ -70,7 +70,7 @@ class KVCacheGroupWire(msgspec.Struct, kw_only=True):
 
 class InitKVCache(msgspec.Struct, tag=True, kw_only=True):
     """The KV cache every rank allocates (blocks of block_size tokens, the rank's KV heads),
-    sized once by the engine (pdkv.executor.base.size_kv_cache)."""
+    sized once by the engine (pdkv.worker.kv_cache.make_kv_cache_config)."""
 
     num_blocks: int
     groups: list[KVCacheGroupWire]

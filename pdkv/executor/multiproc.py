@@ -44,10 +44,9 @@ from pdkv.executor.worker_proc import run_worker
 from pdkv.kv_transfer.connector.base import KVConnectorBase
 from pdkv.kv_transfer.connector.startup import ConnectorStartup
 from pdkv.model.llama import LlamaArchConfig
-from pdkv.parallel.layout import ParallelLayout
 from pdkv.ports import free_port
 from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput
-from pdkv.worker.kv_cache import scheduler_view, size_kv_cache
+from pdkv.worker.kv_cache import KVCacheSizing, make_kv_cache_config, scheduler_view
 from pdkv.worker.model_runner import ModelRunner, StepTimings
 
 if TYPE_CHECKING:
@@ -68,7 +67,7 @@ class MultiprocExecutor:
     TP/DCP engine (pdkv.executor.base).
 
     Start-up: every rank loads its weight shard; this executor sizes the KV cache once
-    (`size_kv_cache`: before any process starts when the configuration fixes the size, else
+    (`make_kv_cache_config`: before any process starts when the configuration fixes the size, else
     from the smallest budget the ranks measured) and sends the result to every rank.
     `kv_cache_config` is the scheduler's logical view (blocks of block_size × DCP tokens);
     `connector` is None (the connector halves live in the workers, which cannot wake the
@@ -77,7 +76,8 @@ class MultiprocExecutor:
 
     Args:
         config: the engine's configuration.
-        layout: its TP/DCP layout (`config.parallel_config.layout()`, world size > 1).
+        sizing: what sizing the KV cache takes (read from `config` by the engine; its layout
+            has world size > 1).
         num_threads: torch CPU threads in all; each worker gets an equal share (at least 1).
 
     Raises:
@@ -90,16 +90,16 @@ class MultiprocExecutor:
     poll_interval_s: float | None = MULTIPROC_POLL_S
     model_runner: ModelRunner | None = None  # the runners live in the worker processes
 
-    def __init__(self, config: EngineConfig, layout: ParallelLayout, num_threads: int) -> None:
+    def __init__(self, config: EngineConfig, sizing: KVCacheSizing, num_threads: int) -> None:
         par = config.parallel_config
-        self.layout_ = layout
+        self.layout_ = sizing.layout
         arch = LlamaArchConfig.from_hf_folder(config.model_config.path)
         self.layout_.check_heads(arch.num_heads, arch.num_kv_heads)
         per_rank: KVCacheConfig | None = None
         if config.cache_config.gpu_memory_utilization is None or config.cache_config.num_kv_blocks:
             # The size does not depend on memory: a pool too small for one request is refused
             # here, before any process starts (ValueError naming the values).
-            per_rank = size_kv_cache(config, self.layout_, arch, None)
+            per_rank = make_kv_cache_config(arch, sizing)
         self.world_size = self.layout_.world_size
         self.timeout_s = par.worker_timeout_s
         self.connector: KVConnectorBase | None = None
@@ -132,8 +132,8 @@ class MultiprocExecutor:
                       for rank in range(self.world_size)]
             if per_rank is None:  # the smallest budget, so that every rank's pool fits
                 budgets = [m.kv_budget_bytes for m in loaded if isinstance(m, WorkerLoaded)]
-                per_rank = size_kv_cache(config, self.layout_, arch,
-                                         min(b for b in budgets if b is not None))
+                per_rank = make_kv_cache_config(arch, sizing,
+                                                min(b for b in budgets if b is not None))
             init_kv = InitKVCache.from_config(per_rank)
             for rank in range(self.world_size):
                 self._send(rank, init_kv)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,7 +20,6 @@ from pdkv.cache.specs import (
     SlidingWindowSpec,
     canonical_kv_cache_dtype,
 )
-from pdkv.config import CacheConfig, EngineConfig
 from pdkv.kv_transfer.reshard_state import StateGeometry
 from pdkv.model.arch_config import LlamaArchConfig, attention_groups
 from pdkv.model.kv_quant import KVCacheLayer, QuantKVCache
@@ -90,36 +90,63 @@ def gdn_state_geometry(arch: LlamaArchConfig, dtype: str) -> StateGeometry:
     )
 
 
-def make_kv_cache_config(
-    arch: LlamaArchConfig, cache_config: CacheConfig, dtype: str, max_model_len: int,
-    num_kv_heads: int | None = None, dcp_size: int = 1, logical: bool = False, tp_size: int = 1,
-) -> KVCacheConfig:
-    """One KV cache group per attention kind: FullAttentionSpec for full layers (MLASpec on an
-    MLA model), SlidingWindowSpec(window) for sliding ones, in the order of each group's first layer
-    (a dense model is one FullAttention group holding every layer); linear-attention layers form one
-    LinearStateSpec group after those (so group 0 is always an attention group), one slot per
-    request. Every group's pool has num_blocks blocks, from the config or the memory budget (per
-    rank): num_blocks = kv_cache_memory_bytes // (sum over groups of one block's bytes).
+@dataclass(frozen=True)
+class KVCacheSizing:
+    """What sizing one engine's KV cache takes, read from its configuration once, at the top
+    (LLMEngine): the cache's block size, dtype and budget, the model's dtype and longest
+    sequence, the TP/DCP layout. It holds values, not the configuration.
+
+    Attributes:
+        block_size: tokens per block of one rank.
+        dtype: the model's dtype ("float32", "float16", "bfloat16").
+        max_model_len: the longest sequence in tokens; the pool must hold one such request.
+        cache_dtype: vLLM's --kv-cache-dtype ("auto": the model's dtype; "int8", "fp8", ...).
+        num_kv_blocks: blocks per group; None: kv_cache_memory_bytes // bytes of one block.
+        kv_cache_memory_bytes: the budget when num_kv_blocks is None (bytes, per rank).
+        layout: the engine's TP/DCP layout (this rank's KV heads; DCP ranks share a request).
+    """
+
+    block_size: int
+    dtype: str
+    max_model_len: int
+    cache_dtype: str = "auto"
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
+
+
+def make_kv_cache_config(arch: LlamaArchConfig, sizing: KVCacheSizing,
+                         budget_bytes: int | None = None) -> KVCacheConfig:
+    """The KV cache one rank allocates: the one place where an engine sizes it, once for every
+    rank (its executor calls this; pdkv.executor).
+
+    One KV cache group per attention kind: FullAttentionSpec for full layers (MLASpec on an
+    MLA model), SlidingWindowSpec(window) for sliding ones, in the order of each group's first
+    layer (a dense model is one FullAttention group holding every layer); linear-attention layers
+    form one LinearStateSpec group after those (so group 0 is always an attention group), one
+    slot per request. Every group's pool has num_blocks blocks (per rank): num_kv_blocks, else
+    budget // (sum over groups of one block's bytes). A block holds block_size tokens of this
+    rank's KV heads (TP shards them); one logical block of block_size × dcp tokens is one
+    physical block on each DCP rank (`scheduler_view`).
 
     Args:
-        num_kv_heads: KV heads this rank stores (TP shards them; default: all of the model's).
-        dcp_size: DCP ranks; one logical block of block_size × dcp_size tokens is one physical
-            block of block_size tokens on each of them.
-        tp_size: TP ranks (a linear-state slot holds one rank's share of the state).
-        logical: describe the scheduler's view (spec block_size = block_size × dcp_size, so a
-            block's bytes are those of the whole DCP group) instead of one rank's tensors.
+        budget_bytes: the memory budget measured after the weights were loaded (the smallest of
+            the ranks', with --gpu-memory-utilization), replacing kv_cache_memory_bytes; None:
+            the configured num_kv_blocks or kv_cache_memory_bytes.
 
     Raises:
         ValueError: the pool cannot hold even one request of max_model_len tokens; DCP with a
             sliding-window model (check_sliding_window_parallel).
     """
+    block_size, dtype, max_model_len = sizing.block_size, sizing.dtype, sizing.max_model_len
+    dcp_size, tp_size = sizing.layout.dcp_size, sizing.layout.tp_size
+    num_kv_heads = sizing.layout.kv_heads_per_rank(arch.num_kv_heads)
+    budget = sizing.kv_cache_memory_bytes if budget_bytes is None else budget_bytes
     check_sliding_window_parallel(arch, dcp_size)
-    block_size = cache_config.block_size
     groups = []
-    cache_dtype = canonical_kv_cache_dtype(cache_config.cache_dtype, dtype)
+    cache_dtype = canonical_kv_cache_dtype(sizing.cache_dtype, dtype)
     full: KVCacheSpec = FullAttentionSpec(
-        block_size=block_size * dcp_size if logical else block_size,
-        num_kv_heads=num_kv_heads or arch.num_kv_heads, head_size=arch.head_dim, dtype=dtype,
+        block_size=block_size, num_kv_heads=num_kv_heads, head_size=arch.head_dim, dtype=dtype,
         cache_dtype=cache_dtype)
     if arch.is_mla:  # the latent is replicated: every rank stores the whole vector
         if cache_dtype != "auto":
@@ -129,8 +156,7 @@ def make_kv_cache_config(
                        qk_rope_head_dim=arch.qk_rope_head_dim, dtype=dtype)
     for window, layers in attention_groups(arch):
         spec = full if window is None else SlidingWindowSpec(
-            block_size=block_size * dcp_size if logical else block_size,
-            num_kv_heads=num_kv_heads or arch.num_kv_heads, head_size=arch.head_dim,
+            block_size=block_size, num_kv_heads=num_kv_heads, head_size=arch.head_dim,
             dtype=dtype, cache_dtype=cache_dtype, sliding_window=window)
         groups.append(KVCacheGroupSpec(layer_indices=layers, spec=spec))
     if arch.has_linear_state:  # one state slot per request, after the attention groups
@@ -140,11 +166,8 @@ def make_kv_cache_config(
                 spec=linear_state_spec(arch, block_size, dtype, tp_size),
             )
         )
-    group_bytes = sum(g.spec.page_size_bytes * len(g.layer_indices) for g in groups)
-    physical_block_bytes = group_bytes // (dcp_size if logical else 1)
-    num_blocks = (
-        cache_config.num_kv_blocks or cache_config.kv_cache_memory_bytes // physical_block_bytes
-    )
+    block_bytes = sum(g.spec.page_size_bytes * len(g.layer_indices) for g in groups)
+    num_blocks = sizing.num_kv_blocks or budget // block_bytes
     needed = -(-max_model_len // (block_size * dcp_size))
     if arch.has_linear_state:  # with prefix caching a slot per block, and the pool's null block
         needed += 1
@@ -158,34 +181,9 @@ def make_kv_cache_config(
     return KVCacheConfig(num_blocks=num_blocks, groups=tuple(groups))
 
 
-def size_kv_cache(config: EngineConfig, layout: ParallelLayout, arch: LlamaArchConfig,
-                  budget_bytes: int | None) -> KVCacheConfig:
-    """The engine's KV cache as each rank allocates it (blocks of block_size tokens, this rank's
-    KV heads): the one place where an engine sizes it, once for every rank (its executor calls
-    this; pdkv.executor).
-
-    Args:
-        layout: the engine's TP/DCP layout (`config.parallel_config.layout()`).
-        budget_bytes: the memory budget measured after the weights were loaded (the smallest of
-            the ranks', with --gpu-memory-utilization), replacing kv_cache_memory_bytes; None:
-            the configured num_kv_blocks or kv_cache_memory_bytes.
-
-    Raises:
-        ValueError: the pool cannot hold one request of max_model_len tokens, or the model does
-            not support the layout (make_kv_cache_config).
-    """
-    cache = config.cache_config
-    if budget_bytes is not None:
-        cache = dataclasses.replace(cache, kv_cache_memory_bytes=budget_bytes)
-    model = config.model_config
-    return make_kv_cache_config(arch, cache, model.dtype, model.max_model_len,
-                                num_kv_heads=layout.kv_heads_per_rank(arch.num_kv_heads),
-                                dcp_size=layout.dcp_size, tp_size=layout.tp_size)
-
-
 def scheduler_view(per_rank: KVCacheConfig, dcp_size: int) -> KVCacheConfig:
-    """The scheduler's view of a KV cache sized by `size_kv_cache`: the same blocks, each of
-    block_size × dcp_size tokens (K/V specs; make_kv_cache_config(logical=True)'s result)."""
+    """The scheduler's view of a KV cache sized by `make_kv_cache_config`: the same blocks, each
+    of block_size × dcp_size tokens (K/V specs)."""
     if dcp_size == 1:
         return per_rank
     groups = tuple(

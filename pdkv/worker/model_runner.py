@@ -97,7 +97,7 @@ class ModelRunner:
         kv_cache_config: asked once, after the weights are loaded, for the KV cache this rank
             allocates: called with the model's architecture and the KV budget in bytes measured
             now (with gpu_memory_utilization and no num_kv_blocks; else None). The executor sizes
-            it (pdkv.executor.base.size_kv_cache); the runner never does.
+            it (pdkv.worker.kv_cache.make_kv_cache_config); the runner never does.
 
     Raises:
         ValueError: max_model_len exceeds the model's positions, or (from kv_cache_config) the

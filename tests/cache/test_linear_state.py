@@ -122,12 +122,15 @@ def test_linear_state_metadata_reads_the_state_before_and_writes_every_block_end
 def test_make_kv_cache_config_puts_the_linear_group_last_and_counts_its_slot(tiny_gdn):
     import torch
 
-    from pdkv.config import CacheConfig
     from pdkv.model.arch_config import LlamaArchConfig
-    from pdkv.worker.kv_cache import allocate_kv_cache, make_kv_cache_config
+    from pdkv.parallel.layout import ParallelLayout
+    from pdkv.worker.kv_cache import KVCacheSizing, allocate_kv_cache, make_kv_cache_config
+
+    def sizing(**kw: object) -> KVCacheSizing:
+        return KVCacheSizing(block_size=16, dtype="float32", max_model_len=128, **kw)
 
     arch = LlamaArchConfig.from_hf_folder(tiny_gdn)
-    cfg = make_kv_cache_config(arch, CacheConfig(block_size=16, num_kv_blocks=9), "float32", 128)
+    cfg = make_kv_cache_config(arch, sizing(num_kv_blocks=9))
     assert [g.layer_indices for g in cfg.groups] == [(1, 3), (0, 2)]
     spec = cfg.groups[1].spec
     assert isinstance(spec, LinearStateSpec)
@@ -138,25 +141,18 @@ def test_make_kv_cache_config_puts_the_linear_group_last_and_counts_its_slot(tin
     # one contiguous row per slot: what P/D and the pool would move
     assert groups[1][3].is_contiguous() and views[0].data_ptr() == groups[1].data_ptr()
     budget = make_kv_cache_config(
-        arch,
-        CacheConfig(
-            block_size=16, kv_cache_memory_bytes=10 * (cfg.block_bytes(0) + cfg.block_bytes(1))
-        ),
-        "float32",
-        128,
-    )
+        arch, sizing(kv_cache_memory_bytes=10 * (cfg.block_bytes(0) + cfg.block_bytes(1))))
     assert budget.num_blocks == 10
     # 128 tokens = 8 blocks of 16, plus the linear pool's null block
     with pytest.raises(
         ValueError, match=r"cannot hold one request of max_model_len=128 tokens \(9 blocks\)"
     ):
-        make_kv_cache_config(arch, CacheConfig(block_size=16, num_kv_blocks=8), "float32", 128)
+        make_kv_cache_config(arch, sizing(num_kv_blocks=8))
     with pytest.raises(
         ValueError, match="decode_context_parallel_size=2 is not supported with linear-attention"
     ):
-        make_kv_cache_config(
-            arch, CacheConfig(block_size=16, num_kv_blocks=8), "float32", 128, dcp_size=2
-        )
+        make_kv_cache_config(arch, sizing(
+            num_kv_blocks=8, layout=ParallelLayout(dcp_size=2, dcp_replicated=True)))
 
 
 def test_connectors_refuse_a_linear_state_group():

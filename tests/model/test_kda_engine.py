@@ -22,12 +22,11 @@ def run(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]
 
 def test_groups_are_mla_and_linear_state_with_the_spec_bytes(tiny_kda_mla):
     from pdkv.cache.specs import LinearStateSpec, MLASpec
-    from pdkv.config import CacheConfig
     from pdkv.model.arch_config import LlamaArchConfig
-    from pdkv.worker.kv_cache import make_kv_cache_config
+    from pdkv.worker.kv_cache import KVCacheSizing, make_kv_cache_config
 
-    cfg = make_kv_cache_config(LlamaArchConfig.from_hf_folder(tiny_kda_mla),
-                               CacheConfig(block_size=16, num_kv_blocks=64), "float32", 128)
+    cfg = make_kv_cache_config(LlamaArchConfig.from_hf_folder(tiny_kda_mla), KVCacheSizing(
+        block_size=16, dtype="float32", max_model_len=128, num_kv_blocks=64))
     (mla, lin) = cfg.groups
     assert isinstance(mla.spec, MLASpec) and mla.layer_indices == (1, 3)
     assert isinstance(lin.spec, LinearStateSpec) and lin.layer_indices == (0, 2)
@@ -63,12 +62,11 @@ def test_prefix_hit_resumes_from_a_checkpoint_with_the_cold_output(tiny_kda_mla)
 def test_parallel_and_connectors_are_refused_at_start_up(tiny_kda_mla):
     import json
 
-    from pdkv.config import CacheConfig
     from pdkv.model.arch_config import LlamaArchConfig
     from pdkv.model.loader import load_model
     from pdkv.parallel.context import ParallelContext
     from pdkv.parallel.layout import ParallelLayout
-    from pdkv.worker.kv_cache import make_kv_cache_config
+    from pdkv.worker.kv_cache import KVCacheSizing, make_kv_cache_config
 
     # P2P and the pool move its state (tests/kv_transfer/test_pd_kda_mla.py); offload does not.
     with pytest.raises(ValueError, match="does not move linear-attention state"):
@@ -95,8 +93,6 @@ def test_parallel_and_connectors_are_refused_at_start_up(tiny_kda_mla):
     ):
         make_kv_cache_config(
             LlamaArchConfig.from_hf_folder(tiny_kda_mla),
-            CacheConfig(block_size=16, num_kv_blocks=64),
-            "float32",
-            128,
-            dcp_size=2,
+            KVCacheSizing(block_size=16, dtype="float32", max_model_len=128, num_kv_blocks=64,
+                          layout=ParallelLayout(dcp_size=2, dcp_replicated=True)),
         )

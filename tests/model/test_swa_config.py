@@ -10,9 +10,9 @@ import json
 import pytest
 
 from pdkv.cache.specs import FullAttentionSpec, SlidingWindowSpec
-from pdkv.config import CacheConfig
 from pdkv.model.arch_config import LlamaArchConfig, attention_groups
-from pdkv.worker.kv_cache import make_kv_cache_config
+from pdkv.parallel.layout import ParallelLayout
+from pdkv.worker.kv_cache import KVCacheSizing, make_kv_cache_config
 
 SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -82,8 +82,9 @@ def test_kv_cache_groups_per_spec_share_one_block_count():
     arch = _arch((f, s, s, f, s), 40)
     assert attention_groups(arch) == [(None, (0, 3)), (40, (1, 2, 4))]
     page = 2 * 16 * 2 * 16 * 4  # K and V, 16 tokens, 2 heads of 16, float32
-    cc = CacheConfig(block_size=16, kv_cache_memory_bytes=page * 5 * 100 + page)
-    kv = make_kv_cache_config(arch, cc, "float32", 256)
+    cc = KVCacheSizing(block_size=16, dtype="float32", max_model_len=256,
+                       kv_cache_memory_bytes=page * 5 * 100 + page)
+    kv = make_kv_cache_config(arch, cc)
     assert [g.layer_indices for g in kv.groups] == [(0, 3), (1, 2, 4)]
     assert type(kv.groups[0].spec) is FullAttentionSpec
     assert kv.groups[1].spec == SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=16,
@@ -91,7 +92,7 @@ def test_kv_cache_groups_per_spec_share_one_block_count():
     assert kv.num_blocks == 100  # budget // (sum of the groups' block bytes): 5 layers' pages
     assert kv.total_bytes == 100 * 5 * page
     dense = make_kv_cache_config(
-        dataclasses.replace(arch, layer_types=(f,) * 5, sliding_window=None), cc, "float32", 256
+        dataclasses.replace(arch, layer_types=(f,) * 5, sliding_window=None), cc
     )
     assert dense.num_blocks == 100 and len(dense.groups) == 1
     assert (
@@ -101,4 +102,5 @@ def test_kv_cache_groups_per_spec_share_one_block_count():
     with pytest.raises(
         ValueError, match="decode_context_parallel_size=2 is not supported with sliding-window"
     ):
-        make_kv_cache_config(arch, cc, "float32", 256, dcp_size=2)
+        make_kv_cache_config(arch, dataclasses.replace(
+            cc, layout=ParallelLayout(dcp_size=2, dcp_replicated=True)))

@@ -22,12 +22,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pdkv.cache.specs import canonical_kv_cache_dtype
-from pdkv.config import CacheConfig
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import load_model
 from pdkv.model.registry import resolve_model
 from pdkv.worker.attn_metadata import build_attention_metadata
-from pdkv.worker.kv_cache import allocate_kv_cache, make_kv_cache_config
+from pdkv.worker.kv_cache import KVCacheSizing, allocate_kv_cache, make_kv_cache_config
 
 PROMPTS = (
     "The capital of France is",
@@ -70,9 +69,10 @@ def greedy_run(
     dtype = str(model.embed.dtype).removeprefix("torch.")
     longest = max(len(p) for p in prompts) + max_tokens
     per_req = -(-longest // block_size)
-    cache_config = CacheConfig(block_size=block_size, num_kv_blocks=per_req * len(prompts),
-                               cache_dtype=canonical_kv_cache_dtype(kv_cache_dtype, dtype))
-    kv_config = make_kv_cache_config(arch, cache_config, dtype, longest)
+    sizing = KVCacheSizing(block_size=block_size, dtype=dtype, max_model_len=longest,
+                           cache_dtype=canonical_kv_cache_dtype(kv_cache_dtype, dtype),
+                           num_kv_blocks=per_req * len(prompts))
+    kv_config = make_kv_cache_config(arch, sizing)
     _, caches = allocate_kv_cache(kv_config, model.embed.dtype, model.embed.device)
     dev = model.embed.device
     tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(len(prompts))]
