@@ -51,6 +51,7 @@ def test_the_load_failure_policy_is_the_connectors_default_unless_set():
 @pytest.mark.parametrize("name, role, extra, match", [
     ("NoSuchConnector", "kv_both", {}, "unknown kv_connector 'NoSuchConnector'"),
     ("P2PConnector", "kv_producer", {"kv_port": -1}, "kv_port"),
+    ("P2PConnector", "kv_producer", {"kv_portt": 5}, "unknown P2PConnector settings"),
     ("KVPoolConnector", "kv_both", {"chunk_size": 24}, "multiple of the block size 16"),
     ("KVPoolConnector", "kv_both", {"chunk": 16}, "unknown KVPoolConnector settings"),
     ("OffloadingConnector", "kv_producer", {}, "kv_both"),

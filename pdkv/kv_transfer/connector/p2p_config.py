@@ -13,7 +13,7 @@ _STRS = ("transfer", "kv_host", "kv_advertise_host", "mooncake_protocol")
 
 @dataclass(frozen=True)
 class P2PConfig:
-    """P2PConnector settings (every key optional; other keys are left to the transfer engine).
+    """P2PConnector settings (every key optional; an unknown key is refused).
 
     Attributes:
         transfer: transfer engine name (tcp | shm | mooncake).
@@ -49,9 +49,13 @@ class P2PConfig:
         """Parse and check `kv_connector_extra_config` (a null value means the default).
 
         Raises:
-            ValueError: a setting of the wrong type or a negative number (the message names
-                the key and the value).
+            ValueError: an unknown key (a typo would otherwise be ignored), a setting of the
+                wrong type or a negative number (the message names the key and the value).
         """
+        known = (*_INTS, *_FLOATS, *_STRS)
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(f"unknown P2PConnector settings {unknown}; known: {sorted(known)}")
         ints: dict[str, int] = {}
         floats: dict[str, float] = {}
         strs: dict[str, str] = {}
