@@ -53,7 +53,7 @@ class StructuredOutputsParams:
         ):
             raise ValueError(
                 "structured_outputs.choice must be a non-empty list of strings, got "
-                f"{self.choice!r}"
+                f"{list(self.choice)!r}"
             )
 
 

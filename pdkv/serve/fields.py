@@ -64,6 +64,8 @@ def structured_outputs(
     if req.guided_regex is not None:
         found.append(("guided_regex", StructuredOutputsParams(regex=req.guided_regex)))
     if req.guided_choice is not None:
+        if not req.guided_choice:
+            raise ValueError("guided_choice must be a non-empty list of strings, got []")
         found.append(("guided_choice", StructuredOutputsParams(choice=tuple(req.guided_choice))))
     if req.guided_grammar is not None:
         found.append(("guided_grammar", StructuredOutputsParams(grammar=req.guided_grammar)))

@@ -199,7 +199,8 @@ class OpenAIHandlers:
         if req.n > MAX_N:
             raise APIError(f"n must be at most {MAX_N}, got {req.n}", param="n")
         if not ids:
-            raise APIError("prompt is empty: at least one token is needed")
+            raise APIError("prompt is empty: at least one token is needed",
+                           param="messages" if isinstance(req, ChatCompletionRequest) else "prompt")
         if len(ids) >= self.max_model_len:
             raise APIError(
                 f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
@@ -455,7 +456,8 @@ def _one_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | 
     for item in prompt:  # the schema's lists are all ints, all strings or all lists
         if isinstance(item, (str, list)):
             if len(prompt) != 1:
-                raise APIError("batched prompts are not supported: send one prompt per request")
+                raise APIError("batched prompts are not supported: send one prompt per request",
+                               param="prompt")
             return item
         ids.append(item)
     return ids

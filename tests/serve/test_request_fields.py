@@ -152,6 +152,13 @@ def message_fields(message: str) -> list[str]:
     return re.findall(r"[a-z_]+", message)
 
 
+@pytest.mark.parametrize("prompt", ["", ["a", "b"]])
+def test_a_prompt_the_server_cannot_take_is_a_400_naming_prompt(client, prompt):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smollm2", prompt=prompt, max_tokens=2)
+    assert e.value.body["param"] == "prompt"
+
+
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
     ({"extra_body": {"tool_choice": "required"}}, "tool_choice"),
@@ -164,6 +171,7 @@ def message_fields(message: str) -> list[str]:
      "response_format"),
     # A body the model refuses names its field in `param` too.
     ({"extra_body": {"guided_choice": [1, 2]}}, "guided_choice"),
+    ({"extra_body": {"guided_choice": []}}, "guided_choice"),  # was param structured_outputs
     ({"extra_body": {"guided_regex": "[0-9"}}, "guided_regex"),
     ({"extra_body": {"guided_json": {"type": "object"}, "guided_regex": "a"}}, "guided_json"),
     ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
