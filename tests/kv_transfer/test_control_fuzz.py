@@ -13,7 +13,7 @@ import os
 import secrets
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import hypothesis
 import pytest
@@ -111,7 +111,7 @@ def producer(monkeypatch: pytest.MonkeyPatch) -> Iterator[Producer]:
 
 
 def test_random_messages_get_their_reply_type_and_never_touch_a_grant_without_its_nonce(
-        producer: Producer) -> None:
+        producer: Producer, record_property: Callable[[str, object], None]) -> None:
     replies: dict[str, int] = {}
 
     @settings(max_examples=CASES, deadline=None, database=None, derandomize=True,
@@ -126,11 +126,14 @@ def test_random_messages_get_their_reply_type_and_never_touch_a_grant_without_it
             assert not reply.ok, (msg, reply)  # no random nonce is the grant's
 
     one()
+    record_property("schema_fuzz", f"P's control server: {CASES} messages, replies "
+                                   f"{dict(sorted(replies.items()))}")
     assert replies.get("Handshake:ok", 0) > 0 and replies.get("Notify:refused", 0) > 0, replies
     producer.still_serves()
 
 
-def test_a_frame_that_does_not_decode_drops_only_its_connection(producer: Producer) -> None:
+def test_a_frame_that_does_not_decode_drops_only_its_connection(
+        producer: Producer, record_property: Callable[[str, object], None]) -> None:
     closed = 0
 
     @settings(max_examples=CASES, deadline=None, database=None, derandomize=True,
@@ -146,5 +149,7 @@ def test_a_frame_that_does_not_decode_drops_only_its_connection(producer: Produc
                 closed += 1
 
     one()
+    record_property("schema_fuzz", f"P's control server: {CASES} raw frames, {closed} dropped "
+                                   "their connection")
     assert closed > 0
     producer.still_serves()
