@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 MULTIPROC_POLL_S = 0.005
 """Seconds between engine steps while the workers' connector halves have loads in flight."""
 
+KILLED_PEER_GRACE_S = 2.0
+"""How long a rank's failure waits for another rank's exit to show (see `_killed_peer`)."""
+
 
 class WorkerDiedError(RuntimeError):
     """A worker process exited or failed; the engine cannot continue."""
@@ -175,6 +178,27 @@ class MultiprocExecutor:
         except (BrokenPipeError, ConnectionResetError, OSError) as e:
             raise self._died(rank, f"pipe closed ({e})") from None
 
+    def _killed_peer(self, rank: int, grace_s: float) -> int | None:
+        """Another rank that a signal ended (SIGKILL, the OOM killer), waiting up to `grace_s`
+        for its exit to show; None if none. When one rank is killed, its peers fail in their next
+        collective (gloo: "Connection reset by peer") as soon as its sockets close, which can be
+        before its process has exited: the killed rank, not the first to report, is the cause."""
+        others = {p.sentinel: r for r, p in enumerate(self._procs) if r != rank}
+        deadline = time.monotonic() + grace_s
+        while others:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            for s in wait(list(others), timeout=left):
+                peer = others.pop(s) if isinstance(s, int) else None
+                if peer is None:
+                    continue
+                self._procs[peer].join(1.0)
+                code = self._procs[peer].exitcode
+                if code is not None and code < 0:
+                    return peer
+        return None
+
     def _died(self, rank: int, what: str) -> WorkerDiedError:
         proc = self._procs[rank]
         return WorkerDiedError(
@@ -201,6 +225,11 @@ class MultiprocExecutor:
                     raise self._died(rank, f"closed its pipe during {what}") from None
                 if isinstance(msg, WorkerFailed):
                     self._procs[rank].join(5.0)
+                    killed = self._killed_peer(rank, KILLED_PEER_GRACE_S)
+                    if killed is not None:  # the cause; `rank` failed in a collective with it
+                        first = msg.error.strip().splitlines()[-1] if msg.error.strip() else ""
+                        raise self._died(killed, f"was killed during {what} (rank {rank} then "
+                                                 f"failed: {first})")
                     raise WorkerDiedError(f"worker rank {rank} failed during {what}:\n{msg.error}")
                 return msg
             for s in ready:
