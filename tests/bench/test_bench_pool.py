@@ -69,3 +69,10 @@ def test_disk_fsync_mode_times_both_settings_without_an_engine(tmp_path, monkeyp
     assert "load average" in out and "cpu:" in out
     assert [ln.split()[0] for ln in out.splitlines()[3:5]] == ["on", "off"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]  # its directory is removed
+
+
+def test_disk_fsync_mode_names_a_work_dir_that_does_not_exist(tmp_path):
+    from pdkv.bench.pool.fsync import measure_disk_fsync
+
+    with pytest.raises(ValueError, match="is not an existing directory"):
+        measure_disk_fsync(str(tmp_path / "missing"), 4096, 1)

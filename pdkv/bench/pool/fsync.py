@@ -86,11 +86,14 @@ def measure_disk_fsync(work_dir: str | None, value_bytes: int, writes: int) -> F
     removed afterwards.
 
     Raises:
-        ValueError: value_bytes or writes not positive.
+        ValueError: value_bytes or writes not positive, or work_dir not an existing directory.
         TierError: a put failed (e.g. the file system is full).
     """
     if value_bytes <= 0 or writes <= 0:
         raise ValueError(f"value_bytes and writes must be positive, got {value_bytes}, {writes}")
+    if work_dir is not None and not os.path.isdir(work_dir):
+        raise ValueError(f"--work-dir {work_dir!r} is not an existing directory (the benchmark "
+                         "writes in a fresh directory under it, on the disk to measure)")
     root = tempfile.mkdtemp(prefix="pdkv-bench-fsync-", dir=work_dir)
     load_before = _load()
     try:
