@@ -13,10 +13,14 @@ mooncake-store/include/types.h):
   objects fail there (-600 / b""), so they go zero-copy through a registered buffer
   (`register_buffer` + `put_from` / `get_into`).
 - `remove` of a key still under its read lease answers -706 unless forced: removal is forced.
-- With the master gone, calls take ~4 s and answer -900; `setup` against a dead master never
-  returns and holds the GIL. So: the master's port is probed (bounded TCP connect) before setup
-  and, after any failure, before the next call; every call runs on a daemon worker thread and the
-  caller waits at most `timeout_s` (calls release the GIL, so the deadline fires).
+- With the master gone, calls take ~4 s and answer -900; `setup` against a dead master, or one
+  that accepts connections but never answers (hung, stopped, or not a master), does not return
+  for 20 retries of 30 s and holds the GIL all along, so no thread can bound it. So the master
+  is probed before setup and, after any failure, before the next call: a TCP connect, then 16
+  zero bytes (not a coro_rpc header) and a read, both within `timeout_s`; a live master closes
+  the connection at once (measured on mooncake 0.3.x), a hung one answers nothing and the probe
+  fails as "timeout". Every call runs on a daemon worker thread and the caller waits at most
+  `timeout_s` (calls release the GIL, so the deadline fires).
 
 Bytes in use: the pure client has no call that reports the store's usage (the master exports it
 only as Prometheus metrics on its own port, which this tier is not told). So the tier reports the
@@ -72,6 +76,9 @@ _CODE_NAMES = {
     RPC_TIMEOUT: "RPC_TIMEOUT",
 }
 _NUM_WORKERS = 4
+_PROBE_BYTES = 16
+"""Zero bytes the master probe sends: not a valid coro_rpc request header, so a live master
+drops the connection at once."""
 BYTES_IN_USE_MAX_AGE_S = 5.0
 """Seconds between background checks of which of this instance's entries the store holds."""
 
@@ -173,7 +180,8 @@ class MooncakeTier(Tier):
         ImportError: the mooncake package (or libibverbs) is missing; the message says what to
             install.
         ValueError: bad master address or sizes.
-        TierError: the master cannot be reached ("unavailable") or setup fails (code named).
+        TierError: within about timeout_s: the master cannot be reached ("unavailable"), accepts
+            connections but does not answer ("timeout"), or setup fails (code named).
 
     Thread-safe: calls from any thread run on a small pool of worker threads.
     """
@@ -205,7 +213,7 @@ class MooncakeTier(Tier):
         self._suspect = False  # set after a failure: probe the master before the next call
         self._closed = False
         self._close_lock = threading.Lock()
-        # setup against a dead master never returns and holds the GIL: probe first.
+        # setup against a dead or hung master does not return and holds the GIL: probe first.
         self._probe_master()
         self._store = store_cls()
         rc = self._store.setup(
@@ -224,14 +232,35 @@ class MooncakeTier(Tier):
     # -- plumbing ---------------------------------------------------------------------------
 
     def _probe_master(self) -> None:
+        """Check within timeout_s that the master accepts a connection and answers (see the
+        module docstring).
+
+        Raises:
+            TierError: "unavailable" when the connect fails, "timeout" when the master does not
+                react to the probe within timeout_s; the tier is marked suspect either way.
+        """
+        deadline = time.monotonic() + self._timeout_s
         try:
-            with socket.create_connection(self._master_addr, timeout=self._timeout_s):
-                pass
+            conn = socket.create_connection(self._master_addr, timeout=self._timeout_s)
         except OSError as e:
             self._suspect = True
             raise TierError(
                 f"mooncake master {self._master} unreachable: {e}", "unavailable"
             ) from e
+        with conn:
+            try:
+                conn.settimeout(max(0.001, deadline - time.monotonic()))
+                conn.sendall(bytes(_PROBE_BYTES))
+                conn.recv(64)  # b"" (closed) or an error reply: either way it answered
+            except TimeoutError as e:
+                self._suspect = True
+                raise TierError(
+                    f"mooncake master {self._master} accepts connections but did not answer "
+                    f"within {self._timeout_s} s (hung, stopped, or not a mooncake_master)",
+                    "timeout",
+                ) from e
+            except OSError:
+                pass  # reset or refused mid-way: it answered by dropping the connection
 
     def _run(self, what: str, fn: Callable[[], _T]) -> _T:
         """fn() on a worker thread, waited for at most timeout_s; failures mark the tier
