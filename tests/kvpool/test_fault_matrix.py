@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,20 @@ def test_redis_killed_then_restarted_on_its_port_misses_counts_and_comes_back(
         llm.llm_engine.shutdown()
 
 
+class _ResumeLater:
+    """SIGCONT `proc` after `after_s` seconds unless cancelled first: the test's own SIGCONT
+    comes once its request returns, so a request that waited for the stopped server instead of
+    its deadline still ends (and fails its assertions) instead of hanging."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], after_s: float = 60.0) -> None:
+        self._timer = threading.Timer(after_s, proc.send_signal, (signal.SIGCONT,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
 def _wait_stopped(pid: int) -> None:
     """Wait (deadline 10 s) until /proc shows process `pid` stopped by SIGSTOP."""
     deadline = time.monotonic() + 10.0
@@ -155,10 +170,12 @@ def test_redis_stalled_during_a_lookup_times_out_as_a_miss(own_redis, tiny_llama
         # SIGSTOP: the server answers nothing until SIGCONT, so the lookup cannot beat its
         # deadline (the tier's own 30 s socket timeout never fires).
         own_redis.procs[0].send_signal(signal.SIGSTOP)
+        safety = _ResumeLater(own_redis.procs[0])
         try:
             _wait_stopped(pid)
             slow = generate(llm, prompt(0))
         finally:
+            safety.cancel()
             own_redis.procs[0].send_signal(signal.SIGCONT)
         assert slow.outputs[0].token_ids == reference[0] and slow.num_cached_tokens == 0
         counts = stats(llm)
@@ -310,6 +327,7 @@ def test_mooncake_master_stopped_mid_run_is_refused_by_the_probe_then_comes_back
         generate(llm, prompt(0))
         stats(llm)
         master.send_signal(signal.SIGSTOP)  # accepts connections (kernel), answers nothing
+        safety = _ResumeLater(master)
         try:
             _wait_stopped(master.pid)
             for seed in (0, 1):
@@ -317,6 +335,7 @@ def test_mooncake_master_stopped_mid_run_is_refused_by_the_probe_then_comes_back
                 assert out.outputs[0].token_ids == reference[seed] and out.num_cached_tokens == 0
             counts = stats(llm)
         finally:
+            safety.cancel()
             master.send_signal(signal.SIGCONT)
         assert counts["pool:mooncake:failures_timeout"] >= 1
         until_hit(llm, prompt(1), reference[1])
