@@ -300,7 +300,7 @@ def test_mooncake_store_process_killed_misses_counts_and_a_new_one_brings_it_bac
             replacement.wait(10.0)
 
 
-def test_mooncake_master_killed_misses_and_counts_without_a_hang(
+def test_mooncake_master_killed_misses_counts_and_a_restart_on_its_port_brings_it_back(
     own_mooncake, tiny_llama_kv2, reference
 ):
     llm = pool_llm(tiny_llama_kv2, _mooncake_tier(own_mooncake))
@@ -314,6 +314,11 @@ def test_mooncake_master_killed_misses_and_counts_without_a_hang(
         counts = stats(llm)
         assert counts["pool:mooncake:failures_unavailable"] >= 2
         assert_idle(llm)
+        _kill(own_mooncake.procs[1])  # its segment belonged to the dead master
+        port = int(own_mooncake.address.rsplit(":", 1)[1])
+        with services.start_mooncake(segment_bytes=64 << 20, port=port):  # master + store, empty
+            until_hit(llm, prompt(1), reference[1])
+            assert_idle(llm)
     finally:
         llm.llm_engine.shutdown()
 
