@@ -137,19 +137,29 @@ def test_killed_store_process_then_master_never_hangs(own_mooncake):
     assert time.monotonic() - start < 5.0
 
 
-def test_dead_master_at_construction_fails_fast():
+def test_dead_master_at_construction_then_calls_fail_fast_until_it_starts():
     pytest.importorskip("mooncake.store")
+    from pdkv.launch import services
+
+    port = free_port()
     start = time.monotonic()
+    t = MooncakeTier(f"127.0.0.1:{port}", timeout_s=2.0)  # no error: set up later
     with pytest.raises(TierError) as ei:
-        MooncakeTier(f"127.0.0.1:{free_port()}", timeout_s=2.0)
+        t.get("k")
     assert ei.value.kind == "unavailable"
-    assert time.monotonic() - start < 5.0
+    assert time.monotonic() - start < 10.0
+    try:
+        with services.start_mooncake(segment_bytes=16 << 20, port=port):
+            t.put("k", b"v" * 4096)  # the first call sets the client up
+            assert t.get("k") == b"v" * 4096
+    finally:
+        t.close()
 
 
-def test_master_that_accepts_but_never_answers_fails_construction_within_the_deadline():
+def test_master_that_accepts_but_never_answers_is_bounded_at_construction_and_per_call():
     """A real client against a socket that accepts and reads forever: without the answer probe
-    setup() holds the GIL for 20 x 30 s, so this test runs the construction in a child process
-    with a deadline and fails (instead of hanging) if it does not finish."""
+    setup() holds the GIL for 20 x 30 s, so this test runs the tier in a child process with a
+    deadline and fails (instead of hanging) if it does not finish."""
     pytest.importorskip("mooncake.store")
     listener = socket.socket()  # the kernel accepts into the backlog; nothing ever answers
     listener.bind(("127.0.0.1", 0))
@@ -159,12 +169,17 @@ def test_master_that_accepts_but_never_answers_fails_construction_within_the_dea
         "from pdkv.kvpool.tiers.base import TierError\n"
         "from pdkv.kvpool.tiers.mooncake import MooncakeTier\n"
         "start = time.monotonic()\n"
-        "try:\n"
-        f"    MooncakeTier('127.0.0.1:{listener.getsockname()[1]}', timeout_s=1.0)\n"
-        "except TierError as e:\n"
-        "    assert e.kind == 'timeout' and 'did not answer' in str(e), e\n"
-        "    assert time.monotonic() - start < 10.0\n"
-        "    print('refused')\n"
+        f"t = MooncakeTier('127.0.0.1:{listener.getsockname()[1]}', timeout_s=1.0)\n"
+        "for call in (lambda: t.get('k'), lambda: t.put('k', b'v')):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except TierError as e:\n"
+        "        assert e.kind == 'timeout' and 'did not answer' in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError('a call to a master that never answers succeeded')\n"
+        "assert time.monotonic() - start < 15.0\n"
+        "t.close()\n"
+        "print('refused')\n"
     )
     try:
         proc = subprocess.run([sys.executable, "-c", code], env=_child_env(), timeout=60.0,
