@@ -7,8 +7,8 @@ and once the service is back a later request hits the pool again.
 Faults are forced deterministically: SIGKILL by PID and a wait for the exit, CONFIG SET, SIGSTOP
 until /proc shows the process stopped (redis 7 refuses DEBUG SLEEP unless started with
 enable-debug-command, and CLIENT PAUSE blocks the UNPAUSE too), a socket that accepts and never
-answers.
-Disk faults: test_fault_matrix_disk.py.
+answers (the engine then runs in a child process with a deadline: a setup() that hangs holds the
+GIL). Disk faults: test_fault_matrix_disk.py.
 """
 
 from __future__ import annotations
