@@ -115,22 +115,25 @@ class KVPoolStore:
         try:
             return fn()
         except TierError as e:
-            self._count_failure(st, e.kind)
+            self._count_failure(st, e.kind, str(e))
             raise
         except Exception as e:
             logger.exception("pool tier %s raised", st.tier.name)
-            self._count_failure(st, "other")
+            self._count_failure(st, "other", repr(e))
             raise TierError(f"{st.tier.name}: {e!r}", "other") from e
 
-    def _count_failure(self, st: _TierState, kind: str) -> None:
+    def _count_failure(self, st: _TierState, kind: str, why: str = "") -> None:
+        """Count one failure of `kind`; an "unavailable"/"timeout" one starts the tier's back-off
+        and, once per down period, logs a warning that names the cause (`why`: the error's
+        text, e.g. redis's "invalid username-password pair")."""
         with self._lock:
             key = f"failures_{kind}"
             st.counters[key] = st.counters.get(key, 0.0) + 1
             if kind in DOWN_KINDS:
                 now = self._clock()
                 if st.down_until <= now:  # once per down period, not per call
-                    logger.warning("pool tier %s is %s: skipped (misses) for %.1f s, then retried",
-                                   st.tier.name, kind, self.retry_after_s)
+                    logger.warning("pool tier %s is %s (%s): skipped (misses) for %.1f s, then "
+                                   "retried", st.tier.name, kind, why, self.retry_after_s)
                 st.down_until = now + self.retry_after_s
 
     def _add(self, st: _TierState, **deltas: float) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -136,13 +137,63 @@ def test_killed_store_process_then_master_never_hangs(own_mooncake):
     assert time.monotonic() - start < 5.0
 
 
-def test_dead_master_at_construction_fails_fast():
+def test_dead_master_at_construction_then_calls_fail_fast_until_it_starts():
     pytest.importorskip("mooncake.store")
+    from pdkv.launch import services
+
+    port = free_port()
     start = time.monotonic()
+    t = MooncakeTier(f"127.0.0.1:{port}", timeout_s=2.0)  # no error: set up later
     with pytest.raises(TierError) as ei:
-        MooncakeTier(f"127.0.0.1:{free_port()}", timeout_s=2.0)
+        t.get("k")
     assert ei.value.kind == "unavailable"
-    assert time.monotonic() - start < 5.0
+    assert time.monotonic() - start < 10.0
+    try:
+        with services.start_mooncake(segment_bytes=16 << 20, port=port):
+            t.put("k", b"v" * 4096)  # the first call sets the client up
+            assert t.get("k") == b"v" * 4096
+    finally:
+        t.close()
+
+
+def test_master_that_accepts_but_never_answers_is_bounded_at_construction_and_per_call():
+    """A real client against a socket that accepts and reads forever: without the answer probe
+    setup() holds the GIL for 20 x 30 s, so this test runs the tier in a child process with a
+    deadline and fails (instead of hanging) if it does not finish."""
+    pytest.importorskip("mooncake.store")
+    listener = socket.socket()  # the kernel accepts into the backlog; nothing ever answers
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    code = (
+        "import time\n"
+        "from pdkv.kvpool.tiers.base import TierError\n"
+        "from pdkv.kvpool.tiers.mooncake import MooncakeTier\n"
+        "start = time.monotonic()\n"
+        f"t = MooncakeTier('127.0.0.1:{listener.getsockname()[1]}', timeout_s=1.0)\n"
+        "for call in (lambda: t.get('k'), lambda: t.put('k', b'v')):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except TierError as e:\n"
+        "        assert e.kind == 'timeout' and 'did not answer' in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError('a call to a master that never answers succeeded')\n"
+        "assert time.monotonic() - start < 15.0\n"
+        "t.close()\n"
+        "print('refused')\n"
+    )
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], env=_child_env(), timeout=60.0,
+                              capture_output=True, text=True)
+    finally:
+        listener.close()
+    assert proc.returncode == 0 and proc.stdout.strip() == "refused", proc.stderr[-2000:]
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (root, env.get("PYTHONPATH", "")) if x)
+    return env
 
 
 def test_bad_master_address():
@@ -160,7 +211,7 @@ def test_missing_package_names_what_to_install(monkeypatch):
 
 class _HangingStore:
     """Stands in for MooncakeDistributedStore: setup succeeds, get_size blocks until released
-    (a master that accepts connections but never answers)."""
+    (a master that answers the probe but not the call)."""
 
     release = threading.Event()
     calls: list[str] = []
@@ -187,6 +238,13 @@ def test_unanswered_call_times_out_and_dead_master_is_refused_without_a_call(mon
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
     port = listener.getsockname()[1]
+
+    def answer_probes() -> None:  # like a live master: drop each connection at once
+        with contextlib.suppress(OSError):
+            while True:
+                listener.accept()[0].close()
+
+    threading.Thread(target=answer_probes, daemon=True).start()
     t = MooncakeTier(f"127.0.0.1:{port}", timeout_s=0.5)
     try:
         start = time.monotonic()
@@ -195,6 +253,7 @@ def test_unanswered_call_times_out_and_dead_master_is_refused_without_a_call(mon
         assert ei.value.kind == "timeout"
         assert time.monotonic() - start < 5.0
         assert _HangingStore.calls == ["k1"]
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread (Linux)
         listener.close()  # the master goes away while the first call is still stuck
         with pytest.raises(TierError) as ei:
             t.get("k2")

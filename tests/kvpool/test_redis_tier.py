@@ -131,6 +131,24 @@ def test_server_killed_mid_run_raises_quickly(own_redis):
     t.close()
 
 
+def test_out_of_memory_put_is_full_and_reads_still_answer(own_redis):
+    import redis
+
+    t = RedisTier(own_redis.address, timeout_s=5.0)
+    admin = redis.Redis.from_url(own_redis.address)
+    try:
+        t.put("k", b"v" * 4096)
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", 1)  # below what the server uses: every write refused
+        with pytest.raises(TierError) as ei:
+            t.put("k2", b"w" * 4096)
+        assert ei.value.kind == "full"
+        assert t.get("k") == b"v" * 4096 and t.contains_many(["k2"]) == [False]
+    finally:
+        admin.close()
+        t.close()
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="redis://"):
         RedisTier("http://127.0.0.1:1/0")

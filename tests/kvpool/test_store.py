@@ -200,6 +200,19 @@ def test_unavailable_tier_skipped_for_retry_after_then_retried() -> None:
     store.close()
 
 
+def test_down_warning_names_the_cause_once_per_down_period(caplog) -> None:
+    now = [0.0]
+    tier = FakeTier("remote", local_index=False)
+    tier.error = TierError("redis GET failed: invalid username-password pair", "unavailable")
+    store = KVPoolStore([tier], retry_after_s=5.0, clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="pdkv.kvpool.store"):
+        assert store.lookup(["k"]) == 0
+        assert store.lookup(["k"]) == 0  # skipped: no second warning
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "invalid username-password pair" in warned[0]
+    store.close()
+
+
 def test_io_error_does_not_back_off() -> None:
     tier = FakeTier("t")
     tier.error = TierError("bad sector", "io")

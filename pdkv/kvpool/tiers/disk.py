@@ -3,16 +3,19 @@ the directory (torch-free).
 
 Layout of the directory: `<name>.kv` per entry, where name is the key with ':' turned into '_'
 (and any character outside [A-Za-z0-9.-] escaped as %XX, so distinct keys never share a file);
-`.tmp-<pid>-*` files are writes in progress. A put writes the whole value to a temporary file in
-the same directory and renames it over the final name (`os.replace`, atomic on POSIX), so a
-reader never sees a half-written entry under its final name.
+`.tmp-<pid>-<tier id>-<n>-<name>` files are writes in progress (the tier id, random per DiskTier,
+keeps two tiers of one process, e.g. two engines, from writing one temporary name). A put writes
+the whole value to a temporary file in the same directory and renames it over the final name
+(`os.replace`, atomic on POSIX), so a reader never sees a half-written entry under its final
+name.
 
 Durability (`fsync`, default on): the temporary file is fsync'ed before the rename and the
 directory after it, so once `put` returns the entry survives a power loss under its final name
 with its full contents. With fsync off a renamed file may be short or garbage after power loss;
 the store's checksum (`pdkv.kvpool.codec`) turns that into a miss, so turning it off trades a
 cold restart after a crash for cheaper writes (`pdkv bench pool --disk-fsync` measures the cost).
-Start-up removes `.tmp-*` leftovers of processes that no longer run.
+Start-up removes `.tmp-*` leftovers of processes that no longer run (never those of a running
+process, this one included: another tier in it may be writing them).
 
 Capacity across processes: several processes (engines of one host) may share a directory, and
 `capacity_bytes` bounds the directory, not one process's writes. The accounting is the directory
@@ -36,6 +39,7 @@ import contextlib
 import errno
 import itertools
 import os
+import secrets
 import stat
 import threading
 import time
@@ -100,6 +104,7 @@ class DiskTier(Tier):
         self._used = 0
         self._evictions = 0
         self._tmp_ids = itertools.count()
+        self._tmp_tag = f"{os.getpid()}-{secrets.token_hex(4)}"
         os.makedirs(path, exist_ok=True)
         self._remove_stale_temporaries()
         with self._lock:
@@ -109,13 +114,14 @@ class DiskTier(Tier):
 
     def _remove_stale_temporaries(self) -> None:
         """Delete `.tmp-<pid>-*` files whose writer is not running (a crash's leftovers); those
-        of live processes sharing the directory are writes in progress and stay."""
+        of live processes sharing the directory, this one included (another tier of this
+        process), are writes in progress and stay."""
         with os.scandir(self.path) as it:
             for entry in it:
                 if not entry.name.startswith(TMP_PREFIX):
                     continue
                 pid_text = entry.name[len(TMP_PREFIX):].split("-", 1)[0]
-                if pid_text.isdigit() and int(pid_text) != os.getpid() and pid_alive(int(pid_text)):
+                if pid_text.isdigit() and pid_alive(int(pid_text)):
                     continue
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
@@ -267,7 +273,7 @@ class DiskTier(Tier):
                         self._index.move_to_end(name)
                 return
             self._forget(name)  # evicted by another process: write it again
-        tmp = self._file(f"{TMP_PREFIX}{os.getpid()}-{next(self._tmp_ids)}-{name}")
+        tmp = self._file(f"{TMP_PREFIX}{self._tmp_tag}-{next(self._tmp_ids)}-{name}")
         try:
             self._write(tmp, value, self.fsync)
             with self._lock:

@@ -13,10 +13,16 @@ mooncake-store/include/types.h):
   objects fail there (-600 / b""), so they go zero-copy through a registered buffer
   (`register_buffer` + `put_from` / `get_into`).
 - `remove` of a key still under its read lease answers -706 unless forced: removal is forced.
-- With the master gone, calls take ~4 s and answer -900; `setup` against a dead master never
-  returns and holds the GIL. So: the master's port is probed (bounded TCP connect) before setup
-  and, after any failure, before the next call; every call runs on a daemon worker thread and the
-  caller waits at most `timeout_s` (calls release the GIL, so the deadline fires).
+- With the master gone, calls take ~4 s and answer -900; `setup` against a dead master, or one
+  that accepts connections but never answers (hung, stopped, or not a master), does not return
+  for 20 retries of 30 s and holds the GIL all along, so no thread can bound it. So the master
+  is probed before setup and, after any failure, before the next call: a TCP connect, then 16
+  zero bytes (not a coro_rpc header) and a read, both within `timeout_s`; a live master closes
+  the connection at once (measured on mooncake 0.3.x), a hung one answers nothing and the probe
+  fails as "timeout". A master unusable at construction is not an error: the client is set up
+  by the first call that finds the master answering (until then calls fail fast as misses).
+  Every call runs on a daemon worker thread and the caller waits at most `timeout_s` (calls
+  release the GIL, so the deadline fires).
 
 Bytes in use: the pure client has no call that reports the store's usage (the master exports it
 only as Prometheus metrics on its own port, which this tier is not told). So the tier reports the
@@ -31,6 +37,7 @@ so the pool's total is about their sum (a chunk two instances both put counts tw
 from __future__ import annotations
 
 import ctypes
+import logging
 import queue
 import socket
 import threading
@@ -41,6 +48,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from pdkv.kvpool.tiers.base import BackgroundValue, OwnEntries, Tier, TierError
+
+logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
@@ -72,6 +81,9 @@ _CODE_NAMES = {
     RPC_TIMEOUT: "RPC_TIMEOUT",
 }
 _NUM_WORKERS = 4
+_PROBE_BYTES = 16
+"""Zero bytes the master probe sends: not a valid coro_rpc request header, so a live master
+drops the connection at once."""
 BYTES_IN_USE_MAX_AGE_S = 5.0
 """Seconds between background checks of which of this instance's entries the store holds."""
 
@@ -173,7 +185,12 @@ class MooncakeTier(Tier):
         ImportError: the mooncake package (or libibverbs) is missing; the message says what to
             install.
         ValueError: bad master address or sizes.
-        TierError: the master cannot be reached ("unavailable") or setup fails (code named).
+
+    No error for an unusable master: construction tries to set the client up (bounded, see the
+    module docstring) and, when the master is unreachable, hung or refuses, logs a warning and
+    returns; every call then tries again first and raises `TierError` ("unavailable" or
+    "timeout") within about timeout_s until the master answers, so an engine starts and serves
+    without the tier and uses it once its server is up (as the redis tier does).
 
     Thread-safe: calls from any thread run on a small pool of worker threads.
     """
@@ -197,7 +214,9 @@ class MooncakeTier(Tier):
                 f"local_buffer_bytes and timeout_s must be > 0, got {local_buffer_bytes}, "
                 f"{timeout_s}"
             )
-        store_cls = import_store_class()
+        self._store_cls = import_store_class()
+        self._setup_args = (local_hostname, "P2PHANDSHAKE", 0, local_buffer_bytes, protocol, "",
+                            master)
         self._master = master
         self._master_addr = (host, int(port))
         self._timeout_s = float(timeout_s)
@@ -205,40 +224,90 @@ class MooncakeTier(Tier):
         self._suspect = False  # set after a failure: probe the master before the next call
         self._closed = False
         self._close_lock = threading.Lock()
-        # setup against a dead master never returns and holds the GIL: probe first.
-        self._probe_master()
-        self._store = store_cls()
-        rc = self._store.setup(
-            local_hostname, "P2PHANDSHAKE", 0, local_buffer_bytes, protocol, "", master
-        )
-        if rc != 0:
-            raise TierError(
-                f"mooncake setup against master {master} failed with code {rc}", "unavailable"
-            )
+        self._store: Any = None  # the set-up client, once the master answered
+        self._setup_lock = threading.Lock()
         self._workers = _Workers(_NUM_WORKERS)
         self._own = OwnEntries()
         self._in_use = BackgroundValue(
             self.fetch_bytes_in_use, BYTES_IN_USE_MAX_AGE_S, "pdkv-mooncake-in-use"
         )
+        try:
+            self._connect()
+        except TierError as e:
+            logger.warning("mooncake tier: %s; the pool runs without it and sets it up on a later "
+                           "call once the master answers", e)
+
+    def _connect(self) -> None:
+        """Set up the client unless it is: probe the master (bounded), then `setup` on the
+        calling thread (it holds the GIL until it returns, so the probe must pass first).
+
+        Raises:
+            TierError: the master is unreachable ("unavailable"), does not answer the probe
+                ("timeout"), setup fails (code named, "unavailable"), or another thread's setup
+                did not end within timeout_s ("timeout").
+        """
+        if self._store is not None:
+            return
+        if not self._setup_lock.acquire(timeout=self._timeout_s):
+            raise TierError(f"mooncake setup against {self._master} still running", "timeout")
+        try:
+            if self._store is not None:
+                return
+            self._probe_master()
+            store = self._store_cls()
+            rc = store.setup(*self._setup_args)
+            if rc != 0:
+                self._suspect = True
+                raise TierError(
+                    f"mooncake setup against master {self._master} failed with code {rc}",
+                    "unavailable",
+                )
+            self._store = store
+            self._suspect = False
+        finally:
+            self._setup_lock.release()
 
     # -- plumbing ---------------------------------------------------------------------------
 
     def _probe_master(self) -> None:
+        """Check within timeout_s that the master accepts a connection and answers (see the
+        module docstring).
+
+        Raises:
+            TierError: "unavailable" when the connect fails, "timeout" when the master does not
+                react to the probe within timeout_s; the tier is marked suspect either way.
+        """
+        deadline = time.monotonic() + self._timeout_s
         try:
-            with socket.create_connection(self._master_addr, timeout=self._timeout_s):
-                pass
+            conn = socket.create_connection(self._master_addr, timeout=self._timeout_s)
         except OSError as e:
             self._suspect = True
             raise TierError(
                 f"mooncake master {self._master} unreachable: {e}", "unavailable"
             ) from e
+        with conn:
+            try:
+                conn.settimeout(max(0.001, deadline - time.monotonic()))
+                conn.sendall(bytes(_PROBE_BYTES))
+                conn.recv(64)  # b"" (closed) or an error reply: either way it answered
+            except TimeoutError as e:
+                self._suspect = True
+                raise TierError(
+                    f"mooncake master {self._master} accepts connections but did not answer "
+                    f"within {self._timeout_s} s (hung, stopped, or not a mooncake_master)",
+                    "timeout",
+                ) from e
+            except OSError:
+                pass  # reset or refused mid-way: it answered by dropping the connection
 
     def _run(self, what: str, fn: Callable[[], _T]) -> _T:
         """fn() on a worker thread, waited for at most timeout_s; failures mark the tier
         suspect, so the next call first checks that the master still accepts connections."""
         if self._closed:
             raise TierError(f"mooncake tier for {self._master} is closed", "unavailable")
-        if self._suspect:
+        if self._store is None:
+            self._connect()
+        elif self._suspect:
             self._probe_master()
         fut = self._workers.submit(fn)
         try:
@@ -359,7 +428,7 @@ class MooncakeTier(Tier):
             if self._closed:
                 return
             self._closed = True
-        if self._workers.stop(self._timeout_s):
+        if self._workers.stop(self._timeout_s) and self._store is not None:
             closer = threading.Thread(
                 target=self._store.close, name="pdkv-mooncake-close", daemon=True
             )

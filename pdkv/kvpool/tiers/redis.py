@@ -91,6 +91,8 @@ class RedisTier(Tier):
             raise TierError(f"redis {what} at {self._url} timed out: {e}", "timeout") from e
         except exc.ConnectionError as e:
             raise TierError(f"redis {what} at {self._url} unavailable: {e}", "unavailable") from e
+        except exc.OutOfMemoryError as e:  # "-OOM ...": redis-py strips the code from the text
+            raise TierError(f"redis {what} at {self._url} is full: {e}", "full") from e
         except exc.RedisError as e:
             raise TierError(f"redis {what} at {self._url} failed: {e}", "other") from e
         except TimeoutError as e:  # socket.timeout outside redis-py's own wrapping
@@ -120,13 +122,9 @@ class RedisTier(Tier):
         return bytes(value)
 
     def put(self, key: str, value: bytes) -> None:
-        """SET (with EX when a ttl is set). Raises TierError ("full" when redis answers OOM)."""
-        try:
-            self._call("SET", lambda: self._client.set(key, value, ex=self._ex))
-        except TierError as e:
-            if "OOM" in str(e):
-                raise TierError(str(e), "full") from e.__cause__
-            raise
+        """SET (with EX when a ttl is set). Raises TierError ("full" when redis answers OOM:
+        maxmemory reached under a noeviction policy)."""
+        self._call("SET", lambda: self._client.set(key, value, ex=self._ex))
         self._own.add(key, len(value))
 
     def remove(self, key: str) -> None:
