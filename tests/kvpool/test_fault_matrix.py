@@ -27,47 +27,27 @@ from typing import Any
 
 import pytest
 
-from pdkv import LLM, SamplingParams
+from pdkv import LLM
 from pdkv.launch import services
+from tests.kvpool.fault_utils import (
+    CHUNK,
+    HIT,
+    KW,
+    assert_idle,
+    generate,
+    prompt,
+    reference_tokens,
+    stats,
+)
+from tests.kvpool.fault_utils import pool_llm as fault_pool_llm
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-CHUNK = 32
-PROMPT_LEN = 100  # (100 - 1) // 32 = 3 chunks loadable: 96 tokens
-HIT = 96
-GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-KW: dict[str, Any] = dict(cpu_linear="torch", num_kv_blocks=64, max_model_len=256)
-
-
-def prompt(seed: int) -> list[int]:
-    return [(i * 7919 + 131 * seed) % 40000 + 100 for i in range(PROMPT_LEN)]
-
 
 def pool_llm(model: str, tier: dict[str, Any], **extra: Any) -> LLM:
     """An engine whose pool is the one `tier`; `tier_retry_after_s` 0 unless given, so a tier is
     retried on the next call once its service is back."""
     extra.setdefault("tier_retry_after_s", 0.0)
-    cfg = {"kv_connector": "KVPoolConnector", "kv_role": "kv_both",
-           "kv_connector_extra_config": {"chunk_size": CHUNK, "tiers": [tier], **extra}}
-    return LLM(model, kv_transfer_config=json.dumps(cfg), **KW)
-
-
-def generate(llm: LLM, ids: list[int]) -> Any:
-    """One request from an empty local prefix cache, so every hit comes from the pool."""
-    assert llm.reset_prefix_cache()
-    return llm.generate({"prompt_token_ids": ids}, GREEDY)[0]
-
-
-def stats(llm: LLM) -> dict[str, float]:
-    store = llm.llm_engine.runner.connector.store  # type: ignore[union-attr]
-    assert store.flush(30.0), "the pool's save queue did not drain"
-    return dict(llm.llm_engine.scheduler.kv_stats)
-
-
-def assert_idle(llm: LLM) -> None:
-    sched = llm.llm_engine.scheduler
-    assert sched.kv_cache_manager.num_free_blocks == sched.num_blocks
-    assert not sched.waiting_for_remote
+    return fault_pool_llm(model, tier, **extra)
 
 
 def until_hit(llm: LLM, ids: list[int], want: list[int], timeout_s: float = 60.0) -> None:
@@ -88,10 +68,7 @@ def until_hit(llm: LLM, ids: list[int], want: list[int], timeout_s: float = 60.0
 @pytest.fixture(scope="module")
 def reference(tiny_llama_kv2) -> dict[int, list[int]]:
     """Greedy tokens of prompts 0..3 on an engine without a pool."""
-    plain = LLM(tiny_llama_kv2, **KW)
-    outs = plain.generate([{"prompt_token_ids": prompt(s)} for s in range(4)], GREEDY)
-    plain.llm_engine.shutdown()
-    return {s: o.outputs[0].token_ids for s, o in enumerate(outs)}
+    return reference_tokens(tiny_llama_kv2, 4)
 
 
 def _redis_client(svc: services.Service, password: str | None = None) -> Any:

@@ -8,55 +8,33 @@ test_fault_matrix.py.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from system_packages import in_ci
 
-from pdkv import LLM, SamplingParams
+from pdkv import LLM
 from pdkv.kvpool.tiers.base import TierError
 from pdkv.kvpool.tiers.disk import TMP_PREFIX, DiskTier
-
-CHUNK = 32
-PROMPT_LEN = 100  # (100 - 1) // 32 = 3 chunks loadable: 96 tokens
-HIT = 96
-GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-KW: dict[str, Any] = dict(cpu_linear="torch", num_kv_blocks=64, max_model_len=256)
-
-
-def prompt(seed: int) -> list[int]:
-    return [(i * 7919 + 131 * seed) % 40000 + 100 for i in range(PROMPT_LEN)]
+from tests.kvpool.fault_utils import (
+    CHUNK,
+    HIT,
+    assert_idle,
+    generate,
+    pool_llm,
+    prompt,
+    reference_tokens,
+    stats,
+)
 
 
 def disk_llm(model: str, path: Path) -> LLM:
     tier = {"name": "disk", "path": str(path), "capacity_bytes": 1 << 30, "fsync": False}
-    cfg = {"kv_connector": "KVPoolConnector", "kv_role": "kv_both",
-           "kv_connector_extra_config": {"chunk_size": CHUNK, "tiers": [tier]}}
-    return LLM(model, kv_transfer_config=json.dumps(cfg), **KW)
-
-
-def generate(llm: LLM, ids: list[int]) -> Any:
-    """One request from an empty local prefix cache, so every hit comes from the pool."""
-    assert llm.reset_prefix_cache()
-    return llm.generate({"prompt_token_ids": ids}, GREEDY)[0]
-
-
-def stats(llm: LLM) -> dict[str, float]:
-    store = llm.llm_engine.runner.connector.store  # type: ignore[union-attr]
-    assert store.flush(30.0), "the pool's save queue did not drain"
-    return dict(llm.llm_engine.scheduler.kv_stats)
-
-
-def assert_idle(llm: LLM) -> None:
-    sched = llm.llm_engine.scheduler
-    assert sched.kv_cache_manager.num_free_blocks == sched.num_blocks
-    assert not sched.waiting_for_remote
+    return pool_llm(model, tier)
 
 
 def chunk_files(path: Path) -> list[Path]:
@@ -66,10 +44,7 @@ def chunk_files(path: Path) -> list[Path]:
 @pytest.fixture(scope="module")
 def reference(tiny_llama_kv2) -> dict[int, list[int]]:
     """Greedy tokens of prompts 0..1 on an engine without a pool."""
-    plain = LLM(tiny_llama_kv2, **KW)
-    outs = plain.generate([{"prompt_token_ids": prompt(s)} for s in range(2)], GREEDY)
-    plain.llm_engine.shutdown()
-    return {s: o.outputs[0].token_ids for s, o in enumerate(outs)}
+    return reference_tokens(tiny_llama_kv2, 2)
 
 
 def _remove(p: Path) -> None:
