@@ -9,9 +9,11 @@ def test_defaults_and_values() -> None:
     assert P2PConfig.from_extra({}) == P2PConfig()
     assert P2PConfig().kv_lease_duration == 30.0
     cfg = P2PConfig.from_extra({"transfer": "shm", "kv_port": 5000, "kv_lease_duration": 2,
-                                "transfer_port": None, "other": object()})
+                                "transfer_port": None})
     got = (cfg.transfer, cfg.kv_port, cfg.kv_lease_duration, cfg.transfer_port)
     assert got == ("shm", 5000, 2.0, 0)
+    with pytest.raises(ValueError, match=r"unknown P2PConnector settings \['other'\]"):
+        P2PConfig.from_extra({"transfer": "shm", "other": object()})  # a typo is not ignored
 
 
 @pytest.mark.parametrize(("key", "value"), [
