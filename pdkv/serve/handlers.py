@@ -153,6 +153,12 @@ class OpenAIHandlers:
         if req.echo:
             prepared.echo = True
             if prepared.prompt_text is None:
+                # The engine checks token ids when the request is added; echo decodes them first.
+                vocab = self.llm.engine.vocab_size
+                bad = [t for t in ids if not 0 <= t < vocab]
+                if bad:
+                    raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                                   param="prompt")
                 prepared.prompt_text = await self.tokenize(
                     lambda tok: tok.decode(ids, skip_special_tokens=False)
                 )

@@ -152,10 +152,13 @@ def message_fields(message: str) -> list[str]:
     return re.findall(r"[a-z_]+", message)
 
 
-@pytest.mark.parametrize("prompt", ["", ["a", "b"]])
+@pytest.mark.parametrize("prompt", ["", ["a", "b"],
+                                    # echo decoded out-of-vocabulary ids first: a 500 (found by
+                                    # a 500-case schema fuzzing run)
+                                    [5, -3298], [5, 12261179109096629372715008]])
 def test_a_prompt_the_server_cannot_take_is_a_400_naming_prompt(client, prompt):
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="smollm2", prompt=prompt, max_tokens=2)
+        client.completions.create(model="smollm2", prompt=prompt, max_tokens=2, echo=True)
     assert e.value.body["param"] == "prompt"
 
 
