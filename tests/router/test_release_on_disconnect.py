@@ -50,39 +50,40 @@ class HoldingRelay:
                 return
             up = socket.create_connection(("127.0.0.1", self.port), timeout=30)
             post = threading.Event()  # the request in flight on this connection is a POST
-            threading.Thread(target=self._pipe, args=(down, up, post.set), daemon=True).start()
-            threading.Thread(target=self._answers, args=(up, down, post), daemon=True).start()
+            threading.Thread(target=self._relay, args=(down, up, self._requests(post)),
+                             daemon=True).start()
+            threading.Thread(target=self._relay, args=(up, down, self._answers(post)),
+                             daemon=True).start()
 
     @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket, saw_post: Callable[[], None]) -> None:
-        with src, dst:
-            while True:
-                try:
-                    data = src.recv(65536)
-                except OSError:
-                    return
-                if not data:
-                    return
-                if data.startswith(b"POST "):
-                    saw_post()
-                try:
-                    dst.sendall(data)
-                except OSError:
-                    return
+    def _requests(post: threading.Event) -> Callable[[bytes], bool]:
+        def see(data: bytes) -> bool:
+            if data.startswith(b"POST "):
+                post.set()
+            return True
 
-    def _answers(self, src: socket.socket, dst: socket.socket, post: threading.Event) -> None:
+        return see
+
+    def _answers(self, post: threading.Event) -> Callable[[bytes], bool]:
+        def hold(data: bytes) -> bool:
+            if post.is_set():
+                self.answered.set()
+                return self.passing.wait(60)
+            return True
+
+        return hold
+
+    @staticmethod
+    def _relay(src: socket.socket, dst: socket.socket, before: Callable[[bytes], bool]) -> None:
+        """Copy `src` to `dst` until either closes; `before(data)` False ends the copy."""
         with src, dst:
             while True:
                 try:
                     data = src.recv(65536)
                 except OSError:
                     return
-                if not data:
+                if not data or not before(data):
                     return
-                if post.is_set():
-                    self.answered.set()
-                    if not self.passing.wait(60):
-                        return
                 try:
                     dst.sendall(data)
                 except OSError:
