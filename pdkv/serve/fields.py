@@ -50,33 +50,28 @@ def structured_outputs(
     Raises:
         ValueError: several of them, or a malformed one (the message names the field).
     """
-    found: list[tuple[str, StructuredOutputsParams]] = []
+    asked: list[tuple[str, dict[str, Any]]] = []  # (body field, StructuredOutputsParams kwargs)
     rf = req.response_format
     if rf is not None and rf.type == "json_object":
-        found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        asked.append(("response_format", {"json_object": True}))
     elif rf is not None and rf.type == "json_schema":
         schema = rf.json_schema.schema_ if rf.json_schema is not None else None
         if schema is None:
             raise ValueError("response_format: json_schema.schema must be a JSON schema object")
-        found.append(("response_format", StructuredOutputsParams(json=schema)))
+        asked.append(("response_format", {"json": schema}))
     if req.guided_json is not None:
-        found.append(("guided_json", StructuredOutputsParams(json=req.guided_json)))
+        asked.append(("guided_json", {"json": req.guided_json}))
     if req.guided_regex is not None:
-        found.append(("guided_regex", StructuredOutputsParams(regex=req.guided_regex)))
+        asked.append(("guided_regex", {"regex": req.guided_regex}))
     if req.guided_choice is not None:
-        if not req.guided_choice:
-            raise ValueError("guided_choice must be a non-empty list of strings, got []")
-        found.append(("guided_choice", StructuredOutputsParams(choice=tuple(req.guided_choice))))
+        asked.append(("guided_choice", {"choice": tuple(req.guided_choice)}))
     if req.guided_grammar is not None:
-        found.append(("guided_grammar", StructuredOutputsParams(grammar=req.guided_grammar)))
+        asked.append(("guided_grammar", {"grammar": req.guided_grammar}))
     if req.structured_outputs is not None:
         # The body's object as keyword arguments, unchecked: the dataclass rejects a wrong
         # name (TypeError) or combination, and compile_grammar a wrong value.
-        kwargs: dict[str, Any] = dict(req.structured_outputs)
-        try:
-            found.append(("structured_outputs", StructuredOutputsParams(**kwargs)))
-        except TypeError as e:
-            raise ValueError(f"structured_outputs: {e}") from None
+        asked.append(("structured_outputs", dict(req.structured_outputs)))
+    found = [(name, _params(name, kwargs)) for name, kwargs in asked]
     if len(found) > 1:
         raise ValueError(f"{found[1][0]}: only one kind of structured output per request, got "
                          f"{[f for f, _ in found]}")
@@ -134,3 +129,20 @@ def field_in(message: str) -> str | None:
         if message.startswith((name + " ", name + ":", name + ".")) or f" {name} " in message:
             return name
     return None
+
+
+def _params(name: str, kwargs: dict[str, Any]) -> StructuredOutputsParams:
+    """StructuredOutputsParams(**kwargs) for body field `name`.
+
+    Raises:
+        ValueError: the dataclass refused them; the message starts with `name`, the field the
+            client sent (so `param` names it, not structured_outputs).
+    """
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except (TypeError, ValueError) as e:
+        message = str(e)
+        if message.startswith(f"{name}") and isinstance(e, ValueError):
+            raise
+        raise ValueError(f"{name}: {message}") from None
+
