@@ -58,7 +58,8 @@ class _Body(BaseModel):
     @classmethod
     def _warn_unknown(cls, data: object) -> object:
         if isinstance(data, dict):
-            unknown = sorted(str(k) for k in data if k not in cls.model_fields)
+            known = {f.alias or name for name, f in cls.model_fields.items()}  # wire names
+            unknown = sorted(str(k) for k in data if k not in known)
             if unknown:
                 logger.warning("The following fields were present in the request but ignored: %s",
                                unknown)

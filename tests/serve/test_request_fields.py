@@ -242,3 +242,17 @@ def test_merge_streams_error_closes_the_other_sequences():
     got = asyncio.run(run())
     assert sorted(got) == [(0, "r-0"), (1, "r-1")]
     assert sorted(closed) == [0, 1]
+
+
+def test_aliased_field_is_not_called_ignored(caplog):
+    """response_format.json_schema.schema is a field under an alias (schema_): a body that uses
+    it gets no "ignored" warning, and the schema is read."""
+    from pdkv.serve.protocol import ChatCompletionRequest
+
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    with caplog.at_level("WARNING", logger="pdkv.serve.protocol"):
+        req = ChatCompletionRequest.model_validate({"messages": MESSAGES, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert req.response_format is not None and req.response_format.json_schema is not None
+    assert req.response_format.json_schema.schema_ == schema
+    assert "ignored" not in caplog.text
