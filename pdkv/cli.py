@@ -1,5 +1,5 @@
 """`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos,
-pool, handoff, dcp, hetero, groups, prefill-cap, kvquant, dtype, memory} | compare | plan |
+soak, pool, handoff, dcp, hetero, groups, prefill-cap, kvquant, dtype, memory} | compare | plan |
 matrix."""
 
 from __future__ import annotations
@@ -124,6 +124,9 @@ BENCH_COMMANDS = (
             "pdkv.bench.transfer.cli"),
     Command("chaos", "1P1D through the proxy under client cancels and a prefill restart",
             "pdkv.bench.chaos.cli"),
+    Command("soak", "hours of mixed load on P/D + pool and colocated behind two proxies: no "
+            "5xx, greedy texts equal a reference, blocks, fds and RSS back/flat, plot",
+            "pdkv.bench.soak.cli"),
     Command("pool", "KV pool: TTFT of a long prompt cold vs hot per tier, load GB/s",
             "pdkv.bench.pool.cli"),
     Command("handoff", "P→D KV handoff time of one request, measured vs `pdkv plan` (optionally "

@@ -1,0 +1,59 @@
+"""The soak's plot: the samples over time, one panel each for RSS, open fds, threads, free KV
+blocks, queue depths and pool bytes (PNG, matplotlib)."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+MB = 1e6
+
+
+def plot_samples(samples: Sequence[dict[str, float]], processes: Sequence[str],
+                 engines: Sequence[str], warmup_s: float, title: str, path: str) -> str | None:
+    """Write the PNG to `path`; returns a note instead when matplotlib is not installed (it is a
+    dev extra) or there are no samples."""
+    if not samples:
+        return "no samples to plot"
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib): no plot"
+    minutes = [s["t"] / 60.0 for s in samples]
+    fig, axes = plt.subplots(6, 1, figsize=(11, 17), sharex=True)
+
+    def series(ax: Axes, key: str, label: str, scale: float = 1.0) -> None:
+        pts = [(m, s[key] / scale) for m, s in zip(minutes, samples) if key in s]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label)
+
+    for name in processes:
+        series(axes[0], f"{name}.rss_bytes", name, MB)
+        series(axes[1], f"{name}.fds", name)
+        series(axes[2], f"{name}.threads", name)
+    for name in engines:
+        series(axes[3], f"{name}.free_blocks", name)
+        series(axes[4], f"{name}.waiting", f"{name} waiting")
+        series(axes[4], f"{name}.running", f"{name} running")
+        series(axes[5], f"{name}.pool_bytes_in_use", f"{name} pool bytes in use (own writes)", MB)
+    series(axes[4], "client.inflight", "client: requests in flight")
+    series(axes[5], "redis.used_memory", "redis used_memory", MB)
+    for ax, ylabel in zip(axes, ("RSS (MB)", "open fds", "threads", "free KV blocks",
+                                 "requests", "pool (MB)")):
+        ax.set_ylabel(ylabel)
+        ax.axvline(warmup_s / 60.0, color="grey", linestyle=":", linewidth=1)
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("minutes since the load started (dotted: end of the warm-up)")
+    fig.suptitle(textwrap.fill(title, 130), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return None
