@@ -340,6 +340,7 @@ def build_proxy_app(
         except BadRequest as e:
             metrics.errors.labels("proxy", "client").inc()
             return error_response(str(e), 400, "BadRequestError")
+        clock.mark("body")
         # An unknown model is the client's error: 404 as vLLM answers it, before any leg. (Not
         # asking unhealthy engines: one that does not answer would delay every request.)
         reach = [b.url for b in health_state.healthy(colocated or [*prefills, *decodes])]
@@ -348,6 +349,7 @@ def build_proxy_app(
         if missing is not None:
             metrics.errors.labels("proxy", "client").inc()
             return error_response(missing, 404, "NotFoundError", param="model")
+        clock.mark("models")
         rid = raw.headers.get("X-Request-Id") or f"pd-{uuid.uuid4().hex}"
         headers = {"X-Request-Id": rid}
         if "authorization" in raw.headers:
@@ -464,10 +466,12 @@ def build_proxy_app(
             return no_healthy("whole", colocated)
         decision, length = await _decide(whole_policy, instances, "whole", body, chat, length)
         b = decision.backend
+        clock.mark("route")
         await infos.ensure(state["client"], [b.url])
         refused = await sender.length_check(b, length, headers)
         if refused is not None:
             return refused
+        clock.mark("length")
         return await sender.decode_leg(
             b, path, body, headers, None, bool(body.get("stream")), clock, leg="whole"
         )
@@ -542,9 +546,11 @@ def build_proxy_app(
             decode_policy, fits or live_d, "decode", body, chat, length
         )
         d = decision.backend
+        clock.mark("route")
         refused = await _precheck(p, d, length, headers)
         if refused is not None:
             return refused
+        clock.mark("length")
         pool_chunks = await _pool_chunks(p, d, body, chat) if pool_record is not None else None
         if pool_chunks and pool_record is not None:
             n_tokens, chunk, hashes = pool_chunks
