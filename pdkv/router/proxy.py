@@ -121,8 +121,8 @@ def build_proxy_app(
         prefill_urls, decode_urls: engine base URLs (P/D mode; empty in colocated mode).
         routing: policy name within each pool (`pdkv.router.policies.POLICIES`).
         timeout: per-leg timeout (s).
-        info_ttl: seconds a backend's layout / max_model_len stay trusted before a request
-            refetches them (every /health probe refetches them too).
+        info_ttl: seconds after which a backend's layout / max_model_len are refetched in the
+            background when a request uses them (every /health probe refetches them too).
         before_decode: test seam, awaited with P's kv_transfer_params between the legs.
         backend_urls: colocated mode: the instances each request goes to whole.
         tokenizer: model folder or alias whose tokenizer and chat template prefix_aware uses
@@ -215,6 +215,7 @@ def build_proxy_app(
             await asyncio.wait(releases, timeout=SHUTDOWN_WAIT_S)
         for task in list(releases):
             task.cancel()
+        await infos.aclose()
         await state["client"].aclose()
 
     app = FastAPI(title="pdkv proxy", lifespan=lifespan)
