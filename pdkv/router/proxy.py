@@ -6,7 +6,9 @@ engine; its response's kv_transfer_params are copied into the original body, whi
 decode engine (streamed when the client streams). Both legs carry the same X-Request-Id.
 
 Before the prefill leg the proxy answers, without contacting P: 400 for a body that is not strict
-JSON or that D would reject after the prefill (pdkv.router.validate), 503 when no healthy
+JSON or that D would reject after the prefill (pdkv.router.validate; a prompt counts as too long
+by D's POST /tokenize, asked only when the prompt's UTF-8 size, rendered with the chat template
+for a chat when the proxy has the model's (--tokenizer), cannot rule it out), 503 when no healthy
 prefill or decode engine is left (pdkv.router.backend_health: periodic GET /health probes, and
 legs that found an engine down; with none healthy, the pool is probed again first), and 503
 when the chosen P and D have incompatible KV layouts (pdkv.router.backend_info; `/health`
@@ -82,7 +84,7 @@ from pdkv.router.proxy_protocol import (
     release_prefill,
 )
 from pdkv.router.timings import RequestClock
-from pdkv.router.validate import BadRequest, LengthCheck, check_body, parse_body
+from pdkv.router.validate import BadRequest, LengthCheck, byte_bound, check_body, parse_body
 from pdkv.serve.disconnect import ClientDisconnected, until_done_or_disconnect
 
 logger = logging.getLogger(__name__)
@@ -125,8 +127,9 @@ def build_proxy_app(
             background when a request uses them (every /health probe refetches them too).
         before_decode: test seam, awaited with P's kv_transfer_params between the legs.
         backend_urls: colocated mode: the instances each request goes to whole.
-        tokenizer: model folder or alias whose tokenizer and chat template prefix_aware uses
-            (None: only prompts given as token ids get chunk hashes).
+        tokenizer: the engines' model folder or alias: prefix_aware hashes with its tokenizer
+            and chat template, the length check bounds a chat prompt by its rendered size (None:
+            only prompts given as token ids get chunk hashes; D counts every chat prompt).
         prefix_aware: prefix_aware's bounds.
         skip_prefill_on_pool_hit: P/D with a shared KV pool: send a request straight to D when
             the proxy's record (`pdkv.router.pool_record`) says the pool holds every loadable
@@ -384,6 +387,21 @@ def build_proxy_app(
             return error_response(why, 503, "ServiceUnavailableError")
         return await sender.length_check(d, length, headers)
 
+    async def _chat_bound(length: LengthCheck, body: JSONObject, chat: bool) -> LengthCheck:
+        """`length` with an upper bound on a chat prompt's tokens when the proxy has the model's
+        chat template (--tokenizer): the rendered prompt's `byte_bound`, as a text prompt has
+        (then a chat that cannot be too long needs no POST /tokenize to D). Unchanged when the
+        bound is not needed or the proxy cannot render the chat (D counts it)."""
+        if (not chat or length.max_tokens is None or length.prompt_ids is not None
+                or length.upper_bound is not None or keyer.model is None):
+            return length
+        try:
+            text = await asyncio.to_thread(keyer.chat_text, body)
+        except KeysUnavailable as e:
+            logger.debug("no chat prompt bound: %s", e)
+            return length
+        return dataclasses.replace(length, upper_bound=byte_bound(text))
+
     async def _token_ids(body: JSONObject, chat: bool) -> list[int] | None:
         """The prompt's token ids as the engines will see them, or None (routing then falls
         back)."""
@@ -469,6 +487,7 @@ def build_proxy_app(
         b = decision.backend
         clock.mark("route")
         await infos.ensure(state["client"], [b.url])
+        length = await _chat_bound(length, body, chat)
         refused = await sender.length_check(b, length, headers)
         if refused is not None:
             return refused
@@ -548,6 +567,7 @@ def build_proxy_app(
         )
         d = decision.backend
         clock.mark("route")
+        length = await _chat_bound(length, body, chat)
         refused = await _precheck(p, d, length, headers)
         if refused is not None:
             return refused
