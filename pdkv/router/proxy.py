@@ -549,7 +549,9 @@ def build_proxy_app(
     async def _legs(body: JSONObject, path: str, headers: dict[str, str], length: LengthCheck,
                     chat: bool, clock: RequestClock) -> Response:
         client = state["client"]
-        live_p, live_d = await asyncio.gather(live(prefills), live(decodes))
+        live_p, live_d = health_state.healthy(prefills), health_state.healthy(decodes)
+        if not live_p or not live_d:  # probe first (both pools at once); else no task to wait on
+            live_p, live_d = await asyncio.gather(live(prefills), live(decodes))
         if not live_p:
             return no_healthy("prefill", prefills)
         if not live_d:  # before the prefill leg: P spends nothing on a request D cannot take
