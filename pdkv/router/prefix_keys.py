@@ -14,6 +14,7 @@ transformers renders it: sandboxed, trim_blocks, lstrip_blocks, loopcontrols, `t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -218,6 +219,17 @@ class RequestKeyer:
                 except Exception as e:  # missing folder (not converted yet) or a bad tokenizer.json
                     raise KeysUnavailable(f"tokenizer of {self.model!r}: {e}") from None
             return self._tok
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the tokenizer is loaded (then `chat_text` does no file I/O)."""
+        return self._tok is not None
+
+    def load(self) -> None:
+        """Load the tokenizer now if it can be (blocking: call off the loop); otherwise the
+        first use tries again."""
+        with contextlib.suppress(KeysUnavailable):
+            self._tokenizer()
 
     def chat_text(self, body: JSONObject) -> str:
         """A chat body's prompt text as the engine renders it (blocking: call off the loop).
