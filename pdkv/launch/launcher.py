@@ -252,19 +252,17 @@ def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = No
 
 
 def _skip_flags(args: argparse.Namespace) -> list[str]:
-    """--skip-prefill-on-pool-hit for the P/D proxy (with the model as its tokenizer)."""
-    if not getattr(args, "skip_prefill_on_pool_hit", False):
-        return []
-    flags = ["--skip-prefill-on-pool-hit"]
-    return flags if args.routing == "prefix_aware" else flags + ["--tokenizer", args.model]
+    """--skip-prefill-on-pool-hit for the P/D proxy."""
+    skip = getattr(args, "skip_prefill_on_pool_hit", False)
+    return ["--skip-prefill-on-pool-hit"] if skip else []
 
 
 def _routing_flags(args: argparse.Namespace) -> list[str]:
-    """The proxy's routing flags; prefix_aware gets the engines' model as its tokenizer."""
-    flags = ["--routing", args.routing]
+    """The proxy's routing flags, with the engines' model as its tokenizer (prefix_aware's
+    hashes, skip-prefill's record, the chat prompt bound of the length check)."""
+    flags = ["--routing", args.routing, "--tokenizer", args.model]
     if args.routing == "prefix_aware":
-        flags += ["--tokenizer", args.model,
-                  "--prefix-aware-max-imbalance", str(args.prefix_aware_max_imbalance)]
+        flags += ["--prefix-aware-max-imbalance", str(args.prefix_aware_max_imbalance)]
     return flags
 
 

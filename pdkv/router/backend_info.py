@@ -1,7 +1,7 @@
 """What the proxy knows about each engine: KV role, engine id, layout and pool chunk size
 (GET /kv_layout) and max_model_len (GET /v1/models), refreshed when the engine (re)becomes
-healthy, and the pair check that asks the connector whether a prefill and a decode engine can
-exchange KV."""
+healthy and in the background once stale (never on a request's path once known), and the pair
+check that asks the connector whether a prefill and a decode engine can exchange KV."""
 
 from __future__ import annotations
 
@@ -121,12 +121,15 @@ def pair_mismatch(
 
 
 class BackendInfos:
-    """Per-URL BackendInfo, refreshed lazily (unknown or older than `ttl` seconds) and on every
-    health probe. Used from the proxy's event loop only."""
+    """Per-URL BackendInfo, fetched when a request needs an engine nothing is known about,
+    refreshed in the background once older than `ttl` seconds, and on every health probe. One
+    fetch per URL at a time (concurrent callers share it). Used from the proxy's event loop
+    only."""
 
     def __init__(self, ttl: float = 5.0) -> None:
         self.ttl = ttl
         self._infos: dict[str, BackendInfo] = {}
+        self._fetching: dict[str, asyncio.Future[BackendInfo | None]] = {}
 
     def get(self, url: str) -> BackendInfo | None:
         """What is known about `url` (None: nothing yet)."""
@@ -136,8 +139,7 @@ class BackendInfos:
         """Drop what is known (the engine went away or answered unexpectedly)."""
         self._infos.pop(url, None)
 
-    async def refresh(self, client: httpx.AsyncClient, url: str) -> BackendInfo | None:
-        """Fetch now; an unreachable engine is forgotten."""
+    async def _fetch(self, client: httpx.AsyncClient, url: str) -> BackendInfo | None:
         info = await fetch_info(client, url)
         if info is None:
             self.forget(url)
@@ -145,11 +147,37 @@ class BackendInfos:
             self._infos[url] = info
         return info
 
+    def _start(self, client: httpx.AsyncClient, url: str) -> asyncio.Future[BackendInfo | None]:
+        """The fetch of `url` under way, or a new one."""
+        task = self._fetching.get(url)
+        if task is None:
+            task = self._fetching[url] = asyncio.ensure_future(self._fetch(client, url))
+            task.add_done_callback(
+                lambda t: self._fetching.pop(url) if self._fetching.get(url) is t else None)
+        return task
+
+    async def refresh(self, client: httpx.AsyncClient, url: str) -> BackendInfo | None:
+        """Fetch now (joining a fetch under way); an unreachable engine is forgotten."""
+        return await asyncio.shield(self._start(client, url))
+
     async def ensure(self, client: httpx.AsyncClient, urls: list[str]) -> None:
-        """Refresh the ones that are unknown or stale (concurrently)."""
+        """Fetch the unknown ones now (concurrently; the caller waits, up to fetch_info's
+        timeout), and start a background refetch of those older than `ttl` (the caller goes on
+        with what is known: a request does not wait for engines the proxy already knows)."""
         now = time.monotonic()
-        stale = [
-            u for u in urls if (i := self._infos.get(u)) is None or now - i.fetched_at > self.ttl
-        ]
-        if stale:
-            await asyncio.gather(*(self.refresh(client, u) for u in stale))
+        unknown = []
+        for u in urls:
+            info = self._infos.get(u)
+            if info is None:
+                unknown.append(self._start(client, u))
+            elif now - info.fetched_at > self.ttl:
+                self._start(client, u)
+        if unknown:
+            await asyncio.gather(*(asyncio.shield(t) for t in unknown))
+
+    async def aclose(self) -> None:
+        """Cancel the fetches under way (at shutdown, before the client closes)."""
+        tasks = list(self._fetching.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -14,6 +14,7 @@ transformers renders it: sandboxed, trim_blocks, lstrip_blocks, loopcontrols, `t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -112,9 +113,9 @@ class ChatTokenizer:
         with self._lock:
             return list(self._tok.encode(text, add_special_tokens=True).ids)
 
-    def encode_chat(self, messages: list[dict[str, str]],
-                    add_generation_prompt: bool = True) -> list[int]:
-        """Ids of a chat: the template's text, encoded without added special tokens.
+    def render_chat(self, messages: list[dict[str, str]],
+                    add_generation_prompt: bool = True) -> str:
+        """The prompt text of a chat (the chat template applied; not tokenized).
 
         Raises:
             KeysUnavailable: no chat template, or the template refused the messages.
@@ -124,11 +125,20 @@ class ChatTokenizer:
         from jinja2.exceptions import TemplateError
 
         try:
-            text = self._template.render(
+            return str(self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **self._specials
-            )
+            ))
         except TemplateError as e:
             raise KeysUnavailable(f"chat template: {e}") from None
+
+    def encode_chat(self, messages: list[dict[str, str]],
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Ids of a chat: the template's text, encoded without added special tokens.
+
+        Raises:
+            KeysUnavailable: no chat template, or the template refused the messages.
+        """
+        text = self.render_chat(messages, add_generation_prompt)
         with self._lock:
             return list(self._tok.encode(text, add_special_tokens=False).ids)
 
@@ -209,6 +219,27 @@ class RequestKeyer:
                 except Exception as e:  # missing folder (not converted yet) or a bad tokenizer.json
                     raise KeysUnavailable(f"tokenizer of {self.model!r}: {e}") from None
             return self._tok
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the tokenizer is loaded (then `chat_text` does no file I/O)."""
+        return self._tok is not None
+
+    def load(self) -> None:
+        """Load the tokenizer now if it can be (blocking: call off the loop); otherwise the
+        first use tries again."""
+        with contextlib.suppress(KeysUnavailable):
+            self._tokenizer()
+
+    def chat_text(self, body: JSONObject) -> str:
+        """A chat body's prompt text as the engine renders it (blocking: call off the loop).
+
+        Raises:
+            KeysUnavailable: see the class doc; or no chat template, or messages the engine
+                would reject.
+        """
+        gen = body.get("add_generation_prompt", True)
+        return self._tokenizer().render_chat(chat_messages(body), bool(gen))
 
     def token_ids(self, body: JSONObject, chat: bool) -> list[int]:
         """The prompt's token ids as the engine will see them (blocking: call off the loop).

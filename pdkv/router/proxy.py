@@ -6,7 +6,9 @@ engine; its response's kv_transfer_params are copied into the original body, whi
 decode engine (streamed when the client streams). Both legs carry the same X-Request-Id.
 
 Before the prefill leg the proxy answers, without contacting P: 400 for a body that is not strict
-JSON or that D would reject after the prefill (pdkv.router.validate), 503 when no healthy
+JSON or that D would reject after the prefill (pdkv.router.validate; a prompt counts as too long
+by D's POST /tokenize, asked only when the prompt's UTF-8 size, rendered with the chat template
+for a chat when the proxy has the model's (--tokenizer), cannot rule it out), 503 when no healthy
 prefill or decode engine is left (pdkv.router.backend_health: periodic GET /health probes, and
 legs that found an engine down; with none healthy, the pool is probed again first), and 503
 when the chosen P and D have incompatible KV layouts (pdkv.router.backend_info; `/health`
@@ -82,7 +84,7 @@ from pdkv.router.proxy_protocol import (
     release_prefill,
 )
 from pdkv.router.timings import RequestClock
-from pdkv.router.validate import BadRequest, LengthCheck, check_body, parse_body
+from pdkv.router.validate import BadRequest, LengthCheck, byte_bound, check_body, parse_body
 from pdkv.serve.disconnect import ClientDisconnected, until_done_or_disconnect
 
 logger = logging.getLogger(__name__)
@@ -95,6 +97,10 @@ KEEPALIVE_EXPIRY_S = 2.0
 """Seconds the proxy keeps an idle connection to an engine: below the engines' own keep-alive
 timeout (uvicorn's 5 s), so the proxy stops reusing a connection before the engine closes it
 (reusing one that the engine closes at the same moment fails the leg without an answer)."""
+
+INLINE_RENDER_CHARS = 65536
+"""A chat whose messages are at most this long (characters, as printed) is rendered with the
+chat template on the event loop (well under a millisecond); a longer one on a thread."""
 
 SHUTDOWN_WAIT_S = 10.0
 """Seconds the proxy's shutdown waits for background releases and orphaned prefill legs."""
@@ -121,12 +127,13 @@ def build_proxy_app(
         prefill_urls, decode_urls: engine base URLs (P/D mode; empty in colocated mode).
         routing: policy name within each pool (`pdkv.router.policies.POLICIES`).
         timeout: per-leg timeout (s).
-        info_ttl: seconds a backend's layout / max_model_len stay trusted before a request
-            refetches them (every /health probe refetches them too).
+        info_ttl: seconds after which a backend's layout / max_model_len are refetched in the
+            background when a request uses them (every /health probe refetches them too).
         before_decode: test seam, awaited with P's kv_transfer_params between the legs.
         backend_urls: colocated mode: the instances each request goes to whole.
-        tokenizer: model folder or alias whose tokenizer and chat template prefix_aware uses
-            (None: only prompts given as token ids get chunk hashes).
+        tokenizer: the engines' model folder or alias: prefix_aware hashes with its tokenizer
+            and chat template, the length check bounds a chat prompt by its rendered size (None:
+            only prompts given as token ids get chunk hashes; D counts every chat prompt).
         prefix_aware: prefix_aware's bounds.
         skip_prefill_on_pool_hit: P/D with a shared KV pool: send a request straight to D when
             the proxy's record (`pdkv.router.pool_record`) says the pool holds every loadable
@@ -209,12 +216,15 @@ def build_proxy_app(
             timeout=httpx.Timeout(timeout, connect=5.0), limits=limits
         )
         prober = asyncio.ensure_future(probe_forever())
+        if keyer.model is not None:  # not on the first request's path (hundreds of ms)
+            background(asyncio.ensure_future(asyncio.to_thread(keyer.load)))
         yield
         prober.cancel()
         if releases:
             await asyncio.wait(releases, timeout=SHUTDOWN_WAIT_S)
         for task in list(releases):
             task.cancel()
+        await infos.aclose()
         await state["client"].aclose()
 
     app = FastAPI(title="pdkv proxy", lifespan=lifespan)
@@ -340,6 +350,7 @@ def build_proxy_app(
         except BadRequest as e:
             metrics.errors.labels("proxy", "client").inc()
             return error_response(str(e), 400, "BadRequestError")
+        clock.mark("body")
         # An unknown model is the client's error: 404 as vLLM answers it, before any leg. (Not
         # asking unhealthy engines: one that does not answer would delay every request.)
         reach = [b.url for b in health_state.healthy(colocated or [*prefills, *decodes])]
@@ -348,6 +359,7 @@ def build_proxy_app(
         if missing is not None:
             metrics.errors.labels("proxy", "client").inc()
             return error_response(missing, 404, "NotFoundError", param="model")
+        clock.mark("models")
         rid = raw.headers.get("X-Request-Id") or f"pd-{uuid.uuid4().hex}"
         headers = {"X-Request-Id": rid}
         if "authorization" in raw.headers:
@@ -380,6 +392,26 @@ def build_proxy_app(
         if why:
             return error_response(why, 503, "ServiceUnavailableError")
         return await sender.length_check(d, length, headers)
+
+    async def _chat_bound(length: LengthCheck, body: JSONObject, chat: bool) -> LengthCheck:
+        """`length` with an upper bound on a chat prompt's tokens when the proxy has the model's
+        chat template (--tokenizer): the rendered prompt's `byte_bound`, as a text prompt has
+        (then a chat that cannot be too long needs no POST /tokenize to D). Unchanged when the
+        bound is not needed or the proxy cannot render the chat (D counts it)."""
+        if (not chat or length.max_tokens is None or length.prompt_ids is not None
+                or length.upper_bound is not None or keyer.model is None):
+            return length
+        messages = body.get("messages")
+        size = sum(len(str(m)) for m in messages) if isinstance(messages, list) else 0
+        try:
+            if keyer.loaded and size <= INLINE_RENDER_CHARS:  # a thread hop costs more
+                text = keyer.chat_text(body)
+            else:
+                text = await asyncio.to_thread(keyer.chat_text, body)
+        except KeysUnavailable as e:
+            logger.debug("no chat prompt bound: %s", e)
+            return length
+        return dataclasses.replace(length, upper_bound=byte_bound(text))
 
     async def _token_ids(body: JSONObject, chat: bool) -> list[int] | None:
         """The prompt's token ids as the engines will see them, or None (routing then falls
@@ -464,10 +496,13 @@ def build_proxy_app(
             return no_healthy("whole", colocated)
         decision, length = await _decide(whole_policy, instances, "whole", body, chat, length)
         b = decision.backend
+        clock.mark("route")
         await infos.ensure(state["client"], [b.url])
+        length = await _chat_bound(length, body, chat)
         refused = await sender.length_check(b, length, headers)
         if refused is not None:
             return refused
+        clock.mark("length")
         return await sender.decode_leg(
             b, path, body, headers, None, bool(body.get("stream")), clock, leg="whole"
         )
@@ -525,7 +560,9 @@ def build_proxy_app(
     async def _legs(body: JSONObject, path: str, headers: dict[str, str], length: LengthCheck,
                     chat: bool, clock: RequestClock) -> Response:
         client = state["client"]
-        live_p, live_d = await asyncio.gather(live(prefills), live(decodes))
+        live_p, live_d = health_state.healthy(prefills), health_state.healthy(decodes)
+        if not live_p or not live_d:  # probe first (both pools at once); else no task to wait on
+            live_p, live_d = await asyncio.gather(live(prefills), live(decodes))
         if not live_p:
             return no_healthy("prefill", prefills)
         if not live_d:  # before the prefill leg: P spends nothing on a request D cannot take
@@ -542,9 +579,12 @@ def build_proxy_app(
             decode_policy, fits or live_d, "decode", body, chat, length
         )
         d = decision.backend
+        clock.mark("route")
+        length = await _chat_bound(length, body, chat)
         refused = await _precheck(p, d, length, headers)
         if refused is not None:
             return refused
+        clock.mark("length")
         pool_chunks = await _pool_chunks(p, d, body, chat) if pool_record is not None else None
         if pool_chunks and pool_record is not None:
             n_tokens, chunk, hashes = pool_chunks

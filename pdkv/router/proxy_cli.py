@@ -31,8 +31,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--tokenizer",
         default=None,
-        help="prefix_aware: model folder or alias whose tokenizer and chat template the proxy "
-        "uses to compute chunk hashes (without it only token-id prompts have them)",
+        help="the engines' model folder or alias: prefix_aware computes chunk hashes with its "
+        "tokenizer and chat template (without it only token-id prompts have them), and the "
+        "length check bounds a chat prompt by its rendered size instead of asking D to count it",
     )
     parser.add_argument(
         "--prefix-aware-max-imbalance",

@@ -6,7 +6,8 @@ compared across processes) and returns one object in place of the decode engine'
 the response's top-level `pdkv_timings`; streaming: the final chunk's):
 
     {"source": "proxy", "unit": "s", "mode": "pd" | "pd_skip_prefill" | "colocated",
-     "total": T, "phases": {...}, "legs": {"prefill": {engine's}, "decode": {engine's}}}
+     "total": T, "phases": {...}, "proxy_parts": {...},
+     "legs": {"prefill": {engine's}, "decode": {engine's}}}
 
 `total` is what the proxy saw: request received → first chunk carrying text relayed
 (streaming), or → the decode leg's response received (non-streaming). The phases add up to it:
@@ -22,6 +23,13 @@ P/D ("pd"), in request order:
                    token; more when it computes part of the prompt itself)
     d_output       the decode engine's first token → first text chunk handed to HTTP
     d_residual     decode leg sent → first text chunk relayed, minus the decode engine's total
+
+`proxy_parts` splits the `proxy` phase by the proxy's steps before the first leg (they add up to
+it): `body` (read, parse and validate the body), `models` (the unknown-model check, with a
+refetch of stale engine info), `route` (health, routing policy), `length` (the layout check and
+the prompt-length check: D's POST /tokenize when the prompt's size cannot rule out a refusal),
+`other` (the rest, e.g. the pool record). Each part is wall time on the proxy's event loop, so it
+also holds the time this request waited while the loop ran other requests.
 
 "pd_skip_prefill" (the pool held the prompt, no prefill leg) has the same phases without the
 p_* ones and proxy_between. "colocated" (`--backends`): proxy, input, queue, kv_wait, prefill,
@@ -55,6 +63,8 @@ PD_PHASES = (
     "d_residual",
 )
 """Phase names of a stitched P/D `pdkv_timings`, in request order."""
+PROXY_PARTS = ("body", "models", "route", "length", "other")
+"""Names of the parts of the `proxy` phase (`proxy_parts`), in order."""
 COLOCATED_PHASES = ("proxy", *ENGINE_PHASES, "residual")
 """Phase names of a stitched colocated `pdkv_timings`, in request order."""
 
@@ -68,6 +78,7 @@ class StitchedTimings(TypedDict):
     mode: str
     total: float
     phases: dict[str, float]
+    proxy_parts: dict[str, float]
     legs: dict[str, JSONValue]
 
 
@@ -92,6 +103,7 @@ class RequestClock:
         p_timings: the prefill engine's `pdkv_timings` (None when it sent none).
         d_sent: the decode leg (or the whole request) sent.
         d_first: the first chunk carrying text seen (streaming) or the response read.
+        marks: when each part of the `proxy` phase ended (PROXY_PARTS but "other"), as noted.
     """
 
     received: float = field(default_factory=time.monotonic)
@@ -101,6 +113,29 @@ class RequestClock:
     p_timings: JSONValue = None
     d_sent: float | None = None
     d_first: float | None = None
+    marks: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, part: str) -> None:
+        """Note that the proxy's step `part` (one of PROXY_PARTS but "other") ended now.
+
+        Raises:
+            ValueError: an unknown part.
+        """
+        if part not in PROXY_PARTS or part == "other":
+            raise ValueError(f"unknown proxy part {part!r}")
+        self.marks[part] = time.monotonic()
+
+    def _proxy_parts(self, first_leg_sent: float) -> dict[str, float]:
+        """The parts of the `proxy` phase (seconds; a part not marked is 0, `other` the rest up to
+        `first_leg_sent`)."""
+        parts: dict[str, float] = {}
+        last = self.received
+        for name in PROXY_PARTS[:-1]:
+            at = self.marks.get(name)
+            parts[name] = 0.0 if at is None else max(0.0, at - last)
+            last = last if at is None else max(last, at)
+        parts["other"] = first_leg_sent - last
+        return parts
 
     def stitch(self, d_timings: JSONValue) -> StitchedTimings:
         """The combined `pdkv_timings` (module doc) given the decode engine's object.
@@ -139,6 +174,8 @@ class RequestClock:
             "mode": self.mode,
             "total": round(self.d_first - self.received, _DIGITS),
             "phases": {k: round(v, _DIGITS) for k, v in phases.items()},
+            "proxy_parts": {k: round(v, _DIGITS) for k, v in
+                            self._proxy_parts(self.received + phases["proxy"]).items()},
             "legs": legs,
         }
 

@@ -89,6 +89,17 @@ class LengthCheck:
         )
 
 
+SPECIAL_TOKENS_SLACK = 4
+"""Tokens a tokenizer may add to a prompt beyond its text (BOS, ...) in `byte_bound`."""
+
+
+def byte_bound(text: str) -> int:
+    """An upper bound on the tokens of `text` without tokenizing it: its UTF-8 bytes plus
+    SPECIAL_TOKENS_SLACK (a byte-level BPE gives at most one token per byte; a special token's
+    text is several bytes for one token)."""
+    return len(text.encode("utf-8")) + SPECIAL_TOKENS_SLACK
+
+
 def _validation_message(e: ValidationError) -> str:
     parts = []
     for err in e.errors():
@@ -136,9 +147,8 @@ def check_body(body: JSONObject, chat: bool) -> LengthCheck:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        # Byte-level BPE: at most one token per UTF-8 byte, plus a few special tokens.
         return LengthCheck(max_tokens, tokenize_body={"model": req.model, "prompt": prompt},
-                           upper_bound=len(prompt.encode("utf-8")) + 4)
+                           upper_bound=byte_bound(prompt))
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return LengthCheck(max_tokens, prompt_ids=len(prompt))
     return LengthCheck(None)  # batched prompts: P rejects them itself

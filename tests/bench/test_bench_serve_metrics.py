@@ -271,6 +271,29 @@ def test_ttft_phases_mean_p99_and_sum_against_client_ttft():
     )
 
 
+def test_ttft_phases_p50_and_the_proxy_parts_apart_from_the_sum():
+    def pd(proxy_ms, length_ms):
+        return {"mode": "pd", "total": 0.5,
+                "phases": {"proxy": proxy_ms / 1e3, "p_prefill": 0.5 - proxy_ms / 1e3},
+                "proxy_parts": {"body": (proxy_ms - length_ms) / 1e3, "length": length_ms / 1e3}}
+
+    results = [_timed(0.5, pd(2.0, 1.0)), _timed(0.5, pd(4.0, 1.0)), _timed(0.5, pd(30.0, 27.0))]
+    ph = ttft_phases(results)
+    assert ph["phases"]["proxy"]["p50_ms"] == pytest.approx(4.0)
+    assert ph["phases"]["proxy"]["p99_ms"] == pytest.approx(np.percentile([2, 4, 30], 99))
+    assert list(ph["proxy_parts"]) == ["body", "length"]
+    assert ph["proxy_parts"]["length"] == pytest.approx(
+        {"mean_ms": 29 / 3, "p50_ms": 1.0, "p99_ms": np.percentile([1, 1, 27], 99)})
+    assert ph["mean_phase_sum_ms"] == pytest.approx(500.0)  # the parts add nothing to the sum
+    lines = format_result_table(build_result(
+        BenchConfig(num_prompts=3), "m", "server",
+        compute_metrics(results, 1.0, BenchConfig().percentiles), results, None)).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("proxy "))
+    assert lines[at + 1].split()[0] == "proxy.body" and lines[at + 2].split()[0] == "proxy.length"
+    assert lines[at + 3].startswith("p_prefill")
+    assert lines[at + 2].split()[2] == "1.00"  # the p50 column
+
+
 PD_METRICS = """\
 # TYPE pdkv:kv_transfer_bytes_received counter
 pdkv:kv_transfer_bytes_received_total{model_name="m"} 4096.0

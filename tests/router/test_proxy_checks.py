@@ -93,7 +93,7 @@ class _Stack:
 
     def __init__(
         self, d_layout=None, before_decode=None, start_d=True, d_port=0, info_ttl=5.0,
-        health_check=None,
+        health_check=None, tokenizer=None,
     ) -> None:
         self.control = FakeControl()
         self.p = FakeEngine("kv_producer")
@@ -104,7 +104,7 @@ class _Stack:
         self.d_url = f"http://127.0.0.1:{self.d_port}"
         self.proxy = ServerThread(build_proxy_app([self.p.url], [self.d_url],
                                                   before_decode=before_decode, info_ttl=info_ttl,
-                                                  health_check=health_check))
+                                                  health_check=health_check, tokenizer=tokenizer))
         self.url = self.proxy.url
 
     def stop(self) -> None:
@@ -163,6 +163,29 @@ def test_over_length_is_400_without_a_prefill_leg(stack):
     r = httpx.post(stack.url + "/v1/chat/completions", json=chat, timeout=10)
     assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
     assert stack.d.hits["tokenize"] == 3 and stack.p.hits["prefill"] == 2
+
+
+def test_a_chat_that_cannot_be_too_long_is_not_counted_by_decode(model_path):
+    """With the model's chat template (--tokenizer) the proxy bounds a chat prompt by its
+    rendered UTF-8 size: a short chat needs no POST /tokenize to D; one whose size cannot rule
+    out a refusal is still counted by D and refused with D's 400 before P."""
+    s = _Stack(tokenizer=model_path)
+    try:
+        url = s.url + "/v1/chat/completions"
+        short = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 8}
+        assert httpx.post(url, json=short, timeout=30).status_code == 200
+        assert s.d.hits["tokenize"] == 0 and s.p.hits["prefill"] == 1
+        # The rendered template (its default system prompt) alone is over 2 bytes: D counts.
+        tight = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 508}
+        assert httpx.post(url, json=tight, timeout=30).status_code == 200  # fake D: 4 "words"
+        assert s.d.hits["tokenize"] == 1 and s.p.hits["prefill"] == 2
+        long = {"messages": [{"role": "user", "content": "word " * 100}],
+                "max_completion_tokens": 413}  # fake D: 100 words + 413 > 512
+        r = httpx.post(url, json=long, timeout=30)
+        assert r.status_code == 400 and "maximum context length is 512" in r.text
+        assert s.d.hits["tokenize"] == 2 and s.p.hits["prefill"] == 2
+    finally:
+        s.stop()
 
 
 def test_layout_mismatch_is_503_on_health_and_requests():

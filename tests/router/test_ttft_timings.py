@@ -13,6 +13,7 @@ from pdkv.router.proxy import build_proxy_app
 from pdkv.router.timings import (
     COLOCATED_PHASES,
     PD_PHASES,
+    PROXY_PARTS,
     RequestClock,
     StreamStitcher,
     stitch_response,
@@ -69,6 +70,23 @@ def test_pd_stitching_arithmetic():
     assert ph == pytest.approx(expect, abs=1e-6)
     assert t["total"] == pytest.approx(1.0) == pytest.approx(sum(ph.values()))
     assert t["legs"] == {"prefill": P_T, "decode": D_T}
+
+
+def test_proxy_parts_split_the_proxy_phase_by_the_marked_steps():
+    c = RequestClock(received=10.0, mode="pd", p_sent=10.05, p_done=10.5, p_timings=P_T,
+                     d_sent=10.5, d_first=11.0)
+    c.marks.update({"body": 10.001, "models": 10.002, "route": 10.012, "length": 10.049})
+    parts = c.stitch(D_T)["proxy_parts"]
+    assert parts == pytest.approx(
+        {"body": 0.001, "models": 0.001, "route": 0.01, "length": 0.037, "other": 0.001},
+        abs=1e-6)
+    # A step not reached (e.g. colocated has no prefill leg to mark apart): 0, the rest "other".
+    col = RequestClock(received=0.0, mode="colocated", d_sent=0.2, d_first=0.5)
+    col.marks["body"] = 0.05
+    assert col.stitch(D_T)["proxy_parts"] == pytest.approx(
+        {"body": 0.05, "models": 0.0, "route": 0.0, "length": 0.0, "other": 0.15})
+    with pytest.raises(ValueError, match="unknown proxy part"):
+        col.mark("other")
 
 
 def test_skip_prefill_and_colocated_stitching_and_missing_engine_timings():
@@ -134,6 +152,10 @@ def _check_pd(t: dict) -> None:
         0.02, 0.01, 0.2, 0.06, 0.01)
     assert sum(ph.values()) == pytest.approx(t["total"], abs=1e-5)
     assert t["legs"] == {"prefill": P_T, "decode": D_T}
+    parts = t["proxy_parts"]  # every step of the proxy's own work was marked
+    assert list(parts) == list(PROXY_PARTS)
+    assert sum(parts.values()) == pytest.approx(ph["proxy"], abs=1e-5)
+    assert all(v >= 0 for v in parts.values())
 
 
 def test_proxy_returns_stitched_timings_non_streamed_and_streamed(pd):

@@ -96,3 +96,15 @@ def test_pd_listing_names_role_url_threads_log_and_forwards_disable_log_requests
         "--disable-log-requests"
         not in launcher.build_topology(_args("--mode", "pd")).children[0].cmd
     )
+
+
+@pytest.mark.parametrize("routing", ["round_robin", "least_loaded", "prefix_aware"])
+def test_a_pd_proxy_gets_the_model_as_its_tokenizer_whatever_the_routing(routing):
+    """The length check bounds a chat prompt with the model's chat template (no POST /tokenize
+    to D for a chat that cannot be too long), so every P/D proxy gets it, once."""
+    args = _args("--mode", "pd", "--routing", routing, "--threads-per-engine", "1")
+    launcher.check_args(args)
+    proxy = launcher.build_topology(args).children[-1]
+    assert proxy.name == "proxy"
+    assert proxy.cmd.count("--tokenizer") == 1
+    assert proxy.cmd[proxy.cmd.index("--tokenizer") + 1] == "smollm2"

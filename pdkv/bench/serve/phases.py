@@ -10,7 +10,9 @@ Pure arithmetic over the per-request results. For each successful request whose 
   the client's own scheduling);
 * sum / client TTFT = the server's `total` / client TTFT (the phases add up to `total`).
 
-Reported per phase: mean and p99 in ms (numpy's linear interpolation).
+Reported per phase: mean, p50 and p99 in ms (numpy's linear interpolation). A proxy's
+`proxy_parts` (the steps of its `proxy` phase, pdkv.router.timings) are reported the same way,
+apart from the phases (they split `proxy`, they do not add to the sum).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class PhaseStats(TypedDict):
     """One phase over the requests, in ms."""
 
     mean_ms: float
+    p50_ms: float
     p99_ms: float
 
 
@@ -48,6 +51,7 @@ class TTFTPhases(TypedDict):
     num_requests: int
     modes: list[str]
     phases: dict[str, PhaseStats]
+    proxy_parts: dict[str, PhaseStats]
     mean_phase_sum_ms: float
     mean_client_ttft_ms: float
     sum_over_ttft: SumOverTTFT
@@ -60,6 +64,13 @@ def _phases(timings: JSONObject) -> dict[str, float]:
     return {str(k): float(v) for k, v in raw.items() if isinstance(v, (int, float))}
 
 
+def _stats(values_s: list[float]) -> PhaseStats:
+    values = np.asarray(values_s, dtype=np.float64)
+    return {"mean_ms": float(values.mean()) * MS_PER_S,
+            "p50_ms": float(np.percentile(values, 50)) * MS_PER_S,
+            "p99_ms": float(np.percentile(values, 99)) * MS_PER_S}
+
+
 def _total(timings: JSONObject, phases: dict[str, float]) -> float:
     total = timings.get("total")
     return float(total) if isinstance(total, (int, float)) else sum(phases.values())
@@ -70,8 +81,9 @@ def ttft_phases(results: Sequence[RequestResult]) -> TTFTPhases | None:
 
     Returns:
         None when no successful request carried `pdkv_timings`; else {"num_requests",
-        "modes" (sorted), "phases": {name: {"mean_ms", "p99_ms"}} in request order then
-        "client_residual", "mean_phase_sum_ms", "mean_client_ttft_ms", "sum_over_ttft":
+        "modes" (sorted), "phases": {name: {"mean_ms", "p50_ms", "p99_ms"}} in request order
+        then "client_residual", "proxy_parts": {part: the same} over the requests that carry
+        them ({} when none does), "mean_phase_sum_ms", "mean_client_ttft_ms", "sum_over_ttft":
         {"mean", "min", "max"} (fractions)}.
     """
     rows = [(r, r.pdkv_timings) for r in results if r.success and isinstance(r.pdkv_timings, dict)]
@@ -82,7 +94,13 @@ def ttft_phases(results: Sequence[RequestResult]) -> TTFTPhases | None:
     sums: list[float] = []
     ttfts: list[float] = []
     modes: set[str] = set()
+    parts: dict[str, list[float]] = {}
     for r, t in rows:
+        raw_parts = t.get("proxy_parts")
+        if isinstance(raw_parts, dict):
+            for k, v in raw_parts.items():
+                if isinstance(v, (int, float)):
+                    parts.setdefault(str(k), []).append(float(v))
         phases = _phases(t)
         for name in phases:
             if name not in names:
@@ -96,14 +114,13 @@ def ttft_phases(results: Sequence[RequestResult]) -> TTFTPhases | None:
     names.append(CLIENT_RESIDUAL)
     out_phases: dict[str, PhaseStats] = {}
     for name in names:
-        values = np.asarray([p.get(name, 0.0) for p in per_request], dtype=np.float64)
-        out_phases[name] = {"mean_ms": float(values.mean()) * MS_PER_S,
-                            "p99_ms": float(np.percentile(values, 99)) * MS_PER_S}
+        out_phases[name] = _stats([p.get(name, 0.0) for p in per_request])
     ratios = [s / t for s, t in zip(sums, ttfts) if t > 0]
     return {
         "num_requests": len(rows),
         "modes": sorted(modes),
         "phases": out_phases,
+        "proxy_parts": {name: _stats(values) for name, values in parts.items()},
         "mean_phase_sum_ms": float(np.mean(sums)) * MS_PER_S,
         "mean_client_ttft_ms": float(np.mean(ttfts)) * MS_PER_S,
         "sum_over_ttft": {"mean": float(np.mean(ratios)) if ratios else None,

@@ -152,14 +152,18 @@ SERVER_ROWS = (
 
 
 def format_phases(phases: TTFTPhases) -> list[str]:
-    """The "TTFT Phases" block: mean and p99 per phase (ms), the sum against client TTFT."""
+    """The "TTFT Phases" block: mean, p50 and p99 per phase (ms), the parts of the proxy's
+    `proxy` phase indented under it, the sum against client TTFT."""
     lines = ["{s:{c}^{n}}".format(s="TTFT Phases (server pdkv_timings)", n=_W, c="-")]
     lines.append(
-        f"{'Phase (requests: ' + str(phases['num_requests']) + ')':<30} {'mean ms':>9} "
-        f"{'p99 ms':>9}"
+        f"{'Phase (requests: ' + str(phases['num_requests']) + ')':<23} {'mean ms':>8} "
+        f"{'p50 ms':>8} {'p99 ms':>8}"
     )
-    for name, v in phases["phases"].items():
-        lines.append(f"{name:<30} {v['mean_ms']:>9.2f} {v['p99_ms']:>9.2f}")
+    rows = [(name, v) for name, v in phases["phases"].items()]
+    at = next((i + 1 for i, (name, _) in enumerate(rows) if name == "proxy"), len(rows))
+    rows[at:at] = [(f"  proxy.{name}", v) for name, v in phases.get("proxy_parts", {}).items()]
+    for name, v in rows:
+        lines.append(f"{name:<23} {v['mean_ms']:>8.2f} {v['p50_ms']:>8.2f} {v['p99_ms']:>8.2f}")
     lines.append(_row("Mean sum of server phases (ms):", phases["mean_phase_sum_ms"], ".2f"))
     lines.append(_row("Mean client TTFT (ms):", phases["mean_client_ttft_ms"], ".2f"))
     ratio = phases["sum_over_ttft"]
