@@ -40,6 +40,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 _POLL_S = 0.05  # longest the thread waits for a batch before it looks at the replay socket
 _REPLAYS_PER_TURN = 16  # replay requests served between two batches at most
+_CLOSE_LINGER_MS = 500  # at shutdown, how long ZMQ may still flush sent batches to subscribers
 
 
 def seq_bytes(seq: int) -> bytes:
@@ -130,7 +131,7 @@ class ZmqEventPublisher(KVEventPublisher):
         if self._thread.is_alive():
             logger.warning("KV event publisher thread still running after %.1f s", timeout_s)
             return  # it owns the sockets; a daemon thread, it ends with the process
-        self._ctx.term()
+        self._ctx.term()  # waits for the PUB socket's linger at most
 
     # ---------------------------------------------------------- publisher thread
     def _run(self) -> None:
@@ -146,7 +147,7 @@ class ZmqEventPublisher(KVEventPublisher):
                     continue
                 self._send(batch)
         finally:
-            self._pub.close(linger=0)
+            self._pub.close(linger=_CLOSE_LINGER_MS)
             if self._replay is not None:
                 self._replay.close(linger=0)
 
