@@ -155,3 +155,14 @@ def test_config_defaults_off_and_loopback() -> None:
 def test_config_errors_name_the_field(text: str, named: str) -> None:
     with pytest.raises(ValueError, match=named):
         KVEventsConfig.from_json(text)
+
+
+def test_cli_flag_reaches_engine_args() -> None:
+    """`--kv-events-config JSON` is an engine flag (pdkv serve parses it with EngineArgs)."""
+    from pdkv.cli_parser import PdkvArgumentParser
+    from pdkv.engine.arg_utils import EngineArgs
+
+    text = '{"enable_kv_cache_events": true, "replay_endpoint": "tcp://127.0.0.1:5558"}'
+    args = EngineArgs.add_cli_args(PdkvArgumentParser()).parse_args(["--kv-events-config", text])
+    assert EngineArgs.from_cli_args(args).kv_events_config == text
+    assert EngineArgs().kv_events_config is None  # off by default
