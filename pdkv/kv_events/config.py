@@ -1,14 +1,18 @@
 """`--kv-events-config`: vLLM's `KVEventsConfig` fields (vllm/config/kv_events.py), frozen.
 
 Differences from vLLM, on purpose: the endpoints default to loopback (`tcp://127.0.0.1:5557`;
-vLLM's default `tcp://*:5557` listens on every interface), and the JSON is checked strictly
-(unknown fields and bad values are errors naming the field).
+vLLM's default `tcp://*:5557` listens on every interface), the JSON is checked strictly
+(unknown fields and bad values are errors naming the field), and `event_encoding` (pdkv only)
+picks the events' msgpack form: "map" as vLLM v0.26+ sends (vLLM PR #42892), or "array" as
+vLLM 0.25 and earlier did (pdkv/kv_events/schema.py).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
+
+from pdkv.kv_events.schema import EVENT_ENCODINGS, EventEncoding
 
 PUBLISHERS = ("null", "zmq")
 
@@ -30,6 +34,10 @@ class KVEventsConfig:
         max_queue_size: batches waiting for the publisher thread; a batch that finds the queue
             full is dropped and counted.
         topic: first part of the topic frame (subscribers filter on it).
+        event_encoding: pdkv only (vLLM has no such field): how each event is encoded inside
+            the batch, "map" (default: field-name maps tagged by "type", as current vLLM, v0.26
+            and later) or "array" (positional, as vLLM 0.25 and earlier; for consumers that
+            read only that form). The batch itself is a positional array either way.
     """
 
     enable_kv_cache_events: bool = False
@@ -40,6 +48,7 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    event_encoding: EventEncoding = "map"
 
     def __post_init__(self) -> None:
         if not self.publisher:
@@ -54,6 +63,9 @@ class KVEventsConfig:
             raise ValueError(f"endpoint must be a ZMQ address, got {self.endpoint!r}")
         if self.replay_endpoint is not None and not isinstance(self.replay_endpoint, str):
             raise ValueError(f"replay_endpoint must be a string, got {self.replay_endpoint!r}")
+        if self.event_encoding not in EVENT_ENCODINGS:
+            raise ValueError(f"event_encoding must be one of {EVENT_ENCODINGS} (\"map\": vLLM "
+                             f"v0.26+, \"array\": vLLM <= 0.25), got {self.event_encoding!r}")
 
     @property
     def active(self) -> bool:

@@ -2,12 +2,14 @@
 vllm/distributed/kv_events.py):
 
 - PUB socket: every batch is one multipart message (topic frame, sequence number as 8 bytes
-  big-endian unsigned, payload = msgpack `KVEventBatch`); sequence numbers start at 0 per run and
-  grow by one per batch sent.
+  big-endian unsigned, payload = msgpack `KVEventBatch` with its events in the configured
+  `event_encoding`, schema.py); sequence numbers start at 0 per run and grow by one per batch
+  sent.
 - ROUTER socket (optional, `replay_endpoint`): a client (REQ, or DEALER sending an empty delimiter
   frame first) sends a start sequence number as 8 bytes big-endian; the answer is one message
   (sequence, payload) per buffered batch from that number on, then the end marker (-1 as 8 bytes
-  big-endian signed, empty payload). The last `buffer_steps` batches are kept.
+  big-endian signed, empty payload). The last `buffer_steps` batches are kept, as the bytes
+  that were published, so a replay has the same encoding.
 
 pdkv's differences: the topic frame is `<topic>|<engine id>|<epoch>` (schema.topic_frame) so a
 consumer knows who sent a batch and when that engine restarted (the epoch: milliseconds since
@@ -161,7 +163,7 @@ class ZmqEventPublisher(KVEventPublisher):
             self._send(batch)
 
     def _send(self, batch: KVEventBatch) -> None:
-        payload = encode_batch(batch)
+        payload = encode_batch(batch, self.config.event_encoding)
         seq = self._next_seq
         try:
             # PUB never blocks (it drops for a subscriber past its HWM); NOBLOCK makes sure.

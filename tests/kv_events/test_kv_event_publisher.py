@@ -1,18 +1,27 @@
 """The ZMQ publisher alone (pdkv/kv_events/publisher.py): a full queue drops and counts, never
 blocks the engine; a busy endpoint is a start-up error naming the field; shutdown sends what
-was queued and ends within its deadline."""
+was queued and ends within its deadline; the configured event_encoding is what goes out, live
+and replayed."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import msgspec
 import pytest
 import zmq
 
 from pdkv.kv_events.config import KVEventsConfig
-from pdkv.kv_events.publisher import ZmqEventPublisher
-from pdkv.kv_events.schema import AllBlocksCleared, KVEventBatch, decode_batch
+from pdkv.kv_events.publisher import END_SEQ, ZmqEventPublisher
+from pdkv.kv_events.schema import (
+    AllBlocksCleared,
+    BlockRemoved,
+    EventEncoding,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+)
 
 DEADLINE_S = 10.0
 
@@ -108,4 +117,46 @@ def test_shutdown_sends_what_was_queued() -> None:
         assert pub.counters().batches_dropped == 1
     finally:
         sub.close()
+        ctx.term()
+
+
+@pytest.mark.parametrize("encoding, event", [
+    ("map", {"type": "BlockRemoved", "block_hashes": [b"h" * 32], "medium": "GPU"}),
+    ("array", ["BlockRemoved", [b"h" * 32], "GPU"]),
+])
+def test_configured_encoding_is_published_and_replayed(encoding: EventEncoding,
+                                                       event: object) -> None:
+    pub = ZmqEventPublisher(config(replay_endpoint="tcp://127.0.0.1:0",
+                                   event_encoding=encoding), "e1")
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub.endpoint)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(pub.replay_endpoint)
+    sent = KVEventBatch(ts=1.5, events=[BlockRemoved(block_hashes=[b"h" * 32], medium="GPU")])
+    try:
+        end = time.monotonic() + DEADLINE_S
+        while not sub.poll(50):
+            assert time.monotonic() < end, "no subscription"
+            pub.publish(sent)
+        _, seq, payload = sub.recv_multipart()
+        assert msgspec.msgpack.decode(payload) == [1.5, [event], 0]
+        assert decode_batch(payload, encoding) == KVEventBatch(1.5, sent.events, 0)
+        assert payload == encode_batch(KVEventBatch(1.5, sent.events, 0), encoding)
+        dealer.send_multipart([b"", seq])
+        replayed = []
+        while True:
+            assert dealer.poll(int(DEADLINE_S * 1000)), "replay did not end"
+            _, rseq, rpayload = dealer.recv_multipart()
+            if rseq == END_SEQ:
+                break
+            replayed.append(rpayload)
+        assert replayed and all(p == payload for p in replayed)
+    finally:
+        pub.shutdown()
+        sub.close()
+        dealer.close()
         ctx.term()

@@ -11,6 +11,7 @@ import json
 import time
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 import zmq
 
@@ -133,6 +134,15 @@ def test_block_stored_with_prefix_cache_hashes(engine: LLMEngine, ctx: zmq.Conte
     assert [seq for _, seq, _ in msgs] == list(range(last + 1, last + 1 + len(msgs)))
     pub = publisher(engine)
     assert parse_topic_frame(msgs[0][0]) == (TOPIC, pub.engine_id, pub.epoch)
+    # The default encoding, vLLM v0.26+'s: a positional batch of events that are maps.
+    assert pub.config.event_encoding == "map"
+    plain = [msgspec.msgpack.decode(p) for _, _, p in msgs]
+    assert all(isinstance(b, list) and len(b) == 3 for b in plain)
+    stored_maps = [e for b in plain for e in b[1] if e["type"] == "BlockStored"]
+    assert [list(e) for e in stored_maps] == [
+        ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+         "medium", "lora_name"]]
+    assert stored_maps[0]["block_hashes"] == hashes
     batches = [decode_batch(p) for _, _, p in msgs]
     assert all(b.data_parallel_rank == 0 for b in batches)
     stored = stored_events(batches)
