@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdkv.cache.specs import KV_CACHE_DTYPES
+from pdkv.kv_events.config import KVEventsConfig
 from pdkv.parallel.layout import ParallelLayout
 
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -225,6 +226,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     kv_transfer_config: KVTransferConfig | None = None
+    kv_events_config: KVEventsConfig | None = None
 
     @property
     def scheduler_block_size(self) -> int:

@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "jsontypes",
         "ports",
     ),  # leaves
+    ("kv_events",),  # KV cache event schema, --kv-events-config, the ZMQ publisher
     ("request",),  # a request and its state
     ("cache",),  # blocks, block pool, KV cache manager (torch-free)
     ("modelspec",),  # a model's state groups from its HF config (torch-free)

@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from pdkv.block_hashing import BlockHash
+from pdkv.kv_events.schema import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +63,18 @@ class BlockPool:
     block; a block with a hash is in the index. Not thread-safe: called only from the engine
     loop.
 
+    With `enable_kv_cache_events`, every change to the index is recorded as a KV cache event
+    (vLLM's BlockPool does the same): `cache_full_blocks` -> BlockStored (one per run of blocks
+    newly indexed), a hash leaving the index (reuse, invalid content) -> BlockRemoved, a reset
+    -> AllBlocksCleared. The engine drains them once per step with `take_events`.
+
     Raises:
         ValueError: fewer than 1 usable block.
     """
 
     def __init__(
-        self, num_blocks: int, enable_caching: bool = True, reserve_null_block: bool = False
+        self, num_blocks: int, enable_caching: bool = True, reserve_null_block: bool = False,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         num_usable = num_blocks - (1 if reserve_null_block else 0)
         if num_usable < 1:
@@ -83,6 +96,8 @@ class BlockPool:
         # Counters (tokens are counted by the manager; these are blocks).
         self.num_evictions = 0
         self.eviction_hook: EvictionHook | None = None
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self._events: list[Event] = []
 
     # ----------------------------------------------------------------- queries
     @property
@@ -160,16 +175,69 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
         """Register a full block's hash so later requests can reuse it. When another block
         already holds the same content the index keeps the older one. The null block is never
-        cached."""
+        cached. Records no event (see `cache_full_blocks`).
+
+        Returns:
+            True when the block entered the index now.
+        """
         if not self.enable_caching or block.is_null or block.block_hash is not None:
-            return
+            return False
         if block_hash in self._cached:
-            return
+            return False
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        return True
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        parent_block_hash: BlockHash | None,
+        token_ids: Sequence[int],
+        block_size: int,
+    ) -> None:
+        """`cache_block` for consecutive full blocks of one request, recording what entered the
+        index: one BlockStored per run of blocks indexed now (a block skipped, as null, already
+        indexed or a duplicate, ends a run; the next run's parent is the hash before it).
+
+        Args:
+            blocks: the blocks, in token order.
+            block_hashes: their hashes (same length).
+            parent_block_hash: hash of the block before blocks[0] (None: blocks[0] is block 0).
+            token_ids: the blocks' tokens (len(blocks) * block_size).
+            block_size: tokens per block.
+        """
+        run: list[int] = []
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes)):
+            if self.cache_block(block, block_hash):
+                run.append(i)
+                continue
+            self._record_stored(run, block_hashes, parent_block_hash, token_ids, block_size)
+            run = []
+        self._record_stored(run, block_hashes, parent_block_hash, token_ids, block_size)
+
+    def _record_stored(
+        self, run: list[int], block_hashes: Sequence[BlockHash], parent: BlockHash | None,
+        token_ids: Sequence[int], block_size: int,
+    ) -> None:
+        if not run or not self.enable_kv_cache_events:
+            return
+        first, end = run[0], run[-1] + 1
+        self._events.append(BlockStored(
+            block_hashes=list(block_hashes[first:end]),
+            parent_block_hash=block_hashes[first - 1] if first else parent,
+            token_ids=list(token_ids[first * block_size:end * block_size]),
+            block_size=block_size, lora_id=None, medium=MEDIUM_GPU, lora_name=None,
+        ))
+
+    def take_events(self) -> list[Event]:
+        """The events recorded since the last call, oldest first (the engine loop, once per
+        step)."""
+        events, self._events = self._events, []
+        return events
 
     def evict_hashes(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop blocks from the prefix-cache index (their content is invalid, e.g. a failed
@@ -197,6 +265,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
+        if self.enable_kv_cache_events:
+            self._events.append(AllBlocksCleared())
         return True
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -204,4 +274,7 @@ class BlockPool:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
                 self.num_evictions += 1
+                if self.enable_kv_cache_events:
+                    self._events.append(
+                        BlockRemoved(block_hashes=[block.block_hash], medium=MEDIUM_GPU))
             block.block_hash = None

@@ -20,6 +20,7 @@ from pdkv.cache.single_type_manager import (
     get_manager_class,
 )
 from pdkv.cache.specs import KVCacheConfig
+from pdkv.kv_events.schema import Event
 from pdkv.request import Request
 
 logger = logging.getLogger(__name__)
@@ -55,12 +56,14 @@ class KVCacheManager:
         kv_cache_config: groups and blocks per group.
         enable_caching: prefix caching on/off.
         max_model_len: longest sequence in tokens.
+        enable_kv_cache_events: the block pools record KV cache events (`take_events`).
 
     Called only from the engine loop thread; no method blocks.
     """
 
     def __init__(
-        self, kv_cache_config: KVCacheConfig, enable_caching: bool, max_model_len: int
+        self, kv_cache_config: KVCacheConfig, enable_caching: bool, max_model_len: int,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         self.config = kv_cache_config
         self.enable_caching = enable_caching
@@ -74,6 +77,7 @@ class KVCacheManager:
             BlockPool(
                 kv_cache_config.num_blocks, enable_caching,
                 reserve_null_block=get_manager_class(g.spec).needs_null_block,
+                enable_kv_cache_events=enable_kv_cache_events,
             )
             for g in kv_cache_config.groups
         ]
@@ -216,7 +220,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         for m in self.managers:
-            m.cache_blocks(request.request_id, request.block_hashes, num_tokens)
+            m.cache_blocks(
+                request.request_id, request.block_hashes, num_tokens, request.all_token_ids)
 
     def cache_loaded_blocks(self, request: Request, num_tokens: int) -> None:
         """A KV connector finished loading: the request's KV is valid for its first
@@ -239,6 +244,13 @@ class KVCacheManager:
         """Release every block of the request (idempotent; null blocks stay reserved)."""
         for m in self.managers:
             m.free(request.request_id)
+
+    def take_events(self) -> list[Event]:
+        """KV cache events recorded since the last call, group by group (each group's pool
+        records its own: a model with several groups reports a block's hash once per group
+        that indexes it; the wire format of the vLLM revision pdkv matches has no group
+        field). Empty unless the manager was made with `enable_kv_cache_events`."""
+        return [e for pool in self.block_pools for e in pool.take_events()]
 
     def set_eviction_hook(self, hook: Callable[[int, BlockHash, int], None] | None) -> None:
         """Call `hook(group index, block hash, block id)` whenever a cached block of any group is

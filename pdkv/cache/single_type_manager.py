@@ -92,18 +92,24 @@ class SingleTypeKVCacheManager:
         return new
 
     def cache_blocks(
-        self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int
+        self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int,
+        token_ids: Sequence[int] = (),
     ) -> None:
         """Register every block that is full within the first `num_tokens` tokens (null
-        entries are skipped: they hold nothing)."""
+        entries are skipped: they hold nothing). `token_ids` (the request's tokens) go into the
+        pool's BlockStored events when it records them."""
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return
         num_full = min(num_tokens // self.block_size, len(block_hashes), len(blocks))
         start = self.num_cached_block.get(request_id, 0)
-        for i in range(start, num_full):
-            if not blocks[i].is_null:
-                self.block_pool.cache_block(blocks[i], block_hashes[i])
+        if num_full > start:
+            bs = self.block_size
+            self.block_pool.cache_full_blocks(
+                blocks[start:num_full], block_hashes[start:num_full],
+                block_hashes[start - 1] if start else None,
+                token_ids[start * bs:num_full * bs], bs,
+            )
         self.num_cached_block[request_id] = max(start, num_full)
 
     def free(self, request_id: str) -> None:
@@ -262,12 +268,13 @@ class LinearStateManager(SingleTypeKVCacheManager):
         return list(blocks)
 
     def cache_blocks(
-        self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int
+        self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int,
+        token_ids: Sequence[int] = (),
     ) -> None:
         """Checkpoints: register every full block (its slot holds the state at its end). One
         slot: nothing (it holds the state after the request's last token, which no hash names)."""
         if self.checkpoints:
-            super().cache_blocks(request_id, block_hashes, num_tokens)
+            super().cache_blocks(request_id, block_hashes, num_tokens, token_ids)
 
 
     def keep_loaded_slot(self, request_id: str, num_tokens: int) -> None:

@@ -21,6 +21,7 @@ from pdkv.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from pdkv.kv_events.config import KVEventsConfig
 from pdkv.model.llama import LlamaArchConfig
 from pdkv.model.registry import resolve_model
 from pdkv.worker.cuda_graphs import capture_sizes
@@ -54,6 +55,8 @@ class EngineArgs:
     distributed_init_port: int = 0
     num_threads: int | None = None
     kv_transfer_config: str | None = None
+    kv_events_config: str | None = None
+    """`--kv-events-config` JSON (pdkv.kv_events.config.KVEventsConfig, vLLM's fields)."""
     cpu_linear: str = "panel"
     attention_backend: str = "auto"
     fused_ops: bool = True
@@ -129,6 +132,11 @@ class EngineArgs:
             kv_transfer_config=(
                 KVTransferConfig.from_json(self.kv_transfer_config)
                 if self.kv_transfer_config
+                else None
+            ),
+            kv_events_config=(
+                KVEventsConfig.from_json(self.kv_events_config)
+                if self.kv_events_config
                 else None
             ),
             parallel_config=ParallelConfig(
@@ -278,6 +286,14 @@ class EngineArgs:
             default=None,
             help="KV connector JSON, e.g. "
             '\'{"kv_connector": "P2PConnector", "kv_role": "kv_producer"}\'',
+        )
+        g.add_argument(
+            "--kv-events-config",
+            default=None,
+            help="KV cache events JSON (vLLM's KVEventsConfig fields; off by default, endpoints "
+            'bind loopback by default), e.g. \'{"enable_kv_cache_events": true, "endpoint": '
+            '"tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558", "topic": '
+            '"kv-events"}\'',
         )
         g.add_argument(
             "--num-threads",

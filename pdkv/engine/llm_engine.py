@@ -15,6 +15,8 @@ from pdkv.executor.base import Executor
 from pdkv.executor.inproc import InProcExecutor
 from pdkv.executor.multiproc import MultiprocExecutor
 from pdkv.jsontypes import JSONObject
+from pdkv.kv_events.base import KVEventPublisher, create_publisher
+from pdkv.kv_events.schema import KVEventBatch
 from pdkv.kv_transfer.connector.base import KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
 from pdkv.kv_transfer.connector.spec import connector_spec
@@ -79,7 +81,17 @@ class LLMEngine:
             self.executor.kv_cache_config,
             connector=self.connector,
             kv_load_failure_policy=spec.load_failure_policy if spec is not None else "fail",
+            enable_kv_cache_events=config.kv_events_config is not None
+            and config.kv_events_config.active,
         )
+        # KV cache events (--kv-events-config): bound last, so a failed start-up above leaves no
+        # socket behind. The engine id in the topic is the KV connector's when there is one.
+        self.kv_event_publisher: KVEventPublisher | None = None
+        if config.kv_events_config is not None:
+            import uuid
+
+            engine_id = kvt.engine_id if kvt is not None else uuid.uuid4().hex
+            self.kv_event_publisher = create_publisher(config.kv_events_config, engine_id)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = self.executor.vocab_size
         self.eos_token_id = self.executor.eos_token_id
@@ -226,6 +238,7 @@ class LLMEngine:
         runner_out = self.executor.execute_model(sched_out)
         updates = self.scheduler.update_from_output(sched_out, runner_out)
         self.num_steps += 1
+        self._publish_kv_events()
         outputs = []
         for update in updates:
             out, hit_stop = self.output_processor.process(update)
@@ -241,7 +254,17 @@ class LLMEngine:
         computed again (or loaded by a KV connector). vLLM's semantics: refused (False,
         nothing changed) while any KV cache block is in use; see Scheduler.reset_prefix_cache.
         Call it from the thread that steps the engine."""
-        return self.scheduler.reset_prefix_cache()
+        done = self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
+
+    def _publish_kv_events(self) -> None:
+        """One batch of the KV cache events recorded since the last one (none: nothing sent)."""
+        if self.kv_event_publisher is None:
+            return
+        events = self.scheduler.take_kv_events()
+        if events:
+            self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -295,8 +318,11 @@ class LLMEngine:
         return not self.executor.dead_workers()
 
     def shutdown(self) -> None:
-        """Stop the executor (its worker processes, if any) and the KV connector's worker half."""
+        """Stop the executor (its worker processes, if any), the KV connector's worker half and
+        the KV event publisher (what it has queued is sent first, within its deadline)."""
         self.executor.shutdown()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()

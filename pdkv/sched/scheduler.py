@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from pdkv.cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pdkv.cache.specs import KVCacheConfig
 from pdkv.config import CacheConfig, SchedulerConfig
+from pdkv.kv_events.schema import Event
 from pdkv.request import Request, RequestStatus
 from pdkv.sched.kv_connector_api import SchedulerConnector
 from pdkv.sched.kv_connector_state import KVConnectorState
@@ -42,6 +43,7 @@ class Scheduler:
         kv_cache_config: KV cache groups and block count (from the worker).
         connector: scheduler half of a KV connector, or None.
         kv_load_failure_policy: "recompute" or "fail" when a KV load fails.
+        enable_kv_cache_events: the block pools record KV cache events (`take_kv_events`).
 
     Called from the engine loop thread only; no method blocks.
     """
@@ -53,13 +55,15 @@ class Scheduler:
         kv_cache_config: KVCacheConfig,
         connector: SchedulerConnector | None = None,
         kv_load_failure_policy: str = "fail",
+        enable_kv_cache_events: bool = False,
     ) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
         self.num_blocks = kv_cache_config.num_blocks
         self.kv_cache_manager = KVCacheManager(
-            kv_cache_config, cache_config.enable_prefix_caching, self.max_model_len
+            kv_cache_config, cache_config.enable_prefix_caching, self.max_model_len,
+            enable_kv_cache_events=enable_kv_cache_events,
         )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -404,3 +408,8 @@ class Scheduler:
             True when every cached hash was dropped, else False.
         """
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[Event]:
+        """The KV cache events recorded since the last call (vLLM's take_events; empty unless
+        made with `enable_kv_cache_events`). The engine loop calls it once per step."""
+        return self.kv_cache_manager.take_events()

@@ -465,6 +465,8 @@ def main(args: argparse.Namespace) -> int:
         inject_step_fault(engine, int(fault_at))
     name = engine.config.model_config.served_model_name
     metrics = ServerMetrics(name, max_model_len=engine.config.model_config.max_model_len)
+    if engine.kv_event_publisher is not None:
+        metrics.kv_events.watch(engine.kv_event_publisher.counters)
     llm = AsyncLLM(engine, step_observer(metrics, args))
     config = ServeConfig(
         host=args.host,

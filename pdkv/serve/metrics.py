@@ -51,6 +51,7 @@ from pdkv.serve.metrics_kv import (  # noqa: F401 - re-exported
     OFFLOAD_GAUGES,
     POOL_COUNTERS,
     POOL_GAUGES,
+    KVEventMetrics,
     KVTransferMetrics,
 )
 
@@ -204,6 +205,8 @@ class ServerMetrics:
             REQUEST_LATENCY_BUCKETS,
         )
         self.kv = KVTransferMetrics(r, labels, values)
+        self.kv_events = KVEventMetrics(labels, values)
+        r.register(self.kv_events)
         # Requests that produced tokens: (request id, sequence index) -> time of its last token.
         self._last_token: dict[tuple[str, int], float] = {}
         self._started: set[str] = set()

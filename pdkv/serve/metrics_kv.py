@@ -21,14 +21,21 @@ gets no metric until it is added here.
 CPU offload (OffloadingConnector): keys "offload:<name>" are exported as `pdkv:kv_offload_<name>`
 counters (OFFLOAD_COUNTERS) and gauges (OFFLOAD_GAUGES, the cumulative sum of deltas is the
 current value); other "offload:" names are not exported.
+
+KV cache events (pdkv.kv_events, `--kv-events-config`): the publisher's own counters, read at
+render time, as `pdkv:kv_events_<name>` counters (KV_EVENT_COUNTERS).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from pdkv.kv_events.base import KVEventCounters
 from pdkv.sched.output import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -252,3 +259,41 @@ class KVTransferMetrics:
         if key not in self._ignored:
             self._ignored.add(key)
             logger.debug("KV metric %r is not exported (unknown name)", key)
+
+
+# KV event publisher counters (pdkv.kv_events.base.KVEventCounters field -> help), exported as
+# `pdkv:kv_events_<field>` counters (`_total` suffix) while an engine publishes KV events.
+KV_EVENT_COUNTERS: dict[str, str] = {
+    "batches_published": "KV event batches sent on the publisher's PUB socket",
+    "events_published": "KV cache events (block stored / removed / all cleared) sent",
+    "batches_dropped": "KV event batches dropped (publisher queue full or send failed)",
+    "replay_requests": "KV event replay requests answered",
+    "replay_malformed": "Malformed KV event replay requests dropped",
+}
+
+
+class KVEventMetrics(Collector):
+    """The KV event publisher's counters, read when /metrics is rendered (they live in the
+    publisher; nothing is copied per step). No samples until `watch` names a reader.
+
+    Args:
+        labelnames: common label names (e.g. ["model_name", "engine"]).
+        labelvalues: their values for this server.
+    """
+
+    def __init__(self, labelnames: list[str], labelvalues: list[str]) -> None:
+        self._labels, self._values = labelnames, labelvalues
+        self._read: Callable[[], KVEventCounters] | None = None
+
+    def watch(self, read: Callable[[], KVEventCounters]) -> None:
+        """Export `read()`'s counters from now on (the server, once, at start-up)."""
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        if self._read is None:
+            return
+        counters = self._read()
+        for name, doc in KV_EVENT_COUNTERS.items():
+            family = CounterMetricFamily(f"pdkv:kv_events_{name}", doc, labels=self._labels)
+            family.add_metric(self._values, getattr(counters, name))
+            yield family

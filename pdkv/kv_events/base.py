@@ -1,0 +1,73 @@
+"""The publisher seam: what the engine calls to publish a step's KV events, its counters, and
+the registry of publishers by name (vLLM's EventPublisherFactory idea; no pyzmq imported here).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from pdkv.kv_events.config import KVEventsConfig
+from pdkv.kv_events.schema import KVEventBatch
+
+
+@dataclass
+class KVEventCounters:
+    """Cumulative counts of one publisher (each field is written by one thread only: `dropped`
+    by the engine thread, the others by the publisher thread; readers see a recent value).
+
+    Attributes:
+        batches_published: batches sent on the PUB socket.
+        events_published: events in those batches.
+        batches_dropped: batches not sent (queue full, or the send failed).
+        replay_requests: well-formed replay requests answered.
+        replay_malformed: replay requests dropped as malformed (wrong frames, a start sequence
+            that is not 8 bytes).
+    """
+
+    batches_published: int = 0
+    events_published: int = 0
+    batches_dropped: int = 0
+    replay_requests: int = 0
+    replay_malformed: int = 0
+
+
+class KVEventPublisher(ABC):
+    """Publishes the KV event batches of one engine."""
+
+    @abstractmethod
+    def publish(self, batch: KVEventBatch) -> None:
+        """Hand one step's batch over for sending. Called by the engine loop thread once per step
+        that has events; never blocks: a batch that cannot be queued is dropped and counted."""
+
+    @abstractmethod
+    def counters(self) -> KVEventCounters:
+        """A snapshot of the counters (any thread; for /metrics and tests)."""
+
+    @abstractmethod
+    def shutdown(self, timeout_s: float = 1.0) -> None:
+        """Send what is queued, then close, within `timeout_s` (batches still queued then are
+        dropped). Called once, by the engine's owner at shutdown; blocks at most `timeout_s`."""
+
+
+# Publishers by name (`KVEventsConfig.publisher`), imported when chosen: "module:class".
+_PUBLISHERS: dict[str, str] = {"zmq": "pdkv.kv_events.publisher:ZmqEventPublisher"}
+
+
+def create_publisher(config: KVEventsConfig, engine_id: str) -> KVEventPublisher | None:
+    """The publisher `config` names, started (its sockets bound), or None when events are off
+    (`publisher` "null" or `enable_kv_cache_events` false).
+
+    Raises:
+        ValueError: unknown publisher, or its endpoint cannot be used (named).
+    """
+    if not config.active:
+        return None
+    target = _PUBLISHERS.get(config.publisher)
+    if target is None:
+        raise ValueError(f"unknown KV event publisher {config.publisher!r}")
+    module, name = target.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    publisher: KVEventPublisher = cls(config, engine_id)
+    return publisher
