@@ -36,7 +36,7 @@ FAILURE_KINDS = ("unavailable", "timeout", "io", "full", "corrupt", "other")
 DOWN_KINDS = frozenset({"unavailable", "timeout"})
 """TierError kinds after which a tier is skipped for retry_after_s."""
 COUNTERS = ("lookups", "hits", "chunks_read", "bytes_read", "chunks_written", "bytes_written",
-            "evictions", "skipped")
+            "save_skips", "evictions", "skipped")
 
 
 class _Skipped(Exception):
@@ -242,6 +242,22 @@ class KVPoolStore:
         self._add(st, chunks_written=1, bytes_written=len(value))
         self._observe(f"{st.prefix}save_seconds", time.perf_counter() - t0)
 
+    def _save_to(self, st: _TierState, key: str, value: bytes) -> None:
+        """Write one queued save to a tier unless the tier already holds `key` (counted as
+        save_skips). The check is one `contains_many` call: for a remote tier a round trip of a
+        few bytes instead of rewriting the whole chunk (a chunk saved again by a producer that
+        never looks up, or by a request whose prefix cache hid what the pool holds). A failed
+        check is counted as the tier's failure and drops this tier's write, as a failed write
+        would; a tier in its back-off is skipped (counted there)."""
+        try:
+            held = self._call(st, partial(st.tier.contains_many, [key]))
+        except (_Skipped, TierError):
+            return
+        if held and held[0]:
+            self._add(st, save_skips=1)
+            return
+        self._put(st, key, value)
+
     def _save_loop(self) -> None:
         while True:
             with self._cv:
@@ -253,7 +269,7 @@ class KVPoolStore:
                 self._in_flight += 1
             try:
                 for st in self._states:
-                    self._put(st, key, value)
+                    self._save_to(st, key, value)
             finally:
                 with self._cv:
                     self._in_flight -= 1
@@ -272,7 +288,8 @@ class KVPoolStore:
 
     def stats(self) -> dict[str, float]:
         """Cumulative counters: per tier "pool:<tier>:<name>" for lookups (keys asked), hits
-        (keys found), chunks_read, bytes_read, chunks_written, bytes_written, evictions, skipped,
+        (keys found), chunks_read, bytes_read, chunks_written, bytes_written, save_skips (saves
+        not written because the tier held the key), evictions, skipped,
         failures_<kind>, and the gauge bytes_in_use; store-wide "pool:all:saves" (values
         accepted), "pool:all:save_drops" and the gauge "pool:all:save_queue_depth" (queued +
         being written)."""

@@ -331,3 +331,21 @@ def test_factory_dram_and_disk(tmp_path) -> None:
 def test_factory_rejects_bad_specs(tmp_path, spec, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         create_tier(spec, str(tmp_path))
+
+
+def test_save_skips_a_tier_that_already_holds_the_key() -> None:
+    """A chunk saved again (a producer that never looks up, or a prompt the prefix cache served)
+    is not rewritten into a tier that holds it: one contains_many check, no put."""
+    local, remote = FakeTier("dram"), FakeTier("redis", local_index=False)
+    remote.data["k"] = b"old"
+    store = KVPoolStore([local, remote])
+    assert store.save("k", b"new") and store.flush(WAIT_S)
+    assert local.data == {"k": b"new"} and remote.data == {"k": b"old"}
+    assert remote.calls == ["contains_many"]
+    s = store.stats()
+    assert s["pool:redis:save_skips"] == 1 and s["pool:redis:chunks_written"] == 0
+    assert s["pool:dram:save_skips"] == 0 and s["pool:dram:chunks_written"] == 1
+    assert s["pool:redis:lookups"] == 0  # the save's check is not a lookup
+    assert store.save("k", b"new") and store.flush(WAIT_S)
+    assert store.stats()["pool:dram:save_skips"] == 1
+    store.close()
