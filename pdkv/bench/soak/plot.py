@@ -1,5 +1,5 @@
-"""The soak's plot: the samples over time, one panel each for RSS, open fds, threads, free KV
-blocks, queue depths and pool bytes (PNG, matplotlib)."""
+"""The soak's plot: the samples over time, one panel each for RSS, RSS change since the warm-up,
+open fds, threads, free KV blocks, queue depths and pool bytes (PNG, matplotlib)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def plot_samples(samples: Sequence[dict[str, float]], processes: Sequence[str],
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib): no plot"
     minutes = [s["t"] / 60.0 for s in samples]
-    fig, axes = plt.subplots(6, 1, figsize=(11, 17), sharex=True)
+    fig, axes = plt.subplots(7, 1, figsize=(11, 19), sharex=True)
 
     def series(ax: Axes, key: str, label: str, scale: float = 1.0) -> None:
         pts = [(m, s[key] / scale) for m, s in zip(minutes, samples) if key in s]
@@ -36,17 +36,24 @@ def plot_samples(samples: Sequence[dict[str, float]], processes: Sequence[str],
 
     for name in processes:
         series(axes[0], f"{name}.rss_bytes", name, MB)
-        series(axes[1], f"{name}.fds", name)
-        series(axes[2], f"{name}.threads", name)
+        key = f"{name}.rss_bytes"
+        base = next((s[key] for s in samples if s["t"] >= warmup_s and key in s), None)
+        if base:  # the change since the warm-up ended, where the slope is judged
+            pts = [(m, (s[key] / base - 1.0) * 100.0) for m, s in zip(minutes, samples)
+                   if key in s and s["t"] >= warmup_s]
+            axes[1].plot([p[0] for p in pts], [p[1] for p in pts], label=name)
+        series(axes[2], f"{name}.fds", name)
+        series(axes[3], f"{name}.threads", name)
     for name in engines:
-        series(axes[3], f"{name}.free_blocks", name)
-        series(axes[4], f"{name}.waiting", f"{name} waiting")
-        series(axes[4], f"{name}.running", f"{name} running")
-        series(axes[5], f"{name}.pool_bytes_in_use", f"{name} pool bytes in use (own writes)", MB)
-    series(axes[4], "client.inflight", "client: requests in flight")
-    series(axes[5], "redis.used_memory", "redis used_memory", MB)
-    for ax, ylabel in zip(axes, ("RSS (MB)", "open fds", "threads", "free KV blocks",
-                                 "requests", "pool (MB)")):
+        series(axes[4], f"{name}.free_blocks", name)
+        series(axes[5], f"{name}.waiting", f"{name} waiting")
+        series(axes[5], f"{name}.running", f"{name} running")
+        series(axes[6], f"{name}.pool_bytes_in_use", f"{name} pool bytes in use (own writes)", MB)
+    series(axes[5], "client.inflight", "client: requests in flight")
+    series(axes[6], "redis.used_memory", "redis used_memory", MB)
+    axes[0].set_yscale("log")
+    for ax, ylabel in zip(axes, ("RSS (MB, log)", "RSS change since warm-up (%)", "open fds",
+                                 "threads", "free KV blocks", "requests", "pool (MB)")):
         ax.set_ylabel(ylabel)
         ax.axvline(warmup_s / 60.0, color="grey", linestyle=":", linewidth=1)
         ax.legend(fontsize=7, loc="upper left")
