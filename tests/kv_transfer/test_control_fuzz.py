@@ -103,8 +103,10 @@ class Producer:
 
 @pytest.fixture()
 def producer(monkeypatch: pytest.MonkeyPatch) -> Iterator[Producer]:
-    # A notice for an unknown grant waits this long for it to be registered: 2 s in service.
+    # A notice / claim for an unknown grant waits this long for it to be registered (2 s / up
+    # to a lease in service).
     monkeypatch.setattr(p2p_producer, "REGISTRATION_WAIT_S", 0.001)
+    monkeypatch.setattr(p2p_producer, "CLAIM_REGISTRATION_WAIT_S", 0.001)
     prod = Producer()
     yield prod
     prod.worker.shutdown()

@@ -236,6 +236,7 @@ def test_re_sharding_layouts_are_accepted(layout, heads):
 @pytest.fixture()
 def fast_registration(monkeypatch):
     monkeypatch.setattr(p2p_producer, "REGISTRATION_WAIT_S", 0.01)
+    monkeypatch.setattr(p2p_producer, "CLAIM_REGISTRATION_WAIT_S", 0.01)
 
 
 def test_a_grant_with_two_readers_ends_after_done_from_both():

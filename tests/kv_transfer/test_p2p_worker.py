@@ -21,6 +21,7 @@ from pd_utils import pause_pulls  # noqa: E402
 
 from pdkv.cache.kv_layout import KVLayout
 from pdkv.config import KVTransferConfig  # noqa: E402
+from pdkv.kv_transfer.connector import p2p_producer  # noqa: E402
 from pdkv.kv_transfer.connector.p2p_messages import (  # noqa: E402
     Ack,
     Claim,
@@ -207,6 +208,29 @@ def test_a_prompt_digest_mismatch_is_refused_by_the_producer_and_keeps_the_grant
     assert "prompt digest mismatch" in str(errors["d1"]) and not dkv.any()
     assert prod.has_pending()  # D did not release a grant that is not its own
     assert pull(cons, [spec("d2", remote_of(prod), "r", nonce, [0, 1], [2, 3])]) == {"d2": None}
+
+
+def test_a_claim_that_overtakes_its_registration_by_seconds_still_reads(workers):
+    """P registers a grant at its next step, after its answer left; on a starved CPU that step
+    can start seconds later. A claim that arrives first waits for the registration (up to a
+    lease) instead of failing the request; a replay of an ended grant is still refused at once."""
+    prod, _ = workers("kv_producer", "P")
+    cons, dkv = workers("kv_consumer", "D")
+    nonce, digest = secrets.token_hex(16), prompt_digest(TOKENS, None)
+    cons.start_load_kv(P2PConnectorMetadata(
+        reqs_to_recv=[spec("d1", remote_of(prod), "r", nonce, [0], [4])]))
+    deadline = time.monotonic() + 20
+    while not prod.producer._registered._waiters:  # the claim is waiting at P
+        assert time.monotonic() < deadline, "the claim never reached P"
+        time.sleep(0.01)
+    time.sleep(p2p_producer.REGISTRATION_WAIT_S + 1.0)  # register later than a notice waits
+    prod.start_load_kv(P2PConnectorMetadata(
+        reqs_to_send=[SendSpec("r", ([4],), 30.0, nonce, digest)]))
+    assert wait_loads(cons, {"d1"}) == {"d1": None}
+    t0 = time.monotonic()
+    errors = pull(cons, [spec("d2", remote_of(prod), "r", nonce, [1], [4])])
+    assert "unknown or expired request" in str(errors["d2"])
+    assert time.monotonic() - t0 < p2p_producer.CLAIM_REGISTRATION_WAIT_S  # not a full wait
 
 
 def test_a_spec_refused_by_the_scheduler_fails_without_contacting_anyone(workers):

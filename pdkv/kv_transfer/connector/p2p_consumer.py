@@ -253,6 +253,7 @@ class ConsumerSide:
             remote.engine_id,
             readers=self.world_size if readers is None else readers,
             reader=self.rank,
+            incarnation=peer.incarnation,
         )
         reply: ClaimReply = self._control(remote, claim, ClaimReply, pull.deadline)
         if reply.incarnation and reply.incarnation != peer.incarnation:  # the producer restarted

@@ -121,7 +121,9 @@ class Claim(msgspec.Struct, tag="claim"):
     """Consumer is about to read grant (request_id, nonce) for the prompt whose digest is
     `prompt_digest`: the producer checks both, renews the lease and opens the grant to reads.
     `readers`: how many consumer ranks read this grant (the consumer's world size; the grant ends
-    after "done" from each), `reader`: which one this is (its global rank)."""
+    after "done" from each), `reader`: which one this is (its global rank). `incarnation`: the
+    producer incarnation the consumer's handshake saw ("" = not said); a producer that restarted
+    since refuses the claim at once instead of waiting for a grant it will never register."""
 
     request_id: str
     nonce: str
@@ -129,6 +131,7 @@ class Claim(msgspec.Struct, tag="claim"):
     engine_id: str = ""
     readers: int = 1
     reader: int = 0
+    incarnation: str = ""
 
 
 ControlRequest = Handshake | Notify | Claim

@@ -14,6 +14,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from pdkv.kv_transfer.connector.p2p_messages import (
@@ -37,7 +38,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-REGISTRATION_WAIT_S = 2.0  # how long a notice or claim waits for its grant to be registered
+REGISTRATION_WAIT_S = 2.0  # how long a notice waits for its grant to be registered
+# How long a claim waits for its grant to be registered (at most one lease). P registers a grant
+# at the start of its next step, after its HTTP answer has left: on a starved CPU that can take
+# seconds, and a claim refused too early fails a request whose KV P is about to hold. A claim for
+# a grant that already ended, or from a consumer that saw another incarnation, is refused at once.
+CLAIM_REGISTRATION_WAIT_S = 30.0
+MAX_ENDED = 16384  # ended grants remembered (so a replayed claim is refused without waiting)
 MAX_EARLY_NOTICES = 1024
 
 
@@ -91,6 +98,7 @@ class ProducerSide:
         # arrival order) and forget-at. They apply to that grant only, and expire after one lease.
         self._early: dict[Grant, tuple[list[Notify], float]] = {}
         self._registered = threading.Condition(self._lock)
+        self._ended: OrderedDict[Grant, None] = OrderedDict()  # most recent last
         self._server: socket.socket | None = None
         engine.set_authorizer(self.authorize)
 
@@ -141,6 +149,9 @@ class ProducerSide:
         """Lock held. The grant's blocks may be freed now; `nbytes` = what the consumer read."""
         if self._held.pop(grant, None) is not None:
             self.results.send_finished(grant[0], how, nbytes)
+            self._ended[grant] = None
+            while len(self._ended) > MAX_ENDED:
+                self._ended.popitem(last=False)
 
     # --------------------------------------------------------- data plane
     def authorize(
@@ -202,8 +213,14 @@ class ProducerSide:
         grant = (msg.request_id, msg.nonce)
         with self._lock:
             # The HTTP response with the params can overtake the engine step that registers the
-            # grant: wait briefly for it.
-            self._registered.wait_for(lambda: grant in self._held, timeout=REGISTRATION_WAIT_S)
+            # grant: wait for it (a claim up to a lease; a notice briefly, then it is kept as an
+            # early notice).
+            wait = REGISTRATION_WAIT_S
+            if isinstance(msg, Claim):
+                restarted = bool(msg.incarnation) and msg.incarnation != self.incarnation
+                ended = restarted or grant in self._ended
+                wait = 0.0 if ended else min(self.lease_s, CLAIM_REGISTRATION_WAIT_S)
+            self._registered.wait_for(lambda: grant in self._held, timeout=wait)
             held = self._held.get(grant)
             if isinstance(msg, Claim):
                 return self._claim(grant, held, msg)
