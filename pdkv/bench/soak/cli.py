@@ -49,7 +49,7 @@ from pdkv.bench.soak.checks import (
 )
 from pdkv.bench.soak.client import Outcome, Tally, send
 from pdkv.bench.soak.plot import plot_samples
-from pdkv.bench.soak.sampler import Sampler
+from pdkv.bench.soak.sampler import Sampler, engine_metrics
 from pdkv.bench.soak.workload import Item, SoakRequest, make_items, next_request, request_body
 from pdkv.bench.soak.workload import token_gaps as _token_gaps
 from pdkv.launch.launcher import Child, Topology
@@ -165,30 +165,11 @@ async def run_load(args: argparse.Namespace, items: list[Item], urls: dict[str, 
     return outcomes
 
 
-# Counters the summary reports per engine (/metrics sample names, summed over labels).
-COUNTERS = ("pdkv:prefix_cache_hits_total", "pdkv:kv_pool_hit_tokens_total",
-            "pdkv:kv_pool_chunks_written_total", "pdkv:kv_pool_save_skips_total",
-            "pdkv:kv_pool_failures_total", "pdkv:kv_transfer_bytes_received_total",
-            "pdkv:kv_transfer_bytes_sent_total", "pdkv:num_preemptions_total",
-            "pdkv:kv_lease_expirations_total")
-
-
-def engine_counters(url: str) -> dict[str, float]:
-    """COUNTERS of one engine (the `pdkv:` prefix and `_total` suffix left out); empty when it
-    does not answer."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        text = httpx.get(url + "/metrics", timeout=10.0).text
-    except httpx.HTTPError:
-        return {}
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in COUNTERS:
-                key = sample.name.removeprefix("pdkv:").removesuffix("_total")
-                out[key] = out.get(key, 0.0) + sample.value
-    return out
+# Counters the summary reports per engine: /metrics sample name -> key (summed over labels).
+COUNTERS = {f"pdkv:{name}_total": name for name in (
+    "prefix_cache_hits", "kv_pool_hit_tokens", "kv_pool_chunks_written", "kv_pool_save_skips",
+    "kv_pool_failures", "kv_transfer_bytes_received", "kv_transfer_bytes_sent",
+    "num_preemptions", "kv_lease_expirations")}
 
 
 def wait_idle(sampler: Sampler, engines: dict[str, str], num_blocks: int,
@@ -284,7 +265,8 @@ def run(args: argparse.Namespace, topo: Topology, redis_url: str, redis_pid: int
                       idle_start, idle_end, names, slopes, window, limits)
     if not up:
         failed.append("a process of the topology is down at the end")
-    counters = {e: engine_counters(url) for e, url in engines.items()}
+    with httpx.Client() as client:
+        counters = {e: engine_metrics(client, url, COUNTERS) for e, url in engines.items()}
     logs = {c.name: scan_log(c.log_path) for c in topo.children}
     for name, found in logs.items():
         if found.tracebacks:

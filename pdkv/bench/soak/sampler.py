@@ -51,8 +51,10 @@ def proc_counts(pid: int) -> dict[str, float]:
     return {"rss_bytes": rss, "fds": float(fds), "threads": float(threads)}
 
 
-def engine_metrics(client: httpx.Client, url: str) -> dict[str, float]:
-    """ENGINE_METRICS of one engine (summed over labels); empty when it does not answer."""
+def engine_metrics(client: httpx.Client, url: str,
+                   names: dict[str, str] = ENGINE_METRICS) -> dict[str, float]:
+    """The /metrics samples of one engine named in `names` (sample name -> key), each summed
+    over its labels; empty when the engine does not answer."""
     try:
         text = client.get(url + "/metrics", timeout=5.0).text
     except httpx.HTTPError:
@@ -60,7 +62,7 @@ def engine_metrics(client: httpx.Client, url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            key = ENGINE_METRICS.get(s.name)
+            key = names.get(s.name)
             if key is not None:
                 out[key] = out.get(key, 0.0) + s.value
     return out
