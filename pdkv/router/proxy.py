@@ -52,6 +52,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from pdkv.jsontypes import JSONObject, JSONValue
 from pdkv.router.backend_health import BackendHealth, HealthCheckConfig
@@ -350,6 +351,9 @@ def build_proxy_app(
         except BadRequest as e:
             metrics.errors.labels("proxy", "client").inc()
             return error_response(str(e), 400, "BadRequestError")
+        except ClientDisconnect:  # gone while its body was still coming in
+            metrics.client_disconnects.labels("before").inc()
+            return error_response("client disconnected", 499, "ClientClosedRequest")
         clock.mark("body")
         # An unknown model is the client's error: 404 as vLLM answers it, before any leg. (Not
         # asking unhealthy engines: one that does not answer would delay every request.)

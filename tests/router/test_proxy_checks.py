@@ -651,3 +651,27 @@ def test_health_check_config_refuses_what_is_not_positive():
         with pytest.raises(ValueError, match="must be > 0"):
             HealthCheckConfig(**bad)
     assert HealthCheckConfig(1.0, 0.5) == HealthCheckConfig(interval_s=1.0, timeout_s=0.5)
+
+
+def test_a_client_gone_while_sending_its_body_is_499_not_an_error():
+    """The client disconnects before its body is complete: the proxy answers 499 and counts the
+    disconnect (phase "before"), instead of an unhandled ClientDisconnect in the ASGI app."""
+    app = build_proxy_app(["http://127.0.0.1:9"], ["http://127.0.0.1:9"],
+                          health_check=HealthCheckConfig(interval_s=3600.0))
+    messages = [{"type": "http.request", "body": b'{"model": "m", "pro', "more_body": True},
+                {"type": "http.disconnect"}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type",
+                                                                b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
