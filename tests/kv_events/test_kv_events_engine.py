@@ -97,6 +97,20 @@ def receive(sub: zmq.Socket, until_seq: int) -> list[Message]:
     return out
 
 
+def receive_stored(sub: zmq.Socket, hashes: list[int]) -> list[Message]:
+    """Messages up to and including the batch that stores `hashes` (the publisher's thread
+    sends asynchronously, so a counter read after a step may be behind: wait for content)."""
+    out: list[Message] = []
+    end = time.monotonic() + DEADLINE_S
+    while not out or [e.block_hashes for e in stored_events([decode_batch(out[-1][2])])] != [
+            hashes]:
+        assert time.monotonic() < end, f"no batch stored {hashes}: {[m[1] for m in out]}"
+        if sub.poll(100):
+            topic, seq, payload = sub.recv_multipart()
+            out.append((topic, int.from_bytes(seq, "big"), payload))
+    return out
+
+
 def replay(ctx: zmq.Context, engine: LLMEngine, start: int) -> list[tuple[int, bytes]]:
     """(seq, payload) of every buffered batch from `start` on, through a DEALER (it reads the
     whole streamed answer; a REQ socket takes one message per request) up to the end marker."""
@@ -125,13 +139,14 @@ def stored_events(batches: list[KVEventBatch]) -> list[BlockStored]:
 
 def test_block_stored_with_prefix_cache_hashes(engine: LLMEngine, ctx: zmq.Context) -> None:
     sub = subscribe(ctx, engine)
-    last = publisher(engine).counters().batches_published - 1
     prompt = fresh_prompt()
     run(engine, prompt)
     hashes = hash_request_tokens(prompt, BLOCK)
     assert len(hashes) == 2
-    msgs = receive(sub, publisher(engine).counters().batches_published - 1)
-    assert [seq for _, seq, _ in msgs] == list(range(last + 1, last + 1 + len(msgs)))
+    msgs = receive_stored(sub, hashes)
+    first = msgs[0][1]
+    assert [seq for _, seq, _ in msgs] == list(range(first, first + len(msgs)))  # no gap
+    msgs = msgs[-1:]  # the prompt's batch (earlier ones may be in flight from before)
     pub = publisher(engine)
     assert parse_topic_frame(msgs[0][0]) == (TOPIC, pub.engine_id, pub.epoch)
     # The default encoding, vLLM v0.26+'s: a positional batch of events that are maps.
@@ -192,10 +207,10 @@ def test_malformed_replay_is_dropped_and_counted(engine: LLMEngine, ctx: zmq.Con
     assert not dealer.poll(200)  # nothing answered to a malformed request
     # The publisher and the engine still work: a new prompt is published and replayable.
     sub = subscribe(ctx, engine)
-    run(engine, fresh_prompt())
-    newest = pub.counters().batches_published - 1
-    assert receive(sub, newest)[-1][1] == newest
-    assert replay(ctx, engine, newest)[0][0] == newest
+    prompt = fresh_prompt()
+    run(engine, prompt)
+    newest, payload = receive_stored(sub, hash_request_tokens(prompt, BLOCK))[-1][1:]
+    assert replay(ctx, engine, newest)[0] == (newest, payload)
     metrics = ServerMetrics("tiny")
     metrics.kv_events.watch(pub.counters)
     text = metrics.render().decode()
