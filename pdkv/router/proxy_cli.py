@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdkv.malloc_tuning import DEFAULT_PROXY_THRESHOLD, pin_mmap_threshold
 from pdkv.router.backend_health import DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, HealthCheckConfig
 from pdkv.router.policies import (
     DEFAULT_MAX_ENTRIES,
@@ -76,6 +77,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="seconds one health probe may take",
     )
     parser.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=DEFAULT_PROXY_THRESHOLD,
+        help="bytes: pin glibc's mmap threshold (its dynamic raise after large temporary buffers "
+        "makes a long-running proxy's heap keep free space it never returns); 0 leaves glibc's "
+        "default; MALLOC_MMAP_THRESHOLD_ in the environment wins",
+    )
+    parser.add_argument(
         "--log-level", default="info",
         help="log level of uvicorn (info logs each request) and of the proxy's own log",
     )
@@ -93,6 +102,7 @@ def main(args: argparse.Namespace) -> int:
     # The proxy's own log (502s, backend health) with time and level, as `pdkv serve` logs.
     level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    malloc = pin_mmap_threshold(args.malloc_mmap_threshold)
 
     def urls(value: str) -> list[str]:
         return [u for u in value.split(",") if u]
@@ -118,6 +128,7 @@ def main(args: argparse.Namespace) -> int:
         if args.backends
         else f"prefill {args.prefill} decode {args.decode}"
     )
-    print(f"pdkv proxy on http://{args.host}:{args.port}: {where} ({args.routing})", flush=True)
+    print(f"pdkv proxy on http://{args.host}:{args.port}: {where} ({args.routing}); "
+          f"glibc mmap threshold {malloc}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -1,9 +1,11 @@
 """`pdkv proxy` as a process: its health flags reach the app and its log says why it answered
-a 502 (level, logger, request, leg, backend, error)."""
+a 502 (level, logger, request, leg, backend, error); it pins glibc's mmap threshold at start-up
+and says so (docs/RELIABILITY.md, the soak's proxy RSS)."""
 
 from __future__ import annotations
 
 import os
+import platform
 import sys
 
 import httpx
@@ -37,3 +39,5 @@ def test_a_502_is_explained_in_the_proxys_log(tmp_path, monkeypatch):
         f"WARNING pdkv.router.proxy_legs: 502: request cli-502: decode leg to {d.url} failed: "
         "ConnectError" in text
     ), text
+    if platform.libc_ver()[0] == "glibc":
+        assert "(round_robin); glibc mmap threshold pinned at 131072 bytes\n" in text, text
