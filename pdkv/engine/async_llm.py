@@ -327,12 +327,17 @@ class AsyncLLM:
             request = cmd.request
             with self._lock:
                 alive = request.request_id in self._streams
-            if not alive:  # the client left before the request reached the loop
-                return
             try:
                 engine.add_request(request, cmd.prompt_text)
             except ValueError as e:
                 self._deliver(request.request_id, e)
+                return
+            if not alive:
+                # The client left before the request reached the loop. The scheduler still
+                # sees it, aborted at once, so that its connectors let go of what it holds
+                # elsewhere: a P/D consumer tells P to release the grant its
+                # kv_transfer_params name, instead of P holding the blocks for a lease.
+                self._handle(_Abort(request.request_id))
         elif isinstance(cmd, _Abort):
             outs = engine.abort_request([cmd.request_id])
             for out in outs:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -13,6 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from pd_utils import decode, free_blocks, make_pd, pause_pulls, prefill, pump, settle, shutdown  # noqa: E402
 
 from pdkv import SamplingParams  # noqa: E402
+from pdkv.engine.async_llm import AsyncLLM  # noqa: E402
 from pdkv.request import RequestStatus  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -115,6 +119,54 @@ def test_abort_while_queued_on_decode_releases_prefill_blocks(pd):
     assert p.llm_engine.scheduler.kv_stats.get("released_unread") == 1
     assert "lease_expirations" not in p.llm_engine.scheduler.kv_stats
     assert free_blocks(d) == start_d
+
+
+def test_client_gone_before_the_loop_adds_the_request_releases_prefill_blocks(pd):
+    """The serving path (AsyncLLM on D): the client leaves after generate() queued the request
+    but before D's loop added it. D's loop is held inside a command (a gate the test opens), so
+    that order is forced. D must still tell P to release the grant at once, not let the lease
+    run out (the soak's lease expirations)."""
+    p, d = pd
+    start_p, start_d = free_blocks(p), free_blocks(d)
+    params = prefill(p, PROMPT).kv_transfer_params
+    llm = AsyncLLM(d.llm_engine)
+    llm.start()
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold(_engine) -> None:  # runs on D's loop thread: nothing else runs until the gate opens
+        entered.set()
+        gate.wait(30)
+
+    holder = threading.Thread(target=llm.call, args=(hold, 60), daemon=True)
+    try:
+        holder.start()
+        assert entered.wait(30)
+        req, text = llm.make_request(PROMPT, GREEDY, kv_transfer_params=params)
+
+        async def leave_early() -> None:
+            gen = llm.generate(req, text)
+            first = asyncio.ensure_future(gen.__anext__())
+            deadline = time.monotonic() + 30
+            while req.request_id not in llm._streams:  # generate() queued the add
+                assert time.monotonic() < deadline and not first.done()
+                await asyncio.sleep(0.001)
+            first.cancel()  # the client is gone: generate()'s finally queues the abort
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+
+        asyncio.run(leave_early())
+        gate.set()
+        holder.join(30)
+        pump([p], lambda: free_blocks(p) == start_p, 30)
+        assert p.llm_engine.scheduler.kv_stats.get("released_unread") == 1
+        assert "lease_expirations" not in p.llm_engine.scheduler.kv_stats
+        deadline = time.monotonic() + 30
+        while llm.call(lambda e: e.has_work() or free_blocks(d) != start_d):
+            assert time.monotonic() < deadline, "D kept work or blocks"
+            time.sleep(0.01)
+    finally:
+        gate.set()
+        llm.shutdown()
 
 
 def test_abort_during_pull_frees_after_pull(pd):
