@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -384,9 +385,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     """Start redis and the topology, run, stop every process; 0 passed, 1 a check failed,
-    2 no start."""
+    2 no start, 130 SIGINT, 143 SIGTERM (both stop every process first, and write no report)."""
     from pdkv.launch.services import start_redis
 
+    # Unwind on SIGTERM and on SIGINT (a shell starts background jobs with SIGINT ignored):
+    # the finally blocks stop every process this run started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     logs = os.path.join(args.output_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     print(f"soak: {args.duration:.0f} s at concurrency {args.concurrency}, seed {args.seed}; "
@@ -404,5 +409,8 @@ def main(args: argparse.Namespace) -> int:
             return run(args, topo, redis.address, redis.pids[0])
         finally:
             topo.stop()
+    except KeyboardInterrupt:
+        print("soak: interrupted; no report", file=sys.stderr)
+        return 130
     finally:
         redis.stop()
