@@ -22,10 +22,13 @@ class Backend:
     Attributes:
         url: base URL, e.g. http://127.0.0.1:8100.
         inflight: requests the proxy has sent and not yet seen finish.
+        active_blocks: prompt blocks of those requests (`Decision.load_blocks` summed; kv_aware's
+            load).
     """
 
     url: str
     inflight: int = 0
+    active_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -39,12 +42,16 @@ class Decision:
             bound), "load" (some backend holds a prefix but each that does is over the load bound:
             least loaded), "no_match" (nobody holds any chunk: least loaded), "fallback" (no chunk
             hashes for this request: least loaded).
-        matched_chunks: leading chunks of the request the chosen backend holds (per the record).
+        matched_chunks: leading chunks of the request the chosen backend holds (per the record;
+            kv_aware: leading blocks in the engine's own cache, per the KV event index).
+        load_blocks: blocks the request adds to the backend's `active_blocks` until it finishes
+            (0 for policies that do not count blocks).
     """
 
     backend: Backend
     reason: str
     matched_chunks: int = 0
+    load_blocks: int = 0
 
 
 HashesByUrl = Mapping[str, Sequence[bytes]]
