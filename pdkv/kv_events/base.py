@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TypedDict
 
 from pdkv.kv_events.config import KVEventsConfig
 from pdkv.kv_events.schema import KVEventBatch
@@ -33,6 +34,31 @@ class KVEventCounters:
     replay_malformed: int = 0
 
 
+class KVEventsInfo(TypedDict):
+    """Where and how one engine publishes (GET /kv_events, what a router subscribes with).
+
+    Attributes:
+        publisher: the publisher's name (`KVEventsConfig.publisher`).
+        endpoint: the PUB socket's bound address (the real port, also when `:0` was asked).
+        replay_endpoint: the ROUTER socket's bound address, or None (no replay).
+        topic: the configured topic; every message's topic frame is
+            `<topic>|<engine_id>|<epoch>` (schema.topic_frame).
+        engine_id: the engine id in that frame.
+        epoch: this run's epoch in that frame (ms since the Unix epoch at start).
+        event_encoding: "map" or "array" (schema.EventEncoding).
+        block_size: tokens per block of the engine's BlockStored events (its logical block).
+    """
+
+    publisher: str
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+    engine_id: str
+    epoch: int
+    event_encoding: str
+    block_size: int
+
+
 class KVEventPublisher(ABC):
     """Publishes the KV event batches of one engine."""
 
@@ -44,6 +70,10 @@ class KVEventPublisher(ABC):
     @abstractmethod
     def counters(self) -> KVEventCounters:
         """A snapshot of the counters (any thread; for /metrics and tests)."""
+
+    @abstractmethod
+    def info(self, block_size: int) -> KVEventsInfo:
+        """Where and how to subscribe (`block_size`: the engine's tokens per block)."""
 
     @abstractmethod
     def shutdown(self, timeout_s: float = 1.0) -> None:

@@ -31,7 +31,7 @@ from dataclasses import replace
 
 import zmq
 
-from pdkv.kv_events.base import KVEventCounters, KVEventPublisher
+from pdkv.kv_events.base import KVEventCounters, KVEventPublisher, KVEventsInfo
 from pdkv.kv_events.config import KVEventsConfig
 from pdkv.kv_events.schema import TOPIC_SEPARATOR, KVEventBatch, encode_batch, topic_frame
 
@@ -126,6 +126,12 @@ class ZmqEventPublisher(KVEventPublisher):
 
     def counters(self) -> KVEventCounters:
         return replace(self._counters)
+
+    def info(self, block_size: int) -> KVEventsInfo:
+        return {"publisher": self.config.publisher, "endpoint": self.endpoint,
+                "replay_endpoint": self.replay_endpoint, "topic": self.config.topic,
+                "engine_id": self.engine_id, "epoch": self.epoch,
+                "event_encoding": self.config.event_encoding, "block_size": block_size}
 
     def shutdown(self, timeout_s: float = 1.0) -> None:
         self._stop.set()

@@ -1,10 +1,10 @@
 """`pdkv serve`: OpenAI-compatible HTTP server (FastAPI + uvicorn) over an AsyncLLM.
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions (stream or not), /tokenize,
-/detokenize, /kv_layout, /health, /metrics, POST /reset_prefix_cache. Errors use OpenAI's error
-JSON; a bad request gets 400 and the server keeps serving; a client that disconnects aborts its
-request. When the engine dies (a step raised), /health and every request answer 503, in-flight
-requests end with an error, and the server exits with status 1.
+/detokenize, /kv_layout, /kv_events, /health, /metrics, POST /reset_prefix_cache. Errors use
+OpenAI's error JSON; a bad request gets 400 and the server keeps serving; a client that
+disconnects aborts its request. When the engine dies (a step raised), /health and every
+request answer 503, in-flight requests end with an error, and the server exits with status 1.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdkv.engine.async_llm import AsyncLLM, EngineDeadError, StepObserver
+from pdkv.kv_events.base import KVEventsInfo
 from pdkv.outputs import RequestOutput
 from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from pdkv.serve.disconnect import ClientDisconnected, until_done_or_disconnect
@@ -250,6 +251,18 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
             "layout": llm.engine.executor.kv_layout.to_wire(),
             "pool_chunk_size": pool_chunk_size(kvt.kv_connector, kvt.kv_connector_extra_config),
         }
+
+    @app.get("/kv_events", response_model=None)
+    async def kv_events() -> KVEventsInfo:
+        """Where this engine publishes its KV cache events (--kv-events-config) and how: the
+        PUB and replay endpoints as bound, topic, engine id and epoch of the topic frame,
+        encoding, tokens per block; 404 when it publishes none. pdkv's route (vLLM has none):
+        a router subscribes with it."""
+        publisher = llm.engine.kv_event_publisher
+        if publisher is None:
+            raise APIError("this engine publishes no KV events (no --kv-events-config)", 404,
+                           "NotFoundError")
+        return publisher.info(llm.engine.config.scheduler_block_size)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:

@@ -24,6 +24,7 @@ class RemoteServer:
         wait: wait for health here; False starts the process only (call `wait_healthy`), so that
             several servers can start side by side.
         avoid: ports not to take (those of servers started beside this one, not yet bound).
+        port: this port instead of a free one (a restart on the same URL).
     """
 
     def __init__(
@@ -34,8 +35,9 @@ class RemoteServer:
         env: dict[str, str] | None = None,
         wait: bool = True,
         avoid: tuple[int, ...] = (),
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        self.port = free_port() if port is None else port
         while self.port in avoid:
             self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -1,7 +1,8 @@
 """Schema fuzzing of `pdkv serve` (issue 28): every route of its OpenAPI schema (completions,
-chat, tokenize, detokenize, models, health, metrics, reset_prefix_cache, /kv_layout), a few
-hundred schemathesis cases each, against a tiny model with a P2P producer connector (so
-/kv_layout answers and kv_transfer_params reach the connector's checks); tests/schema_fuzz.py
+chat, tokenize, detokenize, models, health, metrics, reset_prefix_cache, /kv_layout, /kv_events),
+a few hundred schemathesis cases each, against a tiny model with a P2P producer connector (so
+/kv_layout answers and kv_transfer_params reach the connector's checks) and KV events on (so
+/kv_events answers); tests/schema_fuzz.py
 says what each response must be. The case counts are printed in the run's summary. (The grant
 release is not an HTTP route: it goes to the producer's control server, typed msgpack.)"""
 
@@ -31,7 +32,9 @@ MODELS = {"POST /v1/completions": CompletionRequest,
 def tiny_server():
     kvt = '{"kv_connector": "P2PConnector", "kv_role": "kv_producer"}'
     args = ["serve", "--model", "tiny-llama-kv2", "--num-kv-blocks", "64",
-            "--max-model-len", "128", "--max-num-seqs", "16", "--kv-transfer-config", kvt]
+            "--max-model-len", "128", "--max-num-seqs", "16", "--kv-transfer-config", kvt,
+            "--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": '
+            '"tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}']
     with RemoteServer(args) as srv:
         yield srv
 
