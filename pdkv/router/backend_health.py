@@ -66,6 +66,7 @@ class _State:
     healthy: bool = True  # routable until a probe or a leg says otherwise
     error: str | None = None
     checked_at: float | None = None
+    seen_up: bool = False  # a probe has succeeded once (before that, down is start-up)
 
 
 class BackendHealth:
@@ -109,9 +110,12 @@ class BackendHealth:
             return
         if state.healthy != healthy:
             if healthy:
-                logger.info("backend %s is healthy again", url)
-            else:
+                logger.info("backend %s is %s", url, "healthy again" if state.seen_up else "up")
+            elif state.seen_up:
                 logger.warning("backend %s is unhealthy: %s", url, error)
+            else:  # an engine still starting (the proxy is often up first): not a fault yet
+                logger.info("backend %s is not up yet: %s", url, error)
+        state.seen_up = state.seen_up or healthy and error is None
         state.healthy, state.error = healthy, error
         for role, b in self._roles:
             if b.url == url:
