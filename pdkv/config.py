@@ -87,6 +87,10 @@ class CacheConfig:
         cache_dtype: vLLM's `--kv-cache-dtype`: "auto" (the model dtype), "int8" or "fp8" /
             "fp8_e4m3" (1 byte per value plus a float32 scale per token and KV head for K and
             for V; pdkv/model/kv_quant.py).
+        prefault: write the whole KV cache once at start (CPU), so its memory is resident from
+            the start, as a GPU's is: the process's RSS is its steady state at once and a host
+            without the memory fails at start, not under load. Off: pages enter the resident set
+            when K/V is first written to them (the RSS grows with use up to the cache's size).
 
     Raises:
         ValueError: an option out of range, or an unknown cache_dtype.
@@ -98,6 +102,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float | None = None
     cache_dtype: str = "auto"
+    prefault: bool = False
 
     def __post_init__(self) -> None:
         if self.cache_dtype not in KV_CACHE_DTYPES:

@@ -42,6 +42,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
+    kv_cache_prefault: bool = False
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
@@ -119,6 +120,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 cache_dtype=canonical_kv_cache_dtype(self.kv_cache_dtype, self.dtype),
+                prefault=self.kv_cache_prefault,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -184,6 +186,12 @@ class EngineArgs:
             default=d.kv_cache_memory_bytes,
             help="KV cache budget when neither --num-kv-blocks nor --gpu-memory-utilization "
             "is given",
+        )
+        g.add_argument(
+            "--kv-cache-prefault",
+            action="store_true",
+            help="CPU: write the whole KV cache at start, so its memory is resident (RSS at its "
+            "steady state) from the start instead of growing as blocks are first used",
         )
         g.add_argument(
             "--gpu-memory-utilization",

@@ -199,6 +199,7 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
     buffer_fn: Callable[[int, int], memoryview | None] | None = None,
+    prefault: bool = False,
 ) -> tuple[list[torch.Tensor], list[KVCacheLayer]]:
     """Allocate one cross-layer tensor per group and per-layer views into it.
 
@@ -211,9 +212,11 @@ def allocate_kv_cache(
     Args:
         buffer_fn: optional (group, nbytes) -> memory to build the group's tensor on (e.g.
             shared memory for the shm transfer engine); None or a None result = torch.empty.
-        The memory is not written here: pages are touched (and enter the resident set) only
-        when K/V is first written to them. Slots never written hold arbitrary values (NaN
-        included); attention reads only written slots (pdkv.model.attention).
+        prefault: on CPU, zero every group tensor here, so all its pages are resident now
+            (CacheConfig.prefault). Otherwise the memory is not written here: pages are touched
+            (and enter the resident set) only when K/V is first written to them. Slots never
+            written hold arbitrary values (NaN included); attention reads only written slots
+            (pdkv.model.attention).
 
     Returns:
         (group tensors, each [num_blocks, num_layers_in_group, 2, block_size, num_kv_heads,
@@ -266,6 +269,8 @@ def allocate_kv_cache(
             t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(elem).view(shape)
         else:
             t = torch.empty(shape, dtype=elem, device=device)
+        if prefault and device.type == "cpu":
+            t.zero_()
         groups.append(t)
         for j, layer in enumerate(g.layer_indices):
             if isinstance(spec, (MLASpec, LinearStateSpec)):

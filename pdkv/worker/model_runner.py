@@ -183,6 +183,7 @@ class ModelRunner:
         self.kv_cache_groups, self.kv_caches = allocate_kv_cache(
             self.kv_cache_config, self.dtype, self.device,
             self.connector.kv_cache_buffer if self.connector is not None else None,
+            prefault=cache_config.prefault,
         )
         if self.connector is not None:
             self.connector.register_kv_caches(self.kv_cache_groups)

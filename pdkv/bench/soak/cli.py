@@ -64,11 +64,14 @@ PROXIES = ("proxy_pd", "proxy_colocated")
 
 def build_soak_topology(args: argparse.Namespace, redis_url: str) -> Topology:
     """prefill, decode, colocated, proxy_pd and proxy_colocated, in that order; every port is
-    chosen here from one set, so none collides."""
+    chosen here from one set, so none collides. The engines write their whole KV cache at start
+    (--kv-cache-prefault): otherwise its pages enter the RSS as blocks are first written, which
+    goes on long after the warm-up (a prefill engine fills only the part of its last block that
+    its prompt reaches) and would read as growth the RSS slope check cannot tell from a leak."""
     py = [sys.executable, "-m", "pdkv.cli"]
     engine = ["serve", "--model", args.model, "--num-kv-blocks", str(args.num_kv_blocks),
               "--max-model-len", str(args.max_model_len), "--host", HOST, "--log-level", "warning",
-              "--disable-log-requests"]
+              "--disable-log-requests", "--kv-cache-prefault"]
     env = dict(os.environ, PDKV_NUM_THREADS=str(args.threads_per_engine))
     taken: set[int] = set()
     pool = {"kv_connector": "KVPoolConnector",
