@@ -82,7 +82,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=DEFAULT_PROXY_THRESHOLD,
         help="bytes: pin glibc's mmap threshold (its dynamic raise after large temporary buffers "
         "makes a long-running proxy's heap keep free space it never returns); 0 leaves glibc's "
-        "default; MALLOC_MMAP_THRESHOLD_ in the environment wins",
+        f"default; MALLOC_MMAP_THRESHOLD_ in the environment wins (default: "
+        f"{DEFAULT_PROXY_THRESHOLD}, glibc's own starting value)",
     )
     parser.add_argument(
         "--log-level", default="info",

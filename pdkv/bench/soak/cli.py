@@ -227,6 +227,7 @@ def run(args: argparse.Namespace, topo: Topology, redis_url: str, redis_pid: int
     urls = {"pd": by_name["proxy_pd"].url, "colocated": by_name["proxy_colocated"].url}
     load_before = os.getloadavg()
     t0 = time.monotonic()
+    print("references: every greedy shape on the idle colocated engine ...", flush=True)
     refs = make_references(engines["colocated"], args.model, items, args.request_timeout)
     print(f"references: {len(refs)} greedy items in {time.monotonic() - t0:.1f} s", flush=True)
     # One request through each proxy, so every engine has run steps before the idle start.
@@ -320,6 +321,12 @@ def run(args: argparse.Namespace, topo: Topology, redis_url: str, redis_pid: int
     note = plot_samples(samples, names, list(ENGINES), limits.warmup_s, title, png)
     print(f"plot: {note or png}", flush=True)
     print(f"samples: {samples_path}", flush=True)
+    print(f"summary: {os.path.join(args.output_dir, 'summary.json')}", flush=True)
+    slope = ("judged" if window >= limits.min_slope_window_s else
+             f"not judged: {window:.0f} s after the warm-up < {limits.min_slope_window_s:.0f} s")
+    print("checks: no 5xx/4xx/stream errors, greedy answers = reference, structured answers "
+          "valid, free blocks back, fds back, no process down, no traceback in a log, RSS slope "
+          f"< {limits.max_rss_slope_pct_per_h:g} %/h ({slope})", flush=True)
     for line in failed:
         print(f"FAILED: {line}", flush=True)
     print("soak: " + ("FAILED" if failed else "passed"), flush=True)
@@ -406,6 +413,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         topo = build_soak_topology(args, redis.address)
+        print(f"starting {len(topo.children)} processes ({', '.join(ENGINES)}, "
+              f"{', '.join(PROXIES)}) and waiting for their health (logs in {logs}/)",
+              flush=True)
         try:
             if not topo.start_healthy(logs, args.health_timeout):
                 return 2

@@ -55,12 +55,17 @@ def plot_samples(samples: Sequence[dict[str, float]], processes: Sequence[str],
     for ax, ylabel in zip(axes, ("RSS (MB, log)", "RSS change since warm-up (%)", "open fds",
                                  "threads", "free KV blocks", "requests", "pool (MB)")):
         ax.set_ylabel(ylabel)
-        ax.axvline(warmup_s / 60.0, color="grey", linestyle=":", linewidth=1)
-        ax.legend(fontsize=7, loc="upper left")
+        if warmup_s / 60.0 <= minutes[-1]:  # (a run shorter than the warm-up has no line)
+            ax.axvline(warmup_s / 60.0, color="grey", linestyle=":", linewidth=1)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="upper left")
         ax.grid(alpha=0.3)
+    if not axes[1].lines:
+        axes[1].text(0.5, 0.5, f"the run ended within the warm-up ({warmup_s / 60:.0f} min)",
+                     transform=axes[1].transAxes, ha="center", va="center", fontsize=9)
     axes[-1].set_xlabel("minutes since the load started (dotted: end of the warm-up)")
     fig.suptitle(textwrap.fill(title, 130), fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0.0, 0.0, 1.0, 0.97))  # room for the three-line title
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return None
