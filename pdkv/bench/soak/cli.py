@@ -226,6 +226,7 @@ def run(args: argparse.Namespace, topo: Topology, redis_url: str, redis_pid: int
     engines = {n: by_name[n].url for n in ENGINES}
     urls = {"pd": by_name["proxy_pd"].url, "colocated": by_name["proxy_colocated"].url}
     load_before = os.getloadavg()
+    host = machine()  # now: the commit the processes run, not HEAD when the report is written
     t0 = time.monotonic()
     print("references: every greedy shape on the idle colocated engine ...", flush=True)
     refs = make_references(engines["colocated"], args.model, items, args.request_timeout)
@@ -277,7 +278,7 @@ def run(args: argparse.Namespace, topo: Topology, redis_url: str, redis_pid: int
         if found.tracebacks:
             failed.append(f"{name}: {found.tracebacks} tracebacks in {by_name[name].log_path}")
     report = {
-        **machine(),
+        **host,
         "load_average_before": " ".join(f"{x:.2f}" for x in load_before),
         "load_average_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "duration_s": round(load_s, 1),
