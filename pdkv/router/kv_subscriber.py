@@ -36,6 +36,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pdkv.kv_events.publisher import END_SEQ
 from pdkv.kv_events.schema import (
     TOPIC_SEPARATOR,
     EventEncoding,
@@ -47,7 +48,6 @@ from pdkv.router.kv_index import KVIndex
 
 logger = logging.getLogger(__name__)
 
-END_SEQ = -1
 DEFAULT_REPLAY_TIMEOUT_S = 2.0
 
 
@@ -263,9 +263,9 @@ class KVEventSubscriber:
                 if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
                     self._counters.malformed += 1
                     continue
-                seq = int.from_bytes(frames[1], "big", signed=True)
-                if seq == END_SEQ:
+                if frames[1] == END_SEQ:
                     return
+                seq = int.from_bytes(frames[1], "big")
                 if seq < self._next[source.url]:
                     self._counters.duplicates += 1
                     continue
