@@ -8,7 +8,7 @@ slots for the tokens of a step, free a request, read block ids. Internally one
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdkv.block_hashing import BlockHash
@@ -151,6 +151,16 @@ class KVCacheManager:
                 return KVCacheBlocks(tuple(hits)), num_blocks * self.block_size
             # A hit found under a shorter max_length is never longer: this ends.
             max_length = num_blocks * self.block_size
+
+    def num_cached_leading(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of `block_hashes` the prefix cache holds now (in the first
+        KV cache group: the one whose hashes the KV events publish). Safe to call from another
+        thread (dictionary lookups only): the answer is a snapshot."""
+        pool = self.block_pools[0]
+        for i, h in enumerate(block_hashes):
+            if pool.get_cached_block(h) is None:
+                return i
+        return len(block_hashes)
 
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup in the prefix-cache statistics."""

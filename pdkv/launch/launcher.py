@@ -20,7 +20,7 @@ import httpx
 
 from pdkv.launch.services import start_pool_server
 from pdkv.ports import free_port
-from pdkv.router.policies import DEFAULT_MAX_IMBALANCE, POLICIES
+from pdkv.router.policies import DEFAULT_MAX_IMBALANCE, KV_EVENT_POLICIES, POLICY_NAMES
 from pdkv.router.pool_topology import (
     DEFAULT_CHUNK_SIZE,
     POOL_TIERS,
@@ -164,7 +164,8 @@ def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = No
     consumer]."""
     host = "127.0.0.1"
     py = [sys.executable, "-m", "pdkv.cli"]
-    engine_flags = ["--model", args.model, *args.engine_args]
+    events = ["--kv-events-config", KV_EVENTS_ON] if args.routing in KV_EVENT_POLICIES else []
+    engine_flags = ["--model", args.model, *events, *args.engine_args]  # a user's flag wins
     if getattr(args, "disable_log_requests", False):
         engine_flags.append("--disable-log-requests")
     n_engines = (
@@ -249,6 +250,13 @@ def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = No
     )
     topo.endpoint = f"http://{host}:{port}"
     return topo
+
+
+KV_EVENTS_ON = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                           "endpoint": "tcp://127.0.0.1:0",
+                           "replay_endpoint": "tcp://127.0.0.1:0"})
+"""The engines' --kv-events-config under `--routing kv_aware` (and the oracle): loopback, ports
+chosen by the system (the proxy reads them from each engine's GET /kv_events)."""
 
 
 def _skip_flags(args: argparse.Namespace) -> list[str]:
@@ -338,10 +346,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="pool chunk in tokens (a multiple of the block size)")
     parser.add_argument(
         "--routing",
-        choices=sorted(POLICIES),
+        choices=sorted(POLICY_NAMES),
         default="round_robin",
         help="proxy routing within each pool (prefix_aware: the instance whose prefix the proxy "
-        "routed there before, bounded by load)",
+        "routed there before, bounded by load; kv_aware: the engines publish KV events on "
+        "loopback and the proxy scores each by what it holds against its load; "
+        "kv_aware_oracle: the same over what each engine holds, asked before every decision)",
     )
     parser.add_argument(
         "--prefix-aware-max-imbalance",

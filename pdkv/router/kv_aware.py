@@ -22,6 +22,8 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pdkv.block_hashing import BlockHash
+from pdkv.kv_events.schema import MEDIUM_GPU, BlockStored
 from pdkv.router.kv_index import KVIndex, Overlap
 from pdkv.router.policies import Backend, Decision, HashesByUrl, LeastLoaded, RoutingPolicy
 
@@ -66,6 +68,8 @@ class KVAware(RoutingPolicy):
         self.block_sizes: Mapping[str, int] = block_sizes if block_sizes is not None else {}
         self._ll = LeastLoaded()
 
+    block_hashes = True
+
     @property
     def wants_hashes(self) -> bool:
         return True
@@ -105,3 +109,24 @@ class KVAware(RoutingPolicy):
                 f" active {b.active_blocks}" for b in backends))
         return Decision(chosen, reason, got.engine_blocks,
                         load_blocks=len(hashes.get(chosen.url, ())))
+
+
+class KVAwareOracle(KVAware):
+    """kv_aware's cost over what each engine's cache really holds: before every decision the
+    owner asks each engine (POST /kv_events/held) and calls `set_held`; no events are read. The
+    routing benchmark's reference for how good kv_aware's event-fed index is."""
+
+    name = "kv_aware_oracle"
+
+    def __init__(self, config: KVAwareConfig | None = None,
+                 block_sizes: Mapping[str, int] | None = None) -> None:
+        super().__init__(KVIndex(), config, block_sizes)
+
+    def set_held(self, url: str, held: list[BlockHash], block_size: int) -> None:
+        """`url`'s engine holds exactly `held` (a prompt's leading block hashes) of what the next
+        decision asks about."""
+        self.index.clear(url)
+        if held:
+            self.index.apply(url, BlockStored(block_hashes=held, parent_block_hash=None,
+                                              token_ids=[], block_size=block_size, lora_id=None,
+                                              medium=MEDIUM_GPU, lora_name=None))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from urllib.parse import urlsplit
 
 import msgspec
@@ -112,7 +112,8 @@ def _reachable(endpoint: str, url: str) -> str:
 
 @dataclass
 class SubscriberCounters:
-    """Cumulative counts over every instance (one thread: the router's loop).
+    """Cumulative counts of one instance, or summed over every instance (one thread: the
+    router's loop).
 
     Attributes:
         batches: batches applied to the index (from the PUB socket or a replay).
@@ -151,13 +152,27 @@ class KVEventSubscriber:
         self.replay_timeout_s = replay_timeout_s
         self._ctx = zmq.asyncio.Context()
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._counters = SubscriberCounters()
+        self._counters: dict[str, SubscriberCounters] = {}
         self._next: dict[str, int] = {}  # url -> next expected sequence number
         self._epoch: dict[str, int] = {}
 
-    def counters(self) -> SubscriberCounters:
-        """A snapshot of the counters."""
-        return replace(self._counters)
+    def counters(self, url: str | None = None) -> SubscriberCounters:
+        """A snapshot of `url`'s counters (zeros for one never followed), or of their sum over
+        every instance ever followed (None)."""
+        if url is not None:
+            return replace(self._counters.get(url, SubscriberCounters()))
+        total = SubscriberCounters()
+        for c in self._counters.values():
+            for f in fields(SubscriberCounters):
+                setattr(total, f.name, getattr(total, f.name) + getattr(c, f.name))
+        return total
+
+    def counted(self) -> list[str]:
+        """URLs that have counters (every instance ever followed; counts survive `remove`)."""
+        return list(self._counters)
+
+    def _count(self, url: str) -> SubscriberCounters:
+        return self._counters.setdefault(url, SubscriberCounters())
 
     def sources(self) -> list[str]:
         """URLs of the instances followed."""
@@ -213,34 +228,34 @@ class KVEventSubscriber:
     async def _receive(self, source: EventSource, frames: list[bytes]) -> None:
         url = source.url
         if len(frames) != 3 or len(frames[1]) != 8:
-            self._counters.malformed += 1
+            self._count(url).malformed += 1
             return
         try:
             _, engine_id, epoch = parse_topic_frame(frames[0])
         except ValueError:
-            self._counters.malformed += 1
+            self._count(url).malformed += 1
             return
         if engine_id != source.engine_id:
-            self._counters.foreign += 1
+            self._count(url).foreign += 1
             return
         seq = int.from_bytes(frames[1], "big")
         known = self._epoch.get(url)
         if known != epoch:
             self._epoch[url] = epoch
             if known is not None:  # the engine restarted: what it held is gone
-                self._counters.restarts += 1
+                self._count(url).restarts += 1
                 logger.info("KV events of %s: new epoch %d (restart): entries cleared", url,
                             epoch)
                 self.index.clear(url)
                 self._next[url] = 0
         expected = self._next.get(url, 0)
         if seq < expected:
-            self._counters.duplicates += 1
+            self._count(url).duplicates += 1
             return
         if seq > expected:
             await self._replay(source, expected)
             if seq < self._next[url]:  # the replay brought this one too
-                self._counters.duplicates += 1
+                self._count(url).duplicates += 1
                 return
             if seq > self._next[url]:  # still missing: start again from here
                 self._unfilled(url, self._next[url], seq)
@@ -251,7 +266,8 @@ class KVEventSubscriber:
         `start` (the buffer lost some) clears the instance first."""
         if source.replay_endpoint is None:
             return
-        self._counters.replays += 1
+        url = source.url
+        self._count(url).replays += 1
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(source.replay_endpoint)
@@ -261,13 +277,13 @@ class KVEventSubscriber:
             while True:
                 frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout_s)
                 if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
-                    self._counters.malformed += 1
+                    self._count(url).malformed += 1
                     continue
                 if frames[1] == END_SEQ:
                     return
                 seq = int.from_bytes(frames[1], "big")
                 if seq < self._next[source.url]:
-                    self._counters.duplicates += 1
+                    self._count(url).duplicates += 1
                     continue
                 if first and seq > start:
                     self._unfilled(source.url, start, seq)
@@ -280,21 +296,22 @@ class KVEventSubscriber:
             dealer.close(linger=0)
 
     def _unfilled(self, url: str, expected: int, got: int) -> None:
-        self._counters.gaps_unfilled += 1
+        self._count(url).gaps_unfilled += 1
         logger.warning("KV events of %s: batches %d..%d lost: entries cleared", url, expected,
                        got - 1)
         self.index.clear(url)
 
     def _apply(self, source: EventSource, seq: int, payload: bytes, replayed: bool) -> None:
-        self._next[source.url] = seq + 1
+        url = source.url
+        self._next[url] = seq + 1
         try:
             batch: KVEventBatch = decode_batch(payload, source.event_encoding)
         except msgspec.DecodeError:
-            self._counters.malformed += 1  # its events are lost: err towards "not held"
+            self._count(url).malformed += 1  # its events are lost: err towards "not held"
             self.index.clear(source.url)
             return
         for event in batch.events:
             self.index.apply(source.url, event)
-        self._counters.batches += 1
-        self._counters.events += len(batch.events)
-        self._counters.replayed += int(replayed)
+        self._count(url).batches += 1
+        self._count(url).events += len(batch.events)
+        self._count(url).replayed += int(replayed)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -29,6 +29,36 @@ class Backend:
     url: str
     inflight: int = 0
     active_blocks: int = 0
+
+
+@dataclass
+class Claim:
+    """One request leg's load on its backend: counted in the backend's `inflight` and
+    `active_blocks` from `start` to `end`.
+
+    Attributes:
+        backend: where the leg goes.
+        blocks: the leg's prompt blocks (`Decision.load_blocks`).
+        on_end: called once by `end` with what the engine answered of the request (its
+            `pdkv_timings` object, or None when there was none), e.g. to check a prediction.
+    """
+
+    backend: Backend
+    blocks: int = 0
+    on_end: Callable[[object], None] | None = None
+
+    def start(self) -> None:
+        """The leg was sent."""
+        self.backend.inflight += 1
+        self.backend.active_blocks += self.blocks
+
+    def end(self, answer: object = None) -> None:
+        """The leg ended (answered, failed or cancelled); `answer` as for `on_end`."""
+        self.backend.inflight -= 1
+        self.backend.active_blocks -= self.blocks
+        if self.on_end is not None:
+            on_end, self.on_end = self.on_end, None
+            on_end(answer)
 
 
 @dataclass(frozen=True)
@@ -75,6 +105,10 @@ class RoutingPolicy(ABC):
     def wants_hashes(self) -> bool:
         """Whether decide() uses the chunk hashes (the proxy computes them only then)."""
         return False
+
+    block_hashes = False
+    """Whether the hashes decide() wants are per engine block (chunk size = block size) rather
+    than per pool chunk."""
 
 
 class RoundRobin(RoutingPolicy):
@@ -203,6 +237,16 @@ class PrefixAware(RoutingPolicy):
 POLICIES: dict[str, type[RoutingPolicy]] = {
     "round_robin": RoundRobin, "least_loaded": LeastLoaded, "prefix_aware": PrefixAware,
 }
+"""The policies that need nothing but their config."""
+
+KV_EVENT_POLICIES = ("kv_aware", "kv_aware_oracle")
+"""Policies that read the KV event index (`pdkv.router.kv_aware`; the proxy builds them, with
+its subscriber): kv_aware, and kv_aware_oracle, the same cost over each engine's cache as the
+engine reports it just before every decision (a benchmark's upper bound, one request to every
+engine per decision)."""
+
+POLICY_NAMES = (*POLICIES, *KV_EVENT_POLICIES)
+"""Every routing policy name (`--routing`)."""
 
 
 def make_policy(name: str, prefix_aware: PrefixAwareConfig | None = None) -> RoutingPolicy:
@@ -213,7 +257,11 @@ def make_policy(name: str, prefix_aware: PrefixAwareConfig | None = None) -> Rou
     """
     if name == "prefix_aware":
         return PrefixAware(prefix_aware)
+    if name in KV_EVENT_POLICIES:
+        raise ValueError(f"routing policy {name!r} needs a KV event index: "
+                         "pdkv.router.kv_aware builds it")
     try:
         return POLICIES[name]()
     except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; known: {sorted(POLICIES)}") from None
+        raise ValueError(f"unknown routing policy {name!r}; known: {sorted(POLICY_NAMES)}"
+                         ) from None

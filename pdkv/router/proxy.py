@@ -55,6 +55,8 @@ from starlette.requests import ClientDisconnect
 from pdkv.jsontypes import JSONObject, JSONValue
 from pdkv.router.backend_health import BackendHealth, HealthCheckConfig
 from pdkv.router.backend_info import BackendInfos, unknown_model
+from pdkv.router.kv_aware import KVAwareConfig
+from pdkv.router.kv_index import KVIndexConfig
 from pdkv.router.policies import Backend, PrefixAwareConfig
 from pdkv.router.pool_record import DEFAULT_MAX_ENTRIES as POOL_RECORD_ENTRIES
 from pdkv.router.pool_record import PoolRecord
@@ -91,6 +93,8 @@ def build_proxy_app(
     backend_urls: list[str] | None = None,
     tokenizer: str | None = None,
     prefix_aware: PrefixAwareConfig | None = None,
+    kv_aware: KVAwareConfig | None = None,
+    kv_index: KVIndexConfig | None = None,
     skip_prefill_on_pool_hit: bool = False,
     pool_record_entries: int = POOL_RECORD_ENTRIES,
     health_check: HealthCheckConfig | None = None,
@@ -110,6 +114,8 @@ def build_proxy_app(
             and chat template, the length check bounds a chat prompt by its rendered size (None:
             only prompts given as token ids get chunk hashes; D counts every chat prompt).
         prefix_aware: prefix_aware's bounds.
+        kv_aware, kv_index: kv_aware's cost weight, and its KV event index's medium weights and
+            bound (`pdkv.router.proxy_routing`: the proxy follows each engine's KV events).
         skip_prefill_on_pool_hit: P/D with a shared KV pool: send a request straight to D when
             the proxy's record (`pdkv.router.pool_record`) says the pool holds every loadable
             chunk of its prompt (needs chunk hashes: a tokenizer, or token-id prompts).
@@ -137,7 +143,7 @@ def build_proxy_app(
     metrics = ProxyMetrics()
     state: dict[str, httpx.AsyncClient] = {}
     router = RequestRouter(routing, infos, metrics, lambda: state["client"], tokenizer,
-                           prefix_aware)
+                           prefix_aware, kv_aware, kv_index)
     roles = ([("backend", b) for b in colocated] if colocated else
              [("prefill", b) for b in prefills] + [("decode", b) for b in decodes])
     health_state = BackendHealth(roles, health_check or HealthCheckConfig(),
@@ -150,8 +156,10 @@ def build_proxy_app(
         ok = await health_state.probe(state["client"], url)
         if ok:
             await infos.refresh(state["client"], url)
+            await router.follow(url)
         else:
             infos.forget(url)
+            router.unfollow(url)
         return ok
 
     async def probe(url: str) -> bool:
@@ -197,6 +205,7 @@ def build_proxy_app(
             await asyncio.wait(releases, timeout=SHUTDOWN_WAIT_S)
         for task in list(releases):
             task.cancel()
+        await router.aclose()
         await infos.aclose()
         await state["client"].aclose()
 
@@ -377,7 +386,8 @@ def build_proxy_app(
             return refused
         clock.mark("length")
         return await sender.decode_leg(
-            b, path, body, headers, None, bool(body.get("stream")), clock, leg="whole"
+            b, path, body, headers, None, bool(body.get("stream")), clock, leg="whole",
+            claim=router.claim("whole", decision)
         )
 
     return app

@@ -7,13 +7,38 @@ import argparse
 
 from pdkv.malloc_tuning import DEFAULT_PROXY_THRESHOLD, pin_mmap_threshold
 from pdkv.router.backend_health import DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, HealthCheckConfig
+from pdkv.router.kv_aware import DEFAULT_OVERLAP_WEIGHT, KVAwareConfig
+from pdkv.router.kv_index import (
+    DEFAULT_MAX_BLOCKS_PER_INSTANCE,
+    DEFAULT_MEDIUM_WEIGHTS,
+    KVIndexConfig,
+)
 from pdkv.router.policies import (
     DEFAULT_MAX_ENTRIES,
     DEFAULT_MAX_IMBALANCE,
-    POLICIES,
+    POLICY_NAMES,
     PrefixAwareConfig,
 )
 from pdkv.router.pool_record import DEFAULT_MAX_ENTRIES as POOL_RECORD_ENTRIES
+
+
+def medium_weights(text: str) -> dict[str, float]:
+    """`--kv-medium-weights`: "MEDIUM=W,..." -> {MEDIUM: W} (the defaults for media not named).
+
+    Raises:
+        argparse.ArgumentTypeError: an item that is not MEDIUM=number.
+    """
+    weights = dict(DEFAULT_MEDIUM_WEIGHTS)
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        name, sep, value = item.partition("=")
+        try:
+            if not sep or not name.strip():
+                raise ValueError
+            weights[name.strip().upper()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not MEDIUM=WEIGHT (e.g. DRAM=0.8)") from None
+    return weights
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -27,8 +52,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address")
     parser.add_argument("--port", type=int, default=8000, help="bind port")
-    parser.add_argument("--routing", default="round_robin", choices=sorted(POLICIES),
-                        help="policy within each pool")
+    parser.add_argument("--routing", default="round_robin", choices=sorted(POLICY_NAMES),
+                        help="policy within each pool (kv_aware: by the engines' KV events, "
+                        "which they publish with --kv-events-config; kv_aware_oracle: the same "
+                        "cost over what each engine holds, asked before every decision)")
     parser.add_argument(
         "--tokenizer",
         default=None,
@@ -48,6 +75,27 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_MAX_ENTRIES,
         help="prefix_aware: most (instance, chunk hash) pairs remembered (LRU; ~200 B each)",
+    )
+    parser.add_argument(
+        "--kv-overlap-score-weight",
+        type=float,
+        default=DEFAULT_OVERLAP_WEIGHT,
+        help="kv_aware: blocks of load one cached prompt block is worth (Dynamo's flag; 0 = "
+        "least loaded by blocks)",
+    )
+    parser.add_argument(
+        "--kv-medium-weights",
+        type=medium_weights,
+        default=None,
+        help="kv_aware: worth of a block held in each medium, 0..1, e.g. GPU=1,DRAM=0.8,DISK=0.5 "
+        "(given media replace the defaults: "
+        + ",".join(f"{k}={v}" for k, v in DEFAULT_MEDIUM_WEIGHTS.items()) + ")",
+    )
+    parser.add_argument(
+        "--kv-index-max-blocks",
+        type=int,
+        default=DEFAULT_MAX_BLOCKS_PER_INSTANCE,
+        help="kv_aware: most block hashes the index keeps per engine and medium (oldest first out)",
     )
     parser.add_argument(
         "--skip-prefill-on-pool-hit",
@@ -117,6 +165,11 @@ def main(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         prefix_aware=PrefixAwareConfig(
             args.prefix_aware_max_imbalance, args.prefix_aware_max_entries
+        ),
+        kv_aware=KVAwareConfig(args.kv_overlap_score_weight),
+        kv_index=KVIndexConfig(
+            args.kv_medium_weights or dict(DEFAULT_MEDIUM_WEIGHTS),
+            max_blocks_per_instance=args.kv_index_max_blocks,
         ),
         skip_prefill_on_pool_hit=args.skip_prefill_on_pool_hit,
         pool_record_entries=args.pool_record_entries,

@@ -20,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from pdkv.jsontypes import JSONObject, JSONValue
 from pdkv.router.backend_health import BackendHealth
 from pdkv.router.backend_info import BackendInfos
-from pdkv.router.policies import Backend
+from pdkv.router.policies import Backend, Claim
 from pdkv.router.proxy_metrics import ProxyMetrics
 from pdkv.router.proxy_protocol import error_kind, error_response, is_layout_error
 from pdkv.router.timings import RequestClock, StreamStitcher, stitch_response
@@ -126,17 +126,20 @@ class LegSender:
 
     async def decode_leg(self, d: Backend, path: str, decode: JSONObject, headers: dict[str, str],
                          params: JSONValue, stream: bool, clock: RequestClock,
-                         leg: str = "decode") -> Response:
+                         leg: str = "decode", claim: Claim | None = None) -> Response:
         """The decode leg (P/D) or the whole request (colocated, `leg` "whole", params None).
         P's grant (`params`) is released here when D never received the leg or refused it;
-        once D took it, D releases or reads it."""
-        d.inflight += 1
+        once D took it, D releases or reads it. `claim` (default: one in-flight leg on `d`)
+        holds from the send until the leg ends (its stream included) and is then given D's
+        `pdkv_timings`."""
+        claim = claim if claim is not None else Claim(d)
+        claim.start()
         self.metrics.requests.labels(d.url, leg).inc()
         started = clock.d_sent = time.monotonic()
         try:
             resp = await open_leg(self.client(), d.url + path, decode, headers, leg)
         except BaseException as e:
-            d.inflight -= 1
+            claim.end()
             self.metrics.latency.labels(leg).observe(time.monotonic() - started)
             if not isinstance(e, httpx.HTTPError):
                 raise
@@ -146,15 +149,21 @@ class LegSender:
         if resp.status_code != 200 or not stream:
             try:
                 content = await resp.aread()
-            except httpx.HTTPError as e:
+            except BaseException as e:  # no answer, or the client left (cancellation)
+                claim.end()
+                if not isinstance(e, httpx.HTTPError):
+                    raise
                 return self.unreachable(d, leg, headers["X-Request-Id"], e)
             finally:
                 await resp.aclose()
-                d.inflight -= 1
                 self.metrics.latency.labels(leg).observe(time.monotonic() - started)
             if resp.status_code == 200:
-                return Response(stitch_response(clock, content), status_code=200,
-                                media_type="application/json")
+                try:
+                    stitched = stitch_response(clock, content)
+                finally:
+                    claim.end(clock.d_timings)
+                return Response(stitched, status_code=200, media_type="application/json")
+            claim.end()
             if resp.status_code >= 500:
                 logger.warning("request %s: %s leg to %s answered %d: %s", headers["X-Request-Id"],
                                leg, d.url, resp.status_code,
@@ -163,7 +172,7 @@ class LegSender:
             self.metrics.errors.labels(leg, error_kind(resp.status_code, content)).inc()
             return self.backend_error(d, resp.status_code, content)
         return StreamingResponse(
-            self.relay(resp, d, leg, started, StreamStitcher(clock), headers["X-Request-Id"]),
+            self.relay(resp, claim, leg, started, StreamStitcher(clock), headers["X-Request-Id"]),
             media_type="text/event-stream",
             headers={"X-Request-Id": headers["X-Request-Id"]},
         )
@@ -180,8 +189,9 @@ class LegSender:
             return error_response(message, 503, "ServiceUnavailableError")
         return Response(content, status_code=status, media_type="application/json")
 
-    async def relay(self, resp: httpx.Response, d: Backend, leg: str, started: float,
+    async def relay(self, resp: httpx.Response, claim: Claim, leg: str, started: float,
                     stitcher: StreamStitcher, rid: str) -> AsyncIterator[bytes]:
+        d = claim.backend
         # An encoded (compressed) stream is relayed as it comes: its events cannot be read.
         plain = not resp.headers.get("content-encoding")
         try:
@@ -208,6 +218,6 @@ class LegSender:
             }
             yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
         finally:
-            d.inflight -= 1
+            claim.end(stitcher.clock.d_timings)
             self.metrics.latency.labels(leg).observe(time.monotonic() - started)
             await resp.aclose()

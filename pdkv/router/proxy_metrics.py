@@ -7,7 +7,14 @@ with its stream).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pdkv.router.kv_subscriber import SubscriberCounters
 
 LEG_BUCKETS = (
     0.005,
@@ -53,6 +60,17 @@ class ProxyMetrics:
             "decode" (a non-streamed decode leg or whole request).
         pdkv:proxy_backend_healthy{backend, role}: 1 while the proxy routes to the engine, 0
             while it is unhealthy (`pdkv.router.backend_health`).
+        pdkv:proxy_kv_predictions_total{backend, outcome} (kv_aware, kv_aware_oracle): legs
+            whose engine reported its prefix-cache hit; outcome "exact" (the prompt tokens the
+            policy predicted the engine's own cache holds = the engine's hit), "over" (predicted
+            more), "under" (predicted less). Wrong predictions = over + under.
+        pdkv:proxy_kv_predicted_cached_tokens_total{backend}, ...reported_cached_tokens_total:
+            those legs' predicted and engine-reported prefix-cache hit tokens.
+        pdkv:proxy_kv_index_blocks{backend, medium}, pdkv:proxy_kv_events_<counter>_total
+            {backend}: the KV event index's size and its subscriber's counters
+            (`pdkv.router.kv_subscriber.SubscriberCounters`: batches and events received,
+            replayed, replays asked, duplicates, gaps unfilled, restarts, malformed, foreign),
+            while the proxy follows KV events (`watch_kv_events`).
     """
 
     def __init__(self) -> None:
@@ -103,7 +121,60 @@ class ProxyMetrics:
             registry=r,
         )
 
+        self.kv_predictions = Counter(
+            "pdkv:proxy_kv_predictions",
+            "Legs whose engine reported its prefix-cache hit, by the routing prediction's outcome",
+            ["backend", "outcome"],
+            registry=r,
+        )
+        self.kv_predicted_tokens = Counter(
+            "pdkv:proxy_kv_predicted_cached_tokens",
+            "Prompt tokens the routing policy predicted the engine's prefix cache holds",
+            ["backend"],
+            registry=r,
+        )
+        self.kv_reported_tokens = Counter(
+            "pdkv:proxy_kv_reported_cached_tokens",
+            "Prompt tokens the engine reported as hits of its own prefix cache",
+            ["backend"],
+            registry=r,
+        )
+
+    def watch_kv_events(self, read: Callable[[], Mapping[str, KVEventsState]]) -> None:
+        """Export the KV event index's size and the subscriber's counters, read from `read`
+        (backend URL -> its state) each time /metrics is rendered."""
+        self.registry.register(_KVEventsCollector(read))
+
     def render(self) -> bytes:
         """Prometheus text exposition."""
         return generate_latest(self.registry)
 
+
+
+KVEventsState = tuple[SubscriberCounters, Mapping[str, int]]
+"""One backend's subscriber counters and its index size (medium -> block hashes held)."""
+
+
+class _KVEventsCollector(Collector):
+    def __init__(self, read: Callable[[], Mapping[str, KVEventsState]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        states = self._read()
+        size = GaugeMetricFamily("pdkv:proxy_kv_index_blocks",
+                                 "Block hashes the KV event index holds per backend and medium",
+                                 labels=["backend", "medium"])
+        counters: dict[str, CounterMetricFamily] = {}
+        for url, (counts, blocks) in states.items():
+            for medium, n in blocks.items():
+                size.add_metric([url, medium], n)
+            for name, value in asdict(counts).items():
+                family = counters.get(name)
+                if family is None:
+                    family = counters[name] = CounterMetricFamily(
+                        f"pdkv:proxy_kv_events_{name}",
+                        f"KV event subscriber: {name.replace('_', ' ')} (per backend)",
+                        labels=["backend"])
+                family.add_metric([url], value)
+        yield size
+        yield from counters.values()

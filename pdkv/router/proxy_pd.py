@@ -25,7 +25,7 @@ from fastapi.responses import Response
 from pdkv.jsontypes import JSONObject, JSONValue
 from pdkv.router.backend_health import BackendHealth
 from pdkv.router.backend_info import BackendInfos, pair_mismatch
-from pdkv.router.policies import Backend
+from pdkv.router.policies import Backend, Claim
 from pdkv.router.pool_record import PoolRecord, loadable_chunks
 from pdkv.router.prefix_keys import DEFAULT_BLOCK_SIZE, Granularity, request_chunk_hashes
 from pdkv.router.proxy_legs import LegSender, open_leg
@@ -41,15 +41,25 @@ BeforeDecodeHook = Callable[[JSONValue], Awaitable[None]]
 """Awaited with P's kv_transfer_params (as P sent them) between the legs."""
 
 
-def prefill_params(status: int, content: bytes) -> JSONValue:
-    """kv_transfer_params of P's 200 answer (None when absent or unreadable)."""
+def _answer_field(status: int, content: bytes, name: str) -> JSONValue:
+    """Field `name` of P's 200 answer (None when absent or unreadable)."""
     if status != 200:
         return None
     try:
         answer = json.loads(content)
-        return answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        return answer.get(name) if isinstance(answer, dict) else None
     except ValueError:
         return None
+
+
+def prefill_params(status: int, content: bytes) -> JSONValue:
+    """kv_transfer_params of P's 200 answer (None when absent or unreadable)."""
+    return _answer_field(status, content, "kv_transfer_params")
+
+
+def prefill_timings(status: int, content: bytes) -> JSONValue:
+    """P's own `pdkv_timings` in its 200 answer (None when absent or unreadable)."""
+    return _answer_field(status, content, "pdkv_timings")
 
 
 @dataclass
@@ -125,26 +135,31 @@ class PDPath:
         hashes = await asyncio.to_thread(request_chunk_hashes, ids, gran, cache_salt(body))
         return len(ids), ip.pool_chunk_size, hashes
 
-    async def _prefill_leg(self, p: Backend, path: str, body: JSONObject,
+    async def _prefill_leg(self, claim: Claim, path: str, body: JSONObject,
                            headers: dict[str, str]) -> tuple[int, bytes]:
-        """Send the prefill leg to `p`; (status, body) of P's answer. Counts it in-flight on
-        `p` until it ends, also when it ends in the background after its client left.
+        """Send the prefill leg to `claim.backend`; (status, body) of P's answer. The claim
+        holds until the leg ends, also when it ends in the background after its client left,
+        and is given P's `pdkv_timings`.
 
         Raises:
             httpx.HTTPError: P gave no answer.
         """
-        p.inflight += 1
+        p = claim.backend
+        claim.start()
         self.metrics.requests.labels(p.url, "prefill").inc()
         started = time.monotonic()
+        answer: JSONValue = None
         try:
             r = await open_leg(self.client(), p.url + path, prefill_body(body), headers,
                                "prefill")
             try:
-                return r.status_code, await r.aread()
+                status, content = r.status_code, await r.aread()
             finally:
                 await r.aclose()
+            answer = prefill_timings(status, content)
+            return status, content
         finally:
-            p.inflight -= 1
+            claim.end(answer)
             self.metrics.latency.labels("prefill").observe(time.monotonic() - started)
 
     def _release_orphaned(
@@ -176,7 +191,8 @@ class PDPath:
             return self.no_healthy("prefill", self.prefills)
         if not live_d:  # before the prefill leg: P spends nothing on a request D cannot take
             return self.no_healthy("decode", self.decodes)
-        p = (await self.router.decide("prefill", live_p, body, chat, length))[0].backend
+        p_decision, length = await self.router.decide("prefill", live_p, body, chat, length)
+        p = p_decision.backend
         # Prefer decode engines known to fit this P; when none does, the check below names why.
         await self.infos.ensure(self.client(), [p.url] + [b.url for b in live_d])
         fits = [
@@ -201,10 +217,12 @@ class PDPath:
                 self.metrics.prefill_skipped.inc()
                 clock.mode = "pd_skip_prefill"
                 return await self.sender.decode_leg(
-                    d, path, body, headers, None, bool(body.get("stream")), clock
+                    d, path, body, headers, None, bool(body.get("stream")), clock,
+                    claim=self.router.claim("decode", decision)
                 )
         clock.p_sent = time.monotonic()
-        leg = asyncio.ensure_future(self._prefill_leg(p, path, body, headers))
+        leg = asyncio.ensure_future(self._prefill_leg(self.router.claim("prefill", p_decision),
+                                                      path, body, headers))
         try:
             status, content = await asyncio.shield(leg)
         except asyncio.CancelledError:
@@ -246,7 +264,8 @@ class PDPath:
                 await self.before_decode(params)
             sent = True
             return await self.sender.decode_leg(
-                d, path, decode, headers, params, bool(body.get("stream")), clock
+                d, path, decode, headers, params, bool(body.get("stream")), clock,
+                claim=self.router.claim("decode", decision)
             )
         except BaseException:  # the client left (cancellation) or a bug
             if not sent:  # D never saw the request: nobody else will release P's blocks

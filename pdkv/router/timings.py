@@ -104,6 +104,8 @@ class RequestClock:
         d_sent: the decode leg (or the whole request) sent.
         d_first: the first chunk carrying text seen (streaming) or the response read.
         marks: when each part of the `proxy` phase ended (PROXY_PARTS but "other"), as noted.
+        d_timings: the decode engine's (or colocated instance's) own `pdkv_timings`, once
+            `stitch` has read it (None before, or when it sent none).
     """
 
     received: float = field(default_factory=time.monotonic)
@@ -114,6 +116,7 @@ class RequestClock:
     d_sent: float | None = None
     d_first: float | None = None
     marks: dict[str, float] = field(default_factory=dict)
+    d_timings: JSONValue = None
 
     def mark(self, part: str) -> None:
         """Note that the proxy's step `part` (one of PROXY_PARTS but "other") ended now.
@@ -145,6 +148,7 @@ class RequestClock:
         """
         if self.d_sent is None or self.d_first is None:
             raise ValueError("the decode leg's times are not recorded")
+        self.d_timings = d_timings
         d_phases, d_total = _engine_phases(d_timings)
         phases: dict[str, float] = {}
         legs: dict[str, JSONValue] = {}

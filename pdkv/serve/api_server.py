@@ -37,6 +37,7 @@ from pdkv.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    KVHeldRequest,
     TokenizeRequest,
 )
 from pdkv.serve.response_json import ChatCompletionResponse, CompletionResponse
@@ -263,6 +264,32 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
             raise APIError("this engine publishes no KV events (no --kv-events-config)", 404,
                            "NotFoundError")
         return publisher.info(llm.engine.config.scheduler_block_size)
+
+    @app.post("/kv_events/held", response_model=None)
+    async def kv_events_held(req: KVHeldRequest) -> dict[str, int]:
+        """How many leading blocks of a prompt this engine's prefix cache holds right now
+        (`{"held_blocks": k, "block_size": tokens}`): the ground truth a KV event index is
+        checked against (the routing benchmark's oracle). Only while KV events are on (the
+        hashes are published then anyway): 404 otherwise; 400 for a hash that is not 32 bytes of
+        hex or more hashes than max_model_len has blocks. Reads the cache from the server
+        thread, between engine steps or during one: a snapshot, not a lock."""
+        engine = llm.engine
+        if engine.kv_event_publisher is None:
+            raise APIError("this engine publishes no KV events (no --kv-events-config)", 404,
+                           "NotFoundError")
+        block_size = engine.config.scheduler_block_size
+        limit = engine.config.model_config.max_model_len // block_size + 1
+        if len(req.block_hashes) > limit:
+            raise APIError(f"at most {limit} block hashes (max_model_len / block size)",
+                           param="block_hashes")
+        try:
+            hashes = [bytes.fromhex(h) for h in req.block_hashes]
+        except ValueError:
+            hashes = []
+        if len(hashes) != len(req.block_hashes) or any(len(h) != 32 for h in hashes):
+            raise APIError("block_hashes must be 32-byte hashes in hex", param="block_hashes")
+        held = engine.scheduler.kv_cache_manager.num_cached_leading(hashes)
+        return {"held_blocks": held, "block_size": block_size}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:

@@ -38,7 +38,7 @@ from pdkv.serve.response_json import (
     prompt_logprobs_json,
     usage_json,
 )
-from pdkv.serve.timings import engine_timings
+from pdkv.serve.timings import engine_timings, prompt_tokens
 from pdkv.tokenizer import Tokenizer, TokenizerPool
 
 T = TypeVar("T")
@@ -346,7 +346,8 @@ class OpenAIHandlers:
                 "choices": chat_choices,
                 "usage": usage_json(list(finals.values())),
                 "kv_transfer_params": first.kv_transfer_params,
-                "pdkv_timings": engine_timings(p.received, first.metrics, time.monotonic()),
+                "pdkv_timings": engine_timings(p.received, first.metrics, time.monotonic(),
+                                               prompt_tokens(first)),
             }
         return {
             "id": p.request_id,
@@ -356,7 +357,8 @@ class OpenAIHandlers:
             "choices": text_choices,
             "usage": usage_json(list(finals.values())),
             "kv_transfer_params": first.kv_transfer_params,
-            "pdkv_timings": engine_timings(p.received, first.metrics, time.monotonic()),
+            "pdkv_timings": engine_timings(p.received, first.metrics, time.monotonic(),
+                                               prompt_tokens(first)),
         }
 
     async def stream_response(
@@ -416,6 +418,7 @@ class OpenAIHandlers:
                         p.received,
                         out.metrics,
                         first_text if first_text is not None else time.monotonic(),
+                        prompt_tokens(out),
                     )
                 yield _sse(chunk)
         except APIError as e:

@@ -187,3 +187,10 @@ class DetokenizeRequest(_Body):
 
     model: str | None = None
     tokens: list[int]
+
+
+class KVHeldRequest(_Body):
+    """POST /kv_events/held body: a prompt's block hashes (hex, at the engine's block size, in
+    prompt order; `pdkv.block_hashing.hash_request_tokens`)."""
+
+    block_hashes: list[str]

@@ -97,3 +97,26 @@ def test_kv_events_is_404_without_the_config() -> None:
     with server(None) as srv:
         r = httpx.get(srv.url + "/kv_events", timeout=10)
         assert r.status_code == 404 and "kv-events-config" in r.json()["error"]["message"]
+        r = httpx.post(srv.url + "/kv_events/held", json={"block_hashes": []}, timeout=10)
+        assert r.status_code == 404 and "kv-events-config" in r.json()["error"]["message"]
+
+
+def test_held_blocks_answer_what_the_prefix_cache_holds() -> None:
+    """POST /kv_events/held (the routing oracle's truth): the leading blocks of a prompt the
+    engine's prefix cache holds, before and after serving it; bad hashes are a 400."""
+    events = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0"}
+    hashes = [h.hex() for h in hash_request_tokens(PROMPT, 16)]
+
+    def held(body: object) -> httpx.Response:
+        return httpx.post(srv.url + "/kv_events/held", json=body, timeout=10)
+
+    with server(events) as srv:
+        assert held({"block_hashes": hashes}).json() == {"held_blocks": 0, "block_size": 16}
+        complete(srv.url)
+        assert held({"block_hashes": hashes}).json() == {"held_blocks": 3, "block_size": 16}
+        other = "ab" * 32
+        assert held({"block_hashes": [hashes[0], other, hashes[2]]}).json()["held_blocks"] == 1
+        for bad in ({"block_hashes": ["zz"]}, {"block_hashes": ["ab" * 31]},
+                    {"block_hashes": [other] * 10}, {"block_hashes": 3}, {}):
+            r = held(bad)
+            assert r.status_code == 400, (bad, r.text)
