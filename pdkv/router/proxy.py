@@ -20,7 +20,8 @@ disconnects during the prefill leg does not abort it: P would keep the blocks of
 finished under a grant only its answer names, until the lease expires; the proxy waits for that
 answer in the background (within the leg timeout) and tells P to release the grant at once. So
 does a client that leaves between the legs, and a decode leg D never received or refused.
-(Protocol: vllm tests/v1/kv_connector/nixl_integration/toy_proxy_server.py.)
+(Protocol: vllm tests/v1/kv_connector/nixl_integration/toy_proxy_server.py.) The two legs are
+`pdkv.router.proxy_pd`; the choice of engine within each pool is `pdkv.router.proxy_routing`.
 
 Colocated mode (`--backends URL,...`, like vLLM's and SGLang's routers' worker URLs): each request
 goes whole, unchanged, to one kv_both (or connector-less) instance chosen by the routing policy,
@@ -40,12 +41,9 @@ Every response (or the final chunk of a stream) carries the stitched `pdkv_timin
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -56,52 +54,28 @@ from starlette.requests import ClientDisconnect
 
 from pdkv.jsontypes import JSONObject, JSONValue
 from pdkv.router.backend_health import BackendHealth, HealthCheckConfig
-from pdkv.router.backend_info import BackendInfos, pair_mismatch, unknown_model
-from pdkv.router.policies import (
-    Backend,
-    Decision,
-    PrefixAwareConfig,
-    RoutingPolicy,
-    make_policy,
-)
+from pdkv.router.backend_info import BackendInfos, unknown_model
+from pdkv.router.policies import Backend, PrefixAwareConfig
 from pdkv.router.pool_record import DEFAULT_MAX_ENTRIES as POOL_RECORD_ENTRIES
-from pdkv.router.pool_record import PoolRecord, loadable_chunks
-from pdkv.router.prefix_keys import (
-    DEFAULT_BLOCK_SIZE,
-    Granularity,
-    KeysUnavailable,
-    RequestKeyer,
-    request_chunk_hashes,
-)
+from pdkv.router.pool_record import PoolRecord
 from pdkv.router.proxy_admin import fan_out
-from pdkv.router.proxy_legs import LegSender, describe, open_leg
+from pdkv.router.proxy_legs import LegSender, describe
 from pdkv.router.proxy_metrics import ProxyMetrics
 from pdkv.router.proxy_openapi import install_openapi, request_body
-from pdkv.router.proxy_protocol import (
-    error_kind,
-    error_response,
-    prefill_body,
-    releasable,
-    release_prefill,
-)
+from pdkv.router.proxy_pd import BeforeDecodeHook, PDPath
+from pdkv.router.proxy_protocol import error_response, releasable, release_prefill
+from pdkv.router.proxy_routing import RequestRouter
 from pdkv.router.timings import RequestClock
-from pdkv.router.validate import BadRequest, LengthCheck, byte_bound, check_body, parse_body
+from pdkv.router.validate import BadRequest, LengthCheck, check_body, parse_body
 from pdkv.serve.disconnect import ClientDisconnected, until_done_or_disconnect
 
 logger = logging.getLogger(__name__)
 
 
-BeforeDecodeHook = Callable[[JSONValue], Awaitable[None]]
-"""Awaited with P's kv_transfer_params (as P sent them) between the legs."""
-
 KEEPALIVE_EXPIRY_S = 2.0
 """Seconds the proxy keeps an idle connection to an engine: below the engines' own keep-alive
 timeout (uvicorn's 5 s), so the proxy stops reusing a connection before the engine closes it
 (reusing one that the engine closes at the same moment fails the leg without an answer)."""
-
-INLINE_RENDER_CHARS = 65536
-"""A chat whose messages are at most this long (characters, as printed) is rendered with the
-chat template on the event loop (well under a millisecond); a longer one on a thread."""
 
 SHUTDOWN_WAIT_S = 10.0
 """Seconds the proxy's shutdown waits for background releases and orphaned prefill legs."""
@@ -154,22 +128,20 @@ def build_proxy_app(
         raise ValueError("the proxy needs at least one prefill and one decode URL, or --backends")
     prefills = [Backend(u.rstrip("/")) for u in prefill_urls]
     decodes = [Backend(u.rstrip("/")) for u in decode_urls]
-    prefill_policy: RoutingPolicy = make_policy(routing, prefix_aware)
-    decode_policy: RoutingPolicy = make_policy(routing, prefix_aware)
-    whole_policy: RoutingPolicy = make_policy(routing, prefix_aware)
     if skip_prefill_on_pool_hit and colocated:
         raise ValueError(
             "--skip-prefill-on-pool-hit is for P/D (--prefill/--decode) with a shared pool"
         )
     pool_record = PoolRecord(pool_record_entries) if skip_prefill_on_pool_hit else None
     infos = BackendInfos(info_ttl)
-    keyer = RequestKeyer(tokenizer)
     metrics = ProxyMetrics()
+    state: dict[str, httpx.AsyncClient] = {}
+    router = RequestRouter(routing, infos, metrics, lambda: state["client"], tokenizer,
+                           prefix_aware)
     roles = ([("backend", b) for b in colocated] if colocated else
              [("prefill", b) for b in prefills] + [("decode", b) for b in decodes])
     health_state = BackendHealth(roles, health_check or HealthCheckConfig(),
                                  metrics.backend_healthy)
-    state: dict[str, httpx.AsyncClient] = {}
     releases: set[asyncio.Future[Any]] = set()
 
     probing: dict[str, asyncio.Future[bool]] = {}
@@ -217,8 +189,8 @@ def build_proxy_app(
             timeout=httpx.Timeout(timeout, connect=5.0), limits=limits
         )
         prober = asyncio.ensure_future(probe_forever())
-        if keyer.model is not None:  # not on the first request's path (hundreds of ms)
-            background(asyncio.ensure_future(asyncio.to_thread(keyer.load)))
+        if router.keyer.model is not None:  # not on the first request's path (hundreds of ms)
+            background(asyncio.ensure_future(asyncio.to_thread(router.keyer.load)))
         yield
         prober.cancel()
         if releases:
@@ -249,13 +221,16 @@ def build_proxy_app(
 
     sender = LegSender(lambda: state["client"], infos, metrics, release_soon, health_state)
 
-    def first_mismatch() -> str | None:
-        for p in prefills:
-            for d in decodes:
-                why = pair_mismatch(p.url, infos.get(p.url), d.url, infos.get(d.url))
-                if why:
-                    return why
-        return None
+    def no_healthy(leg: str, pool: list[Backend]) -> Response:
+        """503 before any leg: no engine of `pool` is healthy (each one's reason named)."""
+        metrics.errors.labels(leg, "unavailable").inc()
+        what = {"prefill": "prefill backend", "decode": "decode backend"}.get(leg, "backend")
+        return error_response(f"no healthy {what}: {health_state.why_down(pool)}", 503,
+                              "ServiceUnavailableError")
+
+    pd = PDPath(prefills, decodes, lambda: state["client"], infos, health_state, metrics,
+                sender, router, live, no_healthy, background, release_soon, pool_record,
+                before_decode)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -283,7 +258,7 @@ def build_proxy_app(
         report = health_state.report()
         down = [b for b in report if not b["healthy"]]
         why = (f"backend {down[0]['url']} is not healthy ({down[0]['error']})" if down
-               else first_mismatch())
+               else pd.first_mismatch())
         if why:
             error = {"message": why, "type": "ServiceUnavailableError", "param": None,
                      "code": 503}
@@ -370,7 +345,7 @@ def build_proxy_app(
             headers["Authorization"] = raw.headers["authorization"]
         chat = path.endswith("chat/completions")
         work = (_whole(body, path, headers, length, chat, clock) if colocated
-                else _legs(body, path, headers, length, chat, clock))
+                else pd.serve(body, path, headers, length, chat, clock))
         try:
             return await until_done_or_disconnect(work, raw)
         except ClientDisconnected:  # during the prefill leg or a non-streamed decode leg
@@ -386,123 +361,17 @@ def build_proxy_app(
             return "prefill" if clock.p_done is None else "between"
         return "before"
 
-    async def _precheck(
-        p: Backend, d: Backend, length: LengthCheck, headers: dict[str, str]
-    ) -> Response | None:
-        """The layout and prompt-length checks, before anything reaches P."""
-        client = state["client"]
-        await infos.ensure(client, [p.url, d.url])
-        why = pair_mismatch(p.url, infos.get(p.url), d.url, infos.get(d.url))
-        if why:
-            return error_response(why, 503, "ServiceUnavailableError")
-        return await sender.length_check(d, length, headers)
-
-    async def _chat_bound(length: LengthCheck, body: JSONObject, chat: bool) -> LengthCheck:
-        """`length` with an upper bound on a chat prompt's tokens when the proxy has the model's
-        chat template (--tokenizer): the rendered prompt's `byte_bound`, as a text prompt has
-        (then a chat that cannot be too long needs no POST /tokenize to D). Unchanged when the
-        bound is not needed or the proxy cannot render the chat (D counts it)."""
-        if (not chat or length.max_tokens is None or length.prompt_ids is not None
-                or length.upper_bound is not None or keyer.model is None):
-            return length
-        messages = body.get("messages")
-        size = sum(len(str(m)) for m in messages) if isinstance(messages, list) else 0
-        try:
-            if keyer.loaded and size <= INLINE_RENDER_CHARS:  # a thread hop costs more
-                text = keyer.chat_text(body)
-            else:
-                text = await asyncio.to_thread(keyer.chat_text, body)
-        except KeysUnavailable as e:
-            logger.debug("no chat prompt bound: %s", e)
-            return length
-        return dataclasses.replace(length, upper_bound=byte_bound(text))
-
-    async def _token_ids(body: JSONObject, chat: bool) -> list[int] | None:
-        """The prompt's token ids as the engines will see them, or None (routing then falls
-        back)."""
-        try:
-            return await asyncio.to_thread(keyer.token_ids, body, chat)
-        except KeysUnavailable as e:
-            logger.debug("no chunk hashes: %s", e)
-            return None
-
-    def _hashes(ids: list[int], body: JSONObject, pool: list[Backend]) -> dict[str, list[bytes]]:
-        """Each backend's chunk hashes of `ids` (its own block / pool chunk size; one hashing per
-        distinct size)."""
-        salt = s if isinstance(s := body.get("cache_salt"), str) else None
-        by_gran: dict[Granularity, list[bytes]] = {}
-        out: dict[str, list[bytes]] = {}
-        for b in pool:
-            info = infos.get(b.url)
-            block = (info.block_size if info else None) or DEFAULT_BLOCK_SIZE
-            gran = Granularity(block, (info.pool_chunk_size if info else None) or block)
-            if gran not in by_gran:
-                by_gran[gran] = request_chunk_hashes(ids, gran, salt)
-            out[b.url] = by_gran[gran]
-        return out
-
-    async def _pool_chunks(p: Backend, d: Backend, body: JSONObject,
-                           chat: bool) -> tuple[int, int, list[bytes]] | None:
-        """(prompt tokens, chunk size, the prompt's full-chunk hashes) when P and D use one pool
-        chunking, else None (then nothing is skipped or recorded)."""
-        ip, idd = infos.get(p.url), infos.get(d.url)
-        if (
-            ip is None
-            or idd is None
-            or not ip.pool_chunk_size
-            or ip.pool_chunk_size != idd.pool_chunk_size
-        ):
-            return None
-        block = ip.block_size or DEFAULT_BLOCK_SIZE
-        if (idd.block_size or DEFAULT_BLOCK_SIZE) != block:
-            return None
-        ids = await _token_ids(body, chat)
-        if ids is None:
-            return None
-        salt = s if isinstance(s := body.get("cache_salt"), str) else None
-        gran = Granularity(block, ip.pool_chunk_size)
-        hashes = await asyncio.to_thread(request_chunk_hashes, ids, gran, salt)
-        return len(ids), ip.pool_chunk_size, hashes
-
-    async def _decide(policy: RoutingPolicy, pool: list[Backend], leg: str, body: JSONObject,
-                      chat: bool, length: LengthCheck) -> tuple[Decision, LengthCheck]:
-        """The policy's choice within `pool` (chunk hashes computed when it wants them), counted;
-        the length check learns the prompt's token count when the proxy tokenized it."""
-        hashes = None
-        if policy.wants_hashes:
-            await infos.ensure(state["client"], [b.url for b in pool])
-            ids = await _token_ids(body, chat)
-            if ids is not None:
-                hashes = await asyncio.to_thread(_hashes, ids, body, pool)
-                if length.prompt_ids is None:
-                    length = dataclasses.replace(length, prompt_ids=len(ids))
-        decision = policy.decide(pool, hashes)
-        metrics.decisions.labels(policy.name, decision.reason, leg).inc()
-        if decision.matched_chunks and hashes is not None:
-            info = infos.get(decision.backend.url)
-            block = (info.block_size if info else None) or DEFAULT_BLOCK_SIZE
-            chunk = (info.pool_chunk_size if info else None) or block
-            metrics.matched_tokens.labels(decision.backend.url).inc(decision.matched_chunks * chunk)
-        return decision, length
-
-    def no_healthy(leg: str, pool: list[Backend]) -> Response:
-        """503 before any leg: no engine of `pool` is healthy (each one's reason named)."""
-        metrics.errors.labels(leg, "unavailable").inc()
-        what = {"prefill": "prefill backend", "decode": "decode backend"}.get(leg, "backend")
-        return error_response(f"no healthy {what}: {health_state.why_down(pool)}", 503,
-                              "ServiceUnavailableError")
-
     async def _whole(body: JSONObject, path: str, headers: dict[str, str], length: LengthCheck,
                      chat: bool, clock: RequestClock) -> Response:
         """Colocated mode: the whole request to one instance."""
         instances = await live(colocated)
         if not instances:
             return no_healthy("whole", colocated)
-        decision, length = await _decide(whole_policy, instances, "whole", body, chat, length)
+        decision, length = await router.decide("whole", instances, body, chat, length)
         b = decision.backend
         clock.mark("route")
         await infos.ensure(state["client"], [b.url])
-        length = await _chat_bound(length, body, chat)
+        length = await router.chat_bound(length, body, chat)
         refused = await sender.length_check(b, length, headers)
         if refused is not None:
             return refused
@@ -510,143 +379,5 @@ def build_proxy_app(
         return await sender.decode_leg(
             b, path, body, headers, None, bool(body.get("stream")), clock, leg="whole"
         )
-
-    async def _prefill_leg(p: Backend, path: str, body: JSONObject,
-                           headers: dict[str, str]) -> tuple[int, bytes]:
-        """Send the prefill leg to `p`; (status, body) of P's answer. Counts it in-flight on
-        `p` until it ends, also when it ends in the background after its client left.
-
-        Raises:
-            httpx.HTTPError: P gave no answer.
-        """
-        p.inflight += 1
-        metrics.requests.labels(p.url, "prefill").inc()
-        started = time.monotonic()
-        try:
-            r = await open_leg(state["client"], p.url + path, prefill_body(body), headers,
-                               "prefill")
-            try:
-                return r.status_code, await r.aread()
-            finally:
-                await r.aclose()
-        finally:
-            p.inflight -= 1
-            metrics.latency.labels("prefill").observe(time.monotonic() - started)
-
-    def release_orphaned(
-        p: Backend, rid: str
-    ) -> Callable[[asyncio.Task[tuple[int, bytes]]], None]:
-        """The done callback of a prefill leg whose client left: release the grant P's answer
-        names (nothing else would before the lease expires)."""
-
-        def done(leg: asyncio.Task[tuple[int, bytes]]) -> None:
-            if leg.cancelled() or leg.exception() is not None:
-                return  # no answer: P aborted the request, or a held grant's lease ends it
-            status, content = leg.result()
-            params = _params(status, content)
-            if releasable(params):
-                logger.info("request %s: client left during the prefill leg; releasing its "
-                            "grant on %s", rid, p.url)
-                release_soon(params)
-
-        return done
-
-    def _params(status: int, content: bytes) -> JSONValue:
-        """kv_transfer_params of P's 200 answer (None when absent or unreadable)."""
-        if status != 200:
-            return None
-        try:
-            answer = json.loads(content)
-            return answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-        except ValueError:
-            return None
-
-    async def _legs(body: JSONObject, path: str, headers: dict[str, str], length: LengthCheck,
-                    chat: bool, clock: RequestClock) -> Response:
-        client = state["client"]
-        live_p, live_d = health_state.healthy(prefills), health_state.healthy(decodes)
-        if not live_p or not live_d:  # probe first (both pools at once); else no task to wait on
-            live_p, live_d = await asyncio.gather(live(prefills), live(decodes))
-        if not live_p:
-            return no_healthy("prefill", prefills)
-        if not live_d:  # before the prefill leg: P spends nothing on a request D cannot take
-            return no_healthy("decode", decodes)
-        p = (await _decide(prefill_policy, live_p, "prefill", body, chat, length))[0].backend
-        # Prefer decode engines known to fit this P; when none does, the check below names why.
-        await infos.ensure(client, [p.url] + [b.url for b in live_d])
-        fits = [
-            b
-            for b in live_d
-            if pair_mismatch(p.url, infos.get(p.url), b.url, infos.get(b.url)) is None
-        ]
-        decision, length = await _decide(
-            decode_policy, fits or live_d, "decode", body, chat, length
-        )
-        d = decision.backend
-        clock.mark("route")
-        length = await _chat_bound(length, body, chat)
-        refused = await _precheck(p, d, length, headers)
-        if refused is not None:
-            return refused
-        clock.mark("length")
-        pool_chunks = await _pool_chunks(p, d, body, chat) if pool_record is not None else None
-        if pool_chunks and pool_record is not None:
-            n_tokens, chunk, hashes = pool_chunks
-            if pool_record.covers(hashes[: loadable_chunks(n_tokens, chunk)]):
-                # The pool holds the prompt (as far as the proxy knows): D loads it, no P leg.
-                metrics.prefill_skipped.inc()
-                clock.mode = "pd_skip_prefill"
-                return await sender.decode_leg(
-                    d, path, body, headers, None, bool(body.get("stream")), clock
-                )
-        clock.p_sent = time.monotonic()
-        leg = asyncio.ensure_future(_prefill_leg(p, path, body, headers))
-        try:
-            status, content = await asyncio.shield(leg)
-        except asyncio.CancelledError:
-            # The client left during the prefill leg. Aborting it would leave a prefill P already
-            # finished holding its blocks until the lease expires (only P's answer names the
-            # grant): let the leg end in the background and release what it names.
-            leg.add_done_callback(release_orphaned(p, headers["X-Request-Id"]))
-            background(leg)
-            raise
-        except httpx.HTTPError as e:
-            return sender.unreachable(p, "prefill", headers["X-Request-Id"], e)
-        finally:
-            clock.p_done = time.monotonic()
-        if status != 200:
-            if status >= 500:
-                logger.warning("request %s: prefill leg to %s answered %d: %s",
-                               headers["X-Request-Id"], p.url, status,
-                               content[:300].decode("utf-8", "replace"))
-            metrics.errors.labels("prefill", error_kind(status, content)).inc()
-            return Response(content, status_code=status, media_type="application/json")
-        try:
-            answer = json.loads(content)
-            params: JSONValue = answer.get("kv_transfer_params")
-            clock.p_timings = answer.get("pdkv_timings")
-        except (ValueError, AttributeError):
-            logger.warning("502: request %s: prefill leg to %s answered 200 without a JSON "
-                           "object: %r", headers["X-Request-Id"], p.url, content[:300])
-            metrics.errors.labels("prefill", "bad_response").inc()
-            return error_response(
-                f"prefill backend {p.url} answered 200 without a JSON object", 502, "BadGateway"
-            )
-        if pool_chunks and pool_record is not None:
-            pool_record.add(pool_chunks[2])  # P saved the prompt's full chunks into the pool
-        decode = dict(body)
-        decode["kv_transfer_params"] = params
-        sent = False
-        try:
-            if before_decode is not None:
-                await before_decode(params)
-            sent = True
-            return await sender.decode_leg(
-                d, path, decode, headers, params, bool(body.get("stream")), clock
-            )
-        except BaseException:  # the client left (cancellation) or a bug
-            if not sent:  # D never saw the request: nobody else will release P's blocks
-                release_soon(params)
-            raise
 
     return app

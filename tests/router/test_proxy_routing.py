@@ -14,7 +14,8 @@ from fastapi import FastAPI, Request
 
 from pdkv.ports import free_port
 from pdkv.router.policies import Backend, LeastLoaded, RoundRobin, make_policy
-from pdkv.router.proxy import build_proxy_app, prefill_body
+from pdkv.router.proxy import build_proxy_app
+from pdkv.router.proxy_protocol import prefill_body
 
 
 def test_round_robin_cycles():
