@@ -216,7 +216,8 @@ def format_report(result: dict[str, object]) -> str:
              f"{'TTFT mean':>10}{'TTFT p99':>10}{'preempt':>8}{'wrong pred':>11}  decisions"]
     for r in policies:
         if r["error"] is not None:
-            lines.append(f"{r['routing']:<16}failed: {r['error'].splitlines()[0]}")
+            why = [ln for ln in r["error"].splitlines() if ln.strip()] or ["?"]
+            lines.append(f"{r['routing']:<16}failed: {why[-1]}")  # the launcher's last word
             continue
         wrong = r["wrong_prediction_rate"]
         decisions = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["decisions"].items()))
