@@ -94,6 +94,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "question of --input-len tokens (earlier answers: --output-len tokens)",
     )
     g.add_argument(
+        "--system-prompt-len",
+        type=int,
+        default=d.system_prompt_len,
+        help="multi-turn: every conversation opens with a system message of this many tokens "
+        "(0: none)",
+    )
+    g.add_argument(
+        "--num-system-prompts",
+        type=int,
+        default=d.num_system_prompts,
+        help="multi-turn: distinct system prompts; conversation c gets prompt c %% N (groups of "
+        "users sharing a prefix)",
+    )
+    g.add_argument(
         "--input-len",
         "--random-input-len",
         dest="input_len",
@@ -177,6 +191,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         num_prefixes=args.num_prefixes,
         vocab_size=args.vocab_size,
         num_turns=args.num_turns,
+        system_prompt_len=args.system_prompt_len,
+        num_system_prompts=args.num_system_prompts,
         request_rate=args.request_rate,
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,

@@ -26,6 +26,10 @@ class BenchConfig:
     prefix_len: int = 256
     num_prefixes: int = 4
     num_turns: int = 4
+    system_prompt_len: int = 0
+    """multi-turn: tokens of the system message each conversation opens with (0: none)."""
+    num_system_prompts: int = 1
+    """multi-turn: distinct system prompts; conversation c gets prompt c % num_system_prompts."""
     vocab_size: int = 49152
     request_rate: float = math.inf
     burstiness: float = 1.0
@@ -60,6 +64,8 @@ class BenchConfig:
             raise ValueError("--burstiness must be > 0")
         if self.num_turns < 1:
             raise ValueError("--num-turns must be >= 1")
+        if self.system_prompt_len < 0 or self.num_system_prompts < 1:
+            raise ValueError("--system-prompt-len must be >= 0 and --num-system-prompts >= 1")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("--max-concurrency must be >= 1")
         self.base_url = self.base_url.rstrip("/")

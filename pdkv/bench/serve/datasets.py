@@ -1,4 +1,5 @@
-"""Prompts for `pdkv bench serve`: random, prefix-repetition, multi-turn and jsonl datasets.
+"""Prompts for `pdkv bench serve`: random, prefix-repetition, multi-turn (optionally opening with
+one of a few shared system prompts) and jsonl datasets.
 
 Token counts come from the server's own tokenizer when it has one: random token ids in
 [100, vocab_size) (ids < 100 are left out as likely special tokens) are turned into text with
@@ -227,7 +228,8 @@ def transcript(messages: Sequence[dict[str, str]]) -> str:
 
 async def multi_turn_dataset(tok: PromptTokenizer, num_conversations: int, num_turns: int,
                              input_len: int, output_len: int, vocab_size: int,
-                             seed: int) -> list[SampleRequest]:
+                             seed: int, prefix_len: int = 0,
+                             num_prefixes: int = 1) -> list[SampleRequest]:
     """`num_conversations` conversations of `num_turns` turns each; turn t's prompt is the turns
     before it (question and answer each) plus a new question, so each turn's prompt extends the
     previous turn's.
@@ -238,24 +240,46 @@ async def multi_turn_dataset(tok: PromptTokenizer, num_conversations: int, num_t
     conversation, ... (users taking turns); with --max-concurrency 1 the requests go one at a time
     in this order, so a router sees the same sequence every run. Each sample carries its chat
     `messages`; its `prompt` is their `transcript` (completions endpoint).
+
+    With `prefix_len` > 0 every conversation opens with a system message of ~prefix_len tokens,
+    one of `num_prefixes` distinct ones: conversation c gets system prompt c % num_prefixes, so
+    the conversations sharing a system prompt (a group of users) share that prompt prefix and the
+    groups alternate in the turn-major order. The system prompts are drawn from their own seeded
+    stream, so the questions and answers are the same as without them; `prefix_len` 0 (the
+    default) gives exactly the conversations of earlier versions.
+
+    Raises:
+        ValueError: fewer than 1 conversation, turn or prefix, or prefix_len < 0.
     """
     if num_conversations < 1 or num_turns < 1:
         raise ValueError(
             f"multi-turn needs >= 1 conversation and turn, got {num_conversations} x {num_turns}"
+        )
+    if prefix_len < 0 or num_prefixes < 1:
+        raise ValueError(
+            f"multi-turn system prompts need prefix_len >= 0 and num_prefixes >= 1, got "
+            f"{prefix_len} and {num_prefixes}"
         )
     rng = np.random.default_rng(seed)
     pieces = [[(random_ids(rng, input_len, vocab_size), random_ids(rng, output_len, vocab_size))
                for _ in range(num_turns)] for _ in range(num_conversations)]
     fix = np.random.default_rng([seed, 2])
 
-    async def text(ids: list[int]) -> str:
+    async def text(ids: list[int], fix: np.random.Generator = fix) -> str:
         return (await ids_to_prompt(tok, ids, len(ids), fix, vocab_size))[0].strip()
 
     qa = [[(await text(q), await text(a)) for q, a in conv] for conv in pieces]
+    systems: list[str] = []
+    if prefix_len > 0:
+        sys_rng, sys_fix = np.random.default_rng([seed, 3]), np.random.default_rng([seed, 4])
+        systems = [await text(random_ids(sys_rng, prefix_len, vocab_size), sys_fix)
+                   for _ in range(num_prefixes)]
     samples = []
     for t in range(num_turns):
-        for conv in qa:
+        for c, conv in enumerate(qa):
             messages: list[dict[str, str]] = []
+            if systems:
+                messages.append({"role": "system", "content": systems[c % len(systems)]})
             for q, a in conv[:t]:
                 messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
             messages.append({"role": "user", "content": conv[t][0]})

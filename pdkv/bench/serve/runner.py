@@ -68,8 +68,9 @@ async def build_dataset(cfg: BenchConfig, tok: datasets.PromptTokenizer) -> list
         return await datasets.random_dataset(tok, cfg.num_prompts, cfg.input_len, cfg.output_len,
                                              cfg.range_ratio, cfg.vocab_size, cfg.seed)
     if cfg.dataset == "multi-turn":  # --num-prompts conversations of --num-turns turns
-        return await datasets.multi_turn_dataset(tok, cfg.num_prompts, cfg.num_turns, cfg.input_len,
-                                                 cfg.output_len, cfg.vocab_size, cfg.seed)
+        return await datasets.multi_turn_dataset(
+            tok, cfg.num_prompts, cfg.num_turns, cfg.input_len, cfg.output_len, cfg.vocab_size,
+            cfg.seed, prefix_len=cfg.system_prompt_len, num_prefixes=cfg.num_system_prompts)
     if cfg.dataset == "prefix-repetition":
         return await datasets.prefix_repetition_dataset(
             tok, cfg.num_prompts, cfg.prefix_len, cfg.input_len, cfg.output_len,
