@@ -141,18 +141,19 @@ def test_multi_turn_system_prompts_are_shared_per_group():
 def test_a_tiny_run_end_to_end(tmp_path):
     out = tmp_path / "routing.json"
     rc = main(["--model", "tiny-llama-kv2", "--num-instances", "2",
-               "--routing", "round_robin", "prefix_aware",
+               "--routing", "round_robin", "kv_aware",
                "--system-prompts", "2", "--system-prompt-len", "64", "--users-per-prompt", "1",
                "--turns", "2", "--input-len", "8", "--output-len", "4",
                "--num-kv-blocks", "32", "--max-model-len", "512", "--health-timeout", "120",
                "--request-timeout", "60", "--log-dir", str(tmp_path / "logs"),
                "--result-json", str(out)])
     result = json.loads(out.read_text())
-    assert rc == 0, result  # n/a verdict lines (no kv_aware run) are not failures
+    missed = any(c["status"] == "missed" for c in result["verdict"])
+    assert rc == (1 if missed else 0), result  # a missed target fails the run, n/a does not
     cfg = RoutingBenchConfig(system_prompts=2, system_prompt_len=64, users_per_prompt=1,
                              turns=2, input_len=8, output_len=4)
     assert result["workload"]["requests"] == 4
-    assert [p["routing"] for p in result["policies"]] == ["round_robin", "prefix_aware"]
+    assert [p["routing"] for p in result["policies"]] == ["round_robin", "kv_aware"]
     for p in result["policies"]:
         assert p["error"] is None and p["errors"] == []
         assert p["requests"] == 4 and p["completed"] == 4 and p["failed"] == 0
@@ -167,14 +168,20 @@ def test_a_tiny_run_end_to_end(tmp_path):
         # the chat template's count of the workload (the estimate's), give or take re-tokenizing
         assert p["prompt_tokens"] == pytest.approx(workload_prompt_tokens(cfg), rel=0.1)
         assert sum(p["decisions"].values()) == 4  # one routing decision per request
-        assert p["predictions"] is None and p["wrong_prediction_rate"] is None
         assert 0 < p["ttft_mean_ms"] <= p["ttft_p99_ms"]
     # round_robin alternates two instances, so each user's second turn lands where its first
     # was computed and finds at least its system prompt there
-    rr = result["policies"][0]
+    rr, kv = result["policies"]
     assert rr["decisions"] == {"round_robin": 4.0}
     assert rr["prefix_hits"] >= 64 // 16 * 16
-    assert [c["status"] for c in result["verdict"]] == ["n/a", "n/a", "n/a"]
+    assert rr["predictions"] is None and rr["wrong_prediction_rate"] is None
+    # kv_aware checks each of its 4 predictions against the engine's report
+    assert sum(kv["predictions"].values()) == 4
+    wrong = kv["predictions"].get("over", 0) + kv["predictions"].get("under", 0)
+    assert kv["wrong_prediction_rate"] == pytest.approx(wrong / 4)
+    statuses = [c["status"] for c in result["verdict"]]
+    assert statuses[0] == "n/a" and statuses[1] in ("met", "missed")  # no oracle run
+    assert statuses[2] == ("met" if wrong / 4 <= 0.05 else "missed")
     m = result["machine"]
     assert m["commit"] and m["load_average_before"] and m["load_average_after"]
     assert result["estimated_s"] > 0 and result["elapsed_s"] > 0
