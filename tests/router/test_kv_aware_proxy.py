@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -162,3 +163,61 @@ def test_kv_aware_routes_to_the_holder_then_after_eviction_to_the_least_loaded()
             proxy.stop()
         for e in engines:
             e.stop()
+
+
+def test_kv_aware_chooses_the_prefill_engine_that_holds_the_prompt_in_pd() -> None:
+    """`pdkv up --mode pd --num-prefill 2 --routing kv_aware`: a repeated prompt's prefill legs
+    all go to the prefill engine that computed it first, which reports the prefix-cache hit the
+    proxy predicted."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdkv.cli", "up", "--mode", "pd", "--num-prefill", "2",
+         "--num-decode", "1", "--model", "tiny-llama-kv2", "--routing", "kv_aware",
+         "--threads-per-engine", "1", "--", "--num-kv-blocks", "64", "--max-model-len", "256"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        urls: dict[str, str] = {}
+        end = time.monotonic() + 180
+        assert proc.stdout is not None
+        while "ready" not in urls:
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < end, f"pdkv up did not come up: {urls}"
+            m = re.match(r"\s+(\w+): .*?(http://\S+?),", line)
+            if m:
+                urls[m.group(1)] = m.group(2)
+            if line.startswith("ready: "):
+                urls["ready"] = line.split()[1]
+        proxy = urls["ready"]
+        prefills = [urls["prefill0"], urls["prefill1"]]
+        engines = [*prefills, urls["decode0"]]
+
+        def synced() -> bool:
+            m = scrape(proxy)
+            return all(
+                labelled(m, "pdkv:proxy_kv_events_replays_total", backend=u) >= 1
+                and labelled(m, "pdkv:proxy_kv_events_events_total", backend=u)
+                == labelled(scrape(u), "pdkv:kv_events_events_published_total")
+                for u in engines)
+
+        a = prompt(3)
+        answers = []
+        for _ in range(3):
+            until(synced, "the proxy to apply every published event")
+            answers.append(complete(proxy, a))
+        m = scrape(proxy)
+        legs = [labelled(m, "pdkv:proxy_requests_total", backend=u, leg="prefill")
+                for u in prefills]
+        assert sorted(legs) == [0, 3]
+        assert [x["pdkv_timings"]["legs"]["prefill"]["tokens"]["cached"] for x in answers] == [
+            0, 5 * BLOCK, 5 * BLOCK]
+        assert labelled(m, "pdkv:proxy_routing_decisions_total", leg="prefill",
+                        reason="kv_hit") == 2
+        holder = prefills[legs.index(3)]
+        assert labelled(m, "pdkv:proxy_kv_predictions_total", backend=holder,
+                        outcome="exact") == 3
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)

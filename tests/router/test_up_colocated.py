@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -108,3 +109,20 @@ def test_a_pd_proxy_gets_the_model_as_its_tokenizer_whatever_the_routing(routing
     assert proxy.name == "proxy"
     assert proxy.cmd.count("--tokenizer") == 1
     assert proxy.cmd[proxy.cmd.index("--tokenizer") + 1] == "smollm2"
+
+
+@pytest.mark.parametrize("routing", ["kv_aware", "kv_aware_oracle"])
+def test_kv_routing_turns_the_engines_kv_events_on(routing):
+    for mode in (("--mode", "colocated", "--num-instances", "2"), ("--mode", "pd")):
+        args = _args(*mode, "--routing", routing)
+        launcher.check_args(args)
+        topo = launcher.build_topology(args)
+        engines = [c for c in topo.children if c.name != "proxy"]
+        assert engines
+        for e in engines:
+            cfg = json.loads(e.cmd[e.cmd.index("--kv-events-config") + 1])
+            assert cfg["enable_kv_cache_events"] and cfg["endpoint"] == "tcp://127.0.0.1:0"
+        proxy = topo.children[-1]
+        assert proxy.cmd[proxy.cmd.index("--routing") + 1] == routing
+    plain = launcher.build_topology(_args("--mode", "colocated", "--num-instances", "2"))
+    assert all("--kv-events-config" not in c.cmd for c in plain.children)
