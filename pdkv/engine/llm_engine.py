@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,8 @@ from pdkv.kv_events.base import KVEventPublisher, create_publisher
 from pdkv.kv_events.schema import KVEventBatch
 from pdkv.kv_transfer.connector.base import KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
-from pdkv.kv_transfer.connector.spec import connector_spec
+from pdkv.kv_transfer.connector.spec import ConnectorSpec, MultiSpec, PoolSpec, connector_spec
+from pdkv.kvpool.events import PoolEventQueue
 from pdkv.model.structured import compile_grammar
 from pdkv.outputs import RequestOutput
 from pdkv.request import Request, RequestStatus
@@ -30,6 +32,8 @@ from pdkv.worker.kv_cache import KVCacheSizing
 
 if TYPE_CHECKING:
     from pdkv.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -92,6 +96,17 @@ class LLMEngine:
 
             engine_id = kvt.engine_id if kvt is not None else uuid.uuid4().hex
             self.kv_event_publisher = create_publisher(config.kv_events_config, engine_id)
+        # The KV pool tiers' events (stored / dropped chunks) join the same per-step batches.
+        # Their tiers live where the worker half runs: in this process only without worker
+        # processes (TP/DCP engines' pool stores are in the workers; not reported yet).
+        self.pool_events: PoolEventQueue | None = None
+        if self.kv_event_publisher is not None and self.connector is not None:
+            if self.executor.model_runner is not None:
+                self.pool_events = PoolEventQueue()
+                self.connector.report_tier_events(self.pool_events)
+            elif spec is not None and _has_pool(spec):
+                logger.info("KV events: an engine with worker processes does not report its "
+                            "KV pool tiers' events (its pool stores live in the workers)")
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = self.executor.vocab_size
         self.eos_token_id = self.executor.eos_token_id
@@ -263,6 +278,11 @@ class LLMEngine:
         if self.kv_event_publisher is None:
             return
         events = self.scheduler.take_kv_events()
+        if self.pool_events is not None:
+            events += self.pool_events.take()
+            dropped = self.pool_events.take_dropped()
+            if dropped:
+                self.kv_event_publisher.count_dropped_events(dropped)
         if events:
             self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
@@ -285,6 +305,8 @@ class LLMEngine:
         for connector in (self.connector, self.executor.connector):
             if connector is not None:
                 connector.set_wakeup(wakeup)
+        if self.pool_events is not None:  # a pool tier's event: an idle loop steps to publish
+            self.pool_events.set_wakeup(wakeup)
 
     def next_deadline(self) -> float | None:
         """Earliest time.monotonic() at which a connector needs a step (lease expiry or
@@ -326,3 +348,10 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
+
+
+def _has_pool(spec: ConnectorSpec) -> bool:
+    """The connector is a KV pool, or a MultiConnector with one among its children."""
+    if isinstance(spec, MultiSpec):
+        return any(_has_pool(c) for c in spec.children)
+    return isinstance(spec, PoolSpec)

@@ -15,8 +15,9 @@ from pdkv.kv_events.schema import KVEventBatch
 
 @dataclass
 class KVEventCounters:
-    """Cumulative counts of one publisher (each field is written by one thread only: `dropped`
-    by the engine thread, the others by the publisher thread; readers see a recent value).
+    """Cumulative counts of one publisher (each field is written by one thread only:
+    `batches_dropped` (a full queue) and `events_dropped` by the engine thread, the others by the
+    publisher thread; readers see a recent value).
 
     Attributes:
         batches_published: batches sent on the PUB socket.
@@ -25,6 +26,8 @@ class KVEventCounters:
         replay_requests: well-formed replay requests answered.
         replay_malformed: replay requests dropped as malformed (wrong frames, a start sequence
             that is not 8 bytes).
+        events_dropped: events dropped before they reached a batch: the KV pool tiers' event
+            queue (`pdkv.kvpool.events.PoolEventQueue`) was full.
     """
 
     batches_published: int = 0
@@ -32,6 +35,7 @@ class KVEventCounters:
     batches_dropped: int = 0
     replay_requests: int = 0
     replay_malformed: int = 0
+    events_dropped: int = 0
 
 
 class KVEventsInfo(TypedDict):
@@ -66,6 +70,10 @@ class KVEventPublisher(ABC):
     def publish(self, batch: KVEventBatch) -> None:
         """Hand one step's batch over for sending. Called by the engine loop thread once per step
         that has events; never blocks: a batch that cannot be queued is dropped and counted."""
+
+    @abstractmethod
+    def count_dropped_events(self, n: int) -> None:
+        """Add `n` to `events_dropped` (engine loop thread; events lost before a batch)."""
 
     @abstractmethod
     def counters(self) -> KVEventCounters:

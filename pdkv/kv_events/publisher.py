@@ -124,6 +124,9 @@ class ZmqEventPublisher(KVEventPublisher):
         except queue.Full:
             self._counters.batches_dropped += 1
 
+    def count_dropped_events(self, n: int) -> None:
+        self._counters.events_dropped += n
+
     def counters(self) -> KVEventCounters:
         return replace(self._counters)
 

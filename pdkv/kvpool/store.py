@@ -11,6 +11,10 @@ tier, counted, and the next tier is tried. A hit is never wrong data.
 
 Metrics: `stats()` gives cumulative counters per tier ("pool:<tier>:<name>") plus store-wide
 ones; `take_observations()` gives load/save time samples since the last call.
+
+KV events (issue 34): `set_tier_events` makes every tier report the chunks it stores and drops
+(`pdkv.kvpool.events`); the store itself only forgets a chunk's description once its save was
+written to every tier or dropped.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from functools import partial
 from typing import TypeVar
 
 from pdkv.kvpool.codec import CorruptChunk, decode_chunk
+from pdkv.kvpool.events import PoolTierEvents
 from pdkv.kvpool.tiers.base import Tier, TierError
 
 logger = logging.getLogger(__name__)
@@ -95,8 +100,16 @@ class KVPoolStore:
         self._in_flight = 0
         self._closing = False
         self._closed = False
+        self.tier_events: PoolTierEvents | None = None
         self._thread = threading.Thread(target=self._save_loop, name="kvpool-save", daemon=True)
         self._thread.start()
+
+    def set_tier_events(self, events: PoolTierEvents) -> None:
+        """Report every tier's stored and dropped chunks to `events` from now on (KV events;
+        the engine calls it once at start-up, before requests run)."""
+        self.tier_events = events
+        for tier in self.tiers:
+            tier.set_event_listener(events)
 
     @property
     def all_local(self) -> bool:
@@ -231,6 +244,8 @@ class KVPoolStore:
                 accepted = True
         with self._lock:
             self._store_counters["saves" if accepted else "save_drops"] += 1
+        if not accepted and self.tier_events is not None:
+            self.tier_events.forget(key)
         return accepted
 
     def _put(self, st: _TierState, key: str, value: bytes) -> None:
@@ -271,6 +286,8 @@ class KVPoolStore:
                 for st in self._states:
                     self._save_to(st, key, value)
             finally:
+                if self.tier_events is not None:
+                    self.tier_events.forget(key)
                 with self._cv:
                     self._in_flight -= 1
                     self._cv.notify_all()

@@ -269,6 +269,8 @@ KV_EVENT_COUNTERS: dict[str, str] = {
     "batches_dropped": "KV event batches dropped (publisher queue full or send failed)",
     "replay_requests": "KV event replay requests answered",
     "replay_malformed": "Malformed KV event replay requests dropped",
+    "events_dropped": "KV cache events dropped before a batch (the KV pool tiers' event queue "
+                      "was full)",
 }
 
 

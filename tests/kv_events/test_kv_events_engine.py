@@ -220,3 +220,4 @@ def test_malformed_replay_is_dropped_and_counted(engine: LLMEngine, ctx: zmq.Con
     assert (f'pdkv:kv_events_replay_malformed_total{{engine="0",model_name="tiny"}} '
             f"{float(counters.replay_malformed)}") in text
     assert "pdkv:kv_events_batches_dropped_total" in text
+    assert 'pdkv:kv_events_events_dropped_total{engine="0",model_name="tiny"} 0.0' in text

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from pdkv.cache.kv_layout import KVLayout
     from pdkv.cache.specs import KVCacheConfig
     from pdkv.kv_transfer.connector.spec import ConnectorSpec
+    from pdkv.kvpool.events import PoolEventQueue
     from pdkv.request import Request
     from pdkv.sched.output import SchedulerOutput
 
@@ -220,6 +221,12 @@ class KVConnectorBase(ABC):
 
     def on_new_request(self, request: Request) -> None:
         """Scheduler half: a request was queued."""
+
+    def report_tier_events(self, queue: PoolEventQueue) -> None:
+        """Scheduler half, once at start-up (engine loop thread), only when the engine publishes
+        KV events and runs its worker half in this process: put the KV events of the KV pool
+        tiers this connector writes (chunks stored and dropped, `pdkv.kvpool.events`) into
+        `queue`. Connectors without a pool ignore it."""
 
     def shutdown(self) -> None:
         """Stop threads and close sockets."""

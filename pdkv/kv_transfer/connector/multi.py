@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     import torch
 
     from pdkv.cache.specs import KVCacheConfig
+    from pdkv.kvpool.events import PoolEventQueue
     from pdkv.request import Request
     from pdkv.sched.output import SchedulerOutput
 
@@ -222,6 +223,10 @@ class MultiConnector(KVConnectorBase):
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
         for c in self.children:
             c.set_wakeup(wakeup)
+
+    def report_tier_events(self, queue: PoolEventQueue) -> None:
+        for c in self.children:
+            c.report_tier_events(queue)
 
     def kv_cache_buffer(self, group: int, nbytes: int) -> memoryview | None:
         for c in self.children:

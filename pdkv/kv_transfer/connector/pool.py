@@ -25,6 +25,7 @@ from pdkv.kv_transfer.connector.base import (
 from pdkv.kv_transfer.connector.pool_config import PoolConnectorConfig
 from pdkv.kv_transfer.connector.pool_messages import PoolConnectorMetadata
 from pdkv.kv_transfer.connector.pool_scheduler import PoolConnectorScheduler
+from pdkv.kvpool.events import PoolEventQueue, PoolTierEvents
 from pdkv.kvpool.keys import PoolNamespace
 from pdkv.kvpool.store import KVPoolStore
 from pdkv.kvpool.tiers.factory import create_tier
@@ -138,6 +139,14 @@ class KVPoolConnector(RoleDelegatingConnector):
 
     def next_deadline(self) -> float | None:
         return self.scheduler.next_deadline() if self.scheduler is not None else None
+
+    def report_tier_events(self, queue: PoolEventQueue) -> None:
+        """Every tier of the store reports its chunks (medium: the tier's name upper-cased,
+        block size: the chunk size) into `queue`; descriptions are kept for the saves that can
+        wait in the store's queue at once, and more."""
+        self.store.set_tier_events(PoolTierEvents(
+            queue, self.namespace.fingerprint, self.pool.chunk_size,
+            max_described=max(256, 4 * self.pool.save_queue_size)))
 
     # ------------------------------------------------------------------- worker
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:

@@ -245,13 +245,26 @@ class PoolConnectorScheduler:
             skipped = sum(1 for j in range(start, end_chunk) if j in held)
             if skipped:
                 self._count("pool:all:save_skips", skipped)
-            chunks = tuple(c for j, key in zip(range(start, end_chunk), keys)
-                           if j not in held
-                           and (c := self._save_ref(table, j, key, before)) is not None)
-            if chunks:
-                saves.append(PoolSaveSpec(rid, chunks))
+            refs = [(j, c) for j, key in zip(range(start, end_chunk), keys)
+                    if j not in held and (c := self._save_ref(table, j, key, before)) is not None]
+            if refs:
+                saves.append(PoolSaveSpec(rid, tuple(c for _, c in refs)))
+                if self.store.tier_events is not None:
+                    self._describe(request, refs, end_chunk)
             self._saved_chunks[rid] = end_chunk
         return saves
+
+    def _describe(self, request: Request, refs: list[tuple[int, ChunkRef]], end_chunk: int
+                  ) -> None:
+        """Give the KV events of these chunks their parent hash and tokens (events on only)."""
+        events = self.store.tier_events
+        assert events is not None
+        hashes = chunk_hashes(request.block_hashes, self.block_size, self.chunk,
+                              end_chunk * self.chunk)
+        tokens = request.all_token_ids
+        for j, ref in refs:
+            events.describe(ref.key, hashes[j - 1] if j else None,
+                            tokens[j * self.chunk:(j + 1) * self.chunk])
 
     def _save_ref(self, table: list[list[int]], j: int, key: str, before: int) -> ChunkRef | None:
         """Chunk j's blocks to store (window groups: its tail window only), or None when a

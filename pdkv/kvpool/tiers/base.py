@@ -9,6 +9,11 @@ quickly (it never hangs) and the store turns that into a miss and a failure coun
 
 Thread-safety: the store calls a tier from its save thread and from load/lookup threads at once;
 every tier must be safe for that.
+
+KV events (issue 34, `pdkv.kvpool.events`): with a listener set (`set_event_listener`, only when
+the engine publishes KV events) a tier reports the keys it stored and the keys it dropped, in the
+order they happened to each key (a key's removal is reported after its store: tiers report
+inside the lock that orders their own updates). Without one, reporting costs an attribute test.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdkv.kvpool.events import TierEventListener
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +47,25 @@ class Tier(ABC):
         name: the tier's name in config and metrics ("dram", "disk", "redis", "mooncake").
         local_index: True when `contains_many` answers from process memory (no round trip), so
             the engine thread may call it inline; False for remote tiers (called off-thread).
+        events: where stored and dropped keys are reported (None: nowhere, the default).
     """
 
     name: str = ""
     local_index: bool = False
+    events: TierEventListener | None = None
+
+    def set_event_listener(self, listener: TierEventListener | None) -> None:
+        """Report stored and dropped keys to `listener` from now on (None: stop). Set once,
+        before the tier is used by other threads (the engine, at start-up)."""
+        self.events = listener
+
+    def _report_stored(self, key: str) -> None:
+        if self.events is not None:
+            self.events.stored(self.name, (key,))
+
+    def _report_removed(self, keys: Sequence[str]) -> None:
+        if self.events is not None and keys:
+            self.events.removed(self.name, keys)
 
     @abstractmethod
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
@@ -142,21 +166,31 @@ class OwnEntries:
     the instance can report the bytes it holds there when the store cannot say cheaply.
     `prune` drops those the store no longer has (evicted, expired, removed by another client).
     Thread-safe.
+
+    Args:
+        tier: the tier whose KV events (`Tier.set_event_listener`) report these entries: a
+            recorded put as stored, a recorded entry dropped (removed, read as a miss, pruned)
+            as removed, both under this object's lock so one key's store is reported first.
+            None: no events.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tier: Tier | None = None) -> None:
         self._lock = threading.Lock()
         self._sizes: dict[str, int] = {}
+        self._tier = tier
 
     def add(self, key: str, nbytes: int) -> None:
         """Record a successful put of `nbytes` bytes under `key`."""
         with self._lock:
             self._sizes[key] = nbytes
+            if self._tier is not None:
+                self._tier._report_stored(key)
 
     def drop(self, key: str) -> None:
         """Forget `key` (removed, or read as a miss)."""
         with self._lock:
-            self._sizes.pop(key, None)
+            if self._sizes.pop(key, None) is not None and self._tier is not None:
+                self._tier._report_removed((key,))
 
     def keys(self) -> list[str]:
         """The keys recorded now."""
@@ -166,7 +200,8 @@ class OwnEntries:
     def prune(self, keys: Sequence[str], present: Sequence[bool]) -> int:
         """Forget the `keys` whose `present` is False; the bytes of the entries still recorded."""
         with self._lock:
-            for key, held in zip(keys, present):
-                if not held:
-                    self._sizes.pop(key, None)
+            gone = [key for key, held in zip(keys, present)
+                    if not held and self._sizes.pop(key, None) is not None]
+            if gone and self._tier is not None:
+                self._tier._report_removed(gone)
             return sum(self._sizes.values())

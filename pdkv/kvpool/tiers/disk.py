@@ -71,11 +71,38 @@ def key_to_filename(key: str) -> str:
     return name + SUFFIX
 
 
+def filename_to_key(name: str) -> str | None:
+    """The key whose file is `name` (the inverse of `key_to_filename`), or None when `name` is
+    not such a file name."""
+    if not name.endswith(SUFFIX):
+        return None
+    text = name[: -len(SUFFIX)].replace("_", ":")
+    if "%" not in text:
+        return text
+    out = bytearray()
+    i = 0
+    try:
+        while i < len(text):
+            if text[i] == "%":
+                out.append(int(text[i + 1 : i + 3], 16))
+                i += 3
+            else:
+                out.extend(text[i].encode())
+                i += 1
+        return out.decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
 class DiskTier(Tier):
     """Chunks as files under `path`, at most `capacity_bytes` of `.kv` file contents in the
     directory (all processes together, see the module docstring), LRU eviction (files deleted).
     Thread-safe: the index is guarded by a lock, held for the rescan, rename and evictions of a
     put; file reads and the data writes run outside it.
+
+    KV events (`set_event_listener`), reported under the lock: a put reports the files it
+    evicted and the entries whose files it found gone (another process evicted them), then the
+    key it stored; `remove` and a read that finds the file gone report the key.
 
     Args:
         path: directory (created if missing).
@@ -126,14 +153,16 @@ class DiskTier(Tier):
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
 
-    def _refresh_locked(self) -> None:
+    def _refresh_locked(self) -> list[str]:
         """Make the index the directory's contents: drop entries whose file is gone and add new
         `.kv` files (one stat each, oldest mtime first, as the most recently used). Known files
         are not stat'ed (a value never changes; their mtime is checked when they are about to be
-        evicted). Raises OSError if the directory cannot be listed."""
+        evicted). Returns the names dropped. Raises OSError if the directory cannot be
+        listed."""
         names = {n for n in os.listdir(self.path)
                  if n.endswith(SUFFIX) and not n.startswith(TMP_PREFIX)}
-        for name in [n for n in self._index if n not in names]:
+        gone = [n for n in self._index if n not in names]
+        for name in gone:
             del self._index[name]
         new: list[tuple[int, str, int]] = []
         for name in names.difference(self._index):
@@ -146,26 +175,30 @@ class DiskTier(Tier):
         for mtime, name, size in sorted(new):
             self._index[name] = (size, mtime)
         self._used = sum(size for size, _ in self._index.values())
+        return gone
 
     def _file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
-    def _evict_locked(self, incoming: int, keep: str = "") -> None:
+    def _evict_locked(self, incoming: int, keep: str = "") -> list[str]:
         """Delete least recently used files (never `keep`) until `incoming` more bytes fit.
         Before a file goes its mtime is read: a file another process used since this tier last
         saw it gets a second chance (moved to the most recent end, once per call); a file
-        already deleted frees its bytes but is not counted as an eviction."""
+        already deleted frees its bytes but is not counted as an eviction. Returns the names
+        that left the index (deleted, or found gone)."""
         spared: set[str] = set()
+        dropped: list[str] = []
         while self._used + incoming > self.capacity_bytes:
             victim = next((n for n in self._index if n != keep), None)
             if victim is None:
-                return
+                return dropped
             size, seen = self._index[victim]
             try:
                 mtime = os.stat(self._file(victim), follow_symlinks=False).st_mtime_ns
             except FileNotFoundError:
                 del self._index[victim]
                 self._used -= size
+                dropped.append(victim)
                 continue
             except OSError:
                 mtime = seen
@@ -176,11 +209,13 @@ class DiskTier(Tier):
                 continue
             del self._index[victim]
             self._used -= size
+            dropped.append(victim)
             try:
                 os.unlink(self._file(victim))
             except OSError:
                 continue  # gone already, or cannot be deleted (the next scan finds it again)
             self._evictions += 1
+        return dropped
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """Presence of each key: the in-memory index first, then (for keys it lacks) one stat of
@@ -246,6 +281,12 @@ class DiskTier(Tier):
             entry = self._index.pop(name, None)
             if entry is not None:
                 self._used -= entry[0]
+                self._report_names((name,))
+
+    def _report_names(self, names: Sequence[str]) -> None:
+        """Report the keys of file `names` as removed (KV events; caller holds the lock)."""
+        if self.events is not None and names:
+            self._report_removed([k for k in map(filename_to_key, names) if k is not None])
 
     def put(self, key: str, value: bytes) -> None:
         """Write `value` to a temporary file (fsync'ed when `fsync`), rename it to the key's
@@ -281,10 +322,12 @@ class DiskTier(Tier):
                 # The scan indexes the new file with the other new ones (theirs too: they count
                 # against capacity), oldest first; this one is then the most recent.
                 self._index.pop(name, None)
-                self._refresh_locked()
+                gone = self._refresh_locked()
                 if name in self._index:
                     self._index.move_to_end(name)
-                self._evict_locked(0, keep=name)
+                gone += self._evict_locked(0, keep=name)
+                self._report_names([n for n in gone if n != name])
+                self._report_stored(key)
             if self.fsync:
                 _fsync_dir(self.path)
         except OSError as e:
@@ -315,8 +358,13 @@ class DiskTier(Tier):
             entry = self._index.pop(name, None)
             if entry is not None:
                 self._used -= entry[0]
-            with contextlib.suppress(OSError):
+            try:
                 os.unlink(self._file(name))
+                unlinked = True
+            except OSError:
+                unlinked = False
+            if entry is not None or unlinked:
+                self._report_removed((key,))
 
     def bytes_in_use(self) -> int:
         """Bytes of `.kv` files in the directory (every process's) as of this tier's last scan

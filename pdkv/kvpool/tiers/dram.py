@@ -13,6 +13,9 @@ class DramTier(Tier):
     """Values held in this process, evicted least-recently-used first to keep the sum of value
     lengths at or under `capacity_bytes`.
 
+    KV events (`set_event_listener`): a put reports the keys it evicted, then the key it stored;
+    `remove` reports the key if it was held; `close` reports nothing (the engine is stopping).
+
     Only `get` and `put` count as a use; `contains_many` does not touch LRU order, so chunks that
     are looked up but never read age out like any other. Thread-safe (one lock, held only for
     dictionary work, never for I/O).
@@ -65,12 +68,17 @@ class DramTier(Tier):
             if key in self._entries:
                 self._entries.move_to_end(key)
                 return
+            evicted: list[str] = []
             while self._used + size > self.capacity_bytes:
-                _, old = self._entries.popitem(last=False)
+                old_key, old = self._entries.popitem(last=False)
                 self._used -= len(old)
                 self._evictions += 1
+                evicted.append(old_key)
             self._entries[key] = value
             self._used += size
+            # Under the lock: a key's store is reported before any later eviction of it.
+            self._report_removed(evicted)
+            self._report_stored(key)
 
     def remove(self, key: str) -> None:
         """Drop `key` if present."""
@@ -78,6 +86,7 @@ class DramTier(Tier):
             old = self._entries.pop(key, None)
             if old is not None:
                 self._used -= len(old)
+                self._report_removed((key,))
 
     def bytes_in_use(self) -> int:
         """Sum of the lengths of the values held."""

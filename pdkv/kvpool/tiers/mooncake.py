@@ -32,6 +32,13 @@ with its size (dropped on `remove` and on a `get` miss) and, in the background a
 round trip) and forgets the rest (evicted by the store or removed by another client).
 `bytes_in_use` never waits for that. Instances sharing the store each report their own writes,
 so the pool's total is about their sum (a chunk two instances both put counts twice).
+
+KV events (`Tier.set_event_listener`, issue 34): only what this instance does or sees is
+reported. A put of this instance reports its key stored; its `remove`, a `get` miss on a key it
+put, and the background check above finding such a key gone report it removed. A drop by the
+store itself (its eviction) or by another client's remove is not seen when it happens: it is
+reported at the next miss or background check (at most `BYTES_IN_USE_MAX_AGE_S` seconds later
+while the store's stats are read every step), and never for keys this instance did not put.
 """
 
 from __future__ import annotations
@@ -227,7 +234,7 @@ class MooncakeTier(Tier):
         self._store: Any = None  # the set-up client, once the master answered
         self._setup_lock = threading.Lock()
         self._workers = _Workers(_NUM_WORKERS)
-        self._own = OwnEntries()
+        self._own = OwnEntries(self)
         self._in_use = BackgroundValue(
             self.fetch_bytes_in_use, BYTES_IN_USE_MAX_AGE_S, "pdkv-mooncake-in-use"
         )

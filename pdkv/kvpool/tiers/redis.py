@@ -14,6 +14,14 @@ counts twice). `INFO memory`'s used_memory_dataset was not used: it counts the s
 allocations, not values (a 3 MiB value takes 3.5 MiB, and a connection's query buffer moves in
 and out of it), so it is noisy for a pool of a few chunks, and it counts whatever else the
 server keeps.
+
+KV events (`Tier.set_event_listener`, issue 34): only what this instance does or sees is
+reported. A put of this instance reports its key stored; its `remove`, a `get` miss on a key it
+put, and the background check above finding such a key gone report it removed. A drop by redis
+itself (TTL expiry, maxmemory eviction) or by another client's DEL is not seen when it happens:
+it is reported at the next miss or background check (at most `BYTES_IN_USE_MAX_AGE_S` seconds
+later while the store's stats are read every step), and never for keys this instance did not
+put.
 """
 
 from __future__ import annotations
@@ -78,7 +86,7 @@ class RedisTier(Tier):
             retry_on_timeout=False,
             health_check_interval=0,
         )
-        self._own = OwnEntries()
+        self._own = OwnEntries(self)
         self._in_use = BackgroundValue(
             self.fetch_bytes_in_use, BYTES_IN_USE_MAX_AGE_S, "pdkv-redis-in-use"
         )
