@@ -19,6 +19,8 @@ import time
 
 import httpx
 
+from pdkv.bench.compare.routing import scrape
+from pdkv.bench.compare.routing import total as labelled
 from pdkv.block_hashing import hash_request_tokens
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "serve"))
@@ -35,20 +37,6 @@ ENGINE = ["serve", "--model", "tiny-llama-kv2", "--num-kv-blocks", "24", "--max-
 def prompt(seed: int, blocks: int = 5) -> list[int]:
     """`blocks` full blocks and 3 more tokens (distinct per seed from the first token on)."""
     return [(seed * 131 + 7 * i) % 900 + 3 for i in range(blocks * BLOCK + 3)]
-
-
-def scrape(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
-
-
-def labelled(samples: dict[str, float], name: str, **labels: str) -> float:
-    return sum(v for k, v in samples.items() if re.fullmatch(re.escape(name) + r"(\{.*\})?", k)
-               and all(f'{n}="{v}"' in k for n, v in labels.items()))
 
 
 def until(cond, what: str) -> None:
