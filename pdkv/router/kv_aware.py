@@ -104,7 +104,7 @@ class KVAware(RoutingPolicy):
         else:
             reason = "load"  # another instance holds more, but its load outweighs it
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("kv_aware: %s (%s); %s", chosen.url, reason, ", ".join(
+            logger.debug("%s: %s (%s); %s", self.name, chosen.url, reason, ", ".join(
                 f"{b.url}: cost {costs[b.url]:.1f} overlap {overlaps[b.url].weighted_blocks:.1f}"
                 f" active {b.active_blocks}" for b in backends))
         return Decision(chosen, reason, got.engine_blocks,

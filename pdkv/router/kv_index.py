@@ -12,8 +12,10 @@ the leading run of its block hashes found in the index; a medium with bigger blo
 chunk of k engine blocks, hashed by its last block) holds engine block i when it holds the hash
 of the last engine block of i's chunk. What the index cannot see: a block the engine evicted
 whose BlockRemoved has not arrived yet, and anything from before a subscriber joined unless a
-replay filled it; the subscriber clears an instance on an epoch change (a restart), on
-AllBlocksCleared and on a gap a replay could not fill, so the index errs towards "not held".
+replay filled it; the subscriber clears an instance on an epoch change (a restart) and on a gap a
+replay could not fill, so the index errs towards "not held". AllBlocksCleared (the engine's
+POST /reset_prefix_cache) clears only the engine's own cache (medium GPU): a reset leaves the pool
+tiers' chunks where they are, and the engine still loads them.
 
 Bounded: at most `max_blocks_per_instance` hashes per instance and medium; beyond it the oldest
 stored are dropped first (the engine's LRU evicts roughly in that order too).
@@ -110,9 +112,14 @@ class KVIndex:
     # ------------------------------------------------------------------ updates
     def apply(self, instance: str, event: Event) -> None:
         """Apply one event of `instance`'s. A medium of None is the engine's cache (vLLM's
-        publisher leaves it None in some versions)."""
+        publisher leaves it None in some versions). AllBlocksCleared (no medium in vLLM's
+        schema; only the prefix cache sends it) drops the engine cache's hashes only."""
         if isinstance(event, AllBlocksCleared):
-            self.clear(instance)
+            media = self._held.get(instance)
+            if media is not None:
+                media.pop(MEDIUM_GPU, None)
+                if not media:
+                    del self._held[instance]
             return
         medium = (event.medium or MEDIUM_GPU).upper()
         media = self._held.setdefault(instance, {})

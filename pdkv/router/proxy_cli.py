@@ -29,15 +29,21 @@ def medium_weights(text: str) -> dict[str, float]:
         argparse.ArgumentTypeError: an item that is not MEDIUM=number.
     """
     weights = dict(DEFAULT_MEDIUM_WEIGHTS)
-    for item in filter(None, (i.strip() for i in text.split(","))):
+    for item in (i.strip() for i in text.split(",")):
         name, sep, value = item.partition("=")
+        name = name.strip().upper()
         try:
-            if not sep or not name.strip():
+            if not sep or not name:
                 raise ValueError
-            weights[name.strip().upper()] = float(value)
+            weight = float(value)
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"{item!r} is not MEDIUM=WEIGHT (e.g. DRAM=0.8)") from None
+        if name not in DEFAULT_MEDIUM_WEIGHTS:
+            raise argparse.ArgumentTypeError(
+                f"unknown medium {name!r}: engines publish "
+                + ", ".join(sorted(DEFAULT_MEDIUM_WEIGHTS)))
+        weights[name] = weight
     return weights
 
 
@@ -87,8 +93,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--kv-medium-weights",
         type=medium_weights,
         default=None,
-        help="kv_aware: worth of a block held in each medium, 0..1, e.g. GPU=1,DRAM=0.8,DISK=0.5 "
-        "(given media replace the defaults: "
+        help="kv_aware: worth of a block held in each medium, 0..1, e.g. DRAM=0.9,DISK=0.3; each "
+        "medium named overrides its default, the others keep theirs (defaults: "
         + ",".join(f"{k}={v}" for k, v in DEFAULT_MEDIUM_WEIGHTS.items()) + ")",
     )
     parser.add_argument(

@@ -154,7 +154,10 @@ class RequestRouter:
         sub = self.subscriber
         if sub is None:
             return {}
-        return {url: (sub.counters(url), sub.index.num_blocks(url)) for url in sub.counted()}
+        # A followed engine that holds nothing reads 0, not a missing series.
+        return {url: (sub.counters(url),
+                      sub.index.num_blocks(url) or ({"GPU": 0} if url in self._sources else {}))
+                for url in sub.counted()}
 
     async def follow(self, url: str) -> None:
         """Follow `url`'s KV events as its GET /kv_events says now (kv_aware; else nothing):
@@ -235,7 +238,13 @@ class RequestRouter:
                 r.raise_for_status()
                 held = int(r.json()["held_blocks"])
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-                logger.warning("kv_aware_oracle: POST %s/kv_events/held failed: %s", b.url, e)
+                if b.url not in self._silent:  # once per engine, until it answers again
+                    self._silent.add(b.url)
+                    why = e.response.text[:200] if isinstance(e, httpx.HTTPStatusError) else e
+                    logger.warning("kv_aware_oracle: POST %s/kv_events/held failed (%s): "
+                                   "routed to as holding nothing", b.url, why)
+            else:
+                self._silent.discard(b.url)
             oracle.set_held(b.url, mine[:held], self.granularity(b.url).block_size)
 
         await asyncio.gather(*(ask(b) for b in pool))

@@ -144,6 +144,6 @@ def test_kv_policies_are_built_by_the_router_only() -> None:
 def test_medium_weights_flag() -> None:
     w = medium_weights("dram=0.9, DISK=0.1")
     assert (w["DRAM"], w["DISK"], w["GPU"]) == (0.9, 0.1, 1.0)
-    for bad in ("DRAM", "=0.3", "DRAM=x"):
+    for bad in ("DRAM", "=0.3", "DRAM=x", "FOO=1", "", "GPU=1,,DISK=0.5"):
         with pytest.raises(argparse.ArgumentTypeError):
             medium_weights(bad)

@@ -75,6 +75,7 @@ from pdkv.bench.serve.config import BenchConfig
 from pdkv.bench.serve.runner import run_serve_bench
 from pdkv.bench.soak.cli import machine
 from pdkv.procgroup import stop_process_group
+from pdkv.router.policies import POLICY_NAMES
 
 DEFAULT_NUM_KV_BLOCKS = 112
 _LISTING = re.compile(r"^\s+(engine\d*|proxy): .*?(http://[^\s,]+)")
@@ -284,6 +285,22 @@ class UpProcess:
         self._reader.join(timeout=10)
 
 
+WARM_UP_PROMPT = "Warm-up request, not part of the workload."
+
+
+def warm_up(url: str) -> None:
+    """One short completion sent straight to the engine at `url` (not through the proxy, so
+    no policy sees it) before the counters are first read: an engine's first request pays its
+    lazy set-up, which would otherwise count as load on whichever engine got it first.
+
+    Raises:
+        httpx.HTTPError: the engine did not answer 200 within 120 s.
+    """
+    r = httpx.post(url + "/v1/completions", json={"prompt": WARM_UP_PROMPT, "max_tokens": 2,
+                                                  "temperature": 0}, timeout=120)
+    r.raise_for_status()
+
+
 def run_policy(routing: str, cfg: RoutingBenchConfig, log_dir: str,
                log: Callable[[str], object] = print) -> PolicyResult:
     """One topology with `routing`, the workload, the instances' and the proxy's counters.
@@ -301,6 +318,8 @@ def run_policy(routing: str, cfg: RoutingBenchConfig, log_dir: str,
         if not engines or "proxy" not in urls:
             raise RuntimeError(f"pdkv up listed no engine or proxy: {''.join(up.lines)}")
         log(f"{routing}: up in {time.monotonic() - t0:.0f} s; sending {cfg.requests} requests")
+        for url in engines.values():  # each engine's first request is slow (lazy set-up)
+            warm_up(url)
         before = {n: scrape(u) for n, u in [*engines.items(), ("proxy", urls["proxy"])]}
         bench = run_serve_bench(cfg.bench_config(endpoint), log=lambda s: None)
         after = {n: scrape(u) for n, u in [*engines.items(), ("proxy", urls["proxy"])]}
@@ -387,12 +406,16 @@ def run_benchmark(cfg: RoutingBenchConfig, targets: Targets, timing: TimingModel
     }
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module doc as written, and every flag's default."""
+
+
 def add_cli_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The benchmark's flags (defaults: RoutingBenchConfig's, Targets', TimingModel's)."""
     d, t, m = RoutingBenchConfig(), Targets(), TimingModel()
-    ap.add_argument("--routing", nargs="+", default=list(d.policies),
-                    help="policies, one topology each (kv_aware and kv_aware_oracle need a pdkv "
-                    "up that knows them)")
+    ap.add_argument("--routing", nargs="+", default=list(d.policies), choices=POLICY_NAMES,
+                    metavar="POLICY", help="policies, one topology each: "
+                    + ", ".join(POLICY_NAMES))
     ap.add_argument("--model", default=d.model)
     ap.add_argument("--num-instances", type=int, default=d.num_instances)
     ap.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks,
@@ -466,8 +489,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[RoutingBenchConfig, Targ
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 1 when a policy failed or a verdict line was missed, else 0 (a line
     whose policies were not run is "n/a", not a failure)."""
-    ap = add_cli_args(argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    ap = add_cli_args(argparse.ArgumentParser(description=__doc__, formatter_class=_Help))
     args = ap.parse_args(argv)
     try:
         cfg, targets, timing = config_from_args(args)
