@@ -19,7 +19,7 @@ least-loaded by blocks; the larger it is, the more load an instance may carry fo
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdkv.block_hashing import BlockHash
@@ -55,17 +55,17 @@ class KVAware(RoutingPolicy):
     """Lowest cost per the module's formula, over the instances the KV event index knows.
 
     `hashes` given to decide() must be each backend's block hashes at its engine block size (the
-    proxy cuts them with chunk size = block size); `block_sizes` maps a backend URL to that size
-    (missing: the engine default, 16).
+    proxy cuts them with chunk size = block size); `block_size` gives that size for a backend URL
+    (default: 16, the engine default, for every backend).
     """
 
     name = "kv_aware"
 
     def __init__(self, index: KVIndex, config: KVAwareConfig | None = None,
-                 block_sizes: Mapping[str, int] | None = None) -> None:
+                 block_size: Callable[[str], int] = lambda url: 16) -> None:
         self.index = index
         self.config = config or KVAwareConfig()
-        self.block_sizes: Mapping[str, int] = block_sizes if block_sizes is not None else {}
+        self.block_size = block_size
         self._ll = LeastLoaded()
 
     block_hashes = True
@@ -80,7 +80,7 @@ class KVAware(RoutingPolicy):
     def overlaps(self, backends: list[Backend], hashes: HashesByUrl) -> dict[str, Overlap]:
         """What each backend holds of the request, per the index."""
         return {b.url: self.index.overlap(b.url, hashes.get(b.url, ()),
-                                          self.block_sizes.get(b.url, 16))
+                                          self.block_size(b.url))
                 for b in backends}
 
     def decide(self, backends: list[Backend], hashes: HashesByUrl | None = None) -> Decision:
@@ -119,8 +119,8 @@ class KVAwareOracle(KVAware):
     name = "kv_aware_oracle"
 
     def __init__(self, config: KVAwareConfig | None = None,
-                 block_sizes: Mapping[str, int] | None = None) -> None:
-        super().__init__(KVIndex(), config, block_sizes)
+                 block_size: Callable[[str], int] = lambda url: 16) -> None:
+        super().__init__(KVIndex(), config, block_size)
 
     def set_held(self, url: str, held: list[BlockHash], block_size: int) -> None:
         """`url`'s engine holds exactly `held` (a prompt's leading block hashes) of what the next

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 
 import httpx
 
@@ -67,25 +67,6 @@ def cache_salt(body: JSONObject) -> str | None:
     """The request's cache_salt (folded into its first block hash), or None."""
     salt = body.get("cache_salt")
     return salt if isinstance(salt, str) else None
-
-
-class _BlockSizes(Mapping[str, int]):
-    """Backend URL -> its engine's tokens per block, as the proxy knows it now."""
-
-    def __init__(self, infos: BackendInfos) -> None:
-        self._infos = infos
-
-    def __getitem__(self, url: str) -> int:
-        info = self._infos.get(url)
-        if info is None or not info.block_size:
-            raise KeyError(url)
-        return info.block_size
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(())  # lookups only
-
-    def __len__(self) -> int:
-        return 0
 
 
 def prediction_outcome(predicted_blocks: int, block_size: int,
@@ -133,7 +114,9 @@ class RequestRouter:
         self.subscriber: KVEventSubscriber | None = None
         self._sources: dict[str, EventSource] = {}
         self._silent: set[str] = set()  # backends that publish no KV events (warned once)
-        sizes = _BlockSizes(infos)
+        def sizes(url: str) -> int:
+            return self.granularity(url).block_size
+
         self.policies: dict[str, RoutingPolicy]
         if routing == "kv_aware":
             index = KVIndex(kv_index)
