@@ -105,6 +105,7 @@ class WorkerReady(msgspec.Struct, tag=True, kw_only=True):
         layout: its KV layout fingerprint (connector / `GET /kv_layout`).
         vocab_size, eos_token_id: the model's.
         control_address: [host, port] of its P2P producer control server; [] when it has none.
+        pool_lookup_address: [host, port] of its KV pool lookup server; [] when it has none.
     """
 
     rank: int
@@ -112,6 +113,7 @@ class WorkerReady(msgspec.Struct, tag=True, kw_only=True):
     vocab_size: int
     eos_token_id: int | None
     control_address: list[str | int] = msgspec.field(default_factory=list)
+    pool_lookup_address: list[str | int] = msgspec.field(default_factory=list)
 
 
 class ExecuteModel(msgspec.Struct, tag=True, kw_only=True):

@@ -75,7 +75,8 @@ class MultiprocExecutor:
     `kv_cache_config` is the scheduler's logical view (blocks of block_size × DCP tokens);
     `connector` is None (the connector halves live in the workers, which cannot wake the
     engine loop: `poll_interval_s`); `connector_shared` holds the P2P producer's rank 0
-    "control_address" and every rank's "control_endpoints".
+    "control_address" and every rank's "control_endpoints", and every rank's KV pool lookup server
+    ("pool_lookup_endpoints").
 
     Args:
         config: the engine's configuration.
@@ -156,6 +157,9 @@ class MultiprocExecutor:
         if all(len(a) == 2 and a[1] for a in addresses):  # P2P producer: a control server per rank
             self.connector_startup = ConnectorStartup(control_address=addresses[0],
                                                       control_endpoints=addresses)
+        lookups = [list(r.pool_lookup_address) for r in ready]
+        if all(len(a) == 2 and a[1] for a in lookups):  # KV pool: a lookup server per rank
+            self.connector_startup.pool_lookup_endpoints = lookups
         self.kv_cache_config: KVCacheConfig = scheduler_view(per_rank, self.layout_.dcp_size)
         lay = self.layout_
         logger.info("%d worker processes (tp %d, dcp %d, %s): pids %s", self.world_size,

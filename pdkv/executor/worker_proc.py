@@ -91,7 +91,9 @@ def run_worker(conn: Connection) -> None:
         runner = ModelRunner(model_config, init.cache_config, spec, ctx, kv_cache_from_engine)
         send(WorkerReady(rank=rank, layout=runner.kv_layout.to_wire(),
                          vocab_size=runner.vocab_size, eos_token_id=runner.eos_token_id,
-                         control_address=list(runner.connector_startup.control_address or [])))
+                         control_address=list(runner.connector_startup.control_address or []),
+                         pool_lookup_address=list(
+                             runner.connector_startup.pool_lookup_address or [])))
         while True:
             try:
                 msg = decoder.decode(conn.recv_bytes())

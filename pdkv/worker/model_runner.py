@@ -173,7 +173,8 @@ class ModelRunner:
         if parallel is not None:
             self.connector_startup = ConnectorStartup(
                 dcp_rank=parallel.dcp_rank, dcp_size=parallel.dcp_size, rank=parallel.rank,
-                world_size=parallel.layout.world_size)
+                world_size=parallel.layout.world_size, tp_rank=parallel.tp_rank,
+                tp_size=parallel.tp_size)
         self.connector: KVConnectorBase | None = None
         if connector is not None:
             self.connector = create_connector(

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from pdkv.config import KVTransferConfig
 from pdkv.kv_transfer.connector.pool_config import PoolConnectorConfig
+from pdkv.kv_transfer.connector.pool_lookup import StoreLookup
 from pdkv.kv_transfer.connector.pool_scheduler import PoolConnectorScheduler
 from pdkv.kv_transfer.connector.spec import connector_spec
 from pdkv.kvpool.keys import chunk_hashes, chunk_key
@@ -48,7 +49,7 @@ class Blocks:
 def make(tier: DramTier, lookup_timeout_s: float = 30.0) -> PoolConnectorScheduler:
     cfg = connector_spec(KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_both"), BS)
     pool = PoolConnectorConfig(chunk_size=CHUNK, lookup_timeout_s=lookup_timeout_s)
-    return PoolConnectorScheduler(cfg, pool, KVPoolStore([tier]), FP, BS, 1)
+    return PoolConnectorScheduler(cfg, pool, StoreLookup(KVPoolStore([tier]), FP), BS, 1)
 
 
 def request(n: int) -> Request:
@@ -99,7 +100,7 @@ def test_load_spec_maps_chunks_to_new_blocks_and_skips_local_hits():
     req.num_computed_tokens = 4  # one local block hit
     sched.update_state_after_alloc(req, Blocks([11, 12, 13, 14, 15]), 20)  # type: ignore[arg-type]
     (spec,) = sched._to_load
-    assert [c.key for c in spec.chunks] == keys
+    assert [chunk_key(FP, c.chunk_hash) for c in spec.chunks] == keys
     assert [(c.block_ids, c.first_blocks) for c in spec.chunks] == [
         (((11,),), (1,)), (((12, 13),), (0,)), (((14, 15),), (0,))]
     assert sched.take_scheduler_stats() == {
@@ -113,7 +114,7 @@ def test_a_producer_never_looks_up_and_a_failed_load_is_not_offered_again():
     cfg = connector_spec(KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_producer"),
                          BS)
     prod = PoolConnectorScheduler(
-        cfg, PoolConnectorConfig(chunk_size=CHUNK), KVPoolStore([tier]), FP, BS, 1
+        cfg, PoolConnectorConfig(chunk_size=CHUNK), StoreLookup(KVPoolStore([tier]), FP), BS, 1
     )
     req = request(29)
     store_prefix(tier, req, 3)
@@ -173,7 +174,7 @@ def test_a_remote_lookup_also_tells_which_local_hit_chunks_need_no_save():
     sched.update_state_after_alloc(req, Blocks(list(range(1, 7))), 0)  # type: ignore[arg-type]
     req.num_computed_tokens = 29  # the step computed the rest of the prompt
     (save,) = sched.build_connector_meta(prefill_output(req, 8)).saves
-    saved = [c.key for c in save.chunks]
+    saved = [chunk_key(FP, c.chunk_hash) for c in save.chunks]
     assert len(saved) == 2 and held not in saved
     assert sched.take_scheduler_stats()["pool:all:save_skips"] == 1
 
@@ -183,7 +184,7 @@ def test_a_producer_saves_only_the_chunks_its_in_process_pool_lacks():
     cfg = connector_spec(KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_producer"),
                          BS)
     prod = PoolConnectorScheduler(
-        cfg, PoolConnectorConfig(chunk_size=CHUNK), KVPoolStore([tier]), FP, BS, 1
+        cfg, PoolConnectorConfig(chunk_size=CHUNK), StoreLookup(KVPoolStore([tier]), FP), BS, 1
     )
     req = request(29)
     held = store_prefix(tier, req, 2)
@@ -191,6 +192,6 @@ def test_a_producer_saves_only_the_chunks_its_in_process_pool_lacks():
     assert prod.get_num_new_matched_tokens(req, 0) == (0, False)  # a producer never loads
     req.num_computed_tokens = 29
     (save,) = prod.build_connector_meta(prefill_output(req, 0)).saves
-    (saved,) = [c.key for c in save.chunks]
+    (saved,) = [chunk_key(FP, c.chunk_hash) for c in save.chunks]
     assert saved not in held
     assert prod.take_scheduler_stats()["pool:all:save_skips"] == 2

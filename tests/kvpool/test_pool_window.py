@@ -11,6 +11,7 @@ import pytest
 
 from pdkv.config import KVTransferConfig
 from pdkv.kv_transfer.connector.pool_config import PoolConnectorConfig
+from pdkv.kv_transfer.connector.pool_lookup import StoreLookup
 from pdkv.kv_transfer.connector.pool_scheduler import PoolConnectorScheduler
 from pdkv.kv_transfer.connector.spec import connector_spec
 from pdkv.kvpool.keys import chunk_hashes, chunk_key
@@ -60,7 +61,8 @@ def held(b: int, before: int, bs: int, w: int) -> bool:
 def make(tier: DramTier, bs: int, c: int, w: int) -> PoolConnectorScheduler:
     cfg = connector_spec(KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_both"), bs)
     return PoolConnectorScheduler(
-        cfg, PoolConnectorConfig(chunk_size=c), KVPoolStore([tier]), FP, bs, 2, (None, w)
+        cfg, PoolConnectorConfig(chunk_size=c), StoreLookup(KVPoolStore([tier]), FP), bs, 2,
+        (None, w)
     )
 
 
@@ -95,7 +97,7 @@ def test_each_chunk_stores_its_tail_window_while_every_block_of_it_is_held(bs, c
         k = min(per_step * bs, n - before)
         for spec in step(sched, req, k, table if first else None):
             for ref in spec.chunks:
-                j = keys.index(ref.key)
+                j = keys.index(chunk_key(FP, ref.chunk_hash))
                 saved[j] = ref.block_ids
                 assert all(
                     held(i - WIN, before, bs, w) for i in ref.block_ids[1]
@@ -120,7 +122,8 @@ def test_a_local_hit_saves_only_the_chunks_whose_tail_window_is_still_held(bs, c
     table = (list(range(nblocks)), [WIN + b if held(b, f, bs, w) else 0 for b in range(nblocks)])
     (spec,) = step(sched, req, n - f, table)
     keys = [chunk_key(FP, h) for h in chunk_hashes(req.block_hashes, bs, c, 6 * c)]
-    got = {keys.index(ref.key): [i - WIN for i in ref.block_ids[1]] for ref in spec.chunks}
+    got = {keys.index(chunk_key(FP, ref.chunk_hash)): [i - WIN for i in ref.block_ids[1]]
+           for ref in spec.chunks}
     want = {
         j: stored(j, bs, c, w)
         for j in range(6)
@@ -152,11 +155,11 @@ def test_a_hit_loads_the_window_of_its_end_each_block_from_a_chunk_that_stored_i
     new = ([f_blocks + i for i in range(nnew)], [WIN + f_blocks + i for i in range(nnew)])
     sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: new), hit_end - f)  # type: ignore[arg-type]
     (spec,) = sched._to_load
-    assert [ref.key for ref in spec.chunks] == keys[first_chunk:]
+    assert [chunk_key(FP, ref.chunk_hash) for ref in spec.chunks] == keys[first_chunk:]
     reads: dict[int, tuple[int, int]] = {}  # window block -> (chunk, index in its stored value)
     full: list[int] = []
     for ref in spec.chunks:
-        j = keys.index(ref.key)
+        j = keys.index(chunk_key(FP, ref.chunk_hash))
         full += list(ref.block_ids[0])
         assert ref.block_ids[0] and list(ref.block_ids[0]) == list(
             range(max(f_blocks, j * c // bs), (j + 1) * c // bs))[:len(ref.block_ids[0])]

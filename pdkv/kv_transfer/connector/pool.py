@@ -10,6 +10,9 @@ of everything that changes KV); values: `pdkv.kvpool.codec` (typed header + chec
 
 Both halves of one engine use one `KVPoolStore`, created by whichever half is built first and
 shared through the start-up values (`ConnectorStartup.pool_store`); the worker half closes it.
+With TP/DCP worker processes each rank's worker half opens its own store and stores its own shard
+of every chunk under its rank's namespace (the fingerprint has its tp/dcp rank and size); the
+scheduler half opens no store and asks every rank's lookup server (`pool_lookup`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pdkv.kv_transfer.connector.base import (
     RoleDelegatingConnector,
 )
 from pdkv.kv_transfer.connector.pool_config import PoolConnectorConfig
+from pdkv.kv_transfer.connector.pool_lookup import PoolLookup, RankLookup, StoreLookup
 from pdkv.kv_transfer.connector.pool_messages import PoolConnectorMetadata
 from pdkv.kv_transfer.connector.pool_scheduler import PoolConnectorScheduler
 from pdkv.kvpool.events import PoolEventQueue, PoolTierEvents
@@ -87,19 +91,23 @@ class KVPoolConnector(RoleDelegatingConnector):
         startup: ConnectorStartup,
     ) -> None:
         super().__init__(spec, role, kv_cache_config, layout)
-        block_size = kv_cache_config.groups[0].spec.block_size
         self.pool = spec.pool
-        store = startup.pool_store
-        if store is None:
-            store = startup.pool_store = build_store(self.pool)
-            logger.info(
-                "KV pool (%s): chunk %d tokens, tiers %s",
-                spec.kv_role,
-                self.pool.chunk_size,
-                ", ".join(_describe(t) for t in self.pool.tiers),
-            )
-        self.store: KVPoolStore = store
-        self.namespace = PoolNamespace.from_layout(layout, kv_cache_config, self.pool.chunk_size)
+        # A TP/DCP engine: the scheduler half (engine process) asks the ranks' lookup servers;
+        # each worker process stores and loads its own shard under its rank's namespace.
+        ranks = startup.pool_lookup_endpoints
+        multi_rank = bool(ranks) or (startup.world_size or 1) > 1
+        if multi_rank:
+            kinds = sorted({g.spec.kind for g in kv_cache_config.groups} - {"full_attention"})
+            if kinds:
+                raise ValueError(
+                    f"KVPoolConnector with TP/DCP worker processes supports full-attention KV "
+                    f"cache groups only so far, not {kinds}; run this model with tp 1 and dcp 1 "
+                    "for the pool")
+        # Blocks in the metadata are the scheduler's (with DCP: block_size × DCP tokens, each
+        # rank's physical block holding its share).
+        block_size = kv_cache_config.groups[0].spec.block_size
+        if role == KVConnectorRole.WORKER:
+            block_size *= startup.dcp_size
         # A linear-state group is stored and loaded like a window of 2 tokens (pdkv.kvpool.window):
         # chunk j keeps only its last block's slot, the checkpoint after end_j; a hit of L loads
         # the slot of block (L - 1) // bs, the state the request resumes from.
@@ -108,20 +116,43 @@ class KVPoolConnector(RoleDelegatingConnector):
                         for g, w in zip(kv_cache_config.groups, kv_cache_config.sliding_windows))
         self.scheduler: PoolConnectorScheduler | None = None
         self.worker: PoolConnectorWorker | None = None
+        self.store: KVPoolStore | None = None
+        self.namespace: PoolNamespace | None = None
+        lookup: PoolLookup
+        if role == KVConnectorRole.SCHEDULER and ranks:
+            lookup = RankLookup(ranks, self.pool.lookup_timeout_s)
+            logger.info("KV pool (%s): chunk %d tokens, %d ranks each storing its shard, tiers %s",
+                        spec.kv_role, self.pool.chunk_size, len(ranks),
+                        ", ".join(_describe(t) for t in self.pool.tiers))
+        else:
+            store = startup.pool_store
+            if store is None:
+                store = startup.pool_store = build_store(self.pool)
+                if not multi_rank:
+                    logger.info("KV pool (%s): chunk %d tokens, tiers %s", spec.kv_role,
+                                self.pool.chunk_size,
+                                ", ".join(_describe(t) for t in self.pool.tiers))
+            self.store = store
+            self.namespace = PoolNamespace.from_layout(
+                layout, kv_cache_config, self.pool.chunk_size,
+                tp_rank=startup.tp_rank, tp_size=startup.tp_size,
+                dcp_rank=startup.dcp_rank, dcp_size=startup.dcp_size)
+            lookup = StoreLookup(store, self.namespace.fingerprint)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = PoolConnectorScheduler(
-                spec,
-                self.pool,
-                store,
-                self.namespace.fingerprint,
-                block_size,
-                len(kv_cache_config.groups),
-                windows,
-            )
+                spec, self.pool, lookup, block_size, len(kv_cache_config.groups), windows)
         else:
             from pdkv.kv_transfer.connector.pool_worker import PoolConnectorWorker
 
-            self.worker = PoolConnectorWorker(self.pool, store, block_size, windows)
+            assert self.store is not None and self.namespace is not None
+            self.worker = PoolConnectorWorker(self.pool, self.store, self.namespace.fingerprint,
+                                              block_size, windows)
+            if multi_rank:
+                startup.pool_lookup_address = self.worker.serve_lookups()
+
+    @classmethod
+    def metadata_type(cls) -> type[PoolConnectorMetadata]:
+        return PoolConnectorMetadata
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         """Raises:
@@ -144,6 +175,8 @@ class KVPoolConnector(RoleDelegatingConnector):
         """Every tier of the store reports its chunks (medium: the tier's name upper-cased,
         block size: the chunk size) into `queue`; descriptions are kept for the saves that can
         wait in the store's queue at once, and more."""
+        if self.store is None or self.namespace is None:  # the stores live in the ranks
+            return
         self.store.set_tier_events(PoolTierEvents(
             queue, self.namespace.fingerprint, self.pool.chunk_size,
             max_described=max(256, 4 * self.pool.save_queue_size)))

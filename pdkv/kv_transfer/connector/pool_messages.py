@@ -11,7 +11,9 @@ class ChunkRef(msgspec.Struct, frozen=True):
     """One pool chunk and the local blocks it maps to.
 
     Attributes:
-        key: the pool key (`pdkv.kvpool.keys.chunk_key`).
+        chunk_hash: the chunk's hash (`pdkv.kvpool.keys.chunk_hashes`); the worker half keys it
+            under its own namespace (`chunk_key`), so every TP/DCP rank stores and loads its own
+            shard of the chunk from one metadata.
         block_ids: per KV cache group, the local block ids of the blocks the chunk's value holds
             (save) or that are loaded from it (load), in order. A sliding-window group's value
             holds only the chunk's blocks from `pdkv.kvpool.window.first_stored_block` on.
@@ -20,7 +22,7 @@ class ChunkRef(msgspec.Struct, frozen=True):
             `block_ids[g]` then map to stored blocks first_blocks[g].. (empty: all zero).
     """
 
-    key: str
+    chunk_hash: bytes
     block_ids: tuple[tuple[int, ...], ...]
     first_blocks: tuple[int, ...] = ()
 

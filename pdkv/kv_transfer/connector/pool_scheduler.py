@@ -15,6 +15,11 @@ lookup runs only when it is inline (in-process tiers), so a remote tier is never
 to skip a save. A chunk evicted between that lookup and the save stays missing: a later miss,
 never a wrong hit. Sliding-window groups store and load only the blocks of each chunk's tail
 window and of the hit's window (`pdkv.kvpool.window`).
+
+An engine with TP/DCP worker processes: every rank stores and loads its own shard of each chunk
+(the metadata names chunks by hash; each worker half keys them under its rank's namespace), and
+a lookup asks every rank in one round (`pool_lookup.RankLookup`, always on the lookup thread): a
+chunk is a hit only if every rank holds its shard.
 """
 
 from __future__ import annotations
@@ -28,14 +33,14 @@ from typing import TYPE_CHECKING
 from pdkv.jsontypes import JSONObject
 from pdkv.kv_transfer.connector.base import KVConnectorOutput
 from pdkv.kv_transfer.connector.pool_config import PoolConnectorConfig
+from pdkv.kv_transfer.connector.pool_lookup import PoolLookup
 from pdkv.kv_transfer.connector.pool_messages import (
     ChunkRef,
     PoolConnectorMetadata,
     PoolLoadSpec,
     PoolSaveSpec,
 )
-from pdkv.kvpool.keys import chunk_hashes, chunk_key, max_loadable_tokens
-from pdkv.kvpool.store import KVPoolStore
+from pdkv.kvpool.keys import chunk_hashes, max_loadable_tokens
 from pdkv.kvpool.window import first_stored_block, load_first_block
 
 if TYPE_CHECKING:
@@ -58,20 +63,18 @@ class PoolConnectorScheduler:
     """Args:
         spec: the connector (role: kv_producer saves only, kv_consumer loads only).
         pool: parsed KVPoolConnector settings.
-        store: the engine's pool store (shared with the worker half).
-        fingerprint: the pool namespace fingerprint of this engine (keys carry it).
+        lookup: where lookups go (`pool_lookup`: this engine's store, or every TP/DCP rank's).
         block_size: tokens per block.
         num_groups: KV cache groups.
         sliding_windows: per group its sliding window in tokens or None (default: none).
     """
 
-    def __init__(self, spec: ConnectorSpec, pool: PoolConnectorConfig, store: KVPoolStore,
-                 fingerprint: str, block_size: int, num_groups: int,
+    def __init__(self, spec: ConnectorSpec, pool: PoolConnectorConfig, lookup: PoolLookup,
+                 block_size: int, num_groups: int,
                  sliding_windows: tuple[int | None, ...] = ()) -> None:
         self.spec = spec
         self.pool = pool
-        self.store = store
-        self.fingerprint = fingerprint
+        self.lookup = lookup
         self.block_size = block_size
         self.num_groups = num_groups
         self.chunk = pool.chunk_size
@@ -97,26 +100,27 @@ class PoolConnectorScheduler:
     def _count(self, key: str, value: float) -> None:
         self._stats[key] = self._stats.get(key, 0.0) + value
 
-    def _keys(self, request: Request, first_chunk: int, end_chunk: int) -> list[str]:
+    def _keys(self, request: Request, first_chunk: int, end_chunk: int) -> list[bytes]:
+        """The hashes of chunks [first_chunk, end_chunk) of `request` (the pool keys' tails)."""
         hashes = chunk_hashes(
             request.block_hashes, self.block_size, self.chunk, end_chunk * self.chunk
         )
-        return [chunk_key(self.fingerprint, h) for h in hashes[first_chunk:end_chunk]]
+        return hashes[first_chunk:end_chunk]
 
-    def _lookup(self, request: Request, first_chunk: int, keys: list[str]) -> int | None:
-        """Leading hits among `keys[first_chunk:]` (`keys` start at chunk 0), or None while a
+    def _lookup(self, request: Request, first_chunk: int, keys: list[bytes]) -> int | None:
+        """Leading hits among `keys[first_chunk:]` (chunk hashes from chunk 0), or None while a
         remote lookup is in flight."""
         rid = request.request_id
         entry = self._lookups.get(rid)
         if entry is None or entry.first_chunk != first_chunk:
             entry = _Lookup(first_chunk, time.monotonic() + self.pool.lookup_timeout_s)
             self._lookups[rid] = entry
-            if self.store.all_local:
-                entry.present = self.store.contains(keys)
+            if self.lookup.all_local:
+                entry.present = self.lookup.contains(keys)
             else:
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(2, thread_name_prefix="pdkv-pool-lookup")
-                entry.future = self._executor.submit(self.store.contains, keys)
+                entry.future = self._executor.submit(self.lookup.contains, keys)
                 if self._wakeup is not None:
                     wake = self._wakeup
                     entry.future.add_done_callback(lambda _f: wake())
@@ -161,8 +165,8 @@ class PoolConnectorScheduler:
         first_chunk = num_computed_tokens // self.chunk
         if not self.spec.is_kv_consumer or first_chunk >= end_chunk:
             # Nothing to load; an inline lookup still tells which chunks need no save.
-            if self.spec.is_kv_producer and self.store.all_local and end_chunk > 0:
-                self._note_held(rid, self.store.contains(self._keys(request, 0, end_chunk)))
+            if self.spec.is_kv_producer and self.lookup.all_local and end_chunk > 0:
+                self._note_held(rid, self.lookup.contains(self._keys(request, 0, end_chunk)))
             return 0, False
         keys = self._keys(request, 0, end_chunk)
         hits = self._lookup(request, first_chunk, keys)
@@ -249,7 +253,7 @@ class PoolConnectorScheduler:
                     if j not in held and (c := self._save_ref(table, j, key, before)) is not None]
             if refs:
                 saves.append(PoolSaveSpec(rid, tuple(c for _, c in refs)))
-                if self.store.tier_events is not None:
+                if self.lookup.tier_events is not None:
                     self._describe(request, refs, end_chunk)
             self._saved_chunks[rid] = end_chunk
         return saves
@@ -257,16 +261,16 @@ class PoolConnectorScheduler:
     def _describe(self, request: Request, refs: list[tuple[int, ChunkRef]], end_chunk: int
                   ) -> None:
         """Give the KV events of these chunks their parent hash and tokens (events on only)."""
-        events = self.store.tier_events
+        events = self.lookup.tier_events
         assert events is not None
         hashes = chunk_hashes(request.block_hashes, self.block_size, self.chunk,
                               end_chunk * self.chunk)
         tokens = request.all_token_ids
         for j, ref in refs:
-            events.describe(ref.key, hashes[j - 1] if j else None,
+            events.describe(self.lookup.key(ref.chunk_hash), hashes[j - 1] if j else None,
                             tokens[j * self.chunk:(j + 1) * self.chunk])
 
-    def _save_ref(self, table: list[list[int]], j: int, key: str, before: int) -> ChunkRef | None:
+    def _save_ref(self, table: list[list[int]], j: int, key: bytes, before: int) -> ChunkRef | None:
         """Chunk j's blocks to store (window groups: its tail window only), or None when a
         window group no longer holds them. `before` is the request's num_computed_tokens at this
         step's allocation, which freed every window-group block whose tokens all lie below
@@ -301,6 +305,8 @@ class PoolConnectorScheduler:
 
     def take_scheduler_stats(self) -> dict[str, float]:
         stats, self._stats = self._stats, {}
+        for key, value in self.lookup.take_stats().items():
+            stats[key] = stats.get(key, 0.0) + value
         return stats
 
     def next_deadline(self) -> float | None:
@@ -316,3 +322,4 @@ class PoolConnectorScheduler:
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+        self.lookup.close()

@@ -17,29 +17,39 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdkv.kv_transfer.connector.pool_config import PoolConnectorConfig
 from pdkv.kv_transfer.connector.pool_messages import PoolConnectorMetadata, PoolLoadSpec
 from pdkv.kvpool.codec import encode_chunk
+from pdkv.kvpool.keys import chunk_key
 from pdkv.kvpool.store import KVPoolStore
+
+if TYPE_CHECKING:
+    from pdkv.kv_transfer.connector.pool_lookup import PoolLookupServer
 from pdkv.kvpool.window import first_stored_block
 
 
 class PoolConnectorWorker:
     """Args:
         pool: parsed KVPoolConnector settings.
-        store: the engine's pool store (shared with the scheduler half; closed here).
-        block_size: tokens per block.
+        store: the engine's pool store (shared with the scheduler half; closed here); in a TP/DCP
+            worker process, this rank's own store.
+        fingerprint: this worker's pool namespace fingerprint (with TP/DCP: its rank's); the
+            metadata names chunks by hash, keys are `chunk_key(fingerprint, hash)`.
+        block_size: tokens per block in the metadata's block ids (with DCP the logical block:
+            block_size × DCP tokens, of which this rank's physical block holds its share).
         sliding_windows: per group its sliding window in tokens or None (default: none); a
             window group's pool value holds only each chunk's tail-window blocks.
     """
 
-    def __init__(self, pool: PoolConnectorConfig, store: KVPoolStore, block_size: int,
-                 sliding_windows: tuple[int | None, ...] = ()) -> None:
+    def __init__(self, pool: PoolConnectorConfig, store: KVPoolStore, fingerprint: str,
+                 block_size: int, sliding_windows: tuple[int | None, ...] = ()) -> None:
         self.pool = pool
         self.store = store
+        self.fingerprint = fingerprint
         self.block_size = block_size
         self.blocks_per_chunk = pool.chunk_size // block_size
         self.sliding_windows = tuple(sliding_windows)
@@ -53,9 +63,19 @@ class PoolConnectorWorker:
         self._seen_store: dict[str, float] = {}
         self._wakeup: Callable[[], None] = lambda: None
         self._executor = ThreadPoolExecutor(pool.load_threads, thread_name_prefix="pdkv-pool-load")
+        self._lookup_server: PoolLookupServer | None = None
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
         self._wakeup = wakeup
+
+    def serve_lookups(self, host: str = "127.0.0.1") -> list[str | int]:
+        """Answer the scheduler half's lookups for this rank (a TP/DCP worker process): start a
+        `PoolLookupServer` over this store and namespace; its [host, port] (closed at shutdown)."""
+        from pdkv.kv_transfer.connector.pool_lookup import PoolLookupServer
+
+        if self._lookup_server is None:
+            self._lookup_server = PoolLookupServer(self.store, self.fingerprint, host)
+        return self._lookup_server.address
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Per-group caches [num_blocks, num_layers, 2, block_size, heads, head_size]; a block
@@ -89,11 +109,10 @@ class PoolConnectorWorker:
                 if time.monotonic() > deadline:
                     error = f"pool load passed its deadline ({self.pool.load_timeout_s:g} s)"
                 else:
-                    payloads = self.store.get(
-                        chunk.key, self.pool.chunk_size, self._chunk_group_bytes
-                    )
+                    key = chunk_key(self.fingerprint, chunk.chunk_hash)
+                    payloads = self.store.get(key, self.pool.chunk_size, self._chunk_group_bytes)
                     if payloads is None:
-                        error = f"pool entry {chunk.key} is gone (evicted, expired or corrupt)"
+                        error = f"pool entry {key} is gone (evicted, expired or corrupt)"
                     else:
                         for g, (ids, payload) in enumerate(zip(chunk.block_ids, payloads)):
                             first = chunk.first_blocks[g] if chunk.first_blocks else 0
@@ -132,9 +151,9 @@ class PoolConnectorWorker:
                     self._caches[g].index_select(0, torch.tensor(ids, dtype=torch.long)).numpy()
                     for g, ids in enumerate(chunk.block_ids)
                 ]
-                value = encode_chunk(chunk.key, self.pool.chunk_size,
-                                     [a.data.cast("B") for a in groups])
-                self.store.save(chunk.key, value)
+                key = chunk_key(self.fingerprint, chunk.chunk_hash)
+                value = encode_chunk(key, self.pool.chunk_size, [a.data.cast("B") for a in groups])
+                self.store.save(key, value)
 
     # ------------------------------------------------------------------ reports
     def get_finished(self) -> set[str]:
@@ -173,6 +192,8 @@ class PoolConnectorWorker:
         return self.store.take_observations()
 
     def shutdown(self) -> None:
+        if self._lookup_server is not None:
+            self._lookup_server.close()
         self._executor.shutdown(wait=True, cancel_futures=True)
         self.store.close()
 
