@@ -222,6 +222,10 @@ class ParallelConfig:
         return self.layout().world_size
 
 
+_MULTIPROC_CONNECTORS = frozenset({"P2PConnector", "OffloadingConnector"})
+"""Connectors whose worker halves run in TP/DCP worker processes (one per rank)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine needs, grouped by area."""
@@ -252,11 +256,13 @@ class EngineConfig:
                 "connector is configured (vLLM's rule: each transferred block then lies whole on "
                 f"one DCP rank); pass --cp-kv-cache-interleave-size {bs}"
             )
-        if par.world_size > 1 and kvt is not None and kvt.kv_connector != "P2PConnector":
+        if (par.world_size > 1 and kvt is not None
+                and kvt.kv_connector not in _MULTIPROC_CONNECTORS):
             raise ValueError(
                 f"{kvt.kv_connector} with tensor_parallel_size={par.tensor_parallel_size} / "
                 f"decode_context_parallel_size={par.decode_context_parallel_size} is not supported "
-                "yet: with worker processes only P2PConnector (P/D into TP/DCP) is"
+                "yet: with worker processes only P2PConnector (P/D into TP/DCP) and "
+                "OffloadingConnector (CPU offload of each rank's shard) are"
             )
 
 
