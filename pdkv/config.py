@@ -262,7 +262,7 @@ class EngineConfig:
 
 
 _KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-_MULTI_RANK_CONNECTORS = ("P2PConnector", "KVPoolConnector")
+_MULTI_RANK_CONNECTORS = ("P2PConnector", "KVPoolConnector", "OffloadingConnector")
 """Connectors whose worker halves run in TP/DCP worker processes (each rank its own shard)."""
 _LOAD_FAILURE_POLICIES = ("recompute", "fail")
 

@@ -132,6 +132,12 @@ class KVLayout:
         return self.dcp_size if self.dcp_size is not None else 1
 
     @property
+    def world_size(self) -> int:
+        """Worker ranks, each storing its share of every block: tp, × dcp in replicated mode
+        (pdkv.parallel.layout; 1 when not stated)."""
+        return self.tp * (self.dcp if self.dcp_replicated else 1)
+
+    @property
     def local_kv_heads(self) -> int:
         """KV heads one rank stores (num_kv_heads when not stated)."""
         return self.num_local_kv_heads if self.num_local_kv_heads is not None else self.num_kv_heads

@@ -20,7 +20,9 @@ gets no metric until it is added here.
 
 CPU offload (OffloadingConnector): keys "offload:<name>" are exported as `pdkv:kv_offload_<name>`
 counters (OFFLOAD_COUNTERS) and gauges (OFFLOAD_GAUGES, the cumulative sum of deltas is the
-current value); other "offload:" names are not exported.
+current value); other "offload:" names are not exported. With worker processes (TP / DCP) the
+worker-side values (OFFLOAD_RANK_NAMES) are the sum over ranks, and each rank's own keys
+"offload:rank<r>:<name>" are exported as `pdkv:kv_offload_rank_<name>{rank="<r>"}`.
 
 KV cache events (pdkv.kv_events, `--kv-events-config`): the publisher's own counters, read at
 render time, as `pdkv:kv_events_<name>` counters (KV_EVENT_COUNTERS).
@@ -79,6 +81,11 @@ OFFLOAD_COUNTERS: dict[str, str] = {
 OFFLOAD_GAUGES: dict[str, str] = {
     "queue_depth": "Offload block copies queued for the last step",
 }
+# Worker-side offload values (each rank's host copies) also exported per rank
+# (`pdkv:kv_offload_rank_<name>{rank}`; the engine-wide series is their sum).
+OFFLOAD_RANK_NAMES = ("bytes_d2h", "bytes_h2d", "copies_d2h", "copies_h2d",
+                      "exposed_wait_seconds", "queue_depth")
+_OFFLOAD_RANK_PREFIX = "rank"
 # kv_load_failure_policy values (pre-created so the family has samples from the start).
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 _POOL_FAILURE_PREFIX = "failures_"
@@ -172,6 +179,13 @@ class KVTransferMetrics:
             },
             **{name: gauge(f"pdkv:kv_offload_{name}", doc) for name, doc in OFFLOAD_GAUGES.items()},
         }
+        offload_docs = {**OFFLOAD_COUNTERS, **OFFLOAD_GAUGES}
+        self.offload_rank_metrics: dict[str, Counter | Gauge] = {
+            name: (Gauge if name in OFFLOAD_GAUGES else Counter)(
+                f"pdkv:kv_offload_rank_{name}", f"{offload_docs[name]}, of one worker rank",
+                labels + ["rank"], registry=r)
+            for name in OFFLOAD_RANK_NAMES
+        }
 
     def observe(self, stats: SchedulerStats) -> None:
         """Record one step's KV stats (cumulative totals become counter increments)."""
@@ -241,10 +255,17 @@ class KVTransferMetrics:
             child.inc(delta)
 
     def _observe_offload_value(self, key: str, total: float) -> None:
-        """One cumulative "offload:<name>" value: a gauge is set to it, a counter grows by its
-        increase since the last step."""
-        name = key[len("offload:"):]
-        metric = self.offload_metrics.get(name)
+        """One cumulative "offload:<name>" or "offload:rank<r>:<name>" value: a gauge is set to
+        it, a counter grows by its increase since the last step."""
+        parts = key.split(":")
+        metric: Counter | Gauge | None = None
+        if len(parts) == 2:
+            metric = self.offload_metrics.get(parts[1])
+        elif (len(parts) == 3 and parts[1].startswith(_OFFLOAD_RANK_PREFIX)
+              and parts[1][len(_OFFLOAD_RANK_PREFIX):].isdigit()
+              and parts[2] in self.offload_rank_metrics):
+            family = self.offload_rank_metrics[parts[2]]
+            metric = family.labels(*self._values, parts[1][len(_OFFLOAD_RANK_PREFIX):])
         if metric is None:
             self._ignore(key)
             return

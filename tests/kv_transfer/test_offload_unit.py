@@ -107,6 +107,34 @@ def test_settings_are_checked():
     assert OffloadConfig(cpu_bytes_to_use=100).num_host_slots(kv_config(4, groups=2)) == 3
 
 
+def test_host_slots_agree_across_halves_and_ranks():
+    """cpu_bytes_to_use is per engine (vLLM's rule): every rank's worker half (its own blocks of
+    BS tokens and its KV heads) and the scheduler half (logical blocks of BS × dcp tokens) get
+    the same slot count, and the ranks' host buffers together fit cpu_bytes_to_use."""
+    from pdkv.worker.kv_cache import scheduler_view
+
+    extra = {"cpu_bytes_to_use": 1000, "eviction_mode": "reuse"}
+    spec = connector_spec(KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                           kv_connector_extra_config=extra), BS)
+    assert isinstance(spec, OffloadSpec)
+    rank_spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=4, dtype="float32")
+    per_rank = KVCacheConfig(8, (KVCacheGroupSpec((0, 1), rank_spec),))  # 2·2·BS·2·4·4 = 256 B
+    cases = {  # (tp, dcp, replicated) -> world size
+        (1, 1, None): 1, (2, 1, None): 2, (1, 2, True): 2, (2, 2, False): 2, (2, 2, True): 4}
+    for (tp, dcp, replicated), world in cases.items():
+        layout = KVLayout("m", "float32", BS, 2, 2, 4, "cross_layer", tp_size=tp, dcp_size=dcp,
+                          dcp_replicated=replicated)
+        assert layout.world_size == world
+        sched = OffloadingConnector(spec, KVConnectorRole.SCHEDULER,
+                                    scheduler_view(per_rank, dcp), layout)
+        worker = OffloadingConnector(spec, KVConnectorRole.WORKER, per_rank, layout)
+        assert sched.num_host_slots == worker.num_host_slots == 1000 // (256 * world)
+        worker.register_kv_caches([torch.zeros(8, 2, 2, BS, 2, 4)])
+        assert worker.worker is not None
+        assert world * worker.worker.host[0].numel() <= 1000
+        assert worker.worker.host[0].shape == (worker.num_host_slots, 256)
+
+
 # ------------------------------------------------------------- ordering with a fake
 def kv_config(num_blocks: int, groups: int = 1) -> KVCacheConfig:
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype="float32")

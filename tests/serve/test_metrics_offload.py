@@ -1,6 +1,7 @@
 """CPU offload metrics on /metrics: "offload:<name>" totals in SchedulerStats.kv_transfer come
 out as `pdkv:kv_offload_*` counters (grow by deltas) and gauges (follow the value, down too);
-unknown offload names are not exported."""
+a TP/DCP rank's "offload:rank<r>:<name>" as `pdkv:kv_offload_rank_*{rank}`; unknown offload
+names are not exported."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdkv.sched.output import SchedulerStats
 from pdkv.serve.metrics import OFFLOAD_COUNTERS, OFFLOAD_GAUGES, ServerMetrics
+from pdkv.serve.metrics_kv import OFFLOAD_RANK_NAMES
 
 
 def _stats(kv: dict[str, float]) -> SchedulerStats:
@@ -51,3 +53,33 @@ def test_every_documented_offload_name_is_exported():
         assert _get(m, f"pdkv:kv_offload_{name}_total") == 7.0, name
     for name in OFFLOAD_GAUGES:
         assert _get(m, f"pdkv:kv_offload_{name}") == 7.0, name
+
+
+def _get_labelled(m: ServerMetrics, name: str, **labels: str) -> float | None:
+    for family in text_string_to_metric_families(m.render().decode()):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None
+
+
+def test_per_rank_offload_values_get_a_rank_label():
+    """A TP/DCP engine's worker halves report "offload:rank<r>:<name>" beside the engine-wide
+    sum: `pdkv:kv_offload_rank_<name>{rank}` per rank, the engine-wide series unchanged; a
+    scheduler-side name or a malformed rank is not exported per rank."""
+    m = ServerMetrics("smollm2")
+    step = {"offload:bytes_d2h": 3000.0, "offload:rank0:bytes_d2h": 1500.0,
+            "offload:rank1:bytes_d2h": 1500.0, "offload:rank1:queue_depth": 2.0,
+            "offload:rank0:hits": 1.0, "offload:rankx:bytes_d2h": 9.0,
+            "offload:rank:bytes_d2h": 9.0, "offload:0:bytes_d2h": 9.0}
+    m.observe_step([], _stats(step), 0.0)
+    m.observe_step([], _stats(dict(step, **{"offload:rank1:bytes_d2h": 2000.0})), 1.0)
+    assert _get(m, "pdkv:kv_offload_bytes_d2h_total") == 3000.0
+    assert _get_labelled(m, "pdkv:kv_offload_rank_bytes_d2h_total", rank="0") == 1500.0
+    assert _get_labelled(m, "pdkv:kv_offload_rank_bytes_d2h_total", rank="1") == 2000.0
+    assert _get_labelled(m, "pdkv:kv_offload_rank_queue_depth", rank="1") == 2.0
+    text = m.render().decode()
+    assert "kv_offload_rank_hits" not in text
+    assert 'rank="x"' not in text and 'rank=""' not in text
+    for name in OFFLOAD_RANK_NAMES:
+        assert f"pdkv:kv_offload_rank_{name}" in text, name

@@ -68,5 +68,5 @@ def create_connector(
     if isinstance(spec, OffloadSpec):
         from pdkv.kv_transfer.connector.offload import OffloadingConnector
 
-        return OffloadingConnector(spec, role, kv_cache_config, layout)
+        return OffloadingConnector(spec, role, kv_cache_config, layout, startup)
     raise ValueError(f"unknown kv_connector {spec.kv_connector!r}; known: {CONNECTORS}")

@@ -17,8 +17,11 @@ class OffloadConfig:
     """OffloadingConnector settings (vLLM's names where vLLM has one).
 
     Attributes:
-        cpu_bytes_to_use: bytes of host memory for offloaded blocks (vLLM's `cpu_bytes_to_use`;
-            here per engine). Every KV cache group gets `num_host_slots` slots.
+        cpu_bytes_to_use: bytes of host memory for offloaded blocks, per engine (vLLM's
+            `cpu_bytes_to_use` and its rule): with worker processes (TP / DCP) each rank keeps
+            the host copies of its own shard of a block, and all ranks' host buffers together
+            take at most this many bytes. Every KV cache group gets `num_host_slots` slots,
+            the same number on every rank and in the scheduler half.
         eviction_mode: what happens to a cached block the engine evicts from its prefix cache
             (or a preempted request's blocks when they are reused):
             "drop": no host copy (the tokens are recomputed later); 0 copies.
@@ -31,10 +34,26 @@ class OffloadConfig:
     cpu_bytes_to_use: int = 1 << 30
     eviction_mode: str = "reuse"
 
-    def num_host_slots(self, kv_cache_config: KVCacheConfig) -> int:
-        """Host blocks per group: cpu_bytes_to_use // (bytes of one block summed over groups)."""
+    def num_host_slots(
+        self, kv_cache_config: KVCacheConfig, world_size: int = 1, dcp_size: int = 1
+    ) -> int:
+        """Host blocks per group: cpu_bytes_to_use // (one rank's bytes of a block summed over
+        groups × world_size), so that both halves of every rank agree.
+
+        Args:
+            kv_cache_config: a worker's own KV cache (blocks of block_size tokens, its KV heads),
+                or the scheduler's logical view, whose blocks hold every DCP rank's share
+                (pdkv.worker.kv_cache.scheduler_view): then pass `dcp_size`.
+            world_size: worker ranks, each holding a host buffer of its shard.
+            dcp_size: DCP ranks sharing one block of `kv_cache_config` (1 for a worker's own).
+
+        Raises:
+            ValueError: a block whose bytes `dcp_size` does not divide.
+        """
         per_block = sum(kv_cache_config.block_bytes(g) for g in range(len(kv_cache_config.groups)))
-        return self.cpu_bytes_to_use // per_block
+        if per_block % dcp_size:
+            raise ValueError(f"a block of {per_block} bytes is not split over {dcp_size} DCP ranks")
+        return self.cpu_bytes_to_use // (per_block // dcp_size * world_size)
 
     @staticmethod
     def from_extra(extra: Mapping[str, Any]) -> OffloadConfig:

@@ -10,6 +10,10 @@ before the forward pass writes anything; the time they take is the wait the step
 (`exposed_wait_seconds`). On a GPU the same plan runs on a copy stream: the D2H copies are
 ordered after the previous step's writes (the stream waits on that step's event) and the forward
 pass waits on the copy stream's event before it writes; only that event wait is exposed.
+
+Counters: "offload:<name>" (bytes, copies, queue depth, exposed wait); in an engine with worker
+processes the engine adds every rank's values up, so the worker half of rank r also reports
+each one as "offload:rank<r>:<name>" (per-rank series).
 """
 
 from __future__ import annotations
@@ -24,10 +28,13 @@ from pdkv.kv_transfer.connector.offload_messages import BlockCopy, OffloadConnec
 class OffloadConnectorWorker:
     """Args:
         num_host_slots: host blocks per group.
+        rank: this worker's global rank in an engine with worker processes (its counters are
+            reported per rank too), None in a single-process engine.
     """
 
-    def __init__(self, num_host_slots: int) -> None:
+    def __init__(self, num_host_slots: int, rank: int | None = None) -> None:
         self.num_host_slots = num_host_slots
+        self._rank_prefix = f"offload:rank{rank}:" if rank is not None else None
         self._device: list[torch.Tensor] = []  # per group [num_blocks, block_bytes] uint8 views
         self.host: list[torch.Tensor] = []  # per group [num_host_slots, block_bytes] uint8
         self._stats: dict[str, float] = {}
@@ -48,7 +55,9 @@ class OffloadConnectorWorker:
         ]
 
     def _count(self, key: str, value: float) -> None:
-        self._stats["offload:" + key] = self._stats.get("offload:" + key, 0.0) + value
+        for prefix in ("offload:", self._rank_prefix):
+            if prefix is not None:
+                self._stats[prefix + key] = self._stats.get(prefix + key, 0.0) + value
 
     def start_load_kv(self, meta: OffloadConnectorMetadata) -> None:
         """Run this step's copies: D2H first, then H2D (see the module docstring)."""
