@@ -252,18 +252,9 @@ class EngineConfig:
                 "connector is configured (vLLM's rule: each transferred block then lies whole on "
                 f"one DCP rank); pass --cp-kv-cache-interleave-size {bs}"
             )
-        if (par.world_size > 1 and kvt is not None
-                and kvt.kv_connector not in _MULTI_RANK_CONNECTORS):
-            raise ValueError(
-                f"{kvt.kv_connector} with tensor_parallel_size={par.tensor_parallel_size} / "
-                f"decode_context_parallel_size={par.decode_context_parallel_size} is not supported "
-                f"yet: with worker processes only {', '.join(_MULTI_RANK_CONNECTORS)} are"
-            )
 
 
 _KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-_MULTI_RANK_CONNECTORS = ("P2PConnector", "KVPoolConnector", "OffloadingConnector")
-"""Connectors whose worker halves run in TP/DCP worker processes (each rank its own shard)."""
 _LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 

@@ -122,9 +122,7 @@ def run_worker(conn: Connection) -> None:
             meta = sched_out.kv_connector_metadata
             if meta is not None and runner.connector is not None:
                 # Sent as a plain map (the field is untyped): rebuild the connector's own type.
-                sched_out.kv_connector_metadata = msgspec.convert(
-                    meta, type(runner.connector).metadata_type()
-                )
+                sched_out.kv_connector_metadata = runner.connector.metadata_from_wire(meta)
             out = runner.execute_model(sched_out)
             send(StepResult(rank=rank, output=out, forward_s=runner.timings.forward,
                             dcp_comm_s=runner.timings.dcp_comm))

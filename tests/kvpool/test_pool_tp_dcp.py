@@ -190,3 +190,51 @@ def test_redis_pool_dcp2_smollm2_replicated(model_path, redis_service):
     finally:
         llm.llm_engine.shutdown()
         client.flushdb()
+
+
+def test_pd_with_a_pool_into_a_dcp_decode_loads_the_pool_prefix_then_p_rest(
+    tiny_llama_kv2, tmp_path
+):
+    """D (dcp 2) runs MultiConnector [pool kv_both, P2P consumer]: the first handoff pulls the
+    whole prompt from P and D's ranks store their shards; sent again with D's prefix cache reset,
+    each rank loads the pool's 2 chunks and pulls only the rest from P. Output equals the
+    single-rank engine's both times."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+    from pd_tp_utils import NEW_TOKENS, decode, kv_config, prefill
+
+    prompt = prompts((150,))[0]
+    want = reference(tiny_llama_kv2)[1][:NEW_TOKENS]  # LENS[1] == 150; greedy: a prefix
+    d_config = json.dumps({
+        "kv_connector": "MultiConnector", "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"connectors": [
+            {"kv_connector": "KVPoolConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {
+                 "chunk_size": CHUNK, "tiers": [{"name": "disk", "path": str(tmp_path)}]}},
+            {"kv_connector": "P2PConnector", "kv_connector_extra_config": {"transfer": "tcp"}},
+        ]}})
+    per_token = kv_bytes_per_token(tiny_llama_kv2)
+    p = engine(tiny_llama_kv2, kv_transfer_config=kv_config("kv_producer"))
+    d = engine(tiny_llama_kv2, kv_transfer_config=d_config, **DCP2)
+    try:
+        params, _ = prefill(p, prompt)
+        out = decode(p, d, prompt, params)[0]
+        assert list(out.outputs[0].token_ids) == want
+        # D computes the last prompt token itself: 149 tokens' KV came from P, whole blocks of
+        # 16 tokens (10 blocks: the last partial one included).
+        assert out.kv_load_bytes == {"p2p": 10 * 16 * per_token}
+        wait_for("D's 4 shards on disk", lambda: len(disk_entries(tmp_path)) == 2 * 2)
+        check_one = by_rank(disk_entries(tmp_path))
+        assert len(check_one) == 2 and all(len(c) == 2 for c in check_one.values())
+
+        assert d.reset_prefix_cache()
+        params, _ = prefill(p, prompt)
+        out = decode(p, d, prompt, params)[0]
+        assert list(out.outputs[0].token_ids) == want
+        # The pool's 128 tokens (both ranks' halves), then P's blocks 8 and 9 (tokens 128-149).
+        assert out.kv_load_bytes == {"pool": 128 * per_token, "p2p": 2 * 16 * per_token}
+        assert_blocks_free(d)
+    finally:
+        d.llm_engine.shutdown()
+        p.llm_engine.shutdown()

@@ -65,7 +65,7 @@ def reference(model: str) -> list[list[int]]:
     return _REFERENCE[model]
 
 
-def test_offload_is_accepted_with_worker_processes_and_multi_connector_is_not():
+def test_every_connector_is_accepted_with_worker_processes():
     def config(connector: str, extra: dict[str, object]) -> EngineConfig:
         return EngineConfig(
             ModelConfig(model="m", path="/m"), CacheConfig(block_size=BLOCK),
@@ -74,9 +74,10 @@ def test_offload_is_accepted_with_worker_processes_and_multi_connector_is_not():
             kv_transfer_config=KVTransferConfig(connector, "kv_both",
                                                 kv_connector_extra_config=extra))
 
-    config("OffloadingConnector", {})
-    with pytest.raises(ValueError, match="MultiConnector with tensor_parallel_size=2"):
-        config("MultiConnector", {"connectors": []})
+    for name in ("OffloadingConnector", "KVPoolConnector", "P2PConnector"):
+        config(name, {})
+    config("MultiConnector", {"connectors": [{"kv_connector": "KVPoolConnector"},
+                                             {"kv_connector": "P2PConnector"}]})
 
 
 @pytest.mark.slow  # worker processes

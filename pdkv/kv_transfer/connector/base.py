@@ -25,6 +25,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
+
 # The typed scheduler <-> worker messages live with the scheduler's outputs (pdkv.sched); they are
 # re-exported here for the connectors.
 from pdkv.jsontypes import JSONObject
@@ -167,6 +169,15 @@ class KVConnectorBase(ABC):
         """The class of this connector's per-step metadata (a worker in another process rebuilds
         it from msgpack with it)."""
         return KVConnectorMetadata
+
+    def metadata_from_wire(self, raw: object) -> KVConnectorMetadata:
+        """This connector's per-step metadata rebuilt from its msgpack form (a worker process
+        receives it untyped); `metadata_type` names the class.
+
+        Raises:
+            msgspec.ValidationError: `raw` does not fit the type.
+        """
+        return msgspec.convert(raw, self.metadata_type())
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         self._metadata = metadata

@@ -25,7 +25,7 @@ Semantics (vLLM's, plus one deliberate extension):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -61,6 +61,14 @@ class MultiConnectorMetadata(KVConnectorMetadata, kw_only=True):
     """
 
     children: list[KVConnectorMetadata] = msgspec.field(default_factory=list)
+    expect_recv: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    expect_send: dict[str, list[int]] = msgspec.field(default_factory=dict)
+
+
+class _MultiWire(msgspec.Struct, kw_only=True):
+    """MultiConnectorMetadata as a worker process receives it: the children still untyped."""
+
+    children: list[Any] = msgspec.field(default_factory=list)
     expect_recv: dict[str, list[int]] = msgspec.field(default_factory=dict)
     expect_send: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
@@ -238,6 +246,16 @@ class MultiConnector(KVConnectorBase):
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         for c in self.children:
             c.register_kv_caches(kv_caches)
+
+    def metadata_from_wire(self, raw: object) -> MultiConnectorMetadata:
+        """Each child rebuilds its own part (their types differ)."""
+        wire = msgspec.convert(raw, _MultiWire)
+        if len(wire.children) != len(self.children):
+            raise ValueError(f"MultiConnector metadata has {len(wire.children)} children, "
+                             f"this connector {len(self.children)}")
+        return MultiConnectorMetadata(
+            children=[c.metadata_from_wire(m) for c, m in zip(self.children, wire.children)],
+            expect_recv=wire.expect_recv, expect_send=wire.expect_send)
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(metadata)
