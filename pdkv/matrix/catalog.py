@@ -41,6 +41,15 @@ FEATURES: tuple[Axis, ...] = (
         "decode context parallelism (--decode-context-parallel-size 2; vLLM mode at tp 2, "
         "replicated weights at tp 1)",
     ),
+    Axis("tp-pool", "TP 2 with the KV pool: each rank stores and loads its KV heads (dram, disk)"),
+    Axis("tp-offload", "TP 2 with CPU offload: each rank's shard to its own host buffer"),
+    Axis("tp-pd-pool", "P/D + pool into a TP 2 D (MultiConnector): pool prefix, then P's rest"),
+    Axis(
+        "dcp-pool",
+        "DCP 2 with the KV pool: each rank stores and loads its token shard (dram, disk, redis)",
+    ),
+    Axis("dcp-offload", "DCP 2 with CPU offload: each rank's shard to its own host buffer"),
+    Axis("dcp-pd-pool", "P/D + pool into a DCP 2 D (MultiConnector): pool prefix, then P's rest"),
     Axis("pd-dcp", "P/D into DCP: P tp 1 → D tp 2 + dcp 2, each D rank pulls its shard (tcp)"),
     Axis("pd-reshard", "P/D from P tp 1 to D tp 2, each D rank pulls its KV heads (tcp)"),
     Axis("pd-reblock", "P/D between block sizes 16 and 32, KV mapped by token position (tcp)"),

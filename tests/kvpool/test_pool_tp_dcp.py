@@ -121,7 +121,35 @@ def check_shards(stored: dict[str, dict[str, int]], per_token: int) -> None:
         assert all(n == CHUNK * per_token // 2 for n in shard.values()), shard
 
 
-@pytest.mark.parametrize("layout", [DCP2, TP2], ids=["dcp2", "tp2"])
+KV2 = "tiny-llama-kv2"
+LAYOUTS = [pytest.param(DCP2, id="dcp2", marks=pytest.mark.matrix("dcp-pool", model=KV2)),
+           pytest.param(TP2, id="tp2", marks=pytest.mark.matrix("tp-pool", model=KV2))]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dram_pool_cold_then_hot_each_rank_writing_its_half(tiny_llama_kv2, layout):
+    """Each rank's DRAM tier lives in its own process: the lookups reach it only through the
+    rank's lookup server."""
+    want = reference(tiny_llama_kv2)
+    llm = engine(tiny_llama_kv2, [{"name": "dram", "capacity_bytes": 1 << 26}], **layout)
+    try:
+        assert run(llm, prompts()) == want
+        reset_local(llm)
+        assert run(llm, prompts()) == want
+        stats = llm.llm_engine.scheduler.kv_stats
+        assert stats["pool:all:hit_tokens"] == 2 * 128
+        # 4 chunks, each stored as two halves (one per rank): the KV of 4 chunks in all, plus
+        # each value's header (well under 1 %); every half read back once.
+        kv = 4 * CHUNK * kv_bytes_per_token(tiny_llama_kv2)
+        assert stats["pool:dram:chunks_written"] == stats["pool:dram:chunks_read"] == 2 * 4
+        assert kv < stats["pool:dram:bytes_written"] < 1.01 * kv
+        assert stats["pool:dram:bytes_read"] == stats["pool:dram:bytes_written"]
+        assert_blocks_free(llm)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_disk_pool_each_rank_stores_its_shard_and_a_lost_shard_is_a_miss_for_all(
     tiny_llama_kv2, tmp_path, layout
 ):
@@ -164,6 +192,7 @@ def test_disk_pool_each_rank_stores_its_shard_and_a_lost_shard_is_a_miss_for_all
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.matrix("dcp-pool", model="smollm2")
 def test_redis_pool_dcp2_smollm2_replicated(model_path, redis_service):
     import redis
 
@@ -192,13 +221,16 @@ def test_redis_pool_dcp2_smollm2_replicated(model_path, redis_service):
         client.flushdb()
 
 
+@pytest.mark.parametrize("layout", [
+    pytest.param(DCP2, id="dcp2", marks=pytest.mark.matrix("dcp-pd-pool", model=KV2)),
+    pytest.param(TP2, id="tp2", marks=pytest.mark.matrix("tp-pd-pool", model=KV2))])
 def test_pd_with_a_pool_into_a_dcp_decode_loads_the_pool_prefix_then_p_rest(
-    tiny_llama_kv2, tmp_path
+    tiny_llama_kv2, tmp_path, layout
 ):
-    """D (dcp 2) runs MultiConnector [pool kv_both, P2P consumer]: the first handoff pulls the
-    whole prompt from P and D's ranks store their shards; sent again with D's prefix cache reset,
-    each rank loads the pool's 2 chunks and pulls only the rest from P. Output equals the
-    single-rank engine's both times."""
+    """D (dcp 2, or tp 2) runs MultiConnector [pool kv_both, P2P consumer]: the first handoff
+    pulls the whole prompt from P and D's ranks store their shards; sent again with D's prefix
+    cache reset, each rank loads the pool's 2 chunks and pulls only the rest from P. Output
+    equals the single-rank engine's both times."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
@@ -216,7 +248,7 @@ def test_pd_with_a_pool_into_a_dcp_decode_loads_the_pool_prefix_then_p_rest(
         ]}})
     per_token = kv_bytes_per_token(tiny_llama_kv2)
     p = engine(tiny_llama_kv2, kv_transfer_config=kv_config("kv_producer"))
-    d = engine(tiny_llama_kv2, kv_transfer_config=d_config, **DCP2)
+    d = engine(tiny_llama_kv2, kv_transfer_config=d_config, **layout)
     try:
         params, _ = prefill(p, prompt)
         out = decode(p, d, prompt, params)[0]

@@ -34,12 +34,12 @@ OFFLOAD = json.dumps({
 CASES = [  # model, parallel settings, world size, logical block tokens, KV heads: model / rank
     pytest.param("kv2", {"decode_context_parallel_size": 2}, 2, 2 * BLOCK, 2, 2,
                  id="kv2-dcp2-replicated",
-                 marks=pytest.mark.matrix("dcp", "offload", model="tiny-llama-kv2")),
+                 marks=pytest.mark.matrix("dcp-offload", model="tiny-llama-kv2")),
     pytest.param("kv1", {"tensor_parallel_size": 2, "decode_context_parallel_size": 2}, 2,
                  2 * BLOCK, 1, 1, id="kv1-tp2-dcp2",
-                 marks=pytest.mark.matrix("dcp", "offload", model="tiny-llama-kv1")),
+                 marks=pytest.mark.matrix("dcp-offload", model="tiny-llama-kv1")),
     pytest.param("kv2", {"tensor_parallel_size": 2}, 2, BLOCK, 2, 1, id="kv2-tp2",
-                 marks=pytest.mark.matrix("tp", "offload", model="tiny-llama-kv2")),
+                 marks=pytest.mark.matrix("tp-offload", model="tiny-llama-kv2")),
 ]
 
 
