@@ -57,6 +57,9 @@ POOL_COUNTERS: dict[str, str] = {
     "save_skips": "Chunk saves skipped because the KV pool already held the chunk",
     "hit_tokens": "Prompt tokens found in the KV pool",
     "lookup_tokens": "Prompt tokens looked up in the KV pool",
+    "lookup_timeouts": "KV pool lookups that passed lookup_timeout_s (a miss)",
+    "rank_misses": "Chunks some TP/DCP ranks held and others did not (a miss for every rank)",
+    "rank_lookup_timeouts": "KV pool lookups a TP/DCP rank did not answer in time (a miss)",
 }
 # KV pool gauges by name (`pdkv:kv_pool_<name>`).
 POOL_GAUGES: dict[str, str] = {
