@@ -301,25 +301,21 @@ class LLMEngine:
         return self.scheduler.needs_step()
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
-        """Give both connector halves the callback that wakes the engine loop (any thread)."""
-        for connector in (self.connector, self.executor.connector):
-            if connector is not None:
-                connector.set_wakeup(wakeup)
+        """Give both connector halves the callback that wakes the engine loop (any thread): the
+        scheduler half here, the worker halves through the executor (in worker processes: over
+        its wakeup channel)."""
+        if self.connector is not None:
+            self.connector.set_wakeup(wakeup)
+        self.executor.set_wakeup(wakeup)
         if self.pool_events is not None:  # a pool tier's event: an idle loop steps to publish
             self.pool_events.set_wakeup(wakeup)
 
     def next_deadline(self) -> float | None:
-        """Earliest time.monotonic() at which a connector needs a step (lease expiry or
-        renewal), or None."""
-        times = [c.next_deadline() for c in (self.connector, self.executor.connector)
-                 if c is not None]
-        found = [t for t in times if t is not None]
-        poll = self.executor.poll_interval_s
-        if poll is not None and self.connector is not None and (
-                self.scheduler.waiting_for_remote or self.connector.has_pending_work()):
-            # The worker halves cannot wake this loop (other processes): poll.
-            found.append(time.monotonic() + poll)
-        return min(found) if found else None
+        """Earliest time.monotonic() at which a connector half needs a step (lease expiry or
+        renewal, a pull's deadline), or None."""
+        times = [self.connector.next_deadline() if self.connector is not None else None,
+                 self.executor.next_deadline()]
+        return min((t for t in times if t is not None), default=None)
 
     def kv_cache_summary(self) -> str:
         """One line for the start-up log: logical blocks x tokens and MiB per rank (with DCP each

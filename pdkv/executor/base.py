@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from pdkv.cache.kv_layout import KVLayout
     from pdkv.cache.specs import KVCacheConfig
-    from pdkv.kv_transfer.connector.base import KVConnectorBase
     from pdkv.kv_transfer.connector.startup import ConnectorStartup
     from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput
     from pdkv.worker.model_runner import ModelRunner
@@ -29,11 +30,6 @@ class Executor(Protocol):
             identity checks; its wire form answers `GET /kv_layout`).
         connector_startup: start-up values both halves of the engine's KV connector share
             (what the worker halves bound: the P2P producer's control addresses).
-        connector: the worker half of the KV connector when it lives in this process, else None
-            (none configured, or it lives in worker processes).
-        poll_interval_s: seconds between engine steps while worker connector halves have loads
-            in flight, when those halves cannot wake the engine loop (other processes); None when
-            they can.
         vocab_size, eos_token_id: the model's.
         model_runner: the ModelRunner when the model runs in this process (inspection by tests
             and benchmarks), else None.
@@ -47,12 +43,6 @@ class Executor(Protocol):
 
     @property
     def connector_startup(self) -> ConnectorStartup: ...
-
-    @property
-    def connector(self) -> KVConnectorBase | None: ...
-
-    @property
-    def poll_interval_s(self) -> float | None: ...
 
     @property
     def vocab_size(self) -> int: ...
@@ -70,6 +60,21 @@ class Executor(Protocol):
             WorkerDiedError / TimeoutError (worker processes): a rank failed, exited or did not
                 answer in time; the engine cannot continue.
         """
+        ...
+
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None:
+        """Called once by the engine at start-up (the engine loop's thread) with the callback
+        that wakes the engine loop; `wakeup` must never block. The KV connector's worker halves
+        call it (in process: directly, from their threads; in worker processes: through the
+        executor's wakeup channel and its listener thread) when the next step would see
+        something new: a load or send finished, a load failed. Worker processes: the listener
+        also calls it once when a worker exits, so that the next step reports the dead rank."""
+        ...
+
+    def next_deadline(self) -> float | None:
+        """Engine loop thread, non-blocking: the earliest time.monotonic() at which the KV
+        connector's worker halves need a step even if nothing else happens (a lease expiry or
+        renewal, a pull's deadline), or None."""
         ...
 
     def dead_workers(self) -> list[int]:

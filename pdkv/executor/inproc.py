@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pdkv.cache.kv_layout import KVLayout
 from pdkv.cache.specs import KVCacheConfig
 from pdkv.config import EngineConfig
@@ -31,8 +33,6 @@ class InProcExecutor:
             request of max_model_len tokens (named values).
     """
 
-    poll_interval_s: float | None = None  # the connector's worker half wakes the loop itself
-
     def __init__(self, config: EngineConfig, sizing: KVCacheSizing,
                  connector: ConnectorSpec | None) -> None:
         self._sizing = sizing
@@ -56,6 +56,15 @@ class InProcExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on the runner."""
         return self.runner.execute_model(scheduler_output)
+
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None:
+        """Hand the engine loop's wakeup to the connector's worker half (it calls it itself)."""
+        if self.connector is not None:
+            self.connector.set_wakeup(wakeup)
+
+    def next_deadline(self) -> float | None:
+        """The connector worker half's next deadline, or None."""
+        return self.connector.next_deadline() if self.connector is not None else None
 
     def dead_workers(self) -> list[int]:
         """No worker processes: always []."""

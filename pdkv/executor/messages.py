@@ -5,7 +5,8 @@ Start-up: the engine sends `WorkerInit` to every rank; each loads its weights an
 and sends the result to every rank (`InitKVCache`); each allocates it and answers `WorkerReady`.
 Then the engine sends an `ExecuteModel` per step (the scheduler's output, the same to every
 rank), answered by a `StepResult` per rank, and `Shutdown` at the end. A rank that fails answers
-`WorkerFailed` and exits.
+`WorkerFailed` and exits. Between steps, a rank whose KV connector worker half has news sends
+`ConnectorWakeup` on its own one-way wakeup pipe (pdkv.executor.wakeup).
 """
 
 from __future__ import annotations
@@ -148,12 +149,24 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     Attributes:
         forward_s: seconds of this rank's forward pass.
         dcp_comm_s: of which DCP all-gathers and merge.
+        connector_deadline: the rank's KV connector worker half's `next_deadline()` after the
+            step (time.monotonic(): CLOCK_MONOTONIC, one clock for every process of the machine),
+            None without a deadline or a connector.
     """
 
     rank: int
     output: ModelRunnerOutput
     forward_s: float = 0.0
     dcp_comm_s: float = 0.0
+    connector_deadline: float | None = None
+
+
+class ConnectorWakeup(msgspec.Struct, tag=True, kw_only=True):
+    """A rank's KV connector worker half has something for the next step (a load or send
+    finished, a load failed): sent on the rank's wakeup pipe, not the step pipe; wakes that
+    arrive while one is being sent are coalesced into one message."""
+
+    rank: int
 
 
 class WorkerFailed(msgspec.Struct, tag=True, kw_only=True):

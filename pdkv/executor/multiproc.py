@@ -6,7 +6,9 @@ torch.distributed) and sample the same tokens from the same logits, so every ran
 stays in step without a broadcast; rank 0's output is returned. Every wait has a deadline
 (`ParallelConfig.worker_timeout_s`) and watches every worker's process sentinel, so a dead worker
 ends the step with an error naming the rank and its exit code instead of a hang (vLLM's
-MultiprocExecutor plays the same role; its message queue is shared memory, ours a pipe).
+MultiprocExecutor plays the same role; its message queue is shared memory, ours a pipe). Between
+steps, the ranks' KV connector worker halves wake the engine loop over a second, one-way pipe per
+rank (pdkv.executor.wakeup), and report their next deadline with each step's result.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
@@ -40,8 +43,8 @@ from pdkv.executor.messages import (
     WorkerLoaded,
     WorkerReady,
 )
+from pdkv.executor.wakeup import WakeupListener
 from pdkv.executor.worker_proc import run_worker
-from pdkv.kv_transfer.connector.base import KVConnectorBase
 from pdkv.kv_transfer.connector.startup import ConnectorStartup
 from pdkv.model.llama import LlamaArchConfig
 from pdkv.ports import free_port
@@ -53,9 +56,6 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
-
-MULTIPROC_POLL_S = 0.005
-"""Seconds between engine steps while the workers' connector halves have loads in flight."""
 
 KILLED_PEER_GRACE_S = 2.0
 """How long a rank's failure waits for another rank's exit to show (see `_killed_peer`)."""
@@ -73,9 +73,10 @@ class MultiprocExecutor:
     (`make_kv_cache_config`: before any process starts when the configuration fixes the size, else
     from the smallest budget the ranks measured) and sends the result to every rank.
     `kv_cache_config` is the scheduler's logical view (blocks of block_size × DCP tokens);
-    `connector` is None (the connector halves live in the workers, which cannot wake the
-    engine loop: `poll_interval_s`); `connector_shared` holds the P2P producer's rank 0
-    "control_address" and every rank's "control_endpoints", and every rank's KV pool lookup server
+    the KV connector's worker halves live in the workers: they wake the engine loop through
+    `set_wakeup` (a listener thread reading every rank's wakeup pipe) and their deadlines are
+    `next_deadline`; `connector_startup` holds the P2P producer's rank 0 "control_address" and
+    every rank's "control_endpoints", and every rank's KV pool lookup server
     ("pool_lookup_endpoints").
 
     Args:
@@ -91,7 +92,6 @@ class MultiprocExecutor:
             one request of max_model_len tokens.
     """
 
-    poll_interval_s: float | None = MULTIPROC_POLL_S
     model_runner: ModelRunner | None = None  # the runners live in the worker processes
 
     def __init__(self, config: EngineConfig, sizing: KVCacheSizing, num_threads: int) -> None:
@@ -106,7 +106,6 @@ class MultiprocExecutor:
             per_rank = make_kv_cache_config(arch, sizing)
         self.world_size = self.layout_.world_size
         self.timeout_s = par.worker_timeout_s
-        self.connector: KVConnectorBase | None = None
         self.connector_startup = ConnectorStartup()
         self.timings = StepTimings()
         self._encoder = msgspec.msgpack.Encoder()
@@ -118,20 +117,26 @@ class MultiprocExecutor:
         threads = max(1, num_threads // self.world_size)
         self._conns: list[Connection] = []
         self._procs: list[BaseProcess] = []
+        self._deadlines: list[float | None] = []  # per rank, reported with the last step
+        wake_reads: list[Connection] = []
+        self._listener: WakeupListener | None = None
         try:
             for rank in range(self.world_size):
                 parent, child = ctx.Pipe(duplex=True)
-                proc = ctx.Process(
-                    target=run_worker, args=(child,), name=f"pdkv-worker-{rank}", daemon=True
-                )
+                wake_read, wake_write = ctx.Pipe(duplex=False)
+                wake_reads.append(wake_read)
+                proc = ctx.Process(target=run_worker, args=(child, wake_write),
+                                   name=f"pdkv-worker-{rank}", daemon=True)
                 proc.start()
                 child.close()
+                wake_write.close()  # the worker holds the only write end: EOF when it exits
                 self._conns.append(parent)
                 self._procs.append(proc)
                 self._send(rank, WorkerInit(
                     rank=rank, model_config=config.model_config, cache_config=config.cache_config,
                     parallel_config=par, kv_transfer_config=config.kv_transfer_config,
                     init_method=f"tcp://127.0.0.1:{port}", num_threads=threads))
+            self._listener = WakeupListener(wake_reads)
             loaded = [self._recv(rank, time.monotonic() + self.timeout_s, "start-up")
                       for rank in range(self.world_size)]
             if per_rank is None:  # the smallest budget, so that every rank's pool fits
@@ -144,6 +149,9 @@ class MultiprocExecutor:
             readies = [self._recv(rank, time.monotonic() + self.timeout_s, "start-up")
                        for rank in range(self.world_size)]
         except BaseException:
+            if self._listener is None:
+                for conn in wake_reads:
+                    conn.close()
             self.shutdown()
             raise
         ready = [r for r in readies if isinstance(r, WorkerReady)]
@@ -171,6 +179,18 @@ class MultiprocExecutor:
     def pids(self) -> list[int | None]:
         """Worker process ids, by rank."""
         return [p.pid for p in self._procs]
+
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None:
+        """The engine loop's wakeup: the listener thread calls it when a rank's connector worker
+        half has news for the next step, or a rank's process exited (the step reports it)."""
+        if self._listener is not None:
+            self._listener.set_wakeup(wakeup)
+
+    def next_deadline(self) -> float | None:
+        """The earliest `next_deadline()` of the ranks' connector worker halves, as each reported
+        it with the last step, or None. Only a step moves one earlier; between steps one can
+        only move later (a pull's read began), and a stale one costs a spare step."""
+        return min((t for t in self._deadlines if t is not None), default=None)
 
     def dead_workers(self) -> list[int]:
         """Ranks whose process has exited (a cheap check any thread may make: /health)."""
@@ -259,6 +279,7 @@ class MultiprocExecutor:
         deadline = time.monotonic() + self.timeout_s
         results = [self._recv(rank, deadline, "a step") for rank in range(self.world_size)]
         steps = [r for r in results if isinstance(r, StepResult)]
+        self._deadlines = [s.connector_deadline for s in steps]
         forward = steps[0].forward_s if steps else 0.0
         self.timings = StepTimings(
             forward=forward,
@@ -295,10 +316,13 @@ class MultiprocExecutor:
         return out
 
     def shutdown(self) -> None:
-        """Ask every worker to stop, then end the ones still alive after a grace period."""
+        """Stop the wakeup listener, ask every worker to stop, then end the ones still alive
+        after a grace period."""
         if self._closed:
             return
         self._closed = True
+        if self._listener is not None:
+            self._listener.close()
         for conn in self._conns:
             with contextlib.suppress(OSError):
                 conn.send_bytes(self._encoder.encode(Shutdown()))

@@ -1,7 +1,8 @@
 """Entry point of one worker process: join torch.distributed, load this rank's shard, run steps.
 
-Started by `MultiprocExecutor` (multiprocessing "spawn" context) with one end of a pipe; every
-message on the pipe is msgpack (pdkv.executor.messages), never pickle.
+Started by `MultiprocExecutor` (multiprocessing "spawn" context) with one end of its step pipe and
+the write end of its wakeup pipe; every message on either is msgpack (pdkv.executor.messages),
+never pickle.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pdkv.executor.messages import (
     WorkerLoaded,
     WorkerReady,
 )
+from pdkv.executor.wakeup import WakeupSender
 
 if TYPE_CHECKING:
     from pdkv.cache.specs import KVCacheConfig
@@ -37,11 +39,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def run_worker(conn: Connection) -> None:
+def run_worker(conn: Connection, wake_conn: Connection) -> None:
     """Serve one rank until Shutdown, EOF on the pipe (the engine is gone) or an error.
 
     The first message must be WorkerInit. An exception is reported as WorkerFailed (with its
-    traceback) before the process exits with code 1.
+    traceback) before the process exits with code 1. The KV connector worker half, if any, wakes
+    the engine loop through `wake_conn` (a `WakeupSender`); its next deadline goes back with each
+    step's result.
     """
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(ToWorker)
@@ -51,6 +55,7 @@ def run_worker(conn: Connection) -> None:
         conn.send_bytes(encoder.encode(msg))
 
     ctx = runner = None
+    sender: WakeupSender | None = None
     try:
         init = decoder.decode(conn.recv_bytes())
         if not isinstance(init, WorkerInit):
@@ -89,6 +94,9 @@ def run_worker(conn: Connection) -> None:
         kvt = init.kv_transfer_config  # this process's copy: its spec is parsed once, here
         spec = connector_spec(kvt, init.cache_config.block_size) if kvt is not None else None
         runner = ModelRunner(model_config, init.cache_config, spec, ctx, kv_cache_from_engine)
+        if runner.connector is not None:
+            sender = WakeupSender(wake_conn, rank)
+            runner.connector.set_wakeup(sender.wake)
         send(WorkerReady(rank=rank, layout=runner.kv_layout.to_wire(),
                          vocab_size=runner.vocab_size, eos_token_id=runner.eos_token_id,
                          control_address=list(runner.connector_startup.control_address or []),
@@ -124,8 +132,9 @@ def run_worker(conn: Connection) -> None:
                 # Sent as a plain map (the field is untyped): rebuild the connector's own type.
                 sched_out.kv_connector_metadata = runner.connector.metadata_from_wire(meta)
             out = runner.execute_model(sched_out)
+            deadline = runner.connector.next_deadline() if runner.connector is not None else None
             send(StepResult(rank=rank, output=out, forward_s=runner.timings.forward,
-                            dcp_comm_s=runner.timings.dcp_comm))
+                            dcp_comm_s=runner.timings.dcp_comm, connector_deadline=deadline))
     except BaseException as e:  # reported to the engine, then the process ends
         with contextlib.suppress(OSError, ValueError):
             send(WorkerFailed(rank=rank, error="".join(traceback.format_exception(e))))
@@ -133,5 +142,9 @@ def run_worker(conn: Connection) -> None:
     finally:
         if runner is not None:
             runner.shutdown()
+        if sender is not None:
+            sender.close()
+        else:
+            wake_conn.close()
         if ctx is not None:
             ctx.destroy()
