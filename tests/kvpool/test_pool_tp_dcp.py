@@ -149,10 +149,18 @@ def test_dram_pool_cold_then_hot_each_rank_writing_its_half(tiny_llama_kv2, layo
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("model", "layout"), [
+    pytest.param("tiny_llama_kv2", DCP2, id="kv2-dcp2",
+                 marks=pytest.mark.matrix("dcp-pool", model=KV2)),
+    pytest.param("tiny_llama_kv2", TP2, id="kv2-tp2",
+                 marks=pytest.mark.matrix("tp-pool", model=KV2)),
+    pytest.param("model_path", DCP2, id="smollm2-dcp2",
+                 marks=pytest.mark.matrix("dcp-pool", model="smollm2")),
+])
 def test_disk_pool_each_rank_stores_its_shard_and_a_lost_shard_is_a_miss_for_all(
-    tiny_llama_kv2, tmp_path, layout
+    request, tmp_path, model, layout
 ):
+    tiny_llama_kv2 = request.getfixturevalue(model)  # the model's folder
     want = reference(tiny_llama_kv2)
     path = tmp_path / "pool"
     llm = engine(tiny_llama_kv2, [{"name": "disk", "path": str(path)}], **layout)
@@ -192,10 +200,14 @@ def test_disk_pool_each_rank_stores_its_shard_and_a_lost_shard_is_a_miss_for_all
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.matrix("dcp-pool", model="smollm2")
-def test_redis_pool_dcp2_smollm2_replicated(model_path, redis_service):
+@pytest.mark.parametrize("model", [
+    pytest.param("model_path", id="smollm2", marks=pytest.mark.matrix("dcp-pool", model="smollm2")),
+    pytest.param("tiny_llama_kv2", id="kv2", marks=pytest.mark.matrix("dcp-pool", model=KV2)),
+])
+def test_redis_pool_dcp2(request, redis_service, model):
     import redis
 
+    model_path = request.getfixturevalue(model)  # the model's folder
     client = redis.Redis.from_url(redis_service.address)
     client.flushdb()
     want = reference(model_path)
