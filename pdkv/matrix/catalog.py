@@ -41,7 +41,10 @@ FEATURES: tuple[Axis, ...] = (
         "decode context parallelism (--decode-context-parallel-size 2; vLLM mode at tp 2, "
         "replicated weights at tp 1)",
     ),
-    Axis("tp-pool", "TP 2 with the KV pool: each rank stores and loads its KV heads (dram, disk)"),
+    Axis(
+        "tp-pool",
+        "TP 2 with the KV pool: each rank stores and loads its KV heads (dram, disk, redis)",
+    ),
     Axis("tp-offload", "TP 2 with CPU offload: each rank's shard to its own host buffer"),
     Axis("tp-pd-pool", "P/D + pool into a TP 2 D (MultiConnector): pool prefix, then P's rest"),
     Axis(

@@ -200,18 +200,22 @@ def test_disk_pool_each_rank_stores_its_shard_and_a_lost_shard_is_a_miss_for_all
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("model", [
-    pytest.param("model_path", id="smollm2", marks=pytest.mark.matrix("dcp-pool", model="smollm2")),
-    pytest.param("tiny_llama_kv2", id="kv2", marks=pytest.mark.matrix("dcp-pool", model=KV2)),
+@pytest.mark.parametrize(("model", "layout"), [
+    pytest.param("model_path", DCP2, id="smollm2-dcp2",
+                 marks=pytest.mark.matrix("dcp-pool", model="smollm2")),
+    pytest.param("tiny_llama_kv2", DCP2, id="kv2-dcp2",
+                 marks=pytest.mark.matrix("dcp-pool", model=KV2)),
+    pytest.param("tiny_llama_kv2", TP2, id="kv2-tp2",
+                 marks=pytest.mark.matrix("tp-pool", model=KV2)),
 ])
-def test_redis_pool_dcp2(request, redis_service, model):
+def test_redis_pool(request, redis_service, model, layout):
     import redis
 
     model_path = request.getfixturevalue(model)  # the model's folder
     client = redis.Redis.from_url(redis_service.address)
     client.flushdb()
     want = reference(model_path)
-    llm = engine(model_path, [{"name": "redis", "url": redis_service.address}], **DCP2)
+    llm = engine(model_path, [{"name": "redis", "url": redis_service.address}], **layout)
     try:
         assert run(llm, prompts()) == want
         stats = llm.llm_engine.scheduler.kv_stats
