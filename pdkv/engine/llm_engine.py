@@ -57,7 +57,7 @@ class LLMEngine:
         # Read once, here: the connector's spec (its settings are checked before the model
         # loads; the connectors get only the spec), the TP/DCP layout, the logical block size,
         # what sizing the KV cache takes.
-        spec = connector_spec(kvt, config.cache_config.block_size) if kvt is not None else None
+        spec = connector_spec(kvt, config.scheduler_block_size) if kvt is not None else None
         layout = config.parallel_config.layout()
         block_size = config.scheduler_block_size
         self.tokenizer = Tokenizer(config.model_config.path)
@@ -69,6 +69,14 @@ class LLMEngine:
             kv_cache_memory_bytes=cache.kv_cache_memory_bytes, layout=layout)
         if layout.world_size > 1:  # one worker process per TP/DCP rank
             import torch
+
+            if spec is not None and _has_pool(spec):  # refused here, before any rank starts
+                from pdkv.kv_transfer.connector.pool import check_multi_rank_groups
+                from pdkv.model.arch_config import LlamaArchConfig
+                from pdkv.worker.kv_cache import group_kinds
+
+                check_multi_rank_groups(
+                    group_kinds(LlamaArchConfig.from_hf_folder(config.model_config.path)))
 
             self.executor = MultiprocExecutor(config, sizing, num_threads=torch.get_num_threads())
         else:
@@ -322,12 +330,10 @@ class LLMEngine:
         rank stores 1/dcp of every request's KV)."""
         par, kv = self.config.parallel_config, self.executor.kv_cache_config
         dcp = par.decode_context_parallel_size
-        split = (
-            f"; tp {par.tensor_parallel_size}, dcp {dcp}: each rank stores 1/{dcp} of every "
-            "request's KV"
-            if par.world_size > 1
-            else ""
-        )
+        share = (f"each rank stores 1/{dcp} of every request's KV" if dcp > 1
+                 else "each rank stores its KV heads of every request")
+        split = (f"; tp {par.tensor_parallel_size}, dcp {dcp}: {share}"
+                 if par.world_size > 1 else "")
         return (f"{kv.num_blocks} blocks x {self.config.scheduler_block_size} tokens "
                 f"({kv.total_bytes / dcp / 2**20:.1f} MiB per rank{split})")
 

@@ -92,7 +92,8 @@ def run_worker(conn: Connection, wake_conn: Connection) -> None:
             return msg.to_config()
 
         kvt = init.kv_transfer_config  # this process's copy: its spec is parsed once, here
-        spec = connector_spec(kvt, init.cache_config.block_size) if kvt is not None else None
+        logical_block = init.cache_config.block_size * par.decode_context_parallel_size
+        spec = connector_spec(kvt, logical_block) if kvt is not None else None
         runner = ModelRunner(model_config, init.cache_config, spec, ctx, kv_cache_from_engine)
         if runner.connector is not None:
             sender = WakeupSender(wake_conn, rank)

@@ -115,6 +115,14 @@ class KVCacheSizing:
     layout: ParallelLayout = field(default_factory=ParallelLayout)
 
 
+def group_kinds(arch: LlamaArchConfig) -> set[str]:
+    """The kinds (`KVCacheSpec.kind`) of the KV cache groups `make_kv_cache_config` builds for
+    `arch`, without sizing anything (start-up checks before worker processes spawn)."""
+    kinds = {"sliding_window" if w is not None else ("mla" if arch.is_mla else "full_attention")
+             for w, _ in attention_groups(arch)}
+    return kinds | ({"linear_state"} if arch.has_linear_state else set())
+
+
 def make_kv_cache_config(arch: LlamaArchConfig, sizing: KVCacheSizing,
                          budget_bytes: int | None = None) -> KVCacheConfig:
     """The KV cache one rank allocates: the one place where an engine sizes it, once for every

@@ -80,3 +80,45 @@ def test_a_dcp_pool_too_small_for_one_request_is_refused_before_workers_start(
         in err
     )
     assert "Traceback" not in err and "WorkerDiedError" not in err
+
+
+def test_a_pool_chunk_that_is_not_a_whole_number_of_dcp_logical_blocks_is_refused(
+    capsys, tiny_llama_kv2
+):
+    """At dcp 2 and block 16 the scheduler's block is 32 tokens: a 48-token chunk fits the
+    physical block but not the logical one, and is refused at start-up (not at the first
+    request)."""
+    pool = {"kv_connector": "KVPoolConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"chunk_size": 48}}
+    err = refused(capsys, ["--model", tiny_llama_kv2, "-dcp", "2", "--block-size", "16",
+                           "--cp-kv-cache-interleave-size", "16",
+                           "--kv-transfer-config", json.dumps(pool)])
+    assert "chunk_size 48 must be a multiple of the block size 32" in err
+    assert "Traceback" not in err and "WorkerDiedError" not in err
+
+
+@pytest.mark.parametrize(("model", "kind"), [("tiny_swa", "sliding_window"), ("tiny_mla", "mla"),
+                                             ("tiny_gdn", "linear_state")])
+def test_the_pool_on_a_hybrid_model_with_worker_processes_is_refused_before_workers_start(
+    capsys, request, model, kind
+):
+    pool = {"kv_connector": "KVPoolConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"chunk_size": 64}}
+    path = request.getfixturevalue(model)  # built on first use (its progress bar: dropped)
+    capsys.readouterr()
+    err = refused(capsys, ["--model", path, "-tp", "2", "--kv-transfer-config", json.dumps(pool)])
+    assert "supports full-attention KV cache groups only so far" in err and kind in err
+    assert "Traceback" not in err and "WorkerDiedError" not in err
+
+
+def test_group_kinds_are_the_kinds_the_kv_cache_gets(tiny_swa, tiny_mla, tiny_gdn, tiny_llama_kv2):
+    from pdkv.model.arch_config import LlamaArchConfig
+    from pdkv.parallel.layout import ParallelLayout
+    from pdkv.worker.kv_cache import KVCacheSizing, group_kinds, make_kv_cache_config
+
+    sizing = KVCacheSizing(block_size=16, dtype="float32", max_model_len=256, cache_dtype="auto",
+                           num_kv_blocks=64, kv_cache_memory_bytes=0, layout=ParallelLayout())
+    for path in (tiny_swa, tiny_mla, tiny_gdn, tiny_llama_kv2):
+        arch = LlamaArchConfig.from_hf_folder(path)
+        built = {g.spec.kind for g in make_kv_cache_config(arch, sizing).groups}
+        assert group_kinds(arch) == built, path

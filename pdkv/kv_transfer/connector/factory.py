@@ -48,7 +48,8 @@ def create_connector(
     ):
         raise ValueError(
             f"{spec.kv_connector} does not move sliding-window KV cache groups yet (P2PConnector "
-            "and KVPoolConnector do, issue 11): run this model without it or with one of those")
+            "does, and KVPoolConnector at tp 1 and dcp 1, issue 11): run this model without it "
+            "or with one of those")
     if isinstance(spec, P2PSpec):
         from pdkv.kv_transfer.connector.p2p import P2PConnector
 

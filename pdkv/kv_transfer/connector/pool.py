@@ -18,7 +18,7 @@ scheduler half opens no store and asks every rank's lookup server (`pool_lookup`
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from pdkv.kv_transfer.connector.base import (
@@ -66,6 +66,22 @@ def build_store(pool: PoolConnectorConfig) -> KVPoolStore:
                        retry_after_s=pool.tier_retry_after_s)
 
 
+def check_multi_rank_groups(kinds: Iterable[str]) -> None:
+    """Refuse the KV cache group kinds the pool does not store per rank yet.
+
+    Args:
+        kinds: the engine's KV cache group kinds (`KVCacheSpec.kind`).
+
+    Raises:
+        ValueError: a kind other than full_attention (named), with what to do instead.
+    """
+    other = sorted(set(kinds) - {"full_attention"})
+    if other:
+        raise ValueError(
+            f"KVPoolConnector with TP/DCP worker processes supports full-attention KV cache "
+            f"groups only so far, not {other}; run this model with tp 1 and dcp 1 for the pool")
+
+
 def _describe(spec: Mapping[str, object]) -> str:
     """A tier spec for the start-up log line (name and where it lives, no secrets in URLs)."""
     where = spec.get("path") or spec.get("master") or str(spec.get("url", "")).split("@")[-1]
@@ -97,12 +113,7 @@ class KVPoolConnector(RoleDelegatingConnector):
         ranks = startup.pool_lookup_endpoints
         multi_rank = bool(ranks) or (startup.world_size or 1) > 1
         if multi_rank:
-            kinds = sorted({g.spec.kind for g in kv_cache_config.groups} - {"full_attention"})
-            if kinds:
-                raise ValueError(
-                    f"KVPoolConnector with TP/DCP worker processes supports full-attention KV "
-                    f"cache groups only so far, not {kinds}; run this model with tp 1 and dcp 1 "
-                    "for the pool")
+            check_multi_rank_groups(g.spec.kind for g in kv_cache_config.groups)
         # Blocks in the metadata are the scheduler's (with DCP: block_size × DCP tokens, each
         # rank's physical block holding its share).
         block_size = kv_cache_config.groups[0].spec.block_size

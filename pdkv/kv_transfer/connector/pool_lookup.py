@@ -195,7 +195,9 @@ class RankLookup:
         self._ids = itertools.count()
         self._lock = threading.Lock()  # one lookup at a time on the sockets
         self._stats_lock = threading.Lock()
-        self._stats: dict[str, float] = {}
+        # Reported at 0 from the first report on, so the series exist before any event.
+        self._stats: dict[str, float] = {"pool:all:rank_misses": 0.0,
+                                         "pool:all:rank_lookup_timeouts": 0.0}
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(LookupReply)
         self._closed = False

@@ -91,8 +91,9 @@ def connector_spec(config: KVTransferConfig, block_size: int) -> ConnectorSpec:
 
     Args:
         config: the engine's `--kv-transfer-config`.
-        block_size: tokens per KV block of one rank (cache_config.block_size); a pool's
-            chunk_size must be a multiple of it.
+        block_size: tokens per block of the scheduler (cache_config.block_size × the DCP
+            size: `EngineConfig.scheduler_block_size`); a pool's chunk_size must be a multiple
+            of it.
 
     Raises:
         ValueError: an unknown connector name, unknown or malformed settings (named), an
