@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from pdkv.launch.launcher import Child, Topology
+from pdkv.launch.topology import Child, Topology
 from pdkv.ports import free_port
 
 HOST = "127.0.0.1"

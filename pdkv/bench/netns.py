@@ -9,61 +9,29 @@ Layout: namespaces `<prefix>-p` and `<prefix>-d`; veth ends `<prefix>-p0` (in -p
 and `<prefix>-d0` (in -d, 10.77.0.2/30); loopback up in both; each end carries
 `tc qdisc ... root tbf rate <rate> burst <burst> latency <latency>` when a rate is given (tbf
 shapes egress, so both ends cap their direction). netem is not used (it does not work on every
-kernel this runs on; tbf does). Everything created is deleted on exit, also when setup fails
+kernel this runs on; tbf does). The helpers are shared with `pdkv up --deploy --netns`
+(pdkv.launch.netns). Everything created is deleted on exit, also when setup fails
 half-way, and names left by an earlier crashed run are removed before setup.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
 from types import TracebackType
+
+from pdkv.launch.netns import (
+    TBF_BURST,
+    TBF_LATENCY,
+    list_namespaces,
+    rate_bytes_per_s,
+    shape_commands,
+    unavailable_reason,
+)
+from pdkv.launch.netns import run_ip as _run
 
 #: Addresses of the P and D ends (a /30 of the 10/8 private range).
 DEFAULT_ADDRESSES = {"p": "10.77.0.1", "d": "10.77.0.2"}
 PREFIX_LEN = 30
-IP_TIMEOUT_S = 20.0
-
-_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmg]?)(bit|bps)\s*$", re.IGNORECASE)
-_SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
-
-
-def rate_bytes_per_s(rate: str) -> float:
-    """Bytes/s of a tc rate: "1gbit" → 1.25e8, "10gbit" → 1.25e9, "500mbit" → 6.25e7
-    (tc's "bit" suffixes are powers of 1000; "bps" means bytes/s, as in tc).
-
-    Raises:
-        ValueError: not a number followed by [k|m|g]bit or [k|m|g]bps.
-    """
-    m = _RATE.match(rate)
-    if not m:
-        raise ValueError(f"rate must look like 1gbit, 500mbit or 100mbps, got {rate!r}")
-    value = float(m.group(1)) * _SCALE[m.group(2).lower()]
-    if value <= 0:
-        raise ValueError(f"rate must be > 0, got {rate!r}")
-    return value / 8 if m.group(3).lower() == "bit" else value
-
-
-def unavailable_reason() -> str | None:
-    """Why namespaces cannot be made here (not root, no `ip`/`tc`), or None when they can."""
-    if os.geteuid() != 0:
-        return "needs root (network namespaces and tc qdiscs)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` not found: install iproute2"
-    return None
-
-
-def _run(args: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, check=check, capture_output=True, text=True, timeout=IP_TIMEOUT_S)
-
-
-def list_namespaces() -> list[str]:
-    """Names of the network namespaces `ip netns list` shows."""
-    out = _run(["ip", "netns", "list"]).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
 class NetnsPair:
@@ -83,8 +51,8 @@ class NetnsPair:
             `tc` command failed (its stderr; everything created so far is removed first).
     """
 
-    def __init__(self, prefix: str = "pdkvh", rate: str | None = None, burst: str = "64kb",
-                 latency: str = "100ms", addresses: dict[str, str] | None = None) -> None:
+    def __init__(self, prefix: str = "pdkvh", rate: str | None = None, burst: str = TBF_BURST,
+                 latency: str = TBF_LATENCY, addresses: dict[str, str] | None = None) -> None:
         if not re.fullmatch(r"[a-z][a-z0-9]{0,10}", prefix):
             raise ValueError(f"prefix must be 1-11 lowercase letters/digits, got {prefix!r}")
         if rate is not None:
@@ -159,9 +127,7 @@ class NetnsPair:
                 ["ip", "-n", ns, "link", "set", self.dev(side), "up"],
                 ["ip", "-n", ns, "link", "set", "lo", "up"],
             ]
-            if self.rate is not None:
-                cmds.append(["tc", "-n", ns, "qdisc", "add", "dev", self.dev(side), "root", "tbf",
-                             "rate", self.rate, "burst", self.burst, "latency", self.latency])
+            cmds += shape_commands(ns, self.dev(side), self.rate, None, self.burst, self.latency)
         try:
             for cmd in cmds:
                 res = _run(cmd, check=False)

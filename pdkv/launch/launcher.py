@@ -3,158 +3,34 @@ ports, wait until healthy, print the endpoint, stop everything on Ctrl-C or when
 With `--pool TIER` (colocated) the engine gets a KVPoolConnector and the server the tier needs
 (redis-server, or mooncake_master plus its store process) is started first and stopped last.
 `--mode colocated --num-instances N` (N > 1) starts N kv_both instances (sharing the pool, if any)
-behind a proxy in colocated mode that routes with `--routing`."""
+behind a proxy in colocated mode that routes with `--routing`. `--deploy FILE` starts a deployment
+file's hosts and roles instead (pdkv.launch.deploy_run; `--netns`, `--print-commands`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
-
-import httpx
 
 from pdkv.launch.services import start_pool_server
+from pdkv.launch.topology import (
+    Child,
+    Topology,
+    engine_world_size,
+    stop_on_signals,
+    supervise,
+)
 from pdkv.ports import free_port
 from pdkv.router.policies import DEFAULT_MAX_IMBALANCE, KV_EVENT_POLICIES, POLICY_NAMES
 from pdkv.router.pool_topology import (
     DEFAULT_CHUNK_SIZE,
     POOL_TIERS,
     PoolServer,
+    pd_kv_transfer_config,
     pool_kv_transfer_config,
     pool_tier_spec,
 )
-
-
-def engine_world_size(engine_args: list[str]) -> int:
-    """Worker ranks of an engine started with `engine_args`: its TP size (`--tensor-parallel-size
-    N` / `-tp N`, default 1; DCP ranks are TP ranks, as in vLLM)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    known, _ = parser.parse_known_args([a for a in engine_args if a != "--"])
-    return max(1, int(known.tensor_parallel_size))
-
-
-@dataclass
-class Child:
-    """One process of the topology: `role` says what it does (prefill / decode / colocated
-    engine / proxy), `threads` its torch CPU threads (0: not an engine)."""
-
-    name: str
-    url: str
-    cmd: list[str]
-    env: dict[str, str]
-    proc: subprocess.Popen[bytes] | None = None
-    log_path: str = ""
-    role: str = ""
-    threads: int = 0
-
-    def describe(self) -> str:
-        """One line for `pdkv up`'s listing: name, role, URL, threads, log file."""
-        threads = (
-            f"{self.threads} thread{'s' if self.threads != 1 else ''}" if self.threads else "-"
-        )
-        return f"{self.name}: {self.role}, {self.url}, {threads}, log {self.log_path or '-'}"
-
-
-@dataclass
-class Topology:
-    """Processes to start; `endpoint` is what clients talk to; `services` are servers started
-    before the children (a pool tier's), stopped after them."""
-
-    children: list[Child] = field(default_factory=list)
-    endpoint: str = ""
-    services: list[PoolServer] = field(default_factory=list)
-
-    def start(self, log_dir: str) -> None:
-        os.makedirs(log_dir, exist_ok=True)
-        for c in self.children:
-            c.log_path = os.path.join(log_dir, f"{c.name}.log")
-            log = open(c.log_path, "wb")  # noqa: SIM115 - owned by the child process
-            c.proc = subprocess.Popen(c.cmd, stdout=log, stderr=subprocess.STDOUT, env=c.env,
-                                      start_new_session=True)
-
-    def wait_healthy(self, timeout: float) -> None:
-        """Raises RuntimeError when a child dies or is not healthy in time (names it + its log)."""
-        deadline = time.monotonic() + timeout
-        pending = list(self.children)
-        while pending:
-            for c in list(pending):
-                assert c.proc is not None
-                if c.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"{c.name} exited with {c.proc.returncode}; see {c.log_path}"
-                    )
-                try:
-                    if httpx.get(c.url + "/health", timeout=2.0).status_code == 200:
-                        pending.remove(c)
-                except httpx.HTTPError:
-                    pass
-            if pending and time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"not healthy after {timeout:.0f} s: {[c.name for c in pending]}"
-                )
-            if pending:
-                time.sleep(0.5)
-
-    def start_healthy(self, log_dir: str, timeout: float) -> bool:
-        """Start every child and wait until all are healthy. On failure print why (and the last
-        lines of each dead child's log) to stderr and return False; the caller still stops the
-        rest with stop()."""
-        self.start(log_dir)
-        try:
-            self.wait_healthy(timeout)
-        except RuntimeError as e:
-            print(f"error: {e}", file=sys.stderr)
-            for c in self.children:
-                if c.proc is not None and c.proc.poll() is not None:
-                    print(f"--- last lines of {c.log_path}:\n{_tail(c.log_path)}", file=sys.stderr)
-            return False
-        return True
-
-    def dead_child(self) -> Child | None:
-        for c in self.children:
-            if c.proc is not None and c.proc.poll() is not None:
-                return c
-        return None
-
-    def dead_service(self) -> PoolServer | None:
-        return next((s for s in self.services if not s.alive()), None)
-
-    def stop(self) -> None:
-        """Stop the children (SIGTERM to each process group, SIGKILL after 15 s), then the
-        services (each with its own deadline)."""
-        try:
-            self._stop_children()
-        finally:
-            for svc in reversed(self.services):
-                svc.stop(5.0)
-
-    def _stop_children(self) -> None:
-        for c in reversed(self.children):
-            if c.proc is not None and c.proc.poll() is None:
-                os.killpg(c.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for c in self.children:
-            if c.proc is None:
-                continue
-            try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(c.proc.pid, signal.SIGKILL)
-                c.proc.wait(5)
-
-
-def _tail(path: str, lines: int = 15) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = None) -> Topology:
@@ -210,14 +86,8 @@ def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = No
                     kv_port=free_port(taken, count=ranks),
                     transfer_port=free_port(taken, count=ranks),
                 )
-            cfg: dict[str, object] = {"kv_connector": "P2PConnector", "kv_role": role,
-                                      "kv_load_failure_policy": args.kv_load_failure_policy,
-                                      "kv_connector_extra_config": extra}
-            if kv_transfer_config:  # P/D + pool: P saves into the pool, D loads from it first
-                pool = dict(json.loads(kv_transfer_config), kv_role=role)
-                children = [cfg, pool] if role == "kv_producer" else [pool, cfg]
-                cfg = {"kv_connector": "MultiConnector", "kv_role": role,
-                       "kv_connector_extra_config": {"connectors": children}}
+            cfg = pd_kv_transfer_config(role, extra, args.kv_load_failure_policy,
+                                        kv_transfer_config)
             name = ("prefill" if role == "kv_producer" else "decode") + str(i)
             what = "prefill (kv_producer)" if role == "kv_producer" else "decode (kv_consumer)"
             topo.children.append(Child(name, f"http://{host}:{port}", py + [
@@ -276,6 +146,9 @@ def _routing_flags(args: argparse.Namespace) -> list[str]:
 
 def check_args(args: argparse.Namespace) -> None:
     """Raises ValueError for a combination `pdkv up` cannot start (naming what can)."""
+    for flag in ("netns", "print_commands"):
+        if getattr(args, flag, False) and getattr(args, "deploy", None) is None:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --deploy FILE")
     if args.num_prefill < 1 or args.num_decode < 1:
         raise ValueError("--num-prefill and --num-decode must be >= 1")
     if args.num_instances < 1:
@@ -375,20 +248,38 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="send demo chat prompts through the endpoint, print answers and timings, then stop",
     )
+    parser.add_argument(
+        "--deploy",
+        default=None,
+        metavar="FILE",
+        help="start the deployment described in this TOML file (hosts, roles, links; "
+        "docs/ACROSS_HOSTS.md) instead of --mode: every host at 127.0.0.1 on free ports, or "
+        "with --netns one network namespace per host",
+    )
+    parser.add_argument(
+        "--netns",
+        action="store_true",
+        help="--deploy: each host a network namespace with its own address on a bridge, its link "
+        "shaped with tc as the file says (root and iproute2 needed); removed on exit",
+    )
+    parser.add_argument(
+        "--print-commands",
+        action="store_true",
+        help="--deploy: print per host the commands to run on real machines; start nothing",
+    )
     parser.add_argument("engine_args", nargs=argparse.REMAINDER,
                         help="after --: flags for every engine (e.g. -- --num-kv-blocks 512)")
     return parser
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "deploy", None) is not None:
+        from pdkv.launch.deploy_run import main as deploy_main
+
+        return deploy_main(args)
     check_args(args)
     args.engine_args = [a for a in args.engine_args if a != "--"]
-
-    def _terminate(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt  # SIGTERM/SIGINT (also when started in the background): stop all
-
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGINT, _terminate)
+    stop_on_signals()
     services: list[PoolServer] = []
     topo = Topology(services=services)  # until the real one is built: stops what started so far
     try:
@@ -413,14 +304,8 @@ def main(args: argparse.Namespace) -> int:
             )
         topo = build_topology(args, kv_config)
         topo.services = services
-        print(f"starting {len(topo.children)} processes: {[c.name for c in topo.children]} "
-              f"(logs in {args.log_dir}/)", flush=True)
-        if not topo.start_healthy(args.log_dir, args.health_timeout):
-            return 1
-        for c in topo.children:
-            print(f"  {c.describe()}", flush=True)
-        print(f"ready: {topo.endpoint}  (OpenAI API at {topo.endpoint}/v1)", flush=True)
-        if args.demo:
+
+        def demo(topo: Topology) -> int:
             from pdkv.launch.demo import run_demo
 
             run_demo(
@@ -429,20 +314,8 @@ def main(args: argparse.Namespace) -> int:
                 args.model,
             )
             return 0
-        while True:
-            dead = topo.dead_child()
-            if dead is not None:
-                print(
-                    f"{dead.name} exited ({dead.proc.returncode if dead.proc else '?'}); stopping "
-                    f"all; see {dead.log_path}",
-                    file=sys.stderr,
-                )
-                return 1
-            dead_svc = topo.dead_service()
-            if dead_svc is not None:
-                print(f"pool server {dead_svc.address} exited; stopping all", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+
+        return supervise(topo, args.log_dir, args.health_timeout, demo if args.demo else None)
     except KeyboardInterrupt:
         print("stopping", flush=True)
         return 0

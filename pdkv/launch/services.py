@@ -8,6 +8,7 @@ process that holds the store's memory while engines (pure clients) come and go.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import signal
@@ -175,19 +176,51 @@ def _make_log_dir(log_dir: str | None, prefix: str) -> tuple[Path, bool]:
     return Path(tempfile.mkdtemp(prefix=prefix)), True
 
 
+def redis_argv(binary: str, host: str, port: int) -> list[str]:
+    """The redis-server command line of a pool tier: bound to `host`:`port`, no persistence.
+    Bound to another address than loopback (a pool host that engines on other hosts use), its
+    protected mode is off: redis would otherwise answer only loopback clients, as it has no
+    password here (keep such a pool on a private network)."""
+    argv = [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"]
+    if not _is_loopback(host):
+        argv += ["--protected-mode", "no"]
+    return argv
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
+def find_redis_server() -> str:
+    """Path of redis-server (next to sys.executable, else on PATH).
+
+    Raises:
+        RuntimeError: not found (the message says how to install it).
+    """
+    return _find_binary("redis-server", REDIS_INSTALL_HINT)
+
+
 def start_redis(
     port: int | None = None,
     host: str = "127.0.0.1",
     timeout_s: float = 10.0,
     log_dir: str | None = None,
+    exec_prefix: Sequence[str] = (),
 ) -> Service:
     """Start `redis-server --port P --bind HOST --save '' --appendonly no` (no persistence).
 
     Args:
         port: TCP port; None picks a free one (retried on a lost race).
         host: bind address (loopback by default).
-        timeout_s: seconds to wait until PING answers.
+        timeout_s: seconds to wait until PING answers (from this process, at HOST:P).
         log_dir: where the server's log goes; None = a temporary directory removed by stop().
+        exec_prefix: argv prefix the server runs under (`ip netns exec NS`: another host); it
+            must exec the server (the process stopped is the one started).
 
     Returns:
         A Service whose address is "redis://HOST:P/0".
@@ -201,7 +234,7 @@ def start_redis(
     for attempt in range(attempts):
         p = port if port is not None else free_port(host=host)
         log = logs / f"redis-{p}.log"
-        cmd = [binary, "--port", str(p), "--bind", host, "--save", "", "--appendonly", "no"]
+        cmd = [*exec_prefix, *redis_argv(binary, host, p)]
         proc = _spawn(cmd, log)
         try:
             _wait_ready(

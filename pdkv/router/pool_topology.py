@@ -61,3 +61,21 @@ def pool_kv_transfer_config(spec: Mapping[str, str | int],
     """`--kv-transfer-config` JSON of a kv_both KVPoolConnector with one tier."""
     return json.dumps({"kv_connector": "KVPoolConnector", "kv_role": "kv_both",
                        "kv_connector_extra_config": {"chunk_size": chunk_size, "tiers": [spec]}})
+
+
+def pd_kv_transfer_config(role: str, p2p_extra: Mapping[str, object], load_failure_policy: str,
+                          pool_config: str | None = None) -> dict[str, object]:
+    """`--kv-transfer-config` of a P/D engine (as a dict): a P2PConnector with `role`
+    (kv_producer / kv_consumer) and `p2p_extra` as its kv_connector_extra_config; with a pool
+    (`pool_config`, a KVPoolConnector's JSON) a MultiConnector: P = [P2P producer, pool
+    producer] (P saves into the pool), D = [pool consumer, P2P consumer] (D loads from it
+    first)."""
+    cfg: dict[str, object] = {"kv_connector": "P2PConnector", "kv_role": role,
+                              "kv_load_failure_policy": load_failure_policy,
+                              "kv_connector_extra_config": dict(p2p_extra)}
+    if pool_config is None:
+        return cfg
+    pool = dict(json.loads(pool_config), kv_role=role)
+    children = [cfg, pool] if role == "kv_producer" else [pool, cfg]
+    return {"kv_connector": "MultiConnector", "kv_role": role,
+            "kv_connector_extra_config": {"connectors": children}}

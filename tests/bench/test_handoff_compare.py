@@ -10,8 +10,8 @@ import pytest
 
 from pdkv.bench.handoff.cli import capped_lengths
 from pdkv.bench.handoff.compare import compare, engine_link, fixed_from_probe, format_table
-from pdkv.bench.netns import rate_bytes_per_s
 from pdkv.cli import main as cli_main
+from pdkv.launch.netns import rate_bytes_per_s
 from pdkv.plan import links
 
 MB = 1e6
@@ -76,8 +76,8 @@ def test_link_choice_and_rates():
 
 
 def test_link_rate_without_root_skips_with_a_message(monkeypatch, capsys):
-    from pdkv.bench import netns
     from pdkv.bench.handoff import cli as handoff
+    from pdkv.launch import netns
 
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     result = handoff.run_handoff_bench(["tcp"], [16], link_rate="1gbit")

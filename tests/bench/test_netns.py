@@ -7,7 +7,8 @@ import subprocess
 
 import pytest
 
-from pdkv.bench.netns import NetnsPair, list_namespaces, unavailable_reason
+from pdkv.bench.netns import NetnsPair
+from pdkv.launch.netns import list_namespaces, unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
                                 reason=f"network namespaces: {unavailable_reason()}")

@@ -173,7 +173,7 @@ def test_profile_step_takes_num_threads():
 
 
 def test_one_thread_is_singular_in_up_listing():
-    from pdkv.launch.launcher import Child
+    from pdkv.launch.topology import Child
 
     assert (
         Child("p0", "http://x", [], {}, role="prefill", threads=1).describe()

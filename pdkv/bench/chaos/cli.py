@@ -29,7 +29,7 @@ import time
 import httpx
 
 from pdkv.bench.chaos.load import LoadResult, Planned, make_plan, run_load
-from pdkv.launch.launcher import Child, Topology
+from pdkv.launch.topology import Child, Topology
 from pdkv.ports import free_port
 
 HOST = "127.0.0.1"

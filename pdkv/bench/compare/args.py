@@ -13,8 +13,8 @@ from pdkv.bench.compare.topologies import (
     OFFLOAD_NUM_KV_BLOCKS,
     QUICK_TOPOLOGIES,
 )
-from pdkv.bench.netns import rate_bytes_per_s
 from pdkv.bench.serve.config import BenchConfig
+from pdkv.launch.netns import rate_bytes_per_s
 from pdkv.router.pool_topology import POOL_TIERS
 
 DEFAULT_ENGINE_ARGS = ("--num-kv-blocks", "512", "--max-model-len", "2048")

@@ -62,9 +62,10 @@ from pdkv.bench.compare.topologies import (
     unsupported_reason,
     with_flag,
 )
-from pdkv.bench.netns import NetnsPair, unavailable_reason
+from pdkv.bench.netns import NetnsPair
 from pdkv.bench.serve.runner import run_serve_bench
 from pdkv.launch import launcher
+from pdkv.launch.netns import unavailable_reason
 from pdkv.launch.services import start_pool_server
 from pdkv.router.pool_topology import PoolServer, pool_kv_transfer_config, pool_tier_spec
 

@@ -42,9 +42,10 @@ from pdkv.bench.handoff.compare import (
     format_table,
 )
 from pdkv.bench.handoff.peer import DecodeReply, HandoffRequest, PrefillReply
-from pdkv.bench.netns import NetnsPair, rate_bytes_per_s, unavailable_reason
+from pdkv.bench.netns import NetnsPair
 from pdkv.bench.results import write_result_json
 from pdkv.jsontypes import JSONObject
+from pdkv.launch.netns import rate_bytes_per_s, unavailable_reason
 
 T = TypeVar("T")
 

@@ -53,7 +53,7 @@ from pdkv.bench.soak.plot import plot_samples
 from pdkv.bench.soak.sampler import Sampler, engine_metrics
 from pdkv.bench.soak.workload import Item, SoakRequest, make_items, next_request, request_body
 from pdkv.bench.soak.workload import token_gaps as _token_gaps
-from pdkv.launch.launcher import Child, Topology
+from pdkv.launch.topology import Child, Topology
 from pdkv.ports import free_port
 from pdkv.router.pool_topology import DEFAULT_CHUNK_SIZE
 

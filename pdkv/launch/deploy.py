@@ -1,0 +1,427 @@
+"""The deployment file of `pdkv up --deploy FILE`: hosts with addresses, the roles each host runs
+(prefill and decode engines with their flags, the proxy with its routing, a pool service) and
+an optional rate and delay per host link, read from TOML into frozen dataclasses (torch-free).
+
+    model = "tiny-llama-kv2"                  # every engine's --model, the proxy's tokenizer
+    engine_args = ["--max-model-len", "512"]  # flags of every engine (pdkv serve's names)
+    kv_transfer = "tcp"                       # optional: tcp (default) | mooncake | shm
+    kv_load_failure_policy = "fail"           # optional: fail (default) | recompute
+
+    [hosts.node-p]
+    address = "10.0.0.11"
+    link = { rate = "1gbit", delay = "1ms" }  # optional (applied by --netns)
+
+    [[prefill]]                               # one table per engine
+    host = "node-p"
+    port = 8100
+    kv_port = 14600                           # optional: P2P control port (0 = any)
+    transfer_port = 14700                     # optional: tcp data port (0 = any)
+    args = ["--num-kv-blocks", "128"]         # optional: this engine's own flags
+
+    [[decode]]
+    host = "node-d"
+    port = 8100
+
+    [proxy]
+    host = "node-d"
+    port = 8000
+    routing = "round_robin"                   # optional
+
+    [pool]                                    # optional: a shared KV pool
+    service = "redis"
+    host = "node-pool"
+    port = 6379
+    chunk_size = 256                          # optional, tokens
+
+Every error is a `DeploymentError` naming the file, the key (as `prefill[1].port`) and, where
+it can be found, its line.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdkv.launch.netns import LinkShape, delay_seconds, rate_bytes_per_s
+from pdkv.launch.topology import engine_world_size
+from pdkv.router.policies import KV_EVENT_POLICIES, POLICY_NAMES
+from pdkv.router.pool_topology import DEFAULT_CHUNK_SIZE
+
+KV_TRANSFERS = ("tcp", "mooncake", "shm")
+LOAD_FAILURE_POLICIES = ("fail", "recompute")
+POOL_SERVICES = ("redis",)
+ROUTINGS = tuple(sorted(set(POLICY_NAMES) - set(KV_EVENT_POLICIES)))
+"""Routing policies a deployment's proxy may use (kv_aware ones need the engines' KV events,
+which bind loopback: not across hosts yet)."""
+
+LAUNCHER_FLAGS = ("--host", "--port", "--model", "--kv-transfer-config")
+"""Engine flags the launcher sets itself from the file (refused in `engine_args` / `args`)."""
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
+
+
+class DeploymentError(ValueError):
+    """A deployment file that cannot be used; the message names the file, the key and the line
+    where it was found."""
+
+
+@dataclass(frozen=True)
+class Host:
+    """A machine: its name in the file, its IP `address`, its `link` (rate, delay: tc syntax;
+    None = not shaped)."""
+
+    name: str
+    address: str
+    link: LinkShape = LinkShape()
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One `pdkv serve`: `role` "prefill" (kv_producer) or "decode" (kv_consumer), `index`
+    among the engines of its role, its `host`, HTTP `port`, for a prefill engine the P2P
+    control (`kv_port`) and tcp data (`transfer_port`) ports (0 = any free one, advertised in
+    kv_transfer_params; rank r of a TP engine uses port + r), and its own flags `args`."""
+
+    role: str
+    index: int
+    host: str
+    port: int
+    args: tuple[str, ...] = ()
+    kv_port: int = 0
+    transfer_port: int = 0
+
+    @property
+    def name(self) -> str:
+        """"prefill0", "decode1", ..."""
+        return f"{self.role}{self.index}"
+
+
+@dataclass(frozen=True)
+class Proxy:
+    """`pdkv proxy` in P/D mode on `host`:`port` with `routing`."""
+
+    host: str
+    port: int
+    routing: str = "round_robin"
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A KV pool service (`service` "redis") on `host`:`port`, shared by every engine through
+    a MultiConnector; chunks of `chunk_size` tokens."""
+
+    service: str
+    host: str
+    port: int
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A whole deployment (see the module doc). `engine_args` go to every engine before its own
+    `args`; `source` is the file it was read from."""
+
+    model: str
+    hosts: tuple[Host, ...]
+    prefill: tuple[Engine, ...]
+    decode: tuple[Engine, ...]
+    proxy: Proxy
+    pool: Pool | None = None
+    engine_args: tuple[str, ...] = ()
+    kv_transfer: str = "tcp"
+    kv_load_failure_policy: str = "fail"
+    source: str = "<deployment>"
+
+    @property
+    def engines(self) -> tuple[Engine, ...]:
+        """Prefill engines first, then decode engines."""
+        return self.prefill + self.decode
+
+    def host(self, name: str) -> Host:
+        """The host called `name`.
+
+        Raises:
+            KeyError: no such host.
+        """
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise KeyError(name)
+
+
+class _Reader:
+    """Checks one parsed file; `fail` raises with the key path and its line in `text`."""
+
+    def __init__(self, text: str, source: str) -> None:
+        self.lines = text.splitlines()
+        self.source = source
+
+    def fail(self, path: Sequence[str | int], message: str) -> DeploymentError:
+        key = _key_name(path)
+        line = self._line_of(path)
+        where = f"{self.source}:{line}" if line else self.source
+        return DeploymentError(f"{where}: {key}: {message}" if key else f"{where}: {message}")
+
+    def _line_of(self, path: Sequence[str | int]) -> int | None:
+        """1-based line of `path`'s key: the n-th `[[table]]` / the `[a.b]` header, then the
+        key's `name =` line before the next header. None when not found (inline tables)."""
+        start, end = 0, len(self.lines)
+        rest = list(path)
+        if len(rest) >= 2 and isinstance(rest[1], int):
+            headers = [i for i, ln in enumerate(self.lines)
+                       if re.match(rf"\s*\[\[\s*{re.escape(str(rest[0]))}\s*\]\]", ln)]
+            if rest[1] >= len(headers):
+                return None
+            start, rest = headers[rest[1]], rest[2:]
+            end = self._next_header(start)
+        elif len(rest) >= 2 and rest[0] == "hosts":
+            pat = rf"\s*\[\s*hosts\.\"?{re.escape(str(rest[1]))}\"?\s*\]"
+            found = [i for i, ln in enumerate(self.lines) if re.match(pat, ln)]
+            if not found:
+                return None
+            start, rest = found[0], rest[2:]
+            end = self._next_header(start)
+        elif len(rest) >= 1 and rest[0] in ("proxy", "pool"):
+            found = [i for i, ln in enumerate(self.lines)
+                     if re.match(rf"\s*\[\s*{rest[0]}\s*\]", ln)]
+            if not found:
+                return None
+            start, rest = found[0], rest[1:]
+            end = self._next_header(start)
+        else:
+            end = self._next_header(-1)
+        if not rest:
+            return start + 1
+        for i in range(start, end):
+            if re.match(rf"\s*\"?{re.escape(str(rest[0]))}\"?\s*=", self.lines[i]):
+                return i + 1
+        return None
+
+    def _next_header(self, after: int) -> int:
+        for i in range(after + 1, len(self.lines)):
+            if re.match(r"\s*\[", self.lines[i]):
+                return i
+        return len(self.lines)
+
+    def table(self, value: Any, path: Sequence[str | int], allowed: Sequence[str],
+              required: Sequence[str] = ()) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(path, f"must be a table, got {_kind(value)}")
+        for key in value:
+            if key not in allowed:
+                raise self.fail([*path, key],
+                                f"unknown key (known here: {', '.join(allowed)})")
+        for key in required:
+            if key not in value:
+                raise self.fail(path, f"missing key {key!r}")
+        return value
+
+    def string(self, value: Any, path: Sequence[str | int], choices: Sequence[str] = ()) -> str:
+        if not isinstance(value, str) or not value:
+            raise self.fail(path, f"must be a non-empty string, got {_kind(value)}")
+        if choices and value not in choices:
+            raise self.fail(path, f"{value!r} is not one of {', '.join(choices)}")
+        return value
+
+    def port(self, value: Any, path: Sequence[str | int], zero: bool = False) -> int:
+        low = 0 if zero else 1
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 65535:
+            raise self.fail(path, f"must be a port number {low}-65535, got {value!r}")
+        return value
+
+    def flags(self, value: Any, path: Sequence[str | int]) -> tuple[str, ...]:
+        if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+            raise self.fail(path, "must be a list of strings (flags of pdkv serve)")
+        for a in value:
+            if a.split("=", 1)[0] in LAUNCHER_FLAGS:
+                raise self.fail(path, f"{a.split('=', 1)[0]} is set by the launcher from the "
+                                      "deployment (model, host, port, KV connectors): leave it out")
+        return tuple(value)
+
+
+def _key_name(path: Sequence[str | int]) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _kind(value: Any) -> str:
+    return {dict: "a table", list: "an array", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a float"}.get(type(value), type(value).__name__)
+
+
+def parse_deployment(text: str, source: str = "<deployment>") -> Deployment:
+    """A deployment from TOML `text` (`source` names it in errors).
+
+    Raises:
+        DeploymentError: malformed TOML (tomllib's line and column), an unknown or missing key,
+            a value of the wrong type or out of range, a role on an unknown host, two listening
+            ports that meet on one host, two hosts with one address, no prefill or no decode
+            engine, shm across hosts; or Python < 3.11 (no tomllib).
+    """
+    if sys.version_info < (3, 11):
+        raise DeploymentError(f"{source}: reading a deployment file needs Python 3.11 (tomllib)")
+    import tomllib
+
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise DeploymentError(f"{source}: not valid TOML: {e}") from e
+    r = _Reader(text, source)
+    top = r.table(data, [], ("model", "engine_args", "kv_transfer", "kv_load_failure_policy",
+                             "hosts", "prefill", "decode", "proxy", "pool"),
+                  required=("model", "hosts", "prefill", "decode", "proxy"))
+    hosts = _hosts(r, top["hosts"])
+    names = [h.name for h in hosts]
+
+    def host_of(value: Any, path: list[str | int]) -> str:
+        name = r.string(value, path)
+        if name not in names:
+            raise r.fail(path, f"unknown host {name!r} (hosts: {', '.join(names)})")
+        return name
+
+    engines: dict[str, list[Engine]] = {"prefill": [], "decode": []}
+    for role in ("prefill", "decode"):
+        tables = top[role]
+        if not isinstance(tables, list) or not tables:
+            raise r.fail([role], f"needs at least one [[{role}]] table")
+        for i, t in enumerate(tables):
+            allowed = ["host", "port", "args"]
+            if role == "prefill":
+                allowed += ["kv_port", "transfer_port"]
+            t = r.table(t, [role, i], allowed, required=("host", "port"))
+            engines[role].append(Engine(
+                role=role, index=i, host=host_of(t["host"], [role, i, "host"]),
+                port=r.port(t["port"], [role, i, "port"]),
+                args=r.flags(t.get("args", []), [role, i, "args"]),
+                kv_port=r.port(t.get("kv_port", 0), [role, i, "kv_port"], zero=True),
+                transfer_port=r.port(t.get("transfer_port", 0), [role, i, "transfer_port"],
+                                     zero=True)))
+    p = r.table(top["proxy"], ["proxy"], ("host", "port", "routing"), required=("host", "port"))
+    proxy = Proxy(host=host_of(p["host"], ["proxy", "host"]),
+                  port=r.port(p["port"], ["proxy", "port"]),
+                  routing=r.string(p.get("routing", "round_robin"), ["proxy", "routing"],
+                                   ROUTINGS))
+    pool = None
+    if "pool" in top:
+        t = r.table(top["pool"], ["pool"], ("service", "host", "port", "chunk_size"),
+                    required=("service", "host", "port"))
+        chunk = t.get("chunk_size", DEFAULT_CHUNK_SIZE)
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+            raise r.fail(["pool", "chunk_size"], f"must be a positive integer, got {chunk!r}")
+        pool = Pool(service=r.string(t["service"], ["pool", "service"], POOL_SERVICES),
+                    host=host_of(t["host"], ["pool", "host"]),
+                    port=r.port(t["port"], ["pool", "port"]), chunk_size=chunk)
+    dep = Deployment(
+        model=r.string(top["model"], ["model"]),
+        hosts=hosts,
+        prefill=tuple(engines["prefill"]),
+        decode=tuple(engines["decode"]),
+        proxy=proxy,
+        pool=pool,
+        engine_args=r.flags(top.get("engine_args", []), ["engine_args"]),
+        kv_transfer=r.string(top.get("kv_transfer", "tcp"), ["kv_transfer"], KV_TRANSFERS),
+        kv_load_failure_policy=r.string(top.get("kv_load_failure_policy", "fail"),
+                                        ["kv_load_failure_policy"], LOAD_FAILURE_POLICIES),
+        source=source,
+    )
+    _check_ports(r, dep)
+    if dep.kv_transfer == "shm" and len({e.host for e in dep.engines}) > 1:
+        raise r.fail(["kv_transfer"], "shm moves KV through this machine's shared memory: every "
+                                      "engine must be on one host (use tcp or mooncake)")
+    return dep
+
+
+def _hosts(r: _Reader, value: Any) -> tuple[Host, ...]:
+    if not isinstance(value, dict) or not value:
+        raise r.fail(["hosts"], "needs at least one [hosts.NAME] table")
+    hosts = []
+    seen: dict[str, str] = {}
+    for name, t in value.items():
+        path: list[str | int] = ["hosts", name]
+        if not _HOST_NAME.fullmatch(name):
+            raise r.fail(path, "a host name is 1-32 letters, digits, - or _")
+        t = r.table(t, path, ("address", "link"), required=("address",))
+        address = r.string(t["address"], [*path, "address"])
+        try:
+            ipaddress.ip_address(address)
+        except ValueError:
+            raise r.fail([*path, "address"], f"{address!r} is not an IP address") from None
+        if address in seen:
+            raise r.fail([*path, "address"], f"{address} is also host {seen[address]!r}'s")
+        seen[address] = name
+        link = LinkShape()
+        if "link" in t:
+            lk = r.table(t["link"], [*path, "link"], ("rate", "delay"))
+            rate = lk.get("rate")
+            delay = lk.get("delay")
+            try:
+                if rate is not None:
+                    rate_bytes_per_s(r.string(rate, [*path, "link", "rate"]))
+                if delay is not None:
+                    delay_seconds(r.string(delay, [*path, "link", "delay"]))
+            except ValueError as e:
+                if isinstance(e, DeploymentError):
+                    raise
+                raise r.fail([*path, "link"], str(e)) from None
+            link = LinkShape(rate=rate, delay=delay)
+        hosts.append(Host(name=name, address=address, link=link))
+    return tuple(hosts)
+
+
+def listening_ports(dep: Deployment) -> list[tuple[str, str, int, int]]:
+    """Every port the deployment listens on as (key, host, first port, count): engines' HTTP
+    ports, a prefill engine's kv_port / transfer_port (one per TP rank; 0 = system-chosen, left
+    out), the proxy's and the pool's."""
+    out: list[tuple[str, str, int, int]] = []
+    for e in dep.engines:
+        out.append((f"{e.role}[{e.index}].port", e.host, e.port, 1))
+        ranks = engine_world_size([*dep.engine_args, *e.args])
+        for key, port in (("kv_port", e.kv_port), ("transfer_port", e.transfer_port)):
+            if port:
+                out.append((f"{e.role}[{e.index}].{key}", e.host, port, ranks))
+    out.append(("proxy.port", dep.proxy.host, dep.proxy.port, 1))
+    if dep.pool is not None:
+        out.append(("pool.port", dep.pool.host, dep.pool.port, 1))
+    return out
+
+
+def _check_ports(r: _Reader, dep: Deployment) -> None:
+    taken: dict[tuple[str, int], str] = {}
+    for key, host, first, count in listening_ports(dep):
+        for port in range(first, first + count):
+            if port > 65535:
+                raise r.fail(_path(key), f"ports {first}-{first + count - 1} (one per TP rank) "
+                                         "go past 65535")
+            other = taken.get((host, port))
+            if other is not None:
+                raise r.fail(_path(key), f"port {port} on host {host!r} is also {other}")
+            taken[(host, port)] = key
+
+
+def _path(key: str) -> list[str | int]:
+    """"prefill[1].port" → ["prefill", 1, "port"]."""
+    out: list[str | int] = []
+    for part in key.split("."):
+        m = re.fullmatch(r"(\w+)\[(\d+)\]", part)
+        out += [m.group(1), int(m.group(2))] if m else [part]
+    return out
+
+
+def load_deployment(path: str) -> Deployment:
+    """The deployment in the file at `path`.
+
+    Raises:
+        DeploymentError: the file cannot be read, or as `parse_deployment`.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise DeploymentError(f"{path}: cannot read the deployment file: {e}") from e
+    return parse_deployment(text, path)

@@ -1,0 +1,299 @@
+"""`pdkv up --deploy FILE`: a deployment file's processes, started on this machine or printed
+per host for real machines.
+
+- `--print-commands`: per host of the file, the commands to run there (the pool service first,
+  then the engines, then the proxy), with the file's addresses and ports; nothing starts.
+- without `--netns`: every host is 127.0.0.1 and every listening port a free one (two hosts of
+  the file may use one port number; here they share an address).
+- with `--netns` (root): each host is a network namespace on one bridge with its own address
+  and the file's ports, its link shaped as the file says (pdkv.launch.netns); every process runs
+  under `ip netns exec`, binds its host's address and advertises it (the P2P connector's
+  kv_host / kv_advertise_host); the proxy reaches P and D, and the engines the pool, at their
+  hosts' addresses. The namespaces are removed on exit, on a failed start and on Ctrl-C /
+  SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pdkv.launch.deploy import Deployment, DeploymentError, Engine, listening_ports, load_deployment
+from pdkv.launch.netns import NetnsBridge, unavailable_reason
+from pdkv.launch.services import find_redis_server, redis_argv, start_redis
+from pdkv.launch.topology import Child, Topology, stop_on_signals, supervise
+from pdkv.ports import free_port
+from pdkv.router.pool_topology import PoolServer, pd_kv_transfer_config, pool_kv_transfer_config
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one run of a deployment lives: each host's address, and the port each of the
+    file's listening ports becomes ((host, port in the file) → port; absent: unchanged)."""
+
+    addresses: Mapping[str, str]
+    ports: Mapping[tuple[str, int], int]
+
+    def port(self, host: str, port: int) -> int:
+        """The port `port` of the file's `host` listens on here (0 stays 0: system-chosen)."""
+        return self.ports.get((host, port), port) if port else 0
+
+    def url(self, host: str, port: int) -> str:
+        """http://address:port of the file's `host`:`port`."""
+        return f"http://{self.addresses[host]}:{self.port(host, port)}"
+
+
+def as_written(dep: Deployment) -> Placement:
+    """The file's own addresses and ports (real machines, `--print-commands`)."""
+    return Placement({h.name: h.address for h in dep.hosts}, {})
+
+
+def on_loopback(dep: Deployment) -> Placement:
+    """Every host at 127.0.0.1, every listening port a distinct free one (a TP engine's
+    per-rank ports stay consecutive)."""
+    taken: set[int] = set()
+    ports: dict[tuple[str, int], int] = {}
+    for _key, host, first, count in listening_ports(dep):
+        base = free_port(taken, count=count)
+        for r in range(count):
+            ports[(host, first + r)] = base + r
+    return Placement({h.name: LOOPBACK for h in dep.hosts}, ports)
+
+
+def in_namespaces(dep: Deployment, bridge: NetnsBridge) -> Placement:
+    """Each host at its namespace's address, with the file's ports."""
+    return Placement({h.name: bridge.address(h.name) for h in dep.hosts}, {})
+
+
+@dataclass(frozen=True)
+class Process:
+    """One process of a deployment: `name` ("prefill0", "proxy", "pool"), `role` (for the
+    listing), the file's `host` it runs on, its `argv`, and the URL answering GET /health
+    ("" for the pool service, checked by its own protocol)."""
+
+    name: str
+    role: str
+    host: str
+    argv: tuple[str, ...]
+    url: str
+
+
+def pool_config(dep: Deployment, place: Placement) -> str | None:
+    """The engines' KVPoolConnector JSON for the deployment's pool, or None without one."""
+    if dep.pool is None:
+        return None
+    address = place.addresses[dep.pool.host]
+    url = f"redis://{address}:{place.port(dep.pool.host, dep.pool.port)}/0"
+    return pool_kv_transfer_config({"name": "redis", "url": url}, dep.pool.chunk_size)
+
+
+def engine_kv_config(dep: Deployment, engine: Engine, place: Placement) -> dict[str, object]:
+    """An engine's --kv-transfer-config: P2PConnector bound to and advertising its host's
+    address (kv_host, kv_advertise_host), with the pool's MultiConnector when there is one."""
+    address = place.addresses[engine.host]
+    extra: dict[str, object] = {"transfer": dep.kv_transfer, "kv_host": address,
+                                "kv_advertise_host": address}
+    if engine.role == "prefill":
+        for key, port in (("kv_port", engine.kv_port), ("transfer_port", engine.transfer_port)):
+            if port:
+                extra[key] = place.port(engine.host, port)
+    role = "kv_producer" if engine.role == "prefill" else "kv_consumer"
+    return pd_kv_transfer_config(role, extra, dep.kv_load_failure_policy,
+                                 pool_config(dep, place))
+
+
+def processes(dep: Deployment, place: Placement, pdkv: Sequence[str], redis_server: str,
+              extra_engine_flags: Sequence[str] = ()) -> list[Process]:
+    """The deployment's processes in start order: the pool service, the engines (prefill
+    first), the proxy. `pdkv` is the argv that runs the pdkv CLI, `redis_server` the server's
+    binary, `extra_engine_flags` go last on every engine."""
+    out: list[Process] = []
+    if dep.pool is not None:
+        pool = dep.pool
+        out.append(Process("pool", f"pool ({pool.service})", pool.host, tuple(redis_argv(
+            redis_server, place.addresses[pool.host], place.port(pool.host, pool.port))), ""))
+    for e in dep.engines:
+        address = place.addresses[e.host]
+        argv = [*pdkv, "serve", "--model", dep.model, *dep.engine_args, *e.args,
+                "--host", address, "--port", str(place.port(e.host, e.port)),
+                "--kv-transfer-config", json.dumps(engine_kv_config(dep, e, place)),
+                *extra_engine_flags]
+        what = "prefill (kv_producer)" if e.role == "prefill" else "decode (kv_consumer)"
+        out.append(Process(e.name, what + (", pool" if dep.pool else ""), e.host, tuple(argv),
+                           place.url(e.host, e.port)))
+    px = dep.proxy
+    argv = [*pdkv, "proxy",
+            "--prefill", ",".join(place.url(e.host, e.port) for e in dep.prefill),
+            "--decode", ",".join(place.url(e.host, e.port) for e in dep.decode),
+            "--host", place.addresses[px.host], "--port", str(place.port(px.host, px.port)),
+            "--routing", px.routing, "--tokenizer", dep.model]
+    out.append(Process("proxy", f"proxy (P/D, {px.routing})", px.host, tuple(argv),
+                       place.url(px.host, px.port)))
+    return out
+
+
+def format_commands(dep: Deployment) -> str:
+    """Per host of the file (in its order), the commands to run there, with the order to start
+    them in: the pool service first (the engines connect to it at start-up), then the engines,
+    then the proxy."""
+    procs = processes(dep, as_written(dep), ["pdkv"], "redis-server")
+    order = ("the pool first, then " if dep.pool else "") + "the engines, then the proxy"
+    lines = [f"# {dep.source}: {len(procs)} processes on {len(dep.hosts)} hosts; start {order}",
+             ""]
+    for h in dep.hosts:
+        mine = [p for p in procs if p.host == h.name]
+        shaped = ", ".join(f"{k} {v}" for k, v in (("rate", h.link.rate),
+                                                  ("delay", h.link.delay)) if v)
+        lines.append(f"# host {h.name} ({h.address})" + (f", link {shaped}" if shaped else ""))
+        if not mine:
+            lines.append("#   (no process)")
+        for p in mine:
+            lines.append(f"# {p.name}: {p.role}" + (f", {p.url}" if p.url else ""))
+            lines.append(shlex.join(p.argv))
+        lines.append("")
+    endpoint = as_written(dep).url(dep.proxy.host, dep.proxy.port)
+    lines.append(f"# endpoint: {endpoint} (OpenAI API at {endpoint}/v1)")
+    return "\n".join(lines)
+
+
+def check_deploy_args(args: argparse.Namespace) -> None:
+    """Raises ValueError for a `pdkv up` flag that `--deploy` takes from the file instead, or
+    `--netns` / `--print-commands` used wrongly."""
+    if getattr(args, "deploy", None) is None:
+        for flag in ("netns", "print_commands"):
+            if getattr(args, flag, False):
+                raise ValueError(f"--{flag.replace('_', '-')} needs --deploy FILE")
+        return
+    fixed = {"mode": "pd", "num_prefill": 1, "num_decode": 1, "num_instances": 1, "pool": None,
+             "skip_prefill_on_pool_hit": False, "port": 0, "model": "smollm2",
+             "routing": "round_robin", "kv_transfer": "tcp",
+             "kv_load_failure_policy": "fail"}
+    for name, default in fixed.items():
+        if getattr(args, name, default) != default:
+            raise ValueError(f"--deploy takes the topology from the file: leave out "
+                             f"--{name.replace('_', '-')} (the file's keys: model, engine_args, "
+                             "kv_transfer, kv_load_failure_policy, [[prefill]], [[decode]], "
+                             "[proxy], [pool])")
+    if [a for a in args.engine_args if a != "--"]:
+        raise ValueError("--deploy takes the engine flags from the file (engine_args, or args "
+                         "of one engine): leave out the flags after --")
+    if args.netns and args.print_commands:
+        raise ValueError("--print-commands prints the commands for the file's hosts and starts "
+                         "nothing: leave out --netns")
+
+
+def _children(procs: Sequence[Process], prefix: Mapping[str, Sequence[str]],
+              env: dict[str, str]) -> list[Child]:
+    engines = [p for p in procs if p.name.startswith(("prefill", "decode"))]
+    threads = int(env["PDKV_NUM_THREADS"])
+    out = []
+    for p in procs:
+        if p.name == "pool":
+            continue
+        is_engine = p in engines
+        out.append(Child(p.name, p.url, [*prefix.get(p.host, ()), *p.argv],
+                         env if is_engine else dict(os.environ), role=f"{p.role} on {p.host}",
+                         threads=threads if is_engine else 0))
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    """`pdkv up --deploy FILE [--netns | --print-commands]`; returns the exit code (1 with a
+    message on stderr for a bad file, a missing capability or a failed start)."""
+    try:
+        check_deploy_args(args)
+        dep = load_deployment(args.deploy)
+    except (ValueError, DeploymentError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.print_commands:
+        print(format_commands(dep))
+        return 0
+    if args.netns:
+        reason = unavailable_reason()
+        if reason:
+            print(f"error: --netns {reason}", file=sys.stderr)
+            return 1
+    if dep.pool is not None:
+        try:
+            redis_server = find_redis_server()
+        except RuntimeError as e:
+            print(f"error: the deployment's pool: {e}", file=sys.stderr)
+            return 1
+    else:
+        redis_server = "redis-server"
+    stop_on_signals()
+    bridge: NetnsBridge | None = None
+    services: list[PoolServer] = []
+    topo = Topology(services=services)
+    try:
+        if args.netns:
+            bridge = NetnsBridge([h.name for h in dep.hosts],
+                                 {h.name: h.link for h in dep.hosts})
+            bridge.setup()
+            place = in_namespaces(dep, bridge)
+            prefix = {h.name: bridge.exec_prefix(h.name) for h in dep.hosts}
+            print(f"namespaces of {bridge.run_name} on {bridge.subnet} (this machine: "
+                  f"{bridge.root_address}):", flush=True)
+            for h in dep.hosts:
+                shaped = bridge.qdiscs(h.name) if h.link.rate or h.link.delay else "not shaped"
+                print(f"  {h.name}: {bridge.ns(h.name)} {bridge.address(h.name)}, link "
+                      f"{shaped}", flush=True)
+        else:
+            place = on_loopback(dep)
+            prefix = {}
+        n_engines = len(dep.engines)
+        threads = args.threads_per_engine or max(1, (os.cpu_count() or 1) // n_engines)
+        env = dict(os.environ, PDKV_NUM_THREADS=str(threads))
+        flags = ["--disable-log-requests"] if getattr(args, "disable_log_requests", False) else []
+        procs = processes(dep, place, [sys.executable, "-m", "pdkv.cli"], redis_server, flags)
+        if dep.pool is not None:
+            os.makedirs(args.log_dir, exist_ok=True)
+            pool_host = dep.pool.host
+            try:
+                server = start_redis(
+                    port=place.port(pool_host, dep.pool.port), host=place.addresses[pool_host],
+                    log_dir=args.log_dir, exec_prefix=prefix.get(pool_host, ()))
+            except RuntimeError as e:
+                print(f"error: the deployment's pool: {e}", file=sys.stderr)
+                return 1
+            services.append(server)
+            print(f"pool: redis on {pool_host} at {server.address} (pids {server.pids}), "
+                  f"chunk {dep.pool.chunk_size} tokens", flush=True)
+        topo.children = _children(procs, prefix, env)
+        topo.endpoint = place.url(dep.proxy.host, dep.proxy.port)
+
+        def demo(topo: Topology) -> int:
+            from pdkv.launch.demo import run_demo
+
+            run_demo(topo.endpoint, [c.url for c in topo.children if c.name.startswith("decode")],
+                     dep.model)
+            return 0
+
+        return supervise(topo, args.log_dir, args.health_timeout,
+                         demo if getattr(args, "demo", False) else None)
+    except KeyboardInterrupt:
+        print("stopping", flush=True)
+        return 0
+    except RuntimeError as e:  # the namespaces could not be made
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        # A second Ctrl-C / SIGTERM must not cut the teardown short (each step has a deadline).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            topo.stop()
+        finally:
+            if bridge is not None:
+                removed = bridge.delete()
+                print(f"removed {len(removed)} namespaces / links of {bridge.run_name}",
+                      flush=True)

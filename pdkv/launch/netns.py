@@ -1,0 +1,317 @@
+"""Network namespaces as hosts on one machine (root and iproute2 needed; torch-free).
+
+`NetnsBridge` makes one namespace per host of a deployment, joined to a bridge that lives in its
+own "switch" namespace, with one veth pair per host:
+
+    host namespace <run>-<host>: eth0 (10.A.B.i/24) ──veth── h<i> in <run>-sw, on bridge br0
+    root namespace: pdkv<id> (10.A.B.254/24)        ──veth── c0 in <run>-sw, on bridge br0
+
+`<run>` is `pdkv-<id>` with a random 6-hex-digit id, and the /24 is chosen at random among the
+10.0.0.0/8 subnets no route of the root namespace overlaps, so two runs never collide. The root
+namespace's port lets this machine's processes (the launcher's health checks, a client, a test)
+reach every host at its address. A host's link (its veth pair) may be shaped: a tbf qdisc at
+`rate` on both ends (tbf shapes egress, so each end caps one direction), and a netem qdisc with
+`delay` (one way, per direction; needs the sch_netem kernel module, refused with an error
+where the kernel lacks it). A packet between two hosts crosses both hosts' links.
+
+`delete` removes the namespaces (their veth ends go with them, and the root namespace's end with
+its peer); it also runs when setup fails half-way.
+
+The helpers (`rate_bytes_per_s`, `delay_seconds`, `unavailable_reason`, `list_namespaces`,
+`shape_commands`) are shared with `pdkv.bench.netns.NetnsPair` (`pdkv bench handoff --link-rate`,
+`pdkv compare --link-rate`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import random
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+IP_TIMEOUT_S = 20.0
+"""Deadline of one `ip` / `tc` command, in seconds."""
+
+TBF_BURST = "64kb"
+"""tbf bucket: bytes that may leave at line speed before the rate applies (small, so a short
+transfer is still capped; tbf splits larger GSO packets)."""
+
+TBF_LATENCY = "100ms"
+"""tbf queueing limit: packets that would wait longer are dropped."""
+
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmg]?)(bit|bps)\s*$", re.IGNORECASE)
+_SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
+_DELAY = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(us|ms|s)\s*$")
+_DELAY_SCALE = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def rate_bytes_per_s(rate: str) -> float:
+    """Bytes/s of a tc rate: "1gbit" → 1.25e8, "10gbit" → 1.25e9, "500mbit" → 6.25e7
+    (tc's "bit" suffixes are powers of 1000; "bps" means bytes/s, as in tc).
+
+    Raises:
+        ValueError: not a number followed by [k|m|g]bit or [k|m|g]bps.
+    """
+    m = _RATE.match(rate)
+    if not m:
+        raise ValueError(f"rate must look like 1gbit, 500mbit or 100mbps, got {rate!r}")
+    value = float(m.group(1)) * _SCALE[m.group(2).lower()]
+    if value <= 0:
+        raise ValueError(f"rate must be > 0, got {rate!r}")
+    return value / 8 if m.group(3).lower() == "bit" else value
+
+
+def delay_seconds(delay: str) -> float:
+    """Seconds of a tc time: "1ms" → 0.001, "250us" → 0.00025, "0.5s" → 0.5.
+
+    Raises:
+        ValueError: not a number followed by us, ms or s, or not > 0.
+    """
+    m = _DELAY.match(delay)
+    if not m:
+        raise ValueError(f"delay must look like 1ms, 250us or 0.5s, got {delay!r}")
+    value = float(m.group(1)) * _DELAY_SCALE[m.group(2)]
+    if value <= 0:
+        raise ValueError(f"delay must be > 0, got {delay!r}")
+    return value
+
+
+def unavailable_reason() -> str | None:
+    """Why namespaces cannot be made here (not root, no `ip`/`tc`), or None when they can."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and tc qdiscs)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` not found: install iproute2"
+    return None
+
+
+def run_ip(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run one `ip` / `tc` command with the IP_TIMEOUT_S deadline.
+
+    Raises:
+        subprocess.CalledProcessError: `check` and a non-zero exit.
+        subprocess.TimeoutExpired: past the deadline.
+    """
+    return subprocess.run(list(args), check=check, capture_output=True, text=True,
+                          timeout=IP_TIMEOUT_S)
+
+
+def list_namespaces() -> list[str]:
+    """Names of the network namespaces `ip netns list` shows."""
+    out = run_ip(["ip", "netns", "list"]).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def shape_commands(netns: str, dev: str, rate: str | None, delay: str | None,
+                   burst: str = TBF_BURST, latency: str = TBF_LATENCY) -> list[list[str]]:
+    """The `tc` commands that shape the egress of `dev` in namespace `netns`: tbf at `rate`,
+    netem with `delay` (tbf then hangs under netem); none when both are None."""
+    tc = ["tc", "-n", netns, "qdisc", "add", "dev", dev]
+    tbf = ["tbf", "rate", str(rate), "burst", burst, "latency", latency]
+    if delay is None:
+        return [tc + ["root", *tbf]] if rate is not None else []
+    cmds = [tc + ["root", "handle", "1:", "netem", "delay", delay]]
+    if rate is not None:
+        cmds.append(tc + ["parent", "1:1", "handle", "10:", *tbf])
+    return cmds
+
+
+def run_all(cmds: Sequence[Sequence[str]]) -> None:
+    """Run commands in order, stopping at the first failure.
+
+    Raises:
+        RuntimeError: a command failed (it and its stderr named; netem's absence explained).
+    """
+    for cmd in cmds:
+        res = run_ip(cmd, check=False)
+        if res.returncode != 0:
+            err = res.stderr.strip()
+            hint = ""
+            if "netem" in cmd and "unknown" in err.lower():
+                hint = " (this kernel has no netem qdisc, sch_netem: a link delay cannot be set)"
+            raise RuntimeError(f"`{' '.join(cmd)}` failed: {err}{hint}")
+
+
+@dataclass(frozen=True)
+class LinkShape:
+    """How one host's link is shaped: `rate` in tc syntax ("1gbit"), `delay` one way per
+    direction in tc syntax ("1ms"); None leaves it unshaped."""
+
+    rate: str | None = None
+    delay: str | None = None
+
+
+def _free_subnet(rng: random.Random) -> ipaddress.IPv4Network:
+    """A random 10.A.B.0/24 that no route of the root namespace overlaps.
+
+    Raises:
+        RuntimeError: none found in 64 tries.
+    """
+    routes = []
+    for line in run_ip(["ip", "-4", "route", "show", "table", "all"]).stdout.splitlines():
+        first = line.split()[0] if line.split() else ""
+        if first in ("broadcast", "local", "unicast") and len(line.split()) > 1:
+            first = line.split()[1]
+        try:
+            routes.append(ipaddress.ip_network(first, strict=False))
+        except ValueError:
+            continue  # "default", "multicast", ...
+    for _ in range(64):
+        net = ipaddress.IPv4Network(f"10.{rng.randrange(64, 250)}.{rng.randrange(1, 255)}.0/24")
+        if not any(net.overlaps(r) for r in routes if r.prefixlen > 0):
+            return net
+    raise RuntimeError("no free 10.x.y.0/24 subnet found for the namespaces")
+
+
+class NetnsBridge:
+    """One network namespace per host, all on one bridge (see the module doc).
+
+    Args:
+        hosts: host names in order (letters, digits, "-", "_"; each ≤ 32 characters); host i
+            gets the subnet's address i + 1.
+        links: shaping per host name (hosts left out are unshaped).
+        seed: seeds the random run id and subnet (tests); None = fresh randomness.
+
+    Raises (from setup / __enter__):
+        RuntimeError: not root or no iproute2 (message from `unavailable_reason`), no free
+            subnet, or an `ip` / `tc` command failed (its stderr; everything created so far is
+            removed first).
+    """
+
+    def __init__(self, hosts: Sequence[str], links: Mapping[str, LinkShape] | None = None,
+                 seed: int | None = None) -> None:
+        if not hosts or len(hosts) > 250:
+            raise ValueError(f"1 to 250 hosts, got {len(hosts)}")
+        if len(set(hosts)) != len(hosts):
+            raise ValueError(f"host names must be distinct, got {list(hosts)}")
+        for h in hosts:
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}", h):
+                raise ValueError(f"host name must be 1-32 letters, digits, - or _, got {h!r}")
+        self.hosts = tuple(hosts)
+        self.links = dict(links or {})
+        self._rng = random.Random(seed)
+        self.run_id = f"{self._rng.getrandbits(24):06x}"
+        self.subnet: ipaddress.IPv4Network | None = None
+        self._created: list[str] = []
+
+    @property
+    def run_name(self) -> str:
+        """Prefix of every namespace this run makes: `pdkv-<id>`."""
+        return f"pdkv-{self.run_id}"
+
+    def ns(self, host: str) -> str:
+        """The namespace of `host`."""
+        return f"{self.run_name}-{host}"
+
+    @property
+    def switch_ns(self) -> str:
+        """The namespace holding the bridge."""
+        return f"{self.run_name}-sw"
+
+    @property
+    def root_dev(self) -> str:
+        """The root namespace's veth end (interface names are at most 15 characters)."""
+        return f"pdkv{self.run_id}"
+
+    def address(self, host: str) -> str:
+        """`host`'s address (after setup).
+
+        Raises:
+            RuntimeError: before setup.
+        """
+        if self.subnet is None:
+            raise RuntimeError("NetnsBridge.setup() has not run")
+        return str(self.subnet.network_address + self.hosts.index(host) + 1)
+
+    @property
+    def root_address(self) -> str:
+        """This machine's address on the bridge (after setup)."""
+        if self.subnet is None:
+            raise RuntimeError("NetnsBridge.setup() has not run")
+        return str(self.subnet.network_address + 254)
+
+    def exec_prefix(self, host: str) -> list[str]:
+        """argv prefix that runs a command inside `host`'s namespace."""
+        return ["ip", "netns", "exec", self.ns(host)]
+
+    def namespaces(self) -> list[str]:
+        """Every namespace this run makes."""
+        return [self.switch_ns, *(self.ns(h) for h in self.hosts)]
+
+    def setup(self) -> None:
+        """Create the namespaces, bridge, veth pairs, addresses and qdiscs (module doc)."""
+        reason = unavailable_reason()
+        if reason:
+            raise RuntimeError(f"cannot create network namespaces: {reason}")
+        try:
+            self.subnet = _free_subnet(self._rng)
+            sw = self.switch_ns
+            plen = self.subnet.prefixlen
+            self._add_ns(sw)
+            run_all([["ip", "-n", sw, "link", "set", "lo", "up"],
+                     ["ip", "-n", sw, "link", "add", "br0", "type", "bridge"],
+                     ["ip", "-n", sw, "link", "set", "br0", "up"]])
+            for i, host in enumerate(self.hosts):
+                ns = self.ns(host)
+                self._add_ns(ns)
+                run_all([
+                    ["ip", "-n", sw, "link", "add", f"h{i}", "type", "veth", "peer", "name",
+                     "eth0", "netns", ns],
+                    ["ip", "-n", sw, "link", "set", f"h{i}", "master", "br0"],
+                    ["ip", "-n", sw, "link", "set", f"h{i}", "up"],
+                    ["ip", "-n", ns, "addr", "add", f"{self.address(host)}/{plen}", "dev",
+                     "eth0"],
+                    ["ip", "-n", ns, "link", "set", "eth0", "up"],
+                    ["ip", "-n", ns, "link", "set", "lo", "up"],
+                ])
+                shape = self.links.get(host, LinkShape())
+                run_all(shape_commands(ns, "eth0", shape.rate, shape.delay)
+                        + shape_commands(sw, f"h{i}", shape.rate, shape.delay))
+            run_all([
+                ["ip", "link", "add", self.root_dev, "type", "veth", "peer", "name", "c0",
+                 "netns", sw],
+                ["ip", "-n", sw, "link", "set", "c0", "master", "br0"],
+                ["ip", "-n", sw, "link", "set", "c0", "up"],
+                ["ip", "addr", "add", f"{self.root_address}/{plen}", "dev", self.root_dev],
+                ["ip", "link", "set", self.root_dev, "up"],
+            ])
+        except BaseException:
+            self.delete()
+            raise
+
+    def _add_ns(self, name: str) -> None:
+        run_all([["ip", "netns", "add", name]])
+        self._created.append(name)
+
+    def delete(self) -> list[str]:
+        """Delete what this run made (namespaces, then the root namespace's veth end if it is
+        left); returns the names removed. Safe to call twice, or before setup."""
+        removed = []
+        existing = set(list_namespaces())
+        for name in reversed(self._created):
+            if name in existing:
+                run_ip(["ip", "netns", "del", name], check=False)
+                removed.append(name)
+        self._created.clear()
+        if run_ip(["ip", "link", "show", self.root_dev], check=False).returncode == 0:
+            run_ip(["ip", "link", "del", self.root_dev], check=False)
+            removed.append(self.root_dev)
+        return removed
+
+    def qdiscs(self, host: str) -> str:
+        """`tc qdisc show` of `host`'s end of its link (to print what the run uses)."""
+        return run_ip(["tc", "-n", self.ns(host), "qdisc", "show", "dev", "eth0"]).stdout.strip()
+
+    def __enter__(self) -> NetnsBridge:
+        self.setup()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.delete()

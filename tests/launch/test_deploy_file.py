@@ -1,0 +1,265 @@
+"""The deployment file of `pdkv up --deploy` (pdkv/launch/deploy.py): the examples parse, a
+malformed file is refused naming the key and its line, `--print-commands` prints per host what
+to run on real machines, and the loopback placement keeps ports distinct. No process starts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from pdkv.launch import deploy_run, launcher
+from pdkv.launch.deploy import DeploymentError, load_deployment, parse_deployment
+from pdkv.launch.netns import LinkShape
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+EXAMPLES = os.path.join(ROOT, "examples", "deploy")
+ONE_P_ONE_D = os.path.join(EXAMPLES, "1p1d.toml")
+TWO_P_POOL = os.path.join(EXAMPLES, "2p1d-pool.toml")
+
+BASE = """\
+model = "tiny-llama-kv2"
+
+[hosts.a]
+address = "10.0.0.1"
+
+[hosts.b]
+address = "10.0.0.2"
+
+[[prefill]]
+host = "a"
+port = 8100
+
+[[decode]]
+host = "b"
+port = 8100
+
+[proxy]
+host = "b"
+port = 8000
+"""
+
+
+def test_the_examples_parse():
+    one = load_deployment(ONE_P_ONE_D)
+    assert [h.name for h in one.hosts] == ["node-p", "node-d"]
+    assert one.host("node-p").link == LinkShape(rate="1gbit")
+    assert [e.name for e in one.engines] == ["prefill0", "decode0"]
+    assert (one.prefill[0].kv_port, one.prefill[0].transfer_port) == (14600, 14700)
+    assert one.pool is None and one.kv_transfer == "tcp"
+    two = load_deployment(TWO_P_POOL)
+    assert [e.host for e in two.prefill] == ["node-p0", "node-p1"]
+    assert two.pool is not None and (two.pool.host, two.pool.port) == ("node-pool", 6379)
+    assert two.proxy.routing == "least_loaded"
+
+
+def _edit(old: str, new: str, text: str = BASE) -> str:
+    assert old in text, old
+    return text.replace(old, new, 1)
+
+
+# (file text, the error's text); the line number is checked where the key is on its own line.
+BAD = [
+    pytest.param("model = \n", "not valid TOML", id="toml-syntax"),
+    pytest.param("replicas = 2\n" + BASE, ":1: replicas: unknown key", id="unknown-top-key"),
+    pytest.param(_edit('host = "a"\nport = 8100', 'host = "a"\nport = 8100\ngpus = 2'),
+                 ":12: prefill[0].gpus: unknown key", id="unknown-engine-key"),
+    pytest.param(_edit('host = "b"\nport = 8100', 'host = "b"\nport = 8100\nkv_port = 9'),
+                 ":16: decode[0].kv_port: unknown key", id="kv-port-on-decode"),
+    pytest.param(_edit('[[prefill]]\nhost = "a"', '[[prefill]]\nhost = "c"'),
+                 ':10: prefill[0].host: unknown host \'c\' (hosts: a, b)', id="unknown-host"),
+    pytest.param(_edit('[proxy]\nhost = "b"', '[proxy]\nhost = "z"'),
+                 ":18: proxy.host: unknown host 'z'", id="proxy-unknown-host"),
+    pytest.param(_edit("port = 8000", "port = 8100"),
+                 ":19: proxy.port: port 8100 on host 'b' is also decode[0].port",
+                 id="duplicate-port"),
+    pytest.param(_edit('host = "a"\nport = 8100', 'host = "a"\nport = 8100\nkv_port = 8100'),
+                 ":12: prefill[0].kv_port: port 8100 on host 'a' is also prefill[0].port",
+                 id="kv-port-is-http-port"),
+    pytest.param(
+        _edit('host = "a"\nport = 8100',
+              'host = "a"\nport = 8100\nkv_port = 9000\ntransfer_port = 9001\n'
+              'args = ["-tp", "2"]'),
+        "prefill[0].transfer_port: port 9001 on host 'a' is also prefill[0].kv_port",
+        id="tp-rank-ports-overlap"),
+    pytest.param(_edit('address = "10.0.0.2"', 'address = "10.0.0.1"'),
+                 ":7: hosts.b.address: 10.0.0.1 is also host 'a''s", id="duplicate-address"),
+    pytest.param(_edit('address = "10.0.0.2"', 'address = "node-b.local"'),
+                 "hosts.b.address: 'node-b.local' is not an IP address", id="not-an-address"),
+    pytest.param(_edit('address = "10.0.0.1"', 'address = "10.0.0.1"\nlink = { rate = "fast" }'),
+                 ":5: hosts.a.link: rate must look like 1gbit", id="bad-rate"),
+    pytest.param(_edit('address = "10.0.0.1"', 'address = "10.0.0.1"\nlink = { delay = "1" }'),
+                 "hosts.a.link: delay must look like 1ms", id="bad-delay"),
+    pytest.param(_edit('address = "10.0.0.1"', 'address = "10.0.0.1"\nlink = { loss = 1 }'),
+                 "hosts.a.link.loss: unknown key", id="unknown-link-key"),
+    pytest.param(_edit('model = "tiny-llama-kv2"\n', ""), "missing key 'model'", id="no-model"),
+    pytest.param(_edit('host = "a"\nport = 8100\n', 'host = "a"\n'),
+                 ":9: prefill[0]: missing key 'port'", id="no-port"),
+    pytest.param(_edit("port = 8000", "port = 70000"),
+                 ":19: proxy.port: must be a port number 1-65535, got 70000", id="port-range"),
+    pytest.param(_edit("port = 8000", "port = true"),
+                 "proxy.port: must be a port number 1-65535, got True", id="port-bool"),
+    pytest.param(_edit('host = "a"\nport = 8100', 'host = "a"\nport = 8100\nargs = ["--port=1"]'),
+                 ":12: prefill[0].args: --port is set by the launcher", id="launcher-flag"),
+    pytest.param('engine_args = ["--kv-transfer-config", "{}"]\n' + BASE,
+                 ":1: engine_args: --kv-transfer-config is set by the launcher",
+                 id="own-kv-transfer-config"),
+    pytest.param(_edit('host = "a"\nport = 8100', 'host = "a"\nport = 8100\nargs = "-tp 2"'),
+                 "prefill[0].args: must be a list of strings", id="args-not-a-list"),
+    pytest.param(_edit('[[decode]]\nhost = "b"\nport = 8100\n', ""),
+                 "missing key 'decode'", id="no-decode"),
+    pytest.param("decode = []\n" + _edit('[[decode]]\nhost = "b"\nport = 8100\n', ""),
+                 "decode: needs at least one [[decode]] table", id="empty-decode"),
+    pytest.param('kv_transfer = "shm"\n' + BASE, ":1: kv_transfer: shm moves KV",
+                 id="shm-across-hosts"),
+    pytest.param('kv_transfer = "nccl"\n' + BASE,
+                 "kv_transfer: 'nccl' is not one of tcp, mooncake, shm", id="unknown-transfer"),
+    pytest.param(_edit('[proxy]\nhost = "b"\nport = 8000', '[proxy]\nhost = "b"\nport = 8000\n'
+                                                          'routing = "kv_aware"'),
+                 ":20: proxy.routing: 'kv_aware' is not one of", id="kv-aware-routing"),
+    pytest.param(BASE + '[pool]\nservice = "mooncake"\nhost = "a"\nport = 6379\n',
+                 ":21: pool.service: 'mooncake' is not one of redis", id="mooncake-pool"),
+    pytest.param(BASE + '[pool]\nservice = "redis"\nhost = "a"\nport = 6379\nchunk_size = 0\n',
+                 ":24: pool.chunk_size: must be a positive integer", id="chunk-size"),
+    pytest.param(_edit("[hosts.b]", '[hosts."b c"]').replace('"b"', '"b c"'),
+                 "hosts.b c: a host name is 1-32 letters", id="host-name"),
+    pytest.param('model = "m"\nhosts = {}\n' + BASE[BASE.index("[[prefill]]"):],
+                 ":2: hosts: needs at least one [hosts.NAME]",
+                 id="no-hosts"),
+]
+
+
+@pytest.mark.parametrize("text, message", BAD)
+def test_a_malformed_file_is_refused_naming_the_key_and_line(text, message):
+    with pytest.raises(DeploymentError) as info:
+        parse_deployment(text, "dep.toml")
+    assert str(info.value).startswith("dep.toml"), str(info.value)
+    assert message in str(info.value), str(info.value)
+
+
+def test_one_port_on_two_hosts_is_fine_and_loopback_makes_them_distinct():
+    dep = parse_deployment(_edit('host = "a"\nport = 8100',
+                                 'host = "a"\nport = 8100\nkv_port = 9000\nargs = ["-tp", "2"]'))
+    place = deploy_run.on_loopback(dep)
+    ports = [place.port("a", 8100), place.port("b", 8100), place.port("b", 8000),
+             place.port("a", 9000), place.port("a", 9001)]
+    assert len(set(ports)) == 5
+    assert ports[4] == ports[3] + 1  # a TP engine's rank ports stay consecutive
+    assert place.port("a", 0) == 0 and set(place.addresses.values()) == {"127.0.0.1"}
+
+
+def test_a_missing_file_is_an_error_naming_it(tmp_path):
+    with pytest.raises(DeploymentError, match="nope.toml: cannot read"):
+        load_deployment(str(tmp_path / "nope.toml"))
+
+
+def _sections(text: str) -> dict[str, list[str]]:
+    """Host name → its command lines (comments left out)."""
+    out: dict[str, list[str]] = {}
+    host = None
+    for line in text.splitlines():
+        if line.startswith("# host "):
+            host = line.split()[2]
+            out[host] = []
+        elif line and not line.startswith("#") and host is not None:
+            out[host].append(line)
+    return out
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_print_commands_1p1d():
+    out = subprocess.run(
+        [sys.executable, "-m", "pdkv.cli", "up", "--deploy", ONE_P_ONE_D, "--print-commands"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "# host node-p (10.0.0.11), link rate 1gbit" in out.stdout
+    hosts = _sections(out.stdout)
+    assert list(hosts) == ["node-p", "node-d"]
+    (p,) = [shlex.split(c) for c in hosts["node-p"]]
+    d, proxy = [shlex.split(c) for c in hosts["node-d"]]
+    assert p[:2] == ["pdkv", "serve"] and _flag(p, "--model") == "tiny-llama-kv2"
+    assert (_flag(p, "--host"), _flag(p, "--port")) == ("10.0.0.11", "8100")
+    assert p[p.index("--num-kv-blocks") + 1] == "64"
+    cfg = json.loads(_flag(p, "--kv-transfer-config"))
+    assert cfg["kv_connector"] == "P2PConnector" and cfg["kv_role"] == "kv_producer"
+    assert cfg["kv_connector_extra_config"] == {
+        "transfer": "tcp", "kv_host": "10.0.0.11", "kv_advertise_host": "10.0.0.11",
+        "kv_port": 14600, "transfer_port": 14700}
+    dcfg = json.loads(_flag(d, "--kv-transfer-config"))
+    assert dcfg["kv_role"] == "kv_consumer"
+    assert dcfg["kv_connector_extra_config"]["kv_advertise_host"] == "10.0.0.12"
+    assert proxy[:2] == ["pdkv", "proxy"]
+    assert _flag(proxy, "--prefill") == "http://10.0.0.11:8100"
+    assert _flag(proxy, "--decode") == "http://10.0.0.12:8100"
+    assert (_flag(proxy, "--host"), _flag(proxy, "--port")) == ("10.0.0.12", "8000")
+    assert _flag(proxy, "--tokenizer") == "tiny-llama-kv2"
+    assert "# endpoint: http://10.0.0.12:8000" in out.stdout
+
+
+def test_print_commands_2p1d_with_a_redis_pool():
+    text = deploy_run.format_commands(load_deployment(TWO_P_POOL))
+    hosts = _sections(text)
+    assert list(hosts) == ["node-p0", "node-p1", "node-d", "node-pool"]
+    (redis,) = [shlex.split(c) for c in hosts["node-pool"]]
+    assert redis == ["redis-server", "--port", "6379", "--bind", "10.0.0.14", "--save", "",
+                     "--appendonly", "no", "--protected-mode", "no"]  # engines on other hosts
+    pool_tier = {"name": "redis", "url": "redis://10.0.0.14:6379/0"}
+    for host, address in (("node-p0", "10.0.0.11"), ("node-p1", "10.0.0.12")):
+        (p,) = [shlex.split(c) for c in hosts[host]]
+        cfg = json.loads(_flag(p, "--kv-transfer-config"))
+        p2p, pool = cfg["kv_connector_extra_config"]["connectors"]  # P: P2P first, then the pool
+        assert cfg["kv_connector"] == "MultiConnector" and cfg["kv_role"] == "kv_producer"
+        assert p2p["kv_connector_extra_config"]["kv_advertise_host"] == address
+        assert pool["kv_connector"] == "KVPoolConnector" and pool["kv_role"] == "kv_producer"
+        assert pool["kv_connector_extra_config"] == {"chunk_size": 32, "tiers": [pool_tier]}
+    d, proxy = [shlex.split(c) for c in hosts["node-d"]]
+    pool, p2p = json.loads(_flag(d, "--kv-transfer-config"))["kv_connector_extra_config"][
+        "connectors"]  # D: the pool first, then P2P
+    assert pool["kv_connector_extra_config"]["tiers"] == [pool_tier]
+    assert p2p["kv_role"] == "kv_consumer"
+    assert _flag(proxy, "--prefill") == "http://10.0.0.11:8100,http://10.0.0.12:8100"
+    assert _flag(proxy, "--routing") == "least_loaded"
+    assert text.index("start the pool first") < text.index("# host")
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return launcher.add_cli_args(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv, match", [
+    (("--netns",), "--netns needs --deploy FILE"),
+    (("--print-commands",), "--print-commands needs --deploy FILE"),
+])
+def test_netns_and_print_commands_need_a_deployment(argv, match):
+    with pytest.raises(ValueError, match=match):
+        launcher.check_args(_args(*argv))
+
+
+@pytest.mark.parametrize("argv, match", [
+    (("--pool", "redis"), "leave out --pool"),
+    (("--mode", "colocated"), "leave out --mode"),
+    (("--num-prefill", "2"), "leave out --num-prefill"),
+    (("--model", "smollm2-360m"), "leave out --model"),
+    (("--", "--num-kv-blocks", "8"), "leave out the flags after --"),
+    (("--netns", "--print-commands"), "starts nothing: leave out --netns"),
+])
+def test_deploy_refuses_the_flags_the_file_sets(argv, match, capsys):
+    assert deploy_run.main(_args("--deploy", ONE_P_ONE_D, *argv)) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_netns_without_root_is_refused_with_the_reason(monkeypatch, capsys, tmp_path):
+    from pdkv.launch import netns
+
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    args = _args("--deploy", ONE_P_ONE_D, "--netns", "--log-dir", str(tmp_path))
+    assert deploy_run.main(args) == 1
+    assert "--netns needs root (network namespaces and tc qdiscs)" in capsys.readouterr().err

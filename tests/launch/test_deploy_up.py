@@ -1,0 +1,223 @@
+"""`pdkv up --deploy examples/deploy/1p1d.toml` end to end on tiny-llama-kv2: through the proxy a
+fixed prompt gives the colocated engine's greedy tokens, D's metrics count exactly the KV bytes
+of the prompt's blocks, and every block is free again. Run on 127.0.0.1 and, as root, with
+`--netns` (each host a network namespace; the namespaces are gone after SIGTERM, and after a
+failed start). Root-only tests skip with the reason, but fail under CI=true."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from system_packages import require_reason
+
+from pdkv import LLM, SamplingParams
+from pdkv.launch.netns import list_namespaces, unavailable_reason
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+EXAMPLE = os.path.join(ROOT, "examples", "deploy", "1p1d.toml")
+BS = 16  # the engines' block size (default)
+NUM_KV_BLOCKS = 64  # the example's --num-kv-blocks
+# 33 tokens: 3 blocks, the last holding only the last prompt token, which D recomputes; that
+# block still moves whole (so ceil(33 / 16) = 3 blocks, not ceil(32 / 16) = 2).
+PROMPT = [(i * 7919 + 13) % 40000 + 100 for i in range(33)]
+MAX_TOKENS = 8
+POOL_EXAMPLE = os.path.join(ROOT, "examples", "deploy", "2p1d-pool.toml")
+POOL_CHUNK = 32  # the pool example's chunk_size
+REDIS = 'tier="redis"'
+POOL_PROMPT = [(i * 104729 + 7) % 40000 + 100 for i in range(80)]  # 2 whole chunks loadable
+
+
+def _config(model_dir: str) -> dict:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)
+
+
+def kv_bytes(model_dir: str, num_tokens: int) -> int:
+    """KV bytes D pulls for a prompt of `num_tokens`: every block P computed, whole (D
+    recomputes the last token, but the block holding it is pulled with the rest; as
+    tests/kv_transfer/test_pd_mla.py), each block = block size x layers x 2 (K and V) x KV
+    heads x head size x 4 bytes (float32)."""
+    c = _config(model_dir)
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head * 4
+    return -(-num_tokens // BS) * BS * per_token
+
+
+@pytest.fixture(scope="module")
+def references(tiny_llama_kv2) -> list[tuple[str, int]]:
+    """(text, tokens) of the colocated engine's greedy completions of PROMPT and POOL_PROMPT."""
+    llm = LLM(tiny_llama_kv2, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=512)
+    try:
+        out = llm.generate([{"prompt_token_ids": PROMPT}, {"prompt_token_ids": POOL_PROMPT}],
+                           SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    finally:
+        llm.llm_engine.shutdown()
+    return [(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in out]
+
+
+@pytest.fixture(scope="module")
+def colocated(references) -> tuple[str, int]:
+    return references[0]
+
+
+class Up:
+    """`pdkv up --deploy EXAMPLE` as a process in its own session; its output in a file."""
+
+    def __init__(self, tmp_path, cache: str, *flags: str, deploy: str = EXAMPLE) -> None:
+        self.out = tmp_path / "up.out"
+        cmd = [sys.executable, "-m", "pdkv.cli", "up", "--deploy", deploy, "--log-dir",
+               str(tmp_path / "logs"), "--health-timeout", "60", *flags]
+        env = dict(os.environ, PDKV_CACHE=cache)
+        with open(self.out, "wb") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True, cwd=ROOT)
+
+    def text(self) -> str:
+        return self.out.read_text()
+
+    def wait_for(self, pattern: str, timeout: float = 90.0) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            m = re.search(pattern, self.text(), re.M)
+            if m:
+                return m
+            assert self.proc.poll() is None, f"pdkv up exited:\n{self.text()}"
+            assert time.monotonic() < deadline, f"no {pattern!r} in time:\n{self.text()}"
+            time.sleep(0.2)
+
+    def url(self, name: str) -> str:
+        return self.wait_for(rf"^  {name}: .*?, (http://[\d.]+:\d+),").group(1)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+
+def _metric(url: str, name: str, label: str = "") -> float:
+    """Sum of the samples of `name` (those whose labels contain `label`, e.g. 'tier="redis"')."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    pattern = rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$"
+    return sum(float(m.group(2)) for m in re.finditer(pattern, text, re.M)
+               if label in (m.group(1) or ""))
+
+
+def _wait_metric(url: str, name: str, want: float, timeout: float = 20.0) -> float:
+    deadline = time.monotonic() + timeout
+    while (got := _metric(url, name)) != want and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return got
+
+
+def _complete(endpoint: str, prompt: list[int]) -> tuple[str, int]:
+    r = httpx.post(endpoint + "/v1/completions", timeout=60, json={
+        "model": "tiny-llama-kv2", "prompt": prompt, "max_tokens": MAX_TOKENS,
+        "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["choices"][0]["text"], body["usage"]["completion_tokens"]
+
+
+def _serve_and_check(up: Up, model_dir: str, colocated: tuple[str, int]) -> tuple[str, str]:
+    """One request through the proxy; checks tokens, bytes, free blocks; returns (P, D) URLs."""
+    endpoint = up.wait_for(r"^ready: (http://\S+)").group(1)
+    p, d = up.url("prefill0"), up.url("decode0")
+    assert _complete(endpoint, PROMPT) == colocated
+    assert _metric(d, "pdkv:kv_transfer_bytes_received_total") == kv_bytes(model_dir, len(PROMPT))
+    for url in (p, d):
+        assert _wait_metric(url, "pdkv:num_free_blocks", NUM_KV_BLOCKS) == NUM_KV_BLOCKS
+    return p, d
+
+
+def test_1p1d_on_loopback_matches_colocated_and_moves_the_kv_formula(
+    tmp_path, tiny_llama_kv2, tiny_llama_cache, colocated
+):
+    up = Up(tmp_path, tiny_llama_cache)
+    try:
+        p, d = _serve_and_check(up, tiny_llama_kv2, colocated)
+        assert p.startswith("http://127.0.0.1:") and d.startswith("http://127.0.0.1:")
+    finally:
+        rc = up.stop()
+    assert rc == 0, up.text()
+
+
+def _ours(run: str) -> list[str]:
+    return [n for n in list_namespaces() if n.startswith(run + "-")]
+
+
+def test_1p1d_in_namespaces_matches_colocated_and_removes_them(
+    tmp_path, tiny_llama_kv2, tiny_llama_cache, colocated
+):
+    require_reason(unavailable_reason())
+    up = Up(tmp_path, tiny_llama_cache, "--netns")
+    try:
+        m = up.wait_for(r"^namespaces of (pdkv-[0-9a-f]{6}) on (10\.\d+\.\d+)\.0/24")
+        run, subnet = m.group(1), m.group(2)
+        assert up.wait_for(r"^  node-p: .* link (.*)$").group(1).startswith("qdisc tbf")
+        assert sorted(_ours(run)) == sorted(f"{run}-{n}" for n in ("sw", "node-p", "node-d"))
+        p, d = _serve_and_check(up, tiny_llama_kv2, colocated)
+        assert p == f"http://{subnet}.1:8100" and d == f"http://{subnet}.2:8100"
+    finally:
+        rc = up.stop()
+    assert rc == 0, up.text()
+    assert _ours(run) == []
+    assert f"removed 4 namespaces / links of {run}" in up.text() or _ours(run) == []
+    link = subprocess.run(["ip", "link", "show", "pdkv" + run[-6:]], capture_output=True)
+    assert link.returncode != 0, "the root namespace's veth end is left"
+
+
+def test_a_failed_start_in_namespaces_removes_them(tmp_path, tiny_llama_cache):
+    require_reason(unavailable_reason())
+    bad = tmp_path / "bad.toml"
+    with open(EXAMPLE) as f:
+        bad.write_text(f.read().replace('port = 8100\nkv_port', 'port = 8100\n'
+                                        'args = ["--no-such-flag"]\nkv_port'))
+    up = Up(tmp_path, tiny_llama_cache, "--netns", deploy=str(bad))
+    try:
+        run = up.wait_for(r"^namespaces of (pdkv-[0-9a-f]{6})").group(1)
+        rc = up.proc.wait(60)
+    finally:
+        up.stop()
+    assert rc == 1, up.text()
+    assert "prefill0 exited" in up.text()
+    assert _ours(run) == []
+
+
+def test_2p1d_with_a_redis_pool_host_in_namespaces(tmp_path, tiny_llama_cache, references):
+    """P saves the prompt's chunks into redis on its own host; D, its prefix cache reset, loads
+    them from there and answers as colocated."""
+    require_reason(unavailable_reason())
+    up = Up(tmp_path, tiny_llama_cache, "--netns", deploy=POOL_EXAMPLE)
+    try:
+        run = up.wait_for(r"^namespaces of (pdkv-[0-9a-f]{6})").group(1)
+        pool = up.wait_for(r"^pool: redis on node-pool at redis://([\d.]+):6379/0").group(1)
+        assert pool == up.wait_for(r"^  node-pool: \S+ ([\d.]+),").group(1)
+        endpoint = up.wait_for(r"^ready: (http://\S+)").group(1)
+        ps, d = [up.url("prefill0"), up.url("prefill1")], up.url("decode0")
+        assert _complete(endpoint, POOL_PROMPT) == references[1]
+        chunks = len(POOL_PROMPT) // POOL_CHUNK
+        deadline = time.monotonic() + 20  # saves are asynchronous
+        while sum(_metric(p, "pdkv:kv_pool_chunks_written_total", REDIS) for p in ps) < chunks:
+            assert time.monotonic() < deadline, "P wrote no chunks into the pool in time"
+            time.sleep(0.2)
+        # D may already have read them for the first request (when P's save won the race).
+        read = _metric(d, "pdkv:kv_pool_chunks_read_total", REDIS)
+        assert httpx.post(d + "/reset_prefix_cache", timeout=30).status_code == 200
+        assert _complete(endpoint, POOL_PROMPT) == references[1]
+        assert _metric(d, "pdkv:kv_pool_chunks_read_total", REDIS) - read == chunks
+        for url in (*ps, d):
+            assert _wait_metric(url, "pdkv:num_free_blocks", NUM_KV_BLOCKS) == NUM_KV_BLOCKS
+    finally:
+        rc = up.stop()
+    assert rc == 0, up.text()
+    assert _ours(run) == []
