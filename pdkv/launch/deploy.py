@@ -6,6 +6,8 @@ an optional rate and delay per host link, read from TOML into frozen dataclasses
     engine_args = ["--max-model-len", "512"]  # flags of every engine (pdkv serve's names)
     kv_transfer = "tcp"                       # optional: tcp (default) | mooncake | shm
     kv_load_failure_policy = "fail"           # optional: fail (default) | recompute
+    kv_lease_duration = 30.0                  # optional (s): how long P holds blocks for D
+    transfer_timeout = 30.0                   # optional (s): the deadline of one pull of D
 
     [hosts.node-p]
     address = "10.0.0.11"
@@ -26,6 +28,8 @@ an optional rate and delay per host link, read from TOML into frozen dataclasses
     host = "node-d"
     port = 8000
     routing = "round_robin"                   # optional
+    timeout = 600.0                           # optional (s): per-leg timeout
+    health_check_interval = 10.0              # optional (s): between two probes of each engine
 
     [pool]                                    # optional: a shared KV pool
     service = "redis"
@@ -102,11 +106,15 @@ class Engine:
 
 @dataclass(frozen=True)
 class Proxy:
-    """`pdkv proxy` in P/D mode on `host`:`port` with `routing`."""
+    """`pdkv proxy` in P/D mode on `host`:`port` with `routing`; `timeout` (its `--timeout`, s:
+    how long a leg may go without an answer) and `health_check_interval` (its
+    `--health-check-interval-secs`): None = the proxy's defaults."""
 
     host: str
     port: int
     routing: str = "round_robin"
+    timeout: float | None = None
+    health_check_interval: float | None = None
 
 
 @dataclass(frozen=True)
@@ -123,7 +131,8 @@ class Pool:
 @dataclass(frozen=True)
 class Deployment:
     """A whole deployment (see the module doc). `engine_args` go to every engine before its own
-    `args`; `source` is the file it was read from."""
+    `args`; `kv_lease_duration` and `transfer_timeout` go into every P2PConnector's extra config
+    (None = the connector's defaults); `source` is the file it was read from."""
 
     model: str
     hosts: tuple[Host, ...]
@@ -134,6 +143,8 @@ class Deployment:
     engine_args: tuple[str, ...] = ()
     kv_transfer: str = "tcp"
     kv_load_failure_policy: str = "fail"
+    kv_lease_duration: float | None = None
+    transfer_timeout: float | None = None
     source: str = "<deployment>"
 
     @property
@@ -233,6 +244,14 @@ class _Reader:
             raise self.fail(path, f"must be a port number {low}-65535, got {value!r}")
         return value
 
+    def seconds(self, value: Any, path: Sequence[str | int]) -> float | None:
+        """A duration > 0 in seconds (an integer or a float), None when absent."""
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise self.fail(path, f"must be a number of seconds > 0, got {value!r}")
+        return float(value)
+
     def flags(self, value: Any, path: Sequence[str | int]) -> tuple[str, ...]:
         if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
             raise self.fail(path, "must be a list of strings (flags of pdkv serve)")
@@ -274,7 +293,8 @@ def parse_deployment(text: str, source: str = "<deployment>") -> Deployment:
         raise DeploymentError(f"{source}: not valid TOML: {e}") from e
     r = _Reader(text, source)
     top = r.table(data, [], ("model", "engine_args", "kv_transfer", "kv_load_failure_policy",
-                             "hosts", "prefill", "decode", "proxy", "pool"),
+                             "kv_lease_duration", "transfer_timeout", "hosts", "prefill",
+                             "decode", "proxy", "pool"),
                   required=("model", "hosts", "prefill", "decode", "proxy"))
     hosts = _hosts(r, top["hosts"])
     names = [h.name for h in hosts]
@@ -302,11 +322,16 @@ def parse_deployment(text: str, source: str = "<deployment>") -> Deployment:
                 kv_port=r.port(t.get("kv_port", 0), [role, i, "kv_port"], zero=True),
                 transfer_port=r.port(t.get("transfer_port", 0), [role, i, "transfer_port"],
                                      zero=True)))
-    p = r.table(top["proxy"], ["proxy"], ("host", "port", "routing"), required=("host", "port"))
+    p = r.table(top["proxy"], ["proxy"],
+                ("host", "port", "routing", "timeout", "health_check_interval"),
+                required=("host", "port"))
     proxy = Proxy(host=host_of(p["host"], ["proxy", "host"]),
                   port=r.port(p["port"], ["proxy", "port"]),
                   routing=r.string(p.get("routing", "round_robin"), ["proxy", "routing"],
-                                   ROUTINGS))
+                                   ROUTINGS),
+                  timeout=r.seconds(p.get("timeout"), ["proxy", "timeout"]),
+                  health_check_interval=r.seconds(p.get("health_check_interval"),
+                                                  ["proxy", "health_check_interval"]))
     pool = None
     if "pool" in top:
         t = r.table(top["pool"], ["pool"], ("service", "host", "port", "chunk_size"),
@@ -328,6 +353,8 @@ def parse_deployment(text: str, source: str = "<deployment>") -> Deployment:
         kv_transfer=r.string(top.get("kv_transfer", "tcp"), ["kv_transfer"], KV_TRANSFERS),
         kv_load_failure_policy=r.string(top.get("kv_load_failure_policy", "fail"),
                                         ["kv_load_failure_policy"], LOAD_FAILURE_POLICIES),
+        kv_lease_duration=r.seconds(top.get("kv_lease_duration"), ["kv_lease_duration"]),
+        transfer_timeout=r.seconds(top.get("transfer_timeout"), ["transfer_timeout"]),
         source=source,
     )
     _check_ports(r, dep)

@@ -101,6 +101,10 @@ def engine_kv_config(dep: Deployment, engine: Engine, place: Placement) -> dict[
     address = place.addresses[engine.host]
     extra: dict[str, object] = {"transfer": dep.kv_transfer, "kv_host": address,
                                 "kv_advertise_host": address}
+    for key, value in (("kv_lease_duration", dep.kv_lease_duration),
+                       ("transfer_timeout", dep.transfer_timeout)):
+        if value is not None:
+            extra[key] = value
     if engine.role == "prefill":
         for key, port in (("kv_port", engine.kv_port), ("transfer_port", engine.transfer_port)):
             if port:
@@ -135,6 +139,10 @@ def processes(dep: Deployment, place: Placement, pdkv: Sequence[str], redis_serv
             "--decode", ",".join(place.url(e.host, e.port) for e in dep.decode),
             "--host", place.addresses[px.host], "--port", str(place.port(px.host, px.port)),
             "--routing", px.routing, "--tokenizer", dep.model]
+    for flag, value in (("--timeout", px.timeout),
+                        ("--health-check-interval-secs", px.health_check_interval)):
+        if value is not None:
+            argv += [flag, f"{value:g}"]
     out.append(Process("proxy", f"proxy (P/D, {px.routing})", px.host, tuple(argv),
                        place.url(px.host, px.port)))
     return out
@@ -180,8 +188,8 @@ def check_deploy_args(args: argparse.Namespace) -> None:
         if getattr(args, name, default) != default:
             raise ValueError(f"--deploy takes the topology from the file: leave out "
                              f"--{name.replace('_', '-')} (the file's keys: model, engine_args, "
-                             "kv_transfer, kv_load_failure_policy, [[prefill]], [[decode]], "
-                             "[proxy], [pool])")
+                             "kv_transfer, kv_load_failure_policy, kv_lease_duration, "
+                             "transfer_timeout, [[prefill]], [[decode]], [proxy], [pool])")
     if [a for a in args.engine_args if a != "--"]:
         raise ValueError("--deploy takes the engine flags from the file (engine_args, or args "
                          "of one engine): leave out the flags after --")

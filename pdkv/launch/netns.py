@@ -14,6 +14,11 @@ reach every host at its address. A host's link (its veth pair) may be shaped: a 
 `delay` (one way, per direction; needs the sch_netem kernel module, refused with an error
 where the kernel lacks it). A packet between two hosts crosses both hosts' links.
 
+`cut(host)` takes a host's link down (its veth end on the bridge, so both sides see silence, as
+with a pulled cable; the host keeps its address and routes) and `restore(host)` brings it back;
+`set_link` does the same from another process that knows only the run name and the host's
+index (a test driving `pdkv up --deploy FILE --netns`).
+
 `delete` removes the namespaces (their veth ends go with them, and the root namespace's end with
 its peer); it also runs when setup fails half-way.
 
@@ -136,6 +141,19 @@ def run_all(cmds: Sequence[Sequence[str]]) -> None:
             if "netem" in cmd and "unknown" in err.lower():
                 hint = " (this kernel has no netem qdisc, sch_netem: a link delay cannot be set)"
             raise RuntimeError(f"`{' '.join(cmd)}` failed: {err}{hint}")
+
+
+def set_link(run_name: str, host_index: int, up: bool) -> None:
+    """Bring host number `host_index` of the run `run_name` (`pdkv-<id>`) off or back onto the
+    bridge: its veth end `h<i>` in the switch namespace goes down or up. Down, every packet to
+    or from the host is dropped silently (open TCP connections see no reset, only silence); up,
+    they carry on where they were (the host's addresses and routes are untouched).
+
+    Raises:
+        RuntimeError: the `ip` command failed (no such run or host).
+    """
+    run_all([["ip", "-n", f"{run_name}-sw", "link", "set", f"h{host_index}",
+              "up" if up else "down"]])
 
 
 @dataclass(frozen=True)
@@ -303,6 +321,14 @@ class NetnsBridge:
             run_ip(["ip", "link", "del", self.root_dev], check=False)
             removed.append(self.root_dev)
         return removed
+
+    def cut(self, host: str) -> None:
+        """Take `host`'s link down (`set_link`): it stays up, unreachable, until `restore`."""
+        set_link(self.run_name, self.hosts.index(host), up=False)
+
+    def restore(self, host: str) -> None:
+        """Bring `host`'s link back up after `cut`."""
+        set_link(self.run_name, self.hosts.index(host), up=True)
 
     def qdiscs(self, host: str) -> str:
         """`tc qdisc show` of `host`'s end of its link (to print what the run uses)."""

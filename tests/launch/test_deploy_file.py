@@ -128,6 +128,16 @@ BAD = [
                  ":24: pool.chunk_size: must be a positive integer", id="chunk-size"),
     pytest.param(_edit("[hosts.b]", '[hosts."b c"]').replace('"b"', '"b c"'),
                  "hosts.b c: a host name is 1-32 letters", id="host-name"),
+    pytest.param("kv_lease_duration = 0\n" + BASE,
+                 ":1: kv_lease_duration: must be a number of seconds > 0, got 0", id="lease"),
+    pytest.param('transfer_timeout = "5s"\n' + BASE,
+                 ":1: transfer_timeout: must be a number of seconds > 0, got '5s'",
+                 id="transfer-timeout"),
+    pytest.param(_edit("port = 8000", "port = 8000\ntimeout = -1"),
+                 ":20: proxy.timeout: must be a number of seconds > 0", id="proxy-timeout"),
+    pytest.param(_edit("port = 8000", "port = 8000\nhealth_check_interval = true"),
+                 ":20: proxy.health_check_interval: must be a number of seconds > 0",
+                 id="health-check-interval"),
     pytest.param('model = "m"\nhosts = {}\n' + BASE[BASE.index("[[prefill]]"):],
                  ":2: hosts: needs at least one [hosts.NAME]",
                  id="no-hosts"),
@@ -202,6 +212,24 @@ def test_print_commands_1p1d():
     assert (_flag(proxy, "--host"), _flag(proxy, "--port")) == ("10.0.0.12", "8000")
     assert _flag(proxy, "--tokenizer") == "tiny-llama-kv2"
     assert "# endpoint: http://10.0.0.12:8000" in out.stdout
+
+
+def test_timeouts_reach_the_connectors_and_the_proxy():
+    dep = parse_deployment("kv_lease_duration = 4\ntransfer_timeout = 2.5\n" + _edit(
+        "port = 8000", "port = 8000\ntimeout = 5\nhealth_check_interval = 0.5"))
+    procs = {p.name: p.argv for p in deploy_run.processes(
+        dep, deploy_run.as_written(dep), ["pdkv"], "redis-server")}
+    for name in ("prefill0", "decode0"):
+        extra = json.loads(_flag(list(procs[name]), "--kv-transfer-config"))
+        assert extra["kv_connector_extra_config"]["kv_lease_duration"] == 4.0
+        assert extra["kv_connector_extra_config"]["transfer_timeout"] == 2.5
+    proxy = list(procs["proxy"])
+    assert (_flag(proxy, "--timeout"), _flag(proxy, "--health-check-interval-secs")) == (
+        "5", "0.5")
+    plain = {p.name: p.argv for p in deploy_run.processes(
+        parse_deployment(BASE), deploy_run.as_written(dep), ["pdkv"], "redis-server")}
+    assert "--timeout" not in plain["proxy"]
+    assert "kv_lease_duration" not in _flag(list(plain["decode0"]), "--kv-transfer-config")
 
 
 def test_print_commands_2p1d_with_a_redis_pool():

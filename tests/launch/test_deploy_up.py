@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+from deploy_harness import MAX_TOKENS, ROOT, Up
+from deploy_harness import complete as _complete
+from deploy_harness import metric as _metric
+from deploy_harness import wait_metric as _wait_metric
 from system_packages import require_reason
 
 from pdkv import LLM, SamplingParams
@@ -23,14 +24,12 @@ from pdkv.launch.netns import list_namespaces, unavailable_reason
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 EXAMPLE = os.path.join(ROOT, "examples", "deploy", "1p1d.toml")
 BS = 16  # the engines' block size (default)
 NUM_KV_BLOCKS = 64  # the example's --num-kv-blocks
 # 33 tokens: 3 blocks, the last holding only the last prompt token, which D recomputes; that
 # block still moves whole (so ceil(33 / 16) = 3 blocks, not ceil(32 / 16) = 2).
 PROMPT = [(i * 7919 + 13) % 40000 + 100 for i in range(33)]
-MAX_TOKENS = 8
 POOL_EXAMPLE = os.path.join(ROOT, "examples", "deploy", "2p1d-pool.toml")
 POOL_CHUNK = 32  # the pool example's chunk_size
 REDIS = 'tier="redis"'
@@ -70,64 +69,6 @@ def colocated(references) -> tuple[str, int]:
     return references[0]
 
 
-class Up:
-    """`pdkv up --deploy EXAMPLE` as a process in its own session; its output in a file."""
-
-    def __init__(self, tmp_path, cache: str, *flags: str, deploy: str = EXAMPLE) -> None:
-        self.out = tmp_path / "up.out"
-        cmd = [sys.executable, "-m", "pdkv.cli", "up", "--deploy", deploy, "--log-dir",
-               str(tmp_path / "logs"), "--health-timeout", "60", *flags]
-        env = dict(os.environ, PDKV_CACHE=cache)
-        with open(self.out, "wb") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, cwd=ROOT)
-
-    def text(self) -> str:
-        return self.out.read_text()
-
-    def wait_for(self, pattern: str, timeout: float = 90.0) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        while True:
-            m = re.search(pattern, self.text(), re.M)
-            if m:
-                return m
-            assert self.proc.poll() is None, f"pdkv up exited:\n{self.text()}"
-            assert time.monotonic() < deadline, f"no {pattern!r} in time:\n{self.text()}"
-            time.sleep(0.2)
-
-    def url(self, name: str) -> str:
-        return self.wait_for(rf"^  {name}: .*?, (http://[\d.]+:\d+),").group(1)
-
-    def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-
-def _metric(url: str, name: str, label: str = "") -> float:
-    """Sum of the samples of `name` (those whose labels contain `label`, e.g. 'tier="redis"')."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    pattern = rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$"
-    return sum(float(m.group(2)) for m in re.finditer(pattern, text, re.M)
-               if label in (m.group(1) or ""))
-
-
-def _wait_metric(url: str, name: str, want: float, timeout: float = 20.0) -> float:
-    deadline = time.monotonic() + timeout
-    while (got := _metric(url, name)) != want and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return got
-
-
-def _complete(endpoint: str, prompt: list[int]) -> tuple[str, int]:
-    r = httpx.post(endpoint + "/v1/completions", timeout=60, json={
-        "model": "tiny-llama-kv2", "prompt": prompt, "max_tokens": MAX_TOKENS,
-        "temperature": 0, "ignore_eos": True})
-    assert r.status_code == 200, r.text
-    body = r.json()
-    return body["choices"][0]["text"], body["usage"]["completion_tokens"]
-
-
 def _serve_and_check(up: Up, model_dir: str, colocated: tuple[str, int]) -> tuple[str, str]:
     """One request through the proxy; checks tokens, bytes, free blocks; returns (P, D) URLs."""
     endpoint = up.wait_for(r"^ready: (http://\S+)").group(1)
@@ -142,7 +83,7 @@ def _serve_and_check(up: Up, model_dir: str, colocated: tuple[str, int]) -> tupl
 def test_1p1d_on_loopback_matches_colocated_and_moves_the_kv_formula(
     tmp_path, tiny_llama_kv2, tiny_llama_cache, colocated
 ):
-    up = Up(tmp_path, tiny_llama_cache)
+    up = Up(tmp_path, tiny_llama_cache, deploy=EXAMPLE)
     try:
         p, d = _serve_and_check(up, tiny_llama_kv2, colocated)
         assert p.startswith("http://127.0.0.1:") and d.startswith("http://127.0.0.1:")
@@ -159,7 +100,7 @@ def test_1p1d_in_namespaces_matches_colocated_and_removes_them(
     tmp_path, tiny_llama_kv2, tiny_llama_cache, colocated
 ):
     require_reason(unavailable_reason())
-    up = Up(tmp_path, tiny_llama_cache, "--netns")
+    up = Up(tmp_path, tiny_llama_cache, "--netns", deploy=EXAMPLE)
     try:
         m = up.wait_for(r"^namespaces of (pdkv-[0-9a-f]{6}) on (10\.\d+\.\d+)\.0/24")
         run, subnet = m.group(1), m.group(2)

@@ -63,6 +63,21 @@ def test_hosts_reach_each_other_and_this_machine_reaches_them():
     assert _left(bridge) == []
 
 
+def test_a_cut_link_drops_everything_silently_until_restored():
+    require_reason(unavailable_reason())
+    with NetnsBridge(["a", "b"]) as bridge:
+        a = bridge.address("a")
+        bridge.cut("a")
+        for client in (bridge.exec_prefix("b"), []):  # another host, this machine
+            out = _connect(bridge.exec_prefix("a"), a, client)
+            # Silence, not a refusal: the connect times out, or ARP gets no answer.
+            assert "timed out" in out or "No route to host" in out, out
+        bridge.restore("a")
+        assert _connect(bridge.exec_prefix("a"), a, bridge.exec_prefix("b")) == "ok"
+        assert _connect(bridge.exec_prefix("a"), a, []) == "ok"
+    assert _left(bridge) == []
+
+
 def test_two_runs_do_not_collide():
     require_reason(unavailable_reason())
     with NetnsBridge(["a"]) as one, NetnsBridge(["a"]) as two:

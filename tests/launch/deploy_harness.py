@@ -1,0 +1,79 @@
+"""`pdkv up --deploy FILE` as a test drives it: the launcher in its own session with its output
+in a file, the URLs it prints, the engines' Prometheus metrics and a greedy completion through
+the proxy (shared by tests/launch/test_deploy_up.py and test_link_faults.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+MAX_TOKENS = 8
+
+
+class Up:
+    """`pdkv up --deploy FILE [flags]` as a process in its own session; its output in a file."""
+
+    def __init__(self, tmp_path: Path, cache: str, *flags: str, deploy: str) -> None:
+        self.out = tmp_path / "up.out"
+        cmd = [sys.executable, "-m", "pdkv.cli", "up", "--deploy", deploy, "--log-dir",
+               str(tmp_path / "logs"), "--health-timeout", "60", *flags]
+        env = dict(os.environ, PDKV_CACHE=cache)
+        with open(self.out, "wb") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True, cwd=ROOT)
+
+    def text(self) -> str:
+        return self.out.read_text()
+
+    def wait_for(self, pattern: str, timeout: float = 90.0) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            m = re.search(pattern, self.text(), re.M)
+            if m:
+                return m
+            assert self.proc.poll() is None, f"pdkv up exited:\n{self.text()}"
+            assert time.monotonic() < deadline, f"no {pattern!r} in time:\n{self.text()}"
+            time.sleep(0.2)
+
+    def url(self, name: str) -> str:
+        return self.wait_for(rf"^  {name}: .*?, (http://[\d.]+:\d+),").group(1)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+
+def metric(url: str, name: str, label: str = "", timeout: float = 10.0) -> float:
+    """Sum of the samples of `name` (those whose labels contain `label`, e.g. 'tier="redis"')."""
+    text = httpx.get(url + "/metrics", timeout=timeout).text
+    pattern = rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$"
+    return sum(float(m.group(2)) for m in re.finditer(pattern, text, re.M)
+               if label in (m.group(1) or ""))
+
+
+def wait_metric(url: str, name: str, want: float, timeout: float = 20.0) -> float:
+    """`name` once it equals `want`, or its last value after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while (got := metric(url, name)) != want and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return got
+
+
+def complete(endpoint: str, prompt: list[int], max_tokens: int = MAX_TOKENS,
+             timeout: float = 60.0) -> tuple[str, int]:
+    """Greedy (text, completion tokens) of `prompt` through `endpoint`; asserts a 200."""
+    r = httpx.post(endpoint + "/v1/completions", timeout=timeout, json={
+        "model": "tiny-llama-kv2", "prompt": prompt, "max_tokens": max_tokens,
+        "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["choices"][0]["text"], body["usage"]["completion_tokens"]
