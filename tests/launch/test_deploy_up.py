@@ -147,10 +147,23 @@ def test_2p1d_with_a_redis_pool_host_in_namespaces(tmp_path, tiny_llama_cache, r
         ps, d = [up.url("prefill0"), up.url("prefill1")], up.url("decode0")
         assert _complete(endpoint, POOL_PROMPT) == references[1]
         chunks = len(POOL_PROMPT) // POOL_CHUNK
-        deadline = time.monotonic() + 20  # saves are asynchronous
-        while sum(_metric(p, "pdkv:kv_pool_chunks_written_total", REDIS) for p in ps) < chunks:
-            assert time.monotonic() < deadline, "P wrote no chunks into the pool in time"
-            time.sleep(0.2)
+        # Saves are asynchronous and best effort: a save that meets the redis tier while it is
+        # marked down (its 1 s timeout passed once, e.g. the first connection across the bridge
+        # on a loaded box) is skipped and counted, not retried. Then the prompt is sent again,
+        # which saves its chunks again; at most 4 times.
+        written = 0.0
+        for _ in range(4):
+            deadline = time.monotonic() + 15
+            while (written := sum(_metric(p, "pdkv:kv_pool_chunks_written_total", REDIS)
+                                  for p in ps)) < chunks and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if written >= chunks:
+                break
+            assert _complete(endpoint, POOL_PROMPT) == references[1]
+        skipped = sum(_metric(p, "pdkv:kv_pool_skipped_total", REDIS) for p in ps)
+        failed = sum(_metric(p, "pdkv:kv_pool_failures_total", REDIS) for p in ps)
+        assert written >= chunks, (
+            f"P wrote {written} of {chunks} chunks ({skipped} skipped, {failed} failed)")
         # D may already have read them for the first request (when P's save won the race).
         read = _metric(d, "pdkv:kv_pool_chunks_read_total", REDIS)
         assert httpx.post(d + "/reset_prefix_cache", timeout=30).status_code == 200
