@@ -192,6 +192,10 @@ class RankLookup:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(f"tcp://{host}:{port}")
             self._socks.append(sock)
+        self._poller = zmq.Poller()
+        for sock in self._socks:
+            self._poller.register(sock, zmq.POLLIN)
+        self._rank_of = {sock: rank for rank, sock in enumerate(self._socks)}
         self._ids = itertools.count()
         self._lock = threading.Lock()  # one lookup at a time on the sockets
         self._stats_lock = threading.Lock()
@@ -234,10 +238,6 @@ class RankLookup:
                 sock.send(payload)
             deadline = time.monotonic() + self.timeout_s
             answers: dict[int, list[bool]] = {}
-            poller = zmq.Poller()
-            for sock in self._socks:
-                poller.register(sock, zmq.POLLIN)
-            index = {sock: rank for rank, sock in enumerate(self._socks)}
             while len(answers) < len(self._socks):
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -246,11 +246,11 @@ class RankLookup:
                                    sorted(set(range(len(self._socks))) - set(answers)),
                                    self.timeout_s)
                     return [False] * n
-                for sock, _ in poller.poll(max(1, int(left * 1000))):
+                for sock, _ in self._poller.poll(max(1, int(left * 1000))):
                     reply = self._decoder.decode(sock.recv())
                     if reply.id != rid:  # a late answer to an earlier, timed-out lookup
                         continue
-                    rank = index[sock]
+                    rank = self._rank_of[sock]
                     if reply.error or len(reply.present) != n:
                         logger.warning("KV pool lookup on rank %d failed: %s", rank,
                                        reply.error or "wrong answer length")
