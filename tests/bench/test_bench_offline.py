@@ -69,3 +69,28 @@ def test_offline_bench_small_run():
         assert e["greedy_match_requests"] == e["batch_size"]
     assert result["greedy_match"] is True
     assert "greedy match (batch 1, pdkv vs HF token ids): yes" in result["table"]
+
+
+def test_llamacpp_peer_asked_for_brings_limits_workloads_and_goals_even_when_skipped():
+    from pdkv.bench.offline.cli import run_offline_bench
+
+    result = run_offline_bench(
+        model="tiny-llama-kv2", batch_sizes=(1, 2), input_len=16, output_len=3, num_threads=1,
+        peers=["hf", "llama.cpp"], long_prefill_len=32, warmup=False, verbose=False,
+    )
+    assert result["llamacpp_skipped"]  # no GGUF of a tiny random model
+    lim = result["limits"]
+    assert lim["read_bytes_per_s"] > 0 and lim["matmul_flop_per_s"] > 0
+    assert lim["read_buffer_bytes"] == lim["model_weight_bytes"]  # a buffer the weights' size
+    rows = {r["workload"]: r for r in result["workloads"]}
+    assert list(rows) == ["prefill 32, batch 1", "decode, batch 1",
+                          "decode, 2 sequences (aggregate)", "prefill 2 x 16 in one step"]
+    b1 = rows["decode, batch 1"]
+    assert b1["llamacpp"] is None and b1["limit"] == pytest.approx(
+        lim["decode_limit_tok_s_batch1"])
+    assert b1["pdkv_of_limit"] == pytest.approx(b1["pdkv"] / b1["limit"])
+    # Only the batch-1 roofline goal is judged here (no llama.cpp, no 64-sequence row).
+    assert [(g["workload"], g["measure"]) for g in result["goals"]] == [
+        ("decode, batch 1", "vs_llamacpp"), ("decode, batch 1", "of_limit")]
+    assert result["goals"][1]["value"] == pytest.approx(b1["pdkv_of_limit"])
+    assert "limit: memory read" in result["table"] and "goals met:" in result["table"]

@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 from pdkv.bench.offline.cli import add_cli_args
+from pdkv.bench.offline.limits import MachineLimits, ModelCost, limits_dict
 from pdkv.bench.offline.llamacpp import unavailable_reason
 from pdkv.bench.offline.llamacpp_gguf import convert, extract_converter, gguf_path
-from pdkv.bench.offline.report import format_workload_table, goal_for, workload_rows
+from pdkv.bench.offline.report import format_workload_table
+from pdkv.bench.offline.workloads import GOALS, Goal, evaluate_goals, workload_rows
 
 
 def test_gguf_path_names_model_and_outtype(tmp_path):
@@ -142,16 +144,27 @@ def _result():
     }
 
 
-def test_goals_are_the_issue_targets():
-    assert goal_for("decode", 1, 128) == 1.0
-    assert goal_for("decode", 32, 128) == 2.0 and goal_for("decode", 64, 128) == 2.5
-    assert goal_for("decode", 8, 128) is None
-    assert goal_for("long_prefill", 1, 512) == 1.5 and goal_for("long_prefill", 1, 256) is None
+def test_goals_are_the_speed_targets():
+    by = {(g.key, g.measure): (g.goal, g.floor) for g in GOALS}
+    assert by[(("decode", 1), "vs_llamacpp")] == (1.05, 0.95)
+    assert by[(("decode", 1), "of_limit")] == (0.88, 0.80)
+    assert by[(("decode", 32), "vs_llamacpp")] == (1.5, 1.2)
+    assert by[(("decode", 64), "vs_llamacpp")] == (1.5, 1.2)
+    assert by[(("decode", 64), "of_matmul_peak")] == (0.50, None)
+    assert by[(("long_prefill", 512), "vs_llamacpp")] == (1.5, 1.3)
+    assert by[(("prefill_batch", 64), "vs_hf")] == (1.0, 0.9)
 
 
-def test_workload_rows_ratios_goals_and_token_match():
+# 100 M matmul params, 400 MB of weights; 20 GB/s and 100 GFLOP/s: batch-1 decode is bandwidth
+# bound at 50 tok/s (20 ms per step), compute caps every batch at 500 tok/s (0.2 GFLOP/token).
+COST = ModelCost(weight_bytes=400_000_000, matmul_params=100_000_000, dtype="float32")
+LIMITS = MachineLimits(read_bytes_per_s=20e9, read_buffer_bytes=400_000_000,
+                       matmul_flop_per_s=100e9, matmul_n=1024, threads=2)
+
+
+def test_workload_rows_ratios_limits_and_token_match():
     result = _result()
-    rows = workload_rows(result)
+    rows = workload_rows(result, COST, LIMITS)
     assert [r["workload"] for r in rows] == [
         "prefill 512, batch 1", "decode, batch 1", "decode, 8 sequences (aggregate)",
         "decode, 32 sequences (aggregate)", "prefill 8 x 128 in one step",
@@ -159,30 +172,67 @@ def test_workload_rows_ratios_goals_and_token_match():
     ]
     by = {r["workload"]: r for r in rows}
     assert by["prefill 512, batch 1"]["ratio"] == pytest.approx(1.5)
-    assert by["prefill 512, batch 1"]["met"] is True  # 1.5 >= 1.5
-    assert (
-        by["decode, batch 1"]["ratio"] == pytest.approx(0.75)
-        and by["decode, batch 1"]["met"] is False
-    )
+    assert by["decode, batch 1"]["ratio"] == pytest.approx(0.75)
+    assert by["decode, batch 1"]["limit"] == pytest.approx(50.0)
+    assert by["decode, batch 1"]["pdkv_of_limit"] == pytest.approx(30.0 / 50.0)
+    assert by["decode, batch 1"]["llamacpp_of_limit"] == pytest.approx(40.0 / 50.0)
+    # 8 sequences: max(20 ms of reads, 8 x 2 ms of FLOP) -> 400 tok/s; 32: compute bound, 500.
+    assert by["decode, 8 sequences (aggregate)"]["limit"] == pytest.approx(400.0)
+    assert by["decode, 32 sequences (aggregate)"]["limit"] == pytest.approx(500.0)
+    assert by["prefill 32 x 128 in one step"]["limit"] == pytest.approx(500.0)
+    assert by["prefill 32 x 128 in one step"]["hf_ratio"] == pytest.approx(1000.0 / 1100.0)
     assert by["decode, 32 sequences (aggregate)"]["ratio"] == pytest.approx(2.0)
-    assert by["decode, 32 sequences (aggregate)"]["met"] is True
-    assert by["decode, 8 sequences (aggregate)"]["goal"] is None
-    assert by["decode, 8 sequences (aggregate)"]["met"] is None
-    assert by["prefill 32 x 128 in one step"]["pdkv"] == 1000.0
-    assert by["prefill 32 x 128 in one step"]["hf"] == 1100.0
     assert by["decode, 32 sequences (aggregate)"]["same_tokens"] == 31
+    # Without limits the rows still compare the systems.
+    assert workload_rows(result)[1]["limit"] is None
+
+
+def test_goals_are_judged_with_their_floors():
+    result = _result()
+    result["results"].append(_entry(64, (400.0, 200.0), (500.0, 90.0), (300.0, 150.0), 64))
+    rows = workload_rows(result, COST, LIMITS)
+    goals = evaluate_goals(rows, COST, LIMITS)
+    by = {(g["workload"], g["measure"]): g for g in goals}
+    b1 = by[("decode, batch 1", "vs_llamacpp")]  # 0.75: misses the goal and breaks the floor
+    assert b1["value"] == pytest.approx(0.75) and b1["met"] is False and b1["floor_held"] is False
+    lim = by[("decode, batch 1", "of_limit")]  # 60 % of the read limit
+    assert lim["value"] == pytest.approx(0.6) and lim["floor_held"] is False
+    b64 = by[("decode, 64 sequences (aggregate)", "vs_llamacpp")]  # 200 / 150
+    assert b64["value"] == pytest.approx(4 / 3) and b64["met"] is False and b64["floor_held"]
+    peak = by[("decode, 64 sequences (aggregate)", "of_matmul_peak")]  # 200 x 0.2 GFLOP / 100
+    assert peak["value"] == pytest.approx(0.4) and peak["met"] is False
+    assert peak["floor_held"] is None
+    pre = by[("prefill 64 x 128 in one step", "vs_hf")]
+    assert pre["value"] == pytest.approx(0.8) and pre["floor_held"] is False
+    assert by[("prefill 512, batch 1", "vs_llamacpp")]["met"] is True
+    # The 32-sequence goal: 600 / 300.
+    assert by[("decode, 32 sequences (aggregate)", "vs_llamacpp")]["met"] is True
+    # A goal on a row that was not run is left out; an unknown measure is an error.
+    assert len(goals) == len(GOALS)
+    assert evaluate_goals(rows[:1], COST, LIMITS) == [
+        g for g in goals if g["workload"] == "prefill 512, batch 1"
+    ]
+    with pytest.raises(ValueError, match="unknown goal measure"):
+        evaluate_goals(rows, goals=(Goal(("decode", 1), "vs_vllm", 1.0, None),))
 
     result["workloads"] = rows
+    result["limits"] = limits_dict(COST, LIMITS)
+    result["goals"] = goals
+    result["host_cpu"] = "AMD EPYC (fma, avx2)"
     table = format_workload_table(result)
     assert "pdkv / llama.cpp" in table and "llama-cpp-python 0.3.36" in table
-    lines = {ln.split("|")[0].strip(): ln for ln in table.splitlines() if "|" in ln}
-    assert "0.75" in lines["decode, batch 1"] and "missed" in lines["decode, batch 1"]
-    assert (
-        "met" in lines["prefill 512, batch 1"]
-        and "31/32" in lines["decode, 32 sequences (aggregate)"]
-    )
+    assert "cpu: AMD EPYC (fma, avx2)" in table
+    assert "limit: memory read 20.0 GB/s" in table and "batch-1 decode <= 50.0 tok/s" in table
+    assert "limit: fp32 matmul 100.0 GFLOP/s" in table
+    workload_part, goals_part = table.split("greedy tokens identical")
+    lines = {ln.split("|")[0].strip(): ln for ln in workload_part.splitlines() if "|" in ln}
+    assert "0.75" in lines["decode, batch 1"] and "60 %" in lines["decode, batch 1"]
+    goal_lines = [ln for ln in goals_part.splitlines() if ln.startswith("decode, batch 1")]
+    assert any("pdkv / roofline" in ln and "60 %" in ln and "BROKEN" in ln for ln in goal_lines)
+    assert "31/32" in lines["decode, 32 sequences (aggregate)"]
     assert "greedy tokens identical on all systems: no" in table
-    assert "goals (issue 14) met: 2/3" in table
+    assert "goals met: 2/7; floors held: 3/6" in table
+    assert "BROKEN" in table
 
 
 def test_workload_table_says_yes_when_all_tokens_match_and_handles_missing_figures():
@@ -191,11 +241,13 @@ def test_workload_table_says_yes_when_all_tokens_match_and_handles_missing_figur
     result["results"][0]["llamacpp"]["decode_tok_s"] = None  # decode time lost in noise
     result["long_prefill"] = None
     result["workloads"] = workload_rows(result)
+    result["goals"] = evaluate_goals(result["workloads"])
     table = format_workload_table(result)
     assert "greedy tokens identical on all systems: yes, every row" in table
     row = next(r for r in result["workloads"] if r["workload"] == "decode, batch 1")
-    assert row["ratio"] is None and row["met"] is None
-    assert "goals (issue 14) met: 1/1" in table  # only the 32-sequence goal was measurable
+    assert row["ratio"] is None and row["limit"] is None
+    # Only the 32-sequence goal is measurable: batch 1 lost llama.cpp's figure and has no limits.
+    assert "goals met: 1/1; floors held: 1/1 (2 not measurable in this run)" in table
 
 
 def test_per_batch_table_carries_the_skip_message():

@@ -81,8 +81,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--peer", dest="peers", type=_parse_peers, default=["hf"],
         help="systems measured beside pdkv: hf, llama.cpp (comma-separated; none: pdkv only). "
-             "llama.cpp adds a 512-token batch-1 prefill and the pdkv / llama.cpp table with "
-             "issue 14's goals; it is skipped with a message when not built (`make llama-cpp`)",
+             "llama.cpp adds a 512-token batch-1 prefill, the machine's limits (read bandwidth, "
+             "matmul peak) and the workload table with the speed goals; llama.cpp itself is "
+             "skipped with a message when not built (`make llama-cpp`)",
     )
     parser.add_argument(
         "--long-prefill-len",

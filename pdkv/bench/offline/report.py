@@ -9,8 +9,15 @@ def _fmt(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+# The vector and matrix extensions a CPU figure depends on (Linux /proc/cpuinfo names), printed
+# beside every figure so tables from different ISAs are never mixed.
+ISA_FLAGS = ("fma", "avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+             "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
 def cpu_description() -> str:
-    """CPU model and its widest vector extensions, from /proc/cpuinfo ("unknown" elsewhere)."""
+    """CPU model and its vector / matrix extensions (ISA_FLAGS), from /proc/cpuinfo ("unknown"
+    elsewhere), e.g. "AMD EPYC (fma, avx2)"."""
     try:
         with open("/proc/cpuinfo") as f:
             info = f.read()
@@ -23,7 +30,7 @@ def cpu_description() -> str:
     flags = next(
         (ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []
     )
-    ext = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    ext = [f for f in ISA_FLAGS if f in flags]
     return f"{model} ({', '.join(ext) or 'no avx2'})"
 
 
@@ -76,109 +83,93 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# Issue 14's CPU targets, pdkv / llama.cpp throughput in one run: decode by batch size, and the
-# batch-1 prefill of 512 prompt tokens.
-DECODE_GOALS = {1: 1.0, 32: 2.0, 64: 2.5}
-LONG_PREFILL_GOAL = (512, 1.5)
+def _grid(cols: list[str], text: list[list[str]]) -> list[str]:
+    """Header, rule and rows of a plain-text table, first column left-aligned."""
+    widths = [max(len(c), *(len(t[i]) for t in text)) for i, c in enumerate(cols)]
+
+    def line(vals: list[str]) -> str:
+        return " | ".join(v.ljust(w) if i == 0 else v.rjust(w)
+                          for i, (v, w) in enumerate(zip(vals, widths, strict=True)))
+
+    return [line(cols), "-+-".join("-" * w for w in widths), *(line(t) for t in text)]
 
 
-def goal_for(kind: str, batch_size: int, input_len: int) -> float | None:
-    """The pdkv / llama.cpp goal of a workload ("decode" or "long_prefill"), None if none."""
-    if kind == "decode":
-        return DECODE_GOALS.get(batch_size)
-    if kind == "long_prefill" and batch_size == 1 and input_len == LONG_PREFILL_GOAL[0]:
-        return LONG_PREFILL_GOAL[1]
-    return None
-
-
-def _row(name: str, entry: dict[str, Any], metric: str, goal: float | None) -> dict[str, Any]:
-    def tok_s(system: str) -> float | None:
-        r = entry.get(system)
-        return None if r is None else r.get(metric)
-
-    r = ratio_or_none(tok_s("pdkv"), tok_s("llamacpp"))
-    return {
-        "workload": name,
-        "pdkv": tok_s("pdkv"),
-        "hf": tok_s("hf"),
-        "llamacpp": tok_s("llamacpp"),
-        "ratio": r,
-        "goal": goal,
-        "met": None if goal is None or r is None else r >= goal,
-        "same_tokens": entry.get("greedy_match_requests_all"),
-        "requests": entry["batch_size"],
-    }
-
-
-def ratio_or_none(a: float | None, b: float | None) -> float | None:
-    """a / b, or None when either is missing or b is 0."""
-    return None if a is None or b is None or b == 0 else a / b
-
-
-def workload_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 14's workload rows of a run with llama.cpp (throughputs in tokens per second).
-
-    In order: the batch-1 prefill of result["long_prefill"] (when measured), decode per batch
-    size (aggregate tok/s), then the one-step prefill of B prompts per batch size > 1. Each row:
-    "workload", "pdkv" / "hf" / "llamacpp" (tok/s or None), "ratio" (pdkv / llama.cpp),
-    "goal" and "met" (None without a goal), "same_tokens" of "requests" (requests whose greedy
-    tokens are equal on every system).
-    """
-    rows = []
-    lp = result.get("long_prefill")
-    if lp:
-        n = lp["input_len"]
-        rows.append(
-            _row(f"prefill {n}, batch 1", lp, "prefill_tok_s", goal_for("long_prefill", 1, n))
-        )
-    for e in result["results"]:
-        b = e["batch_size"]
-        name = "decode, batch 1" if b == 1 else f"decode, {b} sequences (aggregate)"
-        rows.append(_row(name, e, "decode_tok_s", goal_for("decode", b, result["input_len"])))
-    for e in result["results"]:
-        b = e["batch_size"]
-        if b > 1:
-            rows.append(
-                _row(f"prefill {b} x {result['input_len']} in one step", e, "prefill_tok_s", None)
-            )
-    return rows
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f} %"
 
 
 def format_workload_table(result: dict[str, Any]) -> str:
-    """The pdkv / HF / llama.cpp table of result["workloads"] with goals met or missed."""
+    """The pdkv / HF / llama.cpp table of result["workloads"], the limit rows above it
+    (result["limits"], when measured) and the goals table below it (result["goals"])."""
     rows = result["workloads"]
-    cols = ["workload (tok/s)", "pdkv", "HF", "llama.cpp", "pdkv / llama.cpp", "goal", "met",
-            "same tokens"]
-    text = []
-    for r in rows:
-        text.append([
-            r["workload"],
-            _fmt(r["pdkv"], ".1f"),
-            _fmt(r["hf"], ".1f"),
-            _fmt(r["llamacpp"], ".1f"),
-            _fmt(r["ratio"], ".2f"),
-            "" if r["goal"] is None else f">= {r['goal']:.1f}",
-            "" if r["met"] is None else ("met" if r["met"] else "missed"),
-            "n/a" if r["same_tokens"] is None else f"{r['same_tokens']}/{r['requests']}",
-        ])
-    widths = [max(len(c), *(len(t[i]) for t in text)) for i, c in enumerate(cols)]
+    cols = ["workload (tok/s)", "pdkv", "HF", "llama.cpp", "pdkv / llama.cpp", "pdkv / HF",
+            "roofline", "pdkv of it", "llama.cpp of it", "same tokens"]
+    text = [[
+        r["workload"],
+        _fmt(r["pdkv"], ".1f"),
+        _fmt(r["hf"], ".1f"),
+        _fmt(r["llamacpp"], ".1f"),
+        _fmt(r["ratio"], ".2f"),
+        _fmt(r.get("hf_ratio"), ".2f"),
+        _fmt(r.get("limit"), ".1f"),
+        _pct(r.get("pdkv_of_limit")),
+        _pct(r.get("llamacpp_of_limit")),
+        "n/a" if r["same_tokens"] is None else f"{r['same_tokens']}/{r['requests']}",
+    ] for r in rows]
     lines = [
         f"pdkv vs HF transformers vs llama.cpp (llama-cpp-python "
         f"{result.get('llama_cpp_python_version') or '?'}, GGUF {result['dtype']}), same token "
         f"ids, {result['num_threads']} thread{'s' if result['num_threads'] != 1 else ''} each",
-        " | ".join(
-            c.ljust(w) if i == 0 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(cols, widths, strict=True))
-        ),
-        "-+-".join("-" * w for w in widths),
+        f"cpu: {result.get('host_cpu', 'unknown')}",
     ]
-    for t in text:
-        lines.append(" | ".join(v.ljust(w) if i == 0 else v.rjust(w)
-                                for i, (v, w) in enumerate(zip(t, widths, strict=True))))
+    if result.get("limits"):
+        from pdkv.bench.offline.limits import format_limits
+
+        lines.append(format_limits(result["limits"]))
+    lines += _grid(cols, text)
     counted = [r for r in rows if r["same_tokens"] is not None]
     same = bool(counted) and all(r["same_tokens"] == r["requests"] for r in counted)
     lines.append("")
     lines.append("greedy tokens identical on all systems: " + ("yes, every row" if same else "no"))
-    goals = [r for r in rows if r["met"] is not None]
-    lines.append(f"goals (issue 14) met: {sum(r['met'] for r in goals)}/{len(goals)}")
+    goals = result.get("goals") or []
+    if goals:
+        lines.append("")
+        lines.append(format_goals(goals))
+    return "\n".join(lines)
+
+
+_MEASURE_NAMES = {
+    "vs_llamacpp": "pdkv / llama.cpp",
+    "vs_hf": "pdkv / HF",
+    "of_limit": "pdkv / roofline",
+    "of_matmul_peak": "pdkv FLOP / matmul peak",
+}
+
+
+def format_goals(goals: list[dict[str, Any]]) -> str:
+    """The goals table (`pdkv.bench.offline.workloads.evaluate_goals` rows) and its tally."""
+    def val(g: dict[str, Any], x: float | None) -> str:
+        if x is None:
+            return "n/a"
+        return _pct(x) if g["measure"].startswith("of_") else f"{x:.2f}"
+
+    text = [[
+        g["workload"],
+        _MEASURE_NAMES.get(g["measure"], g["measure"]),
+        val(g, g["value"]),
+        ">= " + val(g, g["goal"]),
+        "" if g["floor"] is None else ">= " + val(g, g["floor"]),
+        "n/a" if g["met"] is None else ("met" if g["met"] else "missed"),
+        "" if g["floor_held"] is None else ("holds" if g["floor_held"] else "BROKEN"),
+    ] for g in goals]
+    lines = _grid(["goal (float32)", "measure", "value", "goal", "floor", "goal met", "floor"],
+                  text)
+    judged = [g for g in goals if g["met"] is not None]
+    floors = [g for g in goals if g["floor_held"] is not None]
+    lines.append(
+        f"goals met: {sum(g['met'] for g in judged)}/{len(judged)}; floors held: "
+        f"{sum(g['floor_held'] for g in floors)}/{len(floors)}"
+        + (f" ({len(goals) - len(judged)} not measurable in this run)"
+           if len(judged) < len(goals) else "")
+    )
     return "\n".join(lines)

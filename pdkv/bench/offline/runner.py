@@ -5,7 +5,8 @@ Peers: "hf" (HF transformers, `offline_measure.run_hf`) and "llama.cpp" (llama-c
 `offline_llamacpp.LlamaCppPeer`). Each system runs the same token ids, one after the other, with
 the same thread count and the timing formulas of `pdkv.bench.offline.cli`. With llama.cpp, a batch-1
 prefill of `long_prefill_len` tokens (default 512) is timed on every system too, and the result
-gets the workload table of issue 14 with the pdkv / llama.cpp goals (`offline_report`).
+gets the workload table with the machine's limits measured in the same process (read bandwidth,
+matmul peak: `pdkv.bench.offline.limits`) and the speed goals (`pdkv.bench.offline.workloads`).
 """
 
 from __future__ import annotations
@@ -28,12 +29,8 @@ from pdkv.bench.offline.measure import (
     throughputs,
 )
 from pdkv.bench.offline.prompts import build_prompts
-from pdkv.bench.offline.report import (
-    cpu_description,
-    format_table,
-    format_workload_table,
-    workload_rows,
-)
+from pdkv.bench.offline.report import cpu_description, format_table, format_workload_table
+from pdkv.bench.offline.workloads import evaluate_goals, workload_rows
 
 if TYPE_CHECKING:
     from pdkv.bench.offline.llamacpp import LlamaCppPeer
@@ -93,8 +90,10 @@ def run_offline_bench(
         greedy tokens equal HF's), "llamacpp_greedy_match_requests" (pdkv vs llama.cpp) and
         "greedy_match_requests_all" (equal on every system run); "long_prefill" (None or the
         same per-system figures for one prompt of long_prefill_len tokens), "greedy_match" (bool
-        for batch 1 vs HF, None without HF), "workloads" (the workload rows, llama.cpp only),
-        "llamacpp_skipped" (the skip message or None) and "table" (the printed text).
+        for batch 1 vs HF, None without HF), "workloads" (the workload rows, when llama.cpp was
+        asked for, even if it was skipped), "limits" (`limits.limits_dict`, same condition),
+        "goals" (`workloads.evaluate_goals`), "llamacpp_skipped" (the skip message or None) and
+        "table" (the printed text).
 
     Raises:
         ValueError: bad lengths, batch sizes or peers, unknown model or dtype.
@@ -212,6 +211,12 @@ def _bench(
         llamacpp, skipped = _open_llamacpp(model, dtype, output_len, verbose)
         if llamacpp is not None:
             systems["llamacpp"] = llamacpp.run
+    cost = limits = None
+    if "llama.cpp" in peers:
+        from pdkv.bench.offline.limits import measure_limits, model_cost
+
+        cost = model_cost(path, dtype)
+        limits = measure_limits(cost.weight_bytes)
     try:
         all_prompts = build_prompts(tokenizer, max(max_b, 1), input_len, seed)
         if warmup:
@@ -300,7 +305,13 @@ def _bench(
         "host_cpu_count": os.cpu_count(),
         "host_cpu": cpu_description(),
     }
-    result["workloads"] = workload_rows(result) if "llamacpp" in systems else None
+    result["workloads"] = result["limits"] = result["goals"] = None
+    if cost is not None and limits is not None:
+        from pdkv.bench.offline.limits import limits_dict
+
+        result["workloads"] = workload_rows(result, cost, limits)
+        result["limits"] = limits_dict(cost, limits)
+        result["goals"] = evaluate_goals(result["workloads"], cost, limits)
     result["table"] = format_table(result)
     if result["workloads"] is not None:
         result["table"] += "\n\n" + format_workload_table(result)

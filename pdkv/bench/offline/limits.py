@@ -1,0 +1,201 @@
+"""The machine's limits beside `pdkv bench offline`'s systems: memory read bandwidth, fp32 matmul
+peak, and the roofline they put on a model's decode and prefill.
+
+Both are measured in the benchmark's own process with its thread count, right before the
+systems run, so a ratio such as "pdkv reaches 81 % of the read limit" compares figures of one
+run on one machine state:
+
+* read bandwidth (bytes / second): the best of `repeats` timed `torch.sum` passes over one float32
+  buffer the size of the model's weights (a streaming read, vectorized and split over the
+  threads by ATen's reduction; nothing is written back but one scalar);
+* matmul peak (FLOP / second): the best of `repeats` timed `torch.mm` products of two n × n
+  float32 matrices (2 n^3 FLOP each; ATen's BLAS, MKL or OpenBLAS), the machine's fp32 FMA rate
+  as far as a well-tuned library reaches it.
+
+The roofline (Williams, Waterman and Patterson, "Roofline: an insightful visual performance model
+for multicore architectures", CACM 2009): one decode step of B sequences reads the weights once
+(`weight_bytes`) and computes 2 x `matmul_params` FLOP per sequence, so it takes at least
+max(weight_bytes / bandwidth, B x 2 x matmul_params / peak) seconds, and B tokens per step give
+the limit in tokens / second. Attention's share is left out (a few % of the FLOP and bytes at the
+benchmark's 128-token contexts), so the limit is an upper bound a little above the true one. A
+prefill of T tokens in one step is compute bound: T x 2 x matmul_params / peak seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What one token costs a decoder-only model, from its safetensors headers.
+
+    Attributes:
+        weight_bytes: bytes of weights one decode step reads, in the benchmark's dtype (every
+            tensor except an untied input embedding, of which a step reads only B rows; a tied
+            embedding is read once, as the LM head).
+        matmul_params: parameters of the 2-D weights a token is multiplied with (projections, MLP
+            and LM head; norms, biases and an untied embedding table left out): 2 x this is the
+            FLOP per token outside attention.
+        dtype: the dtype weight_bytes is counted in.
+    """
+
+    weight_bytes: int
+    matmul_params: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class MachineLimits:
+    """Read bandwidth and matmul peak measured in this process (`measure_limits`).
+
+    Attributes:
+        read_bytes_per_s: best streaming read rate over `read_buffer_bytes` (bytes / second).
+        read_buffer_bytes: size of the buffer read (bytes; the model's weight bytes).
+        matmul_flop_per_s: best fp32 `torch.mm` rate (FLOP / second) of `matmul_n`^3 products.
+        matmul_n: side of the square matrices.
+        threads: torch intra-op threads used for both.
+    """
+
+    read_bytes_per_s: float
+    read_buffer_bytes: int
+    matmul_flop_per_s: float
+    matmul_n: int
+    threads: int
+
+
+def model_cost(model_path: str, dtype: str) -> ModelCost:
+    """Weight bytes per decode step and matmul parameters per token of the model in `model_path`.
+
+    Reads only the safetensors headers (`*.safetensors` in the folder) and `config.json`'s
+    `tie_word_embeddings` (default False, as transformers).
+
+    Raises:
+        ValueError: an unknown dtype, or no safetensors file in the folder.
+    """
+    from safetensors import safe_open
+
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {dtype!r}")
+    files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors file in {model_path}")
+    tied = False
+    cfg_path = os.path.join(model_path, "config.json")
+    if os.path.exists(cfg_path):
+        with open(cfg_path) as f:
+            tied = bool(json.load(f).get("tie_word_embeddings", False))
+    total = matmul = 0
+    for name in files:
+        with safe_open(os.path.join(model_path, name), framework="pt") as st:
+            for key in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                shape = st.get_slice(key).get_shape()
+                numel = 1
+                for d in shape:
+                    numel *= int(d)
+                is_embed = key.endswith("embed_tokens.weight")
+                if is_embed and not tied:
+                    continue  # a decode step gathers B rows of it
+                total += numel
+                if len(shape) == 2:
+                    matmul += numel
+    return ModelCost(weight_bytes=total * _DTYPE_BYTES[dtype], matmul_params=matmul, dtype=dtype)
+
+
+def _best_seconds(fn: Any, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_limits(read_bytes: int, repeats: int = 5, matmul_n: int = 3072) -> MachineLimits:
+    """Measure read bandwidth over `read_bytes` and the fp32 matmul peak, with torch's threads.
+
+    Args:
+        read_bytes: bytes of the float32 buffer read (the model's weight bytes); >= 4.
+        repeats: timed passes of each; the fastest is kept (after one untimed pass).
+        matmul_n: side of the n x n float32 matrices multiplied (>= 64).
+
+    Returns:
+        The measured `MachineLimits`.
+
+    Raises:
+        ValueError: read_bytes < 4, repeats < 1 or matmul_n < 64.
+    """
+    if read_bytes < 4 or repeats < 1 or matmul_n < 64:
+        raise ValueError(f"bad limits sizes: read_bytes={read_bytes}, repeats={repeats}, "
+                         f"matmul_n={matmul_n}")
+    buf = torch.ones(read_bytes // 4, dtype=torch.float32)
+    buf.sum()
+    read_s = _best_seconds(buf.sum, repeats)
+    nbytes = buf.numel() * 4
+    del buf
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(matmul_n, matmul_n, generator=gen)
+    b = torch.randn(matmul_n, matmul_n, generator=gen)
+    torch.mm(a, b)
+    mm_s = _best_seconds(lambda: torch.mm(a, b), repeats)
+    return MachineLimits(
+        read_bytes_per_s=nbytes / read_s,
+        read_buffer_bytes=nbytes,
+        matmul_flop_per_s=2.0 * matmul_n**3 / mm_s,
+        matmul_n=matmul_n,
+        threads=torch.get_num_threads(),
+    )
+
+
+def decode_limit_tok_s(cost: ModelCost, limits: MachineLimits, batch_size: int) -> float:
+    """Roofline decode throughput (tokens / second, all sequences) at `batch_size` sequences."""
+    step_s = max(
+        cost.weight_bytes / limits.read_bytes_per_s,
+        batch_size * 2.0 * cost.matmul_params / limits.matmul_flop_per_s,
+    )
+    return batch_size / step_s
+
+
+def prefill_limit_tok_s(cost: ModelCost, limits: MachineLimits) -> float:
+    """Roofline prefill throughput (prompt tokens / second): compute bound at the matmul peak."""
+    return limits.matmul_flop_per_s / (2.0 * cost.matmul_params)
+
+
+def flop_share(cost: ModelCost, limits: MachineLimits, tok_s: float | None) -> float | None:
+    """Fraction of the measured matmul peak that `tok_s` tokens / second use (None: no figure)."""
+    if tok_s is None:
+        return None
+    return tok_s * 2.0 * cost.matmul_params / limits.matmul_flop_per_s
+
+
+def limits_dict(cost: ModelCost, limits: MachineLimits) -> dict[str, Any]:
+    """JSON form of the limits, with the batch-1 decode and the prefill limits (tokens / second)."""
+    return {
+        **asdict(limits),
+        **{f"model_{k}": v for k, v in asdict(cost).items()},
+        "decode_limit_tok_s_batch1": decode_limit_tok_s(cost, limits, 1),
+        "prefill_limit_tok_s": prefill_limit_tok_s(cost, limits),
+    }
+
+
+def format_limits(lim: dict[str, Any]) -> str:
+    """The limit rows printed above the workload table (from `limits_dict`)."""
+    gb = lim["read_bytes_per_s"] / 1e9
+    mb = lim["read_buffer_bytes"] / 1e6
+    gf = lim["matmul_flop_per_s"] / 1e9
+    return "\n".join([
+        f"limit: memory read {gb:.1f} GB/s (torch.sum over {mb:.0f} MB, the "
+        f"{lim['model_dtype']} weights; {lim['threads']} threads) -> batch-1 decode <= "
+        f"{lim['decode_limit_tok_s_batch1']:.1f} tok/s",
+        f"limit: fp32 matmul {gf:.1f} GFLOP/s (torch.mm {lim['matmul_n']}^3) -> "
+        f"{lim['model_matmul_params'] / 1e6:.1f} M matmul params x 2 FLOP/token: prefill and "
+        f"large-batch decode <= {lim['prefill_limit_tok_s']:.1f} tok/s",
+    ])

@@ -1,0 +1,100 @@
+"""The machine limits of `pdkv bench offline`: a model's weight bytes and matmul parameters from
+its safetensors headers (against the tensors themselves), and the measurement's plumbing."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pdkv.bench.offline.limits import (
+    MachineLimits,
+    ModelCost,
+    decode_limit_tok_s,
+    flop_share,
+    format_limits,
+    limits_dict,
+    measure_limits,
+    model_cost,
+    prefill_limit_tok_s,
+)
+
+
+def _folder(tmp_path, tied):
+    tmp_path.mkdir()
+    tensors = {
+        "model.embed_tokens.weight": torch.zeros(100, 8),
+        "model.layers.0.self_attn.q_proj.weight": torch.zeros(8, 8),
+        "model.layers.0.mlp.down_proj.weight": torch.zeros(8, 24),
+        "model.layers.0.input_layernorm.weight": torch.zeros(8),
+        "model.norm.weight": torch.zeros(8),
+    }
+    if not tied:
+        tensors["lm_head.weight"] = torch.zeros(100, 8)
+    save_file(dict(list(tensors.items())[:3]), str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file(dict(list(tensors.items())[3:]), str(tmp_path / "model-00002-of-00002.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": tied}))
+    return str(tmp_path)
+
+
+def test_model_cost_counts_what_a_decode_step_reads(tmp_path):
+    tied = model_cost(_folder(tmp_path / "t", tied=True), "float32")
+    # Tied: the embedding is read once, as the LM head (800 params), + 64 + 192 + two norms.
+    assert tied.matmul_params == 800 + 64 + 192
+    assert tied.weight_bytes == 4 * (800 + 64 + 192 + 16)
+    untied = model_cost(_folder(tmp_path / "u", tied=False), "bfloat16")
+    # Untied: the input embedding table is gathered by rows, not streamed; lm_head is.
+    assert untied.matmul_params == 800 + 64 + 192
+    assert untied.weight_bytes == 2 * (800 + 64 + 192 + 16)
+    assert untied.dtype == "bfloat16"
+    with pytest.raises(ValueError, match="dtype"):
+        model_cost(str(tmp_path / "u"), "int4")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no .safetensors"):
+        model_cost(str(tmp_path / "empty"), "float32")
+
+
+def test_model_cost_of_a_real_folder_matches_its_tensors():
+    from safetensors.torch import load_file
+
+    from pdkv.model.registry import resolve_model
+
+    path = resolve_model("tiny-llama-kv2")
+
+    tensors = {}
+    for f in os.listdir(path):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(path, f)))
+    with open(os.path.join(path, "config.json")) as f:
+        tied = json.load(f).get("tie_word_embeddings", False)
+    counted = {k: v for k, v in tensors.items() if tied or not k.endswith("embed_tokens.weight")}
+    cost = model_cost(path, "float32")
+    assert cost.weight_bytes == 4 * sum(v.numel() for v in counted.values())
+    assert cost.matmul_params == sum(v.numel() for v in counted.values() if v.dim() == 2)
+
+
+def test_roofline():
+    cost = ModelCost(weight_bytes=400_000_000, matmul_params=100_000_000, dtype="float32")
+    lim = MachineLimits(read_bytes_per_s=20e9, read_buffer_bytes=400_000_000,
+                        matmul_flop_per_s=100e9, matmul_n=1024, threads=2)
+    assert decode_limit_tok_s(cost, lim, 1) == pytest.approx(50.0)  # 20 ms of reads per step
+    assert decode_limit_tok_s(cost, lim, 10) == pytest.approx(500.0)  # where the two meet
+    assert decode_limit_tok_s(cost, lim, 64) == pytest.approx(500.0)  # compute bound
+    assert prefill_limit_tok_s(cost, lim) == pytest.approx(500.0)
+    assert flop_share(cost, lim, 250.0) == pytest.approx(0.5)
+    assert flop_share(cost, lim, None) is None
+    text = format_limits(limits_dict(cost, lim))
+    assert "memory read 20.0 GB/s (torch.sum over 400 MB" in text
+    assert "batch-1 decode <= 50.0 tok/s" in text and "<= 500.0 tok/s" in text
+
+
+def test_measure_limits_reports_what_it_measured():
+    lim = measure_limits(4_000_003, repeats=1, matmul_n=64)
+    assert lim.read_buffer_bytes == 4_000_000  # whole float32 elements
+    assert lim.read_bytes_per_s > 0 and lim.matmul_flop_per_s > 0
+    assert lim.matmul_n == 64 and lim.threads == torch.get_num_threads()
+    for bad in ({"read_bytes": 2}, {"read_bytes": 64, "repeats": 0},
+                {"read_bytes": 64, "matmul_n": 8}):
+        with pytest.raises(ValueError, match="bad limits sizes"):
+            measure_limits(**bad)
