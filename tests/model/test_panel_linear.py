@@ -59,6 +59,22 @@ def test_a_rows_result_does_not_depend_on_the_batch():
     assert torch.equal(pw(x[3:17]), y[3:17])
 
 
+def test_row_blocks_of_a_long_prefill_change_no_bit():
+    # More rows than one block of the kernel's row loop (192), with a remainder: every row equals
+    # the row computed alone, also in slices that start inside a block or span two, and the whole
+    # product stays within the float32 bound of the float64 one.
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(88, 600, generator=g), torch.randn(421, 600, generator=g)
+    pw = PanelWeight(pack_panels(w), 88)
+    y = pw(x)
+    for i in (0, 5, 191, 192, 193, 383, 384, 420):
+        assert torch.equal(pw(x[i : i + 1]), y[i : i + 1]), i
+    for lo, hi in ((180, 200), (7, 400), (190, 421)):
+        assert torch.equal(pw(x[lo:hi]), y[lo:hi]), (lo, hi)
+    ref = x.double() @ w.double().T
+    assert ((y.double() - ref).abs() <= _error_bound(x, w)).all()
+
+
 def test_strided_and_empty_inputs():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(48, 64, generator=g)

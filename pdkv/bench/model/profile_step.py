@@ -1,8 +1,9 @@
 """`python -m pdkv.bench.model.profile_step`: where one model step's CPU time goes, by kind of op.
 
 Builds the model and a paged KV cache directly (no engine), fills the cache for B requests of
-`--context` tokens, then runs a decode step (B = 1 and 32 by default) and a prefill step
-(`--prefill` tokens, one request) under `torch.profiler` and sums each aten / pdkv op's self CPU
+`--context` tokens, then runs a decode step (B = 1 and 32 by default), a prefill step
+(`--prefill` tokens, one request) and batched prefill steps (`--prefill-cases 64x128`: 64 prompts
+of 128 tokens in one step) under `torch.profiler` and sums each aten / pdkv op's self CPU
 time into groups: linear (matmuls), attention (SDPA, the paged decode op, K/V gathers), rmsnorm,
 rope, silu*mul, residual adds, kv write (index_put into the slots), fused (pdkv's fused small
 ops), other. Shares are of the summed self time of all ops (Python overhead between ops is not
@@ -17,6 +18,7 @@ the weight product) rmsnorm.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -173,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-batches", default="1,32", help="comma-separated decode batch sizes")
     p.add_argument("--context", type=int, default=150, help="cached tokens per decoding request")
     p.add_argument("--prefill", type=int, default=512, help="prefill tokens (0: none)")
+    p.add_argument("--prefill-cases", default="",
+                   help="BxL prefill steps of B prompts of L tokens each, e.g. 64x128 (comma-separated)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--attention-backend", default="auto", help="auto, torch or cpu_paged")
     p.add_argument(
@@ -185,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the profile table of decode and prefill steps."""
+    from pdkv.bench.offline.cli import parse_prefill_cases
+    from pdkv.bench.offline.report import cpu_description
     from pdkv.model.cpu_linear import setup_cpu_linear
     from pdkv.model.fused_ops import set_fused_ops
     from pdkv.model.loader import load_model
@@ -202,13 +208,17 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.prefill:
         cases.append((f"prefill {args.prefill}", 1, args.prefill, 0))
+    cases += [(f"prefill {b} x {n}", b, n, 0) for b, n in parse_prefill_cases(args.prefill_cases)]
+    load_before = os.getloadavg()[0]
     rows = profile_cases(model, cases, repeats=args.repeats)
     print(
         format_profile(
             rows,
             f"{args.model} float32, {args.num_threads} "
             f"thread{'s' if args.num_threads != 1 else ''}, linear {linear}, attention {backend}, "
-            f"fused ops {'on' if fused else 'off'}, context {args.context}",
+            f"fused ops {'on' if fused else 'off'}, context {args.context}; cpu "
+            f"{cpu_description()}, load average {load_before:.2f} / {os.getloadavg()[0]:.2f} "
+            "before / after",
         )
     )
     return 0
