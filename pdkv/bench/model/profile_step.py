@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=150, help="cached tokens per decoding request")
     p.add_argument("--prefill", type=int, default=512, help="prefill tokens (0: none)")
     p.add_argument("--prefill-cases", default="",
-                   help="BxL prefill steps of B prompts of L tokens each, e.g. 64x128 (comma-separated)")
+                   help="BxL prefill steps of B prompts of L tokens each, e.g. 64x128 "
+                        "(comma-separated)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--attention-backend", default="auto", help="auto, torch or cpu_paged")
     p.add_argument(
