@@ -72,6 +72,13 @@ def test_model_cost_of_a_real_folder_matches_its_tensors():
     cost = model_cost(path, "float32")
     assert cost.weight_bytes == 4 * sum(v.numel() for v in counted.values())
     assert cost.matmul_params == sum(v.numel() for v in counted.values() if v.dim() == 2)
+    # K/V per token: 2 x layers x KV heads x head dim x 4 bytes; attention 4 x layers x heads x D.
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    layers = cfg["num_hidden_layers"]
+    assert cost.kv_bytes_per_token == 2 * layers * cfg["num_key_value_heads"] * d * 4
+    assert cost.attn_flop_per_ctx_token == 4 * layers * cfg["num_attention_heads"] * d
 
 
 def test_roofline():
@@ -84,6 +91,16 @@ def test_roofline():
     assert prefill_limit_tok_s(cost, lim) == pytest.approx(500.0)
     assert flop_share(cost, lim, 250.0) == pytest.approx(0.5)
     assert flop_share(cost, lim, None) is None
+    # With K/V reads and attention: 1 MB of K/V per cached token and 1 MFLOP per attended token.
+    kv = ModelCost(weight_bytes=400_000_000, matmul_params=100_000_000, dtype="float32",
+                   kv_bytes_per_token=1_000_000, attn_flop_per_ctx_token=1_000_000)
+    # Batch 1 at 100 cached tokens: (400 + 100) MB / 20 GB/s = 25 ms -> 40 tok/s.
+    assert decode_limit_tok_s(kv, lim, 1, 100) == pytest.approx(40.0)
+    # 64 sequences: bytes 400 MB + 6.4 GB = 340 ms; FLOP 64 x 0.3 GFLOP = 192 ms -> bytes bound.
+    assert decode_limit_tok_s(kv, lim, 64, 100) == pytest.approx(64 / 0.34)
+    # A 200-token prompt: each token attends to 100 on average, 0.3 GFLOP -> 333 tok/s.
+    assert prefill_limit_tok_s(kv, lim, 200) == pytest.approx(100e9 / 0.3e9)
+    assert flop_share(kv, lim, 100.0, 100) == pytest.approx(0.3)
     text = format_limits(limits_dict(cost, lim))
     assert "memory read 20.0 GB/s (torch.sum over 400 MB" in text
     assert "batch-1 decode <= 50.0 tok/s" in text and "<= 500.0 tok/s" in text

@@ -13,12 +13,15 @@ run on one machine state:
   as far as a well-tuned library reaches it.
 
 The roofline (Williams, Waterman and Patterson, "Roofline: an insightful visual performance model
-for multicore architectures", CACM 2009): one decode step of B sequences reads the weights once
-(`weight_bytes`) and computes 2 x `matmul_params` FLOP per sequence, so it takes at least
-max(weight_bytes / bandwidth, B x 2 x matmul_params / peak) seconds, and B tokens per step give
-the limit in tokens / second. Attention's share is left out (a few % of the FLOP and bytes at the
-benchmark's 128-token contexts), so the limit is an upper bound a little above the true one. A
-prefill of T tokens in one step is compute bound: T x 2 x matmul_params / peak seconds.
+for multicore architectures", CACM 2009): one decode step of B sequences with C cached tokens each
+reads the weights once (`weight_bytes`) and each sequence's K and V (C x `kv_bytes_per_token`),
+and computes 2 x `matmul_params` + C x `attn_flop_per_ctx_token` FLOP per sequence, so it takes
+at least max(bytes / bandwidth, FLOP / peak) seconds, and B tokens per step give the limit in
+tokens / second. At 64 sequences of SmolLM2 with 150 cached tokens the float32 KV read (440 MB)
+is close to the weights' (538 MB), so it is counted. A prefill of B prompts of L tokens is compute
+bound: each token costs 2 x `matmul_params` FLOP plus attention over L / 2 earlier tokens on
+average (causal). Softmax, norms and the KV write are left out, so the limit is an upper bound a
+little above the true one.
 """
 
 from __future__ import annotations
@@ -46,11 +49,17 @@ class ModelCost:
             and LM head; norms, biases and an untied embedding table left out): 2 x this is the
             FLOP per token outside attention.
         dtype: the dtype weight_bytes is counted in.
+        kv_bytes_per_token: bytes of K and V one cached token holds over all layers, in `dtype`
+            (2 x layers x KV heads x head dim x dtype bytes; 0 when config.json lacks the sizes).
+        attn_flop_per_ctx_token: attention FLOP per new token per cached token it attends to
+            (q.k and p.v: 4 x layers x query heads x head dim).
     """
 
     weight_bytes: int
     matmul_params: int
     dtype: str
+    kv_bytes_per_token: int = 0
+    attn_flop_per_ctx_token: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,11 +97,15 @@ def model_cost(model_path: str, dtype: str) -> ModelCost:
     files = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
     if not files:
         raise ValueError(f"no .safetensors file in {model_path}")
-    tied = False
+    cfg: dict[str, Any] = {}
     cfg_path = os.path.join(model_path, "config.json")
     if os.path.exists(cfg_path):
         with open(cfg_path) as f:
-            tied = bool(json.load(f).get("tie_word_embeddings", False))
+            cfg = json.load(f)
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    layers, heads = cfg.get("num_hidden_layers", 0), cfg.get("num_attention_heads", 0)
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    head_dim = cfg.get("head_dim") or (cfg.get("hidden_size", 0) // heads if heads else 0)
     total = matmul = 0
     for name in files:
         with safe_open(os.path.join(model_path, name), framework="pt") as st:
@@ -107,7 +120,13 @@ def model_cost(model_path: str, dtype: str) -> ModelCost:
                 total += numel
                 if len(shape) == 2:
                     matmul += numel
-    return ModelCost(weight_bytes=total * _DTYPE_BYTES[dtype], matmul_params=matmul, dtype=dtype)
+    return ModelCost(
+        weight_bytes=total * _DTYPE_BYTES[dtype],
+        matmul_params=matmul,
+        dtype=dtype,
+        kv_bytes_per_token=2 * layers * kv_heads * head_dim * _DTYPE_BYTES[dtype],
+        attn_flop_per_ctx_token=4 * layers * heads * head_dim,
+    )
 
 
 def _best_seconds(fn: Any, repeats: int) -> float:
@@ -155,33 +174,46 @@ def measure_limits(read_bytes: int, repeats: int = 5, matmul_n: int = 3072) -> M
     )
 
 
-def decode_limit_tok_s(cost: ModelCost, limits: MachineLimits, batch_size: int) -> float:
-    """Roofline decode throughput (tokens / second, all sequences) at `batch_size` sequences."""
+def token_flop(cost: ModelCost, context: float) -> float:
+    """FLOP of one new token attending to `context` tokens (matmuls + attention)."""
+    return 2.0 * cost.matmul_params + context * cost.attn_flop_per_ctx_token
+
+
+def decode_limit_tok_s(cost: ModelCost, limits: MachineLimits, batch_size: int,
+                       context: float = 0.0) -> float:
+    """Roofline decode throughput (tokens / second, all sequences) at `batch_size` sequences of
+    `context` cached tokens each (on average over the decode)."""
     step_s = max(
-        cost.weight_bytes / limits.read_bytes_per_s,
-        batch_size * 2.0 * cost.matmul_params / limits.matmul_flop_per_s,
+        (cost.weight_bytes + batch_size * context * cost.kv_bytes_per_token)
+        / limits.read_bytes_per_s,
+        batch_size * token_flop(cost, context) / limits.matmul_flop_per_s,
     )
     return batch_size / step_s
 
 
-def prefill_limit_tok_s(cost: ModelCost, limits: MachineLimits) -> float:
-    """Roofline prefill throughput (prompt tokens / second): compute bound at the matmul peak."""
-    return limits.matmul_flop_per_s / (2.0 * cost.matmul_params)
+def prefill_limit_tok_s(cost: ModelCost, limits: MachineLimits, prompt_len: int = 0) -> float:
+    """Roofline prefill throughput (prompt tokens / second) of prompts of `prompt_len` tokens:
+    compute bound at the matmul peak, each token attending to prompt_len / 2 tokens on average."""
+    return limits.matmul_flop_per_s / token_flop(cost, prompt_len / 2)
 
 
-def flop_share(cost: ModelCost, limits: MachineLimits, tok_s: float | None) -> float | None:
-    """Fraction of the measured matmul peak that `tok_s` tokens / second use (None: no figure)."""
+def flop_share(cost: ModelCost, limits: MachineLimits, tok_s: float | None,
+               context: float = 0.0) -> float | None:
+    """Fraction of the measured matmul peak that `tok_s` tokens / second of `context`-token
+    attention use (None: no figure)."""
     if tok_s is None:
         return None
-    return tok_s * 2.0 * cost.matmul_params / limits.matmul_flop_per_s
+    return tok_s * token_flop(cost, context) / limits.matmul_flop_per_s
 
 
-def limits_dict(cost: ModelCost, limits: MachineLimits) -> dict[str, Any]:
-    """JSON form of the limits, with the batch-1 decode and the prefill limits (tokens / second)."""
+def limits_dict(cost: ModelCost, limits: MachineLimits, context: float = 0.0) -> dict[str, Any]:
+    """JSON form of the limits, with the batch-1 decode limit at `context` cached tokens and the
+    matmul-only prefill limit (tokens / second)."""
     return {
         **asdict(limits),
         **{f"model_{k}": v for k, v in asdict(cost).items()},
-        "decode_limit_tok_s_batch1": decode_limit_tok_s(cost, limits, 1),
+        "decode_context": context,
+        "decode_limit_tok_s_batch1": decode_limit_tok_s(cost, limits, 1, context),
         "prefill_limit_tok_s": prefill_limit_tok_s(cost, limits),
     }
 
@@ -197,5 +229,9 @@ def format_limits(lim: dict[str, Any]) -> str:
         f"{lim['decode_limit_tok_s_batch1']:.1f} tok/s",
         f"limit: fp32 matmul {gf:.1f} GFLOP/s (torch.mm {lim['matmul_n']}^3) -> "
         f"{lim['model_matmul_params'] / 1e6:.1f} M matmul params x 2 FLOP/token: prefill and "
-        f"large-batch decode <= {lim['prefill_limit_tok_s']:.1f} tok/s",
+        f"large-batch decode <= {lim['prefill_limit_tok_s']:.1f} tok/s before attention",
+        f"roofline per row: max(bytes / read rate, FLOP / matmul rate), with K/V reads of "
+        f"{lim['model_kv_bytes_per_token'] / 1e3:.1f} kB per cached token and "
+        f"{lim['model_attn_flop_per_ctx_token'] / 1e3:.1f} kFLOP per attended token "
+        f"(decode at {lim['decode_context']:.0f} cached tokens, causal prefill)",
     ])

@@ -30,7 +30,7 @@ from pdkv.bench.offline.measure import (
 )
 from pdkv.bench.offline.prompts import build_prompts
 from pdkv.bench.offline.report import cpu_description, format_table, format_workload_table
-from pdkv.bench.offline.workloads import evaluate_goals, workload_rows
+from pdkv.bench.offline.workloads import decode_context, evaluate_goals, workload_rows
 
 if TYPE_CHECKING:
     from pdkv.bench.offline.llamacpp import LlamaCppPeer
@@ -309,9 +309,10 @@ def _bench(
     if cost is not None and limits is not None:
         from pdkv.bench.offline.limits import limits_dict
 
+        context = decode_context(result)
         result["workloads"] = workload_rows(result, cost, limits)
-        result["limits"] = limits_dict(cost, limits)
-        result["goals"] = evaluate_goals(result["workloads"], cost, limits)
+        result["limits"] = limits_dict(cost, limits, context)
+        result["goals"] = evaluate_goals(result["workloads"], cost, limits, context=context)
     result["table"] = format_table(result)
     if result["workloads"] is not None:
         result["table"] += "\n\n" + format_workload_table(result)

@@ -111,19 +111,21 @@ def workload_rows(result: dict[str, Any], cost: ModelCost | None = None,
     "pdkv_of_limit" / "llamacpp_of_limit" (shares of it), "same_tokens" of "requests" (requests
     whose greedy tokens are equal on every system).
     """
-    def lim(kind: str, b: int) -> float | None:
+    input_len = result["input_len"]
+    context = decode_context(result)
+
+    def lim(kind: str, b: int, prompt_len: int = input_len) -> float | None:
         if cost is None or limits is None:
             return None
         if kind == "decode":
-            return decode_limit_tok_s(cost, limits, b)
-        return prefill_limit_tok_s(cost, limits)
+            return decode_limit_tok_s(cost, limits, b, context)
+        return prefill_limit_tok_s(cost, limits, prompt_len)
 
-    input_len = result["input_len"]
     rows = []
     lp = result.get("long_prefill")
     if lp:
         n = lp["input_len"]
-        rows.append(_row(("long_prefill", n), n, lp, "prefill_tok_s", lim("prefill", 1)))
+        rows.append(_row(("long_prefill", n), n, lp, "prefill_tok_s", lim("prefill", 1, n)))
     for e in result["results"]:
         b = e["batch_size"]
         rows.append(_row(("decode", b), input_len, e, "decode_tok_s", lim("decode", b)))
@@ -136,10 +138,20 @@ def workload_rows(result: dict[str, Any], cost: ModelCost | None = None,
     return rows
 
 
+def decode_context(result: dict[str, Any]) -> float:
+    """Cached tokens per sequence averaged over a run's decode steps: input_len + (output_len -
+    1) / 2 (the first decode step attends to input_len + 1 tokens, the last to input_len +
+    output_len - 1; in the middle, the average)."""
+    return result["input_len"] + (result.get("output_len", 1) - 1) / 2
+
+
 def evaluate_goals(rows: list[dict[str, Any]], cost: ModelCost | None = None,
                    limits: MachineLimits | None = None,
-                   goals: tuple[Goal, ...] = GOALS) -> list[dict[str, Any]]:
+                   goals: tuple[Goal, ...] = GOALS, context: float = 0.0) -> list[dict[str, Any]]:
     """Each goal whose row was measured, with its value and whether the goal and floor hold.
+
+    `context` is the cached tokens per sequence of the decode rows (`decode_context`), for the
+    attention FLOP of the matmul-peak share.
 
     Returns:
         One dict per goal in `goals` order: "workload", "measure", "value" (None when a figure is
@@ -161,8 +173,8 @@ def evaluate_goals(rows: list[dict[str, Any]], cost: ModelCost | None = None,
         elif g.measure == "of_limit":
             value = row["pdkv_of_limit"]
         elif g.measure == "of_matmul_peak":
-            value = None if cost is None or limits is None else flop_share(cost, limits,
-                                                                           row["pdkv"])
+            value = (None if cost is None or limits is None
+                     else flop_share(cost, limits, row["pdkv"], context))
         else:
             raise ValueError(f"unknown goal measure {g.measure!r}; choose from {MEASURES}")
         out.append({
