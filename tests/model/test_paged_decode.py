@@ -18,11 +18,11 @@ BS, D, NUM_BLOCKS = 4, 16, 64
 
 
 def _case(gen: torch.Generator, lens: list[int], kvh: int, group: int, window: int | None,
-          dtype: torch.dtype = torch.float32):
+          dtype: torch.dtype = torch.float32, d: int = D):
     """A cache whose slots past each request's length hold NaN, shuffled block tables, and the
     step metadata (one decode token per request, context len - 1)."""
     h = kvh * group
-    cache = torch.randn(2, NUM_BLOCKS, BS, kvh, D, generator=gen).to(dtype)
+    cache = torch.randn(2, NUM_BLOCKS, BS, kvh, d, generator=gen).to(dtype)
     perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
     tables, reqs = [], []
     for i, n in enumerate(lens):
@@ -36,15 +36,15 @@ def _case(gen: torch.Generator, lens: list[int], kvh: int, group: int, window: i
     for b in set(range(NUM_BLOCKS)) - used_blocks:
         cache[:, b] = float("nan")  # blocks no request owns (the tables' padding reads block 0)
     meta = build_attention_metadata(reqs, len(lens), BS, torch.device("cpu"), window)
-    q = torch.randn(len(lens), h, D, generator=gen).to(dtype)
+    q = torch.randn(len(lens), h, d, generator=gen).to(dtype)
     return q, cache, tables, meta
 
 
 def _brute(q, cache, tables, lens, window, scale):
     """Softmax over exactly the visible keys, float64: (out [B, H, D], lse [B, H])."""
-    bsz, h, _ = q.shape
+    bsz, h, d = q.shape
     kvh = cache.shape[3]
-    out = torch.zeros(bsz, h, D, dtype=torch.float64)
+    out = torch.zeros(bsz, h, d, dtype=torch.float64)
     lse = torch.zeros(bsz, h, dtype=torch.float64)
     for b, n in enumerate(lens):
         lo = 0 if window is None else max(0, n - window)
@@ -83,6 +83,27 @@ def test_op_equals_brute_force_and_torch_path(cpu_ops, group, window):
         clean = torch.nan_to_num(cache, nan=0.0)
         torch.testing.assert_close(paged_decode_attention(q, clean, meta, scale),
                                    _decode_attention(q, clean, meta, scale), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("d", [12, 40, 48, 64, 128])
+def test_head_sizes_on_and_off_the_vector_width(cpu_ops, d):
+    # float32 head sizes that fill whole vectors take the vector paths (4 keys at a time, the
+    # value rows into register accumulators, with remainders of keys and of vectors); the others
+    # (12, and 40 on AVX-512) the scalar loops. Lengths leave 1..3 keys past a multiple of 4.
+    gen = torch.Generator().manual_seed(d)
+    lens = [1, 2, 3, 5, 7, BS + 1, 2 * BS + 2, 3 * BS + 3, 4 * BS]
+    q, cache, tables, meta = _case(gen, lens, kvh=2, group=3, window=None, d=d)
+    scale = d**-0.5
+    out, lse = paged_decode(q, cache, meta.decode_block_tables, meta.decode_seq_lens, scale)
+    assert not out.isnan().any(), "NaN in unwritten slots leaked"
+    ref_out, ref_lse = _brute(q, cache, tables, lens, None, scale)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=1e-5)
+    # A request's result does not depend on the others in the batch.
+    for i in (0, 4, 8):
+        one, _ = paged_decode(q[i : i + 1], cache, meta.decode_block_tables[i : i + 1],
+                              meta.decode_seq_lens[i : i + 1], scale)
+        assert torch.equal(one, out[i : i + 1]), i
 
 
 def test_bf16_and_strided_inputs(cpu_ops):
