@@ -267,6 +267,7 @@ class ModelRunner:
         )
         meta: list[Any] | None = None
         if graphs is not None and graph_in is not None:  # a decode step: replay its CUDA graph
+            # (never with a connector: `graphable` refuses graphs then, so no hook is skipped)
             ids, pos, tables, sampled_reqs = graph_in
             prompt_rows: list[tuple[CachedRequestState, int, int]] = []
             t1 = time.perf_counter()
@@ -276,7 +277,8 @@ class ModelRunner:
                 self._prepare_inputs(out)
             )
             t1 = time.perf_counter()
-            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
+            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx,
+                                layer_hooks=conn)
         t2 = time.perf_counter()
         if prompt_rows:
             self._prompt_logprobs(logits[len(sampled_reqs):], prompt_rows)
