@@ -277,8 +277,11 @@ class ModelRunner:
                 self._prepare_inputs(out)
             )
             t1 = time.perf_counter()
-            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx,
-                                layer_hooks=conn)
+            if conn is None:  # a plain step: the forward's hook default (None)
+                logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
+            else:  # per-layer wait_for_layer_load / save_kv_layer (pdkv/model/layer_hooks.py)
+                logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx,
+                                    layer_hooks=conn)
         t2 = time.perf_counter()
         if prompt_rows:
             self._prompt_logprobs(logits[len(sampled_reqs):], prompt_rows)
