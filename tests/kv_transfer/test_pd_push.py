@@ -35,17 +35,17 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPT_LENS = (30, 150)
 
 
-def config(role: str, mode: str) -> str:
+def config(role: str, mode: str, timeout: float = 20.0) -> str:
     return json.dumps({
         "kv_connector": "P2PConnector", "kv_role": role, "kv_load_failure_policy": "fail",
         "kv_connector_extra_config": {"transfer": "tcp", "transfer_mode": mode,
-                                      "transfer_timeout": 20.0},
+                                      "transfer_timeout": timeout},
     })
 
 
-def engines(path: str, mode: str, **kw: Any) -> tuple[LLM, LLM]:
+def engines(path: str, mode: str, d_timeout: float = 20.0, **kw: Any) -> tuple[LLM, LLM]:
     p = LLM(path, **kw, kv_transfer_config=config("kv_producer", mode))
-    d = LLM(path, **kw, kv_transfer_config=config("kv_consumer", mode))
+    d = LLM(path, **kw, kv_transfer_config=config("kv_consumer", mode, d_timeout))
     return p, d
 
 
@@ -218,3 +218,76 @@ def test_transfer_mode_is_validated():
     assert P2PConfig.from_extra({"transfer_mode": "push"}).transfer_mode == "push"
     with pytest.raises(ValueError, match="transfer_mode must be one of"):
         P2PConfig.from_extra({"transfer_mode": "shove"})
+
+
+def test_window_expires_and_the_load_fails_by_policy(tiny_llama_kv2):
+    """Nobody pushes: at the window's lease (D's transfer_timeout, 1 s) the load fails (policy
+    fail: the request ends with an error) and D's blocks are free again."""
+    p, d = engines(tiny_llama_kv2, "push", d_timeout=1.0, **TINY_KW)
+    try:
+        prompt = prompts_for((40,))[0]
+        (rid,) = open_windows(d, [prompt])
+        t0 = time.monotonic()
+        out = finish_raw(d, rid)
+        assert time.monotonic() - t0 < 10
+        assert not out.outputs[0].token_ids
+        stats = d.llm_engine.scheduler.kv_stats
+        assert stats.get("kv_push_window_expirations") == 1
+        assert stats.get("kv_load_failures", 0) >= 1
+        pump([d], lambda: idle(d), timeout=30)
+    finally:
+        shutdown(p, d)
+
+
+def finish_raw(d: LLM, rid: str) -> RequestOutput:
+    got: list[RequestOutput] = []
+
+    def step() -> bool:
+        got.extend(o for o in d.llm_engine.step() if o.finished and o.request_id == rid)
+        return bool(got)
+
+    pump([], step, timeout=30)
+    return got[0]
+
+
+def test_p_refuses_a_grant_for_another_prompt_and_pull_engines_refuse_push(tiny_llama_kv2):
+    p, d = engines(tiny_llama_kv2, "push", **TINY_KW)
+    try:
+        a, b = prompts_for((40, 41))
+        (rid,) = open_windows(d, [a])
+        grant = grant_of(d, rid)
+        with pytest.raises(ValueError, match="another prompt"):
+            p.llm_engine.make_request(
+                {"prompt_token_ids": b[:40]}, SamplingParams(max_tokens=1),
+                kv_transfer_params={"do_remote_decode": True,
+                                    "push_grant": msgspec.to_builtins(grant)})
+        forged = msgspec.structs.replace(grant, block_ids=[grant.block_ids[0][:1]])
+        with pytest.raises(ValueError, match="blocks per group"):
+            p.llm_engine.make_request(
+                {"prompt_token_ids": a}, SamplingParams(max_tokens=1),
+                kv_transfer_params={"do_remote_decode": True,
+                                    "push_grant": msgspec.to_builtins(forged)})
+        with pytest.raises(ValueError, match="malformed"):
+            p.llm_engine.make_request(
+                {"prompt_token_ids": a}, SamplingParams(max_tokens=1),
+                kv_transfer_params={"do_remote_decode": True, "push_grant": {"nonce": 1}})
+    finally:
+        shutdown(p, d)
+    p, d = engines(tiny_llama_kv2, "pull", **TINY_KW)
+    try:
+        with pytest.raises(ValueError, match="transfer_mode 'pull'"):
+            d.llm_engine.make_request({"prompt_token_ids": a}, GREEDY, kv_transfer_params={
+                "do_remote_prefill": True, "transfer_mode": "push"})
+    finally:
+        shutdown(p, d)
+
+
+def test_push_refuses_sliding_window_models_for_now(tiny_swa):
+    p, d = engines(tiny_swa, "push", **TINY_KW)
+    try:
+        with pytest.raises(ValueError, match="sliding-window or linear-state"):
+            d.llm_engine.make_request({"prompt_token_ids": prompts_for((40,))[0]}, GREEDY,
+                                      kv_transfer_params={"do_remote_prefill": True,
+                                                          "transfer_mode": "push"})
+    finally:
+        shutdown(p, d)

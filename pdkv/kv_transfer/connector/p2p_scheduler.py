@@ -195,6 +195,10 @@ class P2PConnectorScheduler:
         if p.get("do_remote_prefill"):
             if not self.spec.is_kv_consumer:
                 raise ValueError("kv_transfer_params.do_remote_prefill needs a kv_consumer engine")
+            if not self.push_address[1]:
+                raise ValueError("push mode: this engine's data server address is unknown here "
+                                 "(a multi-process engine does not report it yet): use "
+                                 "transfer_mode 'pull'")
             return
         if not self.spec.is_kv_producer:
             raise ValueError("kv_transfer_params.push_grant needs a kv_producer engine")
