@@ -262,12 +262,15 @@ class ModelRunner:
                 sampled_token_ids={}, kv_connector_output=self._connector_output(out)
             )
         graphs = self.decode_graphs
+        # A step with a connector runs eagerly, so its per-layer hooks run (`graphable` already
+        # refuses graphs when the engine starts with a connector; this keeps it so for one set
+        # later).
         graph_in = (
-            decode_step_inputs(out.num_scheduled_tokens, self.requests, graphs) if graphs else None
+            decode_step_inputs(out.num_scheduled_tokens, self.requests, graphs)
+            if graphs and conn is None else None
         )
         meta: list[Any] | None = None
         if graphs is not None and graph_in is not None:  # a decode step: replay its CUDA graph
-            # (never with a connector: `graphable` refuses graphs then, so no hook is skipped)
             ids, pos, tables, sampled_reqs = graph_in
             prompt_rows: list[tuple[CachedRequestState, int, int]] = []
             t1 = time.perf_counter()
