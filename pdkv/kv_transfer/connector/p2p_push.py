@@ -169,6 +169,7 @@ class _Window:
         self.landed: set[tuple[int, int, int]] = set()  # (group, block, layer in group)
         self.writes = 0
         self.nbytes = 0
+        self.inflight = 0  # accepted writes still receiving (the blocks stay the window's)
 
 
 class PushReceiver:
@@ -234,17 +235,23 @@ class PushReceiver:
                     if (g, block, j) in window.landed:
                         return self._refuse(f"block {block} layer {j} of {region!r} was "
                                             f"already written for {grant[0]!r}")
+            window.inflight += 1
         return None
 
-    def on_written(self, grant: Grant, region: str, ranges: list[tuple[int, int]]) -> None:
-        """Data-server threads: the bytes of an authorized write have landed; the window's
-        load succeeds once every (block, layer) unit of every group has."""
+    def on_written(self, grant: Grant, region: str, ranges: list[tuple[int, int]],
+                   landed: bool) -> None:
+        """Data-server threads: an authorized write ended (`landed`: all its bytes arrived;
+        else its units stay unwritten). The window's load succeeds once every (block, layer)
+        unit of every group has landed and no accepted write is still receiving."""
         g = int(region[1:])
         bb = self.block_bytes[g]
         lb = bb // self.layers[g]
         with self._lock:
             window = self._windows.get(grant)
             if window is None:
+                return
+            window.inflight -= 1
+            if not landed:
                 return
             for off, n in ranges:
                 block, within = divmod(off, bb)
@@ -253,7 +260,7 @@ class PushReceiver:
                 window.landed |= units
             window.writes += 1
             need = sum(len(b) * self.layers[k] for k, b in enumerate(window.blocks))
-            if len(window.landed) < need:
+            if len(window.landed) < need or window.inflight:
                 return
             del self._windows[grant]
         self.results.load_succeeded(window.spec.request_id, window.nbytes,
@@ -261,10 +268,12 @@ class PushReceiver:
 
     def expire(self) -> None:
         """Engine loop: fail the loads of windows whose lease passed (their blocks hold
-        undefined data: the load error names them)."""
+        undefined data: the load error names them). A window with an accepted write still
+        receiving is failed only when that write ended (the data server's idle timeout bounds
+        it), so its blocks are never freed for reuse while bytes still arrive."""
         now = time.monotonic()
         with self._lock:
-            late = [k for k, w in self._windows.items() if now > w.deadline]
+            late = [k for k, w in self._windows.items() if now > w.deadline and not w.inflight]
             windows = [self._windows.pop(k) for k in late]
         for w in windows:
             with self.results.lock:

@@ -20,8 +20,9 @@ Authorizer = Callable[[Grant | None, str, list[tuple[int, int]]], str | None]
 """Producer side: (grant, region, [(offset, length)]) -> None to serve the ranges, or why not.
 Push mode, consumer side: the same signature decides whether to accept a write."""
 
-WriteDone = Callable[[Grant, str, list[tuple[int, int]]], None]
-"""Push mode, consumer side: (grant, region, [(offset, length)]) whose bytes have all landed."""
+WriteDone = Callable[[Grant, str, list[tuple[int, int]], bool], None]
+"""Push mode, consumer side: an accepted write (grant, region, [(offset, length)]) ended: True =
+all its bytes landed, False = the stream broke (its ranges hold undefined bytes)."""
 
 
 @dataclass(frozen=True)
@@ -139,9 +140,9 @@ class TransferEngine(ABC):
     def set_write_handler(self, authorize: Authorizer, on_written: WriteDone) -> None:
         """Push mode, consumer side, before `start`: accept writes into registered regions,
         each only when `authorize(grant, region, ranges)` returns None (else it is refused with
-        that reason, no byte written); `on_written` is called (server thread) once a write's
-        bytes have all landed. Engines that cannot serve writes ignore it (every push to them
-        fails)."""
+        that reason, no byte written); `on_written` is called (server thread) once for every
+        accepted write when it ended, saying whether all its bytes landed. Engines that cannot
+        serve writes ignore it (every push to them fails)."""
 
     def write(
         self, peer: dict[str, Any], ops: list[WriteOp], deadline: float, grant: Grant | None = None

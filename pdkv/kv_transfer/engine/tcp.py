@@ -143,10 +143,14 @@ class TcpTransferEngine(TransferEngine):
         total = sum(n for _, n in req.ranges)
         send_msg(conn, _ReadReply(True, total))
         deadline = time.monotonic() + self._idle_timeout
-        for off, n in req.ranges:
-            recv_exact_into(conn, region[off : off + n], deadline)
-        if self._on_written is not None:
-            self._on_written((req.request_id, req.nonce), req.region, req.ranges)
+        landed = False
+        try:
+            for off, n in req.ranges:
+                recv_exact_into(conn, region[off : off + n], deadline)
+            landed = True
+        finally:  # accepted writes always end, landed or not (the window waits for them)
+            if self._on_written is not None:
+                self._on_written((req.request_id, req.nonce), req.region, req.ranges, landed)
         send_msg(conn, _ReadReply(True, total))
 
     def _serve(self, conn: socket.socket) -> None:
@@ -158,7 +162,7 @@ class TcpTransferEngine(TransferEngine):
             if isinstance(req, _WriteRequest):
                 try:
                     self._serve_write(conn, req)
-                except (OSError, WireError):
+                except (OSError, WireError, TimeoutError):
                     return
                 continue
             try:
