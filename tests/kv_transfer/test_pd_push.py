@@ -291,3 +291,25 @@ def test_push_refuses_sliding_window_models_for_now(tiny_swa):
                                                           "transfer_mode": "push"})
     finally:
         shutdown(p, d)
+
+
+def test_push_with_a_forged_nonce_is_refused_counted_on_both_sides_and_d_fails(tiny_llama_kv2):
+    """P cannot tell a forged nonce (it is D's bearer token): D refuses every write, P counts the
+    failed push and sends nothing more of it, and D's window ends at its lease (policy fail)."""
+    p, d = engines(tiny_llama_kv2, "push", d_timeout=2.0, **TINY_KW)
+    try:
+        prompt = prompts_for((40,))[0]
+        (rid,) = open_windows(d, [prompt])
+        forged = msgspec.structs.replace(grant_of(d, rid), nonce="0" * 32)
+        push_prefill(p, prompt, forged)
+        p_stats = p.llm_engine.scheduler.kv_stats
+        assert p_stats.get("kv_push_failures", 0) >= 1
+        assert not p_stats.get("kv_bytes_pushed")
+        out = finish_raw(d, rid)
+        assert not out.outputs[0].token_ids
+        stats = d.llm_engine.scheduler.kv_stats
+        assert stats.get("kv_push_refused", 0) >= 1
+        assert not stats.get("kv_bytes_received")
+        pump([p, d], lambda: idle(p, d), timeout=30)
+    finally:
+        shutdown(p, d)

@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+WRITE_GRACE_S = 2.0
+"""`wait_for_save` waits this long past the step's write deadline: every write is bounded by that
+deadline itself, so none still reads P's blocks when the step ends and they may be reused."""
+
 LayerSlot = tuple[int, int, int]
 """A model layer's place in the KV cache: (group, index within the group, layers in the group)."""
 
@@ -118,13 +122,13 @@ class PushSender:
 
     def wait_for_save(self) -> None:
         """Engine loop, after the forward: block until this step's writes are done or its
-        deadline passed (then the remaining ones are dropped and counted as failed: D's window
-        expires and its request follows kv_load_failure_policy)."""
+        deadline (plus WRITE_GRACE_S) passed; then the remaining ones are dropped: D's window
+        expires and its request follows kv_load_failure_policy."""
         if not self._specs:
             return
         with self._cond:
-            done = self._cond.wait_for(lambda: self._pending == 0,
-                                       timeout=max(0.0, self._deadline - time.monotonic()))
+            left = self._deadline + WRITE_GRACE_S - time.monotonic()
+            done = self._cond.wait_for(lambda: self._pending == 0, timeout=max(0.0, left))
             if not done:
                 logger.warning("push: %d writes still unfinished at the step's deadline",
                                self._pending)
