@@ -22,6 +22,7 @@ from pdkv.model.arch_config import (
     hybrid_state_kinds,
 )
 from pdkv.model.attention import AttentionMetadata, paged_attention
+from pdkv.model.layer_hooks import LayerHooks
 from pdkv.model.linear_backend import LinearDispatch
 from pdkv.model.panel_linear import PanelWeight
 from pdkv.parallel.context import ParallelContext
@@ -299,6 +300,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata | Sequence[AttentionMetadata],
         logits_indices: torch.Tensor,
+        layer_hooks: LayerHooks | None = None,
     ) -> torch.Tensor:
         """Run the step.
 
@@ -310,6 +312,10 @@ class LlamaForCausalLM(nn.Module):
                 meta[layer_groups[i]]: its group's block tables and sliding window), or one for
                 every layer (a dense model's single group).
             logits_indices: [S] long, flat indices whose next-token logits are needed.
+            layer_hooks: the KV connector's per-layer hooks (pdkv/model/layer_hooks.py), or
+                None: `wait_for_layer_load(i)` before layer i, `save_kv_layer(i)` after it
+                wrote its KV (every layer kind: attention, MLA, linear state). Never set in a
+                CUDA-graph capture (graphs are off while a connector is set).
 
         Returns:
             [S, vocab_size] float32 logits.
@@ -318,8 +324,12 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         metas = [meta] if isinstance(meta, AttentionMetadata) else meta
-        for layer, kv_cache, g in zip(self.layers, kv_caches, self.layer_groups):
+        for i, (layer, kv_cache, g) in enumerate(zip(self.layers, kv_caches, self.layer_groups)):
+            if layer_hooks is not None:
+                layer_hooks.wait_for_layer_load(i)
             hidden = layer.forward(hidden, cos, sin, kv_cache, metas[g if len(metas) > 1 else 0])
+            if layer_hooks is not None:
+                layer_hooks.save_kv_layer(i)
         hidden = rms_norm(hidden[logits_indices], self.norm, self.cfg.rms_norm_eps)
         head = self.embed if self.lm_head is None else self.lm_head
         return linear(hidden, head, self.head_packed).float()

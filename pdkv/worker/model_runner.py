@@ -262,8 +262,12 @@ class ModelRunner:
                 sampled_token_ids={}, kv_connector_output=self._connector_output(out)
             )
         graphs = self.decode_graphs
+        # A step with a connector runs eagerly, so its per-layer hooks run (`graphable` already
+        # refuses graphs when the engine starts with a connector; this keeps it so for one set
+        # later).
         graph_in = (
-            decode_step_inputs(out.num_scheduled_tokens, self.requests, graphs) if graphs else None
+            decode_step_inputs(out.num_scheduled_tokens, self.requests, graphs)
+            if graphs and conn is None else None
         )
         meta: list[Any] | None = None
         if graphs is not None and graph_in is not None:  # a decode step: replay its CUDA graph
@@ -276,7 +280,11 @@ class ModelRunner:
                 self._prepare_inputs(out)
             )
             t1 = time.perf_counter()
-            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
+            if conn is None:  # a plain step: the forward's hook default (None)
+                logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
+            else:  # per-layer wait_for_layer_load / save_kv_layer (pdkv/model/layer_hooks.py)
+                logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx,
+                                    layer_hooks=conn)
         t2 = time.perf_counter()
         if prompt_rows:
             self._prompt_logprobs(logits[len(sampled_reqs):], prompt_rows)

@@ -189,13 +189,20 @@ class KVConnectorBase(ABC):
         """Before the forward pass: start (asynchronous) loads and other transfers."""
 
     def wait_for_layer_load(self, layer_index: int) -> None:
-        """Inside the forward pass, before a layer reads its KV (layer-wise loads)."""
+        """Inside the forward pass (the model's layer loop, engine loop thread; `LayerHooks` in
+        pdkv/model/layer_hooks.py), before model layer `layer_index` reads its KV: may block
+        until that layer's KV is loaded (layer-wise loads). Not called on steps that run no
+        forward, nor inside a CUDA graph (graphs are off while a connector is set)."""
 
     def save_kv_layer(self, layer_index: int) -> None:
-        """Inside the forward pass, after a layer wrote its KV (layer-wise saves)."""
+        """Inside the forward pass (as `wait_for_layer_load`), after model layer `layer_index`
+        wrote this step's K/V: start saving / sending it (layer-wise saves, e.g. the P2P push
+        mode's sender); must not block on the network."""
 
     def wait_for_save(self) -> None:
-        """After the forward pass: block until saves that read the paged buffer are done."""
+        """After the forward pass (engine loop thread): block, up to the connector's deadline,
+        until saves that read the paged buffer are done (the step's blocks may be reused after
+        it)."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(finished_sending, finished_recving) since the last call."""

@@ -55,9 +55,11 @@ def create_connector(
 
         if startup.control_address is None:
             startup.control_address = ["127.0.0.1", 0]
+        if startup.push_address is None:
+            startup.push_address = ["127.0.0.1", 0]
         return P2PConnector(spec, role, kv_cache_config, layout, startup.control_address,
                             startup.dcp_rank, startup.dcp_size, startup.rank, startup.world_size,
-                            startup.control_endpoints)
+                            startup.control_endpoints, startup.push_address)
     if isinstance(spec, PoolSpec):
         from pdkv.kv_transfer.connector.pool import KVPoolConnector
 

@@ -6,7 +6,8 @@ mooncake), kv_host / kv_port (producer control server bind address, default 127.
 port), kv_advertise_host (the host put into kv_transfer_params; default kv_host, never a wildcard),
 transfer_port (tcp data port), kv_lease_duration (s, default 30), transfer_timeout (s per pull,
 from submit, default 30), kv_pulls_per_peer (2), kv_pull_threads (16), kv_server_max_connections
-(64), kv_server_idle_timeout (s, 60). See p2p_messages.py for grants (request id, nonce, prompt
+(64), kv_server_idle_timeout (s, 60), transfer_mode (pull | push; push: p2p_push.py). See
+p2p_messages.py for grants (request id, nonce, prompt
 digest) and README's P/D section for the threat model.
 """
 
@@ -22,7 +23,8 @@ from pdkv.kv_transfer.connector.base import (
     KVConnectorOutput,
     KVConnectorRole,
 )
-from pdkv.kv_transfer.connector.p2p_messages import P2PConnectorMetadata
+from pdkv.kv_transfer.connector.p2p_messages import P2PConnectorMetadata, PushGrant
+from pdkv.kv_transfer.connector.p2p_push import layer_slots
 from pdkv.kv_transfer.connector.p2p_scheduler import P2PConnectorScheduler
 from pdkv.kv_transfer.connector.p2p_worker import P2PConnectorWorker
 from pdkv.kv_transfer.connector.startup import Address
@@ -30,7 +32,7 @@ from pdkv.kv_transfer.connector.startup import Address
 if TYPE_CHECKING:
     import torch
 
-    from pdkv.cache.kv_cache_manager import KVCacheBlocks
+    from pdkv.cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from pdkv.cache.kv_layout import KVLayout
     from pdkv.cache.specs import KVCacheConfig
     from pdkv.kv_transfer.connector.spec import P2PSpec
@@ -48,6 +50,8 @@ class P2PConnector(KVConnectorBase):
     `rank` / `world_size`: its global rank and the engine's worker count (default: the DCP ones).
     `control_endpoints`: every worker rank's [host, port] (a multi-process producer; the scheduler
     half lists them in kv_transfer_params "endpoints").
+    `push_address`: push mode, consumer: its data server's [host, port], filled by the worker
+    half, put into grants by the scheduler half (like `control_address`).
     """
 
     def __init__(
@@ -62,20 +66,22 @@ class P2PConnector(KVConnectorBase):
         rank: int | None = None,
         world_size: int | None = None,
         control_endpoints: list[Address] | None = None,
+        push_address: Address | None = None,
     ) -> None:
         super().__init__(spec, role, kv_cache_config, layout)
         address: Address = control_address if control_address is not None else ["127.0.0.1", 0]
         block_size = kv_cache_config.groups[0].spec.block_size
+        push: Address = push_address if push_address is not None else ["127.0.0.1", 0]
         self.scheduler = (
             P2PConnectorScheduler(spec, layout, block_size, address, len(kv_cache_config.groups),
                                   kv_cache_config.sliding_windows, control_endpoints,
                                   tuple(g.spec.kind == "linear_state"
-                                        for g in kv_cache_config.groups))
+                                        for g in kv_cache_config.groups), push)
             if role == KVConnectorRole.SCHEDULER
             else None
         )
         self.worker = (P2PConnectorWorker(spec, layout, address, dcp_rank, dcp_size, rank,
-                                          world_size)
+                                          world_size, layer_slots(kv_cache_config), push)
                        if role == KVConnectorRole.WORKER else None)
 
     @classmethod
@@ -83,6 +89,16 @@ class P2PConnector(KVConnectorBase):
         return P2PConnectorMetadata
 
     # scheduler half
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        assert self.scheduler is not None
+        self.scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def push_grant(self, request_id: str) -> PushGrant | None:
+        """Push mode, consumer's scheduler half (engine loop thread): the write window opened
+        for request `request_id` once it was admitted (its blocks allocated), else None."""
+        assert self.scheduler is not None
+        return self.scheduler.push_grant(request_id)
+
     def validate_request(self, request: Request) -> None:
         assert self.scheduler is not None
         self.scheduler.validate_request(request)
@@ -105,7 +121,7 @@ class P2PConnector(KVConnectorBase):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        return self.scheduler.build_connector_meta()
+        return self.scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
@@ -149,6 +165,17 @@ class P2PConnector(KVConnectorBase):
         assert self.worker is not None
         if isinstance(self._metadata, P2PConnectorMetadata):
             self.worker.start_load_kv(self._metadata)
+
+    def save_kv_layer(self, layer_index: int) -> None:
+        """Push mode, producer: queue layer `layer_index`'s KV of this step's pushes for the
+        sender thread (never blocks); nothing otherwise."""
+        assert self.worker is not None
+        self.worker.push_sender.save_kv_layer(layer_index)
+
+    def wait_for_save(self) -> None:
+        """Push mode, producer: wait (deadline: transfer_timeout) for this step's writes."""
+        assert self.worker is not None
+        self.worker.push_sender.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         assert self.worker is not None

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 _INTS = ("kv_port", "transfer_port", "kv_pulls_per_peer", "kv_pull_threads",
          "kv_server_max_connections")
 _FLOATS = ("kv_lease_duration", "transfer_timeout", "kv_server_idle_timeout")
-_STRS = ("transfer", "kv_host", "kv_advertise_host", "mooncake_protocol")
+_STRS = ("transfer", "kv_host", "kv_advertise_host", "mooncake_protocol", "transfer_mode")
+TRANSFER_MODES = ("pull", "push")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,10 @@ class P2PConfig:
         kv_server_max_connections: connections the control / tcp data servers accept at once.
         kv_server_idle_timeout: seconds an idle server connection is kept.
         mooncake_protocol: the mooncake transfer engine's protocol.
+        transfer_mode: "pull" (D reads P's held blocks after P's prefill; the default) or
+            "push" (P writes each layer's KV into blocks D granted, while it computes the next
+            layers; vLLM's NIXL connector push mode, vLLM-Ascend's layer-wise connector;
+            pdkv/kv_transfer/connector/p2p_push.py).
     """
 
     transfer: str = "tcp"
@@ -43,6 +48,7 @@ class P2PConfig:
     kv_server_max_connections: int = 64
     kv_server_idle_timeout: float = 60.0
     mooncake_protocol: str = "tcp"
+    transfer_mode: str = "pull"
 
     @staticmethod
     def from_extra(extra: Mapping[str, object]) -> P2PConfig:
@@ -81,6 +87,11 @@ class P2PConfig:
             if not isinstance(value, str):
                 raise ValueError(f"P2PConnector {key} must be a string, got {value!r}")
             strs[key] = value
+        mode = strs.get("transfer_mode", "pull")
+        if mode not in TRANSFER_MODES:
+            raise ValueError(
+                f"P2PConnector transfer_mode must be one of {list(TRANSFER_MODES)}, got {mode!r}"
+            )
         d = P2PConfig()  # the defaults
         return P2PConfig(
             transfer=strs.get("transfer", d.transfer),
@@ -96,4 +107,5 @@ class P2PConfig:
                                                d.kv_server_max_connections),
             kv_server_idle_timeout=floats.get("kv_server_idle_timeout", d.kv_server_idle_timeout),
             mooncake_protocol=strs.get("mooncake_protocol", d.mooncake_protocol),
+            transfer_mode=mode,
         )

@@ -88,10 +88,69 @@ class NotifySpec(msgspec.Struct):
     remote_nonce: str = ""
 
 
+class PushGrant(msgspec.Struct, frozen=True):
+    """Push mode: the write window D's scheduler half opened for one of its requests (D first:
+    vLLM-Ascend's layer-wise connector; vLLM's NIXL push mode). P receives it in the prefill
+    request's kv_transfer_params["push_grant"] and writes prompt block k of every layer into
+    D's `block_ids[g][k - first_block]` with the grant (request_id, nonce); D accepts writes only
+    there, each (block, layer) once, until `lease_s` seconds after it opened the window.
+
+    Attributes:
+        engine_id: D's engine id.
+        request_id: D's request id (the grant's name on D's data server).
+        nonce: random per window (a write with another nonce is refused and counted).
+        block_ids: per KV cache group, D's blocks for prompt blocks first_block .. (ascending).
+        first_block: index of the first prompt block D lacks (its local prefix hits precede).
+        prompt_digest: sha256 of D's prompt and cache_salt (`prompt_digest`); P refuses a grant
+            whose digest is not its own prompt's.
+        host, port: D's data server (tcp transfer engine) receiving the writes.
+        lease_s: seconds D keeps the window open from when it opened it.
+        num_tokens: the prompt's token count.
+        block_size: tokens per block on D (P's must be equal in step 1).
+        layout: D's KV layout (wire form), compared by P as a handshake would.
+    """
+
+    engine_id: str
+    request_id: str
+    nonce: str
+    block_ids: list[list[int]]
+    first_block: int
+    prompt_digest: str
+    host: str
+    port: int
+    lease_s: float
+    num_tokens: int
+    block_size: int
+    layout: dict[str, object]
+
+
+class PushSpec(msgspec.Struct):
+    """Push mode, P's worker half, one step: after each layer's forward, write that layer's KV of
+    `local_block_ids[g][i]` into D's `remote_block_ids[g][i]` under `grant` (the prompt blocks
+    that became complete in this step; the last, partial one with the prompt's last chunk)."""
+
+    request_id: str  # P's
+    grant: PushGrant
+    local_block_ids: tuple[list[int], ...]
+    remote_block_ids: tuple[list[int], ...]
+
+
+class WindowSpec(msgspec.Struct):
+    """Push mode, D's worker half: accept writes for grant (request_id, nonce) into
+    `block_ids` (per group) until `lease_s` seconds from now; then the load fails."""
+
+    request_id: str
+    nonce: str
+    block_ids: tuple[list[int], ...]
+    lease_s: float
+
+
 class P2PConnectorMetadata(KVConnectorMetadata, kw_only=True):
     reqs_to_send: list[SendSpec] = msgspec.field(default_factory=list)
     reqs_to_recv: list[RecvSpec] = msgspec.field(default_factory=list)
     notifications: list[NotifySpec] = msgspec.field(default_factory=list)
+    reqs_to_push: list[PushSpec] = msgspec.field(default_factory=list)
+    windows_to_open: list[WindowSpec] = msgspec.field(default_factory=list)
 
 
 # ------------------------------------------------------------------ control plane (P's server)

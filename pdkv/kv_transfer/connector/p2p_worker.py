@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from pdkv.kv_transfer.connector.p2p_consumer import ConsumerSide
 from pdkv.kv_transfer.connector.p2p_messages import P2PConnectorMetadata
 from pdkv.kv_transfer.connector.p2p_producer import ProducerSide
+from pdkv.kv_transfer.connector.p2p_push import LayerSlot, PushReceiver, PushSender
 from pdkv.kv_transfer.connector.p2p_results import WorkerResults
 from pdkv.kv_transfer.connector.startup import Address
 from pdkv.kv_transfer.engine.factory import create_transfer_engine
@@ -64,11 +65,15 @@ class P2PConnectorWorker:
             reads a grant; default dcp_rank / dcp_size). A configured kv_port or transfer_port
             (non-zero) is rank 0's: rank r listens on port + r (each rank of a multi-rank
             producer runs its own control and data servers).
+        slots: per model layer, its (group, index in group, layers in group) (push mode).
+        push_address: shared [host, port] list: push mode, consumer: its data server's address
+            (filled here at register_kv_caches; the scheduler half puts it into grants).
     """
 
     def __init__(self, spec: P2PSpec, layout: KVLayout, control_address: Address,
                  dcp_rank: int = 0, dcp_size: int = 1, rank: int | None = None,
-                 world_size: int | None = None) -> None:
+                 world_size: int | None = None, slots: list[LayerSlot] | None = None,
+                 push_address: Address | None = None) -> None:
         s = spec.p2p
         self.spec = spec
         self.layout = layout
@@ -88,6 +93,15 @@ class P2PConnectorWorker:
         self.producer = ProducerSide(spec, layout, self.engine, self.results, self._block_bytes)
         self.consumer = ConsumerSide(spec, layout, self.engine, self.results, self._regions,
                                      self._block_bytes, dcp_rank, dcp_size, rank, world_size)
+        self.push = s.transfer_mode == "push"
+        self.push_address: Address = push_address if push_address is not None else ["", 0]
+        slots = slots or []
+        self.push_sender = PushSender(self.engine, self.results, self._regions,
+                                      self._block_bytes, slots, s.transfer_timeout)
+        per_group = [0] * (max((g for g, _, _ in slots), default=-1) + 1)
+        for g, _, n in slots:
+            per_group[g] = n
+        self.push_receiver = PushReceiver(self.results, self._block_bytes, per_group)
         if spec.is_kv_producer:
             port = s.kv_port
             self.control_address[:] = self.producer.start(self.host, port + offset if port else 0,
@@ -124,12 +138,23 @@ class P2PConnectorWorker:
             view = flat.numpy().data
             self._regions.append(view)
             self._block_bytes.append(len(view) // t.shape[0])
-            if self.spec.is_kv_producer:
+            if self.spec.is_kv_producer or self.receives_pushes:
                 self.engine.register_region(f"g{g}", view)
             if self.spec.is_kv_consumer:
                 self.engine.register_local(f"g{g}", view)
-        if self.spec.is_kv_producer:
+        if self.receives_pushes:
+            self.engine.set_write_handler(self.push_receiver.authorize,
+                                          self.push_receiver.on_written)
+        if self.spec.is_kv_producer or self.receives_pushes:
             self.engine.start(self.host, self.advertise_host)
+        if self.receives_pushes:
+            info = self.engine.peer_info()
+            self.push_address[:] = [str(info["host"]), int(info["port"])]
+
+    @property
+    def receives_pushes(self) -> bool:
+        """Push mode on a consumer: its transfer engine serves writes into granted blocks."""
+        return self.push and self.spec.is_kv_consumer
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
         """The engine loop's wake-up callback (called when sends or loads finish)."""
@@ -140,7 +165,8 @@ class P2PConnectorWorker:
         blocks held for consumers, a renewal or deadline of a pull not yet reading; or None."""
         times = [
             t
-            for t in (self.producer.next_deadline(), self.consumer.next_deadline())
+            for t in (self.producer.next_deadline(), self.consumer.next_deadline(),
+                      self.push_receiver.next_deadline())
             if t is not None
         ]
         return min(times, default=None)
@@ -149,9 +175,12 @@ class P2PConnectorWorker:
     def start_load_kv(self, meta: P2PConnectorMetadata) -> None:
         self.producer.hold(meta.reqs_to_send)
         self.consumer.submit(meta.reqs_to_recv, meta.notifications)
+        self.push_receiver.open(meta.windows_to_open)
+        self.push_sender.begin(meta.reqs_to_push)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         self.producer.expire()
+        self.push_receiver.expire()
         self.consumer.tick()
         return self.results.take_finished()
 
@@ -171,6 +200,7 @@ class P2PConnectorWorker:
         return self.producer.has_pending()
 
     def shutdown(self) -> None:
+        self.push_sender.shutdown()
         self.producer.shutdown()
         self.consumer.shutdown()
         self.engine.close()

@@ -28,6 +28,8 @@ class ConnectorStartup:
         control_address: P2P: the producer's control server [host, port], filled in place by
             the worker half when its server is bound (port 0 until then); None until a P2P
             connector is built.
+        push_address: P2P push mode, consumer: its data server [host, port] (where producers
+            write), filled in place by the worker half; the scheduler half puts it into grants.
         control_endpoints: P2P, multi-process engine: every rank's [host, port] (rank order),
             set by the executor; None otherwise.
         pool_store: KVPoolConnector: the pool's store, created by the half built first.
@@ -43,6 +45,7 @@ class ConnectorStartup:
     rank: int | None = None
     world_size: int | None = None
     control_address: Address | None = None
+    push_address: Address | None = None
     control_endpoints: list[Address] | None = None
     tp_rank: int = 0
     tp_size: int = 1

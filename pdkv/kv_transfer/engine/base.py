@@ -17,7 +17,12 @@ Grant = tuple[str, str]
 """(request id, nonce) of the producer's grant a read belongs to."""
 
 Authorizer = Callable[[Grant | None, str, list[tuple[int, int]]], str | None]
-"""Producer side: (grant, region, [(offset, length)]) -> None to serve the ranges, or why not."""
+"""Producer side: (grant, region, [(offset, length)]) -> None to serve the ranges, or why not.
+Push mode, consumer side: the same signature decides whether to accept a write."""
+
+WriteDone = Callable[[Grant, str, list[tuple[int, int]], bool], None]
+"""Push mode, consumer side: an accepted write (grant, region, [(offset, length)]) ended: True =
+all its bytes landed, False = the stream broke (its ranges hold undefined bytes)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,16 @@ def _merged(first: ReadOp, length: int, addr: int, ctypes: Any) -> ReadOp:
         return first
     dest = memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
     return ReadOp(first.region, first.offset, length, dest)
+
+
+@dataclass(frozen=True)
+class WriteOp:
+    """Push mode: copy `length` bytes of `src` to `offset` of the peer's region `region`."""
+
+    region: str
+    offset: int
+    length: int
+    src: memoryview
 
 
 class TransferError(RuntimeError):
@@ -121,6 +136,26 @@ class TransferEngine(ABC):
         Raises:
             TransferError: unreachable peer, bad region/offset, or deadline passed.
         """
+
+    def set_write_handler(self, authorize: Authorizer, on_written: WriteDone) -> None:
+        """Push mode, consumer side, before `start`: accept writes into registered regions,
+        each only when `authorize(grant, region, ranges)` returns None (else it is refused with
+        that reason, no byte written); `on_written` is called (server thread) once for every
+        accepted write when it ended, saying whether all its bytes landed. Engines that cannot
+        serve writes ignore it (every push to them fails)."""
+
+    def write(
+        self, peer: dict[str, Any], ops: list[WriteOp], deadline: float, grant: Grant | None = None
+    ) -> int:
+        """Push mode, producer side (the connector's sender thread; blocks): write `ops` into
+        the peer's registered regions under the consumer's `grant` (request id, nonce).
+        Returns bytes written.
+
+        Raises:
+            TransferError: this engine cannot push, the peer refused (outside its window, stale
+                nonce), it is unreachable, or the deadline passed.
+        """
+        raise TransferError(f"the {self.name} transfer engine cannot push (write) KV")
 
     def close(self) -> None:
         """Stop servers, release mappings."""

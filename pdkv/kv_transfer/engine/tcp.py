@@ -1,5 +1,8 @@
 """`tcp` transfer engine: the producer serves byte ranges of its regions over a TCP socket;
 the consumer receives them straight into its KV cache blocks (recv_into, no extra copy).
+Push mode (the P2P connector's `transfer_mode: push`) runs the other way on the same protocol: the
+producer writes byte ranges into the consumer's registered regions, each write asked first of the
+consumer's write handler (`set_write_handler`) and acknowledged twice (accepted, then landed).
 
 Every read names the producer grant it belongs to; with an authorizer set (the P2P connector
 always sets one) the server serves only ranges inside the blocks held for that grant. Server
@@ -22,6 +25,8 @@ from pdkv.kv_transfer.engine.base import (
     ReadOp,
     TransferEngine,
     TransferError,
+    WriteDone,
+    WriteOp,
     coalesce,
 )
 from pdkv.kv_transfer.wire import (
@@ -37,11 +42,23 @@ from pdkv.kv_transfer.wire import (
 logger = logging.getLogger(__name__)
 
 
-class _ReadRequest(msgspec.Struct):
+class _ReadRequest(msgspec.Struct, tag="read"):
     region: str
     ranges: list[tuple[int, int]]  # (offset, length)
     request_id: str = ""
     nonce: str = ""
+
+
+class _WriteRequest(msgspec.Struct, tag="write"):
+    """Push: the ranges' bytes follow once the server accepted (a first _ReadReply)."""
+
+    region: str
+    ranges: list[tuple[int, int]]  # (offset, length)
+    request_id: str = ""
+    nonce: str = ""
+
+
+_Request = _ReadRequest | _WriteRequest
 
 
 class _ReadReply(msgspec.Struct):
@@ -73,6 +90,8 @@ class TcpTransferEngine(TransferEngine):
         self._server: socket.socket | None = None
         self._host = "127.0.0.1"
         self._authorizer: Authorizer | None = None
+        self._write_authorizer: Authorizer | None = None
+        self._on_written: WriteDone | None = None
         self._conns: dict[tuple[str, int], socket.socket] = {}
         self._conn_lock = threading.Lock()
 
@@ -81,6 +100,10 @@ class TcpTransferEngine(TransferEngine):
 
     def set_authorizer(self, authorizer: Authorizer) -> None:
         self._authorizer = authorizer
+
+    def set_write_handler(self, authorize: Authorizer, on_written: WriteDone) -> None:
+        self._write_authorizer = authorize
+        self._on_written = on_written
 
     def start(self, host: str, advertise_host: str | None = None) -> None:
         self._host = advertise_host or host
@@ -101,12 +124,47 @@ class TcpTransferEngine(TransferEngine):
             return self._authorizer(grant, req.region, req.ranges)
         return None
 
+    def _write_refusal(self, req: _WriteRequest) -> str | None:
+        region = self._regions.get(req.region)
+        if region is None or any(o < 0 or n < 0 or o + n > len(region) for o, n in req.ranges):
+            return f"bad region or range in {req.region!r}"
+        if self._write_authorizer is None:
+            return "this engine accepts no writes"
+        grant = (req.request_id, req.nonce) if req.request_id else None
+        return self._write_authorizer(grant, req.region, req.ranges)
+
+    def _serve_write(self, conn: socket.socket, req: _WriteRequest) -> None:
+        """Accept (or refuse) one write, receive its bytes into the region, acknowledge."""
+        error = self._write_refusal(req)
+        if error is not None:
+            send_msg(conn, _ReadReply(False, error=error))
+            return
+        region = self._regions[req.region]
+        total = sum(n for _, n in req.ranges)
+        send_msg(conn, _ReadReply(True, total))
+        deadline = time.monotonic() + self._idle_timeout
+        landed = False
+        try:
+            for off, n in req.ranges:
+                recv_exact_into(conn, region[off : off + n], deadline)
+            landed = True
+        finally:  # accepted writes always end, landed or not (the window waits for them)
+            if self._on_written is not None:
+                self._on_written((req.request_id, req.nonce), req.region, req.ranges, landed)
+        send_msg(conn, _ReadReply(True, total))
+
     def _serve(self, conn: socket.socket) -> None:
         while True:
             try:
-                req = recv_msg(conn, _ReadRequest)
+                req: _ReadRequest | _WriteRequest = recv_msg(conn, _Request)  # type: ignore[arg-type]
             except (WireError, OSError):
                 return
+            if isinstance(req, _WriteRequest):
+                try:
+                    self._serve_write(conn, req)
+                except (OSError, WireError, TimeoutError):
+                    return
+                continue
             try:
                 error = self._refusal(req)
                 if error is not None:
@@ -181,6 +239,63 @@ class TcpTransferEngine(TransferEngine):
                 raise _StaleConnection() from None
             why = "transfer deadline passed" if isinstance(e, TimeoutError) else str(e)
             raise TransferError(f"read from {key[0]}:{key[1]} failed: {why}") from None
+        except TransferError:
+            sock.close()
+            raise
+        return total
+
+    def write(
+        self, peer: dict[str, Any], ops: list[WriteOp], deadline: float, grant: Grant | None = None
+    ) -> int:
+        """Write `ops` into the peer's regions (push mode). Like `read`, a kept connection that
+        fails before any reply is retried once on a fresh one (nothing was written then).
+
+        Raises:
+            TransferError: refused (the reason is the consumer's), unreachable, a broken
+                stream, or the deadline passed.
+        """
+        key = (str(peer["host"]), int(peer["port"]))
+        rid, nonce = grant if grant is not None else ("", "")
+        by_region: dict[str, list[WriteOp]] = {}
+        for op in ops:
+            by_region.setdefault(op.region, []).append(op)
+        sock, reused = self._connection(key, deadline)
+        try:
+            total = self._write_on(sock, key, by_region, rid, nonce, deadline, stale_ok=reused)
+        except _StaleConnection:
+            sock, _ = self._connection(key, deadline, fresh=True)
+            total = self._write_on(sock, key, by_region, rid, nonce, deadline, stale_ok=False)
+        self._release(key, sock)
+        return total
+
+    def _write_on(self, sock: socket.socket, key: tuple[str, int],
+                  by_region: dict[str, list[WriteOp]], rid: str, nonce: str, deadline: float,
+                  stale_ok: bool) -> int:
+        """One write attempt on `sock` (closed on any failure); see `_read_on`."""
+        total = 0
+        replied = False
+        try:
+            for region, region_ops in by_region.items():
+                self._set_timeout(sock, deadline)
+                ranges = [(op.offset, op.length) for op in region_ops]
+                send_msg(sock, _WriteRequest(region, ranges, rid, nonce))
+                reply = recv_msg(sock, _ReadReply, deadline)
+                replied = True
+                if not reply.ok:
+                    raise TransferError(f"peer {key[0]}:{key[1]} refused write: {reply.error}")
+                for op in region_ops:
+                    self._set_timeout(sock, deadline)
+                    sock.sendall(op.src.cast("B")[: op.length])
+                landed = recv_msg(sock, _ReadReply, deadline)
+                if not landed.ok:
+                    raise TransferError(f"peer {key[0]}:{key[1]} failed write: {landed.error}")
+                total += sum(op.length for op in region_ops)
+        except (OSError, WireError) as e:
+            sock.close()
+            if stale_ok and not replied and not isinstance(e, TimeoutError):
+                raise _StaleConnection() from None
+            why = "transfer deadline passed" if isinstance(e, TimeoutError) else str(e)
+            raise TransferError(f"write to {key[0]}:{key[1]} failed: {why}") from None
         except TransferError:
             sock.close()
             raise

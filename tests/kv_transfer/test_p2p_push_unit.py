@@ -1,0 +1,49 @@
+"""D's push windows (pdkv/kv_transfer/connector/p2p_push.py, PushReceiver) without engines: a
+window whose lease passes while an accepted write is still receiving is failed only after that
+write ended (its blocks are never freed for reuse while bytes arrive); a window whose units all
+landed succeeds with the bytes of each unit counted once."""
+
+from __future__ import annotations
+
+import time
+
+from pdkv.kv_transfer.connector.p2p_messages import WindowSpec
+from pdkv.kv_transfer.connector.p2p_push import PushReceiver
+from pdkv.kv_transfer.connector.p2p_results import WorkerResults
+
+LAYERS, BB = 2, 64  # two layers per block: 32 bytes per (block, layer)
+
+
+def receiver(lease_s: float) -> tuple[PushReceiver, WorkerResults]:
+    results = WorkerResults(lambda: None)
+    rx = PushReceiver(results, [BB], [LAYERS])
+    rx.open([WindowSpec("r", "n", ([3, 5],), lease_s)])
+    return rx, results
+
+
+def test_expiry_waits_for_an_accepted_write_to_end():
+    rx, results = receiver(0.01)
+    assert rx.authorize(("r", "n"), "g0", [(3 * BB, 32)]) is None  # accepted, now receiving
+    time.sleep(0.02)
+    rx.expire()
+    assert results.take_finished() == (set(), set())  # still the window's: not failed yet
+    rx.on_written(("r", "n"), "g0", [(3 * BB, 32)], False)  # the stream broke
+    rx.expire()
+    assert results.take_finished() == (set(), {"r"})
+    assert results.take_errors()["r"].startswith("push window deadline passed")
+    assert results.take_bad_blocks() == {(0, 3), (0, 5)}
+
+
+def test_all_units_landed_succeeds_and_counts_bytes_once():
+    rx, results = receiver(30.0)
+    units = [(b * BB + j * 32, 32) for b in (3, 5) for j in range(LAYERS)]
+    for off, n in units:
+        assert rx.authorize(("r", "n"), "g0", [(off, n)]) is None
+        assert results.take_finished() == (set(), set())
+        rx.on_written(("r", "n"), "g0", [(off, n)], True)
+    assert results.take_finished() == (set(), {"r"})
+    stats, _ = results.take_stats()
+    assert stats["kv_bytes_received"] == 4 * 32
+    assert rx.authorize(("r", "n"), "g0", [(3 * BB, 32)]) is not None  # window closed
+    stats, _ = results.take_stats()
+    assert stats["kv_push_refused"] == 1
