@@ -15,6 +15,7 @@ from pdkv.bench.offline.limits import (
     flop_share,
     format_limits,
     limits_dict,
+    measure_fma_peak,
     measure_limits,
     model_cost,
     prefill_limit_tok_s,
@@ -104,6 +105,37 @@ def test_roofline():
     text = format_limits(limits_dict(cost, lim))
     assert "memory read 20.0 GB/s (torch.sum over 400 MB" in text
     assert "batch-1 decode <= 50.0 tok/s" in text and "<= 500.0 tok/s" in text
+
+
+def test_the_fma_peak_is_the_compute_ceiling_where_measured():
+    cost = ModelCost(weight_bytes=400_000_000, matmul_params=100_000_000, dtype="float32")
+    mm = MachineLimits(read_bytes_per_s=20e9, read_buffer_bytes=400_000_000,
+                       matmul_flop_per_s=100e9, matmul_n=1024, threads=2)
+    fma = MachineLimits(read_bytes_per_s=20e9, read_buffer_bytes=400_000_000,
+                        matmul_flop_per_s=100e9, matmul_n=1024, threads=2, fma_flop_per_s=200e9)
+    assert mm.peak_flop_per_s == 100e9 and fma.peak_flop_per_s == 200e9
+    assert prefill_limit_tok_s(cost, fma) == pytest.approx(1000.0)
+    assert decode_limit_tok_s(cost, fma, 64) == pytest.approx(1000.0)
+    assert flop_share(cost, fma, 250.0) == pytest.approx(0.25)
+    assert "FMA peak 200.0 GFLOP/s" in format_limits(limits_dict(cost, fma))
+    assert "FMA peak not measured" in format_limits(limits_dict(cost, mm))
+
+
+def test_fma_peak_op_counts_its_flop(monkeypatch):
+    from pdkv.model.paged_decode_build import load
+
+    if load() is not None:
+        pytest.skip(f"pdkv's extension not loaded: {load()}")
+    flop, checksum = torch.ops.pdkv.fma_peak(1000).tolist()
+    # 12 chains x lanes x 2 FLOP x 1000 rounds per thread; 8 lanes with AVX2, 16 with AVX-512.
+    lanes = flop / (2 * 12 * 1000 * torch.get_num_threads())
+    assert lanes in (4, 8, 16)
+    assert checksum == checksum and checksum > 0  # not NaN: the loop ran on real values
+    assert measure_fma_peak(repeats=1, iters=1000) > 0
+    with pytest.raises(RuntimeError, match="iters must be positive"):
+        torch.ops.pdkv.fma_peak(0)
+    monkeypatch.setenv("PDKV_CPU_OPS", "0")
+    assert measure_fma_peak(repeats=1, iters=1000) is None
 
 
 def test_measure_limits_reports_what_it_measured():

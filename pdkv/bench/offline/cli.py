@@ -82,8 +82,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--peer", dest="peers", type=_parse_peers, default=["hf"],
         help="systems measured beside pdkv: hf, llama.cpp (comma-separated; none: pdkv only). "
              "llama.cpp adds a 512-token batch-1 prefill, the machine's limits (read bandwidth, "
-             "matmul peak) and the workload table with the speed goals; llama.cpp itself is "
-             "skipped with a message when not built (`make llama-cpp`)",
+             "FMA peak, matmul rate) and the workload table with the speed goals; llama.cpp "
+             "itself is skipped with a message when not built (`make llama-cpp`)",
     )
     parser.add_argument(
         "--long-prefill-len",

@@ -1,4 +1,4 @@
-"""The machine's limits beside `pdkv bench offline`'s systems: memory read bandwidth, fp32 matmul
+"""The machine's limits beside `pdkv bench offline`'s systems: memory read bandwidth, fp32 FMA
 peak, and the roofline they put on a model's decode and prefill.
 
 Both are measured in the benchmark's own process with its thread count, right before the
@@ -8,20 +8,23 @@ run on one machine state:
 * read bandwidth (bytes / second): the best of `repeats` timed `torch.sum` passes over one float32
   buffer the size of the model's weights (a streaming read, vectorized and split over the
   threads by ATen's reduction; nothing is written back but one scalar);
-* matmul peak (FLOP / second): the best of `repeats` timed `torch.mm` products of two n × n
-  float32 matrices (2 n^3 FLOP each; ATen's BLAS, MKL or OpenBLAS), the machine's fp32 FMA rate
-  as far as a well-tuned library reaches it.
+* FMA peak (FLOP / second): the best of `repeats` timed runs of pdkv's `fma_peak` op
+  (`csrc/fma_peak.cpp`: twelve independent vector FMA chains per thread, operands in registers,
+  the ISA the extension was built for), the rate no compute-bound kernel can pass here;
+* matmul rate (FLOP / second): the best of `repeats` timed `torch.mm` products of two n × n
+  float32 matrices (2 n^3 FLOP each; ATen's BLAS), what a tuned library reaches. It stands in for
+  the FMA peak where pdkv's extension is not built.
 
 The roofline (Williams, Waterman and Patterson, "Roofline: an insightful visual performance model
 for multicore architectures", CACM 2009): one decode step of B sequences with C cached tokens each
 reads the weights once (`weight_bytes`) and each sequence's K and V (C x `kv_bytes_per_token`),
 and computes 2 x `matmul_params` + C x `attn_flop_per_ctx_token` FLOP per sequence, so it takes
-at least max(bytes / bandwidth, FLOP / peak) seconds, and B tokens per step give the limit in
+at least max(bytes / bandwidth, FLOP / FMA peak) seconds, and B tokens per step give the limit in
 tokens / second. At 64 sequences of SmolLM2 with 150 cached tokens the float32 KV read (440 MB)
 is close to the weights' (538 MB), so it is counted. A prefill of B prompts of L tokens is compute
-bound: each token costs 2 x `matmul_params` FLOP plus attention over L / 2 earlier tokens on
-average (causal). Softmax, norms and the KV write are left out, so the limit is an upper bound a
-little above the true one.
+bound at the FMA peak: each token costs 2 x `matmul_params` FLOP plus attention over L / 2
+earlier tokens on average (causal). Softmax, norms and the KV write are left out, so the limit
+is an upper bound a little above the true one.
 """
 
 from __future__ import annotations
@@ -64,14 +67,16 @@ class ModelCost:
 
 @dataclass(frozen=True)
 class MachineLimits:
-    """Read bandwidth and matmul peak measured in this process (`measure_limits`).
+    """Read bandwidth, FMA peak and matmul rate measured in this process (`measure_limits`).
 
     Attributes:
         read_bytes_per_s: best streaming read rate over `read_buffer_bytes` (bytes / second).
         read_buffer_bytes: size of the buffer read (bytes; the model's weight bytes).
         matmul_flop_per_s: best fp32 `torch.mm` rate (FLOP / second) of `matmul_n`^3 products.
         matmul_n: side of the square matrices.
-        threads: torch intra-op threads used for both.
+        threads: torch intra-op threads used for all of them.
+        fma_flop_per_s: best register-only fp32 FMA rate (FLOP / second, pdkv's `fma_peak` op),
+            None where pdkv's extension is not loaded.
     """
 
     read_bytes_per_s: float
@@ -79,6 +84,12 @@ class MachineLimits:
     matmul_flop_per_s: float
     matmul_n: int
     threads: int
+    fma_flop_per_s: float | None = None
+
+    @property
+    def peak_flop_per_s(self) -> float:
+        """The compute ceiling of the roofline: the FMA peak, else the matmul rate."""
+        return self.fma_flop_per_s if self.fma_flop_per_s is not None else self.matmul_flop_per_s
 
 
 def model_cost(model_path: str, dtype: str) -> ModelCost:
@@ -138,8 +149,26 @@ def _best_seconds(fn: Any, repeats: int) -> float:
     return best
 
 
+def measure_fma_peak(repeats: int = 5, iters: int = 20_000_000) -> float | None:
+    """Best fp32 FMA rate (FLOP / second) of `repeats` runs of pdkv's `fma_peak` op with torch's
+    threads, `iters` rounds of 12 vector FMAs per thread each; None when pdkv's extension is not
+    loaded (`make setup` builds it; PDKV_CPU_OPS=0 turns it off)."""
+    from pdkv.model.paged_decode_build import load
+
+    if load() is not None or not hasattr(torch.ops.pdkv, "fma_peak"):
+        return None
+    torch.ops.pdkv.fma_peak(max(1, iters // 10))  # threads up, clocks up
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        flop = float(torch.ops.pdkv.fma_peak(iters)[0])
+        best = max(best, flop / (time.perf_counter() - t0))
+    return best
+
+
 def measure_limits(read_bytes: int, repeats: int = 5, matmul_n: int = 3072) -> MachineLimits:
-    """Measure read bandwidth over `read_bytes` and the fp32 matmul peak, with torch's threads.
+    """Measure read bandwidth over `read_bytes`, the fp32 FMA peak and the matmul rate, with
+    torch's threads.
 
     Args:
         read_bytes: bytes of the float32 buffer read (the model's weight bytes); >= 4.
@@ -171,6 +200,7 @@ def measure_limits(read_bytes: int, repeats: int = 5, matmul_n: int = 3072) -> M
         matmul_flop_per_s=2.0 * matmul_n**3 / mm_s,
         matmul_n=matmul_n,
         threads=torch.get_num_threads(),
+        fma_flop_per_s=measure_fma_peak(repeats),
     )
 
 
@@ -186,24 +216,24 @@ def decode_limit_tok_s(cost: ModelCost, limits: MachineLimits, batch_size: int,
     step_s = max(
         (cost.weight_bytes + batch_size * context * cost.kv_bytes_per_token)
         / limits.read_bytes_per_s,
-        batch_size * token_flop(cost, context) / limits.matmul_flop_per_s,
+        batch_size * token_flop(cost, context) / limits.peak_flop_per_s,
     )
     return batch_size / step_s
 
 
 def prefill_limit_tok_s(cost: ModelCost, limits: MachineLimits, prompt_len: int = 0) -> float:
     """Roofline prefill throughput (prompt tokens / second) of prompts of `prompt_len` tokens:
-    compute bound at the matmul peak, each token attending to prompt_len / 2 tokens on average."""
-    return limits.matmul_flop_per_s / token_flop(cost, prompt_len / 2)
+    compute bound at the FMA peak, each token attending to prompt_len / 2 tokens on average."""
+    return limits.peak_flop_per_s / token_flop(cost, prompt_len / 2)
 
 
 def flop_share(cost: ModelCost, limits: MachineLimits, tok_s: float | None,
                context: float = 0.0) -> float | None:
-    """Fraction of the measured matmul peak that `tok_s` tokens / second of `context`-token
-    attention use (None: no figure)."""
+    """Fraction of the FMA peak (`MachineLimits.peak_flop_per_s`) that `tok_s` tokens / second of
+    `context`-token attention use (None: no figure)."""
     if tok_s is None:
         return None
-    return tok_s * token_flop(cost, context) / limits.matmul_flop_per_s
+    return tok_s * token_flop(cost, context) / limits.peak_flop_per_s
 
 
 def limits_dict(cost: ModelCost, limits: MachineLimits, context: float = 0.0) -> dict[str, Any]:
@@ -212,6 +242,7 @@ def limits_dict(cost: ModelCost, limits: MachineLimits, context: float = 0.0) ->
     return {
         **asdict(limits),
         **{f"model_{k}": v for k, v in asdict(cost).items()},
+        "peak_flop_per_s": limits.peak_flop_per_s,
         "decode_context": context,
         "decode_limit_tok_s_batch1": decode_limit_tok_s(cost, limits, 1, context),
         "prefill_limit_tok_s": prefill_limit_tok_s(cost, limits),
@@ -223,14 +254,20 @@ def format_limits(lim: dict[str, Any]) -> str:
     gb = lim["read_bytes_per_s"] / 1e9
     mb = lim["read_buffer_bytes"] / 1e6
     gf = lim["matmul_flop_per_s"] / 1e9
+    fma = lim.get("fma_flop_per_s")
+    peak = (f"limit: fp32 FMA peak {fma / 1e9:.1f} GFLOP/s (register-only vector FMAs, "
+            f"pdkv's fma_peak op)" if fma else
+            "limit: fp32 FMA peak not measured (pdkv's extension not loaded): the matmul rate "
+            "stands in for it")
     return "\n".join([
+        peak,
         f"limit: memory read {gb:.1f} GB/s (torch.sum over {mb:.0f} MB, the "
         f"{lim['model_dtype']} weights; {lim['threads']} threads) -> batch-1 decode <= "
         f"{lim['decode_limit_tok_s_batch1']:.1f} tok/s",
-        f"limit: fp32 matmul {gf:.1f} GFLOP/s (torch.mm {lim['matmul_n']}^3) -> "
+        f"       fp32 matmul {gf:.1f} GFLOP/s (torch.mm {lim['matmul_n']}^3); "
         f"{lim['model_matmul_params'] / 1e6:.1f} M matmul params x 2 FLOP/token: prefill and "
         f"large-batch decode <= {lim['prefill_limit_tok_s']:.1f} tok/s before attention",
-        f"roofline per row: max(bytes / read rate, FLOP / matmul rate), with K/V reads of "
+        f"roofline per row: max(bytes / read rate, FLOP / FMA peak), with K/V reads of "
         f"{lim['model_kv_bytes_per_token'] / 1e3:.1f} kB per cached token and "
         f"{lim['model_attn_flop_per_ctx_token'] / 1e3:.1f} kFLOP per attended token "
         f"(decode at {lim['decode_context']:.0f} cached tokens, causal prefill)",

@@ -142,7 +142,7 @@ _MEASURE_NAMES = {
     "vs_llamacpp": "pdkv / llama.cpp",
     "vs_hf": "pdkv / HF",
     "of_limit": "pdkv / roofline",
-    "of_matmul_peak": "pdkv FLOP / matmul peak",
+    "of_fma_peak": "pdkv FLOP / FMA peak",
 }
 
 

@@ -6,7 +6,8 @@ Peers: "hf" (HF transformers, `offline_measure.run_hf`) and "llama.cpp" (llama-c
 the same thread count and the timing formulas of `pdkv.bench.offline.cli`. With llama.cpp, a batch-1
 prefill of `long_prefill_len` tokens (default 512) is timed on every system too, and the result
 gets the workload table with the machine's limits measured in the same process (read bandwidth,
-matmul peak: `pdkv.bench.offline.limits`) and the speed goals (`pdkv.bench.offline.workloads`).
+FMA peak, matmul rate: `pdkv.bench.offline.limits`) and the speed goals
+(`pdkv.bench.offline.workloads`).
 """
 
 from __future__ import annotations
