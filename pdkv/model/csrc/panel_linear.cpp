@@ -124,11 +124,23 @@ inline void panel_rows(const float* x, int64_t ldx, int64_t M, const W* p, int64
 // Each thread takes a range of panels. Rows of x go in blocks of kMB, and within a block the
 // thread's panels pass one K chunk at a time over the same kMB x kKC slice of x, which stays in L2
 // while they do: x is read from memory once per thread instead of once per panel (at 8,192 rows
-// of 576 columns, 18.9 MB per panel). Up to kMB rows (every decode step) it is the panel-outer
-// loop it replaces. The order of the k chunks of one output is unchanged (first stores, later
-// chunks add), so the blocking changes no result bit.
+// of 576 columns, 18.9 MB per panel). Up to kMB rows (every decode step) each panel is walked
+// whole, one after the other, so the weights stream in memory order. The order of the k chunks
+// of one output is the same either way (first stores, later chunks add): the blocking changes no
+// result bit.
 template <typename W>
 void panel_gemm(const float* X, const W* Wp, float* Y, int64_t M, int64_t K, int64_t N, int64_t P) {
+  if (M <= kMB) {  // one row block (every decode step): each panel streamed once, in order
+    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = p * kNR, ncols = std::min(kNR, N - n0);
+        for (int64_t k0 = 0; k0 < K; k0 += kKC)
+          panel_rows(X + k0, K, M, Wp + (p * K + k0) * kNR, std::min(kKC, K - k0), Y + n0, N, ncols,
+                     k0 == 0);
+      }
+    });
+    return;
+  }
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += kMB) {
       const int64_t mb = std::min(kMB, M - m0);
