@@ -15,6 +15,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -196,12 +197,23 @@ class TcpTransferEngine(TransferEngine):
         by_region: dict[str, list[ReadOp]] = {}
         for op in coalesce(ops):
             by_region.setdefault(op.region, []).append(op)
+        return self._on_connection(
+            key, deadline,
+            lambda sock, stale_ok: self._read_on(sock, key, by_region, rid, nonce, deadline,
+                                                 stale_ok=stale_ok),
+        )
+
+    def _on_connection(self, key: tuple[str, int], deadline: float,
+                       attempt: Callable[[socket.socket, bool], int]) -> int:
+        """Run `attempt(sock, stale_ok)` on a pooled connection to `key`; a pooled connection
+        the peer closed while idle (`_StaleConnection`) is replaced by a fresh one, once. The
+        connection goes back to the pool after a success. Returns what the attempt returns."""
         sock, reused = self._connection(key, deadline)
         try:
-            total = self._read_on(sock, key, by_region, rid, nonce, deadline, stale_ok=reused)
+            total = attempt(sock, reused)
         except _StaleConnection:
             sock, _ = self._connection(key, deadline, fresh=True)
-            total = self._read_on(sock, key, by_region, rid, nonce, deadline, stale_ok=False)
+            total = attempt(sock, False)
         self._release(key, sock)
         return total
 
@@ -259,14 +271,11 @@ class TcpTransferEngine(TransferEngine):
         by_region: dict[str, list[WriteOp]] = {}
         for op in ops:
             by_region.setdefault(op.region, []).append(op)
-        sock, reused = self._connection(key, deadline)
-        try:
-            total = self._write_on(sock, key, by_region, rid, nonce, deadline, stale_ok=reused)
-        except _StaleConnection:
-            sock, _ = self._connection(key, deadline, fresh=True)
-            total = self._write_on(sock, key, by_region, rid, nonce, deadline, stale_ok=False)
-        self._release(key, sock)
-        return total
+        return self._on_connection(
+            key, deadline,
+            lambda sock, stale_ok: self._write_on(sock, key, by_region, rid, nonce, deadline,
+                                                  stale_ok=stale_ok),
+        )
 
     def _write_on(self, sock: socket.socket, key: tuple[str, int],
                   by_region: dict[str, list[WriteOp]], rid: str, nonce: str, deadline: float,
