@@ -72,6 +72,19 @@ class _StaleConnection(Exception):
     """A kept connection failed before any reply: the peer had closed it (idle)."""
 
 
+def _attempt_failed(sock: socket.socket, e: Exception, may_be_stale: bool,
+                    what: str) -> Exception:
+    """Close `sock` after a socket / wire error of one attempt (its stream position is unknown:
+    never reuse it) and return what to raise: `_StaleConnection` when a kept connection failed
+    before any reply (`may_be_stale`; the caller retries on a fresh one), else a TransferError
+    naming `what` and the deadline or the error."""
+    sock.close()
+    if may_be_stale and not isinstance(e, TimeoutError):
+        return _StaleConnection()
+    why = "transfer deadline passed" if isinstance(e, TimeoutError) else str(e)
+    return TransferError(f"{what} failed: {why}")
+
+
 class TcpTransferEngine(TransferEngine):
     """Args:
         port: data port to listen on (0 = any free port), producer side.
@@ -246,11 +259,8 @@ class TcpTransferEngine(TransferEngine):
                     recv_exact_into(sock, op.dest.cast("B")[: op.length], deadline)
                     total += op.length
         except (OSError, WireError) as e:
-            sock.close()  # its stream position is unknown: never reuse it
-            if stale_ok and not replied and not isinstance(e, TimeoutError):
-                raise _StaleConnection() from None
-            why = "transfer deadline passed" if isinstance(e, TimeoutError) else str(e)
-            raise TransferError(f"read from {key[0]}:{key[1]} failed: {why}") from None
+            raise _attempt_failed(sock, e, stale_ok and not replied,
+                                  f"read from {key[0]}:{key[1]}") from None
         except TransferError:
             sock.close()
             raise
@@ -300,11 +310,8 @@ class TcpTransferEngine(TransferEngine):
                     raise TransferError(f"peer {key[0]}:{key[1]} failed write: {landed.error}")
                 total += sum(op.length for op in region_ops)
         except (OSError, WireError) as e:
-            sock.close()
-            if stale_ok and not replied and not isinstance(e, TimeoutError):
-                raise _StaleConnection() from None
-            why = "transfer deadline passed" if isinstance(e, TimeoutError) else str(e)
-            raise TransferError(f"write to {key[0]}:{key[1]} failed: {why}") from None
+            raise _attempt_failed(sock, e, stale_ok and not replied,
+                                  f"write to {key[0]}:{key[1]}") from None
         except TransferError:
             sock.close()
             raise

@@ -131,6 +131,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   // float32 K/V whose head size fills whole vectors take the vector paths (scores_f32,
   // accumulate_f32); other dtypes and head sizes the scalar loops.
   const bool vec_d = D % pdkv::vec::Vec::size() == 0;
+  const bool vec_path = std::is_same_v<scalar_t, float> && vec_d;
 
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), s(G * bs), m(G), l(G);
@@ -180,7 +181,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
           if constexpr (std::is_same_v<scalar_t, float>) {
             if (vec_d) mb = scores_f32(qg, kb, kv_st, n, D, sg);
           }
-          if (!(std::is_same_v<scalar_t, float> && vec_d)) {
+          if (!vec_path) {
             for (int64_t t = 0; t < n; ++t) {
               const scalar_t* kr = kb + t * kv_st;
               float dot = 0.f;
@@ -202,7 +203,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
           if constexpr (std::is_same_v<scalar_t, float>) {
             if (vec_d) accumulate_f32(ag, sg, vb, kv_st, n, D);
           }
-          if (!(std::is_same_v<scalar_t, float> && vec_d)) {
+          if (!vec_path) {
             for (int64_t t = 0; t < n; ++t) {
               const float e = sg[t];
               const scalar_t* vr = vb + t * kv_st;
