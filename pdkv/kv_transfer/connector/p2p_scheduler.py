@@ -39,18 +39,8 @@ carries P's blocks covering [F, prompt end) (F = this engine's local hits, a mul
 block size), this engine's blocks for that range, the token range and P's block size; the worker
 half plans per-token copies by absolute token position (pdkv/kv_transfer/reblock.py).
 
-Push mode (`transfer_mode: push`; issue 29 step 1; vLLM's NIXL push mode, vLLM-Ascend's
-layer-wise connector): D first. A consumer request with kv_transfer_params {"do_remote_prefill":
-true, "transfer_mode": "push"} is admitted like a pull (blocks for the prompt allocated through
-the block manager, WAITING_FOR_REMOTE_KVS) but opens a write window instead of pulling: a
-`PushGrant` (its blocks after D's local hits, a nonce, the prompt digest, D's data server, a
-lease) that `push_grant` returns and the worker half enforces (p2p_push.PushReceiver). P's
-request carries it in kv_transfer_params["push_grant"] (with do_remote_decode); every step that
-computes part of P's prompt pushes the prompt blocks completed in that step (from its first
-step: also P's prefix hits), layer by layer (`PushSpec`); P holds nothing after its prefill.
-When every layer of every granted block has landed, D's request resumes as after a pull (it
-recomputes the last prompt token). Step 1 takes full-attention and MLA groups with equal block
-sizes, tp 1, dcp 1; other layouts are refused at validate_request, naming the reason.
+Push mode (`transfer_mode: push`; issue 29): D first; its windows and P's pushes are
+`PushScheduler`'s (p2p_push_scheduler.py), which this half asks at each hook.
 """
 
 from __future__ import annotations
@@ -72,14 +62,13 @@ from pdkv.kv_transfer.connector.p2p_messages import (
     NotifySpec,
     P2PConnectorMetadata,
     PushGrant,
-    PushSpec,
     RecvSpec,
     RemoteEngine,
     SendSpec,
-    WindowSpec,
     layout_mismatch,
     prompt_digest,
 )
+from pdkv.kv_transfer.connector.p2p_push_scheduler import PushScheduler, is_push
 from pdkv.kv_transfer.connector.startup import Address
 from pdkv.request import RequestStatus
 
@@ -125,12 +114,6 @@ class P2PConnectorScheduler:
                  linear_groups: tuple[bool, ...] = (),
                  push_address: Address | None = None) -> None:
         self.spec = spec
-        self.push = spec.p2p.transfer_mode == "push"
-        self.push_address: Address = push_address if push_address is not None else ["", 0]
-        self._kv: KVCacheManager | None = None
-        self._grants: dict[str, PushGrant] = {}  # consumer: request id -> its open window
-        self._to_open: list[WindowSpec] = []
-        self._pushing: dict[str, tuple[PushGrant, list[int]]] = {}  # producer: grant, [next block]
         # Per group: whether it holds linear-attention state slots (one slot moves per request).
         self.linear_groups = tuple(linear_groups) or (False,) * num_groups
         self.control_endpoints = control_endpoints if control_endpoints is not None else []
@@ -151,6 +134,8 @@ class P2PConnectorScheduler:
         self._held: dict[str, int] = {}  # producer: request id -> blocks held
         self._waiting_remote: dict[str, list[NotifySpec]] = {}  # consumer: queued, not yet pulling
         self._last_renew = time.monotonic()
+        self.pushes = PushScheduler(spec, layout, block_size, self.sliding_windows,
+                                    self.linear_groups, push_address)
 
     # ---------------------------------------------------------------- helpers
     @staticmethod
@@ -160,74 +145,14 @@ class P2PConnectorScheduler:
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         """Start-up: the block manager (push mode reads a producer request's block table)."""
-        self._kv = kv_cache_manager
-
-    def _push_layout_error(self) -> str:
-        """Why this engine's layout cannot push or receive pushes in step 1, or ""."""
-        if any(self.linear_groups) or any(w is not None for w in self.sliding_windows):
-            return ("P2PConnector transfer_mode 'push' does not move sliding-window or "
-                    "linear-state groups yet: use transfer_mode 'pull' for this model")
-        if self.layout.tp != 1 or self.layout.dcp != 1:
-            return (f"P2PConnector transfer_mode 'push' needs tp 1 and dcp 1 (this engine: tp "
-                    f"{self.layout.tp}, dcp {self.layout.dcp}): use transfer_mode 'pull'")
-        return ""
-
-    @staticmethod
-    def _is_push(p: dict[str, Any] | JSONObject) -> bool:
-        return p.get("transfer_mode") == "push"
-
-    def _validate_push(self, request: Request, p: JSONObject) -> None:
-        """Push-mode kv_transfer_params: D's {"do_remote_prefill", "transfer_mode": "push"}, or
-        P's {"do_remote_decode", "push_grant": PushGrant}.
-
-        Raises:
-            ValueError: this engine is not in push mode or its layout cannot push; a grant that
-                does not parse, is for another layout, block size or prompt.
-        """
-        import msgspec
-
-        if not self.push:
-            raise ValueError("kv_transfer_params ask for a push but this P2PConnector has "
-                             "transfer_mode 'pull' (set kv_connector_extra_config.transfer_mode)")
-        error = self._push_layout_error()
-        if error:
-            raise ValueError(error)
-        if p.get("do_remote_prefill"):
-            if not self.spec.is_kv_consumer:
-                raise ValueError("kv_transfer_params.do_remote_prefill needs a kv_consumer engine")
-            if not self.push_address[1]:
-                raise ValueError("push mode: this engine's data server address is unknown here "
-                                 "(a multi-process engine does not report it yet): use "
-                                 "transfer_mode 'pull'")
-            return
-        if not self.spec.is_kv_producer:
-            raise ValueError("kv_transfer_params.push_grant needs a kv_producer engine")
-        try:
-            grant = msgspec.convert(p.get("push_grant"), PushGrant)
-        except msgspec.ValidationError as e:
-            raise ValueError(f"kv_transfer_params.push_grant is malformed: {e}") from None
-        mismatch = layout_mismatch(self.wire_layout, grant.layout, ())
-        if mismatch:
-            raise ValueError(mismatch)
-        if len(grant.block_ids) != self.num_groups:
-            raise ValueError(f"push_grant has {len(grant.block_ids)} block lists for "
-                             f"{self.num_groups} KV cache groups")
-        if (grant.num_tokens != request.num_prompt_tokens
-                or grant.prompt_digest != prompt_digest(request.prompt_token_ids,
-                                                        request.cache_salt)):
-            raise ValueError("push_grant.prompt_digest does not match this request's prompt and "
-                             "cache_salt: the window belongs to another prompt")
-        need = -(-request.num_prompt_tokens // self.block_size) - grant.first_block
-        if any(len(g) != need for g in grant.block_ids):
-            raise ValueError(f"push_grant must hold {need} blocks per group (prompt blocks from "
-                             f"{grant.first_block}), got {[len(g) for g in grant.block_ids]}")
+        self.pushes.bind_kv_cache_manager(kv_cache_manager)
 
     def validate_request(self, request: Request) -> None:
         p = request.kv_transfer_params
         if not p:
             return
-        if self._is_push(p) or "push_grant" in p:
-            self._validate_push(request, p)
+        if is_push(p):
+            self.pushes.validate(request, p)
             return
         if p.get("do_remote_prefill"):
             if not self.spec.is_kv_consumer:
@@ -297,17 +222,14 @@ class P2PConnectorScheduler:
     def push_grant(self, request_id: str) -> PushGrant | None:
         """Push mode, consumer: the open window of a request admitted with do_remote_prefill
         and transfer_mode "push", or None (not admitted yet, or landed / failed)."""
-        return self._grants.get(request_id)
+        return self.pushes.grant(request_id)
 
     def on_new_request(self, request: Request) -> None:
         p = request.kv_transfer_params or {}
         if "push_grant" in p:  # producer: validated already
-            import msgspec
-
-            grant = msgspec.convert(p["push_grant"], PushGrant)
-            self._pushing[request.request_id] = (grant, [grant.first_block])
+            self.pushes.start_pushing(request)
             return
-        if self._is_push(p):
+        if is_push(p):
             return
         if self._wants_remote_prefill(request) and not self._digest_error(request):
             self._waiting_remote[request.request_id] = self._notices(request, "renew")
@@ -326,8 +248,9 @@ class P2PConnectorScheduler:
         if not self._wants_remote_prefill(request):
             return
         p = request.kv_transfer_params or {}
-        if self._is_push(p):
-            self._open_window(request, blocks, num_external_tokens)
+        if is_push(p):
+            self.pushes.open_window(request, blocks, num_external_tokens)
+            self._inflight_recv.add(request.request_id)
             p["do_remote_prefill"] = False  # one transfer per request
             return
         remote, remote_rid = self._remote(request)
@@ -373,55 +296,6 @@ class P2PConnectorScheduler:
         else:  # everything was local: the producer can let go
             self._notify.extend(self._notices(request, "release"))
         p["do_remote_prefill"] = False  # one transfer per request
-
-    def _open_window(self, request: Request, blocks: KVCacheBlocks,
-                     num_external_tokens: int) -> None:
-        """Push mode, consumer: grant P the request's new blocks (those after its local hits)
-        for the rest of the prompt, and have the worker half accept writes into them."""
-        import secrets as _secrets
-
-        first = request.num_computed_tokens // self.block_size
-        need = -(-request.num_prompt_tokens // self.block_size) - first
-        ids = tuple(list(g[:need]) for g in blocks.get_block_ids())
-        if num_external_tokens <= 0:
-            ids = tuple([] for _ in ids)
-        host, port = self.push_address
-        grant = PushGrant(
-            engine_id=self.spec.engine_id, request_id=request.request_id,
-            nonce=_secrets.token_hex(16), block_ids=[list(g) for g in ids], first_block=first,
-            prompt_digest=prompt_digest(request.prompt_token_ids, request.cache_salt),
-            host=str(host), port=int(port), lease_s=self.spec.p2p.transfer_timeout,
-            num_tokens=request.num_prompt_tokens, block_size=self.block_size,
-            layout=dict(self.wire_layout))
-        self._grants[request.request_id] = grant
-        self._to_open.append(WindowSpec(request.request_id, grant.nonce, ids, grant.lease_s))
-        self._inflight_recv.add(request.request_id)
-
-    def _push_specs(self, out: SchedulerOutput) -> list[PushSpec]:
-        """Producer: this step's pushes: per request with a grant, the prompt blocks completed
-        by this step's tokens (all of the rest with the prompt's last chunk), paired with the
-        grant's blocks."""
-        if not self._pushing:
-            return []
-        assert self._kv is not None, "push mode needs bind_kv_cache_manager"
-        starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
-        starts.update((r.req_id, r.num_computed_tokens) for r in out.scheduled_cached_reqs)
-        specs = []
-        for rid, (grant, nxt) in self._pushing.items():
-            n = out.num_scheduled_tokens.get(rid, 0)
-            if n == 0 or rid not in starts:
-                continue
-            end = min(starts[rid] + n, grant.num_tokens)
-            done = -(-end // self.block_size) if end >= grant.num_tokens else end // self.block_size
-            if done <= nxt[0]:
-                continue
-            table = self._kv.get_block_ids(rid)
-            local = tuple(list(t[nxt[0]:done]) for t in table)
-            remote = tuple(list(g[nxt[0] - grant.first_block : done - grant.first_block])
-                           for g in grant.block_ids)
-            specs.append(PushSpec(rid, grant, local, remote))
-            nxt[0] = done
-        return specs
 
     def _block_map(self, request: Request, new_blocks: tuple[list[int], ...]
                    ) -> tuple[int, tuple[list[int], ...], tuple[list[int], ...]]:
@@ -514,8 +388,8 @@ class P2PConnectorScheduler:
 
     def build_connector_meta(self, out: SchedulerOutput | None = None) -> P2PConnectorMetadata:
         now = time.monotonic()
-        pushes = self._push_specs(out) if out is not None else []
-        windows, self._to_open = self._to_open, []
+        pushes = self.pushes.push_specs(out) if out is not None else []
+        windows = self.pushes.take_windows()
         if self._waiting_remote and now - self._last_renew > self.lease_s / 3:
             for notes in self._waiting_remote.values():
                 self._notify.extend(notes)
@@ -529,7 +403,7 @@ class P2PConnectorScheduler:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self._inflight_recv -= output.finished_recving
         for rid in output.finished_recving:
-            self._grants.pop(rid, None)
+            self.pushes.window_closed(rid)
         for rid in output.finished_sending:
             self._held.pop(rid, None)
 
@@ -537,11 +411,9 @@ class P2PConnectorScheduler:
                          ) -> tuple[bool, JSONObject | None]:
         rid = request.request_id
         p = request.kv_transfer_params or {}
-        pushed = self._pushing.pop(rid, None)
+        pushed = self.pushes.finished(rid)
         if pushed is not None:  # P: every push of its steps ended in wait_for_save; hold nothing
-            return False, {"do_remote_prefill": False, "do_remote_decode": False,
-                           "transfer_mode": "push", "remote_engine_id": self.spec.engine_id,
-                           "push_request_id": pushed[0].request_id}
+            return False, pushed
         if rid in self._inflight_recv:  # aborted during the pull: free after it ends
             return True, None
         if self._wants_remote_prefill(request):  # aborted before pulling: let P go
@@ -599,11 +471,12 @@ class P2PConnectorScheduler:
         return self._last_renew + self.lease_s / 3 if self._waiting_remote else None
 
     def has_pending_metadata(self) -> bool:
-        return bool(self._to_send or self._to_recv or self._notify or self._to_open)
+        return bool(self._to_send or self._to_recv or self._notify
+                    or self.pushes.has_pending_metadata())
 
     def has_pending_work(self) -> bool:
         return bool(self._to_send or self._to_recv or self._notify or self._inflight_recv
-                    or self._held or self._waiting_remote or self._to_open)
+                    or self._held or self._waiting_remote or self.pushes.has_pending_metadata())
 
     @property
     def num_blocks_held(self) -> int:

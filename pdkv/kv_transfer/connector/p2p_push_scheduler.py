@@ -1,0 +1,220 @@
+"""Push mode of the P2P connector's scheduler half (`transfer_mode: push`; issue 29; vLLM's NIXL
+push mode, vLLM-Ascend's layer-wise connector): D first.
+
+Consumer (D): a request with kv_transfer_params {"do_remote_prefill": true, "transfer_mode":
+"push"} is admitted like a pull (blocks for the prompt allocated through the block manager,
+WAITING_FOR_REMOTE_KVS) but opens a write window instead of pulling: a `PushGrant` (its blocks
+after D's local hits, a nonce, the prompt digest, D's data server, a lease) that `grant` returns
+(the server's `GET /v1/kv/push_grant/{request_id}`) and the worker half enforces
+(p2p_push.PushReceiver). When every layer of every granted block has landed, the request resumes
+as after a pull (it recomputes the last prompt token).
+
+Producer (P): a request whose kv_transfer_params carry "push_grant" (with do_remote_decode) pushes,
+in every step that computes part of its prompt, the prompt blocks completed in that step (from its
+first step: also P's prefix hits), layer by layer (`PushSpec`); P holds nothing after its prefill.
+
+Full-attention and MLA groups with equal block sizes, tp 1, dcp 1; other layouts are refused at
+validate_request, naming the reason.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from pdkv.jsontypes import JSONObject
+from pdkv.kv_transfer.connector.p2p_messages import (
+    PushGrant,
+    PushSpec,
+    WindowSpec,
+    layout_mismatch,
+    prompt_digest,
+)
+from pdkv.kv_transfer.connector.startup import Address
+
+if TYPE_CHECKING:
+    from pdkv.cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from pdkv.cache.kv_layout import KVLayout
+    from pdkv.kv_transfer.connector.spec import P2PSpec
+    from pdkv.request import Request
+    from pdkv.sched.output import SchedulerOutput
+
+
+def is_push(params: JSONObject | None) -> bool:
+    """Whether kv_transfer_params ask for push mode (D's side, or P's with a grant)."""
+    if not params:
+        return False
+    return params.get("transfer_mode") == "push" or "push_grant" in params
+
+
+class PushScheduler:
+    """The push-mode state of one scheduler half: D's open windows, P's pushes in progress.
+
+    Args:
+        spec: the connector (role, engine id; `p2p.transfer_mode`, `p2p.transfer_timeout`: the
+            window's lease in seconds).
+        layout: this engine's KV layout.
+        block_size: tokens per block.
+        sliding_windows, linear_groups: per KV cache group (push refuses either kind today).
+        address: consumer: its data server [host, port] (filled by the worker half at start-up),
+            put into grants.
+    """
+
+    def __init__(self, spec: P2PSpec, layout: KVLayout, block_size: int,
+                 sliding_windows: tuple[int | None, ...], linear_groups: tuple[bool, ...],
+                 address: Address | None = None) -> None:
+        self.spec = spec
+        self.enabled = spec.p2p.transfer_mode == "push"
+        self.layout = layout
+        self.wire_layout = layout.to_wire()
+        self.block_size = block_size
+        self.num_groups = len(sliding_windows)
+        self.sliding_windows = sliding_windows
+        self.linear_groups = linear_groups
+        self.address: Address = address if address is not None else ["", 0]
+        self._kv: KVCacheManager | None = None
+        self._grants: dict[str, PushGrant] = {}  # consumer: request id -> its open window
+        self._to_open: list[WindowSpec] = []
+        self._pushing: dict[str, tuple[PushGrant, list[int]]] = {}  # producer: grant, [next block]
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        """Start-up: the block manager (a producer reads its request's block table)."""
+        self._kv = kv_cache_manager
+
+    # ------------------------------------------------------------ validation
+    def layout_error(self) -> str:
+        """Why this engine's layout cannot push or receive pushes, or ""."""
+        if any(self.linear_groups) or any(w is not None for w in self.sliding_windows):
+            return ("P2PConnector transfer_mode 'push' does not move sliding-window or "
+                    "linear-state groups yet: use transfer_mode 'pull' for this model")
+        if self.layout.tp != 1 or self.layout.dcp != 1:
+            return (f"P2PConnector transfer_mode 'push' needs tp 1 and dcp 1 (this engine: tp "
+                    f"{self.layout.tp}, dcp {self.layout.dcp}): use transfer_mode 'pull'")
+        return ""
+
+    def validate(self, request: Request, p: JSONObject) -> None:
+        """Push-mode kv_transfer_params: D's {"do_remote_prefill", "transfer_mode": "push"}, or
+        P's {"do_remote_decode", "push_grant": PushGrant}.
+
+        Raises:
+            ValueError: this engine is not in push mode or its layout cannot push; a grant that
+                does not parse, is for another layout, block size or prompt.
+        """
+        if not self.enabled:
+            raise ValueError("kv_transfer_params ask for a push but this P2PConnector has "
+                             "transfer_mode 'pull' (set kv_connector_extra_config.transfer_mode)")
+        error = self.layout_error()
+        if error:
+            raise ValueError(error)
+        if p.get("do_remote_prefill"):
+            if not self.spec.is_kv_consumer:
+                raise ValueError("kv_transfer_params.do_remote_prefill needs a kv_consumer engine")
+            if not self.address[1]:
+                raise ValueError("push mode: this engine's data server address is unknown here "
+                                 "(a multi-process engine does not report it yet): use "
+                                 "transfer_mode 'pull'")
+            return
+        if not self.spec.is_kv_producer:
+            raise ValueError("kv_transfer_params.push_grant needs a kv_producer engine")
+        try:
+            grant = msgspec.convert(p.get("push_grant"), PushGrant)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"kv_transfer_params.push_grant is malformed: {e}") from None
+        mismatch = layout_mismatch(self.wire_layout, grant.layout, ())
+        if mismatch:
+            raise ValueError(mismatch)
+        if len(grant.block_ids) != self.num_groups:
+            raise ValueError(f"push_grant has {len(grant.block_ids)} block lists for "
+                             f"{self.num_groups} KV cache groups")
+        if (grant.num_tokens != request.num_prompt_tokens
+                or grant.prompt_digest != prompt_digest(request.prompt_token_ids,
+                                                        request.cache_salt)):
+            raise ValueError("push_grant.prompt_digest does not match this request's prompt and "
+                             "cache_salt: the window belongs to another prompt")
+        need = -(-request.num_prompt_tokens // self.block_size) - grant.first_block
+        if any(len(g) != need for g in grant.block_ids):
+            raise ValueError(f"push_grant must hold {need} blocks per group (prompt blocks from "
+                             f"{grant.first_block}), got {[len(g) for g in grant.block_ids]}")
+
+    # ------------------------------------------------------------- consumer
+    def grant(self, request_id: str) -> PushGrant | None:
+        """The open window of a request admitted with do_remote_prefill and transfer_mode
+        "push", or None (not admitted yet, or landed / failed)."""
+        return self._grants.get(request_id)
+
+    def open_window(self, request: Request, blocks: KVCacheBlocks,
+                    num_external_tokens: int) -> None:
+        """Grant P the request's new blocks (those after its local hits) for the rest of the
+        prompt, and have the worker half accept writes into them (`take_windows`)."""
+        first = request.num_computed_tokens // self.block_size
+        need = -(-request.num_prompt_tokens // self.block_size) - first
+        ids = tuple(list(g[:need]) for g in blocks.get_block_ids())
+        if num_external_tokens <= 0:
+            ids = tuple([] for _ in ids)
+        host, port = self.address
+        grant = PushGrant(
+            engine_id=self.spec.engine_id, request_id=request.request_id,
+            nonce=secrets.token_hex(16), block_ids=[list(g) for g in ids], first_block=first,
+            prompt_digest=prompt_digest(request.prompt_token_ids, request.cache_salt),
+            host=str(host), port=int(port), lease_s=self.spec.p2p.transfer_timeout,
+            num_tokens=request.num_prompt_tokens, block_size=self.block_size,
+            layout=dict(self.wire_layout))
+        self._grants[request.request_id] = grant
+        self._to_open.append(WindowSpec(request.request_id, grant.nonce, ids, grant.lease_s))
+
+    def take_windows(self) -> list[WindowSpec]:
+        """The windows opened since the last call (for this step's metadata)."""
+        windows, self._to_open = self._to_open, []
+        return windows
+
+    def window_closed(self, request_id: str) -> None:
+        """The worker half reported the request's window landed or failed."""
+        self._grants.pop(request_id, None)
+
+    # ------------------------------------------------------------- producer
+    def start_pushing(self, request: Request) -> None:
+        """A producer request with a (validated) push_grant: push its prompt blocks as they
+        complete."""
+        grant = msgspec.convert((request.kv_transfer_params or {})["push_grant"], PushGrant)
+        self._pushing[request.request_id] = (grant, [grant.first_block])
+
+    def push_specs(self, out: SchedulerOutput) -> list[PushSpec]:
+        """This step's pushes: per request with a grant, the prompt blocks completed by this
+        step's tokens (all of the rest with the prompt's last chunk), paired with the grant's
+        blocks."""
+        if not self._pushing:
+            return []
+        assert self._kv is not None, "push mode needs bind_kv_cache_manager"
+        starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        starts.update((r.req_id, r.num_computed_tokens) for r in out.scheduled_cached_reqs)
+        specs = []
+        for rid, (grant, nxt) in self._pushing.items():
+            n = out.num_scheduled_tokens.get(rid, 0)
+            if n == 0 or rid not in starts:
+                continue
+            end = min(starts[rid] + n, grant.num_tokens)
+            done = -(-end // self.block_size) if end >= grant.num_tokens else end // self.block_size
+            if done <= nxt[0]:
+                continue
+            table = self._kv.get_block_ids(rid)
+            local = tuple(list(t[nxt[0]:done]) for t in table)
+            remote = tuple(list(g[nxt[0] - grant.first_block : done - grant.first_block])
+                           for g in grant.block_ids)
+            specs.append(PushSpec(rid, grant, local, remote))
+            nxt[0] = done
+        return specs
+
+    def finished(self, request_id: str) -> JSONObject | None:
+        """A producer request ended: the kv_transfer_params of its answer (every push of its
+        steps ended in wait_for_save; nothing is held), or None when it was not pushing."""
+        pushed = self._pushing.pop(request_id, None)
+        if pushed is None:
+            return None
+        return {"do_remote_prefill": False, "do_remote_decode": False,
+                "transfer_mode": "push", "remote_engine_id": self.spec.engine_id,
+                "push_request_id": pushed[0].request_id}
+
+    def has_pending_metadata(self) -> bool:
+        return bool(self._to_open)
