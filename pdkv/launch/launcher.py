@@ -75,11 +75,14 @@ def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = No
         return topo
     prefill_urls: list[str] = []
     decode_urls: list[str] = []
+    push = " push" if getattr(args, "transfer_mode", "pull") == "push" else ""
     for role, count, urls in (("kv_producer", args.num_prefill, prefill_urls),
                               ("kv_consumer", args.num_decode, decode_urls)):
         for i in range(count):
             port = free_port(taken)
             extra: dict[str, object] = {"transfer": args.kv_transfer}
+            if push:
+                extra["transfer_mode"] = "push"
             if role == "kv_producer":  # every listening port is chosen here, none ephemeral
                 ranks = engine_world_size(args.engine_args)  # rank r listens on port + r
                 extra.update(
@@ -115,7 +118,7 @@ def build_topology(args: argparse.Namespace, kv_transfer_config: str | None = No
                 *_skip_flags(args),
             ],
             dict(os.environ),
-            role=f"proxy (P/D, {args.routing})",
+            role=f"proxy (P/D{push}, {args.routing})",
         )
     )
     topo.endpoint = f"http://{host}:{port}"
@@ -169,6 +172,13 @@ def check_args(args: argparse.Namespace) -> None:
     if args.pool == "dram" and args.num_instances > 1:
         raise ValueError("a dram pool lives inside one engine process and cannot be shared by "
                          f"{args.num_instances} instances: use --pool disk, redis or mooncake")
+    if getattr(args, "transfer_mode", "pull") == "push":
+        if args.mode != "pd":
+            raise ValueError("--transfer-mode push is for --mode pd")
+        if args.pool is not None or args.kv_transfer != "tcp":
+            raise ValueError("--transfer-mode push runs over --kv-transfer tcp without --pool "
+                             "(the pool and shm / mooncake do not take pushes yet): use "
+                             "--transfer-mode pull for those")
     own = any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=")
               for a in getattr(args, "engine_args", []) or [])
     if own and (args.mode == "pd" or args.pool is not None):
@@ -203,6 +213,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=["tcp", "shm", "mooncake"],
         default="tcp",
         help="transfer engine (mooncake needs the optional package and libibverbs1)",
+    )
+    parser.add_argument(
+        "--transfer-mode",
+        choices=["pull", "push"],
+        default="pull",
+        help="pd: how KV moves from P to D (kv_connector_extra_config.transfer_mode): pull (D "
+        "reads P's blocks after P's prefill) or push (D first reserves the blocks; P writes each "
+        "layer into them as it computes; tcp, tp 1, full-attention and MLA models)",
     )
     parser.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="fail",
                         help="what a decode engine does when a KV pull fails")

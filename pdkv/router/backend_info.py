@@ -30,6 +30,8 @@ class BackendInfo:
         fetched_at: time.monotonic() of the fetch.
         pool_chunk_size: tokens per KV pool chunk (None: no pool, or not reported).
         model_ids: the served model names from /v1/models (None when not reported).
+        transfer_mode: "push" when its P2PConnector takes push-mode requests (GET /kv_layout's
+            `transfer_mode`), else "pull" (also when not reported).
     """
 
     kv_role: str | None
@@ -39,6 +41,7 @@ class BackendInfo:
     fetched_at: float
     pool_chunk_size: int | None = None
     model_ids: tuple[str, ...] | None = None
+    transfer_mode: str = "pull"
 
     @property
     def block_size(self) -> int | None:
@@ -60,6 +63,7 @@ async def fetch_info(
     except httpx.HTTPError:
         return None
     chunk: int | None = None
+    mode = "pull"
     if lay.status_code == 404:
         role, engine_id, layout = None, None, None
     elif lay.status_code == 200:
@@ -72,6 +76,7 @@ async def fetch_info(
             )
             raw_chunk = data.get("pool_chunk_size")
             chunk = int(raw_chunk) if raw_chunk is not None else None
+            mode = "push" if data.get("transfer_mode") == "push" else "pull"
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
     else:
@@ -85,7 +90,8 @@ async def fetch_info(
             max_len = int(cards[0]["max_model_len"])
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             max_len = None
-    return BackendInfo(role, engine_id, layout, max_len, time.monotonic(), chunk, model_ids)
+    return BackendInfo(role, engine_id, layout, max_len, time.monotonic(), chunk, model_ids,
+                       mode)
 
 
 def unknown_model(model: JSONValue, infos: list[BackendInfo | None]) -> str | None:

@@ -139,13 +139,32 @@ class LegSender:
         try:
             resp = await open_leg(self.client(), d.url + path, decode, headers, leg)
         except BaseException as e:
-            claim.end()
-            self.metrics.latency.labels(leg).observe(time.monotonic() - started)
-            if not isinstance(e, httpx.HTTPError):
-                raise
-            if isinstance(e, NOT_DELIVERED):
-                self.release_soon(params)
-            return self.unreachable(d, leg, headers["X-Request-Id"], e)
+            return self.not_answered(d, e, params, headers, clock, leg, claim, started)
+        return await self.answer(d, resp, params, headers, stream, clock, leg, claim, started)
+
+    def not_answered(self, d: Backend, e: BaseException, params: JSONValue,
+                     headers: dict[str, str], clock: RequestClock, leg: str, claim: Claim,
+                     started: float) -> Response:
+        """A leg to `d` that got no answer (`e`, from `open_leg`): the claim ends; P's grant
+        (`params`) is released when D never received the leg; the 502 (`unreachable`).
+
+        Raises:
+            BaseException: `e` itself when it is no httpx.HTTPError (cancellation, a bug).
+        """
+        claim.end()
+        self.metrics.latency.labels(leg).observe(time.monotonic() - started)
+        if not isinstance(e, httpx.HTTPError):
+            raise e
+        if isinstance(e, NOT_DELIVERED):
+            self.release_soon(params)
+        return self.unreachable(d, leg, headers["X-Request-Id"], e)
+
+    async def answer(self, d: Backend, resp: httpx.Response, params: JSONValue,
+                     headers: dict[str, str], stream: bool, clock: RequestClock, leg: str,
+                     claim: Claim, started: float) -> Response:
+        """The client's answer from D's answer `resp` to a leg sent at `started` (its status and
+        headers read): D's body stitched, D's error passed through (P's grant `params` released),
+        or the relayed stream. `claim` ends with the answer (a stream's: when it ends)."""
         if resp.status_code != 200 or not stream:
             try:
                 content = await resp.aread()

@@ -31,6 +31,7 @@ from pdkv.router.prefix_keys import DEFAULT_BLOCK_SIZE, Granularity, request_chu
 from pdkv.router.proxy_legs import LegSender, open_leg
 from pdkv.router.proxy_metrics import ProxyMetrics
 from pdkv.router.proxy_protocol import error_kind, error_response, prefill_body, releasable
+from pdkv.router.proxy_push import serve_push, wants_push
 from pdkv.router.proxy_routing import RequestRouter, cache_salt
 from pdkv.router.timings import RequestClock
 from pdkv.router.validate import LengthCheck
@@ -135,9 +136,11 @@ class PDPath:
         hashes = await asyncio.to_thread(request_chunk_hashes, ids, gran, cache_salt(body))
         return len(ids), ip.pool_chunk_size, hashes
 
-    async def _prefill_leg(self, claim: Claim, path: str, body: JSONObject,
-                           headers: dict[str, str]) -> tuple[int, bytes]:
-        """Send the prefill leg to `claim.backend`; (status, body) of P's answer. The claim
+    async def prefill_leg(self, claim: Claim, path: str, body: JSONObject,
+                          headers: dict[str, str], params: JSONObject | None = None
+                          ) -> tuple[int, bytes]:
+        """Send the prefill leg of `body` (`prefill_body`; with kv_transfer_params `params`
+        when given: the push flow's) to `claim.backend`; (status, body) of P's answer. The claim
         holds until the leg ends, also when it ends in the background after its client left,
         and is given P's `pdkv_timings`.
 
@@ -150,8 +153,10 @@ class PDPath:
         started = time.monotonic()
         answer: JSONValue = None
         try:
-            r = await open_leg(self.client(), p.url + path, prefill_body(body), headers,
-                               "prefill")
+            leg_body = prefill_body(body)
+            if params is not None:
+                leg_body["kv_transfer_params"] = params
+            r = await open_leg(self.client(), p.url + path, leg_body, headers, "prefill")
             try:
                 status, content = r.status_code, await r.aread()
             finally:
@@ -220,8 +225,11 @@ class PDPath:
                     d, path, body, headers, None, bool(body.get("stream")), clock,
                     claim=self.router.claim("decode", decision)
                 )
+        if wants_push(self, p.url, d.url, body):
+            clock.mode = "pd_push"
+            return await serve_push(self, p_decision, decision, path, body, headers, clock)
         clock.p_sent = time.monotonic()
-        leg = asyncio.ensure_future(self._prefill_leg(self.router.claim("prefill", p_decision),
+        leg = asyncio.ensure_future(self.prefill_leg(self.router.claim("prefill", p_decision),
                                                       path, body, headers))
         try:
             status, content = await asyncio.shield(leg)

@@ -5,7 +5,7 @@ The proxy times its own work and each leg with its monotonic clock, reads each e
 compared across processes) and returns one object in place of the decode engine's (non-streaming:
 the response's top-level `pdkv_timings`; streaming: the final chunk's):
 
-    {"source": "proxy", "unit": "s", "mode": "pd" | "pd_skip_prefill" | "colocated",
+    {"source": "proxy", "unit": "s", "mode": "pd" | "pd_skip_prefill" | "pd_push" | "colocated",
      "total": T, "phases": {...}, "proxy_parts": {...},
      "legs": {"prefill": {engine's}, "decode": {engine's}}}
 
@@ -32,9 +32,13 @@ the prompt-length check: D's POST /tokenize when the prompt's size cannot rule o
 also holds the time this request waited while the loop ran other requests.
 
 "pd_skip_prefill" (the pool held the prompt, no prefill leg) has the same phases without the
-p_* ones and proxy_between. "colocated" (`--backends`): proxy, input, queue, kv_wait, prefill,
-output, residual. A backend that returns no `pdkv_timings` (another server) contributes zeros,
-and its whole leg lands in p_residual / d_residual / residual.
+p_* ones and proxy_between. "pd_push" (the push flow, `pdkv.router.proxy_push`: the decode leg
+goes first and P writes into D's blocks while D waits) has the same phases as "pd_skip_prefill":
+D's `transfer` holds the wait for D's window, P's whole leg and the layers still landing after
+it; P's own object is under legs.prefill for reference (its phases overlap D's wait).
+"colocated" (`--backends`): proxy, input, queue, kv_wait, prefill, output, residual. A backend
+that returns no `pdkv_timings` (another server) contributes zeros, and its whole leg lands in
+p_residual / d_residual / residual.
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ class RequestClock:
 
     Attributes:
         received: the proxy started on the request.
-        mode: "pd", "pd_skip_prefill" or "colocated".
+        mode: "pd", "pd_skip_prefill", "pd_push" or "colocated".
         p_sent, p_done: the prefill leg sent / its response read (P/D only).
         p_timings: the prefill engine's `pdkv_timings` (None when it sent none).
         d_sent: the decode leg (or the whole request) sent.
@@ -169,6 +173,8 @@ class RequestClock:
                 legs["prefill"] = self.p_timings
             else:
                 phases["proxy"] = self.d_sent - self.received
+                if self.mode == "pd_push":
+                    legs["prefill"] = self.p_timings
             phases.update({_D_MAP[k]: d_phases.get(k, 0.0) for k in ENGINE_PHASES})
             phases["d_residual"] = (self.d_first - self.d_sent) - d_total
             legs["decode"] = d_timings

@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,6 +33,7 @@ from pdkv.outputs import RequestOutput
 from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from pdkv.serve.disconnect import ClientDisconnected, until_done_or_disconnect
 from pdkv.serve.handlers import APIError, OpenAIHandlers, PreparedRequest
+from pdkv.serve.kv_push import transfer_mode, wait_push_grant
 from pdkv.serve.metrics import ServerMetrics
 from pdkv.serve.protocol import (
     ChatCompletionRequest,
@@ -107,6 +109,7 @@ class KVLayoutInfo(TypedDict):
     engine_id: str
     layout: Mapping[str, object]
     pool_chunk_size: int | None
+    transfer_mode: str
 
 
 class TokenizeResponse(TypedDict):
@@ -251,7 +254,34 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
             "engine_id": kvt.engine_id,
             "layout": llm.engine.executor.kv_layout.to_wire(),
             "pool_chunk_size": pool_chunk_size(kvt.kv_connector, kvt.kv_connector_extra_config),
+            "transfer_mode": transfer_mode(kvt.kv_connector, kvt.kv_connector_extra_config),
         }
+
+    @app.get("/v1/kv/push_grant/{request_id}", response_model=None)
+    async def push_grant(request_id: str, timeout: float = 30.0) -> dict[str, object]:
+        """Push mode, D: the write window of decode request `request_id` (its X-Request-Id),
+        `{"push_grant": PushGrant}`, once the scheduler admitted it and allocated its blocks
+        (waits up to `timeout` seconds for that: pdkv.serve.kv_push). pdkv's route, the D-first
+        step of the proxy's push flow. 404 when this engine does not receive pushes; 504 when
+        no window opened in time (the request never arrived, or still waits for blocks); 400
+        for a timeout outside (0, 600]."""
+        kvt = llm.engine.config.kv_transfer_config
+        connector = llm.engine.scheduler.connector
+        lookup = getattr(connector, "push_grant", None)
+        if (kvt is None or lookup is None or kvt.kv_role not in ("kv_consumer", "kv_both")
+                or transfer_mode(kvt.kv_connector, kvt.kv_connector_extra_config) != "push"):
+            raise APIError("this engine receives no pushes (a kv_consumer P2PConnector with "
+                           "kv_connector_extra_config.transfer_mode 'push' does)", 404,
+                           "NotFoundError")
+        try:
+            grant = await wait_push_grant(lookup, request_id, timeout)
+        except ValueError as e:
+            raise APIError(str(e), param="timeout") from None
+        if grant is None:
+            raise APIError(f"no write window opened for request {request_id!r} within "
+                           f"{timeout:g} s (not received, or waiting for free KV blocks)", 504,
+                           "GatewayTimeout")
+        return {"push_grant": msgspec.to_builtins(grant)}
 
     @app.get("/kv_events", response_model=None)
     async def kv_events() -> KVEventsInfo:

@@ -7,7 +7,9 @@ the labels of ServerMetrics (`model_name`, `engine`) first.
 P/D (P2PConnector): keys "kv_bytes_received", "kv_bytes_sent", "lease_expirations" and
 "kv_load_failures_<policy>" become `pdkv:kv_transfer_bytes_received`, `..._sent`,
 `pdkv:kv_lease_expirations` and `pdkv:kv_load_failures{policy}` counters; each pull duration is a
-`pdkv:kv_transfer_seconds` sample.
+`pdkv:kv_transfer_seconds` sample. Push mode (issue 29): the PUSH_COUNTERS keys become
+`pdkv:<key>` counters (P: bytes pushed, writes, failed pushes; D: refused writes, windows whose
+lease passed).
 
 KV pool (pdkv/kvpool, through the connector's reports): keys "pool:<tier>:<name>" and histogram
 samples "pool:<tier>:load_seconds" / "pool:<tier>:save_seconds". They are exported as
@@ -156,6 +158,8 @@ class KVTransferMetrics:
         )
         for policy in LOAD_FAILURE_POLICIES:
             self.load_failures.labels(*values, policy)
+        self.push_counters = {key: counter(f"pdkv:{key}", doc)
+                              for key, doc in PUSH_COUNTERS.items()}
         self._seen: dict[str, float] = {}
         pool_labels = labels + ["tier"]
         self.pool_counters = {
@@ -210,6 +214,8 @@ class KVTransferMetrics:
                 self.bytes_sent.inc(delta)
             elif key == "lease_expirations":
                 self.lease_expirations.inc(delta)
+            elif key in self.push_counters:
+                self.push_counters[key].inc(delta)
             elif key.startswith("kv_load_failures_"):
                 self.load_failures.labels(*self._values, key.rsplit("_", 1)[1]).inc(delta)
         for seconds in stats.transfer_seconds or ():
@@ -283,6 +289,17 @@ class KVTransferMetrics:
         if key not in self._ignored:
             self._ignored.add(key)
             logger.debug("KV metric %r is not exported (unknown name)", key)
+
+
+# Push mode (P2PConnector transfer_mode "push") counters: key -> help, exported as `pdkv:<key>`.
+PUSH_COUNTERS: dict[str, str] = {
+    "kv_bytes_pushed": "KV bytes this prefill engine wrote into decode engines' blocks (push)",
+    "kv_push_writes": "Layer writes of KV blocks this prefill engine pushed",
+    "kv_push_failures": "Pushes that failed (the decode engine's window then expires)",
+    "kv_push_refused": "Pushed writes this decode engine refused (no open window, wrong nonce, "
+                       "outside the window, partial layer or a second write)",
+    "kv_push_window_expirations": "Write windows whose lease passed before every layer landed",
+}
 
 
 # KV event publisher counters (pdkv.kv_events.base.KVEventCounters field -> help), exported as

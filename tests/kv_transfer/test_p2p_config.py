@@ -23,3 +23,10 @@ def test_defaults_and_values() -> None:
 def test_bad_values_are_named(key: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"P2PConnector {key} must be"):
         P2PConfig.from_extra({key: value})
+
+
+@pytest.mark.parametrize("transfer", ["shm", "mooncake"])
+def test_push_names_the_transfer_engines_it_writes_over(transfer: str) -> None:
+    with pytest.raises(ValueError, match="tcp transfer engine only"):
+        P2PConfig.from_extra({"transfer": transfer, "transfer_mode": "push"})
+    assert P2PConfig.from_extra({"transfer": transfer}).transfer_mode == "pull"

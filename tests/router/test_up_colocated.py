@@ -126,3 +126,28 @@ def test_kv_routing_turns_the_engines_kv_events_on(routing):
         assert proxy.cmd[proxy.cmd.index("--routing") + 1] == routing
     plain = launcher.build_topology(_args("--mode", "colocated", "--num-instances", "2"))
     assert all("--kv-events-config" not in c.cmd for c in plain.children)
+
+
+def test_pd_transfer_mode_push_reaches_both_engines_connector_config():
+    args = _args("--mode", "pd", "--transfer-mode", "push")
+    launcher.check_args(args)
+    topo = launcher.build_topology(args)
+    modes = {}
+    for child in topo.children:
+        if "--kv-transfer-config" in child.cmd:
+            cfg = json.loads(child.cmd[child.cmd.index("--kv-transfer-config") + 1])
+            modes[cfg["kv_role"]] = cfg["kv_connector_extra_config"].get("transfer_mode")
+    assert modes == {"kv_producer": "push", "kv_consumer": "push"}
+    assert topo.children[-1].describe().startswith("proxy: proxy (P/D push, round_robin)")
+    pull = launcher.build_topology(_args("--mode", "pd"))
+    assert all('"transfer_mode"' not in " ".join(c.cmd) for c in pull.children)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (("--mode", "colocated", "--transfer-mode", "push"), "is for --mode pd"),
+    (("--mode", "pd", "--transfer-mode", "push", "--pool", "disk"), "without --pool"),
+    (("--mode", "pd", "--transfer-mode", "push", "--kv-transfer", "shm"), "--kv-transfer tcp"),
+])
+def test_push_refuses_what_it_does_not_take(argv, match):
+    with pytest.raises(ValueError, match=match):
+        launcher.check_args(_args(*argv))

@@ -93,6 +93,11 @@ class P2PConfig:
                 f"P2PConnector transfer_mode must be one of {list(TRANSFER_MODES)}, got {mode!r}"
             )
         d = P2PConfig()  # the defaults
+        if mode == "push" and strs.get("transfer", d.transfer) != "tcp":
+            raise ValueError(
+                f"P2PConnector transfer_mode 'push' writes over the tcp transfer engine only "
+                f"(transfer {strs.get('transfer')!r}): use transfer 'tcp' or transfer_mode 'pull'"
+            )
         return P2PConfig(
             transfer=strs.get("transfer", d.transfer),
             kv_host=strs.get("kv_host", d.kv_host),

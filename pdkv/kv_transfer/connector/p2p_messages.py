@@ -151,6 +151,7 @@ class P2PConnectorMetadata(KVConnectorMetadata, kw_only=True):
     notifications: list[NotifySpec] = msgspec.field(default_factory=list)
     reqs_to_push: list[PushSpec] = msgspec.field(default_factory=list)
     windows_to_open: list[WindowSpec] = msgspec.field(default_factory=list)
+    windows_to_close: list[str] = msgspec.field(default_factory=list)  # aborted requests' ids
 
 
 # ------------------------------------------------------------------ control plane (P's server)

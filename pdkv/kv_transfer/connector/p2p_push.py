@@ -174,6 +174,7 @@ class _Window:
         self.writes = 0
         self.nbytes = 0
         self.inflight = 0  # accepted writes still receiving (the blocks stay the window's)
+        self.closing = False  # the request was aborted: no new write; freed once none receives
 
 
 class PushReceiver:
@@ -224,9 +225,9 @@ class PushReceiver:
         lb = bb // self.layers[g]
         with self._lock:
             window = self._windows.get(grant)
-            if window is None:
+            if window is None or window.closing:
                 return self._refuse(f"no open push window for request {grant[0]!r} with that "
-                                    "nonce (unknown, stale, finished or expired)")
+                                    "nonce (unknown, stale, finished, aborted or expired)")
             for off, n in ranges:
                 block, within = divmod(off, bb)
                 if n <= 0 or within % lb or n % lb or within + n > bb:
@@ -255,6 +256,11 @@ class PushReceiver:
             if window is None:
                 return
             window.inflight -= 1
+            if window.closing:
+                if not window.inflight:
+                    del self._windows[grant]
+                    self.results.load_abandoned(window.spec.request_id)
+                return
             if not landed:
                 return
             for off, n in ranges:
@@ -270,6 +276,26 @@ class PushReceiver:
         self.results.load_succeeded(window.spec.request_id, window.nbytes,
                                     time.monotonic() - window.opened, window.writes)
 
+    def close(self, request_ids: list[str]) -> None:
+        """Engine loop: the requests were aborted while their windows were open. Each window
+        refuses new writes at once and its load ends (`load_abandoned`: its blocks may be freed)
+        now, or when the last accepted write still receiving ends, so that no byte lands in a
+        block after it was freed."""
+        if not request_ids:
+            return
+        ids = set(request_ids)
+        ended = []
+        with self._lock:
+            for key, window in list(self._windows.items()):
+                if key[0] not in ids:
+                    continue
+                window.closing = True
+                if not window.inflight:
+                    del self._windows[key]
+                    ended.append(window.spec.request_id)
+        for rid in ended:
+            self.results.load_abandoned(rid)
+
     def expire(self) -> None:
         """Engine loop: fail the loads of windows whose lease passed (their blocks hold
         undefined data: the load error names them). A window with an accepted write still
@@ -277,7 +303,8 @@ class PushReceiver:
         it), so its blocks are never freed for reuse while bytes still arrive."""
         now = time.monotonic()
         with self._lock:
-            late = [k for k, w in self._windows.items() if now > w.deadline and not w.inflight]
+            late = [k for k, w in self._windows.items()
+                    if now > w.deadline and not w.inflight and not w.closing]
             windows = [self._windows.pop(k) for k in late]
         for w in windows:
             with self.results.lock:

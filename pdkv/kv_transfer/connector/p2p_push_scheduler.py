@@ -77,6 +77,7 @@ class PushScheduler:
         self._kv: KVCacheManager | None = None
         self._grants: dict[str, PushGrant] = {}  # consumer: request id -> its open window
         self._to_open: list[WindowSpec] = []
+        self._to_close: list[str] = []  # consumer: aborted requests whose window is open
         self._pushing: dict[str, tuple[PushGrant, list[int]]] = {}  # producer: grant, [next block]
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
@@ -169,6 +170,20 @@ class PushScheduler:
         windows, self._to_open = self._to_open, []
         return windows
 
+    def abort(self, request_id: str) -> bool:
+        """D's request ended (aborted) with its window open: have the worker half close it
+        (`take_closes`); True when it had one (its blocks are freed once the worker half reports
+        the window ended)."""
+        if self._grants.pop(request_id, None) is None:
+            return False
+        self._to_close.append(request_id)
+        return True
+
+    def take_closes(self) -> list[str]:
+        """The windows to close since the last call (for this step's metadata)."""
+        closes, self._to_close = self._to_close, []
+        return closes
+
     def window_closed(self, request_id: str) -> None:
         """The worker half reported the request's window landed or failed."""
         self._grants.pop(request_id, None)
@@ -217,4 +232,4 @@ class PushScheduler:
                 "push_request_id": pushed[0].request_id}
 
     def has_pending_metadata(self) -> bool:
-        return bool(self._to_open)
+        return bool(self._to_open or self._to_close)

@@ -69,6 +69,13 @@ class WorkerResults:
             self.recved.add(rid)
         self.wake()
 
+    def load_abandoned(self, rid: str) -> None:
+        """A load that nobody waits for any more (its request was aborted) ended; its blocks may
+        be freed. Neither a transfer nor a failure: nothing is counted."""
+        with self.lock:
+            self.recved.add(rid)
+        self.wake()
+
     def take_finished(self) -> tuple[set[str], set[str]]:
         """(finished_sending, finished_recving) since the last call."""
         with self.lock:

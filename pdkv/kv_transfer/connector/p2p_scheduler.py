@@ -389,14 +389,14 @@ class P2PConnectorScheduler:
     def build_connector_meta(self, out: SchedulerOutput | None = None) -> P2PConnectorMetadata:
         now = time.monotonic()
         pushes = self.pushes.push_specs(out) if out is not None else []
-        windows = self.pushes.take_windows()
+        windows, closes = self.pushes.take_windows(), self.pushes.take_closes()
         if self._waiting_remote and now - self._last_renew > self.lease_s / 3:
             for notes in self._waiting_remote.values():
                 self._notify.extend(notes)
             self._last_renew = now
         meta = P2PConnectorMetadata(reqs_to_send=self._to_send, reqs_to_recv=self._to_recv,
                                     notifications=self._notify, reqs_to_push=pushes,
-                                    windows_to_open=windows)
+                                    windows_to_open=windows, windows_to_close=closes)
         self._to_send, self._to_recv, self._notify = [], [], []
         return meta
 
@@ -415,6 +415,7 @@ class P2PConnectorScheduler:
         if pushed is not None:  # P: every push of its steps ended in wait_for_save; hold nothing
             return False, pushed
         if rid in self._inflight_recv:  # aborted during the pull: free after it ends
+            self.pushes.abort(rid)  # (a push window: closed now, ends when no write receives)
             return True, None
         if self._wants_remote_prefill(request):  # aborted before pulling: let P go
             if (

@@ -1,0 +1,128 @@
+"""Push mode through the proxy (issue 29 step 2): P and D as processes with transfer_mode "push",
+`pdkv proxy` in front. D first: the proxy sends the decode leg to D, asks D for the write window
+(GET /v1/kv/push_grant/{request_id}), sends the prefill leg to P with it; P writes each layer
+into D's blocks. Greedy output equals the colocated engine's, D's kv_load_bytes equal the KV
+formula for the blocks it granted, nothing stays allocated on either engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "serve"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from pd_utils import pd_config  # noqa: E402
+from server_utils import RemoteServer, metric_value, wait_for_metric  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+BLOCKS = 256
+BS = 16
+ENGINE = ["--model", "smollm2", "--num-kv-blocks", str(BLOCKS), "--max-model-len", "512"]
+
+
+@pytest.fixture(scope="module")
+def push_stack():
+    servers: list[RemoteServer] = []
+    try:
+        for role in ("kv_producer", "kv_consumer"):
+            # D without prefix caching: every prompt block is granted (the chat prompts share a
+            # prefix, and a local hit would shrink the window: tests/kv_transfer/test_pd_push.py)
+            own = ["--no-enable-prefix-caching"] if role == "kv_consumer" else []
+            servers.append(RemoteServer(
+                ["serve", *ENGINE, *own, "--kv-transfer-config",
+                 pd_config(role, "tcp", transfer_mode="push", transfer_timeout=30.0)],
+                wait=False, avoid=tuple(s.port for s in servers)))
+        for srv in servers:
+            srv.wait_healthy()
+        p, d = servers
+        servers.append(RemoteServer(["proxy", "--prefill", p.url, "--decode", d.url],
+                                    avoid=(p.port, d.port)))
+        yield servers
+    finally:
+        for srv in reversed(servers):
+            srv.stop()
+
+
+def kv_bytes_per_token(model_path: str) -> int:
+    """The KV formula: layers x (K and V) x KV heads x head size x 4 bytes (float32)."""
+    with open(os.path.join(model_path, "config.json")) as f:
+        c = json.load(f)
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head * 4
+
+
+def test_push_through_the_proxy_matches_colocated_and_moves_the_formula(
+        push_stack, parity_prompts, parity_reference_24, model_path):
+    p, d, proxy = push_stack
+    per_token = kv_bytes_per_token(model_path)
+    picks = list(range(0, len(parity_prompts), 3))
+
+    def one(i: int) -> tuple[int, dict]:
+        r = httpx.post(proxy.url + "/v1/completions", timeout=180, json={
+            "model": "smollm2", "prompt": parity_prompts[i], "max_tokens": 24,
+            "temperature": 0})
+        assert r.status_code == 200, r.text
+        return i, r.json()
+
+    with ThreadPoolExecutor(2) as pool:  # two at once: two windows open on D together
+        answers = list(pool.map(one, picks))
+    for i, body in answers:
+        n = len(parity_prompts[i])
+        assert body["choices"][0]["text"] == parity_reference_24[i].outputs[0].text, f"{n} tokens"
+        assert body["pdkv_timings"]["mode"] == "pd_push"
+        granted = -(-n // BS)  # every prompt block was pushed
+        moved = body["usage"]["prompt_tokens_details"]["kv_load_bytes"]
+        assert moved == {"p2p": granted * BS * per_token}, f"{n} tokens"
+    # A stream through the same flow.
+    i = picks[1]
+    with httpx.stream("POST", proxy.url + "/v1/completions", timeout=180, json={
+            "model": "smollm2", "prompt": parity_prompts[i], "max_tokens": 24,
+            "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == \
+        parity_reference_24[i].outputs[0].text
+    assert events[-1]["pdkv_timings"]["mode"] == "pd_push"
+    # P held nothing after its prefills; D freed every block once its requests ended.
+    assert metric_value(httpx.get(p.url + "/metrics").text, "pdkv:kv_blocks_held") == 0
+    assert wait_for_metric(p.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
+    assert wait_for_metric(d.url, "pdkv:num_free_blocks", BLOCKS) == BLOCKS
+    d_metrics, p_metrics = httpx.get(d.url + "/metrics").text, httpx.get(p.url + "/metrics").text
+    assert "pdkv:kv_push_refused_total" in d_metrics
+    assert metric_value(d_metrics, "pdkv:kv_push_refused_total") == 0
+    pushed = sum(-(-len(parity_prompts[i]) // BS) for i in picks + [picks[1]]) * BS * per_token
+    assert metric_value(p_metrics, "pdkv:kv_bytes_pushed_total") == pushed
+
+
+def test_the_window_route_answers_each_case(push_stack):
+    p, d, _ = push_stack
+    r = httpx.get(d.url + "/v1/kv/push_grant/nobody", params={"timeout": 0.2}, timeout=10)
+    assert r.status_code == 504 and "nobody" in r.json()["error"]["message"]
+    r = httpx.get(d.url + "/v1/kv/push_grant/nobody", params={"timeout": 0}, timeout=10)
+    assert r.status_code == 400
+    r = httpx.get(p.url + "/v1/kv/push_grant/nobody", params={"timeout": 0.2}, timeout=10)
+    assert r.status_code == 404  # a producer receives no pushes
+    assert httpx.get(d.url + "/kv_layout").json()["transfer_mode"] == "push"
+
+
+def test_a_decode_leg_whose_client_leaves_before_p_starts_frees_its_window(push_stack):
+    """D's side of a client gone before P starts: the decode leg opened its window; its client
+    leaves; D aborts the request and frees the window's blocks at once, not at the 30 s lease."""
+    _, d, _ = push_stack
+    ids = list(range(100, 180))
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(d.url + "/v1/completions", timeout=3.0, headers={"X-Request-Id": "gone-1"},
+                   json={"model": "smollm2", "prompt": ids, "max_tokens": 4,
+                         "kv_transfer_params": {"do_remote_prefill": True,
+                                                "transfer_mode": "push"}})
+    assert wait_for_metric(d.url, "pdkv:num_free_blocks", BLOCKS, timeout=15) == BLOCKS
+    r = httpx.get(d.url + "/v1/kv/push_grant/gone-1", params={"timeout": 0.1}, timeout=10)
+    assert r.status_code == 504  # the window is gone with its request
