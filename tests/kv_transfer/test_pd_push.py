@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from pd_utils import decode, pump, shutdown  # noqa: E402
 
 from pdkv import LLM, SamplingParams  # noqa: E402
+from pdkv.cache.specs import window_first_block  # noqa: E402
 from pdkv.kv_transfer.connector.p2p_config import P2PConfig  # noqa: E402
 from pdkv.kv_transfer.connector.p2p_messages import PushGrant  # noqa: E402
 from pdkv.kv_transfer.engine.base import TransferError, WriteOp  # noqa: E402
@@ -131,13 +132,24 @@ def run_push_vs_pull_vs_colocated(path: str, prompts: list[list[int]], **kw: Any
             assert out.kv_transfer_params["transfer_mode"] == "push"
         pushed = finish(d, ids)
         assert pushed == refs
-        layers = d.llm_engine.runner.model.cfg.num_layers
-        blocks = sum(len(g.block_ids[0]) for g in grants)
-        assert blocks == sum(-(-n // BS) for n in map(len, prompts))
-        assert stats["kv_bytes_received"] - before == layers * blocks * layer_block_bytes(d)
+        cfg = d.llm_engine.runner.kv_cache_config
+        windows = [getattr(g.spec, "sliding_window", None) for g in cfg.groups]
+        expect_blocks, expect_bytes, writes = 0, 0, 0
+        for n, grant in zip(map(len, prompts), grants):
+            for gi, (ids_g, window) in enumerate(zip(grant.block_ids, windows)):
+                keep = window_first_block(n - 1, BS, window)  # what D keeps of a window group
+                assert ids_g[:keep] == [0] * min(keep, len(ids_g))  # null: nothing to push
+                real = len(ids_g) - min(keep, len(ids_g))
+                assert real == -(-n // BS) - keep
+                assert window is None or 0 not in ids_g[keep:]
+                expect_blocks += real
+                expect_bytes += real * cfg.block_bytes(gi)
+                writes += real * len(cfg.groups[gi].layer_indices)
+        assert expect_blocks > 0
+        assert stats["kv_bytes_received"] - before == expect_bytes
         p_stats = p.llm_engine.scheduler.kv_stats
-        assert p_stats.get("kv_bytes_pushed") == layers * blocks * layer_block_bytes(p)
-        assert p_stats.get("kv_push_writes") == layers * blocks  # one write per (layer, block)
+        assert p_stats.get("kv_bytes_pushed") == expect_bytes
+        assert p_stats.get("kv_push_writes") == writes  # one per (layer, block)
         assert not p_stats.get("kv_push_failures")
         pump([p, d], lambda: idle(p, d), timeout=30)  # P held nothing; D freed its windows
         assert stats.get("kv_push_refused", 0.0) == 0
@@ -162,7 +174,7 @@ TINY_KW = dict(cpu_linear="torch", num_kv_blocks=48, max_model_len=256, block_si
                max_num_batched_tokens=32)
 
 
-@pytest.mark.parametrize("family", ["tiny_llama_kv2", "tiny_mla"])
+@pytest.mark.parametrize("family", ["tiny_llama_kv2", "tiny_mla", "tiny_swa"])
 def test_push_matches_colocated_and_pull_and_moves_the_formula(family, request):
     """P chunks its prefill (32 tokens a step): blocks are pushed as each chunk completes them,
     layer by layer, the last partial block with the last chunk."""
@@ -282,10 +294,10 @@ def test_p_refuses_a_grant_for_another_prompt_and_pull_engines_refuse_push(tiny_
         shutdown(p, d)
 
 
-def test_push_refuses_sliding_window_models_for_now(tiny_swa):
-    p, d = engines(tiny_swa, "push", **TINY_KW)
+def test_push_refuses_linear_state_models_for_now(tiny_gdn):
+    p, d = engines(tiny_gdn, "push", **TINY_KW)
     try:
-        with pytest.raises(ValueError, match="sliding-window or linear-state"):
+        with pytest.raises(ValueError, match="linear-state groups"):
             d.llm_engine.make_request({"prompt_token_ids": prompts_for((40,))[0]}, GREEDY,
                                       kv_transfer_params={"do_remote_prefill": True,
                                                           "transfer_mode": "push"})

@@ -126,3 +126,51 @@ def test_a_decode_leg_whose_client_leaves_before_p_starts_frees_its_window(push_
     assert wait_for_metric(d.url, "pdkv:num_free_blocks", BLOCKS, timeout=15) == BLOCKS
     r = httpx.get(d.url + "/v1/kv/push_grant/gone-1", params={"timeout": 0.1}, timeout=10)
     assert r.status_code == 504  # the window is gone with its request
+
+
+@pytest.mark.parametrize("family", ["tiny_swa", "tiny_mla"])
+def test_window_and_mla_models_through_the_proxy_match_colocated(family, request):
+    """A sliding-window model (only the blocks D keeps are pushed) and an MLA model, each as P
+    and D processes behind the proxy: greedy output equals the colocated engine's, and D's
+    kv_load_bytes equal, per KV cache group, the blocks it keeps times the group's block bytes."""
+    from pdkv import LLM, SamplingParams
+    from pdkv.cache.specs import window_first_block
+
+    path = request.getfixturevalue(family)
+    lens = (30, 100, 150)
+    prompts = [[(i * 7919 + 13 * n) % 40000 + 100 for i in range(n)] for n in lens]
+    ref = LLM(path, num_kv_blocks=64, max_model_len=256, cpu_linear="torch")
+    try:
+        outs = ref.generate([{"prompt_token_ids": x} for x in prompts],
+                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        cfg = ref.llm_engine.runner.kv_cache_config
+        windows = [getattr(g.spec, "sliding_window", None) for g in cfg.groups]
+        expect = [sum(max(0, -(-n // BS) - window_first_block(n - 1, BS, w)) * cfg.block_bytes(g)
+                      for g, w in enumerate(windows)) for n in lens]
+    finally:
+        ref.llm_engine.shutdown()
+    engine = ["--model", path, "--num-kv-blocks", "64", "--max-model-len", "256",
+              "--cpu-linear", "torch"]
+    servers: list[RemoteServer] = []
+    try:
+        for role in ("kv_producer", "kv_consumer"):
+            servers.append(RemoteServer(
+                ["serve", *engine, "--no-enable-prefix-caching", "--kv-transfer-config",
+                 pd_config(role, "tcp", transfer_mode="push")],
+                wait=False, avoid=tuple(s.port for s in servers)))
+        for srv in servers:
+            srv.wait_healthy()
+        servers.append(RemoteServer(["proxy", "--prefill", servers[0].url, "--decode",
+                                     servers[1].url], avoid=tuple(s.port for s in servers)))
+        for x, out, nbytes in zip(prompts, outs, expect):
+            r = httpx.post(servers[2].url + "/v1/completions", timeout=120, json={
+                "model": path, "prompt": x, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["pdkv_timings"]["mode"] == "pd_push"
+            assert body["choices"][0]["text"] == out.outputs[0].text, f"{len(x)} tokens"
+            assert body["usage"]["prompt_tokens_details"]["kv_load_bytes"] == {"p2p": nbytes}
+    finally:
+        for srv in reversed(servers):
+            srv.stop()

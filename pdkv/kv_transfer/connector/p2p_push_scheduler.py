@@ -13,8 +13,11 @@ Producer (P): a request whose kv_transfer_params carry "push_grant" (with do_rem
 in every step that computes part of its prompt, the prompt blocks completed in that step (from its
 first step: also P's prefix hits), layer by layer (`PushSpec`); P holds nothing after its prefill.
 
-Full-attention and MLA groups with equal block sizes, tp 1, dcp 1; other layouts are refused at
-validate_request, naming the reason.
+Sliding-window groups move only the blocks D keeps when it resumes at the last prompt token
+(`window_first_block`, as a pull does): the grant names the null block (id 0; window groups'
+pools reserve it) for the others, and P pushes no such pair. Full-attention, sliding-window and
+MLA groups with equal block sizes, tp 1, dcp 1; linear-state groups and other layouts are refused
+at validate_request, naming the reason.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from pdkv.cache.block_pool import NULL_BLOCK_ID
+from pdkv.cache.specs import window_first_block
 from pdkv.jsontypes import JSONObject
 from pdkv.kv_transfer.connector.p2p_messages import (
     PushGrant,
@@ -87,9 +92,9 @@ class PushScheduler:
     # ------------------------------------------------------------ validation
     def layout_error(self) -> str:
         """Why this engine's layout cannot push or receive pushes, or ""."""
-        if any(self.linear_groups) or any(w is not None for w in self.sliding_windows):
-            return ("P2PConnector transfer_mode 'push' does not move sliding-window or "
-                    "linear-state groups yet: use transfer_mode 'pull' for this model")
+        if any(self.linear_groups):
+            return ("P2PConnector transfer_mode 'push' does not move linear-state groups yet "
+                    "(D resumes after P's sampled token): use transfer_mode 'pull' for this model")
         if self.layout.tp != 1 or self.layout.dcp != 1:
             return (f"P2PConnector transfer_mode 'push' needs tp 1 and dcp 1 (this engine: tp "
                     f"{self.layout.tp}, dcp {self.layout.dcp}): use transfer_mode 'pull'")
@@ -154,6 +159,10 @@ class PushScheduler:
         ids = tuple(list(g[:need]) for g in blocks.get_block_ids())
         if num_external_tokens <= 0:
             ids = tuple([] for _ in ids)
+        for g, window in enumerate(self.sliding_windows):  # only the blocks D keeps
+            keep = window_first_block(request.num_prompt_tokens - 1, self.block_size, window)
+            ids[g][: max(0, keep - first)] = [NULL_BLOCK_ID] * min(len(ids[g]),
+                                                                   max(0, keep - first))
         host, port = self.address
         grant = PushGrant(
             engine_id=self.spec.engine_id, request_id=request.request_id,
@@ -163,7 +172,9 @@ class PushScheduler:
             num_tokens=request.num_prompt_tokens, block_size=self.block_size,
             layout=dict(self.wire_layout))
         self._grants[request.request_id] = grant
-        self._to_open.append(WindowSpec(request.request_id, grant.nonce, ids, grant.lease_s))
+        real = tuple(g if w is None else [b for b in g if b != NULL_BLOCK_ID]
+                     for g, w in zip(ids, self.sliding_windows))
+        self._to_open.append(WindowSpec(request.request_id, grant.nonce, real, grant.lease_s))
 
     def take_windows(self) -> list[WindowSpec]:
         """The windows opened since the last call (for this step's metadata)."""
@@ -214,10 +225,16 @@ class PushScheduler:
             if done <= nxt[0]:
                 continue
             table = self._kv.get_block_ids(rid)
-            local = tuple(list(t[nxt[0]:done]) for t in table)
-            remote = tuple(list(g[nxt[0] - grant.first_block : done - grant.first_block])
-                           for g in grant.block_ids)
-            specs.append(PushSpec(rid, grant, local, remote))
+            local: list[list[int]] = []
+            remote: list[list[int]] = []
+            for t, g, window in zip(table, grant.block_ids, self.sliding_windows):
+                pairs = [(p, d) for p, d in zip(t[nxt[0]:done],
+                                                g[nxt[0] - grant.first_block:
+                                                  done - grant.first_block])
+                         if window is None or d != NULL_BLOCK_ID]  # (blocks D does not keep)
+                local.append([p for p, _ in pairs])
+                remote.append([d for _, d in pairs])
+            specs.append(PushSpec(rid, grant, tuple(local), tuple(remote)))
             nxt[0] = done
         return specs
 
