@@ -203,6 +203,12 @@ class AsyncLLM:
         """
         return bool(await self._call_async(lambda engine: engine.reset_prefix_cache(), timeout_s))
 
+    async def call_async(self, fn: Callable[[LLMEngine], T], timeout_s: float) -> T:
+        """Run fn(engine) as a command on the loop thread, between steps; await its result for
+        at most `timeout_s` seconds (TimeoutError; fn may still run later). fn's exception is
+        raised here; EngineDeadError when the engine is not running."""
+        return await self._call_async(fn, timeout_s)
+
     async def _call_async(self, fn: Callable[[LLMEngine], T], timeout_s: float) -> T:
         """Run fn(engine) as a command on the loop thread; await its result for at most
         `timeout_s` seconds (TimeoutError). fn's exception is raised here."""

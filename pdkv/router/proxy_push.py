@@ -8,6 +8,8 @@
    D admitted the request; pdkv.serve.kv_push), and sends the prefill leg to P with it in
    kv_transfer_params {"do_remote_decode": true, "push_grant": ...}. P writes each layer's KV
    into D's blocks as its forward computes them; P holds nothing afterwards (nothing to release).
+   A model with a linear-state group: P's answer carries its sampled token ("first_token"),
+   which the proxy gives D (`POST /v1/kv/push_first_token/{request_id}`).
 3. D resumes when every layer has landed and relays its tokens; the proxy relays D's answer.
 
 The push flow runs when GET /kv_layout of both engines reports transfer_mode "push" and the request
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING
 import httpx
 from fastapi.responses import Response
 
-from pdkv.jsontypes import JSONObject
+from pdkv.jsontypes import JSONObject, JSONValue
 from pdkv.router.proxy_legs import open_leg
 from pdkv.router.proxy_protocol import error_kind, error_response
 
@@ -89,6 +91,21 @@ async def _window(pd: PDPath, d_url: str, rid: str, headers: dict[str, str],
     return grant
 
 
+async def _hand_first_token(pd: PDPath, d_url: str, rid: str, headers: dict[str, str],
+                            token: JSONValue) -> None:
+    """A linear-state model: give D P's sampled token (D's window waits for it). A failure is
+    logged: D's window then ends at its lease and D follows kv_load_failure_policy."""
+    try:
+        r = await pd.client().post(f"{d_url}/v1/kv/push_first_token/{rid}",
+                                   json={"first_token": token}, headers=headers, timeout=30.0)
+        if r.status_code == 200:
+            return
+        why = f"{r.status_code} {r.text[:300]}"
+    except httpx.HTTPError as e:
+        why = f"{type(e).__name__}: {e}"
+    logger.warning("request %s: handing P's first token to %s failed: %s", rid, d_url, why)
+
+
 async def serve_push(pd: PDPath, p_decision: Decision, d_decision: Decision, path: str,
                      body: JSONObject, headers: dict[str, str], clock: RequestClock) -> Response:
     """One request through the push flow (module doc): D's leg first, D's window, P's leg with
@@ -141,8 +158,14 @@ async def serve_push(pd: PDPath, p_decision: Decision, d_decision: Decision, pat
         if status != 200:
             pd.metrics.errors.labels("prefill", error_kind(status, content)).inc()
             return Response(content, status_code=status, media_type="application/json")
-        with contextlib.suppress(ValueError, AttributeError):
-            clock.p_timings = json.loads(content).get("pdkv_timings")
+        answer: JSONValue = None
+        with contextlib.suppress(ValueError):
+            answer = json.loads(content)
+        if isinstance(answer, dict):
+            clock.p_timings = answer.get("pdkv_timings")
+            params = answer.get("kv_transfer_params")
+            if isinstance(params, dict) and "first_token" in params:
+                await _hand_first_token(pd, d.url, rid, headers, params["first_token"])
         try:
             resp = await d_leg
         except httpx.HTTPError as e:

@@ -40,6 +40,7 @@ from pdkv.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     KVHeldRequest,
+    PushFirstTokenRequest,
     TokenizeRequest,
 )
 from pdkv.serve.response_json import ChatCompletionResponse, CompletionResponse
@@ -282,6 +283,36 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
                            f"{timeout:g} s (not received, or waiting for free KV blocks)", 504,
                            "GatewayTimeout")
         return {"push_grant": msgspec.to_builtins(grant)}
+
+    @app.post("/v1/kv/push_first_token/{request_id}", response_model=None)
+    async def push_first_token(request_id: str, body: PushFirstTokenRequest) -> Response:
+        """Push mode, D, a model with a linear-state group: P's sampled token for decode request
+        `request_id` (P's answer's kv_transfer_params "first_token"); D's window completes once
+        it and every pushed layer are here, and the token is the request's first output token.
+        pdkv's route, the push flow's last step. 200 (empty); 400 for a token outside the
+        vocabulary or a request with no window waiting for a token; 404 when this engine
+        receives no pushes; 503 / 504 when the engine is dead / did not answer in time."""
+        kvt = llm.engine.config.kv_transfer_config
+        connector = llm.engine.scheduler.connector
+        if (kvt is None or not hasattr(connector, "push_first_token")
+                or kvt.kv_role not in ("kv_consumer", "kv_both")
+                or transfer_mode(kvt.kv_connector, kvt.kv_connector_extra_config) != "push"):
+            raise APIError("this engine receives no pushes", 404, "NotFoundError")
+        if not 0 <= body.first_token < llm.engine.vocab_size:
+            raise APIError(f"first_token {body.first_token} is outside the vocabulary",
+                           param="first_token")
+        try:
+            await llm.call_async(
+                lambda engine: engine.scheduler.connector.push_first_token(  # type: ignore[union-attr]
+                    request_id, body.first_token), 10.0)
+        except ValueError as e:
+            raise APIError(str(e)) from None
+        except EngineDeadError as e:
+            raise APIError(str(e), 503, "ServiceUnavailableError") from None
+        except TimeoutError:
+            raise APIError("the engine loop did not answer in time", 504,
+                           "GatewayTimeout") from None
+        return Response(status_code=200)
 
     @app.get("/kv_events", response_model=None)
     async def kv_events() -> KVEventsInfo:

@@ -194,3 +194,10 @@ class KVHeldRequest(_Body):
     prompt order; `pdkv.block_hashing.hash_request_tokens`)."""
 
     block_hashes: list[str]
+
+
+class PushFirstTokenRequest(_Body):
+    """POST /v1/kv/push_first_token/{request_id} body: P's sampled token (a token id) for D's
+    push-mode request on a linear-state model (pdkv.serve.kv_push)."""
+
+    first_token: int

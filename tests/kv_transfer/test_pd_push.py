@@ -126,10 +126,17 @@ def run_push_vs_pull_vs_colocated(path: str, prompts: list[list[int]], **kw: Any
         before = stats.get("kv_bytes_received", 0.0)
         ids = open_windows(d, prompts)
         grants = [grant_of(d, r) for r in ids]
-        for prompt, grant in zip(prompts, grants):
+        linear = any(g.spec.kind == "linear_state"
+                     for g in d.llm_engine.runner.kv_cache_config.groups)
+        for rid, prompt, grant in zip(ids, prompts, grants):
             out = push_prefill(p, prompt, grant)
             assert out.kv_transfer_params is not None
             assert out.kv_transfer_params["transfer_mode"] == "push"
+            assert ("first_token" in out.kv_transfer_params) == linear
+            if linear:  # D resumes after P's token (what the proxy hands over)
+                assert out.kv_transfer_params["first_token"] == out.outputs[0].token_ids[0]
+                d.llm_engine.scheduler.connector.push_first_token(
+                    rid, out.kv_transfer_params["first_token"])
         pushed = finish(d, ids)
         assert pushed == refs
         cfg = d.llm_engine.runner.kv_cache_config
@@ -137,6 +144,11 @@ def run_push_vs_pull_vs_colocated(path: str, prompts: list[list[int]], **kw: Any
         expect_blocks, expect_bytes, writes = 0, 0, 0
         for n, grant in zip(map(len, prompts), grants):
             for gi, (ids_g, window) in enumerate(zip(grant.block_ids, windows)):
+                if cfg.groups[gi].spec.kind == "linear_state":  # one state slot
+                    assert len(ids_g) == 1
+                    expect_bytes += cfg.block_bytes(gi)
+                    writes += len(cfg.groups[gi].layer_indices)
+                    continue
                 keep = window_first_block(n - 1, BS, window)  # what D keeps of a window group
                 assert ids_g[:keep] == [0] * min(keep, len(ids_g))  # null: nothing to push
                 real = len(ids_g) - min(keep, len(ids_g))
@@ -174,7 +186,7 @@ TINY_KW = dict(cpu_linear="torch", num_kv_blocks=48, max_model_len=256, block_si
                max_num_batched_tokens=32)
 
 
-@pytest.mark.parametrize("family", ["tiny_llama_kv2", "tiny_mla", "tiny_swa"])
+@pytest.mark.parametrize("family", ["tiny_llama_kv2", "tiny_mla", "tiny_swa", "tiny_gdn"])
 def test_push_matches_colocated_and_pull_and_moves_the_formula(family, request):
     """P chunks its prefill (32 tokens a step): blocks are pushed as each chunk completes them,
     layer by layer, the last partial block with the last chunk."""
@@ -294,13 +306,23 @@ def test_p_refuses_a_grant_for_another_prompt_and_pull_engines_refuse_push(tiny_
         shutdown(p, d)
 
 
-def test_push_refuses_linear_state_models_for_now(tiny_gdn):
+def test_a_first_token_without_a_window_waiting_for_one_is_refused(tiny_gdn, tiny_llama_kv2):
     p, d = engines(tiny_gdn, "push", **TINY_KW)
     try:
-        with pytest.raises(ValueError, match="linear-state groups"):
-            d.llm_engine.make_request({"prompt_token_ids": prompts_for((40,))[0]}, GREEDY,
-                                      kv_transfer_params={"do_remote_prefill": True,
-                                                          "transfer_mode": "push"})
+        conn = d.llm_engine.scheduler.connector
+        with pytest.raises(ValueError, match="waits for a first token"):
+            conn.push_first_token("nobody", 5)
+        (rid,) = open_windows(d, prompts_for((40,)))
+        conn.push_first_token(rid, 5)
+        with pytest.raises(ValueError, match="given already"):  # once
+            conn.push_first_token(rid, 6)
+    finally:
+        shutdown(p, d)
+    p, d = engines(tiny_llama_kv2, "push", **TINY_KW)
+    try:
+        (rid,) = open_windows(d, prompts_for((40,)))
+        with pytest.raises(ValueError, match="linear-state"):  # no token needed here
+            d.llm_engine.scheduler.connector.push_first_token(rid, 5)
     finally:
         shutdown(p, d)
 

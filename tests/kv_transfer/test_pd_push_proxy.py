@@ -111,6 +111,12 @@ def test_the_window_route_answers_each_case(push_stack):
     r = httpx.get(p.url + "/v1/kv/push_grant/nobody", params={"timeout": 0.2}, timeout=10)
     assert r.status_code == 404  # a producer receives no pushes
     assert httpx.get(d.url + "/kv_layout").json()["transfer_mode"] == "push"
+    url = "/v1/kv/push_first_token/nobody"
+    r = httpx.post(d.url + url, json={"first_token": 5}, timeout=10)
+    assert r.status_code == 400 and "waits for a first token" in r.json()["error"]["message"]
+    r = httpx.post(d.url + url, json={"first_token": 10**9}, timeout=10)
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+    assert httpx.post(p.url + url, json={"first_token": 5}, timeout=10).status_code == 404
 
 
 def test_a_decode_leg_whose_client_leaves_before_p_starts_frees_its_window(push_stack):
@@ -128,10 +134,11 @@ def test_a_decode_leg_whose_client_leaves_before_p_starts_frees_its_window(push_
     assert r.status_code == 504  # the window is gone with its request
 
 
-@pytest.mark.parametrize("family", ["tiny_swa", "tiny_mla"])
-def test_window_and_mla_models_through_the_proxy_match_colocated(family, request):
-    """A sliding-window model (only the blocks D keeps are pushed) and an MLA model, each as P
-    and D processes behind the proxy: greedy output equals the colocated engine's, and D's
+@pytest.mark.parametrize("family", ["tiny_swa", "tiny_mla", "tiny_gdn"])
+def test_hybrid_models_through_the_proxy_match_colocated(family, request):
+    """A sliding-window model (only the blocks D keeps are pushed), an MLA model and a Gated
+    DeltaNet model (one state slot per linear group, P's token handed to D by the proxy), each as
+    P and D processes behind the proxy: greedy output equals the colocated engine's, and D's
     kv_load_bytes equal, per KV cache group, the blocks it keeps times the group's block bytes."""
     from pdkv import LLM, SamplingParams
     from pdkv.cache.specs import window_first_block
@@ -145,8 +152,13 @@ def test_window_and_mla_models_through_the_proxy_match_colocated(family, request
                             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         cfg = ref.llm_engine.runner.kv_cache_config
         windows = [getattr(g.spec, "sliding_window", None) for g in cfg.groups]
-        expect = [sum(max(0, -(-n // BS) - window_first_block(n - 1, BS, w)) * cfg.block_bytes(g)
-                      for g, w in enumerate(windows)) for n in lens]
+        linear = [g.spec.kind == "linear_state" for g in cfg.groups]
+
+        def kept(n: int, g: int) -> int:  # blocks (slots) of group g that D receives
+            return 1 if linear[g] else -(-n // BS) - window_first_block(n - 1, BS, windows[g])
+
+        expect = [sum(kept(n, g) * cfg.block_bytes(g) for g in range(len(windows)))
+                  for n in lens]
     finally:
         ref.llm_engine.shutdown()
     engine = ["--model", path, "--num-kv-blocks", "64", "--max-model-len", "256",

@@ -49,6 +49,8 @@ class PushPair:
         self.p_params: list[Any] = []
         self.d_params: list[Any] = []
         self.windows: dict[str, dict[str, Any]] = {}
+        self.first_token: int | None = None  # P's answer carries it (a linear-state model)
+        self.tokens_given: list[tuple[str, Any]] = []  # what D got on push_first_token
         self.p = ServerThread(self._p_app())
         self.d = ServerThread(self._d_app(d_mode))
 
@@ -77,8 +79,10 @@ class PushPair:
                 return _error(self.p_status, "prefill failed")
             if "push_grant" in params:
                 self.pushed.set()
-                return {"choices": [{"text": "x"}], "kv_transfer_params": {
-                    "transfer_mode": "push", "do_remote_prefill": False}}
+                answer = {"transfer_mode": "push", "do_remote_prefill": False}
+                if self.first_token is not None:
+                    answer["first_token"] = self.first_token
+                return {"choices": [{"text": "x"}], "kv_transfer_params": answer}
             return {"choices": [{"text": "x"}], "kv_transfer_params": {
                 "do_remote_prefill": True, "remote_host": None, "remote_port": 0}}
 
@@ -112,6 +116,12 @@ class PushPair:
                     yield b"data: [DONE]\n\n"
                 return StreamingResponse(chunks(), media_type="text/event-stream")
             return {"choices": [{"text": "pushed"}]}
+
+        @app.post("/v1/kv/push_first_token/{rid}")
+        async def first_token(rid: str, req: Request) -> Any:
+            self.events.append("first_token")
+            self.tokens_given.append((rid, (await req.json())["first_token"]))
+            return {}
 
         @app.get("/v1/kv/push_grant/{rid}")
         async def window(rid: str, timeout: float) -> Any:
@@ -160,6 +170,15 @@ def test_d_first_then_p_with_ds_window_then_ds_answer(pair):
         text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in s.iter_lines()
                        if line.startswith("data: {") and "choices" in line)
     assert text == "pushed" and len(pair.p_params) == 2
+
+
+def test_ps_first_token_is_handed_to_d_before_ds_answer_is_relayed(pair):
+    pair.first_token = 4242
+    r = _post(pair)
+    assert r.status_code == 200
+    (grant,) = [p["push_grant"] for p in pair.p_params]
+    assert pair.tokens_given == [(grant["request_id"], 4242)]
+    assert pair.events.index("prefill") < pair.events.index("first_token")
 
 
 def test_ds_refusal_reaches_the_client_and_p_never_sees_the_request(pair):

@@ -99,6 +99,16 @@ class P2PConnector(KVConnectorBase):
         assert self.scheduler is not None
         return self.scheduler.push_grant(request_id)
 
+    def push_first_token(self, request_id: str, token: int) -> None:
+        """Push mode, consumer's scheduler half (engine loop thread), a linear-state model: P's
+        sampled token for request `request_id`.
+
+        Raises:
+            ValueError: no open window of that request waits for a token.
+        """
+        assert self.scheduler is not None
+        self.scheduler.push_first_token(request_id, token)
+
     def validate_request(self, request: Request) -> None:
         assert self.scheduler is not None
         self.scheduler.validate_request(request)

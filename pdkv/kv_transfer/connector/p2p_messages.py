@@ -137,12 +137,15 @@ class PushSpec(msgspec.Struct):
 
 class WindowSpec(msgspec.Struct):
     """Push mode, D's worker half: accept writes for grant (request_id, nonce) into
-    `block_ids` (per group) until `lease_s` seconds from now; then the load fails."""
+    `block_ids` (per group) until `lease_s` seconds from now; then the load fails. With
+    `needs_token` (a linear-state model) the load also waits for P's first token
+    (`window_tokens` of a later step's metadata)."""
 
     request_id: str
     nonce: str
     block_ids: tuple[list[int], ...]
     lease_s: float
+    needs_token: bool = False
 
 
 class P2PConnectorMetadata(KVConnectorMetadata, kw_only=True):
@@ -152,6 +155,7 @@ class P2PConnectorMetadata(KVConnectorMetadata, kw_only=True):
     reqs_to_push: list[PushSpec] = msgspec.field(default_factory=list)
     windows_to_open: list[WindowSpec] = msgspec.field(default_factory=list)
     windows_to_close: list[str] = msgspec.field(default_factory=list)  # aborted requests' ids
+    window_tokens: list[str] = msgspec.field(default_factory=list)  # first token arrived (ids)
 
 
 # ------------------------------------------------------------------ control plane (P's server)

@@ -175,6 +175,7 @@ class _Window:
         self.nbytes = 0
         self.inflight = 0  # accepted writes still receiving (the blocks stay the window's)
         self.closing = False  # the request was aborted: no new write; freed once none receives
+        self.token_ok = not spec.needs_token  # a linear-state model: P's first token arrived
 
 
 class PushReceiver:
@@ -269,12 +270,38 @@ class PushReceiver:
                 window.nbytes += len(units - window.landed) * lb  # (a racing duplicate: once)
                 window.landed |= units
             window.writes += 1
-            need = sum(len(b) * self.layers[k] for k, b in enumerate(window.blocks))
-            if len(window.landed) < need or window.inflight:
+            if not self._complete(grant, window):
                 return
-            del self._windows[grant]
+        self._succeeded(window)
+
+    def _complete(self, grant: Grant, window: _Window) -> bool:
+        """Under the lock: whether every unit of the window landed, no accepted write still
+        receives and its first token (if it needs one) arrived; if so it leaves the windows."""
+        need = sum(len(b) * self.layers[k] for k, b in enumerate(window.blocks))
+        if len(window.landed) < need or window.inflight or not window.token_ok:
+            return False
+        del self._windows[grant]
+        return True
+
+    def _succeeded(self, window: _Window) -> None:
         self.results.load_succeeded(window.spec.request_id, window.nbytes,
                                     time.monotonic() - window.opened, window.writes)
+
+    def tokens(self, request_ids: list[str]) -> None:
+        """Engine loop: P's first token arrived for these requests' windows (a linear-state
+        model); a window whose layers had all landed completes now."""
+        if not request_ids:
+            return
+        ids = set(request_ids)
+        done = []
+        with self._lock:
+            for key, window in list(self._windows.items()):
+                if key[0] in ids and not window.closing:
+                    window.token_ok = True
+                    if self._complete(key, window):
+                        done.append(window)
+        for window in done:
+            self._succeeded(window)
 
     def close(self, request_ids: list[str]) -> None:
         """Engine loop: the requests were aborted while their windows were open. Each window

@@ -13,11 +13,17 @@ Producer (P): a request whose kv_transfer_params carry "push_grant" (with do_rem
 in every step that computes part of its prompt, the prompt blocks completed in that step (from its
 first step: also P's prefix hits), layer by layer (`PushSpec`); P holds nothing after its prefill.
 
+A model with a linear-state group (Gated DeltaNet) resumes on D after all n prompt tokens, as
+after a pull: only the slot holding the state after n tokens moves (pushed with P's last chunk:
+the grant names one D slot per linear group), and D's window completes only when P's sampled
+token has arrived too (P's answer carries it as "first_token"; the proxy hands it to D,
+`POST /v1/kv/push_first_token/{request_id}`, here `set_first_token`).
+
 Sliding-window groups move only the blocks D keeps when it resumes at the last prompt token
 (`window_first_block`, as a pull does): the grant names the null block (id 0; window groups'
-pools reserve it) for the others, and P pushes no such pair. Full-attention, sliding-window and
-MLA groups with equal block sizes, tp 1, dcp 1; linear-state groups and other layouts are refused
-at validate_request, naming the reason.
+pools reserve it) for the others, and P pushes no such pair. Full-attention, sliding-window,
+MLA and linear-state groups with equal block sizes, tp 1, dcp 1; other layouts are refused at
+validate_request, naming the reason.
 """
 
 from __future__ import annotations
@@ -83,6 +89,8 @@ class PushScheduler:
         self._grants: dict[str, PushGrant] = {}  # consumer: request id -> its open window
         self._to_open: list[WindowSpec] = []
         self._to_close: list[str] = []  # consumer: aborted requests whose window is open
+        self._awaiting_token: dict[str, Request] = {}  # consumer, linear state: no token yet
+        self._tokens: list[str] = []  # consumer: windows whose first token arrived
         self._pushing: dict[str, tuple[PushGrant, list[int]]] = {}  # producer: grant, [next block]
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
@@ -92,9 +100,6 @@ class PushScheduler:
     # ------------------------------------------------------------ validation
     def layout_error(self) -> str:
         """Why this engine's layout cannot push or receive pushes, or ""."""
-        if any(self.linear_groups):
-            return ("P2PConnector transfer_mode 'push' does not move linear-state groups yet "
-                    "(D resumes after P's sampled token): use transfer_mode 'pull' for this model")
         if self.layout.tp != 1 or self.layout.dcp != 1:
             return (f"P2PConnector transfer_mode 'push' needs tp 1 and dcp 1 (this engine: tp "
                     f"{self.layout.tp}, dcp {self.layout.dcp}): use transfer_mode 'pull'")
@@ -140,9 +145,11 @@ class PushScheduler:
             raise ValueError("push_grant.prompt_digest does not match this request's prompt and "
                              "cache_salt: the window belongs to another prompt")
         need = -(-request.num_prompt_tokens // self.block_size) - grant.first_block
-        if any(len(g) != need for g in grant.block_ids):
+        want = [1 if linear else need for linear in self.linear_groups]
+        if [len(g) for g in grant.block_ids] != want:
             raise ValueError(f"push_grant must hold {need} blocks per group (prompt blocks from "
-                             f"{grant.first_block}), got {[len(g) for g in grant.block_ids]}")
+                             f"{grant.first_block}; one state slot per linear-state group): "
+                             f"{want}, got {[len(g) for g in grant.block_ids]}")
 
     # ------------------------------------------------------------- consumer
     def grant(self, request_id: str) -> PushGrant | None:
@@ -156,7 +163,8 @@ class PushScheduler:
         prompt, and have the worker half accept writes into them (`take_windows`)."""
         first = request.num_computed_tokens // self.block_size
         need = -(-request.num_prompt_tokens // self.block_size) - first
-        ids = tuple(list(g[:need]) for g in blocks.get_block_ids())
+        ids = tuple(list(g[-1:]) if linear else list(g[:need])  # (linear: the request's slot)
+                    for g, linear in zip(blocks.get_block_ids(), self.linear_groups))
         if num_external_tokens <= 0:
             ids = tuple([] for _ in ids)
         for g, window in enumerate(self.sliding_windows):  # only the blocks D keeps
@@ -174,17 +182,45 @@ class PushScheduler:
         self._grants[request.request_id] = grant
         real = tuple(g if w is None else [b for b in g if b != NULL_BLOCK_ID]
                      for g, w in zip(ids, self.sliding_windows))
-        self._to_open.append(WindowSpec(request.request_id, grant.nonce, real, grant.lease_s))
+        needs_token = any(self.linear_groups) and any(ids)
+        if needs_token:
+            self._awaiting_token[request.request_id] = request
+        self._to_open.append(WindowSpec(request.request_id, grant.nonce, real, grant.lease_s,
+                                        needs_token))
 
     def take_windows(self) -> list[WindowSpec]:
         """The windows opened since the last call (for this step's metadata)."""
         windows, self._to_open = self._to_open, []
         return windows
 
+    def set_first_token(self, request_id: str, token: int) -> None:
+        """A linear-state model: P's sampled token for D's request `request_id` (its first
+        output token; the window completes once it and every pushed layer are here).
+
+        Raises:
+            ValueError: no open window of this request waits for a token (unknown request, a
+                model without a linear-state group, or the token came already).
+        """
+        request = self._awaiting_token.pop(request_id, None)
+        if request is None:
+            raise ValueError(f"no open push window of request {request_id!r} waits for a first "
+                             "token (unknown, landed, failed or aborted; or a model without a "
+                             "linear-state group, or the token was given already)")
+        p = request.kv_transfer_params if request.kv_transfer_params is not None else {}
+        p["first_token"] = int(token)  # read when the load ends (KVConnectorState)
+        request.kv_transfer_params = p
+        self._tokens.append(request_id)
+
+    def take_tokens(self) -> list[str]:
+        """The windows whose first token arrived since the last call (this step's metadata)."""
+        tokens, self._tokens = self._tokens, []
+        return tokens
+
     def abort(self, request_id: str) -> bool:
         """D's request ended (aborted) with its window open: have the worker half close it
         (`take_closes`); True when it had one (its blocks are freed once the worker half reports
         the window ended)."""
+        self._awaiting_token.pop(request_id, None)
         if self._grants.pop(request_id, None) is None:
             return False
         self._to_close.append(request_id)
@@ -198,6 +234,7 @@ class PushScheduler:
     def window_closed(self, request_id: str) -> None:
         """The worker half reported the request's window landed or failed."""
         self._grants.pop(request_id, None)
+        self._awaiting_token.pop(request_id, None)
 
     # ------------------------------------------------------------- producer
     def start_pushing(self, request: Request) -> None:
@@ -227,26 +264,35 @@ class PushScheduler:
             table = self._kv.get_block_ids(rid)
             local: list[list[int]] = []
             remote: list[list[int]] = []
-            for t, g, window in zip(table, grant.block_ids, self.sliding_windows):
-                pairs = [(p, d) for p, d in zip(t[nxt[0]:done],
-                                                g[nxt[0] - grant.first_block:
-                                                  done - grant.first_block])
-                         if window is None or d != NULL_BLOCK_ID]  # (blocks D does not keep)
+            last = end >= grant.num_tokens
+            for t, g, window, linear in zip(table, grant.block_ids, self.sliding_windows,
+                                            self.linear_groups):
+                if linear:  # the state after all n tokens: with the last chunk, once
+                    pairs = list(zip(t[-1:], g)) if last else []
+                else:
+                    pairs = [(p, d) for p, d in zip(t[nxt[0]:done],
+                                                    g[nxt[0] - grant.first_block:
+                                                      done - grant.first_block])
+                             if window is None or d != NULL_BLOCK_ID]  # (blocks D drops)
                 local.append([p for p, _ in pairs])
                 remote.append([d for _, d in pairs])
             specs.append(PushSpec(rid, grant, tuple(local), tuple(remote)))
             nxt[0] = done
         return specs
 
-    def finished(self, request_id: str) -> JSONObject | None:
+    def finished(self, request: Request) -> JSONObject | None:
         """A producer request ended: the kv_transfer_params of its answer (every push of its
-        steps ended in wait_for_save; nothing is held), or None when it was not pushing."""
-        pushed = self._pushing.pop(request_id, None)
+        steps ended in wait_for_save; nothing is held; a linear-state model's carry P's
+        sampled token as "first_token", for D), or None when it was not pushing."""
+        pushed = self._pushing.pop(request.request_id, None)
         if pushed is None:
             return None
-        return {"do_remote_prefill": False, "do_remote_decode": False,
-                "transfer_mode": "push", "remote_engine_id": self.spec.engine_id,
-                "push_request_id": pushed[0].request_id}
+        params: JSONObject = {"do_remote_prefill": False, "do_remote_decode": False,
+                              "transfer_mode": "push", "remote_engine_id": self.spec.engine_id,
+                              "push_request_id": pushed[0].request_id}
+        if any(self.linear_groups) and request.output_token_ids:
+            params["first_token"] = int(request.output_token_ids[0])
+        return params
 
     def has_pending_metadata(self) -> bool:
-        return bool(self._to_open or self._to_close)
+        return bool(self._to_open or self._to_close or self._tokens)

@@ -224,6 +224,11 @@ class P2PConnectorScheduler:
         and transfer_mode "push", or None (not admitted yet, or landed / failed)."""
         return self.pushes.grant(request_id)
 
+    def push_first_token(self, request_id: str, token: int) -> None:
+        """Push mode, consumer, a linear-state model: P's sampled token for the request
+        (`PushScheduler.set_first_token`; ValueError when no window waits for one)."""
+        self.pushes.set_first_token(request_id, token)
+
     def on_new_request(self, request: Request) -> None:
         p = request.kv_transfer_params or {}
         if "push_grant" in p:  # producer: validated already
@@ -390,13 +395,15 @@ class P2PConnectorScheduler:
         now = time.monotonic()
         pushes = self.pushes.push_specs(out) if out is not None else []
         windows, closes = self.pushes.take_windows(), self.pushes.take_closes()
+        tokens = self.pushes.take_tokens()
         if self._waiting_remote and now - self._last_renew > self.lease_s / 3:
             for notes in self._waiting_remote.values():
                 self._notify.extend(notes)
             self._last_renew = now
         meta = P2PConnectorMetadata(reqs_to_send=self._to_send, reqs_to_recv=self._to_recv,
                                     notifications=self._notify, reqs_to_push=pushes,
-                                    windows_to_open=windows, windows_to_close=closes)
+                                    windows_to_open=windows, windows_to_close=closes,
+                                    window_tokens=tokens)
         self._to_send, self._to_recv, self._notify = [], [], []
         return meta
 
@@ -411,7 +418,7 @@ class P2PConnectorScheduler:
                          ) -> tuple[bool, JSONObject | None]:
         rid = request.request_id
         p = request.kv_transfer_params or {}
-        pushed = self.pushes.finished(rid)
+        pushed = self.pushes.finished(request)
         if pushed is not None:  # P: every push of its steps ended in wait_for_save; hold nothing
             return False, pushed
         if rid in self._inflight_recv:  # aborted during the pull: free after it ends

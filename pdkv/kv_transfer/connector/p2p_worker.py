@@ -177,6 +177,7 @@ class P2PConnectorWorker:
         self.consumer.submit(meta.reqs_to_recv, meta.notifications)
         self.push_receiver.open(meta.windows_to_open)
         self.push_receiver.close(meta.windows_to_close)
+        self.push_receiver.tokens(meta.window_tokens)
         self.push_sender.begin(meta.reqs_to_push)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
