@@ -29,7 +29,7 @@ import contextlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 from fastapi.responses import Response
@@ -39,9 +39,35 @@ from pdkv.router.proxy_legs import open_leg
 from pdkv.router.proxy_protocol import error_kind, error_response
 
 if TYPE_CHECKING:
-    from pdkv.router.policies import Decision
-    from pdkv.router.proxy_pd import PDPath
+    from collections.abc import Callable
+
+    from pdkv.router.backend_info import BackendInfos
+    from pdkv.router.policies import Claim, Decision
+    from pdkv.router.proxy_legs import LegSender
+    from pdkv.router.proxy_metrics import ProxyMetrics
+    from pdkv.router.proxy_routing import RequestRouter
     from pdkv.router.timings import RequestClock
+
+
+class PDPath(Protocol):
+    """What the push flow uses of the proxy's P/D path (`pdkv.router.proxy_pd.PDPath`)."""
+
+    @property
+    def infos(self) -> BackendInfos: ...
+    @property
+    def client(self) -> Callable[[], httpx.AsyncClient]: ...
+    @property
+    def sender(self) -> LegSender: ...
+    @property
+    def router(self) -> RequestRouter: ...
+    @property
+    def metrics(self) -> ProxyMetrics: ...
+    @property
+    def background(self) -> Callable[[asyncio.Future[Any]], None]: ...
+
+    async def prefill_leg(self, claim: Claim, path: str, body: JSONObject,
+                          headers: dict[str, str], params: JSONObject | None = None
+                          ) -> tuple[int, bytes]: ...
 
 logger = logging.getLogger(__name__)
 

@@ -21,17 +21,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import queue
-import random
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import IO, TypedDict, TypeVar
+from typing import TypedDict, TypeVar
 
 from pdkv.bench.handoff.compare import (
     DEFAULT_TOLERANCE,
@@ -41,10 +36,16 @@ from pdkv.bench.handoff.compare import (
     fixed_from_probe,
     format_table,
 )
-from pdkv.bench.handoff.peer import DecodeReply, HandoffRequest, PrefillReply
+from pdkv.bench.handoff.peer import DecodeReply, PrefillReply
+from pdkv.bench.handoff.procs import (
+    BLOCK_TOKENS,
+    Peer,
+    capped_lengths,
+    peers,
+    prompt_tokens,
+)
 from pdkv.bench.netns import NetnsPair
 from pdkv.bench.results import write_result_json
-from pdkv.jsontypes import JSONObject
 from pdkv.launch.netns import rate_bytes_per_s, unavailable_reason
 
 T = TypeVar("T")
@@ -63,123 +64,8 @@ class HandoffResult(TypedDict, total=False):
 
 ENGINES = ("tcp", "shm")
 DEFAULT_PROMPT_LENS = (1024, 4096, 8192)
-MODEL_MAX_LEN = 8192  # SmolLM2's max_position_embeddings
-BLOCK_TOKENS = 16
 PROBE_TOKENS = BLOCK_TOKENS  # one block: the fixed-cost probe
-READY_TIMEOUT_S = 300.0
-REPLY_TIMEOUT_S = 1200.0
-VOCAB_LOW, VOCAB_HIGH = 1000, 49152
-
-
-class _Peer:
-    """A handoff_peer process: JSON lines in, JSON lines out, stderr to a log file."""
-
-    def __init__(self, argv: list[str], log_path: str) -> None:
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in close()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, env=env)
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()
-
-    def _read(self, stream: IO[str] | None) -> None:
-        assert stream is not None
-        for line in stream:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def _log_tail(self) -> str:
-        with open(self.log_path) as f:
-            return "".join(f.readlines()[-15:])
-
-    def recv(self, timeout: float) -> str:
-        """The next JSON reply line; raises RuntimeError on exit, timeout or an {"error"} reply."""
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            raise RuntimeError(
-                f"no reply within {timeout:g} s; log tail:\n{self._log_tail()}"
-            ) from None
-        if line is None:
-            raise RuntimeError(
-                f"peer exited (rc {self.proc.wait(10)}); log tail:\n{self._log_tail()}"
-            )
-        msg: JSONObject = json.loads(line)
-        if "error" in msg:
-            raise RuntimeError(f"peer failed: {msg['error']}; log tail:\n{self._log_tail()}")
-        return line
-
-    def call(self, msg: HandoffRequest, timeout: float = REPLY_TIMEOUT_S) -> str:
-        """Send `msg`, return the reply line (as `recv`)."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-        return self.recv(timeout)
-
-    def close(self, timeout: float = 30.0) -> None:
-        """EOF on stdin, then wait; kill after `timeout` s."""
-        with contextlib.suppress(OSError):
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log.close()
-
-
-def prompt_tokens(length: int, seed: int) -> list[int]:
-    """`length` token ids drawn uniformly from [1000, 49152) (clear of special tokens)."""
-    rng = random.Random(seed)
-    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(length)]
-
-
-def capped_lengths(prompt_lens: Sequence[int], max_model_len: int = MODEL_MAX_LEN) -> list[int]:
-    """Prompt lengths clipped to max_model_len − 1 (one position stays free for the output
-    token), in the given order without duplicates.
-
-    Raises:
-        ValueError: an empty list or a length < 1.
-    """
-    if not prompt_lens or any(n < 1 for n in prompt_lens):
-        raise ValueError(f"prompt lengths must be >= 1, got {list(prompt_lens)}")
-    return list(dict.fromkeys(min(n, max_model_len - 1) for n in prompt_lens))
-
-
-@contextlib.contextmanager
-def _peers(
-    transfer: str, lens: Sequence[int], pair: NetnsPair | None, log_dir: str
-) -> Iterator[tuple[_Peer, _Peer]]:
-    max_len = min(MODEL_MAX_LEN, max(lens) + BLOCK_TOKENS)
-    blocks = -(-max_len // BLOCK_TOKENS) + 8  # the longest prompt plus the probe
-    common = [
-        "--transfer",
-        transfer,
-        "--num-kv-blocks",
-        str(blocks),
-        "--max-model-len",
-        str(max_len),
-    ]
-    py = [sys.executable, "-m", "pdkv.bench.handoff.peer"]
-    host = pair.host("p") if pair else "127.0.0.1"
-    p_argv = (pair.exec_prefix("p") if pair else []) + py + ["p", "--host", host] + common
-    d_argv = (pair.exec_prefix("d") if pair else []) + py + ["d"] + common
-    p = _Peer(p_argv, os.path.join(log_dir, f"p-{transfer}.log"))
-    d = None
-    try:
-        d = _Peer(d_argv, os.path.join(log_dir, f"d-{transfer}.log"))
-        p.recv(READY_TIMEOUT_S)
-        d.recv(READY_TIMEOUT_S)
-        yield p, d
-    finally:
-        if d is not None:
-            d.close()
-        p.close()
-
-
-def _handoff(p: _Peer, d: _Peer, ids: list[int]) -> tuple[PrefillReply, DecodeReply]:
+def _handoff(p: Peer, d: Peer, ids: list[int]) -> tuple[PrefillReply, DecodeReply]:
     pre: PrefillReply = json.loads(p.call({"prompt_token_ids": ids}))
     got: DecodeReply = json.loads(
         d.call({"prompt_token_ids": ids, "kv_transfer_params": pre["kv_transfer_params"]}))
@@ -261,7 +147,7 @@ def run_handoff_bench(
                 transfer, (bandwidths or {}).get(transfer), rate_bps, link_rate or ""
             )
             say(f"[{transfer}] starting P and D ...", flush=True)
-            with _peers(transfer, lens, pair, log_dir) as (p, d):
+            with peers(transfer, lens, pair, log_dir) as (p, d):
                 # Two one-block probes: the first also pays the handshake and the data
                 # connection (cached per peer afterwards); the second is the steady-state cost.
                 _, cold = _handoff(p, d, prompt_tokens(PROBE_TOKENS, seed + 998))
@@ -377,6 +263,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                         help="PASS when |measured − predicted| <= tolerance × predicted")
     parser.add_argument("--seed", type=int, default=0, help="prompt token seed")
+    parser.add_argument(
+        "--transfer-modes",
+        type=lambda s: _parse_list(s, str),
+        default=None,
+        help="comma-separated P2P transfer modes from pull,push: measure one request's TTFT "
+        "with each instead of the pull's handoff time (tcp; pdkv/bench/handoff/modes.py)",
+    )
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="--transfer-modes: requests per prompt length and mode")
     parser.add_argument("--result-json", default=None, help="write the result dict to this file")
     return parser
 
@@ -386,6 +281,16 @@ def main(args: argparse.Namespace) -> int:
     otherwise."""
     # A plain `kill` unwinds like Ctrl-C: peers stop and the namespaces are deleted.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.transfer_modes:
+        from pdkv.bench.handoff.modes import run_modes_bench
+
+        if args.transfer not in (None, ["tcp"]):
+            raise SystemExit("--transfer-modes runs over the tcp transfer engine only")
+        modes = run_modes_bench(args.transfer_modes, args.prompt_lens, args.link_rate,
+                                args.seed, args.repeats)
+        if args.result_json:
+            write_result_json(modes, args.result_json)
+        return 0
     transfers = args.transfer or (["tcp"] if args.link_rate else list(ENGINES))
     result = run_handoff_bench(transfers, args.prompt_lens, args.link_rate,
                                _parse_bandwidths(args.link_bandwidth), args.fixed_cost,

@@ -9,11 +9,18 @@ answers {"kv_transfer_params": {...}, "prefill_s": seconds} (the proxy's prefill
 do_remote_decode); between requests it keeps stepping its engine (leases, releases). D reads
 {"prompt_token_ids": [...], "kv_transfer_params": {...}} and runs the decode leg with max_tokens=1;
 it answers {"transfer_seconds": [...], "bytes": kv_bytes_received of this request,
-"wall_s": add_request → finished, "num_cached_tokens": ...}. transfer_seconds is what the P2P
-consumer reports per pull (KVConnectorOutput.transfer_seconds): from the pull thread taking the
-pull (right after D's scheduler submits it) to the producer acknowledging the read, i.e. claim
-round trip + data read + done round trip. Any failure answers {"error": "..."}. EOF on stdin
-shuts the engine down.
+"wall_s": add_request → finished, "num_cached_tokens": ..., "first_step_s": D's own compute}.
+transfer_seconds is what the P2P consumer reports per pull (KVConnectorOutput.transfer_seconds):
+from the pull thread taking the pull (right after D's scheduler submits it) to the producer
+acknowledging the read, i.e. claim round trip + data read + done round trip. Any failure answers
+{"error": "..."}. EOF on stdin shuts the engine down.
+
+Push mode (`--transfer-mode push`, issue 29): D reads {"open": true, "prompt_token_ids": [...]}:
+it adds the request with {"do_remote_prefill": true, "transfer_mode": "push"}, steps until the
+scheduler opened its write window and answers {"request_id": ..., "push_grant": {...}}; it keeps
+stepping between requests. P reads the prompt with "push_grant" and pushes each layer into D's
+blocks during its prefill. D then reads {"finish": request_id} and answers as for a decode leg
+once that request ended (transfer_seconds: its window's open → last layer landed).
 """
 
 from __future__ import annotations
@@ -44,9 +51,13 @@ class _Prompt(TypedDict):
 
 
 class HandoffRequest(_Prompt, total=False):
-    """A line the driver sends: the prompt (P and D) and, for D, P's kv_transfer_params."""
+    """A line the driver sends: the prompt (P and D) and, for D, P's kv_transfer_params; push
+    mode: "open" (D), "push_grant" (P), "finish" (D: a request id)."""
 
     kv_transfer_params: JSONObject | None
+    open: bool
+    push_grant: JSONObject
+    finish: str
 
 
 class PrefillReply(TypedDict):
@@ -64,6 +75,7 @@ class DecodeReply(TypedDict):
     bytes: float
     wall_s: float
     num_cached_tokens: int
+    first_step_s: float  # D's own compute of the request (its first step), KV wait excluded
 
 
 def _config(role: str, args: argparse.Namespace) -> str:
@@ -71,7 +83,8 @@ def _config(role: str, args: argparse.Namespace) -> str:
     # connection the producer closed while idle is replaced by the tcp engine, so the server's
     # idle timeout stays at its default.)
     extra: dict[str, str | float] = {"transfer": args.transfer, "kv_lease_duration": 900.0,
-                             "transfer_timeout": 300.0}
+                                     "transfer_timeout": 300.0,
+                                     "transfer_mode": args.transfer_mode}
     if role == "kv_producer":
         extra.update(kv_host=args.host, kv_advertise_host=args.host)
     return json.dumps({"kv_connector": "P2PConnector", "kv_role": role,
@@ -111,15 +124,25 @@ def _prefill(eng: LLMEngine, msg: HandoffRequest) -> PrefillReply:
     from pdkv import SamplingParams
 
     t0 = time.monotonic()
+    params: JSONObject = {"do_remote_decode": True}
+    if msg.get("push_grant") is not None:
+        params["push_grant"] = msg["push_grant"]
     req, text = eng.make_request({"prompt_token_ids": msg["prompt_token_ids"]},
                                  SamplingParams(temperature=0, max_tokens=1),
-                                 kv_transfer_params={"do_remote_decode": True})
+                                 kv_transfer_params=params)
     eng.add_request(req, text)
     out = _finish(eng, req.request_id, t0 + REQUEST_TIMEOUT_S)
     return {"kv_transfer_params": out.kv_transfer_params, "prefill_s": time.monotonic() - t0}
 
 
-def _decode(eng: LLMEngine, msg: HandoffRequest) -> DecodeReply | dict[str, str]:
+class _Opened(TypedDict):
+    request_id: str
+    t0: float
+    before: float
+
+
+def _open(eng: LLMEngine, msg: HandoffRequest, opened: dict[str, _Opened]) -> JSONObject:
+    """Push mode: admit D's request and answer its write window (D first)."""
     from pdkv import SamplingParams
 
     sched = eng.scheduler
@@ -128,16 +151,51 @@ def _decode(eng: LLMEngine, msg: HandoffRequest) -> DecodeReply | dict[str, str]
     t0 = time.monotonic()
     req, text = eng.make_request({"prompt_token_ids": msg["prompt_token_ids"]},
                                  SamplingParams(temperature=0, max_tokens=1),
-                                 kv_transfer_params=msg.get("kv_transfer_params"))
+                                 kv_transfer_params={"do_remote_prefill": True,
+                                                     "transfer_mode": "push"})
     eng.add_request(req, text)
-    out = _finish(eng, req.request_id, t0 + REQUEST_TIMEOUT_S)
+    connector = sched.connector
+    deadline = t0 + REQUEST_TIMEOUT_S
+    while (grant := connector.push_grant(req.request_id)) is None:  # type: ignore[union-attr]
+        if time.monotonic() > deadline:
+            raise TimeoutError("no write window opened")
+        eng.step()
+    opened[req.request_id] = {"request_id": req.request_id, "t0": t0, "before": before}
+    import msgspec
+
+    return {"request_id": req.request_id, "push_grant": msgspec.to_builtins(grant)}
+
+
+def _decode(eng: LLMEngine, msg: HandoffRequest,
+            opened: dict[str, _Opened] | None = None) -> DecodeReply | dict[str, str]:
+    from pdkv import SamplingParams
+
+    sched = eng.scheduler
+    rid = str(msg.get("finish") or "")
+    if rid:  # push mode: the request `_open` added
+        if opened is None or rid not in opened:
+            return {"error": f"no opened request {rid!r}"}
+        mine = opened.pop(rid)
+        t0, before = mine["t0"], mine["before"]
+    else:
+        sched.stats()  # drain samples of earlier requests
+        before = sched.kv_stats.get("kv_bytes_received", 0.0)
+        t0 = time.monotonic()
+        req, text = eng.make_request({"prompt_token_ids": msg["prompt_token_ids"]},
+                                     SamplingParams(temperature=0, max_tokens=1),
+                                     kv_transfer_params=msg.get("kv_transfer_params"))
+        eng.add_request(req, text)
+        rid = req.request_id
+    out = _finish(eng, rid, t0 + REQUEST_TIMEOUT_S)
     wall = time.monotonic() - t0
     got = sched.kv_stats.get("kv_bytes_received", 0.0) - before
     seconds = list(sched.stats().transfer_seconds or [])
     if not seconds or got <= 0:
         return {"error": f"no KV was pulled (bytes {got}, transfers {seconds}): see D's log"}
+    first_step = out.metrics.prefill_time if out.metrics is not None else None
     return {"transfer_seconds": seconds, "bytes": got, "wall_s": wall,
-            "num_cached_tokens": out.num_cached_tokens}
+            "num_cached_tokens": out.num_cached_tokens,
+            "first_step_s": float(first_step or 0.0)}
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -149,6 +207,7 @@ def serve(args: argparse.Namespace) -> int:
               enable_prefix_caching=args.side == "p", kv_transfer_config=_config(role, args))
     eng = llm.llm_engine
     lines = _stdin_lines()
+    opened: dict[str, _Opened] = {}
     _reply({"ready": True})
     try:
         while True:
@@ -162,7 +221,12 @@ def serve(args: argparse.Namespace) -> int:
                 return 0
             try:
                 msg: HandoffRequest = json.loads(line)
-                _reply(_prefill(eng, msg) if args.side == "p" else _decode(eng, msg))
+                if args.side == "p":
+                    _reply(_prefill(eng, msg))
+                elif msg.get("open"):
+                    _reply(_open(eng, msg, opened))
+                else:
+                    _reply(_decode(eng, msg, opened))
             except Exception as e:  # noqa: BLE001 - reported to the driver, which fails the run
                 _reply({"error": f"{type(e).__name__}: {e}"})
     finally:
@@ -177,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--num-kv-blocks", type=int, required=True)
     p.add_argument("--max-model-len", type=int, required=True)
+    p.add_argument("--transfer-mode", default="pull", choices=("pull", "push"))
     return serve(p.parse_args(argv))
 
 
