@@ -194,12 +194,6 @@ def test_push_matches_colocated_and_pull_and_moves_the_formula(family, request):
                                   **TINY_KW)
 
 
-@pytest.mark.slow
-def test_push_smollm2_matches_colocated_and_pull():
-    run_push_vs_pull_vs_colocated("smollm2", prompts_for((40, 100)), num_kv_blocks=64,
-                                  max_model_len=512, block_size=BS)
-
-
 def test_d_refuses_wrong_nonce_outside_window_partial_and_second_writes(tiny_llama_kv2):
     p, d = engines(tiny_llama_kv2, "push", **TINY_KW)
     client = TcpTransferEngine()
