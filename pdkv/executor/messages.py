@@ -156,16 +156,17 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     Attributes:
         forward_s: seconds of this rank's forward pass.
         dcp_comm_s: of which DCP all-gathers and merge.
-        connector_deadline: the rank's KV connector worker half's `next_deadline()` after the
-            step (time.monotonic(): CLOCK_MONOTONIC, one clock for every process of the machine),
-            None without a deadline or a connector.
+        connector_deadline_in_s: seconds from the sending of this result to the rank's KV
+            connector worker half's `next_deadline()` after the step (relative, since a rank on
+            another host has its own monotonic clock; <= 0: already passed), None without a
+            deadline or a connector.
     """
 
     rank: int
     output: ModelRunnerOutput
     forward_s: float = 0.0
     dcp_comm_s: float = 0.0
-    connector_deadline: float | None = None
+    connector_deadline_in_s: float | None = None
 
 
 class ConnectorWakeup(msgspec.Struct, tag=True, kw_only=True):

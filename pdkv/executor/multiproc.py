@@ -372,7 +372,9 @@ class MultiprocExecutor:
         deadline = time.monotonic() + self.timeout_s
         results = [self._recv(rank, deadline, "a step") for rank in range(self.world_size)]
         steps = [r for r in results if isinstance(r, StepResult)]
-        self._deadlines = [s.connector_deadline for s in steps]
+        now = time.monotonic()  # each rank's deadline on this process's clock
+        self._deadlines = [None if s.connector_deadline_in_s is None
+                           else now + s.connector_deadline_in_s for s in steps]
         forward = steps[0].forward_s if steps else 0.0
         self.timings = StepTimings(
             forward=forward,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 import traceback
 from typing import TYPE_CHECKING
 
@@ -144,7 +145,9 @@ def run_worker(conn: RankChannel, wake_conn: RankChannel) -> None:
             out = runner.execute_model(sched_out)
             deadline = runner.connector.next_deadline() if runner.connector is not None else None
             send(StepResult(rank=rank, output=out, forward_s=runner.timings.forward,
-                            dcp_comm_s=runner.timings.dcp_comm, connector_deadline=deadline))
+                            dcp_comm_s=runner.timings.dcp_comm,
+                            connector_deadline_in_s=(None if deadline is None
+                                                     else deadline - time.monotonic())))
     except BaseException as e:  # reported to the engine, then the process ends
         with contextlib.suppress(OSError, ValueError):
             send(WorkerFailed(rank=rank, error="".join(traceback.format_exception(e))))
