@@ -210,3 +210,34 @@ def test_a_remote_rank_binds_and_advertises_its_node_host():
 def test_multi_node_flags_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ParallelConfig(**kwargs)
+
+
+def test_a_headless_rank_whose_leader_is_gone_is_ended_unless_it_ends_by_itself(monkeypatch):
+    """LeaderWatch: the wakeup channel's EOF (the leader never writes there) ends a rank that
+    does not end within the grace (caught in a collective), and leaves alone one that does."""
+    from pdkv.executor import headless
+    from pdkv.executor.headless import LeaderWatch
+
+    monkeypatch.setattr(headless, "LEADER_GONE_GRACE_S", 2.0)
+    LEADER_GONE_GRACE_S = 2.0
+    leader, rank = pair()
+    lost: list[str] = []
+    done = threading.Event()
+    watch = LeaderWatch(rank, 1, done, lost.append)
+    rank.send_bytes(b"a wakeup")  # the rank's own sends do not count
+    time.sleep(0.3)
+    assert lost == []
+    leader.close()
+    watch.join(LEADER_GONE_GRACE_S + 20)
+    assert lost == ["closed the connection"]
+    rank.close()
+
+    leader, rank = pair()
+    done = threading.Event()
+    watch = LeaderWatch(rank, 1, done, lost.append)
+    leader.close()
+    time.sleep(0.1)
+    done.set()  # the worker loop read the leader's Shutdown / EOF in time
+    watch.join(LEADER_GONE_GRACE_S + 20)
+    assert lost == ["closed the connection"]  # no second call
+    rank.close()
