@@ -182,10 +182,16 @@ class ParallelConfig:
             replicated when tensor_parallel_size is 1 (vLLM's rule cannot apply there).
         distributed_init_port: 127.0.0.1 port of torch.distributed's rendezvous (0 = a free one).
         worker_timeout_s: deadline of one worker reply (start-up: model load; then one step).
+        nnodes, node_rank, master_addr, master_port: vLLM's multi-node flags. The world's ranks
+            are split evenly over `nnodes` hosts, node n holding ranks n·(world / nnodes) on;
+            node 0 (the leader) runs the engine, the others run `pdkv serve --headless`
+            (pdkv.executor.nodes). torch.distributed meets at master_addr:master_port (the
+            leader's address), the executor's TCP control channels at master_port + 1.
 
     Raises:
         ValueError: a size below 1, DCP not dividing TP in vLLM mode, an interleave that does not
-            divide the block size (checked in EngineConfig).
+            divide the block size (checked in EngineConfig); nnodes not dividing the world size,
+            node_rank outside [0, nnodes), several nodes without master_addr / master_port.
     """
 
     tensor_parallel_size: int = 1
@@ -194,11 +200,29 @@ class ParallelConfig:
     dcp_replicate_weights: bool | None = None
     distributed_init_port: int = 0
     worker_timeout_s: float = 600.0
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = ""
+    master_port: int = 0
 
     def __post_init__(self) -> None:
-        self.layout()  # raises ValueError on bad sizes
+        world = self.layout().world_size  # raises ValueError on bad sizes
         if self.worker_timeout_s <= 0:
             raise ValueError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s}")
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1:
+            if world % self.nnodes:
+                raise ValueError(f"nnodes {self.nnodes} must divide the world size {world} "
+                                 "(tp x dcp ranks, split evenly over the nodes)")
+            if not self.master_addr:
+                raise ValueError("several nodes (nnodes > 1) need --master-addr: the leader's "
+                                 "address, which every node reaches")
+            if not 1 <= self.master_port <= 65534:
+                raise ValueError(f"several nodes need --master-port in 1-65534 (it and the "
+                                 f"next port are the leader's), got {self.master_port}")
 
     @property
     def dcp_replicated(self) -> bool:

@@ -54,6 +54,10 @@ class EngineArgs:
     cp_kv_cache_interleave_size: int = 1
     dcp_replicate_weights: bool | None = None
     distributed_init_port: int = 0
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = ""
+    master_port: int = 0
     num_threads: int | None = None
     kv_transfer_config: str | None = None
     kv_events_config: str | None = None
@@ -147,6 +151,10 @@ class EngineArgs:
                 cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size,
                 dcp_replicate_weights=self.dcp_replicate_weights,
                 distributed_init_port=self.distributed_init_port,
+                nnodes=self.nnodes,
+                node_rank=self.node_rank,
+                master_addr=self.master_addr,
+                master_port=self.master_port,
             ),
         )
 
@@ -265,6 +273,16 @@ class EngineArgs:
             default=d.distributed_init_port,
             help="127.0.0.1 port of the workers' torch.distributed rendezvous (0: a free one)",
         )
+        g.add_argument("--nnodes", type=int, default=d.nnodes,
+                       help="hosts the TP/DCP ranks are spread over, evenly (vLLM's flag)")
+        g.add_argument("--node-rank", type=int, default=d.node_rank,
+                       help="this host's node rank: 0 runs the engine, the others --headless")
+        g.add_argument("--master-addr", default=d.master_addr,
+                       help="with --nnodes > 1: the node-rank-0 host's address (torch.distributed "
+                       "rendezvous and the workers' control channels)")
+        g.add_argument("--master-port", type=int, default=d.master_port,
+                       help="with --nnodes > 1: torch.distributed's port on the master address; "
+                       "the next port takes the workers' control channels")
         g.add_argument(
             "--cpu-linear",
             default=d.cpu_linear,

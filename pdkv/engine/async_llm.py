@@ -266,6 +266,9 @@ class AsyncLLM:
                     self._drain(timeout=self._backoff_timeout())
                 else:
                     self._drain(timeout=self._idle_timeout())
+                    # Woken idle (a rank's wakeup channel ended, among others): a lost rank
+                    # ends the engine now, not at the next request.
+                    engine.check_workers()
                 if self._stop.is_set():
                     break
                 self._step()

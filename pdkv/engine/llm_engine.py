@@ -338,8 +338,17 @@ class LLMEngine:
                 f"({kv.total_bytes / dcp / 2**20:.1f} MiB per rank{split})")
 
     def workers_alive(self) -> bool:
-        """False once a worker process of a TP/DCP engine has exited (always True in-process)."""
+        """False once a worker process of a TP/DCP engine has exited, or a rank on another host
+        was lost (always True in-process)."""
         return not self.executor.dead_workers()
+
+    def check_workers(self) -> None:
+        """Raises RuntimeError naming the ranks when a worker is gone (an idle engine's check:
+        a step would fail on it anyway)."""
+        dead = self.executor.dead_workers()
+        if dead:
+            raise RuntimeError(f"worker ranks {dead} are gone (process exited, or the link to "
+                               "their host is down)")
 
     def shutdown(self) -> None:
         """Stop the executor (its worker processes, if any), the KV connector's worker half and

@@ -6,7 +6,9 @@ and sends the result to every rank (`InitKVCache`); each allocates it and answer
 Then the engine sends an `ExecuteModel` per step (the scheduler's output, the same to every
 rank), answered by a `StepResult` per rank, and `Shutdown` at the end. A rank that fails answers
 `WorkerFailed` and exits. Between steps, a rank whose KV connector worker half has news sends
-`ConnectorWakeup` on its own one-way wakeup pipe (pdkv.executor.wakeup).
+`ConnectorWakeup` on its own one-way wakeup pipe (pdkv.executor.wakeup). A rank on another
+host sends the same messages over TCP (pdkv.executor.channel), each channel opened by a
+`NodeHello`.
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ class WorkerInit(msgspec.Struct, tag=True, kw_only=True):
 
     Attributes:
         rank: global rank (0 .. world_size - 1).
-        init_method: torch.distributed rendezvous, "tcp://127.0.0.1:PORT".
+        init_method: torch.distributed rendezvous, "tcp://HOST:PORT" (127.0.0.1 on one node,
+            the leader's master address across nodes).
         num_threads: torch CPU threads of this worker.
+        node_host: across nodes, the address of this rank's node as the other nodes reach it
+            (gloo's interface; the KV connectors' servers bind and advertise it); "" on one
+            node (loopback, the configuration's hosts).
     """
 
     rank: int
@@ -47,6 +53,7 @@ class WorkerInit(msgspec.Struct, tag=True, kw_only=True):
     kv_transfer_config: KVTransferConfig | None
     init_method: str
     num_threads: int
+    node_host: str = ""
 
 
 class WorkerLoaded(msgspec.Struct, tag=True, kw_only=True):
@@ -149,16 +156,17 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     Attributes:
         forward_s: seconds of this rank's forward pass.
         dcp_comm_s: of which DCP all-gathers and merge.
-        connector_deadline: the rank's KV connector worker half's `next_deadline()` after the
-            step (time.monotonic(): CLOCK_MONOTONIC, one clock for every process of the machine),
-            None without a deadline or a connector.
+        connector_deadline_in_s: seconds from the sending of this result to the rank's KV
+            connector worker half's `next_deadline()` after the step (relative, since a rank on
+            another host has its own monotonic clock; <= 0: already passed), None without a
+            deadline or a connector.
     """
 
     rank: int
     output: ModelRunnerOutput
     forward_s: float = 0.0
     dcp_comm_s: float = 0.0
-    connector_deadline: float | None = None
+    connector_deadline_in_s: float | None = None
 
 
 class ConnectorWakeup(msgspec.Struct, tag=True, kw_only=True):
@@ -167,6 +175,25 @@ class ConnectorWakeup(msgspec.Struct, tag=True, kw_only=True):
     arrive while one is being sent are coalesced into one message."""
 
     rank: int
+
+
+class NodeHello(msgspec.Struct, tag=True, kw_only=True):
+    """The first frame a rank of a headless node sends on each of its two TCP channels to the
+    leader (pdkv.executor.nodes).
+
+    Attributes:
+        rank: its global rank.
+        channel: "step" or "wakeup".
+        host: its node's address as the leader sees it (the connection's local address).
+        world_size, nnodes: the layout the headless node was started with (the leader refuses
+            another).
+    """
+
+    rank: int
+    channel: str
+    host: str
+    world_size: int
+    nnodes: int
 
 
 class WorkerFailed(msgspec.Struct, tag=True, kw_only=True):

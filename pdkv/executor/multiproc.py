@@ -9,6 +9,13 @@ ends the step with an error naming the rank and its exit code instead of a hang 
 MultiprocExecutor plays the same role; its message queue is shared memory, ours a pipe). Between
 steps, the ranks' KV connector worker halves wake the engine loop over a second, one-way pipe per
 rank (pdkv.executor.wakeup), and report their next deadline with each step's result.
+
+Across hosts (`--nnodes` > 1, pdkv.executor.nodes) this process is the leader: it spawns the
+ranks of node 0 as above and accepts the other nodes' ranks over TCP (pdkv.executor.channel:
+the same messages, length-prefixed); every channel is a `RankChannel`, so the code below serves
+both. A remote rank has no process sentinel: its step channel turning readable at EOF or with a
+broken link (TCP keepalive / user timeout: a cut link shows within about DEAD_PEER_S) ends the
+wait the same way, with WorkerDiedError naming the rank and its node.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import multiprocessing as mp
 import os
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
@@ -29,6 +36,7 @@ from pdkv.cache.kv_layout import KVLayout
 from pdkv.cache.specs import KVCacheConfig
 from pdkv.config import EngineConfig
 from pdkv.executor.aggregate import KVOutputAggregator
+from pdkv.executor.channel import ChannelListener, RankChannel
 from pdkv.executor.messages import (
     ExecuteModel,
     FromWorker,
@@ -43,6 +51,7 @@ from pdkv.executor.messages import (
     WorkerLoaded,
     WorkerReady,
 )
+from pdkv.executor.nodes import NodeLayout, RemoteRank, accept_remote_ranks
 from pdkv.executor.wakeup import WakeupListener
 from pdkv.executor.worker_proc import run_worker
 from pdkv.kv_transfer.connector.startup import ConnectorStartup
@@ -113,15 +122,33 @@ class MultiprocExecutor:
         self._closed = False
         self._kv_outputs = KVOutputAggregator(self.world_size)
         ctx = mp.get_context("spawn")
-        port = par.distributed_init_port or free_port()
-        threads = max(1, num_threads // self.world_size)
-        self._conns: list[Connection] = []
-        self._procs: list[BaseProcess] = []
+        nodes = NodeLayout.of(par)
+        self.nodes = nodes
+        if nodes.nnodes > 1:
+            init_method, node_host = nodes.init_method, nodes.master_addr
+        else:
+            port = par.distributed_init_port or free_port()
+            init_method, node_host = f"tcp://127.0.0.1:{port}", ""
+        local = nodes.ranks(0)
+        threads = max(1, num_threads // len(local))
+        self._conns: list[RankChannel] = []
+        self._procs: list[BaseProcess | None] = []  # None: a rank on another node
+        self._remote: dict[int, RemoteRank] = {}
         self._deadlines: list[float | None] = []  # per rank, reported with the last step
-        wake_reads: list[Connection] = []
+        wake_reads: list[RankChannel] = []
         self._listener: WakeupListener | None = None
+        control: ChannelListener | None = None
+
+        def init_msg(rank: int, host: str) -> WorkerInit:
+            return WorkerInit(
+                rank=rank, model_config=config.model_config, cache_config=config.cache_config,
+                parallel_config=par, kv_transfer_config=config.kv_transfer_config,
+                init_method=init_method, num_threads=threads, node_host=host)
+
         try:
-            for rank in range(self.world_size):
+            if nodes.nnodes > 1:  # listen before any rank starts: remote ranks retry until then
+                control = ChannelListener(*nodes.control_address)
+            for rank in local:
                 parent, child = ctx.Pipe(duplex=True)
                 wake_read, wake_write = ctx.Pipe(duplex=False)
                 wake_reads.append(wake_read)
@@ -132,10 +159,20 @@ class MultiprocExecutor:
                 wake_write.close()  # the worker holds the only write end: EOF when it exits
                 self._conns.append(parent)
                 self._procs.append(proc)
-                self._send(rank, WorkerInit(
-                    rank=rank, model_config=config.model_config, cache_config=config.cache_config,
-                    parallel_config=par, kv_transfer_config=config.kv_transfer_config,
-                    init_method=f"tcp://127.0.0.1:{port}", num_threads=threads))
+                self._send(rank, init_msg(rank, node_host))
+            if control is not None:
+                logger.info("waiting for ranks %d-%d of nodes 1-%d at %s:%d", len(local),
+                            self.world_size - 1, nodes.nnodes - 1, *nodes.control_address)
+                self._remote = accept_remote_ranks(
+                    control, nodes, time.monotonic() + self.timeout_s, self.timeout_s,
+                    self._check_local_ranks)
+                for rank in range(len(local), self.world_size):
+                    remote = self._remote[rank]
+                    assert remote.step is not None and remote.wakeup is not None
+                    self._conns.append(remote.step)
+                    self._procs.append(None)
+                    wake_reads.append(remote.wakeup)
+                    self._send(rank, init_msg(rank, remote.host))
             self._listener = WakeupListener(wake_reads)
             loaded = [self._recv(rank, time.monotonic() + self.timeout_s, "start-up")
                       for rank in range(self.world_size)]
@@ -154,6 +191,9 @@ class MultiprocExecutor:
                     conn.close()
             self.shutdown()
             raise
+        finally:
+            if control is not None:
+                control.close()
         ready = [r for r in readies if isinstance(r, WorkerReady)]
         head = ready[0]
         self.num_blocks = per_rank.num_blocks
@@ -172,13 +212,22 @@ class MultiprocExecutor:
         lay = self.layout_
         logger.info("%d worker processes (tp %d, dcp %d, %s): pids %s", self.world_size,
                     lay.tp_size, lay.dcp_size,
-                    "replicated weights" if lay.dcp_replicated else "vLLM mode",
-                    [p.pid for p in self._procs])
+                    "replicated weights" if lay.dcp_replicated else "vLLM mode", self.pids)
+        if self._remote:
+            logger.info("ranks on other nodes: %s",
+                        ", ".join(f"{r} at {m.host}" for r, m in sorted(self._remote.items())))
 
     @property
     def pids(self) -> list[int | None]:
-        """Worker process ids, by rank."""
-        return [p.pid for p in self._procs]
+        """Worker process ids, by rank (None: a rank on another node)."""
+        return [p.pid if p is not None else None for p in self._procs]
+
+    def _check_local_ranks(self) -> None:
+        """Raises WorkerDiedError when a rank of this node has exited (or reported a failure)."""
+        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True)):
+            if proc is not None and (not proc.is_alive() or conn.poll()):
+                self._recv(rank, time.monotonic() + self.timeout_s, "start-up")
+                raise self._died(rank, "answered before the other nodes joined")
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
         """The engine loop's wakeup: the listener thread calls it when a rank's connector worker
@@ -193,21 +242,37 @@ class MultiprocExecutor:
         return min((t for t in self._deadlines if t is not None), default=None)
 
     def dead_workers(self) -> list[int]:
-        """Ranks whose process has exited (a cheap check any thread may make: /health)."""
-        return [rank for rank, p in enumerate(self._procs) if not p.is_alive()]
+        """Ranks whose process has exited, or (a rank on another node) whose step channel
+        broke: EOF, reset, or its link silent past the dead-peer time (a cheap check any
+        thread may make: /health)."""
+        dead = []
+        for rank, p in enumerate(self._procs):
+            if p is not None:
+                if not p.is_alive():
+                    dead.append(rank)
+            elif self._remote_gone(rank) is not None:
+                dead.append(rank)
+        return dead
+
+    def _remote_gone(self, rank: int) -> str | None:
+        remote = self._remote.get(rank)
+        if remote is None or remote.step is None:
+            return "not connected"
+        return remote.step.gone()
 
     def _send(self, rank: int, msg: ToWorker) -> None:
         try:
             self._conns[rank].send_bytes(self._encoder.encode(msg))
         except (BrokenPipeError, ConnectionResetError, OSError) as e:
-            raise self._died(rank, f"pipe closed ({e})") from None
+            what = "pipe closed" if self._procs[rank] is not None else "connection broken"
+            raise self._died(rank, f"{what} ({e})") from None
 
     def _killed_peer(self, rank: int, grace_s: float) -> int | None:
         """Another rank that a signal ended (SIGKILL, the OOM killer), waiting up to `grace_s`
         for its exit to show; None if none. When one rank is killed, its peers fail in their next
         collective (gloo: "Connection reset by peer") as soon as its sockets close, which can be
         before its process has exited: the killed rank, not the first to report, is the cause."""
-        others = {p.sentinel: r for r, p in enumerate(self._procs) if r != rank}
+        others = {p.sentinel: r for r, p in enumerate(self._procs) if r != rank and p is not None}
         deadline = time.monotonic() + grace_s
         while others:
             left = deadline - time.monotonic()
@@ -217,38 +282,59 @@ class MultiprocExecutor:
                 peer = others.pop(s) if isinstance(s, int) else None
                 if peer is None:
                     continue
-                self._procs[peer].join(1.0)
-                code = self._procs[peer].exitcode
+                proc = self._procs[peer]
+                assert proc is not None
+                proc.join(1.0)
+                code = proc.exitcode
                 if code is not None and code < 0:
                     return peer
         return None
 
     def _died(self, rank: int, what: str) -> WorkerDiedError:
-        proc = self._procs[rank]
+        proc = self._procs[rank] if rank < len(self._procs) else None
+        if proc is None:
+            remote = self._remote.get(rank)
+            where = f"on node {self.nodes.node_of(rank)}" + (f" at {remote.host}" if remote else "")
+            return WorkerDiedError(f"worker rank {rank} ({where}) {what}")
         return WorkerDiedError(
             f"worker rank {rank} (pid {proc.pid}) {what}; exit code {proc.exitcode}"
         )
+
+    def _join(self, rank: int, timeout: float) -> None:
+        proc = self._procs[rank]
+        if proc is not None:
+            proc.join(timeout)
 
     def _recv(self, rank: int, deadline: float,
               what: str) -> WorkerLoaded | WorkerReady | StepResult | KVBlocks:
         """The next message of `rank`, watching every worker's sentinel until `deadline`."""
         conn = self._conns[rank]
-        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+        # What ends the wait early: a local rank's process sentinel, a remote rank's channel
+        # (readable at EOF or a broken link; one that turns readable with a message is only
+        # dropped from the watch: it is read in its turn).
+        watch: dict[object, int] = {p.sentinel: r for r, p in enumerate(self._procs)
+                                    if p is not None}
+        for r in self._remote:
+            if r != rank:
+                watch[self._conns[r]] = r
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(
                     f"worker rank {rank} sent nothing within {self.timeout_s:.0f} s ({what})"
                 )
-            ready = wait([conn, *sentinels], timeout=left)
+            ready = wait([conn, *watch], timeout=left)  # type: ignore[list-item]
             if conn in ready:
                 try:
                     msg = self._decoder.decode(conn.recv_bytes())
-                except EOFError:
-                    self._procs[rank].join(1.0)
-                    raise self._died(rank, f"closed its pipe during {what}") from None
+                except EOFError as e:
+                    self._join(rank, 1.0)
+                    how = "closed its pipe" if self._procs[rank] is not None else f"was lost ({e})"
+                    raise self._died(rank, f"{how} during {what}") from None
+                except TimeoutError as e:
+                    raise self._died(rank, f"stalled mid-message during {what} ({e})") from None
                 if isinstance(msg, WorkerFailed):
-                    self._procs[rank].join(5.0)
+                    self._join(rank, 5.0)
                     killed = self._killed_peer(rank, KILLED_PEER_GRACE_S)
                     if killed is not None:  # the cause; `rank` failed in a collective with it
                         first = msg.error.strip().splitlines()[-1] if msg.error.strip() else ""
@@ -257,11 +343,18 @@ class MultiprocExecutor:
                     raise WorkerDiedError(f"worker rank {rank} failed during {what}:\n{msg.error}")
                 return msg
             for s in ready:
-                if s in sentinels:
-                    dead = sentinels[s]
-                    if dead == rank and conn.poll():
-                        break  # its last words (WorkerFailed) are in the pipe: read them
-                    raise self._died(dead, f"exited during {what}")
+                if s not in watch:
+                    continue
+                other = watch[s]
+                if self._procs[other] is None:  # a remote rank's channel
+                    gone = self._remote_gone(other)
+                    if gone is None:
+                        del watch[s]  # a message waits there: read in its turn
+                        continue
+                    raise self._died(other, f"was lost during {what} ({gone})")
+                if other == rank and conn.poll():
+                    break  # its last words (WorkerFailed) are in the pipe: read them
+                raise self._died(other, f"exited during {what}")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; rank 0's output.
@@ -279,7 +372,9 @@ class MultiprocExecutor:
         deadline = time.monotonic() + self.timeout_s
         results = [self._recv(rank, deadline, "a step") for rank in range(self.world_size)]
         steps = [r for r in results if isinstance(r, StepResult)]
-        self._deadlines = [s.connector_deadline for s in steps]
+        now = time.monotonic()  # each rank's deadline on this process's clock
+        self._deadlines = [None if s.connector_deadline_in_s is None
+                           else now + s.connector_deadline_in_s for s in steps]
         forward = steps[0].forward_s if steps else 0.0
         self.timings = StepTimings(
             forward=forward,
@@ -324,12 +419,13 @@ class MultiprocExecutor:
         if self._listener is not None:
             self._listener.close()
         for conn in self._conns:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ValueError):
                 conn.send_bytes(self._encoder.encode(Shutdown()))
         deadline = time.monotonic() + 10.0
-        for proc in self._procs:
+        local = [p for p in self._procs if p is not None]
+        for proc in local:
             proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self._procs:
+        for proc in local:
             if proc.is_alive():
                 proc.terminate()
                 proc.join(5.0)
@@ -338,3 +434,5 @@ class MultiprocExecutor:
                 proc.join(1.0)
         for conn in self._conns:
             conn.close()
+        for remote in self._remote.values():
+            remote.close()

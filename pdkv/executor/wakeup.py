@@ -1,7 +1,8 @@
 """Connector wakeups from worker processes: how a KV connector worker half in a TP/DCP worker
 wakes the engine loop in the engine process.
 
-Each rank has a one-way wakeup pipe beside its step pipe (the step pipe is request / response and
+Each rank has a one-way wakeup pipe (a TCP channel for a rank on another host,
+pdkv.executor.channel) beside its step pipe (the step pipe is request / response and
 read only inside a step). In the worker, `WakeupSender.wake` is the connector's wakeup callback:
 it never blocks, and a burst of wakes becomes one `ConnectorWakeup` message. In the engine
 process, one `WakeupListener` thread reads every rank's pipe and calls the engine loop's wakeup
@@ -15,11 +16,15 @@ import logging
 import multiprocessing as mp
 import threading
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from pdkv.executor.messages import ConnectorWakeup
+
+if TYPE_CHECKING:
+    from pdkv.executor.channel import RankChannel
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +41,12 @@ class WakeupSender:
     thread waits.
 
     Args:
-        conn: the write end of the rank's wakeup pipe (this object closes it).
+        conn: the write end of the rank's wakeup pipe, or its TCP wakeup channel (this object
+            closes it).
         rank: the rank, carried in every message.
     """
 
-    def __init__(self, conn: Connection, rank: int) -> None:
+    def __init__(self, conn: RankChannel, rank: int) -> None:
         self._conn = conn
         self._message = msgspec.msgpack.encode(ConnectorWakeup(rank=rank))
         self._pending = threading.Event()
@@ -82,10 +88,11 @@ class WakeupListener:
     dead worker; with every pipe gone the thread ends, it never spins on a closed pipe.
 
     Args:
-        conns: the read end of each rank's wakeup pipe (this object closes them).
+        conns: the read end of each rank's wakeup pipe, or its TCP wakeup channel (this object
+            closes them).
     """
 
-    def __init__(self, conns: list[Connection]) -> None:
+    def __init__(self, conns: list[RankChannel]) -> None:
         self._conns = list(conns)
         self._wakeup: Callable[[], None] | None = None
         self._decoder = msgspec.msgpack.Decoder(ConnectorWakeup)
@@ -102,12 +109,11 @@ class WakeupListener:
     def _run(self) -> None:
         live = list(self._conns)
         while live:
-            ready = wait([self._stop_r, *live])
+            ready = wait([self._stop_r, *live])  # type: ignore[list-item]
             if self._stop_r in ready:
                 return
             woken = False
-            for conn in ready:
-                assert isinstance(conn, Connection)
+            for conn in [c for c in live if c in ready]:
                 try:
                     while conn.poll():
                         self._decode(conn.recv_bytes())

@@ -1,8 +1,9 @@
 """Entry point of one worker process: join torch.distributed, load this rank's shard, run steps.
 
 Started by `MultiprocExecutor` (multiprocessing "spawn" context) with one end of its step pipe and
-the write end of its wakeup pipe; every message on either is msgpack (pdkv.executor.messages),
-never pickle.
+the write end of its wakeup pipe, or on a headless node (pdkv.executor.headless) with its two TCP
+channels to the leader (pdkv.executor.channel); every message on either is msgpack
+(pdkv.executor.messages), never pickle.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 import traceback
-from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -34,15 +35,18 @@ from pdkv.executor.wakeup import WakeupSender
 
 if TYPE_CHECKING:
     from pdkv.cache.specs import KVCacheConfig
+    from pdkv.executor.channel import RankChannel
     from pdkv.model.arch_config import LlamaArchConfig
 
 logger = logging.getLogger(__name__)
 
 
-def run_worker(conn: Connection, wake_conn: Connection) -> None:
-    """Serve one rank until Shutdown, EOF on the pipe (the engine is gone) or an error.
+def run_worker(conn: RankChannel, wake_conn: RankChannel) -> None:
+    """Serve one rank until Shutdown, EOF on the step channel (the engine is gone) or an error.
 
-    The first message must be WorkerInit. An exception is reported as WorkerFailed (with its
+    The first message must be WorkerInit; with its `node_host` set (ranks on several nodes),
+    gloo uses the interface of that address and the KV connector's servers bind and advertise
+    it (pdkv.executor.nodes). An exception is reported as WorkerFailed (with its
     traceback) before the process exits with code 1. The KV connector worker half, if any, wakes
     the engine loop through `wake_conn` (a `WakeupSender`); its next deadline goes back with each
     step's result.
@@ -69,6 +73,12 @@ def run_worker(conn: Connection, wake_conn: Connection) -> None:
         from pdkv.worker.model_runner import ModelRunner
 
         par, model_config = init.parallel_config, init.model_config
+        kvt = init.kv_transfer_config  # this process's copy: its spec is parsed once, here
+        if init.node_host:
+            from pdkv.executor.nodes import at_node_host, use_gloo_interface
+
+            use_gloo_interface(init.node_host)
+            kvt = at_node_host(kvt, init.node_host)
         cuda = model_config.device.startswith("cuda")
         if model_config.device == "cuda":  # one GPU per rank (nccl needs distinct devices)
             model_config = dataclasses.replace(
@@ -91,10 +101,10 @@ def run_worker(conn: Connection, wake_conn: Connection) -> None:
                 raise RuntimeError(f"expected InitKVCache, got {type(msg).__name__}")
             return msg.to_config()
 
-        kvt = init.kv_transfer_config  # this process's copy: its spec is parsed once, here
         logical_block = init.cache_config.block_size * par.decode_context_parallel_size
         spec = connector_spec(kvt, logical_block) if kvt is not None else None
-        runner = ModelRunner(model_config, init.cache_config, spec, ctx, kv_cache_from_engine)
+        runner = ModelRunner(model_config, init.cache_config, spec, ctx, kv_cache_from_engine,
+                             node_host=init.node_host)
         if runner.connector is not None:
             sender = WakeupSender(wake_conn, rank)
             runner.connector.set_wakeup(sender.wake)
@@ -135,7 +145,9 @@ def run_worker(conn: Connection, wake_conn: Connection) -> None:
             out = runner.execute_model(sched_out)
             deadline = runner.connector.next_deadline() if runner.connector is not None else None
             send(StepResult(rank=rank, output=out, forward_s=runner.timings.forward,
-                            dcp_comm_s=runner.timings.dcp_comm, connector_deadline=deadline))
+                            dcp_comm_s=runner.timings.dcp_comm,
+                            connector_deadline_in_s=(None if deadline is None
+                                                     else deadline - time.monotonic())))
     except BaseException as e:  # reported to the engine, then the process ends
         with contextlib.suppress(OSError, ValueError):
             send(WorkerFailed(rank=rank, error="".join(traceback.format_exception(e))))

@@ -23,6 +23,8 @@ an optional rate and delay per host link, read from TOML into frozen dataclasses
     [[decode]]
     host = "node-d"
     port = 8100
+    worker_hosts = ["node-d1"]                # optional: TP ranks on more hosts (nodes 1..)
+    master_port = 29500                       # optional: rendezvous on `host` (+1: control)
 
     [proxy]
     host = "node-d"
@@ -62,8 +64,13 @@ ROUTINGS = tuple(sorted(set(POLICY_NAMES) - set(KV_EVENT_POLICIES)))
 """Routing policies a deployment's proxy may use (kv_aware ones need the engines' KV events,
 which bind loopback: not across hosts yet)."""
 
-LAUNCHER_FLAGS = ("--host", "--port", "--model", "--kv-transfer-config")
+LAUNCHER_FLAGS = ("--host", "--port", "--model", "--kv-transfer-config", "--nnodes", "--node-rank",
+                  "--master-addr", "--master-port", "--headless")
 """Engine flags the launcher sets itself from the file (refused in `engine_args` / `args`)."""
+
+DEFAULT_MASTER_PORT = 29500
+"""An engine's torch.distributed port on its host when its ranks span hosts (vLLM's and
+torch's usual one); the next port takes the executor's control channels."""
 
 _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
 
@@ -88,7 +95,12 @@ class Engine:
     """One `pdkv serve`: `role` "prefill" (kv_producer) or "decode" (kv_consumer), `index`
     among the engines of its role, its `host`, HTTP `port`, for a prefill engine the P2P
     control (`kv_port`) and tcp data (`transfer_port`) ports (0 = any free one, advertised in
-    kv_transfer_params; rank r of a TP engine uses port + r), and its own flags `args`."""
+    kv_transfer_params; rank r of a TP engine uses port + r), and its own flags `args`.
+
+    `worker_hosts`: the hosts of nodes 1, 2, ... when the engine's ranks span hosts (vLLM's
+    multi-node mode: `host` is node 0, which runs the engine and the first world / nnodes
+    ranks; each worker host runs `pdkv serve --headless` with the next ones); `master_port`:
+    torch.distributed's port on `host` then, the next port the workers' control channels."""
 
     role: str
     index: int
@@ -97,6 +109,13 @@ class Engine:
     args: tuple[str, ...] = ()
     kv_port: int = 0
     transfer_port: int = 0
+    worker_hosts: tuple[str, ...] = ()
+    master_port: int = DEFAULT_MASTER_PORT
+
+    @property
+    def nnodes(self) -> int:
+        """Hosts the engine's ranks run on (1 + its worker hosts)."""
+        return 1 + len(self.worker_hosts)
 
     @property
     def name(self) -> str:
@@ -311,17 +330,21 @@ def parse_deployment(text: str, source: str = "<deployment>") -> Deployment:
         if not isinstance(tables, list) or not tables:
             raise r.fail([role], f"needs at least one [[{role}]] table")
         for i, t in enumerate(tables):
-            allowed = ["host", "port", "args"]
+            allowed = ["host", "port", "args", "worker_hosts", "master_port"]
             if role == "prefill":
                 allowed += ["kv_port", "transfer_port"]
             t = r.table(t, [role, i], allowed, required=("host", "port"))
-            engines[role].append(Engine(
+            engine = Engine(
                 role=role, index=i, host=host_of(t["host"], [role, i, "host"]),
                 port=r.port(t["port"], [role, i, "port"]),
                 args=r.flags(t.get("args", []), [role, i, "args"]),
                 kv_port=r.port(t.get("kv_port", 0), [role, i, "kv_port"], zero=True),
                 transfer_port=r.port(t.get("transfer_port", 0), [role, i, "transfer_port"],
-                                     zero=True)))
+                                     zero=True),
+                worker_hosts=_worker_hosts(r, t, [role, i], host_of),
+                master_port=r.port(t.get("master_port", DEFAULT_MASTER_PORT),
+                                   [role, i, "master_port"]))
+            engines[role].append(engine)
     p = r.table(top["proxy"], ["proxy"],
                 ("host", "port", "routing", "timeout", "health_check_interval"),
                 required=("host", "port"))
@@ -358,10 +381,30 @@ def parse_deployment(text: str, source: str = "<deployment>") -> Deployment:
         source=source,
     )
     _check_ports(r, dep)
+    for e in dep.engines:
+        world = engine_world_size([*dep.engine_args, *e.args])
+        if e.nnodes > 1 and world % e.nnodes:
+            raise r.fail([e.role, e.index, "worker_hosts"],
+                         f"{e.nnodes} hosts must split the engine's {world} TP ranks evenly "
+                         "(give -tp in args / engine_args)")
     if dep.kv_transfer == "shm" and len({e.host for e in dep.engines}) > 1:
         raise r.fail(["kv_transfer"], "shm moves KV through this machine's shared memory: every "
                                       "engine must be on one host (use tcp or mooncake)")
     return dep
+
+
+def _worker_hosts(r: _Reader, t: dict[str, Any], path: list[str | int],
+                  host_of: Any) -> tuple[str, ...]:
+    """An engine's `worker_hosts`: known hosts, none twice, not the engine's own host."""
+    value = t.get("worker_hosts", [])
+    key = [*path, "worker_hosts"]
+    if not isinstance(value, list):
+        raise r.fail(key, f"must be a list of host names, got {_kind(value)}")
+    out = tuple(host_of(h, key) for h in value)
+    if len(set(out)) != len(out) or t["host"] in out:
+        raise r.fail(key, "each host holds one node of the engine: no host twice, and not the "
+                          f"engine's own host {t['host']!r}")
+    return out
 
 
 def _hosts(r: _Reader, value: Any) -> tuple[Host, ...]:
@@ -404,10 +447,13 @@ def _hosts(r: _Reader, value: Any) -> tuple[Host, ...]:
 def listening_ports(dep: Deployment) -> list[tuple[str, str, int, int]]:
     """Every port the deployment listens on as (key, host, first port, count): engines' HTTP
     ports, a prefill engine's kv_port / transfer_port (one per TP rank; 0 = system-chosen, left
-    out), the proxy's and the pool's."""
+    out), an engine's master_port and the next one when its ranks span hosts, the proxy's and
+    the pool's."""
     out: list[tuple[str, str, int, int]] = []
     for e in dep.engines:
         out.append((f"{e.role}[{e.index}].port", e.host, e.port, 1))
+        if e.worker_hosts:
+            out.append((f"{e.role}[{e.index}].master_port", e.host, e.master_port, 2))
         ranks = engine_world_size([*dep.engine_args, *e.args])
         for key, port in (("kv_port", e.kv_port), ("transfer_port", e.transfer_port)):
             if port:

@@ -114,10 +114,20 @@ def engine_kv_config(dep: Deployment, engine: Engine, place: Placement) -> dict[
                                  pool_config(dep, place))
 
 
+def node_flags(engine: Engine, place: Placement) -> list[str]:
+    """vLLM's multi-node flags of an engine whose ranks span hosts, without --node-rank
+    (--nnodes, --master-addr: its host's address, --master-port); [] on one host."""
+    if not engine.worker_hosts:
+        return []
+    return ["--nnodes", str(engine.nnodes), "--master-addr", place.addresses[engine.host],
+            "--master-port", str(place.port(engine.host, engine.master_port))]
+
+
 def processes(dep: Deployment, place: Placement, pdkv: Sequence[str], redis_server: str,
               extra_engine_flags: Sequence[str] = ()) -> list[Process]:
     """The deployment's processes in start order: the pool service, the engines (prefill
-    first), the proxy. `pdkv` is the argv that runs the pdkv CLI, `redis_server` the server's
+    first; an engine whose ranks span hosts followed by one headless process per worker host,
+    url ""), the proxy. `pdkv` is the argv that runs the pdkv CLI, `redis_server` the server's
     binary, `extra_engine_flags` go last on every engine."""
     out: list[Process] = []
     if dep.pool is not None:
@@ -126,13 +136,21 @@ def processes(dep: Deployment, place: Placement, pdkv: Sequence[str], redis_serv
             redis_server, place.addresses[pool.host], place.port(pool.host, pool.port))), ""))
     for e in dep.engines:
         address = place.addresses[e.host]
+        nodes = node_flags(e, place)
         argv = [*pdkv, "serve", "--model", dep.model, *dep.engine_args, *e.args,
                 "--host", address, "--port", str(place.port(e.host, e.port)),
                 "--kv-transfer-config", json.dumps(engine_kv_config(dep, e, place)),
-                *extra_engine_flags]
+                *(nodes + ["--node-rank", "0"] if nodes else []), *extra_engine_flags]
         what = "prefill (kv_producer)" if e.role == "prefill" else "decode (kv_consumer)"
+        if nodes:
+            what += f", node 0 of {e.nnodes}"
         out.append(Process(e.name, what + (", pool" if dep.pool else ""), e.host, tuple(argv),
                            place.url(e.host, e.port)))
+        for n, host in enumerate(e.worker_hosts, 1):
+            argv = [*pdkv, "serve", "--model", dep.model, *dep.engine_args, *e.args, *nodes,
+                    "--node-rank", str(n), "--headless", *extra_engine_flags]
+            out.append(Process(f"{e.name}-node{n}", f"{e.role} ranks of node {n} of {e.nnodes} "
+                               f"(headless, leader {e.name})", host, tuple(argv), ""))
     px = dep.proxy
     argv = [*pdkv, "proxy",
             "--prefill", ",".join(place.url(e.host, e.port) for e in dep.prefill),
@@ -153,7 +171,8 @@ def format_commands(dep: Deployment) -> str:
     them in: the pool service first (the engines connect to it at start-up), then the engines,
     then the proxy."""
     procs = processes(dep, as_written(dep), ["pdkv"], "redis-server")
-    order = ("the pool first, then " if dep.pool else "") + "the engines, then the proxy"
+    order = (("the pool first, then " if dep.pool else "") + "the engines (an engine's headless "
+             "nodes in any order beside it), then the proxy")
     lines = [f"# {dep.source}: {len(procs)} processes on {len(dep.hosts)} hosts; start {order}",
              ""]
     for h in dep.hosts:
@@ -282,8 +301,8 @@ def main(args: argparse.Namespace) -> int:
         def demo(topo: Topology) -> int:
             from pdkv.launch.demo import run_demo
 
-            run_demo(topo.endpoint, [c.url for c in topo.children if c.name.startswith("decode")],
-                     dep.model)
+            run_demo(topo.endpoint, [c.url for c in topo.children
+                                     if c.name.startswith("decode") and c.url], dep.model)
             return 0
 
         return supervise(topo, args.log_dir, args.health_timeout,

@@ -47,7 +47,8 @@ class Child:
         threads = (
             f"{self.threads} thread{'s' if self.threads != 1 else ''}" if self.threads else "-"
         )
-        return f"{self.name}: {self.role}, {self.url}, {threads}, log {self.log_path or '-'}"
+        return (f"{self.name}: {self.role}, {self.url or '-'}, {threads}, "
+                f"log {self.log_path or '-'}")
 
 
 @dataclass
@@ -78,6 +79,9 @@ class Topology:
                     raise RuntimeError(
                         f"{c.name} exited with {c.proc.returncode}; see {c.log_path}"
                     )
+                if not c.url:  # no HTTP server (a headless node): its engine's health says
+                    pending.remove(c)
+                    continue
                 try:
                     if httpx.get(c.url + "/health", timeout=2.0).status_code == 200:
                         pending.remove(c)

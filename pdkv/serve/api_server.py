@@ -474,6 +474,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    g.add_argument("--headless", action="store_true",
+                   help="with --nnodes > 1 and --node-rank >= 1: run only this node's worker "
+                   "ranks, connected to the leader at --master-addr (no engine, no HTTP server)")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="no log line per finished request")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
@@ -545,6 +548,13 @@ def main(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     engine_args = EngineArgs.from_cli_args(args)
+    if getattr(args, "headless", False):
+        from pdkv.executor.headless import run_headless
+
+        return run_headless(engine_args.create_engine_config().parallel_config)
+    if engine_args.node_rank != 0:
+        raise ValueError(f"--node-rank {engine_args.node_rank} runs worker ranks only: add "
+                         "--headless (node 0 runs the engine)")
     sock = bind_socket(args.host, args.port)
     logger.info("engine args: %s", engine_args.summary())
     t0 = time.monotonic()

@@ -98,6 +98,8 @@ class ModelRunner:
             allocates: called with the model's architecture and the KV budget in bytes measured
             now (with gpu_memory_utilization and no num_kv_blocks; else None). The executor sizes
             it (pdkv.worker.kv_cache.make_kv_cache_config); the runner never does.
+        node_host: a TP/DCP rank's host address as the engine reaches it (its KV pool lookup
+            server listens there); "": 127.0.0.1 (one host).
 
     Raises:
         ValueError: max_model_len exceeds the model's positions, or (from kv_cache_config) the
@@ -113,6 +115,7 @@ class ModelRunner:
         connector: ConnectorSpec | None,
         parallel: ParallelContext | None,
         kv_cache_config: KVCacheSizer,
+        node_host: str = "",
     ) -> None:
         self.model_config = model_config
         self.parallel = parallel
@@ -174,7 +177,7 @@ class ModelRunner:
             self.connector_startup = ConnectorStartup(
                 dcp_rank=parallel.dcp_rank, dcp_size=parallel.dcp_size, rank=parallel.rank,
                 world_size=parallel.layout.world_size, tp_rank=parallel.tp_rank,
-                tp_size=parallel.tp_size)
+                tp_size=parallel.tp_size, node_host=node_host or "127.0.0.1")
         self.connector: KVConnectorBase | None = None
         if connector is not None:
             self.connector = create_connector(

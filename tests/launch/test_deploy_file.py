@@ -21,6 +21,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 EXAMPLES = os.path.join(ROOT, "examples", "deploy")
 ONE_P_ONE_D = os.path.join(EXAMPLES, "1p1d.toml")
 TWO_P_POOL = os.path.join(EXAMPLES, "2p1d-pool.toml")
+TP_TWO_HOSTS = os.path.join(EXAMPLES, "1p1d-tp2-two-hosts.toml")
 
 BASE = """\
 model = "tiny-llama-kv2"
@@ -56,6 +57,33 @@ def test_the_examples_parse():
     assert [e.host for e in two.prefill] == ["node-p0", "node-p1"]
     assert two.pool is not None and (two.pool.host, two.pool.port) == ("node-pool", 6379)
     assert two.proxy.routing == "least_loaded"
+    tp = load_deployment(TP_TWO_HOSTS)
+    (d,) = tp.decode
+    assert (d.host, d.worker_hosts, d.nnodes, d.master_port) == ("node-d0", ("node-d1",), 2, 29500)
+    assert tp.prefill[0].worker_hosts == () and tp.prefill[0].nnodes == 1
+
+
+def test_print_commands_tp2_on_two_hosts():
+    """D's engine on node-d0 with vLLM's multi-node flags (node rank 0), D's rank 1 headless on
+    node-d1 joined to node-d0's address; the same model and engine flags on both nodes."""
+    hosts = _sections(deploy_run.format_commands(load_deployment(TP_TWO_HOSTS)))
+    assert list(hosts) == ["node-p", "node-d0", "node-d1"]
+    d0, _proxy = [shlex.split(c) for c in hosts["node-d0"]]
+    (d1,) = [shlex.split(c) for c in hosts["node-d1"]]
+    for argv, rank in ((d0, "0"), (d1, "1")):
+        assert argv[:2] == ["pdkv", "serve"] and _flag(argv, "--model") == "tiny-llama-kv2"
+        assert (_flag(argv, "-tp"), _flag(argv, "--nnodes"), _flag(argv, "--node-rank")) == (
+            "2", "2", rank)
+        assert (_flag(argv, "--master-addr"), _flag(argv, "--master-port")) == (
+            "10.0.0.12", "29500")
+        assert _flag(argv, "--num-kv-blocks") == "64"
+    assert "--headless" in d1 and "--headless" not in d0
+    assert "--port" not in d1 and "--kv-transfer-config" not in d1  # the leader sends its own
+    cfg = json.loads(_flag(d0, "--kv-transfer-config"))
+    assert cfg["kv_connector_extra_config"]["kv_advertise_host"] == "10.0.0.12"
+    place = deploy_run.on_loopback(load_deployment(TP_TWO_HOSTS))
+    rendezvous = place.port("node-d0", 29500)
+    assert place.port("node-d0", 29501) == rendezvous + 1  # the control port stays the next one
 
 
 def _edit(old: str, new: str, text: str = BASE) -> str:
@@ -138,6 +166,22 @@ BAD = [
     pytest.param(_edit("port = 8000", "port = 8000\nhealth_check_interval = true"),
                  ":20: proxy.health_check_interval: must be a number of seconds > 0",
                  id="health-check-interval"),
+    pytest.param(_edit('host = "b"\nport = 8100', 'host = "b"\nport = 8100\n'
+                       'worker_hosts = ["c"]'),
+                 ":16: decode[0].worker_hosts: unknown host 'c'", id="unknown-worker-host"),
+    pytest.param(_edit('host = "b"\nport = 8100', 'host = "b"\nport = 8100\n'
+                       'worker_hosts = ["b"]'),
+                 "decode[0].worker_hosts: each host holds one node", id="worker-host-twice"),
+    pytest.param(_edit('host = "b"\nport = 8100', 'host = "b"\nport = 8100\n'
+                       'worker_hosts = ["a"]'),
+                 "decode[0].worker_hosts: 2 hosts must split the engine's 1 TP ranks evenly",
+                 id="worker-hosts-without-tp"),
+    pytest.param(_edit('host = "b"\nport = 8100', 'host = "b"\nport = 8100\n'
+                       'args = ["-tp", "2", "--nnodes", "2"]'),
+                 "--nnodes is set by the launcher", id="nnodes-flag"),
+    pytest.param(_edit('host = "b"\nport = 8100', 'host = "b"\nport = 8100\n'
+                       'worker_hosts = ["a"]\nmaster_port = 8000\nargs = ["-tp", "2"]'),
+                 "port 8000 on host 'b' is also decode[0].master_port", id="master-port-taken"),
     pytest.param('model = "m"\nhosts = {}\n' + BASE[BASE.index("[[prefill]]"):],
                  ":2: hosts: needs at least one [hosts.NAME]",
                  id="no-hosts"),

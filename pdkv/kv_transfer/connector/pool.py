@@ -159,7 +159,7 @@ class KVPoolConnector(RoleDelegatingConnector):
             self.worker = PoolConnectorWorker(self.pool, self.store, self.namespace.fingerprint,
                                               block_size, windows)
             if multi_rank:
-                startup.pool_lookup_address = self.worker.serve_lookups()
+                startup.pool_lookup_address = self.worker.serve_lookups(startup.node_host)
 
     @classmethod
     def metadata_type(cls) -> type[PoolConnectorMetadata]:

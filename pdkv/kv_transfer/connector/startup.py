@@ -38,6 +38,9 @@ class ConnectorStartup:
         pool_lookup_endpoints: KVPoolConnector, engine process of a TP/DCP engine: every rank's
             lookup server (rank order), set by the executor; the scheduler half then asks the
             ranks instead of opening a store of its own.
+        node_host: the address of this worker's host as the engine's process reaches it: where
+            its KV pool lookup server listens (127.0.0.1, or the node's address for a rank on
+            another host, pdkv.executor.nodes).
     """
 
     dcp_rank: int = 0
@@ -52,3 +55,4 @@ class ConnectorStartup:
     pool_store: KVPoolStore | None = None
     pool_lookup_address: Address | None = None
     pool_lookup_endpoints: list[Address] | None = None
+    node_host: str = "127.0.0.1"
