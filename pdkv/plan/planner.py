@@ -219,7 +219,7 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
                 h.total,
                 "s",
                 "wire + handshake + scheduling + layout, all after the prefill: KV published once "
-                "the prefill ends, as pdkv's connectors (pull) do today",
+                "the prefill ends, as pull mode (the default) does",
             )
         )
         if prefill_s is not None:
@@ -230,21 +230,21 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
                 Figure(
                     "overlap_hidden_s",
                     "handoff",
-                    "if KV were published layer by layer: hidden",
+                    "layer-wise push (transfer_mode push): hidden",
                     hl.hidden,
                     "s",
                     f"(L−1)/L · min(wire, prefill) with L={L} layers: the wire time a "
-                    "layer-wise push (not in pdkv yet) would overlap with the prefill",
+                    "layer-wise push (docs/PUSH.md) overlaps with the prefill",
                 )
             )
             add(
                 Figure(
                     "handoff_layerwise_s",
                     "handoff",
-                    "if KV were published layer by layer: handoff",
+                    "layer-wise push (transfer_mode push): handoff",
                     hl.total,
                     "s",
-                    "handoff time − hidden: what would remain after the prefill",
+                    "handoff time − hidden: what remains after the prefill",
                 )
             )
             add(Figure("handoff_share_of_ttft", "handoff", "handoff / (prefill + handoff)",

@@ -99,8 +99,8 @@ def test_handoff_names_the_pull_case_and_the_layerwise_case(capsys):
     out = capsys.readouterr().out
     assert "nothing hidden" not in out
     assert "KV published once the prefill ends, as pdkv's connectors (pull) do today" in out
-    assert "if KV were published layer by layer: hidden:" in out
-    assert "if KV were published layer by layer: handoff:" in out
+    assert "layer-wise push (transfer_mode push): hidden:" in out
+    assert "layer-wise push (transfer_mode push): handoff:" in out
 
 
 def test_sliding_window_blocks_are_those_of_the_window():
