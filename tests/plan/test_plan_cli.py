@@ -98,7 +98,7 @@ def test_handoff_names_the_pull_case_and_the_layerwise_case(capsys):
                  "--prefill-tps", "500"]) == 0
     out = capsys.readouterr().out
     assert "nothing hidden" not in out
-    assert "KV published once the prefill ends, as pdkv's connectors (pull) do today" in out
+    assert "KV published once the prefill ends, as pull mode (the default) does" in out
     assert "layer-wise push (transfer_mode push): hidden:" in out
     assert "layer-wise push (transfer_mode push): handoff:" in out
 
