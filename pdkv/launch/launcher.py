@@ -220,7 +220,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="pull",
         help="pd: how KV moves from P to D (kv_connector_extra_config.transfer_mode): pull (D "
         "reads P's blocks after P's prefill) or push (D first reserves the blocks; P writes each "
-        "layer into them as it computes; tcp, tp 1, full-attention and MLA models)",
+        "layer into them as it computes; tcp, tp 1, no --pool; docs/PUSH.md)",
     )
     parser.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="fail",
                         help="what a decode engine does when a KV pull fails")

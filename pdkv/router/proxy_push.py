@@ -12,14 +12,17 @@
    which the proxy gives D (`POST /v1/kv/push_first_token/{request_id}`).
 3. D resumes when every layer has landed and relays its tokens; the proxy relays D's answer.
 
-The push flow runs when GET /kv_layout of both engines reports transfer_mode "push" and the request
-asks for one choice (n = 1); otherwise the pull flow of `pdkv.router.proxy_pd` runs (a push-mode
-engine still takes pull requests). Failures: D refusing the decode leg (its error reaches the
-client, P never sees the request); no window within the proxy's leg timeout (503; D's leg is
-abandoned, which aborts the request there); P failing or unreachable (P's error or 502; D's leg is
-abandoned). A client that leaves abandons D's leg (D aborts the request and frees the window) and
-lets a prefill leg already sent end in the background. D's window lease bounds everything else:
-a P that dies mid-push leaves D's request to `kv_load_failure_policy`.
+The push flow runs when GET /kv_layout of both engines reports transfer_mode "push" with one block
+size and the request asks for one choice (n = 1); otherwise the pull flow of `pdkv.router.proxy_pd`
+runs (a push-mode engine still takes pull requests; the pull converts block sizes).
+
+Failures: D refusing the decode leg (its error reaches the client, P never sees the request); no
+window within the proxy's leg timeout (503; D's leg is abandoned, which aborts the request
+there); P failing or unreachable (P's error or 502, as in the pull flow; D's leg is abandoned). A
+client that leaves abandons D's leg (D aborts the request and frees the window) and lets a
+prefill leg already sent end in the background. D's window lease bounds everything else: when
+P's writes stop reaching D while P's leg still answers (D's data link cut), D's request follows
+`kv_load_failure_policy` at the lease (recompute: D computes the prompt itself).
 """
 
 from __future__ import annotations
@@ -76,10 +79,13 @@ MAX_WINDOW_WAIT_S = 600.0
 
 
 def wants_push(pd: PDPath, p_url: str, d_url: str, body: JSONObject) -> bool:
-    """Whether this request takes the push flow: both engines push (GET /kv_layout) and it asks
-    for one choice."""
+    """Whether this request takes the push flow: both engines push (GET /kv_layout), with one
+    block size (the pull flow converts block sizes, a push does not), and it asks for one
+    choice."""
     ip, idd = pd.infos.get(p_url), pd.infos.get(d_url)
     if ip is None or idd is None or ip.transfer_mode != "push" or idd.transfer_mode != "push":
+        return False
+    if ip.block_size != idd.block_size:
         return False
     n = body.get("n")
     return n is None or n == 1

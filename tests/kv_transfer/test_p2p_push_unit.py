@@ -47,3 +47,23 @@ def test_all_units_landed_succeeds_and_counts_bytes_once():
     assert rx.authorize(("r", "n"), "g0", [(3 * BB, 32)]) is not None  # window closed
     stats, _ = results.take_stats()
     assert stats["kv_push_refused"] == 1
+
+
+def test_a_push_engine_at_tp_or_dcp_above_one_does_not_start():
+    """Refused when the connector is built (start-up), naming pull, not at each request."""
+    import dataclasses
+
+    import pytest
+
+    from pdkv.cache.kv_layout import KVLayout
+    from pdkv.kv_transfer.connector.p2p_config import P2PConfig
+    from pdkv.kv_transfer.connector.p2p_scheduler import P2PConnectorScheduler
+    from tests.kv_transfer.p2p_sched_utils import BS, LAYOUT, PRODUCER_ADDR, consumer_spec
+
+    spec = consumer_spec()
+    push = dataclasses.replace(spec, p2p=P2PConfig.from_extra({"transfer_mode": "push"}))
+    for extra in ({"tp_size": 2}, {"dcp_size": 2, "interleave": BS}):
+        layout = KVLayout.from_wire({**LAYOUT, **extra})
+        with pytest.raises(ValueError, match="needs tp 1 and dcp 1.*transfer_mode 'pull'"):
+            P2PConnectorScheduler(push, layout, BS, list(PRODUCER_ADDR))
+        P2PConnectorScheduler(spec, layout, BS, list(PRODUCER_ADDR))  # pull: fine

@@ -38,7 +38,8 @@ class PushPair:
     """A fake P and D in push mode. D's request waits until P "pushed" (P received the grant D
     issued) and records whether its client left first; `events` is the order things happened."""
 
-    def __init__(self, d_mode: str = "push") -> None:
+    def __init__(self, d_mode: str = "push", d_block_size: int = 16) -> None:
+        self.d_block_size = d_block_size
         self.events: list[str] = []
         self.pushed = threading.Event()
         self.d_gone = threading.Event()  # D saw its decode leg's client leave
@@ -55,7 +56,8 @@ class PushPair:
         self.d = ServerThread(self._d_app(d_mode))
 
     def _layout(self, role: str, mode: str) -> dict[str, Any]:
-        return {"kv_role": role, "engine_id": "e-" + role, "layout": LAYOUT,
+        layout = dict(LAYOUT, block_size=self.d_block_size) if role == "kv_consumer" else LAYOUT
+        return {"kv_role": role, "engine_id": "e-" + role, "layout": layout,
                 "pool_chunk_size": None, "transfer_mode": mode}
 
     def _common(self, app: FastAPI, role: str, mode: str) -> None:
@@ -221,8 +223,9 @@ def test_n_above_one_takes_the_pull_flow(pair):
     assert r.json()["pdkv_timings"]["mode"] == "pd"
 
 
-def test_a_pull_decode_engine_takes_the_pull_flow():
-    pair = PushPair(d_mode="pull")
+@pytest.mark.parametrize("d", [dict(d_mode="pull"), dict(d_block_size=32)])
+def test_a_pull_decode_engine_or_another_block_size_takes_the_pull_flow(d):
+    pair = PushPair(**d)
     proxy = ServerThread(build_proxy_app([pair.p.url], [pair.d.url]))
     try:
         r = httpx.post(proxy.url + "/v1/completions", timeout=60,

@@ -272,6 +272,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--repeats", type=int, default=1,
                         help="--transfer-modes: requests per prompt length and mode")
+    parser.add_argument("--timeline-plot", default=None, metavar="PNG",
+                        help="--transfer-modes: draw the last push request's per-layer compute "
+                        "vs wire timeline here")
     parser.add_argument("--result-json", default=None, help="write the result dict to this file")
     return parser
 
@@ -286,10 +289,19 @@ def main(args: argparse.Namespace) -> int:
 
         if args.transfer not in (None, ["tcp"]):
             raise SystemExit("--transfer-modes runs over the tcp transfer engine only")
+        from pdkv.bench.handoff.modes import plot_timeline
+
         modes = run_modes_bench(args.transfer_modes, args.prompt_lens, args.link_rate,
                                 args.seed, args.repeats)
         if args.result_json:
             write_result_json(modes, args.result_json)
+        if args.timeline_plot and "timeline" in modes:
+            line = modes["timeline"]
+            why = plot_timeline(line, args.timeline_plot,
+                                f"push, {line['prompt_tokens']} tokens, link "
+                                f"{args.link_rate or 'loopback'}: per layer, P's compute vs the "
+                                "write of its KV")
+            print(f"timeline: {why or args.timeline_plot}")
         return 0
     transfers = args.transfer or (["tcp"] if args.link_rate else list(ENGINES))
     result = run_handoff_bench(transfers, args.prompt_lens, args.link_rate,

@@ -50,10 +50,13 @@ class ModeRow:
 
 
 class ModesResult(TypedDict, total=False):
-    """What `run_modes_bench` returns (or only `skipped`)."""
+    """What `run_modes_bench` returns (or only `skipped`). `timeline`: the last push request of
+    the longest prompt, per layer [layer, its forward ended on P, its write started, ended], in
+    seconds from P's prefill leg's start."""
 
     config: dict[str, object]
     rows: list[dict[str, object]]
+    timeline: dict[str, object]
     skipped: str
 
 
@@ -67,7 +70,8 @@ def _pull(p: Peer, d: Peer, ids: list[int]) -> ModeRow:
                    sum(got["transfer_seconds"]), got["bytes"])
 
 
-def _push(p: Peer, d: Peer, ids: list[int]) -> ModeRow:
+def _push(p: Peer, d: Peer, ids: list[int], timeline: list[list[float]] | None = None
+          ) -> ModeRow:
     t0 = time.monotonic()
     opened = json.loads(d.call({"open": True, "prompt_token_ids": ids}))
     pre = json.loads(p.call({"prompt_token_ids": ids,
@@ -75,6 +79,8 @@ def _push(p: Peer, d: Peer, ids: list[int]) -> ModeRow:
     got = json.loads(d.call({"finish": opened["request_id"],
                              "prompt_token_ids": []}))
     ttft = time.monotonic() - t0
+    if timeline is not None:
+        timeline[:] = pre.get("push_timeline") or []
     return ModeRow("push", len(ids), ttft, pre["prefill_s"], got["first_step_s"],
                    sum(got["transfer_seconds"]), got["bytes"])
 
@@ -131,6 +137,7 @@ def run_modes_bench(modes: Sequence[str] = MODES, prompt_lens: Sequence[int] = (
             say(f"pdkv bench handoff --link-rate {link_rate}: skipped: {reason}")
             return {"skipped": reason}
     rows: list[ModeRow] = []
+    layers: list[list[float]] = []  # the last push request's timeline
     with tempfile.TemporaryDirectory(prefix="pdkv-modes-") as log_dir, \
             (NetnsPair(rate=link_rate) if link_rate else contextlib.nullcontext()) as pair:
         if pair is not None:
@@ -138,12 +145,14 @@ def run_modes_bench(modes: Sequence[str] = MODES, prompt_lens: Sequence[int] = (
                 f"({pair.host('d')}); {pair.qdisc('p')}")
         for mode in modes:
             say(f"[{mode}] starting P and D ...", flush=True)
-            one = _push if mode == "push" else _pull
             with peers("tcp", lens, pair, log_dir, mode) as (p, d):
-                one(p, d, prompt_tokens(BLOCK_TOKENS * 2, seed + 997))  # warm-up: connections
+                def one(ids: list[int], push: bool = mode == "push") -> ModeRow:
+                    return _push(p, d, ids, layers) if push else _pull(p, d, ids)
+
+                one(prompt_tokens(BLOCK_TOKENS * 2, seed + 997))  # warm-up: connections
                 for i, n in enumerate(lens):
                     for k in range(repeats):
-                        row = one(p, d, prompt_tokens(n, seed + 100 * i + k))
+                        row = one(prompt_tokens(n, seed + 100 * i + k))
                         rows.append(row)
                         say(f"[{mode}] {n} tokens: TTFT {row.ttft_s * 1e3:.0f} ms (prefill "
                             f"{row.prefill_s * 1e3:.0f}, exposed {row.exposed_s * 1e3:.0f})",
@@ -152,8 +161,42 @@ def run_modes_bench(modes: Sequence[str] = MODES, prompt_lens: Sequence[int] = (
     if print_table:
         print()
         print(format_rows(rows))
-    return {
+    result: ModesResult = {
         "config": {"modes": modes, "prompt_lens": lens, "link_rate": link_rate, "seed": seed,
                    "repeats": repeats},
         "rows": [dict(asdict(r), exposed_s=r.exposed_s) for r in rows],
     }
+    if layers:
+        result["timeline"] = {"prompt_tokens": lens[-1], "layers": layers}
+    return result
+
+
+def plot_timeline(timeline: dict[str, object], path: str, title: str) -> str | None:
+    """One push request's per-layer timeline as a PNG at `path`: P's compute of each layer (from
+    the previous layer's end) on one lane, its write on the wire on the other. Returns why it was
+    not drawn (matplotlib missing, no layers), else None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed"
+    layers = timeline.get("layers")
+    if not isinstance(layers, list) or not layers:
+        return "no push timeline"
+    fig, ax = plt.subplots(figsize=(10, 2.6))
+    prev = 0.0
+    for layer, queued, start, end in sorted(layers, key=lambda x: x[1]):
+        ax.broken_barh([(prev, queued - prev)], (10, 8), color="tab:blue" if layer % 2
+                       else "tab:cyan")
+        ax.broken_barh([(start, end - start)], (0, 8), color="tab:orange" if layer % 2
+                       else "tab:red")
+        prev = queued
+    ax.set_yticks([4, 14], ["wire (write)", "P compute"])
+    ax.set_xlabel("seconds from P's prefill leg start")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None

@@ -60,11 +60,14 @@ class HandoffRequest(_Prompt, total=False):
     finish: str
 
 
-class PrefillReply(TypedDict):
-    """P's answer: the kv_transfer_params for D and the prefill leg's seconds."""
+class PrefillReply(TypedDict, total=False):
+    """P's answer: the kv_transfer_params for D and the prefill leg's seconds; push mode: per
+    layer write [layer, its forward ended, write started, write ended] in seconds from the
+    leg's start."""
 
     kv_transfer_params: JSONObject | None
     prefill_s: float
+    push_timeline: list[list[float]]
 
 
 class DecodeReply(TypedDict):
@@ -132,7 +135,14 @@ def _prefill(eng: LLMEngine, msg: HandoffRequest) -> PrefillReply:
                                  kv_transfer_params=params)
     eng.add_request(req, text)
     out = _finish(eng, req.request_id, t0 + REQUEST_TIMEOUT_S)
-    return {"kv_transfer_params": out.kv_transfer_params, "prefill_s": time.monotonic() - t0}
+    reply: PrefillReply = {"kv_transfer_params": out.kv_transfer_params,
+                           "prefill_s": time.monotonic() - t0}
+    connector = eng.runner.connector if eng.runner is not None else None
+    sender = getattr(getattr(connector, "worker", None), "push_sender", None)
+    if sender is not None and "push_grant" in params:  # per layer, seconds from the leg's start
+        reply["push_timeline"] = [[layer, q - t0, a - t0, b - t0]
+                                  for _, layer, q, a, b in sender.take_timeline()]
+    return reply
 
 
 class _Opened(TypedDict):

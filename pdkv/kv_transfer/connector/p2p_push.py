@@ -23,6 +23,7 @@ the request waits in WAITING_FOR_REMOTE_KVS.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -41,6 +42,9 @@ logger = logging.getLogger(__name__)
 WRITE_GRACE_S = 2.0
 """`wait_for_save` waits this long past the step's write deadline: every write is bounded by that
 deadline itself, so none still reads P's blocks when the step ends and they may be reused."""
+
+TIMELINE_LEN = 4096
+"""Per-layer write records a sender keeps for `take_timeline` (the latest; older ones drop)."""
 
 LayerSlot = tuple[int, int, int]
 """A model layer's place in the KV cache: (group, index within the group, layers in the group)."""
@@ -88,7 +92,14 @@ class PushSender:
         self._specs: list[PushSpec] = []
         self._deadline = 0.0
         self._failed: set[str] = set()  # P request ids whose push failed this step
-        self._queue: queue.Queue[tuple[PushSpec, list[WriteOp], float] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[PushSpec, list[WriteOp], float, int, float] | None] = \
+            queue.Queue()
+        # Per layer write of the steps that pushed, until `take_timeline` (the latest
+        # TIMELINE_LEN): (step start, layer, queued = the layer's forward ended, write started,
+        # write ended), time.monotonic().
+        self._timeline: collections.deque[tuple[float, int, float, float, float]] = \
+            collections.deque(maxlen=TIMELINE_LEN)
+        self._step_start = 0.0
         self._pending = 0
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -96,7 +107,8 @@ class PushSender:
     def begin(self, specs: list[PushSpec]) -> None:
         """Engine loop, `start_load_kv`: this step's pushes (none: every hook returns at once)."""
         self._specs = [s for s in specs if any(s.local_block_ids)]
-        self._deadline = time.monotonic() + self.timeout
+        self._step_start = time.monotonic()
+        self._deadline = self._step_start + self.timeout
         self._failed = set()
         if self._specs and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="pdkv-kv-push", daemon=True)
@@ -118,7 +130,7 @@ class PushSender:
             if ops:
                 with self._cond:
                     self._pending += 1
-                self._queue.put((spec, ops, self._deadline))
+                self._queue.put((spec, ops, self._deadline, layer_index, time.monotonic()))
 
     def wait_for_save(self) -> None:
         """Engine loop, after the forward: block until this step's writes are done or its
@@ -140,13 +152,17 @@ class PushSender:
             item = self._queue.get()
             if item is None:
                 return
-            spec, ops, deadline = item
+            spec, ops, deadline, layer, queued = item
             try:
                 if spec.request_id in self._failed:
                     continue  # one failed layer ruins the window: send no more of it
                 g = spec.grant
+                started = time.monotonic()
                 nbytes = self.engine.write({"host": g.host, "port": g.port}, ops, deadline,
                                            (g.request_id, g.nonce))
+                with self._cond:
+                    self._timeline.append((self._step_start, layer, queued, started,
+                                           time.monotonic()))
                 with self.results.lock:
                     self.results.count("kv_bytes_pushed", nbytes)
                     self.results.count("kv_push_writes", len(ops))
@@ -159,6 +175,15 @@ class PushSender:
                 with self._cond:
                     self._pending -= 1
                     self._cond.notify_all()
+
+    def take_timeline(self) -> list[tuple[float, int, float, float, float]]:
+        """The per-layer writes since the last call: (step start, layer, the layer's forward end
+        (its KV queued), write start, write end), time.monotonic() seconds; a benchmark's
+        compute-vs-wire timeline (`pdkv bench handoff --transfer-modes`)."""
+        with self._cond:
+            out = list(self._timeline)
+            self._timeline.clear()
+        return out
 
     def shutdown(self) -> None:
         self._queue.put(None)
@@ -209,6 +234,7 @@ class PushReceiver:
     def _refuse(self, why: str) -> str:
         with self.results.lock:
             self.results.count("kv_push_refused")
+        self.results.wake()  # an idle engine publishes the count now
         logger.warning("push write refused: %s", why)
         return why
 

@@ -63,12 +63,17 @@ def is_push(params: JSONObject | None) -> bool:
 class PushScheduler:
     """The push-mode state of one scheduler half: D's open windows, P's pushes in progress.
 
+    Raises:
+        ValueError: push mode on a layout that cannot push (`layout_error`): the engine does not
+            start, and the message names transfer_mode 'pull'.
+
     Args:
         spec: the connector (role, engine id; `p2p.transfer_mode`, `p2p.transfer_timeout`: the
             window's lease in seconds).
         layout: this engine's KV layout.
         block_size: tokens per block.
-        sliding_windows, linear_groups: per KV cache group (push refuses either kind today).
+        sliding_windows, linear_groups: per KV cache group (a window group moves the blocks D
+            keeps, a linear group its state slot after the prompt).
         address: consumer: its data server [host, port] (filled by the worker half at start-up),
             put into grants.
     """
@@ -89,6 +94,8 @@ class PushScheduler:
         self._grants: dict[str, PushGrant] = {}  # consumer: request id -> its open window
         self._to_open: list[WindowSpec] = []
         self._to_close: list[str] = []  # consumer: aborted requests whose window is open
+        if self.enabled and self.layout_error():
+            raise ValueError(self.layout_error())
         self._awaiting_token: dict[str, Request] = {}  # consumer, linear state: no token yet
         self._tokens: list[str] = []  # consumer: windows whose first token arrived
         self._pushing: dict[str, tuple[PushGrant, list[int]]] = {}  # producer: grant, [next block]
@@ -133,9 +140,10 @@ class PushScheduler:
             grant = msgspec.convert(p.get("push_grant"), PushGrant)
         except msgspec.ValidationError as e:
             raise ValueError(f"kv_transfer_params.push_grant is malformed: {e}") from None
-        mismatch = layout_mismatch(self.wire_layout, grant.layout, ())
+        mismatch = layout_mismatch(grant.layout, self.wire_layout, ())  # (D consumes, P produces)
         if mismatch:
-            raise ValueError(mismatch)
+            raise ValueError(f"{mismatch}: push needs equal layouts (block size included); "
+                             "transfer_mode 'pull' converts block sizes")
         if len(grant.block_ids) != self.num_groups:
             raise ValueError(f"push_grant has {len(grant.block_ids)} block lists for "
                              f"{self.num_groups} KV cache groups")
