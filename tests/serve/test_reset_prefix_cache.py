@@ -51,6 +51,9 @@ class FakeEngine:
     def next_deadline(self) -> None:
         return None
 
+    def check_workers(self) -> None:  # in-process: never a lost rank
+        pass
+
     def step(self) -> list[Any]:
         return []
 
