@@ -7,7 +7,8 @@ Per prompt length and mode, from this driver's clock:
   prompt's KV after P's last layer, then computes the last prompt token);
 - push: D admits the request first and opens its write window, P's prefill leg pushes each layer
   into D's blocks as its forward computes it, then D computes the last prompt token.
-TTFT is the driver's wall time from the first message to D's first token (max_tokens=1).
+TTFT is from the driver's first message to D's first token (max_tokens=1), both on the machine's
+monotonic clock (one clock for every process, namespaces included).
 Exposed transfer = TTFT − P's prefill − D's first step (D's own compute of the request): what
 the handoff adds that the model's compute does not hide (the issue's definition). A warm-up
 request per mode pays the connections first. The table prints push / pull ratios of TTFT and of
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 import tempfile
 import time
 from collections.abc import Sequence
@@ -65,7 +67,7 @@ def _pull(p: Peer, d: Peer, ids: list[int]) -> ModeRow:
     pre = json.loads(p.call({"prompt_token_ids": ids}))
     got = json.loads(d.call({"prompt_token_ids": ids,
                              "kv_transfer_params": pre["kv_transfer_params"]}))
-    ttft = time.monotonic() - t0
+    ttft = got["first_token_at"] - t0
     return ModeRow("pull", len(ids), ttft, pre["prefill_s"], got["first_step_s"],
                    sum(got["transfer_seconds"]), got["bytes"])
 
@@ -78,7 +80,7 @@ def _push(p: Peer, d: Peer, ids: list[int], timeline: list[list[float]] | None =
                              "push_grant": opened["push_grant"]}))
     got = json.loads(d.call({"finish": opened["request_id"],
                              "prompt_token_ids": []}))
-    ttft = time.monotonic() - t0
+    ttft = got["first_token_at"] - t0
     if timeline is not None:
         timeline[:] = pre.get("push_timeline") or []
     return ModeRow("push", len(ids), ttft, pre["prefill_s"], got["first_step_s"],
@@ -86,20 +88,26 @@ def _push(p: Peer, d: Peer, ids: list[int], timeline: list[list[float]] | None =
 
 
 def format_rows(rows: list[ModeRow]) -> str:
-    """The table: one line per (length, mode), push / pull ratios on the push lines."""
-    lines = ["| prompt | mode | TTFT ms | P prefill ms | D first step ms | exposed ms | "
-             "KV MB | TTFT push/pull | exposed push/pull |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    pull = {r.prompt_tokens: r for r in rows if r.mode == "pull"}
+    """The table: one line per request, then per prompt length the medians of each mode and
+    the push / pull ratios of the medians (TTFT and exposed transfer)."""
+    lines = ["| prompt | mode | TTFT ms | P prefill ms | D first step ms | exposed ms | KV MB |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = exposed = ""
-        base = pull.get(r.prompt_tokens)
-        if r.mode == "push" and base is not None:
-            ratio = f"{r.ttft_s / base.ttft_s:.2f}"
-            exposed = f"{r.exposed_s / base.exposed_s:.2f}" if base.exposed_s > 0 else ""
         lines.append(f"| {r.prompt_tokens} | {r.mode} | {r.ttft_s * 1e3:.0f} | "
                      f"{r.prefill_s * 1e3:.0f} | {r.d_first_step_s * 1e3:.0f} | "
-                     f"{r.exposed_s * 1e3:.0f} | {r.nbytes / 1e6:.1f} | {ratio} | {exposed} |")
+                     f"{r.exposed_s * 1e3:.0f} | {r.nbytes / 1e6:.1f} |")
+    lines += ["", "| prompt | requests per mode | median TTFT pull / push ms | TTFT push/pull | "
+              "median exposed pull / push ms | exposed push/pull |", "|---|---|---|---|---|---|"]
+    for n in sorted({r.prompt_tokens for r in rows}):
+        by = {m: [r for r in rows if r.prompt_tokens == n and r.mode == m] for m in MODES}
+        if not by["pull"] or not by["push"]:
+            continue
+        ttft = {m: statistics.median(r.ttft_s for r in by[m]) for m in MODES}
+        exp = {m: statistics.median(r.exposed_s for r in by[m]) for m in MODES}
+        ratio_exp = f"{exp['push'] / exp['pull']:.2f}" if exp["pull"] > 0 else ""
+        lines.append(f"| {n} | {len(by['push'])} | {ttft['pull'] * 1e3:.0f} / "
+                     f"{ttft['push'] * 1e3:.0f} | {ttft['push'] / ttft['pull']:.2f} | "
+                     f"{exp['pull'] * 1e3:.0f} / {exp['push'] * 1e3:.0f} | {ratio_exp} |")
     return "\n".join(lines)
 
 

@@ -149,6 +149,7 @@ class _Opened(TypedDict):
     request_id: str
     t0: float
     before: float
+    done: RequestOutput | None  # its final output, when an idle step between messages ended it
 
 
 def _open(eng: LLMEngine, msg: HandoffRequest, opened: dict[str, _Opened]) -> JSONObject:
@@ -170,7 +171,8 @@ def _open(eng: LLMEngine, msg: HandoffRequest, opened: dict[str, _Opened]) -> JS
         if time.monotonic() > deadline:
             raise TimeoutError("no write window opened")
         eng.step()
-    opened[req.request_id] = {"request_id": req.request_id, "t0": t0, "before": before}
+    opened[req.request_id] = {"request_id": req.request_id, "t0": t0, "before": before,
+                              "done": None}
     import msgspec
 
     return {"request_id": req.request_id, "push_grant": msgspec.to_builtins(grant)}
@@ -186,7 +188,7 @@ def _decode(eng: LLMEngine, msg: HandoffRequest,
         if opened is None or rid not in opened:
             return {"error": f"no opened request {rid!r}"}
         mine = opened.pop(rid)
-        t0, before = mine["t0"], mine["before"]
+        t0, before, done = mine["t0"], mine["before"], mine["done"]
     else:
         sched.stats()  # drain samples of earlier requests
         before = sched.kv_stats.get("kv_bytes_received", 0.0)
@@ -196,16 +198,20 @@ def _decode(eng: LLMEngine, msg: HandoffRequest,
                                      kv_transfer_params=msg.get("kv_transfer_params"))
         eng.add_request(req, text)
         rid = req.request_id
-    out = _finish(eng, rid, t0 + REQUEST_TIMEOUT_S)
-    wall = time.monotonic() - t0
+        done = None
+    out = done if done is not None else _finish(eng, rid, t0 + REQUEST_TIMEOUT_S)
+    wall = (out.metrics.finished_time if done is not None and out.metrics is not None
+            and out.metrics.finished_time is not None else time.monotonic()) - t0
     got = sched.kv_stats.get("kv_bytes_received", 0.0) - before
     seconds = list(sched.stats().transfer_seconds or [])
     if not seconds or got <= 0:
         return {"error": f"no KV was pulled (bytes {got}, transfers {seconds}): see D's log"}
     first_step = out.metrics.prefill_time if out.metrics is not None else None
+    first_at = out.metrics.first_token_time if out.metrics is not None else None
     return {"transfer_seconds": seconds, "bytes": got, "wall_s": wall,
             "num_cached_tokens": out.num_cached_tokens,
-            "first_step_s": float(first_step or 0.0)}
+            "first_step_s": float(first_step or 0.0),
+            "first_token_at": float(first_at if first_at is not None else time.monotonic())}
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -225,7 +231,9 @@ def serve(args: argparse.Namespace) -> int:
                 line = lines.get(timeout=STEP_IDLE_S)
             except queue.Empty:
                 if eng.has_work():
-                    eng.step()
+                    for out in eng.step():  # a pushed request may end before its "finish"
+                        if out.finished and out.request_id in opened:
+                            opened[out.request_id]["done"] = out
                 continue
             if line is None:
                 return 0
