@@ -88,7 +88,7 @@ def _config(role: str, args: argparse.Namespace) -> str:
     extra: dict[str, str | float] = {"transfer": args.transfer, "kv_lease_duration": 900.0,
                                      "transfer_timeout": 300.0,
                                      "transfer_mode": args.transfer_mode}
-    if role == "kv_producer":
+    if role == "kv_producer" or args.transfer_mode == "push":  # (D's push data server too)
         extra.update(kv_host=args.host, kv_advertise_host=args.host)
     return json.dumps({"kv_connector": "P2PConnector", "kv_role": role,
                        "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra})
@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("side", choices=("p", "d"))
     p.add_argument("--transfer", default="tcp", choices=("tcp", "shm", "mooncake"))
-    p.add_argument("--host", default="127.0.0.1", help="P's kv_host and kv_advertise_host")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="kv_host and kv_advertise_host (P; D in push mode: its data server)")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--num-kv-blocks", type=int, required=True)
     p.add_argument("--max-model-len", type=int, required=True)

@@ -124,7 +124,8 @@ def peers(
     py = [sys.executable, "-m", "pdkv.bench.handoff.peer"]
     host = pair.host("p") if pair else "127.0.0.1"
     p_argv = (pair.exec_prefix("p") if pair else []) + py + ["p", "--host", host] + common
-    d_argv = (pair.exec_prefix("d") if pair else []) + py + ["d"] + common
+    d_host = pair.host("d") if pair else "127.0.0.1"  # (push: where P writes)
+    d_argv = (pair.exec_prefix("d") if pair else []) + py + ["d", "--host", d_host] + common
     p = Peer(p_argv, os.path.join(log_dir, f"p-{transfer}-{transfer_mode}.log"))
     d = None
     try:
