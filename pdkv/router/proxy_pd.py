@@ -30,7 +30,14 @@ from pdkv.router.pool_record import PoolRecord, loadable_chunks
 from pdkv.router.prefix_keys import DEFAULT_BLOCK_SIZE, Granularity, request_chunk_hashes
 from pdkv.router.proxy_legs import LegSender, open_leg
 from pdkv.router.proxy_metrics import ProxyMetrics
-from pdkv.router.proxy_protocol import error_kind, error_response, prefill_body, releasable
+from pdkv.router.proxy_protocol import (
+    error_kind,
+    error_response,
+    prefill_body,
+    prefill_params,
+    prefill_timings,
+    releasable,
+)
 from pdkv.router.proxy_push import serve_push, wants_push
 from pdkv.router.proxy_routing import RequestRouter, cache_salt
 from pdkv.router.timings import RequestClock
@@ -40,27 +47,6 @@ logger = logging.getLogger(__name__)
 
 BeforeDecodeHook = Callable[[JSONValue], Awaitable[None]]
 """Awaited with P's kv_transfer_params (as P sent them) between the legs."""
-
-
-def _answer_field(status: int, content: bytes, name: str) -> JSONValue:
-    """Field `name` of P's 200 answer (None when absent or unreadable)."""
-    if status != 200:
-        return None
-    try:
-        answer = json.loads(content)
-        return answer.get(name) if isinstance(answer, dict) else None
-    except ValueError:
-        return None
-
-
-def prefill_params(status: int, content: bytes) -> JSONValue:
-    """kv_transfer_params of P's 200 answer (None when absent or unreadable)."""
-    return _answer_field(status, content, "kv_transfer_params")
-
-
-def prefill_timings(status: int, content: bytes) -> JSONValue:
-    """P's own `pdkv_timings` in its 200 answer (None when absent or unreadable)."""
-    return _answer_field(status, content, "pdkv_timings")
 
 
 @dataclass

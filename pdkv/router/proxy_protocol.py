@@ -5,6 +5,7 @@ error JSON, and releasing a prefill engine's held blocks (see `pdkv.router.proxy
 from __future__ import annotations
 
 import copy
+import json
 from typing import TypeGuard
 
 from fastapi.responses import JSONResponse
@@ -83,3 +84,24 @@ def error_kind(status: int, content: bytes = b"") -> str:
     4xx (the request was bad: no proxy or engine failure), except a KV layout mismatch (the
     deployment's fault); else "status"."""
     return "client" if 400 <= status < 500 and not is_layout_error(content) else "status"
+
+
+def _answer_field(status: int, content: bytes, name: str) -> JSONValue:
+    """Field `name` of P's 200 answer (None when absent or unreadable)."""
+    if status != 200:
+        return None
+    try:
+        answer = json.loads(content)
+        return answer.get(name) if isinstance(answer, dict) else None
+    except ValueError:
+        return None
+
+
+def prefill_params(status: int, content: bytes) -> JSONValue:
+    """kv_transfer_params of P's 200 answer (None when absent or unreadable)."""
+    return _answer_field(status, content, "kv_transfer_params")
+
+
+def prefill_timings(status: int, content: bytes) -> JSONValue:
+    """P's own `pdkv_timings` in its 200 answer (None when absent or unreadable)."""
+    return _answer_field(status, content, "pdkv_timings")

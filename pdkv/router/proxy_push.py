@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,7 +38,12 @@ from fastapi.responses import Response
 
 from pdkv.jsontypes import JSONObject, JSONValue
 from pdkv.router.proxy_legs import open_leg
-from pdkv.router.proxy_protocol import error_kind, error_response
+from pdkv.router.proxy_protocol import (
+    error_kind,
+    error_response,
+    prefill_params,
+    prefill_timings,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -190,14 +194,10 @@ async def serve_push(pd: PDPath, p_decision: Decision, d_decision: Decision, pat
         if status != 200:
             pd.metrics.errors.labels("prefill", error_kind(status, content)).inc()
             return Response(content, status_code=status, media_type="application/json")
-        answer: JSONValue = None
-        with contextlib.suppress(ValueError):
-            answer = json.loads(content)
-        if isinstance(answer, dict):
-            clock.p_timings = answer.get("pdkv_timings")
-            params = answer.get("kv_transfer_params")
-            if isinstance(params, dict) and "first_token" in params:
-                await _hand_first_token(pd, d.url, rid, headers, params["first_token"])
+        clock.p_timings = prefill_timings(status, content)
+        params = prefill_params(status, content)
+        if isinstance(params, dict) and "first_token" in params:
+            await _hand_first_token(pd, d.url, rid, headers, params["first_token"])
         try:
             resp = await d_leg
         except httpx.HTTPError as e:

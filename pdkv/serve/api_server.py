@@ -21,7 +21,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,14 +32,13 @@ from pdkv.outputs import RequestOutput
 from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from pdkv.serve.disconnect import ClientDisconnected, until_done_or_disconnect
 from pdkv.serve.handlers import APIError, OpenAIHandlers, PreparedRequest
-from pdkv.serve.kv_push import transfer_mode, wait_push_grant
+from pdkv.serve.kv_push import add_push_routes, transfer_mode
 from pdkv.serve.metrics import ServerMetrics
 from pdkv.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     KVHeldRequest,
-    PushFirstTokenRequest,
     TokenizeRequest,
 )
 from pdkv.serve.response_json import ChatCompletionResponse, CompletionResponse
@@ -258,61 +256,7 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
             "transfer_mode": transfer_mode(kvt.kv_connector, kvt.kv_connector_extra_config),
         }
 
-    @app.get("/v1/kv/push_grant/{request_id}", response_model=None)
-    async def push_grant(request_id: str, timeout: float = 30.0) -> dict[str, object]:
-        """Push mode, D: the write window of decode request `request_id` (its X-Request-Id),
-        `{"push_grant": PushGrant}`, once the scheduler admitted it and allocated its blocks
-        (waits up to `timeout` seconds for that: pdkv.serve.kv_push). pdkv's route, the D-first
-        step of the proxy's push flow. 404 when this engine does not receive pushes; 504 when
-        no window opened in time (the request never arrived, or still waits for blocks); 400
-        for a timeout outside (0, 600]."""
-        kvt = llm.engine.config.kv_transfer_config
-        connector = llm.engine.scheduler.connector
-        lookup = getattr(connector, "push_grant", None)
-        if (kvt is None or lookup is None or kvt.kv_role not in ("kv_consumer", "kv_both")
-                or transfer_mode(kvt.kv_connector, kvt.kv_connector_extra_config) != "push"):
-            raise APIError("this engine receives no pushes (a kv_consumer P2PConnector with "
-                           "kv_connector_extra_config.transfer_mode 'push' does)", 404,
-                           "NotFoundError")
-        try:
-            grant = await wait_push_grant(lookup, request_id, timeout)
-        except ValueError as e:
-            raise APIError(str(e), param="timeout") from None
-        if grant is None:
-            raise APIError(f"no write window opened for request {request_id!r} within "
-                           f"{timeout:g} s (not received, or waiting for free KV blocks)", 504,
-                           "GatewayTimeout")
-        return {"push_grant": msgspec.to_builtins(grant)}
-
-    @app.post("/v1/kv/push_first_token/{request_id}", response_model=None)
-    async def push_first_token(request_id: str, body: PushFirstTokenRequest) -> Response:
-        """Push mode, D, a model with a linear-state group: P's sampled token for decode request
-        `request_id` (P's answer's kv_transfer_params "first_token"); D's window completes once
-        it and every pushed layer are here, and the token is the request's first output token.
-        pdkv's route, the push flow's last step. 200 (empty); 400 for a token outside the
-        vocabulary or a request with no window waiting for a token; 404 when this engine
-        receives no pushes; 503 / 504 when the engine is dead / did not answer in time."""
-        kvt = llm.engine.config.kv_transfer_config
-        connector = llm.engine.scheduler.connector
-        if (kvt is None or not hasattr(connector, "push_first_token")
-                or kvt.kv_role not in ("kv_consumer", "kv_both")
-                or transfer_mode(kvt.kv_connector, kvt.kv_connector_extra_config) != "push"):
-            raise APIError("this engine receives no pushes", 404, "NotFoundError")
-        if not 0 <= body.first_token < llm.engine.vocab_size:
-            raise APIError(f"first_token {body.first_token} is outside the vocabulary",
-                           param="first_token")
-        try:
-            await llm.call_async(
-                lambda engine: engine.scheduler.connector.push_first_token(  # type: ignore[union-attr]
-                    request_id, body.first_token), 10.0)
-        except ValueError as e:
-            raise APIError(str(e)) from None
-        except EngineDeadError as e:
-            raise APIError(str(e), 503, "ServiceUnavailableError") from None
-        except TimeoutError:
-            raise APIError("the engine loop did not answer in time", 504,
-                           "GatewayTimeout") from None
-        return Response(status_code=200)
+    add_push_routes(app, llm)
 
     @app.get("/kv_events", response_model=None)
     async def kv_events() -> KVEventsInfo:

@@ -1,6 +1,7 @@
 """The server's part of push mode (issue 29; `transfer_mode: push` of the P2P connector): which
 transfer mode an engine's connector config asks for (GET /kv_layout's `transfer_mode`, which the
-proxy reads to choose the D-first flow) and the wait behind `GET /v1/kv/push_grant/{request_id}`.
+proxy reads to choose the D-first flow) and D's two routes of the flow, `GET
+/v1/kv/push_grant/{request_id}` and `POST /v1/kv/push_first_token/{request_id}` (`add_push_routes`).
 
 D first: the proxy sends the decode leg to D with kv_transfer_params {"do_remote_prefill": true,
 "transfer_mode": "push"}; D's scheduler admits it, allocates its prompt's blocks and opens a write
@@ -15,8 +16,19 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+import msgspec
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from pdkv.engine.async_llm import EngineDeadError
 from pdkv.kv_transfer.connector.p2p_messages import PushGrant
+from pdkv.serve.handlers import APIError
+from pdkv.serve.protocol import PushFirstTokenRequest
+
+if TYPE_CHECKING:
+    from pdkv.engine.async_llm import AsyncLLM
 
 POLL_FIRST_S = 0.002
 """The first pause between two looks at the engine's open windows; it doubles up to POLL_MAX_S."""
@@ -66,3 +78,67 @@ async def wait_push_grant(lookup: Callable[[str], PushGrant | None], request_id:
             return None
         await asyncio.sleep(min(pause, left))
         pause = min(pause * 2, POLL_MAX_S)
+
+
+def _push_connector(llm: AsyncLLM) -> Any:
+    """The scheduler half that receives pushes on this engine (a kv_consumer / kv_both
+    P2PConnector with transfer_mode "push").
+
+    Raises:
+        APIError: 404 when this engine receives no pushes.
+    """
+    kvt = llm.engine.config.kv_transfer_config
+    connector = llm.engine.scheduler.connector
+    if (kvt is None or not hasattr(connector, "push_grant")
+            or kvt.kv_role not in ("kv_consumer", "kv_both")
+            or transfer_mode(kvt.kv_connector, kvt.kv_connector_extra_config) != "push"):
+        raise APIError("this engine receives no pushes (a kv_consumer P2PConnector with "
+                       "kv_connector_extra_config.transfer_mode 'push' does)", 404,
+                       "NotFoundError")
+    return connector
+
+
+def add_push_routes(app: FastAPI, llm: AsyncLLM) -> None:
+    """D's routes of the push flow (pdkv's, vLLM has none) on `app`."""
+
+    @app.get("/v1/kv/push_grant/{request_id}", response_model=None)
+    async def push_grant(request_id: str, timeout: float = 30.0) -> dict[str, object]:
+        """Push mode, D: the write window of decode request `request_id` (its X-Request-Id),
+        `{"push_grant": PushGrant}`, once the scheduler admitted it and allocated its blocks
+        (waits up to `timeout` seconds for that: `wait_push_grant`). 404 when this engine does
+        not receive pushes; 504 when no window opened in time (the request never arrived, or
+        still waits for blocks); 400 for a timeout outside (0, 600]."""
+        connector = _push_connector(llm)
+        try:
+            grant = await wait_push_grant(connector.push_grant, request_id, timeout)
+        except ValueError as e:
+            raise APIError(str(e), param="timeout") from None
+        if grant is None:
+            raise APIError(f"no write window opened for request {request_id!r} within "
+                           f"{timeout:g} s (not received, or waiting for free KV blocks)", 504,
+                           "GatewayTimeout")
+        return {"push_grant": msgspec.to_builtins(grant)}
+
+    @app.post("/v1/kv/push_first_token/{request_id}", response_model=None)
+    async def push_first_token(request_id: str, body: PushFirstTokenRequest) -> Response:
+        """Push mode, D, a model with a linear-state group: P's sampled token for decode request
+        `request_id` (P's answer's kv_transfer_params "first_token"); D's window completes once
+        it and every pushed layer are here, and the token is the request's first output token.
+        200 (empty); 400 for a token outside the vocabulary or a request with no window waiting
+        for a token; 404 when this engine receives no pushes; 503 / 504 when the engine is dead
+        / did not answer in time."""
+        connector = _push_connector(llm)
+        if not 0 <= body.first_token < llm.engine.vocab_size:
+            raise APIError(f"first_token {body.first_token} is outside the vocabulary",
+                           param="first_token")
+        try:
+            await llm.call_async(
+                lambda _: connector.push_first_token(request_id, body.first_token), 10.0)
+        except ValueError as e:
+            raise APIError(str(e)) from None
+        except EngineDeadError as e:
+            raise APIError(str(e), 503, "ServiceUnavailableError") from None
+        except TimeoutError:
+            raise APIError("the engine loop did not answer in time", 504,
+                           "GatewayTimeout") from None
+        return Response(status_code=200)

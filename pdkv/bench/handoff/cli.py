@@ -41,12 +41,13 @@ from pdkv.bench.handoff.procs import (
     BLOCK_TOKENS,
     Peer,
     capped_lengths,
+    link_unavailable,
     peers,
     prompt_tokens,
 )
 from pdkv.bench.netns import NetnsPair
 from pdkv.bench.results import write_result_json
-from pdkv.launch.netns import rate_bytes_per_s, unavailable_reason
+from pdkv.launch.netns import rate_bytes_per_s
 
 T = TypeVar("T")
 
@@ -118,11 +119,9 @@ def run_handoff_bench(
     if link_rate and transfers != ["tcp"]:
         raise ValueError("--link-rate caps a network link: only --transfer tcp crosses one")
     say = print if print_table else (lambda *a, **k: None)
-    if link_rate:
-        reason = unavailable_reason()
-        if reason:
-            say(f"pdkv bench handoff --link-rate {link_rate}: skipped: {reason}")
-            return {"skipped": reason}
+    reason = link_unavailable(link_rate, say)
+    if reason:
+        return {"skipped": reason}
     rows: list[Comparison] = []
     preset_rows: list[Comparison] = []  # the same measurements against the presets (reference)
     probes: dict[str, dict[str, float]] = {}

@@ -26,9 +26,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TypedDict
 
-from pdkv.bench.handoff.procs import BLOCK_TOKENS, Peer, capped_lengths, peers, prompt_tokens
+from pdkv.bench.handoff.procs import (
+    BLOCK_TOKENS,
+    Peer,
+    capped_lengths,
+    link_unavailable,
+    peers,
+    prompt_tokens,
+)
 from pdkv.bench.netns import NetnsPair
-from pdkv.launch.netns import unavailable_reason
 
 MODES = ("pull", "push")
 
@@ -139,11 +145,9 @@ def run_modes_bench(modes: Sequence[str] = MODES, prompt_lens: Sequence[int] = (
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     lens = capped_lengths(prompt_lens)
     say = print if print_table else (lambda *a, **k: None)
-    if link_rate:
-        reason = unavailable_reason()
-        if reason:
-            say(f"pdkv bench handoff --link-rate {link_rate}: skipped: {reason}")
-            return {"skipped": reason}
+    reason = link_unavailable(link_rate, say)
+    if reason:
+        return {"skipped": reason}
     rows: list[ModeRow] = []
     layers: list[list[float]] = []  # the last push request's timeline
     with tempfile.TemporaryDirectory(prefix="pdkv-modes-") as log_dir, \

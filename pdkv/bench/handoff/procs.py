@@ -13,12 +13,13 @@ import random
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO
 
 from pdkv.bench.handoff.peer import HandoffRequest
 from pdkv.bench.netns import NetnsPair
 from pdkv.jsontypes import JSONObject
+from pdkv.launch.netns import unavailable_reason
 
 MODEL_MAX_LEN = 8192  # SmolLM2's max_position_embeddings
 BLOCK_TOKENS = 16
@@ -139,3 +140,12 @@ def peers(
         p.close()
 
 
+def link_unavailable(link_rate: str | None, say: Callable[..., object]) -> str | None:
+    """With `link_rate`, why the namespace pair cannot be made here (said as a skip), else None
+    (also without a link rate: loopback needs nothing)."""
+    if not link_rate:
+        return None
+    reason = unavailable_reason()
+    if reason:
+        say(f"pdkv bench handoff --link-rate {link_rate}: skipped: {reason}")
+    return reason

@@ -313,16 +313,18 @@ class PushReceiver:
         self.results.load_succeeded(window.spec.request_id, window.nbytes,
                                     time.monotonic() - window.opened, window.writes)
 
+    def _windows_of(self, request_ids: list[str]) -> list[tuple[Grant, _Window]]:
+        """Under the lock: the open windows of these requests (any nonce)."""
+        ids = set(request_ids)
+        return [(k, w) for k, w in self._windows.items() if k[0] in ids] if ids else []
+
     def tokens(self, request_ids: list[str]) -> None:
         """Engine loop: P's first token arrived for these requests' windows (a linear-state
         model); a window whose layers had all landed completes now."""
-        if not request_ids:
-            return
-        ids = set(request_ids)
         done = []
         with self._lock:
-            for key, window in list(self._windows.items()):
-                if key[0] in ids and not window.closing:
+            for key, window in self._windows_of(request_ids):
+                if not window.closing:
                     window.token_ok = True
                     if self._complete(key, window):
                         done.append(window)
@@ -334,14 +336,9 @@ class PushReceiver:
         refuses new writes at once and its load ends (`load_abandoned`: its blocks may be freed)
         now, or when the last accepted write still receiving ends, so that no byte lands in a
         block after it was freed."""
-        if not request_ids:
-            return
-        ids = set(request_ids)
         ended = []
         with self._lock:
-            for key, window in list(self._windows.items()):
-                if key[0] not in ids:
-                    continue
+            for key, window in self._windows_of(request_ids):
                 window.closing = True
                 if not window.inflight:
                     del self._windows[key]

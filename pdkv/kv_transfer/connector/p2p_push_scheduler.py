@@ -117,15 +117,12 @@ class PushScheduler:
         P's {"do_remote_decode", "push_grant": PushGrant}.
 
         Raises:
-            ValueError: this engine is not in push mode or its layout cannot push; a grant that
-                does not parse, is for another layout, block size or prompt.
+            ValueError: this engine is not in push mode; a grant that does not parse, is for
+                another layout, block size or prompt.
         """
-        if not self.enabled:
+        if not self.enabled:  # (a push engine's layout was checked at start-up)
             raise ValueError("kv_transfer_params ask for a push but this P2PConnector has "
                              "transfer_mode 'pull' (set kv_connector_extra_config.transfer_mode)")
-        error = self.layout_error()
-        if error:
-            raise ValueError(error)
         if p.get("do_remote_prefill"):
             if not self.spec.is_kv_consumer:
                 raise ValueError("kv_transfer_params.do_remote_prefill needs a kv_consumer engine")
@@ -177,8 +174,8 @@ class PushScheduler:
             ids = tuple([] for _ in ids)
         for g, window in enumerate(self.sliding_windows):  # only the blocks D keeps
             keep = window_first_block(request.num_prompt_tokens - 1, self.block_size, window)
-            ids[g][: max(0, keep - first)] = [NULL_BLOCK_ID] * min(len(ids[g]),
-                                                                   max(0, keep - first))
+            skip = min(len(ids[g]), max(0, keep - first))
+            ids[g][:skip] = [NULL_BLOCK_ID] * skip
         host, port = self.address
         grant = PushGrant(
             engine_id=self.spec.engine_id, request_id=request.request_id,
