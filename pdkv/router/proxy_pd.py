@@ -16,7 +16,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -64,6 +64,8 @@ class PDPath:
         release_soon: tells P to release a grant's blocks in the background.
         pool_record: the pool record (--skip-prefill-on-pool-hit), or None.
         before_decode: test seam, awaited with P's kv_transfer_params between the legs.
+        pulled_pairs: (P url, D url) pairs both in push mode that are pulled anyway (their block
+            sizes differ), each logged once.
     """
 
     prefills: list[Backend]
@@ -80,6 +82,7 @@ class PDPath:
     release_soon: Callable[[JSONValue], None]
     pool_record: PoolRecord | None = None
     before_decode: BeforeDecodeHook | None = None
+    pulled_pairs: set[tuple[str, str]] = field(default_factory=set)
 
     def first_mismatch(self) -> str | None:
         """Why some (P, D) pair's KV layouts disagree, or None."""

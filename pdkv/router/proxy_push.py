@@ -11,6 +11,10 @@
    A model with a linear-state group: P's answer carries its sampled token ("first_token"),
    which the proxy gives D (`POST /v1/kv/push_first_token/{request_id}`).
 3. D resumes when every layer has landed and relays its tokens; the proxy relays D's answer.
+   A window without blocks (D's KV pool or prefix cache holds the whole prompt: a MultiConnector
+   on D loads it) needs no P: the proxy sends no prefill leg (`pd_skip_prefill`, counted in
+   pdkv:proxy_prefill_legs_skipped), and a pool hit on part of the prompt shrinks the window to
+   the blocks after it.
 
 The push flow runs when GET /kv_layout of both engines reports transfer_mode "push" with one block
 size and the request asks for one choice (n = 1); otherwise the pull flow of `pdkv.router.proxy_pd`
@@ -71,6 +75,8 @@ class PDPath(Protocol):
     def metrics(self) -> ProxyMetrics: ...
     @property
     def background(self) -> Callable[[asyncio.Future[Any]], None]: ...
+    @property
+    def pulled_pairs(self) -> set[tuple[str, str]]: ...
 
     async def prefill_leg(self, claim: Claim, path: str, body: JSONObject,
                           headers: dict[str, str], params: JSONObject | None = None
@@ -90,6 +96,11 @@ def wants_push(pd: PDPath, p_url: str, d_url: str, body: JSONObject) -> bool:
     if ip is None or idd is None or ip.transfer_mode != "push" or idd.transfer_mode != "push":
         return False
     if ip.block_size != idd.block_size:
+        if (p_url, d_url) not in pd.pulled_pairs:  # said once per pair, not per request
+            pd.pulled_pairs.add((p_url, d_url))
+            logger.warning("push needs one block size: %s (block size %d) and %s (%d) are both "
+                           "in push mode, their requests are pulled (a pull converts block "
+                           "sizes)", p_url, ip.block_size, d_url, idd.block_size)
         return False
     n = body.get("n")
     return n is None or n == 1
@@ -178,6 +189,19 @@ async def serve_push(pd: PDPath, p_decision: Decision, d_decision: Decision, pat
             logger.warning("503: request %s: %s", rid, grant)
             pd.metrics.errors.labels("decode", "no_window").inc()
             return error_response(f"decode backend {grant}", 503, "ServiceUnavailableError")
+        blocks = grant.get("block_ids")
+        if isinstance(blocks, list) and not any(blocks):
+            # D holds the whole prompt (its KV pool, its prefix cache): P has nothing to write.
+            pd.metrics.prefill_skipped.inc()
+            clock.mode = "pd_skip_prefill"
+            handed_over = True
+            try:
+                resp = await d_leg
+            except httpx.HTTPError as e:
+                return pd.sender.not_answered(d, e, None, headers, clock, "decode", claim,
+                                              started)
+            return await pd.sender.answer(d, resp, None, headers, stream, clock, "decode",
+                                          claim, started)
         clock.p_sent = time.monotonic()
         leg = asyncio.ensure_future(pd.prefill_leg(
             pd.router.claim("prefill", p_decision), path, body, headers,

@@ -39,9 +39,17 @@ MAX_WAIT_S = 600.0
 
 def transfer_mode(kv_connector: str, extra: object) -> str:
     """"push" when the connector config is a P2PConnector with kv_connector_extra_config
-    transfer_mode "push", else "pull" (also for other connectors: they do not push)."""
+    transfer_mode "push", or a MultiConnector with such a child (P/D with a KV pool); else
+    "pull" (also for other connectors: they do not push)."""
     if kv_connector == "P2PConnector" and isinstance(extra, dict):
         return "push" if extra.get("transfer_mode") == "push" else "pull"
+    if kv_connector == "MultiConnector" and isinstance(extra, dict):
+        children = extra.get("connectors")
+        if isinstance(children, list) and any(
+                isinstance(c, dict) and transfer_mode(str(c.get("kv_connector", "")),
+                                                      c.get("kv_connector_extra_config")) == "push"
+                for c in children):
+            return "push"
     return "pull"
 
 
@@ -82,14 +90,17 @@ async def wait_push_grant(lookup: Callable[[str], PushGrant | None], request_id:
 
 def _push_connector(llm: AsyncLLM) -> Any:
     """The scheduler half that receives pushes on this engine (a kv_consumer / kv_both
-    P2PConnector with transfer_mode "push").
+    P2PConnector with transfer_mode "push", alone or as a MultiConnector's child).
 
     Raises:
         APIError: 404 when this engine receives no pushes.
     """
     kvt = llm.engine.config.kv_transfer_config
     connector = llm.engine.scheduler.connector
-    if (kvt is None or not hasattr(connector, "push_grant")
+    # Under a MultiConnector (P/D with a KV pool) the P2P child owns the windows.
+    connector = next((c for c in getattr(connector, "children", [connector])
+                      if hasattr(c, "push_grant")), None)
+    if (kvt is None or connector is None
             or kvt.kv_role not in ("kv_consumer", "kv_both")
             or transfer_mode(kvt.kv_connector, kvt.kv_connector_extra_config) != "push"):
         raise APIError("this engine receives no pushes (a kv_consumer P2PConnector with "

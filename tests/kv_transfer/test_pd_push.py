@@ -59,13 +59,19 @@ def open_windows(d: LLM, prompts: list[list[int]]) -> list[str]:
             "do_remote_prefill": True, "transfer_mode": "push"})
         eng.add_request(req, text)
         ids.append(req.request_id)
-    conn = eng.scheduler.connector
+    conn = push_half(d)
     pump([d], lambda: all(conn.push_grant(r) is not None for r in ids), timeout=60)
     return ids
 
 
+def push_half(llm: LLM) -> Any:
+    """The P2P connector's scheduler half (a MultiConnector's P2P child, P/D with a pool)."""
+    conn = llm.llm_engine.scheduler.connector
+    return next(c for c in getattr(conn, "children", [conn]) if hasattr(c, "push_grant"))
+
+
 def grant_of(d: LLM, rid: str) -> PushGrant:
-    grant = d.llm_engine.scheduler.connector.push_grant(rid)
+    grant = push_half(d).push_grant(rid)
     assert grant is not None
     return grant
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
 import threading
@@ -224,14 +225,21 @@ def test_n_above_one_takes_the_pull_flow(pair):
 
 
 @pytest.mark.parametrize("d", [dict(d_mode="pull"), dict(d_block_size=32)])
-def test_a_pull_decode_engine_or_another_block_size_takes_the_pull_flow(d):
+def test_a_pull_decode_engine_or_another_block_size_takes_the_pull_flow(d, caplog):
     pair = PushPair(**d)
     proxy = ServerThread(build_proxy_app([pair.p.url], [pair.d.url]))
     try:
-        r = httpx.post(proxy.url + "/v1/completions", timeout=60,
-                       json={"model": "smollm2", "prompt": "x", "max_tokens": 4})
-        assert r.status_code == 200 and "push_grant" not in pair.p_params[0]
-        assert pair.events == ["prefill", "decode"]
+        with caplog.at_level(logging.WARNING, logger="pdkv.router.proxy_push"):
+            for _ in range(2):
+                r = httpx.post(proxy.url + "/v1/completions", timeout=60,
+                               json={"model": "smollm2", "prompt": "x", "max_tokens": 4})
+                assert r.status_code == 200 and "push_grant" not in pair.p_params[-1]
+        assert pair.events == ["prefill", "decode"] * 2
+        said = [r.getMessage() for r in caplog.records if "one block size" in r.getMessage()]
+        if "d_block_size" in d:  # the pair is named once, with both block sizes
+            assert len(said) == 1 and "(block size 16)" in said[0] and "(32)" in said[0]
+        else:
+            assert said == []
     finally:
         proxy.stop()
         pair.stop()

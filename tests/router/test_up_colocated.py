@@ -143,9 +143,28 @@ def test_pd_transfer_mode_push_reaches_both_engines_connector_config():
     assert all('"transfer_mode"' not in " ".join(c.cmd) for c in pull.children)
 
 
+def test_pd_push_with_a_pool_puts_the_push_child_in_each_multiconnector():
+    args = _args("--mode", "pd", "--transfer-mode", "push", "--pool", "disk")
+    launcher.check_args(args)
+    from pdkv.router.pool_topology import pool_kv_transfer_config, pool_tier_spec
+
+    topo = launcher.build_topology(args, pool_kv_transfer_config(pool_tier_spec("disk", None)))
+    orders = {}
+    for child in topo.children:
+        if "--kv-transfer-config" in child.cmd:
+            cfg = json.loads(child.cmd[child.cmd.index("--kv-transfer-config") + 1])
+            assert cfg["kv_connector"] == "MultiConnector"
+            kids = cfg["kv_connector_extra_config"]["connectors"]
+            orders[cfg["kv_role"]] = [
+                (k["kv_connector"], k["kv_connector_extra_config"].get("transfer_mode"))
+                for k in kids]
+    # P answers with the P2P child's params (first child wins); D loads from the pool first.
+    assert orders == {"kv_producer": [("P2PConnector", "push"), ("KVPoolConnector", None)],
+                      "kv_consumer": [("KVPoolConnector", None), ("P2PConnector", "push")]}
+
+
 @pytest.mark.parametrize("argv, match", [
     (("--mode", "colocated", "--transfer-mode", "push"), "is for --mode pd"),
-    (("--mode", "pd", "--transfer-mode", "push", "--pool", "disk"), "without --pool"),
     (("--mode", "pd", "--transfer-mode", "push", "--kv-transfer", "shm"), "--kv-transfer tcp"),
 ])
 def test_push_refuses_what_it_does_not_take(argv, match):

@@ -44,6 +44,7 @@ from pdkv.kv_transfer.connector.startup import ConnectorStartup
 if TYPE_CHECKING:
     import torch
 
+    from pdkv.cache.kv_cache_manager import KVCacheManager
     from pdkv.cache.specs import KVCacheConfig
     from pdkv.kvpool.events import PoolEventQueue
     from pdkv.request import Request
@@ -119,6 +120,10 @@ class MultiConnector(KVConnectorBase):
         self._ready_send: set[str] = set()
 
     # ================================================================ scheduler
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        for c in self.children:
+            c.bind_kv_cache_manager(kv_cache_manager)
+
     def validate_request(self, request: Request) -> None:
         for c in self.children:
             c.validate_request(request)

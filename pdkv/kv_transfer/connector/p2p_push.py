@@ -226,7 +226,7 @@ class PushReceiver:
         for spec in specs:
             window = _Window(spec, now + spec.lease_s)
             if not any(spec.block_ids):
-                self.results.load_succeeded(spec.request_id, 0, 0.0)
+                self.results.load_empty(spec.request_id)
                 continue
             with self._lock:
                 self._windows[(spec.request_id, spec.nonce)] = window

@@ -149,6 +149,8 @@ class PushScheduler:
                                                         request.cache_salt)):
             raise ValueError("push_grant.prompt_digest does not match this request's prompt and "
                              "cache_salt: the window belongs to another prompt")
+        if not any(grant.block_ids):
+            return  # D holds the whole prompt already (e.g. a KV pool hit): nothing to push
         need = -(-request.num_prompt_tokens // self.block_size) - grant.first_block
         want = [1 if linear else need for linear in self.linear_groups]
         if [len(g) for g in grant.block_ids] != want:
@@ -244,7 +246,7 @@ class PushScheduler:
     # ------------------------------------------------------------- producer
     def start_pushing(self, request: Request) -> None:
         """A producer request with a (validated) push_grant: push its prompt blocks as they
-        complete."""
+        complete (a grant without blocks: none; the answer still says push)."""
         grant = msgspec.convert((request.kv_transfer_params or {})["push_grant"], PushGrant)
         self._pushing[request.request_id] = (grant, [grant.first_block])
 

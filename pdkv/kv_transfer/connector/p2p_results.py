@@ -69,6 +69,13 @@ class WorkerResults:
             self.recved.add(rid)
         self.wake()
 
+    def load_empty(self, rid: str) -> None:
+        """A load with nothing to move ended (a push window without blocks: D's KV pool or
+        prefix cache held the whole prompt): reported done; no transfer, no bytes counted."""
+        with self.lock:
+            self.recved.add(rid)
+        self.wake()
+
     def load_abandoned(self, rid: str) -> None:
         """A load that nobody waits for any more (its request was aborted) ended; its blocks may
         be freed. Neither a transfer nor a failure: nothing is counted."""
