@@ -43,6 +43,10 @@ class FakeChild(KVConnectorBase):
         self.recving: set[str] = set()
         self.errors: dict[str, str] = {}
         self.bad: set[tuple[int, int]] = set()
+        self.bound: Any = None
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self.bound = kv_cache_manager
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -125,6 +129,12 @@ def request(rid: str, n: int, max_tokens: int = 1) -> Request:
 
 def free(sched: Scheduler) -> int:
     return sched.kv_cache_manager.num_free_blocks
+
+
+def test_every_child_gets_the_schedulers_block_manager(monkeypatch):
+    """(An offload child installs its eviction hook there, a push child reads block tables.)"""
+    sched, sched_half, _ = make(monkeypatch)
+    assert [c.bound for c in sched_half.children] == [sched.kv_cache_manager] * 2
 
 
 def test_child_specs_inherit_role_and_engine_id_and_reject_bad_specs():
