@@ -175,10 +175,9 @@ def check_args(args: argparse.Namespace) -> None:
     if getattr(args, "transfer_mode", "pull") == "push":
         if args.mode != "pd":
             raise ValueError("--transfer-mode push is for --mode pd")
-        if args.pool is not None or args.kv_transfer != "tcp":
-            raise ValueError("--transfer-mode push runs over --kv-transfer tcp without --pool "
-                             "(the pool and shm / mooncake do not take pushes yet): use "
-                             "--transfer-mode pull for those")
+        if args.pool is not None:
+            raise ValueError("--transfer-mode push runs without --pool (a pool does not take "
+                             "pushes yet): use --transfer-mode pull with --pool")
     own = any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=")
               for a in getattr(args, "engine_args", []) or [])
     if own and (args.mode == "pd" or args.pool is not None):
@@ -220,7 +219,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="pull",
         help="pd: how KV moves from P to D (kv_connector_extra_config.transfer_mode): pull (D "
         "reads P's blocks after P's prefill) or push (D first reserves the blocks; P writes each "
-        "layer into them as it computes; tcp, tp 1, no --pool; docs/PUSH.md)",
+        "layer into them as it computes; tcp, shm or mooncake, tp 1, no --pool; docs/PUSH.md)",
     )
     parser.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="fail",
                         help="what a decode engine does when a KV pull fails")

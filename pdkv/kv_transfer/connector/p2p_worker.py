@@ -109,8 +109,9 @@ class P2PConnectorWorker:
 
     # ---------------------------------------------------------------- memory
     def kv_cache_buffer(self, group: int, nbytes: int) -> memoryview | None:
-        """Memory for group `group`'s KV cache when the transfer engine needs its own (shm)."""
-        if self.transfer_name == "shm" and self.spec.is_kv_producer:
+        """Memory for group `group`'s KV cache when the transfer engine needs its own (shm: a
+        producer's, read by consumers; a push-mode consumer's, written by producers)."""
+        if self.transfer_name == "shm" and (self.spec.is_kv_producer or self.receives_pushes):
             from pdkv.kv_transfer.engine.shm import ShmTransferEngine
 
             assert isinstance(self.engine, ShmTransferEngine)
