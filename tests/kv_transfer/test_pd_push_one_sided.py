@@ -162,3 +162,11 @@ def test_p_dying_between_reserve_and_commit_leaves_the_window_to_its_lease(tiny_
         pump([p, d], lambda: idle(p, d), timeout=30)
     finally:
         shutdown(p, d)
+
+
+@pytest.mark.parametrize("transfer", ["tcp", "shm", "mooncake"])
+def test_kv_layout_reports_push_over_every_engine_that_writes(transfer):
+    """GET /kv_layout's transfer_mode (what the proxy reads to run the push flow)."""
+    from pdkv.serve.kv_push import transfer_mode
+
+    assert transfer_mode("P2PConnector", {"transfer": transfer, "transfer_mode": "push"}) == "push"
