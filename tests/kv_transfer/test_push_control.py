@@ -197,8 +197,8 @@ def test_one_sided_engine_writes_only_what_d_accepted(kind):
         d.register_local("g0", region)  # (a consumer registers it as local too: no overlap)
         d.set_write_handler(handler.authorize, handler.on_written)
         d.start("127.0.0.1")
-        info = d.peer_info()
-        peer = {"host": info["host"], "port": info["port"]}
+        host, port = d.write_address()
+        peer = {"host": host, "port": port}
         src = memoryview(bytearray(bytes(range(64))))
         if kind == "mooncake":
             p.register_region("g0", src)  # mooncake writes from registered memory

@@ -149,8 +149,11 @@ class P2PConnectorWorker:
         if self.spec.is_kv_producer or self.receives_pushes:
             self.engine.start(self.host, self.advertise_host)
         if self.receives_pushes:
-            info = self.engine.peer_info()
-            self.push_address[:] = [str(info["host"]), int(info["port"])]
+            address = self.engine.write_address()
+            if address is None:
+                raise ValueError(f"the {self.transfer_name} transfer engine serves no writes: "
+                                 "use transfer_mode 'pull'")
+            self.push_address[:] = [address[0], address[1]]
 
     @property
     def receives_pushes(self) -> bool:

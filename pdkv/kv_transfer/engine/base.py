@@ -150,6 +150,12 @@ class TransferEngine(ABC):
         when the producer committed it, or not landed when its reservation broke or timed out).
         Engines that cannot serve writes ignore it (every push to them fails)."""
 
+    def write_address(self) -> tuple[str, int] | None:
+        """Push mode, consumer side, after `start` with a write handler set: the (host, port)
+        producers send their writes to (tcp: the data server; shm, mooncake: the push control
+        server that reserves them), put into grants; None when this engine serves no writes."""
+        return None
+
     def write(
         self, peer: dict[str, Any], ops: list[WriteOp], deadline: float, grant: Grant | None = None
     ) -> int:

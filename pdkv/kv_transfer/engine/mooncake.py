@@ -112,13 +112,14 @@ class MooncakeTransferEngine(TransferEngine):
         self._control.start(host, self._port)
 
     def peer_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {
+        return {
             "session": f"{self._host}:{self._te.get_rpc_port()}",
             "regions": {k: list(v) for k, v in self._regions.items() if not k.startswith("local:")},
         }
-        if self._control is not None:  # push mode, consumer: where reservations go
-            info.update(host=self._host, port=self._control.port)
-        return info
+
+    def write_address(self) -> tuple[str, int] | None:
+        """Push mode, consumer side: the push control server (where reservations go)."""
+        return None if self._control is None else (self._host, self._control.port)
 
     def write(
         self, peer: dict[str, Any], ops: list[WriteOp], deadline: float, grant: Grant | None = None

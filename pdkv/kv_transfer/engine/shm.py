@@ -95,10 +95,11 @@ class ShmTransferEngine(TransferEngine):
         self._control.start(host, self._port)
 
     def peer_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = {"segments": dict(self._names)}
-        if self._control is not None:  # push mode, consumer: where reservations go
-            info.update(host=self._host, port=self._control.port)
-        return info
+        return {"segments": dict(self._names)}
+
+    def write_address(self) -> tuple[str, int] | None:
+        """Push mode, consumer side: the push control server (where reservations go)."""
+        return None if self._control is None else (self._host, self._control.port)
 
     def _segment(self, seg_name: str) -> shared_memory.SharedMemory:
         """The peer's segment `seg_name`, mapped once."""

@@ -112,6 +112,11 @@ class TcpTransferEngine(TransferEngine):
     def peer_info(self) -> dict[str, Any]:
         return {"host": self._host, "port": self._port}
 
+    def write_address(self) -> tuple[str, int] | None:
+        if self._server is None or self._write_authorizer is None:
+            return None
+        return self._host, self._port
+
     # ---------------------------------------------------------------- server
     def _refusal(self, req: _ReadRequest) -> str | None:
         region = self._regions.get(req.region)
