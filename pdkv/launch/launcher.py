@@ -172,12 +172,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.pool == "dram" and args.num_instances > 1:
         raise ValueError("a dram pool lives inside one engine process and cannot be shared by "
                          f"{args.num_instances} instances: use --pool disk, redis or mooncake")
-    if getattr(args, "transfer_mode", "pull") == "push":
-        if args.mode != "pd":
-            raise ValueError("--transfer-mode push is for --mode pd")
-        if args.kv_transfer != "tcp":
-            raise ValueError("--transfer-mode push runs over --kv-transfer tcp (shm / mooncake "
-                             "do not take pushes yet): use --transfer-mode pull for those")
+    if getattr(args, "transfer_mode", "pull") == "push" and args.mode != "pd":
+        raise ValueError("--transfer-mode push is for --mode pd")
     own = any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=")
               for a in getattr(args, "engine_args", []) or [])
     if own and (args.mode == "pd" or args.pool is not None):
@@ -219,8 +215,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="pull",
         help="pd: how KV moves from P to D (kv_connector_extra_config.transfer_mode): pull (D "
         "reads P's blocks after P's prefill) or push (D first reserves the blocks; P writes each "
-        "layer into them as it computes; tcp, tp 1; with --pool a pool hit on D shrinks what P "
-        "writes; docs/PUSH.md)",
+        "layer into them as it computes; tcp, shm or mooncake, tp 1; with --pool a pool hit on "
+        "D shrinks what P writes; docs/PUSH.md)",
     )
     parser.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="fail",
                         help="what a decode engine does when a KV pull fails")

@@ -25,8 +25,13 @@ def test_bad_values_are_named(key: str, value: object) -> None:
         P2PConfig.from_extra({key: value})
 
 
-@pytest.mark.parametrize("transfer", ["shm", "mooncake"])
-def test_push_names_the_transfer_engines_it_writes_over(transfer: str) -> None:
-    with pytest.raises(ValueError, match="tcp transfer engine only"):
-        P2PConfig.from_extra({"transfer": transfer, "transfer_mode": "push"})
+@pytest.mark.parametrize("transfer", ["tcp", "shm", "mooncake"])
+def test_push_is_taken_over_the_transfer_engines_that_write(transfer: str) -> None:
+    cfg = P2PConfig.from_extra({"transfer": transfer, "transfer_mode": "push"})
+    assert (cfg.transfer, cfg.transfer_mode) == (transfer, "push")
     assert P2PConfig.from_extra({"transfer": transfer}).transfer_mode == "pull"
+
+
+def test_push_over_an_engine_that_cannot_write_names_those_that_can() -> None:
+    with pytest.raises(ValueError, match="tcp, shm, mooncake transfer engines only"):
+        P2PConfig.from_extra({"transfer": "nccl", "transfer_mode": "push"})

@@ -135,7 +135,7 @@ def test_a_kept_connection_the_producer_dropped_is_replaced_not_a_failed_read():
                 p.peer_info(), [ReadOp("g0", 10, 64, memoryview(dest))], time.monotonic() + 10
             )
             assert n == 64 and bytes(dest) == data[10:74]
-            (kept,) = d._conns.values()
+            (kept,) = d._conns._conns.values()
             assert _closed_by_peer(kept)  # P dropped it after its idle timeout
     finally:
         d.close()

@@ -36,17 +36,20 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPT_LENS = (30, 150)
 
 
-def config(role: str, mode: str, timeout: float = 20.0) -> str:
+def config(role: str, mode: str, timeout: float = 20.0, transfer: str = "tcp",
+           policy: str = "fail") -> str:
     return json.dumps({
-        "kv_connector": "P2PConnector", "kv_role": role, "kv_load_failure_policy": "fail",
-        "kv_connector_extra_config": {"transfer": "tcp", "transfer_mode": mode,
+        "kv_connector": "P2PConnector", "kv_role": role, "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {"transfer": transfer, "transfer_mode": mode,
                                       "transfer_timeout": timeout},
     })
 
 
-def engines(path: str, mode: str, d_timeout: float = 20.0, **kw: Any) -> tuple[LLM, LLM]:
-    p = LLM(path, **kw, kv_transfer_config=config("kv_producer", mode))
-    d = LLM(path, **kw, kv_transfer_config=config("kv_consumer", mode, d_timeout))
+def engines(path: str, mode: str, d_timeout: float = 20.0, transfer: str = "tcp",
+            policy: str = "fail", **kw: Any) -> tuple[LLM, LLM]:
+    p = LLM(path, **kw, kv_transfer_config=config("kv_producer", mode, transfer=transfer))
+    d = LLM(path, **kw, kv_transfer_config=config("kv_consumer", mode, d_timeout, transfer,
+                                                  policy))
     return p, d
 
 
@@ -125,52 +128,7 @@ def layer_block_bytes(llm: LLM) -> int:
 def run_push_vs_pull_vs_colocated(path: str, prompts: list[list[int]], **kw: Any) -> None:
     p, d = engines(path, "push", **kw)
     try:
-        refs = [list(o.outputs[0].token_ids)
-                for o in p.generate([{"prompt_token_ids": x} for x in prompts], GREEDY)]
-        assert p.reset_prefix_cache()
-        stats = d.llm_engine.scheduler.kv_stats
-        before = stats.get("kv_bytes_received", 0.0)
-        ids = open_windows(d, prompts)
-        grants = [grant_of(d, r) for r in ids]
-        linear = any(g.spec.kind == "linear_state"
-                     for g in d.llm_engine.runner.kv_cache_config.groups)
-        for rid, prompt, grant in zip(ids, prompts, grants):
-            out = push_prefill(p, prompt, grant)
-            assert out.kv_transfer_params is not None
-            assert out.kv_transfer_params["transfer_mode"] == "push"
-            assert ("first_token" in out.kv_transfer_params) == linear
-            if linear:  # D resumes after P's token (what the proxy hands over)
-                assert out.kv_transfer_params["first_token"] == out.outputs[0].token_ids[0]
-                d.llm_engine.scheduler.connector.push_first_token(
-                    rid, out.kv_transfer_params["first_token"])
-        pushed = finish(d, ids)
-        assert pushed == refs
-        cfg = d.llm_engine.runner.kv_cache_config
-        windows = [getattr(g.spec, "sliding_window", None) for g in cfg.groups]
-        expect_blocks, expect_bytes, writes = 0, 0, 0
-        for n, grant in zip(map(len, prompts), grants):
-            for gi, (ids_g, window) in enumerate(zip(grant.block_ids, windows)):
-                if cfg.groups[gi].spec.kind == "linear_state":  # one state slot
-                    assert len(ids_g) == 1
-                    expect_bytes += cfg.block_bytes(gi)
-                    writes += len(cfg.groups[gi].layer_indices)
-                    continue
-                keep = window_first_block(n - 1, BS, window)  # what D keeps of a window group
-                assert ids_g[:keep] == [0] * min(keep, len(ids_g))  # null: nothing to push
-                real = len(ids_g) - min(keep, len(ids_g))
-                assert real == -(-n // BS) - keep
-                assert window is None or 0 not in ids_g[keep:]
-                expect_blocks += real
-                expect_bytes += real * cfg.block_bytes(gi)
-                writes += real * len(cfg.groups[gi].layer_indices)
-        assert expect_blocks > 0
-        assert stats["kv_bytes_received"] - before == expect_bytes
-        p_stats = p.llm_engine.scheduler.kv_stats
-        assert p_stats.get("kv_bytes_pushed") == expect_bytes
-        assert p_stats.get("kv_push_writes") == writes  # one per (layer, block)
-        assert not p_stats.get("kv_push_failures")
-        pump([p, d], lambda: idle(p, d), timeout=30)  # P held nothing; D freed its windows
-        assert stats.get("kv_push_refused", 0.0) == 0
+        pushed = check_push_matches_colocated(p, d, prompts)
     finally:
         shutdown(p, d)
     p, d = engines(path, "pull", **kw)
@@ -182,6 +140,60 @@ def run_push_vs_pull_vs_colocated(path: str, prompts: list[list[int]], **kw: Any
         assert [list(o.outputs[0].token_ids) for o in outs] == pushed
     finally:
         shutdown(p, d)
+
+
+def check_push_matches_colocated(p: LLM, d: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    """P (push mode) generates the colocated reference, then pushes each prompt into D's window;
+    D's greedy tokens equal the reference, D counted layers x granted blocks x per-layer block
+    bytes received (P as many pushed, one write per (block, layer)), nothing was refused, and
+    both engines end with every block free. Returns D's tokens per prompt."""
+    refs = [list(o.outputs[0].token_ids)
+            for o in p.generate([{"prompt_token_ids": x} for x in prompts], GREEDY)]
+    assert p.reset_prefix_cache()
+    stats, p_stats = d.llm_engine.scheduler.kv_stats, p.llm_engine.scheduler.kv_stats
+    keys = ("kv_bytes_received", "kv_push_refused", "kv_bytes_pushed", "kv_push_writes",
+            "kv_push_failures")
+    before = {k: stats.get(k, 0.0) + p_stats.get(k, 0.0) for k in keys}  # (counted by one side)
+    ids = open_windows(d, prompts)
+    grants = [grant_of(d, r) for r in ids]
+    linear = any(g.spec.kind == "linear_state"
+                 for g in d.llm_engine.runner.kv_cache_config.groups)
+    for rid, prompt, grant in zip(ids, prompts, grants):
+        out = push_prefill(p, prompt, grant)
+        assert out.kv_transfer_params is not None
+        assert out.kv_transfer_params["transfer_mode"] == "push"
+        assert ("first_token" in out.kv_transfer_params) == linear
+        if linear:  # D resumes after P's token (what the proxy hands over)
+            assert out.kv_transfer_params["first_token"] == out.outputs[0].token_ids[0]
+            d.llm_engine.scheduler.connector.push_first_token(
+                rid, out.kv_transfer_params["first_token"])
+    pushed = finish(d, ids)
+    assert pushed == refs
+    cfg = d.llm_engine.runner.kv_cache_config
+    windows = [getattr(g.spec, "sliding_window", None) for g in cfg.groups]
+    expect_blocks, expect_bytes, writes = 0, 0, 0
+    for n, grant in zip(map(len, prompts), grants):
+        for gi, (ids_g, window) in enumerate(zip(grant.block_ids, windows)):
+            if cfg.groups[gi].spec.kind == "linear_state":  # one state slot
+                assert len(ids_g) == 1
+                expect_bytes += cfg.block_bytes(gi)
+                writes += len(cfg.groups[gi].layer_indices)
+                continue
+            keep = window_first_block(n - 1, BS, window)  # what D keeps of a window group
+            assert ids_g[:keep] == [0] * min(keep, len(ids_g))  # null: nothing to push
+            real = len(ids_g) - min(keep, len(ids_g))
+            assert real == -(-n // BS) - keep
+            assert window is None or 0 not in ids_g[keep:]
+            expect_blocks += real
+            expect_bytes += real * cfg.block_bytes(gi)
+            writes += real * len(cfg.groups[gi].layer_indices)
+    assert expect_blocks > 0
+    pump([p, d], lambda: idle(p, d), timeout=30)  # P held nothing; D freed its windows
+    got = {k: stats.get(k, 0.0) + p_stats.get(k, 0.0) - before[k] for k in keys}
+    assert got == {"kv_bytes_received": expect_bytes, "kv_bytes_pushed": expect_bytes,
+                   "kv_push_writes": writes,  # one per (layer, block)
+                   "kv_push_refused": 0, "kv_push_failures": 0}
+    return pushed
 
 
 def prompts_for(lens: tuple[int, ...]) -> list[list[int]]:

@@ -10,6 +10,9 @@ _INTS = ("kv_port", "transfer_port", "kv_pulls_per_peer", "kv_pull_threads",
 _FLOATS = ("kv_lease_duration", "transfer_timeout", "kv_server_idle_timeout")
 _STRS = ("transfer", "kv_host", "kv_advertise_host", "mooncake_protocol", "transfer_mode")
 TRANSFER_MODES = ("pull", "push")
+PUSH_TRANSFERS = ("tcp", "shm", "mooncake")
+"""Transfer engines that write (push mode): tcp two-sided, shm and mooncake one-sided with a
+reservation first (pdkv/kv_transfer/engine/push_control.py)."""
 
 
 @dataclass(frozen=True)
@@ -93,10 +96,11 @@ class P2PConfig:
                 f"P2PConnector transfer_mode must be one of {list(TRANSFER_MODES)}, got {mode!r}"
             )
         d = P2PConfig()  # the defaults
-        if mode == "push" and strs.get("transfer", d.transfer) != "tcp":
+        if mode == "push" and strs.get("transfer", d.transfer) not in PUSH_TRANSFERS:
             raise ValueError(
-                f"P2PConnector transfer_mode 'push' writes over the tcp transfer engine only "
-                f"(transfer {strs.get('transfer')!r}): use transfer 'tcp' or transfer_mode 'pull'"
+                f"P2PConnector transfer_mode 'push' writes over the {', '.join(PUSH_TRANSFERS)} "
+                f"transfer engines only (transfer {strs.get('transfer')!r}): use one of them or "
+                "transfer_mode 'pull'"
             )
         return P2PConfig(
             transfer=strs.get("transfer", d.transfer),

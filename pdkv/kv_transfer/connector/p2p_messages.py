@@ -103,7 +103,8 @@ class PushGrant(msgspec.Struct, frozen=True):
         first_block: index of the first prompt block D lacks (its local prefix hits precede).
         prompt_digest: sha256 of D's prompt and cache_salt (`prompt_digest`); P refuses a grant
             whose digest is not its own prompt's.
-        host, port: D's data server (tcp transfer engine) receiving the writes.
+        host, port: D's data server receiving the writes (tcp transfer engine), or D's push
+            control server reserving them (shm, mooncake: engine/push_control.py).
         lease_s: seconds D keeps the window open from when it opened it.
         num_tokens: the prompt's token count.
         block_size: tokens per block on D (P's must be equal in step 1).

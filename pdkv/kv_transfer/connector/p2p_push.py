@@ -12,7 +12,8 @@ them over the transfer engine (`TransferEngine.write`) while the next layers com
 reused after it).
 
 D side (`PushReceiver`): a window per granted request, keyed by (request id, nonce), opened by the
-scheduler half's `WindowSpec`. The data server asks `authorize` before accepting a write: the
+scheduler half's `WindowSpec`. The data server (tcp; shm and mooncake: the push control server,
+before P's one-sided write) asks `authorize` before accepting a write: the
 grant must name an open window, and every range must be whole (block, layer) units of the
 window's blocks not written before; anything else is refused (no byte written) and counted
 (`kv_push_refused`). When every unit of every granted block has landed, the request's load
@@ -71,7 +72,8 @@ class PushSender:
     """P's layer-wise sender.
 
     Args:
-        engine: the transfer engine writes go through (tcp).
+        engine: the transfer engine writes go through (tcp; shm and mooncake reserve each
+            write with D first: engine/push_control.py).
         results: where counters go (`kv_bytes_pushed`, `kv_push_writes`, `kv_push_failures`).
         regions: this engine's KV cache bytes per group (filled at register_kv_caches).
         block_bytes: bytes per block of each group (filled at register_kv_caches).

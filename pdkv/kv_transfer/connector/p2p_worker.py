@@ -109,8 +109,9 @@ class P2PConnectorWorker:
 
     # ---------------------------------------------------------------- memory
     def kv_cache_buffer(self, group: int, nbytes: int) -> memoryview | None:
-        """Memory for group `group`'s KV cache when the transfer engine needs its own (shm)."""
-        if self.transfer_name == "shm" and self.spec.is_kv_producer:
+        """Memory for group `group`'s KV cache when the transfer engine needs its own (shm: a
+        producer's, read by consumers; a push-mode consumer's, written by producers)."""
+        if self.transfer_name == "shm" and (self.spec.is_kv_producer or self.receives_pushes):
             from pdkv.kv_transfer.engine.shm import ShmTransferEngine
 
             assert isinstance(self.engine, ShmTransferEngine)
@@ -148,8 +149,11 @@ class P2PConnectorWorker:
         if self.spec.is_kv_producer or self.receives_pushes:
             self.engine.start(self.host, self.advertise_host)
         if self.receives_pushes:
-            info = self.engine.peer_info()
-            self.push_address[:] = [str(info["host"]), int(info["port"])]
+            address = self.engine.write_address()
+            if address is None:
+                raise ValueError(f"the {self.transfer_name} transfer engine serves no writes: "
+                                 "use transfer_mode 'pull'")
+            self.push_address[:] = [address[0], address[1]]
 
     @property
     def receives_pushes(self) -> bool:

@@ -28,8 +28,9 @@ class ConnectorStartup:
         control_address: P2P: the producer's control server [host, port], filled in place by
             the worker half when its server is bound (port 0 until then); None until a P2P
             connector is built.
-        push_address: P2P push mode, consumer: its data server [host, port] (where producers
-            write), filled in place by the worker half; the scheduler half puts it into grants.
+        push_address: P2P push mode, consumer: [host, port] where producers write (tcp: its
+            data server; shm, mooncake: its push control server; `TransferEngine.write_address`),
+            filled in place by the worker half; the scheduler half puts it into grants.
         control_endpoints: P2P, multi-process engine: every rank's [host, port] (rank order),
             set by the executor; None otherwise.
         pool_store: KVPoolConnector: the pool's store, created by the half built first.

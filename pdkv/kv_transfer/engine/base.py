@@ -4,6 +4,11 @@ The producer registers memory regions (its KV cache tensors) and serves reads; t
 submits a batch of reads (region, offset, length -> local buffer) with a deadline. Engines are
 chosen by name (`tcp`, `shm`, `mooncake`); the control plane (handshake, notifications, leases)
 is the connector's and is the same for every engine.
+
+Push mode runs the other way: the consumer serves writes (`set_write_handler`) and the producer
+writes (`write`). tcp carries the bytes on its own stream, asked of the handler first; the
+one-sided engines (shm, mooncake) reserve every write with the consumer's handler before
+writing and commit it after (push_control.py).
 """
 
 from __future__ import annotations
@@ -141,8 +146,15 @@ class TransferEngine(ABC):
         """Push mode, consumer side, before `start`: accept writes into registered regions,
         each only when `authorize(grant, region, ranges)` returns None (else it is refused with
         that reason, no byte written); `on_written` is called (server thread) once for every
-        accepted write when it ended, saying whether all its bytes landed. Engines that cannot
-        serve writes ignore it (every push to them fails)."""
+        accepted write when it ended, saying whether all its bytes landed (one-sided engines:
+        when the producer committed it, or not landed when its reservation broke or timed out).
+        Engines that cannot serve writes ignore it (every push to them fails)."""
+
+    def write_address(self) -> tuple[str, int] | None:
+        """Push mode, consumer side, after `start` with a write handler set: the (host, port)
+        producers send their writes to (tcp: the data server; shm, mooncake: the push control
+        server that reserves them), put into grants; None when this engine serves no writes."""
+        return None
 
     def write(
         self, peer: dict[str, Any], ops: list[WriteOp], deadline: float, grant: Grant | None = None

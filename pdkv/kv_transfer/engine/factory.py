@@ -12,7 +12,8 @@ def create_transfer_engine(name: str, *, port: int = 0, max_connections: int = 6
                            mooncake_protocol: str = "tcp") -> TransferEngine:
     """Build the engine called `name`: tcp (data server on `port`, 0 = any free port, at most
     `max_connections` connections, each closed after `idle_timeout` s idle), shm, or mooncake
-    (on `host` with `mooncake_protocol`).
+    (on `host` with `mooncake_protocol`); shm and mooncake serve push reservations (consumer
+    side, push mode) on `port` with the same bounds.
 
     Raises:
         ValueError: unknown name, or an optional engine whose package is missing.
@@ -25,9 +26,11 @@ def create_transfer_engine(name: str, *, port: int = 0, max_connections: int = 6
     if name == "shm":
         from pdkv.kv_transfer.engine.shm import ShmTransferEngine
 
-        return ShmTransferEngine()
+        return ShmTransferEngine(port=port, max_connections=max_connections,
+                                 idle_timeout=idle_timeout)
     if name == "mooncake":
         from pdkv.kv_transfer.engine.mooncake import MooncakeTransferEngine
 
-        return MooncakeTransferEngine(host, mooncake_protocol)
+        return MooncakeTransferEngine(host, mooncake_protocol, port=port,
+                                      max_connections=max_connections, idle_timeout=idle_timeout)
     raise ValueError(f"unknown transfer engine {name!r}; known: {TRANSFER_ENGINES}")

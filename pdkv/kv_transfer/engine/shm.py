@@ -1,7 +1,12 @@
 """`shm` transfer engine (same host): the producer's KV cache lives in named shared memory and the
 consumer copies blocks straight out of it (one memcpy per run of bytes). Reads are one-sided: any
 process of the same user that learns a segment name can map all of the producer's KV cache, so
-this engine is for a single trusted host (grants are checked on the control plane only)."""
+this engine is for a single trusted host (grants are checked on the control plane only).
+
+Push mode (the P2P connector's `transfer_mode: push`) runs the other way: the consumer's KV cache
+lives in shared memory too, and the producer copies each layer's bytes into it, every copy
+reserved first with the consumer's write handler and committed after it (push_control.py: no
+byte is copied before the consumer accepted exactly those (block, layer) ranges)."""
 
 from __future__ import annotations
 
@@ -10,7 +15,17 @@ import time
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
-from pdkv.kv_transfer.engine.base import Grant, ReadOp, TransferEngine, TransferError, coalesce
+from pdkv.kv_transfer.engine.base import (
+    Authorizer,
+    Grant,
+    ReadOp,
+    TransferEngine,
+    TransferError,
+    WriteDone,
+    WriteOp,
+    coalesce,
+)
+from pdkv.kv_transfer.engine.push_control import PushControlClient, PushControlServer
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:
@@ -23,14 +38,31 @@ def _attach(name: str) -> shared_memory.SharedMemory:
 
 
 class ShmTransferEngine(TransferEngine):
-    """Regions are shared-memory segments created by `allocate`; names travel in the handshake."""
+    """Regions are shared-memory segments created by `allocate`; names travel in the handshake
+    (pull) or in the consumer's acceptance of a reserved write (push).
+
+    Args:
+        port: push mode, consumer side: port of the push control server (0: any free port).
+        max_connections: connections that server serves at once.
+        idle_timeout: seconds a control connection may idle, and a reserved write may take
+            before it is committed.
+    """
 
     name = "shm"
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0, max_connections: int = 64,
+                 idle_timeout: float = 60.0) -> None:
         self._owned: list[shared_memory.SharedMemory] = []
         self._names: dict[str, str] = {}  # region -> segment name
+        self._sizes: dict[str, int] = {}  # registered region -> bytes
         self._attached: dict[str, shared_memory.SharedMemory] = {}
+        self._port = port
+        self._max_connections = max_connections
+        self._idle_timeout = idle_timeout
+        self._host = "127.0.0.1"
+        self._write_handler: tuple[Authorizer, WriteDone] | None = None
+        self._control: PushControlServer | None = None  # consumer: serves reservations
+        self._client = PushControlClient()  # producer: reserves its writes
 
     def allocate(self, region: str, nbytes: int) -> memoryview:
         """A new zero-filled shared segment of `nbytes` for region `region` (the producer's KV
@@ -46,9 +78,66 @@ class ShmTransferEngine(TransferEngine):
             raise ValueError(
                 f"region {name!r} is not in shared memory: allocate it with allocate()"
             )
+        self._sizes[name] = len(buffer.cast("B"))
+
+    def set_write_handler(self, authorize: Authorizer, on_written: WriteDone) -> None:
+        self._write_handler = (authorize, on_written)
+
+    def start(self, host: str, advertise_host: str | None = None) -> None:
+        """Push mode, consumer side (a write handler set): serve reservations on `host`."""
+        if self._write_handler is None or self._control is not None:
+            return
+        self._host = advertise_host or host
+        self._control = PushControlServer(self._sizes, *self._write_handler,
+                                          target=self.peer_info,
+                                          max_connections=self._max_connections,
+                                          idle_timeout=self._idle_timeout)
+        self._control.start(host, self._port)
 
     def peer_info(self) -> dict[str, Any]:
         return {"segments": dict(self._names)}
+
+    def write_address(self) -> tuple[str, int] | None:
+        """Push mode, consumer side: the push control server (where reservations go)."""
+        return None if self._control is None else (self._host, self._control.port)
+
+    def _segment(self, seg_name: str) -> shared_memory.SharedMemory:
+        """The peer's segment `seg_name`, mapped once."""
+        shm = self._attached.get(seg_name)
+        if shm is None:
+            try:
+                shm = _attach(seg_name)
+            except (FileNotFoundError, OSError, ValueError) as e:
+                raise TransferError(f"cannot map shared memory {seg_name!r}: {e}") from None
+            self._attached[seg_name] = shm
+        return shm
+
+    def write(
+        self, peer: dict[str, Any], ops: list[WriteOp], deadline: float, grant: Grant | None = None
+    ) -> int:
+        """Push mode, producer side: copy `ops` into the consumer's shared KV cache, each
+        region's ops only after the consumer accepted them (`peer`: its push control server,
+        {"host", "port"}).
+
+        Raises:
+            TransferError: refused (nothing copied), unreachable, a segment that cannot be
+                mapped or a range outside it, or the deadline passed.
+        """
+        return self._client.write(peer, ops, deadline, grant, self._copy)
+
+    def _copy(self, target: dict[str, Any], region: str, ops: list[WriteOp]) -> None:
+        seg_name = dict(target.get("segments", {})).get(region)
+        if not isinstance(seg_name, str):
+            raise TransferError(f"peer has no shared region {region!r}")
+        buf = self._segment(seg_name).buf
+        assert buf is not None
+        for op in ops:
+            if op.offset < 0 or op.length < 0 or op.offset + op.length > len(buf):
+                raise TransferError(f"range {op.offset}+{op.length} outside {seg_name!r}")
+            if len(op.src.cast("B")) < op.length:
+                raise TransferError(f"source of {len(op.src)} bytes is shorter than {op.length}")
+        for op in ops:
+            buf[op.offset : op.offset + op.length] = op.src.cast("B")[: op.length]
 
     def read(
         self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None
@@ -66,13 +155,7 @@ class ShmTransferEngine(TransferEngine):
             seg_name = segments.get(op.region)
             if seg_name is None:
                 raise TransferError(f"peer has no shared region {op.region!r}")
-            shm = self._attached.get(seg_name)
-            if shm is None:
-                try:
-                    shm = _attach(seg_name)
-                except (FileNotFoundError, OSError) as e:
-                    raise TransferError(f"cannot map shared memory {seg_name!r}: {e}") from None
-                self._attached[seg_name] = shm
+            shm = self._segment(seg_name)
             assert shm.buf is not None
             if op.offset < 0 or op.offset + op.length > len(shm.buf):
                 raise TransferError(f"range {op.offset}+{op.length} outside {seg_name!r}")
@@ -81,6 +164,7 @@ class ShmTransferEngine(TransferEngine):
         return total
 
     def forget_peer(self, peer: dict[str, Any]) -> None:
+        self._client.forget(peer)
         for seg_name in dict(peer.get("segments", {})).values():
             shm = self._attached.pop(seg_name, None)
             if shm is not None:
@@ -88,6 +172,9 @@ class ShmTransferEngine(TransferEngine):
                     shm.close()
 
     def close(self) -> None:
+        if self._control is not None:
+            self._control.stop()
+        self._client.close()
         for shm in self._attached.values():
             shm.close()
         self._attached.clear()

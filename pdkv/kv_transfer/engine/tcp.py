@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -30,9 +28,13 @@ from pdkv.kv_transfer.engine.base import (
     WriteOp,
     coalesce,
 )
+from pdkv.kv_transfer.engine.connections import (
+    PeerConnections,
+    attempt_failed,
+    set_timeout,
+)
 from pdkv.kv_transfer.wire import (
     WireError,
-    connect,
     recv_exact_into,
     recv_msg,
     send_msg,
@@ -68,23 +70,6 @@ class _ReadReply(msgspec.Struct):
     error: str = ""
 
 
-class _StaleConnection(Exception):
-    """A kept connection failed before any reply: the peer had closed it (idle)."""
-
-
-def _attempt_failed(sock: socket.socket, e: Exception, may_be_stale: bool,
-                    what: str) -> Exception:
-    """Close `sock` after a socket / wire error of one attempt (its stream position is unknown:
-    never reuse it) and return what to raise: `_StaleConnection` when a kept connection failed
-    before any reply (`may_be_stale`; the caller retries on a fresh one), else a TransferError
-    naming `what` and the deadline or the error."""
-    sock.close()
-    if may_be_stale and not isinstance(e, TimeoutError):
-        return _StaleConnection()
-    why = "transfer deadline passed" if isinstance(e, TimeoutError) else str(e)
-    return TransferError(f"{what} failed: {why}")
-
-
 class TcpTransferEngine(TransferEngine):
     """Args:
         port: data port to listen on (0 = any free port), producer side.
@@ -106,8 +91,7 @@ class TcpTransferEngine(TransferEngine):
         self._authorizer: Authorizer | None = None
         self._write_authorizer: Authorizer | None = None
         self._on_written: WriteDone | None = None
-        self._conns: dict[tuple[str, int], socket.socket] = {}
-        self._conn_lock = threading.Lock()
+        self._conns = PeerConnections()
 
     def register_region(self, name: str, buffer: memoryview) -> None:
         self._regions[name] = buffer.cast("B")
@@ -127,6 +111,11 @@ class TcpTransferEngine(TransferEngine):
 
     def peer_info(self) -> dict[str, Any]:
         return {"host": self._host, "port": self._port}
+
+    def write_address(self) -> tuple[str, int] | None:
+        if self._server is None or self._write_authorizer is None:
+            return None
+        return self._host, self._port
 
     # ---------------------------------------------------------------- server
     def _refusal(self, req: _ReadRequest) -> str | None:
@@ -210,25 +199,11 @@ class TcpTransferEngine(TransferEngine):
         by_region: dict[str, list[ReadOp]] = {}
         for op in coalesce(ops):
             by_region.setdefault(op.region, []).append(op)
-        return self._on_connection(
+        return self._conns.run(
             key, deadline,
             lambda sock, stale_ok: self._read_on(sock, key, by_region, rid, nonce, deadline,
                                                  stale_ok=stale_ok),
         )
-
-    def _on_connection(self, key: tuple[str, int], deadline: float,
-                       attempt: Callable[[socket.socket, bool], int]) -> int:
-        """Run `attempt(sock, stale_ok)` on a pooled connection to `key`; a pooled connection
-        the peer closed while idle (`_StaleConnection`) is replaced by a fresh one, once. The
-        connection goes back to the pool after a success. Returns what the attempt returns."""
-        sock, reused = self._connection(key, deadline)
-        try:
-            total = attempt(sock, reused)
-        except _StaleConnection:
-            sock, _ = self._connection(key, deadline, fresh=True)
-            total = attempt(sock, False)
-        self._release(key, sock)
-        return total
 
     def _read_on(
         self,
@@ -240,13 +215,13 @@ class TcpTransferEngine(TransferEngine):
         deadline: float,
         stale_ok: bool,
     ) -> int:
-        """One attempt on `sock` (closed on any failure). Raises _StaleConnection instead of
+        """One attempt on `sock` (closed on any failure). Raises StaleConnection instead of
         TransferError when `stale_ok` and nothing was received yet."""
         total = 0
         replied = False
         try:
             for region, region_ops in by_region.items():
-                self._set_timeout(sock, deadline)
+                set_timeout(sock, deadline)
                 send_msg(
                     sock,
                     _ReadRequest(region, [(op.offset, op.length) for op in region_ops], rid, nonce),
@@ -259,7 +234,7 @@ class TcpTransferEngine(TransferEngine):
                     recv_exact_into(sock, op.dest.cast("B")[: op.length], deadline)
                     total += op.length
         except (OSError, WireError) as e:
-            raise _attempt_failed(sock, e, stale_ok and not replied,
+            raise attempt_failed(sock, e, stale_ok and not replied,
                                   f"read from {key[0]}:{key[1]}") from None
         except TransferError:
             sock.close()
@@ -281,7 +256,7 @@ class TcpTransferEngine(TransferEngine):
         by_region: dict[str, list[WriteOp]] = {}
         for op in ops:
             by_region.setdefault(op.region, []).append(op)
-        return self._on_connection(
+        return self._conns.run(
             key, deadline,
             lambda sock, stale_ok: self._write_on(sock, key, by_region, rid, nonce, deadline,
                                                   stale_ok=stale_ok),
@@ -295,7 +270,7 @@ class TcpTransferEngine(TransferEngine):
         replied = False
         try:
             for region, region_ops in by_region.items():
-                self._set_timeout(sock, deadline)
+                set_timeout(sock, deadline)
                 ranges = [(op.offset, op.length) for op in region_ops]
                 send_msg(sock, _WriteRequest(region, ranges, rid, nonce))
                 reply = recv_msg(sock, _ReadReply, deadline)
@@ -303,62 +278,24 @@ class TcpTransferEngine(TransferEngine):
                 if not reply.ok:
                     raise TransferError(f"peer {key[0]}:{key[1]} refused write: {reply.error}")
                 for op in region_ops:
-                    self._set_timeout(sock, deadline)
+                    set_timeout(sock, deadline)
                     sock.sendall(op.src.cast("B")[: op.length])
                 landed = recv_msg(sock, _ReadReply, deadline)
                 if not landed.ok:
                     raise TransferError(f"peer {key[0]}:{key[1]} failed write: {landed.error}")
                 total += sum(op.length for op in region_ops)
         except (OSError, WireError) as e:
-            raise _attempt_failed(sock, e, stale_ok and not replied,
+            raise attempt_failed(sock, e, stale_ok and not replied,
                                   f"write to {key[0]}:{key[1]}") from None
         except TransferError:
             sock.close()
             raise
         return total
 
-    @staticmethod
-    def _set_timeout(sock: socket.socket, deadline: float) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TransferError("transfer deadline passed")
-        sock.settimeout(left)
-
-    def _connection(
-        self, key: tuple[str, int], deadline: float, fresh: bool = False
-    ) -> tuple[socket.socket, bool]:
-        """(a connection to `key`, whether it was kept from an earlier read)."""
-        if not fresh:
-            with self._conn_lock:
-                sock = self._conns.pop(key, None)
-            if sock is not None:
-                return sock, True
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TransferError("transfer deadline passed")
-        try:
-            return connect(key[0], key[1], left), False
-        except OSError as e:
-            raise TransferError(f"cannot connect to {key[0]}:{key[1]}: {e}") from None
-
-    def _release(self, key: tuple[str, int], sock: socket.socket) -> None:
-        with self._conn_lock:
-            old = self._conns.get(key)
-            if old is None:
-                self._conns[key] = sock
-                return
-        sock.close()
-
     def forget_peer(self, peer: dict[str, Any]) -> None:
-        with self._conn_lock:
-            sock = self._conns.pop((str(peer.get("host")), int(peer.get("port", 0))), None)
-        if sock is not None:
-            sock.close()
+        self._conns.forget((str(peer.get("host")), int(peer.get("port", 0))))
 
     def close(self) -> None:
         if self._server is not None:
             stop_server(self._server)
-        with self._conn_lock:
-            for sock in self._conns.values():
-                sock.close()
-            self._conns.clear()
+        self._conns.close()
