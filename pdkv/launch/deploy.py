@@ -18,6 +18,7 @@ an optional rate and delay per host link, read from TOML into frozen dataclasses
     port = 8100
     kv_port = 14600                           # optional: P2P control port (0 = any)
     transfer_port = 14700                     # optional: tcp data port (0 = any)
+    kv_events_port = 5557                     # optional, kv_aware proxy: KV events (+1: replay)
     args = ["--num-kv-blocks", "128"]         # optional: this engine's own flags
 
     [[decode]]
@@ -60,9 +61,9 @@ from pdkv.router.pool_topology import DEFAULT_CHUNK_SIZE
 KV_TRANSFERS = ("tcp", "mooncake", "shm")
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
 POOL_SERVICES = ("redis",)
-ROUTINGS = tuple(sorted(set(POLICY_NAMES) - set(KV_EVENT_POLICIES)))
-"""Routing policies a deployment's proxy may use (kv_aware ones need the engines' KV events,
-which bind loopback: not across hosts yet)."""
+ROUTINGS = tuple(sorted(POLICY_NAMES))
+"""Routing policies a deployment's proxy may use (under a kv_aware one every engine publishes
+its KV events at its host's address; pdkv.launch.deploy_run.kv_events_config)."""
 
 LAUNCHER_FLAGS = ("--host", "--port", "--model", "--kv-transfer-config", "--nnodes", "--node-rank",
                   "--master-addr", "--master-port", "--headless")
@@ -97,6 +98,10 @@ class Engine:
     control (`kv_port`) and tcp data (`transfer_port`) ports (0 = any free one, advertised in
     kv_transfer_params; rank r of a TP engine uses port + r), and its own flags `args`.
 
+    `kv_events_port`: under a kv_aware proxy, the port of the engine's KV event PUB socket on
+    its host (the replay socket: the next one; 0 = any free ones, read by the proxy from the
+    engine's GET /kv_events).
+
     `worker_hosts`: the hosts of nodes 1, 2, ... when the engine's ranks span hosts (vLLM's
     multi-node mode: `host` is node 0, which runs the engine and the first world / nnodes
     ranks; each worker host runs `pdkv serve --headless` with the next ones); `master_port`:
@@ -111,6 +116,7 @@ class Engine:
     transfer_port: int = 0
     worker_hosts: tuple[str, ...] = ()
     master_port: int = DEFAULT_MASTER_PORT
+    kv_events_port: int = 0
 
     @property
     def nnodes(self) -> int:
@@ -330,7 +336,7 @@ def parse_deployment(text: str, source: str = "<deployment>") -> Deployment:
         if not isinstance(tables, list) or not tables:
             raise r.fail([role], f"needs at least one [[{role}]] table")
         for i, t in enumerate(tables):
-            allowed = ["host", "port", "args", "worker_hosts", "master_port"]
+            allowed = ["host", "port", "args", "worker_hosts", "master_port", "kv_events_port"]
             if role == "prefill":
                 allowed += ["kv_port", "transfer_port"]
             t = r.table(t, [role, i], allowed, required=("host", "port"))
@@ -343,7 +349,9 @@ def parse_deployment(text: str, source: str = "<deployment>") -> Deployment:
                                      zero=True),
                 worker_hosts=_worker_hosts(r, t, [role, i], host_of),
                 master_port=r.port(t.get("master_port", DEFAULT_MASTER_PORT),
-                                   [role, i, "master_port"]))
+                                   [role, i, "master_port"]),
+                kv_events_port=r.port(t.get("kv_events_port", 0), [role, i, "kv_events_port"],
+                                      zero=True))
             engines[role].append(engine)
     p = r.table(top["proxy"], ["proxy"],
                 ("host", "port", "routing", "timeout", "health_check_interval"),
@@ -380,6 +388,12 @@ def parse_deployment(text: str, source: str = "<deployment>") -> Deployment:
         transfer_timeout=r.seconds(top.get("transfer_timeout"), ["transfer_timeout"]),
         source=source,
     )
+    if proxy.routing not in KV_EVENT_POLICIES:
+        for e in dep.engines:
+            if e.kv_events_port:
+                raise r.fail([e.role, e.index, "kv_events_port"],
+                             "the engines publish KV events only for a kv_aware proxy (routing "
+                             f"{' or '.join(KV_EVENT_POLICIES)}), not {proxy.routing}")
     _check_ports(r, dep)
     for e in dep.engines:
         world = engine_world_size([*dep.engine_args, *e.args])
@@ -447,13 +461,15 @@ def _hosts(r: _Reader, value: Any) -> tuple[Host, ...]:
 def listening_ports(dep: Deployment) -> list[tuple[str, str, int, int]]:
     """Every port the deployment listens on as (key, host, first port, count): engines' HTTP
     ports, a prefill engine's kv_port / transfer_port (one per TP rank; 0 = system-chosen, left
-    out), an engine's master_port and the next one when its ranks span hosts, the proxy's and
-    the pool's."""
+    out), an engine's master_port and the next one when its ranks span hosts, an engine's
+    kv_events_port and the next one (replay), the proxy's and the pool's."""
     out: list[tuple[str, str, int, int]] = []
     for e in dep.engines:
         out.append((f"{e.role}[{e.index}].port", e.host, e.port, 1))
         if e.worker_hosts:
             out.append((f"{e.role}[{e.index}].master_port", e.host, e.master_port, 2))
+        if e.kv_events_port:
+            out.append((f"{e.role}[{e.index}].kv_events_port", e.host, e.kv_events_port, 2))
         ranks = engine_world_size([*dep.engine_args, *e.args])
         for key, port in (("kv_port", e.kv_port), ("transfer_port", e.transfer_port)):
             if port:

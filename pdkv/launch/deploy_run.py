@@ -11,6 +11,10 @@ per host for real machines.
   kv_host / kv_advertise_host); the proxy reaches P and D, and the engines the pool, at their
   hosts' addresses. The namespaces are removed on exit, on a failed start and on Ctrl-C /
   SIGTERM.
+
+Under a kv_aware proxy every engine publishes its KV events at its host's address, where the
+proxy (on any host) subscribes. `run_deployment` is the start-run-teardown that `pdkv up
+--deploy` and `pdkv bench chaos --deploy` share.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import os
 import shlex
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pdkv.launch.deploy import Deployment, DeploymentError, Engine, listening_ports, load_deployment
@@ -29,6 +33,7 @@ from pdkv.launch.netns import NetnsBridge, unavailable_reason
 from pdkv.launch.services import find_redis_server, redis_argv, start_redis
 from pdkv.launch.topology import Child, Topology, stop_on_signals, supervise
 from pdkv.ports import free_port
+from pdkv.router.policies import KV_EVENT_POLICIES
 from pdkv.router.pool_topology import PoolServer, pd_kv_transfer_config, pool_kv_transfer_config
 
 LOOPBACK = "127.0.0.1"
@@ -95,9 +100,11 @@ def pool_config(dep: Deployment, place: Placement) -> str | None:
     return pool_kv_transfer_config({"name": "redis", "url": url}, dep.pool.chunk_size)
 
 
-def engine_kv_config(dep: Deployment, engine: Engine, place: Placement) -> dict[str, object]:
+def engine_kv_config(dep: Deployment, engine: Engine, place: Placement,
+                     engine_id: str | None = None) -> dict[str, object]:
     """An engine's --kv-transfer-config: P2PConnector bound to and advertising its host's
-    address (kv_host, kv_advertise_host), with the pool's MultiConnector when there is one."""
+    address (kv_host, kv_advertise_host), with the pool's MultiConnector when there is one;
+    `engine_id`: the connector's engine_id (None: a random one per start)."""
     address = place.addresses[engine.host]
     extra: dict[str, object] = {"transfer": dep.kv_transfer, "kv_host": address,
                                 "kv_advertise_host": address}
@@ -110,8 +117,22 @@ def engine_kv_config(dep: Deployment, engine: Engine, place: Placement) -> dict[
             if port:
                 extra[key] = place.port(engine.host, port)
     role = "kv_producer" if engine.role == "prefill" else "kv_consumer"
-    return pd_kv_transfer_config(role, extra, dep.kv_load_failure_policy,
-                                 pool_config(dep, place))
+    cfg = pd_kv_transfer_config(role, extra, dep.kv_load_failure_policy, pool_config(dep, place))
+    if engine_id is not None:
+        cfg["engine_id"] = engine_id
+    return cfg
+
+
+def kv_events_config(engine: Engine, place: Placement) -> dict[str, object]:
+    """An engine's --kv-events-config under a kv_aware proxy: its PUB socket bound to its
+    host's address at `kv_events_port` and the replay socket at the next port (0: ports the
+    system picks; the proxy reads them from the engine's GET /kv_events). The proxy on another
+    host subscribes there (pdkv.router.kv_subscriber)."""
+    address = place.addresses[engine.host]
+    port = place.port(engine.host, engine.kv_events_port)
+    return {"enable_kv_cache_events": True, "publisher": "zmq",
+            "endpoint": f"tcp://{address}:{port}",
+            "replay_endpoint": f"tcp://{address}:{port + 1 if port else 0}"}
 
 
 def node_flags(engine: Engine, place: Placement) -> list[str]:
@@ -124,11 +145,16 @@ def node_flags(engine: Engine, place: Placement) -> list[str]:
 
 
 def processes(dep: Deployment, place: Placement, pdkv: Sequence[str], redis_server: str,
-              extra_engine_flags: Sequence[str] = ()) -> list[Process]:
+              extra_engine_flags: Sequence[str] = (),
+              engine_ids: Mapping[str, str] | None = None) -> list[Process]:
     """The deployment's processes in start order: the pool service, the engines (prefill
     first; an engine whose ranks span hosts followed by one headless process per worker host,
     url ""), the proxy. `pdkv` is the argv that runs the pdkv CLI, `redis_server` the server's
-    binary, `extra_engine_flags` go last on every engine."""
+    binary, `extra_engine_flags` go last on every engine, `engine_ids` (engine name → id) fix
+    the KV connector's engine_id of the engines it names. Under a kv_aware proxy every engine
+    publishes its KV events at its host's address (`kv_events_config`)."""
+    ids = engine_ids or {}
+    events = dep.proxy.routing in KV_EVENT_POLICIES
     out: list[Process] = []
     if dep.pool is not None:
         pool = dep.pool
@@ -139,7 +165,10 @@ def processes(dep: Deployment, place: Placement, pdkv: Sequence[str], redis_serv
         nodes = node_flags(e, place)
         argv = [*pdkv, "serve", "--model", dep.model, *dep.engine_args, *e.args,
                 "--host", address, "--port", str(place.port(e.host, e.port)),
-                "--kv-transfer-config", json.dumps(engine_kv_config(dep, e, place)),
+                "--kv-transfer-config", json.dumps(engine_kv_config(dep, e, place,
+                                                                    ids.get(e.name))),
+                *(["--kv-events-config", json.dumps(kv_events_config(e, place))]
+                  if events else []),
                 *(nodes + ["--node-rank", "0"] if nodes else []), *extra_engine_flags]
         what = "prefill (kv_producer)" if e.role == "prefill" else "decode (kv_consumer)"
         if nodes:
@@ -244,7 +273,41 @@ def main(args: argparse.Namespace) -> int:
     if args.print_commands:
         print(format_commands(dep))
         return 0
-    if args.netns:
+
+    def demo(topo: Topology) -> int:
+        from pdkv.launch.demo import run_demo
+
+        run_demo(topo.endpoint, [c.url for c in topo.children
+                                 if c.name.startswith("decode") and c.url], dep.model)
+        return 0
+
+    flags = ["--disable-log-requests"] if getattr(args, "disable_log_requests", False) else []
+    return run_deployment(dep, netns=args.netns, log_dir=args.log_dir,
+                          health_timeout=args.health_timeout,
+                          threads_per_engine=args.threads_per_engine,
+                          on_ready=demo if getattr(args, "demo", False) else None,
+                          extra_engine_flags=flags)
+
+
+def run_deployment(dep: Deployment, *, netns: bool, log_dir: str, health_timeout: float,
+                   threads_per_engine: int = 0,
+                   on_ready: Callable[[Topology], int] | None = None,
+                   extra_engine_flags: Sequence[str] = (),
+                   engine_ids: Mapping[str, str] | None = None,
+                   interrupted: int = 0) -> int:
+    """Start `dep` on this machine (in network namespaces when `netns`, else every host on
+    127.0.0.1), wait until every process is healthy (`health_timeout` s), then run
+    `on_ready(topo)` and return its code, or (None) watch until a process dies (1). Everything
+    it started, namespaces included, is stopped and removed before it returns, also on a failed
+    start and on Ctrl-C / SIGTERM (then returns `interrupted`).
+
+    `threads_per_engine`: each engine's torch threads (0: cores / engines);
+    `extra_engine_flags` go last on every engine; `engine_ids` fixes the KV connector's
+    engine_id of the engines it names ("prefill0" → id; others get a random one per start).
+    Returns 1 with a message on stderr when `--netns` cannot work here (not root, no ip / tc),
+    the pool's server is missing or does not start, or a process fails to start.
+    """
+    if netns:
         reason = unavailable_reason()
         if reason:
             print(f"error: --netns {reason}", file=sys.stderr)
@@ -262,7 +325,7 @@ def main(args: argparse.Namespace) -> int:
     services: list[PoolServer] = []
     topo = Topology(services=services)
     try:
-        if args.netns:
+        if netns:
             bridge = NetnsBridge([h.name for h in dep.hosts],
                                  {h.name: h.link for h in dep.hosts})
             bridge.setup()
@@ -278,17 +341,17 @@ def main(args: argparse.Namespace) -> int:
             place = on_loopback(dep)
             prefix = {}
         n_engines = len(dep.engines)
-        threads = args.threads_per_engine or max(1, (os.cpu_count() or 1) // n_engines)
+        threads = threads_per_engine or max(1, (os.cpu_count() or 1) // n_engines)
         env = dict(os.environ, PDKV_NUM_THREADS=str(threads))
-        flags = ["--disable-log-requests"] if getattr(args, "disable_log_requests", False) else []
-        procs = processes(dep, place, [sys.executable, "-m", "pdkv.cli"], redis_server, flags)
+        procs = processes(dep, place, [sys.executable, "-m", "pdkv.cli"], redis_server,
+                          extra_engine_flags, engine_ids)
         if dep.pool is not None:
-            os.makedirs(args.log_dir, exist_ok=True)
+            os.makedirs(log_dir, exist_ok=True)
             pool_host = dep.pool.host
             try:
                 server = start_redis(
                     port=place.port(pool_host, dep.pool.port), host=place.addresses[pool_host],
-                    log_dir=args.log_dir, exec_prefix=prefix.get(pool_host, ()))
+                    log_dir=log_dir, exec_prefix=prefix.get(pool_host, ()))
             except RuntimeError as e:
                 print(f"error: the deployment's pool: {e}", file=sys.stderr)
                 return 1
@@ -297,19 +360,10 @@ def main(args: argparse.Namespace) -> int:
                   f"chunk {dep.pool.chunk_size} tokens", flush=True)
         topo.children = _children(procs, prefix, env)
         topo.endpoint = place.url(dep.proxy.host, dep.proxy.port)
-
-        def demo(topo: Topology) -> int:
-            from pdkv.launch.demo import run_demo
-
-            run_demo(topo.endpoint, [c.url for c in topo.children
-                                     if c.name.startswith("decode") and c.url], dep.model)
-            return 0
-
-        return supervise(topo, args.log_dir, args.health_timeout,
-                         demo if getattr(args, "demo", False) else None)
+        return supervise(topo, log_dir, health_timeout, on_ready)
     except KeyboardInterrupt:
         print("stopping", flush=True)
-        return 0
+        return interrupted
     except RuntimeError as e:  # the namespaces could not be made
         print(f"error: {e}", file=sys.stderr)
         return 1

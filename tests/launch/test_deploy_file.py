@@ -22,6 +22,7 @@ EXAMPLES = os.path.join(ROOT, "examples", "deploy")
 ONE_P_ONE_D = os.path.join(EXAMPLES, "1p1d.toml")
 TWO_P_POOL = os.path.join(EXAMPLES, "2p1d-pool.toml")
 TP_TWO_HOSTS = os.path.join(EXAMPLES, "1p1d-tp2-two-hosts.toml")
+KV_AWARE = os.path.join(EXAMPLES, "2p1d-kv-aware.toml")
 
 BASE = """\
 model = "tiny-llama-kv2"
@@ -148,8 +149,15 @@ BAD = [
     pytest.param('kv_transfer = "nccl"\n' + BASE,
                  "kv_transfer: 'nccl' is not one of tcp, mooncake, shm", id="unknown-transfer"),
     pytest.param(_edit('[proxy]\nhost = "b"\nport = 8000', '[proxy]\nhost = "b"\nport = 8000\n'
-                                                          'routing = "kv_aware"'),
-                 ":20: proxy.routing: 'kv_aware' is not one of", id="kv-aware-routing"),
+                                                          'routing = "kv_awar"'),
+                 ":20: proxy.routing: 'kv_awar' is not one of", id="unknown-routing"),
+    pytest.param(_edit('host = "a"\nport = 8100', 'host = "a"\nport = 8100\nkv_events_port = 5557'),
+                 ":12: prefill[0].kv_events_port: the engines publish KV events only for a "
+                 "kv_aware proxy", id="kv-events-port-without-kv-aware"),
+    pytest.param(_edit('host = "a"\nport = 8100', 'host = "a"\nport = 8100\nkv_events_port = 8099')
+                 + 'routing = "kv_aware"\n',
+                 ":12: prefill[0].kv_events_port: port 8100 on host 'a' is also prefill[0].port",
+                 id="kv-events-replay-port-taken"),
     pytest.param(BASE + '[pool]\nservice = "mooncake"\nhost = "a"\nport = 6379\n',
                  ":21: pool.service: 'mooncake' is not one of redis", id="mooncake-pool"),
     pytest.param(BASE + '[pool]\nservice = "redis"\nhost = "a"\nport = 6379\nchunk_size = 0\n',
@@ -300,6 +308,47 @@ def test_print_commands_2p1d_with_a_redis_pool():
     assert _flag(proxy, "--prefill") == "http://10.0.0.11:8100,http://10.0.0.12:8100"
     assert _flag(proxy, "--routing") == "least_loaded"
     assert text.index("start the pool first") < text.index("# host")
+
+
+def test_print_commands_kv_aware_engines_publish_at_their_hosts_address():
+    text = deploy_run.format_commands(load_deployment(KV_AWARE))
+    hosts = _sections(text)
+    assert list(hosts) == ["node-p0", "node-p1", "node-d", "node-proxy"]
+    for host, address in (("node-p0", "10.0.0.11"), ("node-p1", "10.0.0.12"),
+                          ("node-d", "10.0.0.13")):
+        (engine,) = [shlex.split(c) for c in hosts[host]]
+        assert json.loads(_flag(engine, "--kv-events-config")) == {
+            "enable_kv_cache_events": True, "publisher": "zmq",
+            "endpoint": f"tcp://{address}:5557", "replay_endpoint": f"tcp://{address}:5558"}
+    (proxy,) = [shlex.split(c) for c in hosts["node-proxy"]]
+    assert (_flag(proxy, "--routing"), _flag(proxy, "--host")) == ("kv_aware", "10.0.0.14")
+    assert _flag(proxy, "--prefill") == "http://10.0.0.11:8100,http://10.0.0.12:8100"
+    # On loopback each engine's two event ports are free ones, consecutive, none shared.
+    dep = load_deployment(KV_AWARE)
+    procs = deploy_run.processes(dep, deploy_run.on_loopback(dep), ["pdkv"], "redis-server")
+    ports = []
+    for p in procs[:3]:
+        cfg = json.loads(_flag(list(p.argv), "--kv-events-config"))
+        pub, replay = (int(cfg[k].rpartition(":")[2]) for k in ("endpoint", "replay_endpoint"))
+        assert cfg["endpoint"].startswith("tcp://127.0.0.1:") and replay == pub + 1
+        ports += [pub, replay]
+    assert len(set(ports)) == 6 and 5557 not in ports
+    # Without kv_events_port: ports the system picks (the proxy reads them from GET /kv_events);
+    # without a kv_aware proxy: no events at all.
+    any_port = parse_deployment(BASE.replace("port = 8000", 'port = 8000\nrouting = "kv_aware"'))
+    (p, *_) = deploy_run.processes(any_port, deploy_run.as_written(any_port), ["pdkv"], "r")
+    assert json.loads(_flag(list(p.argv), "--kv-events-config"))["endpoint"] == "tcp://10.0.0.1:0"
+    plain = deploy_run.processes(parse_deployment(BASE), deploy_run.as_written(any_port),
+                                 ["pdkv"], "r")
+    assert not any("--kv-events-config" in p.argv for p in plain)
+
+
+def test_an_engine_id_is_fixed_only_when_asked():
+    dep = load_deployment(ONE_P_ONE_D)
+    procs = deploy_run.processes(dep, deploy_run.as_written(dep), ["pdkv"], "r",
+                                 engine_ids={"prefill0": "chaos-prefill0"})
+    p, d = (json.loads(_flag(list(x.argv), "--kv-transfer-config")) for x in procs[:2])
+    assert p["engine_id"] == "chaos-prefill0" and "engine_id" not in d
 
 
 def _args(*argv: str) -> argparse.Namespace:

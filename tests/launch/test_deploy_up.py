@@ -175,3 +175,71 @@ def test_2p1d_with_a_redis_pool_host_in_namespaces(tmp_path, tiny_llama_cache, r
         rc = up.stop()
     assert rc == 0, up.text()
     assert _ours(run) == []
+
+
+KV_AWARE_EXAMPLE = os.path.join(ROOT, "examples", "deploy", "2p1d-kv-aware.toml")
+
+
+def test_kv_aware_proxy_on_its_own_host_follows_the_engines_events(tmp_path, tiny_llama_cache,
+                                                                   colocated):
+    """examples/deploy/2p1d-kv-aware.toml in namespaces: every engine publishes its KV events at
+    its host's address, the proxy on a fourth host subscribes there; a prompt sent three times
+    has all its prefill legs on the P that computed it first, which reports the prefix-cache
+    hit the proxy predicted, and every answer is the colocated engine's."""
+    from pdkv.bench.compare.routing import scrape
+    from pdkv.bench.compare.routing import total as labelled
+
+    require_reason(unavailable_reason())
+    up = Up(tmp_path, tiny_llama_cache, "--netns", deploy=KV_AWARE_EXAMPLE)
+    try:
+        run, subnet = up.wait_for(r"^namespaces of (pdkv-[0-9a-f]{6}) on (10\.\d+\.\d+)\.0/24")\
+            .groups()
+        proxy = up.wait_for(r"^ready: (http://\S+)").group(1)
+        assert proxy == f"http://{subnet}.4:8000"  # node-proxy: no engine on its host
+        prefills = [up.url("prefill0"), up.url("prefill1")]
+        engines = [*prefills, up.url("decode0")]
+        for i, url in enumerate(engines, 1):  # bound at the engine's host address, not loopback
+            info = httpx.get(url + "/kv_events", timeout=10).json()
+            assert (info["endpoint"], info["replay_endpoint"]) == (
+                f"tcp://{subnet}.{i}:5557", f"tcp://{subnet}.{i}:5558")
+
+        def synced() -> bool:
+            m = scrape(proxy)
+            return all(
+                labelled(m, "pdkv:proxy_kv_events_replays_total", backend=u) >= 1
+                and labelled(m, "pdkv:proxy_kv_events_events_total", backend=u)
+                == labelled(scrape(u), "pdkv:kv_events_events_published_total")
+                for u in engines)
+
+        answers = []
+        for _ in range(3):
+            deadline = time.monotonic() + 30
+            while not synced():
+                assert time.monotonic() < deadline, "the proxy did not apply every event"
+                time.sleep(0.1)
+            r = httpx.post(proxy + "/v1/completions", timeout=60, json={
+                "model": "tiny-llama-kv2", "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            answers.append(r.json())
+        assert [(a["choices"][0]["text"], a["usage"]["completion_tokens"]) for a in answers] == [
+            colocated] * 3
+        m = scrape(proxy)
+        legs = [labelled(m, "pdkv:proxy_requests_total", backend=u, leg="prefill")
+                for u in prefills]
+        assert sorted(legs) == [0, 3]
+        # PROMPT's two whole blocks hit P's prefix cache from the second time on (never the
+        # block of the last prompt token).
+        assert [a["pdkv_timings"]["legs"]["prefill"]["tokens"]["cached"] for a in answers] == [
+            0, 2 * BS, 2 * BS]
+        assert labelled(m, "pdkv:proxy_routing_decisions_total", leg="prefill",
+                        reason="kv_hit") == 2
+        holder = prefills[legs.index(3)]
+        assert labelled(m, "pdkv:proxy_kv_predictions_total", backend=holder,
+                        outcome="exact") == 3
+        for url in engines:
+            assert _wait_metric(url, "pdkv:num_free_blocks", NUM_KV_BLOCKS) == NUM_KV_BLOCKS
+    finally:
+        rc = up.stop()
+    assert rc == 0, up.text()
+    assert _ours(run) == []
