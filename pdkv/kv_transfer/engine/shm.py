@@ -1,11 +1,17 @@
 """`shm` transfer engine (same host): the producer's KV cache lives in named shared memory and the
 consumer copies blocks straight out of it (one memcpy per run of bytes). Reads are one-sided: any
 process of the same user that learns a segment name can map all of the producer's KV cache, so
-this engine is for a single trusted host (grants are checked on the control plane only)."""
+this engine is for a single trusted host (grants are checked on the control plane only).
+
+A consumer refuses, at the handshake, a producer whose `host_identity` differs from its own
+(`peer_refusal`): the pull fails at once with both identities named, instead of mapping a segment
+of the same name that holds other bytes or none."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 import time
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -22,12 +28,46 @@ def _attach(name: str) -> shared_memory.SharedMemory:
     return shm
 
 
+def host_identity() -> str:
+    """This process's host as the shm engine counts hosts: "boot <kernel boot id> netns <inode>
+    shm <device>" (parts Linux lacks are left out; no boot id: the host name instead).
+
+    The boot id (/proc/sys/kernel/random/boot_id) names the running kernel, so two machines (or
+    one machine before and after a reboot) differ. The network namespace (the inode of
+    /proc/self/ns/net) counts too: addresses only mean a host through their namespace, and a
+    namespace is how a host is modelled on one machine (`pdkv up --deploy FILE --netns`), so two
+    engines in different namespaces are on different hosts although /dev/shm is shared; a
+    deployment that puts them there must not pass its KV by shared memory. The device of /dev/shm
+    tells apart containers that share a kernel and a network but not their shared memory.
+    """
+    parts: list[str] = []
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            parts.append(f"boot {f.read().strip()}")
+    except OSError:
+        parts.append(f"hostname {socket.gethostname()}")
+    for what, path in (("netns", "/proc/self/ns/net"), ("shm", "/dev/shm")):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        parts.append(f"{what} {st.st_ino if what == 'netns' else st.st_dev}")
+    return " ".join(parts)
+
+
 class ShmTransferEngine(TransferEngine):
-    """Regions are shared-memory segments created by `allocate`; names travel in the handshake."""
+    """Regions are shared-memory segments created by `allocate`; names and the producer's
+    `host_identity` travel in the handshake.
+
+    Args:
+        host_id: this engine's host identity (default: `host_identity()`; tests set another to
+            model a peer on another host).
+    """
 
     name = "shm"
 
-    def __init__(self) -> None:
+    def __init__(self, host_id: str | None = None) -> None:
+        self.host_id = host_identity() if host_id is None else host_id
         self._owned: list[shared_memory.SharedMemory] = []
         self._names: dict[str, str] = {}  # region -> segment name
         self._attached: dict[str, shared_memory.SharedMemory] = {}
@@ -48,7 +88,18 @@ class ShmTransferEngine(TransferEngine):
             )
 
     def peer_info(self) -> dict[str, Any]:
-        return {"segments": dict(self._names)}
+        return {"segments": dict(self._names), "host_id": self.host_id}
+
+    def peer_refusal(self, peer: dict[str, Any]) -> str | None:
+        """Why this engine cannot read `peer`'s shared memory: the producer is on another host
+        (its `host_id` differs from this engine's, or it sent none), or None."""
+        theirs = peer.get("host_id")
+        if theirs == self.host_id:
+            return None
+        said = f"on host [{theirs}]" if isinstance(theirs, str) and theirs else "on an unnamed host"
+        return (f"the shm transfer engine reads KV from this host's shared memory, but the "
+                f"producer is {said} and this consumer on host [{self.host_id}] (each network "
+                "namespace counts as a host): use transfer 'tcp' or 'mooncake'")
 
     def read(
         self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None
