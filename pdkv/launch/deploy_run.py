@@ -142,36 +142,34 @@ def node_flags(engine: Engine, place: Placement) -> list[str]:
             "--master-port", str(place.port(engine.host, engine.master_port))]
 
 
-def pool_processes(dep: Deployment, place: Placement, redis_server: str = "redis-server",
-                   mooncake_master: str = "mooncake_master",
+def pool_processes(dep: Deployment, place: Placement, pool_server: str | None = None,
                    python: str = "python") -> list[Process]:
-    """The pool service's processes in start order ([] without a pool): "pool" (redis-server
-    or mooncake_master), then for mooncake "pool-store" (the store process holding the pool's
-    memory, run by `python`)."""
+    """The pool service's processes in start order ([] without a pool): "pool" (the server
+    binary `pool_server`, default its name: redis-server or mooncake_master), then for mooncake
+    "pool-store" (the store process holding the pool's memory, run by `python`)."""
     pool = dep.pool
     if pool is None:
         return []
     host, port = place.addresses[pool.host], place.port(pool.host, pool.port)
     if pool.service == "redis":
         return [Process("pool", "pool (redis)", pool.host,
-                        tuple(redis_argv(redis_server, host, port)), "")]
+                        tuple(redis_argv(pool_server or "redis-server", host, port)), "")]
     metrics = place.port(pool.host, pool.port + 1)
-    return [Process("pool", "pool (mooncake_master)", pool.host,
-                    tuple(mooncake_master_argv(mooncake_master, host, port, metrics)), ""),
+    master = mooncake_master_argv(pool_server or "mooncake_master", host, port, metrics)
+    return [Process("pool", "pool (mooncake_master)", pool.host, tuple(master), ""),
             Process("pool-store", f"pool (Mooncake Store, {pool.segment_bytes} bytes)",
                     pool.host, tuple(mooncake_store_argv(python, host, f"{host}:{port}",
                                                          pool.segment_bytes)), "")]
 
 
-def processes(dep: Deployment, place: Placement, pdkv: Sequence[str], redis_server: str,
-              extra_engine_flags: Sequence[str] = (), mooncake_master: str = "mooncake_master",
-              python: str = "python") -> list[Process]:
+def processes(dep: Deployment, place: Placement, pdkv: Sequence[str], pool_server: str | None,
+              extra_engine_flags: Sequence[str] = (), python: str = "python") -> list[Process]:
     """The deployment's processes in start order: the pool service (`pool_processes`), the
     engines (prefill first; an engine whose ranks span hosts followed by one headless process
     per worker host, url ""), the proxy. `pdkv` is the argv that runs the pdkv CLI,
-    `redis_server` / `mooncake_master` the pool server's binary, `python` the interpreter of
-    the Mooncake Store process, `extra_engine_flags` go last on every engine."""
-    out = pool_processes(dep, place, redis_server, mooncake_master, python)
+    `pool_server` the pool server's binary (None: its name), `python` the interpreter of the
+    Mooncake Store process, `extra_engine_flags` go last on every engine."""
+    out = pool_processes(dep, place, pool_server, python)
     for e in dep.engines:
         address = place.addresses[e.host]
         nodes = node_flags(e, place)
@@ -208,7 +206,7 @@ def format_commands(dep: Deployment) -> str:
     """Per host of the file (in its order), the commands to run there, with the order to start
     them in: the pool service first (the engines connect to it at start-up), then the engines,
     then the proxy."""
-    procs = processes(dep, as_written(dep), ["pdkv"], "redis-server")
+    procs = processes(dep, as_written(dep), ["pdkv"], None)
     order = (("the pool first, then " if dep.pool else "") + "the engines (an engine's headless "
              "nodes in any order beside it), then the proxy")
     lines = [f"# {dep.source}: {len(procs)} processes on {len(dep.hosts)} hosts; start {order}",
@@ -270,15 +268,15 @@ def _children(procs: Sequence[Process], prefix: Mapping[str, Sequence[str]],
     return out
 
 
-def find_pool_binary(dep: Deployment) -> str:
-    """The pool service's server binary (redis-server or mooncake_master; "redis-server"
-    without a pool).
+def find_pool_binary(dep: Deployment) -> str | None:
+    """The pool service's server binary (redis-server or mooncake_master; None without a
+    pool).
 
     Raises:
         RuntimeError: it is not installed (the message says how to install it).
     """
     if dep.pool is None:
-        return "redis-server"
+        return None
     return find_mooncake_master() if dep.pool.service == "mooncake" else find_redis_server()
 
 
@@ -350,7 +348,8 @@ def main(args: argparse.Namespace) -> int:
         threads = args.threads_per_engine or max(1, (os.cpu_count() or 1) // n_engines)
         env = dict(os.environ, PDKV_NUM_THREADS=str(threads))
         flags = ["--disable-log-requests"] if getattr(args, "disable_log_requests", False) else []
-        procs = processes(dep, place, [sys.executable, "-m", "pdkv.cli"], pool_binary, flags)
+        procs = processes(dep, place, [sys.executable, "-m", "pdkv.cli"], pool_binary, flags,
+                          sys.executable)
         if dep.pool is not None:
             try:
                 server = start_pool(dep, place, prefix, args.log_dir)
