@@ -212,8 +212,9 @@ def use_gloo_interface(node_host: str) -> None:
 
 def at_node_host(kvt: KVTransferConfig | None, host: str) -> KVTransferConfig | None:
     """`kvt` for a rank on the node at `host`: every P2PConnector's kv_host becomes `host`
-    (a wildcard bind stays) and its kv_advertise_host `host`, inside a MultiConnector too.
-    None stays None; other connectors are unchanged."""
+    (a wildcard bind stays) and its kv_advertise_host `host`, and every KVPoolConnector's
+    mooncake tier's local_hostname `host` (its client binds there), inside a MultiConnector
+    too. None stays None; other connectors are unchanged."""
     if kvt is None:
         return None
 
@@ -223,6 +224,12 @@ def at_node_host(kvt: KVTransferConfig | None, host: str) -> KVTransferConfig | 
             if str(extra.get("kv_host", "127.0.0.1")) not in WILDCARDS:
                 extra["kv_host"] = host
             extra["kv_advertise_host"] = host
+        elif cfg.get("kv_connector") == "KVPoolConnector":
+            tiers = extra.get("tiers")
+            if isinstance(tiers, list):
+                extra["tiers"] = [{**t, "local_hostname": host}
+                                  if isinstance(t, dict) and t.get("name") == "mooncake" else t
+                                  for t in tiers]
         elif cfg.get("kv_connector") == "MultiConnector":
             children = extra.get("connectors")
             if isinstance(children, list):

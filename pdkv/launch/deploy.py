@@ -35,10 +35,11 @@ an optional rate and delay per host link, read from TOML into frozen dataclasses
     health_check_interval = 10.0              # optional (s): between two probes of each engine
 
     [pool]                                    # optional: a shared KV pool
-    service = "redis"
+    service = "redis"                         # redis | mooncake
     host = "node-pool"
-    port = 6379
+    port = 6379                               # redis' port; mooncake: the master's RPC port
     chunk_size = 256                          # optional, tokens
+    segment_bytes = 1073741824                # optional, mooncake only: the store's memory
 
 Every error is a `DeploymentError` naming the file, the key (as `prefill[1].port`) and, where
 it can be found, its line.
@@ -56,11 +57,11 @@ from typing import Any
 from pdkv.launch.netns import LinkShape, delay_seconds, rate_bytes_per_s
 from pdkv.launch.topology import engine_world_size
 from pdkv.router.policies import KV_EVENT_POLICIES, POLICY_NAMES
-from pdkv.router.pool_topology import DEFAULT_CHUNK_SIZE
+from pdkv.router.pool_topology import DEFAULT_CHUNK_SIZE, MOONCAKE_SEGMENT_BYTES
 
 KV_TRANSFERS = ("tcp", "mooncake", "shm")
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
-POOL_SERVICES = ("redis",)
+POOL_SERVICES = ("redis", "mooncake")
 ROUTINGS = tuple(sorted(POLICY_NAMES))
 """Routing policies a deployment's proxy may use (under a kv_aware one every engine publishes
 its KV events at its host's address; pdkv.launch.deploy_run.kv_events_config)."""
@@ -144,13 +145,21 @@ class Proxy:
 
 @dataclass(frozen=True)
 class Pool:
-    """A KV pool service (`service` "redis") on `host`:`port`, shared by every engine through
-    a MultiConnector; chunks of `chunk_size` tokens."""
+    """A KV pool service on `host`, shared by every engine through a MultiConnector; chunks of
+    `chunk_size` tokens. `service` "redis": redis-server on `port`; "mooncake": mooncake_master
+    with its RPC on `port` and its Prometheus metrics on `port` + 1, and a Mooncake Store
+    process mounting `segment_bytes` of memory (the pool's capacity; unused by redis)."""
 
     service: str
     host: str
     port: int
     chunk_size: int = DEFAULT_CHUNK_SIZE
+    segment_bytes: int = MOONCAKE_SEGMENT_BYTES
+
+    @property
+    def ports(self) -> int:
+        """Consecutive ports the service listens on from `port` (mooncake: RPC, metrics)."""
+        return 2 if self.service == "mooncake" else 1
 
 
 @dataclass(frozen=True)
@@ -306,7 +315,8 @@ def parse_deployment(text: str, source: str = "<deployment>") -> Deployment:
         DeploymentError: malformed TOML (tomllib's line and column), an unknown or missing key,
             a value of the wrong type or out of range, a role on an unknown host, two listening
             ports that meet on one host, two hosts with one address, no prefill or no decode
-            engine, shm across hosts; or Python < 3.11 (no tomllib).
+            engine, shm across hosts, a transfer_port without the tcp transfer, segment_bytes
+            of a pool other than mooncake; or Python < 3.11 (no tomllib).
     """
     if sys.version_info < (3, 11):
         raise DeploymentError(f"{source}: reading a deployment file needs Python 3.11 (tomllib)")
@@ -365,14 +375,22 @@ def parse_deployment(text: str, source: str = "<deployment>") -> Deployment:
                                                   ["proxy", "health_check_interval"]))
     pool = None
     if "pool" in top:
-        t = r.table(top["pool"], ["pool"], ("service", "host", "port", "chunk_size"),
+        t = r.table(top["pool"], ["pool"],
+                    ("service", "host", "port", "chunk_size", "segment_bytes"),
                     required=("service", "host", "port"))
-        chunk = t.get("chunk_size", DEFAULT_CHUNK_SIZE)
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
-            raise r.fail(["pool", "chunk_size"], f"must be a positive integer, got {chunk!r}")
-        pool = Pool(service=r.string(t["service"], ["pool", "service"], POOL_SERVICES),
-                    host=host_of(t["host"], ["pool", "host"]),
-                    port=r.port(t["port"], ["pool", "port"]), chunk_size=chunk)
+        service = r.string(t["service"], ["pool", "service"], POOL_SERVICES)
+        sizes = {}
+        for key, default in (("chunk_size", DEFAULT_CHUNK_SIZE),
+                             ("segment_bytes", MOONCAKE_SEGMENT_BYTES)):
+            value = t.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise r.fail(["pool", key], f"must be a positive integer, got {value!r}")
+            sizes[key] = value
+        if "segment_bytes" in t and service != "mooncake":
+            raise r.fail(["pool", "segment_bytes"], "only a mooncake pool mounts a segment "
+                                                    f"(this pool is {service})")
+        pool = Pool(service=service, host=host_of(t["host"], ["pool", "host"]),
+                    port=r.port(t["port"], ["pool", "port"]), **sizes)
     dep = Deployment(
         model=r.string(top["model"], ["model"]),
         hosts=hosts,
@@ -401,6 +419,11 @@ def parse_deployment(text: str, source: str = "<deployment>") -> Deployment:
             raise r.fail([e.role, e.index, "worker_hosts"],
                          f"{e.nnodes} hosts must split the engine's {world} TP ranks evenly "
                          "(give -tp in args / engine_args)")
+    for e in dep.prefill:
+        if e.transfer_port and dep.kv_transfer != "tcp":
+            raise r.fail(["prefill", e.index, "transfer_port"],
+                         f"only the tcp transfer engine has a data port (kv_transfer is "
+                         f"{dep.kv_transfer!r}: it picks its own ports)")
     if dep.kv_transfer == "shm" and len({e.host for e in dep.engines}) > 1:
         raise r.fail(["kv_transfer"], "shm moves KV through this machine's shared memory: every "
                                       "engine must be on one host (use tcp or mooncake)")
@@ -462,7 +485,8 @@ def listening_ports(dep: Deployment) -> list[tuple[str, str, int, int]]:
     """Every port the deployment listens on as (key, host, first port, count): engines' HTTP
     ports, a prefill engine's kv_port / transfer_port (one per TP rank; 0 = system-chosen, left
     out), an engine's master_port and the next one when its ranks span hosts, an engine's
-    kv_events_port and the next one (replay), the proxy's and the pool's."""
+    kv_events_port and the next one (replay), the proxy's and the pool's (a mooncake pool's
+    master: its RPC port and the next one, its metrics)."""
     out: list[tuple[str, str, int, int]] = []
     for e in dep.engines:
         out.append((f"{e.role}[{e.index}].port", e.host, e.port, 1))
@@ -476,7 +500,7 @@ def listening_ports(dep: Deployment) -> list[tuple[str, str, int, int]]:
                 out.append((f"{e.role}[{e.index}].{key}", e.host, port, ranks))
     out.append(("proxy.port", dep.proxy.host, dep.proxy.port, 1))
     if dep.pool is not None:
-        out.append(("pool.port", dep.pool.host, dep.pool.port, 1))
+        out.append(("pool.port", dep.pool.host, dep.pool.port, dep.pool.ports))
     return out
 
 
@@ -485,8 +509,7 @@ def _check_ports(r: _Reader, dep: Deployment) -> None:
     for key, host, first, count in listening_ports(dep):
         for port in range(first, first + count):
             if port > 65535:
-                raise r.fail(_path(key), f"ports {first}-{first + count - 1} (one per TP rank) "
-                                         "go past 65535")
+                raise r.fail(_path(key), f"ports {first}-{first + count - 1} go past 65535")
             other = taken.get((host, port))
             if other is not None:
                 raise r.fail(_path(key), f"port {port} on host {host!r} is also {other}")

@@ -12,6 +12,10 @@ per host for real machines.
   hosts' addresses. The namespaces are removed on exit, on a failed start and on Ctrl-C /
   SIGTERM.
 
+The pool service: redis-server, or mooncake_master plus the Mooncake Store process holding the
+pool's memory (pdkv.kvpool.mooncake_store_server), both bound to the pool host's address; each
+engine's mooncake tier is a pure client reached at its own host's address (`local_hostname`).
+
 Under a kv_aware proxy every engine publishes its KV events at its host's address, where the
 proxy (on any host) subscribes. `run_deployment` is the start-run-teardown that `pdkv up
 --deploy` and `pdkv bench chaos --deploy` share.
@@ -30,7 +34,16 @@ from dataclasses import dataclass
 
 from pdkv.launch.deploy import Deployment, DeploymentError, Engine, listening_ports, load_deployment
 from pdkv.launch.netns import NetnsBridge, unavailable_reason
-from pdkv.launch.services import find_redis_server, redis_argv, start_redis
+from pdkv.launch.services import (
+    Service,
+    find_mooncake_master,
+    find_redis_server,
+    mooncake_master_argv,
+    mooncake_store_argv,
+    redis_argv,
+    start_mooncake,
+    start_redis,
+)
 from pdkv.launch.topology import Child, Topology, stop_on_signals, supervise
 from pdkv.ports import free_port
 from pdkv.router.policies import KV_EVENT_POLICIES
@@ -91,13 +104,19 @@ class Process:
     url: str
 
 
-def pool_config(dep: Deployment, place: Placement) -> str | None:
-    """The engines' KVPoolConnector JSON for the deployment's pool, or None without one."""
+def pool_config(dep: Deployment, place: Placement, engine: Engine) -> str | None:
+    """`engine`'s KVPoolConnector JSON for the deployment's pool, or None without one: a redis
+    tier at the pool host's address, or a mooncake tier whose master is there and whose client
+    is reached at the engine's own host's address."""
     if dep.pool is None:
         return None
-    address = place.addresses[dep.pool.host]
-    url = f"redis://{address}:{place.port(dep.pool.host, dep.pool.port)}/0"
-    return pool_kv_transfer_config({"name": "redis", "url": url}, dep.pool.chunk_size)
+    address = f"{place.addresses[dep.pool.host]}:{place.port(dep.pool.host, dep.pool.port)}"
+    if dep.pool.service == "mooncake":
+        spec = {"name": "mooncake", "master": address,
+                "local_hostname": place.addresses[engine.host]}
+    else:
+        spec = {"name": "redis", "url": f"redis://{address}/0"}
+    return pool_kv_transfer_config(spec, dep.pool.chunk_size)
 
 
 def engine_kv_config(dep: Deployment, engine: Engine, place: Placement,
@@ -117,7 +136,8 @@ def engine_kv_config(dep: Deployment, engine: Engine, place: Placement,
             if port:
                 extra[key] = place.port(engine.host, port)
     role = "kv_producer" if engine.role == "prefill" else "kv_consumer"
-    cfg = pd_kv_transfer_config(role, extra, dep.kv_load_failure_policy, pool_config(dep, place))
+    cfg = pd_kv_transfer_config(role, extra, dep.kv_load_failure_policy,
+                                pool_config(dep, place, engine))
     if engine_id is not None:
         cfg["engine_id"] = engine_id
     return cfg
@@ -144,22 +164,39 @@ def node_flags(engine: Engine, place: Placement) -> list[str]:
             "--master-port", str(place.port(engine.host, engine.master_port))]
 
 
-def processes(dep: Deployment, place: Placement, pdkv: Sequence[str], redis_server: str,
-              extra_engine_flags: Sequence[str] = (),
+def pool_processes(dep: Deployment, place: Placement, pool_server: str | None = None,
+                   python: str = "python") -> list[Process]:
+    """The pool service's processes in start order ([] without a pool): "pool" (the server
+    binary `pool_server`, default its name: redis-server or mooncake_master), then for mooncake
+    "pool-store" (the store process holding the pool's memory, run by `python`)."""
+    pool = dep.pool
+    if pool is None:
+        return []
+    host, port = place.addresses[pool.host], place.port(pool.host, pool.port)
+    if pool.service == "redis":
+        return [Process("pool", "pool (redis)", pool.host,
+                        tuple(redis_argv(pool_server or "redis-server", host, port)), "")]
+    metrics = place.port(pool.host, pool.port + 1)
+    master = mooncake_master_argv(pool_server or "mooncake_master", host, port, metrics)
+    return [Process("pool", "pool (mooncake_master)", pool.host, tuple(master), ""),
+            Process("pool-store", f"pool (Mooncake Store, {pool.segment_bytes} bytes)",
+                    pool.host, tuple(mooncake_store_argv(python, host, f"{host}:{port}",
+                                                         pool.segment_bytes)), "")]
+
+
+def processes(dep: Deployment, place: Placement, pdkv: Sequence[str], pool_server: str | None,
+              extra_engine_flags: Sequence[str] = (), python: str = "python",
               engine_ids: Mapping[str, str] | None = None) -> list[Process]:
-    """The deployment's processes in start order: the pool service, the engines (prefill
-    first; an engine whose ranks span hosts followed by one headless process per worker host,
-    url ""), the proxy. `pdkv` is the argv that runs the pdkv CLI, `redis_server` the server's
-    binary, `extra_engine_flags` go last on every engine, `engine_ids` (engine name → id) fix
-    the KV connector's engine_id of the engines it names. Under a kv_aware proxy every engine
-    publishes its KV events at its host's address (`kv_events_config`)."""
+    """The deployment's processes in start order: the pool service (`pool_processes`), the
+    engines (prefill first; an engine whose ranks span hosts followed by one headless process
+    per worker host, url ""), the proxy. `pdkv` is the argv that runs the pdkv CLI,
+    `pool_server` the pool server's binary (None: its name), `python` the interpreter of the
+    Mooncake Store process, `extra_engine_flags` go last on every engine, `engine_ids` (engine
+    name → id) fix the KV connector's engine_id of the engines it names. Under a kv_aware proxy
+    every engine publishes its KV events at its host's address (`kv_events_config`)."""
     ids = engine_ids or {}
     events = dep.proxy.routing in KV_EVENT_POLICIES
-    out: list[Process] = []
-    if dep.pool is not None:
-        pool = dep.pool
-        out.append(Process("pool", f"pool ({pool.service})", pool.host, tuple(redis_argv(
-            redis_server, place.addresses[pool.host], place.port(pool.host, pool.port))), ""))
+    out = pool_processes(dep, place, pool_server, python)
     for e in dep.engines:
         address = place.addresses[e.host]
         nodes = node_flags(e, place)
@@ -199,7 +236,7 @@ def format_commands(dep: Deployment) -> str:
     """Per host of the file (in its order), the commands to run there, with the order to start
     them in: the pool service first (the engines connect to it at start-up), then the engines,
     then the proxy."""
-    procs = processes(dep, as_written(dep), ["pdkv"], "redis-server")
+    procs = processes(dep, as_written(dep), ["pdkv"], None)
     order = (("the pool first, then " if dep.pool else "") + "the engines (an engine's headless "
              "nodes in any order beside it), then the proxy")
     lines = [f"# {dep.source}: {len(procs)} processes on {len(dep.hosts)} hosts; start {order}",
@@ -252,13 +289,48 @@ def _children(procs: Sequence[Process], prefix: Mapping[str, Sequence[str]],
     threads = int(env["PDKV_NUM_THREADS"])
     out = []
     for p in procs:
-        if p.name == "pool":
+        if p.name.startswith("pool"):  # started before them (start_pool)
             continue
         is_engine = p in engines
         out.append(Child(p.name, p.url, [*prefix.get(p.host, ()), *p.argv],
                          env if is_engine else dict(os.environ), role=f"{p.role} on {p.host}",
                          threads=threads if is_engine else 0))
     return out
+
+
+
+def find_pool_binary(dep: Deployment) -> str | None:
+    """The pool service's server binary (redis-server or mooncake_master; None without a
+    pool).
+
+    Raises:
+        RuntimeError: it is not installed (the message says how to install it).
+    """
+    if dep.pool is None:
+        return None
+    return find_mooncake_master() if dep.pool.service == "mooncake" else find_redis_server()
+
+
+def start_pool(dep: Deployment, place: Placement, prefix: Mapping[str, Sequence[str]],
+               log_dir: str) -> Service:
+    """Start the deployment's pool service on its host (its address and port in `place`, under
+    `prefix[host]`: `ip netns exec`), logging under `log_dir`; ready when it returns (redis
+    answers PING, the mooncake master accepts connections and its store process said "ready").
+
+    Raises:
+        RuntimeError: no pool, the server is missing, exits early or is not ready in time.
+    """
+    pool = dep.pool
+    if pool is None:
+        raise RuntimeError("the deployment has no [pool]")
+    os.makedirs(log_dir, exist_ok=True)
+    host, port = place.addresses[pool.host], place.port(pool.host, pool.port)
+    exec_prefix = prefix.get(pool.host, ())
+    if pool.service == "mooncake":
+        return start_mooncake(segment_bytes=pool.segment_bytes, port=port, host=host,
+                              log_dir=log_dir, metrics_port=place.port(pool.host, pool.port + 1),
+                              exec_prefix=exec_prefix)
+    return start_redis(port=port, host=host, log_dir=log_dir, exec_prefix=exec_prefix)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -312,14 +384,11 @@ def run_deployment(dep: Deployment, *, netns: bool, log_dir: str, health_timeout
         if reason:
             print(f"error: --netns {reason}", file=sys.stderr)
             return 1
-    if dep.pool is not None:
-        try:
-            redis_server = find_redis_server()
-        except RuntimeError as e:
-            print(f"error: the deployment's pool: {e}", file=sys.stderr)
-            return 1
-    else:
-        redis_server = "redis-server"
+    try:
+        pool_binary = find_pool_binary(dep)
+    except RuntimeError as e:
+        print(f"error: the deployment's pool: {e}", file=sys.stderr)
+        return 1
     stop_on_signals()
     bridge: NetnsBridge | None = None
     services: list[PoolServer] = []
@@ -343,21 +412,17 @@ def run_deployment(dep: Deployment, *, netns: bool, log_dir: str, health_timeout
         n_engines = len(dep.engines)
         threads = threads_per_engine or max(1, (os.cpu_count() or 1) // n_engines)
         env = dict(os.environ, PDKV_NUM_THREADS=str(threads))
-        procs = processes(dep, place, [sys.executable, "-m", "pdkv.cli"], redis_server,
-                          extra_engine_flags, engine_ids)
+        procs = processes(dep, place, [sys.executable, "-m", "pdkv.cli"], pool_binary,
+                          extra_engine_flags, sys.executable, engine_ids)
         if dep.pool is not None:
-            os.makedirs(log_dir, exist_ok=True)
-            pool_host = dep.pool.host
             try:
-                server = start_redis(
-                    port=place.port(pool_host, dep.pool.port), host=place.addresses[pool_host],
-                    log_dir=log_dir, exec_prefix=prefix.get(pool_host, ()))
+                server = start_pool(dep, place, prefix, log_dir)
             except RuntimeError as e:
                 print(f"error: the deployment's pool: {e}", file=sys.stderr)
                 return 1
             services.append(server)
-            print(f"pool: redis on {pool_host} at {server.address} (pids {server.pids}), "
-                  f"chunk {dep.pool.chunk_size} tokens", flush=True)
+            print(f"pool: {dep.pool.service} on {dep.pool.host} at {server.address} (pids "
+                  f"{server.pids}), chunk {dep.pool.chunk_size} tokens", flush=True)
         topo.children = _children(procs, prefix, env)
         topo.endpoint = place.url(dep.proxy.host, dep.proxy.port)
         return supervise(topo, log_dir, health_timeout, on_ready)

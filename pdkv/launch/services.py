@@ -1,5 +1,6 @@
 """Start and stop the servers a pool tier needs (redis-server; mooncake_master plus a store
-process) as subprocesses bound to loopback, each with a readiness deadline.
+process) as subprocesses bound to loopback (or to a pool host's address, run in its network
+namespace), each with a readiness deadline.
 
 The Mooncake master stores nothing itself, and a client's clean close drops the objects in its
 segment, so `start_mooncake` also starts `pdkv.kvpool.mooncake_store_server`: a long-lived
@@ -251,23 +252,73 @@ def start_redis(
     raise AssertionError("unreachable")
 
 
+def find_mooncake_master() -> str:
+    """Path of mooncake_master (next to sys.executable, else on PATH).
+
+    Raises:
+        RuntimeError: not found (the message says how to install it).
+    """
+    return _find_binary("mooncake_master", MOONCAKE_INSTALL_HINT)
+
+
+def mooncake_unavailable() -> str | None:
+    """Why Mooncake (its transfer engine, Store client and mooncake_master) cannot run here (the
+    message says what to install), or None."""
+    try:
+        import mooncake.engine  # noqa: F401
+        import mooncake.store  # noqa: F401
+    except ImportError as e:
+        return f"the mooncake package cannot be imported ({e}): {MOONCAKE_INSTALL_HINT}"
+    try:
+        find_mooncake_master()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def mooncake_master_argv(binary: str, host: str, port: int, metrics_port: int) -> list[str]:
+    """The mooncake_master command line of a pool: RPC on `host`:`port`, Prometheus metrics on
+    `host`:`metrics_port`, and no embedded HTTP metadata server (it would bind every interface;
+    clients use P2PHANDSHAKE instead)."""
+    return [binary, f"--rpc_address={host}", f"--rpc_port={port}", f"--metrics_host={host}",
+            f"--metrics_port={metrics_port}", "--enable_http_metadata_server=false"]
+
+
+def mooncake_store_argv(python: str, host: str, master: str, segment_bytes: int,
+                        parent_pid: int = 0) -> list[str]:
+    """The command line of the store process (`pdkv.kvpool.mooncake_store_server`) that mounts
+    `segment_bytes` of memory into the store of the master at `master` ("HOST:PORT"), reached by
+    peers at `host`; with `parent_pid`, it exits when that process is gone."""
+    argv = [python, "-m", "pdkv.kvpool.mooncake_store_server", "--master", master,
+            "--segment-bytes", str(segment_bytes), "--local-hostname", host]
+    return argv + (["--parent-pid", str(parent_pid)] if parent_pid else [])
+
+
 def start_mooncake(
     segment_bytes: int = 512 << 20,
     port: int | None = None,
     host: str = "127.0.0.1",
     timeout_s: float = 30.0,
     log_dir: str | None = None,
+    metrics_port: int | None = None,
+    exec_prefix: Sequence[str] = (),
 ) -> Service:
-    """Start a Mooncake Store: `mooncake_master` (RPC on HOST:P, metrics on a free loopback
-    port, no embedded HTTP metadata server: clients use P2PHANDSHAKE) and one
+    """Start a Mooncake Store: `mooncake_master` (`mooncake_master_argv`: RPC on HOST:P, metrics
+    on HOST, no embedded HTTP metadata server: clients use P2PHANDSHAKE) and one
     `pdkv.kvpool.mooncake_store_server` process contributing `segment_bytes` of memory.
 
     Args:
         segment_bytes: bytes of memory the store process mounts (the pool's capacity).
         port: master RPC port; None picks a free one.
-        host: loopback address everything binds to.
+        host: address everything binds to and the store process is reached at (loopback by
+            default; a pool host's address for engines on other hosts).
         timeout_s: seconds to wait for the master's port and then for the store's "ready" line.
         log_dir: where logs go; None = a temporary directory removed by stop().
+        metrics_port: the master's metrics port; None picks a free one (on this machine: give
+            it when `host` is not one of this namespace's addresses).
+        exec_prefix: argv prefix both processes run under (`ip netns exec NS`: another host);
+            it must exec the process (the one stopped is the one started). The master is
+            checked from this process at HOST:P.
 
     Returns:
         A Service whose address is the master's "HOST:P" (MooncakeTier's `master`).
@@ -279,23 +330,13 @@ def start_mooncake(
     """
     if segment_bytes <= 0:
         raise ValueError(f"segment_bytes must be > 0, got {segment_bytes}")
-    binary = _find_binary("mooncake_master", MOONCAKE_INSTALL_HINT)
+    binary = find_mooncake_master()
     logs, owns = _make_log_dir(log_dir, "pdkv-mooncake-")
     taken = set() if port is None else {port}
     p = port if port is not None else free_port(taken, host)
-    metrics = free_port(taken, host)
+    metrics = metrics_port if metrics_port is not None else free_port(taken, host)
     master_log = logs / f"mooncake-master-{p}.log"
-    master = _spawn(
-        [
-            binary,
-            f"--rpc_address={host}",
-            f"--rpc_port={p}",
-            f"--metrics_host={host}",
-            f"--metrics_port={metrics}",
-            "--enable_http_metadata_server=false",
-        ],
-        master_log,
-    )
+    master = _spawn([*exec_prefix, *mooncake_master_argv(binary, host, p, metrics)], master_log)
     procs = [master]
     try:
         _wait_ready(
@@ -309,23 +350,8 @@ def start_mooncake(
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])  # so `-m pdkv...` resolves this checkout
         env["PYTHONPATH"] = os.pathsep.join(x for x in (root, env.get("PYTHONPATH", "")) if x)
-        store = _spawn(
-            [
-                sys.executable,
-                "-m",
-                "pdkv.kvpool.mooncake_store_server",
-                "--master",
-                f"{host}:{p}",
-                "--segment-bytes",
-                str(segment_bytes),
-                "--local-hostname",
-                host,
-                "--parent-pid",
-                str(os.getpid()),
-            ],
-            store_log,
-            env,
-        )
+        store = _spawn([*exec_prefix, *mooncake_store_argv(
+            sys.executable, host, f"{host}:{p}", segment_bytes, os.getpid())], store_log, env)
         procs.append(store)
         _wait_ready(
             store,

@@ -71,6 +71,9 @@ def test_sweep_lists_give_every_point_its_own_seed_and_quick_is_small():
     assert (
         args.input_lens == [256] and args.max_concurrency == [0, 2] and args.link_rate_bps == 1.25e8
     )
+    with pytest.raises(ValueError, match="shm transfer engine refuses it"):
+        resolve_args(add_cli_args(argparse.ArgumentParser()).parse_args(
+            ["--kv-transfer", "shm", "--link-rate", "1gbit"]))
 
 
 def test_phase_groups_fold_pd_and_colocated_phases_and_add_up():

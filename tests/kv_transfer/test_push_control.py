@@ -216,3 +216,29 @@ def test_one_sided_engine_writes_only_what_d_accepted(kind):
     finally:
         p.close()
         d.close()
+
+
+def test_an_shm_producer_copies_nothing_into_a_consumer_on_another_host():
+    """The acceptance names D's host identity: a P on another host (another network namespace)
+    writes nothing into segments of the same name, and the write ends as not landed."""
+    from pdkv.kv_transfer.engine.shm import ShmTransferEngine
+
+    handler = Handler()
+    d = ShmTransferEngine(idle_timeout=5.0, host_id="boot a netns 1")
+    p = ShmTransferEngine(idle_timeout=5.0, host_id="boot a netns 2")
+    try:
+        region = d.allocate("g0", 64)
+        region[:] = b"\x5a" * 64
+        d.register_region("g0", region)
+        d.set_write_handler(handler.authorize, handler.on_written)
+        d.start("127.0.0.1")
+        host, port = d.write_address()
+        src = memoryview(bytearray(16))
+        with pytest.raises(TransferError, match=r"consumer is on host \[boot a netns 1\]"):
+            p.write({"host": host, "port": port}, [WriteOp("g0", 0, 16, src)],
+                    time.monotonic() + 20, GRANT)
+        assert bytes(region) == b"\x5a" * 64
+        assert handler.written == [(GRANT, "g0", [(0, 16)], False)]
+    finally:
+        p.close()
+        d.close()

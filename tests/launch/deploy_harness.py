@@ -1,9 +1,11 @@
 """`pdkv up --deploy FILE` as a test drives it: the launcher in its own session with its output
 in a file, the URLs it prints, the engines' Prometheus metrics and a greedy completion through
-the proxy (shared by tests/launch/test_deploy_up.py and test_link_faults.py)."""
+the proxy, the KV formula (shared by tests/launch/test_deploy_up.py, test_link_faults.py and
+test_deploy_mooncake.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,6 +18,19 @@ import httpx
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 MAX_TOKENS = 8
+BS = 16  # the engines' block size (default)
+
+
+def kv_bytes(model_dir: str, num_tokens: int) -> int:
+    """KV bytes D pulls for a prompt of `num_tokens`: every block P computed, whole (D
+    recomputes the last token, but the block holding it is pulled with the rest; as
+    tests/kv_transfer/test_pd_mla.py), each block = block size x layers x 2 (K and V) x KV
+    heads x head size x 4 bytes (float32)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        c = json.load(f)
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head * 4
+    return -(-num_tokens // BS) * BS * per_token
 
 
 class Up:

@@ -23,6 +23,7 @@ ONE_P_ONE_D = os.path.join(EXAMPLES, "1p1d.toml")
 TWO_P_POOL = os.path.join(EXAMPLES, "2p1d-pool.toml")
 TP_TWO_HOSTS = os.path.join(EXAMPLES, "1p1d-tp2-two-hosts.toml")
 KV_AWARE = os.path.join(EXAMPLES, "2p1d-kv-aware.toml")
+MOONCAKE = os.path.join(EXAMPLES, "1p1d-mooncake.toml")
 
 BASE = """\
 model = "tiny-llama-kv2"
@@ -62,6 +63,12 @@ def test_the_examples_parse():
     (d,) = tp.decode
     assert (d.host, d.worker_hosts, d.nnodes, d.master_port) == ("node-d0", ("node-d1",), 2, 29500)
     assert tp.prefill[0].worker_hosts == () and tp.prefill[0].nnodes == 1
+    mc = load_deployment(MOONCAKE)
+    assert mc.kv_transfer == "mooncake" and mc.pool is not None
+    assert (mc.pool.service, mc.pool.host, mc.pool.port, mc.pool.ports) == (
+        "mooncake", "node-pool", 50051, 2)
+    assert (mc.pool.chunk_size, mc.pool.segment_bytes) == (64, 256 << 20)
+    assert (mc.prefill[0].kv_port, mc.prefill[0].transfer_port) == (14600, 0)
 
 
 def test_print_commands_tp2_on_two_hosts():
@@ -158,8 +165,25 @@ BAD = [
                  + 'routing = "kv_aware"\n',
                  ":12: prefill[0].kv_events_port: port 8100 on host 'a' is also prefill[0].port",
                  id="kv-events-replay-port-taken"),
-    pytest.param(BASE + '[pool]\nservice = "mooncake"\nhost = "a"\nport = 6379\n',
-                 ":21: pool.service: 'mooncake' is not one of redis", id="mooncake-pool"),
+    pytest.param(BASE + '[pool]\nservice = "valkey"\nhost = "a"\nport = 6379\n',
+                 ":21: pool.service: 'valkey' is not one of redis, mooncake", id="pool-service"),
+    pytest.param(BASE + '[pool]\nservice = "redis"\nhost = "a"\nport = 6379\n'
+                 'segment_bytes = 1024\n',
+                 ":24: pool.segment_bytes: only a mooncake pool mounts a segment",
+                 id="segment-bytes-redis"),
+    pytest.param(BASE + '[pool]\nservice = "mooncake"\nhost = "a"\nport = 6379\n'
+                 'segment_bytes = -1\n',
+                 ":24: pool.segment_bytes: must be a positive integer", id="segment-bytes"),
+    pytest.param(BASE + '[pool]\nservice = "mooncake"\nhost = "b"\nport = 7999\n',
+                 ":23: pool.port: port 8000 on host 'b' is also proxy.port",
+                 id="mooncake-metrics-port-taken"),
+    pytest.param(BASE + '[pool]\nservice = "mooncake"\nhost = "a"\nport = 65535\n',
+                 ":23: pool.port: ports 65535-65536 go past 65535", id="mooncake-port-max"),
+    pytest.param('kv_transfer = "mooncake"\n' + _edit('host = "a"\nport = 8100',
+                                                     'host = "a"\nport = 8100\n'
+                                                     'transfer_port = 14700'),
+                 ":13: prefill[0].transfer_port: only the tcp transfer engine has a data port",
+                 id="transfer-port-mooncake"),
     pytest.param(BASE + '[pool]\nservice = "redis"\nhost = "a"\nport = 6379\nchunk_size = 0\n',
                  ":24: pool.chunk_size: must be a positive integer", id="chunk-size"),
     pytest.param(_edit("[hosts.b]", '[hosts."b c"]').replace('"b"', '"b c"'),
@@ -349,6 +373,45 @@ def test_an_engine_id_is_fixed_only_when_asked():
                                  engine_ids={"prefill0": "chaos-prefill0"})
     p, d = (json.loads(_flag(list(x.argv), "--kv-transfer-config")) for x in procs[:2])
     assert p["engine_id"] == "chaos-prefill0" and "engine_id" not in d
+
+
+def test_print_commands_1p1d_over_mooncake_with_a_mooncake_pool():
+    """mooncake_master and the store process bound to the pool host's address, first in the
+    start order; each engine's mooncake tier a client at its own host's address, its P2P
+    connector on the mooncake transfer engine bound to and advertising that address."""
+    text = deploy_run.format_commands(load_deployment(MOONCAKE))
+    hosts = _sections(text)
+    assert list(hosts) == ["node-p", "node-d", "node-pool"]
+    master, store = [shlex.split(c) for c in hosts["node-pool"]]
+    assert master == ["mooncake_master", "--rpc_address=10.0.0.13", "--rpc_port=50051",
+                      "--metrics_host=10.0.0.13", "--metrics_port=50052",
+                      "--enable_http_metadata_server=false"]
+    assert store == ["python", "-m", "pdkv.kvpool.mooncake_store_server", "--master",
+                     "10.0.0.13:50051", "--segment-bytes", str(256 << 20), "--local-hostname",
+                     "10.0.0.13"]
+    (p,) = [shlex.split(c) for c in hosts["node-p"]]
+    d, _proxy = [shlex.split(c) for c in hosts["node-d"]]
+    for argv, address, order in ((p, "10.0.0.11", (0, 1)), (d, "10.0.0.12", (1, 0))):
+        kids = json.loads(_flag(argv, "--kv-transfer-config"))["kv_connector_extra_config"][
+            "connectors"]
+        p2p, pool = kids[order[0]], kids[order[1]]
+        extra = p2p["kv_connector_extra_config"]
+        assert (extra["transfer"], extra["kv_host"], extra["kv_advertise_host"]) == (
+            "mooncake", address, address)
+        assert "transfer_port" not in extra
+        assert pool["kv_connector_extra_config"] == {"chunk_size": 64, "tiers": [
+            {"name": "mooncake", "master": "10.0.0.13:50051", "local_hostname": address}]}
+    assert text.index("start the pool first") < text.index("# host")
+
+
+def test_loopback_keeps_a_mooncake_pools_two_ports_consecutive():
+    dep = load_deployment(MOONCAKE)
+    place = deploy_run.on_loopback(dep)
+    rpc = place.port("node-pool", 50051)
+    assert place.port("node-pool", 50052) == rpc + 1
+    (master, _store) = deploy_run.pool_processes(dep, place)
+    assert f"--rpc_port={rpc}" in master.argv and f"--metrics_port={rpc + 1}" in master.argv
+    assert "--rpc_address=127.0.0.1" in master.argv
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -6,14 +6,13 @@ failed start). Root-only tests skip with the reason, but fail under CI=true."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
 
 import httpx
 import pytest
-from deploy_harness import MAX_TOKENS, ROOT, Up
+from deploy_harness import BS, MAX_TOKENS, ROOT, Up, kv_bytes
 from deploy_harness import complete as _complete
 from deploy_harness import metric as _metric
 from deploy_harness import wait_metric as _wait_metric
@@ -25,7 +24,6 @@ from pdkv.launch.netns import list_namespaces, unavailable_reason
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 EXAMPLE = os.path.join(ROOT, "examples", "deploy", "1p1d.toml")
-BS = 16  # the engines' block size (default)
 NUM_KV_BLOCKS = 64  # the example's --num-kv-blocks
 # 33 tokens: 3 blocks, the last holding only the last prompt token, which D recomputes; that
 # block still moves whole (so ceil(33 / 16) = 3 blocks, not ceil(32 / 16) = 2).
@@ -34,22 +32,6 @@ POOL_EXAMPLE = os.path.join(ROOT, "examples", "deploy", "2p1d-pool.toml")
 POOL_CHUNK = 32  # the pool example's chunk_size
 REDIS = 'tier="redis"'
 POOL_PROMPT = [(i * 104729 + 7) % 40000 + 100 for i in range(80)]  # 2 whole chunks loadable
-
-
-def _config(model_dir: str) -> dict:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return json.load(f)
-
-
-def kv_bytes(model_dir: str, num_tokens: int) -> int:
-    """KV bytes D pulls for a prompt of `num_tokens`: every block P computed, whole (D
-    recomputes the last token, but the block holding it is pulled with the rest; as
-    tests/kv_transfer/test_pd_mla.py), each block = block size x layers x 2 (K and V) x KV
-    heads x head size x 4 bytes (float32)."""
-    c = _config(model_dir)
-    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head * 4
-    return -(-num_tokens // BS) * BS * per_token
 
 
 @pytest.fixture(scope="module")

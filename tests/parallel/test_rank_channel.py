@@ -178,18 +178,21 @@ def test_a_remote_rank_binds_and_advertises_its_node_host():
     p2p = {"kv_connector": "P2PConnector", "kv_role": "kv_consumer",
            "kv_connector_extra_config": {"transfer": "tcp", "kv_host": "10.0.0.12",
                                          "kv_advertise_host": "10.0.0.12"}}
+    redis = {"name": "redis", "url": "redis://10.0.0.14:6379/0"}
+    pool = {"kv_connector": "KVPoolConnector", "kv_role": "kv_consumer",
+            "kv_connector_extra_config": {"chunk_size": 32, "tiers": [
+                {"name": "mooncake", "master": "10.0.0.14:50051", "local_hostname": "10.0.0.12"},
+                redis]}}
     kvt = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_consumer",
-                           kv_connector_extra_config={"connectors": [
-                               {"kv_connector": "KVPoolConnector", "kv_role": "kv_consumer"},
-                               p2p]})
+                           kv_connector_extra_config={"connectors": [pool, p2p]})
     out = at_node_host(kvt, "10.0.0.13")
     assert out is not None and out.engine_id == kvt.engine_id
     kids = out.kv_connector_extra_config["connectors"]
     assert isinstance(kids, list)
     assert kids[1]["kv_connector_extra_config"] == {
         "transfer": "tcp", "kv_host": "10.0.0.13", "kv_advertise_host": "10.0.0.13"}
-    assert kids[0] == {"kv_connector": "KVPoolConnector", "kv_role": "kv_consumer",
-                       "kv_connector_extra_config": {}}
+    assert kids[0]["kv_connector_extra_config"] == {"chunk_size": 32, "tiers": [
+        {"name": "mooncake", "master": "10.0.0.14:50051", "local_hostname": "10.0.0.13"}, redis]}
     wild = KVTransferConfig(kv_connector="P2PConnector", kv_role="kv_producer",
                             kv_connector_extra_config={"kv_host": "0.0.0.0"})
     fixed = at_node_host(wild, "10.0.0.13")

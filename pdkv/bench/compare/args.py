@@ -215,7 +215,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the defaults that `--quick` changes and parse the lists; raises ValueError on bad
-    sizes or a bad rate."""
+    sizes, a bad rate, or a rate with the shm transfer engine."""
     quick = args.quick
     args.topologies = args.topologies or (QUICK_TOPOLOGIES if quick else DEFAULT_TOPOLOGIES)
     args.input_lens = parse_int_list(
@@ -231,4 +231,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     if min(args.output_len, args.num_prompts, args.pool_chunk_size) < 1:
         raise ValueError("--output-len, --num-prompts and --pool-chunk-size must be >= 1")
     args.link_rate_bps = rate_bytes_per_s(args.link_rate) if args.link_rate else None
+    if args.link_rate and args.kv_transfer == "shm":
+        raise ValueError("--link-rate puts P behind a link in its own network namespace (another "
+                         "host), where the shm transfer engine refuses it (KV through shared "
+                         "memory never crosses the link): use --kv-transfer tcp or mooncake")
     return args

@@ -6,7 +6,9 @@ an unreachable producer stalls only its own work. A pull's deadline is stamped w
 submitted; until its read begins (the producer accepts its claim) its lease keeps being renewed.
 A pull first claims its grant: the producer checks the nonce and the prompt digest, and returns
 the grant's block ids, which must match the ones in kv_transfer_params. A failure, or a producer
-whose incarnation changed (restart), drops the cached handshake and connections to it.
+whose incarnation changed (restart), drops the cached handshake and connections to it. A
+producer the transfer engine cannot read at all (`TransferEngine.peer_refusal`: shm across hosts)
+fails the pull at the handshake, before the claim; the grant is released.
 
 DCP (P/D into DCP): this side belongs to DCP rank r of N. With the interleave equal to the block
 size, producer block k of a request holds tokens [k·bs, (k+1)·bs), all stored on rank k % N in
@@ -229,6 +231,9 @@ class ConsumerSide:
             reply = self._control(remote, hello, HandshakeReply, deadline)
             if not reply.ok:
                 raise TransferError(reply.error)
+            refusal = self.engine.peer_refusal(reply.peer_info)
+            if refusal:  # e.g. shm across hosts: refused before any claim, never cached
+                raise TransferError(f"producer {remote.host}:{remote.port}: {refusal}")
             with self._lock:
                 self._handshakes[remote] = reply
         return reply

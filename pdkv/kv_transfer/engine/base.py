@@ -125,6 +125,12 @@ class TransferEngine(ABC):
     def peer_info(self) -> dict[str, Any]:
         """What a consumer needs to read this engine's regions (sent in the handshake)."""
 
+    def peer_refusal(self, peer: dict[str, Any]) -> str | None:
+        """Consumer side, any thread, at the handshake (where the producer's peer_info is first
+        seen, before any claim or read): why this engine cannot read from `peer` at all (e.g. a
+        same-host engine and a producer on another host), or None. Never blocks."""
+        return None
+
     @abstractmethod
     def read(
         self, peer: dict[str, Any], ops: list[ReadOp], deadline: float, grant: Grant | None = None

@@ -6,11 +6,18 @@ this engine is for a single trusted host (grants are checked on the control plan
 Push mode (the P2P connector's `transfer_mode: push`) runs the other way: the consumer's KV cache
 lives in shared memory too, and the producer copies each layer's bytes into it, every copy
 reserved first with the consumer's write handler and committed after it (push_control.py: no
-byte is copied before the consumer accepted exactly those (block, layer) ranges)."""
+byte is copied before the consumer accepted exactly those (block, layer) ranges).
+
+A consumer refuses, at the handshake, a producer whose `host_identity` differs from its own
+(`peer_refusal`): the pull fails at once with both identities named, instead of mapping a segment
+of the same name that holds other bytes or none. A pushing producer checks the consumer's
+identity (sent with the acceptance) the same way before it copies."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 import time
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -37,21 +44,52 @@ def _attach(name: str) -> shared_memory.SharedMemory:
     return shm
 
 
+def host_identity() -> str:
+    """This process's host as the shm engine counts hosts: "boot <kernel boot id> netns <inode>
+    shm <device>" (parts Linux lacks are left out; no boot id: the host name instead).
+
+    The boot id (/proc/sys/kernel/random/boot_id) names the running kernel, so two machines (or
+    one machine before and after a reboot) differ. The network namespace (the inode of
+    /proc/self/ns/net) counts too: addresses only mean a host through their namespace, and a
+    namespace is how a host is modelled on one machine (`pdkv up --deploy FILE --netns`), so two
+    engines in different namespaces are on different hosts although /dev/shm is shared; a
+    deployment that puts them there must not pass its KV by shared memory. The device of /dev/shm
+    tells apart containers that share a kernel and a network but not their shared memory.
+    """
+    parts: list[str] = []
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            parts.append(f"boot {f.read().strip()}")
+    except OSError:
+        parts.append(f"hostname {socket.gethostname()}")
+    for what, path in (("netns", "/proc/self/ns/net"), ("shm", "/dev/shm")):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        parts.append(f"{what} {st.st_ino if what == 'netns' else st.st_dev}")
+    return " ".join(parts)
+
+
 class ShmTransferEngine(TransferEngine):
-    """Regions are shared-memory segments created by `allocate`; names travel in the handshake
-    (pull) or in the consumer's acceptance of a reserved write (push).
+    """Regions are shared-memory segments created by `allocate`; names and the engine's
+    `host_identity` travel in the handshake (pull) or in the consumer's acceptance of a reserved
+    write (push).
 
     Args:
         port: push mode, consumer side: port of the push control server (0: any free port).
         max_connections: connections that server serves at once.
         idle_timeout: seconds a control connection may idle, and a reserved write may take
             before it is committed.
+        host_id: this engine's host identity (default: `host_identity()`; tests set another to
+            model a peer on another host).
     """
 
     name = "shm"
 
     def __init__(self, port: int = 0, max_connections: int = 64,
-                 idle_timeout: float = 60.0) -> None:
+                 idle_timeout: float = 60.0, host_id: str | None = None) -> None:
+        self.host_id = host_identity() if host_id is None else host_id
         self._owned: list[shared_memory.SharedMemory] = []
         self._names: dict[str, str] = {}  # region -> segment name
         self._sizes: dict[str, int] = {}  # registered region -> bytes
@@ -95,7 +133,21 @@ class ShmTransferEngine(TransferEngine):
         self._control.start(host, self._port)
 
     def peer_info(self) -> dict[str, Any]:
-        return {"segments": dict(self._names)}
+        return {"segments": dict(self._names), "host_id": self.host_id}
+
+    def peer_refusal(self, peer: dict[str, Any]) -> str | None:
+        """Why this engine cannot read `peer`'s shared memory: the producer is on another host
+        (its `host_id` differs from this engine's, or it sent none), or None."""
+        return self._other_host(peer, "producer", "consumer")
+
+    def _other_host(self, peer: dict[str, Any], peer_role: str, my_role: str) -> str | None:
+        theirs = peer.get("host_id")
+        if theirs == self.host_id:
+            return None
+        said = f"on host [{theirs}]" if isinstance(theirs, str) and theirs else "on an unnamed host"
+        return (f"the shm transfer engine moves KV through this host's shared memory, but the "
+                f"{peer_role} is {said} and this {my_role} on host [{self.host_id}] (each network "
+                "namespace counts as a host): use transfer 'tcp' or 'mooncake'")
 
     def write_address(self) -> tuple[str, int] | None:
         """Push mode, consumer side: the push control server (where reservations go)."""
@@ -126,6 +178,9 @@ class ShmTransferEngine(TransferEngine):
         return self._client.write(peer, ops, deadline, grant, self._copy)
 
     def _copy(self, target: dict[str, Any], region: str, ops: list[WriteOp]) -> None:
+        why = self._other_host(target, "consumer", "producer")  # (the acceptance names it)
+        if why:
+            raise TransferError(why)
         seg_name = dict(target.get("segments", {})).get(region)
         if not isinstance(seg_name, str):
             raise TransferError(f"peer has no shared region {region!r}")
