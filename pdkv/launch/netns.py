@@ -96,6 +96,29 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def netem_unavailable_reason() -> str | None:
+    """Why a link `delay` cannot be set here (no namespaces, or a kernel without the netem
+    qdisc, sch_netem), or None when it can. Probes by adding a netem qdisc to the loopback of
+    a throwaway namespace (`pdkv-netem-<random>`, removed again; each command has the
+    IP_TIMEOUT_S deadline)."""
+    reason = unavailable_reason()
+    if reason:
+        return reason
+    ns = f"pdkv-netem-{random.randrange(16**6):06x}"
+    made = run_ip(["ip", "netns", "add", ns], check=False)
+    if made.returncode != 0:
+        return f"cannot create a namespace to probe netem: {made.stderr.strip()}"
+    try:
+        res = run_ip(["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay",
+                      "1ms"], check=False)
+    finally:
+        run_ip(["ip", "netns", "del", ns], check=False)
+    if res.returncode != 0:
+        return (f"this kernel has no netem qdisc, sch_netem (`tc qdisc add ... netem`: "
+                f"{res.stderr.strip()})")
+    return None
+
+
 def run_ip(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run one `ip` / `tc` command with the IP_TIMEOUT_S deadline.
 
