@@ -1,6 +1,6 @@
 """`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos,
-soak, pool, handoff, dcp, hetero, groups, prefill-cap, kvquant, dtype, memory} | compare | plan |
-matrix."""
+hosts, soak, pool, handoff, dcp, hetero, groups, prefill-cap, kvquant, dtype, memory} | compare |
+plan | matrix."""
 
 from __future__ import annotations
 
@@ -124,6 +124,8 @@ BENCH_COMMANDS = (
             "pdkv.bench.transfer.cli"),
     Command("chaos", "1P1D through the proxy under client cancels and a prefill restart",
             "pdkv.bench.chaos.cli"),
+    Command("hosts", "TTFT / TPOT of a deployment file on loopback vs shaped links between "
+            "network namespaces (one run, one markdown table)", "pdkv.bench.hosts"),
     Command("soak", "hours of mixed load on P/D + pool and colocated behind two proxies: no "
             "5xx, greedy texts equal a reference, blocks, fds and RSS back/flat, plot",
             "pdkv.bench.soak.cli"),
