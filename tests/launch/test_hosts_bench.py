@@ -87,7 +87,7 @@ def test_each_case_shapes_every_host_link_and_the_documented_run_is_accepted():
     assert {h.link for h in bare.hosts} == {LinkShape()}
     # the guide's command: the SmolLM2 file takes 512 + 32 tokens
     args = _args("--deploy", SMOLLM2, "--netns", "--link-rates", "loopback,1gbit,110mbit",
-                 "--link-delay", "1ms", "--num-prompts", "16")
+                 "--link-delay", "0.5ms", "--num-prompts", "16")
     assert [c.name for c in hosts.check_args(args, load_deployment(SMOLLM2))] == [
         "loopback", "1gbit", "110mbit"]
 
