@@ -294,9 +294,9 @@ def format_table(cases: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def commit_text() -> str:
-    """HEAD's short hash, "+ uncommitted changes" when the tree differs from it."""
-    commit = machine()["commit"]
+def commit_text(commit: str) -> str:
+    """`commit` (HEAD's short hash), "+ uncommitted changes" when the tracked files differ
+    from it (git's answer within 10 s; none: as clean)."""
     try:
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10,
@@ -344,7 +344,8 @@ def run(args: argparse.Namespace, dep: Deployment, cases: Sequence[Case],
                 "are measured without a delay (their link column says so)")
     cfg = bench_config(args, dep)
     load_before = os.getloadavg()
-    host = dict(machine(), commit=commit_text())
+    host = machine()
+    host["commit"] = commit_text(host["commit"])
     t0 = time.monotonic()
     entries = []
     for case in cases:
