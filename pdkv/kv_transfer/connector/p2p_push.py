@@ -130,6 +130,8 @@ class PushSender:
         lb = bb // n
         region = self.regions[g]
         for spec in self._specs:
+            if spec.request_id in self._failed:
+                continue  # (the sender thread sends no more of it either)
             if spec.reblock:
                 ops = self._gathered(spec, g, j, n)
             else:
@@ -146,9 +148,9 @@ class PushSender:
         gathered from P's blocks into its own buffer of D's per-layer unit (2 × D block size ×
         Σ row bytes; slots past the prompt's end stay zero, D never reads them), one write of a
         whole (block, layer) unit each. Copies on the calling (engine) thread, so P's blocks
-        are read before the next layers run. A spec whose rows do not make P's block bytes
-        fails its push (logged and counted, as a refused write): D's window then ends at its
-        lease."""
+        are read before the next layers run. A spec whose rows do not make P's block bytes, or
+        whose P blocks do not hold a D block's tokens, fails its push (logged and counted as
+        `kv_push_failures`; nothing more of it is sent): D's window then ends at its lease."""
         rb = spec.reblock[g]
         rows = rb.row_bytes
         unit = 2 * rb.d_block_size * sum(rows)
@@ -161,9 +163,14 @@ class PushSender:
         ops = []
         for i, d in enumerate(spec.remote_block_ids[g]):
             buf = memoryview(bytearray(unit))
-            for c in plan_unit_gather(spec.local_block_ids[g], rb.p_first_block, rb.p_block_size,
-                                      rb.d_block_size, rb.d_first_block + i, j, n, rows,
-                                      rb.num_tokens):
+            try:
+                copies = plan_unit_gather(spec.local_block_ids[g], rb.p_first_block,
+                                          rb.p_block_size, rb.d_block_size, rb.d_first_block + i,
+                                          j, n, rows, rb.num_tokens)
+            except ValueError as e:
+                self._fail(spec, f"re-blocking D block {rb.d_first_block + i}: {e}")
+                return []
+            for c in copies:
                 buf[c.local_offset : c.local_offset + c.nbytes] = \
                     region[c.remote_offset : c.remote_offset + c.nbytes]
             ops.append(WriteOp(f"g{g}", (d * n + j) * unit, unit, buf))
