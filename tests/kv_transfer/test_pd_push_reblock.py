@@ -68,10 +68,9 @@ def test_push_across_block_sizes_matches_colocated_and_moves_d_blocks(tiny_llama
         stats, p_stats = d.llm_engine.scheduler.kv_stats, p.llm_engine.scheduler.kv_stats
         bb = d.llm_engine.runner.kv_cache_config.block_bytes(0)
         layers = len(d.llm_engine.runner.kv_cache_config.groups[0].layer_indices)
-        got: list[list[int]] = []
         blocks = 0
-        for batch in ([short, long_], [extended]):  # the second after D cached long_
-            ids = open_windows(d, batch)
+        for batch, ref in (([short, long_], refs[:2]), ([extended], refs[2:])):
+            ids = open_windows(d, batch)  # (the second batch after D cached long_)
             grants = [grant_of(d, r) for r in ids]
             for prompt, grant in zip(batch, grants):
                 assert grant.block_size == d_bs
@@ -79,9 +78,8 @@ def test_push_across_block_sizes_matches_colocated_and_moves_d_blocks(tiny_llama
                 assert len(grant.block_ids[0]) == need > 0
                 blocks += need
                 push_prefill(p, prompt, grant)
-            got += finish(d, ids)
+            assert finish(d, ids) == ref
         assert grants[0].first_block == 100 // d_bs  # D's prefix hit: whole D blocks
-        assert got == refs
         pump([p, d], lambda: idle(p, d), timeout=30)
         counts = {k: stats.get(k, 0.0) + p_stats.get(k, 0.0)
                   for k in ("kv_bytes_received", "kv_bytes_pushed", "kv_push_writes",
