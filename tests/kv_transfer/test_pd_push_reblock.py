@@ -2,8 +2,9 @@
 size) and accepts only whole (D block, layer) units; P pushes a D block once it has computed every
 token in it, gathering each layer's K and V rows of its tokens from P's blocks into one unit. Two
 engines in one process (tiny-llama-kv2), P 16 -> D 32 and P 32 -> D 16, chunked prefill of 24
-tokens a step so D blocks complete across steps and straddle P's: D's greedy tokens equal the
-colocated engine's, D received D blocks granted x D block bytes, nothing refused. A D prefix hit
+tokens a step so D blocks complete across steps and straddle P's (plain and int8 pages): D's
+greedy tokens equal the colocated engine's, D received D blocks granted x D block bytes, nothing
+refused. A D prefix hit
 shrinks the window to the D blocks after it. What is not re-blocked (MLA latent blocks,
 sliding-window groups, more than one KV cache group) is refused at P, naming both block
 sizes."""
@@ -53,10 +54,13 @@ def reports(llm: LLM) -> str:
                             tuple(g.spec.kind == "linear_state" for g in groups))
 
 
-@pytest.mark.parametrize(("p_bs", "d_bs"), [(16, 32), (32, 16)])
+@pytest.mark.parametrize(("p_bs", "d_bs", "kv_dtype"),
+                         [(16, 32, "auto"), (32, 16, "auto"), (32, 16, "int8")])
 def test_push_across_block_sizes_matches_colocated_and_moves_d_blocks(tiny_llama_kv2, p_bs,
-                                                                      d_bs):
-    p, d = pair(tiny_llama_kv2, p_bs, d_bs)
+                                                                      d_bs, kv_dtype):
+    """int8: a quantized page's two planes (values, then scales) are gathered row by row too;
+    the reference is the colocated engine of the same kv_cache_dtype."""
+    p, d = pair(tiny_llama_kv2, p_bs, d_bs, kv_cache_dtype=kv_dtype)
     try:
         assert reports(p) == reports(d) == "any"
         short, long_ = prompts_for((30, 150))
