@@ -135,7 +135,8 @@ class PushScheduler:
         spec: the connector (role, engine id; `p2p.transfer_mode`, `p2p.transfer_timeout`: the
             window's lease in seconds).
         layout: this engine's KV layout.
-        block_size: tokens per block.
+        block_size: tokens per block (this engine's; a producer's grant may count D's blocks
+            of another size: the pushes are re-blocked, `PushReblock`).
         sliding_windows, linear_groups: per KV cache group (a window group moves the blocks D
             keeps, a linear group its state slot after the prompt).
         address: consumer: its data server [host, port] (filled by the worker half at start-up),
@@ -183,7 +184,8 @@ class PushScheduler:
 
         Raises:
             ValueError: this engine is not in push mode; a grant that does not parse, is for
-                another layout, block size or prompt.
+                another layout or prompt, or for a block size this model does not push across
+                (`reblock_push_error`, naming both sizes).
         """
         if not self.enabled:  # (a push engine's layout was checked at start-up)
             raise ValueError("kv_transfer_params ask for a push but this P2PConnector has "
