@@ -20,6 +20,8 @@ With different block sizes a producer block is not a contiguous part of
 a consumer block, but for each (layer, K/V) the rows of a run of tokens that lies inside one
 producer block and one consumer block are contiguous on both sides: one copy per such run.
 Copies contiguous on both sides are merged (equal block sizes give whole-block copies).
+A push across block sizes gathers each consumer (block, layer) unit the same way
+(`plan_unit_gather`): the consumer accepts only whole units.
 MLA blocks ("blocks_layers_tokens_latent": [num_layers, block_size, latent + rope], no K/V
 halves) do not fit this formula; re-blocking them is refused before planning
 (`pdkv.kv_transfer.connector.p2p_compat.mla_error`).
@@ -115,6 +117,74 @@ def plan_reblock(
                     )
                 p_at += 2 * p_block_size * row
                 d_at += 2 * d_block_size * row
+        t += n
+    return copies
+
+
+def plan_unit_gather(
+    p_block_ids: Sequence[int],
+    p_first_block: int,
+    p_block_size: int,
+    d_block_size: int,
+    d_index: int,
+    layer: int,
+    num_layers: int,
+    row_bytes: Sequence[int],
+    num_tokens: int,
+) -> list[Copy]:
+    """The copies that fill one consumer (layer, block) unit from the producer's blocks: a
+    push across block sizes writes each consumer block's layer as one unit, gathered first.
+
+    The unit is layer `layer`'s page of consumer block index `d_index`: 2 × d_block_size ×
+    Σ row_bytes bytes, laid out as in a consumer block (module doc: per plane, K rows then V
+    rows of d_block_size slots). Its tokens are [d_index × d_block_size, min((d_index + 1) ×
+    d_block_size, num_tokens)); slots past `num_tokens` are written by no copy.
+
+    Args:
+        p_block_ids: producer block ids; p_block_ids[i] holds block index p_first_block + i.
+        p_first_block: block index (producer block size) of p_block_ids[0].
+        p_block_size, d_block_size: tokens per block on each side.
+        d_index: the consumer block's index (consumer block size).
+        layer: the layer within the group (0 .. num_layers - 1).
+        num_layers: layers per block of the group.
+        row_bytes: bytes of one token's K (or V) per plane of a layer's page, in page order.
+        num_tokens: the prompt's tokens.
+
+    Returns:
+        Copies with `remote_offset` from the start of the producer's region and `local_offset`
+        from the start of the unit, in token order, merged where contiguous on both sides.
+
+    Raises:
+        ValueError: a non-positive size, a layer outside the block, a unit with no token of the
+            prompt, or a token of the unit that no given producer block holds.
+    """
+    rows = list(row_bytes)
+    if not rows or min(p_block_size, d_block_size, num_layers, *rows) <= 0:
+        raise ValueError("block sizes, num_layers and row_bytes must be positive")
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"layer {layer} is not one of the block's {num_layers} layers")
+    first, end = d_index * d_block_size, min((d_index + 1) * d_block_size, num_tokens)
+    if not 0 <= first < end:
+        raise ValueError(f"consumer block {d_index} holds no token of a {num_tokens}-token prompt")
+    p_end = (p_first_block + len(p_block_ids)) * p_block_size
+    if first < p_first_block * p_block_size or end > p_end:
+        raise ValueError(f"producer blocks cover [{p_first_block * p_block_size}, {p_end}), "
+                         f"not [{first}, {end})")
+    page = 2 * p_block_size * sum(rows)  # one layer's bytes of a producer block
+    copies: list[Copy] = []
+    t = first
+    while t < end:  # runs of the unit's tokens inside one producer block
+        pi, ps = divmod(t, p_block_size)
+        ds = t - first
+        n = min(end - t, p_block_size - ps)
+        p_at = p_block_ids[pi - p_first_block] * num_layers * page + layer * page
+        d_at = 0
+        for row in rows:  # the page's planes, in order
+            for k in range(2):
+                _append(copies, Copy(p_at + (k * p_block_size + ps) * row,
+                                     d_at + (k * d_block_size + ds) * row, n * row))
+            p_at += 2 * p_block_size * row
+            d_at += 2 * d_block_size * row
         t += n
     return copies
 

@@ -32,6 +32,9 @@ class BackendInfo:
         model_ids: the served model names from /v1/models (None when not reported).
         transfer_mode: "push" when its P2PConnector takes push-mode requests (GET /kv_layout's
             `transfer_mode`), else "pull" (also when not reported).
+        push_block_sizes: "any" when it pushes to (or takes pushes from) an engine of another
+            block size (GET /kv_layout's `push_block_sizes`), else "equal" (also when not
+            reported: an engine from before pushes re-blocked).
     """
 
     kv_role: str | None
@@ -42,6 +45,7 @@ class BackendInfo:
     pool_chunk_size: int | None = None
     model_ids: tuple[str, ...] | None = None
     transfer_mode: str = "pull"
+    push_block_sizes: str = "equal"
 
     @property
     def block_size(self) -> int | None:
@@ -63,7 +67,7 @@ async def fetch_info(
     except httpx.HTTPError:
         return None
     chunk: int | None = None
-    mode = "pull"
+    mode, sizes = "pull", "equal"
     if lay.status_code == 404:
         role, engine_id, layout = None, None, None
     elif lay.status_code == 200:
@@ -77,6 +81,7 @@ async def fetch_info(
             raw_chunk = data.get("pool_chunk_size")
             chunk = int(raw_chunk) if raw_chunk is not None else None
             mode = "push" if data.get("transfer_mode") == "push" else "pull"
+            sizes = "any" if data.get("push_block_sizes") == "any" else "equal"
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
     else:
@@ -91,7 +96,7 @@ async def fetch_info(
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             max_len = None
     return BackendInfo(role, engine_id, layout, max_len, time.monotonic(), chunk, model_ids,
-                       mode)
+                       mode, sizes)
 
 
 def unknown_model(model: JSONValue, infos: list[BackendInfo | None]) -> str | None:

@@ -17,8 +17,9 @@
    the blocks after it.
 
 The push flow runs when GET /kv_layout of both engines reports transfer_mode "push" with one block
-size and the request asks for one choice (n = 1); otherwise the pull flow of `pdkv.router.proxy_pd`
-runs (a push-mode engine still takes pull requests; the pull converts block sizes).
+size (or both report `push_block_sizes` "any": P re-blocks into D's blocks) and the request asks
+for one choice (n = 1); otherwise the pull flow of `pdkv.router.proxy_pd` runs (a push-mode engine
+still takes pull requests; the pull converts block sizes).
 
 Failures: D refusing the decode leg (its error reaches the client, P never sees the request); no
 window within the proxy's leg timeout (503; D's leg is abandoned, which aborts the request
@@ -90,17 +91,21 @@ MAX_WINDOW_WAIT_S = 600.0
 
 def wants_push(pd: PDPath, p_url: str, d_url: str, body: JSONObject) -> bool:
     """Whether this request takes the push flow: both engines push (GET /kv_layout), with one
-    block size (the pull flow converts block sizes, a push does not), and it asks for one
-    choice."""
+    block size or both able to push across block sizes (`push_block_sizes` "any": P re-blocks
+    into D's blocks), and it asks for one choice. A pair of other block sizes that cannot is
+    pulled (the pull converts what it can), and said once per pair."""
     ip, idd = pd.infos.get(p_url), pd.infos.get(d_url)
     if ip is None or idd is None or ip.transfer_mode != "push" or idd.transfer_mode != "push":
         return False
-    if ip.block_size != idd.block_size:
+    if ip.block_size != idd.block_size and not (ip.push_block_sizes == "any"
+                                                and idd.push_block_sizes == "any"):
         if (p_url, d_url) not in pd.pulled_pairs:  # said once per pair, not per request
             pd.pulled_pairs.add((p_url, d_url))
-            logger.warning("push needs one block size: %s (block size %d) and %s (%d) are both "
-                           "in push mode, their requests are pulled (a pull converts block "
-                           "sizes)", p_url, ip.block_size, d_url, idd.block_size)
+            logger.warning("push needs one block size here: %s (block size %d, push_block_sizes "
+                           "%r) and %s (%d, %r) are both in push mode but not both able to push "
+                           "across block sizes; their requests are pulled (a pull converts "
+                           "block sizes)", p_url, ip.block_size, ip.push_block_sizes, d_url,
+                           idd.block_size, idd.push_block_sizes)
         return False
     n = body.get("n")
     return n is None or n == 1

@@ -32,7 +32,7 @@ from pdkv.outputs import RequestOutput
 from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from pdkv.serve.disconnect import ClientDisconnected, until_done_or_disconnect
 from pdkv.serve.handlers import APIError, OpenAIHandlers, PreparedRequest
-from pdkv.serve.kv_push import add_push_routes, transfer_mode
+from pdkv.serve.kv_push import add_push_routes, engine_push_block_sizes, transfer_mode
 from pdkv.serve.metrics import ServerMetrics
 from pdkv.serve.protocol import (
     ChatCompletionRequest,
@@ -102,13 +102,16 @@ class ModelList(TypedDict):
 
 
 class KVLayoutInfo(TypedDict):
-    """GET /kv_layout (`pool_chunk_size` in tokens, None without a KV pool)."""
+    """GET /kv_layout (`pool_chunk_size` in tokens, None without a KV pool; `transfer_mode`
+    "push" | "pull"; `push_block_sizes` "any" when the engine pushes across block sizes, else
+    "equal")."""
 
     kv_role: str
     engine_id: str
     layout: Mapping[str, object]
     pool_chunk_size: int | None
     transfer_mode: str
+    push_block_sizes: str
 
 
 class TokenizeResponse(TypedDict):
@@ -254,6 +257,7 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
             "layout": llm.engine.executor.kv_layout.to_wire(),
             "pool_chunk_size": pool_chunk_size(kvt.kv_connector, kvt.kv_connector_extra_config),
             "transfer_mode": transfer_mode(kvt.kv_connector, kvt.kv_connector_extra_config),
+            "push_block_sizes": engine_push_block_sizes(llm),
         }
 
     add_push_routes(app, llm)

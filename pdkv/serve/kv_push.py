@@ -1,6 +1,7 @@
 """The server's part of push mode (issue 29; `transfer_mode: push` of the P2P connector): which
 transfer mode an engine's connector config asks for (GET /kv_layout's `transfer_mode`, which the
-proxy reads to choose the D-first flow) and D's two routes of the flow, `GET
+proxy reads to choose the D-first flow) and whether it pushes across block sizes (its
+`push_block_sizes`) and D's two routes of the flow, `GET
 /v1/kv/push_grant/{request_id}` and `POST /v1/kv/push_first_token/{request_id}` (`add_push_routes`).
 
 D first: the proxy sends the decode leg to D with kv_transfer_params {"do_remote_prefill": true,
@@ -24,6 +25,7 @@ from fastapi.responses import Response
 
 from pdkv.engine.async_llm import EngineDeadError
 from pdkv.kv_transfer.connector.p2p_messages import PushGrant
+from pdkv.kv_transfer.connector.p2p_push_scheduler import push_block_sizes
 from pdkv.serve.handlers import APIError
 from pdkv.serve.protocol import PushFirstTokenRequest
 
@@ -51,6 +53,16 @@ def transfer_mode(kv_connector: str, extra: object) -> str:
                 for c in children):
             return "push"
     return "pull"
+
+
+def engine_push_block_sizes(llm: AsyncLLM) -> str:
+    """GET /kv_layout's `push_block_sizes`: "any" when this engine's KV cache pushes across
+    block sizes (one full-attention group: `p2p_push_scheduler.push_block_sizes`), else
+    "equal" (a proxy then pushes only to or from an engine of its own block size)."""
+    groups = llm.engine.executor.kv_cache_config.groups
+    return push_block_sizes(llm.engine.executor.kv_layout,
+                            tuple(getattr(g.spec, "sliding_window", None) for g in groups),
+                            tuple(g.spec.kind == "linear_state" for g in groups))
 
 
 async def wait_push_grant(lookup: Callable[[str], PushGrant | None], request_id: str,

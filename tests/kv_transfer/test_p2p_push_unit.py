@@ -69,22 +69,32 @@ def test_a_push_engine_at_tp_or_dcp_above_one_does_not_start():
         P2PConnectorScheduler(spec, layout, BS, list(PRODUCER_ADDR))  # pull: fine
 
 
-def test_a_grant_for_another_block_size_names_p_as_producer_and_d_as_consumer():
+def test_a_grant_for_another_layout_names_p_as_producer_and_d_as_consumer():
+    """A layout field other than the block size differs: refused naming both values (P the
+    producer, D the consumer); a block size is re-blocked, but not on MLA latent blocks."""
     import msgspec
     import pytest
 
+    from pdkv.kv_transfer.connector.p2p_compat import MLA_KV_LAYOUT
     from pdkv.kv_transfer.connector.p2p_messages import PushGrant
     from tests.kv_transfer.p2p_sched_utils import LAYOUT, make
 
-    p = make("kv_producer")
-    p.pushes.enabled = True
-    grant = PushGrant(engine_id="d", request_id="r", nonce="n", block_ids=[[1]], first_block=0,
-                      prompt_digest="x", host="127.0.0.1", port=1, lease_s=5.0, num_tokens=8,
-                      block_size=LAYOUT["block_size"] * 2,
-                      layout={**LAYOUT, "block_size": LAYOUT["block_size"] * 2})
-    with pytest.raises(ValueError) as e:
-        p.pushes.validate(None, {"do_remote_decode": True,  # type: ignore[arg-type]
-                                 "push_grant": msgspec.to_builtins(grant)})
+    def refusal(p_layout: dict, d_layout: dict) -> str:
+        p = make("kv_producer", layout=p_layout)
+        p.pushes.enabled = True
+        grant = PushGrant(engine_id="d", request_id="r", nonce="n", block_ids=[[1]],
+                          first_block=0, prompt_digest="x", host="127.0.0.1", port=1,
+                          lease_s=5.0, num_tokens=8, block_size=int(d_layout["block_size"]),
+                          layout=d_layout)
+        with pytest.raises(ValueError) as e:
+            p.pushes.validate(None, {"do_remote_decode": True,  # type: ignore[arg-type]
+                                     "push_grant": msgspec.to_builtins(grant)})
+        return str(e.value)
+
+    said = refusal(LAYOUT, {**LAYOUT, "dtype": "float32"})
+    assert "dtype: producer='float16' consumer='float32'" in said
     bs = LAYOUT["block_size"]
-    assert f"block_size: producer={bs} consumer={2 * bs}" in str(e.value)
-    assert "transfer_mode 'pull' converts block sizes" in str(e.value)
+    mla = {**LAYOUT, "kv_layout": MLA_KV_LAYOUT}
+    said = refusal(mla, {**mla, "block_size": 2 * bs})
+    assert f"prefill block_size={bs} and decode block_size={2 * bs}" in said
+    assert "MLA latent blocks" in said and "use equal block sizes" in said

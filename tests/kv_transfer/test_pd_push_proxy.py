@@ -110,7 +110,9 @@ def test_the_window_route_answers_each_case(push_stack):
     assert r.status_code == 400
     r = httpx.get(p.url + "/v1/kv/push_grant/nobody", params={"timeout": 0.2}, timeout=10)
     assert r.status_code == 404  # a producer receives no pushes
-    assert httpx.get(d.url + "/kv_layout").json()["transfer_mode"] == "push"
+    layout = httpx.get(d.url + "/kv_layout").json()
+    assert layout["transfer_mode"] == "push"
+    assert layout["push_block_sizes"] == "any"  # one full-attention group: re-blocks pushes
     url = "/v1/kv/push_first_token/nobody"
     r = httpx.post(d.url + url, json={"first_token": 5}, timeout=10)
     assert r.status_code == 400 and "waits for a first token" in r.json()["error"]["message"]
@@ -172,6 +174,8 @@ def test_hybrid_models_through_the_proxy_match_colocated(family, request):
                 wait=False, avoid=tuple(s.port for s in servers)))
         for srv in servers:
             srv.wait_healthy()
+            # not one full-attention group: pushes only between equal block sizes
+            assert httpx.get(srv.url + "/kv_layout").json()["push_block_sizes"] == "equal"
         servers.append(RemoteServer(["proxy", "--prefill", servers[0].url, "--decode",
                                      servers[1].url], avoid=tuple(s.port for s in servers)))
         for x, out, nbytes in zip(prompts, outs, expect):

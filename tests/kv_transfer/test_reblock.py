@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from pdkv.kv_transfer.reblock import Copy, plan_reblock
+from pdkv.kv_transfer.reblock import Copy, plan_reblock, plan_unit_gather
 
 LAYERS = 3
 ROW = 8  # bytes per token row: two int32, both the marker
@@ -201,3 +201,52 @@ def test_quantized_pages_move_values_and_scales_rows_of_every_token(p_bs, d_bs):
         assert not stray, f"bytes {stray[:4]} outside [{first}, {end}) were written"
         if not whole:
             assert sum(c.nbytes for c in copies) == (end - first) * LAYERS * 2 * (VALUES + SCALES)
+
+
+# ------------------------------------------- a push across block sizes: one D (block, layer) unit
+@pytest.mark.parametrize(("p_bs", "d_bs"), [(16, 32), (32, 16), (16, 48), (48, 32)])
+@pytest.mark.parametrize("rows", [(ROW,), (VALUES, SCALES)])
+def test_a_gathered_unit_is_the_reblock_copies_layer_page_of_that_d_block(p_bs, d_bs, rows):
+    """Reference: plan_reblock moves the prompt from D's first block on into a D cache; every
+    unit plan_unit_gather fills (from P's blocks starting at the one holding that D block's first
+    token) equals that D block's layer page on the prompt's rows, and slots past the prompt's
+    end stay untouched."""
+    rng = random.Random(31 * p_bs + d_bs + len(rows))
+    nblocks, page_d = 24, 2 * d_bs * sum(rows)
+    for _ in range(6):
+        end = rng.randint(1, 150)
+        d_first = rng.randrange(-(-end // d_bs))
+        first = d_first * d_bs
+        p_first = first // p_bs
+        p_ids = rng.sample(range(nblocks), -(-end // p_bs) - p_first)
+        d_ids = rng.sample(range(nblocks), -(-end // d_bs) - d_first)
+        src = bytearray(rng.randbytes(nblocks * LAYERS * 2 * p_bs * sum(rows)))
+        dst = bytearray(b"\xee" * (nblocks * LAYERS * page_d))
+        apply_any(plan_reblock(p_ids, p_bs, d_ids, d_bs, LAYERS, rows, first, end, p_first,
+                               d_first), src, dst)
+        for i, d in enumerate(d_ids):
+            k = d_first + i
+            for layer in range(LAYERS):
+                unit = bytearray(b"\xee" * page_d)
+                copies = plan_unit_gather(p_ids, p_first, p_bs, d_bs, k, layer, LAYERS, rows, end)
+                apply_any(copies, src, unit)
+                at = (d * LAYERS + layer) * page_d
+                assert unit == dst[at : at + page_d], (k, layer, first, end)
+                assert sum(c.nbytes for c in copies) == (min(end, (k + 1) * d_bs)
+                                                         - k * d_bs) * 2 * sum(rows)
+
+
+def apply_any(copies: list[Copy], src: bytearray, dst: bytearray) -> None:
+    for c in copies:
+        dst[c.local_offset : c.local_offset + c.nbytes] = src[
+            c.remote_offset : c.remote_offset + c.nbytes
+        ]
+
+
+def test_a_unit_the_given_p_blocks_do_not_cover_or_past_the_prompt_is_refused():
+    with pytest.raises(ValueError, match="cover"):  # D block 1 = tokens 32..63: P blocks 2, 3
+        plan_unit_gather([4, 5], 0, 16, 32, 1, 0, LAYERS, (ROW,), 64)
+    with pytest.raises(ValueError, match="no token"):
+        plan_unit_gather([4, 5], 0, 16, 32, 1, 0, LAYERS, (ROW,), 32)
+    with pytest.raises(ValueError, match="layer"):
+        plan_unit_gather([4, 5], 0, 16, 32, 0, LAYERS, LAYERS, (ROW,), 32)

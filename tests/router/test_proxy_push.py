@@ -39,8 +39,10 @@ class PushPair:
     """A fake P and D in push mode. D's request waits until P "pushed" (P received the grant D
     issued) and records whether its client left first; `events` is the order things happened."""
 
-    def __init__(self, d_mode: str = "push", d_block_size: int = 16) -> None:
+    def __init__(self, d_mode: str = "push", d_block_size: int = 16,
+                 push_block_sizes: tuple[str | None, str | None] = (None, None)) -> None:
         self.d_block_size = d_block_size
+        self.push_block_sizes = push_block_sizes  # (P's, D's) in GET /kv_layout; None: unsaid
         self.events: list[str] = []
         self.pushed = threading.Event()
         self.d_gone = threading.Event()  # D saw its decode leg's client leave
@@ -58,8 +60,10 @@ class PushPair:
 
     def _layout(self, role: str, mode: str) -> dict[str, Any]:
         layout = dict(LAYOUT, block_size=self.d_block_size) if role == "kv_consumer" else LAYOUT
-        return {"kv_role": role, "engine_id": "e-" + role, "layout": layout,
+        info = {"kv_role": role, "engine_id": "e-" + role, "layout": layout,
                 "pool_chunk_size": None, "transfer_mode": mode}
+        sizes = self.push_block_sizes[role == "kv_consumer"]
+        return info if sizes is None else {**info, "push_block_sizes": sizes}
 
     def _common(self, app: FastAPI, role: str, mode: str) -> None:
         app.get("/kv_layout")(lambda: self._layout(role, mode))
@@ -224,8 +228,12 @@ def test_n_above_one_takes_the_pull_flow(pair):
     assert r.json()["pdkv_timings"]["mode"] == "pd"
 
 
-@pytest.mark.parametrize("d", [dict(d_mode="pull"), dict(d_block_size=32)])
+@pytest.mark.parametrize("d", [dict(d_mode="pull"), dict(d_block_size=32),
+                               dict(d_block_size=32, push_block_sizes=("any", "equal")),
+                               dict(d_block_size=32, push_block_sizes=("equal", "any"))])
 def test_a_pull_decode_engine_or_another_block_size_takes_the_pull_flow(d, caplog):
+    """Another block size is pulled unless both engines push across block sizes (an engine
+    that does not say so, e.g. one from before, cannot)."""
     pair = PushPair(**d)
     proxy = ServerThread(build_proxy_app([pair.p.url], [pair.d.url]))
     try:
@@ -237,9 +245,26 @@ def test_a_pull_decode_engine_or_another_block_size_takes_the_pull_flow(d, caplo
         assert pair.events == ["prefill", "decode"] * 2
         said = [r.getMessage() for r in caplog.records if "one block size" in r.getMessage()]
         if "d_block_size" in d:  # the pair is named once, with both block sizes
-            assert len(said) == 1 and "(block size 16)" in said[0] and "(32)" in said[0]
+            assert len(said) == 1 and "(block size 16," in said[0] and "(32," in said[0]
         else:
             assert said == []
+    finally:
+        proxy.stop()
+        pair.stop()
+
+
+def test_another_block_size_takes_the_push_flow_when_both_engines_push_across_sizes(caplog):
+    pair = PushPair(d_block_size=32, push_block_sizes=("any", "any"))
+    proxy = ServerThread(build_proxy_app([pair.p.url], [pair.d.url]))
+    try:
+        with caplog.at_level(logging.WARNING, logger="pdkv.router.proxy_push"):
+            r = httpx.post(proxy.url + "/v1/completions", timeout=60,
+                           json={"model": "smollm2", "prompt": "x", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["pdkv_timings"]["mode"] == "pd_push"
+        (p_params,) = pair.p_params
+        assert p_params["push_grant"] == pair.windows[p_params["push_grant"]["request_id"]]
+        assert pair.events.index("decode") < pair.events.index("prefill")
+        assert not [m for m in caplog.messages if "one block size" in m]
     finally:
         proxy.stop()
         pair.stop()

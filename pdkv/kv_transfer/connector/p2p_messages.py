@@ -107,8 +107,11 @@ class PushGrant(msgspec.Struct, frozen=True):
             control server reserving them (shm, mooncake: engine/push_control.py).
         lease_s: seconds D keeps the window open from when it opened it.
         num_tokens: the prompt's token count.
-        block_size: tokens per block on D (P's must be equal in step 1).
-        layout: D's KV layout (wire form), compared by P as a handshake would.
+        block_size: tokens per block on D (P's may differ where P re-blocks its pushes:
+            `PushReblock`; a grant counts D's blocks, each written as whole (block, layer)
+            units).
+        layout: D's KV layout (wire form), compared by P as a handshake would (its
+            block_size: D's, equal to `block_size`).
     """
 
     engine_id: str
@@ -125,15 +128,45 @@ class PushGrant(msgspec.Struct, frozen=True):
     layout: dict[str, object]
 
 
+class PushReblock(msgspec.Struct, frozen=True):
+    """Push mode across block sizes, one KV cache group of one step's `PushSpec`: D's blocks
+    `remote_block_ids[g]` (prompt block indices d_first_block, d_first_block + 1, ... of D's
+    block size) and P's blocks `local_block_ids[g]` (indices p_first_block, ... of P's) that
+    hold their tokens. P's worker gathers, per D block and layer, the K and V rows of its tokens
+    into one buffer of D's per-layer unit (2 × d_block_size × Σ row_bytes bytes) and writes it
+    as one whole (block, layer) unit (pdkv/kv_transfer/reblock.py, `plan_unit_gather`).
+
+    Attributes:
+        p_block_size, d_block_size: tokens per block on P and on D.
+        p_first_block: prompt block index (P's block size) of local_block_ids[g][0].
+        d_first_block: prompt block index (D's block size) of remote_block_ids[g][0].
+        num_tokens: the prompt's tokens (rows past it in D's last block are not P's: zeros).
+        row_bytes: bytes of one token's K (or V) of one layer in each plane of a layer's page,
+            in page order: (heads × head_size × dtype bytes,), or a quantized page's (heads ×
+            head_size, heads × 4) (1-byte values, then float32 scales).
+    """
+
+    p_block_size: int
+    d_block_size: int
+    p_first_block: int
+    d_first_block: int
+    num_tokens: int
+    row_bytes: tuple[int, ...]
+
+
 class PushSpec(msgspec.Struct):
     """Push mode, P's worker half, one step: after each layer's forward, write that layer's KV of
     `local_block_ids[g][i]` into D's `remote_block_ids[g][i]` under `grant` (the prompt blocks
-    that became complete in this step; the last, partial one with the prompt's last chunk)."""
+    that became complete in this step; the last, partial one with the prompt's last chunk).
+    With `reblock` (one per group; P's and D's block sizes differ) the lists pair nothing: they
+    are D's blocks complete after this step and P's blocks holding their tokens (`PushReblock`).
+    """
 
     request_id: str  # P's
     grant: PushGrant
     local_block_ids: tuple[list[int], ...]
     remote_block_ids: tuple[list[int], ...]
+    reblock: tuple[PushReblock, ...] = ()  # () = equal block sizes: whole blocks, zero-copy
 
 
 class WindowSpec(msgspec.Struct):

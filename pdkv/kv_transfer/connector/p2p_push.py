@@ -9,7 +9,10 @@ cache group. The model forward calls `save_kv_layer(i)` after layer i wrote its 
 the group tensor [num_blocks, layers_in_group, ...], are queued for a sender thread that writes
 them over the transfer engine (`TransferEngine.write`) while the next layers compute.
 `wait_for_save` waits, with a deadline, until the step's writes are done (the blocks may be
-reused after it).
+reused after it). Across block sizes (`PushSpec.reblock`) the pairs are D's blocks: each layer
+of each is gathered from P's blocks into a buffer of D's per-layer unit on the engine thread
+(pdkv/kv_transfer/reblock.py, `plan_unit_gather`) and written as one unit; equal block sizes
+write straight from P's blocks (no copy).
 
 D side (`PushReceiver`): a window per granted request, keyed by (request id, nonce), opened by the
 scheduler half's `WindowSpec`. The data server (tcp; shm and mooncake: the push control server,
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING
 from pdkv.kv_transfer.connector.p2p_messages import PushSpec, WindowSpec
 from pdkv.kv_transfer.connector.p2p_results import WorkerResults
 from pdkv.kv_transfer.engine.base import Grant, TransferEngine, TransferError, WriteOp
+from pdkv.kv_transfer.reblock import plan_unit_gather
 
 if TYPE_CHECKING:
     from pdkv.cache.specs import KVCacheConfig
@@ -126,13 +130,58 @@ class PushSender:
         lb = bb // n
         region = self.regions[g]
         for spec in self._specs:
-            pairs = zip(spec.local_block_ids[g], spec.remote_block_ids[g])
-            ops = [WriteOp(f"g{g}", d * bb + j * lb, lb,
-                           region[p * bb + j * lb : p * bb + (j + 1) * lb]) for p, d in pairs]
+            if spec.request_id in self._failed:
+                continue  # (the sender thread sends no more of it either)
+            if spec.reblock:
+                ops = self._gathered(spec, g, j, n)
+            else:
+                pairs = zip(spec.local_block_ids[g], spec.remote_block_ids[g])
+                ops = [WriteOp(f"g{g}", d * bb + j * lb, lb,
+                               region[p * bb + j * lb : p * bb + (j + 1) * lb]) for p, d in pairs]
             if ops:
                 with self._cond:
                     self._pending += 1
                 self._queue.put((spec, ops, self._deadline, layer_index, time.monotonic()))
+
+    def _gathered(self, spec: PushSpec, g: int, j: int, n: int) -> list[WriteOp]:
+        """Across block sizes: layer `j` (of `n` in group `g`) of each of the spec's D blocks,
+        gathered from P's blocks into its own buffer of D's per-layer unit (2 × D block size ×
+        Σ row bytes; slots past the prompt's end stay zero, D never reads them), one write of a
+        whole (block, layer) unit each. Copies on the calling (engine) thread, so P's blocks
+        are read before the next layers run. A spec whose rows do not make P's block bytes, or
+        whose P blocks do not hold a D block's tokens, fails its push (logged and counted as
+        `kv_push_failures`; nothing more of it is sent): D's window then ends at its lease."""
+        rb = spec.reblock[g]
+        rows = rb.row_bytes
+        unit = 2 * rb.d_block_size * sum(rows)
+        if not rows or n * 2 * rb.p_block_size * sum(rows) != self.block_bytes[g]:
+            self._fail(spec, f"token rows {list(rows)} of {n} layers and block_size "
+                             f"{rb.p_block_size} do not make this engine's block bytes "
+                             f"{self.block_bytes[g]}")
+            return []
+        region = self.regions[g]
+        ops = []
+        for i, d in enumerate(spec.remote_block_ids[g]):
+            buf = memoryview(bytearray(unit))
+            try:
+                copies = plan_unit_gather(spec.local_block_ids[g], rb.p_first_block,
+                                          rb.p_block_size, rb.d_block_size, rb.d_first_block + i,
+                                          j, n, rows, rb.num_tokens)
+            except ValueError as e:
+                self._fail(spec, f"re-blocking D block {rb.d_first_block + i}: {e}")
+                return []
+            for c in copies:
+                buf[c.local_offset : c.local_offset + c.nbytes] = \
+                    region[c.remote_offset : c.remote_offset + c.nbytes]
+            ops.append(WriteOp(f"g{g}", (d * n + j) * unit, unit, buf))
+        return ops
+
+    def _fail(self, spec: PushSpec, why: str) -> None:
+        logger.warning("push of %s failed: %s", spec.request_id, why)
+        if spec.request_id not in self._failed:
+            self._failed.add(spec.request_id)
+            with self.results.lock:
+                self.results.count("kv_push_failures")
 
     def wait_for_save(self) -> None:
         """Engine loop, after the forward: block until this step's writes are done or its

@@ -24,6 +24,17 @@ Sliding-window groups move only the blocks D keeps when it resumes at the last p
 pools reserve it) for the others, and P pushes no such pair. Full-attention, sliding-window,
 MLA and linear-state groups with equal block sizes, tp 1, dcp 1; other layouts are refused at
 validate_request, naming the reason.
+
+Across block sizes (D's grant counts D's blocks; D is unchanged and accepts only whole (D block,
+layer) units): P pushes a D block once it has computed every token in it (or ran the prompt's
+last chunk), gathering each layer's rows of its tokens from P's blocks (`PushReblock`). Only
+what the pull re-blocks: one full-attention group (plain or quantized pages, the same
+kv_cache_dtype on both). Refused, naming both block sizes (`reblock_push_error`): MLA latent
+blocks (no K/V rows to map by token; the pull refuses them too); sliding-window groups (P frees
+the blocks before its window while it prefills, by P's block boundaries, so a D block that
+starts before P's window but ends in it could need tokens P already dropped); models with more
+than one KV cache group, e.g. linear-state hybrids (the pull re-blocks one group only). Each
+engine reports whether it can in GET /kv_layout (`push_block_sizes`), for the proxy.
 """
 
 from __future__ import annotations
@@ -34,10 +45,12 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from pdkv.cache.block_pool import NULL_BLOCK_ID
-from pdkv.cache.specs import window_first_block
+from pdkv.cache.specs import DTYPE_BYTES, QUANTIZED_KV_CACHE_DTYPES, window_first_block
 from pdkv.jsontypes import JSONObject
+from pdkv.kv_transfer.connector.p2p_compat import MLA_KV_LAYOUT
 from pdkv.kv_transfer.connector.p2p_messages import (
     PushGrant,
+    PushReblock,
     PushSpec,
     WindowSpec,
     layout_mismatch,
@@ -51,6 +64,57 @@ if TYPE_CHECKING:
     from pdkv.kv_transfer.connector.spec import P2PSpec
     from pdkv.request import Request
     from pdkv.sched.output import SchedulerOutput
+
+
+def reblock_push_error(layout: KVLayout, sliding_windows: tuple[int | None, ...],
+                       linear_groups: tuple[bool, ...], p_block_size: int,
+                       d_block_size: int) -> str:
+    """Why an engine of this KV layout and these groups cannot push between P's block size
+    `p_block_size` and D's `d_block_size` (tokens per block), naming both and the reason, or ""
+    (equal sizes; or one full-attention group of plain or quantized pages: re-blocked by token,
+    pdkv/kv_transfer/reblock.py). Both engines have the same model and layout but the block
+    size (P's validate compares the rest), so either side's answer holds for the pair."""
+    if p_block_size == d_block_size:
+        return ""
+    pair = (f"prefill block_size={p_block_size} and decode block_size={d_block_size}: a push "
+            "across block sizes")
+    if layout.kv_layout == MLA_KV_LAYOUT:
+        return (f"{pair} re-blocks K/V rows by token, which MLA latent blocks do not have (the "
+                "pull refuses them too); use equal block sizes")
+    if any(w is not None for w in sliding_windows):
+        return (f"{pair} is not supported with a sliding-window group: P frees the blocks before "
+                "its window by its own block boundaries while it prefills, so a decode block "
+                "could need tokens P already dropped; use equal block sizes")
+    if len(sliding_windows) != 1 or any(linear_groups):
+        return (f"{pair} needs one full-attention KV cache group, as the pull's re-blocking "
+                f"(this model has {len(sliding_windows)} groups"
+                f"{', a linear-state one among them' if any(linear_groups) else ''}); use equal "
+                "block sizes")
+    if not token_row_bytes(layout):
+        return f"{pair} does not know the token rows of kv_cache_dtype {layout.cache_dtype!r}"
+    return ""
+
+
+def push_block_sizes(layout: KVLayout, sliding_windows: tuple[int | None, ...],
+                     linear_groups: tuple[bool, ...]) -> str:
+    """GET /kv_layout's `push_block_sizes`: "any" when this engine pushes to (or takes pushes
+    from) a peer of another block size (`reblock_push_error` finds nothing to refuse), else
+    "equal". The proxy pushes across block sizes only when both engines say "any"."""
+    other = layout.block_size * 2  # any other size: the checks do not depend on the sizes
+    return "equal" if reblock_push_error(layout, sliding_windows, linear_groups,
+                                         layout.block_size, other) else "any"
+
+
+def token_row_bytes(layout: KVLayout) -> tuple[int, ...]:
+    """Bytes of one token's K (or V) of one layer in each plane of a layer's page, in page order
+    (pdkv/kv_transfer/reblock.py's formula): (local KV heads × head_size × dtype bytes,), or a
+    quantized page's (heads × head_size, heads × 4): 1-byte values, then float32 scales per
+    (token, head). () for a dtype of unknown size."""
+    heads, head = layout.local_kv_heads, layout.head_size
+    if layout.cache_dtype in QUANTIZED_KV_CACHE_DTYPES:
+        return (heads * head, heads * 4)
+    size = DTYPE_BYTES.get(layout.dtype, 0)
+    return (heads * head * size,) if size else ()
 
 
 def is_push(params: JSONObject | None) -> bool:
@@ -71,7 +135,8 @@ class PushScheduler:
         spec: the connector (role, engine id; `p2p.transfer_mode`, `p2p.transfer_timeout`: the
             window's lease in seconds).
         layout: this engine's KV layout.
-        block_size: tokens per block.
+        block_size: tokens per block (this engine's; a producer's grant may count D's blocks
+            of another size: the pushes are re-blocked, `PushReblock`).
         sliding_windows, linear_groups: per KV cache group (a window group moves the blocks D
             keeps, a linear group its state slot after the prompt).
         address: consumer: its data server [host, port] (filled by the worker half at start-up),
@@ -89,6 +154,7 @@ class PushScheduler:
         self.num_groups = len(sliding_windows)
         self.sliding_windows = sliding_windows
         self.linear_groups = linear_groups
+        self.row_bytes = token_row_bytes(layout)  # pushes across block sizes gather rows
         self.address: Address = address if address is not None else ["", 0]
         self._kv: KVCacheManager | None = None
         self._grants: dict[str, PushGrant] = {}  # consumer: request id -> its open window
@@ -118,7 +184,8 @@ class PushScheduler:
 
         Raises:
             ValueError: this engine is not in push mode; a grant that does not parse, is for
-                another layout, block size or prompt.
+                another layout or prompt, or for a block size this model does not push across
+                (`reblock_push_error`, naming both sizes).
         """
         if not self.enabled:  # (a push engine's layout was checked at start-up)
             raise ValueError("kv_transfer_params ask for a push but this P2PConnector has "
@@ -137,10 +204,19 @@ class PushScheduler:
             grant = msgspec.convert(p.get("push_grant"), PushGrant)
         except msgspec.ValidationError as e:
             raise ValueError(f"kv_transfer_params.push_grant is malformed: {e}") from None
-        mismatch = layout_mismatch(grant.layout, self.wire_layout, ())  # (D consumes, P produces)
+        # (D consumes, P produces; the block size is checked below: a push may re-block)
+        mismatch = layout_mismatch(grant.layout, self.wire_layout, ("block_size",))
         if mismatch:
-            raise ValueError(f"{mismatch}: push needs equal layouts (block size included); "
-                             "transfer_mode 'pull' converts block sizes")
+            raise ValueError(f"{mismatch}: push needs equal layouts (but the block size); "
+                             "transfer_mode 'pull' converts more")
+        if grant.layout.get("block_size") != grant.block_size or grant.block_size <= 0:
+            raise ValueError(f"push_grant.block_size={grant.block_size!r} and its "
+                             f"layout.block_size={grant.layout.get('block_size')!r} differ or "
+                             "are not positive: D sends its block size in both")
+        error = reblock_push_error(self.layout, self.sliding_windows, self.linear_groups,
+                                   self.block_size, grant.block_size)
+        if error:
+            raise ValueError(error)
         if len(grant.block_ids) != self.num_groups:
             raise ValueError(f"push_grant has {len(grant.block_ids)} block lists for "
                              f"{self.num_groups} KV cache groups")
@@ -151,7 +227,7 @@ class PushScheduler:
                              "cache_salt: the window belongs to another prompt")
         if not any(grant.block_ids):
             return  # D holds the whole prompt already (e.g. a KV pool hit): nothing to push
-        need = -(-request.num_prompt_tokens // self.block_size) - grant.first_block
+        need = -(-request.num_prompt_tokens // grant.block_size) - grant.first_block
         want = [1 if linear else need for linear in self.linear_groups]
         if [len(g) for g in grant.block_ids] != want:
             raise ValueError(f"push_grant must hold {need} blocks per group (prompt blocks from "
@@ -253,7 +329,8 @@ class PushScheduler:
     def push_specs(self, out: SchedulerOutput) -> list[PushSpec]:
         """This step's pushes: per request with a grant, the prompt blocks completed by this
         step's tokens (all of the rest with the prompt's last chunk), paired with the grant's
-        blocks."""
+        blocks. Across block sizes the blocks are D's: one is complete when P has computed every
+        token in it; the spec names P's blocks holding them (`PushReblock`)."""
         if not self._pushing:
             return []
         assert self._kv is not None, "push mode needs bind_kv_cache_manager"
@@ -265,10 +342,15 @@ class PushScheduler:
             if n == 0 or rid not in starts:
                 continue
             end = min(starts[rid] + n, grant.num_tokens)
-            done = -(-end // self.block_size) if end >= grant.num_tokens else end // self.block_size
+            bs = grant.block_size  # D's blocks are counted (P's size where they are equal)
+            done = -(-end // bs) if end >= grant.num_tokens else end // bs
             if done <= nxt[0]:
                 continue
             table = self._kv.get_block_ids(rid)
+            if bs != self.block_size:
+                specs.append(self._reblock_spec(rid, grant, nxt[0], done, table))
+                nxt[0] = done
+                continue
             local: list[list[int]] = []
             remote: list[list[int]] = []
             last = end >= grant.num_tokens
@@ -286,6 +368,19 @@ class PushScheduler:
             specs.append(PushSpec(rid, grant, tuple(local), tuple(remote)))
             nxt[0] = done
         return specs
+
+    def _reblock_spec(self, rid: str, grant: PushGrant, first: int, done: int,
+                      table: tuple[list[int], ...]) -> PushSpec:
+        """Across block sizes (one full-attention group, validated): D's blocks of prompt block
+        indices [first, done) (D's block size), every token of which P has computed after this
+        step, and P's blocks holding those tokens."""
+        d_bs, p_bs = grant.block_size, self.block_size
+        stop = min(done * d_bs, grant.num_tokens)
+        p_first = first * d_bs // p_bs
+        local = [list(table[0][p_first : -(-stop // p_bs)])]
+        remote = [list(grant.block_ids[0][first - grant.first_block : done - grant.first_block])]
+        reblock = PushReblock(p_bs, d_bs, p_first, first, grant.num_tokens, self.row_bytes)
+        return PushSpec(rid, grant, tuple(local), tuple(remote), (reblock,))
 
     def finished(self, request: Request) -> JSONObject | None:
         """A producer request ended: the kv_transfer_params of its answer (every push of its
