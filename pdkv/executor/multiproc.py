@@ -380,6 +380,7 @@ class MultiprocExecutor:
             forward=forward,
             sample=max(0.0, time.perf_counter() - t0 - forward),
             dcp_comm=steps[0].dcp_comm_s if steps else 0.0,
+            pcp_comm=max((s.pcp_comm_s for s in steps), default=0.0),
         )
         out = steps[0].output
         out.kv_connector_output = self._kv_outputs.aggregate(
