@@ -58,8 +58,8 @@ def check_sliding_window_parallel(arch: LlamaArchConfig, dcp_size: int) -> None:
 
 def check_pcp_model(arch: LlamaArchConfig, pcp_size: int) -> None:
     """Refuse prefill context parallelism on what it is not built for: sliding-window,
-    linear-state (Gated DeltaNet) and MLA models (its split attends dense K/V heads over one full
-    attention KV cache group).
+    linear-state (Gated DeltaNet, KDA) and MLA models (its split attends dense K/V heads over one
+    full-attention KV cache group).
 
     Raises:
         ValueError: pcp_size > 1 and the model has one of those layer kinds (named).
@@ -67,7 +67,7 @@ def check_pcp_model(arch: LlamaArchConfig, pcp_size: int) -> None:
     if pcp_size <= 1:
         return
     kinds = [name for name, has in (
-        ("linear-attention (Gated DeltaNet) layers", arch.has_linear_state),
+        ("linear-attention (recurrent state) layers", arch.has_linear_state),
         ("multi-head latent attention", arch.is_mla),
         ("sliding-window attention", arch.sliding_window is not None)) if has]
     if kinds:

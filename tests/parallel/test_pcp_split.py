@@ -112,5 +112,5 @@ def test_pcp_refuses_models_it_is_not_built_for(request, fixture):
     args = EngineArgs(model=path, prefill_context_parallel_size=2)
     with pytest.raises(ValueError, match="prefill_context_parallel_size=2 is not built for") as e:
         args.create_engine_config()
-    kind = {"tiny_swa": "sliding-window", "tiny_mla": "latent", "tiny_gdn": "Gated DeltaNet"}
+    kind = {"tiny_swa": "sliding-window", "tiny_mla": "latent", "tiny_gdn": "linear-attention"}
     assert kind[fixture] in str(e.value)
