@@ -210,8 +210,8 @@ class MultiprocExecutor:
             self.connector_startup.pool_lookup_endpoints = lookups
         self.kv_cache_config: KVCacheConfig = scheduler_view(per_rank, self.layout_.dcp_size)
         lay = self.layout_
-        logger.info("%d worker processes (tp %d, dcp %d, %s): pids %s", self.world_size,
-                    lay.tp_size, lay.dcp_size,
+        logger.info("%d worker processes (tp %d, dcp %d, pcp %d, %s): pids %s", self.world_size,
+                    lay.tp_size, lay.dcp_size, lay.pcp_size,
                     "replicated weights" if lay.dcp_replicated else "vLLM mode", self.pids)
         if self._remote:
             logger.info("ranks on other nodes: %s",
