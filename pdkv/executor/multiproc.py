@@ -212,7 +212,8 @@ class MultiprocExecutor:
         lay = self.layout_
         logger.info("%d worker processes (tp %d, dcp %d, pcp %d, %s): pids %s", self.world_size,
                     lay.tp_size, lay.dcp_size, lay.pcp_size,
-                    "replicated weights" if lay.dcp_replicated else "vLLM mode", self.pids)
+                    "replicated weights" if lay.dcp_replicated
+                    else "full KV replicas" if lay.pcp_size > 1 else "vLLM mode", self.pids)
         if self._remote:
             logger.info("ranks on other nodes: %s",
                         ", ".join(f"{r} at {m.host}" for r, m in sorted(self._remote.items())))
