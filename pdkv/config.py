@@ -171,7 +171,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Parallel layout of one engine: TP and DCP sizes (vLLM's flags and constraints).
+    """Parallel layout of one engine: TP, DCP and PCP sizes (vLLM's flags and constraints).
 
     Attributes:
         tensor_parallel_size: TP ranks (weights and attention heads sharded).
@@ -180,6 +180,9 @@ class ParallelConfig:
         dcp_replicate_weights: DCP ranks each hold a whole TP shard of the weights (world size
             tp × dcp) instead of DCP being carved out of TP (vLLM's mode, world size tp). None =
             replicated when tensor_parallel_size is 1 (vLLM's rule cannot apply there).
+        prefill_context_parallel_size: PCP ranks (vLLM's flag): long prefill runs of a step are
+            split over them (pdkv.parallel.pcp), each holding the whole model and a full KV
+            replica; built at tp 1, dcp 1, one node.
         distributed_init_port: 127.0.0.1 port of torch.distributed's rendezvous (0 = a free one).
         worker_timeout_s: deadline of one worker reply (start-up: model load; then one step).
         nnodes, node_rank, master_addr, master_port: vLLM's multi-node flags. The world's ranks
@@ -198,6 +201,7 @@ class ParallelConfig:
     decode_context_parallel_size: int = 1
     cp_kv_cache_interleave_size: int = 1
     dcp_replicate_weights: bool | None = None
+    prefill_context_parallel_size: int = 1
     distributed_init_port: int = 0
     worker_timeout_s: float = 600.0
     nnodes: int = 1
@@ -213,6 +217,11 @@ class ParallelConfig:
             raise ValueError(f"nnodes must be >= 1, got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.prefill_context_parallel_size > 1:
+            raise ValueError(
+                f"prefill_context_parallel_size={self.prefill_context_parallel_size} across "
+                f"nodes (nnodes={self.nnodes}) is not built yet; run the PCP ranks on one node"
+            )
         if self.nnodes > 1:
             if world % self.nnodes:
                 raise ValueError(f"nnodes {self.nnodes} must divide the world size {world} "
@@ -238,6 +247,7 @@ class ParallelConfig:
             dcp_size=self.decode_context_parallel_size,
             interleave=self.cp_kv_cache_interleave_size,
             dcp_replicated=self.dcp_replicated,
+            pcp_size=self.prefill_context_parallel_size,
         )
 
     @property
@@ -269,6 +279,18 @@ class EngineConfig:
             raise ValueError(
                 f"cp_kv_cache_interleave_size={interleave} must divide block_size={bs} (each "
                 "rank's share of a logical block fills whole physical blocks)"
+            )
+        pcp = par.prefill_context_parallel_size
+        if pcp > 1 and kvt is not None:
+            raise ValueError(
+                f"prefill_context_parallel_size={pcp} with a KV connector "
+                f"({kvt.kv_connector}) is not built yet: P/D, the KV pool and CPU offload need "
+                "the PCP replicas' publishing and pool keys (issue 32's later steps)"
+            )
+        if pcp > 1 and self.cache_config.cache_dtype != "auto":
+            raise ValueError(
+                f"prefill_context_parallel_size={pcp} with kv_cache_dtype="
+                f"{self.cache_config.cache_dtype} is not built yet; use --kv-cache-dtype auto"
             )
         if par.decode_context_parallel_size > 1 and kvt is not None and interleave != bs:
             raise ValueError(

@@ -25,7 +25,7 @@ from pdkv.kv_events.config import KVEventsConfig
 from pdkv.model.llama import LlamaArchConfig
 from pdkv.model.registry import resolve_model
 from pdkv.worker.cuda_graphs import capture_sizes
-from pdkv.worker.kv_cache import check_sliding_window_parallel
+from pdkv.worker.kv_cache import check_pcp_model, check_sliding_window_parallel
 
 
 @dataclass
@@ -53,6 +53,7 @@ class EngineArgs:
     decode_context_parallel_size: int = 1
     cp_kv_cache_interleave_size: int = 1
     dcp_replicate_weights: bool | None = None
+    prefill_context_parallel_size: int = 1
     distributed_init_port: int = 0
     nnodes: int = 1
     node_rank: int = 0
@@ -89,11 +90,13 @@ class EngineArgs:
         check_sliding_window_parallel(
             arch, self.decode_context_parallel_size
         )  # before the head rules
+        check_pcp_model(arch, self.prefill_context_parallel_size)
         ParallelConfig(  # vLLM's head constraints, before any process starts
             tensor_parallel_size=self.tensor_parallel_size,
             decode_context_parallel_size=self.decode_context_parallel_size,
             cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size,
             dcp_replicate_weights=self.dcp_replicate_weights,
+            prefill_context_parallel_size=self.prefill_context_parallel_size,
         ).layout().check_heads(arch.num_heads, arch.num_kv_heads)
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -150,6 +153,7 @@ class EngineArgs:
                 decode_context_parallel_size=self.decode_context_parallel_size,
                 cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size,
                 dcp_replicate_weights=self.dcp_replicate_weights,
+                prefill_context_parallel_size=self.prefill_context_parallel_size,
                 distributed_init_port=self.distributed_init_port,
                 nnodes=self.nnodes,
                 node_rank=self.node_rank,
@@ -266,6 +270,15 @@ class EngineArgs:
             default=None,
             help="DCP ranks each hold a whole TP shard (world size tp x dcp); default: only "
             "when tp is 1",
+        )
+        g.add_argument(
+            "--prefill-context-parallel-size",
+            "-pcp",
+            type=int,
+            default=d.prefill_context_parallel_size,
+            help="PCP ranks (one worker process each, the whole model and a full KV replica on "
+            "each): long prefill runs of a step are split over them head-tail (tp 1, dcp 1, no "
+            "KV connector; docs/PARALLEL_TIERS.md)",
         )
         g.add_argument(
             "--distributed-init-port",

@@ -156,6 +156,7 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     Attributes:
         forward_s: seconds of this rank's forward pass.
         dcp_comm_s: of which DCP all-gathers and merge.
+        pcp_comm_s: of which PCP all-gathers (K/V and sampled rows; 0 in a step not split).
         connector_deadline_in_s: seconds from the sending of this result to the rank's KV
             connector worker half's `next_deadline()` after the step (relative, since a rank on
             another host has its own monotonic clock; <= 0: already passed), None without a
@@ -166,6 +167,7 @@ class StepResult(msgspec.Struct, tag=True, kw_only=True):
     output: ModelRunnerOutput
     forward_s: float = 0.0
     dcp_comm_s: float = 0.0
+    pcp_comm_s: float = 0.0
     connector_deadline_in_s: float | None = None
 
 

@@ -210,9 +210,10 @@ class MultiprocExecutor:
             self.connector_startup.pool_lookup_endpoints = lookups
         self.kv_cache_config: KVCacheConfig = scheduler_view(per_rank, self.layout_.dcp_size)
         lay = self.layout_
-        logger.info("%d worker processes (tp %d, dcp %d, %s): pids %s", self.world_size,
-                    lay.tp_size, lay.dcp_size,
-                    "replicated weights" if lay.dcp_replicated else "vLLM mode", self.pids)
+        logger.info("%d worker processes (tp %d, dcp %d, pcp %d, %s): pids %s", self.world_size,
+                    lay.tp_size, lay.dcp_size, lay.pcp_size,
+                    "replicated weights" if lay.dcp_replicated
+                    else "full KV replicas" if lay.pcp_size > 1 else "vLLM mode", self.pids)
         if self._remote:
             logger.info("ranks on other nodes: %s",
                         ", ".join(f"{r} at {m.host}" for r, m in sorted(self._remote.items())))
@@ -380,6 +381,7 @@ class MultiprocExecutor:
             forward=forward,
             sample=max(0.0, time.perf_counter() - t0 - forward),
             dcp_comm=steps[0].dcp_comm_s if steps else 0.0,
+            pcp_comm=max((s.pcp_comm_s for s in steps), default=0.0),
         )
         out = steps[0].output
         out.kv_connector_output = self._kv_outputs.aggregate(

@@ -146,6 +146,7 @@ def run_worker(conn: RankChannel, wake_conn: RankChannel) -> None:
             deadline = runner.connector.next_deadline() if runner.connector is not None else None
             send(StepResult(rank=rank, output=out, forward_s=runner.timings.forward,
                             dcp_comm_s=runner.timings.dcp_comm,
+                            pcp_comm_s=runner.timings.pcp_comm,
                             connector_deadline_in_s=(None if deadline is None
                                                      else deadline - time.monotonic())))
     except BaseException as e:  # reported to the engine, then the process ends

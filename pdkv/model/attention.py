@@ -81,6 +81,9 @@ class AttentionMetadata:
         all_decode: every token of the step is a decode, in order (decode_token_idx == arange).
         dcp: with decode context parallelism, this rank's slots and token shard
             (pdkv.model.dcp_attention.DCPMetadata); the other fields are then unused.
+        pcp: in a step split by prefill context parallelism, this rank's gathers
+            (pdkv.model.pcp_attention.PCPMetadata); the other fields then describe this rank's
+            own tokens (its chunks as prefill runs whose context is every earlier position).
         sliding_window: W tokens for the layers of a sliding-window KV cache group (the query
             at p sees keys p - W < k <= p), None for full attention.
         prefill_cu_seqlens: [R + 1] long, cumulative query counts of the R prefill runs (in
@@ -105,6 +108,7 @@ class AttentionMetadata:
     decode_key_offsets: torch.Tensor | None = None
     all_decode: bool = False
     dcp: Any = None
+    pcp: Any = None
     sliding_window: int | None = None
     prefill_cu_seqlens: torch.Tensor | None = None
     prefill_context_lens: torch.Tensor | None = None
@@ -170,6 +174,10 @@ def paged_attention(
         from pdkv.model.dcp_attention import dcp_attention
 
         return dcp_attention(q, k, v, kv_cache, meta.dcp, scale)
+    if meta.pcp is not None:  # the other PCP ranks' tokens of this step first, then ours below
+        from pdkv.model.pcp_attention import write_remote_kv
+
+        write_remote_kv(k, v, kv_cache, meta.pcp)
     k, v = (store or write_kv)(kv_cache, k, v, meta)
     out = q.new_empty(q.shape)
     if meta.prefills:

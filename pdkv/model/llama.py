@@ -311,7 +311,9 @@ class LlamaForCausalLM(nn.Module):
             meta: paged-attention metadata: one per KV cache group (layer i reads
                 meta[layer_groups[i]]: its group's block tables and sliding window), or one for
                 every layer (a dense model's single group).
-            logits_indices: [S] long, flat indices whose next-token logits are needed.
+            logits_indices: [S] long, flat indices whose next-token logits are needed (in a step
+                split by PCP, input_ids / positions are this rank's tokens only and the rows
+                come from every rank: meta.pcp, pdkv.model.pcp_attention).
             layer_hooks: the KV connector's per-layer hooks (pdkv/model/layer_hooks.py), or
                 None: `wait_for_layer_load(i)` before layer i, `save_kv_layer(i)` after it
                 wrote its KV (every layer kind: attention, MLA, linear state). Never set in a
@@ -330,7 +332,14 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer.forward(hidden, cos, sin, kv_cache, metas[g if len(metas) > 1 else 0])
             if layer_hooks is not None:
                 layer_hooks.save_kv_layer(i)
-        hidden = rms_norm(hidden[logits_indices], self.norm, self.cfg.rms_norm_eps)
+        pcp = getattr(metas[0], "pcp", None)  # split by PCP: sampled rows on several ranks
+        if pcp is None:
+            hidden = hidden[logits_indices]
+        else:
+            from pdkv.model.pcp_attention import gather_logit_rows
+
+            hidden = gather_logit_rows(hidden, pcp)
+        hidden = rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
         head = self.embed if self.lm_head is None else self.lm_head
         return linear(hidden, head, self.head_packed).float()
 

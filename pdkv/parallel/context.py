@@ -6,7 +6,8 @@ and `destroy` tears it down). `ParallelContext.single()` is one process without 
 
 Collectives: `all_reduce_tp` sums the row-parallel partial outputs (o_proj, down_proj) over the TP
 group, as vLLM's `tensor_model_parallel_all_reduce`; `all_gather_dcp` concatenates a tensor over
-the DCP group in DCP-rank order (vLLM's `get_dcp_group().all_gather`).
+the DCP group in DCP-rank order (vLLM's `get_dcp_group().all_gather`); `all_gather_pcp` stacks
+a tensor over the PCP group in PCP-rank order (vLLM's `get_pcp_group().all_gather`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class ParallelContext:
         dcp_group: process group of this rank's DCP group; None when dcp is 1.
         tp_ranks: global ranks of the TP group (group-rank order).
         dcp_ranks: global ranks of the DCP group (group-rank order).
+        pcp_group: process group of this rank's PCP group; None when pcp is 1.
+        pcp_ranks: global ranks of the PCP group (group-rank order).
 
     A context with tp > 1 but no tp_group (built by hand, e.g. to load one rank's weight shard in
     a test) loads weights fine and raises RuntimeError on a collective.
@@ -42,6 +45,8 @@ class ParallelContext:
     dcp_group: dist.ProcessGroup | None = None
     tp_ranks: tuple[int, ...] = (0,)
     dcp_ranks: tuple[int, ...] = (0,)
+    pcp_group: dist.ProcessGroup | None = None
+    pcp_ranks: tuple[int, ...] = (0,)
 
     @staticmethod
     def single() -> ParallelContext:
@@ -55,6 +60,15 @@ class ParallelContext:
     @property
     def dcp_size(self) -> int:
         return self.layout.dcp_size
+
+    @property
+    def pcp_size(self) -> int:
+        return self.layout.pcp_size
+
+    @property
+    def pcp_rank(self) -> int:
+        """Which PCP rank this is (which part of a split prefill it computes)."""
+        return self.layout.pcp_rank(self.rank)
 
     @property
     def tp_rank(self) -> int:
@@ -102,6 +116,26 @@ class ParallelContext:
         order = sorted(range(len(parts)), key=lambda i: self.layout.dcp_rank(self.dcp_ranks[i]))
         return torch.cat([parts[i] for i in order], dim=dim)
 
+    def all_gather_pcp(self, x: torch.Tensor) -> torch.Tensor:
+        """The PCP group's `x` (same shape on every rank) stacked in PCP-rank order:
+        [pcp_size, *x.shape]. x[None] at pcp 1.
+
+        Raises:
+            RuntimeError: pcp > 1 without a PCP process group.
+        """
+        if self.pcp_size == 1:
+            return x[None]
+        if self.pcp_group is None:
+            raise RuntimeError(
+                f"prefill_context_parallel_size={self.pcp_size} but rank {self.rank} has no PCP "
+                "group"
+            )
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in self.pcp_ranks]
+        dist.all_gather(parts, x, group=self.pcp_group)
+        order = sorted(range(len(parts)), key=lambda i: self.layout.pcp_rank(self.pcp_ranks[i]))
+        return torch.stack([parts[i] for i in order])
+
     def destroy(self) -> None:
         """Tear down torch.distributed (and with it this context's groups); no-op when it was not
         initialised (e.g. `single()`)."""
@@ -118,9 +152,9 @@ def init_distributed(
 ) -> ParallelContext:
     """Join the world of `layout.world_size` processes as `rank` and build its process groups.
 
-    Every rank creates every group with `new_group`, TP groups first then DCP groups, each in the
-    layout's order (torch.distributed requires all ranks to call new_group identically), and keeps
-    those containing `rank`.
+    Every rank creates every group with `new_group`, TP groups, then DCP, then PCP groups, each
+    in the layout's order (torch.distributed requires all ranks to call new_group identically),
+    and keeps those containing `rank`.
 
     Args:
         layout: sizes and rank mapping.
@@ -154,4 +188,13 @@ def init_distributed(
         if rank in ranks:
             dcp_ranks = tuple(sorted(ranks))
             dcp_group = group if len(ranks) > 1 else None
-    return ParallelContext(layout, rank, tp_group, dcp_group, tp_ranks, dcp_ranks)
+    pcp_group: dist.ProcessGroup | None = None
+    pcp_ranks: tuple[int, ...] = (rank,)
+    if layout.pcp_size > 1:  # no extra group (and no change to TP/DCP start-up) without PCP
+        for ranks in layout.pcp_groups():
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if rank in ranks:
+                pcp_ranks = tuple(sorted(ranks))
+                pcp_group = group
+    return ParallelContext(layout, rank, tp_group, dcp_group, tp_ranks, dcp_ranks, pcp_group,
+                           pcp_ranks)

@@ -1,4 +1,5 @@
-"""Rank layout of tensor parallelism (TP) and decode context parallelism (DCP); torch-free.
+"""Rank layout of tensor parallelism (TP), decode context parallelism (DCP) and prefill context
+parallelism (PCP); torch-free.
 
 Two DCP modes (docs/ARCHITECTURE.md "TP and DCP"):
 
@@ -15,6 +16,10 @@ Token placement (vLLM's `cp_kv_cache_interleave_size`, I; N = dcp size): token p
 (p // I) % N at local index (p // (I·N))·I + p % I of that rank's sequence. The scheduler's logical
 block covers block_size × N tokens; its local indices on each rank fill exactly one physical block
 of block_size tokens (I must divide block_size), so every rank uses the same block ids.
+
+PCP (vLLM's `--prefill-context-parallel-size`, world = TP × PCP in vLLM): built for tp 1 and dcp 1
+only, where every rank is a PCP rank holding the whole model and a full replica of the KV cache
+(rank = pcp rank); how a step's tokens are split is `pdkv.parallel.pcp`.
 """
 
 from __future__ import annotations
@@ -31,17 +36,28 @@ class ParallelLayout:
         dcp_size: decode-context-parallel ranks sharing one request's KV (tokens sharded).
         interleave: consecutive tokens placed on one DCP rank (I).
         dcp_replicated: replicated mode (see module docstring) instead of vLLM mode.
+        pcp_size: prefill-context-parallel ranks (each a whole model with a full KV replica).
 
     Raises:
-        ValueError: a size below 1, dcp not dividing tp in vLLM mode.
+        ValueError: a size below 1, dcp not dividing tp in vLLM mode, pcp > 1 with tp or dcp
+            above 1 (not built).
     """
 
     tp_size: int = 1
     dcp_size: int = 1
     interleave: int = 1
     dcp_replicated: bool = False
+    pcp_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.pcp_size < 1:
+            raise ValueError(f"prefill_context_parallel_size={self.pcp_size} must be >= 1")
+        if self.pcp_size > 1 and (self.tp_size > 1 or self.dcp_size > 1):
+            raise ValueError(
+                f"prefill_context_parallel_size={self.pcp_size} is built only with "
+                f"tensor_parallel_size=1 and decode_context_parallel_size=1 (got "
+                f"{self.tp_size} and {self.dcp_size}): PCP with TP or DCP is not built yet"
+            )
         if self.tp_size < 1 or self.dcp_size < 1 or self.interleave < 1:
             raise ValueError(
                 f"tensor_parallel_size={self.tp_size}, "
@@ -59,7 +75,16 @@ class ParallelLayout:
     @property
     def world_size(self) -> int:
         """Worker processes."""
-        return self.tp_size * (self.dcp_size if self.dcp_replicated else 1)
+        return self.tp_size * (self.dcp_size if self.dcp_replicated else 1) * self.pcp_size
+
+    def pcp_rank(self, rank: int) -> int:
+        """Position of `rank` in its PCP group (vLLM: the outermost index, rank // (tp × dcp
+        ranks)); 0 without PCP."""
+        return rank // (self.world_size // self.pcp_size)
+
+    def pcp_groups(self) -> list[list[int]]:
+        """Every PCP group's ranks, in PCP-rank order (one group: PCP is built at tp 1, dcp 1)."""
+        return [list(range(self.pcp_size))]
 
     def tp_rank(self, rank: int) -> int:
         """Position of `rank` in its TP group (which weight shard it holds)."""

@@ -196,3 +196,69 @@ def build_linear_state_metadata(requests: Sequence[StepRequest], block_size: int
 def _state_entry(table: list[int], num_tokens: int, block_size: int) -> int:
     """The slot holding a request's linear state after `num_tokens` (> 0) tokens."""
     return table[min((num_tokens - 1) // block_size, len(table) - 1)]
+
+
+def build_pcp_step(
+    parallel: ParallelContext,
+    requests: Sequence[StepRequest],
+    logits_idx: Sequence[int],
+    block_size: int,
+    device: torch.device,
+    min_split_tokens: int | None = None,
+) -> tuple[torch.Tensor, AttentionMetadata] | None:
+    """This rank's part of a step under prefill context parallelism (pdkv.parallel.pcp).
+
+    Args:
+        parallel: the rank's context (pcp_size > 1; tp and dcp 1).
+        requests: the whole step's requests in flat order (see StepRequest).
+        logits_idx: flat indices whose logits are sampled (in the runner's order).
+        block_size: tokens per block (the whole-model replica's block; no DCP).
+        min_split_tokens: see plan_pcp_step (None: its default).
+
+    Returns:
+        None when the step is not split (every rank runs it whole); else (local_idx [T_local]
+        long, the flat indices of the tokens this rank computes, in local order; the metadata of
+        those tokens: a chunk of a split run is a run with context c + offset, `pcp` set).
+    """
+    from pdkv.model.pcp_attention import PCPMetadata
+    from pdkv.parallel.pcp import plan_pcp_step
+
+    plan = plan_pcp_step([n for _, n, _, _ in requests], parallel.pcp_size, min_split_tokens)
+    if plan is None:
+        return None
+    rank, size = parallel.pcp_rank, parallel.pcp_size
+    local_reqs: list[StepRequest] = []
+    for run in plan.runs[rank]:
+        _, _, c, table = requests[run.request]
+        local_reqs.append((run.local_start, run.length, c + run.offset, table))
+    num_local = plan.num_local(rank)
+    meta = build_attention_metadata(local_reqs, num_local, block_size, device)
+    width = max(plan.num_local(r) for r in range(size))
+    owner, row = plan.owners()
+    remote_idx: list[int] = []
+    blocks: list[int] = []
+    offsets: list[int] = []
+    for start, n, c, table in requests:
+        for t in range(start, start + n):
+            if owner[t] != rank:
+                remote_idx.append(owner[t] * width + row[t])
+                p = c + t - start
+                blocks.append(table[p // block_size])
+                offsets.append(p % block_size)
+    per_rank: list[list[int]] = [[] for _ in range(size)]
+    logits_at: list[tuple[int, int]] = []
+    for t in logits_idx:
+        logits_at.append((owner[t], len(per_rank[owner[t]])))
+        per_rank[owner[t]].append(row[t])
+    logits_width = max(len(rows) for rows in per_rank)
+
+    def long(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    meta.pcp = PCPMetadata(
+        parallel=parallel, width=width, remote_idx=long(remote_idx),
+        remote_slot_blocks=long(blocks), remote_slot_offsets=long(offsets),
+        logits_rows=long(per_rank[rank]), logits_width=logits_width,
+        logits_idx=long([r * logits_width + i for r, i in logits_at]),
+    )
+    return long(plan.local_tokens(rank)), meta

@@ -56,6 +56,28 @@ def check_sliding_window_parallel(arch: LlamaArchConfig, dcp_size: int) -> None:
         )
 
 
+def check_pcp_model(arch: LlamaArchConfig, pcp_size: int) -> None:
+    """Refuse prefill context parallelism on what it is not built for: sliding-window,
+    linear-state (Gated DeltaNet, KDA) and MLA models (its split attends dense K/V heads over one
+    full-attention KV cache group).
+
+    Raises:
+        ValueError: pcp_size > 1 and the model has one of those layer kinds (named).
+    """
+    if pcp_size <= 1:
+        return
+    kinds = [name for name, has in (
+        ("linear-attention (recurrent state) layers", arch.has_linear_state),
+        ("multi-head latent attention", arch.is_mla),
+        ("sliding-window attention", arch.sliding_window is not None)) if has]
+    if kinds:
+        raise ValueError(
+            f"prefill_context_parallel_size={pcp_size} is not built for {' and '.join(kinds)} "
+            f"yet ({arch.architecture}); it is built for dense full-attention models only; use "
+            "prefill_context_parallel_size=1"
+        )
+
+
 def linear_state_spec(
     arch: LlamaArchConfig, block_size: int, dtype: str, tp_size: int = 1
 ) -> LinearStateSpec:

@@ -43,6 +43,7 @@ from pdkv.worker.attn_metadata import (
     build_attention_metadata,
     build_dcp_attention_metadata,
     build_linear_state_metadata,
+    build_pcp_step,
 )
 from pdkv.worker.cuda_graphs import build_decode_graphs, decode_step_inputs
 from pdkv.worker.kv_cache import allocate_kv_cache, gdn_state_geometry
@@ -81,6 +82,7 @@ class StepTimings:
     forward: float = 0.0
     sample: float = 0.0
     dcp_comm: float = 0.0  # DCP all-gathers + LSE merge inside forward (0 without DCP)
+    pcp_comm: float = 0.0  # PCP all-gathers inside forward (0 in a step PCP did not split)
 
 
 class ModelRunner:
@@ -93,7 +95,8 @@ class ModelRunner:
             built here.
         parallel: this rank's TP/DCP context (None: one process holds the whole model). With DCP
             the block tables are logical (block_size × dcp tokens per block id) and this rank
-            stores the K/V of the tokens it owns (pdkv.parallel.layout).
+            stores the K/V of the tokens it owns (pdkv.parallel.layout). With PCP every rank
+            holds a full KV replica and computes its part of a split step (pdkv.parallel.pcp).
         kv_cache_config: asked once, after the weights are loaded, for the KV cache this rank
             allocates: called with the model's architecture and the KV budget in bytes measured
             now (with gpu_memory_utilization and no num_kv_blocks; else None). The executor sizes
@@ -323,6 +326,8 @@ class ModelRunner:
             forward=t2 - t1,
             sample=t3 - t2,
             dcp_comm=meta[0].dcp.comm_seconds if meta and meta[0].dcp is not None else 0.0,
+            pcp_comm=meta[0].pcp.comm_seconds
+            if meta and getattr(meta[0], "pcp", None) is not None else 0.0,
         )
         kv_out = self._connector_output(out) if conn is not None else None
         return ModelRunnerOutput(
@@ -412,6 +417,18 @@ class ModelRunner:
         dev = self.device
         par = self.parallel
         meta: list[Any]  # AttentionMetadata per attention group, LinearStateMetadata per linear one
+        if par is not None and par.pcp_size > 1:  # dense only (checked at start-up)
+            split = build_pcp_step(par, step_reqs, logits_idx + prompt_idx, self.block_size, dev)
+            if split is not None:  # this rank computes only its tokens (pdkv.parallel.pcp)
+                local_idx, local_meta = split
+                return (
+                    torch.tensor(ids, dtype=torch.long, device=dev)[local_idx],
+                    torch.tensor(pos, dtype=torch.long, device=dev)[local_idx],
+                    [local_meta],
+                    torch.tensor(logits_idx + prompt_idx, dtype=torch.long, device=dev),
+                    sampled,
+                    prompt_rows,
+                )
         if par is not None and par.dcp_size > 1:  # dense only (DCP + sliding window is refused)
             meta = [build_dcp_attention_metadata(par, step_reqs, self.block_size, dev)]
         else:  # one metadata per KV cache group: its own block tables and window
