@@ -5,6 +5,7 @@ an optional rate and delay per host link, read from TOML into frozen dataclasses
     model = "tiny-llama-kv2"                  # every engine's --model, the proxy's tokenizer
     engine_args = ["--max-model-len", "512"]  # flags of every engine (pdkv serve's names)
     kv_transfer = "tcp"                       # optional: tcp (default) | mooncake | shm
+    transfer_mode = "pull"                    # optional: pull (default) | push (docs/PUSH.md)
     kv_load_failure_policy = "fail"           # optional: fail (default) | recompute
     kv_lease_duration = 30.0                  # optional (s): how long P holds blocks for D
     transfer_timeout = 30.0                   # optional (s): the deadline of one pull of D
@@ -61,6 +62,8 @@ from pdkv.router.pool_topology import DEFAULT_CHUNK_SIZE, MOONCAKE_SEGMENT_BYTES
 
 KV_TRANSFERS = ("tcp", "mooncake", "shm")
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
+TRANSFER_MODES = ("pull", "push")
+"""The P2PConnector's kv_connector_extra_config.transfer_mode on every engine (docs/PUSH.md)."""
 POOL_SERVICES = ("redis", "mooncake")
 ROUTINGS = tuple(sorted(POLICY_NAMES))
 """Routing policies a deployment's proxy may use (under a kv_aware one every engine publishes
@@ -176,6 +179,7 @@ class Deployment:
     pool: Pool | None = None
     engine_args: tuple[str, ...] = ()
     kv_transfer: str = "tcp"
+    transfer_mode: str = "pull"
     kv_load_failure_policy: str = "fail"
     kv_lease_duration: float | None = None
     transfer_timeout: float | None = None
@@ -327,7 +331,8 @@ def parse_deployment(text: str, source: str = "<deployment>") -> Deployment:
     except tomllib.TOMLDecodeError as e:
         raise DeploymentError(f"{source}: not valid TOML: {e}") from e
     r = _Reader(text, source)
-    top = r.table(data, [], ("model", "engine_args", "kv_transfer", "kv_load_failure_policy",
+    top = r.table(data, [], ("model", "engine_args", "kv_transfer", "transfer_mode",
+                             "kv_load_failure_policy",
                              "kv_lease_duration", "transfer_timeout", "hosts", "prefill",
                              "decode", "proxy", "pool"),
                   required=("model", "hosts", "prefill", "decode", "proxy"))
@@ -400,6 +405,8 @@ def parse_deployment(text: str, source: str = "<deployment>") -> Deployment:
         pool=pool,
         engine_args=r.flags(top.get("engine_args", []), ["engine_args"]),
         kv_transfer=r.string(top.get("kv_transfer", "tcp"), ["kv_transfer"], KV_TRANSFERS),
+        transfer_mode=r.string(top.get("transfer_mode", "pull"), ["transfer_mode"],
+                               TRANSFER_MODES),
         kv_load_failure_policy=r.string(top.get("kv_load_failure_policy", "fail"),
                                         ["kv_load_failure_policy"], LOAD_FAILURE_POLICIES),
         kv_lease_duration=r.seconds(top.get("kv_lease_duration"), ["kv_lease_duration"]),

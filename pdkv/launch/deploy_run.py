@@ -47,7 +47,12 @@ from pdkv.launch.services import (
 from pdkv.launch.topology import Child, Topology, stop_on_signals, supervise
 from pdkv.ports import free_port
 from pdkv.router.policies import KV_EVENT_POLICIES
-from pdkv.router.pool_topology import PoolServer, pd_kv_transfer_config, pool_kv_transfer_config
+from pdkv.router.pool_topology import (
+    DEFAULT_CHUNK_SIZE,
+    PoolServer,
+    pd_kv_transfer_config,
+    pool_kv_transfer_config,
+)
 
 LOOPBACK = "127.0.0.1"
 
@@ -127,6 +132,8 @@ def engine_kv_config(dep: Deployment, engine: Engine, place: Placement,
     address = place.addresses[engine.host]
     extra: dict[str, object] = {"transfer": dep.kv_transfer, "kv_host": address,
                                 "kv_advertise_host": address}
+    if dep.transfer_mode != "pull":  # (pull: the connector's default, left out)
+        extra["transfer_mode"] = dep.transfer_mode
     for key, value in (("kv_lease_duration", dep.kv_lease_duration),
                        ("transfer_timeout", dep.transfer_timeout)):
         if value is not None:
@@ -233,15 +240,17 @@ def processes(dep: Deployment, place: Placement, pdkv: Sequence[str], pool_serve
 
 
 def format_commands(dep: Deployment) -> str:
-    """Per host of the file (in its order), the commands to run there, with the order to start
-    them in: the pool service first (the engines connect to it at start-up), then the engines,
-    then the proxy."""
+    """Per host, the commands to run there, hosts in the order to start them (read top to
+    bottom): the pool service's host first (the engines connect to it at start-up), then the
+    engines' hosts, then the proxy's (hosts running nothing last; ties in the file's order)."""
     procs = processes(dep, as_written(dep), ["pdkv"], None)
     order = (("the pool first, then " if dep.pool else "") + "the engines (an engine's headless "
              "nodes in any order beside it), then the proxy")
-    lines = [f"# {dep.source}: {len(procs)} processes on {len(dep.hosts)} hosts; start {order}",
-             ""]
-    for h in dep.hosts:
+    lines = [f"# {dep.source}: {len(procs)} processes on {len(dep.hosts)} hosts; start {order} "
+             "(hosts below in that order)", ""]
+    first = {h.name: min((i for i, p in enumerate(procs) if p.host == h.name),
+                         default=len(procs)) for h in dep.hosts}
+    for h in sorted(dep.hosts, key=lambda h: first[h.name]):  # (sorted is stable)
         mine = [p for p in procs if p.host == h.name]
         shaped = ", ".join(f"{k} {v}" for k, v in (("rate", h.link.rate),
                                                   ("delay", h.link.delay)) if v)
@@ -267,14 +276,15 @@ def check_deploy_args(args: argparse.Namespace) -> None:
         return
     fixed = {"mode": "pd", "num_prefill": 1, "num_decode": 1, "num_instances": 1, "pool": None,
              "skip_prefill_on_pool_hit": False, "port": 0, "model": "smollm2",
-             "routing": "round_robin", "kv_transfer": "tcp",
-             "kv_load_failure_policy": "fail"}
+             "routing": "round_robin", "kv_transfer": "tcp", "transfer_mode": "pull",
+             "kv_load_failure_policy": "fail", "pool_chunk_size": DEFAULT_CHUNK_SIZE}
     for name, default in fixed.items():
         if getattr(args, name, default) != default:
             raise ValueError(f"--deploy takes the topology from the file: leave out "
                              f"--{name.replace('_', '-')} (the file's keys: model, engine_args, "
-                             "kv_transfer, kv_load_failure_policy, kv_lease_duration, "
-                             "transfer_timeout, [[prefill]], [[decode]], [proxy], [pool])")
+                             "kv_transfer, transfer_mode, kv_load_failure_policy, "
+                             "kv_lease_duration, transfer_timeout, [[prefill]], [[decode]], "
+                             "[proxy], [pool] with its chunk_size)")
     if [a for a in args.engine_args if a != "--"]:
         raise ValueError("--deploy takes the engine flags from the file (engine_args, or args "
                          "of one engine): leave out the flags after --")

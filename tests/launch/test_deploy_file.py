@@ -308,10 +308,24 @@ def test_timeouts_reach_the_connectors_and_the_proxy():
     assert "kv_lease_duration" not in _flag(list(plain["decode0"]), "--kv-transfer-config")
 
 
+def test_transfer_mode_push_reaches_every_engines_p2p_connector():
+    dep = parse_deployment('transfer_mode = "push"\n' + BASE)
+    assert dep.transfer_mode == "push"
+    for p in deploy_run.processes(dep, deploy_run.as_written(dep), ["pdkv"], None):
+        if p.name in ("prefill0", "decode0"):
+            cfg = json.loads(_flag(list(p.argv), "--kv-transfer-config"))
+            assert cfg["kv_connector_extra_config"]["transfer_mode"] == "push"
+    plain = parse_deployment(BASE)
+    assert all('"transfer_mode"' not in " ".join(p.argv) for p in deploy_run.processes(
+        plain, deploy_run.as_written(plain), ["pdkv"], None))
+    with pytest.raises(DeploymentError, match="transfer_mode: 'pushed' is not one of pull, push"):
+        parse_deployment('transfer_mode = "pushed"\n' + BASE)
+
+
 def test_print_commands_2p1d_with_a_redis_pool():
     text = deploy_run.format_commands(load_deployment(TWO_P_POOL))
     hosts = _sections(text)
-    assert list(hosts) == ["node-p0", "node-p1", "node-d", "node-pool"]
+    assert list(hosts) == ["node-pool", "node-p0", "node-p1", "node-d"]  # in start order
     (redis,) = [shlex.split(c) for c in hosts["node-pool"]]
     assert redis == ["redis-server", "--port", "6379", "--bind", "10.0.0.14", "--save", "",
                      "--appendonly", "no", "--protected-mode", "no"]  # engines on other hosts
@@ -381,7 +395,7 @@ def test_print_commands_1p1d_over_mooncake_with_a_mooncake_pool():
     connector on the mooncake transfer engine bound to and advertising that address."""
     text = deploy_run.format_commands(load_deployment(MOONCAKE))
     hosts = _sections(text)
-    assert list(hosts) == ["node-p", "node-d", "node-pool"]
+    assert list(hosts) == ["node-pool", "node-p", "node-d"]  # in start order
     master, store = [shlex.split(c) for c in hosts["node-pool"]]
     assert master == ["mooncake_master", "--rpc_address=10.0.0.13", "--rpc_port=50051",
                       "--metrics_host=10.0.0.13", "--metrics_port=50052",
@@ -434,6 +448,8 @@ def test_netns_and_print_commands_need_a_deployment(argv, match):
     (("--model", "smollm2-360m"), "leave out --model"),
     (("--", "--num-kv-blocks", "8"), "leave out the flags after --"),
     (("--netns", "--print-commands"), "starts nothing: leave out --netns"),
+    (("--transfer-mode", "push"), "leave out --transfer-mode"),
+    (("--pool-chunk-size", "64"), "leave out --pool-chunk-size"),
 ])
 def test_deploy_refuses_the_flags_the_file_sets(argv, match, capsys):
     assert deploy_run.main(_args("--deploy", ONE_P_ONE_D, *argv)) == 2

@@ -99,6 +99,28 @@ def test_1p1d_in_namespaces_matches_colocated_and_removes_them(
     assert link.returncode != 0, "the root namespace's veth end is left"
 
 
+def test_1p1d_push_in_namespaces_writes_into_d_at_its_host_address(
+    tmp_path, tiny_llama_kv2, tiny_llama_cache, colocated
+):
+    """transfer_mode = "push": D's data server binds and advertises node-d's address, P writes
+    each layer there (docs/PUSH.md); tokens and bytes as in pull mode, every block free."""
+    require_reason(unavailable_reason())
+    push = tmp_path / "push.toml"
+    with open(EXAMPLE) as f:
+        push.write_text('transfer_mode = "push"\n' + f.read())
+    up = Up(tmp_path, tiny_llama_cache, "--netns", deploy=str(push))
+    try:
+        _, d = _serve_and_check(up, tiny_llama_kv2, colocated)
+        assert _metric(d, "pdkv:kv_push_refused_total") == 0
+        endpoint = up.wait_for(r"^ready: (http://\S+)").group(1)
+        r = httpx.post(endpoint + "/v1/completions", timeout=60, json={
+            "model": "tiny-llama-kv2", "prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["pdkv_timings"]["mode"] == "pd_push", r.text
+    finally:
+        rc = up.stop()
+    assert rc == 0, up.text()
+
+
 def test_a_failed_start_in_namespaces_removes_them(tmp_path, tiny_llama_cache):
     require_reason(unavailable_reason())
     bad = tmp_path / "bad.toml"
