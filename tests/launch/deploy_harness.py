@@ -92,3 +92,18 @@ def complete(endpoint: str, prompt: list[int], max_tokens: int = MAX_TOKENS,
     assert r.status_code == 200, r.text
     body = r.json()
     return body["choices"][0]["text"], body["usage"]["completion_tokens"]
+
+
+def colocated_answers(model_dir: str, prompts: list[list[int]], num_kv_blocks: int
+                      ) -> list[tuple[str, int]]:
+    """(text, completion tokens) of a colocated engine's greedy completions of `prompts`
+    (MAX_TOKENS each, ignore_eos): the reference a deployment's answers must equal."""
+    from pdkv import LLM, SamplingParams
+
+    llm = LLM(model_dir, num_kv_blocks=num_kv_blocks, max_model_len=512)
+    try:
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    finally:
+        llm.llm_engine.shutdown()
+    return [(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in out]

@@ -16,10 +16,17 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from deploy_harness import MAX_TOKENS, ROOT, Up, complete, kv_bytes, metric, wait_metric
+from deploy_harness import (
+    ROOT,
+    Up,
+    colocated_answers,
+    complete,
+    kv_bytes,
+    metric,
+    wait_metric,
+)
 from system_packages import require_reason
 
-from pdkv import LLM, SamplingParams
 from pdkv.launch.netns import list_namespaces, unavailable_reason
 from pdkv.launch.services import mooncake_unavailable
 
@@ -37,13 +44,7 @@ POOL_PROMPT = [(i * 104729 + 7) % 40000 + 100 for i in range(130)]  # 2 whole ch
 @pytest.fixture(scope="module")
 def references(tiny_llama_kv2) -> list[tuple[str, int]]:
     """(text, tokens) of the colocated engine's greedy completions of PROMPT and POOL_PROMPT."""
-    llm = LLM(tiny_llama_kv2, num_kv_blocks=NUM_KV_BLOCKS, max_model_len=512)
-    try:
-        out = llm.generate([{"prompt_token_ids": PROMPT}, {"prompt_token_ids": POOL_PROMPT}],
-                           SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    finally:
-        llm.llm_engine.shutdown()
-    return [(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in out]
+    return colocated_answers(tiny_llama_kv2, [PROMPT, POOL_PROMPT], NUM_KV_BLOCKS)
 
 
 @pytest.fixture(scope="module")
