@@ -120,7 +120,8 @@ class MultiprocExecutor:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromWorker)
         self._closed = False
-        self._kv_outputs = KVOutputAggregator(self.world_size)
+        # Ranks that report KV connector output (with PCP only rank 0: one replica publishes).
+        self._kv_outputs = KVOutputAggregator(self.layout_.kv_publishers)
         ctx = mp.get_context("spawn")
         nodes = NodeLayout.of(par)
         self.nodes = nodes
@@ -201,11 +202,18 @@ class MultiprocExecutor:
         self.kv_layout = KVLayout.from_wire(head.layout)
         self.vocab_size = head.vocab_size
         self.eos_token_id: int | None = head.eos_token_id
-        addresses = [list(r.control_address) for r in ready]
+        publishing = [r for r in ready if self.layout_.publishes_kv(r.rank)]  # PCP: rank 0
+        for r in ready:
+            if not self.layout_.publishes_kv(r.rank) and (r.control_address
+                                                          or r.pool_lookup_address):
+                self.shutdown()
+                raise RuntimeError(f"PCP rank {r.rank} started a KV connector server: only PCP "
+                                   "rank 0 publishes the replica")
+        addresses = [list(r.control_address) for r in publishing]
         if all(len(a) == 2 and a[1] for a in addresses):  # P2P producer: a control server per rank
             self.connector_startup = ConnectorStartup(control_address=addresses[0],
                                                       control_endpoints=addresses)
-        lookups = [list(r.pool_lookup_address) for r in ready]
+        lookups = [list(r.pool_lookup_address) for r in publishing]
         if all(len(a) == 2 and a[1] for a in lookups):  # KV pool: a lookup server per rank
             self.connector_startup.pool_lookup_endpoints = lookups
         self.kv_cache_config: KVCacheConfig = scheduler_view(per_rank, self.layout_.dcp_size)

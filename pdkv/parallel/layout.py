@@ -19,7 +19,9 @@ of block_size tokens (I must divide block_size), so every rank uses the same blo
 
 PCP (vLLM's `--prefill-context-parallel-size`, world = TP × PCP in vLLM): built for tp 1 and dcp 1
 only, where every rank is a PCP rank holding the whole model and a full replica of the KV cache
-(rank = pcp rank); how a step's tokens are split is `pdkv.parallel.pcp`.
+(rank = pcp rank); how a step's tokens are split is `pdkv.parallel.pcp`. As in vLLM (PR #52779:
+PCP producers hold identical replicas and one rank publishes), only PCP rank 0 runs a KV connector
+worker half (`publishes_kv`): to a KV peer the engine looks like one rank at tp 1.
 """
 
 from __future__ import annotations
@@ -81,6 +83,17 @@ class ParallelLayout:
         """Position of `rank` in its PCP group (vLLM: the outermost index, rank // (tp × dcp
         ranks)); 0 without PCP."""
         return rank // (self.world_size // self.pcp_size)
+
+    @property
+    def kv_publishers(self) -> int:
+        """Ranks that run a KV connector worker half and report to the engine: every rank, but
+        with PCP only PCP rank 0 (the replicas are identical, so one publishes; the others
+        register nothing and report nothing)."""
+        return self.world_size // self.pcp_size
+
+    def publishes_kv(self, rank: int) -> bool:
+        """Whether `rank` runs a KV connector worker half (see kv_publishers): its PCP rank is 0."""
+        return self.pcp_rank(rank) == 0
 
     def pcp_groups(self) -> list[list[int]]:
         """Every PCP group's ranks, in PCP-rank order (one group: PCP is built at tp 1, dcp 1)."""

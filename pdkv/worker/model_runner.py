@@ -96,7 +96,8 @@ class ModelRunner:
         parallel: this rank's TP/DCP context (None: one process holds the whole model). With DCP
             the block tables are logical (block_size × dcp tokens per block id) and this rank
             stores the K/V of the tokens it owns (pdkv.parallel.layout). With PCP every rank
-            holds a full KV replica and computes its part of a split step (pdkv.parallel.pcp).
+            holds a full KV replica and computes its part of a split step (pdkv.parallel.pcp);
+            only PCP rank 0 builds the connector's worker half.
         kv_cache_config: asked once, after the weights are loaded, for the KV cache this rank
             allocates: called with the model's architecture and the KV budget in bytes measured
             now (with gpu_memory_utilization and no num_kv_blocks; else None). The executor sizes
@@ -160,7 +161,10 @@ class ModelRunner:
         # Quantized KV (issue 12): identity for P/D (a different value refuses the pair) and
         # part of the pool namespace ("kv_quant"; None = not quantized).
         kv_dtype: str = getattr(self.kv_cache_config.groups[0].spec, "cache_dtype", "auto")
-        lay = parallel.layout if parallel is not None and parallel.layout.world_size > 1 else None
+        # A PCP engine's ranks hold full replicas: to a peer its KV is that of one rank at tp 1
+        # (nothing stated), as vLLM's PCP producers publish (one rank, PR #52779).
+        lay = (parallel.layout if parallel is not None and parallel.layout.kv_publishers > 1
+               else None)
         self.kv_layout = KVLayout(
             model_digest=model_digest(model_config.path), dtype=model_config.dtype,
             block_size=cache_config.block_size, num_layers=arch.num_layers,
@@ -179,10 +183,13 @@ class ModelRunner:
         if parallel is not None:
             self.connector_startup = ConnectorStartup(
                 dcp_rank=parallel.dcp_rank, dcp_size=parallel.dcp_size, rank=parallel.rank,
-                world_size=parallel.layout.world_size, tp_rank=parallel.tp_rank,
+                world_size=parallel.layout.kv_publishers, tp_rank=parallel.tp_rank,
                 tp_size=parallel.tp_size, node_host=node_host or "127.0.0.1")
         self.connector: KVConnectorBase | None = None
-        if connector is not None:
+        # With PCP only PCP rank 0 builds a worker half: the other ranks' replicas are equal
+        # to its own, so they serve, register and report nothing (ParallelLayout.publishes_kv).
+        if connector is not None and (parallel is None
+                                      or parallel.layout.publishes_kv(parallel.rank)):
             self.connector = create_connector(
                 connector, KVConnectorRole.WORKER, self.kv_cache_config, self.kv_layout,
                 self.connector_startup,
