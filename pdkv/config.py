@@ -282,11 +282,7 @@ class EngineConfig:
             )
         pcp = par.prefill_context_parallel_size
         if pcp > 1 and kvt is not None:
-            raise ValueError(
-                f"prefill_context_parallel_size={pcp} with a KV connector "
-                f"({kvt.kv_connector}) is not built yet: P/D, the KV pool and CPU offload need "
-                "the PCP replicas' publishing and pool keys (issue 32's later steps)"
-            )
+            check_pcp_connector(pcp, kvt)
         if pcp > 1 and self.cache_config.cache_dtype != "auto":
             raise ValueError(
                 f"prefill_context_parallel_size={pcp} with kv_cache_dtype="
@@ -298,6 +294,32 @@ class EngineConfig:
                 "connector is configured (vLLM's rule: each transferred block then lies whole on "
                 f"one DCP rank); pass --cp-kv-cache-interleave-size {bs}"
             )
+
+
+def check_pcp_connector(pcp: int, kvt: KVTransferConfig) -> None:
+    """The KV connectors an engine with PCP (prefill_context_parallel_size = `pcp` > 1) runs:
+    a P/D producer pulling mode only (P2PConnector, kv_role kv_producer, transfer_mode pull),
+    whose PCP rank 0 publishes its full KV replica as a tp-1 producer would (vLLM PR #52779).
+
+    Raises:
+        ValueError: any other connector, role or transfer mode, naming what is not built.
+    """
+    head = f"prefill_context_parallel_size={pcp} with"
+    if kvt.kv_connector != "P2PConnector":
+        raise ValueError(
+            f"{head} {kvt.kv_connector} is not built yet: the KV pool, CPU offload and "
+            "MultiConnector would need the PCP rank and size in pool keys (issue 32); PCP runs "
+            "only as a P/D producer (P2PConnector, kv_role kv_producer)")
+    if kvt.kv_role != "kv_producer":
+        raise ValueError(
+            f"{head} kv_role={kvt.kv_role} is not built yet: a PCP engine publishes its KV as a "
+            "P/D producer only (kv_role kv_producer); loading remote KV into PCP replicas (a "
+            "consumer) is not built, as in vLLM")
+    mode = kvt.kv_connector_extra_config.get("transfer_mode", "pull")
+    if mode != "pull":
+        raise ValueError(
+            f"{head} P2PConnector transfer_mode={mode!r} is not built yet: a PCP producer is "
+            "pulled from (transfer_mode 'pull'); pushing from its publishing rank is not built")
 
 
 _KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")

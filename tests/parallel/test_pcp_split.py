@@ -83,6 +83,12 @@ def test_short_steps_are_not_split():
 P2P = {"kv_connector": "P2PConnector", "kv_role": "kv_producer"}
 POOL = {"kv_connector": "KVPoolConnector", "kv_role": "kv_both"}
 OFFLOAD = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+MULTI = {"kv_connector": "MultiConnector", "kv_role": "kv_producer", "kv_connector_extra_config":
+         {"connectors": [{"kv_connector": "P2PConnector"}]}}
+
+
+def kvt(d: dict[str, object], **changes: object) -> str:
+    return json.dumps({**d, **changes})
 
 
 @pytest.mark.parametrize(
@@ -90,14 +96,22 @@ OFFLOAD = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
     [
         ({"tensor_parallel_size": 2}, "PCP with TP or DCP is not built"),
         ({"decode_context_parallel_size": 2}, "PCP with TP or DCP is not built"),
-        ({"kv_transfer_config": json.dumps(P2P)}, "with a KV connector (P2PConnector)"),
-        ({"kv_transfer_config": json.dumps(POOL)}, "with a KV connector (KVPoolConnector)"),
-        ({"kv_transfer_config": json.dumps(OFFLOAD)}, "P/D, the KV pool and CPU offload"),
+        ({"tensor_parallel_size": 2, "kv_transfer_config": kvt(P2P)},
+         "PCP with TP or DCP is not built"),
+        ({"kv_transfer_config": kvt(P2P, kv_role="kv_consumer")},
+         "kv_role=kv_consumer is not built"),
+        ({"kv_transfer_config": kvt(P2P, kv_role="kv_both")}, "kv_role=kv_both is not built"),
+        ({"kv_transfer_config": kvt(P2P, kv_connector_extra_config={"transfer_mode": "push"})},
+         "transfer_mode='push' is not built"),
+        ({"kv_transfer_config": kvt(POOL)}, "KVPoolConnector is not built yet: the KV pool"),
+        ({"kv_transfer_config": kvt(OFFLOAD)}, "OffloadingConnector is not built yet"),
+        ({"kv_transfer_config": kvt(MULTI)}, "MultiConnector is not built yet"),
         ({"kv_cache_dtype": "int8"}, "kv_cache_dtype=int8 is not built"),
         ({"nnodes": 2, "master_addr": "127.0.0.1", "master_port": 29500},
          "across nodes (nnodes=2) is not built"),
     ],
-    ids=["tp", "dcp", "p2p", "pool", "offload", "int8", "nodes"],
+    ids=["tp", "dcp", "tp-p2p", "consumer", "kv-both", "push", "pool", "offload", "multi",
+         "int8", "nodes"],
 )
 def test_pcp_refuses_what_is_not_built(tiny_llama_kv2, kw, message):
     args = EngineArgs(model=tiny_llama_kv2, prefill_context_parallel_size=2, **kw)
