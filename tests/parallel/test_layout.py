@@ -76,3 +76,13 @@ def test_dcp_must_divide_tp_in_vllm_mode():
     with pytest.raises(ValueError, match="must divide tensor_parallel_size=3"):
         ParallelLayout(tp_size=3, dcp_size=2)
     assert ParallelLayout(tp_size=1, dcp_size=2, dcp_replicated=True).world_size == 2
+
+
+@pytest.mark.parametrize("kw", [{}, {"tp_size": 2}, {"tp_size": 2, "dcp_size": 2},
+                                {"dcp_size": 2, "dcp_replicated": True}, {"pcp_size": 2},
+                                {"pcp_size": 3}])
+def test_only_pcp_rank_0_publishes_kv(kw):
+    lay = ParallelLayout(**kw)
+    publishing = [r for r in range(lay.world_size) if lay.publishes_kv(r)]
+    assert publishing == ([0] if lay.pcp_size > 1 else list(range(lay.world_size)))
+    assert lay.kv_publishers == len(publishing)
