@@ -1,6 +1,6 @@
 """`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos,
-hosts, soak, pool, handoff, dcp, hetero, groups, prefill-cap, kvquant, dtype, memory} | compare |
-plan | matrix."""
+hosts, soak, pool, handoff, dcp, pcp, hetero, groups, prefill-cap, kvquant, dtype, memory} |
+compare | plan | matrix."""
 
 from __future__ import annotations
 
@@ -135,6 +135,8 @@ BENCH_COMMANDS = (
             "over a tbf-capped link between two network namespaces)", "pdkv.bench.handoff.cli"),
     Command("dcp", "DCP: KV bytes per rank and decode step time vs dcp 1 at long contexts (tiny "
             "model)", "pdkv.bench.dcp.cli"),
+    Command("pcp", "PCP: prefill time vs prompt length on one rank and N ranks, beside `pdkv "
+            "plan --pcp N` and its crossover", "pdkv.bench.pcp"),
     Command("hetero", "P/D re-blocking and re-sharding cost (bytes, read ops, time) vs a "
             "same-layout handoff (tiny model)", "pdkv.bench.hetero.cli"),
     Command("groups", "KV bytes per token per state group and the P/D handoff of hybrid models "
