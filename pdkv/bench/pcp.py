@@ -16,12 +16,14 @@ token; `comm` is the PCP all-gather time inside those steps (`StepTimings.pcp_co
 rank). The request then decodes `--new-tokens` greedy tokens; N's tokens must equal N=1's (exit
 status 1 otherwise). One warm-up request per engine is not timed.
 
-Plan column (pdkv.plan.pcp): at each length the FLOP/s F is calibrated from that length's N=1
-median (overheads charged to FLOPs), so the column answers "given one rank's time, what do the
-split compute and the all-gathers cost"; ranks at F / S; all-gathers over `--pcp-bandwidth` /
-`--pcp-latency` (default the tcp-loopback preset: gloo between processes of one box). The plan's
-crossover uses F from the longest prompt. The measured crossover is the shortest measured length
-from which N was faster at every longer measured length (none: not within the range).
+Plan columns (pdkv.plan.pcp): one model per model, fitted to N=1 alone: t = t0 + FLOPs_1(L) / F
+by least squares over the N=1 medians (t0: the per-prefill time a split does not shorten), the
+ranks computing at F / S with S = (N=1 share − t0) / (N=1 − t0) at the longest prompt, the
+all-gathers over `--pcp-bandwidth` / `--pcp-latency` (default the tcp-loopback preset: gloo
+between processes of one box). From these it predicts N=1 and N at every length and the
+crossover (`pdkv plan --pcp N --prefill-tps ... --pcp-overhead t0 --pcp-shared-speedup S` gives
+the same). The measured crossover is the shortest measured length from which N was faster at
+every longer measured length (none: not within the range).
 """
 
 from __future__ import annotations
@@ -40,7 +42,13 @@ from typing import TYPE_CHECKING, Any
 from pdkv.bench.header import host_facts, machine_lines
 from pdkv.bench.results import parse_ints, write_result_json
 from pdkv.plan import links
-from pdkv.plan.pcp import PcpModel, PcpShape, calibrate_flops, split_threshold
+from pdkv.plan.pcp import (
+    PcpModel,
+    PcpShape,
+    calibrate_flops,
+    fit_single_rank,
+    split_threshold,
+)
 
 if TYPE_CHECKING:
     from pdkv.engine.llm import LLM
@@ -174,29 +182,33 @@ def run_model(model: str, lens: Sequence[int], repeats: int, new_tokens: int, pc
         return float(statistics.median(s[n][key]))
 
     longest = max(lens)
-    s_shared = med(share, longest, "ttft_s") / med(one, longest, "ttft_s")
+    try:
+        t0, flops = fit_single_rank(shape, [(n, med(one, n, "ttft_s")) for n in lens])
+    except ValueError as e:  # N=1 times not growing with L (noise): all of it is compute
+        say(f"[{model}] {e}: t0 = 0, F from {longest} tokens")
+        t0, flops = 0.0, calibrate_flops(shape, longest, med(one, longest, "ttft_s"))
+    t_share, t_one = med(share, longest, "ttft_s"), med(one, longest, "ttft_s")
+    s_shared = (t_share - t0) / (t_one - t0) if min(t_share, t_one) > t0 else t_share / t_one
+    plan = PcpModel(shape, pcp, flops, link.bandwidth, link.latency, elem, elem, s_shared, t0)
     rows = []
     for n in lens:
         t1, tn = med(one, n, "ttft_s"), med(many, n, "ttft_s")
-        plan = PcpModel(shape, pcp, calibrate_flops(shape, n, t1), link.bandwidth, link.latency,
-                        elem, elem, s_shared).cost(n)
+        c = plan.cost(n)
         rows.append({
             "model": model, "prompt_len": n, "split": n >= split_threshold(pcp),
             "n1_ms": t1 * MS, "n_ms": tn * MS, "ratio": tn / t1,
             "comm_ms": med(many, n, "comm_s") * MS,
-            "plan_n_ms": plan.pcp_s * MS, "plan_comm_ms": plan.comm_s * MS,
-            "plan_ratio": plan.pcp_s / plan.single_s,
+            "plan_n1_ms": c.single_s * MS, "plan_n_ms": c.pcp_s * MS,
+            "plan_comm_ms": c.comm_s * MS, "plan_ratio": c.pcp_s / c.single_s,
             "tokens_equal": all(t == one[n]["tokens"][0] for t in many[n]["tokens"]),
             "n1_ttft_s": one[n]["ttft_s"], "n_ttft_s": many[n]["ttft_s"],
             "n_comm_s": many[n]["comm_s"], "tokens": one[n]["tokens"][0],
         })
-    flops = calibrate_flops(shape, longest, med(one, longest, "ttft_s"))
-    plan_cross = PcpModel(shape, pcp, flops, link.bandwidth, link.latency, elem, elem,
-                          s_shared).crossover()
+    plan_cross = plan.crossover()
     return {
         "model": model, "dtype": dtype, "shape": vars(shape), "threads": threads,
         "share_threads": share_threads, "share_ttft_s": share[longest]["ttft_s"],
-        "shared_speedup": s_shared, "flops_per_s": flops, "rows": rows,
+        "shared_speedup": s_shared, "flops_per_s": flops, "overhead_s": t0, "rows": rows,
         "measured_crossover": measured_crossover(lens, [r["ratio"] for r in rows]),
         "plan_crossover": plan_cross,
     }
@@ -205,16 +217,17 @@ def run_model(model: str, lens: Sequence[int], repeats: int, new_tokens: int, pc
 def format_table(models: Sequence[dict[str, Any]], pcp: int) -> str:
     """One markdown table, a row per (model, prompt length), then each model's crossovers."""
     n = f"N={pcp}"
-    lines = [f"| model | prompt | N=1 ms | {n} ms | {n}/N=1 | comm ms | plan {n} ms | "
-             f"plan comm ms | plan {n}/N=1 | tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| model | prompt | N=1 ms | {n} ms | {n}/N=1 | comm ms | plan N=1 ms | "
+             f"plan {n} ms | plan comm ms | plan {n}/N=1 | tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in models:
         for r in m["rows"]:
             split = "" if r["split"] else " (not split)"
             lines.append(
                 f"| {r['model']} | {r['prompt_len']}{split} | {r['n1_ms']:.1f} | "
                 f"{r['n_ms']:.1f} | {r['ratio']:.2f} | {r['comm_ms']:.1f} | "
-                f"{r['plan_n_ms']:.1f} | {r['plan_comm_ms']:.1f} | {r['plan_ratio']:.2f} | "
+                f"{r['plan_n1_ms']:.1f} | {r['plan_n_ms']:.1f} | {r['plan_comm_ms']:.1f} | "
+                f"{r['plan_ratio']:.2f} | "
                 + ("equal" if r["tokens_equal"] else "DIFFER") + " |")
     lines.append("")
     for m in models:
@@ -223,13 +236,14 @@ def format_table(models: Sequence[dict[str, Any]], pcp: int) -> str:
         lines.append(
             f"{m['model']}: crossover measured "
             f"{tok(m['measured_crossover'], 'none in the measured lengths')}, plan "
-            f"{tok(m['plan_crossover'], 'never')} (F = {m['flops_per_s']:.3g} FLOP/s from N=1 "
-            f"at {m['rows'][-1]['prompt_len']} tokens; shared speed-up S = "
-            f"{m['shared_speedup']:.2f}: N=1 on {m['share_threads']} thread(s) / on "
+            f"{tok(m['plan_crossover'], 'never')} (fitted to N=1: t0 = "
+            f"{m['overhead_s'] * MS:.1f} ms, F = {m['flops_per_s']:.3g} FLOP/s; shared speed-up "
+            f"S = {m['shared_speedup']:.2f}: N=1 compute on {m['share_threads']} thread(s) / on "
             f"{m['threads']})")
     lines.append(
         f"prefill ms: median engine-level TTFT of one request alone; comm: PCP all-gathers in it "
-        f"(slowest rank). plan: pdkv.plan.pcp with F from that row's N=1 time and ranks at F / S. "
+        f"(slowest rank). plan: pdkv.plan.pcp, t0 + FLOPs / F fitted to the N=1 column, ranks "
+        f"at F / S. "
         f"On one box the {pcp} ranks share the cores N=1 had: with S = {pcp} (cores scale "
         "linearly) the split cannot gain, and the all-gathers are pure loss.")
     return "\n".join(lines)

@@ -47,6 +47,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="the PCP ranks share one box's cores: one rank on all of them is this "
                    "many times faster than on its 1/N share (N: linear in cores); default: each "
                    "rank has its own device")
+    p.add_argument("--pcp-overhead", type=float, default=0.0,
+                   help="seconds of a prefill that splitting does not shorten (scheduling, "
+                   "sampling; `pdkv bench pcp` fits it); 0: all of --prefill-tps is compute")
     p.add_argument("--link", default=None, choices=tuple(links.PRESETS),
                    help="link preset (default tcp-loopback unless --link-bandwidth is given)")
     p.add_argument("--link-bandwidth", type=float, default=None, help="effective bytes/s")
@@ -105,7 +108,7 @@ def main(args: argparse.Namespace) -> int:
         target_tpot=args.target_tpot, act_dtype=args.act_dtype, block_size=args.block_size,
         pcp=args.pcp, pcp_shape=shape,
         pcp_link=links.link(args.pcp_link).with_overrides(args.pcp_bandwidth, args.pcp_latency),
-        pcp_shared_speedup=args.pcp_shared_speedup)
+        pcp_shared_speedup=args.pcp_shared_speedup, pcp_overhead=args.pcp_overhead)
     figures = make_plan(inp)
     summary: dict[str, Any] = {
         "model": args.model,

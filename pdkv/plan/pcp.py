@@ -23,15 +23,19 @@ A prefill of L prompt tokens (no cached prefix) on N PCP ranks, as pdkv runs it
               (N−1) × latency + bytes / bandwidth (Thakur, Rabenseifner and Gropp, "Optimization
               of collective communication operations in MPICH", 2005), so
                   comm_s = (layers + 1) × (N−1) × latency + bytes / bandwidth
-    total     pcp_s = compute_s + comm_s (no overlap: pdkv waits for each all-gather)
+    total     pcp_s = t0 + compute_s + comm_s (no overlap: pdkv waits for each all-gather)
+              single_s = t0 + FLOPs_1(L) / F
+              t0: a fixed time per prefill step that splitting does not shorten (scheduling,
+              Python, sampling; every rank pays it at once)
 
 F (achieved FLOP/s of one rank alone) is calibrated from one measured single-rank prefill:
-F = FLOPs_1(L0) / t_1(L0). Ranks sharing one box's cores (`shared_speedup` S): each rank runs
-at F / S, where S is how much faster one rank is on all the cores than on its 1/N share (S = N
-when cores scale linearly, the default: then the split buys no compute and comm is pure loss);
-ranks on their own devices run at F (S = 1).
+F = FLOPs_1(L0) / (t_1(L0) − t0), or F and t0 both fitted to single-rank prefills at several
+lengths (fit_single_rank: least squares of t = t0 + FLOPs_1(L) / F). Ranks sharing one box's
+cores (`shared_speedup` S): each rank computes at F / S, where S is how much faster one rank is
+on all the cores than on its 1/N share (S = N when cores scale linearly: then the split buys no
+compute and comm is pure loss); ranks on their own devices compute at F (S = 1).
 
-Crossover: the smallest L at which pcp_s(L) < single_s(L) = FLOPs_1(L) / F. Found by doubling L
+Crossover: the smallest L at which pcp_s(L) < single_s(L). Found by doubling L
 from 2N × MIN_CHUNK_TOKENS up to MAX_CROSSOVER_TOKENS, then bisecting between the last length
 that did not gain and the first that did (the gain, quadratic minus linear in L, changes sign
 once there).
@@ -39,6 +43,7 @@ once there).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,11 +186,12 @@ class PcpCost:
     compute_s: float
     comm_s: float
     comm_bytes: float
+    overhead_s: float = 0.0
 
     @property
     def pcp_s(self) -> float:
-        """compute_s + comm_s (no overlap)."""
-        return self.compute_s + self.comm_s
+        """overhead_s + compute_s + comm_s (no overlap)."""
+        return self.overhead_s + self.compute_s + self.comm_s
 
     @property
     def speedup(self) -> float:
@@ -207,6 +213,7 @@ class PcpModel:
         act_bytes: bytes of one activation element.
         shared_speedup: S, each rank runs at F / S (1: ranks on their own devices; N: N ranks
             share the cores one rank had, linear in cores).
+        overhead_s: t0, seconds per prefill that splitting does not shorten (on one rank too).
     """
 
     shape: PcpShape
@@ -217,12 +224,15 @@ class PcpModel:
     kv_bytes: float
     act_bytes: float
     shared_speedup: float = 1.0
+    overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.pcp < 1:
             raise ValueError(f"pcp must be >= 1, got {self.pcp}")
-        if min(self.flops_per_s, self.bandwidth, self.shared_speedup) <= 0 or self.latency < 0:
-            raise ValueError("FLOP/s, bandwidth and shared speed-up must be > 0, latency >= 0")
+        if min(self.flops_per_s, self.bandwidth, self.shared_speedup) <= 0 \
+                or min(self.latency, self.overhead_s) < 0:
+            raise ValueError("FLOP/s, bandwidth and shared speed-up must be > 0, latency and "
+                             "overhead >= 0")
 
     def cost(self, num_tokens: int) -> PcpCost:
         """The prefill of `num_tokens` tokens on one rank and on N ranks (module docstring).
@@ -231,7 +241,7 @@ class PcpModel:
             ValueError: num_tokens < 1.
         """
         work = rank_work(self.shape, num_tokens, self.pcp)
-        single = rank_work(self.shape, num_tokens, 1)[0].flops / self.flops_per_s
+        single = self.overhead_s + rank_work(self.shape, num_tokens, 1)[0].flops / self.flops_per_s
         rank_flops = self.flops_per_s / self.shared_speedup
         compute = max(w.flops for w in work) / rank_flops
         nbytes = allgather_bytes(self.shape, num_tokens, self.pcp, self.kv_bytes, self.act_bytes)
@@ -239,7 +249,7 @@ class PcpModel:
         if nbytes:
             collectives = self.shape.num_layers + 1
             comm = collectives * (self.pcp - 1) * self.latency + nbytes / self.bandwidth
-        return PcpCost(single, compute, comm, nbytes)
+        return PcpCost(single, compute, comm, nbytes, self.overhead_s)
 
     def crossover(self) -> int | None:
         """Smallest prompt length (tokens) at which N ranks prefill faster than one; None when
@@ -265,13 +275,38 @@ class PcpModel:
         return hi
 
 
-def calibrate_flops(shape: PcpShape, num_tokens: int, seconds: float) -> float:
-    """F = FLOPs of a single-rank prefill of `num_tokens` tokens / its measured `seconds` (every
-    second of the measurement, overheads included, is charged to FLOPs).
+def calibrate_flops(shape: PcpShape, num_tokens: int, seconds: float,
+                    overhead_s: float = 0.0) -> float:
+    """F = FLOPs of a single-rank prefill of `num_tokens` tokens / (its measured `seconds` −
+    t0); with t0 = 0 every second, overheads included, is charged to FLOPs.
 
     Raises:
-        ValueError: seconds <= 0 or num_tokens < 1.
+        ValueError: seconds <= overhead_s, or num_tokens < 1.
     """
-    if seconds <= 0:
-        raise ValueError(f"a measured prefill takes > 0 s, got {seconds}")
-    return rank_work(shape, num_tokens, 1)[0].flops / seconds
+    if seconds <= overhead_s:
+        raise ValueError(f"a measured prefill of {seconds} s leaves no compute time after "
+                         f"{overhead_s} s of overhead")
+    return rank_work(shape, num_tokens, 1)[0].flops / (seconds - overhead_s)
+
+
+def fit_single_rank(shape: PcpShape, samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(t0 seconds, F FLOP/s) of t = t0 + FLOPs_1(L) / F fitted by least squares to single-rank
+    prefills (L tokens, t seconds). t0 is kept >= 0 (a negative fit, from noise: t0 = 0 and F
+    through the origin); one sample: t0 = 0.
+
+    Raises:
+        ValueError: no samples, or the fit gives no positive F (times not growing with L).
+    """
+    if not samples:
+        raise ValueError("no single-rank prefill to fit")
+    xs = [float(rank_work(shape, n, 1)[0].flops) for n, _ in samples]
+    ts = [t for _, t in samples]
+    t0, slope = 0.0, sum(x * t for x, t in zip(xs, ts)) / sum(x * x for x in xs)
+    if len(set(xs)) > 1:
+        mx, mt = sum(xs) / len(xs), sum(ts) / len(ts)
+        b = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sum((x - mx) ** 2 for x in xs)
+        if mt - b * mx >= 0 and b > 0:
+            t0, slope = mt - b * mx, b
+    if slope <= 0:
+        raise ValueError(f"single-rank prefill times {ts} do not grow with the prompt")
+    return t0, 1.0 / slope

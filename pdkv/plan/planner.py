@@ -58,6 +58,7 @@ class PlanInputs:
     pcp_shape: PcpShape | None = None
     pcp_link: Link | None = None
     pcp_shared_speedup: float | None = None
+    pcp_overhead: float = 0.0
 
 
 def check_parallel(model: ModelSpec | None, tp: int, dcp: int) -> None:
@@ -396,6 +397,8 @@ def check_pcp(inp: PlanInputs) -> None:
         raise ValueError("PCP terms are for one prompt: give --prompt-len")
     if inp.pcp_shared_speedup is not None and inp.pcp_shared_speedup <= 0:
         raise ValueError(f"--pcp-shared-speedup must be > 0, got {inp.pcp_shared_speedup}")
+    if inp.pcp_overhead < 0:
+        raise ValueError(f"--pcp-overhead must be >= 0, got {inp.pcp_overhead}")
 
 
 def pcp_figures(inp: PlanInputs) -> list[Figure]:
@@ -446,12 +449,16 @@ def pcp_figures(inp: PlanInputs) -> list[Figure]:
                    "n/a: give --prefill-tps (one rank's measured prefill tok/s at --prompt-len) "
                    "to calibrate the FLOP/s"))
         return figs
-    flops = calibrate_flops(shape, plen, plen / inp.prefill_tps)
-    model = PcpModel(shape, n, flops, link.bandwidth, link.latency, kv.bytes, act.bytes, s_shared)
+    t0 = inp.pcp_overhead
+    flops = calibrate_flops(shape, plen, plen / inp.prefill_tps, t0)
+    model = PcpModel(shape, n, flops, link.bandwidth, link.latency, kv.bytes, act.bytes, s_shared,
+                     t0)
     c = model.cost(plen)
     add(Figure("pcp_flops_per_s", "pcp", "achieved FLOP/s of one rank", flops, "FLOP/s",
-               f"F = {single.flops:.4g} FLOP / ({plen} tokens / {inp.prefill_tps:g} tok/s); every "
-               "second of the measured prefill (overheads too) charged to FLOPs"))
+               f"F = {single.flops:.4g} FLOP / ({plen} tokens / {inp.prefill_tps:g} tok/s − "
+               f"{t0:g} s overhead); "
+               + ("every second of the measured prefill charged to FLOPs (no --pcp-overhead)"
+                  if not t0 else "--pcp-overhead: the part splitting does not shorten")))
     add(Figure("pcp_single_s", "pcp", "prefill on one rank", c.single_s, "s",
                f"{plen} tokens / {inp.prefill_tps:g} tok/s (--prefill-tps)"))
     add(Figure("pcp_compute_s", "pcp", f"compute on the busiest of {n} ranks", c.compute_s, "s",
@@ -461,7 +468,7 @@ def pcp_figures(inp: PlanInputs) -> list[Figure]:
                f"{c.comm_bytes:.4g} B / {link.bandwidth:.4g} B/s (ring all-gather; no overlap "
                "with compute)" if split else "0: not split"))
     add(Figure("pcp_prefill_s", "pcp", f"prefill on {n} ranks", c.pcp_s, "s",
-               "compute + all-gathers"))
+               f"{t0:g} s overhead (--pcp-overhead) + compute + all-gathers"))
     add(Figure("pcp_speedup", "pcp", "one rank / PCP", c.speedup, "ratio",
                "> 1: PCP prefills this prompt faster"))
     cross = model.crossover()

@@ -11,6 +11,7 @@ import pytest
 
 from pdkv.bench.pcp import measured_crossover
 from pdkv.cli import main
+from pdkv.plan.pcp import PcpShape, rank_work
 
 pytestmark = pytest.mark.slow  # worker processes
 
@@ -49,7 +50,12 @@ def test_tiny_run_rows_tokens_and_plan_columns(tiny_llama_kv2, tmp_path, capsys)
     # over 1e9 B/s, plus 4 + 1 all-gathers × 1e-4 s
     want_comm = (4 * 48 * 2 * 2 * 32 * 4 + 128 * 4) / 1e9 + 5 * 1e-4
     assert split["plan_comm_ms"] == pytest.approx(want_comm * 1e3)
-    # an unsplit prompt runs whole on every rank, each at F / S
-    s = m["shared_speedup"]
-    assert s == pytest.approx(m["share_ttft_s"][0] / (m["rows"][-1]["n1_ttft_s"][0]))
-    assert short["plan_n_ms"] == pytest.approx(short["n1_ms"] * s)
+    # the plan is fitted to N=1 (t = t0 + FLOPs / F); an unsplit prompt runs whole on every
+    # rank, each computing at F / S
+    t0, f, s = m["overhead_s"], m["flops_per_s"], m["shared_speedup"]
+    flops = rank_work(PcpShape(**m["shape"]), 40, 1)[0].flops
+    assert short["plan_n1_ms"] == pytest.approx((t0 + flops / f) * 1e3)
+    assert short["plan_n_ms"] == pytest.approx((t0 + flops * s / f) * 1e3)
+    t_share, t_one = m["share_ttft_s"][0], split["n1_ttft_s"][0]
+    assert s == pytest.approx((t_share - t0) / (t_one - t0) if min(t_share, t_one) > t0
+                              else t_share / t_one)

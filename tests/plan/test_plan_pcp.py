@@ -8,7 +8,14 @@ import json
 import pytest
 
 from pdkv.cli import main
-from pdkv.plan.pcp import PcpModel, PcpShape, allgather_bytes, calibrate_flops, rank_work
+from pdkv.plan.pcp import (
+    PcpModel,
+    PcpShape,
+    allgather_bytes,
+    calibrate_flops,
+    fit_single_rank,
+    rank_work,
+)
 
 # tiny-llama-kv2's dimensions (its config.json as pdkv builds it)
 TINY = PcpShape(num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -64,6 +71,19 @@ def test_crossover_is_the_first_gaining_length_and_grows_as_bandwidth_falls():
     assert PcpModel(TINY, 2, f, 1e11, 0.0, 4, 4, shared_speedup=2).crossover() is None
 
 
+def test_fit_recovers_overhead_and_flops_and_overhead_is_not_split():
+    t0, f = 0.02, 3e9
+    samples = [(n, t0 + rank_work(TINY, n, 1)[0].flops / f) for n in (128, 512, 2048)]
+    got_t0, got_f = fit_single_rank(TINY, samples)
+    assert got_t0 == pytest.approx(t0) and got_f == pytest.approx(f)
+    one_t0, one_f = fit_single_rank(TINY, samples[:1])  # one sample: all of it is compute
+    assert one_t0 == 0 and one_f == pytest.approx(calibrate_flops(TINY, 128, samples[0][1]))
+    c = PcpModel(TINY, 2, f, 1e9, 0.0, 4, 4, overhead_s=t0).cost(512)
+    assert c.single_s == pytest.approx(samples[1][1])
+    assert c.pcp_s == pytest.approx(t0 + c.compute_s + c.comm_s)
+    assert calibrate_flops(TINY, 512, samples[1][1], t0) == pytest.approx(f)
+
+
 def run_json(capsys, *args: str) -> dict:
     assert main(["plan", *args, "--json"]) == 0
     return json.loads(capsys.readouterr().out)["figures"]
@@ -79,6 +99,12 @@ def test_cli_smollm2_pcp2(capsys):
     assert f["pcp_prefill_s"]["value"] == pytest.approx(
         f["pcp_compute_s"]["value"] + f["pcp_comm_s"]["value"])
     assert f["pcp_crossover_tokens"]["unit"] == "tokens"
+    over = run_json(capsys, "--model", "smollm2", "--prompt-len", "2048", "--pcp", "2",
+                    "--prefill-tps", "1000", "--pcp-overhead", "0.5")
+    assert over["pcp_flops_per_s"]["value"] == pytest.approx(
+        f["pcp_single_flops"]["value"] / (2.048 - 0.5))
+    assert over["pcp_prefill_s"]["value"] == pytest.approx(
+        0.5 + over["pcp_compute_s"]["value"] + over["pcp_comm_s"]["value"])
     shared = run_json(capsys, "--model", "smollm2", "--prompt-len", "2048", "--pcp", "2",
                       "--prefill-tps", "1000", "--pcp-shared-speedup", "2")
     assert shared["pcp_crossover_tokens"]["value"] is None
