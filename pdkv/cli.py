@@ -104,7 +104,8 @@ class Command:
 
 # Commands that parse and run without importing torch.
 LIGHT_COMMANDS = (
-    Command("plan", "cost model: KV bytes, handoff time, recompute vs reload, P:D ratio (no torch)",
+    Command("plan", "cost model: KV bytes, handoff time, recompute vs reload, P:D ratio, PCP "
+            "crossover (no torch)",
             "pdkv.plan.cli"),
     Command("matrix",
             "support matrix: run the tagged acceptance tests, write docs/SUPPORT_MATRIX.md",
