@@ -6,17 +6,20 @@ Per model (`--model`, comma-separated), three in-process engines run one request
 prefill is one step):
 - `N=1`: one rank with T torch threads (T: `--num-threads`, else torch's default);
 - `N=1 share`: one rank with T // N threads, at the longest prompt only: the speed a PCP rank has
-  when the N ranks share the T cores. S = its prefill time / N=1's is the plan's
-  `--pcp-shared-speedup` (S = N: the cores scale linearly and the split cannot gain);
+  when the N ranks share the T cores. S, its compute time over N=1's (t0 taken off both, see
+  below), is the plan's `--pcp-shared-speedup` (S = N: the cores scale linearly and the split
+  cannot gain);
 - `N=N`: `prefill_context_parallel_size=N` (N worker processes, T // N threads each).
 
 Per prompt length and repeat: random prompt ids (seeded by length, the same for every engine); the
 prefill time is the engine-level TTFT: `engine.step()` from adding the request until its first
-token; `comm` is the PCP all-gather time inside those steps (`StepTimings.pcp_comm`, the slowest
-rank). The request then decodes `--new-tokens` greedy tokens; N's tokens must equal N=1's (exit
+token; `comm` is the time inside those steps' PCP all-gathers (`StepTimings.pcp_comm`, the
+largest over the ranks): it includes a rank's wait for the slower one at each all-gather, so it
+exceeds the transfer alone when the ranks are unbalanced or descheduled on shared cores. The
+request then decodes `--new-tokens` greedy tokens; N's tokens must equal N=1's (exit
 status 1 otherwise). One warm-up request per engine is not timed.
 
-Plan columns (pdkv.plan.pcp): one model per model, fitted to N=1 alone: t = t0 + FLOPs_1(L) / F
+Plan columns (pdkv.plan.pcp): one cost model per LLM, fitted to N=1 alone: t = t0 + FLOPs_1(L) / F
 by least squares over the N=1 medians (t0: the per-prefill time a split does not shorten), the
 ranks computing at F / S with S = (N=1 share − t0) / (N=1 − t0) at the longest prompt, the
 all-gathers over `--pcp-bandwidth` / `--pcp-latency` (default the tcp-loopback preset: gloo
@@ -241,9 +244,10 @@ def format_table(models: Sequence[dict[str, Any]], pcp: int) -> str:
             f"S = {m['shared_speedup']:.2f}: N=1 compute on {m['share_threads']} thread(s) / on "
             f"{m['threads']})")
     lines.append(
-        f"prefill ms: median engine-level TTFT of one request alone; comm: PCP all-gathers in it "
-        f"(slowest rank). plan: pdkv.plan.pcp, t0 + FLOPs / F fitted to the N=1 column, ranks "
-        f"at F / S. "
+        f"prefill ms: median engine-level TTFT of one request alone; comm: time inside its PCP "
+        f"all-gathers (the largest over the ranks), which includes a rank's wait for the slower "
+        f"one (the plan's comm is the transfer alone). plan: pdkv.plan.pcp, t0 + FLOPs / F "
+        f"fitted to the N=1 column, ranks at F / S. "
         f"On one box the {pcp} ranks share the cores N=1 had: with S = {pcp} (cores scale "
         "linearly) the split cannot gain, and the all-gathers are pure loss.")
     return "\n".join(lines)
