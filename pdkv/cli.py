@@ -1,6 +1,6 @@
 """`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos,
-hosts, soak, pool, handoff, dcp, hetero, groups, prefill-cap, kvquant, dtype, memory} | compare |
-plan | matrix."""
+hosts, soak, pool, handoff, dcp, pcp, hetero, groups, prefill-cap, kvquant, dtype, memory} |
+compare | plan | matrix."""
 
 from __future__ import annotations
 
@@ -104,7 +104,8 @@ class Command:
 
 # Commands that parse and run without importing torch.
 LIGHT_COMMANDS = (
-    Command("plan", "cost model: KV bytes, handoff time, recompute vs reload, P:D ratio (no torch)",
+    Command("plan", "cost model: KV bytes, handoff time, recompute vs reload, P:D ratio, PCP "
+            "crossover (no torch)",
             "pdkv.plan.cli"),
     Command("matrix",
             "support matrix: run the tagged acceptance tests, write docs/SUPPORT_MATRIX.md",
@@ -135,6 +136,8 @@ BENCH_COMMANDS = (
             "over a tbf-capped link between two network namespaces)", "pdkv.bench.handoff.cli"),
     Command("dcp", "DCP: KV bytes per rank and decode step time vs dcp 1 at long contexts (tiny "
             "model)", "pdkv.bench.dcp.cli"),
+    Command("pcp", "PCP: prefill time vs prompt length on one rank and N ranks, beside `pdkv "
+            "plan --pcp N` and its crossover", "pdkv.bench.pcp"),
     Command("hetero", "P/D re-blocking and re-sharding cost (bytes, read ops, time) vs a "
             "same-layout handoff (tiny model)", "pdkv.bench.hetero.cli"),
     Command("groups", "KV bytes per token per state group and the P/D handoff of hybrid models "

@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import os
 import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -40,10 +39,10 @@ from typing import Any
 
 import httpx
 
+from pdkv.bench.header import host_facts, machine_lines
 from pdkv.bench.results import write_result_json
 from pdkv.bench.serve.config import BenchConfig
 from pdkv.bench.serve.runner import run_serve_bench
-from pdkv.bench.soak.cli import machine
 from pdkv.launch.deploy import Deployment, DeploymentError, load_deployment
 from pdkv.launch.netns import (
     LinkShape,
@@ -294,41 +293,21 @@ def format_table(cases: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def commit_text(commit: str) -> str:
-    """`commit` (HEAD's short hash), "+ uncommitted changes" when the tracked files differ
-    from it (git's answer within 10 s; none: as clean)."""
-    try:
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10,
-                               cwd=os.path.dirname(__file__)).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        dirty = ""
-    return commit + (" + uncommitted changes" if dirty else "")
-
-
 def header(args: argparse.Namespace, dep: Deployment, host: dict[str, str],
            load_before: tuple[float, float, float],
            load_after: tuple[float, float, float]) -> tuple[list[str], bool]:
     """The lines printed above the table and whether the figures may be published (the
     1-minute load average below the core count before and after)."""
-    cores = os.cpu_count() or 1
-    quiet = load_before[0] < cores and load_after[0] < cores
     lines = []
     if sys.argv[1:3] == ["bench", "hosts"]:
         lines.append(f"command: pdkv {shlex.join(sys.argv[1:])}")
-    lines += [
+    lines.append(
         f"deployment: {dep.source} (model {dep.model}); {args.num_prompts} prompts x "
         f"{args.input_len} tokens in, {args.output_len} out (random, seed {args.seed}), "
         f"concurrency {args.max_concurrency}; per case: deployment up, 1 warm-up request, the "
-        "measured requests through the proxy, deployment down",
-        f"cpu: {host['cpu']}, flags {host['flags'] or '-'}, {host['cores']} cores",
-        "load average (1 / 5 / 15 min): before " + " ".join(f"{x:.2f}" for x in load_before)
-        + ", after " + " ".join(f"{x:.2f}" for x in load_after),
-        f"commit: {host['commit']}",
-        ("publishable: yes" if quiet else "publishable: NO") + f" (1-minute load average "
-        f"{load_before[0]:.2f} before, {load_after[0]:.2f} after; must stay below {cores} "
-        "cores)",
-    ]
+        "measured requests through the proxy, deployment down")
+    machine_facts, quiet = machine_lines(host, load_before, load_after)
+    lines += machine_facts
     return lines, quiet
 
 
@@ -344,8 +323,7 @@ def run(args: argparse.Namespace, dep: Deployment, cases: Sequence[Case],
                 "are measured without a delay (their link column says so)")
     cfg = bench_config(args, dep)
     load_before = os.getloadavg()
-    host = machine()
-    host["commit"] = commit_text(host["commit"])
+    host = host_facts()
     t0 = time.monotonic()
     entries = []
     for case in cases:

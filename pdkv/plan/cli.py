@@ -9,6 +9,7 @@ from typing import Any
 from pdkv.modelspec import dtypes
 from pdkv.modelspec.hf_config import spec_from_hf_config
 from pdkv.plan import costs, links
+from pdkv.plan.pcp import PcpShape
 from pdkv.plan.planner import PlanInputs, make_plan
 from pdkv.plan.report import render_json, render_text
 from pdkv.plan.resolve import bundled_names, load_config
@@ -32,6 +33,23 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dcp", type=int, default=1, help="decode-context-parallel size (shards tokens)"
     )
+    p.add_argument("--pcp", type=int, default=1,
+                   help="prefill-context-parallel size N: PCP's compute and all-gather terms for "
+                   "a --prompt-len prefill, and the crossover prompt length (with --prefill-tps)")
+    p.add_argument("--pcp-link", default="tcp-loopback", choices=tuple(links.PRESETS),
+                   help="link PCP's all-gathers cross (default tcp-loopback: gloo between "
+                   "processes on one box)")
+    p.add_argument("--pcp-bandwidth", type=float, default=None,
+                   help="effective bytes/s one rank's all-gather receives at")
+    p.add_argument("--pcp-latency", type=float, default=None,
+                   help="seconds per step of a ring all-gather")
+    p.add_argument("--pcp-shared-speedup", type=float, default=None,
+                   help="the PCP ranks share one box's cores: one rank on all of them is this "
+                   "many times faster than on its 1/N share (N: linear in cores); default: each "
+                   "rank has its own device")
+    p.add_argument("--pcp-overhead", type=float, default=0.0,
+                   help="seconds of a prefill that splitting does not shorten (scheduling, "
+                   "sampling; `pdkv bench pcp` fits it); 0: all of --prefill-tps is compute")
     p.add_argument("--link", default=None, choices=tuple(links.PRESETS),
                    help="link preset (default tcp-loopback unless --link-bandwidth is given)")
     p.add_argument("--link-bandwidth", type=float, default=None, help="effective bytes/s")
@@ -75,17 +93,22 @@ def main(args: argparse.Namespace) -> int:
     Raises:
         ValueError: unknown model/link/dtype, invalid tp/dcp or numbers (cli.main prints it).
     """
-    model, source = None, ""
+    model, source, shape = None, "", None
     if args.model:
         cfg, source = load_config(args.model)
         model = spec_from_hf_config(cfg, args.model)
+        if args.pcp > 1:
+            shape = PcpShape.from_hf_config(cfg)
     inp = PlanInputs(
         link=_link(args), model=model, model_source=source, kv_bytes=args.kv_bytes,
         prompt_len=args.prompt_len, output_len=args.output_len, kv_dtype=args.kv_dtype,
         tp=args.tp, dcp=args.dcp,
         fixed=costs.FixedCosts(scheduling=args.sched_overhead, layout=args.layout_overhead),
         prefill_tps=args.prefill_tps, decode_tps=args.decode_tps, target_ttft=args.target_ttft,
-        target_tpot=args.target_tpot, act_dtype=args.act_dtype, block_size=args.block_size)
+        target_tpot=args.target_tpot, act_dtype=args.act_dtype, block_size=args.block_size,
+        pcp=args.pcp, pcp_shape=shape,
+        pcp_link=links.link(args.pcp_link).with_overrides(args.pcp_bandwidth, args.pcp_latency),
+        pcp_shared_speedup=args.pcp_shared_speedup, pcp_overhead=args.pcp_overhead)
     figures = make_plan(inp)
     summary: dict[str, Any] = {
         "model": args.model,
@@ -96,6 +119,7 @@ def main(args: argparse.Namespace) -> int:
         "kv_dtype": args.kv_dtype,
         "tp": args.tp,
         "dcp": args.dcp,
+        "pcp": args.pcp,
         "block_size": args.block_size,
         "link": inp.link.name,
         "prefill_tps": args.prefill_tps,

@@ -10,6 +10,14 @@ from pdkv.modelspec.groups import MLA, FullAttention, LinearState, SlidingWindow
 from pdkv.modelspec.hf_config import ModelSpec
 from pdkv.plan import afd, capacity, costs
 from pdkv.plan.links import Link
+from pdkv.plan.pcp import (
+    PcpModel,
+    PcpShape,
+    allgather_bytes,
+    calibrate_flops,
+    rank_work,
+    split_threshold,
+)
 
 Value = float | int | str | None
 
@@ -46,6 +54,11 @@ class PlanInputs:
     target_tpot: float | None = None
     act_dtype: str = "auto"
     block_size: int = 16
+    pcp: int = 1
+    pcp_shape: PcpShape | None = None
+    pcp_link: Link | None = None
+    pcp_shared_speedup: float | None = None
+    pcp_overhead: float = 0.0
 
 
 def check_parallel(model: ModelSpec | None, tp: int, dcp: int) -> None:
@@ -82,6 +95,7 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
     if inp.model is None and inp.kv_bytes is None:
         raise ValueError("give --model or --kv-bytes")
     check_parallel(inp.model, inp.tp, inp.dcp)
+    check_pcp(inp)
     figs: list[Figure] = []
     add = figs.append
     T = inp.prompt_len
@@ -293,6 +307,10 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
                 )
             )
 
+    # --- prefill context parallelism --------------------------------------------------------
+    if inp.pcp > 1:
+        figs += pcp_figures(inp)
+
     # --- P:D ratio --------------------------------------------------------------------------
     if T and inp.prefill_tps and inp.decode_tps:
         hs = costs.handoff(moved or 0.0, link, inp.fixed).total
@@ -350,3 +368,114 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
                 )
             )
     return figs
+
+
+def check_pcp(inp: PlanInputs) -> None:
+    """Refuse PCP terms the plan (or pdkv) cannot give.
+
+    Raises:
+        ValueError: pcp < 1; pcp > 1 with tp or dcp > 1 (not built in pdkv yet), without a model
+            (--kv-bytes), with a group other than full attention (pdkv refuses those models at
+            start-up), without --prompt-len or the model's dimensions; a shared speed-up <= 0.
+    """
+    if inp.pcp < 1:
+        raise ValueError(f"pcp must be >= 1, got {inp.pcp}")
+    if inp.pcp == 1:
+        return
+    if inp.tp > 1 or inp.dcp > 1:
+        raise ValueError(
+            f"pcp={inp.pcp} with tp={inp.tp}, dcp={inp.dcp}: PCP with TP or DCP is not built yet "
+            "(issue 32); the plan gives PCP's terms at tp 1, dcp 1")
+    if inp.model is None or inp.pcp_shape is None:
+        raise ValueError("PCP terms need --model (its layers, heads and widths), not --kv-bytes")
+    other = [g.kind for g in inp.model.groups if type(g) is not FullAttention]
+    if other:
+        raise ValueError(
+            f"PCP is built for full-attention models only; {inp.model.name} has "
+            f"{', '.join(other)} (pdkv refuses it at start-up)")
+    if not inp.prompt_len:
+        raise ValueError("PCP terms are for one prompt: give --prompt-len")
+    if inp.pcp_shared_speedup is not None and inp.pcp_shared_speedup <= 0:
+        raise ValueError(f"--pcp-shared-speedup must be > 0, got {inp.pcp_shared_speedup}")
+    if inp.pcp_overhead < 0:
+        raise ValueError(f"--pcp-overhead must be >= 0, got {inp.pcp_overhead}")
+
+
+def pcp_figures(inp: PlanInputs) -> list[Figure]:
+    """PCP's figures for a prefill of inp.prompt_len tokens on inp.pcp ranks (formulas:
+    pdkv.plan.pcp); time terms only with --prefill-tps (it calibrates the FLOP/s)."""
+    shape, n, plen = inp.pcp_shape, inp.pcp, inp.prompt_len
+    assert shape is not None and plen and inp.model is not None  # check_pcp
+    kv, model_dt = _kv_type(inp)
+    act = model_dt if inp.act_dtype == "auto" else element_type(inp.act_dtype)
+    link = inp.pcp_link or inp.link
+    s_shared = inp.pcp_shared_speedup or 1.0
+    figs: list[Figure] = []
+    add = figs.append
+    work = rank_work(shape, plen, n)
+    single = rank_work(shape, plen, 1)[0]
+    top = max(work, key=lambda w: w.flops)
+    split = plen >= split_threshold(n)
+    chunks = (f"2N={2 * n} chunks of ceil({plen}/{2 * n}) tokens, rank r computes chunks r and "
+              f"{2 * n - 1}−r (head-tail)" if split else
+              f"not split: {plen} < 2N × 16 = {split_threshold(n)}; every rank runs the whole "
+              "prompt")
+    add(Figure("pcp_rank_tokens", "pcp", "tokens the fullest rank computes", top.rows, "tokens",
+               chunks))
+    w = shape.layer_weights
+    add(Figure("pcp_single_flops", "pcp", "prefill FLOPs on one rank", single.flops, "FLOP",
+               f"linear {shape.num_layers} layers × {plen} tokens × 2 × {w:,} weights/layer "
+               f"(q k v o gate up down) + attention {shape.num_layers} × {single.key_pairs:,} "
+               f"causal pairs × 4 × {shape.num_heads} heads × {shape.head_dim} + lm head 2 × "
+               f"{shape.hidden_size} × {shape.vocab_size} (one sampled row)"))
+    add(Figure("pcp_rank_flops", "pcp", "prefill FLOPs on the busiest rank", top.flops, "FLOP",
+               f"the same on {top.rows} tokens with {top.key_pairs:,} causal pairs (each query "
+               "attends over the whole prefix in its replica); the lm head on every rank"))
+    add(Figure("pcp_compute_share", "pcp", "busiest rank / one rank", top.flops / single.flops,
+               "ratio", f"1/N = {1 / n:.3g} would be a perfect split"))
+    nbytes = allgather_bytes(shape, plen, n, kv.bytes, act.bytes)
+    add(Figure("pcp_comm_bytes", "pcp", "all-gather bytes one rank receives", nbytes, "B",
+               f"{shape.num_layers} layers × {top.rows} rows × 2 (K, V) × {shape.num_kv_heads} kv "
+               f"heads × {shape.head_dim} × {kv.bytes} B ({kv.name}) × (N−1) + the sampled row "
+               f"{shape.hidden_size} × {act.bytes} B × (N−1); 0 when not split"
+               if split else "0: the prompt is not split"))
+    add(Figure("pcp_link_bandwidth", "pcp", f"PCP all-gather link {link.name}", link.bandwidth,
+               "B/s", link.note + " (--pcp-link / --pcp-bandwidth / --pcp-latency)"))
+    rank_note = (f"ranks share one box's cores: each runs at F / {s_shared:g} "
+                 "(--pcp-shared-speedup)" if inp.pcp_shared_speedup else
+                 "each rank on its own device, at F (no --pcp-shared-speedup)")
+    if not inp.prefill_tps:
+        add(Figure("pcp_prefill_s", "pcp", f"prefill on {n} ranks", None, "s",
+                   "n/a: give --prefill-tps (one rank's measured prefill tok/s at --prompt-len) "
+                   "to calibrate the FLOP/s"))
+        return figs
+    t0 = inp.pcp_overhead
+    flops = calibrate_flops(shape, plen, plen / inp.prefill_tps, t0)
+    model = PcpModel(shape, n, flops, link.bandwidth, link.latency, kv.bytes, act.bytes, s_shared,
+                     t0)
+    c = model.cost(plen)
+    add(Figure("pcp_flops_per_s", "pcp", "achieved FLOP/s of one rank", flops, "FLOP/s",
+               f"F = {single.flops:.4g} FLOP / ({plen} tokens / {inp.prefill_tps:g} tok/s − "
+               f"{t0:g} s overhead); "
+               + ("every second of the measured prefill charged to FLOPs (no --pcp-overhead)"
+                  if not t0 else "--pcp-overhead: the part splitting does not shorten")))
+    add(Figure("pcp_single_s", "pcp", "prefill on one rank", c.single_s, "s",
+               f"{plen} tokens / {inp.prefill_tps:g} tok/s (--prefill-tps)"))
+    add(Figure("pcp_compute_s", "pcp", f"compute on the busiest of {n} ranks", c.compute_s, "s",
+               f"{top.flops:.4g} FLOP / (F / {s_shared:g}); {rank_note}"))
+    add(Figure("pcp_comm_s", "pcp", "all-gathers", c.comm_s, "s",
+               f"({shape.num_layers} + 1) all-gathers × (N−1) × {link.latency:g} s + "
+               f"{c.comm_bytes:.4g} B / {link.bandwidth:.4g} B/s (ring all-gather; no overlap "
+               "with compute)" if split else "0: not split"))
+    add(Figure("pcp_prefill_s", "pcp", f"prefill on {n} ranks", c.pcp_s, "s",
+               f"{t0:g} s overhead (--pcp-overhead) + compute + all-gathers"))
+    add(Figure("pcp_speedup", "pcp", "one rank / PCP", c.speedup, "ratio",
+               "> 1: PCP prefills this prompt faster"))
+    cross = model.crossover()
+    add(Figure("pcp_crossover_tokens", "pcp", f"PCP {n} beats one rank from", cross, "tokens",
+               f"smallest prompt with PCP prefill < one rank's, F held at the calibrated value; "
+               f"{rank_note}" + ("" if cross is not None else
+                                 "; never up to 16 M tokens: the split saves less compute "
+                                 "than the all-gathers cost")))
+    return figs
+

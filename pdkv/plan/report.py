@@ -13,6 +13,7 @@ SECTIONS = {
     "rank": "Per rank (TP shards heads, DCP shards tokens)",
     "handoff": "P→D handoff",
     "reload": "Recompute vs reload",
+    "pcp": "Prefill context parallelism (one prompt's prefill split over N ranks)",
     "pd": "P:D ratio",
     "afd": "Attention-FFN disaggregation (paper estimate)",
 }
