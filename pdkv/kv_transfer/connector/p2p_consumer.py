@@ -204,32 +204,30 @@ class ConsumerSide:
             engine_id=note.remote.engine_id,
         )
         try:
-            self._control(note.remote, msg, Ack, time.monotonic() + NOTICE_TIMEOUT_S,
-                          "notification deadline")
+            self._control(note.remote, msg, Ack, time.monotonic() + NOTICE_TIMEOUT_S)
         except TransferError as e:
-            logger.info(
-                "notification %s for %s not delivered: %s", note.kind, note.remote_request_id, e
-            )
+            logger.info("notification %s for %s not delivered within %g s: %s", note.kind,
+                        note.remote_request_id, NOTICE_TIMEOUT_S, e)
 
     # ------------------------------------------------------------------ pulls
     def _control(self, remote: RemoteEngine, msg: Handshake | Notify | Claim, reply_type: type[R],
-                 deadline: float, deadline_name: str = "transfer deadline") -> R:
+                 deadline: float) -> R:
         """One control exchange with the producer, within `deadline` (time.monotonic()); a
-        timeout is reported as `deadline_name` passing (a pull's own deadline, stamped at its
-        submit, whichever phase it was in).
+        timeout reads "transfer deadline passed" (for a pull its own deadline, stamped at its
+        submit, whichever phase it was in; a notification's caller names its own).
 
         Raises:
             TransferError: the producer is unreachable or the deadline passed.
         """
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TransferError(f"{deadline_name} passed before contacting the producer")
+            raise TransferError("transfer deadline passed before contacting the producer")
         try:
             with connect(remote.host, remote.port, left) as sock:
                 send_msg(sock, msg)
                 return recv_msg(sock, reply_type, deadline)
         except (OSError, WireError) as e:
-            why = f"{deadline_name} passed" if isinstance(e, TimeoutError) else str(e)
+            why = "transfer deadline passed" if isinstance(e, TimeoutError) else str(e)
             raise TransferError(f"producer {remote.host}:{remote.port} unreachable: {why}"
                                 ) from None
 
