@@ -201,7 +201,10 @@ def test_d_link_down_during_a_pull(tmp_path, tiny_llama_cache, references, polic
         wait_until("P's blocks back at its lease",
                    lambda: metric(p, FREE) == NUM_KV_BLOCKS, LEASE_S + 10, every=0.2)
         assert metric(p, "pdkv:kv_lease_expirations_total") == 1
-        status, backends = run.health()  # its probe of D times out
+        # The proxy's probe of D times out (probe every 1 s, its timeout 5 s: backend_health's
+        # default), which may come after P's lease (3 s): wait for it, bounded.
+        wait_until("the proxy marks D down", lambda: run.health()[0] == 503, 15, every=0.2)
+        status, backends = run.health()
         assert status == 503 and backends == {"prefill0": True, "decode0": False}, backends
         # Past D's transfer deadline (stamped before the cut) before the link comes back.
         time.sleep(max(0.0, t_cut + TRANSFER_TIMEOUT_S + 1 - time.monotonic()))
