@@ -7,6 +7,12 @@ Sharding rules (vLLM's, ../shared/reference/ANCHORS.md §3):
 - MLA: one latent vector per token and layer, shared by all heads, so every TP rank keeps
   the whole latent (replicated tp times); DCP is what divides it (by tokens).
 - Linear state: split over TP by heads, one slot per request, never by tokens.
+- DeepSeek-V4 (shared-KV MQA, one KV head): HF's tp plan keeps attention, its compressors and
+  the indexer replicated on every TP rank, so every V4 group below is replicated tp times.
+
+`token_bytes` is the bytes of one held entry and `tokens_held(n)` the entries held for n tokens;
+an entry is one token except in the compressed groups (`entry_tokens` tokens per entry), so
+`per_token_bytes` (token_bytes / entry_tokens) is what one prompt token costs.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class FullAttention:
     num_kv_heads: int
     head_dim: int
     kind: str = "full_attention"
+    entry_tokens = 1  # tokens per held entry (class constant, not a field)
 
     def token_bytes(self, dt: ElementType, tp: int = 1) -> int:
         """Bytes per token on one rank: 2 (K,V) · layers · heads/rank · (head_dim · elem +
@@ -101,6 +108,7 @@ class MLA:
     kv_lora_rank: int
     rope_dim: int
     kind: str = "mla"
+    entry_tokens = 1
 
     def token_bytes(self, dt: ElementType, tp: int = 1) -> int:
         """Bytes per token on one rank: layers · ((kv_lora_rank + rope_dim) · elem + scale)."""
@@ -143,6 +151,7 @@ class LinearState:
     variant: str
     detail: str
     kind: str = "linear_state"
+    entry_tokens = 1
 
     def token_bytes(self, dt: ElementType, tp: int = 1) -> int:
         return 0
@@ -164,4 +173,161 @@ class LinearState:
         return f"{self.num_layers} layers·({self.detail})·{dt.bytes} B{shard}, per request"
 
 
-StateGroup = FullAttention | MLA | LinearState
+@dataclass(frozen=True)
+class SharedKVWindow(SlidingWindow):
+    """DeepSeek-V4's sliding-window branch, present in every layer: shared-KV MQA (K = V, one KV
+    head), so ONE head_dim vector per token and layer, for the last `window` tokens
+    (transformers' DeepseekV4HCACache.update keeps `keys` and `values` as one tensor). HF keeps
+    window − 1 tokens between steps (the next token makes `window`); a slot of `window` is
+    counted. Replicated on every TP rank. Build it with num_kv_heads=1.
+
+    Raises:
+        ValueError: num_kv_heads != 1.
+    """
+
+    kind: str = "v4_window_kv"
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads != 1:
+            raise ValueError(f"DeepSeek-V4 has one shared KV head, got {self.num_kv_heads}")
+
+    def token_bytes(self, dt: ElementType, tp: int = 1) -> int:
+        """Bytes per token on one rank: layers · (head_dim · elem + scale), any tp."""
+        heads_per_rank(1, tp)
+        return self.num_layers * (self.head_dim * dt.bytes + dt.scale_bytes)
+
+    def formula(self, dt: ElementType, tp: int = 1) -> str:
+        scale = f" + {dt.scale_bytes} B scale" if dt.scale_bytes else ""
+        rep = "" if tp == 1 else f" (replicated on each of tp={tp} ranks)"
+        return (f"{self.num_layers} layers·({self.head_dim}·{dt.bytes} B{scale}), K = V: one "
+                f"vector, at most the last {self.window} tokens{rep}")
+
+
+@dataclass(frozen=True)
+class CompressedKV:
+    """DeepSeek-V4 compressed KV of the CSA or HCA layers: one head_dim entry per `rate` tokens
+    and layer (transformers' compressors close a window of `rate` tokens into one entry:
+    `compressed_kv["compressor"]`, paper §2.3.1 / §2.3.2), so n tokens hold n // rate entries.
+    Replicated on every TP rank.
+
+    Attributes:
+        layer_type: "compressed_sparse_attention" or "heavily_compressed_attention".
+        rate: tokens per entry (compress_rates[layer_type]: m = 4 for CSA, m' = 128 for HCA).
+    """
+
+    num_layers: int
+    head_dim: int
+    rate: int
+    layer_type: str
+    kind: str = "compressed_kv"
+
+    @property
+    def entry_tokens(self) -> int:
+        return self.rate
+
+    def token_bytes(self, dt: ElementType, tp: int = 1) -> int:
+        """Bytes of one entry (one per `rate` tokens) on one rank: layers · (head_dim · elem +
+        scale), any tp."""
+        heads_per_rank(1, tp)
+        return self.num_layers * (self.head_dim * dt.bytes + dt.scale_bytes)
+
+    def formula(self, dt: ElementType, tp: int = 1) -> str:
+        scale = f" + {dt.scale_bytes} B scale" if dt.scale_bytes else ""
+        rep = "" if tp == 1 else f" (replicated on each of tp={tp} ranks)"
+        return (f"{self.num_layers} layers·({self.head_dim}·{dt.bytes} B{scale}) per entry, "
+                f"one entry per {self.rate} tokens (n // {self.rate}){rep}")
+
+    def tokens_held(self, num_tokens: int) -> int:
+        """Entries held for `num_tokens` tokens: the closed windows, num_tokens // rate."""
+        return num_tokens // self.rate
+
+    def block_tokens_held(self, num_tokens: int, block_size: int) -> int:
+        """Entries in whole blocks of `block_size` entries (pdkv has no V4 cache layout yet: the
+        plan assumes the entries are paged like tokens)."""
+        return -(-self.tokens_held(num_tokens) // block_size) * block_size
+
+    def request_bytes(self, dt: ElementType, tp: int = 1) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class IndexerKeys(CompressedKV):
+    """The Lightning Indexer's compressed keys of the CSA layers: one index_head_dim entry per
+    `rate` tokens and layer (transformers' `compressed_kv["indexer"]`, paper §2.3.1 eqs. 13–17),
+    in the KV dtype. Replicated on every TP rank."""
+
+    kind: str = "indexer_keys"
+
+
+@dataclass(frozen=True)
+class CompressorState:
+    """DeepSeek-V4 compressor (or indexer) state of one layer type: a fixed-size slot per
+    request and layer, independent of the prompt length, like the linear state.
+
+    Per layer, in float32 elements (transformers' DeepseekV4HCACache / DeepseekV4CSACache):
+    - pending tokens of the open window (`buffer_kv` / `buffer_gate`): at most rate − 1 tokens;
+      the slot holds `rate` (an upper bound), each token with a kv_proj and a gate_proj output
+      of `width` = 2·head_dim (CSA and its indexer: the Ca and Cb series) or head_dim (HCA):
+      rate · 2 · width;
+    - with `overlap` (CSA and its indexer), the last closed window's Ca halves
+      (`overlap_kv` / `overlap_gate`): rate · head_dim for kv and the same for gate:
+      2 · rate · head_dim.
+    Sized in float32 (4 B) whatever the KV dtype: the compressor/indexer projections are in
+    `_keep_in_fp32_modules` and `position_bias` is fp32 (note: HF's non-strict fp32 list only
+    upcasts under fp16, so a bf16 HF model buffers some of these in bf16; fp32 is the upper
+    bound). Replicated on every TP rank.
+
+    Attributes:
+        head_dim: width of one compressed entry (head_dim, or index_head_dim for the indexer).
+        rate: tokens per window.
+        overlap: CSA's overlapping windows (two series, Ca carried over); False for HCA.
+        what: "CSA compressor", "CSA indexer" or "HCA compressor" (printed).
+    """
+
+    num_layers: int
+    head_dim: int
+    rate: int
+    overlap: bool
+    what: str
+    kind: str = "compressor_state"
+    elem_bytes: int = 4
+    entry_tokens = 1
+
+    def layer_elems(self) -> int:
+        """float32 elements per layer: pending rate·2·width (+ overlap 2·rate·head_dim)."""
+        width = 2 * self.head_dim if self.overlap else self.head_dim
+        pending = self.rate * 2 * width
+        return pending + (2 * self.rate * self.head_dim if self.overlap else 0)
+
+    def token_bytes(self, dt: ElementType, tp: int = 1) -> int:
+        return 0
+
+    def tokens_held(self, num_tokens: int) -> int:
+        return 0
+
+    def block_tokens_held(self, num_tokens: int, block_size: int) -> int:
+        return 0
+
+    def request_bytes(self, dt: ElementType, tp: int = 1) -> int:
+        """Bytes per request on one rank: layers · layer_elems · 4 B (fp32; `dt` not used),
+        any tp."""
+        heads_per_rank(1, tp)
+        return self.num_layers * self.layer_elems() * self.elem_bytes
+
+    def formula(self, dt: ElementType, tp: int = 1) -> str:
+        d, m = self.head_dim, self.rate
+        parts = (f"pending {m}·2·(2·{d}) + overlap 2·{m}·{d}" if self.overlap
+                 else f"pending {m}·2·{d}")
+        rep = "" if tp == 1 else f" (replicated on each of tp={tp} ranks)"
+        return (f"{self.num_layers} layers·({parts})·{self.elem_bytes} B (fp32), per request: "
+                f"a slot of {m} pending tokens (at most {m - 1} held){rep}")
+
+
+StateGroup = FullAttention | MLA | LinearState | CompressedKV | CompressorState
+
+
+def per_token_bytes(g: StateGroup, dt: ElementType, tp: int = 1) -> int | float:
+    """Bytes one prompt token adds to group `g` on one rank: token_bytes / entry_tokens (an int
+    when exact; a compressed group's entry is shared by `entry_tokens` tokens)."""
+    b = g.token_bytes(dt, tp)
+    return b // g.entry_tokens if b % g.entry_tokens == 0 else b / g.entry_tokens

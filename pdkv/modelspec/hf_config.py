@@ -4,7 +4,9 @@ Recognised layouts: dense GQA/MHA (Llama, Qwen2, SmolLM2, GLM-4.5), sliding wind
 `layer_types` with "sliding_attention", Gemma's `sliding_window_pattern`), MLA (`kv_lora_rank`,
 DeepSeek-V3), and hybrid linear attention: Qwen3-Next (`layer_types` / `full_attention_interval`
 + `linear_*` Gated DeltaNet dims) and Kimi-Linear (`linear_attn_config` with 1-based
-`kda_layers` / `full_attn_layers`, MLA on the full layers).
+`kda_layers` / `full_attn_layers`, MLA on the full layers), and DeepSeek-V4 (`model_type`
+"deepseek_v4": a K = V sliding window in every layer, compressed KV on the CSA / HCA layers, the
+CSA indexer's keys and the compressors' fixed per-request state; `deepseek_v4_groups`).
 
 Linear-state shapes follow vLLM's mamba state-shape helpers: Gated DeltaNet conv state
 (conv_kernel − 1) × (2·k_heads·k_dim + v_heads·v_dim), recurrent v_heads × k_dim × v_dim; KDA conv
@@ -16,11 +18,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdkv.modelspec.groups import MLA, FullAttention, LinearState, SlidingWindow, StateGroup
+from pdkv.modelspec.groups import (
+    MLA,
+    CompressedKV,
+    CompressorState,
+    FullAttention,
+    IndexerKeys,
+    LinearState,
+    SharedKVWindow,
+    SlidingWindow,
+    StateGroup,
+)
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 LINEAR = "linear_attention"
+CSA = "compressed_sparse_attention"
+HCA = "heavily_compressed_attention"
+#: transformers' DeepseekV4Config defaults (default_compress_rates, sliding_window, index_head_dim).
+V4_COMPRESS_RATES = {CSA: 4, HCA: 128}
+V4_SLIDING_WINDOW = 128
+V4_INDEX_HEAD_DIM = 128
 
 
 @dataclass(frozen=True)
@@ -45,9 +63,10 @@ class ModelSpec:
 
     @property
     def num_kv_heads(self) -> int:
-        """Smallest KV head count of the attention groups (1 for MLA); 0 without attention."""
-        heads = [1 if isinstance(g, MLA) else g.num_kv_heads for g in self.groups
-                 if not isinstance(g, LinearState)]
+        """Smallest KV head count of the attention groups (1 for MLA and DeepSeek-V4's
+        compressed KV); 0 without attention."""
+        heads = [g.num_kv_heads if isinstance(g, FullAttention) else 1 for g in self.groups
+                 if isinstance(g, (FullAttention, MLA, CompressedKV))]
         return min(heads) if heads else 0
 
 
@@ -112,6 +131,95 @@ def _linear_group(c: dict[str, Any], layers: int) -> LinearState:
         detail=f"conv (2·{nk}·{dk}+{nv}·{dv})·({k}−1) + recurrent {nv}·{dk}·{dv}")
 
 
+def is_deepseek_v4(c: dict[str, Any]) -> bool:
+    """True for a DeepSeek-V4 config (model_type deepseek_v4 or DeepseekV4ForCausalLM)."""
+    return c.get("model_type") == "deepseek_v4" or "DeepseekV4ForCausalLM" in (
+        c.get("architectures") or [])
+
+
+def v4_compress_rates(c: dict[str, Any]) -> dict[str, int]:
+    """compress_rates with transformers' defaults ({CSA: 4, HCA: 128}) and its legacy scalar
+    keys compress_rate_csa / compress_rate_hca folded in (DeepseekV4Config.__post_init__).
+
+    Raises:
+        ValueError: a rate < 1.
+    """
+    rates = {**V4_COMPRESS_RATES, **{k: int(v) for k, v in (c.get("compress_rates") or {}).items()}}
+    for key, t in (("compress_rate_csa", CSA), ("compress_rate_hca", HCA)):
+        if c.get(key) is not None:
+            rates[t] = int(c[key])
+    for t in (CSA, HCA):
+        if rates[t] < 1:
+            raise ValueError(f"compress_rates[{t!r}] must be >= 1, got {rates[t]}")
+    return rates
+
+
+def v4_layer_types(c: dict[str, Any], n: int) -> list[str]:
+    """DeepSeek-V4 per-layer attention types as DeepseekV4Config.__post_init__ derives them:
+    explicit `layer_types` > legacy per-layer `compress_ratios` (0 sliding, the CSA rate CSA,
+    the HCA rate HCA; 0/4/128 by default) > 2 × HCA then HCA / CSA alternating (CSA at odd
+    interleave index i, i.e. layers 3, 5, 7, ...); truncated to n layers.
+
+    Raises:
+        ValueError: fewer than n types, an unknown type, or a ratio matching no rate.
+    """
+    types = c.get("layer_types")
+    if types is None and c.get("compress_ratios") is not None:
+        rates = v4_compress_rates(c)
+        by_ratio = {0: SLIDING, rates[CSA]: CSA, rates[HCA]: HCA}
+        bad = [r for r in c["compress_ratios"] if int(r) not in by_ratio]
+        if bad:
+            raise ValueError(f"compress_ratios {bad}: expected 0 or one of compress_rates "
+                             f"{rates[CSA]} (CSA), {rates[HCA]} (HCA)")
+        types = [by_ratio[int(r)] for r in c["compress_ratios"]]
+    if types is None:
+        types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+    types = list(types)[:n]
+    if len(types) != n:
+        raise ValueError(f"layer_types names {len(types)} layers, num_hidden_layers is {n}")
+    bad = sorted({t for t in types if t not in (SLIDING, CSA, HCA)})
+    if bad:
+        raise ValueError(f"DeepSeek-V4 layer_types {bad}: expected {SLIDING!r}, {CSA!r} or {HCA!r}")
+    return types
+
+
+def deepseek_v4_groups(c: dict[str, Any], n: int) -> tuple[StateGroup, ...]:
+    """DeepSeek-V4's state groups (transformers' DeepseekV4HCACache / DeepseekV4CSACache):
+    the K = V window in all n layers; per CSA layer compressed KV (head_dim per m tokens), the
+    indexer's keys (index_head_dim per m tokens) and both compressors' fixed state (with
+    overlap); per HCA layer compressed KV (head_dim per m' tokens) and its compressor's state
+    (no overlap, no indexer); sliding_attention layers only the window. Groups of a layer type
+    the config lacks are left out.
+
+    Raises:
+        ValueError: head_dim missing, or bad layer types / rates (v4_layer_types).
+    """
+    types = v4_layer_types(c, n)
+    rates = v4_compress_rates(c)
+    d = _require(c, "head_dim")
+    di = int(c.get("index_head_dim") or V4_INDEX_HEAD_DIM)
+    window = int(c.get("sliding_window") or V4_SLIDING_WINDOW)
+    n_csa, n_hca = types.count(CSA), types.count(HCA)
+    m, mh = rates[CSA], rates[HCA]
+    groups: list[StateGroup] = [SharedKVWindow(n, 1, d, window=window)]
+    if n_csa:
+        groups += [
+            CompressedKV(n_csa, d, m, CSA, kind="csa_compressed_kv"),
+            IndexerKeys(n_csa, di, m, CSA, kind="csa_indexer_keys"),
+        ]
+    if n_hca:
+        groups.append(CompressedKV(n_hca, d, mh, HCA, kind="hca_compressed_kv"))
+    if n_csa:
+        groups += [
+            CompressorState(n_csa, d, m, True, "CSA compressor", kind="csa_compressor_state"),
+            CompressorState(n_csa, di, m, True, "CSA indexer", kind="csa_indexer_state"),
+        ]
+    if n_hca:
+        groups.append(
+            CompressorState(n_hca, d, mh, False, "HCA compressor", kind="hca_compressor_state"))
+    return tuple(groups)
+
+
 def spec_from_hf_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
     """Build a ModelSpec from a parsed HF config.json (nested `text_config` is honoured).
 
@@ -121,6 +229,10 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
     c = _text_config(cfg)
     n = _require(c, "num_hidden_layers")
     hidden = _require(c, "hidden_size")
+    dtype = str(c.get("torch_dtype") or c.get("dtype") or "bfloat16")
+    topk = int(c.get("num_experts_per_tok") or c.get("num_experts_per_token") or 1)
+    if is_deepseek_v4(c):
+        return ModelSpec(name, n, hidden, dtype, deepseek_v4_groups(c, n), topk)
     types = _layer_types(c, n)
     groups: list[StateGroup] = []
     n_full, n_slide, n_lin = types.count(FULL), types.count(SLIDING), types.count(LINEAR)
@@ -138,6 +250,4 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str = "model") -> ModelSpec:
         )
     if n_lin:
         groups.append(_linear_group(c, n_lin))
-    dtype = str(c.get("torch_dtype") or c.get("dtype") or "bfloat16")
-    topk = int(c.get("num_experts_per_tok") or c.get("num_experts_per_token") or 1)
     return ModelSpec(name, n, hidden, dtype, tuple(groups), topk)

@@ -73,7 +73,26 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         default=16,
         help="tokens per KV cache block: P/D moves whole blocks (pdkv's and vLLM's default 16)",
     )
+    p.add_argument("--context", type=_lengths, default=(),
+                   help="comma-separated context lengths (e.g. 131072,1048576): the state of one "
+                   "request per group and in total at each, and its handoff time over --link")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    """`--context 131072,1048576` as a tuple of ints.
+
+    Raises:
+        argparse.ArgumentTypeError: not comma-separated non-negative integers.
+    """
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        out = ()
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token counts >= 0, got {text!r}")
+    return out
 
 
 def _link(args: argparse.Namespace) -> links.Link:
@@ -108,7 +127,8 @@ def main(args: argparse.Namespace) -> int:
         target_tpot=args.target_tpot, act_dtype=args.act_dtype, block_size=args.block_size,
         pcp=args.pcp, pcp_shape=shape,
         pcp_link=links.link(args.pcp_link).with_overrides(args.pcp_bandwidth, args.pcp_latency),
-        pcp_shared_speedup=args.pcp_shared_speedup, pcp_overhead=args.pcp_overhead)
+        pcp_shared_speedup=args.pcp_shared_speedup, pcp_overhead=args.pcp_overhead,
+        contexts=args.context)
     figures = make_plan(inp)
     summary: dict[str, Any] = {
         "model": args.model,
@@ -121,6 +141,7 @@ def main(args: argparse.Namespace) -> int:
         "dcp": args.dcp,
         "pcp": args.pcp,
         "block_size": args.block_size,
+        "context": ",".join(map(str, args.context)) or None,
         "link": inp.link.name,
         "prefill_tps": args.prefill_tps,
         "decode_tps": args.decode_tps,

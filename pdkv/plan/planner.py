@@ -6,7 +6,18 @@ import math
 from dataclasses import dataclass
 
 from pdkv.modelspec.dtypes import ElementType, element_type
-from pdkv.modelspec.groups import MLA, FullAttention, LinearState, SlidingWindow
+from pdkv.modelspec.groups import (
+    MLA,
+    CompressedKV,
+    CompressorState,
+    FullAttention,
+    IndexerKeys,
+    LinearState,
+    SharedKVWindow,
+    SlidingWindow,
+    StateGroup,
+    per_token_bytes,
+)
 from pdkv.modelspec.hf_config import ModelSpec
 from pdkv.plan import afd, capacity, costs
 from pdkv.plan.links import Link
@@ -59,6 +70,28 @@ class PlanInputs:
     pcp_link: Link | None = None
     pcp_shared_speedup: float | None = None
     pcp_overhead: float = 0.0
+    contexts: tuple[int, ...] = ()
+
+
+_LABELS: dict[type, str] = {
+    FullAttention: "full attention", SlidingWindow: "sliding window", MLA: "MLA latent",
+    SharedKVWindow: "sliding window (K = V)",
+}
+
+
+def _label(g: StateGroup) -> str:
+    """The printed name of a token-sized group."""
+    if isinstance(g, IndexerKeys):
+        return f"indexer keys (CSA, 1 entry / {g.rate} tokens)"
+    if isinstance(g, CompressedKV):
+        short = "CSA" if g.layer_type == "compressed_sparse_attention" else "HCA"
+        return f"compressed {short} (1 entry / {g.rate} tokens)"
+    return _LABELS[type(g)]
+
+
+def _fixed(g: StateGroup) -> bool:
+    """A per-request group of fixed size (no bytes per token)."""
+    return isinstance(g, (LinearState, CompressorState))
 
 
 def check_parallel(model: ModelSpec | None, tp: int, dcp: int) -> None:
@@ -124,15 +157,25 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
                         + f"; state dtype {st.name} (the model's), not token-sharded",
                     )
                 )
+            elif isinstance(g, CompressorState):
+                add(Figure(f"state_bytes_per_request.{g.kind}", "state",
+                           f"{g.what} state per request", g.request_bytes(st, 1), "B",
+                           g.formula(st, 1) + "; fixed size, not token-sharded"))
             else:
-                label = {FullAttention: "full attention", SlidingWindow: "sliding window",
-                         MLA: "MLA latent"}[type(g)]
-                add(Figure(f"bytes_per_token.{g.kind}", "state", f"{label} KV per token",
-                           g.token_bytes(kv, 1), "B", f"{g.formula(kv, 1)}; {dtype_note}"))
-        per_token = sum(g.token_bytes(kv, 1) for g in m.groups)
+                per_entry = (f" = {g.token_bytes(kv, 1)} B per entry / {g.entry_tokens}"
+                             if g.entry_tokens > 1 else "")
+                add(Figure(f"bytes_per_token.{g.kind}", "state", f"{_label(g)} KV per token",
+                           per_token_bytes(g, kv, 1), "B",
+                           f"{g.formula(kv, 1)}{per_entry}; {dtype_note}"))
+        per_token = sum(per_token_bytes(g, kv, 1) for g in m.groups)
         add(Figure("bytes_per_token", "state", "KV per token, all groups", per_token, "B",
                    "sum of the token-sized groups, whole model (tp=1)"))
-        rank_tok = sum(g.token_bytes(kv, inp.tp) for g in m.groups)
+        fixed = [g for g in m.groups if isinstance(g, CompressorState)]
+        if fixed:
+            add(Figure("state_bytes_per_request", "state", "fixed state per request, all groups",
+                       sum(g.request_bytes(st, 1) for g in fixed), "B",
+                       "sum of the per-request groups, whole model (tp=1)"))
+        rank_tok = sum(per_token_bytes(g, kv, inp.tp) for g in m.groups)
         rank_req = sum(g.request_bytes(st, inp.tp) for g in m.groups)
         b_eff = rank_tok / inp.dcp
         moved: float | None = None
@@ -146,6 +189,9 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
             ) + sum(g.request_bytes(st, 1) for g in m.groups)
             window_note = (" (a window group: the blocks of its window)"
                            if any(isinstance(g, SlidingWindow) for g in m.groups) else "")
+            if any(isinstance(g, CompressedKV) for g in m.groups):
+                window_note += (f" (a compressed group: its entries in blocks of {bs} entries, "
+                                "assumed: pdkv has no V4 cache layout yet)")
             add(
                 Figure(
                     "request_block_bytes",
@@ -158,11 +204,12 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
                 )
             )
         add(Figure("rank_bytes_per_token", "rank", "KV per token on one rank", rank_tok, "B",
-                   "; ".join(g.formula(kv, inp.tp) for g in m.groups
-                                                if not isinstance(g, LinearState))))
+                   "; ".join(g.formula(kv, inp.tp) for g in m.groups if not _fixed(g))))
         if rank_req:
+            how = ("V4 compressor state replicated" if any(
+                isinstance(g, CompressorState) for g in m.groups) else "split over heads")
             add(Figure("rank_state_bytes", "rank", "state per request on one rank", rank_req, "B",
-                       f"tp={inp.tp}: split over heads; the same on every DCP rank"))
+                       f"tp={inp.tp}: {how}; the same on every DCP rank"))
         if T:
             rank_tokens = math.ceil(T / inp.dcp)
             held = sum(g.token_bytes(kv, inp.tp) * g.tokens_held(rank_tokens) for g in m.groups)
@@ -172,9 +219,10 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
             add(Figure("rank_tokens", "rank", "tokens on one rank", rank_tokens, "tokens",
                        f"ceil({T} / dcp={inp.dcp}); DCP puts token t on rank (t // I) % dcp"))
             terms = [
-                f"{g.token_bytes(kv, inp.tp)} B × {g.tokens_held(rank_tokens)} tokens ({g.kind})"
+                f"{g.token_bytes(kv, inp.tp)} B × {g.tokens_held(rank_tokens)} "
+                f"{'entries' if g.entry_tokens > 1 else 'tokens'} ({g.kind})"
                 for g in m.groups
-                if not isinstance(g, LinearState)
+                if not _fixed(g)
             ]
             add(Figure("rank_bytes", "rank", "KV of the prompt on one rank", exact, "B",
                        " + ".join(terms) + (f" + {rank_req} B state" if rank_req else "")
@@ -204,6 +252,12 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
         moved = inp.kv_bytes
         rank_req = 0
         b_eff = (inp.kv_bytes / T) if (inp.kv_bytes is not None and T) else 0.0
+
+    # --- state at context lengths -----------------------------------------------------------
+    if inp.contexts:
+        if inp.model is None:
+            raise ValueError("--context needs --model (its state groups), not --kv-bytes")
+        figs += context_figures(inp)
 
     # --- handoff ----------------------------------------------------------------------------
     add(Figure("link_bandwidth", "handoff", f"link {link.name}", link.bandwidth, "B/s", link.note))
@@ -367,6 +421,45 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
                     "node",
                 )
             )
+    return figs
+
+
+def context_figures(inp: PlanInputs) -> list[Figure]:
+    """Per group and in total, the state one request holds at each of inp.contexts tokens (whole
+    model, tp=1, exact entries: no block rounding), and the handoff of that state over inp.link
+    as one transfer after the prefill (wire + handshake + scheduling + layout).
+
+    Raises:
+        ValueError: a context length < 0.
+    """
+    assert inp.model is not None
+    kv, st = _kv_type(inp)
+    figs: list[Figure] = []
+    add = figs.append
+    for n in inp.contexts:
+        if n < 0:
+            raise ValueError(f"context lengths must be >= 0, got {n}")
+        total = 0
+        for g in inp.model.groups:
+            if _fixed(g):
+                b = g.request_bytes(st, 1)
+                why = "fixed per request, any length"
+            else:
+                held = g.tokens_held(n)
+                b = g.token_bytes(kv, 1) * held
+                unit = "entries" if g.entry_tokens > 1 else "tokens"
+                why = f"{g.token_bytes(kv, 1)} B × {held:,} {unit} held ({kv.name})"
+            total += b
+            add(Figure(f"context_bytes.{n}.{g.kind}", "context", f"{n:,} tokens: {g.kind}", b,
+                       "B", why))
+        add(Figure(f"context_bytes.{n}", "context", f"{n:,} tokens: all groups", total, "B",
+                   "sum over the groups, whole model, tp=1, exact (not in whole blocks)"))
+        h = costs.handoff(total, inp.link, inp.fixed)
+        add(Figure(f"context_handoff_s.{n}", "context",
+                   f"{n:,} tokens: handoff over {inp.link.name}", h.total, "s",
+                   f"{total:.4g} B / {inp.link.bandwidth:.4g} B/s = {h.wire:.4g} s wire + "
+                   f"{h.fixed:.3g} s fixed (handshake, scheduling, layout), one link, after the "
+                   "prefill"))
     return figs
 
 

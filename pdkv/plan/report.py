@@ -10,6 +10,7 @@ from pdkv.plan.planner import Figure
 
 SECTIONS = {
     "state": "State per token / per request",
+    "context": "State of one request at --context lengths",
     "rank": "Per rank (TP shards heads, DCP shards tokens)",
     "handoff": "P→D handoff",
     "reload": "Recompute vs reload",
