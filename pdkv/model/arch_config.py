@@ -36,6 +36,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from pdkv.model.v4_config import DeepseekV4Fields, v4_fields
 from pdkv.modelspec.hf_config import spec_from_hf_config
 
 SUPPORTED_ARCHITECTURES = (
@@ -45,7 +46,9 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "Qwen3NextForCausalLM",
     "KimiLinearForCausalLM",
+    "DeepseekV4ForCausalLM",
 )
+V4_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
 KIMI_ARCHITECTURES = ("KimiLinearForCausalLM",)
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 LINEAR_ARCHITECTURES = ("Qwen3NextForCausalLM",)
@@ -98,6 +101,8 @@ class LlamaArchConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     rotary_dim: int = 0
+    # DeepSeek-V4 (decoder in pdkv/model/deepseek_v4.py): compressed attention, mHC, MoE.
+    v4: DeepseekV4Fields | None = None
 
     @property
     def has_linear_state(self) -> bool:
@@ -133,7 +138,7 @@ class LlamaArchConfig:
         with open(os.path.join(path, "config.json")) as f:
             cfg = json.load(f)
         arch = (cfg.get("architectures") or ["?"])[0]
-        hybrid = hybrid_state_kinds(cfg)
+        hybrid = [] if arch in V4_ARCHITECTURES else hybrid_state_kinds(cfg)
         allowed = (("sliding_window", "mla") if arch in MLA_ARCHITECTURES else
                    ("linear_state",) if arch in LINEAR_ARCHITECTURES else
                    ("mla", "linear_state") if arch in KIMI_ARCHITECTURES else ("sliding_window",))
@@ -152,6 +157,8 @@ class LlamaArchConfig:
             mla = linear_fields(cfg, path)
         if arch in KIMI_ARCHITECTURES:
             mla = kimi_fields(cfg, path)
+        if arch in V4_ARCHITECTURES:
+            mla = v4_fields(cfg, path)
         rope_scaling = cfg.get("rope_scaling")
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "default":
             raise ValueError(f"rope_scaling {rope_scaling} is not supported yet")
@@ -165,7 +172,8 @@ class LlamaArchConfig:
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=(cfg["intermediate_size"] if arch not in V4_ARCHITECTURES
+                               else cfg.get("moe_intermediate_size", 2048)),
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads", num_heads),

@@ -55,8 +55,17 @@ def load_model(
             raise ValueError(
                 f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}"
             )
-        param.data.copy_(value.to(tdtype))
+        # float32 parameters (DeepSeek-V4's norms, sinks, mHC and biases) stay float32
+        param.data.copy_(value.to(param.dtype if param.dtype == torch.float32 else tdtype))
 
+    if cfg.v4 is not None:  # DeepseekV4ForCausalLM (pdkv/model/deepseek_v4.py)
+        from pdkv.model.deepseek_v4 import DeepseekV4ForCausalLM
+
+        v4 = DeepseekV4ForCausalLM(cfg, tdtype, dev, parallel)
+        with _ShardReader(path) as r:
+            v4.load_weights(r, put)
+            _check_all_read(path, r)
+        return v4.to(dev).eval()
     if cfg.has_linear_state and cfg.is_mla:  # KimiLinearForCausalLM (pdkv/model/kimi_linear.py)
         from pdkv.model.kimi_linear import KimiLinearForCausalLM
 

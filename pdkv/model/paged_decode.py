@@ -126,6 +126,7 @@ def _heads_contiguous(x: torch.Tensor) -> bool:
 
 def resolve_attention_backend(
     requested: str, device: str, cache_dtype: str = "auto", dcp_size: int = 1, is_mla: bool = False,
+    own_attention: str | None = None,
 ) -> str:
     """The attention backend an engine runs: "torch" or "cpu_paged" (the op then loaded).
 
@@ -135,6 +136,8 @@ def resolve_attention_backend(
         cache_dtype: the KV cache dtype ("auto" = the model dtype; quantized ones keep torch).
         dcp_size: decode context parallel ranks (> 1 keeps torch: the DCP path attends).
         is_mla: an MLA model (its own attention module; keeps torch).
+        own_attention: a model whose attention the op does not know (its name, e.g.
+            DeepSeek-V4's sinks and compressed entries; keeps torch), or None.
 
     Returns:
         "cpu_paged" when usable and loaded, else "torch" (one warning line when cpu_paged was
@@ -158,6 +161,7 @@ def resolve_attention_backend(
             (cache_dtype != "auto", f"kv cache dtype {cache_dtype}"),
             (dcp_size > 1, "decode context parallelism"),
             (is_mla, "an MLA model"),
+            (own_attention is not None, f"{own_attention}'s attention"),
         )
         if cond
     ]

@@ -102,7 +102,7 @@ def paged_prefill_attention(
 
 
 def install_attention_backend(model: Any, flag: str, device: str, cache_dtype: str, dcp_size: int,
-                              is_mla: bool) -> str:
+                              is_mla: bool, own_attention: str | None = None) -> str:
     """Resolve `--attention-backend` `flag` (pdkv.model.paged_decode.resolve_attention_backend)
     and give every layer of `model` the decode and prefill halves and the KV write it names;
     returns "torch" or "cpu_paged" (the C++ ops write K/V to its slots and read it from the blocks
@@ -116,7 +116,8 @@ def install_attention_backend(model: Any, flag: str, device: str, cache_dtype: s
         write_kv_fused,
     )
 
-    backend = resolve_attention_backend(flag, device, cache_dtype, dcp_size, is_mla)
+    backend = resolve_attention_backend(flag, device, cache_dtype, dcp_size, is_mla,
+                                        own_attention)
     if backend == "cpu_paged":
         fn = functools.partial(paged_attention, decode_attention=paged_decode_attention,
                                prefill_attention=paged_prefill_attention, store=write_kv_fused)

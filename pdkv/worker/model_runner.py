@@ -25,12 +25,14 @@ from pdkv.kv_transfer.connector.p2p_compat import MLA_KV_LAYOUT
 from pdkv.kv_transfer.connector.spec import ConnectorSpec
 from pdkv.kv_transfer.connector.startup import ConnectorStartup
 from pdkv.model.arch_config import LlamaArchConfig
+from pdkv.model.deepseek_v4 import DeepseekV4ForCausalLM
 from pdkv.model.fused_ops import set_fused_ops
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
 from pdkv.model.paged_prefill import install_attention_backend
 from pdkv.model.sampler import LogprobEntry, SamplingRow, sample_tensors
 from pdkv.model.structured import GrammarMatchers
+from pdkv.model.v4_attention import V4StepMetadata, V4StepRequest
 from pdkv.sampling_params import SamplingParams
 from pdkv.sched.output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -141,6 +143,7 @@ class ModelRunner:
             cache_config.cache_dtype,
             parallel.dcp_size if parallel is not None else 1,
             arch.is_mla,
+            "DeepSeek-V4" if arch.v4 is not None else None,
         )
         self.fused_ops = set_fused_ops(self.model, model_config.fused_ops)
         if model_config.max_model_len > arch.max_position_embeddings:
@@ -220,6 +223,8 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
+        if isinstance(self.model, DeepseekV4ForCausalLM):  # its per-request compressor state
+            self.model.release_requests(list(out.finished_req_ids))
         for new in out.scheduled_new_reqs:
             params = new.sampling_params
             gen = None
@@ -452,6 +457,12 @@ class ModelRunner:
                     for (start, n, c, _), req_id in zip(step_reqs, out.num_scheduled_tokens)]
                 window = getattr(group.spec, "sliding_window", None)
                 meta.append(build_attention_metadata(reqs, len(ids), self.block_size, dev, window))
+            if isinstance(self.model, DeepseekV4ForCausalLM):  # per request, for its state
+                meta.append(V4StepMetadata(tuple(
+                    V4StepRequest(req_id, start, n, c, torch.tensor(table, dtype=torch.long,
+                                                                    device=dev))
+                    for (start, n, c, table), req_id in zip(step_reqs,
+                                                            out.num_scheduled_tokens))))
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),
