@@ -183,6 +183,13 @@ def tiny_kda_mla(tiny_llama_cache) -> str:
     return _build_tiny(tiny_llama_cache, "tiny-kda-mla")
 
 
+@pytest.fixture(scope="session")
+def tiny_v4(tiny_llama_cache) -> str:
+    """Folder of `tiny-v4` (DeepSeek-V4-style: sliding / CSA / HCA / CSA attention, MoE with a
+    hash-routed first layer, mHC; pdkv/model/tiny.py), built once per session."""
+    return _build_tiny(tiny_llama_cache, "tiny-v4")
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch thread while a module's tests run (a model this small only loses to thread

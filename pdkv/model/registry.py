@@ -6,7 +6,8 @@ converted once into `$PDKV_CACHE/models/<name>` (default `~/.cache/pdkv`) and re
 `tiny-swa` (sliding-window + full attention interleaved, Qwen2 `layer_types`) and `tiny-mla`
 (DeepSeek-V3 multi-head latent attention, dense MLPs) and `tiny-gdn` (Qwen3-Next Gated DeltaNet
 linear attention + gated full attention, dense MLPs) and `tiny-kda-mla` (Kimi-Linear: KDA
-linear attention + NoPE MLA, dense MLPs) are built
+linear attention + NoPE MLA, dense MLPs) and `tiny-v4` (DeepSeek-V4: sliding / CSA / HCA attention,
+hash and top-k MoE, mHC) are built
 once (pdkv/model/tiny.py) into `$PDKV_CACHE/models/<name>` the same way. Any folder
 holding config.json + *.safetensors is accepted as is. A Hugging Face id (`org/name`) resolves
 offline, never downloading: a known id maps to its alias (`HuggingFaceTB/SmolLM2-135M-Instruct`
