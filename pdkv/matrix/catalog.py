@@ -104,6 +104,11 @@ MODELS: tuple[Axis, ...] = (
         "(`--model tiny-kda-mla`)",
     ),
     Axis(
+        "tiny-v4",
+        "random 4-layer DeepSeek-V4: sliding window, CSA with the Lightning Indexer, HCA, CSA; "
+        "mHC, hash / top-k MoE (`--model tiny-v4`)",
+    ),
+    Axis(
         "deepseek-v3",
         "DeepSeek-V3 config.json (MLA + MoE), pdkv/plan/configs; its MLA runs on `tiny-mla`",
     ),

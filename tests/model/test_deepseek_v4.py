@@ -1,0 +1,174 @@
+"""tiny-v4 (DeepSeek-V4: sliding-window + CSA + HCA attention with the Lightning Indexer and
+sinks, mHC, hash / top-k MoE; pdkv/model/deepseek_v4.py) against transformers'
+`DeepseekV4ForCausalLM` on the same folder: greedy parity offline with whole and chunked
+prefills (chunks of 13 end inside the rate-4 and rate-16 compression windows and inside the
+24-token sliding window) and batched decodes; preempted requests restart with fresh compressor
+state; every request's state is dropped when it ends; the refusals of what is not built yet
+(prefix caching is turned off, KV connectors / TP / quantized KV refused, a request that would
+start past position 0 without state raises)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pdkv import LLM, SamplingParams
+from pdkv.matrix.catalog import DETAIL_PROPERTY
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NEW = 12
+PARAMS = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+LENGTHS = (15, 40, 100)
+
+
+def prompts() -> list[list[int]]:
+    return [[(i * 7919 + 31 * n) % 45000 + 100 for i in range(n)] for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def hf_v4(tiny_v4):
+    import transformers
+
+    return transformers.DeepseekV4ForCausalLM.from_pretrained(tiny_v4, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, ids: list[int], n: int = NEW) -> list[int]:
+    """HF's greedy tokens with its own V4 cache (compressor buffers and entries)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out: list[int] = []
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), cache=cache, use_cache=True).logits
+        for _ in range(n):
+            out.append(int(logits[0, -1].argmax()))
+            logits = model(torch.tensor([[out[-1]]]), cache=cache, use_cache=True).logits
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(hf_v4) -> list[list[int]]:
+    return [hf_greedy(hf_v4, p) for p in prompts()]
+
+
+def run(llm: LLM, ps: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], PARAMS)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def states_after_next_step(llm: LLM) -> dict:
+    """The model's per-request states once the worker heard of the last finished requests (the
+    scheduler sends their ids with the next step, as vLLM's finished_req_ids)."""
+    llm.llm_engine.step()
+    return dict(llm.llm_engine.executor.runner.model.request_states)  # type: ignore[attr-defined]
+
+
+@pytest.mark.matrix("colocated", "chunked-prefill", model="tiny-v4")
+def test_greedy_parity_with_transformers_whole_and_chunked_prefill(tiny_v4, reference):
+    whole = LLM(tiny_v4, max_model_len=256, num_kv_blocks=64)
+    assert whole.llm_engine.config.cache_config.enable_prefix_caching is False
+    assert run(whole, prompts()) == reference
+    assert states_after_next_step(whole) == {}
+    chunked = LLM(tiny_v4, max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=13,
+                  enable_chunked_prefill=True)
+    assert run(chunked, prompts()) == reference
+    assert states_after_next_step(chunked) == {}
+
+
+@pytest.mark.matrix("preemption", model="tiny-v4")
+def test_preempted_requests_restart_with_fresh_compressor_state(tiny_v4, reference):
+    # 10 blocks of 16 tokens: the three requests (up to 112 tokens each, a 24-token window)
+    # do not all fit while they prefill, so some wait or are preempted and recomputed.
+    small = LLM(tiny_v4, max_model_len=128, num_kv_blocks=10, max_num_batched_tokens=32,
+                enable_chunked_prefill=True)
+    assert run(small, prompts()) == reference
+    assert states_after_next_step(small) == {}
+    pools = small.llm_engine.scheduler.kv_cache_manager.block_pools
+    assert all(p.num_free_blocks == p.num_usable_blocks for p in pools)
+
+
+def test_an_aborted_request_drops_its_state(tiny_v4):
+    llm = LLM(tiny_v4, max_model_len=256, num_kv_blocks=64)
+    eng = llm.llm_engine
+    eng.add_request(*eng.make_request({"prompt_token_ids": prompts()[1]}, SamplingParams(
+        temperature=0, max_tokens=50, ignore_eos=True), request_id="a"))
+    for _ in range(3):
+        eng.step()
+    model = eng.executor.runner.model  # type: ignore[attr-defined]
+    assert "a" in model.request_states
+    eng.abort_request(["a"])
+    eng.step()
+    assert model.request_states == {}
+
+
+P2P = {"kv_connector": "P2PConnector", "kv_role": "kv_producer"}
+POOL = {"kv_connector": "KVPoolConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+    "tiers": [{"name": "dram", "capacity_bytes": 1 << 24}]}}
+OFFLOAD = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+REFUSED = [
+    pytest.param("pd-tcp", {"kv_transfer_config": json.dumps(P2P)},
+                 "KV connector .* not supported for DeepSeek-V4", id="pd"),
+    pytest.param("pool-dram", {"kv_transfer_config": json.dumps(POOL)},
+                 "KV connector .* not supported for DeepSeek-V4", id="pool"),
+    pytest.param("offload", {"kv_transfer_config": json.dumps(OFFLOAD)},
+                 "KV connector .* not supported for DeepSeek-V4", id="offload"),
+    pytest.param("tp", {"tensor_parallel_size": 2}, "DeepSeek-V4 runs on one rank only",
+                 id="tp"),
+    pytest.param("dcp", {"decode_context_parallel_size": 2}, "DeepSeek-V4 runs on one rank only",
+                 id="dcp"),
+    pytest.param("quantized-kv", {"kv_cache_dtype": "int8"},
+                 "kv_cache_dtype='int8' is not supported for DeepSeek-V4", id="int8"),
+]
+
+
+@pytest.mark.parametrize("feature, kwargs, match", [
+    pytest.param(*p.values, id=p.id, marks=pytest.mark.matrix(p.values[0], model="tiny-v4",
+                                                              expect="unsupported"))
+    for p in REFUSED])
+def test_what_is_not_built_is_refused_at_start_up(tiny_v4, feature, kwargs, match,
+                                                  record_property):
+    with pytest.raises(ValueError, match=match) as err:
+        LLM(tiny_v4, max_model_len=64, num_kv_blocks=8, **kwargs)
+    record_property(DETAIL_PROPERTY, str(err.value))
+
+
+def test_a_request_past_position_zero_without_state_is_refused(tiny_v4):
+    from pdkv.model.v4_attention import V4StepMetadata, V4StepRequest
+
+    llm = LLM(tiny_v4, max_model_len=64, num_kv_blocks=8)
+    model = llm.llm_engine.executor.runner.model  # type: ignore[attr-defined]
+    step = V4StepMetadata((V4StepRequest("late", 0, 1, 16, torch.zeros(2, dtype=torch.long)),))
+    with pytest.raises(RuntimeError, match="starts at position 16 with no DeepSeek-V4"):
+        model._states(step)
+
+
+def test_server_answers_equal_the_offline_engine(tiny_v4, reference):
+    """`pdkv serve` on tiny-v4: two concurrent completions (token-id prompts, greedy) give the
+    offline engine's text, whose tokens equal transformers' (the parity test above)."""
+    import os
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "serve"))
+    from server_utils import RemoteServer
+
+    offline = LLM(tiny_v4, max_model_len=256, num_kv_blocks=64)
+    outs = offline.generate([{"prompt_token_ids": p} for p in prompts()[1:]], PARAMS)
+    assert [list(o.outputs[0].token_ids) for o in outs] == reference[1:]
+    with RemoteServer(["serve", "--model", tiny_v4, "--served-model-name", "tiny-v4",
+                       "--max-model-len", "256", "--num-kv-blocks", "64"]) as srv:
+        def ask(p: list[int]) -> str:
+            r = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+                "model": "tiny-v4", "prompt": p, "max_tokens": NEW, "temperature": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return str(r.json()["choices"][0]["text"])
+
+        with ThreadPoolExecutor(2) as pool:
+            texts = list(pool.map(ask, prompts()[1:]))
+    assert texts == [o.outputs[0].text for o in outs]
