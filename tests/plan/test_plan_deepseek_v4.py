@@ -23,7 +23,8 @@ from pdkv.plan.resolve import load_config
 FP32, BF16 = element_type("fp32"), element_type("bf16")
 
 #: The tiny-v4 geometry (hidden 128, 4 layers, head_dim 32, window 24, rates 4 / 16,
-#: index_head_dim 16, float32), written by hand: the model itself is built elsewhere.
+#: index_head_dim 32, float32), written by hand; `test_tiny_v4_dict_is_the_built_model's`
+#: keeps it equal to pdkv/model/tiny.py's spec.
 TINY_V4 = {
     "architectures": ["DeepseekV4ForCausalLM"],
     "model_type": "deepseek_v4",
@@ -35,7 +36,7 @@ TINY_V4 = {
     "sliding_window": 24,
     "layer_types": [SLIDING, CSA, HCA, CSA],
     "compress_rates": {CSA: 4, HCA: 16},
-    "index_head_dim": 16,
+    "index_head_dim": 32,
     "torch_dtype": "float32",
 }
 
@@ -110,18 +111,34 @@ def test_tiny_v4_geometry_bytes():
     assert [x.num_layers for x in spec.groups] == [4, 2, 2, 1, 2, 2, 1]
     per_tok = {k: per_token_bytes(x, FP32) for k, x in g.items()}
     assert per_tok == {"v4_window_kv": 4 * 32 * 4, "csa_compressed_kv": 2 * 32 * 4 // 4,
-                       "csa_indexer_keys": 2 * 16 * 4 // 4, "hca_compressed_kv": 32 * 4 // 16,
+                       "csa_indexer_keys": 2 * 32 * 4 // 4, "hca_compressed_kv": 32 * 4 // 16,
                        "csa_compressor_state": 0, "csa_indexer_state": 0,
                        "hca_compressor_state": 0}
     assert per_tok["v4_window_kv"] == 512 and per_tok["hca_compressed_kv"] == 8
     fixed = {k: x.request_bytes(FP32) for k, x in g.items() if isinstance(x, CompressorState)}
     assert fixed == {"csa_compressor_state": 2 * (4 * 2 * 64 + 2 * 4 * 32) * 4,   # 6,144
-                     "csa_indexer_state": 2 * (4 * 2 * 32 + 2 * 4 * 16) * 4,      # 3,072
+                     "csa_indexer_state": 2 * (4 * 2 * 64 + 2 * 4 * 32) * 4,      # 6,144
                      "hca_compressor_state": 16 * 2 * 32 * 4}                      # 4,096
-    assert sum(fixed.values()) == 13_312
+    assert sum(fixed.values()) == 16_384
     at = {n: sum(model_bytes(spec, n, FP32).values()) for n in (131_072, 1_048_576)}
-    assert at[131_072] == 512 * 24 + 64 * 131_072 + 32 * 131_072 + 8 * 131_072 + 13_312
-    assert at == {131_072: 13_657_088, 1_048_576: 109_077_504}
+    assert at[131_072] == 512 * 24 + 64 * 131_072 + 64 * 131_072 + 8 * 131_072 + 16_384
+    assert at == {131_072: 17_854_464, 1_048_576: 142_635_008}
+
+
+def test_tiny_v4_dict_is_the_built_model():
+    """TINY_V4 holds the shape of the tiny-v4 that pdkv builds (pdkv/model/tiny.py)."""
+    from pdkv.model.tiny import TINY_MODELS
+
+    spec = TINY_MODELS["tiny-v4"]
+    assert {k: TINY_V4[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                     "num_key_value_heads", "head_dim", "sliding_window",
+                                     "index_head_dim")} == {
+        "hidden_size": spec.hidden_size, "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads, "head_dim": spec.head_dim,
+        "sliding_window": spec.sliding_window, "index_head_dim": spec.index_head_dim}
+    assert TINY_V4["layer_types"] == list(spec.layer_types)
+    assert TINY_V4["compress_rates"] == {CSA: spec.csa_compress_rate, HCA: spec.hca_compress_rate}
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 43, 61])
