@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pdkv.block_hashing import BlockHash
 from pdkv.cache.block_pool import BlockPool, KVCacheBlock
 from pdkv.cache.specs import (
+    CompressedKVSpec,
+    CompressorStateSpec,
     FullAttentionSpec,
     KVCacheSpec,
     LinearStateSpec,
@@ -299,6 +301,10 @@ _MANAGERS: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     SlidingWindowSpec: SlidingWindowManager,
     MLASpec: FullAttentionManager,  # causal over the whole context, as vLLM's MLA layers
     LinearStateSpec: LinearStateManager,
+    # DeepSeek-V4: entries of whole windows per block (a cached prefix holds exactly its
+    # windows' entries), and the compressor state kept like linear state
+    CompressedKVSpec: FullAttentionManager,
+    CompressorStateSpec: LinearStateManager,
 }
 
 

@@ -5,7 +5,8 @@ and the manager allocates blocks per group (vLLM's `KVCacheSpec` / `KVCacheGroup
 vllm/v1/kv_cache_interface.py). Dense models need only `FullAttentionSpec`; sliding-window layers
 (Mistral, Qwen2 `layer_types`, Gemma-2/3) get `SlidingWindowSpec`; DeepSeek-V2/V3 latent
 attention gets `MLASpec`; linear-attention layers (Gated DeltaNet) get `LinearStateSpec`, one
-state slot per request. Block tables, hashes,
+state slot per request; DeepSeek-V4 adds `CompressedKVSpec` (one entry per `rate` tokens) and
+`CompressorStateSpec` (a linear-state-like slot). Block tables, hashes,
 kv_transfer_params and pool keys are keyed by group.
 """
 
@@ -176,6 +177,66 @@ class LinearStateSpec(KVCacheSpec):
     @property
     def kind(self) -> str:
         return "linear_state"
+
+
+@dataclass(frozen=True)
+class CompressedKVSpec(KVCacheSpec):
+    """DeepSeek-V4 compressed entries of one layer (CSA / HCA compressed KV, or CSA's indexer
+    keys): one `width`-wide vector per `rate` tokens (pdkv/model/v4_attention.py).
+
+    A block covers `block_size` tokens, like every group's, and holds the entries of the windows
+    that end in it: entry w (tokens w·rate .. (w + 1)·rate - 1) lives in the block of its last
+    token, at offset w mod entries_per_block. With rate dividing block_size a block holds
+    block_size / rate entries; with block_size dividing rate, one entry in every (rate /
+    block_size)-th block (the others hold none). A prefix hit of whole blocks thus holds exactly
+    the entries of the windows it contains: the full-attention manager's rule.
+    page_size_bytes = entries_per_block · width · dtype bytes.
+
+    Raises (at construction):
+        ValueError: neither of rate and block_size divides the other.
+    """
+
+    rate: int = 1
+    width: int = 1
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.block_size % self.rate and self.rate % self.block_size:
+            raise ValueError(
+                f"a compression rate of {self.rate} tokens and a block size of {self.block_size} "
+                "tokens must divide one another (an entry's window would straddle blocks): "
+                "choose --block-size accordingly")
+
+    @property
+    def entries_per_block(self) -> int:
+        """Entry slots of one block: block_size // rate, at least 1."""
+        return max(1, self.block_size // self.rate)
+
+    def entry_slot(self, entry: int) -> tuple[int, int]:
+        """(block index in the request's table, offset in the block) of entry `entry`."""
+        last = (entry + 1) * self.rate - 1
+        return last // self.block_size, entry % self.entries_per_block
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.entries_per_block * self.width * DTYPE_BYTES[self.dtype]
+
+    @property
+    def kind(self) -> str:
+        return "compressed_kv"
+
+
+@dataclass(frozen=True)
+class CompressorStateSpec(LinearStateSpec):
+    """DeepSeek-V4 compressor state of one layer: the pending tokens of the open window and
+    CSA's overlap, for the attention compressor and (CSA) the indexer's, as float32 in a fixed
+    slot per request (`recurrent_shape` = (floats,)), kept like linear state: one slot per
+    request, or with prefix caching a checkpoint per block (its state at the block's end).
+    Layout: pdkv/model/v4_attention.py `Compressor.state_floats`."""
+
+    @property
+    def kind(self) -> str:
+        return "compressor_state"
 
 
 def _prod(shape: tuple[int, ...]) -> int:

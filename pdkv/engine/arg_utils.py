@@ -7,7 +7,6 @@ Flag names mirror vLLM's (`--block-size`, `--max-num-seqs`, `--max-num-batched-t
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 from dataclasses import dataclass, fields
 
@@ -28,8 +27,6 @@ from pdkv.model.registry import resolve_model
 from pdkv.model.v4_config import check_v4_engine
 from pdkv.worker.cuda_graphs import capture_sizes
 from pdkv.worker.kv_cache import check_pcp_model, check_sliding_window_parallel
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,7 +88,6 @@ class EngineArgs:
                 f"max_model_len={max_len} exceeds the model's max_position_embeddings="
                 f"{arch.max_position_embeddings}"
             )
-        prefix_caching = self.enable_prefix_caching
         if arch.v4 is not None:
             check_v4_engine(arch.architecture, tp=self.tensor_parallel_size,
                             dcp=self.decode_context_parallel_size,
@@ -99,11 +95,6 @@ class EngineArgs:
                             kv_cache_dtype=canonical_kv_cache_dtype(self.kv_cache_dtype,
                                                                     self.dtype),
                             kv_transfer=bool(self.kv_transfer_config))
-            if prefix_caching:  # as vLLM does for a model it cannot cache: off, with a warning
-                logger.warning("prefix caching is off for %s: its compressor state is not a KV "
-                               "cache group yet, so a prefix hit could not restore it",
-                               arch.architecture)
-                prefix_caching = False
         check_sliding_window_parallel(
             arch, self.decode_context_parallel_size
         )  # before the head rules
@@ -141,7 +132,7 @@ class EngineArgs:
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                enable_prefix_caching=prefix_caching,
+                enable_prefix_caching=self.enable_prefix_caching,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 cache_dtype=canonical_kv_cache_dtype(self.kv_cache_dtype, self.dtype),
                 prefault=self.kv_cache_prefault,

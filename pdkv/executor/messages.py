@@ -18,6 +18,8 @@ from collections.abc import Mapping
 import msgspec
 
 from pdkv.cache.specs import (
+    CompressedKVSpec,
+    CompressorStateSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -30,7 +32,8 @@ from pdkv.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConf
 from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput
 
 _SPEC_TYPES: dict[str, type[KVCacheSpec]] = {
-    cls.__name__: cls for cls in (FullAttentionSpec, SlidingWindowSpec, MLASpec, LinearStateSpec)}
+    cls.__name__: cls for cls in (FullAttentionSpec, SlidingWindowSpec, MLASpec, LinearStateSpec,
+                                  CompressedKVSpec, CompressorStateSpec)}
 
 
 class WorkerInit(msgspec.Struct, tag=True, kw_only=True):

@@ -73,6 +73,11 @@ FEATURES: tuple[Axis, ...] = (
     ),
     Axis("hybrid-mla", "hybrid state: MLA latents"),
     Axis("hybrid-linear", "hybrid state: linear attention (conv + recurrent state)"),
+    Axis(
+        "hybrid-v4",
+        "hybrid state: DeepSeek-V4 compressed KV, indexer keys and compressor state (prefix hits "
+        "inside and at the edge of compression windows)",
+    ),
 )
 
 MODELS: tuple[Axis, ...] = (

@@ -24,12 +24,12 @@ compressor.{wkv, wgate, ape, norm}, indexer.{wq_b, weights_proj, compressor.*}},
 layers.i.ffn.{gate.weight, gate.bias | gate.tid2eid, experts.e.{w1, w2, w3}, shared_experts.*},
 layers.i.{attn_norm, ffn_norm, hc_attn_*, hc_ffn_*}, hc_head.*, norm, embed_tokens, head.
 
-State per request: the sliding-window KV lives in the paged KV cache (one sliding-window group of
-every layer); the compressors' state (pending window, overlap, compressed entries) lives here in
-plain per-request tensors (`V4LayerState`), created at a request's first token and dropped by
-`release_requests`. So a request must start at position 0 in this engine: prefix-cache hits,
-P/D KV loads and the KV pool are refused for V4 until its state groups exist (issue 33 step 2).
-The multi-token-prediction layer is not built. TP / DCP / PCP are refused.
+State: every kind is a KV cache group (pdkv/model/v4_attention.py; groups built by
+pdkv.worker.kv_cache.v4_cache_groups): the sliding window, the compressed entries per rate, the
+indexer keys, and the compressor state as linear-state-like slots, so prefix caching restores a
+request at a block boundary (inside a compression window or at its edge). P/D and the KV pool
+do not move these groups yet (refused); the multi-token-prediction layer is not built; TP / DCP /
+PCP are refused.
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ from pdkv.model.layer_hooks import LayerHooks
 from pdkv.model.llama import LlamaForCausalLM, linear, rms_norm
 from pdkv.model.v4_attention import (
     V4Attention,
-    V4LayerState,
+    V4LayerCaches,
     V4StepMetadata,
     inv_freq,
     unweighted_rms_norm,
 )
-from pdkv.model.v4_config import SLIDING, DeepseekV4Fields
+from pdkv.model.v4_config import SLIDING, DeepseekV4Fields, V4CacheLayers
 from pdkv.parallel.context import ParallelContext
 
 
@@ -164,14 +164,14 @@ class V4Layer(nn.Module):
         self.mlp = MoE(h, v4, v4.mlp_types[i] == "hash_moe", cfg.vocab_size, dtype)
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                freqs: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
-                meta: Any, step: V4StepMetadata, states: list[V4LayerState]) -> torch.Tensor:
+                freqs: tuple[torch.Tensor, torch.Tensor], caches: V4LayerCaches,
+                meta: Any, step: V4StepMetadata) -> torch.Tensor:
         """streams [T, hc, hidden] -> [T, hc, hidden]."""
         main, compress = freqs
         post, comb, x = self.attn_hc(streams)
         x = rms_norm(x.float(), self.input_norm, self.eps).to(x.dtype)
         out = self.attn(x, positions, main if self.kind == SLIDING else compress, compress,
-                        kv_cache, meta.slot_block_ids, meta.slot_offsets, step, states)
+                        caches, meta.slot_block_ids, meta.slot_offsets, step)
         streams = _mix(streams, out, post, comb)
         post, comb, x = self.ffn_hc(streams)
         x = rms_norm(x.float(), self.post_attn_norm, self.eps).to(x.dtype)
@@ -181,8 +181,8 @@ class V4Layer(nn.Module):
 class DeepseekV4ForCausalLM(LlamaForCausalLM):
     """Embedding, V4 layers, mHC head, final norm and LM head.
 
-    forward takes meta = [the sliding-window group's AttentionMetadata, V4StepMetadata]; the
-    compressor state of each request is held in `request_states` (module docstring).
+    forward takes meta = [the sliding-window group's AttentionMetadata, ..., V4StepMetadata]
+    and every cache layer's view (module docstring).
 
     Raises:
         ValueError: not a V4 config; a parallel layout other than one rank.
@@ -219,31 +219,24 @@ class DeepseekV4ForCausalLM(LlamaForCausalLM):
         self.register_buffer("freq_compress",
                              inv_freq(v4.rotary_dim, v4.compress_rope_theta, device),
                              persistent=False)
-        self.request_states: dict[str, list[V4LayerState]] = {}
+        self.cache_layers = V4CacheLayers.of(v4)
 
     @property
     def num_local_kv_heads(self) -> int:
         """One KV head (shared-KV MQA)."""
         return 1
 
-    def release_requests(self, req_ids: Sequence[str]) -> None:
-        """Drop the compressor state of finished, aborted or preempted requests."""
-        for r in req_ids:
-            self.request_states.pop(r, None)
-
-    def _states(self, step: V4StepMetadata) -> list[list[V4LayerState]]:
-        out = []
-        for r in step.requests:
-            st = self.request_states.get(r.req_id)
-            if r.context == 0:
-                st = [layer.attn.fresh() for layer in self.layers]
-                self.request_states[r.req_id] = st
-            elif st is None:
-                raise RuntimeError(
-                    f"request {r.req_id!r} starts at position {r.context} with no DeepSeek-V4 "
-                    "compressor state: prefix-cache hits and KV loads are not supported for "
-                    "DeepSeek-V4 yet (run with prefix caching off and no KV connector)")
-            out.append(st)
+    def layer_caches(self, kv_caches: Sequence[Any]) -> list[V4LayerCaches]:
+        """Each layer's views among `kv_caches` (one per cache layer, V4CacheLayers order)."""
+        lay, out = self.cache_layers, []
+        for i in range(self.cfg.num_layers):
+            c, x, st = lay.compressed.get(i), lay.indexer.get(i), lay.state.get(i)
+            out.append(V4LayerCaches(
+                kv_caches[i], i,
+                kv_caches[c] if c is not None else None, -1 if c is None else c,
+                kv_caches[x] if x is not None else None, -1 if x is None else x,
+                kv_caches[st].view(torch.float32) if st is not None else None,
+                -1 if st is None else st))
         return out
 
     def forward(
@@ -255,21 +248,22 @@ class DeepseekV4ForCausalLM(LlamaForCausalLM):
         logits_indices: torch.Tensor,
         layer_hooks: LayerHooks | None = None,
     ) -> torch.Tensor:
-        """Run the step: input_ids / positions [T] long; kv_caches per layer [2, blocks,
-        block_size, 1, head_dim]; meta = [AttentionMetadata, V4StepMetadata]; returns
-        [S, vocab] float32 logits of `logits_indices` [S]."""
+        """Run the step: input_ids / positions [T] long; kv_caches per cache layer
+        (V4CacheLayers: the sliding-window layers [2, blocks, block_size, 1, head_dim], then the
+        compressed entries, indexer keys and state slots); meta = the sliding-window group's
+        AttentionMetadata first and V4StepMetadata last; returns [S, vocab] float32 logits of
+        `logits_indices` [S]."""
         attn_meta, step = meta[0], meta[-1]
         assert isinstance(step, V4StepMetadata)
-        states = self._states(step)
+        caches = self.layer_caches(kv_caches)
         hc = self.cfg.v4.hc_mult if self.cfg.v4 is not None else 1
         x = self.embed[input_ids]
         streams = x.unsqueeze(1).expand(-1, hc, -1).contiguous()
         freqs = (self.freq_main, self.freq_compress)
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             if layer_hooks is not None:
                 layer_hooks.wait_for_layer_load(i)
-            streams = layer(streams, input_ids, positions, freqs, kv_cache, attn_meta, step,
-                            [s[i] for s in states])
+            streams = layer(streams, input_ids, positions, freqs, cache, attn_meta, step)
             if layer_hooks is not None:
                 layer_hooks.save_kv_layer(i)
         streams = streams[logits_indices]

@@ -19,15 +19,24 @@ Compressor, DeepseekV4Indexer; the paper's §2.3):
   query attends only to its `index_topk` best visible entries. HCA attends to every visible one.
 - Attention sinks: one learned logit per head joins the softmax and is dropped after it.
 
-State per request (`V4LayerState`, step 1 of the V4 work: plain tensors held by the model, not
-yet KV cache groups): per compressor the pending tokens of the open window (kv and gate rows,
-fewer than `rate`), CSA's overlap (the last closed window's first halves: rate rows of kv and
-gate) and the entries emitted so far.
+State, all in KV cache groups (pdkv.worker.kv_cache.v4_cache_groups; cache layers
+pdkv.model.v4_config.V4CacheLayers):
+- the window's vectors: the sliding-window group (K = V, written to both planes);
+- the compressed entries and the indexer keys: CompressedKVSpec groups, entry w in the block of
+  its window's last token (`CompressedKVSpec.entry_slot`), written once when its window closes;
+- the compressor state: a CompressorStateSpec slot per request (with prefix caching, one per
+  block holding the state at the block's end), float32: per compressor (the attention's, then
+  the indexer's) the pending rows of the open window, kv then gate, `rate` × width each, then
+  (CSA) the overlap, kv then gate, `rate` × d each. After p tokens a compressor holds p mod rate
+  pending rows, has emitted p // rate entries and (CSA) has an overlap once p >= rate: a slot is
+  the state at exactly one position, so a prefix hit restores it with the entries of its blocks.
+Requests run one by one (torch); a request's tokens are fed to the compressors segment by segment
+(split where its state slot changes) and each segment's end state is written to its slot.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -70,30 +79,21 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 @dataclass
 class CompressorState:
-    """One compressor's state for one request.
+    """One compressor's state for one request at some position.
 
     Attributes:
         pending_kv, pending_gate: [p, width] rows of the open window (p < rate; gate rows
-            include position_bias).
-        overlap_kv, overlap_gate: [rate, d] first halves of the last closed window (CSA only;
-            None before the first window closes).
-        entries: [E, d] compressed entries emitted so far (E = tokens seen // rate).
+            without position_bias), float32.
+        count: entries emitted so far (tokens seen // rate).
+        overlap_kv, overlap_gate: [rate, d] first halves of the last closed window (gate rows
+            with position_bias; CSA only; None before the first window closes).
     """
 
     pending_kv: torch.Tensor
     pending_gate: torch.Tensor
-    entries: torch.Tensor
+    count: int
     overlap_kv: torch.Tensor | None = None
     overlap_gate: torch.Tensor | None = None
-
-
-@dataclass
-class V4LayerState:
-    """A request's compressor state of one layer: the attention compressor (None on a
-    sliding-only layer) and the indexer's (CSA only)."""
-
-    compressor: CompressorState | None = None
-    indexer: CompressorState | None = None
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -108,33 +108,62 @@ class Compressor(nn.Module):
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.d, self.rate, self.overlap, self.eps = d, rate, overlap, eps
-        width = 2 * d if overlap else d
-        self.kv_proj, self.gate_proj = _param(width, hidden, dtype=dtype), _param(
-            width, hidden, dtype=dtype)
-        self.position_bias = _param(rate, width, dtype=torch.float32)
+        self.width = 2 * d if overlap else d
+        self.kv_proj = _param(self.width, hidden, dtype=dtype)
+        self.gate_proj = _param(self.width, hidden, dtype=dtype)
+        self.position_bias = _param(rate, self.width, dtype=torch.float32)
         self.kv_norm = _param(d, dtype=torch.float32)
 
-    def fresh(self) -> CompressorState:
-        """The state of a request that has seen no token."""
-        w = self.kv_proj.shape[0]
-        dev, dt = self.kv_proj.device, self.kv_proj.dtype
-        return CompressorState(torch.empty(0, w, dtype=dt, device=dev),
-                               torch.empty(0, w, dtype=torch.float32, device=dev),
-                               torch.empty(0, self.d, dtype=dt, device=dev))
+    @property
+    def state_floats(self) -> int:
+        """Float32 values of this compressor's part of a state slot (module docstring)."""
+        from pdkv.model.v4_config import compressor_state_floats
 
-    def update(self, x: torch.Tensor, st: CompressorState, inv_freq_c: torch.Tensor) -> None:
+        return compressor_state_floats(self.rate, self.d, self.overlap)
+
+    def load(self, slot: torch.Tensor | None, position: int) -> CompressorState:
+        """The state after `position` tokens from `slot` [state_floats] float32 (None or
+        position 0: nothing seen)."""
+        m, w, d = self.rate, self.width, self.d
+        dev = self.kv_proj.device
+        if slot is None or position == 0:
+            empty = torch.empty(0, w, dtype=torch.float32, device=dev)
+            return CompressorState(empty, empty.clone(), 0)
+        p = position % m
+        kv, gate = slot[: m * w].view(m, w), slot[m * w : 2 * m * w].view(m, w)
+        st = CompressorState(kv[:p].clone(), gate[:p].clone(), position // m)
+        if self.overlap and st.count > 0:
+            o = slot[2 * m * w :]
+            st.overlap_kv = o[: m * d].view(m, d).clone()
+            st.overlap_gate = o[m * d : 2 * m * d].view(m, d).clone()
+        return st
+
+    def save(self, st: CompressorState, slot: torch.Tensor) -> None:
+        """Write `st` into `slot` [state_floats] float32 (rows past the pending ones are left
+        as they are: never read)."""
+        m, w, d = self.rate, self.width, self.d
+        p = st.pending_kv.shape[0]
+        slot[: p * w] = st.pending_kv.reshape(-1)
+        slot[m * w : m * w + p * w] = st.pending_gate.reshape(-1)
+        if self.overlap and st.overlap_kv is not None and st.overlap_gate is not None:
+            slot[2 * m * w : 2 * m * w + m * d] = st.overlap_kv.reshape(-1)
+            slot[2 * m * w + m * d : 2 * m * w + 2 * m * d] = st.overlap_gate.reshape(-1)
+
+    def update(self, x: torch.Tensor, st: CompressorState,
+               inv_freq_c: torch.Tensor) -> tuple[int, torch.Tensor]:
         """Feed a request's next tokens x [n, hidden] (its layer input, in order): close every
-        window they complete and append its entry to `st.entries`."""
+        window they complete. Returns (index of the first new entry, new entries [k, d] in x's
+        dtype); `st` moves past x."""
         m, d = self.rate, self.d
-        first = st.entries.shape[0] * m  # position of the next window's first token
-        kv = torch.cat((st.pending_kv, linear(x, self.kv_proj, None)))
+        first = st.count
+        kv = torch.cat((st.pending_kv, linear(x, self.kv_proj, None).float()))
         gate = torch.cat((st.pending_gate, linear(x, self.gate_proj, None).float()))
         usable = (kv.shape[0] // m) * m
         st.pending_kv, st.pending_gate = kv[usable:], gate[usable:]
         if usable == 0:
-            return
+            return first, torch.empty(0, d, dtype=x.dtype, device=x.device)
         nw = usable // m
-        ck = kv[:usable].view(nw, m, -1)
+        ck = kv[:usable].view(nw, m, -1).to(x.dtype)
         cg = gate[:usable].view(nw, m, -1) + self.position_bias
         if self.overlap:  # slots [previous window's first halves | this window's second halves]
             new_kv = ck.new_zeros(nw, 2 * m, d)
@@ -143,14 +172,34 @@ class Compressor(nn.Module):
             if nw > 1:
                 new_kv[1:, :m], new_gate[1:, :m] = ck[:-1, :, :d], cg[:-1, :, :d]
             if st.overlap_kv is not None and st.overlap_gate is not None:
-                new_kv[0, :m], new_gate[0, :m] = st.overlap_kv, st.overlap_gate
-            st.overlap_kv, st.overlap_gate = ck[-1, :, :d].clone(), cg[-1, :, :d].clone()
+                new_kv[0, :m], new_gate[0, :m] = st.overlap_kv.to(ck.dtype), st.overlap_gate
+            st.overlap_kv, st.overlap_gate = ck[-1, :, :d].float().clone(), cg[-1, :, :d].clone()
             ck, cg = new_kv, new_gate
         pooled = (ck * cg.softmax(dim=1).to(ck.dtype)).sum(dim=1)
-        pooled = rms_norm(pooled.float(), self.kv_norm, self.eps).to(ck.dtype)
-        pos = torch.arange(nw, device=x.device) * m + first
+        pooled = rms_norm(pooled.float(), self.kv_norm, self.eps).to(x.dtype)
+        pos = torch.arange(nw, device=x.device) * m + first * m
         cos, sin = rope_angles(pos, inv_freq_c)
-        st.entries = torch.cat((st.entries, apply_rope_interleaved(pooled, cos, sin)))
+        st.count += nw
+        return first, apply_rope_interleaved(pooled, cos, sin)
+
+
+def write_entries(cache: torch.Tensor, table: torch.Tensor, rate: int, block_size: int,
+                  first: int, entries: torch.Tensor) -> None:
+    """Store entries first .. first + k - 1 ([k, width]) in a CompressedKVSpec layer view
+    `cache` [blocks, entries_per_block, width] through the request's block `table` [blocks]:
+    entry w in the block of token (w + 1)·rate - 1, at offset w mod entries_per_block."""
+    if entries.shape[0] == 0:
+        return
+    w = torch.arange(first, first + entries.shape[0], device=entries.device)
+    blocks = table[((w + 1) * rate - 1) // block_size]
+    cache[blocks, w % cache.shape[1]] = entries.to(cache.dtype)
+
+
+def read_entries(cache: torch.Tensor, table: torch.Tensor, rate: int, block_size: int,
+                 count: int) -> torch.Tensor:
+    """Entries 0 .. count - 1 of a request ([count, width]) from `cache` (see write_entries)."""
+    w = torch.arange(count, device=table.device)
+    return cache[table[((w + 1) * rate - 1) // block_size], w % cache.shape[1]]
 
 
 class Indexer(nn.Module):
@@ -165,12 +214,10 @@ class Indexer(nn.Module):
         self.q_b_proj = _param(heads * c, q_lora_rank, dtype=dtype)
         self.weights_proj = _param(heads, hidden, dtype=dtype)
 
-    def select(self, x: torch.Tensor, q_res: torch.Tensor, pos: torch.Tensor,
-               st: CompressorState, inv_freq_c: torch.Tensor) -> torch.Tensor:
-        """After feeding x [n, hidden]: each query's chosen entries as a bool mask [n, E] (its
-        `topk` best-scored entries among those visible to it)."""
-        self.compressor.update(x, st, inv_freq_c)
-        keys = st.entries
+    def select(self, x: torch.Tensor, q_res: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
+               inv_freq_c: torch.Tensor) -> torch.Tensor:
+        """Each query's chosen entries as a bool mask [n, E]: its `topk` best-scored entries
+        among those visible to it; keys: the request's indexer keys [E, c]."""
         n, e = x.shape[0], keys.shape[0]
         if e == 0:
             return torch.zeros(n, 0, dtype=torch.bool, device=x.device)
@@ -191,13 +238,17 @@ class Indexer(nn.Module):
 @dataclass(frozen=True)
 class V4StepRequest:
     """One request of a step: its flat rows start .. start + n, the tokens already computed
-    (`context`), and its sliding-window group block table [blocks] (long)."""
+    (`context`), its block table [blocks] (long) per cache layer (`tables`, pdkv.model.
+    v4_config.V4CacheLayers indices), and its compressor-state source slot (-1: fresh) and
+    segments ((tokens, destination slot), pdkv.worker.attn_metadata.build_linear_state_metadata).
+    """
 
-    req_id: str
     start: int
     n: int
     context: int
-    block_table: torch.Tensor
+    tables: dict[int, torch.Tensor]
+    src: int = -1
+    segments: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -205,7 +256,24 @@ class V4StepMetadata:
     """The V4 decoder's per-request view of a step (built by the model runner beside the
     sliding-window group's AttentionMetadata, whose slots the K/V writes use)."""
 
-    requests: tuple[V4StepRequest, ...] = field(default_factory=tuple)
+    requests: tuple[V4StepRequest, ...] = ()
+
+
+@dataclass(frozen=True)
+class V4LayerCaches:
+    """One model layer's cache views: the sliding-window layer [2, blocks, block_size, 1, d]
+    and its cache layer index, then (None on a sliding-only layer) the compressed entries
+    [blocks, per block, d], the indexer keys [blocks, per block, c] (CSA) and the state slots
+    [slots, floats] float32, each with its cache layer index (the key of the request tables)."""
+
+    window: torch.Tensor
+    window_id: int
+    compressed: torch.Tensor | None = None
+    compressed_id: int = -1
+    indexer: torch.Tensor | None = None
+    indexer_id: int = -1
+    state: torch.Tensor | None = None
+    state_id: int = -1
 
 
 class V4Attention(nn.Module):
@@ -235,24 +303,51 @@ class V4Attention(nn.Module):
         self.indexer = (Indexer(hidden, v4.q_lora_rank, v4.index_n_heads, v4.index_head_dim,
                                 rate, v4.index_topk, eps, dtype) if kind == CSA else None)
 
-    def fresh(self) -> V4LayerState:
-        """A request's state before its first token."""
-        return V4LayerState(
-            self.compressor.fresh() if self.compressor is not None else None,
-            self.indexer.compressor.fresh() if self.indexer is not None else None)
+    def _compress(self, x: torch.Tensor, r: V4StepRequest, caches: V4LayerCaches,
+                  freq_c: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run request `r`'s rows x [n, hidden] through the compressor (and indexer) segment by
+        segment, writing entries and each segment's end state; returns all of its entries
+        [E, d] and indexer keys [E, c] ([0, c] without an indexer)."""
+        comp, idx = self.compressor, self.indexer
+        assert comp is not None and caches.compressed is not None and caches.state is not None
+        slots = caches.state
+        src = slots[r.src] if r.src >= 0 else None
+        split = comp.state_floats
+        st = comp.load(src, r.context)
+        sti = (idx.compressor.load(src[split:] if src is not None else None, r.context)
+               if idx is not None else None)
+        ctab = r.tables[caches.compressed_id]
+        itab = r.tables[caches.indexer_id] if idx is not None else None
+        lo = 0
+        for length, dst in r.segments:
+            rows = x[lo : lo + length]
+            first, new = comp.update(rows, st, freq_c)
+            write_entries(caches.compressed, ctab, self.rate, block_size, first, new)
+            comp.save(st, slots[dst])
+            if idx is not None and sti is not None and caches.indexer is not None:
+                assert itab is not None
+                first, new = idx.compressor.update(rows, sti, freq_c)
+                write_entries(caches.indexer, itab, self.rate, block_size, first, new)
+                idx.compressor.save(sti, slots[dst][split:])
+            lo += length
+        count = (r.context + r.n) // self.rate
+        entries = read_entries(caches.compressed, ctab, self.rate, block_size, count)
+        keys = (read_entries(caches.indexer, itab, self.rate, block_size, count)
+                if caches.indexer is not None and itab is not None
+                else entries.new_zeros(0, 0))
+        return entries, keys
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor,
-                freq_c: torch.Tensor, kv_cache: torch.Tensor, slot_blocks: torch.Tensor,
-                slot_offsets: torch.Tensor, step: V4StepMetadata,
-                states: list[V4LayerState]) -> torch.Tensor:
+                freq_c: torch.Tensor, caches: V4LayerCaches, slot_blocks: torch.Tensor,
+                slot_offsets: torch.Tensor, step: V4StepMetadata) -> torch.Tensor:
         """x: [T, hidden] (the normed layer input) -> [T, hidden].
 
         Args:
             positions: [T] long. freq / freq_c: this layer's rope frequencies (main or
                 compress theta) and the compressors' (compress theta).
-            kv_cache: this layer's [2, blocks, block_size, 1, d]; the step's vectors are
-                written at (slot_blocks, slot_offsets) [T] before any request reads.
-            states: per step request (same order), its state of this layer (updated).
+            caches: this layer's cache views; the step's window vectors are written at
+                (slot_blocks, slot_offsets) [T] before any request reads.
+            step: the requests, in flat-batch order.
         """
         t, h, d = x.shape[0], self.heads, self.d
         cos, sin = rope_angles(positions, freq)
@@ -262,26 +357,26 @@ class V4Attention(nn.Module):
         q = apply_rope_interleaved(q, cos, sin)
         kv = rms_norm(linear(x, self.kv_proj, None).float(), self.kv_norm, self.eps).to(x.dtype)
         kv = apply_rope_interleaved(kv, cos, sin)
-        kv_cache[0, slot_blocks, slot_offsets, 0] = kv
-        kv_cache[1, slot_blocks, slot_offsets, 0] = kv
-        block_size = kv_cache.shape[2]
+        win = caches.window
+        win[0, slot_blocks, slot_offsets, 0] = kv
+        win[1, slot_blocks, slot_offsets, 0] = kv
+        block_size = win.shape[2]
         out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
-        for r, st in zip(step.requests, states):
+        for r in step.requests:
             rows = slice(r.start, r.start + r.n)
             qpos = positions[rows]
             first = max(0, r.context - self.window + 1)
             kpos = torch.arange(first, r.context + r.n, device=x.device)
-            keys = kv_cache[0, r.block_table[kpos // block_size], kpos % block_size, 0]
+            table = r.tables[caches.window_id]
+            keys = win[0, table[kpos // block_size], kpos % block_size, 0]
             allowed = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None]
                                                             - self.window)
-            if self.compressor is not None and st.compressor is not None:
-                self.compressor.update(x[rows], st.compressor, freq_c)
-                entries = st.compressor.entries
-                e = entries.shape[0]
-                if self.indexer is not None and st.indexer is not None:
-                    seen = self.indexer.select(x[rows], q_res[rows], qpos, st.indexer, freq_c)
+            if self.compressor is not None:
+                entries, ikeys = self._compress(x[rows], r, caches, freq_c, block_size)
+                if self.indexer is not None:
+                    seen = self.indexer.select(x[rows], q_res[rows], qpos, ikeys, freq_c)
                 else:
-                    seen = (torch.arange(e, device=x.device)[None, :]
+                    seen = (torch.arange(entries.shape[0], device=x.device)[None, :]
                             < ((qpos + 1) // self.rate)[:, None])
                 keys = torch.cat((keys, entries))
                 allowed = torch.cat((allowed, seen), dim=1)

@@ -164,7 +164,8 @@ def check_v4_engine(architecture: str, *, tp: int, dcp: int, pcp: int, kv_cache_
     Raises:
         ValueError: tp / dcp / pcp above 1 (re-sharding the indexer, TP of the MoE and DCP over
             compressed KV are not built), a quantized KV cache, or a KV connector (P/D, the KV
-            pool, offload: the compressor state is not a KV cache group yet, issue 33 step 3).
+            pool, offload: no connector moves the compressed-KV and compressor-state groups
+            yet, issue 33 step 3).
     """
     if max(tp, dcp, pcp) > 1:
         raise ValueError(
@@ -177,5 +178,60 @@ def check_v4_engine(architecture: str, *, tp: int, dcp: int, pcp: int, kv_cache_
     if kv_transfer:
         raise ValueError(
             f"{architecture}: a KV connector (P/D, KV pool, CPU offload) is not supported for "
-            "DeepSeek-V4 yet: its compressor state and compressed KV are not KV cache groups "
-            "that a connector can move (run it colocated, without --kv-transfer-config)")
+            "DeepSeek-V4 yet: no connector moves its compressed-KV and compressor-state KV cache "
+            "groups (run it colocated, without --kv-transfer-config)")
+
+
+@dataclass(frozen=True)
+class V4CacheLayers:
+    """Which KV cache "layers" a DeepSeek-V4 model's state occupies. As vLLM registers a
+    compressor's and an indexer's cache under their own layer names, each cache of a model layer
+    gets its own index: the sliding-window KV of layer i is cache layer i; the others follow, in
+    this order, from num_layers on: the compressed KV of every CSA layer, of every HCA layer,
+    the indexer keys of every CSA layer, the compressor state of every CSA and HCA layer (model
+    layer order). Each kind is one KV cache group (pdkv.worker.kv_cache).
+
+    Attributes:
+        csa, hca: model layer indices of the CSA / HCA layers.
+        compressed, indexer, state: model layer -> its cache layer (CSA and HCA compressed KV;
+            CSA indexer keys; compressor state of both kinds).
+    """
+
+    csa: tuple[int, ...]
+    hca: tuple[int, ...]
+    compressed: dict[int, int]
+    indexer: dict[int, int]
+    state: dict[int, int]
+
+    @staticmethod
+    def of(v4: DeepseekV4Fields) -> V4CacheLayers:
+        """The layout of `v4`'s layers."""
+        n = len(v4.attn_types)
+        csa = tuple(i for i, t in enumerate(v4.attn_types) if t == CSA)
+        hca = tuple(i for i, t in enumerate(v4.attn_types) if t == HCA)
+        nxt = iter(range(n, 5 * n))
+        compressed = {i: next(nxt) for i in (*csa, *hca)}
+        indexer = {i: next(nxt) for i in csa}
+        state = {i: next(nxt) for i in sorted((*csa, *hca))}
+        return V4CacheLayers(csa, hca, compressed, indexer, state)
+
+
+def compressor_state_floats(rate: int, d: int, overlap: bool) -> int:
+    """Float32 values of one compressor's state slot (pdkv/model/v4_attention.py layout): the
+    pending rows of the open window, kv and gate each `rate` × width (width 2·d with the CSA
+    overlap, else d; at most rate - 1 rows are held), then with `overlap` the last closed
+    window's first halves, kv and gate each rate × d."""
+    width = 2 * d if overlap else d
+    return 2 * rate * width + (2 * rate * d if overlap else 0)
+
+
+def layer_state_floats(v4: DeepseekV4Fields, head_dim: int, layer: int) -> int:
+    """Float32 values of model layer `layer`'s compressor state: its attention compressor and,
+    on a CSA layer, the indexer's; 0 on a sliding-only layer."""
+    t = v4.attn_types[layer]
+    if t == CSA:
+        return (compressor_state_floats(v4.csa_rate, head_dim, True)
+                + compressor_state_floats(v4.csa_rate, v4.index_head_dim, True))
+    if t == HCA:
+        return compressor_state_floats(v4.hca_rate, head_dim, False)
+    return 0

@@ -242,9 +242,10 @@ class CompressedKV:
         return num_tokens // self.rate
 
     def block_tokens_held(self, num_tokens: int, block_size: int) -> int:
-        """Entries in whole blocks of `block_size` entries (pdkv has no V4 cache layout yet: the
-        plan assumes the entries are paged like tokens)."""
-        return -(-self.tokens_held(num_tokens) // block_size) * block_size
+        """Entry slots of the whole blocks holding the prompt's entries, as pdkv pages them
+        (pdkv.cache.specs.CompressedKVSpec): a block covers `block_size` tokens and holds the
+        entries of the windows ending in it, max(1, block_size // rate) slots."""
+        return -(-num_tokens // block_size) * max(1, block_size // self.rate)
 
     def request_bytes(self, dt: ElementType, tp: int = 1) -> int:
         return 0

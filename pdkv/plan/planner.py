@@ -190,8 +190,8 @@ def make_plan(inp: PlanInputs) -> list[Figure]:
             window_note = (" (a window group: the blocks of its window)"
                            if any(isinstance(g, SlidingWindow) for g in m.groups) else "")
             if any(isinstance(g, CompressedKV) for g in m.groups):
-                window_note += (f" (a compressed group: its entries in blocks of {bs} entries, "
-                                "assumed: pdkv has no V4 cache layout yet)")
+                window_note += (f" (a compressed group: a block of {bs} tokens holds the "
+                                f"entries of the windows ending in it, at least one slot)")
             add(
                 Figure(
                     "request_block_bytes",

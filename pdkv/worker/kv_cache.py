@@ -11,6 +11,8 @@ import torch
 from pdkv.cache.specs import (
     DTYPE_BYTES,
     SCALE_BYTES,
+    CompressedKVSpec,
+    CompressorStateSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -23,6 +25,7 @@ from pdkv.cache.specs import (
 from pdkv.kv_transfer.reshard_state import StateGeometry
 from pdkv.model.arch_config import LlamaArchConfig, attention_groups
 from pdkv.model.kv_quant import KVCacheLayer, QuantKVCache
+from pdkv.model.v4_config import V4CacheLayers, layer_state_floats
 from pdkv.parallel.layout import ParallelLayout
 
 
@@ -137,11 +140,44 @@ class KVCacheSizing:
     layout: ParallelLayout = field(default_factory=ParallelLayout)
 
 
+def v4_cache_groups(arch: LlamaArchConfig, block_size: int, dtype: str) -> list[KVCacheGroupSpec]:
+    """DeepSeek-V4's groups after its sliding-window group (cache layers: V4CacheLayers): the
+    compressed KV of the CSA layers and of the HCA layers, the CSA indexer keys (each a
+    CompressedKVSpec of its rate and width, in the model dtype), and one CompressorStateSpec
+    group of every compressor layer (float32 slots of the largest layer's state). Kinds a model
+    does not have are left out.
+
+    Raises:
+        ValueError: a compression rate and block_size that do not divide one another.
+    """
+    v4 = arch.v4
+    assert v4 is not None
+    lay = V4CacheLayers.of(v4)
+    d, c = arch.head_dim, v4.index_head_dim
+    out = []
+    for layers, rate, width, cache in ((lay.csa, v4.csa_rate, d, lay.compressed),
+                                       (lay.hca, v4.hca_rate, d, lay.compressed),
+                                       (lay.csa, v4.csa_rate, c, lay.indexer)):
+        if layers:
+            out.append(KVCacheGroupSpec(
+                layer_indices=tuple(cache[i] for i in layers),
+                spec=CompressedKVSpec(block_size=block_size, rate=rate, width=width, dtype=dtype)))
+    if lay.state:
+        floats = max(layer_state_floats(v4, d, i) for i in lay.state)
+        out.append(KVCacheGroupSpec(
+            layer_indices=tuple(lay.state.values()),
+            spec=CompressorStateSpec(block_size=block_size, conv_shape=(0,),
+                                     recurrent_shape=(floats,), recurrent_dtype="float32")))
+    return out
+
+
 def group_kinds(arch: LlamaArchConfig) -> set[str]:
     """The kinds (`KVCacheSpec.kind`) of the KV cache groups `make_kv_cache_config` builds for
     `arch`, without sizing anything (start-up checks before worker processes spawn)."""
     kinds = {"sliding_window" if w is not None else ("mla" if arch.is_mla else "full_attention")
              for w, _ in attention_groups(arch)}
+    if arch.v4 is not None:
+        kinds |= {"compressed_kv", "compressor_state"}
     return kinds | ({"linear_state"} if arch.has_linear_state else set())
 
 
@@ -189,6 +225,8 @@ def make_kv_cache_config(arch: LlamaArchConfig, sizing: KVCacheSizing,
             block_size=block_size, num_kv_heads=num_kv_heads, head_size=arch.head_dim,
             dtype=dtype, cache_dtype=cache_dtype, sliding_window=window)
         groups.append(KVCacheGroupSpec(layer_indices=layers, spec=spec))
+    if arch.v4 is not None:  # DeepSeek-V4: compressed entries and compressor state
+        groups.extend(v4_cache_groups(arch, block_size, dtype))
     if arch.has_linear_state:  # one state slot per request, after the attention groups
         groups.append(
             KVCacheGroupSpec(
@@ -199,7 +237,7 @@ def make_kv_cache_config(arch: LlamaArchConfig, sizing: KVCacheSizing,
     block_bytes = sum(g.spec.page_size_bytes * len(g.layer_indices) for g in groups)
     num_blocks = sizing.num_kv_blocks or budget // block_bytes
     needed = -(-max_model_len // (block_size * dcp_size))
-    if arch.has_linear_state:  # with prefix caching a slot per block, and the pool's null block
+    if arch.has_linear_state or arch.v4 is not None:  # a slot per block, and the null block
         needed += 1
     if num_blocks < needed:
         dcp = f" x {dcp_size} DCP ranks" if dcp_size > 1 else ""
@@ -277,6 +315,8 @@ def allocate_kv_cache(
             elem = torch.uint8
         elif isinstance(spec, MLASpec):
             shape = (n, layers, spec.block_size, spec.entry_size)
+        elif isinstance(spec, CompressedKVSpec):
+            shape = (n, layers, spec.entries_per_block, spec.width)
         elif isinstance(spec, FullAttentionSpec) and spec.quantized:
             if spec.quant_data_bytes % SCALE_BYTES:
                 raise ValueError(
@@ -303,7 +343,7 @@ def allocate_kv_cache(
             t.zero_()
         groups.append(t)
         for j, layer in enumerate(g.layer_indices):
-            if isinstance(spec, (MLASpec, LinearStateSpec)):
+            if isinstance(spec, (MLASpec, LinearStateSpec, CompressedKVSpec)):
                 layer_views[layer] = t[:, j]
             elif isinstance(spec, FullAttentionSpec) and spec.quantized:
                 page = t[:, j]

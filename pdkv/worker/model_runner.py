@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pdkv.cache.kv_layout import KVLayout
-from pdkv.cache.specs import KVCacheConfig, LinearStateSpec
+from pdkv.cache.specs import CompressedKVSpec, KVCacheConfig, LinearStateSpec
 from pdkv.config import CacheConfig, ModelConfig
 from pdkv.kv_transfer.connector.base import KVConnectorBase, KVConnectorOutput, KVConnectorRole
 from pdkv.kv_transfer.connector.factory import create_connector
@@ -27,6 +27,7 @@ from pdkv.kv_transfer.connector.startup import ConnectorStartup
 from pdkv.model.arch_config import LlamaArchConfig
 from pdkv.model.deepseek_v4 import DeepseekV4ForCausalLM
 from pdkv.model.fused_ops import set_fused_ops
+from pdkv.model.gated_delta import LinearStateMetadata
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
 from pdkv.model.paged_prefill import install_attention_backend
@@ -223,8 +224,6 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
-        if isinstance(self.model, DeepseekV4ForCausalLM):  # its per-request compressor state
-            self.model.release_requests(list(out.finished_req_ids))
         for new in out.scheduled_new_reqs:
             params = new.sampling_params
             gen = None
@@ -397,6 +396,24 @@ class ModelRunner:
         if self.connector is not None:
             self.connector.shutdown()
 
+    def _v4_step(self, out: SchedulerOutput, step_reqs: list[StepRequest],
+                 meta: list[Any]) -> V4StepMetadata:
+        """DeepSeek-V4's per-request view of the step: each request's block table per cache
+        layer and its compressor-state source slot and segments (the state group's
+        LinearStateMetadata)."""
+        groups = self.kv_cache_config.groups
+        state = next((m for m in meta if isinstance(m, LinearStateMetadata)), None)
+        reqs = []
+        for i, ((start, n, c, _), req_id) in enumerate(zip(step_reqs, out.num_scheduled_tokens)):
+            tables: dict[int, torch.Tensor] = {}
+            for g, group in enumerate(groups):
+                t = torch.tensor(self.requests[req_id].block_ids[g], dtype=torch.long,
+                                 device=self.device)
+                tables.update((layer, t) for layer in group.layer_indices)
+            src, segments = (state.requests[i][2], state.requests[i][3]) if state else (-1, ())
+            reqs.append(V4StepRequest(start, n, c, tables, src, segments))
+        return V4StepMetadata(tuple(reqs))
+
     def _prepare_inputs(
         self, out: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, list[Any], torch.Tensor, list[CachedRequestState],
@@ -446,6 +463,9 @@ class ModelRunner:
         else:  # one metadata per KV cache group: its own block tables and window
             meta = []
             for g, group in enumerate(self.kv_cache_config.groups):
+                if isinstance(group.spec, CompressedKVSpec):  # DeepSeek-V4: its tables, below
+                    meta.append(None)
+                    continue
                 if isinstance(group.spec, LinearStateSpec):  # state slots: source and segments
                     meta.append(build_linear_state_metadata(
                         [(start, n, c, self.requests[req_id].block_ids[g])
@@ -457,12 +477,8 @@ class ModelRunner:
                     for (start, n, c, _), req_id in zip(step_reqs, out.num_scheduled_tokens)]
                 window = getattr(group.spec, "sliding_window", None)
                 meta.append(build_attention_metadata(reqs, len(ids), self.block_size, dev, window))
-            if isinstance(self.model, DeepseekV4ForCausalLM):  # per request, for its state
-                meta.append(V4StepMetadata(tuple(
-                    V4StepRequest(req_id, start, n, c, torch.tensor(table, dtype=torch.long,
-                                                                    device=dev))
-                    for (start, n, c, table), req_id in zip(step_reqs,
-                                                            out.num_scheduled_tokens))))
+            if isinstance(self.model, DeepseekV4ForCausalLM):
+                meta.append(self._v4_step(out, step_reqs, meta))
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),

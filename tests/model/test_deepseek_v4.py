@@ -2,10 +2,11 @@
 sinks, mHC, hash / top-k MoE; pdkv/model/deepseek_v4.py) against transformers'
 `DeepseekV4ForCausalLM` on the same folder: greedy parity offline with whole and chunked
 prefills (chunks of 13 end inside the rate-4 and rate-16 compression windows and inside the
-24-token sliding window) and batched decodes; preempted requests restart with fresh compressor
-state; every request's state is dropped when it ends; the refusals of what is not built yet
-(prefix caching is turned off, KV connectors / TP / quantized KV refused, a request that would
-start past position 0 without state raises)."""
+24-token sliding window) and batched decodes, and through the server; its state as KV cache
+groups: prefix hits restore the compressed entries of the hit's blocks and the compressor state
+checkpointed at its end (block size 8: hits inside the rate-16 windows; 16: at their edge) and
+give the cold output; preempted and aborted requests give every block back; the refusals of
+what is not built yet (KV connectors, TP / DCP, quantized KV)."""
 
 from __future__ import annotations
 
@@ -59,23 +60,22 @@ def run(llm: LLM, ps: list[list[int]]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def states_after_next_step(llm: LLM) -> dict:
-    """The model's per-request states once the worker heard of the last finished requests (the
-    scheduler sends their ids with the next step, as vLLM's finished_req_ids)."""
-    llm.llm_engine.step()
-    return dict(llm.llm_engine.executor.runner.model.request_states)  # type: ignore[attr-defined]
+def all_free(llm: LLM) -> bool:
+    """Every block of every group (window, compressed entries, indexer keys, state slots) is
+    free again."""
+    pools = llm.llm_engine.scheduler.kv_cache_manager.block_pools
+    return all(p.num_free_blocks == p.num_usable_blocks for p in pools)
 
 
 @pytest.mark.matrix("colocated", "chunked-prefill", model="tiny-v4")
 def test_greedy_parity_with_transformers_whole_and_chunked_prefill(tiny_v4, reference):
-    whole = LLM(tiny_v4, max_model_len=256, num_kv_blocks=64)
-    assert whole.llm_engine.config.cache_config.enable_prefix_caching is False
+    whole = LLM(tiny_v4, max_model_len=256, num_kv_blocks=64, enable_prefix_caching=False)
     assert run(whole, prompts()) == reference
-    assert states_after_next_step(whole) == {}
+    assert all_free(whole)
     chunked = LLM(tiny_v4, max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=13,
                   enable_chunked_prefill=True)
     assert run(chunked, prompts()) == reference
-    assert states_after_next_step(chunked) == {}
+    assert all_free(chunked)
 
 
 @pytest.mark.matrix("preemption", model="tiny-v4")
@@ -85,23 +85,52 @@ def test_preempted_requests_restart_with_fresh_compressor_state(tiny_v4, referen
     small = LLM(tiny_v4, max_model_len=128, num_kv_blocks=10, max_num_batched_tokens=32,
                 enable_chunked_prefill=True)
     assert run(small, prompts()) == reference
-    assert states_after_next_step(small) == {}
-    pools = small.llm_engine.scheduler.kv_cache_manager.block_pools
-    assert all(p.num_free_blocks == p.num_usable_blocks for p in pools)
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert all_free(small)
 
 
-def test_an_aborted_request_drops_its_state(tiny_v4):
+def test_an_aborted_request_gives_its_blocks_back(tiny_v4):
     llm = LLM(tiny_v4, max_model_len=256, num_kv_blocks=64)
     eng = llm.llm_engine
     eng.add_request(*eng.make_request({"prompt_token_ids": prompts()[1]}, SamplingParams(
         temperature=0, max_tokens=50, ignore_eos=True), request_id="a"))
     for _ in range(3):
         eng.step()
-    model = eng.executor.runner.model  # type: ignore[attr-defined]
-    assert "a" in model.request_states
+    assert not all_free(llm)
     eng.abort_request(["a"])
-    eng.step()
-    assert model.request_states == {}
+    assert all_free(llm)
+
+
+@pytest.mark.matrix("prefix-caching", "hybrid-v4", model="tiny-v4")
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_prefix_hits_restore_entries_and_compressor_state(tiny_v4, block_size):
+    """Hits of 32 and 40 tokens (block size 8: 40 is inside a rate-16 window, 8 tokens pending;
+    16: 32, the edge of every window) and of 64 tokens written partly during decode give the
+    cold engine's output."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def go(llm: LLM, ps: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params)
+        return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
+
+    def cold(ps: list[list[int]]) -> list[list[int]]:
+        return go(LLM(tiny_v4, max_model_len=128, num_kv_blocks=128, block_size=block_size,
+                      enable_prefix_caching=False), ps)[0]
+
+    base = [(i * 7919) % 40000 + 100 for i in range(60)]
+    variants = [base[:35] + [500 + j] * (3 + 7 * j) for j in range(2)] + [base[:45] + [900] * 6]
+    want = cold([base, *variants])
+    hot = LLM(tiny_v4, max_model_len=128, num_kv_blocks=128, block_size=block_size,
+              max_num_batched_tokens=24)
+    assert go(hot, [base]) == (want[:1], [0])
+    got, cached = go(hot, variants)  # several hits in one step, chunked after the hit
+    assert got == want[1:]
+    assert cached == ([32, 32, 40] if block_size == 8 else [32, 32, 32])
+    extended = base + want[0] + [77] * 5  # blocks up to 64 computed by `base`, some in decode
+    assert go(hot, [extended]) == (cold([extended]), [64])
+    assert all_free(hot)  # cached blocks stay evictable, held by no request
+    kv = hot.llm_engine.scheduler.kv_cache_manager
+    assert all(b.ref_cnt == 0 for pool in kv.block_pools for b in pool.blocks)
 
 
 P2P = {"kv_connector": "P2PConnector", "kv_role": "kv_producer"}
@@ -133,16 +162,6 @@ def test_what_is_not_built_is_refused_at_start_up(tiny_v4, feature, kwargs, matc
     with pytest.raises(ValueError, match=match) as err:
         LLM(tiny_v4, max_model_len=64, num_kv_blocks=8, **kwargs)
     record_property(DETAIL_PROPERTY, str(err.value))
-
-
-def test_a_request_past_position_zero_without_state_is_refused(tiny_v4):
-    from pdkv.model.v4_attention import V4StepMetadata, V4StepRequest
-
-    llm = LLM(tiny_v4, max_model_len=64, num_kv_blocks=8)
-    model = llm.llm_engine.executor.runner.model  # type: ignore[attr-defined]
-    step = V4StepMetadata((V4StepRequest("late", 0, 1, 16, torch.zeros(2, dtype=torch.long)),))
-    with pytest.raises(RuntimeError, match="starts at position 16 with no DeepSeek-V4"):
-        model._states(step)
 
 
 def test_server_answers_equal_the_offline_engine(tiny_v4, reference):

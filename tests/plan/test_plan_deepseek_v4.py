@@ -5,6 +5,8 @@ against DeepseekV4Config, the V4-Flash totals against a hand computation, and `p
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -243,3 +245,30 @@ def test_context_flag_errors(capsys):
     assert "comma-separated" in capsys.readouterr().err
     assert main(["plan", "--kv-bytes", "1e9", "--context", "1024"]) == 2
     assert "--context needs --model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_block_rounded_compressed_bytes_are_what_pdkv_allocates(block_size):
+    """The plan's whole-block bytes of the compressed groups equal the pages pdkv's KV cache
+    gives a request of n tokens (pdkv.worker.kv_cache.v4_cache_groups: ceil(n / block_size)
+    blocks of each CompressedKVSpec group)."""
+    from pdkv.cache.specs import CompressedKVSpec
+    from pdkv.model.arch_config import LlamaArchConfig
+    from pdkv.modelspec.groups import CompressedKV
+    from pdkv.worker.kv_cache import v4_cache_groups
+
+    cfg = {**TINY_V4, "vocab_size": 49152, "q_lora_rank": 64, "index_n_heads": 16,
+           "moe_intermediate_size": 64, "max_position_embeddings": 8192}
+    folder = Path(os.environ["PDKV_CACHE"]) / "tiny-v4-config"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    arch = LlamaArchConfig.from_hf_folder(str(folder))
+    groups = [g for g in v4_cache_groups(arch, block_size, "float32")
+              if isinstance(g.spec, CompressedKVSpec)]
+    spec = spec_from_hf_config(TINY_V4, "tiny-v4")
+    for n in (1, 15, 16, 17, 40, 100):
+        plan = sum(g.token_bytes(FP32) * g.block_tokens_held(n, block_size)
+                   for g in spec.groups if isinstance(g, CompressedKV))
+        pages = sum(g.spec.page_size_bytes * len(g.layer_indices) * -(-n // block_size)
+                    for g in groups)
+        assert plan == pages, n
