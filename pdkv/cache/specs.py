@@ -59,6 +59,13 @@ class KVCacheSpec:
         """Short name used in fingerprints and logs."""
         raise NotImplementedError
 
+    @property
+    def state_slot(self) -> bool:
+        """Whether a block of this group is a per-request state slot (linear-attention state,
+        DeepSeek-V4 compressor state): it holds the state at one position, not tokens, so a
+        connector moves the slot of the position it resumes at, not every block."""
+        return False
+
 
 @dataclass(frozen=True)
 class FullAttentionSpec(KVCacheSpec):
@@ -173,6 +180,10 @@ class LinearStateSpec(KVCacheSpec):
     @property
     def page_size_bytes(self) -> int:
         return self.conv_bytes + _prod(self.recurrent_shape) * DTYPE_BYTES[self.recurrent_dtype]
+
+    @property
+    def state_slot(self) -> bool:
+        return True
 
     @property
     def kind(self) -> str:

@@ -93,8 +93,7 @@ class EngineArgs:
                             dcp=self.decode_context_parallel_size,
                             pcp=self.prefill_context_parallel_size,
                             kv_cache_dtype=canonical_kv_cache_dtype(self.kv_cache_dtype,
-                                                                    self.dtype),
-                            kv_transfer=bool(self.kv_transfer_config))
+                                                                    self.dtype))
         check_sliding_window_parallel(
             arch, self.decode_context_parallel_size
         )  # before the head rules

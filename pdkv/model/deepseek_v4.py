@@ -27,9 +27,10 @@ layers.i.{attn_norm, ffn_norm, hc_attn_*, hc_ffn_*}, hc_head.*, norm, embed_toke
 State: every kind is a KV cache group (pdkv/model/v4_attention.py; groups built by
 pdkv.worker.kv_cache.v4_cache_groups): the sliding window, the compressed entries per rate, the
 indexer keys, and the compressor state as linear-state-like slots, so prefix caching restores a
-request at a block boundary (inside a compression window or at its edge). P/D and the KV pool
-do not move these groups yet (refused); the multi-token-prediction layer is not built; TP / DCP /
-PCP are refused.
+request at a block boundary (inside a compression window or at its edge), and P/D and the KV
+pool move every group (D resumes after P's token, from the state slot of the prompt's end). The
+multi-token-prediction layer is not built; TP / DCP / PCP, CPU offload and MultiConnector are
+refused.
 """
 
 from __future__ import annotations

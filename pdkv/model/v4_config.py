@@ -8,7 +8,8 @@ HCA alternating; legacy `compress_ratios` (per-layer 0 / 4 / 128) map to those t
 layers then `moe`; the rotary width is head_dim × partial_rotary_factor (default 64 / 512).
 
 Not built (refused by `v4_fields`): yarn or any rope other than the default on either rope type,
-attention / MLP biases, a router scoring function other than sqrtsoftplus / sigmoid / softmax.
+attention / MLP biases, a router scoring function other than sqrtsoftplus / sigmoid / softmax;
+(by `check_v4_engine`) TP / DCP / PCP and a quantized KV cache.
 The multi-token-prediction layers of a checkpoint (`mtp.*`) are not read (HF drops them too).
 """
 
@@ -157,15 +158,15 @@ def v4_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
     )
 
 
-def check_v4_engine(architecture: str, *, tp: int, dcp: int, pcp: int, kv_cache_dtype: str,
-                    kv_transfer: bool) -> None:
+def check_v4_engine(architecture: str, *, tp: int, dcp: int, pcp: int,
+                    kv_cache_dtype: str) -> None:
     """Refuse what a DeepSeek-V4 engine does not have yet (the support matrix lists it).
 
     Raises:
         ValueError: tp / dcp / pcp above 1 (re-sharding the indexer, TP of the MoE and DCP over
-            compressed KV are not built), a quantized KV cache, or a KV connector (P/D, the KV
-            pool, offload: no connector moves the compressed-KV and compressor-state groups
-            yet, issue 33 step 3).
+            compressed KV are not built) or a quantized KV cache. (P/D and the KV pool move every
+            V4 group; CPU offload and MultiConnector refuse state-slot groups in the connector
+            factory.)
     """
     if max(tp, dcp, pcp) > 1:
         raise ValueError(
@@ -175,11 +176,6 @@ def check_v4_engine(architecture: str, *, tp: int, dcp: int, pcp: int, kv_cache_
     if kv_cache_dtype != "auto":
         raise ValueError(f"{architecture}: kv_cache_dtype={kv_cache_dtype!r} is not supported "
                          "for DeepSeek-V4 yet: use kv_cache_dtype=auto")
-    if kv_transfer:
-        raise ValueError(
-            f"{architecture}: a KV connector (P/D, KV pool, CPU offload) is not supported for "
-            "DeepSeek-V4 yet: no connector moves its compressed-KV and compressor-state KV cache "
-            "groups (run it colocated, without --kv-transfer-config)")
 
 
 @dataclass(frozen=True)

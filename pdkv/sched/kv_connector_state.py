@@ -170,7 +170,7 @@ class KVConnectorState:
         return to_resume, failed
 
     def _has_linear_state(self) -> bool:
-        return any(g.spec.kind == "linear_state" for g in self.kv_cache_manager.config.groups)
+        return any(g.spec.state_slot for g in self.kv_cache_manager.config.groups)
 
     def _producer_first_token(self, request: Request, valid_end: int) -> int | None:
         """On a model with a linear-state group, a load that reached the prompt's end carries the

@@ -62,7 +62,7 @@ def engine_push_block_sizes(llm: AsyncLLM) -> str:
     groups = llm.engine.executor.kv_cache_config.groups
     return push_block_sizes(llm.engine.executor.kv_layout,
                             tuple(getattr(g.spec, "sliding_window", None) for g in groups),
-                            tuple(g.spec.kind == "linear_state" for g in groups))
+                            tuple(g.spec.state_slot for g in groups))
 
 
 async def wait_push_grant(lookup: Callable[[str], PushGrant | None], request_id: str,

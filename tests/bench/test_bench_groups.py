@@ -30,6 +30,23 @@ def test_blocks_moved_equals_brute_force_and_is_bounded_by_the_window(bs, window
         blocks_moved(0, bs, window)
 
 
+@pytest.mark.parametrize("bs", [1, 4, 8, 16])
+@pytest.mark.parametrize("window", [None, 5, 16, 24, 40])
+def test_blocks_moved_when_d_resumes_after_the_prompt(bs, window):
+    """A model with a state-slot group (linear state, DeepSeek-V4's compressor state): D resumes
+    at n, so a window group keeps what query n reads (n - W + 1 .. n - 1) and what a hit of the
+    block boundary B <= n needs (B - W + 1 .. B - 1), and the block of token n - 1."""
+    for n in range(1, 150):
+        if window is None:
+            want = -(-n // bs)
+        else:
+            boundary = n // bs * bs
+            needed = set(range(max(0, n - window + 1), n))
+            needed |= set(range(max(0, boundary - window + 1), boundary))
+            want = len({t // bs for t in needed} | {(n - 1) // bs})
+        assert blocks_moved(n, bs, window, resume_at_end=True) == want, (n, bs, window)
+
+
 def test_real_size_rows_match_hand_computed_figures():
     rows = real_size_rows(("gemma-3-27b", "qwen3-next-80b-a3b"), (1024, 4096))
     by = {(r["model"], r["kind"]): r for r in rows}

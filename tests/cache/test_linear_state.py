@@ -168,7 +168,7 @@ def test_connectors_refuse_a_linear_state_group():
             "KVPoolConnector",
         ):  # they move the state slot (test_pd_gdn.py, test_pool_gdn_engine.py)
             continue
-        with pytest.raises(ValueError, match="does not move linear-attention state"):
+        with pytest.raises(ValueError, match="does not move per-request state slots"):
             create_connector(
                 connector_spec(KVTransferConfig(
                     kv_connector=name, kv_role="kv_both", kv_connector_extra_config=(

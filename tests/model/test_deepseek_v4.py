@@ -6,7 +6,8 @@ prefills (chunks of 13 end inside the rate-4 and rate-16 compression windows and
 groups: prefix hits restore the compressed entries of the hit's blocks and the compressor state
 checkpointed at its end (block size 8: hits inside the rate-16 windows; 16: at their edge) and
 give the cold output; preempted and aborted requests give every block back; the refusals of
-what is not built yet (KV connectors, TP / DCP, quantized KV)."""
+what is not built yet (CPU offload, TP / DCP, quantized KV). P/D and the KV pool:
+tests/kv_transfer/test_pd_v4.py, tests/kvpool/test_pool_v4.py."""
 
 from __future__ import annotations
 
@@ -133,17 +134,10 @@ def test_prefix_hits_restore_entries_and_compressor_state(tiny_v4, block_size):
     assert all(b.ref_cnt == 0 for pool in kv.block_pools for b in pool.blocks)
 
 
-P2P = {"kv_connector": "P2PConnector", "kv_role": "kv_producer"}
-POOL = {"kv_connector": "KVPoolConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
-    "tiers": [{"name": "dram", "capacity_bytes": 1 << 24}]}}
 OFFLOAD = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
 REFUSED = [
-    pytest.param("pd-tcp", {"kv_transfer_config": json.dumps(P2P)},
-                 "KV connector .* not supported for DeepSeek-V4", id="pd"),
-    pytest.param("pool-dram", {"kv_transfer_config": json.dumps(POOL)},
-                 "KV connector .* not supported for DeepSeek-V4", id="pool"),
     pytest.param("offload", {"kv_transfer_config": json.dumps(OFFLOAD)},
-                 "KV connector .* not supported for DeepSeek-V4", id="offload"),
+                 "does not move per-request state slots .*compressor_state", id="offload"),
     pytest.param("tp", {"tensor_parallel_size": 2}, "DeepSeek-V4 runs on one rank only",
                  id="tp"),
     pytest.param("dcp", {"decode_context_parallel_size": 2}, "DeepSeek-V4 runs on one rank only",
@@ -151,6 +145,13 @@ REFUSED = [
     pytest.param("quantized-kv", {"kv_cache_dtype": "int8"},
                  "kv_cache_dtype='int8' is not supported for DeepSeek-V4", id="int8"),
 ]
+
+
+def test_push_mode_is_refused_naming_pull(tiny_v4):
+    push = json.dumps({"kv_connector": "P2PConnector", "kv_role": "kv_consumer",
+                       "kv_connector_extra_config": {"transfer": "tcp", "transfer_mode": "push"}})
+    with pytest.raises(ValueError, match="8 caches beyond its 4 layers.*transfer_mode 'pull'"):
+        LLM(tiny_v4, max_model_len=64, num_kv_blocks=16, kv_transfer_config=push)
 
 
 @pytest.mark.parametrize("feature, kwargs, match", [

@@ -78,7 +78,7 @@ def test_parallel_and_connectors_are_refused_at_start_up(tiny_gdn):
     from pdkv.parallel.context import ParallelContext
     from pdkv.parallel.layout import ParallelLayout
 
-    with pytest.raises(ValueError, match="does not move linear-attention state"):
+    with pytest.raises(ValueError, match="does not move per-request state slots"):
         LLM(
             tiny_gdn,
             cpu_linear="torch",

@@ -69,7 +69,7 @@ def test_parallel_and_connectors_are_refused_at_start_up(tiny_kda_mla):
     from pdkv.worker.kv_cache import KVCacheSizing, make_kv_cache_config
 
     # P2P and the pool move its state (tests/kv_transfer/test_pd_kda_mla.py); offload does not.
-    with pytest.raises(ValueError, match="does not move linear-attention state"):
+    with pytest.raises(ValueError, match="does not move per-request state slots"):
         LLM(
             tiny_kda_mla,
             cpu_linear="torch",

@@ -58,15 +58,17 @@ def _group_plan(llm: LLM, num_tokens: int) -> list[GroupPlan]:
     tokens, bytes per block and per token."""
     kv = llm.llm_engine.scheduler.kv_cache_manager.config
     rows: list[GroupPlan] = []
+    state_slots = any(group.spec.state_slot for group in kv.groups)
     for g, (group, window) in enumerate(zip(kv.groups, kv.sliding_windows)):
         bs, bb = group.spec.block_size, kv.block_bytes(g)
-        linear = group.spec.kind == "linear_state"  # a block is a state slot: bytes per request
+        linear = group.spec.state_slot  # a block is a state slot: bytes per request
         rows.append(
             {
                 "kind": group.spec.kind,
                 "layers": len(group.layer_indices),
                 "window": window,
-                "blocks": blocks_moved(num_tokens, bs, window, per_request=linear),
+                "blocks": blocks_moved(num_tokens, bs, window, per_request=linear,
+                                       resume_at_end=state_slots),
                 "block_bytes": bb,
                 "bytes_per_token": 0 if linear else bb // bs,
             }

@@ -80,11 +80,14 @@ REAL_MODELS = ("gemma-3-27b", "deepseek-v3", "qwen3-next-80b-a3b", "kimi-linear-
 
 
 def blocks_moved(
-    num_tokens: int, block_size: int, window: int | None, per_request: bool = False
+    num_tokens: int, block_size: int, window: int | None, per_request: bool = False,
+    resume_at_end: bool = False,
 ) -> int:
     """Blocks of one group D pulls for an n-token prompt (no local hits): all ⌈n / bs⌉ for full
-    attention (and MLA), the window rule above for a sliding-window group, and one state slot
-    for a linear-state group (`per_request`: the state after all n tokens, whatever n).
+    attention (and MLA) and compressed entries, the window rule above for a sliding-window
+    group, and one state slot for a state-slot group (`per_request`: the state after all n
+    tokens, whatever n). `resume_at_end`: the model has a state-slot group, so D resumes at n
+    (after P's token), not n - 1, and keeps the window of that position's block boundary.
 
     Raises:
         ValueError: num_tokens < 1 or block_size < 1.
@@ -93,7 +96,8 @@ def blocks_moved(
         raise ValueError(f"num_tokens ({num_tokens}) and block_size ({block_size}) must be >= 1")
     if per_request:
         return 1
-    return -(-num_tokens // block_size) - window_first_block(num_tokens - 1, block_size, window)
+    resume = num_tokens if resume_at_end else num_tokens - 1
+    return -(-num_tokens // block_size) - window_first_block(resume, block_size, window)
 
 
 def real_size_rows(models: Sequence[str] = REAL_MODELS, prompt_lens: Sequence[int] = (1024, 4096)

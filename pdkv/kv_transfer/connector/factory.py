@@ -36,12 +36,13 @@ def create_connector(
             of the KV cache groups (sliding window: P2PConnector and KVPoolConnector only;
             linear state: P2PConnector and KVPoolConnector).
     """
-    linear = [g.spec.kind for g in kv_cache_config.groups if g.spec.kind == "linear_state"]
+    linear = [g.spec.kind for g in kv_cache_config.groups if g.spec.state_slot]
     if linear and spec.kv_connector not in ("P2PConnector", "KVPoolConnector"):
         raise ValueError(
-            f"{spec.kv_connector} does not move linear-attention state (Gated DeltaNet: one "
-            "state slot per request) yet: only P2PConnector (P/D) and KVPoolConnector are "
-            "supported on this model (issue 11); offloading and MultiConnector are not"
+            f"{spec.kv_connector} does not move per-request state slots ({', '.join(linear)}: "
+            "linear-attention state, DeepSeek-V4 compressor state) yet: only P2PConnector (P/D) "
+            "and KVPoolConnector are supported on this model; offloading and MultiConnector are "
+            "not"
         )
     if spec.kv_connector not in ("P2PConnector", "KVPoolConnector") and any(
         w is not None for w in kv_cache_config.sliding_windows

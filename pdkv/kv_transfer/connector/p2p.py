@@ -75,7 +75,7 @@ class P2PConnector(KVConnectorBase):
         self.scheduler = (
             P2PConnectorScheduler(spec, layout, block_size, address, len(kv_cache_config.groups),
                                   kv_cache_config.sliding_windows, control_endpoints,
-                                  tuple(g.spec.kind == "linear_state"
+                                  tuple(g.spec.state_slot
                                         for g in kv_cache_config.groups), push)
             if role == KVConnectorRole.SCHEDULER
             else None

@@ -278,7 +278,7 @@ class P2PConnectorScheduler:
                 )
             if any(self.linear_groups):
                 firsts, local_ids, remote_ids = self._last_slot_only(
-                    request, first, local_ids, remote_ids
+                    request, firsts or (first,) * len(local_ids), local_ids, remote_ids
                 )
             self._to_recv.append(
                 RecvSpec(
@@ -333,10 +333,11 @@ class P2PConnectorScheduler:
                      remote_ids: tuple[list[int], ...]
                      ) -> tuple[tuple[int, ...], tuple[list[int], ...], tuple[list[int], ...]]:
         """Drop, in sliding-window groups, the block pairs D does not need: D resumes at the
-        last prompt token (position n - 1); it keeps the window of the block boundary
-        B = (n - 1) // block_size * block_size at or before it (tokens from B - W + 1: all that
-        query n - 1 reads, and what a later request with the same prompt needs for a prefix
-        hit of B tokens; see KVCacheManager.cache_loaded_blocks). Blocks before
+        last prompt token (position n - 1; at n, after P's token, on a model with a state-slot
+        group); it keeps the window of the block boundary B at or before that position (tokens
+        from B - W + 1: all that the resumed query reads, and what a later request with the
+        same prompt needs for a prefix hit of B tokens; see KVCacheManager.cache_loaded_blocks).
+        Blocks before
         (B - W + 1) // block_size are neither read from P (which may have freed them: their ids
         are its null block) nor written here (this engine frees them when the request resumes).
         Equal block sizes, no DCP (both refused with a sliding window elsewhere).
@@ -348,29 +349,31 @@ class P2PConnectorScheduler:
         for window, lg, rg in zip(self.sliding_windows, local_ids, remote_ids):
             skip = 0
             if window is not None:
-                keep = window_first_block(request.num_prompt_tokens - 1, self.block_size, window)
+                resume = request.num_prompt_tokens - (0 if any(self.linear_groups) else 1)
+                keep = window_first_block(resume, self.block_size, window)
                 skip = min(len(lg), max(0, keep - first))
             firsts.append(first + skip)
             local.append(list(lg[skip:]))
             remote.append(list(rg[skip:]))
         return tuple(firsts), tuple(local), tuple(remote)
 
-    def _last_slot_only(self, request: Request, first: int, local_ids: tuple[list[int], ...],
-                        remote_ids: tuple[list[int], ...]
+    def _last_slot_only(self, request: Request, firsts_in: tuple[int, ...],
+                        local_ids: tuple[list[int], ...], remote_ids: tuple[list[int], ...]
                         ) -> tuple[tuple[int, ...], tuple[list[int], ...], tuple[list[int], ...]]:
         """A model with a linear-state group (D resumes at n, after P's token): in a linear
         group only the slot holding the state after all n prompt tokens moves: P's grant lists
         just that slot (`request_finished`), D's is the last entry of its table (the request's
         one slot, or with prefix caching the entry of block (n - 1) // block_size, which the
-        worker reads as the state of position n). Full-attention groups keep every pair.
+        worker reads as the state of position n). The other groups keep their pairs and their
+        first index (`firsts_in`: the window's first block in a sliding-window group).
 
         Returns:
             (index of each group's first pair in P's grant, local ids, remote ids).
         """
         p = request.kv_transfer_params or {}
         firsts, local, remote = [], [], []
-        for linear, lg, rg, granted in zip(
-            self.linear_groups, local_ids, remote_ids, p["remote_block_ids"]
+        for linear, lg, rg, granted, first in zip(
+            self.linear_groups, local_ids, remote_ids, p["remote_block_ids"], firsts_in
         ):
             firsts.append(0 if linear else first)
             local.append(list(lg[-1:]) if linear else list(lg))

@@ -96,6 +96,12 @@ class P2PConnectorWorker:
         self.push = s.transfer_mode == "push"
         self.push_address: Address = push_address if push_address is not None else ["", 0]
         slots = slots or []
+        if self.push and len(slots) > layout.num_layers:
+            raise ValueError(
+                f"transfer_mode 'push' writes each model layer's KV after the layer runs; this "
+                f"model keeps {len(slots) - layout.num_layers} caches beyond its "
+                f"{layout.num_layers} layers (DeepSeek-V4's compressed entries, indexer keys and "
+                "compressor state) that no layer pushes: use transfer_mode 'pull'")
         self.push_sender = PushSender(self.engine, self.results, self._regions,
                                       self._block_bytes, slots, s.transfer_timeout)
         per_group = [0] * (max((g for g, _, _ in slots), default=-1) + 1)

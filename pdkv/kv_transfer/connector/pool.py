@@ -122,8 +122,8 @@ class KVPoolConnector(RoleDelegatingConnector):
         # A linear-state group is stored and loaded like a window of 2 tokens (pdkv.kvpool.window):
         # chunk j keeps only its last block's slot, the checkpoint after end_j; a hit of L loads
         # the slot of block (L - 1) // bs, the state the request resumes from.
-        self.linear = any(g.spec.kind == "linear_state" for g in kv_cache_config.groups)
-        windows = tuple(2 if g.spec.kind == "linear_state" else w
+        self.linear = any(g.spec.state_slot for g in kv_cache_config.groups)
+        windows = tuple(2 if g.spec.state_slot else w
                         for g, w in zip(kv_cache_config.groups, kv_cache_config.sliding_windows))
         self.scheduler: PoolConnectorScheduler | None = None
         self.worker: PoolConnectorWorker | None = None
