@@ -1,9 +1,10 @@
-"""KVPoolConnector (disk tier) on tiny-v4 (DeepSeek-V4): cold then hot (local prefix cache reset)
-equals the colocated engine (issue 33, step 3). A chunk carries every V4 group's state at its end:
-the window blocks of its boundary, the compressed-KV and indexer-key blocks, and the compressor
-state checkpoint of its last block; with block size 8 and 8-token chunks, chunk ends at 24, 40
-and 56 fall inside the rate-16 windows (8 tokens pending) and the state stored with them
-restores them. A hot hit of L tokens loads (kv_load_bytes "pool") the per-group formula."""
+"""KVPoolConnector (DRAM and disk tiers) on tiny-v4 (DeepSeek-V4): cold then hot (local prefix
+cache reset) equals the colocated engine (issue 33, step 3). A chunk carries every V4 group's
+state at its end: the window blocks of its boundary, the compressed-KV and indexer-key blocks,
+and the compressor state checkpoint of its last block; with block size 8 and 8-token chunks,
+chunk ends at 24, 40 and 56 fall inside the rate-16 windows (8 tokens pending) and the state
+stored with them restores them. A hot hit of L tokens loads (kv_load_bytes "pool") the
+per-group formula."""
 
 from __future__ import annotations
 
@@ -33,9 +34,14 @@ def loaded_bytes(hit: int, bs: int) -> int:
     return window + compressed + STATE_SLOT
 
 
-@pytest.mark.matrix("pool-disk", "hybrid-v4", model="tiny-v4")
-@pytest.mark.parametrize("bs, chunk", [(16, 32), (8, 8)], ids=["bs16-chunk32", "bs8-chunk8"])
-def test_pool_cold_then_hot_equals_colocated(tiny_v4, tmp_path, bs, chunk):
+@pytest.mark.parametrize("tier, bs, chunk", [
+    pytest.param("dram", 16, 32, id="dram-bs16-chunk32",
+                 marks=pytest.mark.matrix("pool-dram", model="tiny-v4")),
+    pytest.param("disk", 16, 32, id="disk-bs16-chunk32",
+                 marks=pytest.mark.matrix("pool-disk", "hybrid-v4", model="tiny-v4")),
+    pytest.param("disk", 8, 8, id="disk-bs8-chunk8",
+                 marks=pytest.mark.matrix("pool-disk", "hybrid-v4", model="tiny-v4"))])
+def test_pool_cold_then_hot_equals_colocated(tiny_v4, tmp_path, tier, bs, chunk):
     kw = dict(num_kv_blocks=64, max_model_len=128, block_size=bs)
     prompts = [[(i * 7919 + 13 * n) % 40000 + 100 for i in range(n)] for n in PROMPT_LENS]
     plain = LLM(tiny_v4, enable_prefix_caching=False, **kw)
@@ -44,7 +50,8 @@ def test_pool_cold_then_hot_equals_colocated(tiny_v4, tmp_path, bs, chunk):
     plain.llm_engine.shutdown()
     cfg = json.dumps({"kv_connector": "KVPoolConnector", "kv_role": "kv_both",
                       "kv_connector_extra_config": {"chunk_size": chunk, "tiers": [
-                          {"name": "disk", "path": str(tmp_path), "capacity_bytes": 1 << 27}]}})
+                          {"name": tier, "capacity_bytes": 1 << 27}
+                          | ({"path": str(tmp_path)} if tier == "disk" else {})]}})
     llm = LLM(tiny_v4, max_num_batched_tokens=24, kv_transfer_config=cfg, **kw)
     try:
         def run():
