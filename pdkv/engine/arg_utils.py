@@ -49,7 +49,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     max_mixed_prefill_tokens: int | None = None
     """None: CPU_MIXED_PREFILL_TOKENS on CPU with chunked prefill (the `pdkv bench prefill-cap`
-    sweep in README), 0 (no cap) on CUDA and without chunked prefill."""
+    sweep in docs/PD.md), 0 (no cap) on CUDA and without chunked prefill."""
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     cp_kv_cache_interleave_size: int = 1
@@ -385,8 +385,8 @@ class EngineArgs:
 
 CPU_MIXED_PREFILL_TOKENS = 64
 """Default prefill cap of mixed steps on CPU: in `pdkv bench prefill-cap --caps 0,32,64` (SmolLM2,
-2 threads, 512-token prompts at 0.5 req/s, README "Prefill cap") 64 brought ITL p99 / TPOT mean
-from 12 to 1.8 with TTFT 0.89x the uncapped run's; 32 cost 1.55x TTFT."""
+2 threads, 512-token prompts at 0.5 req/s, docs/PD.md "Prefill cap of mixed steps") 64 brought
+ITL p99 / TPOT mean from 12 to 1.8 with TTFT 0.89x the uncapped run's; 32 cost 1.55x TTFT."""
 
 
 def default_mixed_prefill_cap(value: int | None, device: str, chunked_prefill: bool) -> int:

@@ -11,7 +11,7 @@ Why: at decode sizes a linear layer is bound by reading its weights. On this pro
 EPYC, over SmolLM2-135M's 30 layers of projections (`python -m pdkv.model.panel_linear`, both
 timed in one run, quiet box), the panel kernel took 0.62x the time of oneDNN's packed weights (the
 previous default, `--cpu-linear onednn`) at 1 row, 0.71x at 8, 0.76x at 32, 0.78x at 64 and 0.92x
-at 512 (prefill): README "Panel linear kernel". Rerun it on another CPU.
+at 512 (prefill): docs/SPEED.md "Panel linear kernel". Rerun it on another CPU.
 
 Numerics: each output is one sequential float32 sum over k (FMA), computed by one thread in a
 fixed order, so a row's result does not depend on the other rows in the batch (unlike BLAS /

@@ -56,12 +56,13 @@ PRESETS: dict[str, Link] = {
     "tcp-loopback": Link(
         "tcp-loopback", 2.7e9, 50e-6,
         "pdkv's tcp engine over loopback: median 2.84 / 2.69 GB/s for 16 / 256 MiB reads "
-        "(`pdkv bench transfer`, README 'Transfer engines'; ±50 % between runs on a shared box); "
+        "(`pdkv bench transfer`, docs/PD.md 'Transfer engines'; ±50 % between runs on a shared "
+        "box); "
         "50 µs latency (assumed)"),
     "shm": Link(
         "shm", 12.5e9, 5e-6,
         "pdkv's shm engine: median 12.53 / 12.91 GB/s for 16 / 256 MiB reads "
-        "(`pdkv bench transfer`, README 'Transfer engines'); 5 µs latency (assumed)"),
+        "(`pdkv bench transfer`, docs/PD.md 'Transfer engines'); 5 µs latency (assumed)"),
     "rdma-25": _rdma(25),
     "rdma-100": _rdma(100),
     "rdma-400": _rdma(400),

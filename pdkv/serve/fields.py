@@ -1,6 +1,6 @@
 """Which OpenAI / vLLM request fields this server honours: the 400s naming a field, the
 structured-output fields turned into StructuredOutputsParams, and the prompt_logprobs an echo
-needs. See README "Sampling and request fields"."""
+needs. See docs/SERVING.md "Sampling and request fields"."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """`--max-mixed-prefill-tokens` reaches the scheduler config, and `pdkv bench prefill-cap`'s
-table compares each cap with the uncapped run (the benchmark itself is run by hand: README)."""
+table compares each cap with the uncapped run (the benchmark itself is run by hand: docs/PD.md,
+"Prefill cap of mixed steps")."""
 
 from __future__ import annotations
 

@@ -5,12 +5,12 @@ and decoded batched through the engine's model code, on one torch thread (small 
 * auto == torch: a model under `--cpu-linear auto` (its table timed at load)
   and a forced table that alternates oneDNN and BLAS across buckets give exactly the greedy
   tokens of plain F.linear.
-* bf16 within tolerance of float32. Stated thresholds (README, "Matmul per shape and bf16 on
+* bf16 within tolerance of float32. Stated thresholds (docs/SPEED.md, "Matmul per shape and bf16 on
   CPU", has the figures of a larger run): first-step max |logit difference| <= 1.5, all prompts
   but one with the same first token (of 3 here), greedy common-prefix agreement >= 0.5.
-  Measured here (AVX2 EPYC, no native bf16): see README; bf16 rounds weights and activations to
-  8 mantissa bits, so tokens may diverge after a near-tie and everything after a divergence is a
-  different continuation.
+  Measured here (AVX2 EPYC, no native bf16): see docs/SPEED.md; bf16 rounds weights and
+  activations to 8 mantissa bits, so tokens may diverge after a near-tie and everything after a
+  divergence is a different continuation.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """int8 / fp8 KV cache on SmolLM2 within a stated tolerance of the float32 cache (issue 12,
 acceptance 3), measured as `pdkv bench kvquant` does (pdkv/bench/model/kv_quant.py): 4 prompts x 8
-greedy tokens. The bounds are loose on purpose (a few times what was measured; README, "Quantized
-KV cache", has the figures of a larger run): first-step max |logit difference|, first tokens,
+greedy tokens. The bounds are loose on purpose (a few times what was measured; docs/SERVING.md,
+"Quantized KV cache", has the figures of a larger run): first-step max |logit difference|, first
+tokens,
 and the greedy common-prefix agreement with the float32 cache."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ transfer_port (tcp data port), kv_lease_duration (s, default 30), transfer_timeo
 from submit, default 30), kv_pulls_per_peer (2), kv_pull_threads (16), kv_server_max_connections
 (64), kv_server_idle_timeout (s, 60), transfer_mode (pull | push; push: p2p_push.py). See
 p2p_messages.py for grants (request id, nonce, prompt
-digest) and README's P/D section for the threat model.
+digest) and docs/PD.md ("P/D disaggregation", Threat model) for the threat model.
 """
 
 from __future__ import annotations
