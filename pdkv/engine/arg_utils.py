@@ -177,8 +177,9 @@ class EngineArgs:
         g.add_argument(
             "--model",
             default=d.model,
-            help="alias (smollm2; tiny-llama-kv1, tiny-llama-kv2: random tiny Llamas for "
-            "tp/dcp tests), HF id (resolved offline: the HF cache) or HF folder",
+            help="alias (smollm2: the real model; tiny-llama-kv1, tiny-llama-kv2, tiny-swa, "
+            "tiny-mla, tiny-gdn, tiny-kda-mla, tiny-v4: random-weight models for parity tests), "
+            "HF id (resolved offline: the HF cache) or HF folder",
         )
         g.add_argument(
             "--served-model-name",
