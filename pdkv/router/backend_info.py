@@ -35,6 +35,9 @@ class BackendInfo:
         push_block_sizes: "any" when it pushes to (or takes pushes from) an engine of another
             block size (GET /kv_layout's `push_block_sizes`), else "equal" (also when not
             reported: an engine from before pushes re-blocked).
+        kv_cache_groups: its number of KV cache groups (GET /kv_layout's `kv_cache_groups`; 1
+            when not reported): a decode engine re-blocks a producer of another block size only
+            with one group.
     """
 
     kv_role: str | None
@@ -46,6 +49,7 @@ class BackendInfo:
     model_ids: tuple[str, ...] | None = None
     transfer_mode: str = "pull"
     push_block_sizes: str = "equal"
+    kv_cache_groups: int = 1
 
     @property
     def block_size(self) -> int | None:
@@ -67,7 +71,7 @@ async def fetch_info(
     except httpx.HTTPError:
         return None
     chunk: int | None = None
-    mode, sizes = "pull", "equal"
+    mode, sizes, groups = "pull", "equal", 1
     if lay.status_code == 404:
         role, engine_id, layout = None, None, None
     elif lay.status_code == 200:
@@ -82,6 +86,7 @@ async def fetch_info(
             chunk = int(raw_chunk) if raw_chunk is not None else None
             mode = "push" if data.get("transfer_mode") == "push" else "pull"
             sizes = "any" if data.get("push_block_sizes") == "any" else "equal"
+            groups = int(data.get("kv_cache_groups", 1))
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
     else:
@@ -96,7 +101,7 @@ async def fetch_info(
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             max_len = None
     return BackendInfo(role, engine_id, layout, max_len, time.monotonic(), chunk, model_ids,
-                       mode, sizes)
+                       mode, sizes, groups)
 
 
 def unknown_model(model: JSONValue, infos: list[BackendInfo | None]) -> str | None:
@@ -126,6 +131,11 @@ def pair_mismatch(
     if p.layout is None or d.layout is None:
         return None
     message = layout_mismatch(d.layout, p.layout) or conversion_error(d.layout, p.layout)
+    if message is None and d.kv_cache_groups != 1 and p.block_size != d.block_size:
+        # the decode engine's own refusal (p2p_compat.shard_error), known before P runs
+        message = (f"decode block_size={d.block_size} differs from the producer's "
+                   f"block_size={p.block_size}: re-blocking needs one KV cache group (the "
+                   f"decode engine has {d.kv_cache_groups})")
     if message is None:
         return None
     return f"{message}; prefill {p_url}, decode {d_url}"

@@ -104,7 +104,7 @@ class ModelList(TypedDict):
 class KVLayoutInfo(TypedDict):
     """GET /kv_layout (`pool_chunk_size` in tokens, None without a KV pool; `transfer_mode`
     "push" | "pull"; `push_block_sizes` "any" when the engine pushes across block sizes, else
-    "equal")."""
+    "equal"; `kv_cache_groups`: how many KV cache groups the engine has)."""
 
     kv_role: str
     engine_id: str
@@ -112,6 +112,7 @@ class KVLayoutInfo(TypedDict):
     pool_chunk_size: int | None
     transfer_mode: str
     push_block_sizes: str
+    kv_cache_groups: int
 
 
 class TokenizeResponse(TypedDict):
@@ -258,6 +259,7 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
             "pool_chunk_size": pool_chunk_size(kvt.kv_connector, kvt.kv_connector_extra_config),
             "transfer_mode": transfer_mode(kvt.kv_connector, kvt.kv_connector_extra_config),
             "push_block_sizes": engine_push_block_sizes(llm),
+            "kv_cache_groups": len(llm.engine.executor.kv_cache_config.groups),
         }
 
     add_push_routes(app, llm)

@@ -519,6 +519,24 @@ def test_a_block_size_difference_pairs_unless_decode_has_dcp():
     assert msg is not None and "tp_size=2 into a DCP decode engine" in msg
 
 
+def test_a_block_size_difference_into_a_multi_group_decode_engine_is_known_before_prefill():
+    """A decode engine with several KV cache groups (sliding window + full, linear state,
+    DeepSeek-V4) refuses to re-block; GET /kv_layout's kv_cache_groups lets the proxy say so
+    at /health and before P runs, instead of a 400 from D after P's prefill."""
+    from dataclasses import replace
+
+    from pdkv.router.backend_info import BackendInfo, pair_mismatch
+
+    p = BackendInfo("kv_producer", "e", dict(LAYOUT), 512, 0.0, None)
+    d = BackendInfo("kv_consumer", "e", {**LAYOUT, "block_size": 8}, 512, 0.0, None,
+                    kv_cache_groups=5)
+    msg = pair_mismatch("p", p, "d", d)
+    assert msg is not None and "re-blocking needs one KV cache group" in msg
+    assert "block_size=8" in msg and "block_size=16" in msg and "has 5" in msg
+    assert pair_mismatch("p", p, "d", replace(d, kv_cache_groups=1)) is None  # re-blocked
+    assert pair_mismatch("p", p, "d", replace(d, layout=dict(LAYOUT))) is None  # equal sizes
+
+
 def _proxy_errors(url: str) -> dict[tuple[str, str], float]:
     """pdkv:proxy_errors_total by (leg, kind) from the proxy's /metrics."""
     out: dict[tuple[str, str], float] = {}
