@@ -27,6 +27,11 @@ LATE_MS = 150.0  # a loaded 2-core box delays the client by tens, at times over 
 TTFT_MS = (GAPS_S[0] + GAPS_S[1]) * 1000  # 150: the empty/role chunk does not count
 ITL_MS = [GAPS_S[2] * 1000, GAPS_S[3] * 1000]  # [40, 60]: "bc" is one gap, not two
 E2EL_MS = sum(GAPS_S) * 1000  # 250
+# When the mock sends each content chunk ("a", "bc", "d"), from the request's arrival: [150,
+# 190, 250]. The client starts its clock before sending and reads a chunk only after it is
+# sent, so no arrival (time from the start) comes before its due time: lower bounds from the
+# mock's sleeps hold on any machine, however loaded.
+DUE_MS = [TTFT_MS, TTFT_MS + ITL_MS[0], E2EL_MS]
 
 
 def _near(measured_ms: float, nominal_ms: float, early: float = EARLY_MS,
@@ -73,8 +78,18 @@ def test_request_timings_match_the_mock(mock, endpoint):
     itl_ms = [g * 1000 for g in r["itls"][0]]
     assert _near(ttft_ms, TTFT_MS), ttft_ms
     assert len(itl_ms) == 2, itl_ms
-    for got, want in zip(itl_ms, ITL_MS):
-        assert abs(got - want) <= LATE_MS, itl_ms
+    arrivals = [ttft_ms, ttft_ms + itl_ms[0], ttft_ms + itl_ms[0] + itl_ms[1]]
+    for arrival, due in zip(arrivals, DUE_MS):
+        assert arrival >= due - EARLY_MS, (arrivals, DUE_MS)
+    # Each ITL spans at least the mock's sleep between the two chunks, less how late the first
+    # of them was read (a chunk read late shortens the next gap): that lateness is at most its
+    # arrival minus its due time. So an ITL of 0 (or one shortened by a miscounted chunk) fails;
+    # the upper bound only allows for a loaded machine.
+    for i, (got, gap) in enumerate(zip(itl_ms, ITL_MS)):
+        read_late = arrivals[i] - DUE_MS[i]
+        assert gap - read_late - EARLY_MS <= got <= gap + LATE_MS, (itl_ms, arrivals)
+    # The ITLs are the gaps between the content chunks: they end at "d", before [DONE].
+    assert arrivals[-1] <= e2el_ms + 1e-6, (arrivals, e2el_ms)
     assert _near(e2el_ms, E2EL_MS), e2el_ms
     # Output tokens from usage (4), not from the 3 content chunks.
     assert r["output_lens"] == [COMPLETION_TOKENS] and r["usage_missing"] == [False]

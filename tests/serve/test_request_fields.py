@@ -86,15 +86,37 @@ def test_n_with_seed_is_reproducible_and_shares_the_prompt(client, reference_llm
     assert texts == [c.text for c in a.choices]
 
 
-def test_prompt_logprobs_cover_every_prompt_token(client):
+def test_prompt_logprobs_cover_every_prompt_token(client, hf_tokenizer, hf_model):
+    """Every prompt token after the first gets its logprob, its rank and the top-1 entry of HF
+    transformers' log-softmax over the same model's logits at the position before it."""
+    import torch
+
     out = _complete(client, temperature=0, max_tokens=1, extra_body={"prompt_logprobs": 1})
     plp = out.choices[0].model_extra["prompt_logprobs"]
-    assert len(plp) == out.usage.prompt_tokens and plp[0] is None
-    assert all(1 <= len(d) <= 2 and all(v["logprob"] <= 0 and v["rank"] >= 1 for v in d.values())
-               for d in plp[1:])
+    ids = hf_tokenizer(PROMPT)["input_ids"]
+    assert len(plp) == out.usage.prompt_tokens == len(ids) and plp[0] is None
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    tol = 2e-3  # float32 on both sides; test_sampling's prompt-vs-decode tolerance
+    for pos in range(1, len(ids)):
+        row, entries = ref[pos - 1], plp[pos]
+        token = ids[pos]
+        assert 1 <= len(entries) <= 2 and str(token) in entries, (pos, entries)
+        got = entries[str(token)]
+        want = row[token].item()
+        assert got["logprob"] == pytest.approx(want, abs=tol), (pos, got, want)
+        # Its rank: 1 + the tokens HF ranks strictly above it (up to a near-tie).
+        assert (1 + int((row > want + tol).sum()) <= got["rank"]
+                <= 1 + int((row > want - tol).sum())), (pos, got)
+        # The top-1 entry: HF's most likely token (unless HF's top two nearly tie).
+        (top_id, top), *_ = sorted(entries.items(), key=lambda kv: kv[1]["rank"])
+        assert top["rank"] == 1 and top["logprob"] == pytest.approx(row.max().item(), abs=tol)
+        best2 = row.topk(2).values
+        if best2[0] - best2[1] > 2 * tol:
+            assert int(top_id) == row.argmax().item(), (pos, entries)
 
 
-def test_structured_output_follows_the_grammar(client):
+def test_structured_output_follows_the_grammar(client, hf_tokenizer):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}
@@ -130,10 +152,35 @@ def test_structured_output_follows_the_grammar(client):
         max_tokens=30,
         extra_body={"response_format": {"type": "json_object"}},
     )
-    if obj.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(obj.choices[0].text), dict)
+    text, finish = obj.choices[0].text, obj.choices[0].finish_reason
+    # The whole text is in the language of a JSON object, checked by llguidance on its own
+    # grammar (not pdkv's compile_grammar): it accepts every token of the text in turn; a
+    # finished text is a complete object, one cut by max_tokens a prefix of one.
+    accepted, complete = _json_object_prefix(hf_tokenizer, text)
+    assert accepted == text, (accepted, text)
+    if finish == "stop":
+        assert complete and isinstance(json.loads(text), dict), text
     else:
-        assert obj.choices[0].text.lstrip().startswith("{")
+        assert finish == "length" and obj.usage.completion_tokens == 30, (finish, text)
+
+
+def _json_object_prefix(hf_tokenizer, text: str) -> tuple[str, bool]:
+    """The longest prefix of `text` (re-tokenized, whole tokens) that llguidance's JSON-object
+    grammar accepts, and whether that prefix is a complete object."""
+    import llguidance
+    import llguidance.hf
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(
+        llguidance.hf.from_tokenizer(hf_tokenizer),
+        LLMatcher.grammar_from_json_schema({"type": "object"}),
+        log_level=0,
+    )
+    ids = hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+    n = matcher.try_consume_tokens(ids)
+    assert not matcher.is_error(), matcher.get_error()
+    prefix = text if n == len(ids) else hf_tokenizer.decode(ids[:n])
+    return prefix, matcher.is_accepting()
 
 
 def test_echo_prepends_the_prompt(client):
