@@ -75,6 +75,13 @@ def test_peer_ratios_compare_rows_of_the_same_length():
     add_peer_ratios(rows, "peer")
     assert (rows[0]["bytes_ratio"], rows[0]["time_ratio"]) == (0.5, 0.5)
     assert "bytes_ratio" not in rows[2]
+    from pdkv.bench.groups.report import format_measured
+
+    for r in rows:
+        r.update(groups=[], formula_bytes=r["bytes_received"])
+    lines = format_measured(rows).splitlines()
+    assert lines[1].split()[-3:] == ["0.500", "0.50", "ok"]
+    assert lines[3].split()[-3:] == ["-", "-", "ok"]  # no peer row: no ratio printed
 
 
 @pytest.mark.slow

@@ -155,7 +155,7 @@ def run_groups_bench(
         print(format_measured(rows))
         print(
             f"\nbytes x / time x: ratio to {PEER} (full attention, same hidden size, heads and "
-            "layers) at the same prompt "
+            "layers; '-' when it did not run) at the same prompt "
             f"length; xfer: median over {repeats} whole pulls (claim -> done ack), transfer "
             f"{transfer!r}.\n"
         )

@@ -172,10 +172,13 @@ def format_measured(rows: list[MeasuredRow]) -> str:
         groups = "; ".join(
             f"{g['kind']}: {g['blocks']} x {g['block_bytes']:,}" for g in r["groups"]
         )
+        # "-": no peer row of that length was measured (the peer model did not run)
+        bytes_x = f"{r['bytes_ratio']:.3f}" if "bytes_ratio" in r else "-"
+        time_x = f"{r['time_ratio']:.2f}" if "time_ratio" in r else "-"
         lines.append(
             f"{r['model']:>15} {r['prompt_tokens']:>6} {groups:>52} {_mib(r['formula_bytes']):>11} "
             f"{_mib(r['bytes_received']):>9} {r['transfer_s'] * 1e3:>11.2f} "
-            f"{r.get('bytes_ratio', 1.0):>7.3f} {r.get('time_ratio', 1.0):>7.2f} "
+            f"{bytes_x:>7} {time_x:>7} "
             f"{'ok' if r['bytes_received'] == r['formula_bytes'] else 'BYTES':>6}"
         )
     return "\n".join(lines)
