@@ -78,12 +78,22 @@ class FullAttentionSpec(KVCacheSpec):
     is the 1-byte values followed by a float32 scale per (token, head) for K and for V:
     page_size_bytes = 2 * block_size * num_kv_heads * head_size + 2 * block_size * num_kv_heads * 4
     (`quant_data_bytes` + the scales; pdkv/model/kv_quant.py).
+
+    With `shared_kv` (DeepSeek-V4's shared-KV MQA: the key is the value) a page holds one plane,
+    not two: page_size_bytes = block_size * num_kv_heads * head_size * dtype_bytes (not with a
+    quantized cache).
     """
 
     num_kv_heads: int = 1
     head_size: int = 1
     dtype: str = "float32"
     cache_dtype: str = "auto"
+    shared_kv: bool = False
+
+    @property
+    def planes(self) -> int:
+        """Vectors stored per token and head: 2 (K and V), 1 with shared_kv."""
+        return 1 if self.shared_kv else 2
 
     @property
     def quantized(self) -> bool:
@@ -99,7 +109,8 @@ class FullAttentionSpec(KVCacheSpec):
     def page_size_bytes(self) -> int:
         if self.quantized:
             return self.quant_data_bytes + 2 * self.block_size * self.num_kv_heads * SCALE_BYTES
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * DTYPE_BYTES[self.dtype]
+        return (self.planes * self.block_size * self.num_kv_heads * self.head_size
+                * DTYPE_BYTES[self.dtype])
 
     @property
     def kind(self) -> str:

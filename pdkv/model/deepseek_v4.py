@@ -250,7 +250,7 @@ class DeepseekV4ForCausalLM(LlamaForCausalLM):
         layer_hooks: LayerHooks | None = None,
     ) -> torch.Tensor:
         """Run the step: input_ids / positions [T] long; kv_caches per cache layer
-        (V4CacheLayers: the sliding-window layers [2, blocks, block_size, 1, head_dim], then the
+        (V4CacheLayers: the sliding-window layers [1, blocks, block_size, 1, head_dim], then the
         compressed entries, indexer keys and state slots); meta = the sliding-window group's
         AttentionMetadata first and V4StepMetadata last; returns [S, vocab] float32 logits of
         `logits_indices` [S]."""

@@ -5,7 +5,7 @@ Numerics follow transformers' modeling_deepseek_v4.py (DeepseekV4Attention, Deep
 Compressor, DeepseekV4Indexer; the paper's §2.3):
 - Shared-KV MQA: one KV head; its vector (kv_proj, RMSNorm, rope) is both key and value. Every
   layer attends over a sliding window of W tokens (the query at p sees keys p - W < k <= p),
-  read from the paged KV cache (the sliding-window group; K and V planes both hold the vector).
+  read from the paged KV cache (the sliding-window group, one plane: `shared_kv`).
 - Rope is interleaved (pairs of adjacent channels) on the trailing `rotary_dim` channels; the
   attention output's rope slice is rotated back (-sin) at the query position.
 - A compressor turns every `rate` source tokens of a layer's input into one compressed entry:
@@ -21,7 +21,7 @@ Compressor, DeepseekV4Indexer; the paper's §2.3):
 
 State, all in KV cache groups (pdkv.worker.kv_cache.v4_cache_groups; cache layers
 pdkv.model.v4_config.V4CacheLayers):
-- the window's vectors: the sliding-window group (K = V, written to both planes);
+- the window's vectors: the sliding-window group (K = V: one plane, `FullAttentionSpec.shared_kv`);
 - the compressed entries and the indexer keys: CompressedKVSpec groups, entry w in the block of
   its window's last token (`CompressedKVSpec.entry_slot`), written once when its window closes;
 - the compressor state: a CompressorStateSpec slot per request (with prefix caching, one per
@@ -261,7 +261,7 @@ class V4StepMetadata:
 
 @dataclass(frozen=True)
 class V4LayerCaches:
-    """One model layer's cache views: the sliding-window layer [2, blocks, block_size, 1, d]
+    """One model layer's cache views: the sliding-window layer [1, blocks, block_size, 1, d]
     and its cache layer index, then (None on a sliding-only layer) the compressed entries
     [blocks, per block, d], the indexer keys [blocks, per block, c] (CSA) and the state slots
     [slots, floats] float32, each with its cache layer index (the key of the request tables)."""
@@ -358,8 +358,7 @@ class V4Attention(nn.Module):
         kv = rms_norm(linear(x, self.kv_proj, None).float(), self.kv_norm, self.eps).to(x.dtype)
         kv = apply_rope_interleaved(kv, cos, sin)
         win = caches.window
-        win[0, slot_blocks, slot_offsets, 0] = kv
-        win[1, slot_blocks, slot_offsets, 0] = kv
+        win[0, slot_blocks, slot_offsets, 0] = kv  # one plane: the key is the value
         block_size = win.shape[2]
         out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
         for r in step.requests:

@@ -223,7 +223,8 @@ def make_kv_cache_config(arch: LlamaArchConfig, sizing: KVCacheSizing,
     for window, layers in attention_groups(arch):
         spec = full if window is None else SlidingWindowSpec(
             block_size=block_size, num_kv_heads=num_kv_heads, head_size=arch.head_dim,
-            dtype=dtype, cache_dtype=cache_dtype, sliding_window=window)
+            dtype=dtype, cache_dtype=cache_dtype, sliding_window=window,
+            shared_kv=arch.v4 is not None)  # DeepSeek-V4: K = V, one plane
         groups.append(KVCacheGroupSpec(layer_indices=layers, spec=spec))
     if arch.v4 is not None:  # DeepSeek-V4: compressed entries and compressor state
         groups.extend(v4_cache_groups(arch, block_size, dtype))
@@ -326,7 +327,7 @@ def allocate_kv_cache(
             shape = (n, layers, spec.page_size_bytes)
             elem = torch.uint8
         elif isinstance(spec, FullAttentionSpec):
-            shape = (n, layers, 2, spec.block_size, spec.num_kv_heads, spec.head_size)
+            shape = (n, layers, spec.planes, spec.block_size, spec.num_kv_heads, spec.head_size)
         else:
             raise ValueError(f"no KV cache layout for a {spec.kind} group")
         nbytes = kv_cache_config.block_bytes(len(groups)) * n

@@ -33,7 +33,7 @@ def group_bytes(n: int, bs: int) -> dict[str, int]:
     blocks = -(-n // bs)
     window_blocks = blocks - window_first_block(n, bs, WINDOW)
     return {
-        "window": window_blocks * 4 * 2 * bs * D * 4,  # 4 layers, K and V planes (K = V)
+        "window": window_blocks * 4 * bs * D * 4,  # 4 layers, one plane (K = V)
         "csa_kv": blocks * 2 * (bs // 4) * D * 4,  # layers 1, 3: an entry per 4 tokens
         "hca_kv": blocks * 1 * max(1, bs // 16) * D * 4,  # layer 2: an entry per 16 tokens
         "indexer": blocks * 2 * (bs // 4) * C * 4,

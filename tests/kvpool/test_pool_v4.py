@@ -29,7 +29,7 @@ def loaded_bytes(hit: int, bs: int) -> int:
     if hit == 0:
         return 0
     blocks = hit // bs
-    window = (blocks - window_first_block(hit, bs, WINDOW)) * 4 * 2 * bs * D * 4
+    window = (blocks - window_first_block(hit, bs, WINDOW)) * 4 * bs * D * 4  # K = V: one plane
     compressed = blocks * (2 * (bs // 4) * D + max(1, bs // 16) * D + 2 * (bs // 4) * C) * 4
     return window + compressed + STATE_SLOT
 

@@ -266,6 +266,13 @@ def test_block_rounded_compressed_bytes_are_what_pdkv_allocates(block_size):
     groups = [g for g in v4_cache_groups(arch, block_size, "float32")
               if isinstance(g.spec, CompressedKVSpec)]
     spec = spec_from_hf_config(TINY_V4, "tiny-v4")
+    # the window group stores one vector per token and layer (K = V), as the plan counts it
+    from pdkv.worker.kv_cache import KVCacheSizing, make_kv_cache_config
+
+    kv = make_kv_cache_config(arch, KVCacheSizing(block_size=block_size, dtype="float32",
+                                                  max_model_len=128, num_kv_blocks=64))
+    window = next(g for g in spec.groups if g.kind == "v4_window_kv")
+    assert kv.block_bytes(0) == window.token_bytes(FP32) * block_size
     for n in (1, 15, 16, 17, 40, 100):
         plan = sum(g.token_bytes(FP32) * g.block_tokens_held(n, block_size)
                    for g in spec.groups if isinstance(g, CompressedKV))
