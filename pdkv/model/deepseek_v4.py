@@ -49,15 +49,12 @@ from pdkv.model.v4_attention import (
     V4Attention,
     V4LayerCaches,
     V4StepMetadata,
+    frozen_param,
     inv_freq,
     unweighted_rms_norm,
 )
 from pdkv.model.v4_config import SLIDING, DeepseekV4Fields, V4CacheLayers
 from pdkv.parallel.context import ParallelContext
-
-
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
 class HyperConnection(nn.Module):
@@ -68,9 +65,9 @@ class HyperConnection(nn.Module):
         super().__init__()
         self.hc, self.iters, self.eps, self.norm_eps = hc, iters, eps, norm_eps
         n = (2 + hc) * hc
-        self.fn = _param(n, hc * hidden, dtype=torch.float32)
-        self.base = _param(n, dtype=torch.float32)
-        self.scale = _param(3, dtype=torch.float32)
+        self.fn = frozen_param(n, hc * hidden, dtype=torch.float32)
+        self.base = frozen_param(n, dtype=torch.float32)
+        self.scale = frozen_param(3, dtype=torch.float32)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, hc, hidden] -> (post [T, hc], comb [T, hc, hc], collapsed [T, hidden])."""
@@ -109,13 +106,13 @@ class MoE(nn.Module):
         super().__init__()
         e, i, k = v4.n_routed_experts, v4.moe_intermediate_size, v4.num_experts_per_tok
         self.hashed, self.k, self.v4 = hashed, k, v4
-        self.gate = _param(e, hidden, dtype=dtype)
-        self.bias = _param(e, dtype=torch.float32) if not hashed else None
+        self.gate = frozen_param(e, hidden, dtype=dtype)
+        self.bias = frozen_param(e, dtype=torch.float32) if not hashed else None
         self.register_buffer("tid2eid", torch.zeros(vocab if hashed else 0, k, dtype=torch.long))
-        self.gate_up = _param(e, 2 * i, hidden, dtype=dtype)
-        self.down = _param(e, hidden, i, dtype=dtype)
-        self.shared_gate_up = _param(2 * i, hidden, dtype=dtype)
-        self.shared_down = _param(hidden, i, dtype=dtype)
+        self.gate_up = frozen_param(e, 2 * i, hidden, dtype=dtype)
+        self.down = frozen_param(e, hidden, i, dtype=dtype)
+        self.shared_gate_up = frozen_param(2 * i, hidden, dtype=dtype)
+        self.shared_down = frozen_param(hidden, i, dtype=dtype)
 
     def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         lim = self.v4.swiglu_limit
@@ -156,8 +153,8 @@ class V4Layer(nn.Module):
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.eps = eps
         self.kind = v4.attn_types[i]
-        self.input_norm = _param(h, dtype=torch.float32)
-        self.post_attn_norm = _param(h, dtype=torch.float32)
+        self.input_norm = frozen_param(h, dtype=torch.float32)
+        self.post_attn_norm = frozen_param(h, dtype=torch.float32)
         self.attn_hc = HyperConnection(v4.hc_mult, h, v4.hc_sinkhorn_iters, v4.hc_eps, eps)
         self.ffn_hc = HyperConnection(v4.hc_mult, h, v4.hc_sinkhorn_iters, v4.hc_eps, eps)
         self.attn = V4Attention(h, cfg.num_heads, cfg.head_dim, cfg.sliding_window, self.kind,
@@ -205,14 +202,14 @@ class DeepseekV4ForCausalLM(LlamaForCausalLM):
         self.cfg = cfg
         v4 = cfg.v4
         h = cfg.hidden_size
-        self.embed = _param(cfg.vocab_size, h, dtype=dtype)
+        self.embed = frozen_param(cfg.vocab_size, h, dtype=dtype)
         self.embed_file_map = None
         self.layers = nn.ModuleList(V4Layer(cfg, i, dtype) for i in range(cfg.num_layers))
-        self.hc_fn = _param(v4.hc_mult, v4.hc_mult * h, dtype=torch.float32)
-        self.hc_base = _param(v4.hc_mult, dtype=torch.float32)
-        self.hc_scale = _param(1, dtype=torch.float32)
-        self.norm = _param(h, dtype=torch.float32)
-        self.lm_head = _param(cfg.vocab_size, h, dtype=dtype)
+        self.hc_fn = frozen_param(v4.hc_mult, v4.hc_mult * h, dtype=torch.float32)
+        self.hc_base = frozen_param(v4.hc_mult, dtype=torch.float32)
+        self.hc_scale = frozen_param(1, dtype=torch.float32)
+        self.norm = frozen_param(h, dtype=torch.float32)
+        self.lm_head = frozen_param(cfg.vocab_size, h, dtype=dtype)
         self.head_packed = None
         self.layer_groups = [0] * cfg.num_layers  # one sliding-window group of every layer
         self.register_buffer("freq_main", inv_freq(v4.rotary_dim, cfg.rope_theta, device),

@@ -96,7 +96,8 @@ class CompressorState:
     overlap_gate: torch.Tensor | None = None
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+def frozen_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """An uninitialised inference-only parameter of `shape` (filled by the loader)."""
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
@@ -109,17 +110,17 @@ class Compressor(nn.Module):
         super().__init__()
         self.d, self.rate, self.overlap, self.eps = d, rate, overlap, eps
         self.width = 2 * d if overlap else d
-        self.kv_proj = _param(self.width, hidden, dtype=dtype)
-        self.gate_proj = _param(self.width, hidden, dtype=dtype)
-        self.position_bias = _param(rate, self.width, dtype=torch.float32)
-        self.kv_norm = _param(d, dtype=torch.float32)
+        self.kv_proj = frozen_param(self.width, hidden, dtype=dtype)
+        self.gate_proj = frozen_param(self.width, hidden, dtype=dtype)
+        self.position_bias = frozen_param(rate, self.width, dtype=torch.float32)
+        self.kv_norm = frozen_param(d, dtype=torch.float32)
 
     @property
     def state_floats(self) -> int:
         """Float32 values of this compressor's part of a state slot (module docstring)."""
-        from pdkv.model.v4_config import compressor_state_floats
+        from pdkv.modelspec.groups import compressor_state_elems
 
-        return compressor_state_floats(self.rate, self.d, self.overlap)
+        return compressor_state_elems(self.rate, self.d, self.overlap)
 
     def load(self, slot: torch.Tensor | None, position: int) -> CompressorState:
         """The state after `position` tokens from `slot` [state_floats] float32 (None or
@@ -211,8 +212,8 @@ class Indexer(nn.Module):
         super().__init__()
         self.heads, self.c, self.rate, self.topk = heads, c, rate, topk
         self.compressor = Compressor(hidden, c, rate, True, eps, dtype)
-        self.q_b_proj = _param(heads * c, q_lora_rank, dtype=dtype)
-        self.weights_proj = _param(heads, hidden, dtype=dtype)
+        self.q_b_proj = frozen_param(heads * c, q_lora_rank, dtype=dtype)
+        self.weights_proj = frozen_param(heads, hidden, dtype=dtype)
 
     def select(self, x: torch.Tensor, q_res: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
                inv_freq_c: torch.Tensor) -> torch.Tensor:
@@ -289,15 +290,15 @@ class V4Attention(nn.Module):
         assert isinstance(v4, DeepseekV4Fields)
         self.heads, self.d, self.window, self.eps, self.rate = heads, d, window, eps, rate
         self.o_groups = v4.o_groups
-        self.q_a_proj = _param(v4.q_lora_rank, hidden, dtype=dtype)
-        self.q_a_norm = _param(v4.q_lora_rank, dtype=torch.float32)
-        self.q_b_proj = _param(heads * d, v4.q_lora_rank, dtype=dtype)
-        self.kv_proj = _param(d, hidden, dtype=dtype)
-        self.kv_norm = _param(d, dtype=torch.float32)
-        self.o_a_proj = _param(v4.o_groups * v4.o_lora_rank, heads * d // v4.o_groups,
+        self.q_a_proj = frozen_param(v4.q_lora_rank, hidden, dtype=dtype)
+        self.q_a_norm = frozen_param(v4.q_lora_rank, dtype=torch.float32)
+        self.q_b_proj = frozen_param(heads * d, v4.q_lora_rank, dtype=dtype)
+        self.kv_proj = frozen_param(d, hidden, dtype=dtype)
+        self.kv_norm = frozen_param(d, dtype=torch.float32)
+        self.o_a_proj = frozen_param(v4.o_groups * v4.o_lora_rank, heads * d // v4.o_groups,
                                dtype=dtype)
-        self.o_b_proj = _param(hidden, v4.o_groups * v4.o_lora_rank, dtype=dtype)
-        self.sinks = _param(heads, dtype=torch.float32)
+        self.o_b_proj = frozen_param(hidden, v4.o_groups * v4.o_lora_rank, dtype=dtype)
+        self.sinks = frozen_param(heads, dtype=torch.float32)
         self.compressor = (Compressor(hidden, d, rate, kind == CSA, eps, dtype)
                            if kind in (CSA, HCA) else None)
         self.indexer = (Indexer(hidden, v4.q_lora_rank, v4.index_n_heads, v4.index_head_dim,

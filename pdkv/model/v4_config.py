@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdkv.modelspec.groups import compressor_state_elems
+
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
@@ -212,22 +214,13 @@ class V4CacheLayers:
         return V4CacheLayers(csa, hca, compressed, indexer, state)
 
 
-def compressor_state_floats(rate: int, d: int, overlap: bool) -> int:
-    """Float32 values of one compressor's state slot (pdkv/model/v4_attention.py layout): the
-    pending rows of the open window, kv and gate each `rate` × width (width 2·d with the CSA
-    overlap, else d; at most rate - 1 rows are held), then with `overlap` the last closed
-    window's first halves, kv and gate each rate × d."""
-    width = 2 * d if overlap else d
-    return 2 * rate * width + (2 * rate * d if overlap else 0)
-
-
 def layer_state_floats(v4: DeepseekV4Fields, head_dim: int, layer: int) -> int:
     """Float32 values of model layer `layer`'s compressor state: its attention compressor and,
     on a CSA layer, the indexer's; 0 on a sliding-only layer."""
     t = v4.attn_types[layer]
     if t == CSA:
-        return (compressor_state_floats(v4.csa_rate, head_dim, True)
-                + compressor_state_floats(v4.csa_rate, v4.index_head_dim, True))
+        return (compressor_state_elems(v4.csa_rate, head_dim, True)
+                + compressor_state_elems(v4.csa_rate, v4.index_head_dim, True))
     if t == HCA:
-        return compressor_state_floats(v4.hca_rate, head_dim, False)
+        return compressor_state_elems(v4.hca_rate, head_dim, False)
     return 0

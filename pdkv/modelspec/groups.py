@@ -132,8 +132,22 @@ class MLA:
         return 0
 
 
+class _PerRequestState:
+    """What a per-request state group (a fixed slot whatever the length) says of tokens: it
+    holds none, so 0 bytes per token and no token blocks; its bytes are `request_bytes`."""
+
+    def token_bytes(self, dt: ElementType, tp: int = 1) -> int:
+        return 0
+
+    def tokens_held(self, num_tokens: int) -> int:
+        return 0
+
+    def block_tokens_held(self, num_tokens: int, block_size: int) -> int:
+        return 0
+
+
 @dataclass(frozen=True)
-class LinearState:
+class LinearState(_PerRequestState):
     """Conv + recurrent state of linear-attention layers (Gated DeltaNet, KDA): a fixed size per
     request, independent of the prompt length.
 
@@ -152,15 +166,6 @@ class LinearState:
     detail: str
     kind: str = "linear_state"
     entry_tokens = 1
-
-    def token_bytes(self, dt: ElementType, tp: int = 1) -> int:
-        return 0
-
-    def tokens_held(self, num_tokens: int) -> int:
-        return 0
-
-    def block_tokens_held(self, num_tokens: int, block_size: int) -> int:
-        return 0
 
     def request_bytes(self, dt: ElementType, tp: int = 1) -> int:
         """Bytes per request on one rank: layers · (conv + recurrent) · elem / min(tp, heads)."""
@@ -260,8 +265,18 @@ class IndexerKeys(CompressedKV):
     kind: str = "indexer_keys"
 
 
+def compressor_state_elems(rate: int, head_dim: int, overlap: bool) -> int:
+    """float32 values of one compressor's state slot (one layer, one request): the pending
+    tokens of the open window, kv and gate each `rate` × width (width 2·head_dim with the CSA
+    overlap, else head_dim; at most rate − 1 rows are held), then with `overlap` the last closed
+    window's first halves, kv and gate each rate × head_dim. pdkv's V4 decoder lays its state
+    slots out so (pdkv/model/v4_attention.py)."""
+    width = 2 * head_dim if overlap else head_dim
+    return 2 * rate * width + (2 * rate * head_dim if overlap else 0)
+
+
 @dataclass(frozen=True)
-class CompressorState:
+class CompressorState(_PerRequestState):
     """DeepSeek-V4 compressor (or indexer) state of one layer type: a fixed-size slot per
     request and layer, independent of the prompt length, like the linear state.
 
@@ -296,18 +311,7 @@ class CompressorState:
 
     def layer_elems(self) -> int:
         """float32 elements per layer: pending rate·2·width (+ overlap 2·rate·head_dim)."""
-        width = 2 * self.head_dim if self.overlap else self.head_dim
-        pending = self.rate * 2 * width
-        return pending + (2 * self.rate * self.head_dim if self.overlap else 0)
-
-    def token_bytes(self, dt: ElementType, tp: int = 1) -> int:
-        return 0
-
-    def tokens_held(self, num_tokens: int) -> int:
-        return 0
-
-    def block_tokens_held(self, num_tokens: int, block_size: int) -> int:
-        return 0
+        return compressor_state_elems(self.rate, self.head_dim, self.overlap)
 
     def request_bytes(self, dt: ElementType, tp: int = 1) -> int:
         """Bytes per request on one rank: layers · layer_elems · 4 B (fp32; `dt` not used),
