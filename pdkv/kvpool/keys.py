@@ -126,10 +126,12 @@ def describe_group(group: KVCacheGroupSpec) -> str:
     """Canonical text of a KV cache group: kind, layer indices and every spec field
     (e.g. "full_attention:layers=0-29:block_size=16:dtype=float32:head_size=64:num_kv_heads=3";
     a quantized KV cache adds e.g. "cache_dtype=int8", an unquantized one's text omits
-    cache_dtype=auto, so namespaces from before quantized KV keep their fingerprints)."""
+    cache_dtype=auto, so namespaces from before quantized KV keep their fingerprints; likewise
+    "shared_kv=True" only for DeepSeek-V4's one-plane window)."""
     spec = group.spec
     fields = sorted((f.name, getattr(spec, f.name)) for f in dataclasses.fields(spec)
-                    if not (f.name == "cache_dtype" and getattr(spec, f.name) == "auto"))
+                    if not (f.name == "cache_dtype" and getattr(spec, f.name) == "auto")
+                    and not (f.name == "shared_kv" and not getattr(spec, f.name)))
     parts = [spec.kind, "layers=" + _ranges(group.layer_indices)]
     parts += [f"{name}={value}" for name, value in fields]
     return ":".join(parts)
