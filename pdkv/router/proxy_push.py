@@ -186,6 +186,9 @@ async def serve_push(pd: PDPath, p_decision: Decision, d_decision: Decision, pat
                                                   None, headers, clock, "decode", claim, started)
                 resp = d_leg.result()
                 if resp.status_code != 200 or not stream:  # refused, or over without a push
+                    if resp.status_code == 200:  # D answered with no write from P: a whole hit
+                        pd.metrics.prefill_skipped.inc()
+                        clock.mode = "pd_skip_prefill"
                     handed_over = True
                     return await pd.sender.answer(d, resp, None, headers, stream, clock,
                                                   "decode", claim, started)

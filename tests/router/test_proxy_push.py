@@ -48,6 +48,8 @@ class PushPair:
         self.d_gone = threading.Event()  # D saw its decode leg's client leave
         self.d_refuse: tuple[int, str] | None = None
         self.no_window = False
+        self.d_whole_hit = False  # D holds the whole prompt: it answers without waiting for P
+        self.window_hold: threading.Event | None = None  # the window route waits for it
         self.p_status = 200
         self.p_hold: threading.Event | None = None
         self.p_params: list[Any] = []
@@ -110,6 +112,9 @@ class PushPair:
             rid = req.headers["X-Request-Id"]
             if params.get("transfer_mode") == "push" and not self.no_window:
                 self.windows[rid] = {**GRANT, "request_id": rid}
+            if self.d_whole_hit:
+                self.windows[rid] = {**GRANT, "request_id": rid, "block_ids": [[]]}
+                return {"choices": [{"text": "pushed"}]}
             if params.get("transfer_mode") == "push":
                 deadline = time.monotonic() + 30
                 while not self.pushed.is_set():
@@ -133,6 +138,8 @@ class PushPair:
         @app.get("/v1/kv/push_grant/{rid}")
         async def window(rid: str, timeout: float) -> Any:
             self.events.append("window")
+            if self.window_hold is not None:
+                await asyncio.to_thread(self.window_hold.wait, 30)
             deadline = time.monotonic() + min(timeout, 0.5)
             while rid not in self.windows:
                 if time.monotonic() > deadline:
@@ -186,6 +193,23 @@ def test_ps_first_token_is_handed_to_d_before_ds_answer_is_relayed(pair):
     (grant,) = [p["push_grant"] for p in pair.p_params]
     assert pair.tokens_given == [(grant["request_id"], 4242)]
     assert pair.events.index("prefill") < pair.events.index("first_token")
+
+
+def test_a_decode_answer_before_its_window_is_a_skipped_prefill(pair):
+    """D held the whole prompt and answered before the proxy read its window (held here until
+    the end): no prefill leg went to P, so the answer says pd_skip_prefill and the skip is
+    counted, as when the window comes first with no blocks."""
+    pair.d_whole_hit = True
+    pair.window_hold = threading.Event()
+    try:
+        r = _post(pair)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "pushed"
+        assert r.json()["pdkv_timings"]["mode"] == "pd_skip_prefill"
+        assert pair.p_params == []
+        metrics = httpx.get(pair.proxy_url + "/metrics").text
+        assert "pdkv:proxy_prefill_legs_skipped_total 1.0" in metrics
+    finally:
+        pair.window_hold.set()
 
 
 def test_ds_refusal_reaches_the_client_and_p_never_sees_the_request(pair):
