@@ -16,8 +16,10 @@ import torch
 
 from pdkv.model.attention import AttentionMetadata, PrefillSeq
 from pdkv.model.gated_delta import LinearStateMetadata, decode_runs
+from pdkv.model.v4_attention import V4StepMetadata, V4StepRequest
 
 if TYPE_CHECKING:
+    from pdkv.cache.specs import KVCacheGroupSpec
     from pdkv.parallel.context import ParallelContext
 
 # (flat start, query tokens n, cached tokens c, block table): queries are positions c .. c+n-1.
@@ -191,6 +193,26 @@ def build_linear_state_metadata(requests: Sequence[StepRequest], block_size: int
         out.append((start, n, src, tuple(segments)))
     reqs = tuple(out)
     return LinearStateMetadata(reqs, None if device is None else decode_runs(reqs, device))
+
+
+def build_v4_step_metadata(requests: Sequence[StepRequest],
+                           block_ids: Sequence[Sequence[list[int]]],
+                           groups: Sequence[KVCacheGroupSpec], meta: Sequence[Any],
+                           device: torch.device) -> V4StepMetadata:
+    """DeepSeek-V4's per-request view of one step: each request's block table (`block_ids`:
+    per request, per KV cache group) under every cache layer of that group, and its
+    compressor-state source slot and segments from the state group's LinearStateMetadata
+    among the step's `meta` (none: fresh, one segment-less request)."""
+    state = next((m for m in meta if isinstance(m, LinearStateMetadata)), None)
+    out = []
+    for i, ((start, n, c, _), tables_of) in enumerate(zip(requests, block_ids)):
+        tables: dict[int, torch.Tensor] = {}
+        for group, ids in zip(groups, tables_of):
+            t = torch.tensor(ids, dtype=torch.long, device=device)
+            tables.update((layer, t) for layer in group.layer_indices)
+        src, segments = (state.requests[i][2], state.requests[i][3]) if state else (-1, ())
+        out.append(V4StepRequest(start, n, c, tables, src, segments))
+    return V4StepMetadata(tuple(out))
 
 
 def _state_entry(table: list[int], num_tokens: int, block_size: int) -> int:

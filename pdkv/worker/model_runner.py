@@ -27,13 +27,11 @@ from pdkv.kv_transfer.connector.startup import ConnectorStartup
 from pdkv.model.arch_config import LlamaArchConfig
 from pdkv.model.deepseek_v4 import DeepseekV4ForCausalLM
 from pdkv.model.fused_ops import set_fused_ops
-from pdkv.model.gated_delta import LinearStateMetadata
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.loader import TORCH_DTYPES, load_model, model_digest
 from pdkv.model.paged_prefill import install_attention_backend
 from pdkv.model.sampler import LogprobEntry, SamplingRow, sample_tensors
 from pdkv.model.structured import GrammarMatchers
-from pdkv.model.v4_attention import V4StepMetadata, V4StepRequest
 from pdkv.sampling_params import SamplingParams
 from pdkv.sched.output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -47,6 +45,7 @@ from pdkv.worker.attn_metadata import (
     build_dcp_attention_metadata,
     build_linear_state_metadata,
     build_pcp_step,
+    build_v4_step_metadata,
 )
 from pdkv.worker.cuda_graphs import build_decode_graphs, decode_step_inputs
 from pdkv.worker.kv_cache import allocate_kv_cache, gdn_state_geometry
@@ -396,24 +395,6 @@ class ModelRunner:
         if self.connector is not None:
             self.connector.shutdown()
 
-    def _v4_step(self, out: SchedulerOutput, step_reqs: list[StepRequest],
-                 meta: list[Any]) -> V4StepMetadata:
-        """DeepSeek-V4's per-request view of the step: each request's block table per cache
-        layer and its compressor-state source slot and segments (the state group's
-        LinearStateMetadata)."""
-        groups = self.kv_cache_config.groups
-        state = next((m for m in meta if isinstance(m, LinearStateMetadata)), None)
-        reqs = []
-        for i, ((start, n, c, _), req_id) in enumerate(zip(step_reqs, out.num_scheduled_tokens)):
-            tables: dict[int, torch.Tensor] = {}
-            for g, group in enumerate(groups):
-                t = torch.tensor(self.requests[req_id].block_ids[g], dtype=torch.long,
-                                 device=self.device)
-                tables.update((layer, t) for layer in group.layer_indices)
-            src, segments = (state.requests[i][2], state.requests[i][3]) if state else (-1, ())
-            reqs.append(V4StepRequest(start, n, c, tables, src, segments))
-        return V4StepMetadata(tuple(reqs))
-
     def _prepare_inputs(
         self, out: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, list[Any], torch.Tensor, list[CachedRequestState],
@@ -478,7 +459,9 @@ class ModelRunner:
                 window = getattr(group.spec, "sliding_window", None)
                 meta.append(build_attention_metadata(reqs, len(ids), self.block_size, dev, window))
             if isinstance(self.model, DeepseekV4ForCausalLM):
-                meta.append(self._v4_step(out, step_reqs, meta))
+                meta.append(build_v4_step_metadata(
+                    step_reqs, [self.requests[r].block_ids for r in out.num_scheduled_tokens],
+                    self.kv_cache_config.groups, meta, dev))
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),
