@@ -42,6 +42,8 @@ import torch
 from torch import nn
 
 from pdkv.model.llama import linear, rms_norm
+from pdkv.model.v4_config import CSA, HCA, DeepseekV4Fields
+from pdkv.modelspec.groups import compressor_state_elems
 
 
 def rope_angles(
@@ -118,8 +120,6 @@ class Compressor(nn.Module):
     @property
     def state_floats(self) -> int:
         """Float32 values of this compressor's part of a state slot (module docstring)."""
-        from pdkv.modelspec.groups import compressor_state_elems
-
         return compressor_state_elems(self.rate, self.d, self.overlap)
 
     def load(self, slot: torch.Tensor | None, position: int) -> CompressorState:
@@ -283,11 +283,8 @@ class V4Attention(nn.Module):
     (o_a_proj per group, o_b_proj), sinks, and the layer's compressor / indexer."""
 
     def __init__(self, hidden: int, heads: int, d: int, window: int, kind: str, rate: int,
-                 v4: object, eps: float, dtype: torch.dtype) -> None:
+                 v4: DeepseekV4Fields, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
-        from pdkv.model.v4_config import CSA, HCA, DeepseekV4Fields
-
-        assert isinstance(v4, DeepseekV4Fields)
         self.heads, self.d, self.window, self.eps, self.rate = heads, d, window, eps, rate
         self.o_groups = v4.o_groups
         self.q_a_proj = frozen_param(v4.q_lora_rank, hidden, dtype=dtype)

@@ -178,6 +178,26 @@ class LinearState(_PerRequestState):
         return f"{self.num_layers} layers·({self.detail})·{dt.bytes} B{shard}, per request"
 
 
+def _replicated_vector_bytes(num_layers: int, width: int, dt: ElementType, tp: int) -> int:
+    """Bytes of one vector per layer that every TP rank keeps whole (DeepSeek-V4's single KV
+    head: window vectors, compressed entries, indexer keys): layers · (width · elem + scale).
+
+    Raises:
+        ValueError: tp < 1.
+    """
+    heads_per_rank(1, tp)
+    return num_layers * (width * dt.bytes + dt.scale_bytes)
+
+
+def _replicated_vector_formula(num_layers: int, width: int, dt: ElementType) -> str:
+    scale = f" + {dt.scale_bytes} B scale" if dt.scale_bytes else ""
+    return f"{num_layers} layers·({width}·{dt.bytes} B{scale})"
+
+
+def _replicated_note(tp: int) -> str:
+    return "" if tp == 1 else f" (replicated on each of tp={tp} ranks)"
+
+
 @dataclass(frozen=True)
 class SharedKVWindow(SlidingWindow):
     """DeepSeek-V4's sliding-window branch, present in every layer: shared-KV MQA (K = V, one KV
@@ -198,14 +218,11 @@ class SharedKVWindow(SlidingWindow):
 
     def token_bytes(self, dt: ElementType, tp: int = 1) -> int:
         """Bytes per token on one rank: layers · (head_dim · elem + scale), any tp."""
-        heads_per_rank(1, tp)
-        return self.num_layers * (self.head_dim * dt.bytes + dt.scale_bytes)
+        return _replicated_vector_bytes(self.num_layers, self.head_dim, dt, tp)
 
     def formula(self, dt: ElementType, tp: int = 1) -> str:
-        scale = f" + {dt.scale_bytes} B scale" if dt.scale_bytes else ""
-        rep = "" if tp == 1 else f" (replicated on each of tp={tp} ranks)"
-        return (f"{self.num_layers} layers·({self.head_dim}·{dt.bytes} B{scale}), K = V: one "
-                f"vector, at most the last {self.window} tokens{rep}")
+        return (f"{_replicated_vector_formula(self.num_layers, self.head_dim, dt)}, K = V: one "
+                f"vector, at most the last {self.window} tokens{_replicated_note(tp)}")
 
 
 @dataclass(frozen=True)
@@ -233,14 +250,11 @@ class CompressedKV:
     def token_bytes(self, dt: ElementType, tp: int = 1) -> int:
         """Bytes of one entry (one per `rate` tokens) on one rank: layers · (head_dim · elem +
         scale), any tp."""
-        heads_per_rank(1, tp)
-        return self.num_layers * (self.head_dim * dt.bytes + dt.scale_bytes)
+        return _replicated_vector_bytes(self.num_layers, self.head_dim, dt, tp)
 
     def formula(self, dt: ElementType, tp: int = 1) -> str:
-        scale = f" + {dt.scale_bytes} B scale" if dt.scale_bytes else ""
-        rep = "" if tp == 1 else f" (replicated on each of tp={tp} ranks)"
-        return (f"{self.num_layers} layers·({self.head_dim}·{dt.bytes} B{scale}) per entry, "
-                f"one entry per {self.rate} tokens (n // {self.rate}){rep}")
+        return (f"{_replicated_vector_formula(self.num_layers, self.head_dim, dt)} per entry, "
+                f"one entry per {self.rate} tokens (n // {self.rate}){_replicated_note(tp)}")
 
     def tokens_held(self, num_tokens: int) -> int:
         """Entries held for `num_tokens` tokens: the closed windows, num_tokens // rate."""
