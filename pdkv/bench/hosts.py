@@ -11,10 +11,10 @@ proxy, and the deployment is torn down (namespaces included) before the next cas
 - `unshaped`: in namespaces (`--netns`), the links not shaped (the cost of the veth pairs and
   the bridge alone);
 - a rate in tc syntax (`1gbit`, `110mbit`): in namespaces, every host's link a tbf at that rate
-  (the file's own `link` entries are replaced), plus `--link-delay` as a netem qdisc. A packet
-  between two hosts crosses both hosts' links: twice the delay one way. Where the kernel has no
-  netem (sch_netem) the delay is not applied: the run says so before it starts and the case's
-  link column says "delay ... refused", never silently.
+  (the file's own `link` entries are replaced), plus `--link-delay`: a netem qdisc where the
+  kernel has sch_netem, else pdkv's user-space delay line (pdkv/launch/delay_line.py); the run
+  says which before it starts and the case's link column names it. A packet between two hosts
+  crosses both hosts' links: twice the delay one way.
 
 The printed markdown table has one row per case: TTFT mean / p50 / p99, TPOT mean / p99, E2EL
 mean / p99 (ms), request throughput (req/s) and the KV bytes the decode engines received per
@@ -46,8 +46,8 @@ from pdkv.bench.serve.runner import run_serve_bench
 from pdkv.launch.deploy import Deployment, DeploymentError, load_deployment
 from pdkv.launch.netns import (
     LinkShape,
+    delay_method,
     delay_seconds,
-    netem_unavailable_reason,
     rate_bytes_per_s,
     unavailable_reason,
 )
@@ -69,18 +69,17 @@ class Case:
     netns: bool
     rate: str | None
 
-    def link(self, delay: str | None, delay_refused: str | None) -> str:
+    def link(self, delay: str | None, delay_method: str | None) -> str:
         """The link as measured, for the table: "127.0.0.1", "veth, not shaped", "1gbit",
-        "1gbit + 1ms" or "1gbit (delay 1ms refused: ...)"."""
+        or "1gbit + 1ms per host link (netem)" / "(delay line)"."""
         if not self.netns:
             return "127.0.0.1 (no namespaces)"
         if self.rate is None:
             return "veth + bridge, not shaped"
         if delay is None:
             return f"{self.rate}"
-        if delay_refused:
-            return f"{self.rate} (delay {delay} refused: {delay_refused})"
-        return f"{self.rate} + {delay} per host link"
+        how = "delay line" if delay_method == "delay_line" else str(delay_method)
+        return f"{self.rate} + {delay} per host link ({how})"
 
 
 def parse_cases(text: str) -> list[Case]:
@@ -206,15 +205,14 @@ ROW_KEYS = ("mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_t
             "mean_e2el_ms", "p99_e2el_ms", "request_throughput")
 
 
-def run_case(dep: Deployment, case: Case, delay: str | None, delay_refused: str | None,
+def run_case(dep: Deployment, case: Case, delay: str | None, delay_method: str | None,
              cfg: BenchConfig, args: argparse.Namespace,
              log: Callable[[str], object] = print) -> dict[str, Any]:
     """Start `dep` as `case` says, warm up, measure through the proxy, tear down; returns the
     case's entry of the result (figures, or `error`; `rc` the deployment's exit code)."""
-    applied = None if delay_refused else delay
-    entry: dict[str, Any] = {"case": case.name, "link": case.link(delay, delay_refused),
+    entry: dict[str, Any] = {"case": case.name, "link": case.link(delay, delay_method),
                              "netns": case.netns, "rate": case.rate,
-                             "delay": applied if case.rate else None, "error": None}
+                             "delay": delay if case.rate else None, "error": None}
 
     def on_ready(topo: Topology) -> int:
         engines = [c for c in topo.children if c.name.startswith(("prefill", "decode")) and c.url]
@@ -245,7 +243,7 @@ def run_case(dep: Deployment, case: Case, delay: str | None, delay_refused: str 
         return 0
 
     log(f"--- case {case.name}: {entry['link']}")
-    rc = run_deployment_for(case_deployment(dep, case, applied), case, args, on_ready)
+    rc = run_deployment_for(case_deployment(dep, case, delay), case, args, on_ready)
     entry["rc"] = rc
     if rc and entry["error"] is None:
         entry["error"] = ("interrupted" if rc == INTERRUPTED else
@@ -315,19 +313,19 @@ def run(args: argparse.Namespace, dep: Deployment, cases: Sequence[Case],
         log: Callable[[str], object] = print) -> int:
     """Every case in turn, then the table; 0 when every case measured every request."""
     delay = args.link_delay
-    refused = None
-    if delay is not None:
-        refused = netem_unavailable_reason()
-        if refused:
-            log(f"note: --link-delay {delay} cannot be applied here: {refused}; the rate cases "
-                "are measured without a delay (their link column says so)")
+    method = None
+    if delay is not None and any(c.rate for c in cases):
+        method = delay_method()
+        log(f"note: --link-delay {delay} is applied by " + (
+            "netem" if method == "netem" else
+            "pdkv's delay line (this kernel has no netem qdisc, sch_netem)"))
     cfg = bench_config(args, dep)
     load_before = os.getloadavg()
     host = host_facts()
     t0 = time.monotonic()
     entries = []
     for case in cases:
-        entries.append(run_case(dep, case, delay, refused, cfg, args, log))
+        entries.append(run_case(dep, case, delay, method, cfg, args, log))
         if entries[-1]["rc"] == INTERRUPTED:
             break
     load_after = os.getloadavg()
@@ -339,7 +337,7 @@ def run(args: argparse.Namespace, dep: Deployment, cases: Sequence[Case],
             "benchmark": "hosts (issue 30, acceptance 3)", "header": lines,
             "deployment": dep.source, "model": dep.model,
             "settings": {"link_rates": args.link_rates, "link_delay": delay,
-                         "link_delay_refused": refused, "num_prompts": args.num_prompts,
+                         "link_delay_method": method, "num_prompts": args.num_prompts,
                          "input_len": args.input_len, "output_len": args.output_len,
                          "max_concurrency": args.max_concurrency, "seed": args.seed},
             "machine": {**host, "load_average_before": list(load_before),
@@ -366,8 +364,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "link at that rate, e.g. 1gbit, 110mbit)")
     parser.add_argument("--link-delay", default=None, metavar="DELAY",
                         help="the rate cases' links also delay each packet this much per host "
-                        "link, one way (tc syntax: 1ms; needs sch_netem, else measured without "
-                        "it and said so)")
+                        "link, one way (tc syntax: 1ms; netem where the kernel has sch_netem, "
+                        "else pdkv's delay line, said which)")
     parser.add_argument("--num-prompts", type=int, default=16, help="measured requests per case")
     parser.add_argument("--input-len", type=int, default=512, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=32, help="output tokens per request")

@@ -413,9 +413,8 @@ def run_deployment(dep: Deployment, *, netns: bool, log_dir: str, health_timeout
             print(f"namespaces of {bridge.run_name} on {bridge.subnet} (this machine: "
                   f"{bridge.root_address}):", flush=True)
             for h in dep.hosts:
-                shaped = bridge.qdiscs(h.name) if h.link.rate or h.link.delay else "not shaped"
                 print(f"  {h.name}: {bridge.ns(h.name)} {bridge.address(h.name)}, link "
-                      f"{shaped}", flush=True)
+                      f"{bridge.link_text(h.name)}", flush=True)
         else:
             place = on_loopback(dep)
             prefix = {}

@@ -10,9 +10,15 @@ own "switch" namespace, with one veth pair per host:
 10.0.0.0/8 subnets no route of the root namespace overlaps, so two runs never collide. The root
 namespace's port lets this machine's processes (the launcher's health checks, a client, a test)
 reach every host at its address. A host's link (its veth pair) may be shaped: a tbf qdisc at
-`rate` on both ends (tbf shapes egress, so each end caps one direction), and a netem qdisc with
-`delay` (one way, per direction; needs the sch_netem kernel module, refused with an error
-where the kernel lacks it). A packet between two hosts crosses both hosts' links.
+`rate` on both ends (tbf shapes egress, so each end caps one direction), and a `delay` (one
+way, per direction). The delay is a netem qdisc on both ends where the kernel has sch_netem;
+where it does not (or with `delay_with="delay_line"`), the host's link becomes two veth pairs
+joined inside the switch namespace by pdkv's user-space delay line
+(pdkv/launch/delay_line.py, one process per run, stopped by `delete`):
+
+    eth0 ──veth── d<i> [delay line] e<i> ──veth── h<i> on br0
+
+A packet between two hosts crosses both hosts' links (so 2 × delay one way).
 
 `cut(host)` takes a host's link down (its veth end on the bridge, so both sides see silence, as
 with a pulled cable; the host keeps its address and routes) and `restore(host)` brings it back;
@@ -35,12 +41,29 @@ import random
 import re
 import shutil
 import subprocess
+import sys
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import IO
+
+from pdkv.procgroup import stop_process_group
 
 IP_TIMEOUT_S = 20.0
 """Deadline of one `ip` / `tc` command, in seconds."""
+
+DELAY_LINE_READY_S = 20.0
+"""Deadline, in seconds, for the delay line process to bind its ports and print "ready"."""
+
+RELAY_GSO_MAX_SIZE = 60000
+"""gso_max_size (bytes) of every host's eth0 and this machine's port when the delay line runs: a
+TSO frame then fits tbf's 64 KiB burst and crosses tbf whole, where a larger one is cut into
+MTU-sized frames, 40 times as many for the delay line to forward."""
+
+DELAY_WITH = ("auto", "netem", "delay_line")
+"""How a link delay is applied: netem where the kernel has it, else the delay line ("auto");
+or one of them by name."""
 
 TBF_BURST = "64kb"
 """tbf bucket: bytes that may leave at line speed before the rate applies (small, so a short
@@ -119,6 +142,12 @@ def netem_unavailable_reason() -> str | None:
     return None
 
 
+def delay_method() -> str:
+    """How NetnsBridge's "auto" applies a link delay here: "netem" where the kernel has it
+    (netem_unavailable_reason is None), else "delay_line"."""
+    return "netem" if netem_unavailable_reason() is None else "delay_line"
+
+
 def run_ip(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run one `ip` / `tc` command with the IP_TIMEOUT_S deadline.
 
@@ -188,6 +217,12 @@ class LinkShape:
     delay: str | None = None
 
 
+def _drain(stream: IO[str]) -> None:
+    """Read a child's output to its end (so it never blocks on a full pipe)."""
+    for _ in stream:
+        pass
+
+
 def _free_subnet(rng: random.Random) -> ipaddress.IPv4Network:
     """A random 10.A.B.0/24 that no route of the root namespace overlaps.
 
@@ -218,15 +253,20 @@ class NetnsBridge:
             gets the subnet's address i + 1.
         links: shaping per host name (hosts left out are unshaped).
         seed: seeds the random run id and subnet (tests); None = fresh randomness.
+        delay_with: how link delays are applied (DELAY_WITH): "auto" (netem where the kernel
+            has it, else the delay line), "netem" or "delay_line".
 
     Raises (from setup / __enter__):
         RuntimeError: not root or no iproute2 (message from `unavailable_reason`), no free
-            subnet, or an `ip` / `tc` command failed (its stderr; everything created so far is
-            removed first).
+            subnet, an `ip` / `tc` command failed (its stderr), netem asked for on a kernel
+            without it, or the delay line did not start (its output); everything created so
+            far is removed first.
     """
 
     def __init__(self, hosts: Sequence[str], links: Mapping[str, LinkShape] | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, delay_with: str = "auto") -> None:
+        if delay_with not in DELAY_WITH:
+            raise ValueError(f"delay_with must be one of {DELAY_WITH}, got {delay_with!r}")
         if not hosts or len(hosts) > 250:
             raise ValueError(f"1 to 250 hosts, got {len(hosts)}")
         if len(set(hosts)) != len(hosts):
@@ -240,6 +280,10 @@ class NetnsBridge:
         self.run_id = f"{self._rng.getrandbits(24):06x}"
         self.subnet: ipaddress.IPv4Network | None = None
         self._created: list[str] = []
+        self.delay_with = delay_with
+        self.delay_method: str | None = None
+        """After setup: "netem" or "delay_line" when some link has a delay, else None."""
+        self._delay_line: subprocess.Popen[str] | None = None
 
     @property
     def run_name(self) -> str:
@@ -298,12 +342,27 @@ class NetnsBridge:
             run_all([["ip", "-n", sw, "link", "set", "lo", "up"],
                      ["ip", "-n", sw, "link", "add", "br0", "type", "bridge"],
                      ["ip", "-n", sw, "link", "set", "br0", "up"]])
+            self.delay_method = self._resolve_delay_method()
+            pairs: list[str] = []
             for i, host in enumerate(self.hosts):
                 ns = self.ns(host)
                 self._add_ns(ns)
+                shape = self.links.get(host, LinkShape())
+                relay = shape.delay is not None and self.delay_method == "delay_line"
+                if relay:  # eth0 ── d<i> [delay line] e<i> ── h<i> (module doc)
+                    run_all([
+                        ["ip", "-n", sw, "link", "add", f"d{i}", "type", "veth", "peer", "name",
+                         "eth0", "netns", ns],
+                        ["ip", "-n", sw, "link", "add", f"e{i}", "type", "veth", "peer", "name",
+                         f"h{i}"],
+                        ["ip", "-n", sw, "link", "set", f"d{i}", "up", "promisc", "on"],
+                        ["ip", "-n", sw, "link", "set", f"e{i}", "up", "promisc", "on"],
+                    ])
+                    pairs.append(f"d{i}:e{i}:{shape.delay}")
+                else:
+                    run_all([["ip", "-n", sw, "link", "add", f"h{i}", "type", "veth", "peer",
+                              "name", "eth0", "netns", ns]])
                 run_all([
-                    ["ip", "-n", sw, "link", "add", f"h{i}", "type", "veth", "peer", "name",
-                     "eth0", "netns", ns],
                     ["ip", "-n", sw, "link", "set", f"h{i}", "master", "br0"],
                     ["ip", "-n", sw, "link", "set", f"h{i}", "up"],
                     ["ip", "-n", ns, "addr", "add", f"{self.address(host)}/{plen}", "dev",
@@ -311,9 +370,14 @@ class NetnsBridge:
                     ["ip", "-n", ns, "link", "set", "eth0", "up"],
                     ["ip", "-n", ns, "link", "set", "lo", "up"],
                 ])
-                shape = self.links.get(host, LinkShape())
-                run_all(shape_commands(ns, "eth0", shape.rate, shape.delay)
-                        + shape_commands(sw, f"h{i}", shape.rate, shape.delay))
+                if self.delay_method == "delay_line":
+                    run_all([["ip", "-n", ns, "link", "set", "dev", "eth0", "gso_max_size",
+                              str(RELAY_GSO_MAX_SIZE)]])
+                qdisc_delay = None if relay else shape.delay
+                run_all(shape_commands(ns, "eth0", shape.rate, qdisc_delay)
+                        + shape_commands(sw, f"h{i}", shape.rate, qdisc_delay))
+            if pairs:
+                self._start_delay_line(pairs)
             run_all([
                 ["ip", "link", "add", self.root_dev, "type", "veth", "peer", "name", "c0",
                  "netns", sw],
@@ -322,9 +386,66 @@ class NetnsBridge:
                 ["ip", "addr", "add", f"{self.root_address}/{plen}", "dev", self.root_dev],
                 ["ip", "link", "set", self.root_dev, "up"],
             ])
+            if self.delay_method == "delay_line":
+                run_all([["ip", "link", "set", "dev", self.root_dev, "gso_max_size",
+                          str(RELAY_GSO_MAX_SIZE)]])
         except BaseException:
             self.delete()
             raise
+
+    def _resolve_delay_method(self) -> str | None:
+        """"netem" / "delay_line" for this run's delays (None without any): `delay_with`, with
+        "auto" resolved by probing netem.
+
+        Raises:
+            RuntimeError: "netem" asked for on a kernel without it.
+        """
+        if not any(shape.delay for shape in self.links.values()):
+            return None
+        if self.delay_with == "delay_line":
+            return "delay_line"
+        reason = netem_unavailable_reason()  # as delay_method(), with the reason kept
+        if reason is None:
+            return "netem"
+        if self.delay_with == "netem":
+            raise RuntimeError(f"a link delay with netem cannot be set: {reason}")
+        return "delay_line"
+
+    def _start_delay_line(self, pairs: Sequence[str]) -> None:
+        """Start the delay line in the switch namespace for `pairs` ("d<i>:e<i>:<delay>") and wait
+        for its "ready" (DELAY_LINE_READY_S).
+
+        Raises:
+            RuntimeError: it exited or stayed silent past the deadline (its output).
+        """
+        cmd = ["ip", "netns", "exec", self.switch_ns, sys.executable, "-m",
+               "pdkv.launch.delay_line"]
+        for pair in pairs:
+            cmd += ["--pair", pair]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        self._delay_line = proc
+        assert proc.stdout is not None
+        got: list[str] = []
+        timer = threading.Timer(DELAY_LINE_READY_S, proc.kill)
+        timer.start()
+        try:
+            for line in proc.stdout:
+                got.append(line.rstrip())
+                if line.strip() == "ready":
+                    break
+        finally:
+            timer.cancel()
+        if not got or got[-1] != "ready":
+            self._stop_delay_line()
+            raise RuntimeError("the delay line did not start within "
+                               f"{DELAY_LINE_READY_S:.0f} s: " + " | ".join(got[-5:]))
+        threading.Thread(target=_drain, args=(proc.stdout,), daemon=True).start()
+
+    def _stop_delay_line(self) -> None:
+        proc, self._delay_line = self._delay_line, None
+        if proc is not None:
+            stop_process_group(proc, term_timeout=10.0)
 
     def _add_ns(self, name: str) -> None:
         run_all([["ip", "netns", "add", name]])
@@ -333,6 +454,7 @@ class NetnsBridge:
     def delete(self) -> list[str]:
         """Delete what this run made (namespaces, then the root namespace's veth end if it is
         left); returns the names removed. Safe to call twice, or before setup."""
+        self._stop_delay_line()
         removed = []
         existing = set(list_namespaces())
         for name in reversed(self._created):
@@ -356,6 +478,17 @@ class NetnsBridge:
     def qdiscs(self, host: str) -> str:
         """`tc qdisc show` of `host`'s end of its link (to print what the run uses)."""
         return run_ip(["tc", "-n", self.ns(host), "qdisc", "show", "dev", "eth0"]).stdout.strip()
+
+    def link_text(self, host: str) -> str:
+        """`host`'s link as set up, for a log line: its qdiscs, plus "+ delay D by pdkv's delay
+        line" where the delay line delays it; "not shaped" when the file shapes nothing."""
+        shape = self.links.get(host, LinkShape())
+        if not (shape.rate or shape.delay):
+            return "not shaped"
+        text = self.qdiscs(host)
+        if shape.delay and self.delay_method == "delay_line":
+            text += f" + delay {shape.delay} by pdkv's delay line"
+        return text
 
     def __enter__(self) -> NetnsBridge:
         self.setup()

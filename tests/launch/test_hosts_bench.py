@@ -22,8 +22,8 @@ from pdkv.bench import hosts
 from pdkv.launch.deploy import load_deployment
 from pdkv.launch.netns import (
     LinkShape,
+    delay_method,
     list_namespaces,
-    netem_unavailable_reason,
     unavailable_reason,
 )
 
@@ -113,12 +113,11 @@ def test_a_tiny_run_gives_a_row_per_case_with_the_kv_formula(tmp_path, tiny_llam
         env=dict(os.environ, PDKV_CACHE=tiny_llama_cache))
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
-    netem = netem_unavailable_reason()
-    if netem:  # said before the run and in the row, never silently dropped
-        assert f"note: --link-delay 1ms cannot be applied here: {netem}" in out.stdout, text
-        link = f"1gbit (delay 1ms refused: {netem})"
-    else:
-        link = "1gbit + 1ms per host link"
+    # how the delay is applied is said before the run and in the row
+    how = {"netem": "netem", "delay_line": "delay line"}[delay_method()]
+    assert "note: --link-delay 1ms is applied by " + (
+        "netem" if how == "netem" else "pdkv's delay line") in out.stdout, text
+    link = f"1gbit + 1ms per host link ({how})"
     for line in ("cpu: ", "load average (1 / 5 / 15 min): before ", "commit: ", "publishable: "):
         assert re.search(rf"^{re.escape(line)}", out.stdout, re.M), text
     rows = re.findall(r"^\| (loopback|1gbit) \| (.*?) \| (\d+)/(\d+) \| (.*) \|$", out.stdout,

@@ -1,12 +1,14 @@
 """NetnsBridge (pdkv/launch/netns.py): hosts as network namespaces on one bridge reach each other
 and are reached from this machine at their addresses, a shaped link carries tbf on both ends,
-and everything is removed on exit and after a failed setup. Root only: skips with the reason,
+a link delay (netem or pdkv's delay line) holds every packet and loses none, and everything is
+removed on exit and after a failed setup. Root only: skips with the reason,
 fails under CI=true."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 from system_packages import require_reason
@@ -14,11 +16,14 @@ from system_packages import require_reason
 from pdkv.launch.netns import (
     LinkShape,
     NetnsBridge,
+    delay_method,
     delay_seconds,
     list_namespaces,
+    netem_unavailable_reason,
     shape_commands,
     unavailable_reason,
 )
+from pdkv.procgroup import pid_alive
 
 SERVER = ("import socket,sys; s=socket.socket(); s.bind((sys.argv[1],0)); s.listen(); "
           "print(s.getsockname()[1], flush=True); c,_=s.accept(); c.sendall(b'ok')")
@@ -95,18 +100,120 @@ def test_a_failed_setup_removes_what_it_made():
     assert _left(bridge) == []
 
 
-def test_a_delay_uses_netem_or_says_the_kernel_lacks_it():
-    require_reason(unavailable_reason())
-    bridge = NetnsBridge(["a"], {"a": LinkShape(rate="1gbit", delay="1ms")})
+ECHO_SERVER = r"""
+import hashlib, socket, sys
+s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(); print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+for _ in range(10):
+    c.recv(1); c.sendall(b"p")
+h, n = hashlib.sha256(), 0
+while n < int(sys.argv[2]):
+    d = c.recv(1 << 20); h.update(d); n += len(d)
+c.sendall(h.hexdigest().encode())
+"""
+RTT_CLIENT = r"""
+import hashlib, os, socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), 20)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for _ in range(10):
+    t = time.monotonic(); c.sendall(b"p"); c.recv(1); rtts.append(time.monotonic() - t)
+blob = os.urandom(int(sys.argv[3])); c.sendall(blob)
+print(min(rtts), c.recv(64).decode() == hashlib.sha256(blob).hexdigest())
+"""
+
+
+def _rtt_and_integrity(bridge: NetnsBridge, nbytes: int = 8 << 20) -> tuple[float, bool]:
+    """Smallest of 10 TCP round trips a → b (s), and whether `nbytes` random bytes a → b
+    arrived intact (sha256)."""
+    b = bridge.address("b")
+    server = subprocess.Popen([*bridge.exec_prefix("b"), sys.executable, "-c", ECHO_SERVER, b,
+                               str(nbytes)], stdout=subprocess.PIPE, text=True)
     try:
-        bridge.setup()
-    except RuntimeError as e:
-        assert "this kernel has no netem qdisc" in str(e)
-    else:
-        assert "netem" in bridge.qdiscs("a") and "tbf" in bridge.qdiscs("a")
+        assert server.stdout is not None
+        port = server.stdout.readline().strip()
+        got = subprocess.run([*bridge.exec_prefix("a"), sys.executable, "-c", RTT_CLIENT, b,
+                              port, str(nbytes)], capture_output=True, text=True, timeout=120)
+        assert got.returncode == 0, got.stderr
+        rtt, intact = got.stdout.split()
+        return float(rtt), intact == "True"
     finally:
-        bridge.delete()
+        server.kill()
+        server.wait(10)
+
+
+@pytest.mark.parametrize("delay_with", ["delay_line", "auto"])
+def test_a_delay_holds_every_packet_and_loses_nothing(delay_with):
+    """1 ms on a's link and 2 ms on b's, one way per direction: a round trip a → b → a crosses
+    each link both ways, so it takes at least 2 × (1 + 2) = 6 ms; a TSO-sized transfer arrives
+    intact."""
+    require_reason(unavailable_reason())
+    links = {"a": LinkShape(rate="1gbit", delay="1ms"), "b": LinkShape(rate="1gbit", delay="2ms")}
+    bridge = NetnsBridge(["a", "b"], links, delay_with=delay_with)
+    with bridge:
+        expected = "delay_line" if delay_with == "delay_line" else delay_method()
+        assert bridge.delay_method == expected
+        relay = bridge._delay_line
+        if expected == "netem":
+            assert "netem" in bridge.qdiscs("a") and relay is None
+        else:
+            assert relay is not None and relay.poll() is None
+            assert "by pdkv's delay line" in bridge.link_text("a")
+        assert "rate 1Gbit" in bridge.qdiscs("a")
+        rtt, intact = _rtt_and_integrity(bridge)
+        assert rtt >= 6e-3, rtt
+        assert intact
     assert _left(bridge) == []
+    if relay is not None:
+        assert relay.poll() is not None  # stopped with the run
+
+
+def test_without_a_delay_the_round_trip_is_short_and_no_delay_line_runs():
+    require_reason(unavailable_reason())
+    with NetnsBridge(["a", "b"], {"a": LinkShape(rate="1gbit")}) as bridge:
+        assert bridge.delay_method is None and bridge._delay_line is None
+        rtt, intact = _rtt_and_integrity(bridge, 1 << 20)
+        assert rtt < 6e-3 and intact, rtt  # the delayed case's floor, not reached
+    assert _left(bridge) == []
+
+
+def test_netem_asked_for_on_a_kernel_without_it_is_refused_and_leaves_nothing():
+    require_reason(unavailable_reason())
+    bridge = NetnsBridge(["a"], {"a": LinkShape(delay="1ms")}, delay_with="netem")
+    reason = netem_unavailable_reason()
+    if reason is None:
+        with bridge:
+            assert "netem" in bridge.qdiscs("a")
+    else:
+        with pytest.raises(RuntimeError, match="a link delay with netem cannot be set"):
+            bridge.setup()
+    assert _left(bridge) == []
+
+
+def test_the_delay_line_ends_when_the_process_that_started_it_dies(tmp_path):
+    """A launcher killed with SIGKILL cannot stop its delay line: the delay line sees its parent
+    gone and exits by itself (the namespaces the dead launcher left are removed here)."""
+    require_reason(unavailable_reason())
+    script = ("import sys, time; from pdkv.launch.netns import LinkShape, NetnsBridge; "
+              "b = NetnsBridge(['a'], {'a': LinkShape(delay='1ms')}, delay_with='delay_line'); "
+              "b.setup(); print(b.run_name, b._delay_line.pid, flush=True); time.sleep(600)")
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert launcher.stdout is not None
+    run_name, pid = launcher.stdout.readline().split()
+    try:
+        assert pid_alive(int(pid))
+        launcher.kill()
+        launcher.wait(10)
+        deadline = time.monotonic() + 30
+        while pid_alive(int(pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not pid_alive(int(pid))
+    finally:
+        for ns in list_namespaces():
+            if ns.startswith(run_name + "-"):
+                subprocess.run(["ip", "netns", "del", ns], check=False)
+        subprocess.run(["ip", "link", "del", "pdkv" + run_name.split("-")[1]],
+                       capture_output=True, check=False)
 
 
 def test_shaping_commands():
