@@ -1,0 +1,233 @@
+"""The figures of README.md and docs/ (`pdkv report`, pdkv/report/): every measured table is a
+registered figure block whose text is rendered from a data file with its machine line; the load
+refusal, staleness, the p99 rule and the CLI on a fake figure. No benchmark runs; no torch.
+
+"Measured" (markdown.measured_cells): a pipe table outside fenced code is measured when a cell
+holds a number with a unit of time, rate, size, share or ratio (ms, s, tok/s, GB/s, MiB, %, x,
+...), or a bare number sits under a header (or beside a row label) naming a measured quantity
+(ms, tok/s, TTFT, p99, mean, ratio, hit rate, RSS, load avg, ...). Such a table must be inside a
+figure block, or carry `<!-- not-a-figure: reason -->` right above it (a reference table whose
+defaults say "30 s", or a table computed by `pdkv plan`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdkv.report import cli, machine, markdown, render, stale
+from pdkv.report.figures import PDKV, Figure, validate
+from pdkv.report.registry import FIGURES
+
+ROOT = Path(__file__).resolve().parents[2]
+GUIDES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+REGISTRY = {f.id: f for f in FIGURES}
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("guide", GUIDES, ids=_rel)
+def test_every_measured_table_is_a_figure_or_says_why_not(guide: Path) -> None:
+    lines = guide.read_text(encoding="utf-8").split("\n")
+    inside = [(b.start, b.end) for b in markdown.blocks(lines)]
+    bad = []
+    for t in markdown.tables(lines):
+        if any(s < t.line < e for s, e in inside) or markdown.not_a_figure(lines, t):
+            continue
+        cells = markdown.measured_cells(t)
+        if cells:
+            bad.append(f"line {t.line + 1}: {cells[:3]}")
+    assert not bad, (f"{_rel(guide)}: measured tables outside a figure block (wrap them in "
+                     "<!-- figure: ID --> ... <!-- /figure --> and register them in "
+                     f"pdkv/report/registry.py, or annotate <!-- not-a-figure: why -->): {bad}")
+
+
+def test_registry_is_valid_and_every_figure_has_one_block_in_its_guide() -> None:
+    validate(FIGURES)
+    found: dict[str, str] = {}
+    for guide in GUIDES:
+        for b in markdown.blocks(guide.read_text(encoding="utf-8").split("\n")):
+            assert b.figure not in found, (b.figure, found[b.figure], _rel(guide))
+            found[b.figure] = _rel(guide)
+    assert set(found) == set(REGISTRY), (set(found) ^ set(REGISTRY))
+    for fid, guide in found.items():
+        assert REGISTRY[fid].guide == guide
+
+
+@pytest.mark.parametrize("figure", FIGURES, ids=lambda f: f.id)
+def test_figure_data_has_its_machine_line_and_the_block_is_rendered_from_it(
+        figure: Figure) -> None:
+    data = render.read_data(ROOT, figure)
+    assert not machine.missing(data["machine"]), (figure.data, machine.missing(data["machine"]))
+    assert data["figure"] == figure.id and data["guide"] == figure.guide
+    lines = (ROOT / figure.guide).read_text(encoding="utf-8").split("\n")
+    (block,) = [b for b in markdown.blocks(lines) if b.figure == figure.id]
+    assert lines[block.start + 1:block.end] == render.body(figure, data), (
+        f"{figure.guide}: the block of {figure.id} differs from its data ({figure.data}); "
+        "edit the data and run `pdkv report --render-only`")
+
+
+# -- units: markdown, rule, render ------------------------------------------------------------
+
+def test_measured_rule_tells_measurements_from_reference_text() -> None:
+    def table(*rows: str) -> markdown.Table:
+        (t,) = markdown.tables(list(rows))
+        return t
+
+    assert markdown.measured_cells(table("| a | b |", "|---|---|", "| x | 2,068 ms |"))
+    assert markdown.measured_cells(table("| a | TTFT p99 |", "|---|---|", "| x | 12.5 |"))
+    assert markdown.measured_cells(table("| | run |", "|---|---|", "| duration (s) | 109.24 |"))
+    assert markdown.measured_cells(table("| a | load avg |", "|---|---|", "| x | 1.5 → 1.2 |"))
+    assert not markdown.measured_cells(table("| flag | meaning |", "|---|---|",
+                                             "| `--tp N` | ranks, 2 or 4 |"))
+    # fenced code is not a table
+    assert not markdown.tables(["```", "| a | b |", "|---|---|", "| 1 ms | 2 |", "```"])
+
+
+def test_blocks_refuse_unclosed_or_nested_markers() -> None:
+    with pytest.raises(ValueError, match="never closed"):
+        markdown.blocks(["<!-- figure: a -->", "x"])
+    with pytest.raises(ValueError, match="opens inside"):
+        markdown.blocks(["<!-- figure: a -->", "<!-- figure: b -->"])
+    with pytest.raises(ValueError, match="without an opening"):
+        markdown.blocks(["<!-- /figure -->"])
+
+
+# -- the load refusal -------------------------------------------------------------------------
+
+def _probe(load: float, cores: int = 2) -> machine.Probe:
+    return machine.Probe(load=lambda: (load, load, load), cores=lambda: cores)
+
+
+def test_refused_above_the_core_count_only() -> None:
+    assert machine.refusal(_probe(2.0)) is None
+    assert machine.refusal(_probe(2.01)) == "load average 2.01 > 2 cores"
+
+
+def test_forced_figure_says_so() -> None:
+    m = {"cpu": "c", "flags": "avx2", "cores": 2, "load_before": [3.5, 1, 1],
+         "load_after": [2, 1, 1],
+         "versions": {"python": "3", "torch": "2"}, "commit": "a" * 40, "date": "d",
+         "requests_per_point": 24, "forced": True}
+    assert machine.line(m).startswith("**FORCED: load average 3.50 > 2 cores.**")
+    assert "24 requests per point" in machine.line(m)
+    assert "FORCED" not in machine.line({**m, "forced": False})
+
+
+# -- the p99 rule -----------------------------------------------------------------------------
+
+def test_p99_figure_needs_twenty_requests_per_point() -> None:
+    fig = Figure("x", "docs/X.md", ("{python}",), (), requests_per_point=19, percentiles=True)
+    with pytest.raises(ValueError, match="at least 20"):
+        validate((fig,))
+    validate((Figure("x", "docs/X.md", ("{python}",), (), requests_per_point=20,
+                     percentiles=True),))
+    assert all((f.requests_per_point or 0) >= 20 for f in FIGURES if f.percentiles)
+
+
+# -- the CLI on a fake figure, in a temporary repository ---------------------------------------
+
+SCRIPT = """import json, sys
+table = {"columns": ["n", "ms p99"], "rows": [[1, 2.5], [2, 3.5]]}
+json.dump({"table": table}, open(sys.argv[1], "w"))
+"""
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+@pytest.fixture()
+def repo(tmp_path: Path) -> Path:
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "config", "user.email", "t@example.com")
+    _git(tmp_path, "config", "user.name", "t")
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "fake.py").write_text(SCRIPT)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "G.md").write_text("# G\n\n<!-- figure: fake -->\n<!-- /figure -->\n")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "one")
+    return tmp_path
+
+
+FAKE = Figure("fake", "docs/G.md", ("{python}", "bench/fake.py", "{json}"), ("bench",),
+              requests_per_point=20, percentiles=True)
+
+
+def _args(root: Path, **kw: object) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    cli.add_cli_args(p)
+    args = p.parse_args(["--root", str(root)])
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_cli_runs_a_figure_writes_its_data_and_renders_its_block(repo: Path) -> None:
+    assert cli.report(_args(repo), (FAKE,), _probe(0.5)) == 0
+    data = json.loads((repo / FAKE.data).read_text())
+    assert data["table"]["rows"] == [["1", "2.5"], ["2", "3.5"]]
+    m = data["machine"]
+    assert not machine.missing(m) and m["forced"] is False and m["requests_per_point"] == 20
+    assert m["commit"] == _git(repo, "rev-parse", "HEAD") and m["load_before"] == [0.5] * 3
+    text = (repo / "docs/G.md").read_text()
+    assert "| 1 | 2.5 |" in text and "Machine: " in text and "20 requests per point" in text
+    assert "FORCED" not in text
+    # --render-only reproduces the same guide from the data
+    assert cli.report(_args(repo, render_only=True), (FAKE,), _probe(9.0)) == 0
+    assert (repo / "docs/G.md").read_text() == text
+
+
+def test_cli_refuses_on_a_busy_box_and_writes_nothing(repo: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    before = (repo / "docs/G.md").read_text()
+    assert cli.report(_args(repo), (FAKE,), _probe(2.5)) == cli.EXIT_REFUSED
+    assert "load average 2.50 > 2 cores" in capsys.readouterr().err
+    assert not (repo / FAKE.data).exists() and (repo / "docs/G.md").read_text() == before
+    assert cli.report(_args(repo, force=True), (FAKE,), _probe(2.5)) == 0
+    assert json.loads((repo / FAKE.data).read_text())["machine"]["forced"] is True
+    assert "**FORCED: load average 2.50 > 2 cores.**" in (repo / "docs/G.md").read_text()
+
+
+def test_cli_failed_command_writes_nothing(repo: Path) -> None:
+    broken = Figure("fake", "docs/G.md", ("{python}", "-c", "raise SystemExit(4)"), ("bench",))
+    assert cli.report(_args(repo), (broken,), _probe(0.1)) == 1
+    assert not (repo / broken.data).exists()
+
+
+def test_check_lists_figures_whose_code_changed_after_their_data(repo: Path) -> None:
+    assert stale.why_stale(repo, FAKE) == "no data file"
+    assert cli.report(_args(repo), (FAKE,), _probe(0.5)) == 0
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "data")
+    assert stale.why_stale(repo, FAKE) is None           # data from HEAD~1... code unchanged
+    (repo / "docs" / "G.md").write_text((repo / "docs" / "G.md").read_text() + "\nprose\n")
+    _git(repo, "commit", "-qam", "docs only")
+    assert stale.why_stale(repo, FAKE) is None           # a change outside `measures`
+    (repo / "bench" / "fake.py").write_text(SCRIPT + "\n# changed\n")
+    _git(repo, "commit", "-qam", "code")
+    assert "changed in" in (stale.why_stale(repo, FAKE) or "")
+    assert cli.report(_args(repo, check=True), (FAKE,), _probe(0.1)) == 0
+    assert cli.report(_args(repo, check=True, strict=True), (FAKE,), _probe(0.1)) == 1
+    data = json.loads((repo / FAKE.data).read_text())
+    data["machine"]["commit"] = "unknown"
+    (repo / FAKE.data).write_text(json.dumps(data))
+    assert stale.why_stale(repo, FAKE) == "the run's commit is unknown"
+
+
+def test_pdkv_report_list_runs_without_torch() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys; from pdkv.cli import main; rc = main(['report', "
+         "'--list']); assert 'torch' not in sys.modules; sys.exit(rc)"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert all(f.id in out.stdout for f in FIGURES)
+    assert PDKV[0] == "{python}"
