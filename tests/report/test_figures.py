@@ -198,7 +198,9 @@ def test_cli_refuses_on_a_busy_box_and_writes_nothing(repo: Path,
 
 
 def test_cli_failed_command_writes_nothing(repo: Path) -> None:
-    broken = Figure("fake", "docs/G.md", ("{python}", "-c", "raise SystemExit(4)"), ("bench",))
+    script = ("import json, sys; json.dump({'table': {'columns': ['a'], 'rows': [['1']]}}, "
+              "open(sys.argv[1], 'w')); sys.exit(4)")  # a result, then a failure
+    broken = Figure("fake", "docs/G.md", ("{python}", "-c", script, "{json}"), ("bench",))
     assert cli.report(_args(repo), (broken,), _probe(0.1)) == 1
     assert not (repo / broken.data).exists()
 
