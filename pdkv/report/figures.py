@@ -42,8 +42,9 @@ class Figure:
     percentiles: the table shows p99 (or p90): then requests_per_point must be at least
         MIN_REQUESTS_FOR_P99.
     convert: "module:function" turning the command's output into the data's "table" or "text"
-        (default `default_convert`: the `table_index`-th pipe table the command printed, or
-        wrote to the markdown file `table_source` in `{dir}`).
+        (default `default_convert`: the table the command printed, or wrote to the markdown
+        file `table_source` in `{dir}`, whose first header cell starts with `table_header`, else
+        the `table_index`-th).
     rerun: False for a record of one past run that the guide discusses as such (a "before"
         table): `pdkv report` does not run it and --check does not call it stale.
     needs: what the command needs beyond this repository ("root", "llama.cpp"), said by --list.
@@ -63,6 +64,7 @@ class Figure:
     kind: str = "table"
     table_index: int = 0
     table_source: str = ""
+    table_header: str = ""
 
     @property
     def data(self) -> str:
@@ -121,12 +123,13 @@ def by_id(figures: tuple[Figure, ...], ids: list[str]) -> tuple[Figure, ...]:
 
 
 def default_convert(output: Mapping[str, Any], kind: str = "table", index: int = 0,
-                    source: str = "") -> dict[str, Any]:
+                    source: str = "", header: str = "") -> dict[str, Any]:
     """A command's output as figure data. `output` holds "stdout" (text), "files" (markdown
     files it wrote in `{dir}`, by name) and "json" (what it wrote to `{json}`, or None). The data
     is the JSON's own "table" ({"columns", "rows"[, "align"]}) or "text" (lines) when it has one;
-    else, for a table, the `index`-th pipe table of the stdout (or of file `source`), and for
-    text, the stdout (or that file) itself.
+    else, for a table, the first table printed in the stdout (or in file `source`: pipe tables
+    and plain-text grids, `markdown.printed_tables`) whose first header cell starts with `header`,
+    or the `index`-th when `header` is empty; for text, the stdout (or that file) itself.
 
     Raises:
         ValueError: there is no such table or file.
@@ -146,10 +149,14 @@ def default_convert(output: Mapping[str, Any], kind: str = "table", index: int =
     lines = text.rstrip("\n").split("\n")
     if kind == "text":
         return {"text": lines}
-    found = markdown.tables(lines)
+    found = markdown.printed_tables(lines)
+    if header:
+        found = [t for t in found if t.columns and t.columns[0].startswith(header)]
+        index = 0
     if len(found) <= index:
-        raise ValueError(f"{source or 'the stdout'} holds {len(found)} pipe tables, not the "
-                         f"table {index} the figure takes: the figure needs a `convert` function")
+        what = f"no table headed {header!r}" if header else f"{len(found)} tables, no table {index}"
+        raise ValueError(f"{source or 'the stdout'} holds {what}: the figure needs a `convert` "
+                         "function")
     t = found[index]
     return {"table": {"columns": t.columns, "rows": t.rows, "align": t.align}}
 
@@ -163,7 +170,7 @@ def converter(figure: Figure) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
     """
     if not figure.convert:
         return functools.partial(default_convert, kind=figure.kind, index=figure.table_index,
-                                 source=figure.table_source)
+                                 source=figure.table_source, header=figure.table_header)
     module, _, name = figure.convert.partition(":")
     try:
         fn: Callable[[Mapping[str, Any]], dict[str, Any]] = getattr(

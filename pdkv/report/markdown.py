@@ -101,6 +101,24 @@ def tables(lines: list[str]) -> list[Table]:
     return out
 
 
+GRID_RULE = re.compile(r"^-+(?:-\+-+)+$")
+
+
+def printed_tables(lines: list[str]) -> list[Table]:
+    """The tables a command printed, in order: pipe tables, and plain-text grids (a header of
+    cells joined by " | ", a rule of dashes joined by "-+-", rows until a line without " | ")."""
+    found = {t.line: t for t in tables(lines)}
+    for i in range(len(lines) - 1):
+        if " | " in lines[i] and GRID_RULE.match(lines[i + 1].strip()):
+            j = i + 2
+            while j < len(lines) and " | " in lines[j]:
+                j += 1
+            cols = [c.strip() for c in lines[i].split(" | ")]
+            found[i] = Table(i, j, cols, [""] * len(cols),
+                             [[c.strip() for c in r.split(" | ")] for r in lines[i + 2:j]])
+    return [found[k] for k in sorted(found)]
+
+
 def blocks(lines: list[str]) -> list[Block]:
     """Every figure block, in order.
 

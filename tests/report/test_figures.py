@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from pdkv.report import cli, machine, markdown, render, stale
-from pdkv.report.figures import PDKV, Figure, validate
+from pdkv.report import cli, convert, machine, markdown, render, stale
+from pdkv.report.figures import PDKV, Figure, default_convert, validate
 from pdkv.report.registry import FIGURES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,3 +233,44 @@ def test_pdkv_report_list_runs_without_torch() -> None:
     assert out.returncode == 0, out.stderr
     assert all(f.id in out.stdout for f in FIGURES)
     assert PDKV[0] == "{python}"
+
+
+# -- converting a command's output ------------------------------------------------------------
+
+def test_default_convert_picks_the_printed_table_by_its_first_header() -> None:
+    stdout = "\n".join([
+        "pdkv offline benchmark",
+        "batch | pdkv tok/s | ratio",           # a plain-text grid
+        "------+------------+------",
+        "    1 |       12.5 |  1.10",
+        "",
+        "| goal | value |",                     # a pipe table
+        "|---|---|",
+        "| decode | 0.93 |",
+    ])
+    out = {"stdout": stdout, "files": {}, "json": None}
+    grid = default_convert(out, header="batch")["table"]
+    assert grid["columns"] == ["batch", "pdkv tok/s", "ratio"]
+    assert grid["rows"] == [["1", "12.5", "1.10"]]
+    assert default_convert(out, header="goal")["table"]["rows"] == [["decode", "0.93"]]
+    assert default_convert(out, index=1)["table"]["columns"] == ["goal", "value"]
+    with pytest.raises(ValueError, match="no table headed 'step'"):
+        default_convert(out, header="step")
+    assert default_convert(out, kind="text")["text"][0] == "pdkv offline benchmark"
+
+
+def test_transfer_and_dcp_converters_read_their_results() -> None:
+    sizes = [{"size_mib": 1, "methods": {"tcp": {"best_gbps": 3.876, "median_gbps": 3.68},
+                                          "raw_socket": {"best_gbps": 5.58, "median_gbps": 5.0}},
+              "ratios": {"tcp/raw_socket": {"best": 0.695, "median": 0.7}}}]
+    t = convert.transfer({"json": {"sizes": sizes}})["table"]
+    assert t["rows"] == [["1 MiB", "tcp", "3.88", "3.68", "0.69 /raw"],
+                         ["1 MiB", "raw_socket", "5.58", "5.00", ""]]
+    row = {"kv_bytes_per_rank": 2 * 1024 * 1024, "step_median_ms": 7.81, "step_p90_ms": 8.2,
+           "comm_share": 0.0, "kv_ratio": 1.0}
+    rows = [{**row, "config": "dcp1", "context_len": 1024},
+            {**row, "config": "dcp2", "context_len": 1024, "kv_bytes_per_rank": 1024 * 1024,
+             "kv_ratio": 0.5, "comm_share": 0.5}]
+    d = convert.dcp({"json": {"rows": rows}})["table"]
+    assert d["rows"] == [["1k", "2.00 MiB", "1.00 MiB", "0.50", "7.8 / 8.2 ms", "7.8 / 8.2 ms",
+                          "50 %"]]
