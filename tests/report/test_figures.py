@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -129,6 +130,14 @@ def test_p99_figure_needs_twenty_requests_per_point() -> None:
     validate((Figure("x", "docs/X.md", ("{python}",), (), requests_per_point=20,
                      percentiles=True),))
     assert all((f.requests_per_point or 0) >= 20 for f in FIGURES if f.percentiles)
+
+
+@pytest.mark.parametrize("figure", FIGURES, ids=lambda f: f.id)
+def test_a_figure_showing_p99_is_registered_with_percentiles(figure: Figure) -> None:
+    data = render.read_data(ROOT, figure)
+    shown = json.dumps(data.get("table") or data.get("text"))
+    if re.search(r"\bp9\d\b", shown, re.IGNORECASE):
+        assert figure.percentiles, f"{figure.id} shows p90/p99: register it with percentiles=True"
 
 
 # -- the CLI on a fake figure, in a temporary repository ---------------------------------------
