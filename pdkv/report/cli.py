@@ -30,6 +30,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true",
                    help="measure even when the 1-minute load average exceeds the core count "
                    "(the figure's machine line then says FORCED)")
+    p.add_argument("--wait-quiet", type=float, default=300.0,
+                   help="seconds to wait for the load average to fall to the core count before "
+                   "refusing a figure (the previous figure's own load takes a minute or two to "
+                   "decay)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds one figure's command may run (default: no limit)")
     p.add_argument("--root", default=str(ROOT), help="repository root (default: this pdkv's)")
@@ -108,7 +112,7 @@ def report(args: argparse.Namespace, figures: tuple[Figure, ...], probe: Probe) 
         markdown.replace_block(_guide_path(root, f).read_text(encoding="utf-8").split("\n"),
                                f.id, [])  # the guide holds its block: checked before the run
         try:
-            data = runner.run(root, f, probe, args.force, args.timeout)
+            data = runner.run(root, f, probe, args.force, args.timeout, args.wait_quiet)
         except runner.Refused as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_REFUSED

@@ -7,6 +7,7 @@ import datetime
 import importlib.metadata
 import os
 import platform
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +28,12 @@ def _cores() -> int:
 
 @dataclass(frozen=True)
 class Probe:
-    """Where the load average (1, 5, 15 min) and the core count come from; tests pass fakes."""
+    """Where the load average (1, 5, 15 min) and the core count come from, and how to wait
+    (seconds); tests pass fakes."""
 
     load: Callable[[], tuple[float, float, float]] = field(default=os.getloadavg)
     cores: Callable[[], int] = field(default=_cores)
+    sleep: Callable[[float], None] = field(default=time.sleep)
 
 
 def refusal(probe: Probe) -> str | None:
@@ -40,6 +43,20 @@ def refusal(probe: Probe) -> str | None:
     if load > cores:
         return f"load average {load:.2f} > {cores} cores"
     return None
+
+
+def wait_quiet(probe: Probe, wait_s: float, poll_s: float = 15.0) -> str | None:
+    """Wait up to `wait_s` seconds (polling every `poll_s`) for the load average to fall to the
+    core count (the previous figure's own load decays within a minute or two); returns the
+    refusal still standing after that, or None."""
+    waited = 0.0
+    reason = refusal(probe)
+    while reason is not None and waited < wait_s:
+        step = min(poll_s, wait_s - waited)
+        probe.sleep(step)
+        waited += step
+        reason = refusal(probe)
+    return reason
 
 
 def versions() -> dict[str, str]:

@@ -24,8 +24,9 @@ def argv(figure: Figure, json_path: str, folder: str) -> list[str]:
 
 
 def run(root: Path, figure: Figure, probe: machine.Probe, force: bool,
-        timeout_s: float | None = None) -> dict[str, Any]:
-    """Measure `figure` now: refuse when the load is above the core count (unless `force`), run
+        timeout_s: float | None = None, wait_s: float = 0.0) -> dict[str, Any]:
+    """Measure `figure` now: refuse when the load is above the core count after waiting up to
+    `wait_s` seconds for it to fall (unless `force`: then it runs at once), run
     its command in `root`, convert its result, and return the data to write (nothing is written
     here).
 
@@ -39,7 +40,7 @@ def run(root: Path, figure: Figure, probe: machine.Probe, force: bool,
         raise ValueError(f"figure {figure.id} has no command yet ({figure.how})")
     if not figure.rerun:
         raise ValueError(f"figure {figure.id} is a record of a past run; it is not re-run")
-    reason = machine.refusal(probe)
+    reason = machine.refusal(probe) if force else machine.wait_quiet(probe, wait_s)
     if reason is not None and not force:
         raise Refused(f"figure {figure.id}: refused, {reason}: the figure would measure the "
                       "other jobs too; wait for a quiet box or pass --force (the figure then "

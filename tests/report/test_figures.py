@@ -103,12 +103,26 @@ def test_blocks_refuse_unclosed_or_nested_markers() -> None:
 # -- the load refusal -------------------------------------------------------------------------
 
 def _probe(load: float, cores: int = 2) -> machine.Probe:
-    return machine.Probe(load=lambda: (load, load, load), cores=lambda: cores)
+    def no_sleep(s: float) -> None:
+        raise AssertionError(f"slept {s} s")
+
+    return machine.Probe(load=lambda: (load, load, load), cores=lambda: cores, sleep=no_sleep)
 
 
 def test_refused_above_the_core_count_only() -> None:
     assert machine.refusal(_probe(2.0)) is None
     assert machine.refusal(_probe(2.01)) == "load average 2.01 > 2 cores"
+
+
+def test_waits_for_the_load_to_fall_then_refuses() -> None:
+    loads = iter([3.0, 2.5, 1.5])
+    slept: list[float] = []
+    probe = machine.Probe(load=lambda: (next(loads),) * 3, cores=lambda: 2, sleep=slept.append)
+    assert machine.wait_quiet(probe, 60.0) is None and slept == [15.0, 15.0]
+    slept.clear()
+    busy = machine.Probe(load=lambda: (3.0,) * 3, cores=lambda: 2, sleep=slept.append)
+    assert machine.wait_quiet(busy, 20.0) == "load average 3.00 > 2 cores"
+    assert slept == [15.0, 5.0]
 
 
 def test_forced_figure_says_so() -> None:
@@ -174,7 +188,7 @@ FAKE = Figure("fake", "docs/G.md", ("{python}", "bench/fake.py", "{json}"), ("be
 def _args(root: Path, **kw: object) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     cli.add_cli_args(p)
-    args = p.parse_args(["--root", str(root)])
+    args = p.parse_args(["--root", str(root), "--wait-quiet", "0"])
     for k, v in kw.items():
         setattr(args, k, v)
     return args
