@@ -161,12 +161,49 @@ def measured_cells(table: Table) -> list[str]:
     return found
 
 
-def not_a_figure(lines: list[str], table: Table) -> str | None:
-    """The reason given by a `<!-- not-a-figure: reason -->` line right above `table`, if any."""
-    if table.line == 0:
+def not_a_figure(lines: list[str], line: int) -> str | None:
+    """The reason given by a `<!-- not-a-figure: reason -->` line right above line `line` (a
+    table's or a fence's first, 0-based), if any."""
+    if line == 0:
         return None
-    m = NOT_A_FIGURE.match(lines[table.line - 1].strip())
+    m = NOT_A_FIGURE.match(lines[line - 1].strip())
     return m.group(1) if m else None
+
+
+@dataclass(frozen=True)
+class Fence:
+    """A fenced code block: its opening line's index, the index after its closing line, its
+    language tag ("" when none) and its lines."""
+
+    line: int
+    end: int
+    lang: str
+    body: list[str]
+
+
+def fences(lines: list[str]) -> list[Fence]:
+    """Every fenced code block, in order (an unclosed one runs to the end)."""
+    out: list[Fence] = []
+    i = 0
+    while i < len(lines):
+        if FENCE.match(lines[i]):
+            j = i + 1
+            while j < len(lines) and not FENCE.match(lines[j]):
+                j += 1
+            lang = lines[i].strip().lstrip("`~").strip()
+            out.append(Fence(i, min(j + 1, len(lines)), lang, lines[i + 1:j]))
+            i = j + 1
+            continue
+        i += 1
+    return out
+
+
+def printed_measurements(fence: Fence) -> list[str]:
+    """The lines of a command's printed output (a fence with no language tag, or "text" /
+    "console") that hold a measurement-looking number (MEASURED_CELL); empty for code."""
+    if fence.lang not in ("", "text", "console"):
+        return []
+    return [x for x in fence.body if MEASURED_CELL.search(x)]
 
 
 def render_table(columns: list[str], rows: list[list[str]], align: list[str] | None = None
@@ -187,7 +224,8 @@ def render_table(columns: list[str], rows: list[list[str]], align: list[str] | N
 
 
 def replace_block(lines: list[str], figure: str, body: list[str]) -> list[str]:
-    """`lines` with the inside of figure `figure`'s block replaced by `body`.
+    """`lines` with the inside of figure `figure`'s block replaced by `body`, each non-empty line
+    indented as the opening marker is (a block inside a list item).
 
     Raises:
         ValueError: the guide has no block, or more than one, for `figure`.
@@ -197,4 +235,6 @@ def replace_block(lines: list[str], figure: str, body: list[str]) -> list[str]:
         raise ValueError(f"{len(found)} blocks for figure {figure} (need exactly one "
                          f"'<!-- figure: {figure} -->' ... '{CLOSE}')")
     b = found[0]
-    return lines[:b.start + 1] + body + lines[b.end:]
+    opening = lines[b.start]
+    indent = opening[:len(opening) - len(opening.lstrip())]
+    return lines[:b.start + 1] + [indent + x if x else x for x in body] + lines[b.end:]

@@ -93,6 +93,37 @@ FIGURES: tuple[Figure, ...] = (
            (*PDKV, "bench", "pool", "--tiers", "redis,mooncake"),
            (*ENGINE, "pdkv/kvpool", "pdkv/kv_transfer", "pdkv/bench/pool"), requests_per_point=3,
            needs="redis-server, mooncake-transfer-engine", kind="text"),
+    Figure("kv-pool-routing-first", "docs/KV_POOL.md", (), (*SERVING, "pdkv/kvpool"),
+           rerun=False, kind="text",
+           how="python -m pdkv.bench.compare.routing --routing round_robin prefix_aware --pool "
+           "redis --pool-chunk-size 64 (its first version, at commit a7e47d5)"),
+    # docs/LEARNING.md (the guided path's measured steps)
+    Figure("learning-handoff-loaded", "docs/LEARNING.md",
+           (*PDKV, "bench", "handoff", "--transfer", "tcp", "--prompt-lens", "1024"),
+           (*PD, "pdkv/plan", "pdkv/bench/handoff"), kind="text"),
+    Figure("learning-handoff-quiet", "docs/LEARNING.md", (),
+           (*PD, "pdkv/plan", "pdkv/bench/handoff", "pdkv/bench/transfer"), kind="text",
+           how="pdkv bench transfer --sizes 64,256 --repeats 3, then pdkv bench handoff "
+           "--transfer tcp --prompt-lens 1024,4096 --link-bandwidth tcp=<its tcp median>"),
+    Figure("learning-pool", "docs/LEARNING.md",
+           (*PDKV, "bench", "pool", "--tiers", "dram,disk", "--prompt-len", "1025",
+            "--chunk-size", "256", "--repeats", "1"),
+           (*ENGINE, "pdkv/kvpool", "pdkv/kv_transfer", "pdkv/bench/pool"), requests_per_point=1,
+           kind="text"),
+    Figure("learning-disk-fsync", "docs/LEARNING.md",
+           (*PDKV, "bench", "pool", "--disk-fsync"), ("pdkv/kvpool", "pdkv/bench/pool"),
+           requests_per_point=20, percentiles=True, kind="text"),
+    # docs/PLAN.md
+    Figure("plan-handoff-measured", "docs/PLAN.md", (),
+           (*PD, "pdkv/plan", "pdkv/bench/handoff", "pdkv/bench/transfer"), kind="text",
+           how="pdkv bench transfer --sizes 64,256 --repeats 3, then pdkv bench handoff "
+           "--transfer tcp,shm --prompt-lens 1024,4096,8192 --link-bandwidth ENGINE=<its "
+           "medians>"),
+    Figure("plan-weak-link", "docs/PLAN.md",
+           (*PDKV, "bench", "handoff", "--link-rate", "1gbit", "--prompt-lens", "1024,4096",
+            "--result-json", "{json}"),
+           (*PD, "pdkv/plan", "pdkv/bench/handoff", "pdkv/bench/netns.py"), kind="text",
+           needs="root (network namespaces)"),
     # docs/MEMORY.md
     Figure("memory-rss", "docs/MEMORY.md", (*PDKV, "bench", "memory"),
            (*SERVING, "pdkv/bench/memory.py", "pdkv/malloc_tuning.py")),

@@ -7,7 +7,9 @@ holds a number with a unit of time, rate, size, share or ratio (ms, s, tok/s, GB
 ...), or a bare number sits under a header (or beside a row label) naming a measured quantity
 (ms, tok/s, TTFT, p99, mean, ratio, hit rate, RSS, load avg, ...). Such a table must be inside a
 figure block, or carry `<!-- not-a-figure: reason -->` right above it (a reference table whose
-defaults say "30 s", or a table computed by `pdkv plan`)."""
+defaults say "30 s", or a table computed by `pdkv plan`). The same holds for a command's printed
+output: a fence with no language tag (or text / console) with such a number on a line
+(markdown.printed_measurements); a ```bash fence is a command, never a figure."""
 
 from __future__ import annotations
 
@@ -39,14 +41,20 @@ def test_every_measured_table_is_a_figure_or_says_why_not(guide: Path) -> None:
     inside = [(b.start, b.end) for b in markdown.blocks(lines)]
     bad = []
     for t in markdown.tables(lines):
-        if any(s < t.line < e for s, e in inside) or markdown.not_a_figure(lines, t):
+        if any(s < t.line < e for s, e in inside) or markdown.not_a_figure(lines, t.line):
             continue
         cells = markdown.measured_cells(t)
         if cells:
             bad.append(f"line {t.line + 1}: {cells[:3]}")
-    assert not bad, (f"{_rel(guide)}: measured tables outside a figure block (wrap them in "
-                     "<!-- figure: ID --> ... <!-- /figure --> and register them in "
-                     f"pdkv/report/registry.py, or annotate <!-- not-a-figure: why -->): {bad}")
+    for f in markdown.fences(lines):
+        if any(s < f.line < e for s, e in inside) or markdown.not_a_figure(lines, f.line):
+            continue
+        printed = markdown.printed_measurements(f)
+        if printed:
+            bad.append(f"printed output at line {f.line + 1}: {printed[:2]}")
+    assert not bad, (f"{_rel(guide)}: measured tables or printed outputs outside a figure block "
+                     "(wrap them in <!-- figure: ID --> ... <!-- /figure --> and register them "
+                     f"in pdkv/report/registry.py, or annotate <!-- not-a-figure: why -->): {bad}")
 
 
 def test_registry_is_valid_and_every_figure_has_one_block_in_its_guide() -> None:
@@ -68,8 +76,7 @@ def test_figure_data_has_its_machine_line_and_the_block_is_rendered_from_it(
     assert not machine.missing(data["machine"]), (figure.data, machine.missing(data["machine"]))
     assert data["figure"] == figure.id and data["guide"] == figure.guide
     lines = (ROOT / figure.guide).read_text(encoding="utf-8").split("\n")
-    (block,) = [b for b in markdown.blocks(lines) if b.figure == figure.id]
-    assert lines[block.start + 1:block.end] == render.body(figure, data), (
+    assert markdown.replace_block(lines, figure.id, render.body(figure, data)) == lines, (
         f"{figure.guide}: the block of {figure.id} differs from its data ({figure.data}); "
         "edit the data and run `pdkv report --render-only`")
 
@@ -87,8 +94,13 @@ def test_measured_rule_tells_measurements_from_reference_text() -> None:
     assert markdown.measured_cells(table("| a | load avg |", "|---|---|", "| x | 1.5 → 1.2 |"))
     assert not markdown.measured_cells(table("| flag | meaning |", "|---|---|",
                                              "| `--tp N` | ranks, 2 or 4 |"))
-    # fenced code is not a table
-    assert not markdown.tables(["```", "| a | b |", "|---|---|", "| 1 ms | 2 |", "```"])
+    # fenced code is not a table; a fence of printed output with measurements is a figure
+    fenced = ["```", "| a | b |", "|---|---|", "| 1 ms | 2 |", "```"]
+    assert not markdown.tables(fenced)
+    (fence,) = markdown.fences(fenced)
+    assert markdown.printed_measurements(fence) == ["| 1 ms | 2 |"]
+    (code,) = markdown.fences(["```bash", "pdkv bench hosts --link-delay 0.5ms", "```"])
+    assert not markdown.printed_measurements(code)
 
 
 def test_blocks_refuse_unclosed_or_nested_markers() -> None:
