@@ -61,3 +61,66 @@ def dcp(output: Mapping[str, Any]) -> dict[str, Any]:
                     + [cell(c, "{step_median_ms:.1f} / {step_p90_ms:.1f} ms") for c in configs]
                     + [f"{100 * got[last]['comm_share']:.0f} %" if last in got else "-"])
     return _table(columns, rows)
+
+
+def groups(output: Mapping[str, Any]) -> dict[str, Any]:
+    """`pdkv bench groups --json`: per (model, prompt length), each group's blocks × bytes per
+    block, the MiB moved (equal to the formula's, else "BYTES"), the pull's p50 (ms) and the
+    bytes and time against the full-attention peer's row of the same length."""
+    rows = []
+    for r in output["json"]["rows"]:
+        moved = f"{r['bytes_received'] / MIB:,.2f}"
+        if r["bytes_received"] != r["formula_bytes"]:
+            moved += f" (formula {r['formula_bytes'] / MIB:,.2f}: BYTES)"
+        rows.append([
+            str(r["model"]), str(r["prompt_tokens"]),
+            "; ".join(f"{g['kind'].replace('_', ' ')} {g['blocks']} × {g['block_bytes']:,}"
+                      for g in r["groups"]),
+            moved, f"{r['transfer_s'] * 1e3:.2f}",
+            f"{r['bytes_ratio']:.3f}" if "bytes_ratio" in r else "-",
+            f"{r['time_ratio']:.2f}" if "time_ratio" in r else "-",
+        ])
+    return _table(["model", "prompt", "groups (blocks × bytes)", "MiB moved (= formula)",
+                   "xfer p50 ms", "bytes × peer", "time × peer"], rows)
+
+
+def _numeric(tokens: list[str]) -> bool:
+    try:
+        [float(t.replace(",", "")) for t in tokens]
+    except ValueError:
+        return False
+    return True
+
+
+def panel_linear(output: Mapping[str, Any]) -> dict[str, Any]:
+    """`python -m pdkv.model.panel_linear`'s printed rows (rows, oneDNN ms, panel ms, their
+    ratio, panel GFLOP/s), read from its stdout.
+
+    Raises:
+        ValueError: no row was printed.
+    """
+    rows = [line.split() for line in str(output["stdout"]).splitlines()]
+    rows = [r for r in rows if len(r) == 5 and _numeric(r)]
+    if not rows:
+        raise ValueError("panel_linear printed no rows")
+    return _table(["rows", "oneDNN packed ms", "panel ms", "panel / oneDNN time",
+                   "panel GFLOP/s"], rows)
+
+
+def memory(output: Mapping[str, Any]) -> dict[str, Any]:
+    """`pdkv bench memory`'s printed table (RSS in MB = 10^6 bytes after start and after one
+    request, its anon / file / shmem parts, torch loaded, the goal, met), read from its stdout.
+
+    Raises:
+        ValueError: no process row was printed.
+    """
+    rows = []
+    for line in str(output["stdout"]).splitlines():
+        label, rest = line[:22].strip(), line[22:].split()
+        if label.startswith("pdkv ") and len(rest) == 8:
+            rows.append([label, *(f"{x} MB" if i < 5 or i == 6 else x
+                                  for i, x in enumerate(rest))])
+    if not rows:
+        raise ValueError("bench memory printed no process rows")
+    return _table(["process", "started", "after one request", "anon", "file", "shmem",
+                   "torch loaded", "goal", "met"], rows)

@@ -43,7 +43,8 @@ FIGURES: tuple[Figure, ...] = (
             "--num-threads", "2"), OFFLINE, table_header="batch"),
     Figure("speed-panel-linear", "docs/SPEED.md",
            (*PY, "pdkv.model.panel_linear", "--repeats", "5"),
-           ("pdkv/model/panel_linear.py", "pdkv/model/csrc", "pdkv/model/linear_table.py")),
+           ("pdkv/model/panel_linear.py", "pdkv/model/csrc", "pdkv/model/linear_table.py"),
+           convert="pdkv.report.convert:panel_linear"),
     Figure("speed-cpu-linears", "docs/SPEED.md",
            (*PDKV, "bench", "offline", "--cpu-linears", "onednn,auto,torch", "--batch-sizes",
             "1,8,32", "--input-len", "128", "--output-len", "16", "--num-threads", "2",
@@ -82,7 +83,8 @@ FIGURES: tuple[Figure, ...] = (
     # docs/HYBRID_STATE.md
     Figure("hybrid-group-bytes", "docs/HYBRID_STATE.md",
            (*PDKV, "bench", "groups", "--num-threads", "2", "--json", "{json}"),
-           (*PD, "pdkv/modelspec", "pdkv/bench/groups"), requests_per_point=3),
+           (*PD, "pdkv/modelspec", "pdkv/bench/groups"), requests_per_point=3,
+           convert="pdkv.report.convert:groups"),
     # docs/KV_POOL.md
     Figure("kv-pool-local", "docs/KV_POOL.md",
            (*PDKV, "bench", "pool", "--tiers", "dram,disk", "--chunk-size", "256",
@@ -126,7 +128,8 @@ FIGURES: tuple[Figure, ...] = (
            needs="root (network namespaces)"),
     # docs/MEMORY.md
     Figure("memory-rss", "docs/MEMORY.md", (*PDKV, "bench", "memory"),
-           (*SERVING, "pdkv/bench/memory.py", "pdkv/malloc_tuning.py")),
+           (*SERVING, "pdkv/bench/memory.py", "pdkv/malloc_tuning.py"),
+           convert="pdkv.report.convert:memory"),
     # docs/PARALLEL_TIERS.md
     Figure("parallel-pcp", "docs/PARALLEL_TIERS.md",
            (*PDKV, "bench", "pcp", "--model", "tiny-llama-kv2,smollm2", "--prompt-lens",

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from pdkv.report import cli, convert, machine, markdown, render, stale
-from pdkv.report.figures import PDKV, Figure, default_convert, validate
+from pdkv.report.figures import PDKV, Figure, converter, default_convert, validate
 from pdkv.report.registry import FIGURES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -309,3 +309,30 @@ def test_transfer_and_dcp_converters_read_their_results() -> None:
     d = convert.dcp({"json": {"rows": rows}})["table"]
     assert d["rows"] == [["1k", "2.00 MiB", "1.00 MiB", "0.50", "7.8 / 8.2 ms", "7.8 / 8.2 ms",
                           "50 %"]]
+
+
+def test_every_registered_converter_imports() -> None:
+    for f in FIGURES:
+        assert callable(converter(f)), f.id
+
+
+def test_printed_output_converters() -> None:
+    panel = "\n".join(["120 projections (30 layers of ...), 2 threads",
+                       " rows  onednn ms  panel ms  panel/onednn time  panel GFLOP/s",
+                       "    1       30.9      19.2               0.62             11"])
+    assert convert.panel_linear({"stdout": panel})["table"]["rows"] == [
+        ["1", "30.9", "19.2", "0.62", "11"]]
+    memory = "\n".join([
+        "engine flags: (defaults); RSS in MB (10^6 bytes)",
+        f"{'process':<22}{'started':>9}{'1 request':>11}{'anon':>8}{'file':>8}{'shmem':>8}"
+        f"{'torch':>7}{'goal':>7}  met",
+        f"{'pdkv serve (engine)':<22}{1000:>9}{1109:>11}{900:>8}{200:>8}{9:>8}{'yes':>7}"
+        f"{1200:>7}  yes"])
+    assert convert.memory({"stdout": memory})["table"]["rows"] == [
+        ["pdkv serve (engine)", "1000 MB", "1109 MB", "900 MB", "200 MB", "9 MB", "yes",
+         "1200 MB", "yes"]]
+    row = {"model": "tiny-swa", "prompt_tokens": 1024, "bytes_received": 1 << 20,
+           "formula_bytes": 1 << 20, "transfer_s": 0.0069, "bytes_ratio": 0.531,
+           "groups": [{"kind": "sliding_window", "blocks": 4, "block_bytes": 16384}]}
+    assert convert.groups({"json": {"rows": [row]}})["table"]["rows"] == [
+        ["tiny-swa", "1024", "sliding window 4 × 16,384", "1.00", "6.90", "0.531", "-"]]
