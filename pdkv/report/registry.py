@@ -1,5 +1,11 @@
 """Every figure of README.md and docs/*.md (`pdkv report --list`). A guide's measured table sits
-in a block `<!-- figure: ID -->` ... `<!-- /figure -->`; its data is docs/figures/ID.json."""
+in a block `<!-- figure: ID -->` ... `<!-- /figure -->`; its data is docs/figures/ID.json.
+
+To add one: put the two markers around the table (or printed output) in its guide, register a
+`Figure` here (the command that prints or writes it, the code it measures, its requests per
+point, and `table_header` or `convert` to pick its table), then `pdkv report --only ID`. The
+figures whose data say "transcribed from the guide" were copied from the guides' text when the
+registry came: their machine fields are what the text said of the run ("unknown" elsewhere)."""
 
 from __future__ import annotations
 
