@@ -87,7 +87,7 @@ def report(args: argparse.Namespace, figures: tuple[Figure, ...], probe: Probe) 
     root = Path(args.root)
     chosen = by_id(figures, [x for x in args.only.split(",") if x.strip()])
     if args.list or args.check:
-        stale_ids = dict((f.id, why) for f, why in stale.check(root, chosen))
+        stale_ids = {f.id: why for f, why in stale.check(root, chosen)}
         for f in chosen:
             why = stale_ids.get(f.id)
             if args.list:
@@ -103,11 +103,12 @@ def report(args: argparse.Namespace, figures: tuple[Figure, ...], probe: Probe) 
         for guide in render_guides(root, chosen):
             print(f"re-rendered {guide}")
         return 0
-    failed = 0
+    failed = made = skipped = 0
     for f in chosen:
         if not f.command or not f.rerun:
             why = "a record of a past run" if not f.rerun else "no command yet"
             print(f"{f.id}: skipped ({why})", file=sys.stderr)
+            skipped += 1
             continue
         markdown.replace_block(_guide_path(root, f).read_text(encoding="utf-8").split("\n"),
                                f.id, [])  # the guide holds its block: checked before the run
@@ -123,4 +124,6 @@ def report(args: argparse.Namespace, figures: tuple[Figure, ...], probe: Probe) 
         render.write_data(root, f, data)
         render_guides(root, (f,), {f.id: data})
         print(f"{f.id}: wrote {f.data} and its table in {f.guide}")
+        made += 1
+    print(f"{made} figures made, {skipped} skipped, {failed} failed", file=sys.stderr)
     return 1 if failed else 0
