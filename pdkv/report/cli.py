@@ -104,6 +104,7 @@ def report(args: argparse.Namespace, figures: tuple[Figure, ...], probe: Probe) 
             print(f"re-rendered {guide}")
         return 0
     failed = made = skipped = 0
+    runs: dict[tuple[str, ...], runner.Measured] = {}
     for f in chosen:
         if not f.command or not f.rerun:
             why = "a record of a past run" if not f.rerun else "no command yet"
@@ -113,7 +114,10 @@ def report(args: argparse.Namespace, figures: tuple[Figure, ...], probe: Probe) 
         markdown.replace_block(_guide_path(root, f).read_text(encoding="utf-8").split("\n"),
                                f.id, [])  # the guide holds its block: checked before the run
         try:
-            data = runner.run(root, f, probe, args.force, args.timeout, args.wait_quiet)
+            if f.command not in runs:  # figures of one command share its run
+                runs[f.command] = runner.measure(root, f, probe, args.force, args.timeout,
+                                                 args.wait_quiet)
+            data = runner.to_data(f, runs[f.command])
         except runner.Refused as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_REFUSED

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +24,25 @@ def argv(figure: Figure, json_path: str, folder: str) -> list[str]:
     return [fill.get(a, a) for a in figure.command]
 
 
-def run(root: Path, figure: Figure, probe: machine.Probe, force: bool,
-        timeout_s: float | None = None, wait_s: float = 0.0) -> dict[str, Any]:
-    """Measure `figure` now: refuse when the load is above the core count after waiting up to
-    `wait_s` seconds for it to fall (unless `force`: then it runs at once), run
-    its command in `root`, convert its result, and return the data to write (nothing is written
-    here).
+@dataclass(frozen=True)
+class Measured:
+    """One run of a command: its output ({"stdout", "files", "json"}, see
+    `figures.default_convert`) and the machine object of the run (load after included)."""
+
+    output: dict[str, Any]
+    machine: dict[str, Any]
+
+
+def measure(root: Path, figure: Figure, probe: machine.Probe, force: bool,
+            timeout_s: float | None = None, wait_s: float = 0.0) -> Measured:
+    """Run `figure`'s command now in `root`: refuse when the load is above the core count after
+    waiting up to `wait_s` seconds for it to fall (unless `force`: then it runs at once).
 
     Raises:
         Refused: the 1-minute load average exceeds the core count and `force` is False.
-        ValueError: the figure has no command, is a record of a past run, or its result does not
-            convert into its kind.
+        ValueError: the figure has no command, or is a record of a past run.
         RuntimeError: the command failed (its exit status) or timed out.
+        OSError, ValueError: its `{json}` file is missing or not JSON.
     """
     if not figure.command:
         raise ValueError(f"figure {figure.id} has no command yet ({figure.how})")
@@ -64,14 +72,25 @@ def run(root: Path, figure: Figure, probe: machine.Probe, force: bool,
         result = (json.loads(Path(json_path).read_text(encoding="utf-8"))
                   if "{json}" in figure.command else None)
         files = {p.name: p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.md"))}
-    converted = converter(figure)({"stdout": proc.stdout, "files": files, "json": result})
+    return Measured({"stdout": proc.stdout, "files": files, "json": result},
+                    machine.finish(facts, probe))
+
+
+def to_data(figure: Figure, measured: Measured) -> dict[str, Any]:
+    """The data file of `figure` from a run of its command (the run may be shared with other
+    figures of the same command).
+
+    Raises:
+        ValueError: the output does not convert into the figure's kind.
+    """
+    converted = converter(figure)(measured.output)
     if figure.kind not in converted:
         raise ValueError(f"figure {figure.id}: its result converts to "
                          f"{sorted(converted)}, not a {figure.kind}: the figure needs a "
                          "`convert` function")
     data: dict[str, Any] = {"figure": figure.id, "guide": figure.guide,
-                            "command": figure.command_text(),
-                            "machine": machine.finish(facts, probe), **converted}
-    if result is not None:
-        data["result"] = result
+                            "command": figure.command_text(), "machine": measured.machine,
+                            **converted}
+    if measured.output.get("json") is not None:
+        data["result"] = measured.output["json"]
     return data

@@ -171,6 +171,7 @@ def test_a_figure_showing_p99_is_registered_with_percentiles(figure: Figure) -> 
 SCRIPT = """import json, sys
 table = {"columns": ["n", "ms p99"], "rows": [[1, 2.5], [2, 3.5]]}
 json.dump({"table": table}, open(sys.argv[1], "w"))
+open("runs.txt", "a").write("run\\n")
 """
 
 
@@ -219,6 +220,16 @@ def test_cli_runs_a_figure_writes_its_data_and_renders_its_block(repo: Path) -> 
     # --render-only reproduces the same guide from the data
     assert cli.report(_args(repo, render_only=True), (FAKE,), _probe(9.0)) == 0
     assert (repo / "docs/G.md").read_text() == text
+
+
+def test_figures_of_one_command_share_one_run(repo: Path) -> None:
+    (repo / "docs" / "G.md").write_text("<!-- figure: fake -->\n<!-- /figure -->\n\n"
+                                        "<!-- figure: fake2 -->\n<!-- /figure -->\n")
+    second = Figure("fake2", "docs/G.md", FAKE.command, ("bench",), table_header="n")
+    assert cli.report(_args(repo), (FAKE, second), _probe(0.5)) == 0
+    assert (repo / "runs.txt").read_text() == "run\n"
+    text = (repo / "docs" / "G.md").read_text()
+    assert text.count("| 1 | 2.5 |") == 2
 
 
 def test_cli_refuses_on_a_busy_box_and_writes_nothing(repo: Path,
