@@ -218,9 +218,11 @@ def render_table(columns: list[str], rows: list[list[str]], align: list[str] | N
     for row in rows:
         if len(row) != len(columns):
             raise ValueError(f"row {row!r} has {len(row)} cells for {len(columns)} columns")
-    return (["| " + " | ".join(columns) + " |",
-             "|" + "|".join(marks[a] for a in align) + "|"]
-            + ["| " + " | ".join(row) + " |" for row in rows])
+    def line(cells: list[str]) -> str:
+        return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
+
+    return ([line(columns), "|" + "|".join(marks[a] for a in align) + "|"]
+            + [line(row) for row in rows])
 
 
 def replace_block(lines: list[str], figure: str, body: list[str]) -> list[str]:
