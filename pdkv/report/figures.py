@@ -80,8 +80,8 @@ class Figure:
             argv = ["pdkv", *argv[3:]]
         elif argv[:2] == ["{python}", "-m"]:
             argv = ["python", "-m", *argv[2:]]
-        return " ".join("PATH" if a == "{json}" else "DIR" if a == "{dir}" else
-                        (a if a and " " not in a else repr(a)) for a in argv)
+        argv = [a.replace("{json}", "PATH").replace("{dir}", "DIR") for a in argv]
+        return " ".join(a if a and " " not in a else repr(a) for a in argv)
 
 
 def validate(figures: tuple[Figure, ...]) -> None:

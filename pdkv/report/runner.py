@@ -19,9 +19,15 @@ class Refused(RuntimeError):
 
 
 def argv(figure: Figure, json_path: str, folder: str) -> list[str]:
-    """The figure's command with its placeholders filled in."""
+    """The figure's command with its placeholders filled in (also inside an argument:
+    "{dir}/COMPARE.md")."""
     fill = {"{python}": sys.executable, "{json}": json_path, "{dir}": folder}
-    return [fill.get(a, a) for a in figure.command]
+    out = []
+    for a in figure.command:
+        for key, value in fill.items():
+            a = a.replace(key, value)
+        out.append(a)
+    return out
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from pdkv.report import cli, convert, machine, markdown, render, stale
+from pdkv.report import cli, convert, machine, markdown, render, runner, stale
 from pdkv.report.figures import PDKV, Figure, converter, default_convert, validate
 from pdkv.report.registry import FIGURES
 
@@ -320,6 +320,15 @@ def test_transfer_and_dcp_converters_read_their_results() -> None:
     d = convert.dcp({"json": {"rows": rows}})["table"]
     assert d["rows"] == [["1k", "2.00 MiB", "1.00 MiB", "0.50", "7.8 / 8.2 ms", "7.8 / 8.2 ms",
                           "50 %"]]
+
+
+def test_command_placeholders_are_filled_inside_arguments() -> None:
+    fig = Figure("x", "docs/X.md", (*PDKV, "compare", "--out", "{dir}/COMPARE.md", "--json",
+                                    "{json}"), ())
+    assert runner.argv(fig, "/t/r.json", "/t/out") == [
+        sys.executable, "-m", "pdkv.cli", "compare", "--out", "/t/out/COMPARE.md", "--json",
+        "/t/r.json"]
+    assert fig.command_text() == "pdkv compare --out DIR/COMPARE.md --json PATH"
 
 
 def test_every_registered_converter_imports() -> None:
