@@ -1,6 +1,7 @@
 # One-command set-up and entry points. Everything lives in a local venv (.venv).
 #   make demo   - set up, then run real chat prompts through a local 1P1D deployment (main job)
 #   make test   - set up, then run the whole test suite
+#   make figures - re-make the figures of README.md and docs/ (ARGS=--check: list the stale ones)
 #   make llama-cpp - optional, never part of setup/test/CI: build llama-cpp-python from its sdist
 #                    (many minutes on 2 cores) and convert SmolLM2 to F32/BF16 GGUF for
 #                    `pdkv bench offline --peer hf,llama.cpp`
@@ -10,7 +11,7 @@ PY := $(VENV)/bin/python
 # CPU wheel on these machines; on a CUDA box set TORCH_SPEC to the torch build you want.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup system-packages demo test bench llama-cpp clean
+.PHONY: setup system-packages demo test bench figures llama-cpp clean
 
 setup: system-packages $(VENV)/.installed
 	@# pdkv's C++ CPU ops (paged decode and batched prefill attention, KV write, fused small ops,
@@ -42,6 +43,11 @@ test: setup
 
 bench: setup
 	$(VENV)/bin/pdkv bench offline
+
+# Re-make every figure of README.md and docs/ (`pdkv report`: data in docs/figures/, the machine
+# line beside each table). ARGS=--check lists the stale ones; ARGS="--only ID,ID" picks some.
+figures: setup
+	$(VENV)/bin/pdkv report $(ARGS)
 
 # llama.cpp peer of `pdkv bench offline`: the binding built natively from its sdist, and GGUFs made
 # by llama.cpp's own converter (from that sdist) in $$PDKV_CACHE/gguf (pdkv/bench/offline/llamacpp_gguf.py).

@@ -1,6 +1,6 @@
 """`pdkv` command line: serve | proxy | up | generate | bench {offline, serve, transfer, chaos,
 hosts, soak, pool, handoff, dcp, pcp, hetero, groups, prefill-cap, kvquant, dtype, memory} |
-compare | plan | matrix."""
+compare | plan | matrix | report."""
 
 from __future__ import annotations
 
@@ -114,6 +114,8 @@ LIGHT_COMMANDS = (
             "pdkv.router.proxy_cli"),
     Command("up", "start a local colocated or P/D topology (engines + proxy)",
             "pdkv.launch.launcher"),
+    Command("report", "re-make the figures of README.md and docs/ (--check: list the stale ones)",
+            "pdkv.report.cli"),
 )
 
 # `pdkv bench <name>`, one row per subcommand, by family (pdkv/bench/<family>/).
@@ -197,9 +199,9 @@ class LazySubParsers(argparse._SubParsersAction):  # type: ignore[type-arg]
 
 
 def build_light_parser(name: str) -> argparse.ArgumentParser:
-    """A parser with only the torch-free subcommand `name` (`plan`, `matrix`, `proxy`, `up`):
-    those run without importing torch (matrix runs its checks in a pytest subprocess; `up` starts
-    its engines as `pdkv serve` processes)."""
+    """A parser with only the torch-free subcommand `name` (`plan`, `matrix`, `proxy`, `up`,
+    `report`): those run without importing torch (matrix runs its checks in a pytest subprocess;
+    `up` starts its engines as `pdkv serve` processes; report runs each figure's command as one)."""
     parser = PdkvArgumentParser(prog="pdkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, action=LazySubParsers)
     sub.add_command(next(c for c in LIGHT_COMMANDS if c.name == name))

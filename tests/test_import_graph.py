@@ -43,7 +43,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("serve",),  # the OpenAI server
     ("router",),  # proxy, routing policies, pool topology specs
     ("launch",),  # `pdkv up`: launcher, pool servers (redis, mooncake), free ports, demo
-    ("matrix", "bench"),  # tools
+    ("matrix", "bench", "report"),  # tools (report: the figures of the guides, `pdkv report`)
     ("cli",),  # the entry point
 )
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}

@@ -1,0 +1,126 @@
+"""Converters from a benchmark's JSON result to a figure's table, for the commands whose printed
+table is not a pipe table or grid (`Figure.convert = "pdkv.report.convert:NAME"`). Each takes the
+command's output ({"stdout", "files", "json"}) and returns {"table": {"columns", "rows",
+"align"}}; a result without the keys it reads raises KeyError."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+MIB = 1 << 20
+
+
+def _table(columns: list[str], rows: list[list[str]]) -> dict[str, Any]:
+    return {"table": {"columns": columns, "rows": rows, "align": [""] * len(columns)}}
+
+
+def transfer(output: Mapping[str, Any]) -> dict[str, Any]:
+    """`pdkv bench transfer --result-json`: one row per (size, method), GB/s (GB = 1e9 B) best
+    and median over the timed repeats, the engine's best over its peer's (raw socket, memcpy)."""
+    rows = []
+    for s in output["json"]["sizes"]:
+        for name, m in s["methods"].items():
+            peer = "raw" if f"{name}/raw_socket" in s["ratios"] else "memcpy"
+            r = s["ratios"].get(f"{name}/raw_socket") or s["ratios"].get(f"{name}/memcpy")
+            rows.append([f"{s['size_mib']} MiB", name, f"{m['best_gbps']:.2f}",
+                         f"{m['median_gbps']:.2f}", f"{r['best']:.2f} /{peer}" if r else ""])
+    return _table(["size", "method", "best GB/s", "median GB/s", "ratio (best)"], rows)
+
+
+def _context(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def dcp(output: Mapping[str, Any]) -> dict[str, Any]:
+    """`pdkv bench dcp --json`: one row per context length; the KV per rank of each config (MiB),
+    the last config's KV ratio to the first, decode step p50 / p90 (ms) per config and the last
+    config's all-gather + merge share of a step."""
+    result = output["json"]
+    configs: list[str] = []
+    by_len: dict[int, dict[str, Mapping[str, Any]]] = {}
+    for r in result["rows"]:
+        if r["config"] not in configs:
+            configs.append(r["config"])
+        by_len.setdefault(int(r["context_len"]), {})[r["config"]] = r
+    last = configs[-1]
+    columns = (["context (tokens)"] + [f"KV per rank {c}" for c in configs] + ["ratio"]
+               + [f"decode step p50 / p90 {c}" for c in configs]
+               + [f"all-gather + merge share at {last}"])
+    rows = []
+    for n in sorted(by_len):
+        got = by_len[n]
+
+        def cell(c: str, fmt: str, got: dict[str, Mapping[str, Any]] = got) -> str:
+            return fmt.format(**got[c]) if c in got else "-"
+
+        rows.append([_context(n)]
+                    + [f"{got[c]['kv_bytes_per_rank'] / MIB:.2f} MiB" if c in got else "-"
+                       for c in configs]
+                    + [cell(last, "{kv_ratio:.2f}")]
+                    + [cell(c, "{step_median_ms:.1f} / {step_p90_ms:.1f} ms") for c in configs]
+                    + [f"{100 * got[last]['comm_share']:.0f} %" if last in got else "-"])
+    return _table(columns, rows)
+
+
+def groups(output: Mapping[str, Any]) -> dict[str, Any]:
+    """`pdkv bench groups --json`: per (model, prompt length), each group's blocks × bytes per
+    block, the MiB moved (equal to the formula's, else "BYTES"), the pull's p50 (ms) and the
+    bytes and time against the full-attention peer's row of the same length."""
+    rows = []
+    for r in output["json"]["rows"]:
+        moved = f"{r['bytes_received'] / MIB:,.2f}"
+        if r["bytes_received"] != r["formula_bytes"]:
+            moved += f" (formula {r['formula_bytes'] / MIB:,.2f}: BYTES)"
+        rows.append([
+            str(r["model"]), str(r["prompt_tokens"]),
+            "; ".join(f"{g['kind'].replace('_', ' ')} {g['blocks']} × {g['block_bytes']:,}"
+                      for g in r["groups"]),
+            moved, f"{r['transfer_s'] * 1e3:.2f}",
+            f"{r['bytes_ratio']:.3f}" if "bytes_ratio" in r else "-",
+            f"{r['time_ratio']:.2f}" if "time_ratio" in r else "-",
+        ])
+    return _table(["model", "prompt", "groups (blocks × bytes)", "MiB moved (= formula)",
+                   "xfer p50 ms", "bytes × peer", "time × peer"], rows)
+
+
+def _numeric(tokens: list[str]) -> bool:
+    try:
+        [float(t.replace(",", "")) for t in tokens]
+    except ValueError:
+        return False
+    return True
+
+
+def panel_linear(output: Mapping[str, Any]) -> dict[str, Any]:
+    """`python -m pdkv.model.panel_linear`'s printed rows (rows, oneDNN ms, panel ms, their
+    ratio, panel GFLOP/s), read from its stdout.
+
+    Raises:
+        ValueError: no row was printed.
+    """
+    rows = [line.split() for line in str(output["stdout"]).splitlines()]
+    rows = [r for r in rows if len(r) == 5 and _numeric(r)]
+    if not rows:
+        raise ValueError("panel_linear printed no rows")
+    return _table(["rows", "oneDNN packed ms", "panel ms", "panel / oneDNN time",
+                   "panel GFLOP/s"], rows)
+
+
+def memory(output: Mapping[str, Any]) -> dict[str, Any]:
+    """`pdkv bench memory`'s printed table (RSS in MB = 10^6 bytes after start and after one
+    request, its anon / file / shmem parts, torch loaded, the goal, met), read from its stdout.
+
+    Raises:
+        ValueError: no process row was printed.
+    """
+    rows = []
+    for line in str(output["stdout"]).splitlines():
+        label, rest = line[:22].strip(), line[22:].split()
+        if label.startswith("pdkv ") and len(rest) == 8:
+            rows.append([label, *(f"{x} MB" if i < 5 or i == 6 else x
+                                  for i, x in enumerate(rest))])
+    if not rows:
+        raise ValueError("bench memory printed no process rows")
+    return _table(["process", "started", "after one request", "anon", "file", "shmem",
+                   "torch loaded", "goal", "met"], rows)

@@ -1,0 +1,102 @@
+"""Running one figure's command and turning its result into the figure's data."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdkv.report import machine
+from pdkv.report.figures import Figure, converter
+
+
+class Refused(RuntimeError):
+    """The box is too busy for a figure to be measured (and --force was not given)."""
+
+
+def argv(figure: Figure, json_path: str, folder: str) -> list[str]:
+    """The figure's command with its placeholders filled in (also inside an argument:
+    "{dir}/COMPARE.md")."""
+    fill = {"{python}": sys.executable, "{json}": json_path, "{dir}": folder}
+    out = []
+    for a in figure.command:
+        for key, value in fill.items():
+            a = a.replace(key, value)
+        out.append(a)
+    return out
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One run of a command: its output ({"stdout", "files", "json"}, see
+    `figures.default_convert`) and the machine object of the run (load after included)."""
+
+    output: dict[str, Any]
+    machine: dict[str, Any]
+
+
+def measure(root: Path, figure: Figure, probe: machine.Probe, force: bool,
+            timeout_s: float | None = None, wait_s: float = 0.0) -> Measured:
+    """Run `figure`'s command now in `root`: refuse when the load is above the core count after
+    waiting up to `wait_s` seconds for it to fall (unless `force`: then it runs at once).
+
+    Raises:
+        Refused: the 1-minute load average exceeds the core count and `force` is False.
+        ValueError: the figure has no command, or is a record of a past run.
+        RuntimeError: the command failed (its exit status) or timed out.
+        OSError, ValueError: its `{json}` file is missing or not JSON.
+    """
+    if not figure.command:
+        raise ValueError(f"figure {figure.id} has no command yet ({figure.how})")
+    if not figure.rerun:
+        raise ValueError(f"figure {figure.id} is a record of a past run; it is not re-run")
+    reason = machine.refusal(probe) if force else machine.wait_quiet(probe, wait_s)
+    if reason is not None and not force:
+        raise Refused(f"figure {figure.id}: refused, {reason}: the figure would measure the "
+                      "other jobs too; wait for a quiet box or pass --force (the figure then "
+                      "says FORCED)")
+    facts = machine.facts(root, probe, figure.requests_per_point)
+    with tempfile.TemporaryDirectory(prefix=f"pdkv-report-{figure.id}-") as tmp:
+        json_path = str(Path(tmp) / "result.json")
+        folder = Path(tmp) / "out"
+        folder.mkdir()
+        cmd = argv(figure, json_path, str(folder))
+        print(f"[{figure.id}] {' '.join(cmd)}", file=sys.stderr, flush=True)
+        try:
+            proc = subprocess.run(cmd, cwd=root, stdout=subprocess.PIPE, text=True,
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"figure {figure.id}: timed out after {timeout_s} s") from e
+        sys.stdout.write(proc.stdout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"figure {figure.id}: command exited {proc.returncode}: "
+                               f"{proc.stdout[-2000:]}")
+        result = (json.loads(Path(json_path).read_text(encoding="utf-8"))
+                  if "{json}" in figure.command else None)
+        files = {p.name: p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.md"))}
+    return Measured({"stdout": proc.stdout, "files": files, "json": result},
+                    machine.finish(facts, probe))
+
+
+def to_data(figure: Figure, measured: Measured) -> dict[str, Any]:
+    """The data file of `figure` from a run of its command (the run may be shared with other
+    figures of the same command).
+
+    Raises:
+        ValueError: the output does not convert into the figure's kind.
+    """
+    converted = converter(figure)(measured.output)
+    if figure.kind not in converted:
+        raise ValueError(f"figure {figure.id}: its result converts to "
+                         f"{sorted(converted)}, not a {figure.kind}: the figure needs a "
+                         "`convert` function")
+    data: dict[str, Any] = {"figure": figure.id, "guide": figure.guide,
+                            "command": figure.command_text(), "machine": measured.machine,
+                            **converted}
+    if measured.output.get("json") is not None:
+        data["result"] = measured.output["json"]
+    return data

@@ -1,0 +1,52 @@
+"""`pdkv report --check`: which figures' data predate a change to the code they measure."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pdkv.report import gitinfo
+from pdkv.report.figures import MIN_REQUESTS_FOR_P99, Figure
+from pdkv.report.machine import UNKNOWN
+
+
+def why_stale(root: Path, figure: Figure) -> str | None:
+    """Why `figure` needs a re-run, or None when its data is current: no data file, a data
+    commit git does not know (or "unknown"), a commit touching `figure.measures` after the data's
+    commit, uncommitted changes at the run, or fewer requests per point than p99 needs. A record
+    of a past run (`rerun` False) is never stale."""
+    if not figure.rerun:
+        return None
+    path = root / figure.data
+    if not path.exists():
+        return "no data file"
+    try:
+        machine = json.loads(path.read_text(encoding="utf-8")).get("machine") or {}
+    except (OSError, ValueError, AttributeError) as e:
+        return f"data unreadable: {e}"
+    commit = str(machine.get("commit", UNKNOWN))
+    if commit == UNKNOWN:
+        return "the run's commit is unknown"
+    last = gitinfo.last_change(root, figure.measures)
+    if last:
+        ancestor = gitinfo.is_ancestor(root, last, commit)
+        if ancestor is None:
+            return f"commit {commit[:7]} is not in this repository"
+        if not ancestor:
+            return f"code it measures changed in {last[:7]}, after {commit[:7]}"
+    if machine.get("dirty"):
+        return f"ran with uncommitted changes on {commit[:7]}"
+    rpp = machine.get("requests_per_point")
+    if figure.percentiles and (not isinstance(rpp, int) or rpp < MIN_REQUESTS_FOR_P99):
+        return f"{rpp} requests per point: p99 needs at least {MIN_REQUESTS_FOR_P99}"
+    return None
+
+
+def check(root: Path, figures: tuple[Figure, ...]) -> list[tuple[Figure, str]]:
+    """Every figure of `figures` that is stale, with why (`why_stale`), in registry order."""
+    out = []
+    for f in figures:
+        reason = why_stale(root, f)
+        if reason is not None:
+            out.append((f, reason))
+    return out
