@@ -117,12 +117,19 @@ def report(args: argparse.Namespace, figures: tuple[Figure, ...], probe: Probe) 
             if f.command not in runs:  # figures of one command share its run
                 runs[f.command] = runner.measure(root, f, probe, args.force, args.timeout,
                                                  args.wait_quiet)
-            data = runner.to_data(f, runs[f.command])
         except runner.Refused as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_REFUSED
         except (RuntimeError, ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
+            failed += 1
+            continue
+        try:
+            data = runner.to_data(f, runs[f.command])
+        except (TypeError, KeyError, ValueError) as e:  # the run is kept: nothing measured is lost
+            raw = runner.keep_raw(f, runs[f.command])
+            print(f"error: figure {f.id}: its output does not convert ({e}); the run's output "
+                  f"and machine are kept in {raw}", file=sys.stderr)
             failed += 1
             continue
         render.write_data(root, f, data)

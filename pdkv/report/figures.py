@@ -126,7 +126,9 @@ def default_convert(output: Mapping[str, Any], kind: str = "table", index: int =
                     source: str = "", header: str = "") -> dict[str, Any]:
     """A command's output as figure data. `output` holds "stdout" (text), "files" (markdown
     files it wrote in `{dir}`, by name) and "json" (what it wrote to `{json}`, or None). The data
-    is the JSON's own "table" ({"columns", "rows"[, "align"]}) or "text" (lines) when it has one;
+    is the JSON's own "table" ({"columns", "rows"[, "align"]}; a "table" that is the printed
+    markdown string, as `pdkv bench hosts` writes, is read from the stdout like any printed one)
+    or "text" (lines) when it has one;
     else, for a table, the first table printed in the stdout (or in file `source`: pipe tables
     and plain-text grids, `markdown.printed_tables`) whose first header cell starts with `header`,
     or the `index`-th when `header` is empty; for text, the stdout (or that file) itself.
@@ -135,7 +137,7 @@ def default_convert(output: Mapping[str, Any], kind: str = "table", index: int =
         ValueError: there is no such table or file.
     """
     result = output.get("json")
-    if isinstance(result, Mapping) and "table" in result:
+    if isinstance(result, Mapping) and isinstance(result.get("table"), Mapping):
         table = result["table"]
         return {"table": {"columns": [str(c) for c in table["columns"]],
                           "rows": [[str(c) for c in r] for r in table["rows"]],

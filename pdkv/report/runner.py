@@ -82,6 +82,16 @@ def measure(root: Path, figure: Figure, probe: machine.Probe, force: bool,
                     machine.finish(facts, probe))
 
 
+def keep_raw(figure: Figure, measured: Measured) -> str:
+    """Write a run whose output did not convert to `<tmp>/pdkv-report-<id>-raw-<random>.json`
+    (its output and machine object), so a converter fix need not re-run it; returns the path."""
+    fd, path = tempfile.mkstemp(prefix=f"pdkv-report-{figure.id}-raw-", suffix=".json")
+    with open(fd, "w", encoding="utf-8") as f:
+        json.dump({"figure": figure.id, "output": measured.output, "machine": measured.machine},
+                  f, indent=1, default=str)
+    return path
+
+
 def to_data(figure: Figure, measured: Measured) -> dict[str, Any]:
     """The data file of `figure` from a run of its command (the run may be shared with other
     figures of the same command).

@@ -303,6 +303,9 @@ def test_default_convert_picks_the_printed_table_by_its_first_header() -> None:
     with pytest.raises(ValueError, match="no table headed 'step'"):
         default_convert(out, header="step")
     assert default_convert(out, kind="text")["text"][0] == "pdkv offline benchmark"
+    # a JSON whose "table" is the printed markdown (pdkv bench hosts): read from the stdout
+    hosts = {"stdout": stdout, "files": {}, "json": {"table": "| goal | value |\n|---|---|"}}
+    assert default_convert(hosts, header="goal")["table"]["rows"] == [["decode", "0.93"]]
 
 
 def test_transfer_and_dcp_converters_read_their_results() -> None:
