@@ -17,10 +17,12 @@ bfloat16 / float16 on a CPU without native bf16 run, with a warning (pdkv/model/
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
 from pdkv.model.cpu_features import dtype_warning, read_cpu_features
+from pdkv.model.hugepages import HugePageArena
 from pdkv.model.linear_backend import LinearDispatch, LinearTuning, tune_linear
 from pdkv.model.linear_table import DEFAULT_BUCKETS
 from pdkv.model.llama import LlamaForCausalLM
@@ -76,7 +78,10 @@ def setup_cpu_linear(model: LlamaForCausalLM, mode: str, dtype: str, device: str
         logger.warning(warning)
     if mode == "panel":
         if why is None:
-            if model.pack_cpu_weights(pack_panel_weight):
+            arena = HugePageArena()
+            packed = model.pack_cpu_weights(functools.partial(pack_panel_weight, arena=arena))
+            logger.info("cpu-linear panel: %s", arena.describe())
+            if packed:
                 return CpuLinearSetup(mode, None, warning)
             mode = "auto"  # the projections left plain (hybrid layers) get the table
         else:

@@ -36,21 +36,32 @@ from dataclasses import dataclass
 
 import torch
 
+from pdkv.model.hugepages import HugePageArena
+
 NR = 16
 """Output rows per panel (two AVX2 vectors of float32)."""
 PANEL_DTYPES = (torch.float32, torch.bfloat16)
 """Weight dtypes the kernel reads (bfloat16 is widened to float32 in registers)."""
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] -> panels [ceil(N / 16), K, 16] of its dtype, contiguous, rows past N zero."""
+def pack_panels(weight: torch.Tensor, arena: HugePageArena | None = None) -> torch.Tensor:
+    """weight [N, K] -> panels [ceil(N / 16), K, 16] of its dtype, contiguous, rows past N zero;
+    allocated from `arena` (2 MiB pages, pdkv.model.hugepages) when given."""
     n, k = weight.shape
     p = -(-n // NR)
-    if n % NR == 0:  # one copy, no padded temporary (a freed temporary can stay in the RSS)
-        return weight.view(p, NR, k).transpose(1, 2).contiguous()
-    panels = weight.new_zeros(p, k, NR)
-    panels[:-1].copy_(weight[: (p - 1) * NR].view(p - 1, NR, k).transpose(1, 2))
-    panels[-1, :, : n - (p - 1) * NR].copy_(weight[(p - 1) * NR :].T)
+    if arena is None and n % NR == 0:  # one copy, no padded temporary (a freed temporary can
+        return weight.view(p, NR, k).transpose(1, 2).contiguous()  # stay in the RSS)
+    if arena is None:
+        panels = weight.new_zeros(p, k, NR)
+    else:
+        panels = arena.empty((p, k, NR), weight.dtype)
+        if n % NR:
+            panels[-1].zero_()
+    full = n // NR
+    if full:
+        panels[:full].copy_(weight[: full * NR].view(full, NR, k).transpose(1, 2))
+    if n % NR:
+        panels[-1, :, : n - full * NR].copy_(weight[full * NR :].T)
     return panels
 
 
@@ -108,12 +119,13 @@ class PanelWeight:
         return self.panels.numel() * self.panels.element_size()
 
 
-def pack_panel_weight(weight: torch.Tensor) -> PanelWeight | None:
-    """weight [N, K] packed for the panel kernel, or None where it cannot run (see
-    panel_linear_unavailable; the caller falls back)."""
+def pack_panel_weight(weight: torch.Tensor,
+                      arena: HugePageArena | None = None) -> PanelWeight | None:
+    """weight [N, K] packed for the panel kernel (into `arena` when given), or None where it
+    cannot run (see panel_linear_unavailable; the caller falls back)."""
     if panel_linear_unavailable(weight) is not None:
         return None
-    return PanelWeight(pack_panels(weight.detach()), int(weight.shape[0]))
+    return PanelWeight(pack_panels(weight.detach(), arena), int(weight.shape[0]))
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int) -> float:

@@ -7,7 +7,9 @@ run on one machine state:
 
 * read bandwidth (bytes / second): the best of `repeats` timed `torch.sum` passes over one float32
   buffer the size of the model's weights (a streaming read, vectorized and split over the
-  threads by ATen's reduction; nothing is written back but one scalar);
+  threads by ATen's reduction; nothing is written back but one scalar). The buffer is placed as
+  the engine places its packed weights (pdkv.model.hugepages: 2 MiB pages where transparent huge
+  pages allow), so the limit is the best read this machine gives the weights;
 * FMA peak (FLOP / second): the best of `repeats` timed runs of pdkv's `fma_peak` op
   (`csrc/fma_peak.cpp`: twelve independent vector FMA chains per thread, operands in registers,
   the ISA the extension was built for), the rate no compute-bound kernel can pass here;
@@ -36,6 +38,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+from pdkv.model.hugepages import HugePageArena
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -77,6 +81,7 @@ class MachineLimits:
         threads: torch intra-op threads used for all of them.
         fma_flop_per_s: best register-only fp32 FMA rate (FLOP / second, pdkv's `fma_peak` op),
             None where pdkv's extension is not loaded.
+        read_huge_pages: the read buffer was advised for 2 MiB pages (HugePageArena.advised).
     """
 
     read_bytes_per_s: float
@@ -85,6 +90,7 @@ class MachineLimits:
     matmul_n: int
     threads: int
     fma_flop_per_s: float | None = None
+    read_huge_pages: bool = False
 
     @property
     def peak_flop_per_s(self) -> float:
@@ -184,11 +190,13 @@ def measure_limits(read_bytes: int, repeats: int = 5, matmul_n: int = 3072) -> M
     if read_bytes < 4 or repeats < 1 or matmul_n < 64:
         raise ValueError(f"bad limits sizes: read_bytes={read_bytes}, repeats={repeats}, "
                          f"matmul_n={matmul_n}")
-    buf = torch.ones(read_bytes // 4, dtype=torch.float32)
+    arena = HugePageArena()
+    buf = arena.empty((read_bytes // 4,), torch.float32).fill_(1.0)
     buf.sum()
     read_s = _best_seconds(buf.sum, repeats)
     nbytes = buf.numel() * 4
-    del buf
+    arena_advised = arena.advised
+    del buf, arena
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(matmul_n, matmul_n, generator=gen)
     b = torch.randn(matmul_n, matmul_n, generator=gen)
@@ -201,6 +209,7 @@ def measure_limits(read_bytes: int, repeats: int = 5, matmul_n: int = 3072) -> M
         matmul_n=matmul_n,
         threads=torch.get_num_threads(),
         fma_flop_per_s=measure_fma_peak(repeats),
+        read_huge_pages=arena_advised,
     )
 
 
@@ -262,7 +271,9 @@ def format_limits(lim: dict[str, Any]) -> str:
     return "\n".join([
         peak,
         f"limit: memory read {gb:.1f} GB/s (torch.sum over {mb:.0f} MB, the "
-        f"{lim['model_dtype']} weights; {lim['threads']} threads) -> batch-1 decode <= "
+        f"{lim['model_dtype']} weights, on "
+        f"{'2 MiB' if lim.get('read_huge_pages') else '4 KiB'} pages; "
+        f"{lim['threads']} threads) -> batch-1 decode <= "
         f"{lim['decode_limit_tok_s_batch1']:.1f} tok/s",
         f"       fp32 matmul {gf:.1f} GFLOP/s (torch.mm {lim['matmul_n']}^3); "
         f"{lim['model_matmul_params'] / 1e6:.1f} M matmul params x 2 FLOP/token: prefill and "
