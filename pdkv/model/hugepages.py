@@ -13,8 +13,8 @@ gets a slab of its own. Untouched slab space is never made resident (the last sl
 Where THP is "never", madvise is not available, or the platform is not Linux, the arena still
 works and the pages stay 4 KiB (`advised` says so).
 
-On a 2-core AMD EPYC (AVX2) the panel kernel streamed SmolLM2's 538 MB of packed weights at
-batch 1 about 12 % faster from an arena than from 4 KiB pages (docs/SPEED.md, "Huge pages").
+`python -m pdkv.bench.model.weight_stream` measures what it gives a model's batch-1 linears
+(docs/SPEED.md, "Huge pages").
 """
 
 from __future__ import annotations

@@ -202,8 +202,9 @@ def machine() -> dict[str, str]:
                     model = line.split(":", 1)[1].strip()
                 if line.startswith("flags") and not flags:
                     have = line.split(":", 1)[1].split()
-                    flags = " ".join(sorted(x for x in have
-                                            if x.startswith(("avx512", "amx")) or x in ("avx2", "fma")))
+                    flags = " ".join(sorted(
+                        x for x in have
+                        if x.startswith(("avx512", "amx")) or x in ("avx2", "fma")))
     except OSError:
         pass
     try:
