@@ -20,23 +20,19 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 
+from pdkv.bench.offline.limits import best_seconds
 from pdkv.model.llama import LlamaForCausalLM
 from pdkv.model.panel_linear import PanelWeight
 
 
-def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
+def _warm_best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """One untimed call, then the fastest of `repeats` timed ones (seconds)."""
     fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return best_seconds(fn, repeats)
 
 
 def _panels(model: LlamaForCausalLM) -> list[PanelWeight]:
@@ -77,11 +73,11 @@ def measure(model_name: str, repeats: int) -> list[dict[str, float | str]]:
             raise RuntimeError(f"{model_name}: no projection was packed for the panel kernel")
         nbytes = sum(p.nbytes for p in panels)
         xs = {k: torch.randn(1, k) for k in {int(p.panels.shape[1]) for p in panels}}
-        linear_s = _best_seconds(functools.partial(_step, panels, xs), repeats)
+        linear_s = _warm_best_seconds(functools.partial(_step, panels, xs), repeats)
         buf_arena = HugePageArena() if arena is not None else None
         buf = (buf_arena.empty((nbytes // 4,), torch.float32) if buf_arena is not None
                else torch.empty(nbytes // 4, dtype=torch.float32)).fill_(1.0)
-        read_s = _best_seconds(buf.sum, repeats)
+        read_s = _warm_best_seconds(buf.sum, repeats)
         pages = "" if arena is None else (" (advised)" if arena.advised else " (not advised)")
         rows.append({"placement": placement + pages, "weights_mb": nbytes / 1e6,
                      "linears_ms": linear_s * 1e3, "linears_gb_s": nbytes / linear_s / 1e9,

@@ -146,7 +146,8 @@ def model_cost(model_path: str, dtype: str) -> ModelCost:
     )
 
 
-def _best_seconds(fn: Any, repeats: int) -> float:
+def best_seconds(fn: Any, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `fn` (seconds; no warm-up call: make it first)."""
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -193,7 +194,7 @@ def measure_limits(read_bytes: int, repeats: int = 5, matmul_n: int = 3072) -> M
     arena = HugePageArena()
     buf = arena.empty((read_bytes // 4,), torch.float32).fill_(1.0)
     buf.sum()
-    read_s = _best_seconds(buf.sum, repeats)
+    read_s = best_seconds(buf.sum, repeats)
     nbytes = buf.numel() * 4
     arena_advised = arena.advised
     del buf, arena
@@ -201,7 +202,7 @@ def measure_limits(read_bytes: int, repeats: int = 5, matmul_n: int = 3072) -> M
     a = torch.randn(matmul_n, matmul_n, generator=gen)
     b = torch.randn(matmul_n, matmul_n, generator=gen)
     torch.mm(a, b)
-    mm_s = _best_seconds(lambda: torch.mm(a, b), repeats)
+    mm_s = best_seconds(lambda: torch.mm(a, b), repeats)
     return MachineLimits(
         read_bytes_per_s=nbytes / read_s,
         read_buffer_bytes=nbytes,
