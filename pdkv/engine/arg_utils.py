@@ -236,6 +236,8 @@ class EngineArgs:
             "--enable-prefix-caching",
             action=argparse.BooleanOptionalAction,
             default=d.enable_prefix_caching,
+            help="reuse the KV blocks of a cached prompt prefix (block hashes, as vLLM's "
+            "automatic prefix caching)",
         )
         g.add_argument(
             "--max-num-seqs", type=int, default=d.max_num_seqs, help="requests running at once"

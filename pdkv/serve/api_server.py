@@ -418,8 +418,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     EngineArgs.add_cli_args(parser)
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address the HTTP server binds (0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API")
     g.add_argument("--api-key", default=None)
     g.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
