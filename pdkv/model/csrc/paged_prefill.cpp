@@ -50,7 +50,30 @@ struct Task {
 // aligned(4): loads and stores at any float address.
 typedef float vf8 __attribute__((vector_size(32), aligned(4)));
 
+typedef int32_t vi8 __attribute__((vector_size(32)));
+
 inline vf8 load8(const float* p) { return *reinterpret_cast<const vf8*>(p); }
+
+// exp_nonpos on 8 lanes: the same range reduction and polynomial in vector code (GCC / clang
+// vector extensions); floor by truncation, exact for the |x| <= 126 the clamp leaves.
+inline vf8 exp_nonpos8(vf8 x) {
+  const vf8 lo = vf8{} - 87.f;
+  const vf8 xc = x < lo ? lo : x;
+  const vf8 z = xc * 1.44269504088896341f + 0.5f;
+  const vf8 zt = __builtin_convertvector(__builtin_convertvector(z, vi8), vf8);
+  const vf8 n = z < zt ? zt - 1.f : zt;
+  const vf8 r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  vf8 p = vf8{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const vi8 bits = (__builtin_convertvector(n, vi8) + 127) << 23;
+  const vf8 res = p * (vf8)bits;  // a vector cast keeps the bits
+  return x < lo ? vf8{} : res;
+}
 inline void store8(float* p, vf8 v) { *reinterpret_cast<vf8*>(p) = v; }
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -157,13 +180,17 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, const std::vector
           for (int64_t t = a; t < b; ++t) mb = std::max(mb, sr[t]);
           const float mnew = std::max(m[row], mb);
           alpha[row] = exp_nonpos(m[row] - mnew);  // 0 on the row's first keys (m = -inf)
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < KW; ++t) {
-            const float e = (t >= a && t < b) ? exp_nonpos(sr[t] - mnew) : 0.f;
-            sr[t] = e;
-            sum += e;
+          vf8 vsum = {};
+          const vi8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+          for (int64_t t = 0; t < KW; t += 8) {  // KW is a multiple of 16
+            const vi8 idx = lane + static_cast<int32_t>(t);
+            const vf8 e = exp_nonpos8(load8(sr + t) - mnew);
+            const vf8 w = (idx >= static_cast<int32_t>(a)) & (idx < static_cast<int32_t>(b)) ? e : vf8{};
+            store8(sr + t, w);
+            vsum += w;
           }
+          float sum = 0.f;
+          for (int i = 0; i < 8; ++i) sum += vsum[i];
           l[row] = l[row] * alpha[row] + sum;
           m[row] = mnew;
         }
