@@ -23,18 +23,19 @@ namespace {
 
 constexpr int64_t TILE = 16;  // query positions per task
 
-// exp(x) for x <= 0 (0 below -87), Cephes' expf range reduction and polynomial (~1 ulp); plain
-// arithmetic so `omp simd` loops over it vectorize (std::exp would stay a scalar call).
+// Cephes' expf: log2(e), ln 2 split into a high and a low part, and the polynomial's
+// coefficients (highest power first), shared by the scalar and the 8-lane exp below.
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = 2.12194440e-4f;
+constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+// exp(x) for x <= 0 (0 below -87), Cephes' expf range reduction and polynomial (~1 ulp).
 inline float exp_nonpos(float x) {
   const float xc = std::max(x, -87.f);
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  const float n = std::floor(xc * kLog2e + 0.5f);
+  const float r = xc - n * kLn2Hi + n * kLn2Lo;
+  float p = kExpP[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpP[i];
   p = p * r * r + r + 1.f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float two_n;
@@ -49,33 +50,28 @@ struct Task {
 // 8 floats (AVX2 on x86 with -march=native; GCC / clang split it where vectors are narrower);
 // aligned(4): loads and stores at any float address.
 typedef float vf8 __attribute__((vector_size(32), aligned(4)));
-
 typedef int32_t vi8 __attribute__((vector_size(32)));
 
 inline vf8 load8(const float* p) { return *reinterpret_cast<const vf8*>(p); }
+inline void store8(float* p, vf8 v) { *reinterpret_cast<vf8*>(p) = v; }
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // exp_nonpos on 8 lanes: the same range reduction and polynomial in vector code (GCC / clang
 // vector extensions); floor by truncation, exact for the |x| <= 126 the clamp leaves.
 inline vf8 exp_nonpos8(vf8 x) {
   const vf8 lo = vf8{} - 87.f;
   const vf8 xc = x < lo ? lo : x;
-  const vf8 z = xc * 1.44269504088896341f + 0.5f;
+  const vf8 z = xc * kLog2e + 0.5f;
   const vf8 zt = __builtin_convertvector(__builtin_convertvector(z, vi8), vf8);
   const vf8 n = z < zt ? zt - 1.f : zt;
-  const vf8 r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-  vf8 p = vf8{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  const vf8 r = xc - n * kLn2Hi + n * kLn2Lo;
+  vf8 p = vf8{} + kExpP[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpP[i];
   p = p * r * r + r + 1.f;
   const vi8 bits = (__builtin_convertvector(n, vi8) + 127) << 23;
   const vf8 res = p * (vf8)bits;  // a vector cast keeps the bits
   return x < lo ? vf8{} : res;
 }
-inline void store8(float* p, vf8 v) { *reinterpret_cast<vf8*>(p) = v; }
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 template <typename scalar_t>
 void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, const std::vector<int64_t>& cu,
