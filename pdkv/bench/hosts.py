@@ -43,11 +43,11 @@ from pdkv.bench.header import host_facts, machine_lines
 from pdkv.bench.results import write_result_json
 from pdkv.bench.serve.config import BenchConfig
 from pdkv.bench.serve.runner import run_serve_bench
+from pdkv.launch.delay_line import delay_seconds
 from pdkv.launch.deploy import Deployment, DeploymentError, load_deployment
 from pdkv.launch.netns import (
     LinkShape,
     delay_method,
-    delay_seconds,
     rate_bytes_per_s,
     unavailable_reason,
 )

@@ -34,12 +34,17 @@ import argparse
 import collections
 import errno
 import os
+import re
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import IO
+
+from pdkv.procgroup import stop_process_group
 
 ETH_P_ALL = 0x0003
 """packet(7): every protocol."""
@@ -62,8 +67,29 @@ SO_RCVBUFFORCE = 33
 RCVBUF_BYTES = 8 << 20
 """Receive buffer of a port, in bytes: 128 frames of 64 KiB."""
 
+_DELAY = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(us|ms|s)\s*$")
+_DELAY_SCALE = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+READY_S = 20.0
+"""Deadline, in seconds, for a started delay line to bind its ports and print "ready"."""
+
 DEFAULT_LIMIT = 1000
 """Frames queued per direction before new ones are dropped (netem's default `limit`)."""
+
+
+def delay_seconds(delay: str) -> float:
+    """Seconds of a tc time: "1ms" → 0.001, "250us" → 0.00025, "0.5s" → 0.5.
+
+    Raises:
+        ValueError: not a number followed by us, ms or s, or not > 0.
+    """
+    m = _DELAY.match(delay)
+    if not m:
+        raise ValueError(f"delay must look like 1ms, 250us or 0.5s, got {delay!r}")
+    value = float(m.group(1)) * _DELAY_SCALE[m.group(2)]
+    if value <= 0:
+        raise ValueError(f"delay must be > 0, got {delay!r}")
+    return value
 
 
 def open_port(dev: str) -> socket.socket:
@@ -166,8 +192,6 @@ def parse_pair(text: str) -> tuple[str, str, float]:
     Raises:
         ValueError: not two distinct device names and a delay joined by ":".
     """
-    from pdkv.launch.netns import delay_seconds
-
     parts = text.split(":")
     if len(parts) != 3 or not all(parts) or parts[0] == parts[1]:
         raise ValueError(f"a pair is two device names and a delay joined by ':' (d0:e0:1ms), "
@@ -197,6 +221,65 @@ def run(pairs: Sequence[tuple[str, str, float]], limit: int = DEFAULT_LIMIT) -> 
         if os.getppid() != parent or any(d.done.is_set() for d in directions):
             break
     return 0
+
+
+def _drain(stream: IO[str]) -> None:
+    """Read a child's output to its end (so it never blocks on a full pipe)."""
+    for _ in stream:
+        pass
+
+
+class DelayLineProcess:
+    """The delay line run as a child process in network namespace `netns` (NetnsBridge's switch
+    namespace), started and waited for "ready" by the constructor; `stop` ends it (its process
+    group).
+
+    Args:
+        netns: the namespace holding the veth ends of `pairs`.
+        pairs: "DEV_A:DEV_B:DELAY" per delayed link (parse_pair's syntax).
+        ready_s: deadline for "ready", in seconds.
+
+    Raises:
+        RuntimeError: it exited or stayed silent past the deadline (its last output lines; the
+            process is stopped first).
+    """
+
+    def __init__(self, netns: str, pairs: Sequence[str], ready_s: float = READY_S) -> None:
+        cmd = ["ip", "netns", "exec", netns, sys.executable, "-m", "pdkv.launch.delay_line"]
+        for pair in pairs:
+            cmd += ["--pair", pair]
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True)
+        out = self._proc.stdout
+        assert out is not None
+        got: list[str] = []
+        timer = threading.Timer(ready_s, self._proc.kill)
+        timer.start()
+        try:
+            for line in out:
+                got.append(line.rstrip())
+                if line.strip() == "ready":
+                    break
+        finally:
+            timer.cancel()
+        if not got or got[-1] != "ready":
+            self.stop()
+            raise RuntimeError(f"the delay line did not start within {ready_s:.0f} s: "
+                               + " | ".join(got[-5:]))
+        threading.Thread(target=_drain, args=(out,), daemon=True).start()
+
+    @property
+    def pid(self) -> int:
+        """The delay line's process id."""
+        return self._proc.pid
+
+    def poll(self) -> int | None:
+        """Its exit status, or None while it runs."""
+        return self._proc.poll()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM its process group, SIGKILL after `timeout_s` seconds (nothing if it ended)."""
+        stop_process_group(self._proc, term_timeout=timeout_s)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -55,7 +55,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdkv.launch.netns import LinkShape, delay_seconds, rate_bytes_per_s
+from pdkv.launch.delay_line import delay_seconds
+from pdkv.launch.netns import LinkShape, rate_bytes_per_s
 from pdkv.launch.topology import engine_world_size
 from pdkv.router.policies import KV_EVENT_POLICIES, POLICY_NAMES
 from pdkv.router.pool_topology import DEFAULT_CHUNK_SIZE, MOONCAKE_SEGMENT_BYTES

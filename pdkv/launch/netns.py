@@ -28,7 +28,7 @@ index (a test driving `pdkv up --deploy FILE --netns`).
 `delete` removes the namespaces (their veth ends go with them, and the root namespace's end with
 its peer); it also runs when setup fails half-way.
 
-The helpers (`rate_bytes_per_s`, `delay_seconds`, `unavailable_reason`, `list_namespaces`,
+The helpers (`rate_bytes_per_s`, `unavailable_reason`, `list_namespaces`,
 `shape_commands`) are shared with `pdkv.bench.netns.NetnsPair` (`pdkv bench handoff --link-rate`,
 `pdkv compare --link-rate`).
 """
@@ -41,20 +41,14 @@ import random
 import re
 import shutil
 import subprocess
-import sys
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import IO
 
-from pdkv.procgroup import stop_process_group
+from pdkv.launch.delay_line import DelayLineProcess
 
 IP_TIMEOUT_S = 20.0
 """Deadline of one `ip` / `tc` command, in seconds."""
-
-DELAY_LINE_READY_S = 20.0
-"""Deadline, in seconds, for the delay line process to bind its ports and print "ready"."""
 
 RELAY_GSO_MAX_SIZE = 60000
 """gso_max_size (bytes) of every host's eth0 and this machine's port when the delay line runs: a
@@ -74,8 +68,6 @@ TBF_LATENCY = "100ms"
 
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmg]?)(bit|bps)\s*$", re.IGNORECASE)
 _SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
-_DELAY = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(us|ms|s)\s*$")
-_DELAY_SCALE = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
 def rate_bytes_per_s(rate: str) -> float:
@@ -92,21 +84,6 @@ def rate_bytes_per_s(rate: str) -> float:
     if value <= 0:
         raise ValueError(f"rate must be > 0, got {rate!r}")
     return value / 8 if m.group(3).lower() == "bit" else value
-
-
-def delay_seconds(delay: str) -> float:
-    """Seconds of a tc time: "1ms" → 0.001, "250us" → 0.00025, "0.5s" → 0.5.
-
-    Raises:
-        ValueError: not a number followed by us, ms or s, or not > 0.
-    """
-    m = _DELAY.match(delay)
-    if not m:
-        raise ValueError(f"delay must look like 1ms, 250us or 0.5s, got {delay!r}")
-    value = float(m.group(1)) * _DELAY_SCALE[m.group(2)]
-    if value <= 0:
-        raise ValueError(f"delay must be > 0, got {delay!r}")
-    return value
 
 
 def unavailable_reason() -> str | None:
@@ -217,12 +194,6 @@ class LinkShape:
     delay: str | None = None
 
 
-def _drain(stream: IO[str]) -> None:
-    """Read a child's output to its end (so it never blocks on a full pipe)."""
-    for _ in stream:
-        pass
-
-
 def _free_subnet(rng: random.Random) -> ipaddress.IPv4Network:
     """A random 10.A.B.0/24 that no route of the root namespace overlaps.
 
@@ -283,7 +254,7 @@ class NetnsBridge:
         self.delay_with = delay_with
         self.delay_method: str | None = None
         """After setup: "netem" or "delay_line" when some link has a delay, else None."""
-        self._delay_line: subprocess.Popen[str] | None = None
+        self._delay_line: DelayLineProcess | None = None
 
     @property
     def run_name(self) -> str:
@@ -377,7 +348,7 @@ class NetnsBridge:
                 run_all(shape_commands(ns, "eth0", shape.rate, qdisc_delay)
                         + shape_commands(sw, f"h{i}", shape.rate, qdisc_delay))
             if pairs:
-                self._start_delay_line(pairs)
+                self._delay_line = DelayLineProcess(self.switch_ns, pairs)
             run_all([
                 ["ip", "link", "add", self.root_dev, "type", "veth", "peer", "name", "c0",
                  "netns", sw],
@@ -411,41 +382,10 @@ class NetnsBridge:
             raise RuntimeError(f"a link delay with netem cannot be set: {reason}")
         return "delay_line"
 
-    def _start_delay_line(self, pairs: Sequence[str]) -> None:
-        """Start the delay line in the switch namespace for `pairs` ("d<i>:e<i>:<delay>") and wait
-        for its "ready" (DELAY_LINE_READY_S).
-
-        Raises:
-            RuntimeError: it exited or stayed silent past the deadline (its output).
-        """
-        cmd = ["ip", "netns", "exec", self.switch_ns, sys.executable, "-m",
-               "pdkv.launch.delay_line"]
-        for pair in pairs:
-            cmd += ["--pair", pair]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        self._delay_line = proc
-        assert proc.stdout is not None
-        got: list[str] = []
-        timer = threading.Timer(DELAY_LINE_READY_S, proc.kill)
-        timer.start()
-        try:
-            for line in proc.stdout:
-                got.append(line.rstrip())
-                if line.strip() == "ready":
-                    break
-        finally:
-            timer.cancel()
-        if not got or got[-1] != "ready":
-            self._stop_delay_line()
-            raise RuntimeError("the delay line did not start within "
-                               f"{DELAY_LINE_READY_S:.0f} s: " + " | ".join(got[-5:]))
-        threading.Thread(target=_drain, args=(proc.stdout,), daemon=True).start()
-
     def _stop_delay_line(self) -> None:
-        proc, self._delay_line = self._delay_line, None
-        if proc is not None:
-            stop_process_group(proc, term_timeout=10.0)
+        line, self._delay_line = self._delay_line, None
+        if line is not None:
+            line.stop()
 
     def _add_ns(self, name: str) -> None:
         run_all([["ip", "netns", "add", name]])

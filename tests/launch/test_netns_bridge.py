@@ -13,11 +13,11 @@ import time
 import pytest
 from system_packages import require_reason
 
+from pdkv.launch.delay_line import delay_seconds
 from pdkv.launch.netns import (
     LinkShape,
     NetnsBridge,
     delay_method,
-    delay_seconds,
     list_namespaces,
     netem_unavailable_reason,
     shape_commands,
