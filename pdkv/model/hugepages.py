@@ -102,7 +102,7 @@ class HugePageArena:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor of `shape` and `dtype` from the arena."""
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         pad = (-self._offset) % ALIGN_BYTES
         if self._slab is None or self._offset + pad + nbytes > self._slab.numel():
             self._new_slab(max(nbytes, self.slab_bytes))
