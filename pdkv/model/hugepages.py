@@ -116,7 +116,7 @@ class HugePageArena:
 
     def describe(self) -> str:
         """One log line: what was placed and on which pages."""
-        pages = ("2 MiB pages (THP " + str(self._mode) + ")" if self.advised else
-                 f"4 KiB pages (THP {self._mode or 'not available'})")
+        pages = (f"advised for 2 MiB pages (THP {self._mode})" if self.advised else
+                 f"on 4 KiB pages (THP {self._mode or 'not available'})")
         return (f"{self.bytes_used / 2**20:.1f} MiB of packed weights in "
-                f"{self.bytes_reserved / 2**20:.0f} MiB of slabs advised for {pages}")
+                f"{self.bytes_reserved / 2**20:.0f} MiB of slabs {pages}")
