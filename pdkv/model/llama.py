@@ -124,6 +124,10 @@ class LlamaLayer(nn.Module):
         }
         # C++ fused small ops (pdkv.model.fused_ops.set_fused_ops); False = the torch ops.
         self.fused_ops = False
+        # The whole layer of a decode step as one C++ op (pdkv.model.decode_layer.DecodeLayerOp,
+        # set by set_decode_layer_op): (hidden, cos, sin, kv_cache, meta) -> hidden; None = the
+        # Python below.
+        self.decode_op: Callable[..., torch.Tensor] | None = None
 
     def pack_cpu_weights(self, packer: Packer | None = None) -> bool:
         """Pack the four projection weights with `packer` (default pack_linear_weight: oneDNN),
@@ -150,6 +154,10 @@ class LlamaLayer(nn.Module):
 
         With fused ops on (pdkv.model.fused_ops) the residual stream `hidden` is updated in place
         and returned."""
+        op = self.decode_op
+        if (op is not None and meta.all_decode and meta.dcp is None and meta.pcp is None
+                and type(kv_cache) is torch.Tensor and kv_cache.stride(3) == self.head_dim):
+            return op(hidden, cos, sin, kv_cache, meta)
         t = hidden.shape[0]
         fused = self.fused_ops
         x = (

@@ -25,6 +25,7 @@ from pdkv.kv_transfer.connector.p2p_compat import MLA_KV_LAYOUT
 from pdkv.kv_transfer.connector.spec import ConnectorSpec
 from pdkv.kv_transfer.connector.startup import ConnectorStartup
 from pdkv.model.arch_config import LlamaArchConfig
+from pdkv.model.decode_layer import set_decode_layer_op
 from pdkv.model.deepseek_v4 import DeepseekV4ForCausalLM
 from pdkv.model.fused_ops import set_fused_ops
 from pdkv.model.llama import LlamaForCausalLM
@@ -146,6 +147,9 @@ class ModelRunner:
             "DeepSeek-V4" if arch.v4 is not None else None,
         )
         self.fused_ops = set_fused_ops(self.model, model_config.fused_ops)
+        # Decode steps' layers as one C++ op each where the choices above allow it.
+        self.decode_layer_ops = set_decode_layer_op(self.model, self.fused_ops,
+                                                    self.attention_backend)
         if model_config.max_model_len > arch.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={model_config.max_model_len} exceeds the model's "

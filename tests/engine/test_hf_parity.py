@@ -60,8 +60,12 @@ def test_batch_matches_hf(parity_prompts, hf_reference, cpu_linear, attention_ba
         assert all(
             isinstance(p, PanelWeight) for layer in model.layers for p in layer.packed.values()
         )
+        # Decode steps run each layer as one C++ op (pdkv/model/decode_layer.py).
+        assert llm.llm_engine.runner.decode_layer_ops == model.cfg.num_layers
     elif model.head_packed is None:
         pytest.skip("oneDNN is not available in this torch build")
+    if cpu_linear != "panel":
+        assert llm.llm_engine.runner.decode_layer_ops == 0
     outputs = _generate(llm, parity_prompts)
     _assert_matches(outputs, hf_reference)
     assert all(len(o.outputs[0].token_ids) >= 32 for o in outputs)

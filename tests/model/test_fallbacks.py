@@ -94,6 +94,7 @@ def _assert_on_fallbacks(llm: LLM) -> None:
     runner: Any = llm.llm_engine.runner
     assert runner.attention_backend == "torch"
     assert runner.fused_ops is False
+    assert runner.decode_layer_ops == 0
     assert "PanelWeight" not in _packed_kinds(runner.model)
 
 

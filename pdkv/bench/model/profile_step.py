@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdkv.bench.offline.cli import parse_prefill_cases
     from pdkv.bench.offline.report import cpu_description
     from pdkv.model.cpu_linear import setup_cpu_linear
+    from pdkv.model.decode_layer import set_decode_layer_op
     from pdkv.model.fused_ops import set_fused_ops
     from pdkv.model.loader import load_model
     from pdkv.model.paged_prefill import install_attention_backend
@@ -204,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     linear = setup_cpu_linear(model, args.cpu_linear, "float32", "cpu").describe()
     backend = install_attention_backend(model, args.attention_backend, "cpu", "auto", 1, False)
     fused = set_fused_ops(model, not args.no_fused_ops)
+    layer_ops = set_decode_layer_op(model, fused, backend)
     cases = [
         (f"decode B={b}", b, 1, args.context) for b in map(int, args.decode_batches.split(",")) if b
     ]
@@ -217,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             rows,
             f"{args.model} float32, {args.num_threads} "
             f"thread{'s' if args.num_threads != 1 else ''}, linear {linear}, attention {backend}, "
-            f"fused ops {'on' if fused else 'off'}, context {args.context}; cpu "
+            f"fused ops {'on' if fused else 'off'}, decode layer op "
+            f"{'on' if layer_ops else 'off'}, context {args.context}; cpu "
             f"{cpu_description()}, load average {load_before:.2f} / {os.getloadavg()[0]:.2f} "
             "before / after",
         )
