@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-fused-ops", action="store_true", help="the torch small ops (reference path)"
     )
+    p.add_argument("--no-decode-layer-op", action="store_true",
+                   help="decode steps run the Python layer (pdkv/model/decode_layer.py)")
     p.add_argument("--cpu-linear", default="panel", choices=CPU_LINEARS,
                    help="the matmuls, as the engine's --cpu-linear (default: the engine's default)")
     return p
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     linear = setup_cpu_linear(model, args.cpu_linear, "float32", "cpu").describe()
     backend = install_attention_backend(model, args.attention_backend, "cpu", "auto", 1, False)
     fused = set_fused_ops(model, not args.no_fused_ops)
-    layer_ops = set_decode_layer_op(model, fused, backend)
+    layer_ops = set_decode_layer_op(model, fused and not args.no_decode_layer_op, backend)
     cases = [
         (f"decode B={b}", b, 1, args.context) for b in map(int, args.decode_batches.split(",")) if b
     ]
