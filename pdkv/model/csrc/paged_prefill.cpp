@@ -22,6 +22,7 @@
 namespace {
 
 constexpr int64_t TILE = 16;  // query positions per task
+constexpr int64_t kRows = 6;  // query rows per micro-kernel call (Q K^T and P V)
 
 // Cephes' expf: log2(e), ln 2 split into a high and a low part, and the polynomial's
 // coefficients (highest power first), shared by the scalar and the 8-lane exp below.
@@ -82,8 +83,8 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, const std::vector
   const int64_t G = H / KVH;
   const int64_t R = static_cast<int64_t>(ctx.size());
   // Buffer widths: keys of a block padded to 16 (two vectors), head dim padded to 16, rows of a
-  // tile padded to 4 (the micro-kernels work on 4 rows x 16 columns; padding is zero).
-  const int64_t KW = round_up(bs, 16), DW = round_up(D, 16), RW = round_up(TILE * G, 4);
+  // tile padded to kRows (the micro-kernels work on kRows rows x 16 columns; padding is zero).
+  const int64_t KW = round_up(bs, 16), DW = round_up(D, 16), RW = round_up(TILE * G, kRows);
   const int64_t q_st = q.stride(0), q_sh = q.stride(1);
   const int64_t o_st = out.stride(0), o_sh = out.stride(1);
   const int64_t kv_s0 = kv.stride(0), kv_sb = kv.stride(1), kv_st = kv.stride(2), kv_sh = kv.stride(3);
@@ -141,22 +142,28 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, const std::vector
           }
         for (int64_t d = 0; d < D; ++d)
           for (int64_t t = n; t < KW; ++t) kt[d * KW + t] = 0.f;
-        // S = Q K^T for 4 rows x 16 keys at a time.
-        for (int64_t r0 = 0; r0 < RW; r0 += 4) {
+        // S = Q K^T for 6 rows x 16 keys at a time: 12 accumulators, enough independent FMA
+        // chains to keep both FMA units busy (4 rows, 8 chains, left them waiting on latency).
+        for (int64_t r0 = 0; r0 < RW; r0 += kRows) {
           if (r0 >= rows) break;
           for (int64_t c0 = 0; c0 < KW; c0 += 16) {
             vf8 s00 = {}, s01 = {}, s10 = {}, s11 = {}, s20 = {}, s21 = {}, s30 = {}, s31 = {};
+            vf8 s40 = {}, s41 = {}, s50 = {}, s51 = {};
             const float* qq = &qf[r0 * D];
             for (int64_t d = 0; d < D; ++d) {
               const vf8 k0 = load8(&kt[d * KW + c0]), k1 = load8(&kt[d * KW + c0 + 8]);
               const float a0 = qq[d], a1 = qq[D + d], a2 = qq[2 * D + d], a3 = qq[3 * D + d];
+              const float a4 = qq[4 * D + d], a5 = qq[5 * D + d];
               s00 += a0 * k0; s01 += a0 * k1; s10 += a1 * k0; s11 += a1 * k1;
               s20 += a2 * k0; s21 += a2 * k1; s30 += a3 * k0; s31 += a3 * k1;
+              s40 += a4 * k0; s41 += a4 * k1; s50 += a5 * k0; s51 += a5 * k1;
             }
             float* sr = &s[r0 * KW + c0];
             store8(sr, s00); store8(sr + 8, s01); store8(sr + KW, s10); store8(sr + KW + 8, s11);
             store8(sr + 2 * KW, s20); store8(sr + 2 * KW + 8, s21);
             store8(sr + 3 * KW, s30); store8(sr + 3 * KW + 8, s31);
+            store8(sr + 4 * KW, s40); store8(sr + 4 * KW + 8, s41);
+            store8(sr + 5 * KW, s50); store8(sr + 5 * KW + 8, s51);
           }
         }
         // Online softmax per row over its visible keys [a, b) of the block: weights in s (0
@@ -190,25 +197,32 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, const std::vector
           l[row] = l[row] * alpha[row] + sum;
           m[row] = mnew;
         }
-        // acc = alpha * acc + P V for 4 rows x 16 head dims at a time.
-        for (int64_t r0 = 0; r0 < RW; r0 += 4) {
+        // acc = alpha * acc + P V for 6 rows x 16 head dims at a time (12 accumulators, as above).
+        for (int64_t r0 = 0; r0 < RW; r0 += kRows) {
           if (r0 >= rows) break;
           const float* pr = &s[r0 * KW];
+          const float* al = &alpha[r0];
           for (int64_t dc = 0; dc < DW; dc += 16) {
             float* ar = &acc[r0 * DW + dc];
-            vf8 a00 = load8(ar) * alpha[r0], a01 = load8(ar + 8) * alpha[r0];
-            vf8 a10 = load8(ar + DW) * alpha[r0 + 1], a11 = load8(ar + DW + 8) * alpha[r0 + 1];
-            vf8 a20 = load8(ar + 2 * DW) * alpha[r0 + 2], a21 = load8(ar + 2 * DW + 8) * alpha[r0 + 2];
-            vf8 a30 = load8(ar + 3 * DW) * alpha[r0 + 3], a31 = load8(ar + 3 * DW + 8) * alpha[r0 + 3];
+            vf8 a00 = load8(ar) * al[0], a01 = load8(ar + 8) * al[0];
+            vf8 a10 = load8(ar + DW) * al[1], a11 = load8(ar + DW + 8) * al[1];
+            vf8 a20 = load8(ar + 2 * DW) * al[2], a21 = load8(ar + 2 * DW + 8) * al[2];
+            vf8 a30 = load8(ar + 3 * DW) * al[3], a31 = load8(ar + 3 * DW + 8) * al[3];
+            vf8 a40 = load8(ar + 4 * DW) * al[4], a41 = load8(ar + 4 * DW + 8) * al[4];
+            vf8 a50 = load8(ar + 5 * DW) * al[5], a51 = load8(ar + 5 * DW + 8) * al[5];
             for (int64_t t = 0; t < n; ++t) {
               const vf8 v0 = load8(&vt[t * DW + dc]), v1 = load8(&vt[t * DW + dc + 8]);
               const float w0 = pr[t], w1 = pr[KW + t], w2 = pr[2 * KW + t], w3 = pr[3 * KW + t];
+              const float w4 = pr[4 * KW + t], w5 = pr[5 * KW + t];
               a00 += w0 * v0; a01 += w0 * v1; a10 += w1 * v0; a11 += w1 * v1;
               a20 += w2 * v0; a21 += w2 * v1; a30 += w3 * v0; a31 += w3 * v1;
+              a40 += w4 * v0; a41 += w4 * v1; a50 += w5 * v0; a51 += w5 * v1;
             }
             store8(ar, a00); store8(ar + 8, a01); store8(ar + DW, a10); store8(ar + DW + 8, a11);
             store8(ar + 2 * DW, a20); store8(ar + 2 * DW + 8, a21);
             store8(ar + 3 * DW, a30); store8(ar + 3 * DW + 8, a31);
+            store8(ar + 4 * DW, a40); store8(ar + 4 * DW + 8, a41);
+            store8(ar + 5 * DW, a50); store8(ar + 5 * DW + 8, a51);
           }
         }
         p += n;
