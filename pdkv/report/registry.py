@@ -165,7 +165,8 @@ FIGURES: tuple[Figure, ...] = (
            (*PDKV, "bench", "transfer", "--result-json", "{json}"),
            ("pdkv/kv_transfer", "pdkv/bench/transfer"), convert="pdkv.report.convert:transfer"),
     # docs/PUSH.md
-    Figure("push-vs-pull", "docs/PUSH.md", (*PY, "pdkv.report.recipes.push_vs_pull"),
+    Figure("push-vs-pull", "docs/PUSH.md",
+           (*PY, "pdkv.report.recipes.push_vs_pull", "--json", "{json}"),
            (*PD, "pdkv/plan", "pdkv/bench/handoff", "pdkv/bench/netns.py",
             "pdkv/report/recipes/push_vs_pull.py", "pdkv/report/recipes/steps.py"),
            requests_per_point=2, needs="root (network namespaces)", table_header="link"),
