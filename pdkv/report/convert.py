@@ -130,6 +130,11 @@ def _count(x: float | int | None) -> str:
     return "?" if x is None else f"{x:,.0f}"
 
 
+def _span(seconds: float) -> str:
+    """"10 min" for whole minutes, else "20 s"."""
+    return f"{seconds / 60:g} min" if seconds % 60 == 0 else f"{seconds:g} s"
+
+
 def _idle_pairs(pairs: Mapping[str, Any]) -> str:
     """"name a → b, ..." of {name: [idle start, idle end]} (None: not read)."""
     return ", ".join(f"{n} {_count(a)} → {_count(b)}" for n, (a, b) in pairs.items())
@@ -178,7 +183,7 @@ def soak(output: Mapping[str, Any]) -> dict[str, Any]:
         ["open fds, idle start → idle end",
          f"{_idle_pairs(s['fds_idle'])} (slack {limits['fd_slack']})"],
         ["RSS, idle start → idle end (MB)", _idle_pairs(s["rss_mb"])],
-        [f"RSS slope after the first {limits['warmup_s'] / 60:g} min (%/h; limit "
+        [f"RSS slope after the first {_span(limits['warmup_s'])} (%/h; limit "
          f"{limits['max_rss_slope_pct_per_h']:g})", slopes],
         ["P's lease expirations", f"{_count(leases)}, of {_count(status.get('cancelled', 0))} "
          "cancels"],

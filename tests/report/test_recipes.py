@@ -201,6 +201,18 @@ def test_soak_converter_reads_the_real_hour_summaries() -> None:
         convert.soak({"files": {}})
 
 
+def test_soak_converter_reads_a_real_short_soak() -> None:
+    """fixtures/soak-summary-short.json: the suite's 30-second form, run through `pdkv report`'s
+    runner (its {dir}); the slope is not judged that short."""
+    summary = _fixture("soak-summary-short.json")
+    rows = dict(convert.soak({"files": {"summary.json": summary}})["table"]["rows"])
+    assert rows["RSS slope after the first 10 s (%/h; limit 5)"] == (
+        "not judged: 20 s after the warm-up < 600 s")
+    assert rows["free blocks at the idle end"] == "512 / 512 on prefill, decode, colocated"
+    assert rows["checks"] == "passed"
+    assert rows["requests"].startswith(f"{json.loads(summary)['requests']:,} in 3")
+
+
 def test_runner_collects_the_json_a_command_writes_into_its_folder() -> None:
     fig = Figure("x", "docs/X.md", (sys.executable, "-c",
                                     "import sys; open(sys.argv[1] + '/summary.json', 'w')"
