@@ -129,7 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run every link in turn, then print the table.
 
     Raises:
-        RuntimeError: a step failed or ran past its deadline.
+        RuntimeError: a handoff step failed or ran past its deadline (`--timeout`, seconds).
+        subprocess.CalledProcessError, subprocess.TimeoutExpired: `pdkv plan` failed or hung.
         ValueError: a link is malformed or was skipped (not root), or a mode has no row.
     """
     args = parse_args(argv)
