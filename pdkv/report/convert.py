@@ -124,3 +124,88 @@ def memory(output: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError("bench memory printed no process rows")
     return _table(["process", "started", "after one request", "anon", "file", "shmem",
                    "torch loaded", "goal", "met"], rows)
+
+
+def _count(x: float | int | None) -> str:
+    return "?" if x is None else f"{x:,.0f}"
+
+
+def _span(seconds: float) -> str:
+    """"10 min" for whole minutes, else "20 s"."""
+    return f"{seconds / 60:g} min" if seconds % 60 == 0 else f"{seconds:g} s"
+
+
+def _idle_pairs(pairs: Mapping[str, Any]) -> str:
+    """"name a → b, ..." of {name: [idle start, idle end]} (None: not read)."""
+    return ", ".join(f"{n} {_count(a)} → {_count(b)}" for n, (a, b) in pairs.items())
+
+
+def soak(output: Mapping[str, Any]) -> dict[str, Any]:
+    """`pdkv bench soak --output-dir {dir}`'s summary.json (collected from `{dir}`): what the
+    run's checks looked at, one row each; requests and counts, fds, RSS in MB (10^6 bytes) at the
+    idle start and end, RSS slopes in %/h after the warm-up (or why they were not judged), P's
+    lease expirations, the processes' log lines, then the failed checks or "passed".
+
+    Raises:
+        KeyError: the command wrote no summary.json, or it lacks a key read here.
+    """
+    import json
+
+    s = json.loads(output["files"]["summary.json"])
+    status = s["by_status"]
+    errors = {k: status.get(k, 0) for k in ("5xx", "stream_error", "no_answer", "4xx")}
+    g = s["greedy"]
+    limits = s["limits"]
+    start, end = s["free_blocks_start"], s["free_blocks_end"]
+    if all(end.get(e) == start[e] for e in start) and len(set(start.values())) == 1:
+        blocks = f"{_count(next(iter(end.values())))} / {_count(next(iter(start.values())))} " \
+                 f"on {', '.join(start)}"
+    else:
+        blocks = ", ".join(f"{e} {_count(end.get(e))} / {_count(start[e])}" for e in start)
+    slopes = ", ".join(f"{n} {v:g}" for n, v in s["rss_slope_pct_per_h"].items())
+    if not s["rss_slope_judged"]:
+        slopes = (f"not judged: {s['rss_slope_window_s']:g} s after the warm-up < "
+                  f"{limits['min_slope_window_s']:g} s")
+    leases = sum(c.get("kv_lease_expirations", 0) for c in s["engine_counters"].values())
+    logs = "; ".join(f"{n}: {v['warnings']} warnings, {v['errors']} errors, "
+                     f"{v['tracebacks']} tracebacks" for n, v in s["log_lines"].items())
+    rows = [
+        ["requests", f"{s['requests']:,} in {s['duration_s']:,.0f} s ({s['requests_per_s']}/s): "
+         + ", ".join(f"{_count(v)} {k}" for k, v in sorted(status.items()))],
+        ["5xx, stream errors, missing answers, 4xx", " / ".join(map(_count, errors.values()))],
+        ["greedy answers compared with the reference",
+         f"{g['compared']:,}: {g['equal']:,} equal, {g['near_ties']:,} near ties, "
+         f"{g['wrong']:,} wrong"],
+        ["structured answers that break their grammar",
+         f"{s['structured_invalid']:,} of {s['by_kind'].get('structured', 0):,} structured "
+         "requests"],
+        ["free blocks at the idle end", blocks],
+        ["open fds, idle start → idle end",
+         f"{_idle_pairs(s['fds_idle'])} (slack {limits['fd_slack']})"],
+        ["RSS, idle start → idle end (MB)", _idle_pairs(s["rss_mb"])],
+        [f"RSS slope after the first {_span(limits['warmup_s'])} (%/h; limit "
+         f"{limits['max_rss_slope_pct_per_h']:g})", slopes],
+        ["P's lease expirations", f"{_count(leases)}, of {_count(status.get('cancelled', 0))} "
+         "cancels"],
+        ["log lines", logs],
+        ["checks", "; ".join(s["failures"]) or "passed"],
+    ]
+    return _table(["what", "result"], rows)
+
+
+def handoff_pulls(output: Mapping[str, Any]) -> dict[str, Any]:
+    """The per-pull lines of `pdkv bench handoff` in a command's stdout (the fixed-cost probe and
+    one line per prompt length: prefill, handoff measured / predicted), each without the `pdkv
+    plan` command it prints after the prediction.
+
+    Raises:
+        ValueError: no such line was printed.
+    """
+    import re
+
+    pull = re.compile(r"^\[\w+\] (probe: |\d+ tokens: prefill )")
+    lines = [re.sub(r" \(pdkv plan [^)]*\)$", "", line)
+             for line in str(output["stdout"]).splitlines() if pull.match(line)]
+    if not lines:
+        raise ValueError("pdkv bench handoff printed no probe or prompt line")
+    return {"text": lines}

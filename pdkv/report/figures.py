@@ -124,10 +124,11 @@ def by_id(figures: tuple[Figure, ...], ids: list[str]) -> tuple[Figure, ...]:
 
 def default_convert(output: Mapping[str, Any], kind: str = "table", index: int = 0,
                     source: str = "", header: str = "") -> dict[str, Any]:
-    """A command's output as figure data. `output` holds "stdout" (text), "files" (markdown
-    files it wrote in `{dir}`, by name) and "json" (what it wrote to `{json}`, or None). The data
-    is the JSON's own "table" ({"columns", "rows"[, "align"]}; a "table" that is the printed
-    markdown string, as `pdkv bench hosts` writes, is read from the stdout like any printed one)
+    """A command's output as figure data. `output` holds "stdout" (text), "files" (the markdown
+    and JSON files it wrote in `{dir}`, by name, as text) and "json" (what it wrote to `{json}`,
+    or None). The data is the JSON's own "table" ({"columns", "rows"[, "align"]}; a "table" that
+    is the printed markdown string, as `pdkv bench hosts` writes, is read from the stdout like
+    any printed one)
     or "text" (lines) when it has one;
     else, for a table, the first table printed in the stdout (or in file `source`: pipe tables
     and plain-text grids, `markdown.printed_tables`) whose first header cell starts with `header`,

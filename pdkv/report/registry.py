@@ -14,6 +14,9 @@ from pdkv.report.figures import ENGINE, PD, PDKV, SERVING, Figure
 PY = ("{python}", "-m")
 OFFLINE = (*ENGINE, "pdkv/bench/offline")
 HF_LLAMA = "transformers (HF peer), llama-cpp-python and its GGUFs (`make llama-cpp`)"
+# The link measured by `pdkv bench transfer`, then the handoff predicted with it.
+HANDOFF_MEASURED = (*PD, "pdkv/plan", "pdkv/bench/handoff", "pdkv/bench/transfer",
+                    "pdkv/report/recipes/handoff_measured.py", "pdkv/report/recipes/steps.py")
 
 FIGURES: tuple[Figure, ...] = (
     # docs/SPEED.md
@@ -32,10 +35,14 @@ FIGURES: tuple[Figure, ...] = (
     Figure("speed-offline-vs-hf", "docs/SPEED.md",
            (*PDKV, "bench", "offline", "--batch-sizes", "1,8,32", "--repeats", "3"), OFFLINE,
            needs="transformers (HF peer)", table_header="batch"),
+    # An earlier session's run of speed-avx2-offline's command, before the limit rows existed,
+    # that the guide discusses as such ("Against llama.cpp").
     Figure("speed-vs-llamacpp", "docs/SPEED.md",
            (*PDKV, "bench", "offline", "--peer", "hf,llama.cpp", "--batch-sizes", "1,8,32,64",
             "--num-threads", "2", "--repeats", "2"), OFFLINE, needs=HF_LLAMA,
-           table_header="workload (tok/s)"),
+           table_header="workload (tok/s)", rerun=False,
+           how="an earlier session's run of this command (panel kernel, decode timed inside "
+           "each run), before the limit rows; speed-avx2-offline is the current one"),
     Figure("speed-decode-backends", "docs/SPEED.md",
            (*PDKV, "bench", "offline", "--attention-backends", "torch,cpu_paged",
             "--batch-sizes", "1,32,64", "--num-threads", "2"), OFFLINE, table_header="batch"),
@@ -59,10 +66,11 @@ FIGURES: tuple[Figure, ...] = (
            (*PDKV, "bench", "offline", "--cpu-linears", "onednn,auto,torch", "--batch-sizes",
             "1,8,32", "--input-len", "128", "--output-len", "16", "--num-threads", "2",
             "--prefill-cases", ""), OFFLINE, table_header="batch"),
-    Figure("speed-cpu-linear-us", "docs/SPEED.md", (),
-           ("pdkv/model/cpu_linear.py", "pdkv/model/linear_table.py"),
-           how="python -m pdkv.model.cpu_linear --dtype float32, then --dtype bfloat16 (one "
-           "table of both)"),
+    Figure("speed-cpu-linear-us", "docs/SPEED.md", (*PY, "pdkv.report.recipes.cpu_linear"),
+           ("pdkv/model/cpu_linear.py", "pdkv/model/linear_table.py",
+            "pdkv/model/linear_backend.py", "pdkv/report/recipes/cpu_linear.py",
+            "pdkv/report/recipes/steps.py"),
+           table_header="rows"),
     Figure("speed-bf16-vs-hf", "docs/SPEED.md",
            (*PDKV, "bench", "offline", "--dtype", "bfloat16", "--batch-sizes", "1,8",
             "--input-len", "64", "--output-len", "8", "--num-threads", "2"), OFFLINE,
@@ -113,10 +121,10 @@ FIGURES: tuple[Figure, ...] = (
     Figure("learning-handoff-loaded", "docs/LEARNING.md",
            (*PDKV, "bench", "handoff", "--transfer", "tcp", "--prompt-lens", "1024"),
            (*PD, "pdkv/plan", "pdkv/bench/handoff"), kind="text"),
-    Figure("learning-handoff-quiet", "docs/LEARNING.md", (),
-           (*PD, "pdkv/plan", "pdkv/bench/handoff", "pdkv/bench/transfer"), kind="text",
-           how="pdkv bench transfer --sizes 64,256 --repeats 3, then pdkv bench handoff "
-           "--transfer tcp --prompt-lens 1024,4096 --link-bandwidth tcp=<its tcp median>"),
+    Figure("learning-handoff-quiet", "docs/LEARNING.md",
+           (*PY, "pdkv.report.recipes.handoff_measured", "--transfer", "tcp", "--prompt-lens",
+            "1024,4096", "--json", "{json}"), HANDOFF_MEASURED, kind="text",
+           convert="pdkv.report.convert:handoff_pulls"),
     Figure("learning-pool", "docs/LEARNING.md",
            (*PDKV, "bench", "pool", "--tiers", "dram,disk", "--prompt-len", "1025",
             "--chunk-size", "256", "--repeats", "1"),
@@ -126,11 +134,9 @@ FIGURES: tuple[Figure, ...] = (
            (*PDKV, "bench", "pool", "--disk-fsync"), ("pdkv/kvpool", "pdkv/bench/pool"),
            requests_per_point=20, percentiles=True, kind="text"),
     # docs/PLAN.md
-    Figure("plan-handoff-measured", "docs/PLAN.md", (),
-           (*PD, "pdkv/plan", "pdkv/bench/handoff", "pdkv/bench/transfer"), kind="text",
-           how="pdkv bench transfer --sizes 64,256 --repeats 3, then pdkv bench handoff "
-           "--transfer tcp,shm --prompt-lens 1024,4096,8192 --link-bandwidth ENGINE=<its "
-           "medians>"),
+    Figure("plan-handoff-measured", "docs/PLAN.md",
+           (*PY, "pdkv.report.recipes.handoff_measured", "--json", "{json}"), HANDOFF_MEASURED,
+           kind="text"),
     Figure("plan-weak-link", "docs/PLAN.md",
            (*PDKV, "bench", "handoff", "--link-rate", "1gbit", "--prompt-lens", "1024,4096",
             "--result-json", "{json}"),
@@ -159,14 +165,15 @@ FIGURES: tuple[Figure, ...] = (
            (*PDKV, "bench", "transfer", "--result-json", "{json}"),
            ("pdkv/kv_transfer", "pdkv/bench/transfer"), convert="pdkv.report.convert:transfer"),
     # docs/PUSH.md
-    Figure("push-vs-pull", "docs/PUSH.md", (), (*PD, "pdkv/bench/handoff"),
-           requests_per_point=2,
-           how="pdkv bench handoff --transfer-modes pull,push --prompt-lens 2048 --repeats 2, "
-           "once on loopback and once per --link-rate 1gbit, 110mbit (as root)"),
+    Figure("push-vs-pull", "docs/PUSH.md",
+           (*PY, "pdkv.report.recipes.push_vs_pull", "--json", "{json}"),
+           (*PD, "pdkv/plan", "pdkv/bench/handoff", "pdkv/bench/netns.py",
+            "pdkv/report/recipes/push_vs_pull.py", "pdkv/report/recipes/steps.py"),
+           requests_per_point=2, needs="root (network namespaces)", table_header="link"),
     # docs/RELIABILITY.md
     Figure("reliability-soak", "docs/RELIABILITY.md",
            (*PDKV, "bench", "soak", "--duration", "3600", "--output-dir", "{dir}"),
-           (*PD, "pdkv/bench/soak")),
+           (*PD, "pdkv/bench/soak"), convert="pdkv.report.convert:soak"),
     Figure("reliability-soak-first", "docs/RELIABILITY.md",
            (*PDKV, "bench", "soak", "--duration", "3600", "--output-dir", "{dir}"),
            (*PD, "pdkv/bench/soak"), rerun=False),

@@ -77,7 +77,8 @@ def measure(root: Path, figure: Figure, probe: machine.Probe, force: bool,
                                f"{proc.stdout[-2000:]}")
         result = (json.loads(Path(json_path).read_text(encoding="utf-8"))
                   if "{json}" in figure.command else None)
-        files = {p.name: p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.md"))}
+        files = {p.name: p.read_text(encoding="utf-8")
+                 for pattern in ("*.md", "*.json") for p in sorted(folder.glob(pattern))}
     return Measured({"stdout": proc.stdout, "files": files, "json": result},
                     machine.finish(facts, probe))
 
