@@ -145,7 +145,7 @@ def test_pdkv_up_argv_puts_the_log_dir_before_the_engine_flags(
 
     monkeypatch.setattr(procs, "running", fake_running)
     procs.up(["--mode", "pd", "--", "--num-kv-blocks", "8"], "L", FAST)
-    procs.up(["--mode", "pd"], "L", FAST)
+    procs.up(["--mode", "pd", "--"], "L", FAST)
     assert seen[0][3:] == ["up", "--mode", "pd", "--log-dir", "L", "--", "--num-kv-blocks", "8",
                            "L/up.log"]
     assert seen[1][3:] == ["up", "--mode", "pd", "--log-dir", "L", "L/up.log"]

@@ -173,7 +173,8 @@ def up(args: Sequence[str], log_dir: str,
     """
     args = list(args)
     cut = args.index("--") if "--" in args else len(args)
-    argv = pdkv_argv("up", *args[:cut], "--log-dir", log_dir, *args[cut:])
+    engine = args[cut:] if len(args) > cut + 1 else []  # no lone trailing "--"
+    argv = pdkv_argv("up", *args[:cut], "--log-dir", log_dir, *engine)
     return running(argv, os.path.join(log_dir, "up.log"), ready_line, deadlines)
 
 
