@@ -332,3 +332,36 @@ def test_tables_of_the_real_run_are_what_the_recipes_printed() -> None:
     assert rows[1] == ["request throughput, goodput (req/s)", "0.33, 0.00 (0 good)"]
     assert rows[-1] == ["prefix-cache hit rate (server counters)",
                         "2.29 % (16 of 700 prompt tokens)"]
+
+
+def test_sigterm_to_a_recipe_stops_what_it_started(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+    import threading
+
+    monkeypatch.setattr(procs, "ready_line", lambda child: None)  # waits for its deadline
+    pids = tmp_path / "pids"
+    pids.touch()
+    monkeypatch.setenv("FAKE_PDKV_PIDS", str(pids))
+    monkeypatch.setattr(procs, "pdkv_argv", lambda *a: [sys.executable, str(FAKE), *a])
+    from pdkv.report.recipes import ttft_proxy
+
+    def term_when_started() -> None:
+        deadline = time.monotonic() + 20
+        while not pids.read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    killer = threading.Thread(target=term_when_started)
+    try:
+        killer.start()
+        rc = ttft_proxy.main(["--log-dir", str(tmp_path / "logs"), "--ready-timeout", "60"])
+    finally:
+        killer.join()
+        signal.signal(signal.SIGTERM, old[0])
+        signal.signal(signal.SIGINT, old[1])
+    assert rc == 130 and "interrupted" in capsys.readouterr().err
+    (pid,) = [int(p) for p in pids.read_text().split()]
+    assert _gone(pid)
