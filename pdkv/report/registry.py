@@ -13,6 +13,8 @@ from pdkv.report.figures import ENGINE, PD, PDKV, SERVING, Figure
 
 PY = ("{python}", "-m")
 OFFLINE = (*ENGINE, "pdkv/bench/offline")
+# The code every recipe (pdkv/report/recipes/) runs its commands with.
+RECIPE = ("pdkv/report/recipes/procs.py", "pdkv/report/recipes/common.py")
 HF_LLAMA = "transformers (HF peer), llama-cpp-python and its GGUFs (`make llama-cpp`)"
 # The link measured by `pdkv bench transfer`, then the handoff predicted with it.
 HANDOFF_MEASURED = (*PD, "pdkv/plan", "pdkv/bench/handoff", "pdkv/bench/transfer",
@@ -152,10 +154,12 @@ FIGURES: tuple[Figure, ...] = (
             "128,256,512,1024,2048", "--repeats", "3", "--json", "{json}"),
            (*ENGINE, "pdkv/parallel", "pdkv/plan", "pdkv/bench/pcp.py"), table_header="model"),
     # docs/PD.md
-    Figure("pd-colocated-vs-1p1d", "docs/PD.md", (), PD, requests_per_point=24,
-           percentiles=True,
-           how="pdkv up --mode colocated, then --mode pd (port 8200), each measured with pdkv "
-           "bench serve --num-prompts 24 (docs/PD.md)"),
+    # the table's first header cell is empty: the recipe prints that one table only (index 0)
+    Figure("pd-colocated-vs-1p1d", "docs/PD.md",
+           (*PY, "pdkv.report.recipes.colocated_vs_pd", "--num-prompts", "24", "--",
+            "--num-kv-blocks", "1024", "--max-model-len", "2048"),
+           (*PD, *RECIPE, "pdkv/report/recipes/colocated_vs_pd.py"), requests_per_point=24,
+           percentiles=True),
     Figure("pd-prefill-cap", "docs/PD.md",
            (*PDKV, "bench", "prefill-cap", "--caps", "0,32,64", "--num-prompts", "24", "--json",
             "{json}", "--", "--num-kv-blocks", "1024", "--max-model-len", "2048"),
@@ -183,10 +187,11 @@ FIGURES: tuple[Figure, ...] = (
            (*SERVING, "pdkv/kv_events", "pdkv/bench/compare/routing.py",
             "pdkv/bench/compare/routing_report.py"), requests_per_point=192, percentiles=True),
     # docs/SERVING.md
-    Figure("serving-bench-serve", "docs/SERVING.md", (), SERVING, requests_per_point=32,
-           percentiles=True,
-           how="pdkv serve (--num-kv-blocks 2048 --max-model-len 2048), then pdkv bench serve "
-           "--dataset prefix-repetition --num-prompts 32 (docs/SERVING.md)"),
+    Figure("serving-bench-serve", "docs/SERVING.md",
+           (*PY, "pdkv.report.recipes.serving", "--num-prompts", "32", "--",
+            "--num-kv-blocks", "2048", "--max-model-len", "2048"),
+           (*SERVING, *RECIPE, "pdkv/report/recipes/serving.py"), requests_per_point=32,
+           percentiles=True, table_header="metric"),
     # docs/TP_DCP.md
     Figure("tp-dcp-bench", "docs/TP_DCP.md", (*PDKV, "bench", "dcp", "--json", "{json}"),
            (*ENGINE, "pdkv/parallel", "pdkv/bench/dcp"), requests_per_point=32,
@@ -196,8 +201,8 @@ FIGURES: tuple[Figure, ...] = (
            percentiles=True, rerun=False,
            how="pdkv up --mode pd, then pdkv bench serve --num-prompts 100 per endpoint and "
            "concurrency (the script in docs/TTFT.md)"),
-    Figure("ttft-proxy-after", "docs/TTFT.md", (), SERVING, requests_per_point=100,
-           percentiles=True,
-           how="pdkv up --mode pd, then pdkv bench serve --num-prompts 100 per endpoint and "
-           "concurrency (the script in docs/TTFT.md)"),
+    Figure("ttft-proxy-after", "docs/TTFT.md",
+           (*PY, "pdkv.report.recipes.ttft_proxy", "--num-prompts", "100"),
+           (*SERVING, *RECIPE, "pdkv/report/recipes/ttft_proxy.py"), requests_per_point=100,
+           percentiles=True, table_header="endpoint, concurrency"),
 )

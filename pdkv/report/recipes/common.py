@@ -1,0 +1,66 @@
+"""The parts every recipe's command line shares: its timeout and log flags, the run wrapper (stop
+on SIGTERM / Ctrl-C, a recipe error as exit 1) and the printed pipe table."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from pdkv.report import markdown
+from pdkv.report.recipes.procs import Deadlines, RecipeError
+
+EXIT_FAILED = 1  # a request failed, a server was never ready, a bench run failed
+
+
+def add_common_args(parser: argparse.ArgumentParser, name: str) -> None:
+    """Flags of every recipe: --log-dir (default pdkv-logs/recipes/NAME), --ready-timeout,
+    --bench-timeout (s)."""
+    parser.add_argument("--log-dir", default=os.path.join("pdkv-logs", "recipes", name),
+                        help="server and benchmark logs and result JSONs, one folder per run")
+    parser.add_argument("--ready-timeout", type=float, default=Deadlines.ready_s,
+                        help="s to wait for a server to become ready")
+    parser.add_argument("--bench-timeout", type=float, default=Deadlines.bench_s,
+                        help="s one `pdkv bench serve` run may take")
+
+
+def deadlines(args: argparse.Namespace) -> Deadlines:
+    """The Deadlines of the parsed common flags."""
+    return Deadlines(ready_s=args.ready_timeout, bench_s=args.bench_timeout)
+
+
+def engine_args(args: Sequence[str]) -> list[str]:
+    """The engine flags given after `--` (argparse.REMAINDER keeps the `--` itself)."""
+    return [a for a in args if a != "--"]
+
+
+def run(body: Callable[[], int]) -> int:
+    """Run a recipe's `body` with SIGTERM and SIGINT raising KeyboardInterrupt (so its `finally`
+    stops what it started); a RecipeError is printed and returns EXIT_FAILED, an interrupt 130."""
+    from pdkv.launch.topology import stop_on_signals
+
+    stop_on_signals()
+    try:
+        return body()
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("interrupted; everything started was stopped", file=sys.stderr)
+        return 130
+
+
+def print_table(columns: list[str], rows: list[list[str]]) -> None:
+    """Print a markdown pipe table (`default_convert` reads it back), flushed."""
+    print("\n".join(markdown.render_table(columns, rows)), flush=True)
+
+
+def num(value: float | None, fmt: str = ".2f") -> str:
+    """A result value formatted with `fmt` ("-" when it is None)."""
+    return "-" if value is None else format(float(value), fmt)
+
+
+def joined(*values: float | None, sep: str = " / ") -> str:
+    """Values formatted by `num`, joined: "7693.36 / 8824.80 / 10979.24"."""
+    return sep.join(num(v) for v in values)
