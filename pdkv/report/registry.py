@@ -14,7 +14,8 @@ from pdkv.report.figures import ENGINE, PD, PDKV, SERVING, Figure
 PY = ("{python}", "-m")
 OFFLINE = (*ENGINE, "pdkv/bench/offline")
 # The code every recipe (pdkv/report/recipes/) runs its commands with.
-RECIPE = ("pdkv/report/recipes/procs.py", "pdkv/report/recipes/common.py")
+RECIPE = ("pdkv/report/recipes/procs.py", "pdkv/report/recipes/common.py",
+          "pdkv/report/recipes/steps.py")
 HF_LLAMA = "transformers (HF peer), llama-cpp-python and its GGUFs (`make llama-cpp`)"
 # The link measured by `pdkv bench transfer`, then the handoff predicted with it.
 HANDOFF_MEASURED = (*PD, "pdkv/plan", "pdkv/bench/handoff", "pdkv/bench/transfer",

@@ -7,6 +7,7 @@ docs/figures/plan-handoff-measured.json). No benchmark runs; no torch."""
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 import time
@@ -226,13 +227,31 @@ def test_runner_collects_the_json_a_command_writes_into_its_folder() -> None:
 
 @pytest.mark.parametrize("figure", [f for f in FIGURES if any(
     a.startswith("pdkv.report.recipes.") for a in f.command)], ids=lambda f: f.id)
-def test_a_recipes_figure_measures_the_recipe_and_its_step_runner(figure: Figure) -> None:
-    """A change to the recipe (or to how it runs its steps) makes the figure stale."""
+def test_a_recipes_figure_measures_the_recipe_and_what_it_imports(figure: Figure) -> None:
+    """A change to the recipe, or to a recipes module it uses (directly or through another, such
+    as how it runs its steps), makes the figure stale."""
     module = next(a for a in figure.command if a.startswith("pdkv.report.recipes."))
-    path = module.replace(".", "/") + ".py"
-    assert (ROOT / path).is_file(), path
-    assert path in figure.measures, (figure.id, path)
-    assert "pdkv/report/recipes/steps.py" in figure.measures, figure.id
+    todo, used = [module], set()
+    while todo:
+        name = todo.pop()
+        path = name.replace(".", "/") + ".py"
+        if path in used:
+            continue
+        assert (ROOT / path).is_file(), path
+        used.add(path)
+        tree = ast.parse((ROOT / path).read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            todo += [n for n in names if n.startswith("pdkv.report.recipes.")
+                     and (ROOT / (n.replace(".", "/") + ".py")).is_file()]
+    assert len(used) >= 2, (figure.id, used)  # the recipe and at least its step runner
+    for path in sorted(used):
+        assert path in figure.measures, (figure.id, path)
 
 
 def test_the_new_recipes_figures_have_commands() -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from pdkv.procgroup import stop_process_group
+from pdkv.report.recipes.steps import pdkv_argv
 
 READY_PREFIX = "ready: "  # what `pdkv up` prints once every process is healthy
 
@@ -48,11 +49,6 @@ class NotReady(RecipeError):
 
 class BenchFailed(RecipeError):
     """`pdkv bench serve` exited non-zero, ran past its deadline or wrote no result JSON."""
-
-
-def pdkv_argv(*args: str) -> list[str]:
-    """`pdkv ARGS` as this interpreter runs it: [sys.executable, "-m", "pdkv.cli", *args]."""
-    return [sys.executable, "-m", "pdkv.cli", *args]
 
 
 def tail(path: str, lines: int = 15) -> str:
