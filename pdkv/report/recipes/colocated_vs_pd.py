@@ -27,17 +27,8 @@ MODES = (("colocated", "colocated"), ("pd", "1P1D (tcp)"))  # (pdkv up --mode, c
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The recipe's flags (the workload's as in `pdkv bench serve`)."""
-    parser.add_argument("--model", default="smollm2", help="alias or HF folder")
-    parser.add_argument("--port", type=int, default=0,
-                        help="the server's port in both runs (0: a free one)")
-    parser.add_argument("--num-prompts", type=int, default=24, help="requests per run")
-    parser.add_argument("--input-len", type=int, default=512, help="prompt tokens")
-    parser.add_argument("--output-len", type=int, default=32, help="output tokens per request")
-    parser.add_argument("--request-rate", type=float, default=0.5,
-                        help="Poisson arrivals, req/s")
-    parser.add_argument("--max-concurrency", type=int, default=4,
-                        help="requests in flight at most")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
+    common.add_workload_args(parser, num_prompts=24, input_len=512, output_len=32,
+                             request_rate=0.5, max_concurrency=4)
     common.add_common_args(parser, NAME)
     parser.add_argument("engine_args", nargs=argparse.REMAINDER,
                         help="after --: engine flags of both runs (e.g. --num-kv-blocks 1024)")

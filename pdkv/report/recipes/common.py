@@ -25,6 +25,25 @@ def add_common_args(parser: argparse.ArgumentParser, name: str) -> None:
                         help="s one `pdkv bench serve` run may take")
 
 
+def add_workload_args(parser: argparse.ArgumentParser, *, num_prompts: int, input_len: int,
+                      output_len: int, request_rate: float, max_concurrency: int,
+                      input_help: str = "prompt tokens") -> None:
+    """The `pdkv bench serve` workload flags two recipes share (--model, --port, --num-prompts,
+    --input-len, --output-len, --request-rate, --max-concurrency, --seed), with the guide's
+    defaults of each recipe."""
+    parser.add_argument("--model", default="smollm2", help="alias or HF folder")
+    parser.add_argument("--port", type=int, default=0, help="the server's port (0: a free one)")
+    parser.add_argument("--num-prompts", type=int, default=num_prompts, help="requests per run")
+    parser.add_argument("--input-len", type=int, default=input_len, help=input_help)
+    parser.add_argument("--output-len", type=int, default=output_len,
+                        help="output tokens per request")
+    parser.add_argument("--request-rate", type=float, default=request_rate,
+                        help="Poisson arrivals, req/s")
+    parser.add_argument("--max-concurrency", type=int, default=max_concurrency,
+                        help="requests in flight at most")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
+
+
 def deadlines(args: argparse.Namespace) -> Deadlines:
     """The Deadlines of the parsed common flags."""
     return Deadlines(ready_s=args.ready_timeout, bench_s=args.bench_timeout)

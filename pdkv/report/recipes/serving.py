@@ -27,18 +27,11 @@ GOODPUT = ("ttft:1000", "tpot:250")  # the guide's SLOs, ms
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The recipe's flags (the workload's as in `pdkv bench serve`)."""
-    parser.add_argument("--model", default="smollm2", help="alias or HF folder")
-    parser.add_argument("--port", type=int, default=0, help="the server's port (0: a free one)")
-    parser.add_argument("--num-prompts", type=int, default=32, help="requests")
+    common.add_workload_args(parser, num_prompts=32, input_len=64, output_len=32,
+                             request_rate=1.0, max_concurrency=8,
+                             input_help="suffix tokens per prompt")
     parser.add_argument("--prefix-len", type=int, default=256, help="shared prefix tokens")
     parser.add_argument("--num-prefixes", type=int, default=2, help="distinct shared prefixes")
-    parser.add_argument("--input-len", type=int, default=64, help="suffix tokens per prompt")
-    parser.add_argument("--output-len", type=int, default=32, help="output tokens per request")
-    parser.add_argument("--request-rate", type=float, default=1.0,
-                        help="Poisson arrivals, req/s")
-    parser.add_argument("--max-concurrency", type=int, default=8,
-                        help="requests in flight at most")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
     common.add_common_args(parser, NAME)
     parser.add_argument("engine_args", nargs=argparse.REMAINDER,
                         help="after --: `pdkv serve` flags (e.g. --num-kv-blocks 2048)")
