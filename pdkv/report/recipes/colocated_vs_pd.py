@@ -37,11 +37,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def bench_args(args: argparse.Namespace, url: str) -> list[str]:
     """The `pdkv bench serve` flags of one run against `url`."""
-    return ["--base-url", url, "--model", args.model, "--endpoint", "completions",
-            "--dataset", "random", "--num-prompts", str(args.num_prompts),
-            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-            "--request-rate", str(args.request_rate),
-            "--max-concurrency", str(args.max_concurrency), "--seed", str(args.seed)]
+    return ["--base-url", url, "--endpoint", "completions", "--dataset", "random",
+            *common.workload_bench_args(args)]
 
 
 def table(results: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:

@@ -44,6 +44,14 @@ def add_workload_args(parser: argparse.ArgumentParser, *, num_prompts: int, inpu
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
 
 
+def workload_bench_args(args: argparse.Namespace) -> list[str]:
+    """The `pdkv bench serve` flags of the workload flags `add_workload_args` parsed."""
+    return ["--model", args.model, "--num-prompts", str(args.num_prompts),
+            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+            "--request-rate", str(args.request_rate),
+            "--max-concurrency", str(args.max_concurrency), "--seed", str(args.seed)]
+
+
 def deadlines(args: argparse.Namespace) -> Deadlines:
     """The Deadlines of the parsed common flags."""
     return Deadlines(ready_s=args.ready_timeout, bench_s=args.bench_timeout)

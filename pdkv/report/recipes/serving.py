@@ -40,12 +40,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def bench_args(args: argparse.Namespace, url: str) -> list[str]:
     """The `pdkv bench serve` flags of the run against `url`."""
-    return ["--base-url", url, "--model", args.model, "--endpoint", "chat",
-            "--dataset", "prefix-repetition", "--prefix-len", str(args.prefix_len),
-            "--num-prefixes", str(args.num_prefixes), "--input-len", str(args.input_len),
-            "--output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-            "--request-rate", str(args.request_rate),
-            "--max-concurrency", str(args.max_concurrency), "--seed", str(args.seed),
+    return ["--base-url", url, "--endpoint", "chat", "--dataset", "prefix-repetition",
+            "--prefix-len", str(args.prefix_len), "--num-prefixes", str(args.num_prefixes),
+            *common.workload_bench_args(args),
             "--goodput", *GOODPUT]
 
 
