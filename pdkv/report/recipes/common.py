@@ -62,6 +62,18 @@ def engine_args(args: Sequence[str]) -> list[str]:
     return [a for a in args if a != "--"]
 
 
+def main(module: str, doc: str | None,
+         add_cli_args: Callable[[argparse.ArgumentParser], argparse.ArgumentParser],
+         run_recipe: Callable[[argparse.Namespace], int], argv: Sequence[str] | None) -> int:
+    """A recipe's command line: parse `argv` with the recipe's flags (prog `python -m MODULE`,
+    the first paragraph of its docstring `doc` as description), then `run` its body; returns the
+    exit status."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}",
+                                     description=doc.split("\n\n")[0] if doc else None)
+    args = add_cli_args(parser).parse_args(argv)
+    return run(lambda: run_recipe(args))
+
+
 def run(body: Callable[[], int]) -> int:
     """Run a recipe's `body` with SIGTERM and SIGINT raising KeyboardInterrupt (so its `finally`
     stops what it started); a RecipeError is printed and returns EXIT_FAILED, an interrupt 130."""

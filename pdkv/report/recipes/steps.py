@@ -9,6 +9,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pdkv.procgroup import stop_process_group
+
 # How long a step that was asked to stop (SIGTERM: the benches stop their processes and delete
 # their namespaces) may take before it is killed, seconds.
 STOP_GRACE_S = 60.0
@@ -51,27 +53,22 @@ def shown(argv: Sequence[str], hide: Mapping[str, str] | None = None) -> str:
 def run(step: Step, hide: Mapping[str, str] | None = None) -> int:
     """Print `$ <command>`, run the step with its output on this process's stdout, return its exit
     status. A step still running when this returns (its deadline passed, or this process is
-    stopping) gets SIGTERM, then SIGKILL after STOP_GRACE_S seconds.
+    stopping) and whatever it started get SIGTERM, then SIGKILL after STOP_GRACE_S seconds
+    (the step runs in its own process group: pdkv.procgroup.stop_process_group).
 
     Raises:
         RuntimeError: the step exited with a status not in `ok_codes`, or ran past `timeout_s`.
         OSError: it could not be started.
     """
     print(f"$ {shown(step.argv, hide)}", flush=True)
-    proc = subprocess.Popen(list(step.argv))
+    proc = subprocess.Popen(list(step.argv), start_new_session=True)
     try:
         rc = proc.wait(timeout=step.timeout_s)
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"{shown(step.argv, hide)}: still running after {step.timeout_s:g} s"
                            ) from e
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=STOP_GRACE_S)
+        stop_process_group(proc, STOP_GRACE_S, STOP_GRACE_S)
     sys.stdout.flush()
     if rc not in step.ok_codes:
         raise RuntimeError(f"{shown(step.argv, hide)}: exited {rc}")

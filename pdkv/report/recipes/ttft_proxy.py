@@ -129,10 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The recipe's command line; returns its exit status."""
-    args = add_cli_args(argparse.ArgumentParser(
-        prog="python -m pdkv.report.recipes.ttft_proxy",
-        description=__doc__.split("\n\n")[0] if __doc__ else None)).parse_args(argv)
-    return common.run(lambda: run(args))
+    return common.main("pdkv.report.recipes.ttft_proxy", __doc__, add_cli_args, run, argv)
 
 
 if __name__ == "__main__":
