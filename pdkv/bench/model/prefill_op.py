@@ -56,15 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     from pdkv.bench.offline.report import cpu_description
     from pdkv.model.paged_decode_build import load
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--new-tokens", type=int, default=512)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--new-tokens", type=int, default=512, help="prompt tokens of the run")
     p.add_argument("--cached", default="0,3584", help="comma-separated cached tokens per case")
     p.add_argument("--num-heads", type=int, default=9, help="query heads (SmolLM2: 9)")
-    p.add_argument("--num-kv-heads", type=int, default=3)
-    p.add_argument("--head-size", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=60)
-    p.add_argument("--num-threads", "--threads", dest="num_threads", type=int, default=2)
+    p.add_argument("--num-kv-heads", type=int, default=3, help="KV heads (SmolLM2: 3)")
+    p.add_argument("--head-size", type=int, default=64, help="head dim")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--repeats", type=int, default=60, help="timed calls per case")
+    p.add_argument("--num-threads", "--threads", dest="num_threads", type=int, default=2,
+                   help="torch threads")
     args = p.parse_args(argv)
     why = load()
     if why is not None:
