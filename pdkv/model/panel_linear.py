@@ -5,7 +5,8 @@ Layout: a weight W [N, K] becomes panels [ceil(N / 16), K, 16] with panels[p, k,
 (rows past N zero), which replaces the plain weight (one copy; 16-row padding only). For each k
 the 16 weights of a panel are one 64-byte line, so a decode step streams the weights once in
 order, and the kernel's 6 x 16 register block (BLIS's AVX2 shape) reuses each loaded line for up
-to 6 rows of x, with K in chunks that keep a panel chunk in L1.
+to 6 rows of x, with K in one chunk (chunks of at most 4,096 when longer) so each output is
+stored once.
 
 Why: at decode sizes a linear layer is bound by reading its weights. On this project's 2-core AVX2
 EPYC, over SmolLM2-135M's 30 layers of projections (`python -m pdkv.model.panel_linear`, both

@@ -1,7 +1,8 @@
 """pdkv's panel linear kernel (csrc/panel_linear.cpp, pdkv/model/panel_linear.py) against a
 float64 reference: every row-block remainder of the 6 x 16 micro-kernel, K past and short of
-one 256-wide chunk, N not a multiple of 16, a bias, strided x; a row's result independent of
-its batch; the packing round trip; clear errors; and `--cpu-linear panel` in a real engine."""
+one chunk (K in chunks of at most 4,096), N not a multiple of 16, a bias, strided x; a row's
+result independent of its batch; the packing round trip; clear errors; and `--cpu-linear panel`
+in a real engine."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ def _error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return k * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().T)
 
 
-@pytest.mark.parametrize(("n", "k"), [(16, 8), (40, 576), (576, 256), (100, 300), (33, 1000)])
+@pytest.mark.parametrize(
+    ("n", "k"), [(16, 8), (40, 576), (576, 256), (100, 300), (33, 1000), (20, 4096), (21, 9001)],
+)
 def test_matches_float64_for_every_row_block_remainder(n, k):
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g)
