@@ -10,11 +10,14 @@ the decode op by `pdkv.model.paged_decode_build`):
         cu[r+1] - 1); context_lens [R] (run r's queries are positions ctx_r .. ctx_r + n_r - 1);
         block_tables [R, max_blocks] (key p of run r in block table[r, p // bs], offset p % bs);
         the step's K/V already written to the cache (paged_attention writes first).
-    for each (run, KV head, tile of 16 query positions), in parallel (OpenMP, dynamic schedule,
+    for each (run, KV head, tile of 32 query positions), in parallel (OpenMP, dynamic schedule,
         longest tiles first): the query at p sees keys max(0, p - W + 1) .. p (W the sliding
-        window, else from 0; the semantics of pdkv.model.attention); per block of keys, scores
+        window, else from 0; the semantics of pdkv.model.attention); per chunk of 64 keys
+        (starting at multiples of 64 of the key position, gathered from their blocks), scores
         for the tile's queries of every head of the KV head's group (GQA), online softmax in
-        float32 (running max m, sum l, rescaled accumulator: FlashAttention's recurrence).
+        float32 (running max m, sum l, rescaled accumulator: FlashAttention's recurrence). The
+        chunks depend only on key positions, so a query's output does not depend on how its
+        prompt was split into steps (chunked prefill, prefix hits) or tiles.
     out[t, head] = acc / l,  lse[t, head] = m + log(l)  (natural log of Σ exp(scale · q·k)).
 
 Only slots of keys some query sees are read (never a slot past a run's last token, never a block

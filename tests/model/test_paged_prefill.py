@@ -73,6 +73,7 @@ CASES = [
     [(7, 0)],  # one run, no context
     [(5, 0), (9, 3), (2, 8), (21, 0), (3, 13)],  # several lengths, prefix hits / chunks
     [(33, 17), (16, 0), (4, 4)],  # tiles of 16, context at block boundaries
+    [(70, 61), (45, 100)],  # keys across several 64-key chunks, context off chunk boundaries
 ]
 
 
@@ -199,3 +200,21 @@ def test_backend_bench_runs_decode_and_prefill_cases_on_a_tiny_model():
     assert case["greedy_equal"] == {"torch": True, "cpu_paged": True}
     assert case["cpu_paged"]["prefill_tok_s"] > 0
     assert result["results"][0]["greedy_equal"] == {"torch": True, "cpu_paged": True}
+
+
+@pytest.mark.parametrize("window", [None, 70])
+def test_a_querys_output_does_not_depend_on_how_its_prompt_was_split(cpu_ops, window):
+    # The op's online softmax steps over 64-key chunks at fixed key positions: the same prompt
+    # as one run, or as a prefix hit / chunked prefill (context 61, 99, 128) followed by the rest,
+    # gives every query the same output and LSE bits.
+    gen = torch.Generator().manual_seed(5)
+    q, cache, tables, _, meta = _case(gen, [(150, 0)], kvh=2, group=3, window=window)
+    scale = D**-0.5
+    whole, whole_lse = paged_prefill(q, cache, meta.prefill_cu_seqlens, meta.prefill_context_lens,
+                                     meta.prefill_block_tables, scale, window)
+    table = torch.tensor([tables[0]])
+    for ctx in (61, 99, 128):
+        part, part_lse = paged_prefill(q[ctx:], cache, torch.tensor([0, 150 - ctx]),
+                                       torch.tensor([ctx]), table, scale, window)
+        assert torch.equal(part, whole[ctx:]), ctx
+        assert torch.equal(part_lse, whole_lse[ctx:]), ctx

@@ -1,7 +1,8 @@
 // Varlen paged prefill attention on CPU: all prefill runs of a step in one call, K/V read in place
 // from the layer's cache [2, num_blocks, block_size, num_kv_heads, head_size] through each run's
 // block table. One task per (run, KV head, tile of TILE query positions) serving the tile's
-// positions for every query head of the KV head's group (GQA); per block of keys an online
+// positions for every query head of the KV head's group (GQA); per chunk of kKeys keys (aligned to
+// multiples of kKeys in the run's positions, gathered from the blocks that hold them) an online
 // softmax (Milakov & Gimelshein 2018; FlashAttention's running max / sum) in float32.
 // Built with paged_decode.cpp by pdkv/model/paged_decode_build.py; semantics in
 // pdkv/model/paged_prefill.py.
@@ -21,8 +22,14 @@
 
 namespace {
 
-constexpr int64_t TILE = 16;  // query positions per task
+constexpr int64_t TILE = 32;  // query positions per task
 constexpr int64_t kRows = 6;  // query rows per micro-kernel call (Q K^T and P V)
+// Keys per online-softmax step. A step's per-row work (the running max's rescale exp, the row
+// sum, the accumulator's rescale) is paid once per kKeys keys instead of once per cache block
+// (16): at 512 tokens the softmax was a third of the op's cycles with 16 (perf annotate).
+// Chunks start at multiples of kKeys of the key position, so a query's chunks, and with them
+// its result, do not depend on how its prompt was split into steps or tiles.
+constexpr int64_t kKeys = 64;
 
 // Cephes' expf: log2(e), ln 2 split into a high and a low part, and the polynomial's
 // coefficients (highest power first), shared by the scalar and the 8-lane exp below.
@@ -82,9 +89,9 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, const std::vector
   const int64_t bs = kv.size(2), KVH = kv.size(3);
   const int64_t G = H / KVH;
   const int64_t R = static_cast<int64_t>(ctx.size());
-  // Buffer widths: keys of a block padded to 16 (two vectors), head dim padded to 16, rows of a
+  // Buffer widths: keys of a chunk (kKeys, a multiple of 16), head dim padded to 16, rows of a
   // tile padded to kRows (the micro-kernels work on kRows rows x 16 columns; padding is zero).
-  const int64_t KW = round_up(bs, 16), DW = round_up(D, 16), RW = round_up(TILE * G, kRows);
+  const int64_t KW = kKeys, DW = round_up(D, 16), RW = round_up(TILE * G, kRows);
   const int64_t q_st = q.stride(0), q_sh = q.stride(1);
   const int64_t o_st = out.stride(0), o_sh = out.stride(1);
   const int64_t kv_s0 = kv.stride(0), kv_sb = kv.stride(1), kv_st = kv.stride(2), kv_sh = kv.stride(3);
@@ -110,7 +117,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, const std::vector
 #pragma omp parallel num_threads(std::max(1, at::get_num_threads()))
   {
     // qf: scaled queries [RW][D]; acc [RW][DW]; s: scores then weights [RW][KW];
-    // kt: the block's keys transposed [D][KW]; vt: its values [KW][DW].
+    // kt: the chunk's keys transposed [D][KW]; vt: its values [KW][DW].
     std::vector<float> qf(RW * D, 0.f), acc(RW * DW), s(RW * KW), kt(D * KW, 0.f), vt(KW * DW, 0.f);
     std::vector<float> m(RW), l(RW), alpha(RW);
 #pragma omp for schedule(dynamic, 1)
@@ -129,24 +136,32 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, const std::vector
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), 0.f);
       const int64_t klo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
-      for (int64_t p = klo; p < p1;) {  // one block (or its part in [klo, p1)) at a time
-        const int64_t blk = tp[r * t_sr + (p / bs) * t_sc];
-        const int64_t off = p % bs;
-        const int64_t n = std::min(bs - off, p1 - p);
-        const scalar_t* kb = kvp + blk * kv_sb + off * kv_st + h * kv_sh;
-        const scalar_t* vb = kb + kv_s0;
-        for (int64_t t = 0; t < n; ++t)
-          for (int64_t d = 0; d < D; ++d) {
-            kt[d * KW + t] = static_cast<float>(kb[t * kv_st + d]);
-            vt[t * DW + d] = static_cast<float>(vb[t * kv_st + d]);
+      // One chunk at a time: column t of chunk c holds key position c + t, so a position's lane
+      // is the same in every tile. Only keys in [klo, p1) are read (columns before p are zero).
+      for (int64_t c = klo / kKeys * kKeys; c < p1; c += kKeys) {
+        const int64_t p = std::max(c, klo), t0 = p - c, n = std::min(c + kKeys, p1) - c;
+        const int64_t nw = round_up(n, 16);  // columns the micro-kernels and the softmax touch
+        for (int64_t t = t0; t < n;) {  // gather the chunk's keys from the blocks holding them
+          const int64_t pos = c + t, off = pos % bs, run_n = std::min(bs - off, n - t);
+          const scalar_t* kb = kvp + tp[r * t_sr + (pos / bs) * t_sc] * kv_sb + off * kv_st + h * kv_sh;
+          const scalar_t* vb = kb + kv_s0;
+          for (int64_t u = 0; u < run_n; ++u, ++t) {
+            const scalar_t* ku = kb + u * kv_st;
+            const scalar_t* vu = vb + u * kv_st;
+            float* vd = &vt[t * DW];
+            for (int64_t d = 0; d < D; ++d) kt[d * KW + t] = static_cast<float>(ku[d]);
+            for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<float>(vu[d]);
           }
-        for (int64_t d = 0; d < D; ++d)
-          for (int64_t t = n; t < KW; ++t) kt[d * KW + t] = 0.f;
+        }
+        for (int64_t d = 0; d < D; ++d) {
+          for (int64_t t = 0; t < t0; ++t) kt[d * KW + t] = 0.f;
+          for (int64_t t = n; t < nw; ++t) kt[d * KW + t] = 0.f;
+        }
         // S = Q K^T for 6 rows x 16 keys at a time: 12 accumulators, enough independent FMA
         // chains to keep both FMA units busy (4 rows, 8 chains, left them waiting on latency).
         for (int64_t r0 = 0; r0 < RW; r0 += kRows) {
           if (r0 >= rows) break;
-          for (int64_t c0 = 0; c0 < KW; c0 += 16) {
+          for (int64_t c0 = 0; c0 < nw; c0 += 16) {
             vf8 s00 = {}, s01 = {}, s10 = {}, s11 = {}, s20 = {}, s21 = {}, s30 = {}, s31 = {};
             vf8 s40 = {}, s41 = {}, s50 = {}, s51 = {};
             const float* qq = &qf[r0 * D];
@@ -166,26 +181,34 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, const std::vector
             store8(sr + 5 * KW, s50); store8(sr + 5 * KW + 8, s51);
           }
         }
-        // Online softmax per row over its visible keys [a, b) of the block: weights in s (0
+        // Online softmax per row over its visible keys [a, b) of the chunk: weights in s (0
         // elsewhere), alpha rescales the row's accumulator. A row seeing none keeps its state.
         for (int64_t row = 0; row < RW; ++row) {
           float* sr = &s[row * KW];
           const int64_t pq = p0 + row / G;  // sees keys [max(0, pq - W + 1), pq]
           const int64_t lo = window > 0 ? std::max<int64_t>(0, pq - window + 1) : 0;
-          const int64_t a = row < rows ? std::max(p, lo) - p : 0;
-          const int64_t b = row < rows ? std::min(p + n, pq + 1) - p : 0;
+          const int64_t a = row < rows ? std::max(p, lo) - c : 0;
+          const int64_t b = row < rows ? std::min(c + n, pq + 1) - c : 0;
           if (a >= b) {
-            std::fill(sr, sr + KW, 0.f);
+            std::fill(sr, sr + nw, 0.f);
             alpha[row] = 1.f;
             continue;
           }
-          float mb = neg_inf;
-          for (int64_t t = a; t < b; ++t) mb = std::max(mb, sr[t]);
+          const vi8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+          const vf8 vneg = vf8{} + neg_inf;
+          vf8 vmax = vneg;  // the max over [a, b) (the max of floats is exact in any order)
+          for (int64_t t = 0; t < nw; t += 8) {
+            const vi8 idx = lane + static_cast<int32_t>(t);
+            const vf8 x = load8(sr + t);
+            const vf8 v = (idx >= static_cast<int32_t>(a)) & (idx < static_cast<int32_t>(b)) ? x : vneg;
+            vmax = vmax > v ? vmax : v;
+          }
+          float mb = vmax[0];
+          for (int i = 1; i < 8; ++i) mb = std::max(mb, vmax[i]);
           const float mnew = std::max(m[row], mb);
           alpha[row] = exp_nonpos(m[row] - mnew);  // 0 on the row's first keys (m = -inf)
           vf8 vsum = {};
-          const vi8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-          for (int64_t t = 0; t < KW; t += 8) {  // KW is a multiple of 16
+          for (int64_t t = 0; t < nw; t += 8) {  // nw is a multiple of 16
             const vi8 idx = lane + static_cast<int32_t>(t);
             const vf8 e = exp_nonpos8(load8(sr + t) - mnew);
             const vf8 w = (idx >= static_cast<int32_t>(a)) & (idx < static_cast<int32_t>(b)) ? e : vf8{};
@@ -210,7 +233,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, const std::vector
             vf8 a30 = load8(ar + 3 * DW) * al[3], a31 = load8(ar + 3 * DW + 8) * al[3];
             vf8 a40 = load8(ar + 4 * DW) * al[4], a41 = load8(ar + 4 * DW + 8) * al[4];
             vf8 a50 = load8(ar + 5 * DW) * al[5], a51 = load8(ar + 5 * DW + 8) * al[5];
-            for (int64_t t = 0; t < n; ++t) {
+            for (int64_t t = t0; t < n; ++t) {
               const vf8 v0 = load8(&vt[t * DW + dc]), v1 = load8(&vt[t * DW + dc + 8]);
               const float w0 = pr[t], w1 = pr[KW + t], w2 = pr[2 * KW + t], w3 = pr[3 * KW + t];
               const float w4 = pr[4 * KW + t], w5 = pr[5 * KW + t];
@@ -225,7 +248,6 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, const std::vector
             store8(ar + 5 * DW, a50); store8(ar + 5 * DW + 8, a51);
           }
         }
-        p += n;
       }
       for (int64_t i = 0; i < nq; ++i)
         for (int64_t g = 0; g < G; ++g) {
