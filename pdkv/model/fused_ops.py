@@ -1,4 +1,4 @@
-"""Fused small ops of a Llama layer on CPU (`csrc/fused_ops.cpp`, float32).
+"""Fused small ops of a Llama layer on CPU (`csrc/fused_ops.cpp`, float32 and bfloat16).
 
 A decode step of a small model runs several cheap elementwise ATen kernels per layer, each with
 its own dispatch, temporaries and pass over memory: RMSNorm, the residual adds, rotate-half RoPE
@@ -20,9 +20,17 @@ bit); RMSNorm sums squares in a different order than ATen's reduction, so it agr
 ulp (rtol 1e-6), not bit for bit — the torch path (`--no-fused-ops`) keeps HF's bits. Greedy
 outputs on SmolLM2 equal HF's either way (tests/engine/test_fused_ops_engine.py).
 
-Enabled by `set_fused_ops` for float32 CPU Llama layers when pdkv's extension (built by
-`make setup`, pdkv.model.paged_decode_build) loads; otherwise, and with `--no-fused-ops`, the
-layers run the torch ops (the reference path).
+bfloat16 (`--dtype bfloat16`): the ops compute in float32 and round to bfloat16 where the torch
+path's ATen ops round (the residual sum; RoPE's two products and their sum; SiLU, then the
+product; RMSNorm's x * inv, then the weight's product, as HF's LlamaRMSNorm), so they give the
+torch path's bits except where RMSNorm's float32 sum of squares, in another order, moves a
+rounding (within two bfloat16 ulps: x * inv, then the weight's product). Before these, a
+bfloat16 layer ran the torch small ops: about a dozen more bfloat16 ATen kernels per layer at
+batch 1.
+
+Enabled by `set_fused_ops` for float32 and bfloat16 CPU Llama layers when pdkv's extension
+(built by `make setup`, pdkv.model.paged_decode_build) loads; otherwise, and with
+`--no-fused-ops`, the layers run the torch ops (the reference path).
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ logger = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, N] float32 (last dim contiguous) -> [T, N]: RMSNorm with `weight` [N]."""
+    """x [T, N] float32 or bfloat16 (last dim contiguous) -> [T, N]: RMSNorm with `weight` [N] of
+    x's dtype."""
     return torch.ops.pdkv.fused_rms_norm(x, weight, eps)
 
 
@@ -63,8 +72,8 @@ def fused_ops_unsupported(device: str, dtype: torch.dtype) -> str | None:
     """Why the fused ops cannot run for this device and dtype (None: they can)."""
     if device != "cpu":
         return f"device {device}"
-    if dtype != torch.float32:
-        return f"dtype {dtype} (float32 only)"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {dtype} (float32 and bfloat16 only)"
     return None
 
 
@@ -78,8 +87,8 @@ def set_fused_ops(model: Any, enabled: bool, allow_build: bool = False) -> bool:
         allow_build: compile the extension when not cached (else fused ops need `make setup`).
 
     Returns:
-        True when the layers now run the fused ops. Not possible (off CPU, not float32, the
-        extension not built or failing to load): False, with one log line saying why.
+        True when the layers now run the fused ops. Not possible (off CPU, neither float32 nor
+        bfloat16, the extension not built or failing to load): False, with one log line saying why.
     """
     from pdkv.model.paged_decode_build import load
 

@@ -108,7 +108,7 @@ class PanelWeight:
         parameter, now shape-only) is ignored. The kernel takes and returns float32: a bfloat16 x
         is widened first and the float32 sums rounded to bfloat16 once at the end (as torch's
         bf16 matmul accumulates in float32)."""
-        if x.dtype == torch.float32:
+        if x.dtype in (torch.float32, torch.bfloat16):  # the op widens and rounds bfloat16
             return torch.ops.pdkv.panel_linear(x, self.panels, self.out_features, bias)
         y = torch.ops.pdkv.panel_linear(x.float(), self.panels, self.out_features,
                                         None if bias is None else bias.float())

@@ -24,7 +24,7 @@ BLOCK = 4
 NUM_BLOCKS = 24
 
 
-def _tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+def _tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     """Three random layers, GQA 6:2, odd widths (head 10, hidden 40, intermediate 36), qkv bias."""
     cfg = LlamaArchConfig(
         architecture="LlamaForCausalLM", vocab_size=97, hidden_size=40, intermediate_size=36,
@@ -32,7 +32,7 @@ def _tiny_llama(seed: int = 0) -> LlamaForCausalLM:
         rms_norm_eps=1e-6, max_position_embeddings=128, tie_word_embeddings=True, qkv_bias=True,
         bos_token_id=None, eos_token_id=None,
     )
-    model = LlamaForCausalLM(cfg, torch.float32, torch.device("cpu"))
+    model = LlamaForCausalLM(cfg, dtype, torch.device("cpu"))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -40,19 +40,24 @@ def _tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     return model
 
 
-@pytest.fixture
-def model(cpu_ops) -> LlamaForCausalLM:
+def _engine_setup(dtype: torch.dtype) -> LlamaForCausalLM:
     """The tiny Llama as the engine sets it up: panel weights, cpu_paged attention, fused ops
     and the decode layer op on every layer."""
-    m = _tiny_llama()
+    m = _tiny_llama(dtype=dtype)
     why = panel_linear_unavailable(m.embed)
     if why is not None:
         pytest.skip(f"panel kernel unavailable: {why}")
-    setup_cpu_linear(m, "panel", "float32", "cpu")
+    setup_cpu_linear(m, "panel", str(dtype).removeprefix("torch."), "cpu")
     backend = install_attention_backend(m, "cpu_paged", "cpu", "auto", 1, False)
     assert set_fused_ops(m, True)
     assert decode_layer.set_decode_layer_op(m, True, backend) == m.cfg.num_layers
     return m
+
+
+@pytest.fixture
+def model(cpu_ops) -> LlamaForCausalLM:
+    """The float32 tiny Llama with the decode layer op on every layer."""
+    return _engine_setup(torch.float32)
 
 
 class _Counting:
@@ -75,7 +80,8 @@ def _step(model: LlamaForCausalLM, reqs: list[tuple[int, int]], window: int | No
     for layer, c in zip(model.layers, counters):
         layer.decode_op = c if use_op else None
     g = torch.Generator().manual_seed(7)
-    caches = [torch.randn(2, NUM_BLOCKS, BLOCK, 2, 10, generator=g) for _ in model.layers]
+    dtype = model.rope_cos.dtype
+    caches = [torch.randn(2, NUM_BLOCKS, BLOCK, 2, 10, generator=g).to(dtype) for _ in model.layers]
     flat, ids, pos, start, last = [], [], [], 0, []
     for b, (new, context) in enumerate(reqs):
         per = -(-(context + new) // BLOCK)
@@ -111,6 +117,19 @@ def test_decode_steps_are_bit_identical_to_the_python_layer(model, reqs, window)
     assert torch.equal(logits, ref_logits)
     for got, ref in zip(caches, ref_caches):
         assert torch.equal(got, ref)  # the new K/V written to the same slots, same bits
+
+
+def test_bfloat16_decode_steps_are_bit_identical_to_the_python_layer(cpu_ops):
+    """--dtype bfloat16: the op calls the same bfloat16 fused ops and panel kernel (bfloat16 x
+    widened, y rounded once) as the Python layer."""
+    m = _engine_setup(torch.bfloat16)
+    reqs = [(1, 3), (1, 16), (1, 22)]
+    ref_logits, ref_caches, calls = _step(m, reqs, use_op=False)
+    logits, caches, calls = _step(m, reqs)
+    assert calls == m.cfg.num_layers
+    assert torch.equal(logits, ref_logits)
+    for got, ref in zip(caches, ref_caches):
+        assert torch.equal(got, ref)
 
 
 @pytest.mark.parametrize("reqs", [[(5, 0)], [(3, 4), (1, 9)]], ids=["prefill", "mixed"])

@@ -1,6 +1,7 @@
 """The C++ fused small ops (pdkv/model/fused_ops.py) against the torch ops they replace: random
-shapes with odd sizes (vector tails), GQA head counts, strided q/k views of a qkv row; and the
-switch on a model (on when built, off for --no-fused-ops / other dtypes)."""
+shapes with odd sizes (vector tails), GQA head counts, strided q/k views of a qkv row; the
+bfloat16 ops against the torch path in bfloat16; and the switch on a model (on when built, off
+for --no-fused-ops / other dtypes)."""
 
 from __future__ import annotations
 
@@ -68,9 +69,54 @@ def test_silu_mul_matches_torch(cpu_ops, t, i):
     torch.testing.assert_close(fused_ops.silu_mul(gate_up), ref, rtol=1e-6, atol=1e-6)
 
 
+def _few_ulps_apart(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Fraction of bfloat16 elements that differ; raises if any differs by more than two ulps
+    (bfloat16 values n ulps apart have 16-bit patterns n apart, same sign). RMSNorm rounds twice
+    (x * inv, then weight * that), so an inv one float32 ulp off can move x * inv one bfloat16
+    ulp and the weight's product by up to two."""
+    a, b = got.view(torch.int16).int(), ref.view(torch.int16).int()
+    assert (a - b).abs().max().item() <= 2
+    return (a != b).float().mean().item()
+
+
+@pytest.mark.parametrize(("t", "n"), [(1, 576), (7, 576), (33, 37), (129, 1536)])
+def test_bfloat16_ops_give_the_torch_paths_bits(cpu_ops, t, n):
+    """The residual add, RoPE and SiLU·mul in bfloat16 equal the torch ops in bfloat16 bit for bit
+    (the same roundings, in the same places); RMSNorm's float32 sum of squares is summed in
+    another order, so an element may land a bfloat16 ulp or two away, and few do."""
+    bf = torch.bfloat16
+    g = torch.Generator().manual_seed(t * 7 + n)
+    x = (torch.randn(t, n, generator=g) * 4).to(bf)
+    w = (torch.randn(n, generator=g) + 1).to(bf)
+    assert _few_ulps_apart(fused_ops.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5)) < 0.02
+    residual = (torch.randn(t, n, generator=g) * 3).to(bf)
+    delta = torch.randn(t, n, generator=g).to(bf)
+    ref_sum = residual + delta
+    out = fused_ops.add_rms_norm_(residual, delta, w, 1e-6)
+    assert torch.equal(residual, ref_sum)
+    assert _few_ulps_apart(out, rms_norm(ref_sum, w, 1e-6)) < 0.02
+    gate_up = (torch.randn(t, 2 * n, generator=g) * 6).to(bf)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(fused_ops.silu_mul(gate_up), F.silu(gate) * up)
+    heads, d = 3, 64
+    cos, sin = rope_cos_sin(d, 10000.0, 4096, torch.device("cpu"))
+    pos = torch.randint(0, 4096, (t,), generator=g)
+    c, s = cos[pos].unsqueeze(1).to(bf), sin[pos].unsqueeze(1).to(bf)
+    qkv = (torch.randn(t, (heads + 1) * d, generator=g) * 5).to(bf)
+    qk = qkv[:, : heads * d].view(t, heads, d)
+    ref = apply_rope(qk.clone(), c, s)
+    fused_ops.rope_(qk, c, s)
+    assert torch.equal(qk, ref)
+
+
 def test_ops_reject_wrong_inputs(cpu_ops):
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         fused_ops.silu_mul(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="weight is Float, the input BFloat16"):
+        fused_ops.rms_norm(torch.randn(2, 8).to(torch.bfloat16), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="of qk's dtype"):
+        cs = torch.ones(2, 1, 8)
+        fused_ops.rope_(torch.randn(2, 1, 8).to(torch.bfloat16), cs, cs)
     with pytest.raises(RuntimeError, match="even"):
         fused_ops.silu_mul(torch.randn(2, 7))
     with pytest.raises(RuntimeError, match="shapes differ"):
@@ -104,15 +150,18 @@ def _tiny_llama(dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     return model
 
 
-def test_layer_with_fused_ops_matches_torch_layer(cpu_ops):
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
+def test_layer_with_fused_ops_matches_torch_layer(cpu_ops, dtype, tol):
     """A step with a prefill (5 tokens) and a decode (context 7) through two layers: logits and
-    the K/V written to the cache agree with the torch path."""
-    model = _tiny_llama()
+    the K/V written to the cache agree with the torch path (bfloat16: RMSNorm's one-ulp
+    differences, carried through two layers)."""
+    model = _tiny_llama(dtype)
     reqs = [(0, 5, 0, [1, 2]), (5, 1, 7, [3, 4])]  # (start, new tokens, context, block table)
     meta = build_attention_metadata(reqs, 6, 4, torch.device("cpu"))
     ids, pos = torch.tensor([3, 14, 15, 92, 65, 35]), torch.tensor([0, 1, 2, 3, 4, 7])
     cache0 = [
-        torch.randn(2, 5, 4, 2, 10, generator=torch.Generator().manual_seed(i)) for i in range(2)
+        torch.randn(2, 5, 4, 2, 10, generator=torch.Generator().manual_seed(i)).to(dtype)
+        for i in range(2)
     ]
     runs = {}
     for on in (False, True):
@@ -120,9 +169,9 @@ def test_layer_with_fused_ops_matches_torch_layer(cpu_ops):
         caches = [c.clone() for c in cache0]
         with torch.inference_mode():
             runs[on] = model(ids, pos, caches, meta, torch.tensor([4, 5])), caches
-    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=tol, atol=tol)
     for a, b in zip(runs[True][1], runs[False][1]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
 def test_set_fused_ops_switches_llama_layers(cpu_ops):
@@ -132,7 +181,8 @@ def test_set_fused_ops_switches_llama_layers(cpu_ops):
     assert all(layer.fused_ops for layer in model.layers)
     assert not fused_ops.set_fused_ops(model, False)
     assert not any(layer.fused_ops for layer in model.layers)
-    assert not fused_ops.set_fused_ops(_tiny_llama(torch.bfloat16), True)
+    assert fused_ops.set_fused_ops(_tiny_llama(torch.bfloat16), True)
+    assert not fused_ops.set_fused_ops(_tiny_llama(torch.float16), True)
 
 
 def test_no_fused_ops_flag_and_bench_names():

@@ -1,7 +1,10 @@
-// Fused small ops of a Llama layer on CPU, float32: RMSNorm, residual add + RMSNorm (in place on
-// the residual), rotate-half RoPE on q and k together (in place), SiLU(gate) * up. Each op is one
-// pass over its rows (at::parallel_for over rows, ATen's Vectorized<float> within a row) instead
-// of several ATen kernels and temporaries. Semantics and tolerances: pdkv/model/fused_ops.py.
+// Fused small ops of a Llama layer on CPU, float32 and bfloat16: RMSNorm, residual add + RMSNorm
+// (in place on the residual), rotate-half RoPE on q and k together (in place), SiLU(gate) * up.
+// Each op is one pass over its rows (at::parallel_for over rows; float32 with ATen's
+// Vectorized<float> within a row) instead of several ATen kernels and temporaries. bfloat16 rows
+// are computed in float32 and rounded to bfloat16 where the torch ops round (after each ATen op
+// of the reference), so they give the torch path's bits but for RMSNorm's sum order. Semantics
+// and tolerances: pdkv/model/fused_ops.py.
 // Built with csrc/paged_decode.cpp into one extension by pdkv/model/paged_decode_build.py.
 
 #include "cpu_vec.h"  // before ATen: its Vectorized<float> for this CPU, pdkv::vec helpers
@@ -27,8 +30,36 @@ constexpr int64_t kGrainElems = at::internal::GRAIN_SIZE;
 int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems)); }
 
 void check_rows(const at::Tensor& x, const char* op) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, op, ": float32 CPU tensors only");
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), op,
+              ": float32 or bfloat16 CPU tensors only, got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": expects [T, N] with the last dim contiguous");
+}
+
+void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op, const char* what) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), op, ": ", what, " is ", b.scalar_type(), ", the input ",
+              a.scalar_type());
+}
+
+using bf16 = at::BFloat16;
+
+// A float32 value rounded to bfloat16 (nearest even, as ATen stores a bfloat16 result) and back.
+inline float round_bf16(float v) { return static_cast<float>(static_cast<bf16>(v)); }
+
+// bfloat16 RMSNorm of one row as the torch path computes it (pdkv.model.llama.rms_norm, HF's
+// LlamaRMSNorm): x * inv in float32 rounded to bfloat16, then weight * that, rounded again.
+inline void norm_row_bf16(const bf16* x, const bf16* w, bf16* out, int64_t n, float eps, float ss) {
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t d = 0; d < n; ++d)
+    out[d] = static_cast<bf16>(static_cast<float>(w[d]) * round_bf16(static_cast<float>(x[d]) * inv));
+}
+
+inline float sum_squares_bf16(const bf16* x, int64_t n) {
+  float s = 0.f;
+  for (int64_t d = 0; d < n; ++d) {
+    const float v = static_cast<float>(x[d]);
+    s += v * v;
+  }
+  return s;
 }
 
 // out = weight * (x * 1/sqrt(mean(x^2) + eps)) for one row of n floats (HF's LlamaRMSNorm order).
@@ -56,9 +87,20 @@ inline float sum_squares(const float* x, int64_t n) {
 at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "fused_rms_norm");
   const int64_t T = x.size(0), n = x.size(1);
-  TORCH_CHECK(weight.numel() == n && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
-              "fused_rms_norm: weight [N] float32");
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous(), "fused_rms_norm: weight must be [N] contiguous");
+  check_same_dtype(x, weight, "fused_rms_norm", "weight");
   auto out = at::empty({T, n}, x.options());
+  if (x.scalar_type() == at::kBFloat16) {
+    const bf16* xp = x.data_ptr<bf16>();
+    const bf16* wp = weight.data_ptr<bf16>();
+    bf16* op = out.data_ptr<bf16>();
+    const int64_t xs = x.stride(0);
+    at::parallel_for(0, T, grain_rows(n), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        norm_row_bf16(xp + t * xs, wp, op + t * n, n, static_cast<float>(eps), sum_squares_bf16(xp + t * xs, n));
+    });
+    return out;
+  }
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -75,9 +117,26 @@ at::Tensor fused_add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const 
   check_rows(x, "fused_add_rms_norm_");
   const int64_t T = residual.size(0), n = residual.size(1);
   TORCH_CHECK(x.size(0) == T && x.size(1) == n, "fused_add_rms_norm_: residual and x shapes differ");
-  TORCH_CHECK(weight.numel() == n && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
-              "fused_add_rms_norm_: weight [N] float32");
+  TORCH_CHECK(weight.numel() == n && weight.is_contiguous(), "fused_add_rms_norm_: weight must be [N] contiguous");
+  check_same_dtype(residual, x, "fused_add_rms_norm_", "x");
+  check_same_dtype(residual, weight, "fused_add_rms_norm_", "weight");
   auto out = at::empty({T, n}, residual.options());
+  if (residual.scalar_type() == at::kBFloat16) {  // r = bf16(r + x), then RMSNorm of that r
+    bf16* rp = residual.data_ptr<bf16>();
+    const bf16* xp = x.data_ptr<bf16>();
+    const bf16* wp = weight.data_ptr<bf16>();
+    bf16* op = out.data_ptr<bf16>();
+    const int64_t rs = residual.stride(0), xs = x.stride(0);
+    at::parallel_for(0, T, grain_rows(n), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        bf16* r = rp + t * rs;
+        const bf16* xr = xp + t * xs;
+        for (int64_t d = 0; d < n; ++d) r[d] = static_cast<bf16>(static_cast<float>(r[d]) + static_cast<float>(xr[d]));
+        norm_row_bf16(r, wp, op + t * n, n, static_cast<float>(eps), sum_squares_bf16(r, n));
+      }
+    });
+    return out;
+  }
   float* rp = residual.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
@@ -109,14 +168,41 @@ at::Tensor fused_add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const 
 // become (x0 * cos0 + x1 * ssin0, x1 * cos1 + x0 * ssin1), with ssin's first half = -sin
 // (pdkv.model.llama.rope_cos_sin), i.e. HF's x * cos + rotate_half(x) * sin.
 void fused_rope_(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(qk.device().is_cpu() && qk.scalar_type() == at::kFloat, "fused_rope_: float32 CPU tensors only");
+  TORCH_CHECK(qk.device().is_cpu() && (qk.scalar_type() == at::kFloat || qk.scalar_type() == at::kBFloat16),
+              "fused_rope_: float32 or bfloat16 CPU tensors only, got ", qk.scalar_type());
   TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1, "fused_rope_: qk [T, heads, D], D contiguous");
   const int64_t T = qk.size(0), H = qk.size(1), D = qk.size(2), half = D / 2;
   TORCH_CHECK(D % 2 == 0, "fused_rope_: head size must be even");
   auto c = cos.reshape({-1, D}).contiguous();
   auto s = sin.reshape({-1, D}).contiguous();
-  TORCH_CHECK(c.size(0) == T && s.size(0) == T && c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat,
-              "fused_rope_: cos / sin [T, 1, D] float32");
+  TORCH_CHECK(c.size(0) == T && s.size(0) == T && c.scalar_type() == qk.scalar_type() &&
+                  s.scalar_type() == qk.scalar_type(),
+              "fused_rope_: cos / sin must be [T, 1, D] of qk's dtype");
+  if (qk.scalar_type() == at::kBFloat16) {
+    // Each product and the sum rounded to bfloat16, as x * cos + swapped * sin in bfloat16 does.
+    bf16* xp = qk.data_ptr<bf16>();
+    const bf16* cp = c.data_ptr<bf16>();
+    const bf16* sp = s.data_ptr<bf16>();
+    const int64_t st = qk.stride(0), sh = qk.stride(1);
+    at::parallel_for(0, T * H, grain_rows(D), [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t t = task / H, h = task % H;
+        bf16* x = xp + t * st + h * sh;
+        const bf16* ct = cp + t * D;
+        const bf16* stt = sp + t * D;
+        for (int64_t d = 0; d < half; ++d) {
+          const float x0 = x[d], x1 = x[half + d];
+          const float a0 = round_bf16(x0 * static_cast<float>(ct[d]));
+          const float b0 = round_bf16(x1 * static_cast<float>(stt[d]));
+          const float a1 = round_bf16(x1 * static_cast<float>(ct[half + d]));
+          const float b1 = round_bf16(x0 * static_cast<float>(stt[half + d]));
+          x[d] = static_cast<bf16>(a0 + b0);
+          x[half + d] = static_cast<bf16>(a1 + b1);
+        }
+      }
+    });
+    return;
+  }
   float* xp = qk.data_ptr<float>();
   const float* cp = c.data_ptr<float>();
   const float* sp = s.data_ptr<float>();
@@ -152,9 +238,25 @@ at::Tensor fused_silu_mul(const at::Tensor& x) {
   const int64_t T = x.size(0), I = x.size(1) / 2;
   TORCH_CHECK(x.size(1) % 2 == 0, "fused_silu_mul: last dim must be even [gate | up]");
   auto out = at::empty({T, I}, x.options());
+  const int64_t xs = x.stride(0);
+  if (x.scalar_type() == at::kBFloat16) {  // silu(gate) rounded to bfloat16, then the product
+    const bf16* xp = x.data_ptr<bf16>();
+    bf16* op = out.data_ptr<bf16>();
+    at::parallel_for(0, T, grain_rows(I), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const bf16* g = xp + t * xs;
+        const bf16* u = g + I;
+        bf16* o = op + t * I;
+        for (int64_t i = 0; i < I; ++i) {
+          const float gv = g[i];
+          o[i] = static_cast<bf16>(round_bf16(gv / (1.f + std::exp(-gv))) * static_cast<float>(u[i]));
+        }
+      }
+    });
+    return out;
+  }
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t xs = x.stride(0);
   const Vec one(1.f);
   at::parallel_for(0, T, grain_rows(I), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {

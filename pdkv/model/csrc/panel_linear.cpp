@@ -172,10 +172,13 @@ void panel_gemm(const float* X, const W* Wp, float* Y, int64_t M, int64_t K, int
   });
 }
 
+// x [T, K] float32 or bfloat16 -> y [T, N] of x's dtype. A bfloat16 x is widened to float32
+// first and y (its float32 sums plus the bias, widened too) rounded to bfloat16 once at the end,
+// as torch's bfloat16 matmul accumulates in float32.
 at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t out_features,
                         const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "panel_linear: x must be [T, K] float32, got ",
-              x_in.sizes(), " ", x_in.scalar_type());
+  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+              "panel_linear: x must be [T, K] float32 or bfloat16, got ", x_in.sizes(), " ", x_in.scalar_type());
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kNR && panels.is_contiguous() &&
                   (panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kBFloat16),
               "panel_linear: panels must be contiguous [P, K, 16] float32 or bfloat16, got ", panels.sizes(), " ",
@@ -183,9 +186,9 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
   const int64_t M = x_in.size(0), K = x_in.size(1), P = panels.size(0), N = out_features;
   TORCH_CHECK(panels.size(1) == K, "panel_linear: x has ", K, " columns, the panels ", panels.size(1));
   TORCH_CHECK(N > (P - 1) * kNR && N <= P * kNR, "panel_linear: ", P, " panels cannot hold ", N, " outputs");
-  const at::Tensor x = x_in.contiguous();
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
+  if (M == 0) return y.to(x_in.scalar_type());
   const float* X = x.data_ptr<float>();
   float* Y = y.data_ptr<float>();
   if (panels.scalar_type() == at::kFloat) {
@@ -193,8 +196,8 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
   } else {
     panel_gemm(X, reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()), Y, M, K, N, P);
   }
-  if (bias.has_value() && bias->defined()) y.add_(*bias);
-  return y;
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
 
 }  // namespace
