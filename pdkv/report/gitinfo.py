@@ -21,9 +21,16 @@ def head(root: Path) -> str:
     return out.stdout.strip() if out is not None and out.returncode == 0 else ""
 
 
+DOC_PATHS = ("docs", "README.md")
+"""What `pdkv report` itself writes (the guides' blocks, docs/figures/*.json) and no measured
+code lives in: edits there do not make a run's tree dirty, so the second figure of a run is not
+marked as measured on uncommitted changes because the first one rewrote its guide."""
+
+
 def dirty(root: Path) -> bool:
-    """Whether tracked files differ from HEAD."""
-    out = _git(root, "status", "--porcelain", "--untracked-files=no")
+    """Whether tracked files outside DOC_PATHS differ from HEAD."""
+    excludes = [f":(exclude){p}" for p in DOC_PATHS]
+    out = _git(root, "status", "--porcelain", "--untracked-files=no", "--", ".", *excludes)
     return bool(out is not None and out.returncode == 0 and out.stdout.strip())
 
 

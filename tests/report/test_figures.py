@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from pdkv.report import cli, convert, machine, markdown, render, runner, stale
+from pdkv.report import cli, convert, gitinfo, machine, markdown, render, runner, stale
 from pdkv.report.figures import PDKV, Figure, converter, default_convert, validate
 from pdkv.report.registry import FIGURES
 
@@ -230,6 +230,15 @@ def test_figures_of_one_command_share_one_run(repo: Path) -> None:
     assert (repo / "runs.txt").read_text() == "run\n"
     text = (repo / "docs" / "G.md").read_text()
     assert text.count("| 1 | 2.5 |") == 2
+
+
+def test_a_run_is_dirty_only_for_changes_outside_the_docs(repo: Path) -> None:
+    # A run of two commands: the first rewrote its guide (docs/), which must not mark the second
+    # as measured on uncommitted changes; an edit to measured code does.
+    (repo / "docs" / "G.md").write_text("# G edited by a run\n")
+    assert not gitinfo.dirty(repo)
+    (repo / "bench" / "fake.py").write_text(SCRIPT + "\n# edited\n")
+    assert gitinfo.dirty(repo)
 
 
 def test_cli_refuses_on_a_busy_box_and_writes_nothing(repo: Path,
