@@ -96,7 +96,9 @@ def _step_inputs(model: LlamaForCausalLM, batch: int, new: int, context: int, bl
 
     cfg = model.cfg
     kvh, d = model.num_local_kv_heads, cfg.head_dim
-    caches = [torch.randn(2, num_blocks, block_size, kvh, d) * 0.5 for _ in range(cfg.num_layers)]
+    dtype = model.rope_cos.dtype  # the model's activation and KV dtype
+    caches = [(torch.randn(2, num_blocks, block_size, kvh, d) * 0.5).to(dtype)
+              for _ in range(cfg.num_layers)]
     per = -(-(context + new) // block_size)
     reqs, ids, pos = [], [], []
     for b in range(batch):
@@ -170,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the model's weights, activations and KV cache (as the engine's --dtype)")
     p.add_argument("--num-threads", "--threads", dest="num_threads", type=int, default=2,
                    help="torch threads (as every pdkv bench's --num-threads)")
     p.add_argument("--decode-batches", default="1,32", help="comma-separated decode batch sizes")
@@ -203,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.num_threads)
-    model = load_model(resolve_model(args.model), "float32", "cpu")
-    linear = setup_cpu_linear(model, args.cpu_linear, "float32", "cpu").describe()
+    model = load_model(resolve_model(args.model), args.dtype, "cpu")
+    linear = setup_cpu_linear(model, args.cpu_linear, args.dtype, "cpu").describe()
     backend = install_attention_backend(model, args.attention_backend, "cpu", "auto", 1, False)
     fused = set_fused_ops(model, not args.no_fused_ops)
     layer_ops = set_decode_layer_op(model, fused and not args.no_decode_layer_op, backend)
@@ -219,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         format_profile(
             rows,
-            f"{args.model} float32, {args.num_threads} "
+            f"{args.model} {args.dtype}, {args.num_threads} "
             f"thread{'s' if args.num_threads != 1 else ''}, linear {linear}, attention {backend}, "
             f"fused ops {'on' if fused else 'off'}, decode layer op "
             f"{'on' if layer_ops else 'off'}, context {args.context}; cpu "

@@ -30,4 +30,21 @@ inline float reduce_sum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, v);
 }
 
+// Vec::size() bfloat16 values from p, widened to float32 (exact).
+inline Vec load_bf16(const c10::BFloat16* p) {
+  Vec v;
+  at::vec::load_fp32_from_bf16(p, v);
+  return v;
+}
+
+// v rounded to bfloat16 (ATen's rounding, as its bfloat16 kernels store a result), stored at p.
+inline void store_bf16(c10::BFloat16* p, const Vec& v) {
+  at::vec::convert_float_bfloat16(v, v).store(p, Vec::size());
+}
+
+// v rounded to bfloat16 and widened back: the value a bfloat16 tensor would hold.
+inline Vec round_bf16(const Vec& v) {
+  return std::get<0>(at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(v, v)));
+}
+
 }  // namespace pdkv::vec

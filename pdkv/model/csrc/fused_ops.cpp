@@ -49,13 +49,23 @@ inline float round_bf16(float v) { return static_cast<float>(static_cast<bf16>(v
 // LlamaRMSNorm): x * inv in float32 rounded to bfloat16, then weight * that, rounded again.
 inline void norm_row_bf16(const bf16* x, const bf16* w, bf16* out, int64_t n, float eps, float ss) {
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t d = 0; d < n; ++d)
+  const Vec vinv(inv);
+  int64_t d = 0;
+  for (; d + Vec::size() <= n; d += Vec::size())
+    pdkv::vec::store_bf16(out + d, pdkv::vec::load_bf16(w + d) * pdkv::vec::round_bf16(pdkv::vec::load_bf16(x + d) * vinv));
+  for (; d < n; ++d)
     out[d] = static_cast<bf16>(static_cast<float>(w[d]) * round_bf16(static_cast<float>(x[d]) * inv));
 }
 
 inline float sum_squares_bf16(const bf16* x, int64_t n) {
-  float s = 0.f;
-  for (int64_t d = 0; d < n; ++d) {
+  Vec acc(0.f);
+  int64_t d = 0;
+  for (; d + Vec::size() <= n; d += Vec::size()) {
+    const Vec v = pdkv::vec::load_bf16(x + d);
+    acc = acc + v * v;
+  }
+  float s = pdkv::vec::reduce_sum(acc);
+  for (; d < n; ++d) {
     const float v = static_cast<float>(x[d]);
     s += v * v;
   }
@@ -131,7 +141,10 @@ at::Tensor fused_add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const 
       for (int64_t t = begin; t < end; ++t) {
         bf16* r = rp + t * rs;
         const bf16* xr = xp + t * xs;
-        for (int64_t d = 0; d < n; ++d) r[d] = static_cast<bf16>(static_cast<float>(r[d]) + static_cast<float>(xr[d]));
+        int64_t d = 0;
+        for (; d + Vec::size() <= n; d += Vec::size())
+          pdkv::vec::store_bf16(r + d, pdkv::vec::load_bf16(r + d) + pdkv::vec::load_bf16(xr + d));
+        for (; d < n; ++d) r[d] = static_cast<bf16>(static_cast<float>(r[d]) + static_cast<float>(xr[d]));
         norm_row_bf16(r, wp, op + t * n, n, static_cast<float>(eps), sum_squares_bf16(r, n));
       }
     });
@@ -190,7 +203,17 @@ void fused_rope_(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
         bf16* x = xp + t * st + h * sh;
         const bf16* ct = cp + t * D;
         const bf16* stt = sp + t * D;
-        for (int64_t d = 0; d < half; ++d) {
+        int64_t d = 0;
+        for (; d + Vec::size() <= half; d += Vec::size()) {
+          using pdkv::vec::load_bf16;
+          using pdkv::vec::round_bf16;
+          const Vec x0 = load_bf16(x + d), x1 = load_bf16(x + half + d);
+          const Vec y0 = round_bf16(x0 * load_bf16(ct + d)) + round_bf16(x1 * load_bf16(stt + d));
+          const Vec y1 = round_bf16(x1 * load_bf16(ct + half + d)) + round_bf16(x0 * load_bf16(stt + half + d));
+          pdkv::vec::store_bf16(x + d, y0);
+          pdkv::vec::store_bf16(x + half + d, y1);
+        }
+        for (; d < half; ++d) {
           const float x0 = x[d], x1 = x[half + d];
           const float a0 = round_bf16(x0 * static_cast<float>(ct[d]));
           const float b0 = round_bf16(x1 * static_cast<float>(stt[d]));
@@ -247,7 +270,14 @@ at::Tensor fused_silu_mul(const at::Tensor& x) {
         const bf16* g = xp + t * xs;
         const bf16* u = g + I;
         bf16* o = op + t * I;
-        for (int64_t i = 0; i < I; ++i) {
+        const Vec one(1.f);
+        int64_t i = 0;
+        for (; i + Vec::size() <= I; i += Vec::size()) {
+          const Vec gv = pdkv::vec::load_bf16(g + i);
+          const Vec sv = pdkv::vec::round_bf16(gv / (one + gv.neg().exp()));
+          pdkv::vec::store_bf16(o + i, sv * pdkv::vec::load_bf16(u + i));
+        }
+        for (; i < I; ++i) {
           const float gv = g[i];
           o[i] = static_cast<bf16>(round_bf16(gv / (1.f + std::exp(-gv))) * static_cast<float>(u[i]));
         }
