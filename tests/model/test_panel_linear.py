@@ -114,11 +114,16 @@ def test_bfloat16_panels_widen_exactly_and_accumulate_in_float32():
     w = torch.randn(72, 520, generator=g).to(torch.bfloat16)
     pw = PanelWeight(pack_panels(w), 72)
     assert pw.panels.dtype == torch.bfloat16 and pw.nbytes == 5 * 520 * 16 * 2
-    for m in (1, 6, 7):
+    wide = PanelWeight(pack_panels(w.float()), 72)
+    # 1-17 rows widen each weight row in registers per micro-kernel call; from 18 rows (three
+    # calls) a chunk is widened once into a float32 buffer; past 192 rows in row blocks. Every
+    # way, the bits of float32 panels of the same (exactly widened) weights.
+    for m in (1, 6, 7, 17, 18, 37, 200):
         x = torch.randn(m, 520, generator=g)
         y = torch.ops.pdkv.panel_linear(x, pw.panels, 72, None)  # float32 x, float32 sums
         ref = x.double() @ w.double().T  # bf16 -> float is exact
         assert ((y.double() - ref).abs() <= _error_bound(x, w.float())).all(), m
+        assert torch.equal(y, wide(x)), m
         xb = x.to(torch.bfloat16)  # the engine's bf16 activations: widened, summed, rounded once
         assert torch.equal(
             pw(xb), torch.ops.pdkv.panel_linear(xb.float(), pw.panels, 72, None).to(torch.bfloat16)
