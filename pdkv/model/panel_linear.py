@@ -19,8 +19,10 @@ fixed order, so a row's result does not depend on the other rows in the batch (u
 oneDNN, whose blocking changes with the row count); it differs from F.linear in the last bits
 (tests/model/test_panel_linear.py bounds it; greedy parity with HF: tests/engine/test_hf_parity.py).
 
-bfloat16 weights are packed as bfloat16 (half the bytes streamed per step) and widened to float32
-in registers (a 16-bit shift, exact), with float32 FMA and x / y in float32: the approach of
+bfloat16 weights are packed as bfloat16 (half the bytes streamed per step, prefetched 48 rows
+ahead) and widened to float32 in registers (a 16-bit shift, exact; from 18 rows of x a chunk is
+widened once into a float32 buffer instead), with float32 FMA and x / y in float32 (a bfloat16
+x is widened by the op, y rounded to bfloat16 once at the end): the approach of
 llama.cpp's AVX2 bf16 dot products, so bf16 decodes faster than float32 on CPUs without native
 bf16 instead of running torch's emulated bf16 GEMM.
 
@@ -105,8 +107,8 @@ class PanelWeight:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] -> [T, out_features] in x's dtype (+ bias [out_features]); `weight` (the plain
-        parameter, now shape-only) is ignored. The kernel takes and returns float32: a bfloat16 x
-        is widened first and the float32 sums rounded to bfloat16 once at the end (as torch's
+        parameter, now shape-only) is ignored. The kernel sums in float32: a bfloat16 x is
+        widened by the op and the float32 sums rounded to bfloat16 once at the end (as torch's
         bf16 matmul accumulates in float32)."""
         if x.dtype in (torch.float32, torch.bfloat16):  # the op widens and rounds bfloat16
             return torch.ops.pdkv.panel_linear(x, self.panels, self.out_features, bias)

@@ -147,12 +147,6 @@ inline void panel_rows(const float* x, int64_t ldx, int64_t M, const W* p, int64
   }
 }
 
-// Each thread takes a range of panels. Rows of x go in blocks of kMB, and within a block the
-// thread's panels pass one K chunk at a time over the same kMB-row slice of x: x is read from
-// memory once per thread and row block instead of once per panel (at 8,192 rows of 576 columns,
-// 18.9 MB per panel). Up to kMB rows (every decode step) each panel is walked whole, one after
-// the other, so the weights stream in memory order. The order of the k chunks of one output is
-// the same either way (first stores, later chunks add): the blocking changes no result bit.
 // One panel chunk (kc rows of 16) against M rows of x. A bfloat16 chunk that three or more
 // micro-kernel calls would read (M >= 3 kMR) is widened once into `wide` (exact) and read from
 // there as float32, instead of being widened again by each call; the sums are the same either
@@ -177,6 +171,12 @@ inline void chunk_rows(const float* x, int64_t ldx, int64_t M, const W* p, int64
   panel_rows(x, ldx, M, p, kc, y, ldy, ncols, first);
 }
 
+// Each thread takes a range of panels. Rows of x go in blocks of kMB, and within a block the
+// thread's panels pass one K chunk at a time over the same kMB-row slice of x: x is read from
+// memory once per thread and row block instead of once per panel (at 8,192 rows of 576 columns,
+// 18.9 MB per panel). Up to kMB rows (every decode step) each panel is walked whole, one after
+// the other, so the weights stream in memory order. The order of the k chunks of one output is
+// the same either way (first stores, later chunks add): the blocking changes no result bit.
 template <typename W>
 void panel_gemm(const float* X, const W* Wp, float* Y, int64_t M, int64_t K, int64_t N, int64_t P) {
   const int64_t kc_max = chunk_k(K);
