@@ -18,7 +18,7 @@ the same bits (products and sums rounded one by one, no FMA contraction); SiLU·
 own vectorised exp and form, equal on the vector body (a scalar tail may differ in the last
 bit); RMSNorm sums squares in a different order than ATen's reduction, so it agrees to a few
 ulp (rtol 1e-6), not bit for bit — the torch path (`--no-fused-ops`) keeps HF's bits. Greedy
-outputs on SmolLM2 equal HF's either way (tests/engine/test_fused_ops_engine.py).
+outputs on SmolLM2 equal HF's either way (tests/engine/test_hf_parity.py::test_batch_matches_hf).
 
 bfloat16 (`--dtype bfloat16`): the ops compute in float32 and round to bfloat16 where the torch
 path's ATen ops round (the residual sum; RoPE's two products and their sum; SiLU, then the

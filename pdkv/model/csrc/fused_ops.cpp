@@ -47,7 +47,7 @@ inline float round_bf16(float v) { return static_cast<float>(static_cast<bf16>(v
 
 // bfloat16 RMSNorm of one row as the torch path computes it (pdkv.model.llama.rms_norm, HF's
 // LlamaRMSNorm): x * inv in float32 rounded to bfloat16, then weight * that, rounded again.
-inline void norm_row_bf16(const bf16* x, const bf16* w, bf16* out, int64_t n, float eps, float ss) {
+inline void norm_row(const bf16* x, const bf16* w, bf16* out, int64_t n, float eps, float ss) {
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
   const Vec vinv(inv);
   int64_t d = 0;
@@ -57,7 +57,7 @@ inline void norm_row_bf16(const bf16* x, const bf16* w, bf16* out, int64_t n, fl
     out[d] = static_cast<bf16>(static_cast<float>(w[d]) * round_bf16(static_cast<float>(x[d]) * inv));
 }
 
-inline float sum_squares_bf16(const bf16* x, int64_t n) {
+inline float sum_squares(const bf16* x, int64_t n) {
   Vec acc(0.f);
   int64_t d = 0;
   for (; d + Vec::size() <= n; d += Vec::size()) {
@@ -94,6 +94,19 @@ inline float sum_squares(const float* x, int64_t n) {
   return s;
 }
 
+// out[t] = RMSNorm(x[t]) * weight for each row t of x [T, N] (rows split over threads).
+template <typename S>
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, at::Tensor& out, double eps) {
+  const S* xp = x.data_ptr<S>();
+  const S* wp = weight.data_ptr<S>();
+  S* op = out.data_ptr<S>();
+  const int64_t n = x.size(1), xs = x.stride(0);
+  at::parallel_for(0, x.size(0), grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      norm_row(xp + t * xs, wp, op + t * n, n, static_cast<float>(eps), sum_squares(xp + t * xs, n));
+  });
+}
+
 at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "fused_rms_norm");
   const int64_t T = x.size(0), n = x.size(1);
@@ -101,25 +114,53 @@ at::Tensor fused_rms_norm(const at::Tensor& x, const at::Tensor& weight, double 
   check_same_dtype(x, weight, "fused_rms_norm", "weight");
   auto out = at::empty({T, n}, x.options());
   if (x.scalar_type() == at::kBFloat16) {
-    const bf16* xp = x.data_ptr<bf16>();
-    const bf16* wp = weight.data_ptr<bf16>();
-    bf16* op = out.data_ptr<bf16>();
-    const int64_t xs = x.stride(0);
-    at::parallel_for(0, T, grain_rows(n), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
-        norm_row_bf16(xp + t * xs, wp, op + t * n, n, static_cast<float>(eps), sum_squares_bf16(xp + t * xs, n));
-    });
-    return out;
+    rms_norm_rows<bf16>(x, weight, out, eps);
+  } else {
+    rms_norm_rows<float>(x, weight, out, eps);
   }
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t xs = x.stride(0);
-  at::parallel_for(0, T, grain_rows(n), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      norm_row(xp + t * xs, wp, op + t * n, n, static_cast<float>(eps), sum_squares(xp + t * xs, n));
-  });
   return out;
+}
+
+// r += xr in place (float32), then out = RMSNorm(r) * w; the sum of squares taken in the add's pass.
+inline void add_norm_row(float* r, const float* xr, const float* w, float* out, int64_t n, float eps) {
+  Vec acc(0.f);
+  int64_t d = 0;
+  for (; d + Vec::size() <= n; d += Vec::size()) {
+    const Vec v = Vec::loadu(r + d) + Vec::loadu(xr + d);
+    v.store(r + d);
+    acc = acc + v * v;
+  }
+  float ss = pdkv::vec::reduce_sum(acc);
+  for (; d < n; ++d) {
+    r[d] = r[d] + xr[d];
+    ss += r[d] * r[d];
+  }
+  norm_row(r, w, out, n, eps, ss);
+}
+
+// r = bf16(r + xr) in place, then out = RMSNorm of that r (as the torch path: the sum is a
+// bfloat16 tensor before it is normalised).
+inline void add_norm_row(bf16* r, const bf16* xr, const bf16* w, bf16* out, int64_t n, float eps) {
+  int64_t d = 0;
+  for (; d + Vec::size() <= n; d += Vec::size())
+    pdkv::vec::store_bf16(r + d, pdkv::vec::load_bf16(r + d) + pdkv::vec::load_bf16(xr + d));
+  for (; d < n; ++d) r[d] = static_cast<bf16>(static_cast<float>(r[d]) + static_cast<float>(xr[d]));
+  norm_row(r, w, out, n, eps, sum_squares(r, n));
+}
+
+// add_norm_row on each row of residual / x [T, N] (rows split over threads).
+template <typename S>
+void add_rms_norm_rows(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, at::Tensor& out,
+                       double eps) {
+  S* rp = residual.data_ptr<S>();
+  const S* xp = x.data_ptr<S>();
+  const S* wp = weight.data_ptr<S>();
+  S* op = out.data_ptr<S>();
+  const int64_t n = residual.size(1), rs = residual.stride(0), xs = x.stride(0);
+  at::parallel_for(0, residual.size(0), grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      add_norm_row(rp + t * rs, xp + t * xs, wp, op + t * n, n, static_cast<float>(eps));
+  });
 }
 
 at::Tensor fused_add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -131,50 +172,28 @@ at::Tensor fused_add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const 
   check_same_dtype(residual, x, "fused_add_rms_norm_", "x");
   check_same_dtype(residual, weight, "fused_add_rms_norm_", "weight");
   auto out = at::empty({T, n}, residual.options());
-  if (residual.scalar_type() == at::kBFloat16) {  // r = bf16(r + x), then RMSNorm of that r
-    bf16* rp = residual.data_ptr<bf16>();
-    const bf16* xp = x.data_ptr<bf16>();
-    const bf16* wp = weight.data_ptr<bf16>();
-    bf16* op = out.data_ptr<bf16>();
-    const int64_t rs = residual.stride(0), xs = x.stride(0);
-    at::parallel_for(0, T, grain_rows(n), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        bf16* r = rp + t * rs;
-        const bf16* xr = xp + t * xs;
-        int64_t d = 0;
-        for (; d + Vec::size() <= n; d += Vec::size())
-          pdkv::vec::store_bf16(r + d, pdkv::vec::load_bf16(r + d) + pdkv::vec::load_bf16(xr + d));
-        for (; d < n; ++d) r[d] = static_cast<bf16>(static_cast<float>(r[d]) + static_cast<float>(xr[d]));
-        norm_row_bf16(r, wp, op + t * n, n, static_cast<float>(eps), sum_squares_bf16(r, n));
-      }
-    });
-    return out;
+  if (residual.scalar_type() == at::kBFloat16) {
+    add_rms_norm_rows<bf16>(residual, x, weight, out, eps);
+  } else {
+    add_rms_norm_rows<float>(residual, x, weight, out, eps);
   }
-  float* rp = residual.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t rs = residual.stride(0), xs = x.stride(0);
-  at::parallel_for(0, T, grain_rows(n), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* r = rp + t * rs;
-      const float* xr = xp + t * xs;
-      Vec acc(0.f);
-      int64_t d = 0;
-      for (; d + Vec::size() <= n; d += Vec::size()) {
-        const Vec v = Vec::loadu(r + d) + Vec::loadu(xr + d);
-        v.store(r + d);
-        acc = acc + v * v;
-      }
-      float ss = pdkv::vec::reduce_sum(acc);
-      for (; d < n; ++d) {
-        r[d] = r[d] + xr[d];
-        ss += r[d] * r[d];
-      }
-      norm_row(r, wp, op + t * n, n, static_cast<float>(eps), ss);
+  return out;
+}
+
+// Runs row(x, cos, sin) on each head of qk [T, H, D] (its D values, in place) with its token's
+// cos / sin rows [D]; the T * H heads are split over threads.
+template <typename T, typename Row>
+void for_each_head(at::Tensor& qk, const at::Tensor& c, const at::Tensor& s, const Row& row) {
+  T* xp = qk.data_ptr<T>();
+  const T* cp = c.data_ptr<T>();
+  const T* sp = s.data_ptr<T>();
+  const int64_t H = qk.size(1), D = qk.size(2), st = qk.stride(0), sh = qk.stride(1);
+  at::parallel_for(0, qk.size(0) * H, grain_rows(D), [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / H, h = task % H;
+      row(xp + t * st + h * sh, cp + t * D, sp + t * D);
     }
   });
-  return out;
 }
 
 // qk [T, heads, D] (last dim contiguous, any row / head strides): each head's halves (x0, x1)
@@ -193,64 +212,44 @@ void fused_rope_(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
               "fused_rope_: cos / sin must be [T, 1, D] of qk's dtype");
   if (qk.scalar_type() == at::kBFloat16) {
     // Each product and the sum rounded to bfloat16, as x * cos + swapped * sin in bfloat16 does.
-    bf16* xp = qk.data_ptr<bf16>();
-    const bf16* cp = c.data_ptr<bf16>();
-    const bf16* sp = s.data_ptr<bf16>();
-    const int64_t st = qk.stride(0), sh = qk.stride(1);
-    at::parallel_for(0, T * H, grain_rows(D), [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t t = task / H, h = task % H;
-        bf16* x = xp + t * st + h * sh;
-        const bf16* ct = cp + t * D;
-        const bf16* stt = sp + t * D;
-        int64_t d = 0;
-        for (; d + Vec::size() <= half; d += Vec::size()) {
-          using pdkv::vec::load_bf16;
-          using pdkv::vec::round_bf16;
-          const Vec x0 = load_bf16(x + d), x1 = load_bf16(x + half + d);
-          const Vec y0 = round_bf16(x0 * load_bf16(ct + d)) + round_bf16(x1 * load_bf16(stt + d));
-          const Vec y1 = round_bf16(x1 * load_bf16(ct + half + d)) + round_bf16(x0 * load_bf16(stt + half + d));
-          pdkv::vec::store_bf16(x + d, y0);
-          pdkv::vec::store_bf16(x + half + d, y1);
-        }
-        for (; d < half; ++d) {
-          const float x0 = x[d], x1 = x[half + d];
-          const float a0 = round_bf16(x0 * static_cast<float>(ct[d]));
-          const float b0 = round_bf16(x1 * static_cast<float>(stt[d]));
-          const float a1 = round_bf16(x1 * static_cast<float>(ct[half + d]));
-          const float b1 = round_bf16(x0 * static_cast<float>(stt[half + d]));
-          x[d] = static_cast<bf16>(a0 + b0);
-          x[half + d] = static_cast<bf16>(a1 + b1);
-        }
+    for_each_head<bf16>(qk, c, s, [half](bf16* x, const bf16* ct, const bf16* stt) {
+      using pdkv::vec::load_bf16;
+      const auto rnd = [](const Vec& v) { return pdkv::vec::round_bf16(v); };
+      int64_t d = 0;
+      for (; d + Vec::size() <= half; d += Vec::size()) {
+        const Vec x0 = load_bf16(x + d), x1 = load_bf16(x + half + d);
+        const Vec y0 = rnd(x0 * load_bf16(ct + d)) + rnd(x1 * load_bf16(stt + d));
+        const Vec y1 = rnd(x1 * load_bf16(ct + half + d)) + rnd(x0 * load_bf16(stt + half + d));
+        pdkv::vec::store_bf16(x + d, y0);
+        pdkv::vec::store_bf16(x + half + d, y1);
+      }
+      for (; d < half; ++d) {
+        const float x0 = x[d], x1 = x[half + d];
+        const float a0 = round_bf16(x0 * static_cast<float>(ct[d]));
+        const float b0 = round_bf16(x1 * static_cast<float>(stt[d]));
+        const float a1 = round_bf16(x1 * static_cast<float>(ct[half + d]));
+        const float b1 = round_bf16(x0 * static_cast<float>(stt[half + d]));
+        x[d] = static_cast<bf16>(a0 + b0);
+        x[half + d] = static_cast<bf16>(a1 + b1);
       }
     });
     return;
   }
-  float* xp = qk.data_ptr<float>();
-  const float* cp = c.data_ptr<float>();
-  const float* sp = s.data_ptr<float>();
-  const int64_t st = qk.stride(0), sh = qk.stride(1);
-  at::parallel_for(0, T * H, grain_rows(D), [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / H, h = task % H;
-      float* x = xp + t * st + h * sh;
-      const float* ct = cp + t * D;
-      const float* stt = sp + t * D;
-      int64_t d = 0;
-      for (; d + Vec::size() <= half; d += Vec::size()) {
-        const Vec x0 = Vec::loadu(x + d), x1 = Vec::loadu(x + half + d);
-        const Vec y0 = x0 * Vec::loadu(ct + d) + x1 * Vec::loadu(stt + d);
-        const Vec y1 = x1 * Vec::loadu(ct + half + d) + x0 * Vec::loadu(stt + half + d);
-        y0.store(x + d);
-        y1.store(x + half + d);
-      }
-      for (; d < half; ++d) {
-        const float x0 = x[d], x1 = x[half + d];
-        const float a0 = x0 * ct[d], b0 = x1 * stt[d];
-        const float a1 = x1 * ct[half + d], b1 = x0 * stt[half + d];
-        x[d] = a0 + b0;
-        x[half + d] = a1 + b1;
-      }
+  for_each_head<float>(qk, c, s, [half](float* x, const float* ct, const float* stt) {
+    int64_t d = 0;
+    for (; d + Vec::size() <= half; d += Vec::size()) {
+      const Vec x0 = Vec::loadu(x + d), x1 = Vec::loadu(x + half + d);
+      const Vec y0 = x0 * Vec::loadu(ct + d) + x1 * Vec::loadu(stt + d);
+      const Vec y1 = x1 * Vec::loadu(ct + half + d) + x0 * Vec::loadu(stt + half + d);
+      y0.store(x + d);
+      y1.store(x + half + d);
+    }
+    for (; d < half; ++d) {
+      const float x0 = x[d], x1 = x[half + d];
+      const float a0 = x0 * ct[d], b0 = x1 * stt[d];
+      const float a1 = x1 * ct[half + d], b1 = x0 * stt[half + d];
+      x[d] = a0 + b0;
+      x[half + d] = a1 + b1;
     }
   });
 }
