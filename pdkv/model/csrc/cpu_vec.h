@@ -42,7 +42,10 @@ inline void store_bf16(c10::BFloat16* p, const Vec& v) {
   at::vec::convert_float_bfloat16(v, v).store(p, Vec::size());
 }
 
-// v rounded to bfloat16 and widened back: the value a bfloat16 tensor would hold.
+// v rounded to bfloat16 (nearest even, as ATen stores a bfloat16 result) and widened back: the
+// value a bfloat16 tensor would hold; for one float and for a vector of them.
+inline float round_bf16(float v) { return static_cast<float>(static_cast<c10::BFloat16>(v)); }
+
 inline Vec round_bf16(const Vec& v) {
   return std::get<0>(at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(v, v)));
 }

@@ -42,8 +42,7 @@ void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* op, 
 
 using bf16 = at::BFloat16;
 
-// A float32 value rounded to bfloat16 (nearest even, as ATen stores a bfloat16 result) and back.
-inline float round_bf16(float v) { return static_cast<float>(static_cast<bf16>(v)); }
+using pdkv::vec::round_bf16;  // a float or a Vec rounded to bfloat16 and widened back
 
 // bfloat16 RMSNorm of one row as the torch path computes it (pdkv.model.llama.rms_norm, HF's
 // LlamaRMSNorm): x * inv in float32 rounded to bfloat16, then weight * that, rounded again.
@@ -52,7 +51,7 @@ inline void norm_row(const bf16* x, const bf16* w, bf16* out, int64_t n, float e
   const Vec vinv(inv);
   int64_t d = 0;
   for (; d + Vec::size() <= n; d += Vec::size())
-    pdkv::vec::store_bf16(out + d, pdkv::vec::load_bf16(w + d) * pdkv::vec::round_bf16(pdkv::vec::load_bf16(x + d) * vinv));
+    pdkv::vec::store_bf16(out + d, pdkv::vec::load_bf16(w + d) * round_bf16(pdkv::vec::load_bf16(x + d) * vinv));
   for (; d < n; ++d)
     out[d] = static_cast<bf16>(static_cast<float>(w[d]) * round_bf16(static_cast<float>(x[d]) * inv));
 }
@@ -214,12 +213,11 @@ void fused_rope_(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
     // Each product and the sum rounded to bfloat16, as x * cos + swapped * sin in bfloat16 does.
     for_each_head<bf16>(qk, c, s, [half](bf16* x, const bf16* ct, const bf16* stt) {
       using pdkv::vec::load_bf16;
-      const auto rnd = [](const Vec& v) { return pdkv::vec::round_bf16(v); };
       int64_t d = 0;
       for (; d + Vec::size() <= half; d += Vec::size()) {
         const Vec x0 = load_bf16(x + d), x1 = load_bf16(x + half + d);
-        const Vec y0 = rnd(x0 * load_bf16(ct + d)) + rnd(x1 * load_bf16(stt + d));
-        const Vec y1 = rnd(x1 * load_bf16(ct + half + d)) + rnd(x0 * load_bf16(stt + half + d));
+        const Vec y0 = round_bf16(x0 * load_bf16(ct + d)) + round_bf16(x1 * load_bf16(stt + d));
+        const Vec y1 = round_bf16(x1 * load_bf16(ct + half + d)) + round_bf16(x0 * load_bf16(stt + half + d));
         pdkv::vec::store_bf16(x + d, y0);
         pdkv::vec::store_bf16(x + half + d, y1);
       }
@@ -273,7 +271,7 @@ at::Tensor fused_silu_mul(const at::Tensor& x) {
         int64_t i = 0;
         for (; i + Vec::size() <= I; i += Vec::size()) {
           const Vec gv = pdkv::vec::load_bf16(g + i);
-          const Vec sv = pdkv::vec::round_bf16(gv / (one + gv.neg().exp()));
+          const Vec sv = round_bf16(gv / (one + gv.neg().exp()));
           pdkv::vec::store_bf16(o + i, sv * pdkv::vec::load_bf16(u + i));
         }
         for (; i < I; ++i) {

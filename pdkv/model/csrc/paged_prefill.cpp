@@ -194,13 +194,15 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, const std::vector
             alpha[row] = 1.f;
             continue;
           }
+          // Scores outside [a, b) become -inf (their exp below is 0), and the max is taken over
+          // the rest (the max of floats is exact in any order).
           const vi8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
           const vf8 vneg = vf8{} + neg_inf;
-          vf8 vmax = vneg;  // the max over [a, b) (the max of floats is exact in any order)
+          vf8 vmax = vneg;
           for (int64_t t = 0; t < nw; t += 8) {
             const vi8 idx = lane + static_cast<int32_t>(t);
-            const vf8 x = load8(sr + t);
-            const vf8 v = (idx >= static_cast<int32_t>(a)) & (idx < static_cast<int32_t>(b)) ? x : vneg;
+            const vf8 v = (idx >= static_cast<int32_t>(a)) & (idx < static_cast<int32_t>(b)) ? load8(sr + t) : vneg;
+            store8(sr + t, v);
             vmax = vmax > v ? vmax : v;
           }
           float mb = vmax[0];
@@ -209,9 +211,7 @@ void prefill_kernel(const at::Tensor& q, const at::Tensor& kv, const std::vector
           alpha[row] = exp_nonpos(m[row] - mnew);  // 0 on the row's first keys (m = -inf)
           vf8 vsum = {};
           for (int64_t t = 0; t < nw; t += 8) {  // nw is a multiple of 16
-            const vi8 idx = lane + static_cast<int32_t>(t);
-            const vf8 e = exp_nonpos8(load8(sr + t) - mnew);
-            const vf8 w = (idx >= static_cast<int32_t>(a)) & (idx < static_cast<int32_t>(b)) ? e : vf8{};
+            const vf8 w = exp_nonpos8(load8(sr + t) - mnew);  // -inf - mnew: 0
             store8(sr + t, w);
             vsum += w;
           }
