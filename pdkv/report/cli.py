@@ -114,9 +114,10 @@ def report(args: argparse.Namespace, figures: tuple[Figure, ...], probe: Probe) 
         markdown.replace_block(_guide_path(root, f).read_text(encoding="utf-8").split("\n"),
                                f.id, [])  # the guide holds its block: checked before the run
         try:
-            if f.command not in runs:  # figures of one command share its run
+            if f.command not in runs:  # figures of one command share its run (and keeps)
+                keep = tuple(g for x in chosen if x.command == f.command for g in x.keep)
                 runs[f.command] = runner.measure(root, f, probe, args.force, args.timeout,
-                                                 args.wait_quiet)
+                                                 args.wait_quiet, keep)
         except runner.Refused as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_REFUSED
@@ -133,8 +134,10 @@ def report(args: argparse.Namespace, figures: tuple[Figure, ...], probe: Probe) 
             failed += 1
             continue
         render.write_data(root, f, data)
+        kept = render.write_kept(root, f, runs[f.command].kept)
         render_guides(root, (f,), {f.id: data})
-        print(f"{f.id}: wrote {f.data} and its table in {f.guide}")
+        print(f"{f.id}: wrote {f.data}" + "".join(f", {k}" for k in kept)
+              + f" and its block in {f.guide}")
         made += 1
     print(f"{made} figures made, {skipped} skipped, {failed} failed", file=sys.stderr)
     return 1 if failed else 0

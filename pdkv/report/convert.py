@@ -209,3 +209,34 @@ def handoff_pulls(output: Mapping[str, Any]) -> dict[str, Any]:
     if not lines:
         raise ValueError("pdkv bench handoff printed no probe or prompt line")
     return {"text": lines}
+
+
+# Where the generated notes of a `pdkv compare` report start (pdkv/bench/compare/output.py):
+# the first of these lines after its tables.
+COMPARE_NOTES_START = ("## Break-even", "## When it does not pay", "How to read it:")
+
+
+def compare_notes(output: Mapping[str, Any]) -> dict[str, Any]:
+    """The generated text of the report `pdkv compare --out {dir}/COMPARE.md` writes around its
+    tables, as markdown lines: its workload line, its skipped topologies (listed right after
+    the first table), then everything from the first of `COMPARE_NOTES_START` on (break-even,
+    when it does not pay, how to read it, the plot links).
+
+    Raises:
+        KeyError: the command wrote no COMPARE.md.
+        ValueError: the report has no workload line or none of those sections.
+    """
+    lines = str(output["files"]["COMPARE.md"]).rstrip("\n").split("\n")
+    workload = [x.removeprefix("- workload: ") for x in lines if x.startswith("- workload: ")]
+    start = next((i for i, x in enumerate(lines) if x.startswith(COMPARE_NOTES_START)), None)
+    if not workload or start is None:
+        raise ValueError("COMPARE.md has no workload line or no notes after its tables")
+    skipped: list[str] = []
+    if "Skipped topologies:" in lines:
+        i = lines.index("Skipped topologies:")
+        skipped = [lines[i]]
+        while i + 1 < len(lines) and lines[i + 1].startswith("- "):
+            i += 1
+            skipped.append(lines[i])
+        skipped.append("")
+    return {"text": [f"Workload: {workload[0]}.", "", *skipped, *lines[start:]]}

@@ -48,7 +48,12 @@ class Figure:
     rerun: False for a record of one past run that the guide discusses as such (a "before"
         table): `pdkv report` does not run it and --check does not call it stale.
     needs: what the command needs beyond this repository ("root", "llama.cpp"), said by --list.
-    kind: "table" (a pipe table) or "text" (a command's printed output, in a code fence).
+    kind: "table" (a pipe table), "text" (a command's printed output, in a code fence) or
+        "markdown" (markdown the command wrote, such as a report's generated notes and plot
+        links, rendered as it is; its converter returns it as "text" lines).
+    keep: globs, relative to `{dir}`, of files the command writes that the guide links (plots,
+        the raw result): they are written beside the guide at the same relative path, after
+        the files of an earlier run under the same globs are removed.
     """
 
     id: str
@@ -65,6 +70,7 @@ class Figure:
     table_index: int = 0
     table_source: str = ""
     table_header: str = ""
+    keep: tuple[str, ...] = ()
 
     @property
     def data(self) -> str:
@@ -89,8 +95,9 @@ def validate(figures: tuple[Figure, ...]) -> None:
 
     Raises:
         ValueError: an id is repeated or malformed, a kind is unknown, a figure with percentiles
-            runs fewer than MIN_REQUESTS_FOR_P99 requests per point, or one without a command
-            says nothing in `how`.
+            runs fewer than MIN_REQUESTS_FOR_P99 requests per point, one without a command
+            says nothing in `how`, or one keeps files without a `{dir}` in its command (or by
+            a glob that leaves `{dir}`).
     """
     seen: set[str] = set()
     for f in figures:
@@ -99,13 +106,20 @@ def validate(figures: tuple[Figure, ...]) -> None:
         seen.add(f.id)
         if not f.id.replace("-", "").isalnum() or f.id != f.id.lower():
             raise ValueError(f"figure id {f.id!r}: lowercase letters, digits and '-' only")
-        if f.kind not in ("table", "text"):
-            raise ValueError(f"figure {f.id}: kind {f.kind!r} is not 'table' or 'text'")
+        if f.kind not in ("table", "text", "markdown"):
+            raise ValueError(f"figure {f.id}: kind {f.kind!r} is not 'table', 'text' or "
+                             "'markdown'")
         if f.percentiles and (f.requests_per_point or 0) < MIN_REQUESTS_FOR_P99:
             raise ValueError(f"figure {f.id} shows percentiles from {f.requests_per_point} "
                              f"requests per point: p99 needs at least {MIN_REQUESTS_FOR_P99}")
         if not f.command and not f.how:
             raise ValueError(f"figure {f.id} has no command and no `how`")
+        if f.keep and not any("{dir}" in a for a in f.command):
+            raise ValueError(f"figure {f.id} keeps {list(f.keep)} but its command writes no "
+                             "{dir}")
+        for g in f.keep:
+            if g.startswith("/") or ".." in g.split("/"):
+                raise ValueError(f"figure {f.id}: kept glob {g!r} must stay inside {{dir}}")
 
 
 def by_id(figures: tuple[Figure, ...], ids: list[str]) -> tuple[Figure, ...]:
@@ -132,7 +146,8 @@ def default_convert(output: Mapping[str, Any], kind: str = "table", index: int =
     or "text" (lines) when it has one;
     else, for a table, the first table printed in the stdout (or in file `source`: pipe tables
     and plain-text grids, `markdown.printed_tables`) whose first header cell starts with `header`,
-    or the `index`-th when `header` is empty; for text, the stdout (or that file) itself.
+    or the `index`-th when `header` is empty; for text or markdown, the stdout (or that file)
+    itself.
 
     Raises:
         ValueError: there is no such table or file.
@@ -150,7 +165,7 @@ def default_convert(output: Mapping[str, Any], kind: str = "table", index: int =
         raise ValueError(f"the command wrote no {source} (it wrote {sorted(files) or 'nothing'})")
     text = str(files[source] if source else output.get("stdout", ""))
     lines = text.rstrip("\n").split("\n")
-    if kind == "text":
+    if kind in ("text", "markdown"):
         return {"text": lines}
     found = markdown.printed_tables(lines)
     if header:

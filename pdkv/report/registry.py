@@ -20,6 +20,9 @@ HF_LLAMA = "transformers (HF peer), llama-cpp-python and its GGUFs (`make llama-
 # The link measured by `pdkv bench transfer`, then the handoff predicted with it.
 HANDOFF_MEASURED = (*PD, "pdkv/plan", "pdkv/bench/handoff", "pdkv/bench/transfer",
                     "pdkv/report/recipes/handoff_measured.py", "pdkv/report/recipes/steps.py")
+# One `pdkv compare` run makes every figure of docs/COMPARE.md.
+COMPARE = (*PDKV, "compare", "--num-prompts", "20", "--out", "{dir}/COMPARE.md")
+COMPARE_MEASURES = (*PD, "pdkv/kvpool", "pdkv/bench/compare", "pdkv/plan")
 
 FIGURES: tuple[Figure, ...] = (
     # docs/SPEED.md
@@ -88,12 +91,15 @@ FIGURES: tuple[Figure, ...] = (
            (*PY, "pdkv.bench.model.profile_step", "--threads", "1", "--no-fused-ops",
             "--repeats", "2", "--cpu-linear", "onednn"),
            (*ENGINE, "pdkv/bench/model/profile_step.py"), table_header="step"),
-    # docs/COMPARE.md (the report `pdkv compare` writes; its three tables)
-    *(Figure(f"compare-{part}", "docs/COMPARE.md",
-             (*PDKV, "compare", "--num-prompts", "20", "--out", "{dir}/COMPARE.md"),
-             (*PD, "pdkv/kvpool", "pdkv/bench/compare", "pdkv/plan"), requests_per_point=20,
-             percentiles=part == "latency", table_index=i, table_source="COMPARE.md")
+    # docs/COMPARE.md (the report `pdkv compare` writes: its three tables, then its generated
+    # notes with the plots and compare.json it links)
+    *(Figure(f"compare-{part}", "docs/COMPARE.md", COMPARE, COMPARE_MEASURES,
+             requests_per_point=20, percentiles=part == "latency", table_index=i,
+             table_source="COMPARE.md")
       for i, part in enumerate(("latency", "phases", "plan"))),
+    Figure("compare-notes", "docs/COMPARE.md", COMPARE, COMPARE_MEASURES, requests_per_point=20,
+           kind="markdown", convert="pdkv.report.convert:compare_notes",
+           keep=("compare/*.png", "compare/compare.json")),
     # docs/ACROSS_HOSTS.md
     Figure("across-hosts-links", "docs/ACROSS_HOSTS.md",
            (*PDKV, "bench", "hosts", "--deploy", "examples/deploy/1p1d-smollm2.toml", "--netns",

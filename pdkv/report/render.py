@@ -3,6 +3,7 @@ command's printed text), so the guide and the data cannot disagree."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 from pathlib import Path
@@ -41,9 +42,29 @@ def write_data(root: Path, figure: Figure, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def write_kept(root: Path, figure: Figure, kept: dict[str, bytes]) -> list[str]:
+    """Write the files of a run that `figure.keep` names beside the guide (same path relative
+    to the guide's folder as to `{dir}`), after removing the files an earlier run left under
+    the same globs; returns the paths written, relative to `root`."""
+    folder = root / (os.path.dirname(figure.guide) or ".")
+    for pattern in figure.keep:
+        for old in folder.glob(pattern):
+            if old.is_file():
+                old.unlink()
+    written = []
+    for name, blob in sorted(kept.items()):
+        if any(fnmatch.fnmatch(name, g) for g in figure.keep):
+            path = folder / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(blob)
+            written.append(str(path.relative_to(root)))
+    return written
+
+
 def body(figure: Figure, data: dict[str, Any]) -> list[str]:
     """The lines inside the figure's block: the machine line with the command and the data
-    file's link, a blank line, the table (or fenced text), a blank line.
+    file's link, a blank line, the table (or fenced text, or the markdown as it is), a blank
+    line.
 
     Raises:
         ValueError: a table row has not as many cells as there are columns.
@@ -60,6 +81,8 @@ def body(figure: Figure, data: dict[str, Any]) -> list[str]:
     if figure.kind == "table":
         t = data["table"]
         out += markdown.render_table(t["columns"], t["rows"], t.get("align"))
+    elif figure.kind == "markdown":
+        out += data["text"]
     else:
         out += ["```", *data["text"], "```"]
     return [*out, ""]

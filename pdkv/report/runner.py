@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +33,21 @@ def argv(figure: Figure, json_path: str, folder: str) -> list[str]:
 @dataclass(frozen=True)
 class Measured:
     """One run of a command: its output ({"stdout", "files", "json"}, see
-    `figures.default_convert`) and the machine object of the run (load after included)."""
+    `figures.default_convert`), the machine object of the run (load after included) and the
+    kept files (path relative to `{dir}` -> bytes; `Figure.keep`)."""
 
     output: dict[str, Any]
     machine: dict[str, Any]
+    kept: dict[str, bytes] = field(default_factory=dict)
 
 
 def measure(root: Path, figure: Figure, probe: machine.Probe, force: bool,
-            timeout_s: float | None = None, wait_s: float = 0.0) -> Measured:
+            timeout_s: float | None = None, wait_s: float = 0.0,
+            keep: tuple[str, ...] | None = None) -> Measured:
     """Run `figure`'s command now in `root`: refuse when the load is above the core count after
-    waiting up to `wait_s` seconds for it to fall (unless `force`: then it runs at once).
+    waiting up to `wait_s` seconds for it to fall (unless `force`: then it runs at once). The
+    files of `{dir}` matching `keep` (default `figure.keep`; the figures sharing the command
+    pass all of theirs) come back in `Measured.kept`.
 
     Raises:
         Refused: the 1-minute load average exceeds the core count and `force` is False.
@@ -79,8 +84,11 @@ def measure(root: Path, figure: Figure, probe: machine.Probe, force: bool,
                   if "{json}" in figure.command else None)
         files = {p.name: p.read_text(encoding="utf-8")
                  for pattern in ("*.md", "*.json") for p in sorted(folder.glob(pattern))}
+        kept = {str(p.relative_to(folder)): p.read_bytes()
+                for pattern in (figure.keep if keep is None else keep)
+                for p in sorted(folder.glob(pattern)) if p.is_file()}
     return Measured({"stdout": proc.stdout, "files": files, "json": result},
-                    machine.finish(facts, probe))
+                    machine.finish(facts, probe), kept)
 
 
 def keep_raw(figure: Figure, measured: Measured) -> str:
@@ -101,9 +109,10 @@ def to_data(figure: Figure, measured: Measured) -> dict[str, Any]:
         ValueError: the output does not convert into the figure's kind.
     """
     converted = converter(figure)(measured.output)
-    if figure.kind not in converted:
+    key = "table" if figure.kind == "table" else "text"
+    if key not in converted:
         raise ValueError(f"figure {figure.id}: its result converts to "
-                         f"{sorted(converted)}, not a {figure.kind}: the figure needs a "
+                         f"{sorted(converted)}, not a {key}: the figure needs a "
                          "`convert` function")
     data: dict[str, Any] = {"figure": figure.id, "guide": figure.guide,
                             "command": figure.command_text(), "machine": measured.machine,

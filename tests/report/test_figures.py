@@ -252,6 +252,53 @@ def test_cli_refuses_on_a_busy_box_and_writes_nothing(repo: Path,
     assert "**FORCED: load average 2.50 > 2 cores.**" in (repo / "docs/G.md").read_text()
 
 
+NOTES_SCRIPT = """import json, os, sys
+out = sys.argv[1]
+os.makedirs(os.path.join(out, "plots"))
+open(os.path.join(out, "REPORT.md"), "w").write(
+    "| n | ms |\\n|---|---|\\n| 1 | 2.5 |\\n\\nHow to read it: fast.\\n\\n![a](plots/a.png)\\n")
+open(os.path.join(out, "plots", "a.png"), "wb").write(bytes([137, 80, 0, 255]))
+open(os.path.join(out, "plots", "x.txt"), "w").write("not kept")
+"""
+
+
+def test_kept_files_land_beside_the_guide_and_replace_an_earlier_runs(repo: Path) -> None:
+    # A report with a table and generated notes linking a plot (as `pdkv compare` writes): the
+    # notes are a markdown block, the plot lands at the path its link names, a plot an earlier
+    # run left under the same glob goes, and the figure that keeps files need not run first.
+    (repo / "bench" / "notes.py").write_text(NOTES_SCRIPT)
+    (repo / "docs" / "G.md").write_text("<!-- figure: tbl -->\n<!-- /figure -->\n\n"
+                                        "<!-- figure: notes -->\n<!-- /figure -->\n")
+    (repo / "docs" / "plots").mkdir()
+    (repo / "docs" / "plots" / "old.png").write_bytes(b"old")
+    (repo / "docs" / "plots" / "mine.txt").write_text("a hand-made file")
+    cmd = ("{python}", "bench/notes.py", "{dir}")
+    table = Figure("tbl", "docs/G.md", cmd, ("bench",), table_source="REPORT.md")
+    notes = Figure("notes", "docs/G.md", cmd, ("bench",), kind="markdown",
+                   table_source="REPORT.md", keep=("plots/*.png",))
+    assert cli.report(_args(repo), (table, notes), _probe(0.5)) == 0
+    assert (repo / "docs/plots/a.png").read_bytes() == bytes([137, 80, 0, 255])
+    assert not (repo / "docs/plots/old.png").exists()
+    assert not (repo / "docs/plots/x.txt").exists()  # written by the run, not kept
+    assert (repo / "docs/plots/mine.txt").read_text() == "a hand-made file"
+    text = (repo / "docs/G.md").read_text()
+    assert "How to read it: fast.\n\n![a](plots/a.png)\n" in text  # as it is, not fenced
+    assert text.count("| 1 | 2.5 |") == 2 and "```" not in text
+    assert cli.report(_args(repo, render_only=True), (table, notes), _probe(9.0)) == 0
+    assert (repo / "docs/G.md").read_text() == text
+
+
+def test_a_figure_keeps_files_only_from_its_dir() -> None:
+    with pytest.raises(ValueError, match="writes no"):
+        validate((Figure("k", "docs/K.md", ("{python}", "x.py", "{json}"), (),
+                         keep=("a.png",)),))
+    with pytest.raises(ValueError, match="inside"):
+        validate((Figure("k", "docs/K.md", ("{python}", "x.py", "{dir}"), (),
+                         keep=("../a.png",)),))
+    with pytest.raises(ValueError, match="kind"):
+        validate((Figure("k", "docs/K.md", ("{python}", "x.py"), (), kind="html"),))
+
+
 def test_cli_failed_command_writes_nothing(repo: Path) -> None:
     script = ("import json, sys; json.dump({'table': {'columns': ['a'], 'rows': [['1']]}}, "
               "open(sys.argv[1], 'w')); sys.exit(4)")  # a result, then a failure
@@ -332,6 +379,23 @@ def test_transfer_and_dcp_converters_read_their_results() -> None:
     d = convert.dcp({"json": {"rows": rows}})["table"]
     assert d["rows"] == [["1k", "2.00 MiB", "1.00 MiB", "0.50", "7.8 / 8.2 ms", "7.8 / 8.2 ms",
                           "50 %"]]
+
+
+def test_compare_notes_are_the_reports_generated_text_after_its_tables() -> None:
+    from pdkv.bench.compare.report import render_report
+
+    text = render_report([], command="pdkv compare", date="d", machine="m", workload="w 1",
+                         notes=["a note"], skipped={"pd+pool": "no pool"},
+                         plots=["compare/compare_phases.png"], plot_note=None,
+                         sections=[("TTFT phases (mean ms per request)", ["| a |\n|---|"]),
+                                   ("Break-even (`pdkv plan`, as a library)", ["n* = 3"])])
+    got = convert.compare_notes({"files": {"COMPARE.md": text}})["text"]
+    assert got[0] == "Workload: w 1."
+    assert got[2] == "Skipped topologies:" and "- n* = 3" in got
+    assert "## TTFT phases (mean ms per request)" not in got and "| a |" not in got
+    assert got[-1] == "![compare/compare_phases.png](compare/compare_phases.png)"
+    with pytest.raises(ValueError, match="no notes"):
+        convert.compare_notes({"files": {"COMPARE.md": "- workload: w\n\n| a |\n|---|\n"}})
 
 
 def test_command_placeholders_are_filled_inside_arguments() -> None:
