@@ -54,6 +54,8 @@ class Figure:
     keep: globs, relative to `{dir}`, of files the command writes that the guide links (plots,
         the raw result): they are written beside the guide at the same relative path, after
         the files of an earlier run under the same globs are removed.
+    exit_codes: the command's exit statuses that are a run (`pdkv bench handoff` exits 1 when
+        a row misses its tolerance: a finding its table shows); any other fails the figure.
     """
 
     id: str
@@ -71,6 +73,7 @@ class Figure:
     table_source: str = ""
     table_header: str = ""
     keep: tuple[str, ...] = ()
+    exit_codes: tuple[int, ...] = (0,)
 
     @property
     def data(self) -> str:

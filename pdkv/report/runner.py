@@ -52,7 +52,8 @@ def measure(root: Path, figure: Figure, probe: machine.Probe, force: bool,
     Raises:
         Refused: the 1-minute load average exceeds the core count and `force` is False.
         ValueError: the figure has no command, or is a record of a past run.
-        RuntimeError: the command failed (its exit status) or timed out.
+        RuntimeError: the command failed (an exit status not in `figure.exit_codes`) or timed
+            out.
         OSError, ValueError: its `{json}` file is missing or not JSON.
     """
     if not figure.command:
@@ -77,7 +78,7 @@ def measure(root: Path, figure: Figure, probe: machine.Probe, force: bool,
         except subprocess.TimeoutExpired as e:
             raise RuntimeError(f"figure {figure.id}: timed out after {timeout_s} s") from e
         sys.stdout.write(proc.stdout)
-        if proc.returncode != 0:
+        if proc.returncode not in figure.exit_codes:
             raise RuntimeError(f"figure {figure.id}: command exited {proc.returncode}: "
                                f"{proc.stdout[-2000:]}")
         result = (json.loads(Path(json_path).read_text(encoding="utf-8"))

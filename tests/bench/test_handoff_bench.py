@@ -24,9 +24,10 @@ def measure() -> dict:
     # probe: without it a fast box's 1k wire time (~20 ms at 2 GB/s) is as small as that fixed
     # cost and the ratio sits at the 2× edge by luck.
     result = run_handoff_bench(["tcp"], [PROMPT], bandwidths={"tcp": bandwidth}, fixed_s=None,
-                               tolerance=1.0, print_table=False)
+                               tolerance=1.0, print_table=False, repeats=3)
     (row,) = result["rows"]
-    assert row["nbytes"] == KV_BYTES  # every block of the prompt, nothing else
+    assert row["nbytes"] == KV_BYTES  # every block of the prompt, nothing else (every pull)
+    assert len(row["pulls_s"]) == 3 and row["measured_s"] == sorted(row["pulls_s"])[1]
     assert row["bandwidth"] == bandwidth and row["fixed_s"] > 0
     assert result["probes"]["tcp"]["seconds"] > 0
     return dict(row)

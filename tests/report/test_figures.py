@@ -252,6 +252,16 @@ def test_cli_refuses_on_a_busy_box_and_writes_nothing(repo: Path,
     assert "**FORCED: load average 2.50 > 2 cores.**" in (repo / "docs/G.md").read_text()
 
 
+def test_an_exit_status_the_figure_names_is_a_run(repo: Path) -> None:
+    # `pdkv bench handoff` exits 1 when a row misses its tolerance: the table is the finding.
+    script = ("import json, sys; json.dump({'table': {'columns': ['a'], 'rows': [['1']]}}, "
+              "open(sys.argv[1], 'w')); sys.exit(1)")
+    missed = Figure("fake", "docs/G.md", ("{python}", "-c", script, "{json}"), ("bench",),
+                    exit_codes=(0, 1))
+    assert cli.report(_args(repo), (missed,), _probe(0.1)) == 0
+    assert json.loads((repo / missed.data).read_text())["table"]["rows"] == [["1"]]
+
+
 NOTES_SCRIPT = """import json, os, sys
 out = sys.argv[1]
 os.makedirs(os.path.join(out, "plots"))

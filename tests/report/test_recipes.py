@@ -69,7 +69,8 @@ def test_handoff_measured_defaults_are_the_guides_run() -> None:
                           "--engines", "tcp,shm", "--result-json", "t.json")
     h = handoff_measured.handoff_step(args, {"tcp": 1259026434.0769064, "shm": 5.7e9}, "h.json")
     assert h.argv[3:] == ("bench", "handoff", "--transfer", "tcp,shm", "--prompt-lens",
-                          "1024,4096,8192", "--link-bandwidth", "tcp=1259026434.0769064",
+                          "1024,4096,8192", "--repeats", "3", "--link-bandwidth",
+                          "tcp=1259026434.0769064",
                           "--link-bandwidth", "shm=5700000000.0", "--result-json", "h.json")
     assert h.ok_codes == (0, 1)  # a row outside the tolerance is a finding, not a failure
 
@@ -86,14 +87,18 @@ def test_link_bandwidth_is_the_median_at_the_largest_size() -> None:
 
 
 def test_handoff_pulls_keeps_the_probe_and_prompt_lines() -> None:
-    """On the real output of docs/PLAN.md's run (transfer, then handoff, as the recipe prints)."""
-    data = json.loads((ROOT / "docs/figures/plan-handoff-measured.json").read_text())
-    text = convert.handoff_pulls({"stdout": "\n".join(data["text"])})["text"]
+    """On the real output of docs/PLAN.md's run of 2026-12-01 (transfer, then handoff, as the
+    recipe prints)."""
+    text = convert.handoff_pulls({"stdout": _fixture("handoff-measured-2026-12-01.txt")})["text"]
     assert [line.split(":")[0] for line in text] == [
         f"[{e}] {n}" for e in ("tcp", "shm") for n in ("probe", "1024 tokens", "4096 tokens",
                                                         "8191 tokens")]
     assert text[1] == ("[tcp] 1024 tokens: prefill 11.9 s, handoff 34.2 ms measured / 42.8 ms "
                        "predicted")
+    median = ("[tcp] 1024 tokens: prefill 1.6 s, handoff 41.7 ms measured (median of 3: 30.8, "
+              "41.7, 54.8) / 23.1 ms predicted (pdkv plan --kv-bytes 47185920 --sched-overhead "
+              "0.00619)")  # with --repeats 3
+    assert convert.handoff_pulls({"stdout": median})["text"] == [median.split(" (pdkv plan")[0]]
     with pytest.raises(ValueError):
         convert.handoff_pulls({"stdout": "$ pdkv bench transfer\n"})
 
@@ -119,24 +124,23 @@ def test_push_vs_pull_runs_loopback_without_a_rate_and_caps_the_others() -> None
 
 
 @pytest.mark.parametrize(("link", "result", "plan", "guide_row"), [
-    ("loopback", "docs/push/loopback.json", None,
+    ("loopback", "push-loopback.json", None,
      "| loopback | 6.80 / 7.83 | 1.15 | 88 / 5 | – |"),
-    ("1gbit", "docs/push/1gbit.json", "plan-smollm2-2048-1gbit.json",
+    ("1gbit", "push-1gbit.json", "plan-smollm2-2048-1gbit.json",
      "| 1 Gbit/s | 7.92 / 8.85 | 1.12 | 812 / 4 | 757 / 27 |"),
 ])
 def test_push_vs_pull_remakes_the_guides_rows_from_their_runs(
         link: str, result: str, plan: str | None, guide_row: str) -> None:
-    """docs/push/*.json are the runs behind docs/PUSH.md's table; the plan fixture is `pdkv plan
-    --json` at the table's 300 tok/s and 1 Gbit/s."""
-    got = push_vs_pull.medians(json.loads((ROOT / result).read_text()))
+    """The fixtures are the runs behind docs/PUSH.md's table of c46b527 (docs/push/*.json then);
+    the plan fixture is `pdkv plan --json` at the table's 300 tok/s and 1 Gbit/s."""
+    got = push_vs_pull.medians(json.loads(_fixture(result)))
     exposed = push_vs_pull.plan_exposed(json.loads(_fixture(plan))) if plan else None
     line = push_vs_pull.table([push_vs_pull.row(link, got, exposed)]).split("\n")[2]
     assert line == guide_row
-    assert guide_row in (ROOT / "docs/PUSH.md").read_text()
 
 
 def test_push_vs_pull_refuses_a_skipped_or_partial_run() -> None:
-    rows = json.loads((ROOT / "docs/push/1gbit.json").read_text())["rows"]
+    rows = json.loads(_fixture("push-1gbit.json"))["rows"]
     with pytest.raises(ValueError, match="skipped"):
         push_vs_pull.medians({"skipped": "needs root"})
     with pytest.raises(ValueError, match="no push row"):

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import signal
+import statistics
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -82,6 +83,8 @@ def run_handoff_bench(
     tolerance: float = DEFAULT_TOLERANCE,
     seed: int = 0,
     print_table: bool = True,
+    cold_kv_cache: bool = False,
+    repeats: int = 1,
 ) -> HandoffResult:
     """Measure one request's handoff per transfer engine and prompt length and compare each with
     `pdkv plan`.
@@ -98,6 +101,13 @@ def run_handoff_bench(
         tolerance: PASS when |measured − predicted| ≤ tolerance · predicted.
         seed: prompt token seed.
         print_table: print progress and the table.
+        cold_kv_cache: start P and D without `--kv-cache-prefault`, so D receives each prompt's
+            KV into pages it touches for the first time and the page faults are in the measured
+            pull (default: both engines write their whole KV cache at start, and the pull is
+            measured as the plan models it: bytes into resident memory).
+        repeats: pulls per prompt length, of the same prompt: P's prefix cache serves the
+            repeats (only the first pays the prefill) and D pulls the whole prompt each time;
+            the row's measured time is their median, and each pull's time is in "pulls_s".
 
     Returns:
         {"config": {...}, "rows": [Comparison fields + ratio, pass, plan_command],
@@ -107,10 +117,13 @@ def run_handoff_bench(
         namespaces cannot be made, {"skipped": reason}.
 
     Raises:
-        ValueError: bad engines, lengths or rate.
-        RuntimeError: a peer failed, timed out, or an ip/tc command failed.
+        ValueError: bad engines, lengths, rate or repeats.
+        RuntimeError: a peer failed, timed out, or an ip/tc command failed; repeated pulls of
+            one prompt moved different bytes.
     """
     transfers = list(dict.fromkeys(transfers))
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     bad = [t for t in transfers if t not in ENGINES]
     if not transfers or bad:
         raise ValueError(f"transfers must be from {ENGINES}, got {transfers}")
@@ -125,6 +138,7 @@ def run_handoff_bench(
     rows: list[Comparison] = []
     preset_rows: list[Comparison] = []  # the same measurements against the presets (reference)
     probes: dict[str, dict[str, float]] = {}
+    pulls_s: dict[tuple[str, int], list[float]] = {}
     config: dict[str, object] = {
         "transfers": transfers,
         "prompt_lens": lens,
@@ -133,6 +147,8 @@ def run_handoff_bench(
         "fixed_s": fixed_s,
         "tolerance": tolerance,
         "seed": seed,
+        "cold_kv_cache": cold_kv_cache,
+        "repeats": repeats,
     }
     with tempfile.TemporaryDirectory(prefix="pdkv-handoff-") as log_dir, \
             (NetnsPair(rate=link_rate) if link_rate else contextlib.nullcontext()) as pair:
@@ -146,7 +162,7 @@ def run_handoff_bench(
                 transfer, (bandwidths or {}).get(transfer), rate_bps, link_rate or ""
             )
             say(f"[{transfer}] starting P and D ...", flush=True)
-            with peers(transfer, lens, pair, log_dir) as (p, d):
+            with peers(transfer, lens, pair, log_dir, prefault=not cold_kv_cache) as (p, d):
                 # Two one-block probes: the first also pays the handshake and the data
                 # connection (cached per peer afterwards); the second is the steady-state cost.
                 _, cold = _handoff(p, d, prompt_tokens(PROBE_TOKENS, seed + 998))
@@ -167,16 +183,28 @@ def run_handoff_bench(
                     flush=True,
                 )
                 for i, n in enumerate(lens):
-                    pre, got = _handoff(p, d, prompt_tokens(n, seed + i))
-                    row = compare(transfer, link, n, got["bytes"], sum(got["transfer_seconds"]),
+                    ids = prompt_tokens(n, seed + i)
+                    pulls = [_handoff(p, d, ids) for _ in range(repeats)]
+                    pre, got = pulls[0]
+                    moved = {g["bytes"] for _, g in pulls}
+                    if len(moved) > 1:
+                        raise RuntimeError(f"[{transfer}] {n} tokens: the repeated pulls moved "
+                                           f"different bytes {sorted(moved)}")
+                    times = [sum(g["transfer_seconds"]) for _, g in pulls]
+                    row = compare(transfer, link, n, got["bytes"], statistics.median(times),
                                   fixed, pre["prefill_s"])
                     rows.append(row)
+                    pulls_s[(transfer, n)] = times
                     if link.name == "custom" and not link_rate:  # the preset too, for reference
                         preset_rows.append(compare(transfer, engine_link(transfer), n, row.nbytes,
                                                    row.measured_s, fixed, row.prefill_s))
+                    each = (f" (median of {repeats}: "
+                            + ", ".join(f"{t * 1e3:.1f}" for t in times) + ")"
+                            if repeats > 1 else "")
                     say(f"[{transfer}] {n} tokens: prefill {pre['prefill_s']:.1f} s, handoff "
-                        f"{row.measured_s * 1e3:.1f} ms measured / {row.predicted_s * 1e3:.1f} ms "
-                        f"predicted ({row.plan_command()})", flush=True)
+                        f"{row.measured_s * 1e3:.1f} ms measured{each} / "
+                        f"{row.predicted_s * 1e3:.1f} ms predicted ({row.plan_command()})",
+                        flush=True)
     if print_table:
         print()
         print(format_table(rows, tolerance))
@@ -191,6 +219,7 @@ def run_handoff_bench(
                 asdict(r),
                 ratio=r.ratio,
                 measured_gbps=r.measured_gbps,
+                pulls_s=pulls_s[(r.transfer, r.prompt_len)],
                 plan_command=r.plan_command(),
                 **{"pass": r.within(tolerance)},
             )
@@ -262,6 +291,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                         help="PASS when |measured − predicted| <= tolerance × predicted")
     parser.add_argument("--seed", type=int, default=0, help="prompt token seed")
+    parser.add_argument("--cold-kv-cache", action="store_true",
+                        help="start P and D without --kv-cache-prefault: D then receives the KV "
+                        "into pages it touches for the first time, and their page faults are "
+                        "part of the measured pull (as for a CPU engine's first requests); "
+                        "default: both write their whole KV cache at start")
     parser.add_argument(
         "--transfer-modes",
         type=lambda s: _parse_list(s, str),
@@ -270,7 +304,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "with each instead of the pull's handoff time (tcp; pdkv/bench/handoff/modes.py)",
     )
     parser.add_argument("--repeats", type=int, default=1,
-                        help="--transfer-modes: requests per prompt length and mode")
+                        help="requests per prompt length (and mode, with --transfer-modes); a "
+                        "handoff row compares the median of its pulls (P's prefix cache serves "
+                        "the repeats, D pulls the whole prompt each time)")
     parser.add_argument("--timeline-plot", default=None, metavar="PNG",
                         help="--transfer-modes: draw the last push request's per-layer compute "
                         "vs wire timeline here")
@@ -305,7 +341,8 @@ def main(args: argparse.Namespace) -> int:
     transfers = args.transfer or (["tcp"] if args.link_rate else list(ENGINES))
     result = run_handoff_bench(transfers, args.prompt_lens, args.link_rate,
                                _parse_bandwidths(args.link_bandwidth), args.fixed_cost,
-                               args.tolerance, args.seed)
+                               args.tolerance, args.seed, cold_kv_cache=args.cold_kv_cache,
+                               repeats=args.repeats)
     if args.result_json:
         write_result_json(result, args.result_json)
     return 0 if result.get("skipped") or result["all_pass"] else 1

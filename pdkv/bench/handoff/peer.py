@@ -220,7 +220,8 @@ def serve(args: argparse.Namespace) -> int:
 
     role = "kv_producer" if args.side == "p" else "kv_consumer"
     llm = LLM(args.model, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
-              enable_prefix_caching=args.side == "p", kv_transfer_config=_config(role, args))
+              enable_prefix_caching=args.side == "p", kv_transfer_config=_config(role, args),
+              kv_cache_prefault=args.kv_cache_prefault)
     eng = llm.llm_engine
     lines = _stdin_lines()
     opened: dict[str, _Opened] = {}
@@ -261,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-kv-blocks", type=int, required=True)
     p.add_argument("--max-model-len", type=int, required=True)
     p.add_argument("--transfer-mode", default="pull", choices=("pull", "push"))
+    p.add_argument("--kv-cache-prefault", action="store_true",
+                   help="write the whole KV cache at start (the engine flag of that name)")
     return serve(p.parse_args(argv))
 
 

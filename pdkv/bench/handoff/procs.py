@@ -109,7 +109,16 @@ def capped_lengths(prompt_lens: Sequence[int], max_model_len: int = MODEL_MAX_LE
 def peers(
     transfer: str, lens: Sequence[int], pair: NetnsPair | None, log_dir: str,
     transfer_mode: str = "pull",
+    prefault: bool = True,
 ) -> Iterator[tuple[Peer, Peer]]:
+    """Start P and D (pdkv.bench.handoff.peer) for `transfer`, sized for the longest of `lens`,
+    in `pair`'s namespaces when given; yield them once both are ready, stop both on exit.
+    `prefault`: both write their whole KV cache at start (`--kv-cache-prefault`), so no pull
+    lands in pages touched for the first time.
+
+    Raises:
+        RuntimeError: a peer exited or was not ready within READY_TIMEOUT_S.
+    """
     max_len = min(MODEL_MAX_LEN, max(lens) + BLOCK_TOKENS)
     blocks = -(-max_len // BLOCK_TOKENS) + 8  # the longest prompt plus the probe
     common = [
@@ -121,6 +130,7 @@ def peers(
         str(max_len),
         "--transfer-mode",
         transfer_mode,
+        *(["--kv-cache-prefault"] if prefault else []),
     ]
     py = [sys.executable, "-m", "pdkv.bench.handoff.peer"]
     host = pair.host("p") if pair else "127.0.0.1"

@@ -3,8 +3,8 @@ that measurement (docs/PLAN.md "Predicted vs measured", docs/LEARNING.md step 4)
 
 Two commands in turn, each printed as `$ pdkv ...` before its output:
 1. `pdkv bench transfer --sizes 64,256 --repeats 3 --engines ENGINES --result-json ...`;
-2. `pdkv bench handoff --transfer ENGINES --prompt-lens ... --link-bandwidth ENGINE=B/s ...`, B/s
-   being each engine's median at the largest size of step 1 (GB/s × 1e9).
+2. `pdkv bench handoff --transfer ENGINES --prompt-lens ... --repeats PULLS --link-bandwidth
+   ENGINE=B/s ...`, B/s being each engine's median at the largest size of step 1 (GB/s × 1e9).
 `pdkv bench handoff` exits 1 when a row misses its tolerance: that is a finding the table shows,
 so it counts as a run; any other failure stops the recipe (exit 1, nothing written).
 """
@@ -43,6 +43,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="pdkv bench transfer's repeats")
     p.add_argument("--prompt-lens", type=_ints, default=[1024, 4096, 8192],
                    help="pdkv bench handoff's prompt lengths, tokens")
+    p.add_argument("--pulls", type=int, default=3,
+                   help="pdkv bench handoff's --repeats: pulls per prompt length (the row "
+                   "compares their median)")
     p.add_argument("--timeout", type=float, default=3600.0, help="deadline of each step, s")
     p.add_argument("--json", default=None,
                    help="write {transfer, link_bandwidth, handoff} (both results) here")
@@ -82,7 +85,8 @@ def handoff_step(args: argparse.Namespace, bandwidths: Mapping[str, float],
     link = [a for e, b in bandwidths.items() for a in ("--link-bandwidth", f"{e}={b!r}")]
     return steps.Step(steps.pdkv_argv(
         "bench", "handoff", "--transfer", ",".join(args.transfer),
-        "--prompt-lens", ",".join(map(str, args.prompt_lens)), *link,
+        "--prompt-lens", ",".join(map(str, args.prompt_lens)), "--repeats", str(args.pulls),
+        *link,
         "--result-json", result_json), args.timeout, ok_codes=(0, 1))
 
 
