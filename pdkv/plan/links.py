@@ -55,14 +55,16 @@ def _rdma(gbit: int) -> Link:
 PRESETS: dict[str, Link] = {
     "tcp-loopback": Link(
         "tcp-loopback", 2.7e9, 50e-6,
-        "pdkv's tcp engine over loopback: median 2.84 / 2.69 GB/s for 16 / 256 MiB reads "
-        "(`pdkv bench transfer`, docs/PD.md 'Transfer engines'; ±50 % between runs on a shared "
-        "box); "
+        "pdkv's tcp engine over loopback: median 2.84 / 2.69 GB/s for 16 / 256 MiB reads in "
+        "a `pdkv bench transfer` run of 2026-12-01 (a 2-core box; later runs read 2.8–4.7 "
+        "GB/s: measure yours and pass --link-bandwidth, docs/PD.md 'Transfer engines'); "
         "50 µs latency (assumed)"),
     "shm": Link(
         "shm", 12.5e9, 5e-6,
-        "pdkv's shm engine: median 12.53 / 12.91 GB/s for 16 / 256 MiB reads "
-        "(`pdkv bench transfer`, docs/PD.md 'Transfer engines'); 5 µs latency (assumed)"),
+        "pdkv's shm engine: median 12.53 / 12.91 GB/s for 16 / 256 MiB reads in a `pdkv "
+        "bench transfer` run of 2026-12-01 (a 2-core box; later runs read 4.8 GB/s at 256 "
+        "MiB, 12.6 at 16: measure yours and pass --link-bandwidth, docs/PD.md 'Transfer "
+        "engines'); 5 µs latency (assumed)"),
     "rdma-25": _rdma(25),
     "rdma-100": _rdma(100),
     "rdma-400": _rdma(400),
