@@ -284,6 +284,12 @@ def test_plots_are_written(tmp_path):
     names = write_plots(rows, str(tmp_path), "c_")
     assert names == ["c_phases.png", "c_tpot_itl.png", "c_bytes.png", "c_hit_rates.png"]
     assert all((tmp_path / n).stat().st_size > 1000 for n in names)
+    # However many runs, every plot fits a guide's width: one panel per (length, concurrency).
+    many = [dict(r, input_len=n, max_concurrency=c, topology=f"{r['topology']}{t}")
+            for r in rows for n in (128, 512) for c in (1, 2) for t in range(5)]
+    for name in write_plots(many, str(tmp_path / "many"), "c_"):
+        head = (tmp_path / "many" / name).read_bytes()[16:24]
+        assert int.from_bytes(head[:4], "big") <= 900, name  # PNG IHDR width, px
     # No pool and no hit anywhere: no empty hit-rate axis.
     quiet = [dict(r, pool_hit_tokens=None, prefix_hit_rates={"d": 0.0}) for r in rows]
     assert write_plots(quiet, str(tmp_path / "q"), "c_") == [
