@@ -35,7 +35,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    "refusing a figure (the previous figure's own load takes a minute or two to "
                    "decay)")
     p.add_argument("--timeout", type=float, default=None,
-                   help="seconds one figure's command may run (default: no limit)")
+                   help="seconds one figure's command may run (default: no limit); then its "
+                   "process group gets SIGTERM, so a recipe stops what it started, and SIGKILL "
+                   "30 s later")
     p.add_argument("--root", default=str(ROOT), help="repository root (default: this pdkv's)")
 
 

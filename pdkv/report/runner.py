@@ -10,8 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdkv.procgroup import stop_process_group
 from pdkv.report import machine
 from pdkv.report.figures import Figure, converter
+
+# Seconds a timed-out command's process group has between SIGTERM and SIGKILL (a recipe stops
+# its `pdkv up` in that time).
+TERM_GRACE_S = 30.0
 
 
 class Refused(RuntimeError):
@@ -52,8 +57,9 @@ def measure(root: Path, figure: Figure, probe: machine.Probe, force: bool,
     Raises:
         Refused: the 1-minute load average exceeds the core count and `force` is False.
         ValueError: the figure has no command, or is a record of a past run.
-        RuntimeError: the command failed (an exit status not in `figure.exit_codes`) or timed
-            out.
+        RuntimeError: the command failed (an exit status not in `figure.exit_codes`) or ran
+            past `timeout_s` (then its process group gets SIGTERM, and SIGKILL after
+            TERM_GRACE_S).
         OSError, ValueError: its `{json}` file is missing or not JSON.
     """
     if not figure.command:
@@ -72,15 +78,23 @@ def measure(root: Path, figure: Figure, probe: machine.Probe, force: bool,
         folder.mkdir()
         cmd = argv(figure, json_path, str(folder))
         print(f"[{figure.id}] {' '.join(cmd)}", file=sys.stderr, flush=True)
+        # Its own session: at the deadline SIGTERM reaches the command and whatever it started
+        # (a recipe's `pdkv up` and engines), so its clean-up runs; SIGKILL only after a grace.
+        proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
         try:
-            proc = subprocess.run(cmd, cwd=root, stdout=subprocess.PIPE, text=True,
-                                  timeout=timeout_s)
+            stdout, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired as e:
-            raise RuntimeError(f"figure {figure.id}: timed out after {timeout_s} s") from e
-        sys.stdout.write(proc.stdout)
+            stop_process_group(proc, TERM_GRACE_S)
+            raise RuntimeError(f"figure {figure.id}: timed out after {timeout_s} s (its process "
+                               "group was sent SIGTERM)") from e
+        except BaseException:  # Ctrl-C or SIGTERM of `pdkv report`: the command goes too
+            stop_process_group(proc, TERM_GRACE_S)
+            raise
+        sys.stdout.write(stdout)
         if proc.returncode not in figure.exit_codes:
             raise RuntimeError(f"figure {figure.id}: command exited {proc.returncode}: "
-                               f"{proc.stdout[-2000:]}")
+                               f"{stdout[-2000:]}")
         result = (json.loads(Path(json_path).read_text(encoding="utf-8"))
                   if "{json}" in figure.command else None)
         files = {p.name: p.read_text(encoding="utf-8")
@@ -88,7 +102,7 @@ def measure(root: Path, figure: Figure, probe: machine.Probe, force: bool,
         kept = {str(p.relative_to(folder)): p.read_bytes()
                 for pattern in (figure.keep if keep is None else keep)
                 for p in sorted(folder.glob(pattern)) if p.is_file()}
-    return Measured({"stdout": proc.stdout, "files": files, "json": result},
+    return Measured({"stdout": stdout, "files": files, "json": result},
                     machine.finish(facts, probe), kept)
 
 

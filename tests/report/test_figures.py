@@ -18,6 +18,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -260,6 +261,37 @@ def test_an_exit_status_the_figure_names_is_a_run(repo: Path) -> None:
                     exit_codes=(0, 1))
     assert cli.report(_args(repo), (missed,), _probe(0.1)) == 0
     assert json.loads((repo / missed.data).read_text())["table"]["rows"] == [["1"]]
+
+
+STUCK_SCRIPT = """import signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+open("child.pid", "w").write(str(child.pid))
+def stop(*_):
+    child.terminate()
+    open("stopped.txt", "w").write("clean-up ran")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+open("started.txt", "w").write("")
+time.sleep(120)
+"""
+
+
+def test_a_command_past_its_timeout_gets_sigterm_so_it_can_stop_what_it_started(
+        repo: Path) -> None:
+    # A recipe stops its `pdkv up` in a finally / SIGTERM handler: SIGKILL would leave it running.
+    (repo / "bench" / "stuck.py").write_text(STUCK_SCRIPT)
+    stuck = Figure("fake", "docs/G.md", ("{python}", "bench/stuck.py", "{json}"), ("bench",))
+    assert cli.report(_args(repo, timeout=5.0), (stuck,), _probe(0.1)) == 1
+    assert (repo / "stopped.txt").read_text() == "clean-up ran"
+    child = int((repo / "child.pid").read_text())
+    for _ in range(100):  # the child was terminated (and reaped by init once its parent left)
+        if not Path(f"/proc/{child}").exists() or "Z" in Path(
+                f"/proc/{child}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"child {child} of the timed-out command still runs")
+    assert not (repo / FAKE.data).exists()
 
 
 NOTES_SCRIPT = """import json, os, sys
