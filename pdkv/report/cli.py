@@ -4,6 +4,7 @@ stale ones (`--check`), or re-render the blocks from the data (`--render-only`).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,10 +43,16 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """`pdkv report` over the registered figures."""
+    """`pdkv report` over the registered figures. A reader that closes the pipe early
+    (`pdkv report --list | head`) ends the listing quietly."""
     from pdkv.report.registry import FIGURES
 
-    return report(args, FIGURES, Probe())
+    try:
+        return report(args, FIGURES, Probe())
+    except BrokenPipeError:
+        # Python's documented way: point stdout at devnull so the exit flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def _guide_path(root: Path, figure: Figure) -> Path:

@@ -379,6 +379,17 @@ def test_pdkv_report_list_runs_without_torch() -> None:
     assert PDKV[0] == "{python}"
 
 
+def test_pdkv_report_list_into_a_closed_pipe_ends_quietly() -> None:
+    # `pdkv report --list | head -0`: the reader leaves before the first line (closed here long
+    # before the child has imported anything, so its first write meets a closed pipe)
+    lister = subprocess.Popen([sys.executable, "-m", "pdkv.cli", "report", "--list"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert lister.stdout is not None and lister.stderr is not None
+    lister.stdout.close()
+    err = lister.stderr.read().decode()
+    assert lister.wait(timeout=60) == 0 and "BrokenPipe" not in err and "Traceback" not in err
+
+
 # -- converting a command's output ------------------------------------------------------------
 
 def test_default_convert_picks_the_printed_table_by_its_first_header() -> None:
