@@ -240,3 +240,27 @@ def compare_notes(output: Mapping[str, Any]) -> dict[str, Any]:
             skipped.append(lines[i])
         skipped.append("")
     return {"text": [f"Workload: {workload[0]}.", "", *skipped, *lines[start:]]}
+
+
+def routing(output: Mapping[str, Any]) -> dict[str, Any]:
+    """docs/ROUTING.md's table from `python -m pdkv.bench.compare.routing --result-json`: per
+    policy, requests done, prefix-cache hit rate and tokens, TTFT mean / p50 / p99, wrong
+    predictions of the KV-aware index (– for a policy without one) and the routing decisions
+    by reason (most first).
+
+    Raises:
+        KeyError: the result has no "policies" or a policy lacks a field read here.
+    """
+    rows = []
+    for p in output["json"]["policies"]:
+        preds = p["predictions"]
+        wrong = (f"{int(sum(n for k, n in preds.items() if k != 'exact'))} of "
+                 f"{int(sum(preds.values()))}" if preds else "–")
+        decisions = ", ".join(f"{k} {int(n)}" for k, n in
+                              sorted(p["decisions"].items(), key=lambda kv: (-kv[1], kv[0])))
+        rows.append([p["routing"], f"{p['completed']}/{p['requests']}", f"{p['hit_rate']:.3f}",
+                     f"{int(p['prefix_hits']):,} / {int(p['prompt_tokens']):,}",
+                     f"{p['ttft_mean_ms']:,.0f} ms", f"{p['ttft_p50_ms']:,.0f} ms",
+                     f"{p['ttft_p99_ms']:,.0f} ms", wrong, decisions])
+    return _table(["policy", "done", "hit rate", "hit tokens / prompt tokens", "TTFT mean",
+                   "TTFT p50", "TTFT p99", "predictions wrong", "decisions"], rows)

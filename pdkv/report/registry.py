@@ -193,7 +193,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure("routing-policies", "docs/ROUTING.md",
            (*PY, "pdkv.bench.compare.routing", "--result-json", "{json}"),
            (*SERVING, "pdkv/kv_events", "pdkv/bench/compare/routing.py",
-            "pdkv/bench/compare/routing_report.py"), requests_per_point=192, percentiles=True),
+            "pdkv/bench/compare/routing_report.py"), requests_per_point=192, percentiles=True,
+           convert="pdkv.report.convert:routing"),
     # docs/SERVING.md
     Figure("serving-bench-serve", "docs/SERVING.md",
            (*PY, "pdkv.report.recipes.serving", "--num-prompts", "32", "--",

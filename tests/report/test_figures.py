@@ -451,6 +451,20 @@ def test_compare_notes_are_the_reports_generated_text_after_its_tables() -> None
         convert.compare_notes({"files": {"COMPARE.md": "- workload: w\n\n| a |\n|---|\n"}})
 
 
+def test_routing_converter_reads_the_policies() -> None:
+    policy = {"routing": "kv_aware", "completed": 192, "requests": 192, "hit_rate": 0.8054,
+              "prefix_hits": 95584.0, "prompt_tokens": 118803.0, "ttft_mean_ms": 445.2,
+              "ttft_p50_ms": 401.6, "ttft_p99_ms": 2397.0,
+              "predictions": {"exact": 190.0, "over": 2.0},
+              "decisions": {"no_match": 4.0, "kv_hit": 186.0, "load": 2.0}}
+    plain = dict(policy, routing="round_robin", predictions=None, decisions={"round_robin": 192})
+    t = convert.routing({"json": {"policies": [policy, plain]}})["table"]
+    assert t["columns"][0] == "policy" and t["columns"][-2:] == ["predictions wrong", "decisions"]
+    assert t["rows"][0] == ["kv_aware", "192/192", "0.805", "95,584 / 118,803", "445 ms",
+                            "402 ms", "2,397 ms", "2 of 192", "kv_hit 186, no_match 4, load 2"]
+    assert t["rows"][1][-2:] == ["–", "round_robin 192"]
+
+
 def test_command_placeholders_are_filled_inside_arguments() -> None:
     fig = Figure("x", "docs/X.md", (*PDKV, "compare", "--out", "{dir}/COMPARE.md", "--json",
                                     "{json}"), ())
