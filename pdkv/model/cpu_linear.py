@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 
 from pdkv.model.cpu_features import dtype_warning, read_cpu_features
-from pdkv.model.hugepages import HugePageArena
+from pdkv.model.hugepages import HugePageArena, release_freed_heap
 from pdkv.model.linear_backend import LinearDispatch, LinearTuning, tune_linear
 from pdkv.model.linear_table import DEFAULT_BUCKETS
 from pdkv.model.llama import LlamaForCausalLM
@@ -80,6 +80,7 @@ def setup_cpu_linear(model: LlamaForCausalLM, mode: str, dtype: str, device: str
         if why is None:
             arena = HugePageArena()
             packed = model.pack_cpu_weights(functools.partial(pack_panel_weight, arena=arena))
+            release_freed_heap()  # the plain weights the panels were copied from
             logger.info("cpu-linear panel: %s", arena.describe())
             if packed:
                 return CpuLinearSetup(mode, None, warning)

@@ -62,6 +62,28 @@ def _madvise_huge(addr: int, length: int) -> bool:
     return int(libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), MADV_HUGEPAGE)) == 0
 
 
+def release_freed_heap() -> bool:
+    """Return the free pages of the C heap to the system: glibc's `malloc_trim(0)`, which since
+    glibc 2.8 releases whole free pages anywhere in the heap, not only at its top (malloc_trim(3)).
+
+    Why: the loader reads each plain weight onto the heap, and packing copies it into the arena
+    (mmap'd slabs) and frees it. Those freed pages lie below allocations that stay, so glibc keeps
+    them resident: about 250 MB of SmolLM2's engine RSS before this call (docs/MEMORY.md).
+
+    Returns:
+        True when memory was released; False when none was, or the C library has no
+        malloc_trim (musl, macOS, Windows).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is None:
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    return bool(trim(0))
+
+
 class HugePageArena:
     """Tensors carved from 2 MiB-aligned slabs advised MADV_HUGEPAGE (module doc).
 

@@ -1,13 +1,17 @@
 """HugePageArena (pdkv/model/hugepages.py): tensors carved from 2 MiB-aligned slabs advised for
 transparent huge pages; panels packed into it equal the plain packing and give the panel
-kernel's exact outputs."""
+kernel's exact outputs; the heap pages packing frees go back to the system."""
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
 
 import pytest
 import torch
 
-from pdkv.model.hugepages import HUGE_PAGE_BYTES, HugePageArena, thp_mode
+from pdkv.model.hugepages import HUGE_PAGE_BYTES, HugePageArena, release_freed_heap, thp_mode
 from pdkv.model.panel_linear import pack_panels, panel_linear_unavailable
 
 
@@ -90,3 +94,38 @@ def test_a_padded_panel_on_reused_bytes_is_zeroed():
     packed = pack_panels(w, arena)
     assert packed.data_ptr() == first.data_ptr()
     assert torch.equal(packed[1, :, 1:], torch.zeros(8, 15))
+
+
+def _rss_anon_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or ctypes.util.find_library("c") is None,
+                    reason="glibc's malloc_trim is Linux-only")
+def test_freed_heap_pages_below_a_live_allocation_are_released():
+    # What packing leaves behind: memory read onto the heap, freed, below something that stays.
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if getattr(libc, "malloc_trim", None) is None:
+        pytest.skip("this C library has no malloc_trim (not glibc)")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    block, count = 64 << 10, 1024  # 64 MiB in blocks below the mmap threshold: on the heap
+    ptrs, keep = [], []
+    for _ in range(count):
+        ptrs.append(libc.malloc(block))
+        ctypes.memset(ptrs[-1], 1, block)  # resident
+        keep.append(libc.malloc(block))  # stays, between the freed blocks: no free run can
+        ctypes.memset(keep[-1], 1, block)  # merge with its neighbours or reach the heap's top
+    for p in ptrs:
+        libc.free(p)
+    before = _rss_anon_kib()
+    assert release_freed_heap()
+    released = before - _rss_anon_kib()
+    for p in keep:
+        libc.free(p)
+    assert released > (count * block >> 10) // 2, f"released {released} KiB"
