@@ -79,7 +79,8 @@ def _align(cell: str) -> str:
 
 
 def tables(lines: list[str]) -> list[Table]:
-    """Every pipe table outside fenced code, in order."""
+    """Every pipe table outside fenced code, in order. A row followed by a separator row starts a
+    new table (a command that prints two tables with no blank line between them)."""
     out: list[Table] = []
     fenced = False
     i = 0
@@ -91,7 +92,8 @@ def tables(lines: list[str]) -> list[Table]:
         nxt = lines[i + 1].strip() if i + 1 < len(lines) else ""
         if not fenced and lines[i].lstrip().startswith("|") and SEPARATOR.match(nxt):
             j = i + 2
-            while j < len(lines) and lines[j].lstrip().startswith("|"):
+            while j < len(lines) and lines[j].lstrip().startswith("|") and not (
+                    j + 1 < len(lines) and SEPARATOR.match(lines[j + 1].strip())):
                 j += 1
             out.append(Table(i, j, split_row(lines[i]), [_align(c) for c in split_row(nxt)],
                              [split_row(r) for r in lines[i + 2:j]]))

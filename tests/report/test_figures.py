@@ -412,6 +412,11 @@ def test_default_convert_picks_the_printed_table_by_its_first_header() -> None:
     with pytest.raises(ValueError, match="no table headed 'step'"):
         default_convert(out, header="step")
     assert default_convert(out, kind="text")["text"][0] == "pdkv offline benchmark"
+    # two pipe tables printed with no blank line between them are two tables
+    both = {"stdout": "| batch | tok/s |\n|---|---|\n| 1 | 44.7 |\n| prefill B x L | tok/s |\n"
+                      "| --- | --- |\n| 1 x 512 | 698.0 |", "files": {}, "json": None}
+    assert default_convert(both, header="batch")["table"]["rows"] == [["1", "44.7"]]
+    assert default_convert(both, header="prefill")["table"]["rows"] == [["1 x 512", "698.0"]]
     # a JSON whose "table" is the printed markdown (pdkv bench hosts): read from the stdout
     hosts = {"stdout": stdout, "files": {}, "json": {"table": "| goal | value |\n|---|---|"}}
     assert default_convert(hosts, header="goal")["table"]["rows"] == [["decode", "0.93"]]
