@@ -12,9 +12,10 @@ from pdkv.report.machine import UNKNOWN
 
 def why_stale(root: Path, figure: Figure) -> str | None:
     """Why `figure` needs a re-run, or None when its data is current: no data file, a data
-    commit git does not know (or "unknown"), a commit touching `figure.measures` after the data's
-    commit, uncommitted changes at the run, or fewer requests per point than p99 needs. A record
-    of a past run (`rerun` False) is never stale."""
+    commit git does not know (or "unknown"), a commit changing `figure.measures` after the data's
+    commit (one that changed only docstrings and comments of Python files does not count:
+    `gitinfo.only_docs_changed`), uncommitted changes at the run, or fewer requests per point
+    than p99 needs. A record of a past run (`rerun` False) is never stale."""
     if not figure.rerun:
         return None
     path = root / figure.data
@@ -27,13 +28,12 @@ def why_stale(root: Path, figure: Figure) -> str | None:
     commit = str(machine.get("commit", UNKNOWN))
     if commit == UNKNOWN:
         return "the run's commit is unknown"
-    last = gitinfo.last_change(root, figure.measures)
-    if last:
-        ancestor = gitinfo.is_ancestor(root, last, commit)
-        if ancestor is None:
-            return f"commit {commit[:7]} is not in this repository"
-        if not ancestor:
-            return f"code it measures changed in {last[:7]}, after {commit[:7]}"
+    later = gitinfo.commits_since(root, commit, figure.measures)
+    if later is None:
+        return f"commit {commit[:7]} is not in this repository"
+    for c in later:  # newest first; docstring- and comment-only commits change no measurement
+        if not gitinfo.only_docs_changed(root, c, figure.measures):
+            return f"code it measures changed in {c[:7]}, after {commit[:7]}"
     if machine.get("dirty"):
         return f"ran with uncommitted changes on {commit[:7]}"
     rpp = machine.get("requests_per_point")

@@ -358,15 +358,41 @@ def test_check_lists_figures_whose_code_changed_after_their_data(repo: Path) -> 
     (repo / "docs" / "G.md").write_text((repo / "docs" / "G.md").read_text() + "\nprose\n")
     _git(repo, "commit", "-qam", "docs only")
     assert stale.why_stale(repo, FAKE) is None           # a change outside `measures`
-    (repo / "bench" / "fake.py").write_text(SCRIPT + "\n# changed\n")
+    # a comment and a docstring change the bytes, not what runs: still current
+    (repo / "bench" / "fake.py").write_text('"""The fake bench."""\n' + SCRIPT + "\n# changed\n")
+    _git(repo, "commit", "-qam", "docstring and comment")
+    assert stale.why_stale(repo, FAKE) is None
+    (repo / "bench" / "fake.py").write_text(SCRIPT.replace("2.5", "2.6"))
     _git(repo, "commit", "-qam", "code")
-    assert "changed in" in (stale.why_stale(repo, FAKE) or "")
+    code = _git(repo, "rev-parse", "HEAD")[:7]
+    (repo / "bench" / "fake.py").write_text(SCRIPT.replace("2.5", "2.6") + "# a later comment\n")
+    _git(repo, "commit", "-qam", "comment after the code")
+    assert stale.why_stale(repo, FAKE) == f"code it measures changed in {code}, after " + (
+        json.loads((repo / FAKE.data).read_text())["machine"]["commit"][:7])
     assert cli.report(_args(repo, check=True), (FAKE,), _probe(0.1)) == 0
     assert cli.report(_args(repo, check=True, strict=True), (FAKE,), _probe(0.1)) == 1
     data = json.loads((repo / FAKE.data).read_text())
     data["machine"]["commit"] = "unknown"
     (repo / FAKE.data).write_text(json.dumps(data))
     assert stale.why_stale(repo, FAKE) == "the run's commit is unknown"
+
+
+def test_only_docs_changed_reads_the_python_ast_without_docstrings(repo: Path) -> None:
+    def commit(text: str, name: str = "bench/fake.py") -> str:
+        (repo / name).write_text(text)
+        _git(repo, "add", ".")
+        _git(repo, "commit", "-qm", "x")
+        return _git(repo, "rev-parse", "HEAD")
+
+    base = 'def f(x):\n    """Doc."""\n    return x + 1\n'
+    commit(base)
+    docs = commit(base.replace("Doc.", "Docs, longer."))
+    assert gitinfo.only_docs_changed(repo, docs, ("bench",))
+    assert gitinfo.only_docs_changed(repo, commit(base.replace("Doc.", "Docs, longer.")
+                                                  + "# note\n"), ("bench",))
+    assert not gitinfo.only_docs_changed(repo, commit(base.replace("+ 1", "+ 2")), ("bench",))
+    assert not gitinfo.only_docs_changed(repo, commit("int f() { return 1; }\n", "bench/f.cpp"),
+                                         ("bench",))
 
 
 def test_pdkv_report_list_runs_without_torch() -> None:
