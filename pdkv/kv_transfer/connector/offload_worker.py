@@ -7,9 +7,9 @@ layout). Each step's copies run in `start_load_kv`, before the forward pass: fir
 step's loads or forward pass may overwrite them), then every H2D (host hits into the requests'
 new blocks). On CPU the copies run synchronously on the engine thread, so they are complete
 before the forward pass writes anything; the time they take is the wait the step is exposed to
-(`exposed_wait_seconds`). On a GPU the same plan runs on a copy stream: the D2H copies are
-ordered after the previous step's writes (the stream waits on that step's event) and the forward
-pass waits on the copy stream's event before it writes; only that event wait is exposed.
+(`exposed_wait_seconds`). Device caches are not supported yet (`register_kv_caches` refuses a
+KV cache that is not on the CPU): a GPU version would run the same plan on a copy stream ordered
+by events, so that only the event wait is exposed; that is not written.
 
 Counters: "offload:<name>" (bytes, copies, queue depth, exposed wait); in an engine with worker
 processes the engine adds every rank's values up, so the worker half of rank r also reports
