@@ -372,6 +372,11 @@ def test_check_lists_figures_whose_code_changed_after_their_data(repo: Path) -> 
     assert cli.report(_args(repo, check=True), (FAKE,), _probe(0.1)) == 0
     assert cli.report(_args(repo, check=True, strict=True), (FAKE,), _probe(0.1)) == 1
     data = json.loads((repo / FAKE.data).read_text())
+    _git(repo, "reset", "-q", "--hard", "HEAD~3")  # back to the data's own commit
+    busy = dict(data, machine=dict(data["machine"], load_after=[2.13, 1.7, 1.6]))
+    (repo / FAKE.data).write_text(json.dumps(busy))
+    assert "load average after the run was 2.13, not below the 2 cores" in (
+        stale.why_stale(repo, FAKE) or "")
     data["machine"]["commit"] = "unknown"
     (repo / FAKE.data).write_text(json.dumps(data))
     assert stale.why_stale(repo, FAKE) == "the run's commit is unknown"
