@@ -17,7 +17,8 @@ def why_stale(root: Path, figure: Figure) -> str | None:
     `gitinfo.only_docs_changed`), uncommitted changes at the run, a 1-minute load average above
     the core count at its end (the same test as the refusal at its start: a benchmark that keeps
     every core busy ends near the core count by its own load; a FORCED run says so in its block
-    instead), or fewer requests per point than p99 needs. A record of a past run (`rerun` False) is never stale."""
+    instead), or fewer requests per point than p99 needs. A record of a past run (`rerun`
+    False) is never stale."""
     if not figure.rerun:
         return None
     path = root / figure.data
