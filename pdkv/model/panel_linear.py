@@ -1,5 +1,6 @@
 """`--cpu-linear panel`: float32 projections on weights packed in panels of 16 output rows, run by
-pdkv's own AVX2 + FMA kernel (`csrc/panel_linear.cpp`).
+pdkv's own kernel (`csrc/panel_linear.cpp`): AVX2 + FMA, or 16-wide AVX-512 where the CPU has it
+(`torch.ops.pdkv.panel_linear_isa()` names the one built).
 
 Layout: a weight W [N, K] becomes panels [ceil(N / 16), K, 16] with panels[p, k, j] = W[16 p + j, k]
 (rows past N zero), which replaces the plain weight (one copy; 16-row padding only). For each k
@@ -24,7 +25,10 @@ ahead) and widened to float32 in registers (a 16-bit shift, exact; from 18 rows 
 widened once into a float32 buffer instead), with float32 FMA and x / y in float32 (a bfloat16
 x is widened by the op, y rounded to bfloat16 once at the end): the approach of
 llama.cpp's AVX2 bf16 dot products, so bf16 decodes faster than float32 on CPUs without native
-bf16 instead of running torch's emulated bf16 GEMM.
+bf16 instead of running torch's emulated bf16 GEMM. Where the CPU has AVX512-BF16, a bfloat16 x
+on bfloat16 panels runs VDPBF16PS instead (pairs of k per float32 lane, the panel's rows
+interleaved in registers): the same float32 sums but for the order of each pair's two additions,
+still independent of the batch, within float32's summation bound (tests/model/test_panel_linear.py).
 
 Available for float32 and bfloat16 on CPU when pdkv's extension is built (`make setup`) and the CPU
 has AVX2 and FMA; otherwise `pack_panel_weight` returns None and the caller keeps oneDNN
@@ -42,7 +46,7 @@ import torch
 from pdkv.model.hugepages import HugePageArena
 
 NR = 16
-"""Output rows per panel (two AVX2 vectors of float32)."""
+"""Output rows per panel (two AVX2 vectors of float32, one AVX-512 vector)."""
 PANEL_DTYPES = (torch.float32, torch.bfloat16)
 """Weight dtypes the kernel reads (bfloat16 is widened to float32 in registers)."""
 

@@ -1,8 +1,10 @@
 """pdkv's panel linear kernel (csrc/panel_linear.cpp, pdkv/model/panel_linear.py) against a
-float64 reference: every row-block remainder of the 6 x 16 micro-kernel, K past and short of
+float64 reference: every row-block remainder of the micro-kernel (6 rows with AVX2, 12 with
+AVX-512), K past and short of
 one chunk (K in chunks of at most 4,096), N not a multiple of 16, a bias, strided x; a row's
-result independent of its batch; the packing round trip; clear errors; and `--cpu-linear panel`
-in a real engine."""
+result independent of its batch; bfloat16 panels (widened exactly, or AVX512-BF16's dot products
+for a bfloat16 x); the packing round trip; clear errors; and `--cpu-linear panel` in a real
+engine."""
 
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def test_matches_float64_for_every_row_block_remainder(n, k):
     w = torch.randn(n, k, generator=g)
     bias = torch.randn(n, generator=g)
     pw = PanelWeight(pack_panels(w), n)
-    for m in [*range(1, 14), 37]:  # 1..6 rows and their remainders after full blocks of 6
+    for m in [*range(1, 26), 37]:  # every remainder after full blocks of 6 (AVX2) or 12 (AVX-512)
         x = torch.randn(m, k, generator=g)
         ref = x.double() @ w.double().T
         y = pw(x)
@@ -115,19 +117,51 @@ def test_bfloat16_panels_widen_exactly_and_accumulate_in_float32():
     pw = PanelWeight(pack_panels(w), 72)
     assert pw.panels.dtype == torch.bfloat16 and pw.nbytes == 5 * 520 * 16 * 2
     wide = PanelWeight(pack_panels(w.float()), 72)
-    # 1-17 rows widen each weight row in registers per micro-kernel call; from 18 rows (three
-    # calls) a chunk is widened once into a float32 buffer; past 192 rows in row blocks. Every
-    # way, the bits of float32 panels of the same (exactly widened) weights.
-    for m in (1, 6, 7, 17, 18, 37, 200):
+    # A float32 x: up to 3 micro-kernel calls widen each weight row in registers per call; from
+    # 3 calls (18 rows on AVX2, 36 on AVX-512) a chunk is widened once into a float32 buffer;
+    # past 192 rows in row blocks. Every way, the bits of float32 panels of the same (exactly
+    # widened) weights.
+    for m in (1, 6, 7, 17, 18, 35, 36, 37, 200):
         x = torch.randn(m, 520, generator=g)
         y = torch.ops.pdkv.panel_linear(x, pw.panels, 72, None)  # float32 x, float32 sums
         ref = x.double() @ w.double().T  # bf16 -> float is exact
         assert ((y.double() - ref).abs() <= _error_bound(x, w.float())).all(), m
         assert torch.equal(y, wide(x)), m
-        xb = x.to(torch.bfloat16)  # the engine's bf16 activations: widened, summed, rounded once
-        assert torch.equal(
-            pw(xb), torch.ops.pdkv.panel_linear(xb.float(), pw.panels, 72, None).to(torch.bfloat16)
-        )
+        if torch.ops.pdkv.panel_linear_isa() != "avx512_bf16":
+            # the engine's bf16 activations: widened, summed, rounded once (AVX512-BF16: below)
+            xb = x.to(torch.bfloat16)
+            widened = torch.ops.pdkv.panel_linear(xb.float(), pw.panels, 72, None)
+            assert torch.equal(pw(xb), widened.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("k", [520, 521, 9001])
+def test_bfloat16_x_on_avx512_bf16_dot_products(k):
+    # A bfloat16 x on bfloat16 panels runs VDPBF16PS: pairs of k per 32-bit lane, an odd K's last
+    # k paired with zero, a chunk read by more than one micro-kernel call (13+ rows) paired once.
+    # Every path: within the float32 summation bound of float64 before the final rounding to
+    # bfloat16, a row's bits independent of its batch, and nearly every output equal to the
+    # widened float32 path's (they differ in the order of each pair's two additions only).
+    if torch.ops.pdkv.panel_linear_isa() != "avx512_bf16":
+        pytest.skip("the CPU has no AVX512-BF16: bfloat16 x is widened (the test above)")
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(72, k, generator=g).to(torch.bfloat16)
+    pw = PanelWeight(pack_panels(w), 72)
+    bias = torch.randn(72, generator=g).to(torch.bfloat16)
+    differ = total = 0
+    for m in (1, 2, 11, 12, 13, 25, 37, 200):
+        xb = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        y = pw(xb, None, bias)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, 72)
+        ref = xb.double() @ w.double().T + bias.double()
+        # float32 sums within the recursive-summation bound, then one rounding to bfloat16
+        bound = _error_bound(xb.float(), w.float()) + ref.abs() * 2.0**-8
+        assert ((y.double() - ref).abs() <= bound).all(), m
+        for i in (0, m // 2, m - 1):
+            assert torch.equal(pw(xb[i : i + 1], None, bias), y[i : i + 1]), (m, i)
+        widened = torch.ops.pdkv.panel_linear(xb.float(), pw.panels, 72, bias.float())
+        differ += int((y != widened.to(torch.bfloat16)).sum())
+        total += y.numel()
+    assert differ <= 0.01 * total, (differ, total)
 
 
 def test_unavailable_for_other_dtypes():
