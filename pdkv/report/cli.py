@@ -102,6 +102,7 @@ def report(args: argparse.Namespace, figures: tuple[Figure, ...], probe: Probe) 
             if args.list:
                 print(f"{f.id}  {f.guide}  {f.command_text()}"
                       + (f"  [needs {f.needs}]" if f.needs else "")
+                      + (f"  [{f.isa} CPU]" if f.isa else "")
                       + (f"  STALE: {why}" if why else ""))
             elif why:
                 print(f"{f.id} ({f.guide}): {why}")
@@ -118,6 +119,11 @@ def report(args: argparse.Namespace, figures: tuple[Figure, ...], probe: Probe) 
         if not f.command or not f.rerun:
             why = "a record of a past run" if not f.rerun else "no command yet"
             print(f"{f.id}: skipped ({why})", file=sys.stderr)
+            skipped += 1
+            continue
+        wrong_cpu = f.isa_mismatch(probe.flags())
+        if wrong_cpu:
+            print(f"{f.id}: skipped ({wrong_cpu})", file=sys.stderr)
             skipped += 1
             continue
         markdown.replace_block(_guide_path(root, f).read_text(encoding="utf-8").split("\n"),

@@ -56,6 +56,9 @@ class Figure:
         the files of an earlier run under the same globs are removed.
     exit_codes: the command's exit statuses that are a run (`pdkv bench handoff` exits 1 when
         a row misses its tolerance: a finding its table shows); any other fails the figure.
+    isa: the CPU its table describes: "avx2" (AVX2 without AVX-512F) or "avx512" (AVX-512F);
+        on another CPU `pdkv report` skips it, so a guide's per-ISA tables are never re-made on
+        the wrong one (empty: any CPU).
     """
 
     id: str
@@ -74,6 +77,19 @@ class Figure:
     table_header: str = ""
     keep: tuple[str, ...] = ()
     exit_codes: tuple[int, ...] = (0,)
+    isa: str = ""
+
+    def isa_mismatch(self, flags: str) -> str | None:
+        """Why this figure may not be made on a CPU with these flags (/proc/cpuinfo's names,
+        space-separated), or None when it may."""
+        have = set(flags.split())
+        avx512 = "avx512f" in have
+        if self.isa == "avx512" and not avx512:
+            return "its table is of an AVX-512 CPU; this one has no avx512f"
+        if self.isa == "avx2" and (avx512 or "avx2" not in have):
+            return "its table is of an AVX2-only CPU; this one " + (
+                "has AVX-512" if avx512 else "has no avx2")
+        return None
 
     @property
     def data(self) -> str:

@@ -26,14 +26,19 @@ def _cores() -> int:
     return os.cpu_count() or 1
 
 
+def _flags() -> str:
+    return host_facts()["flags"] or ""
+
+
 @dataclass(frozen=True)
 class Probe:
-    """Where the load average (1, 5, 15 min) and the core count come from, and how to wait
-    (seconds); tests pass fakes."""
+    """Where the load average (1, 5, 15 min), the core count and the CPU's vector flags (space-
+    separated /proc/cpuinfo names) come from, and how to wait (seconds); tests pass fakes."""
 
     load: Callable[[], tuple[float, float, float]] = field(default=os.getloadavg)
     cores: Callable[[], int] = field(default=_cores)
     sleep: Callable[[float], None] = field(default=time.sleep)
+    flags: Callable[[], str] = field(default=_flags)
 
 
 def refusal(probe: Probe) -> str | None:

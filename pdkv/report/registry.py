@@ -24,16 +24,21 @@ HANDOFF_MEASURED = (*PD, "pdkv/plan", "pdkv/bench/handoff", "pdkv/bench/transfer
 COMPARE = (*PDKV, "compare", "--num-prompts", "20", "--out", "{dir}/COMPARE.md")
 COMPARE_MEASURES = (*PD, "pdkv/kvpool", "pdkv/bench/compare", "pdkv/plan")
 
+# `pdkv bench offline` against both peers: the per-ISA speed tables and goals of docs/SPEED.md.
+SPEED_RUN = (*PDKV, "bench", "offline", "--peer", "hf,llama.cpp", "--batch-sizes", "1,8,32,64",
+             "--num-threads", "2", "--repeats", "2")
+SPEED_BF16_RUN = (*PDKV, "bench", "offline", "--dtype", "bfloat16", "--peer", "hf,llama.cpp",
+                  "--batch-sizes", "1,8,32,64", "--num-threads", "2", "--repeats", "2")
+
 FIGURES: tuple[Figure, ...] = (
     # docs/SPEED.md
-    Figure("speed-avx2-offline", "docs/SPEED.md",
-           (*PDKV, "bench", "offline", "--peer", "hf,llama.cpp", "--batch-sizes", "1,8,32,64",
-            "--num-threads", "2", "--repeats", "2"), OFFLINE, needs=HF_LLAMA,
-           table_header="workload (tok/s)"),
-    Figure("speed-avx2-goals", "docs/SPEED.md",
-           (*PDKV, "bench", "offline", "--peer", "hf,llama.cpp", "--batch-sizes", "1,8,32,64",
-            "--num-threads", "2", "--repeats", "2"), OFFLINE, needs=HF_LLAMA,
-           table_header="goal (float32)"),
+    # One table per ISA, each made only on its CPU (Figure.isa); both from SPEED_RUN.
+    *(Figure(f"speed-{isa}-{part}", "docs/SPEED.md", SPEED_RUN, OFFLINE, needs=HF_LLAMA,
+             table_header=header, isa=isa)
+      for isa in ("avx2", "avx512")
+      for part, header in (("offline", "workload (tok/s)"), ("goals", "goal (float32)"))),
+    Figure("speed-avx512-bf16", "docs/SPEED.md", SPEED_BF16_RUN, OFFLINE, needs=HF_LLAMA,
+           table_header="workload (tok/s)", isa="avx512"),
     Figure("speed-profile-step", "docs/SPEED.md",
            (*PY, "pdkv.bench.model.profile_step", "--decode-batches", "1,64", "--prefill", "512",
             "--prefill-cases", "64x128", "--repeats", "3"),

@@ -14,6 +14,7 @@ output: a fence with no language tag (or text / console) with such a number on a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import subprocess
@@ -221,6 +222,24 @@ def test_cli_runs_a_figure_writes_its_data_and_renders_its_block(repo: Path) -> 
     # --render-only reproduces the same guide from the data
     assert cli.report(_args(repo, render_only=True), (FAKE,), _probe(9.0)) == 0
     assert (repo / "docs/G.md").read_text() == text
+
+
+def test_a_figure_of_another_isa_is_skipped_and_the_others_run(
+        repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Per-ISA tables (docs/SPEED.md): an AVX-512 one is never re-made on an AVX2-only CPU and an
+    # AVX2 one never on an AVX-512 CPU; a figure with no isa runs on both.
+    avx2_box = machine.Probe(load=lambda: (0.5,) * 3, cores=lambda: 2, flags=lambda: "avx2 fma")
+    wide = dataclasses.replace(FAKE, isa="avx512")
+    assert cli.report(_args(repo), (wide,), avx2_box) == 0
+    assert "its table is of an AVX-512 CPU; this one has no avx512f" in capsys.readouterr().err
+    assert not (repo / FAKE.data).exists() and not (repo / "runs.txt").exists()
+    avx512_box = dataclasses.replace(avx2_box, flags=lambda: "avx2 avx512f avx512bw fma")
+    narrow = dataclasses.replace(FAKE, isa="avx2")
+    assert cli.report(_args(repo), (narrow,), avx512_box) == 0
+    assert "this one has AVX-512" in capsys.readouterr().err and not (repo / FAKE.data).exists()
+    assert cli.report(_args(repo), (wide,), avx512_box) == 0
+    assert (repo / FAKE.data).exists() and (repo / "runs.txt").read_text() == "run\n"
+    assert Figure("x", "docs/X.md", (), ()).isa_mismatch("sse2") is None
 
 
 def test_figures_of_one_command_share_one_run(repo: Path) -> None:
