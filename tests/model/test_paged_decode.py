@@ -127,6 +127,14 @@ def test_bf16_and_strided_inputs(cpu_ops):
                             meta.decode_seq_lens, scale)
     assert out16.dtype == torch.bfloat16
     torch.testing.assert_close(out16.float(), out, atol=3e-2, rtol=3e-2)
+    # against float64 attention over the same (exactly widened) bfloat16 values: float32 sums,
+    # then one rounding to bfloat16 (half an ulp, 2^-9 relative) - the vector path widens K/V
+    q16, cache16 = q.bfloat16().double(), cache.bfloat16().double()
+    ref16, ref_lse16 = _brute(q16, cache16, tables, lens, None, scale)
+    _, lse16 = paged_decode(q.bfloat16(), cache.bfloat16(), meta.decode_block_tables,
+                            meta.decode_seq_lens, scale)
+    torch.testing.assert_close(out16.double(), ref16, atol=1e-5, rtol=2.0**-8)
+    torch.testing.assert_close(lse16.double(), ref_lse16, atol=1e-4, rtol=1e-5)
 
 
 def test_lse_merges_like_dcp(cpu_ops):

@@ -41,29 +41,35 @@ inline float exp_shifted_sum(float* x, int64_t n, float shift) {
   return pdkv::vec::reduce_sum(sum);
 }
 
-// s[t] = q . k_t for the n <= bs key rows k_t = k + t * ld (float32, D a multiple of the vector
+// s[t] = q . k_t for the n <= bs key rows k_t = k + t * ld (float32 or bfloat16 K, D a multiple of the vector
 // width): four rows at a time, each with its own accumulator, so the FMAs of four dot products
 // interleave instead of waiting on one chain; the sum over d runs in vector lanes and ends in
 // one lane reduction per row (the order is fixed by D alone: a row's score does not depend on
 // the batch).
-inline float dot_row(const float* q, const float* k, int64_t D) {
+// Vec::size() K/V values from p as float32: float32 loads directly, bfloat16 widens (exact).
+inline Vec load_kv(const float* p) { return Vec::loadu(p); }
+inline Vec load_kv(const c10::BFloat16* p) { return pdkv::vec::load_bf16(p); }
+
+template <typename T>
+inline float dot_row(const float* q, const T* k, int64_t D) {
   Vec a(0.f);
-  for (int64_t d = 0; d < D; d += Vec::size()) a = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(k + d), a);
+  for (int64_t d = 0; d < D; d += Vec::size()) a = at::vec::fmadd(Vec::loadu(q + d), load_kv(k + d), a);
   return pdkv::vec::reduce_sum(a);
 }
 
-inline float scores_f32(const float* q, const float* k, int64_t ld, int64_t n, int64_t D, float* s) {
+template <typename T>
+inline float scores_vec(const float* q, const T* k, int64_t ld, int64_t n, int64_t D, float* s) {
   float mx = -std::numeric_limits<float>::infinity();
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
-    const float* k0 = k + t * ld;
+    const T* k0 = k + t * ld;
     Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
     for (int64_t d = 0; d < D; d += Vec::size()) {
       const Vec qv = Vec::loadu(q + d);
-      a0 = at::vec::fmadd(qv, Vec::loadu(k0 + d), a0);
-      a1 = at::vec::fmadd(qv, Vec::loadu(k0 + ld + d), a1);
-      a2 = at::vec::fmadd(qv, Vec::loadu(k0 + 2 * ld + d), a2);
-      a3 = at::vec::fmadd(qv, Vec::loadu(k0 + 3 * ld + d), a3);
+      a0 = at::vec::fmadd(qv, load_kv(k0 + d), a0);
+      a1 = at::vec::fmadd(qv, load_kv(k0 + ld + d), a1);
+      a2 = at::vec::fmadd(qv, load_kv(k0 + 2 * ld + d), a2);
+      a3 = at::vec::fmadd(qv, load_kv(k0 + 3 * ld + d), a3);
     }
     s[t] = pdkv::vec::reduce_sum(a0);
     s[t + 1] = pdkv::vec::reduce_sum(a1);
@@ -78,12 +84,12 @@ inline float scores_f32(const float* q, const float* k, int64_t ld, int64_t n, i
   return mx;
 }
 
-// acc[0:D] += sum_t e[t] * v_t for the n value rows v_t = v + t * ld (float32, D a multiple of
+// acc[0:D] += sum_t e[t] * v_t for the n value rows v_t = v + t * ld (float32 or bfloat16 V, D a multiple of
 // the vector width): four vectors of acc stay in registers while every row passes, so acc is
 // loaded and stored once per block instead of once per row. Per element the sum runs over t in
 // order, as the scalar loop's.
-inline void accumulate_f32(float* acc, const float* e, const float* v, int64_t ld, int64_t n,
-                           int64_t D) {
+template <typename T>
+inline void accumulate_vec(float* acc, const float* e, const T* v, int64_t ld, int64_t n, int64_t D) {
   constexpr int64_t W = Vec::size();
   int64_t d = 0;
   for (; d + 4 * W <= D; d += 4 * W) {
@@ -91,11 +97,11 @@ inline void accumulate_f32(float* acc, const float* e, const float* v, int64_t l
     Vec a2 = Vec::loadu(acc + d + 2 * W), a3 = Vec::loadu(acc + d + 3 * W);
     for (int64_t t = 0; t < n; ++t) {
       const Vec et(e[t]);
-      const float* vr = v + t * ld + d;
-      a0 = at::vec::fmadd(et, Vec::loadu(vr), a0);
-      a1 = at::vec::fmadd(et, Vec::loadu(vr + W), a1);
-      a2 = at::vec::fmadd(et, Vec::loadu(vr + 2 * W), a2);
-      a3 = at::vec::fmadd(et, Vec::loadu(vr + 3 * W), a3);
+      const T* vr = v + t * ld + d;
+      a0 = at::vec::fmadd(et, load_kv(vr), a0);
+      a1 = at::vec::fmadd(et, load_kv(vr + W), a1);
+      a2 = at::vec::fmadd(et, load_kv(vr + 2 * W), a2);
+      a3 = at::vec::fmadd(et, load_kv(vr + 3 * W), a3);
     }
     a0.store(acc + d);
     a1.store(acc + d + W);
@@ -104,7 +110,7 @@ inline void accumulate_f32(float* acc, const float* e, const float* v, int64_t l
   }
   for (; d < D; d += W) {
     Vec a = Vec::loadu(acc + d);
-    for (int64_t t = 0; t < n; ++t) a = at::vec::fmadd(Vec(e[t]), Vec::loadu(v + t * ld + d), a);
+    for (int64_t t = 0; t < n; ++t) a = at::vec::fmadd(Vec(e[t]), load_kv(v + t * ld + d), a);
     a.store(acc + d);
   }
 }
@@ -128,10 +134,12 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   float* lsep = lse.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  // float32 K/V whose head size fills whole vectors take the vector paths (scores_f32,
-  // accumulate_f32); other dtypes and head sizes the scalar loops.
+  // float32 and bfloat16 K/V whose head size fills whole vectors take the vector paths
+  // (scores_vec, accumulate_vec; bfloat16 widened on load); float16 and other head sizes the
+  // scalar loops.
+  constexpr bool kVecType = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
   const bool vec_d = D % pdkv::vec::Vec::size() == 0;
-  const bool vec_path = std::is_same_v<scalar_t, float> && vec_d;
+  const bool vec_path = kVecType && vec_d;
 
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), s(G * bs), m(G), l(G);
@@ -178,8 +186,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
           const float* qg = &qf[g * D];
           float* sg = &s[g * bs];
           float mb = neg_inf;
-          if constexpr (std::is_same_v<scalar_t, float>) {
-            if (vec_d) mb = scores_f32(qg, kb, kv_st, n, D, sg);
+          if constexpr (kVecType) {
+            if (vec_d) mb = scores_vec(qg, kb, kv_st, n, D, sg);
           }
           if (!vec_path) {
             for (int64_t t = 0; t < n; ++t) {
@@ -200,8 +208,8 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
             for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
           }
           l[g] += exp_shifted_sum(sg, n, mnew);  // sg[t] = exp(score - mnew)
-          if constexpr (std::is_same_v<scalar_t, float>) {
-            if (vec_d) accumulate_f32(ag, sg, vb, kv_st, n, D);
+          if constexpr (kVecType) {
+            if (vec_d) accumulate_vec(ag, sg, vb, kv_st, n, D);
           }
           if (!vec_path) {
             for (int64_t t = 0; t < n; ++t) {
