@@ -18,7 +18,14 @@ from pdkv.bench.offline.limits import MachineLimits, ModelCost, limits_dict
 from pdkv.bench.offline.llamacpp import unavailable_reason
 from pdkv.bench.offline.llamacpp_gguf import convert, extract_converter, gguf_path
 from pdkv.bench.offline.report import format_workload_table
-from pdkv.bench.offline.workloads import GOALS, Goal, evaluate_goals, workload_rows
+from pdkv.bench.offline.workloads import (
+    BF16_GOALS,
+    GOALS,
+    Goal,
+    evaluate_goals,
+    goals_for,
+    workload_rows,
+)
 
 
 def test_gguf_path_names_model_and_outtype(tmp_path):
@@ -233,6 +240,22 @@ def test_goals_are_judged_with_their_floors():
     assert "greedy tokens identical on all systems: no" in table
     assert "goals met: 2/7; floors held: 3/6" in table
     assert "BROKEN" in table
+
+
+def test_a_bfloat16_run_is_judged_by_the_bfloat16_goals():
+    # `--dtype bfloat16`: batch-1 decode against llama.cpp's BF16 GGUF (aimed at 1.3x, no
+    # floor), not the float32 goals; the table says which dtype its goals are of.
+    assert goals_for("bfloat16") == BF16_GOALS and goals_for("float32") == GOALS
+    result = _result()
+    result["dtype"] = "bfloat16"
+    rows = workload_rows(result, COST, LIMITS)
+    (b1,) = evaluate_goals(rows, COST, LIMITS, goals_for("bfloat16"))
+    assert (b1["workload"], b1["measure"]) == ("decode, batch 1", "vs_llamacpp")
+    assert b1["value"] == pytest.approx(0.75) and b1["met"] is False and b1["floor_held"] is None
+    result.update(workloads=rows, limits=limits_dict(COST, LIMITS), goals=[b1])
+    table = format_workload_table(result)
+    assert "goal (bfloat16)" in table and "goal (float32)" not in table
+    assert "goals met: 0/1; floors held: 0/0" in table
 
 
 def test_workload_table_says_yes_when_all_tokens_match_and_handles_missing_figures():

@@ -134,7 +134,7 @@ def format_workload_table(result: dict[str, Any]) -> str:
     goals = result.get("goals") or []
     if goals:
         lines.append("")
-        lines.append(format_goals(goals))
+        lines.append(format_goals(goals, result.get("dtype", "float32")))
     return "\n".join(lines)
 
 
@@ -146,8 +146,9 @@ _MEASURE_NAMES = {
 }
 
 
-def format_goals(goals: list[dict[str, Any]]) -> str:
-    """The goals table (`pdkv.bench.offline.workloads.evaluate_goals` rows) and its tally."""
+def format_goals(goals: list[dict[str, Any]], dtype: str = "float32") -> str:
+    """The goals table (`pdkv.bench.offline.workloads.evaluate_goals` rows) of a `dtype` run and
+    its tally."""
     def val(g: dict[str, Any], x: float | None) -> str:
         if x is None:
             return "n/a"
@@ -162,7 +163,7 @@ def format_goals(goals: list[dict[str, Any]]) -> str:
         "n/a" if g["met"] is None else ("met" if g["met"] else "missed"),
         "" if g["floor_held"] is None else ("holds" if g["floor_held"] else "BROKEN"),
     ] for g in goals]
-    lines = _grid(["goal (float32)", "measure", "value", "goal", "floor", "goal met", "floor"],
+    lines = _grid([f"goal ({dtype})", "measure", "value", "goal", "floor", "goal met", "floor"],
                   text)
     judged = [g for g in goals if g["met"] is not None]
     floors = [g for g in goals if g["floor_held"] is not None]

@@ -31,7 +31,12 @@ from pdkv.bench.offline.measure import (
 )
 from pdkv.bench.offline.prompts import build_prompts
 from pdkv.bench.offline.report import cpu_description, format_table, format_workload_table
-from pdkv.bench.offline.workloads import decode_context, evaluate_goals, workload_rows
+from pdkv.bench.offline.workloads import (
+    decode_context,
+    evaluate_goals,
+    goals_for,
+    workload_rows,
+)
 
 if TYPE_CHECKING:
     from pdkv.bench.offline.llamacpp import LlamaCppPeer
@@ -313,7 +318,8 @@ def _bench(
         context = decode_context(result)
         result["workloads"] = workload_rows(result, cost, limits)
         result["limits"] = limits_dict(cost, limits, context)
-        result["goals"] = evaluate_goals(result["workloads"], cost, limits, context=context)
+        result["goals"] = evaluate_goals(result["workloads"], cost, limits,
+                                         goals_for(result["dtype"]), context=context)
     result["table"] = format_table(result)
     if result["workloads"] is not None:
         result["table"] += "\n\n" + format_workload_table(result)

@@ -7,7 +7,8 @@ one-step prefill of B prompts per batch size > 1. With the machine's limits meas
 run (`pdkv.bench.offline.limits`) each row also carries its roofline limit and the share of it
 pdkv and llama.cpp reach.
 
-The goals are the CPU speed targets of the engine-speed issue, for float32 (`GOALS`): each names
+The goals are the CPU speed targets of the engine-speed issue, for float32 (`GOALS`; a bfloat16
+run is judged by `BF16_GOALS`): each names
 a row, what is compared (pdkv / llama.cpp, pdkv / HF, pdkv's share of the roofline limit or of the
 FMA peak), the goal aimed at and the floor that must hold. They hold on whichever CPU the run
 had; the report prints that CPU's flags beside them.
@@ -61,6 +62,18 @@ GOALS: tuple[Goal, ...] = (
     Goal(("decode", 64), "of_fma_peak", 0.50, None),
     Goal(("prefill_batch", 64), "vs_hf", 1.0, 0.9),
 )
+
+# bfloat16 (`--dtype bfloat16`): the engine-speed issue's goal against llama.cpp's BF16 GGUF in
+# the same run, aimed at, no floor (its other bfloat16 goal, batch-1 decode >= 1.7x pdkv's own
+# float32, compares two runs: docs/SPEED.md states it beside the tables).
+BF16_GOALS: tuple[Goal, ...] = (
+    Goal(("decode", 1), "vs_llamacpp", 1.3, None),
+)
+
+
+def goals_for(dtype: str) -> tuple[Goal, ...]:
+    """The goals a run of `dtype` is judged by: BF16_GOALS for "bfloat16", else GOALS."""
+    return BF16_GOALS if dtype == "bfloat16" else GOALS
 
 
 def ratio_or_none(a: float | None, b: float | None) -> float | None:
