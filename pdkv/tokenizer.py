@@ -33,9 +33,10 @@ class Tokenizer:
         """The underlying transformers tokenizer."""
         return self._tok
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with the special tokens the model's tokenizer adds by default."""
-        return list(self._tok.encode(text))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with the special tokens the model's tokenizer adds by default
+        (BOS for many) unless add_special_tokens is False."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids` (special tokens dropped unless skip_special_tokens is False)."""
@@ -61,11 +62,13 @@ class Tokenizer:
         )
 
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        """Token ids of the rendered chat (the template carries its own special tokens)."""
+        """Token ids of the rendered chat (the template carries its own special tokens; the
+        tokenizer's are added too only with add_special_tokens)."""
         text = self.apply_chat_template(messages, add_generation_prompt)
-        return list(self._tok.encode(text, add_special_tokens=False))
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
 
 class TokenizerPool:

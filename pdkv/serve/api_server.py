@@ -336,12 +336,14 @@ def build_app(llm: AsyncLLM, config: ServeConfig, metrics: ServerMetrics) -> Fas
                 msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
             except ValueError as e:
                 raise APIError(str(e)) from None
+            special = bool(req.add_special_tokens)  # vLLM: False unless asked for
             ids = await handlers.tokenize(
-                lambda tok: tok.encode_chat(msgs, req.add_generation_prompt)
+                lambda tok: tok.encode_chat(msgs, req.add_generation_prompt, special)
             )
         elif req.prompt is not None:
             prompt = req.prompt
-            ids = await handlers.tokenize(lambda tok: tok.encode(prompt))
+            special = req.add_special_tokens is not False  # vLLM: True unless turned off
+            ids = await handlers.tokenize(lambda tok: tok.encode(prompt, special))
         else:
             raise APIError("give either prompt or messages")
         return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}

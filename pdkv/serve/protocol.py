@@ -174,12 +174,15 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Body):
-    """POST /tokenize body: a prompt or chat messages."""
+    """POST /tokenize body: a prompt or chat messages. add_special_tokens as vLLM's: a prompt
+    gets the tokenizer's special tokens (BOS) unless it is false; rendered chat messages carry
+    their template's own and get none unless it is true."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
 
 
 class DetokenizeRequest(_Body):

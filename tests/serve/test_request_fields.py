@@ -262,6 +262,34 @@ def test_unknown_field_is_logged_not_rejected(caplog):
     assert "ignored: ['no_such_field']" in caplog.text
 
 
+def test_tokenize_takes_add_special_tokens_as_vllm(caplog):
+    """/tokenize's add_special_tokens (sent by `pdkv bench serve`, as vLLM's benchmark does) is
+    a field, not an ignored one, and reaches the tokenizer: a prompt gets the tokenizer's
+    special tokens unless it is false, rendered chat messages only when it is true."""
+    from pdkv.serve.protocol import TokenizeRequest
+    from pdkv.tokenizer import Tokenizer
+
+    with caplog.at_level("WARNING", logger="pdkv.serve.protocol"):
+        req = TokenizeRequest.model_validate({"prompt": "hi", "add_special_tokens": False})
+    assert req.add_special_tokens is False and "ignored" not in caplog.text
+    assert TokenizeRequest.model_validate({"prompt": "hi"}).add_special_tokens is None
+
+    class FakeHF:  # BOS = 1 when special tokens are added, as a Llama tokenizer does
+        chat_template = "x"
+
+        def encode(self, text, add_special_tokens=True):
+            return ([1] if add_special_tokens else []) + [len(text)]
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return "chat"
+
+    tok = Tokenizer.__new__(Tokenizer)
+    tok._tok = FakeHF()
+    assert tok.encode("abc") == [1, 3] and tok.encode("abc", False) == [3]
+    msgs = [{"role": "user", "content": "x"}]
+    assert tok.encode_chat(msgs) == [4] and tok.encode_chat(msgs, True, True) == [1, 4]
+
+
 def test_merge_streams_error_closes_the_other_sequences():
     import asyncio
 
