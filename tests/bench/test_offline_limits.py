@@ -1,6 +1,7 @@
 """The machine limits of `pdkv bench offline`: a model's weight bytes and matmul parameters from
 its safetensors headers (against the tensors themselves), and the measurement's plumbing."""
 
+import dataclasses
 import json
 import os
 
@@ -15,6 +16,7 @@ from pdkv.bench.offline.limits import (
     flop_share,
     format_limits,
     limits_dict,
+    measure_bf16_dot_peak,
     measure_fma_peak,
     measure_limits,
     model_cost,
@@ -119,6 +121,42 @@ def test_the_fma_peak_is_the_compute_ceiling_where_measured():
     assert flop_share(cost, fma, 250.0) == pytest.approx(0.25)
     assert "FMA peak 200.0 GFLOP/s" in format_limits(limits_dict(cost, fma))
     assert "FMA peak not measured" in format_limits(limits_dict(cost, mm))
+
+
+def test_a_bfloat16_run_is_bounded_by_the_bf16_dot_product_peak():
+    # VDPBF16PS does twice an FMA's work: a bfloat16 run's compute ceiling is its measured peak;
+    # a float32 run, or a CPU without it (None), keeps the float32 FMA peak.
+    f32 = ModelCost(weight_bytes=400_000_000, matmul_params=100_000_000, dtype="float32")
+    b16 = ModelCost(weight_bytes=200_000_000, matmul_params=100_000_000, dtype="bfloat16")
+    both = MachineLimits(read_bytes_per_s=20e9, read_buffer_bytes=400_000_000,
+                         matmul_flop_per_s=100e9, matmul_n=1024, threads=2,
+                         fma_flop_per_s=200e9, bf16_dot_flop_per_s=400e9)
+    assert both.compute_peak("bfloat16") == 400e9 and both.compute_peak("float32") == 200e9
+    assert prefill_limit_tok_s(b16, both) == pytest.approx(2000.0)
+    assert prefill_limit_tok_s(f32, both) == pytest.approx(1000.0)
+    assert decode_limit_tok_s(b16, both, 64) == pytest.approx(64 / max(0.01, 64 * 0.2 / 400))
+    assert flop_share(b16, both, 1000.0) == pytest.approx(0.5)
+    no_bf16 = dataclasses.replace(both, bf16_dot_flop_per_s=None)
+    assert no_bf16.compute_peak("bfloat16") == 200e9
+    assert "bf16 dot-product peak 400.0 GFLOP/s" in format_limits(limits_dict(b16, both))
+    assert "bf16 dot-product peak" not in format_limits(limits_dict(f32, both))
+
+
+def test_bf16_dot_peak_op_counts_its_flop(monkeypatch):
+    from pdkv.model.paged_decode_build import load
+
+    if load() is not None or not hasattr(torch.ops.pdkv, "bf16_dot_peak"):
+        assert measure_bf16_dot_peak(repeats=1, iters=1000) is None
+        pytest.skip("no AVX512-BF16 build: the op is not defined and the peak is None")
+    flop, checksum = torch.ops.pdkv.bf16_dot_peak(1000).tolist()
+    # 12 chains x 16 lanes x 2 products x 2 FLOP x 1000 rounds per thread
+    assert flop == 12 * 64 * 1000 * torch.get_num_threads()
+    assert checksum == checksum and checksum > 0
+    assert measure_bf16_dot_peak(repeats=1, iters=1000) > 0
+    with pytest.raises(RuntimeError, match="iters must be positive"):
+        torch.ops.pdkv.bf16_dot_peak(0)
+    monkeypatch.setenv("PDKV_CPU_OPS", "0")
+    assert measure_bf16_dot_peak(repeats=1, iters=1000) is None
 
 
 def test_fma_peak_op_counts_its_flop(monkeypatch):

@@ -12,7 +12,9 @@ run on one machine state:
   pages allow), so the limit is the best read this machine gives the weights;
 * FMA peak (FLOP / second): the best of `repeats` timed runs of pdkv's `fma_peak` op
   (`csrc/fma_peak.cpp`: twelve independent vector FMA chains per thread, operands in registers,
-  the ISA the extension was built for), the rate no compute-bound kernel can pass here;
+  the ISA the extension was built for), the rate no compute-bound float32 kernel can pass here;
+  where the CPU has AVX512-BF16, also the bfloat16 dot-product peak (`bf16_dot_peak`: the same
+  with VDPBF16PS, 64 FLOP per instruction), the compute ceiling of a bfloat16 run;
 * matmul rate (FLOP / second): the best of `repeats` timed `torch.mm` products of two n × n
   float32 matrices (2 n^3 FLOP each; ATen's BLAS), what a tuned library reaches. It stands in for
   the FMA peak where pdkv's extension is not built.
@@ -82,6 +84,9 @@ class MachineLimits:
         fma_flop_per_s: best register-only fp32 FMA rate (FLOP / second, pdkv's `fma_peak` op),
             None where pdkv's extension is not loaded.
         read_huge_pages: the read buffer was advised for 2 MiB pages (HugePageArena.advised).
+        bf16_dot_flop_per_s: best register-only bfloat16 dot-product rate (FLOP / second,
+            pdkv's `bf16_dot_peak` op: VDPBF16PS), None where the CPU has no AVX512-BF16 or the
+            extension is not loaded.
     """
 
     read_bytes_per_s: float
@@ -91,11 +96,20 @@ class MachineLimits:
     threads: int
     fma_flop_per_s: float | None = None
     read_huge_pages: bool = False
+    bf16_dot_flop_per_s: float | None = None
 
     @property
     def peak_flop_per_s(self) -> float:
-        """The compute ceiling of the roofline: the FMA peak, else the matmul rate."""
+        """The float32 compute ceiling: the FMA peak, else the matmul rate."""
         return self.fma_flop_per_s if self.fma_flop_per_s is not None else self.matmul_flop_per_s
+
+    def compute_peak(self, dtype: str) -> float:
+        """The roofline's compute ceiling for a run of `dtype` (FLOP / second): the bfloat16
+        dot-product peak for "bfloat16" where measured (the panel kernel's VDPBF16PS does twice
+        a float32 FMA's work), else `peak_flop_per_s`."""
+        if dtype == "bfloat16" and self.bf16_dot_flop_per_s is not None:
+            return self.bf16_dot_flop_per_s
+        return self.peak_flop_per_s
 
 
 def model_cost(model_path: str, dtype: str) -> ModelCost:
@@ -173,6 +187,23 @@ def measure_fma_peak(repeats: int = 5, iters: int = 20_000_000) -> float | None:
     return best
 
 
+def measure_bf16_dot_peak(repeats: int = 5, iters: int = 10_000_000) -> float | None:
+    """Best bfloat16 dot-product rate (FLOP / second) of `repeats` runs of pdkv's `bf16_dot_peak`
+    op with torch's threads (`iters` rounds of 12 VDPBF16PS per thread each); None where the
+    extension is not loaded or was built for a CPU without AVX512-BF16."""
+    from pdkv.model.paged_decode_build import load
+
+    if load() is not None or not hasattr(torch.ops.pdkv, "bf16_dot_peak"):
+        return None
+    torch.ops.pdkv.bf16_dot_peak(max(1, iters // 10))
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        flop = float(torch.ops.pdkv.bf16_dot_peak(iters)[0])
+        best = max(best, flop / (time.perf_counter() - t0))
+    return best
+
+
 def measure_limits(read_bytes: int, repeats: int = 5, matmul_n: int = 3072) -> MachineLimits:
     """Measure read bandwidth over `read_bytes`, the fp32 FMA peak and the matmul rate, with
     torch's threads.
@@ -211,6 +242,7 @@ def measure_limits(read_bytes: int, repeats: int = 5, matmul_n: int = 3072) -> M
         threads=torch.get_num_threads(),
         fma_flop_per_s=measure_fma_peak(repeats),
         read_huge_pages=arena_advised,
+        bf16_dot_flop_per_s=measure_bf16_dot_peak(repeats),
     )
 
 
@@ -226,24 +258,25 @@ def decode_limit_tok_s(cost: ModelCost, limits: MachineLimits, batch_size: int,
     step_s = max(
         (cost.weight_bytes + batch_size * context * cost.kv_bytes_per_token)
         / limits.read_bytes_per_s,
-        batch_size * token_flop(cost, context) / limits.peak_flop_per_s,
+        batch_size * token_flop(cost, context) / limits.compute_peak(cost.dtype),
     )
     return batch_size / step_s
 
 
 def prefill_limit_tok_s(cost: ModelCost, limits: MachineLimits, prompt_len: int = 0) -> float:
     """Roofline prefill throughput (prompt tokens / second) of prompts of `prompt_len` tokens:
-    compute bound at the FMA peak, each token attending to prompt_len / 2 tokens on average."""
-    return limits.peak_flop_per_s / token_flop(cost, prompt_len / 2)
+    compute bound at the compute peak of the run's dtype (`MachineLimits.compute_peak`), each
+    token attending to prompt_len / 2 tokens on average."""
+    return limits.compute_peak(cost.dtype) / token_flop(cost, prompt_len / 2)
 
 
 def flop_share(cost: ModelCost, limits: MachineLimits, tok_s: float | None,
                context: float = 0.0) -> float | None:
-    """Fraction of the FMA peak (`MachineLimits.peak_flop_per_s`) that `tok_s` tokens / second of
-    `context`-token attention use (None: no figure)."""
+    """Fraction of the compute peak of the run's dtype (`MachineLimits.compute_peak`) that `tok_s`
+    tokens / second of `context`-token attention use (None: no figure)."""
     if tok_s is None:
         return None
-    return tok_s * token_flop(cost, context) / limits.peak_flop_per_s
+    return tok_s * token_flop(cost, context) / limits.compute_peak(cost.dtype)
 
 
 def limits_dict(cost: ModelCost, limits: MachineLimits, context: float = 0.0) -> dict[str, Any]:
@@ -253,6 +286,7 @@ def limits_dict(cost: ModelCost, limits: MachineLimits, context: float = 0.0) ->
         **asdict(limits),
         **{f"model_{k}": v for k, v in asdict(cost).items()},
         "peak_flop_per_s": limits.peak_flop_per_s,
+        "compute_peak_flop_per_s": limits.compute_peak(cost.dtype),
         "decode_context": context,
         "decode_limit_tok_s_batch1": decode_limit_tok_s(cost, limits, 1, context),
         "prefill_limit_tok_s": prefill_limit_tok_s(cost, limits),
@@ -269,6 +303,10 @@ def format_limits(lim: dict[str, Any]) -> str:
             f"pdkv's fma_peak op)" if fma else
             "limit: fp32 FMA peak not measured (pdkv's extension not loaded): the matmul rate "
             "stands in for it")
+    bf16 = lim.get("bf16_dot_flop_per_s")
+    if bf16 and lim.get("model_dtype") == "bfloat16":
+        peak += (f"\nlimit: bf16 dot-product peak {bf16 / 1e9:.1f} GFLOP/s (register-only "
+                 "VDPBF16PS, pdkv's bf16_dot_peak op): this bfloat16 run's compute ceiling")
     return "\n".join([
         peak,
         f"limit: memory read {gb:.1f} GB/s (torch.sum over {mb:.0f} MB, the "
