@@ -242,6 +242,26 @@ def test_goals_are_judged_with_their_floors():
     assert "BROKEN" in table
 
 
+def test_same_tokens_is_not_claimed_when_pdkv_ran_alone():
+    from pdkv.bench.offline.runner import _compare
+
+    entry: dict = {"pdkv": {"prefill_tok_s": 1.0, "decode_tok_s": 1.0}}
+    _compare(entry, 2, {"pdkv": [[1, 2], [3, 4]]})
+    assert entry["greedy_match_requests_all"] is None
+    both: dict = {"pdkv": {"prefill_tok_s": 1.0, "decode_tok_s": 1.0},
+                  "hf": {"prefill_tok_s": 1.0, "decode_tok_s": 1.0}}
+    _compare(both, 2, {"pdkv": [[1, 2], [3, 4]], "hf": [[1, 2], [3, 5]]})
+    assert both["greedy_match_requests_all"] == 1 and both["greedy_match_requests"] == 1
+    result = _result()
+    for e in result["results"]:
+        e["greedy_match_requests_all"] = None
+    result["long_prefill"] = None
+    result["workloads"] = workload_rows(result)
+    table = format_workload_table(result)
+    assert "greedy tokens identical on all systems: n/a (no peer ran)" in table
+    assert "| n/a" in table or " n/a" in table
+
+
 def test_a_bfloat16_run_is_judged_by_the_bfloat16_goals():
     # `--dtype bfloat16`: batch-1 decode against llama.cpp's BF16 GGUF (aimed at 1.3x, no
     # floor), not the float32 goals; the table says which dtype its goals are of.

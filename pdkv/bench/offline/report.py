@@ -130,7 +130,8 @@ def format_workload_table(result: dict[str, Any]) -> str:
     counted = [r for r in rows if r["same_tokens"] is not None]
     same = bool(counted) and all(r["same_tokens"] == r["requests"] for r in counted)
     lines.append("")
-    lines.append("greedy tokens identical on all systems: " + ("yes, every row" if same else "no"))
+    lines.append("greedy tokens identical on all systems: " + (
+        "n/a (no peer ran)" if not counted else "yes, every row" if same else "no"))
     goals = result.get("goals") or []
     if goals:
         lines.append("")

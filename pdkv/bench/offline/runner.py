@@ -149,9 +149,10 @@ def _compare(entry: dict[str, Any], b: int, toks: dict[str, list[list[int]]]) ->
         entry[f"{key}greedy_match_requests"] = sum(
             a == o for a, o in zip(toks["pdkv"], toks[name], strict=True)
         )
+    # requests equal on every system; None with pdkv alone (nothing was compared)
     entry["greedy_match_requests_all"] = sum(
         all(toks[s][i] == toks["pdkv"][i] for s in toks) for i in range(b)
-    )
+    ) if len(toks) > 1 else None
 
 
 def _bench(
