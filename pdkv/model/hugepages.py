@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import math
 import sys
 
@@ -53,11 +54,17 @@ def thp_mode(path: str = THP_ENABLED) -> str | None:
     return text[start + 1 : end] if 0 <= start < end else None
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library, loaded once (Linux only: callers check the platform first)."""
+    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
 def _madvise_huge(addr: int, length: int) -> bool:
     """madvise(addr, length, MADV_HUGEPAGE); True when the kernel took it."""
     if not sys.platform.startswith("linux") or length <= 0:
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc = _libc()
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return int(libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), MADV_HUGEPAGE)) == 0
 
@@ -76,8 +83,7 @@ def release_freed_heap() -> bool:
     """
     if not sys.platform.startswith("linux"):
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    trim = getattr(libc, "malloc_trim", None)
+    trim = getattr(_libc(), "malloc_trim", None)
     if trim is None:
         return False
     trim.argtypes = [ctypes.c_size_t]

@@ -170,38 +170,36 @@ def best_seconds(fn: Any, repeats: int) -> float:
     return best
 
 
+def _best_op_rate(op_name: str, repeats: int, iters: int) -> float | None:
+    """Best FLOP / second of `repeats` runs of the peak op `torch.ops.pdkv.<op_name>(iters)`
+    (which returns [flop, checksum]), after one run of iters / 10 that brings the threads and
+    clocks up; None when pdkv's extension is not loaded or was built without that op."""
+    from pdkv.model.paged_decode_build import load
+
+    if load() is not None or not hasattr(torch.ops.pdkv, op_name):
+        return None
+    op = getattr(torch.ops.pdkv, op_name)
+    op(max(1, iters // 10))
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        flop = float(op(iters)[0])
+        best = max(best, flop / (time.perf_counter() - t0))
+    return best
+
+
 def measure_fma_peak(repeats: int = 5, iters: int = 20_000_000) -> float | None:
     """Best fp32 FMA rate (FLOP / second) of `repeats` runs of pdkv's `fma_peak` op with torch's
     threads, `iters` rounds of 12 vector FMAs per thread each; None when pdkv's extension is not
     loaded (`make setup` builds it; PDKV_CPU_OPS=0 turns it off)."""
-    from pdkv.model.paged_decode_build import load
-
-    if load() is not None or not hasattr(torch.ops.pdkv, "fma_peak"):
-        return None
-    torch.ops.pdkv.fma_peak(max(1, iters // 10))  # threads up, clocks up
-    best = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        flop = float(torch.ops.pdkv.fma_peak(iters)[0])
-        best = max(best, flop / (time.perf_counter() - t0))
-    return best
+    return _best_op_rate("fma_peak", repeats, iters)
 
 
 def measure_bf16_dot_peak(repeats: int = 5, iters: int = 10_000_000) -> float | None:
     """Best bfloat16 dot-product rate (FLOP / second) of `repeats` runs of pdkv's `bf16_dot_peak`
     op with torch's threads (`iters` rounds of 12 VDPBF16PS per thread each); None where the
     extension is not loaded or was built for a CPU without AVX512-BF16."""
-    from pdkv.model.paged_decode_build import load
-
-    if load() is not None or not hasattr(torch.ops.pdkv, "bf16_dot_peak"):
-        return None
-    torch.ops.pdkv.bf16_dot_peak(max(1, iters // 10))
-    best = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        flop = float(torch.ops.pdkv.bf16_dot_peak(iters)[0])
-        best = max(best, flop / (time.perf_counter() - t0))
-    return best
+    return _best_op_rate("bf16_dot_peak", repeats, iters)
 
 
 def measure_limits(read_bytes: int, repeats: int = 5, matmul_n: int = 3072) -> MachineLimits:
