@@ -475,3 +475,19 @@ def test_peer_runs_the_batch_as_sequences_one_decode_per_step(monkeypatch):
     peer.close()
     with pytest.raises(ValueError):
         peer.run(prompts, 5)  # more than output_len
+
+
+def test_the_table_header_names_only_the_systems_that_ran():
+    # `--no-hf` with llama.cpp skipped: the header must not claim HF or llama.cpp ran.
+    result = _result()
+    result["workloads"] = workload_rows(result)
+    header = format_workload_table(result).splitlines()[0]
+    assert header.startswith("pdkv vs HF transformers vs llama.cpp (llama-cpp-python")
+    for r in result["workloads"]:
+        r["llamacpp"] = None
+    header = format_workload_table(result).splitlines()[0]
+    assert header.startswith("pdkv vs HF transformers, same token ids") and "llama" not in header
+    for r in result["workloads"]:
+        r["hf"] = None
+    header = format_workload_table(result).splitlines()[0]
+    assert header.startswith("pdkv alone (no peer ran)") and " vs " not in header

@@ -151,7 +151,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help=f"tiny sizes for CI: prompts of {QUICK_INPUT_LENS} tokens (hot only for the "
         f"longest), concurrency {QUICK_CONCURRENCY}, 2 prompts, 4 output tokens, "
-        f"{QUICK_TOPOLOGIES}",
+        f"{QUICK_TOPOLOGIES}, engines with {' '.join(QUICK_ENGINE_ARGS)}",
     )
     parser.add_argument("--model", default="smollm2", help="alias (smollm2) or HF folder")
     parser.add_argument(

@@ -116,10 +116,16 @@ def format_workload_table(result: dict[str, Any]) -> str:
         _pct(r.get("llamacpp_of_limit")),
         "n/a" if r["same_tokens"] is None else f"{r['same_tokens']}/{r['requests']}",
     ] for r in rows]
+    systems = ["pdkv"]
+    if any(r["hf"] is not None for r in rows):
+        systems.append("HF transformers")
+    if any(r["llamacpp"] is not None for r in rows):
+        systems.append(f"llama.cpp (llama-cpp-python "
+                       f"{result.get('llama_cpp_python_version') or '?'}, GGUF {result['dtype']})")
+    threads = f"{result['num_threads']} thread{'s' if result['num_threads'] != 1 else ''}"
     lines = [
-        f"pdkv vs HF transformers vs llama.cpp (llama-cpp-python "
-        f"{result.get('llama_cpp_python_version') or '?'}, GGUF {result['dtype']}), same token "
-        f"ids, {result['num_threads']} thread{'s' if result['num_threads'] != 1 else ''} each",
+        " vs ".join(systems) + f", same token ids, {threads} each" if len(systems) > 1
+        else f"pdkv alone (no peer ran), {result['dtype']}, {threads}",
         f"cpu: {result.get('host_cpu', 'unknown')}",
     ]
     if result.get("limits"):
