@@ -97,8 +97,11 @@ def report(args: argparse.Namespace, figures: tuple[Figure, ...], probe: Probe) 
     chosen = by_id(figures, [x for x in args.only.split(",") if x.strip()])
     if args.list or args.check:
         stale_ids = {f.id: why for f, why in stale.check(root, chosen)}
+        elsewhere = {f.id for f in chosen if f.id in stale_ids and f.isa_mismatch(probe.flags())}
         for f in chosen:
             why = stale_ids.get(f.id)
+            if why and f.id in elsewhere:
+                why += f" (re-make it on an {f.isa} CPU: this one is not)"
             if args.list:
                 print(f"{f.id}  {f.guide}  {f.command_text()}"
                       + (f"  [needs {f.needs}]" if f.needs else "")
@@ -107,7 +110,9 @@ def report(args: argparse.Namespace, figures: tuple[Figure, ...], probe: Probe) 
             elif why:
                 print(f"{f.id} ({f.guide}): {why}")
         if args.check:
-            print(f"{len(stale_ids)} of {len(chosen)} figures stale", file=sys.stderr)
+            print(f"{len(stale_ids)} of {len(chosen)} figures stale"
+                  + (f", {len(elsewhere)} of them of another CPU" if elsewhere else ""),
+                  file=sys.stderr)
         return 1 if args.check and args.strict and stale_ids else 0
     if args.render_only:
         for guide in render_guides(root, chosen):
