@@ -29,10 +29,12 @@ code lives in: edits there do not make a run's tree dirty, so the second figure 
 marked as measured on uncommitted changes because the first one rewrote its guide."""
 
 
-def dirty(root: Path) -> bool:
-    """Whether tracked files outside DOC_PATHS differ from HEAD."""
+def dirty(root: Path, paths: tuple[str, ...] = ()) -> bool:
+    """Whether tracked files outside DOC_PATHS differ from HEAD: those under `paths` (a figure's
+    `measures`, as `commits_since` reads them) when given, else any."""
     excludes = [f":(exclude){p}" for p in DOC_PATHS]
-    out = _git(root, "status", "--porcelain", "--untracked-files=no", "--", ".", *excludes)
+    out = _git(root, "status", "--porcelain", "--untracked-files=no", "--", *(paths or (".",)),
+               *excludes)
     return bool(out is not None and out.returncode == 0 and out.stdout.strip())
 
 

@@ -73,9 +73,12 @@ def versions() -> dict[str, str]:
     return {"python": platform.python_version(), "torch": torch}
 
 
-def facts(root: Path, probe: Probe, requests_per_point: int | None) -> dict[str, Any]:
+def facts(root: Path, probe: Probe, requests_per_point: int | None,
+          measures: tuple[str, ...] = ()) -> dict[str, Any]:
     """The machine object of a run about to start: everything but load_after (set by `finish`).
-    The commit is HEAD of `root` (full hash) with `dirty` when tracked files differ from it."""
+    The commit is HEAD of `root` (full hash) with `dirty` when tracked files under `measures`
+    (the code the figure measures; any, when empty) differ from it: an uncommitted edit elsewhere
+    changes the run no more than a commit elsewhere makes it stale."""
     host = host_facts()
     load = probe.load()
     forced = refusal(probe)
@@ -83,7 +86,7 @@ def facts(root: Path, probe: Probe, requests_per_point: int | None) -> dict[str,
         "cpu": host["cpu"] or UNKNOWN, "flags": host["flags"] or "-", "cores": probe.cores(),
         "load_before": [round(x, 2) for x in load], "load_after": UNKNOWN,
         "versions": versions(), "commit": gitinfo.head(root) or UNKNOWN,
-        "dirty": gitinfo.dirty(root),
+        "dirty": gitinfo.dirty(root, measures),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "requests_per_point": requests_per_point,
         "forced": forced is not None,

@@ -71,7 +71,7 @@ def measure(root: Path, figure: Figure, probe: machine.Probe, force: bool,
         raise Refused(f"figure {figure.id}: refused, {reason}: the figure would measure the "
                       "other jobs too; wait for a quiet box or pass --force (the figure then "
                       "says FORCED)")
-    facts = machine.facts(root, probe, figure.requests_per_point)
+    facts = machine.facts(root, probe, figure.requests_per_point, figure.measures)
     with tempfile.TemporaryDirectory(prefix=f"pdkv-report-{figure.id}-") as tmp:
         json_path = str(Path(tmp) / "result.json")
         folder = Path(tmp) / "out"

@@ -258,13 +258,23 @@ def test_figures_of_one_command_share_one_run(repo: Path) -> None:
     assert text.count("| 1 | 2.5 |") == 2
 
 
-def test_a_run_is_dirty_only_for_changes_outside_the_docs(repo: Path) -> None:
+def test_a_run_is_dirty_only_for_changes_to_the_code_it_measures(repo: Path) -> None:
     # A run of two commands: the first rewrote its guide (docs/), which must not mark the second
-    # as measured on uncommitted changes; an edit to measured code does.
-    (repo / "docs" / "G.md").write_text("# G edited by a run\n")
+    # as measured on uncommitted changes; nor does an edit to code it does not measure (as a
+    # commit there does not make it stale); an edit to measured code does.
+    (repo / "docs" / "G.md").write_text("# G edited\n\n<!-- figure: fake -->\n<!-- /figure -->\n")
     assert not gitinfo.dirty(repo)
+    (repo / "tool.py").write_text("x = 1\n")  # tracked code the figure does not measure
+    _git(repo, "add", "tool.py")
+    _git(repo, "commit", "-qm", "tool")
+    (repo / "tool.py").write_text("x = 2\n")
+    assert gitinfo.dirty(repo) and not gitinfo.dirty(repo, FAKE.measures)
+    assert cli.report(_args(repo), (FAKE,), _probe(0.5)) == 0
+    assert json.loads((repo / FAKE.data).read_text())["machine"]["dirty"] is False
     (repo / "bench" / "fake.py").write_text(SCRIPT + "\n# edited\n")
-    assert gitinfo.dirty(repo)
+    assert gitinfo.dirty(repo) and gitinfo.dirty(repo, FAKE.measures)
+    assert cli.report(_args(repo), (FAKE,), _probe(0.5)) == 0
+    assert json.loads((repo / FAKE.data).read_text())["machine"]["dirty"] is True
 
 
 def test_cli_refuses_on_a_busy_box_and_writes_nothing(repo: Path,
