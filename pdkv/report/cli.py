@@ -97,7 +97,8 @@ def report(args: argparse.Namespace, figures: tuple[Figure, ...], probe: Probe) 
     chosen = by_id(figures, [x for x in args.only.split(",") if x.strip()])
     if args.list or args.check:
         stale_ids = {f.id: why for f, why in stale.check(root, chosen)}
-        elsewhere = {f.id for f in chosen if f.id in stale_ids and f.isa_mismatch(probe.flags())}
+        flags = probe.flags()  # /proc/cpuinfo, read once
+        elsewhere = {f.id for f in chosen if f.id in stale_ids and f.isa_mismatch(flags)}
         for f in chosen:
             why = stale_ids.get(f.id)
             if why and f.id in elsewhere:
