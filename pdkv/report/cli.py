@@ -23,8 +23,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--list", action="store_true",
                    help="list the figures: id, guide, command, and whether its data is stale")
     p.add_argument("--check", action="store_true",
-                   help="list figures whose data predate a change to the code they measure, or "
-                   "have no data; runs nothing, exits 0 (see --strict)")
+                   help="list figures whose data predate a change to the code they measure, ran "
+                   "on uncommitted changes to it, ended above 1.1 x the cores, or have no data "
+                   "(and which only another kind of CPU can re-make); runs nothing, exits 0 "
+                   "(see --strict)")
     p.add_argument("--strict", action="store_true", help="with --check: exit 1 when any is stale")
     p.add_argument("--render-only", action="store_true",
                    help="re-render the guides' blocks from the data files; runs nothing")
@@ -98,11 +100,12 @@ def report(args: argparse.Namespace, figures: tuple[Figure, ...], probe: Probe) 
     if args.list or args.check:
         stale_ids = {f.id: why for f, why in stale.check(root, chosen)}
         flags = probe.flags()  # /proc/cpuinfo, read once
-        elsewhere = {f.id for f in chosen if f.id in stale_ids and f.isa_mismatch(flags)}
+        mismatch = {f.id: f.isa_mismatch(flags) for f in chosen if f.id in stale_ids}
+        elsewhere = {k: v for k, v in mismatch.items() if v}
         for f in chosen:
             why = stale_ids.get(f.id)
             if why and f.id in elsewhere:
-                why += f" (re-make it on an {f.isa} CPU: this one is not)"
+                why += f" (not here: {elsewhere[f.id]})"
             if args.list:
                 print(f"{f.id}  {f.guide}  {f.command_text()}"
                       + (f"  [needs {f.needs}]" if f.needs else "")
@@ -111,9 +114,8 @@ def report(args: argparse.Namespace, figures: tuple[Figure, ...], probe: Probe) 
             elif why:
                 print(f"{f.id} ({f.guide}): {why}")
         if args.check:
-            print(f"{len(stale_ids)} of {len(chosen)} figures stale"
-                  + (f", {len(elsewhere)} of them of another CPU" if elsewhere else ""),
-                  file=sys.stderr)
+            other = f", {len(elsewhere)} of them only on another kind of CPU" if elsewhere else ""
+            print(f"{len(stale_ids)} of {len(chosen)} figures stale{other}", file=sys.stderr)
         return 1 if args.check and args.strict and stale_ids else 0
     if args.render_only:
         for guide in render_guides(root, chosen):

@@ -244,8 +244,9 @@ def test_a_figure_of_another_isa_is_skipped_and_the_others_run(
     other = dataclasses.replace(FAKE, id="fakeavx2", isa="avx2")  # no data yet
     assert cli.report(_args(repo, check=True), (wide, other), avx512_box) == 0
     out, err = capsys.readouterr()
-    assert "no data file (re-make it on an avx2 CPU: this one is not)" in out
-    assert "1 of 2 figures stale, 1 of them of another CPU" in err
+    assert ("no data file (not here: its table is of an AVX2-only CPU; this one has AVX-512)"
+            in out)
+    assert "1 of 2 figures stale, 1 of them only on another kind of CPU" in err
 
 
 def test_figures_of_one_command_share_one_run(repo: Path) -> None:
