@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "block_hashing",
         "jsontypes",
         "ports",
+        "keepalive",
         "malloc_tuning",
     ),  # leaves
     ("kv_events",),  # KV cache event schema, --kv-events-config, the ZMQ publisher

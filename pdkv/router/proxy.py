@@ -53,6 +53,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from pdkv.jsontypes import JSONObject, JSONValue
+from pdkv.keepalive import client_limits
 from pdkv.router.backend_health import BackendHealth, HealthCheckConfig
 from pdkv.router.backend_info import BackendInfos, unknown_model
 from pdkv.router.kv_aware import KVAwareConfig
@@ -73,11 +74,6 @@ from pdkv.serve.disconnect import ClientDisconnected, until_done_or_disconnect
 
 logger = logging.getLogger(__name__)
 
-
-KEEPALIVE_EXPIRY_S = 2.0
-"""Seconds the proxy keeps an idle connection to an engine: below the engines' own keep-alive
-timeout (uvicorn's 5 s), so the proxy stops reusing a connection before the engine closes it
-(reusing one that the engine closes at the same moment fails the leg without an answer)."""
 
 SHUTDOWN_WAIT_S = 10.0
 """Seconds the proxy's shutdown waits for background releases and orphaned prefill legs."""
@@ -191,8 +187,8 @@ def build_proxy_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200,
-                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        # An idle leg connection is dropped before the engine closes it (pdkv.keepalive).
+        limits = client_limits(max_connections=1000, max_keepalive_connections=200)
         state["client"] = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=5.0), limits=limits
         )

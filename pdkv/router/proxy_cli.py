@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdkv.keepalive import SERVER_KEEPALIVE_S
 from pdkv.malloc_tuning import DEFAULT_PROXY_THRESHOLD, pin_mmap_threshold
 from pdkv.router.backend_health import DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, HealthCheckConfig
 from pdkv.router.kv_aware import DEFAULT_OVERLAP_WEIGHT, KVAwareConfig
@@ -190,5 +191,7 @@ def main(args: argparse.Namespace) -> int:
     )
     print(f"pdkv proxy on http://{args.host}:{args.port}: {where} ({args.routing}); "
           f"glibc mmap threshold {malloc}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # Idle client connections close after SERVER_KEEPALIVE_S, which pdkv's clients undercut.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_keep_alive=int(SERVER_KEEPALIVE_S))
     return 0

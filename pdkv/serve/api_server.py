@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdkv.engine.async_llm import AsyncLLM, EngineDeadError, StepObserver
+from pdkv.keepalive import SERVER_KEEPALIVE_S
 from pdkv.kv_events.base import KVEventsInfo
 from pdkv.outputs import RequestOutput
 from pdkv.sched.output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
@@ -547,6 +548,7 @@ def main(args: argparse.Namespace) -> int:
             port=args.port,
             log_level=args.log_level,
             timeout_graceful_shutdown=10,
+            timeout_keep_alive=int(SERVER_KEEPALIVE_S),
         )
     )
 

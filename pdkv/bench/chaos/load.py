@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pdkv.keepalive import client_limits
+
 WORDS = (
     "river",
     "stone",
@@ -169,7 +171,7 @@ async def run_load(
     running = asyncio.Event()
     running.set()
     next_index = iter(range(len(plan)))
-    limits = httpx.Limits(max_connections=concurrency + 4)
+    limits = client_limits(concurrency + 4)  # drops idle connections before the server does
 
     async with httpx.AsyncClient(
         timeout=httpx.Timeout(timeout, connect=5.0), limits=limits

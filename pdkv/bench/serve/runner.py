@@ -34,6 +34,7 @@ from pdkv.bench.serve.records import RequestResult, SampleRequest
 from pdkv.bench.serve.report import build_result
 from pdkv.bench.serve.server_metrics import combine_deltas, metrics_targets, scrape_all
 from pdkv.bench.serve.sharegpt import sharegpt_dataset
+from pdkv.keepalive import client_limits
 
 
 def arrival_times(n: int, request_rate: float, seed: int, burstiness: float = 1.0) -> list[float]:
@@ -128,7 +129,7 @@ async def run_benchmark(cfg: BenchConfig, log: Callable[[str], object] = print) 
     """Run the whole benchmark against `cfg.base_url`; returns the result dict (see report)."""
     headers = auth_headers(cfg.api_key)
     timeout = httpx.Timeout(cfg.request_timeout, connect=60.0)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    limits = client_limits(None)  # drops idle connections before the server does
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         model = cfg.model or await first_model(client, cfg.base_url, headers)
         tok = await pick_tokenizer(client, cfg, model, headers, log)
