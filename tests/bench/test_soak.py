@@ -21,7 +21,7 @@ from pdkv.bench.soak.checks import (
     scan_log,
     slope_pct_per_hour,
 )
-from pdkv.bench.soak.client import CANCELLED, Outcome, Tally, status_class
+from pdkv.bench.soak.client import CANCELLED, TRANSPORT, Outcome, Tally, status_class
 from pdkv.bench.soak.workload import (
     CHOICES,
     Answer,
@@ -187,6 +187,10 @@ def test_each_check_fails_on_its_own():
     assert "server errors" in _failures(tally_status={"ok": 3, "5xx": 1})[0]
     assert "server errors" in _failures(tally_status={"ok": 3, "stream_error": 1})[0]
     assert "server errors" in _failures(tally_status={"ok": 3, "no_answer": 1})[0]
+    # The first failed request is quoted once, on the first line it belongs to.
+    both = _failures(tally_status={"ok": 3, "no_answer": 1, "4xx": 1}, first_failed="pd/x")
+    assert both[0].endswith("; first: pd/x") and "first" not in both[1]
+    assert _failures(tally_status={"ok": 3, "4xx": 1}, first_failed="pd/x")[0].endswith("pd/x")
     assert "4xx" in _failures(tally_status={"ok": 3, "4xx": 2})[0]
     assert "no greedy" in _failures(greedy=GreedyTally())[0]
     assert "differ" in _failures(greedy=GreedyTally(compared=2, equal=1, wrong_count=1))[0]
@@ -208,6 +212,12 @@ def test_tally_and_status_classes():
     assert t.by_kind["cancel planned"] == 1 and t.by_kind["pd/chat/whole/greedy"] == 1
     assert [status_class(s) for s in (200, 404, 0, 599)] == ["ok", "4xx", "no_answer",
                                                             "stream_error"]
+    lost = Outcome(SoakRequest(item, "pd", True, True, n=1), TRANSPORT, 105.0, 105.25,
+                   error="RemoteProtocolError: Server disconnected")
+    assert lost.describe(t0=100.0) == {
+        "kind": "pd/chat/stream/greedy", "item": "0-chat-choice", "n": 1, "structured": "choice",
+        "cancel_after_s": None, "status": "no_answer", "http_status": 0,
+        "error": "RemoteProtocolError: Server disconnected", "sent_at_s": 5.0, "elapsed_s": 0.25}
 
 
 def test_scan_log(tmp_path):
@@ -237,7 +247,7 @@ def test_soak_short_form(tmp_path):
     text = out.stdout + out.stderr
     assert out.returncode == 0 and "soak: passed" in out.stdout, text
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["failures"] == [], text
+    assert summary["failures"] == [] and summary["failed_requests"] == [], text
     assert summary["by_status"]["ok"] >= 30, text
     assert summary["greedy"]["compared"] >= 10 and summary["greedy"]["wrong"] == 0, text
     kinds = summary["by_kind"]

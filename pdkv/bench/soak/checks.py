@@ -128,15 +128,21 @@ def rss_slopes(samples: Sequence[dict[str, float]], names: Sequence[str],
 def failures(tally_status: dict[str, int], greedy: GreedyTally, structured: list[str],
              blocks_start: dict[str, float], blocks_end: dict[str, float | None],
              idle_start: dict[str, float], idle_end: dict[str, float], names: Sequence[str],
-             slopes: dict[str, float], window_s: float, limits: Limits) -> list[str]:
+             slopes: dict[str, float], window_s: float, limits: Limits,
+             first_failed: str = "") -> list[str]:
     """The failed checks, each one line (empty: the soak passed). `idle_start` / `idle_end` are
-    samples taken with no request in flight, before the load and after the drain."""
+    samples taken with no request in flight, before the load and after the drain;
+    `first_failed` describes the first request that failed (a server error or a 4xx), which
+    the server-error (or 4xx) line quotes."""
     out = []
     errors = {k: v for k, v in tally_status.items() if k in ("5xx", "stream_error", "no_answer")}
+    first = f"; first: {first_failed}" if first_failed else ""
     if sum(errors.values()):
-        out.append(f"server errors: {errors}")
+        out.append(f"server errors: {errors}{first}")
+        first = ""
     if tally_status.get("4xx"):
-        out.append(f"{tally_status['4xx']} requests got a 4xx (every soak request is valid)")
+        out.append(f"{tally_status['4xx']} requests got a 4xx (every soak request is valid)"
+                   + first)
     if greedy.compared == 0:
         out.append("no greedy answer was compared with its reference")
     if greedy.wrong_count:

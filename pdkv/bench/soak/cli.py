@@ -19,8 +19,10 @@ pool behind a second proxy (a proxy serves one topology). Then:
    valid; free blocks back to the start value; open fds at the idle end within a slack of the idle
    start; RSS slope after the warm-up under the limit (judged when that window is long enough).
 
-Prints the summary (and writes summary.json) and the plot (soak.png) into `--output-dir`; exits 0
-when every check passed, 1 when one failed, 2 when the topology did not start.
+Prints the summary (and writes summary.json, which describes each request that failed: its kind,
+status, error text and when it was sent) and the plot (soak.png) into `--output-dir`; exits 0
+when every check passed, 1 when one failed, 2 when the topology did not start. Its clients drop
+an idle connection before the proxies would close it (pdkv.keepalive).
 """
 
 from __future__ import annotations
@@ -53,11 +55,13 @@ from pdkv.bench.soak.plot import plot_samples
 from pdkv.bench.soak.sampler import Sampler, engine_metrics
 from pdkv.bench.soak.workload import Item, SoakRequest, make_items, next_request, request_body
 from pdkv.bench.soak.workload import token_gaps as _token_gaps
+from pdkv.keepalive import client_limits
 from pdkv.launch.topology import Child, Topology
 from pdkv.ports import free_port
 from pdkv.router.pool_topology import DEFAULT_CHUNK_SIZE
 
 HOST = "127.0.0.1"
+MAX_FAILED_LISTED = 50  # failed requests summary.json describes one by one (the first ones)
 ENGINES = ("prefill", "decode", "colocated")
 PROXIES = ("proxy_pd", "proxy_colocated")
 
@@ -140,7 +144,7 @@ async def run_load(args: argparse.Namespace, items: list[Item], urls: dict[str, 
     rng = random.Random(args.seed + 1)
     outcomes: list[Outcome] = []
     deadline = time.monotonic() + args.duration
-    limits = httpx.Limits(max_connections=args.concurrency + 8)
+    limits = client_limits(args.concurrency + 8)  # drops idle connections before the server
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=10.0),
                                  limits=limits) as client:
 
@@ -268,8 +272,14 @@ def run(args: argparse.Namespace, topo: Topology, redis_url: str, redis_pid: int
     blocks_start = {e: float(args.num_kv_blocks) for e in ENGINES}
     blocks_end = {e: idle_end.get(f"{e}.free_blocks") for e in ENGINES}
     up = all(c.proc is not None and c.proc.poll() is None for c in topo.children)
+    # Every request without a good answer, in the order sent: what it was and what it got.
+    bad = [o.describe(t_load) for o in sorted(outcomes, key=lambda o: o.start)
+           if o.server_error or 400 <= o.status < 500]
+    first = (f"{bad[0]['kind']} {bad[0]['status']} {bad[0]['sent_at_s']:.1f} s into the load "
+             f"after {bad[0]['elapsed_s']:.1f} s: {bad[0]['error'] or '(no error text)'}"
+             if bad else "")
     failed = failures(dict(tally.by_status), greedy, structured, blocks_start, blocks_end,
-                      idle_start, idle_end, names, slopes, window, limits)
+                      idle_start, idle_end, names, slopes, window, limits, first)
     if not up:
         failed.append("a process of the topology is down at the end")
     with httpx.Client() as client:
@@ -291,6 +301,7 @@ def run(args: argparse.Namespace, topo: Topology, redis_url: str, redis_pid: int
         "greedy": {"compared": greedy.compared, "equal": greedy.equal,
                    "near_ties": greedy.near_ties, "wrong": greedy.wrong_count},
         "structured_invalid": len(structured),
+        "failed_requests": bad[:MAX_FAILED_LISTED],
         "free_blocks_start": blocks_start,
         "free_blocks_end": blocks_end,
         "rss_mb": {n: _pair(idle_start, idle_end, f"{n}.rss_bytes", 1e6) for n in names},
@@ -311,6 +322,8 @@ def run(args: argparse.Namespace, topo: Topology, redis_url: str, redis_pid: int
     }
     for line in greedy.wrong:
         print(f"wrong greedy answer: {line}", flush=True)
+    for one in bad[:MAX_FAILED_LISTED]:
+        print(f"failed request: {json.dumps(one)}", flush=True)
     for key, value in report.items():
         print(f"{key}: {value}", flush=True)
     with open(os.path.join(args.output_dir, "summary.json"), "w") as summary:

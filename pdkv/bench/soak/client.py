@@ -42,6 +42,18 @@ class Outcome:
         """A server-side failure: a 5xx, an error event in a stream, or no answer at all."""
         return self.status >= 500 or self.status == TRANSPORT
 
+    def describe(self, t0: float) -> dict[str, object]:
+        """This outcome as one JSON object (what a failed request's line in summary.json says):
+        its kind (`request_kind`), n, structured output, planned cancel, status class, the
+        error excerpt, and when it was sent and how long it ran (seconds, from `t0`, a
+        time.monotonic() value)."""
+        r = self.req
+        return {"kind": request_kind(r), "item": r.item.key, "n": r.n,
+                "structured": r.item.structured or "", "cancel_after_s": r.cancel_after,
+                "status": status_class(self.status), "http_status": self.status,
+                "error": self.error, "sent_at_s": round(self.start - t0, 3),
+                "elapsed_s": round(self.end - self.start, 3)}
+
 
 async def send(client: httpx.AsyncClient, url: str, model: str, req: SoakRequest,
                timeout: float) -> Outcome:
@@ -94,13 +106,17 @@ class Tally:
         self.finished += 1
         self.by_status[status_class(o.status)] += 1
         r = o.req
-        kind = (f"{r.target}/{r.item.api}/{'stream' if r.stream else 'whole'}/"
-                f"{'greedy' if r.greedy else 'sampled'}")
-        self.by_kind[kind] += 1
+        self.by_kind[request_kind(r)] += 1
         for tag, on in (("n>1", r.n > 1), ("structured", bool(r.item.structured)),
                         ("cancel planned", r.cancel_after is not None)):
             if on:
                 self.by_kind[tag] += 1
+
+
+def request_kind(r: SoakRequest) -> str:
+    """"target/api/stream or whole/greedy or sampled", e.g. "pd/chat/stream/greedy"."""
+    return (f"{r.target}/{r.item.api}/{'stream' if r.stream else 'whole'}/"
+            f"{'greedy' if r.greedy else 'sampled'}")
 
 
 def status_class(status: int) -> str:
