@@ -24,7 +24,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="list the figures: id, guide, command, and whether its data is stale")
     p.add_argument("--check", action="store_true",
                    help="list figures whose data predate a change to the code they measure, ran "
-                   "on uncommitted changes to it, ended above 1.1 x the cores, or have no data "
+                   "on uncommitted changes to it, ended above 1.1 x the cores (not judged for the "
+                   "soak, whose own load is above), or have no data "
                    "(and which only another kind of CPU can re-make); runs nothing, exits 0 "
                    "(see --strict)")
     p.add_argument("--strict", action="store_true", help="with --check: exit 1 when any is stale")
@@ -41,6 +42,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="seconds one figure's command may run (default: no limit); then its "
                    "process group gets SIGTERM, so a recipe stops what it started, and SIGKILL "
                    "30 s later")
+    p.add_argument("--output-dir", default="pdkv-logs/report",
+                   help="each figure's command writes its files (logs, summaries, plots) into "
+                   "OUTPUT_DIR/ID/, kept after the run, failed or not, until the figure's next "
+                   "run; relative to --root (empty: a temporary folder, removed)")
     p.add_argument("--root", default=str(ROOT), help="repository root (default: this pdkv's)")
 
 
@@ -139,8 +144,9 @@ def report(args: argparse.Namespace, figures: tuple[Figure, ...], probe: Probe) 
         try:
             if f.command not in runs:  # figures of one command share its run (and keeps)
                 keep = tuple(g for x in chosen if x.command == f.command for g in x.keep)
-                runs[f.command] = runner.measure(root, f, probe, args.force, args.timeout,
-                                                 args.wait_quiet, keep)
+                runs[f.command] = runner.measure(
+                    root, f, probe, args.force, args.timeout, args.wait_quiet, keep,
+                    root / args.output_dir / f.id if args.output_dir else None)
         except runner.Refused as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_REFUSED

@@ -59,6 +59,10 @@ class Figure:
     isa: the CPU its table describes: "avx2" (AVX2 without AVX-512F) or "avx512" (AVX-512F);
         on another CPU `pdkv report` skips it, so a guide's per-ISA tables are never re-made on
         the wrong one (empty: any CPU).
+    overloads: its command keeps more work running than the box has cores, by design (the
+        soak: 64 clients, three engines and two proxies on 2 cores), so the load average at
+        its end is its own: `pdkv report --check` does not judge its load after (the load
+        before, which decides whether it may start, is judged as for any figure).
     """
 
     id: str
@@ -78,6 +82,7 @@ class Figure:
     keep: tuple[str, ...] = ()
     exit_codes: tuple[int, ...] = (0,)
     isa: str = ""
+    overloads: bool = False
 
     def isa_mismatch(self, flags: str) -> str | None:
         """Why this figure may not be made on a CPU with these flags (/proc/cpuinfo's names,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,11 +49,14 @@ class Measured:
 
 def measure(root: Path, figure: Figure, probe: machine.Probe, force: bool,
             timeout_s: float | None = None, wait_s: float = 0.0,
-            keep: tuple[str, ...] | None = None) -> Measured:
+            keep: tuple[str, ...] | None = None, output_dir: Path | None = None) -> Measured:
     """Run `figure`'s command now in `root`: refuse when the load is above the core count after
     waiting up to `wait_s` seconds for it to fall (unless `force`: then it runs at once). The
     files of `{dir}` matching `keep` (default `figure.keep`; the figures sharing the command
-    pass all of theirs) come back in `Measured.kept`.
+    pass all of theirs) come back in `Measured.kept`. With `output_dir`, `{dir}` is
+    `output_dir`/out and `{json}` `output_dir`/result.json, and both stay there after the run,
+    failed or not (an earlier run's `output_dir` is removed first); else they are in a temporary
+    folder, removed at the end.
 
     Raises:
         Refused: the 1-minute load average exceeds the core count and `force` is False.
@@ -72,7 +76,12 @@ def measure(root: Path, figure: Figure, probe: machine.Probe, force: bool,
                       "other jobs too; wait for a quiet box or pass --force (the figure then "
                       "says FORCED)")
     facts = machine.facts(root, probe, figure.requests_per_point, figure.measures)
-    with tempfile.TemporaryDirectory(prefix=f"pdkv-report-{figure.id}-") as tmp:
+    if output_dir is not None:
+        shutil.rmtree(output_dir, ignore_errors=True)
+        output_dir.mkdir(parents=True)
+        print(f"[{figure.id}] its output stays in {output_dir}/", file=sys.stderr, flush=True)
+    with (tempfile.TemporaryDirectory(prefix=f"pdkv-report-{figure.id}-") if output_dir is None
+          else _Kept(output_dir)) as tmp:
         json_path = str(Path(tmp) / "result.json")
         folder = Path(tmp) / "out"
         folder.mkdir()
@@ -104,6 +113,19 @@ def measure(root: Path, figure: Figure, probe: machine.Probe, force: bool,
                 for p in sorted(folder.glob(pattern)) if p.is_file()}
     return Measured({"stdout": stdout, "files": files, "json": result},
                     machine.finish(facts, probe), kept)
+
+
+class _Kept:
+    """A folder used in place of a TemporaryDirectory, left in place on exit."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> str:
+        return str(self.path)
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 def keep_raw(figure: Figure, measured: Measured) -> str:

@@ -22,7 +22,8 @@ def why_stale(root: Path, figure: Figure) -> str | None:
     commit (one that changed only docstrings and comments of Python files does not count:
     `gitinfo.only_docs_changed`), uncommitted changes at the run, a 1-minute load average above
     `LOAD_AFTER_MARGIN` times the core count at its end (a benchmark that keeps every core busy
-    ends near the core count by its own load; a FORCED run says so in its block instead), or
+    ends near the core count by its own load; a FORCED run says so in its block instead; not
+    judged for a figure that `overloads` the box by design), or
     fewer requests per point than p99 needs. A record of a past run (`rerun` False) is never
     stale."""
     if not figure.rerun:
@@ -47,7 +48,8 @@ def why_stale(root: Path, figure: Figure) -> str | None:
         return f"ran with uncommitted changes on {commit[:7]}"
     after, cores = machine.get("load_after"), machine.get("cores")
     if (isinstance(after, list) and after and isinstance(cores, int)
-            and not machine.get("forced") and after[0] > LOAD_AFTER_MARGIN * cores):
+            and not machine.get("forced") and not figure.overloads
+            and after[0] > LOAD_AFTER_MARGIN * cores):
         return (f"the load average after the run was {after[0]:.2f}, above {LOAD_AFTER_MARGIN} x "
                 f"the {cores} cores: re-run on a quieter box")
     rpp = machine.get("requests_per_point")

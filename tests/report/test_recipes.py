@@ -227,6 +227,22 @@ def test_runner_collects_the_json_a_command_writes_into_its_folder() -> None:
     assert json.loads(got.output["files"]["summary.json"]) == {"a": 1}
 
 
+def test_runner_keeps_the_output_of_a_failed_run(tmp_path: Path) -> None:
+    """With an output folder, what the command wrote stays there after it failed (the soak's
+    logs are how a failed hour is understood), and the next run starts from an empty one."""
+    write = ("import sys, pathlib; pathlib.Path(sys.argv[1], 'engine.log').write_text('boom');"
+             " sys.exit(3)")
+    fig = Figure("x", "docs/X.md", (sys.executable, "-c", write, "{dir}"), ())
+    probe = machine.Probe(load=lambda: (0.0, 0.0, 0.0), cores=lambda: 64)
+    kept = tmp_path / "report" / "x"
+    (kept / "out").mkdir(parents=True)
+    (kept / "out" / "old.log").write_text("an earlier run")
+    with pytest.raises(RuntimeError, match="exited 3"):
+        runner.measure(ROOT, fig, probe, force=False, output_dir=kept)
+    assert sorted(p.name for p in (kept / "out").iterdir()) == ["engine.log"]
+    assert (kept / "out" / "engine.log").read_text() == "boom"
+
+
 # -- registry ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("figure", [f for f in FIGURES if any(
