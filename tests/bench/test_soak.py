@@ -21,6 +21,7 @@ from pdkv.bench.soak.checks import (
     scan_log,
     slope_pct_per_hour,
 )
+from pdkv.bench.soak.cli import wait_idle
 from pdkv.bench.soak.client import CANCELLED, TRANSPORT, Outcome, Tally, status_class
 from pdkv.bench.soak.workload import (
     CHOICES,
@@ -258,3 +259,33 @@ def test_soak_short_form(tmp_path):
     assert summary["rss_slope_judged"] is False and summary["samples"] >= 5, text
     assert (tmp_path / "soak.png").stat().st_size > 10_000
     assert len((tmp_path / "samples.jsonl").read_text().splitlines()) >= 5
+
+
+class _Rows:
+    """A sampler that answers a fixed sequence of samples (the last one repeated)."""
+
+    def __init__(self, rows: list[dict[str, float]]) -> None:
+        self.rows = rows
+        self.taken = 0
+
+    def sample(self, client: object) -> dict[str, float]:
+        self.taken += 1
+        return self.rows[min(self.taken, len(self.rows)) - 1]
+
+
+def test_the_idle_end_waits_for_the_loads_connections_to_close():
+    """Right after the load the colocated engine and its proxy still hold the load's keep-alive
+    connections (the third hour's 12 -> 41 and 10 -> 38 fds, two seconds after it ended): the
+    idle end is the first idle sample whose fds are back within the slack; a leak, whose fds
+    never come back, is the sample at the deadline."""
+    idle = {"colocated.free_blocks": 64.0, "colocated.running": 0.0}
+    busy = dict(idle, **{"colocated.free_blocks": 60.0, "colocated.running": 1.0,
+                         "colocated.fds": 70.0})
+    rows = [busy, dict(idle, **{"colocated.fds": 41.0}), dict(idle, **{"colocated.fds": 13.0})]
+    sampler = _Rows(rows)
+    got = wait_idle(sampler, {"colocated": "u"}, 64, timeout=30.0, fds_limit={"colocated": 28.0})
+    assert got["colocated.fds"] == 13.0 and sampler.taken == 3
+    assert wait_idle(_Rows(rows), {"colocated": "u"}, 64, timeout=30.0)["colocated.fds"] == 41.0
+    leak = _Rows([dict(idle, **{"colocated.fds": 41.0})])
+    got = wait_idle(leak, {"colocated": "u"}, 64, timeout=0.6, fds_limit={"colocated": 28.0})
+    assert got["colocated.fds"] == 41.0 and leak.taken >= 2

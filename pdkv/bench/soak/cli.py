@@ -17,7 +17,9 @@ pool behind a second proxy (a proxy serves one topology). Then:
 5. checks (pdkv.bench.soak.checks): no 5xx / stream error / missing answer and no 4xx; every greedy
    answer equal to its reference (a divergence at a near tie is counted apart); structured answers
    valid; free blocks back to the start value; open fds at the idle end within a slack of the idle
-   start; RSS slope after the warm-up under the limit (judged when that window is long enough).
+   start (the idle end waits up to lease + margin for the load's keep-alive connections to close:
+   `wait_idle`); RSS slope after the warm-up under the limit (judged when that window is long
+   enough).
 
 Prints the summary (and writes summary.json, which describes each request that failed: its kind,
 status, error text and when it was sent) and the plot (soak.png) into `--output-dir`; exits 0
@@ -180,10 +182,17 @@ COUNTERS = {f"pdkv:{name}_total": name for name in (
     "num_preemptions", "kv_lease_expirations")}
 
 
-def wait_idle(sampler: Sampler, engines: dict[str, str], num_blocks: int,
-              timeout: float) -> dict[str, float]:
+def wait_idle(sampler: Sampler, engines: dict[str, str], num_blocks: int, timeout: float,
+              fds_limit: dict[str, float] | None = None) -> dict[str, float]:
     """Sample until every engine has all its blocks free, no request queued or running and no pool
-    save queued, or `timeout` seconds; returns the last sample."""
+    save queued, and (with `fds_limit`, process name -> open fds) no process holds more open fds
+    than its limit, or `timeout` seconds; returns the last sample.
+
+    The fds wait is for the connections of the last requests: a server keeps an idle one for its
+    keep-alive (pdkv.keepalive.SERVER_KEEPALIVE_S), and the proxy closes its expired ones to its
+    engines at its next request or health probe (every 10 s), so for seconds after the load the
+    colocated engine and its proxy each hold one fd per connection the load left open (about 30
+    at concurrency 64). A leak keeps its fds, so it still shows at `timeout`."""
     deadline = time.monotonic() + timeout
     with httpx.Client() as client:
         while True:
@@ -191,7 +200,9 @@ def wait_idle(sampler: Sampler, engines: dict[str, str], num_blocks: int,
             idle = all(row.get(f"{e}.free_blocks") == num_blocks
                        and not row.get(f"{e}.waiting") and not row.get(f"{e}.running")
                        and not row.get(f"{e}.pool_save_queue") for e in engines)
-            if idle or time.monotonic() > deadline:
+            settled = all(row.get(f"{n}.fds", limit + 1) <= limit
+                          for n, limit in (fds_limit or {}).items())
+            if (idle and settled) or time.monotonic() > deadline:
                 return row
             time.sleep(0.5)
 
@@ -263,7 +274,11 @@ def run(args: argparse.Namespace, topo: Topology, redis_url: str, redis_pid: int
         finally:
             sampler.stop()
         load_s = time.monotonic() - t_load
-        idle_end = wait_idle(sampler, engines, args.num_kv_blocks, args.lease + args.margin)
+        # Idle, and the load's keep-alive connections closed (a leaked fd stays: the check).
+        fds_limit = {n: idle_start[f"{n}.fds"] + limits.fd_slack for n in pids
+                     if f"{n}.fds" in idle_start}
+        idle_end = wait_idle(sampler, engines, args.num_kv_blocks, args.lease + args.margin,
+                             fds_limit)
     samples = sampler.samples
     names = list(pids)
     greedy = compare_greedy(outcomes, refs, limits.tie_margin)
