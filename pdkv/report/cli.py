@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,12 +55,20 @@ def main(args: argparse.Namespace) -> int:
     (`pdkv report --list | head`) ends the listing quietly."""
     from pdkv.report.registry import FIGURES
 
+    stop_on_sigterm()
     try:
         return report(args, FIGURES, Probe())
     except BrokenPipeError:
         # Python's documented way: point stdout at devnull so the exit flush does not raise again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM unwind this process (SystemExit 143) instead of ending it at once, so the
+    figure's command and whatever it started are stopped too (`runner.measure`'s clean-up), as
+    on Ctrl-C."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def _guide_path(root: Path, figure: Figure) -> Path:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -225,6 +227,38 @@ def test_runner_collects_the_json_a_command_writes_into_its_folder() -> None:
     probe = machine.Probe(load=lambda: (0.0, 0.0, 0.0), cores=lambda: 64)
     got = runner.measure(ROOT, fig, probe, force=False)
     assert json.loads(got.output["files"]["summary.json"]) == {"a": 1}
+
+
+def test_sigterm_to_pdkv_report_stops_the_figures_command(tmp_path: Path) -> None:
+    """SIGTERM to `pdkv report` (a queue being stopped) ends the figure's command too: before,
+    Python's default action ended the report at once and left the command (`pdkv compare` and
+    its engines) running."""
+    pidfile = tmp_path / "child.pid"
+    child = (f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid()));"
+             " time.sleep(120)")
+    script = (
+        "import sys\n"
+        "from pdkv.report import cli, machine, runner\n"
+        "from pdkv.report.figures import Figure\n"
+        f"fig = Figure('x', 'docs/X.md', (sys.executable, '-c', {child!r}), ())\n"
+        "cli.stop_on_sigterm()\n"
+        "runner.measure(cli.ROOT, fig, machine.Probe(load=lambda: (0.0,) * 3, "
+        "cores=lambda: 64), force=False)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pidfile.exists() and pidfile.read_text()):
+            assert time.monotonic() < deadline and proc.poll() is None, "the command never ran"
+            time.sleep(0.1)
+        pid = int(pidfile.read_text())
+        proc.terminate()
+        assert proc.wait(60) == 143
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_runner_keeps_the_output_of_a_failed_run(tmp_path: Path) -> None:
