@@ -215,6 +215,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure("tp-dcp-bench", "docs/TP_DCP.md", (*PDKV, "bench", "dcp", "--json", "{json}"),
            (*ENGINE, "pdkv/parallel", "pdkv/bench/dcp"), requests_per_point=32,
            percentiles=True, convert="pdkv.report.convert:dcp"),
+    Figure("tp-dcp-hetero", "docs/TP_DCP.md", (*PDKV, "bench", "hetero"),
+           (*PD, "pdkv/parallel", "pdkv/bench/hetero"), requests_per_point=3, kind="text"),
     # docs/TTFT.md
     Figure("ttft-proxy-before", "docs/TTFT.md", (), SERVING, requests_per_point=100,
            percentiles=True, rerun=False,
