@@ -45,8 +45,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    "30 s later")
     p.add_argument("--output-dir", default="pdkv-logs/report",
                    help="each figure's command writes its files (logs, summaries, plots) into "
-                   "OUTPUT_DIR/ID/, kept after the run, failed or not, until the figure's next "
-                   "run; relative to --root (empty: a temporary folder, removed)")
+                   "OUTPUT_DIR/ID/out/ (its {dir}; a --json result: OUTPUT_DIR/ID/result.json), "
+                   "kept after the run, failed or not, until the figure's next run; relative to "
+                   "--root (empty: a temporary folder, removed)")
     p.add_argument("--root", default=str(ROOT), help="repository root (default: this pdkv's)")
 
 
