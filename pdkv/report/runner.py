@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -81,7 +82,7 @@ def measure(root: Path, figure: Figure, probe: machine.Probe, force: bool,
         output_dir.mkdir(parents=True)
         print(f"[{figure.id}] its output stays in {output_dir}/", file=sys.stderr, flush=True)
     with (tempfile.TemporaryDirectory(prefix=f"pdkv-report-{figure.id}-") if output_dir is None
-          else _Kept(output_dir)) as tmp:
+          else contextlib.nullcontext(str(output_dir))) as tmp:
         json_path = str(Path(tmp) / "result.json")
         folder = Path(tmp) / "out"
         folder.mkdir()
@@ -113,19 +114,6 @@ def measure(root: Path, figure: Figure, probe: machine.Probe, force: bool,
                 for p in sorted(folder.glob(pattern)) if p.is_file()}
     return Measured({"stdout": stdout, "files": files, "json": result},
                     machine.finish(facts, probe), kept)
-
-
-class _Kept:
-    """A folder used in place of a TemporaryDirectory, left in place on exit."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __enter__(self) -> str:
-        return str(self.path)
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def keep_raw(figure: Figure, measured: Measured) -> str:
