@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pdkv.report import markdown, render, runner, stale
-from pdkv.report.figures import Figure, by_id, validate
+from pdkv.report.figures import MIN_REQUESTS_FOR_P99, Figure, by_id, validate
 from pdkv.report.machine import Probe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,8 +25,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="list the figures: id, guide, command, and whether its data is stale")
     p.add_argument("--check", action="store_true",
                    help="list figures whose data predate a change to the code they measure, ran "
-                   "on uncommitted changes to it, ended above 1.1 x the cores (not judged for the "
-                   "soak, whose own load is above), or have no data "
+                   "on uncommitted changes to it, name no commit this repository knows, ended "
+                   f"above {stale.LOAD_AFTER_MARGIN} x the cores (not judged for the soak, whose "
+                   f"own load is above), show a p99 from fewer than {MIN_REQUESTS_FOR_P99} "
+                   "requests per point, or have no data file "
                    "(and which only another kind of CPU can re-make); runs nothing, exits 0 "
                    "(see --strict)")
     p.add_argument("--strict", action="store_true", help="with --check: exit 1 when any is stale")
